@@ -292,6 +292,7 @@ class InspectResult:
     quantized: dict[str, Any] | None = None
     derived_from: dict[str, Any] | None = None
     model_adapter: str | None = None
+    adapter_choices: tuple[tuple[str, str], ...] = ()
     training_values: dict[str, int | float] | None = None
     hf_copies: tuple[str, ...] = ()
     trainer_state: tuple[TrainerState, ...] = ()
@@ -327,6 +328,7 @@ class InspectResult:
             d["storage"] = dict(self.storage)
         d["derived_from"] = dict(self.derived_from) if self.derived_from is not None else None
         d["model_adapter"] = self.model_adapter
+        d["adapter_choices"] = [{"adapter": a, "model_type": t} for a, t in self.adapter_choices]
         d["training_values"] = dict(self.training_values or {})
         d["hf_copies"] = list(self.hf_copies)
         d["trainer_state"] = [t.to_dict() for t in self.trainer_state]
@@ -445,6 +447,17 @@ def _detected_adapter(cat: Any) -> str | None:
     naming = cat.schema.naming
     ad = detect_adapter(naming, cat.param_fqns if naming == "torchtitan" else [])  # only torchtitan reads the fqns
     return ad.name if ad is not None else None
+
+
+def _adapter_choices(cat: Any) -> tuple[tuple[str, str], ...]:
+    """The adapters ``export`` would pick for these names by the ``model_assets`` config's ``model_type`` (or
+    ``adapter``), where the names alone pick none (:func:`~ckpttool.model.adapters.adapters_by_config`; only names
+    of no known naming are asked: OLMo-core's)."""
+    from ckpttool.model.adapters import adapters_by_config
+
+    if cat.schema.naming != "unknown" or not cat.model:
+        return ()
+    return tuple(adapters_by_config(cat.schema.naming, cat.param_fqns))
 
 
 def _plain(value: Any) -> Any:
@@ -765,6 +778,7 @@ def _build(ckpt: Checkpoint, opts: InspectOptions) -> InspectResult:
         schema=cat.schema,
         location=ckpt.located,
         model_adapter=_detected_adapter(cat),
+        adapter_choices=_adapter_choices(cat),
         quantized=_quantized(ckpt, cat),
         training_state={k: tuple(v) for k, v in cat.training_state.items()},
         uncategorized_tensors=tuple(cat.uncategorized_tensors()),

@@ -269,19 +269,29 @@ def diff_layers(res: DiffResult) -> list[tuple[str, float | None, float]]:
     ``(layer, relative L2 over its decoded tensors, largest relative L2 of its tensors)``.
 
     The relative L2 of a layer is ``sqrt(sum ||a-b||^2) / sqrt(sum ||b||^2)`` over its tensors whose
-    values were decoded (``None`` when none was: all equal records, 0 difference).
+    values were decoded (``None`` when none was: all equal records, 0 difference). A tensor of stacked layers
+    (Megatron-core's ``decoder.layers.<module> [L, ...]``) counts in each layer by its dim-0 slice
+    (:attr:`~ckpttool.ops.diff.result.TensorStat.layers`).
     """
     from ckpttool.ops.stats import layer_of
 
     acc: dict[str, list[float]] = {}
+
+    def fold(layer: str, d: float | None, b: float | None, rel: float | None) -> None:
+        a = acc.setdefault(layer, [0.0, 0.0, 0.0])
+        if d is not None and b is not None:
+            a[0] += d * d
+            a[1] += b * b
+        if rel is not None:  # a NaN stays NaN (max would drop it)
+            a[2] = math.nan if math.isnan(rel) or math.isnan(a[2]) else max(a[2], rel)
+
     rank = {name: i for i, name in reversed(list(enumerate(res.compared_order)))}
     for t in sorted(res.tensors, key=lambda t: rank.get(t.name, len(rank))):  # not by difference: an x axis of layers
-        a = acc.setdefault(layer_of(t.name), [0.0, 0.0, 0.0])
-        if t.diff_l2 is not None and t.b_l2 is not None:
-            a[0] += t.diff_l2 * t.diff_l2
-            a[1] += t.b_l2 * t.b_l2
-        if t.rel_l2 is not None:  # a NaN stays NaN (max would drop it)
-            a[2] = math.nan if math.isnan(t.rel_l2) or math.isnan(a[2]) else max(a[2], t.rel_l2)
+        if t.layers:
+            for layer, d, b in t.layers:
+                fold(layer, d, b, _over(d * d, b * b) or 0.0)
+        else:
+            fold(layer_of(t.name), t.diff_l2, t.b_l2, t.rel_l2)
     return [(k, _over(v[0], v[1]), v[2]) for k, v in acc.items()]
 
 

@@ -1097,6 +1097,13 @@ def _overview_header(con: Console, ov: InspectResult, flags: Callable[[str], str
         )
         for why in sch.reasons:
             con.print(f"            - {why}")
+        if ov.adapter_choices:
+            picks = " or ".join(f"{a} (model_type {t})" for a, t in ov.adapter_choices)
+            con.print(
+                f"adapter     none from the names alone: export applies {picks} where the config.json of "
+                "--model-assets DIR has that model_type, or named with --adapter; without either it writes the "
+                "names as stored, which transformers does not load"
+            )
     ranks = f" from rank{'s' if len(s.ranks) > 1 else ''} {fmt_ranks(s.ranks)}" if s.ranks else ""
     con.print(f"files       {plural(s.files, 'data file')}{ranks}, {human_bytes(s.bytes_on_disk)} on disk")
     con.print(

@@ -283,18 +283,44 @@ def test_olmo_storage_info_is_never_imported(olmo_root: Path) -> None:
 
 def test_export_of_non_hf_names_says_what_serving_needs(olmo_root: Path, tmp_path: Path) -> None:
     """Without a config the keys do not say which adapter fits (where the norms sit): the export writes OLMo-core
-    names as they are and the warning says what a server loading HF names needs (it was only a list of renames)
-    and how to pick the OLMo-core adapter (it named only the generic --adapter)."""
+    names as they are. The warning counted 19 "keys outside the HF naming" (lm_head.w_out.weight and
+    lm_head.norm.weight, which a default rule passes, are no HF names either) and named both adapters only in a
+    parenthesis; now it says plainly that no adapter was applied and every tensor has OLMo-core's name."""
     res = runner.invoke(app, ["export", str(olmo_root / "run"), str(tmp_path / "hf")])
     assert res.exit_code == 0, res.stderr
     line = next(ln for ln in res.stderr.splitlines() if ln.startswith("warning: "))
-    assert line.startswith("warning: 19 key(s) outside the HF naming were exported as their fqn: ")
-    assert line.endswith(
-        "; transformers and vLLM look for HF names (model.layers.N...): map these with --rules FILE.yaml "
-        "(https://github.com/ckpttool/ckpttool/tree/main/docs/export.md, 'Keys') or a model adapter (--adapter) "
-        "(OLMo-core: --model-assets with the model's HF config.json, model_type llama or olmo2, "
-        "picks olmo-core-llama or olmo-core-olmo2)"
+    assert line == (
+        "warning: no model adapter: 21 model tensor(s) were written under OLMo-core's own names, not HF's "
+        "(embeddings.weight, blocks.0.attention.w_q.weight, blocks.0.attention.w_k.weight (+18 more)): transformers "
+        "and vLLM do not load them; export again with --model-assets DIR holding the model's HF config.json "
+        "(model_type llama picks adapter olmo-core-llama, olmo2 picks olmo-core-olmo2), or --adapter "
+        "olmo-core-llama|olmo-core-olmo2"
     ), line
+    from safetensors import safe_open
+
+    with safe_open(str(tmp_path / "hf" / "model.safetensors"), "pt") as f:
+        assert "lm_head.w_out.weight" in f.keys() and len(list(f.keys())) == 21
+    doc = json.loads(cli("export", str(olmo_root / "run"), str(tmp_path / "hf2"), "--json"))
+    assert doc["model_adapter"] is None and doc["warnings"][0].startswith("no model adapter: 21 model tensor(s)")
+
+
+def test_inspect_names_the_adapter_a_config_picks(olmo_root: Path, olmo2_root: Path) -> None:
+    """inspect said nothing of an adapter (``model_adapter`` null: the names alone pick none), so nothing told the
+    user that export needs a config or ``--adapter``; now it names the adapter that fits and how it is chosen."""
+    for root, adapter, model_type in (
+        (olmo_root, "olmo-core-llama", "llama"),
+        (olmo2_root, "olmo-core-olmo2", "olmo2"),
+    ):
+        doc = json.loads(cli("inspect", str(root / "run"), "--json"))
+        assert doc["model_adapter"] is None
+        assert doc["adapter_choices"] == [{"adapter": adapter, "model_type": model_type}]
+        text = cli("inspect", str(root / "run"))
+        line = next(ln for ln in text.splitlines() if ln.startswith("adapter "))
+        assert " ".join(line.split()) == (
+            f"adapter none from the names alone: export applies {adapter} (model_type {model_type}) where the "
+            "config.json of --model-assets DIR has that model_type, or named with --adapter; without either it "
+            "writes the names as stored, which transformers does not load"
+        ), line
 
 
 def test_manifest_covers_the_trainer_state_of_every_rank(olmo_root: Path, tmp_path: Path) -> None:
@@ -464,7 +490,7 @@ def test_export_as_olmo2_matches_olmo_core_converter_and_logits(olmo2_root: Path
     _check_against_olmo_core(tmp_path / "hf", hf_config, olmo_config, state, Olmo2ForCausalLM, atol=1e-5)
     # the keys alone do not say where the norms sit: no config, raw names and the warning (as before)
     res = runner.invoke(app, ["export", str(olmo2_root / "run"), str(tmp_path / "raw")])
-    assert res.exit_code == 0 and "outside the HF naming were exported as their fqn" in res.stderr, res.stderr
+    assert res.exit_code == 0 and "no model adapter: 25 model tensor(s) were written under OLMo-core's" in res.stderr
     res = runner.invoke(app, ["export", str(olmo2_root / "run"), str(tmp_path / "l"), "--adapter", "olmo-core-llama"])
     assert res.exit_code == 2, res.output
     err = res.stderr.splitlines()[0]

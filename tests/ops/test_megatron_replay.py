@@ -104,6 +104,39 @@ def test_common_pt_iteration_other_than_its_directory_fails_r002(tmp_path: Path)
     assert found[0]["message"] == "common.pt iteration = 99 but its directory is iter_0000003 (step 3)"
 
 
+def test_plain_validate_checks_common_pt_iteration_against_its_directory(tmp_path: Path) -> None:
+    """A run directory iter_0000010 whose common.pt says iteration 8 (a save renamed, or a stale common.pt kept):
+    plain ``validate --strict`` (no --deep) said OK; now R002 reports it from common.pt alone, and says in its
+    status what ran without --deep. A checkpoint of another schema still skips R002 (needs --deep)."""
+    import shutil
+
+    run = tmp_path / "run"
+    shutil.copytree(DATA / "dense1" / "iter_0000003", run / "iter_0000010")
+    (run / "latest_checkpointed_iteration.txt").write_text("10")
+    common = run / "iter_0000010" / "common.pt"
+    obj = torch.load(common, weights_only=False)
+    obj["iteration"] = 8
+    torch.save(obj, common)
+    r = runner.invoke(app, ["validate", "--strict", "--json", str(run)])
+    doc = json.loads(r.stdout)
+    found = [f for f in doc["findings"] if f["code"] == "R002"]
+    assert r.exit_code == 1 and len(found) == 1, r.stdout
+    assert found[0]["key"] == "common.pt"
+    assert found[0]["message"] == "common.pt iteration = 8 but its directory is iter_0000010 (step 10)"
+    status = next(s for s in doc["rules"] if s["code"] == "R002")
+    assert status["status"] == "failed" and status["reason"].startswith("without --deep: common.pt's iteration")
+    r = runner.invoke(app, ["validate", "--strict", "--json", str(DATA / "dense1")])
+    doc = json.loads(r.stdout)
+    assert r.exit_code == 0, r.stdout
+    assert next(s for s in doc["rules"] if s["code"] == "R002")["status"] == "passed"
+
+
+def test_r002_without_deep_is_skipped_outside_megatron(dense_ckpt: Path) -> None:
+    r = runner.invoke(app, ["validate", "--json", str(dense_ckpt)])
+    status = next(s for s in json.loads(r.stdout)["rules"] if s["code"] == "R002")
+    assert status["status"] == "skipped" and status["reason"] == "needs --deep"
+
+
 @pytest.mark.parametrize(
     ("steps", "message"),
     [

@@ -276,6 +276,12 @@ class ModelAdapter:
             return False
         return not (cls.foreign and evidence.any_fqn_contains(*cls.foreign))
 
+    @classmethod
+    def config_model_types(cls) -> tuple[str, ...]:
+        """The HF config ``model_type`` values under which :meth:`detects` may claim a checkpoint (by default those
+        of :attr:`model_types`): what ``inspect`` offers where the names alone pick no adapter."""
+        return tuple(t for t in cls.model_types or () if t)
+
     def misfit(self, fqns: Any) -> str | None:
         """Why this adapter, named with ``--adapter``, cannot export a checkpoint of these model fqns as a whole
         (a tensor every model of the HF family has is missing), or ``None`` (the default: per tensor only)."""

@@ -66,6 +66,10 @@ class _OlmoCore(ModelAdapter):
             return False
         return not (cls.foreign and evidence.any_fqn_contains(*cls.foreign))
 
+    @classmethod
+    def config_model_types(cls) -> tuple[str, ...]:
+        return (cls.hf_model_type,) if cls.hf_model_type else ()
+
     def misfit(self, fqns: Any) -> str | None:
         """Names that are not OLMo-core's (no ``blocks.N.attention.w_q`` or ``lm_head.w_out``): another trainer's."""
         if all(any(f in fqn for fqn in fqns) for f in _OLMO_CORE):

@@ -19,6 +19,7 @@ __all__ = [
     "ADAPTERS",
     "Evidence",
     "adapter_metavar",
+    "adapters_by_config",
     "detect_adapter",
     "get_adapter",
     "import_adapters",
@@ -85,6 +86,20 @@ def detect_adapter(naming: str, fqns: Sequence[str], config: dict[str, Any] | No
     claims = [cls for cls in ADAPTERS.values() if cls.detects(ev)]
     assert len(claims) <= 1, f"adapters {[c.name for c in claims]} all claim the checkpoint"
     return claims[0]() if claims else None
+
+
+def adapters_by_config(naming: str, fqns: Sequence[str]) -> list[tuple[str, str]]:
+    """``(adapter name, config model_type)`` of the adapters that claim a checkpoint of these names only given an HF
+    config of that ``model_type`` (``[]`` where one claims it without a config): OLMo-core's, whose keys do not say
+    where the norms sit. ``export`` picks one by the ``model_assets`` config.json's ``model_type``, or ``adapter``."""
+    if detect_adapter(naming, fqns) is not None:
+        return []
+    ev = Evidence(naming, fqns, None)  # one Evidence: its fqn scans are answered once for every model type
+    out: list[tuple[str, str]] = []
+    for model_type in dict.fromkeys(t for cls in ADAPTERS.values() for t in cls.config_model_types()):
+        ev.model_type = model_type
+        out.extend((cls.name, model_type) for cls in ADAPTERS.values() if cls.detects(ev))
+    return out
 
 
 def import_adapters(schema: str | None = None, *, identity: bool = True) -> dict[str, type[ModelAdapter]]:

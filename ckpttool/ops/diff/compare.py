@@ -90,6 +90,8 @@ class ValueDiff:
             equal or not computed), the relative error against ``|b|``.
         a_value, b_value: the two values at ``first`` (as Python numbers).
         metrics: :class:`Metrics` of the whole tensors (``None``: booleans).
+        rows: ``(sum (a-b)^2, sum b^2)`` of each block of ``rows`` elements along the flat values (a tensor of
+            stacked layers ``[L, ...]``: each layer's), when asked for and the values were decoded; else ``()``.
     """
 
     mismatched: int
@@ -99,6 +101,7 @@ class ValueDiff:
     a_value: float | int | bool | None = None
     b_value: float | int | bool | None = None
     metrics: Metrics | None = IDENTICAL
+    rows: tuple[tuple[float, float], ...] = ()
 
 
 def same_bytes(a: Any, b: Any) -> bool:
@@ -132,13 +135,16 @@ def _py(v: Any) -> float | int | bool:
 
 
 class _Sums:
-    """Running float64 sums of :class:`Metrics` and the error bounds, block by block."""
+    """Running float64 sums of :class:`Metrics` and the error bounds, block by block; with ``rows`` (elements per
+    row block, 0: none) also ``sum (a-b)^2`` and ``sum b^2`` of each row block (:attr:`ValueDiff.rows`)."""
 
-    def __init__(self) -> None:
+    def __init__(self, rows: int = 0) -> None:
         self.dd = self.aa = self.bb = self.ab = 0.0
         self.max_abs = self.max_rel = 0.0
+        self.rows = rows
+        self.per_row: dict[int, list[float]] = {}
 
-    def add(self, a64: Any, b64: Any, diff: Any) -> None:
+    def add(self, a64: Any, b64: Any, diff: Any, start: int = 0) -> None:
         import torch
 
         self.dd += float(torch.dot(diff, diff))
@@ -146,8 +152,12 @@ class _Sums:
         self.bb += float(torch.dot(b64, b64))
         self.ab += float(torch.dot(a64, b64))
         self.max_abs, self.max_rel = _error_bounds(diff, b64.abs(), self.max_abs, self.max_rel)
+        for r, lo, hi in self._row_spans(start, diff.numel()):
+            acc = self.per_row.setdefault(r, [0.0, 0.0])
+            acc[0] += float(torch.dot(diff[lo:hi], diff[lo:hi]))
+            acc[1] += float(torch.dot(b64[lo:hi], b64[lo:hi]))
 
-    def add_equal(self, a64: Any) -> None:
+    def add_equal(self, a64: Any, start: int = 0) -> None:
         """A block equal on both sides (bitwise): ``a == b``, so one dot product gives the three sums."""
         import torch
 
@@ -155,6 +165,23 @@ class _Sums:
         self.aa += sq
         self.bb += sq
         self.ab += sq
+        for r, lo, hi in self._row_spans(start, a64.numel()):
+            self.per_row.setdefault(r, [0.0, 0.0])[1] += float(torch.dot(a64[lo:hi], a64[lo:hi]))
+
+    def _row_spans(self, start: int, n: int) -> list[tuple[int, int, int]]:
+        """``(row block, lo, hi)`` of the block's elements ``[lo, hi)`` (block-relative) in each row block."""
+        if not self.rows:
+            return []
+        out, pos = [], start
+        while pos < start + n:
+            r = pos // self.rows
+            end = min(start + n, (r + 1) * self.rows)
+            out.append((r, pos - start, end - start))
+            pos = end
+        return out
+
+    def row_sums(self) -> tuple[tuple[float, float], ...]:
+        return tuple((d, b) for _, (d, b) in sorted(self.per_row.items()))
 
     def metrics(self) -> Metrics:
         return Metrics(self.max_abs, self.dd, self.aa, self.bb, self.ab)
@@ -185,7 +212,13 @@ AtolAt = Callable[[Any], Any]
 
 
 def compare_tensors(
-    a: Any, b: Any, *, as_dtype: Any = None, rtol: float | None = None, atol: float | AtolAt | None = None
+    a: Any,
+    b: Any,
+    *,
+    as_dtype: Any = None,
+    rtol: float | None = None,
+    atol: float | AtolAt | None = None,
+    rows: int | None = None,
 ) -> ValueDiff:
     """Compare two tensors of the same shape (see the module docstring).
 
@@ -199,6 +232,7 @@ def compare_tensors(
         as_dtype: a ``torch.dtype`` both are cast to first.
         rtol, atol: tolerance comparison (either may be ``None`` = 0); both ``None``: bitwise. ``atol`` may
             be an :data:`AtolAt`, one value per element (a block-FP8 side: each block's own scale).
+        rows: elements per row block whose own sums :attr:`ValueDiff.rows` gives (stacked layers: one layer's).
 
     Returns:
         :class:`ValueDiff` (``metrics`` :data:`IDENTICAL` when the bytes are equal, ``None`` for booleans).
@@ -207,7 +241,7 @@ def compare_tensors(
     if as_dtype is None and a.dtype == b.dtype and same_bytes(a, b):
         return ValueDiff(0, None)  # the common case in one call
     fa, fb = a.reshape(-1), b.reshape(-1)
-    acc = ValueCompare(fa.dtype, fb.dtype, as_dtype=as_dtype, rtol=rtol, atol=atol)
+    acc = ValueCompare(fa.dtype, fb.dtype, as_dtype=as_dtype, rtol=rtol, atol=atol, rows=rows)
     for start in range(0, fa.numel(), BLOCK_ELEMENTS):
         acc.add(fa[start : start + BLOCK_ELEMENTS], fb[start : start + BLOCK_ELEMENTS], start)
     return acc.result()
@@ -222,7 +256,7 @@ class ValueCompare:
 
     Args:
         a_dtype, b_dtype: the ``torch.dtype`` of each side's blocks.
-        as_dtype, rtol, atol: as :func:`compare_tensors`.
+        as_dtype, rtol, atol, rows: as :func:`compare_tensors`.
     """
 
     def __init__(
@@ -233,6 +267,7 @@ class ValueCompare:
         as_dtype: Any = None,
         rtol: float | None = None,
         atol: float | AtolAt | None = None,
+        rows: int | None = None,
     ) -> None:
         import torch
 
@@ -243,7 +278,8 @@ class ValueCompare:
         self.rt, self.at = rtol or 0.0, atol or 0.0
         # bool, and packed FP4 (which torch converts to nothing): compared by value codes, no float metrics
         self.numeric = not {a_dtype, b_dtype} & {torch.bool, torch.float4_e2m1fn_x2}
-        self.sums = _Sums()
+        complex_ = a_dtype.is_complex or b_dtype.is_complex  # (real, imaginary) pairs: no row blocks
+        self.sums = _Sums(0 if complex_ or not rows else rows)
         self.mismatched = 0
         self.first: int | None = None
         self.values: tuple[Any, Any] = (None, None)
@@ -253,7 +289,7 @@ class ValueCompare:
         if self.as_dtype is not None:
             xa, xb = xa.to(self.as_dtype), xb.to(self.as_dtype)
         at = self.at if not callable(self.at) else (lambda i: self.at(i + start))  # type: ignore[operator]
-        cnt, ne = _block_mismatch(xa, xb, self.tolerant, self.rt, at, self.numeric, self.sums)
+        cnt, ne = _block_mismatch(xa, xb, self.tolerant, self.rt, at, self.numeric, self.sums, start)
         self.same_bytes = self.same_bytes and ne is None
         if cnt:
             if self.first is None:
@@ -268,8 +304,9 @@ class ValueCompare:
         if self.same_bytes and self.same_dtype and self.as_dtype is None:
             return ValueDiff(0, None)  # as compare_tensors' first check: the bytes are equal
         met = sums.metrics() if numeric else None
+        rows = sums.row_sums() if numeric else ()
         if self.mismatched == 0 and not self.tolerant:
-            return ValueDiff(0, None, metrics=met)
+            return ValueDiff(0, None, metrics=met, rows=rows)
         return ValueDiff(
             self.mismatched,
             self.first,
@@ -277,11 +314,12 @@ class ValueCompare:
             sums.max_rel if numeric else None,
             *self.values,
             met,
+            rows,
         )
 
 
 def _block_mismatch(
-    xa: Any, xb: Any, tolerant: bool, rt: float, at: float | AtolAt, numeric: bool, sums: _Sums
+    xa: Any, xb: Any, tolerant: bool, rt: float, at: float | AtolAt, numeric: bool, sums: _Sums, start: int = 0
 ) -> tuple[int, Any]:
     """``(mismatched count, mask)`` of one block (``None``: equal bytes); a numeric block's sums are added to ``sums``.
     ``at``: a number, or an :data:`AtolAt` of the block's element positions (asked only for the elements
@@ -291,11 +329,11 @@ def _block_mismatch(
     cx = xa.is_complex() or xb.is_complex()  # (real, imaginary) pairs: a cast to float would drop the imaginary parts
     if xa.dtype == xb.dtype and same_bytes(xa, xb):
         if numeric:
-            sums.add_equal(_pairs(xa) if cx else xa.to(torch.float64))
+            sums.add_equal(_pairs(xa) if cx else xa.to(torch.float64), start)
         return 0, None
     if numeric:
         a64, b64, diff, both_nan = _errors(_pairs(xa), _pairs(xb)) if cx else _errors(xa, xb)
-        sums.add(a64, b64, diff)
+        sums.add(a64, b64, diff, start)
         if tolerant:
             # an infinity is within only against the same infinity (diff 0 there): ``at + rt * |inf|`` is inf or
             # NaN and would let any value, the other infinity included, compare within (numpy.isclose's rule)

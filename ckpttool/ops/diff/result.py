@@ -187,6 +187,10 @@ class TensorStat:
         raw: settled on the fast path (equal records, not decoded).
         diff_l2, b_l2: ``||a-b||`` and ``||b||`` (float64; ``None`` when not computed: booleans,
             equal records), so that groups of tensors (a layer) get their relative L2.
+        layers: of a tensor whose key schema stacks every layer on dim 0 (Megatron-core's
+            ``decoder.layers.<module> [L, ...]``, :attr:`~ckpttool.model.schemas.base.SchemaSpec.stacked_layers`),
+            ``(layer, ||a-b||, ||b||)`` of each dim-0 slice, named as an unstacked layer
+            (``model.decoder.layers.3``); ``()`` otherwise, or when the values were not decoded (equal records).
     """
 
     name: str
@@ -204,9 +208,13 @@ class TensorStat:
     raw: bool = False
     diff_l2: float | None = None
     b_l2: float | None = None
+    layers: tuple[tuple[str, float, float], ...] = ()
 
     def to_dict(self) -> dict[str, Any]:
-        return {k: _num(v) for k, v in json_fields(self).items()}
+        d = {k: _num(v) for k, v in json_fields(self).items() if k != "layers"}
+        if self.layers:
+            d["layers"] = [{"layer": n, "diff_l2": _num(x), "b_l2": _num(y)} for n, x, y in self.layers]
+        return d
 
     @property
     def order(self) -> tuple[float, float, float]:

@@ -869,24 +869,45 @@ def _compare_pair(
 
         say("comparing")
     floating = ia.dtype in _FLOATING and ib.dtype in _FLOATING
+    stack = _stacked_layers(name, a, ia, ib)
     how = {
         "as_dtype": _torch_dtype(cast) if cast is not None and floating else None,
         "rtol": opts.rtol,
         "atol": opts.atol,
+        "rows": math.prod(ia.shape[1:]) if stack is not None else None,
     }
     vd = _stream_values(a, ia, b, ib, how)
     if vd is None:
         vd = gathered_values(a, ia, b, ib, how, lambda h: _quant_how(a, ia, b, ib, h))
     if vd is None:
         vd = _loaded_values(a, ia, b, ib, how)
-    stat = _stat(name, ia, ib, vd)
+    stat = _stat(name, ia, ib, vd, stack=stack)
     if vd.mismatched == 0:
         return None, stat
     return _values_difference(name, ia, ib, vd, tolerant), stat
 
 
-def _stat(name: str, ia: Item, ib: Item, vd: ValueDiff, *, raw: bool = False) -> TensorStat:
-    """The :class:`TensorStat` of a compared pair (booleans: no metrics)."""
+def _stacked_layers(name: str, a: Side, ia: Item, ib: Item) -> str | None:
+    """The layer-name prefix (``model.decoder.layers.``) of a value stored with every layer stacked on dim 0 by
+    A's key schema (:attr:`~ckpttool.model.schemas.base.SchemaSpec.stacked_layers`: Megatron-core's
+    ``decoder.layers.<module> [L, ...]``), compared as stored on both sides; else ``None``."""
+    from ckpttool.model.schemas import registry
+
+    spec = registry.find(a.ckpt.catalog.schema.id)
+    if spec is None or not ia.shape or ia.runs is not None or ib.runs is not None or ia.piece or ia.perm:
+        return None
+    for p in spec.stacked_layers:
+        at = name.find("." + p)
+        if at >= 0:
+            head = name[: at + 1 + len(p)]
+            if not name[len(head) :].split(".", 1)[0].isdigit():
+                return head
+    return None
+
+
+def _stat(name: str, ia: Item, ib: Item, vd: ValueDiff, *, raw: bool = False, stack: str | None = None) -> TensorStat:
+    """The :class:`TensorStat` of a compared pair (booleans: no metrics); ``stack``: the layer-name prefix of a
+    tensor of stacked layers, whose per-layer norms :attr:`ValueDiff.rows` gives."""
     m: Metrics | None = vd.metrics
     norms: tuple[float | None, float | None] = (None, None)
     if m is None:
@@ -915,6 +936,7 @@ def _stat(name: str, ia: Item, ib: Item, vd: ValueDiff, *, raw: bool = False) ->
         cos,
         raw,
         *norms,
+        tuple((f"{stack}{i}", math.sqrt(d), math.sqrt(b)) for i, (d, b) in enumerate(vd.rows) if stack is not None),
     )
 
 

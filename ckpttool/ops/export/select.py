@@ -60,6 +60,7 @@ class RuleKeys:
         self.map_key = rules.key_mapper()
         self.skipped: dict[str, list[str]] = {}
         self.renamed: list[str] = []
+        self.as_stored: list[str] = []  # written under the fqn the checkpoint stores
 
     def __call__(self, key: str, fqn: str, canonical: str, entry: TensorEntry) -> Mapped | None:
         out, matched, warn = self.map_key(canonical)
@@ -71,22 +72,25 @@ class RuleKeys:
             return None
         if warn:
             self.renamed.append(f"{key} -> {out}")
+        if out == fqn:
+            self.as_stored.append(out)
         return out
 
     def finish(self, cat: Catalog, filter_glob: str | None, warnings: list[str]) -> None:
-        if self.renamed:
+        if self.renamed and cat.schema.id == "olmo-core":
+            # every key, whatever a default rule made of it (lm_head.w_out.weight is no HF name either)
+            warnings.append(
+                f"no model adapter: {len(self.as_stored)} model tensor(s) were written under OLMo-core's own names, "
+                f"not HF's ({shown(self.as_stored, 3)}): transformers and vLLM do not load them; export again with "
+                "`model_assets` DIR holding the model's HF config.json (model_type llama picks adapter "
+                "olmo-core-llama, olmo2 picks olmo-core-olmo2), or `adapter` olmo-core-llama|olmo-core-olmo2"
+            )
+        elif self.renamed:
             warnings.append(
                 f"{len(self.renamed)} key(s) outside the HF naming were exported as their fqn: {shown(self.renamed, 5)}"
                 f"; transformers and vLLM look for HF names (model.layers.N...): map these with `rules` FILE.yaml "
-                "(docs/export.md, 'Keys') or a model adapter (`adapter`)" + _OLMO_CORE_HINT.get(cat.schema.id, "")
+                "(docs/export.md, 'Keys') or a model adapter (`adapter`)"
             )
-
-
-#: what the raw-names warning adds for a key schema whose adapter a config picks (the keys alone do not)
-_OLMO_CORE_HINT = {
-    "olmo-core": " (OLMo-core: `model_assets` with the model's HF config.json, model_type llama or olmo2, "
-    "picks olmo-core-llama or olmo-core-olmo2)"
-}
 
 
 class AdapterKeys:

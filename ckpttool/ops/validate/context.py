@@ -22,7 +22,7 @@ from ckpttool.layouts.declaration import ResolvedLayout
 from ckpttool.model.catalog import Catalog, ParamGroup
 from ckpttool.model.checkpoint import Checkpoint
 from ckpttool.ops.validate.reference import Reference
-from ckpttool.ops.validate.stats import expert_count
+from ckpttool.ops.validate.stats import expert_grid
 
 if TYPE_CHECKING:
     from ckpttool.format.reader import CheckpointReader
@@ -160,6 +160,7 @@ class Context:
     _own_config: tuple[dict[str, Any] | None] | None = None
     _own_config_error: CkptError | None = None
     _expert_state: dict[str, str | None] | None = None
+    _stacked: frozenset[str] | None = None
 
     # ------------------------------------------------------------------ shortcuts
     @property
@@ -261,11 +262,39 @@ class Context:
             for fqn, ps in self.cat.optimizer_state.items():
                 for name in ("master_weight", "exp_avg", "exp_avg_sq"):
                     t = ps.fields.get(name)
-                    if t is not None and expert_count(t.key, tuple(t.shape)):
+                    if t is not None and self.expert_grid(t.key, tuple(t.shape))[1]:
                         param = self.cat.model_entry(fqn)
                         out[t.key] = param.key if param is not None else None
             self._expert_state = out
         return self._expert_state
+
+    def stacked_keys(self) -> frozenset[str]:
+        """Model keys, and their optimizer-state keys, of parameters the key schema stores with every layer stacked
+        on dim 0 (:attr:`~ckpttool.model.schemas.base.SchemaSpec.stacked_layers`: Megatron-core's
+        ``decoder.layers.<module> [L, ...]``; a ``decoder.layers.<N>.`` fqn is one layer's)."""
+        if self._stacked is None:
+            from ckpttool.model.schemas import registry
+
+            spec = registry.find(self.cat.schema.id)
+            prefixes = spec.stacked_layers if spec is not None else ()
+
+            def stacked(fqn: str) -> bool:
+                p = next((p for p in prefixes if fqn.startswith(p)), None)
+                return p is not None and not fqn[len(p) :].split(".", 1)[0].isdigit()
+
+            out: set[str] = set()
+            if prefixes:
+                out.update(k for k in self.cat.model if stacked(self.cat.fqn_of(k)))
+                for fqn, ps in self.cat.optimizer_state.items():
+                    if stacked(fqn):
+                        out.update(t.key for t in ps.fields.values() if t is not None)
+            self._stacked = frozenset(out)
+        return self._stacked
+
+    def expert_grid(self, key: str, size: tuple[int, ...]) -> tuple[int, int]:
+        """``(layers, experts per layer)`` of tensor ``key`` (:func:`~ckpttool.ops.validate.stats.expert_grid`; its
+        layers stacked on dim 0 where :meth:`stacked_keys` holds it)."""
+        return expert_grid(key, size, key in self.stacked_keys())
 
     @property
     def has_optimizer(self) -> bool:

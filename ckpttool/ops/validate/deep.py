@@ -44,7 +44,7 @@ from ckpttool.layouts.record import LAYOUT_KEY
 from ckpttool.model.hfconfig import config_value
 from ckpttool.ops import distributed
 from ckpttool.ops.fields import ProgressFn
-from ckpttool.ops.validate.stats import UNINIT_BOUND, DeepResult, PairStats, TensorStats, expert_count
+from ckpttool.ops.validate.stats import UNINIT_BOUND, DeepResult, PairStats, TensorStats
 
 if TYPE_CHECKING:
     import torch
@@ -548,15 +548,27 @@ def _digest_plan(ctx: Context, key: str, meta: TensorMeta, chunk: ChunkMeta) -> 
         or not meta.size
     ):
         return None
-    row = meta.numel // meta.size[0] if meta.size[0] else 0
-    e = expert_count(key, tuple(meta.size))
-    if tuple(chunk.sizes[1:]) != tuple(meta.size[1:]) or any(chunk.offsets[1:]):
-        start = None if e else _contiguous_start(tuple(meta.size), chunk)
+    size = tuple(meta.size)
+    layers, e = ctx.expert_grid(key, size)
+    if key in ctx.stacked_keys() and e:
+        # experts of stacked layers ``[L, E, ...]``: the tensor as ``[L*E, ...]`` (the same C order), its chunk there
+        if chunk.sizes[0] == 1:
+            flat = (chunk.offsets[0] * e + chunk.offsets[1],), (chunk.sizes[1],)
+        elif chunk.sizes[1] == e:
+            flat = (chunk.offsets[0] * e,), (chunk.sizes[0] * e,)
+        else:
+            return None  # several layers, part of their experts: no run lies inside one expert
+        size = (layers * e, *size[2:])
+        chunk = ChunkMeta(flat[0] + tuple(chunk.offsets[2:]), flat[1] + tuple(chunk.sizes[2:]))
+        e *= layers
+    row = meta.numel // size[0] if size[0] else 0
+    if tuple(chunk.sizes[1:]) != size[1:] or any(chunk.offsets[1:]):
+        start = None if e else _contiguous_start(size, chunk)
         if start is not None:  # one contiguous run all the same (megatron's one-layer chunk of a half of fc1)
             return _Digest(start, 0)
-        if not e or tuple(chunk.sizes[2:]) != tuple(meta.size[2:]) or any(chunk.offsets[2:]):
+        if not e or tuple(chunk.sizes[2:]) != size[2:] or any(chunk.offsets[2:]):
             return None
-        row2 = row // meta.size[1] if meta.size[1] else 0
+        row2 = row // size[1] if size[1] else 0
         if not chunk.sizes[1] * row2:
             return None
         return _Digest(chunk.offsets[0] * row + chunk.offsets[1] * row2, chunk.sizes[1] * row2, row)

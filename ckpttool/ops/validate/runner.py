@@ -61,7 +61,8 @@ class ValidateOptions:
 @dataclass(frozen=True)
 class RuleStatus:
     """How one selected rule ended: ``passed``, ``failed`` (has failing findings), ``reported``
-    (non-failing findings only) or ``skipped`` (with ``reason``)."""
+    (non-failing findings only) or ``skipped`` (with ``reason``); a rule that ran in part without ``--deep``
+    (:attr:`~ckpttool.ops.validate.base.Rule.shallow`) says what it checked in ``reason``."""
 
     rule: Rule
     status: str
@@ -147,7 +148,7 @@ def _fails(f: Finding, strict: bool) -> bool:
 
 
 def _skip_reason(r: Rule, ctx: Context) -> str | None:
-    if "deep" in r.needs and not ctx.deep:
+    if "deep" in r.needs and not ctx.deep and not _shallow(r, ctx):
         return "needs --deep"
     if "config" in r.needs and ctx.config is None:
         return "needs --config"
@@ -158,6 +159,11 @@ def _skip_reason(r: Rule, ctx: Context) -> str | None:
     if r.code.startswith("O") and _model_only(ctx):  # never "passed" over state that is not there
         return "no optimizer state (model weights only)"
     return None
+
+
+def _shallow(r: Rule, ctx: Context) -> bool:
+    """Rule ``r`` checks part of what it checks without ``--deep`` on this checkpoint (:attr:`Rule.shallow`)."""
+    return r.shallow is not None and ctx.cat.schema.id in r.shallow_schemas
 
 
 def _model_only(ctx: Context) -> bool:
@@ -230,7 +236,9 @@ def _validate_open(
         found = [out if isinstance(out, Finding) else r.make(*out) for out in r.func(ctx)]
         log.debug("%s %s: %d finding(s) in %.1f ms", r.code, r.name, len(found), (time.perf_counter() - t_rule) * 1e3)
         failing = any(_fails(f, opts.strict) for f in found)
-        statuses.append(RuleStatus(r, "failed" if failing else ("reported" if found else "passed"), None, tuple(found)))
+        partly = f"without --deep: {r.shallow} only" if "deep" in r.needs and not ctx.deep else None
+        status = "failed" if failing else ("reported" if found else "passed")
+        statuses.append(RuleStatus(r, status, partly, tuple(found)))
     return _finish(ckpt.path, opts, statuses, t0, bytes_read, deep_seconds)
 
 

@@ -12,7 +12,7 @@ from typing import Any
 
 from ckpttool.errors import CkptError
 
-__all__ = ["UNINIT_BOUND", "DeepResult", "PairStats", "TensorStats", "expert_count"]
+__all__ = ["UNINIT_BOUND", "DeepResult", "PairStats", "TensorStats", "expert_count", "expert_grid"]
 
 #: ``|x|`` beyond which a model value looks uninitialised (``D013``; why this bound: docs/rules.md).
 UNINIT_BOUND = 1e4
@@ -21,6 +21,16 @@ UNINIT_BOUND = 1e4
 def expert_count(key: str, size: tuple[int, ...]) -> int:
     """Experts along dim 0 of a fused expert tensor (a key with ``experts``, 3 or more dims), else 0."""
     return size[0] if "experts" in key and len(size) >= 3 and size[0] > 1 else 0
+
+
+def expert_grid(key: str, size: tuple[int, ...], stacked: bool) -> tuple[int, int]:
+    """``(layers, experts per layer)`` of a fused expert tensor: ``[E, ...]`` is ``(1, E)``; with every layer stacked
+    on dim 0 (``stacked``: Megatron-core's ``decoder.layers.<...>.experts.<...> [L, E, out, in]``) ``(L, E)``, the
+    experts on dim 1. ``(0, 0)``: no experts to compare."""
+    if not stacked:
+        e = expert_count(key, size)
+        return (1, e) if e else (0, 0)
+    return (size[0], size[1]) if "experts" in key and len(size) >= 4 and size[1] > 1 else (0, 0)
 
 
 @dataclass

@@ -195,3 +195,49 @@ def test_stack_in_chunks_of_several_layers_is_grouped_whole(tmp_path: Path) -> N
     assert "decoder.layers.mlp.linear_fc1" in names and "decoder.layers.0" not in names
     assert {ch["layer"] for ch in doc["changes"]} == set(names)
     assert all(ch["relative"] == 0.0 for ch in doc["changes"])
+
+
+def test_diff_plot_and_json_are_per_layer_of_stacked_tensors(tmp_path: Path) -> None:
+    """``diff --plot`` drew one point per stacked module (``model.decoder.layers.mlp.linear_fc1``: every layer
+    lumped) where ``stats`` has one per layer; now the per-layer series (and ``--json`` ``tensors[].layers``) is per
+    dim-0 slice, each figure that of torch's tensors sliced on dim 0 (dense1 against the TP=2 bf16 run, cast)."""
+    pytest.importorskip("matplotlib")
+    from ckpttool.ops.diff import DiffOptions, diff_checkpoints
+    from ckpttool.ui.plot import diff_layers
+
+    a, b = DATA / "dense1" / "iter_0000003", DATA / "dense_tp2" / "iter_0000003"
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    sa, sb = torch_state(a, tmp_path / "a"), torch_state(b, tmp_path / "b")
+    want: dict[str, list[float]] = {}
+    slices: dict[str, list[tuple[str, float, float]]] = {}
+    for key, x in sa.items():
+        if not isinstance(x, torch.Tensor) or "optimizer" in key or "_extra_state" in key or key not in sb:
+            continue
+        x, y = x.double(), sb[key].to(torch.float32).double()
+        parts = [(f"model.{STACKED}{i}", x[i], y[i]) for i in range(2)] if key.startswith(STACKED) else []
+        if parts:
+            slices[f"model.{key}"] = [(n, float((xs - ys).norm()), float(ys.norm())) for n, xs, ys in parts]
+        for layer, xs, ys in parts or [(f"model.{key}".rpartition(".")[0], x, y)]:
+            acc = want.setdefault(layer, [0.0, 0.0])
+            acc[0] += float(((xs - ys) ** 2).sum())
+            acc[1] += float((ys * ys).sum())
+    out = tmp_path / "d.svg"
+    r = runner.invoke(app, ["diff", "--json", "--as-dtype", "float32", "--plot", str(out), str(a), str(b)])
+    assert r.exit_code == 1, r.output
+    doc = json.loads(r.stdout)
+    jsonschema.validate(doc, load_schema("diff"))
+    got = {t["name"]: t.get("layers") for t in doc["tensors"]}
+    assert {n for n, v in got.items() if v} == set(slices)
+    for name, rows in slices.items():
+        assert [row["layer"] for row in got[name]] == [n for n, _, _ in rows]
+        for row, (_, d, n) in zip(got[name], rows):
+            assert row["diff_l2"] == pytest.approx(d, rel=1e-9) and row["b_l2"] == pytest.approx(n, rel=1e-9), name
+    res = diff_checkpoints(str(a), str(b), DiffOptions(as_dtype="float32"))
+    layers = {name: rel for name, rel, _ in diff_layers(res)}
+    assert set(layers) == set(want), sorted(layers)
+    for layer, (d2, b2) in want.items():
+        assert layers[layer] == pytest.approx(math.sqrt(d2 / b2), rel=1e-9), layer
+    svg = out.read_text()
+    assert "model.decoder.layers.0" in svg and "model.decoder.layers.1" in svg
+    assert "<!-- model.decoder.layers.mlp.linear_fc1 -->" not in svg

@@ -26,7 +26,7 @@ from ckpttool.ops.validate.base import rule
 from ckpttool.ops.validate.context import Context
 from ckpttool.ops.validate.rules.data import synthesized_from_stats
 from ckpttool.ops.validate.rules.optimizer import step_values
-from ckpttool.ops.validate.stats import UNINIT_BOUND, expert_count
+from ckpttool.ops.validate.stats import UNINIT_BOUND
 
 _EXPERT_RE = re.compile(r"(?<=\.experts\.)\d+(?=\.)")
 _LAYER_RE = re.compile(r"(?<=layers\.)\d+(?=\.)")
@@ -124,16 +124,23 @@ def _zero_slice(ctx: Context, key: str, start: int, length: int) -> bool:
     return d is not None and all(c == _zero_crc(n * item) for _, n, c in d)
 
 
-def _never_stepped_experts(ctx: Context, moments: list[str], e: int) -> set[int]:
-    """Experts (true indices) whose ``exp_avg`` and ``exp_avg_sq`` slices are all zero: they never got a gradient
-    (no token routed to them), so an upcycled model still holds them as the copies it made at step 0."""
+def _expert_order(ctx: Context, key: str, e: int) -> Callable[[int], int]:
+    """Stored expert position in a layer -> true expert index (:func:`_true_expert`; the experts of stacked layers
+    ``[L, E, ...]`` are in their stored order: a layout record's permutation is of dim 0)."""
+    return (lambda i: i) if key in ctx.stacked_keys() else _true_expert(ctx, key, e)
+
+
+def _never_stepped_experts(ctx: Context, moments: list[str], e: int, layer: int = 0, layers: int = 1) -> set[int]:
+    """Experts (true indices) of layer ``layer`` (of ``layers`` stacked on dim 0; 1: ``[E, ...]``) whose ``exp_avg``
+    and ``exp_avg_sq`` slices are all zero: they never got a gradient (no token routed to them), so an upcycled model
+    still holds them as the copies it made at step 0."""
     out: set[int] | None = None
     for key in moments:
         meta = ctx.reader.metadata.entries.get(key)
-        if not isinstance(meta, TensorMeta) or meta.numel % e:
+        if not isinstance(meta, TensorMeta) or meta.numel % (e * layers):
             return set()
-        pe, true = meta.numel // e, _true_expert(ctx, key, e)
-        zero = {true(i) for i in range(e) if _zero_slice(ctx, key, i * pe, pe)}
+        pe, true = meta.numel // (e * layers), _expert_order(ctx, key, e)
+        zero = {true(i) for i in range(e) if _zero_slice(ctx, key, (layer * e + i) * pe, pe)}
         out = zero if out is None else out & zero
     return out or set()
 
@@ -153,23 +160,32 @@ def _fused_expert_copies(ctx: Context) -> Iterator[tuple[str, str]]:
             continue  # no expert of it ever got a gradient: an upcycled MoE's frozen experts are its step-0 copies
         if key in state and state[key] in flagged:
             continue  # the parameter's finding says it (a rank's slice written for all: its state too)
-        e = expert_count(key, tuple(meta.size))
+        layers, e = ctx.expert_grid(key, tuple(meta.size))
         if not e:
             continue
-        pe = meta.numel // e
-        true = _true_expert(ctx, key, e)
-        digests = {true(i): _slice_digest(st.digests, i * pe, pe) for i in range(e)}
-        if key in moments:  # experts that never got a gradient keep their initial values: upcycled copies
-            for i in _never_stepped_experts(ctx, moments[key], e):
-                digests.pop(i, None)
-        if key in state:  # experts that never got a gradient have all-zero moments: not copies
-            item = DTYPE_ITEMSIZE[meta.dtype.name]
-            digests = {i: d for i, d in digests.items() if d is None or any(c != _zero_crc(n * item) for _, n, c in d)}
-        groups = _groups(digests)
-        if groups:
-            flagged.add(key)
-            n = sum(len(g) for g in groups)
-            yield key, f"{key}: {n} of {e} expert slices are bitwise copies of another: {_describe(groups, 'expert')}"
+        pe = meta.numel // (layers * e)
+        true = _expert_order(ctx, key, e)
+        stacked = key in ctx.stacked_keys()
+        for layer in range(layers):  # the experts of one layer (stacked layers ``[L, E, ...]``: each layer's)
+            base = layer * e * pe
+            digests = {true(i): _slice_digest(st.digests, base + i * pe, pe) for i in range(e)}
+            if key in moments:  # experts that never got a gradient keep their initial values: upcycled copies
+                for i in _never_stepped_experts(ctx, moments[key], e, layer, layers):
+                    digests.pop(i, None)
+            if key in state:  # experts that never got a gradient have all-zero moments: not copies
+                item = DTYPE_ITEMSIZE[meta.dtype.name]
+                digests = {
+                    i: d for i, d in digests.items() if d is None or any(c != _zero_crc(n * item) for _, n, c in d)
+                }
+            groups = _groups(digests)
+            if groups:
+                flagged.add(key)
+                n = sum(len(g) for g in groups)
+                where = f"{key}: layer {layer}" if stacked else key
+                yield (
+                    key,
+                    f"{where}: {n} of {e} expert slices are bitwise copies of another: {_describe(groups, 'expert')}",
+                )
 
 
 def _frozen(ctx: Context, key: str, any_state: bool) -> bool:

@@ -67,6 +67,8 @@ def _optimizer_step(ctx: Context) -> Counter | None:
 @rule("R002")
 def train_step_mismatch(ctx: Context) -> Iterator[tuple[str, str]]:
     yield from _megatron_iteration(ctx)
+    if not ctx.deep:
+        return  # common.pt alone (``shallow`` in rules.json): the other counters are the deep pass's
     if synthesized_from_stats(ctx):
         return  # saved before the first optimizer step (D005): the counters of no step to compare
     opt = _optimizer_step(ctx)
