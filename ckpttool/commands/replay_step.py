@@ -168,8 +168,8 @@ def replay_step_command(
     """Replay the next optimizer step from the saved state on --device and compare with an independent reference.
 
     Exit 0: every parameter matches with a sane update; 1: a mismatch beyond tolerance, an update beyond its
-    bound (R003), a stepped parameter that could not be replayed, or steps counted with no optimizer state
-    saved; 2: unusable input.
+    bound (R003), a stepped parameter that could not be replayed, steps counted with no optimizer state
+    saved, or an optimizer step that is not the trainer's (R002); 2: unusable input.
     """
     from ckpttool.model.checkpoint import OpenOptions
     from ckpttool.ops.entry import replay_mismatch, run_replay

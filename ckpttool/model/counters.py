@@ -152,3 +152,48 @@ def lost_optimizer_state(ckpt: Checkpoint, counters: list[Counter] | None = None
         f"no optimizer state for any of the {n} parameter(s) of the param groups (an optimizer that never "
         f"stepped) but {top.key} = {top.value}: the moments of {top.value} step(s) were not saved",
     )
+
+
+#: The entries of a saved ``torch.amp.GradScaler`` (``state_dict()``: ``scale``, ``growth_factor``, ``backoff_factor``,
+#: ``growth_interval``, ``_growth_tracker``), as the last components of its flattened keys.
+_GRAD_SCALER_KEYS = ("scale", "backoff_factor", "_growth_tracker")
+
+#: Why an optimizer's step is one ahead of the trainer's in every save of a run: torch's ``_init_optim_state``
+#: (``torch/distributed/checkpoint/state_dict.py``), which ``get_state_dict`` runs on an optimizer with no state,
+#: takes one zero-lr step with zero gradients to create it, and the live optimizer keeps that step.
+ONE_AHEAD = (
+    "; one ahead, as after a save before the first step: get_state_dict on an optimizer with no state yet takes "
+    "one zero-lr step to create it (torch's _init_optim_state) and the live optimizer keeps counting from it"
+)
+
+
+def saves_grad_scaler(ckpt: Checkpoint) -> bool:
+    """The checkpoint saves a loss scaler's state (``torch.amp.GradScaler``, any item name): ``scaler.step(opt)``
+    skips the optimizer step of an iteration whose gradients hold inf/NaN, while the trainer's step and the LR
+    scheduler count it, so the optimizer's ``step`` is legitimately behind them (never ahead)."""
+    entries = ckpt.reader.metadata.entries
+    for key in entries:
+        if key.endswith("._growth_tracker"):
+            item = key[: -len("._growth_tracker")]
+            if all(f"{item}.{k}" in entries for k in _GRAD_SCALER_KEYS):
+                return True
+    return False
+
+
+def optimizer_step_disagrees(
+    ckpt: Checkpoint, opt: Counter, ref: Counter, *, all_params: bool = True
+) -> tuple[str, str] | None:
+    """``(key, message)`` when the optimizer's largest saved ``step`` (``opt``) is not the step ``ref`` (the
+    trainer's, else a per-step LR scheduler's ``last_epoch``) counts: optimizer state of another save beside
+    the trainer's counters (``validate``'s ``R002``). Behind is allowed where a ``GradScaler`` is saved (a
+    skipped step), and where ``all_params`` is false (the largest step of a subset: parameters that missed
+    gradients count fewer); ahead never is."""
+    if opt.value == ref.value:
+        return None
+    if opt.value < ref.value and (not all_params or saves_grad_scaler(ckpt)):
+        return None
+    return (
+        opt.key,
+        f"optimizer step {opt.value} ({opt.key}, the largest) but {ref.key} = {ref.value}"
+        + (ONE_AHEAD if opt.value == ref.value + 1 else ""),
+    )

@@ -26,7 +26,7 @@ from ckpttool.engine.pool import map_ordered
 from ckpttool.errors import DeviceUnavailableError, StateDtypeError, UsageError
 from ckpttool.format.jsonview import json_fields, json_number
 from ckpttool.model.checkpoint import Checkpoint, CheckpointOrPath, OpenOptions, open_source
-from ckpttool.model.counters import lost_optimizer_state
+from ckpttool.model.counters import Counter, lost_optimizer_state, optimizer_step_disagrees, trainer_steps
 from ckpttool.ops.fields import PhaseFn, ProgressFn, options_of, same_named
 from ckpttool.ops.replay.compare import (
     FieldError,
@@ -469,6 +469,7 @@ class _Prepared:
     notes: list[str]
     grad_file: Any
     ambiguous: set[str]
+    synthesized: bool = False
 
 
 def _prepare(ckpt: Checkpoint, opts: ReplayOptions) -> _Prepared:
@@ -523,7 +524,7 @@ def _prepare(ckpt: Checkpoint, opts: ReplayOptions) -> _Prepared:
         )
     if layout.version == 1 and any(layout.is_permuted(p.key) for p in plan.params):
         notes.append("legacy (version 1) EP tensors are replayed in true expert order (block permutation undone)")
-    return _Prepared(layout, plan, notes, grad_file, ambiguous)
+    return _Prepared(layout, plan, notes, grad_file, ambiguous, bool(synth))
 
 
 def _grad_description(grad_file: Any, opts: ReplayOptions) -> dict[str, Any]:
@@ -725,16 +726,32 @@ def _replay(
         timing=timing,
         skipped=tuple(plan.skipped),
         frozen=tuple(plan.frozen),
-        problems=_state_problems(ckpt, plan),
+        problems=_state_problems(ckpt, prep, results, complete=opts.select is None and opts.filter_glob is None),
     )
 
 
-def _state_problems(ckpt: Checkpoint, plan: Any) -> tuple[str, ...]:
-    """The saved state's problems as a whole (:attr:`ReplayResult.problems`)."""
-    lost = lost_optimizer_state(ckpt) if plan.params else None
-    if lost is None:
+def _state_problems(
+    ckpt: Checkpoint, prep: _Prepared, results: list[ParamResult], *, complete: bool
+) -> tuple[str, ...]:
+    """The saved state's problems as a whole (:attr:`ReplayResult.problems`): steps counted with no optimizer state,
+    or an optimizer ``step`` that is not the trainer's (``complete``: every stepped parameter was replayed, so the
+    largest saved step is the optimizer's)."""
+    lost = lost_optimizer_state(ckpt) if prep.plan.params else None
+    if lost is not None:
+        return (f"{lost[1]}; every parameter replayed from fresh state (`ckpttool validate --deep` reports R002)",)
+    loaded = [r for r in results if r.state != "fresh"]
+    trains = trainer_steps(ckpt) if loaded and not prep.synthesized else []
+    if not trains:
+        return ()  # no trainer step to compare; or saved before the first step (D005), as R002 skips it
+    top = max(loaded, key=lambda r: r.step_before)
+    opt = Counter(f"{ckpt.catalog.schema.optimizer_prefix or ''}state.{top.fqn}.step", int(top.step_before))
+    bad = optimizer_step_disagrees(ckpt, opt, trains[0], all_params=complete)
+    if bad is None:
         return ()
-    return (f"{lost[1]}; every parameter replayed from fresh state (`ckpttool validate --deep` reports R002)",)
+    return (
+        f"{bad[1]}: the optimizer state is not the trainer's step, and a resume would bias-correct for step "
+        f"{opt.value} (`ckpttool validate --deep` reports R002)",
+    )
 
 
 #: Elements per reference/comparison slab: a few dozen float64 temporaries of this size per worker.
