@@ -197,3 +197,32 @@ def optimizer_step_disagrees(
         f"optimizer step {opt.value} ({opt.key}, the largest) but {ref.key} = {ref.value}"
         + (ONE_AHEAD if opt.value == ref.value + 1 else ""),
     )
+
+
+def step_directory(ckpt: Checkpoint) -> tuple[str, int] | None:
+    """``(name, step)`` of the step directory the checkpoint was saved in, where its trainer names step directories
+    by the trainer step (:attr:`~ckpttool.model.schemas.base.SchemaSpec.step_dir_is_trainer_step`): the checkpoint
+    directory itself (torchtitan's ``step-N``), or the directory above a step folder of the schema (OLMo-core's
+    ``stepN/model_and_optim``); ``None`` otherwise."""
+    from ckpttool.model.discovery import step_of
+    from ckpttool.model.schemas import registry
+
+    spec = registry.find(ckpt.catalog.schema.id)
+    if spec is None or not spec.step_dir_is_trainer_step:
+        return None
+    d = Path(ckpt.located.model)
+    if d.name in {folder for folder, _ in spec.discovery.step_folders}:
+        d = d.parent
+    step = step_of(d.name)
+    return None if step is None else (d.name, step)
+
+
+def directory_step_disagrees(ckpt: Checkpoint, trains: list[Counter]) -> tuple[str, str] | None:
+    """``(key, message)`` when the trainer's saved step (the first of ``trains``) is not the step its step
+    directory names (:func:`step_directory`): a save copied or renamed into another step's directory, which a
+    resume from that step would continue at the saved step instead (``validate``'s ``R002``)."""
+    named = step_directory(ckpt)
+    if named is None or not trains or trains[0].value == named[1]:
+        return None
+    c = trains[0]
+    return c.key, f"{c.key} = {c.value} but its directory is {named[0]} (step {named[1]})"

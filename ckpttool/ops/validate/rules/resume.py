@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING
 from ckpttool.errors import CkptError
 from ckpttool.model.counters import (
     Counter,
+    directory_step_disagrees,
     lost_optimizer_state,
     optimizer_step_disagrees,
     scheduler_counters,
@@ -85,6 +86,9 @@ def train_step_mismatch(ctx: Context) -> Iterator[tuple[str, str]]:
     for c in trains[1:]:
         if c.value != ref.value:
             yield c.key, f"{c.key} = {c.value} but {ref.key} = {ref.value}"
+    named = directory_step_disagrees(ctx.ckpt, trains)
+    if named is not None:
+        yield named
     if opt is not None and opt is not ref:
         bad = optimizer_step_disagrees(ctx.ckpt, opt, ref)
         if bad is not None:
