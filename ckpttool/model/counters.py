@@ -185,12 +185,14 @@ def optimizer_step_disagrees(
 ) -> tuple[str, str] | None:
     """``(key, message)`` when the optimizer's largest saved ``step`` (``opt``) is not the step ``ref`` (the
     trainer's, else a per-step LR scheduler's ``last_epoch``) counts: optimizer state of another save beside
-    the trainer's counters (``validate``'s ``R002``). Behind is allowed where a ``GradScaler`` is saved (a
-    skipped step), and where ``all_params`` is false (the largest step of a subset: parameters that missed
-    gradients count fewer); ahead never is."""
+    the trainer's counters (``validate``'s ``R002``). Behind is allowed where a ``GradScaler`` is saved or the
+    trainer is Megatron (a step skipped for a loss-scale overflow, which the iteration still counts), and where
+    ``all_params`` is false (the largest step of a subset: parameters that missed gradients count fewer); ahead
+    never is."""
     if opt.value == ref.value:
         return None
-    if opt.value < ref.value and (not all_params or saves_grad_scaler(ckpt)):
+    skips = saves_grad_scaler(ckpt) or ckpt.catalog.schema.id == "megatron"
+    if opt.value < ref.value and (not all_params or skips):
         return None
     return (
         opt.key,

@@ -202,3 +202,27 @@ def test_a_latest_file_naming_no_checkpoint_is_r005(tmp_path: Path) -> None:
         f"{run / 'latest_checkpointed_iteration.txt'}: names step 5, but no checkpoint of step 5 is below {run}; "
         "steps found: 3"
     )
+
+
+@pytest.mark.parametrize(("common_step", "flagged"), [(2.0, False), (4.0, True)])
+def test_common_step_against_the_iteration(tmp_path: Path, common_step: float, flagged: bool) -> None:
+    """megatron skips the optimizer step of an iteration whose loss scale overflowed and still counts the
+    iteration: a common_step behind common.pt's iteration is no problem of the saved state as a whole (as
+    validate's R002); ahead of it, no megatron run makes, is."""
+    import shutil
+
+    run = shutil.copytree(DATA / "dense1", tmp_path / "run")
+    path = run / "iter_0000003" / "common.pt"
+    common = torch.load(path, weights_only=False)
+    common["optimizer"]["state"]["common_step"] = torch.tensor(common_step)
+    torch.save(common, path)
+    r = runner.invoke(app, ["replay-step", "--device", "cpu", "--json", str(run)])
+    doc = json.loads(r.stdout)
+    assert all(p["step_before"] == common_step for p in doc["params"])
+    if flagged:
+        (problem,) = doc["problems"]
+        assert problem.startswith("optimizer step 4 (optimizer.state.") and "but common.pt:iteration = 3" in problem
+        assert "R002" in problem
+        assert r.exit_code == 1
+    else:
+        assert doc["problems"] == []
