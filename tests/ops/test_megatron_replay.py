@@ -226,3 +226,18 @@ def test_common_step_against_the_iteration(tmp_path: Path, common_step: float, f
         assert r.exit_code == 1
     else:
         assert doc["problems"] == []
+
+
+def test_inferred_group_membership_is_said() -> None:
+    """common.pt keeps its param groups without their parameters: the weight decay each parameter replays with
+    (0.1, or 0.0 for biases and 1-D parameters) is megatron's default grouping, not read from the checkpoint; the
+    replay said nothing of it, now a warning note names the hyperparameter and the rule."""
+    r = runner.invoke(app, ["replay-step", "--device", "cpu", "--json", str(DATA / "dense1")])
+    doc = json.loads(r.stdout)
+    assert r.exit_code == 0 and {p["weight_decay"] for p in doc["params"]} == {0.0, 0.1}
+    (note,) = [n for n in doc["notes"] if "without their parameters" in n]
+    assert note.startswith("warning: common.pt saves its param groups without their parameters; the weight_decay of")
+    assert "megatron's default grouping" in note and "no_weight_decay_cond or config_overrides" in note
+    # one parameter, one group: nothing depends on the membership
+    r = runner.invoke(app, ["replay-step", "--device", "cpu", "--json", str(DATA / "dense1"), "--filter", "*word_emb*"])
+    assert not [n for n in json.loads(r.stdout)["notes"] if "without their parameters" in n]
