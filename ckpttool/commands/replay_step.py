@@ -324,8 +324,12 @@ def render_replay(result: ReplayResult, *, max_rows: int = 40) -> None:
                 if result.skipped
                 else ""
             )
+            + (f"; {len(result.frozen)} frozen parameter(s) (no optimizer state) not replayed" if result.frozen else "")
             + (
-                f"; {len(result.frozen)} frozen parameter(s) (no optimizer state) not replayed" if result.frozen else ""
+                f"; the saved state as a whole does not resume the run ({plural(len(result.problems), 'problem')} "
+                "below)"
+                if result.problems
+                else ""
             ),
         ),
     )

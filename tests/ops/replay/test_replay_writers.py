@@ -126,6 +126,12 @@ def test_optimizer_state_of_an_older_step_is_not_ok(titan_root: Path, tmp_path: 
     assert "R002" in doc["problems"][0]
     res = runner.invoke(app, args)
     assert res.exit_code == 1 and res.stderr.startswith("error: [E700] optimizer step 1 (")
+    # the verdict says why it failed, not only that every parameter matches
+    (verdict,) = [line for line in res.stdout.splitlines() if line.startswith("result")]
+    assert verdict == (
+        "result      FAILED: 17 of 17 parameters match the reference step with a sane update; the saved state as a "
+        "whole does not resume the run (1 problem below)"
+    )
     assert "R002" in runner.invoke(app, ["validate", "--deep", str(ckpt)]).stdout
     # a subset of the parameters (--filter) may legitimately have stepped fewer times: no verdict from its steps
     res = runner.invoke(app, [*args, "--filter", "norm.weight", "--json"])
