@@ -538,6 +538,15 @@ def same_state_fields(seen: dict[str, tuple[str, list[str]]], fqn: str, have: li
         )
 
 
+def _tc_state_fields(fields: dict[str, tuple[str, list[str]]], obj: Any, where: str) -> None:
+    """The state fields of each parameter in an optimizer item (keyed by fqn) against the other ranks'
+    (:func:`same_state_fields`)."""
+    state = obj.get("state") if isinstance(obj, dict) else None
+    for fqn, st in state.items() if isinstance(state, dict) else ():
+        if isinstance(st, dict):
+            same_state_fields(fields, str(fqn), [str(f) for f in st], where)
+
+
 def _tc_build(a: Assembled, objs: list[RankObject], md: dict[str, Any] | None, kinds: dict[str, str]) -> None:
     per_rank = _tc_per_rank(objs)
     if per_rank:
@@ -547,10 +556,8 @@ def _tc_build(a: Assembled, objs: list[RankObject], md: dict[str, Any] | None, k
         item, obj, where = ro.file.role, ro.obj, ro.file.relative_path
         prefix = f"{item}.rank_{ro.file.rank}" if item in per_rank else item
         sharding = _tc_sharding(md, item)
-        if item == "optimizer" and isinstance(obj, dict) and isinstance(obj.get("state"), dict):
-            for fqn, st in obj["state"].items():
-                if isinstance(st, dict):
-                    same_state_fields(fields, str(fqn), [str(f) for f in st], where)
+        if item == "optimizer":
+            _tc_state_fields(fields, obj, where)
         if item == "optimizer" and isinstance(obj, dict) and isinstance(obj.get("param_groups"), list):
             for g in obj["param_groups"]:
                 for fqn in g.get("params", []) if isinstance(g, dict) else ():
