@@ -241,3 +241,16 @@ def test_inferred_group_membership_is_said() -> None:
     # one parameter, one group: nothing depends on the membership
     r = runner.invoke(app, ["replay-step", "--device", "cpu", "--json", str(DATA / "dense1"), "--filter", "*word_emb*"])
     assert not [n for n in json.loads(r.stdout)["notes"] if "without their parameters" in n]
+
+
+def test_several_steps_say_the_lr_is_held() -> None:
+    """--steps 2 replays both steps with the lr saved in common.pt's groups, while megatron's OptimizerParamScheduler
+    (saved in common.pt) moves it after each step: the replay said nothing; now a warning note names the scheduler."""
+    r = runner.invoke(app, ["replay-step", "--device", "cpu", "--json", "--steps", "2", str(DATA / "dense1")])
+    doc = json.loads(r.stdout)
+    assert r.exit_code == 0 and doc["steps"] == 2
+    (note,) = [n for n in doc["notes"] if "constant lr" in n]
+    assert note.startswith("warning: 2 steps replayed, each with the lr saved in its param group; the run's LR ")
+    assert "(common.pt opt_param_scheduler)" in note
+    r = runner.invoke(app, ["replay-step", "--device", "cpu", "--json", str(DATA / "dense1")])
+    assert not [n for n in json.loads(r.stdout)["notes"] if "constant lr" in n]

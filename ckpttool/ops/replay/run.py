@@ -20,13 +20,20 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Literal
 
 from ckpttool.engine.pool import map_ordered
-from ckpttool.errors import DeviceUnavailableError, StateDtypeError, UsageError
+from ckpttool.errors import CkptError, DeviceUnavailableError, StateDtypeError, UsageError
 from ckpttool.format.jsonview import json_fields, json_number
 from ckpttool.model.checkpoint import Checkpoint, CheckpointOrPath, OpenOptions, open_source
-from ckpttool.model.counters import Counter, lost_optimizer_state, optimizer_step_disagrees, trainer_steps
+from ckpttool.model.counters import (
+    Counter,
+    lost_optimizer_state,
+    optimizer_step_disagrees,
+    scheduler_counters,
+    trainer_steps,
+)
 from ckpttool.ops.fields import PhaseFn, ProgressFn, options_of, same_named
 from ckpttool.ops.replay.compare import (
     FieldError,
@@ -488,6 +495,8 @@ def _prepare(ckpt: Checkpoint, opts: ReplayOptions) -> _Prepared:
     )
     notes = list(plan.notes)
     loc = ckpt.located
+    if opts.steps > 1:
+        notes.extend(_constant_lr_note(ckpt, opts.steps))
     if loc.newer_incomplete:  # validate's R001: the run's newest save is broken, the replay proves an older one
         inc = loc.newer_incomplete[0]
         notes.append(
@@ -525,6 +534,29 @@ def _prepare(ckpt: Checkpoint, opts: ReplayOptions) -> _Prepared:
     if layout.version == 1 and any(layout.is_permuted(p.key) for p in plan.params):
         notes.append("legacy (version 1) EP tensors are replayed in true expert order (block permutation undone)")
     return _Prepared(layout, plan, notes, grad_file, ambiguous, bool(synth))
+
+
+def _constant_lr_note(ckpt: Checkpoint, steps: int) -> list[str]:
+    """With ``--steps`` K > 1 every replayed step uses the ``lr`` saved in the param groups, while the run's LR
+    scheduler, where one is saved, moves it after each step: steps 2..K are AdamW at a constant ``lr``, not the
+    run's (a warning note naming the scheduler's counter)."""
+    epochs, _ = scheduler_counters(ckpt)
+    where = f"{epochs[0].key} = {epochs[0].value}" if epochs else None
+    if where is None and ckpt.catalog.schema.id == "megatron":
+        from ckpttool.model.schemas.megatron import COMMON_FILE, read_common
+
+        try:
+            common = read_common(Path(ckpt.located.model))
+        except CkptError:
+            common = None
+        if common is not None and common.scheduler:
+            where = f"{COMMON_FILE} opt_param_scheduler"
+    if where is None:
+        return []
+    return [
+        f"warning: {steps} steps replayed, each with the lr saved in its param group; the run's LR scheduler ({where}) "
+        "moves the lr after every step, so steps 2 and later are AdamW at a constant lr, not the steps the run takes"
+    ]
 
 
 def _grad_description(grad_file: Any, opts: ReplayOptions) -> dict[str, Any]:

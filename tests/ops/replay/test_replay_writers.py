@@ -35,6 +35,14 @@ def test_torchtitan_flattened_optimizer(titan_root: Path) -> None:
     assert any("stepped fused but stored split" in n and "assembled as the model fuses them" in n for n in doc["notes"])
     assert len(fqns) == 17 and doc["params_skipped"] == []  # 15 stored as they are stepped, 2 fused
     assert all(p["step_before"] == 2 for p in doc["params"])
+    assert not [n for n in doc["notes"] if "constant lr" in n]
+    # several steps: each at the saved lr, while torchtitan's LRSchedulersContainer would move it (a warning says so)
+    doc = replay(str(titan_root / "llama3" / "checkpoint"), "--step", "2", "--head-dim", "16", "--steps", "2")
+    assert [n for n in doc["notes"] if "constant lr" in n] == [
+        "warning: 2 steps replayed, each with the lr saved in its param group; the run's LR scheduler "
+        "(lr_scheduler.last_epoch = 2) moves the lr after every step, so steps 2 and later are AdamW at a constant lr, "
+        "not the steps the run takes"
+    ]
 
 
 def test_torchtitan_fused_qkv_without_head_dim_says_what_to_pass(titan_root: Path) -> None:
