@@ -168,8 +168,8 @@ def replay_step_command(
     """Replay the next optimizer step from the saved state on --device and compare with an independent reference.
 
     Exit 0: every parameter matches with a sane update; 1: a mismatch beyond tolerance, an update beyond its
-    bound (R003), a stepped parameter that could not be replayed, or steps counted with no optimizer state
-    saved; 2: unusable input.
+    bound (R003), a stepped parameter that could not be replayed, steps counted with no optimizer state
+    saved, or an optimizer step that is not the trainer's (R002); 2: unusable input.
     """
     from ckpttool.model.checkpoint import OpenOptions
     from ckpttool.ops.entry import replay_mismatch, run_replay
@@ -324,8 +324,12 @@ def render_replay(result: ReplayResult, *, max_rows: int = 40) -> None:
                 if result.skipped
                 else ""
             )
+            + (f"; {len(result.frozen)} frozen parameter(s) (no optimizer state) not replayed" if result.frozen else "")
             + (
-                f"; {len(result.frozen)} frozen parameter(s) (no optimizer state) not replayed" if result.frozen else ""
+                f"; the saved state as a whole does not resume the run ({plural(len(result.problems), 'problem')} "
+                "below)"
+                if result.problems
+                else ""
             ),
         ),
     )

@@ -138,6 +138,7 @@ def _param_order(obj: dict[str, Any]) -> list[str]:
 
 def _verl_build(a: Assembled, objs: list[RankObject]) -> None:
     names: list[str] | None = None
+    fields: dict[str, tuple[str, list[str]]] = {}
     for ro in objs:
         obj, where = ro.obj, ro.file.relative_path
         if ro.file.role == "model":
@@ -153,7 +154,7 @@ def _verl_build(a: Assembled, objs: list[RankObject]) -> None:
             elif order != names:
                 raise PerRankError(f"{where}: parameters differ from rank 0's", path=where)
         elif ro.file.role == "optimizer":
-            _verl_optim(a, ro, names or [])
+            _verl_optim(a, ro, names or [], fields)
         else:
             _extra(a, ro)
     _verl_frozen(a, names or [])
@@ -187,8 +188,11 @@ def _verl_frozen(a: Assembled, names: list[str]) -> None:
         )
 
 
-def _verl_optim(a: Assembled, ro: RankObject, names: list[str]) -> None:
-    """An ``optimizer.state_dict()`` keyed by index: index ``i`` is the model's ``i``-th parameter."""
+def _verl_optim(
+    a: Assembled, ro: RankObject, names: list[str], fields: dict[str, tuple[str, list[str]]] | None = None
+) -> None:
+    """An ``optimizer.state_dict()`` keyed by index: index ``i`` is the model's ``i``-th parameter; ``fields``: the
+    state fields of each parameter in the first rank file that holds its state (:func:`same_state_fields`)."""
     obj, where = ro.obj, ro.file.relative_path
     if (
         not isinstance(obj, dict)
@@ -207,6 +211,8 @@ def _verl_optim(a: Assembled, ro: RankObject, names: list[str]) -> None:
         if type(i) is not int or not 0 <= i < len(names) or not isinstance(st, dict):
             raise PerRankError(f"{where}: optimizer state of index {i!r:.20} names no parameter", path=where)
         fqn = names[i]
+        if fields is not None:
+            same_state_fields(fields, fqn, list(st), where)
         for fld, v in st.items():
             key = f"optimizer.state.{fqn}.{fld}"
             if is_tensor(v):
@@ -515,14 +521,43 @@ def _equal(a: Any, b: Any) -> bool:
         return False
 
 
+def same_state_fields(seen: dict[str, tuple[str, list[str]]], fqn: str, have: list[str], where: str) -> None:
+    """Each rank saves its optimizer's whole ``state_dict()``, the state of every parameter it stepped with the
+    same fields (``step``, ``exp_avg``, ``exp_avg_sq``) on every rank: a rank file whose state of ``fqn`` has other
+    fields than another's (a ``step`` lost on one rank, while another's is read in its place as a replica) cannot
+    be resumed from, that rank's optimizer fails on its first step. ``seen``: ``fqn`` -> ``(rank file, fields)``
+    of the first rank file read."""
+    first = seen.setdefault(fqn, (where, sorted(have)))
+    if first[1] != sorted(have):
+        raise PerRankError(
+            f"{where}: optimizer state of {fqn!r:.100} has field(s) {', '.join(sorted(have)) or 'none'}, "
+            f"{first[0]} has {', '.join(first[1])}",
+            fqn=f"optimizer.state.{fqn}",
+            hint="every rank saves the same state fields for a parameter: the file is damaged or from another save; "
+            "resume from a complete checkpoint",
+        )
+
+
+def _tc_state_fields(fields: dict[str, tuple[str, list[str]]], obj: Any, where: str) -> None:
+    """The state fields of each parameter in an optimizer item (keyed by fqn) against the other ranks'
+    (:func:`same_state_fields`)."""
+    state = obj.get("state") if isinstance(obj, dict) else None
+    for fqn, st in state.items() if isinstance(state, dict) else ():
+        if isinstance(st, dict):
+            same_state_fields(fields, str(fqn), [str(f) for f in st], where)
+
+
 def _tc_build(a: Assembled, objs: list[RankObject], md: dict[str, Any] | None, kinds: dict[str, str]) -> None:
     per_rank = _tc_per_rank(objs)
     if per_rank:
         a.notes.append(f"per-rank item(s) {', '.join(sorted(per_rank))} (values differ by rank): keys <item>.rank_<R>")
+    fields: dict[str, tuple[str, list[str]]] = {}
     for ro in objs:
         item, obj, where = ro.file.role, ro.obj, ro.file.relative_path
         prefix = f"{item}.rank_{ro.file.rank}" if item in per_rank else item
         sharding = _tc_sharding(md, item)
+        if item == "optimizer":
+            _tc_state_fields(fields, obj, where)
         if item == "optimizer" and isinstance(obj, dict) and isinstance(obj.get("param_groups"), list):
             for g in obj["param_groups"]:
                 for fqn in g.get("params", []) if isinstance(g, dict) else ():

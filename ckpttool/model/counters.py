@@ -152,3 +152,79 @@ def lost_optimizer_state(ckpt: Checkpoint, counters: list[Counter] | None = None
         f"no optimizer state for any of the {n} parameter(s) of the param groups (an optimizer that never "
         f"stepped) but {top.key} = {top.value}: the moments of {top.value} step(s) were not saved",
     )
+
+
+#: The entries of a saved ``torch.amp.GradScaler`` (``state_dict()``: ``scale``, ``growth_factor``, ``backoff_factor``,
+#: ``growth_interval``, ``_growth_tracker``), as the last components of its flattened keys.
+_GRAD_SCALER_KEYS = ("scale", "backoff_factor", "_growth_tracker")
+
+#: Why an optimizer's step is one ahead of the trainer's in every save of a run: torch's ``_init_optim_state``
+#: (``torch/distributed/checkpoint/state_dict.py``), which ``get_state_dict`` runs on an optimizer with no state,
+#: takes one zero-lr step with zero gradients to create it, and the live optimizer keeps that step.
+ONE_AHEAD = (
+    "; one ahead, as after a save before the first step: get_state_dict on an optimizer with no state yet takes "
+    "one zero-lr step to create it (torch's _init_optim_state) and the live optimizer keeps counting from it"
+)
+
+
+def saves_grad_scaler(ckpt: Checkpoint) -> bool:
+    """The checkpoint saves a loss scaler's state (``torch.amp.GradScaler``, any item name): ``scaler.step(opt)``
+    skips the optimizer step of an iteration whose gradients hold inf/NaN, while the trainer's step and the LR
+    scheduler count it, so the optimizer's ``step`` is legitimately behind them (never ahead)."""
+    entries = ckpt.reader.metadata.entries
+    for key in entries:
+        if key.endswith("._growth_tracker"):
+            item = key[: -len("._growth_tracker")]
+            if all(f"{item}.{k}" in entries for k in _GRAD_SCALER_KEYS):
+                return True
+    return False
+
+
+def optimizer_step_disagrees(
+    ckpt: Checkpoint, opt: Counter, ref: Counter, *, all_params: bool = True
+) -> tuple[str, str] | None:
+    """``(key, message)`` when the optimizer's largest saved ``step`` (``opt``) is not the step ``ref`` (the
+    trainer's, else a per-step LR scheduler's ``last_epoch``) counts: optimizer state of another save beside
+    the trainer's counters (``validate``'s ``R002``). Behind is allowed where a ``GradScaler`` is saved or the
+    trainer is Megatron (a step skipped for a loss-scale overflow, which the iteration still counts), and where
+    ``all_params`` is false (the largest step of a subset: parameters that missed gradients count fewer); ahead
+    never is."""
+    if opt.value == ref.value:
+        return None
+    skips = saves_grad_scaler(ckpt) or ckpt.catalog.schema.id == "megatron"
+    if opt.value < ref.value and (not all_params or skips):
+        return None
+    return (
+        opt.key,
+        f"optimizer step {opt.value} ({opt.key}, the largest) but {ref.key} = {ref.value}"
+        + (ONE_AHEAD if opt.value == ref.value + 1 else ""),
+    )
+
+
+def step_directory(ckpt: Checkpoint) -> tuple[str, int] | None:
+    """``(name, step)`` of the step directory the checkpoint was saved in, where its trainer names step directories
+    by the trainer step (:attr:`~ckpttool.model.schemas.base.SchemaSpec.step_dir_is_trainer_step`): the checkpoint
+    directory itself (torchtitan's ``step-N``), or the directory above a step folder of the schema (OLMo-core's
+    ``stepN/model_and_optim``); ``None`` otherwise."""
+    from ckpttool.model.discovery import step_of
+    from ckpttool.model.schemas import registry
+
+    spec = registry.find(ckpt.catalog.schema.id)
+    if spec is None or not spec.step_dir_is_trainer_step:
+        return None
+    d = Path(ckpt.located.model)
+    if d.name in {folder for folder, _ in spec.discovery.step_folders}:
+        d = d.parent
+    step = step_of(d.name)
+    return None if step is None else (d.name, step)
+
+
+def directory_step_disagrees(ckpt: Checkpoint, trains: list[Counter]) -> tuple[str, str] | None:
+    """``(key, message)`` when the trainer's saved step (the first of ``trains``) is not the step its step
+    directory names (:func:`step_directory`): a save copied or renamed into another step's directory, which a
+    resume from that step would continue at the saved step instead (``validate``'s ``R002``)."""
+    named = step_directory(ckpt)
+    if named is None or not trains or trains[0].value == named[1]:
+        return None
+    c = trains[0]
+    return c.key, f"{c.key} = {c.value} but its directory is {named[0]} (step {named[1]})"

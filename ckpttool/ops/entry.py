@@ -163,8 +163,8 @@ def replay_mismatch(result: ReplayResult) -> ReplayMismatchError | None:
     if not result.failed and result.problems and not result.skipped:  # the saved state as a whole
         return ReplayMismatchError(
             result.problems[0],
-            hint="resume from a checkpoint whose optimizer state was saved with its moments, "
-            "or check the trainer's save of the optimizer state",
+            hint="resume from a checkpoint whose optimizer state was saved with its moments at the trainer's "
+            "step, or check the trainer's save of the optimizer state",
         )
     if not result.failed:  # every replayed parameter passed, but stepped parameters were left out
         return ReplayMismatchError(

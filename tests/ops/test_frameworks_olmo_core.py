@@ -206,6 +206,10 @@ def test_trainer_state_is_read_and_checked(olmo_root: Path, tmp_path: Path) -> N
     assert next(r for r in doc["rules"] if r["code"] == "R002")["status"] == "passed"
     step = tmp_path / "step2"
     shutil.copytree(olmo_root / "run" / "step2", step)
+    renamed = shutil.copytree(olmo_root / "run" / "step2", tmp_path / "run" / "step5")  # another step's directory
+    res = runner.invoke(app, ["validate", str(renamed), "--deep", "--json"])
+    found = [f["message"] for f in json.loads(res.stdout)["findings"] if f["code"] == "R002"]
+    assert res.exit_code == 1 and found == ["train/rank0.pt:global_step = 2 but its directory is step5 (step 5)"]
     rank1 = step / "train" / "rank1.pt"
     state = torch.load(rank1, weights_only=True)
     state["global_step"] = 3  # a stale trainer state from another step

@@ -235,3 +235,55 @@ def test_a_latest_file_naming_no_checkpoint_is_r005(tmp_path: Path) -> None:
         f"{run / 'latest_checkpointed_iteration.txt'}: names step 5, but no checkpoint of step 5 is below {run}; "
         "steps found: 3"
     )
+
+
+@pytest.mark.parametrize(("common_step", "flagged"), [(2.0, False), (4.0, True)])
+def test_common_step_against_the_iteration(tmp_path: Path, common_step: float, flagged: bool) -> None:
+    """megatron skips the optimizer step of an iteration whose loss scale overflowed and still counts the
+    iteration: a common_step behind common.pt's iteration is no problem of the saved state as a whole (as
+    validate's R002); ahead of it, no megatron run makes, is."""
+    import shutil
+
+    run = shutil.copytree(DATA / "dense1", tmp_path / "run")
+    path = run / "iter_0000003" / "common.pt"
+    common = torch.load(path, weights_only=False)
+    common["optimizer"]["state"]["common_step"] = torch.tensor(common_step)
+    torch.save(common, path)
+    r = runner.invoke(app, ["replay-step", "--device", "cpu", "--json", str(run)])
+    doc = json.loads(r.stdout)
+    assert all(p["step_before"] == common_step for p in doc["params"])
+    if flagged:
+        (problem,) = doc["problems"]
+        assert problem.startswith("optimizer step 4 (optimizer.state.") and "but common.pt:iteration = 3" in problem
+        assert "R002" in problem
+        assert r.exit_code == 1
+    else:
+        assert doc["problems"] == []
+
+
+def test_inferred_group_membership_is_said() -> None:
+    """common.pt keeps its param groups without their parameters: the weight decay each parameter replays with
+    (0.1, or 0.0 for biases and 1-D parameters) is megatron's default grouping, not read from the checkpoint; the
+    replay said nothing of it, now a warning note names the hyperparameter and the rule."""
+    r = runner.invoke(app, ["replay-step", "--device", "cpu", "--json", str(DATA / "dense1")])
+    doc = json.loads(r.stdout)
+    assert r.exit_code == 0 and {p["weight_decay"] for p in doc["params"]} == {0.0, 0.1}
+    (note,) = [n for n in doc["notes"] if "without their parameters" in n]
+    assert note.startswith("warning: common.pt saves its param groups without their parameters; the weight_decay of")
+    assert "megatron's default grouping" in note and "no_weight_decay_cond or config_overrides" in note
+    # one parameter, one group: nothing depends on the membership
+    r = runner.invoke(app, ["replay-step", "--device", "cpu", "--json", str(DATA / "dense1"), "--filter", "*word_emb*"])
+    assert not [n for n in json.loads(r.stdout)["notes"] if "without their parameters" in n]
+
+
+def test_several_steps_say_the_lr_is_held() -> None:
+    """--steps 2 replays both steps with the lr saved in common.pt's groups, while megatron's OptimizerParamScheduler
+    (saved in common.pt) moves it after each step: the replay said nothing; now a warning note names the scheduler."""
+    r = runner.invoke(app, ["replay-step", "--device", "cpu", "--json", "--steps", "2", str(DATA / "dense1")])
+    doc = json.loads(r.stdout)
+    assert r.exit_code == 0 and doc["steps"] == 2
+    (note,) = [n for n in doc["notes"] if "constant lr" in n]
+    assert note.startswith("warning: 2 steps replayed, each with the lr saved in its param group; the run's LR ")
+    assert "(common.pt opt_param_scheduler)" in note
+    r = runner.invoke(app, ["replay-step", "--device", "cpu", "--json", str(DATA / "dense1")])
+    assert not [n for n in json.loads(r.stdout)["notes"] if "constant lr" in n]

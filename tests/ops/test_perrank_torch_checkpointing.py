@@ -606,3 +606,21 @@ def test_stats_takes_no_step_from_torchtunes_epoch_directory() -> None:
         r = runner.invoke(app, ["stats", "--json", str(run), *extra])
         assert r.exit_code == 0, r.output
         assert json.loads(r.stdout)["checkpoints"][0]["step"] is None, extra
+
+
+def test_a_step_lost_on_one_rank_is_refused(tc_root: Path, tmp_path: Path) -> None:
+    """rank 1's optimizer file without the step of one parameter (rank 0's read in its place as a replica):
+    replay-step said OK, 21 of 21; that rank's optimizer fails on its first step after the resume. Now E280 naming
+    the file, the parameter and the fields of both ranks."""
+    import torch
+
+    step = shutil.copytree(tc_root / "w2" / "step-2", tmp_path / "step-2")
+    sd = torch.load(step / "optimizer_1.pt", weights_only=False)
+    del sd["state"]["model.embed_tokens.weight"]["step"]
+    torch.save(sd, step / "optimizer_1.pt")
+    res = runner.invoke(app, ["replay-step", "--device", "cpu", str(step)])
+    assert res.exit_code == 2 and res.stdout == "", res.output
+    assert res.stderr.splitlines()[0] == (
+        "error: [E280] optimizer_1.pt: optimizer state of 'model.embed_tokens.weight' has field(s) exp_avg, "
+        "exp_avg_sq, optimizer_0.pt has exp_avg, exp_avg_sq, step"
+    )

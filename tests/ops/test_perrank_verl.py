@@ -308,6 +308,27 @@ def test_state_missing_on_one_rank_is_not_frozen(verl_root: Path, tmp_path: Path
     assert res.exit_code != 0, res.output
 
 
+@pytest.mark.parametrize("field", ["step", "exp_avg_sq"])
+def test_a_state_field_lost_on_one_rank_is_refused(verl_root: Path, tmp_path: Path, field: str) -> None:
+    """One rank's optimizer file whose state of a parameter lacks a field the other rank saved (its step, read as a
+    replica from rank 0's): replay-step said OK over the lost step and validate --deep passed, while that rank's
+    optimizer fails on its first step after the resume; now E280 naming the rank file, the parameter and both fields."""
+    import torch
+
+    actor = shutil.copytree(verl_root / "w2" / "global_step_2" / "actor", tmp_path / "actor")
+    other = actor / "optim_world_size_2_rank_1.pt"
+    sd = torch.load(other, weights_only=False)
+    del sd["state"][3][field]
+    torch.save(sd, other)
+    for cmd in (["replay-step", "--device", "cpu"], ["validate", "--deep"]):
+        res = runner.invoke(app, [*cmd, str(actor)])
+        assert res.exit_code in (1, 2) and "OK" not in res.stdout.splitlines()[-1:], res.output
+        line = next(ln for ln in res.stderr.splitlines() if ln.startswith("error:"))
+        assert line.startswith("error: [E280] ") and "optim_world_size_2_rank_1.pt: optimizer state of 'model." in line
+        assert "optim_world_size_2_rank_0.pt has exp_avg, exp_avg_sq, step" in line
+        assert "every rank saves the same state fields" in res.stderr
+
+
 def test_run_prefix_on_s3_names_the_verl_folder(verl_root: Path, s3_server: Any) -> None:
     """The run prefix on S3 (moto server): the verl actor folder below it is named, with what is unsupported."""
     import uuid

@@ -187,6 +187,9 @@ class SchemaSpec:
         scheduler_per_step: its trainer steps the LR scheduler once per optimizer step, so a saved
             ``last_epoch`` behind the step is a stale scheduler (``R002``); ``False`` where the trainer is not
             known (plain ``dcp.save``: a scheduler stepped once per epoch is as likely, ``R004``).
+        step_dir_is_trainer_step: its trainer names each step directory by the trainer step the save holds
+            (torchtitan's ``step-N`` holds ``train_state.step`` N; OLMo-core's ``stepN/`` holds ``global_step`` N in
+            ``train/rankR.pt``), so a directory that names another step holds another step's save (``R002``).
         stacked_layers: fqn prefixes of parameters stored with every layer stacked on dim 0 (Megatron-core's
             ``decoder.layers.``: ``decoder.layers.mlp.linear_fc1.weight [L, out, in]``); layer ``i`` of such a
             tensor is ``<prefix><i>`` (``decoder.layers.3``), as ``stats`` groups it.
@@ -208,6 +211,7 @@ class SchemaSpec:
     split_state_key: Callable[[str], tuple[str, str] | None] | None = None
     files_read: tuple[str, ...] = ()
     scheduler_per_step: bool = True
+    step_dir_is_trainer_step: bool = False
     stacked_layers: tuple[str, ...] = ()
     doc_model: str = ""
     doc_optimizer: str = ""

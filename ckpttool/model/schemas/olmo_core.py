@@ -36,6 +36,7 @@ SPEC = SchemaSpec(
         staging_suffixes=("-tmp",),
         step_folders=(("model_and_optim", ("train",)),),
     ),
+    step_dir_is_trainer_step=True,
     doc_model="`model.<fqn>`",
     doc_optimizer="`optim.state.<fqn>.<field>`, `optim.param_groups.<fqn>.<hyper>` (flattened)",
     doc_written_by="OLMo-core's `Checkpointer` (`stepN/model_and_optim/`, beside `train/rankR.pt`)",

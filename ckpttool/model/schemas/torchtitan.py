@@ -30,6 +30,7 @@ SPEC = SchemaSpec(
     training_state_items=ITEMS,
     fused_rules=((re.compile(r"^(?P<p>(?:.*\.)?)wqkv\.(?P<t>weight|bias)$"), ("{p}wq.{t}", "{p}wk.{t}", "{p}wv.{t}")),),
     discovery=Discovery(step_words=("step",)),
+    step_dir_is_trainer_step=True,
     import_help="CheckpointManager names via the adapter",
     doc_model="`<fqn>` (top level)",
     doc_optimizer="`optimizer.state.<fqn>.<field>` (flattened groups)",

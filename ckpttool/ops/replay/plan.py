@@ -902,8 +902,33 @@ def plan_replay(
     choice = _choose_type(cat, record, optimizer, selected, offload_patterns, notes)
     config = _configs(cat, selected, choice, chunk_size, notes)
     plans = _param_plans(cat, selected, members, choice, config, lost, notes)
+    _inferred_membership_note(cat, selected, notes)
     skipped = [f for f in members.stepped_orphans if wanted(f)]
     return ReplayPlan(plans, choice.type_name, choice.reason, config, notes, skipped, frozen)
+
+
+def _inferred_membership_note(cat: Catalog, selected: list[str], notes: list[str]) -> None:
+    """Say so when the replayed parameters' groups were not saved but inferred: Megatron's ``common.pt`` keeps its
+    param groups without ``params``, and the members follow megatron's default rule
+    (:func:`ckpttool.model.schemas.megatron.assign_groups`), which a run with its own ``no_weight_decay_cond`` or
+    ``config_overrides`` did not use; where the groups differ in hyperparameters, those of a parameter are then
+    not certain to be the run's."""
+    if cat.schema.id != "megatron" or not selected:
+        return
+    chosen = set(selected)
+    used = [g for g in cat.param_groups if chosen.intersection(g.params)]
+    differ = sorted({k for g in used for k, v in g.leaf_values.items() if any(o.leaf_values.get(k) != v for o in used)})
+    differ = [k for k in differ if k in ("lr", "weight_decay", "betas", "eps")]
+    if len(used) < 2 or not differ:
+        return
+    zero = next((f for g in used if g.values.get("wd_mult") == 0.0 for f in g.params if f in chosen), None)
+    notes.append(
+        f"warning: common.pt saves its param groups without their parameters; the {', '.join(differ)} of each "
+        "parameter is its group's by megatron's default grouping (biases and 1-D parameters in the wd_mult 0 group"
+        + (f", e.g. {zero}" if zero else "")
+        + "): a run with its own no_weight_decay_cond or config_overrides grouped otherwise, and the replay does not "
+        "show it (docs/frameworks.md)"
+    )
 
 
 def bytes_per_element(p: ParamPlan, reference_itemsize: int = 8, steps: int = 1) -> int:

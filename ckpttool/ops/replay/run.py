@@ -20,13 +20,20 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Literal
 
 from ckpttool.engine.pool import map_ordered
-from ckpttool.errors import DeviceUnavailableError, StateDtypeError, UsageError
+from ckpttool.errors import CkptError, DeviceUnavailableError, StateDtypeError, UsageError
 from ckpttool.format.jsonview import json_fields, json_number
 from ckpttool.model.checkpoint import Checkpoint, CheckpointOrPath, OpenOptions, open_source
-from ckpttool.model.counters import lost_optimizer_state
+from ckpttool.model.counters import (
+    Counter,
+    lost_optimizer_state,
+    optimizer_step_disagrees,
+    scheduler_counters,
+    trainer_steps,
+)
 from ckpttool.ops.fields import PhaseFn, ProgressFn, options_of, same_named
 from ckpttool.ops.replay.compare import (
     FieldError,
@@ -469,6 +476,7 @@ class _Prepared:
     notes: list[str]
     grad_file: Any
     ambiguous: set[str]
+    synthesized: bool = False
 
 
 def _prepare(ckpt: Checkpoint, opts: ReplayOptions) -> _Prepared:
@@ -486,6 +494,8 @@ def _prepare(ckpt: Checkpoint, opts: ReplayOptions) -> _Prepared:
         **same_named(opts, "select", "filter_glob", "optimizer", "offload_patterns", "chunk_size", "head_dim"),
     )
     notes = list(plan.notes)
+    if opts.steps > 1:
+        notes.extend(_constant_lr_note(ckpt, opts.steps))
     newer = ckpt.located.newer_incomplete_note("replayed")
     if newer:  # validate's R001: the run's newest save is broken, the replay proves an older one
         notes.append(f"warning: {newer}")
@@ -519,7 +529,30 @@ def _prepare(ckpt: Checkpoint, opts: ReplayOptions) -> _Prepared:
         )
     if layout.version == 1 and any(layout.is_permuted(p.key) for p in plan.params):
         notes.append("legacy (version 1) EP tensors are replayed in true expert order (block permutation undone)")
-    return _Prepared(layout, plan, notes, grad_file, ambiguous)
+    return _Prepared(layout, plan, notes, grad_file, ambiguous, bool(synth))
+
+
+def _constant_lr_note(ckpt: Checkpoint, steps: int) -> list[str]:
+    """With ``--steps`` K > 1 every replayed step uses the ``lr`` saved in the param groups, while the run's LR
+    scheduler, where one is saved, moves it after each step: steps 2..K are AdamW at a constant ``lr``, not the
+    run's (a warning note naming the scheduler's counter)."""
+    epochs, _ = scheduler_counters(ckpt)
+    where = f"{epochs[0].key} = {epochs[0].value}" if epochs else None
+    if where is None and ckpt.catalog.schema.id == "megatron":
+        from ckpttool.model.schemas.megatron import COMMON_FILE, read_common
+
+        try:
+            common = read_common(Path(ckpt.located.model))
+        except CkptError:
+            common = None
+        if common is not None and common.scheduler:
+            where = f"{COMMON_FILE} opt_param_scheduler"
+    if where is None:
+        return []
+    return [
+        f"warning: {steps} steps replayed, each with the lr saved in its param group; the run's LR scheduler ({where}) "
+        "moves the lr after every step, so steps 2 and later are AdamW at a constant lr, not the steps the run takes"
+    ]
 
 
 def _grad_description(grad_file: Any, opts: ReplayOptions) -> dict[str, Any]:
@@ -721,16 +754,32 @@ def _replay(
         timing=timing,
         skipped=tuple(plan.skipped),
         frozen=tuple(plan.frozen),
-        problems=_state_problems(ckpt, plan),
+        problems=_state_problems(ckpt, prep, results, complete=opts.select is None and opts.filter_glob is None),
     )
 
 
-def _state_problems(ckpt: Checkpoint, plan: Any) -> tuple[str, ...]:
-    """The saved state's problems as a whole (:attr:`ReplayResult.problems`)."""
-    lost = lost_optimizer_state(ckpt) if plan.params else None
-    if lost is None:
+def _state_problems(
+    ckpt: Checkpoint, prep: _Prepared, results: list[ParamResult], *, complete: bool
+) -> tuple[str, ...]:
+    """The saved state's problems as a whole (:attr:`ReplayResult.problems`): steps counted with no optimizer state,
+    or an optimizer ``step`` that is not the trainer's (``complete``: every stepped parameter was replayed, so the
+    largest saved step is the optimizer's)."""
+    lost = lost_optimizer_state(ckpt) if prep.plan.params else None
+    if lost is not None:
+        return (f"{lost[1]}; every parameter replayed from fresh state (`ckpttool validate --deep` reports R002)",)
+    loaded = [r for r in results if r.state != "fresh"]
+    trains = trainer_steps(ckpt) if loaded and not prep.synthesized else []
+    if not trains:
+        return ()  # no trainer step to compare; or saved before the first step (D005), as R002 skips it
+    top = max(loaded, key=lambda r: r.step_before)
+    opt = Counter(f"{ckpt.catalog.schema.optimizer_prefix or ''}state.{top.fqn}.step", int(top.step_before))
+    bad = optimizer_step_disagrees(ckpt, opt, trains[0], all_params=complete)
+    if bad is None:
         return ()
-    return (f"{lost[1]}; every parameter replayed from fresh state (`ckpttool validate --deep` reports R002)",)
+    return (
+        f"{bad[1]}: the optimizer state is not the trainer's step, and a resume would bias-correct for step "
+        f"{opt.value} (`ckpttool validate --deep` reports R002)",
+    )
 
 
 #: Elements per reference/comparison slab: a few dozen float64 temporaries of this size per worker.

@@ -35,6 +35,14 @@ def test_torchtitan_flattened_optimizer(titan_root: Path) -> None:
     assert any("stepped fused but stored split" in n and "assembled as the model fuses them" in n for n in doc["notes"])
     assert len(fqns) == 17 and doc["params_skipped"] == []  # 15 stored as they are stepped, 2 fused
     assert all(p["step_before"] == 2 for p in doc["params"])
+    assert not [n for n in doc["notes"] if "constant lr" in n]
+    # several steps: each at the saved lr, while torchtitan's LRSchedulersContainer would move it (a warning says so)
+    doc = replay(str(titan_root / "llama3" / "checkpoint"), "--step", "2", "--head-dim", "16", "--steps", "2")
+    assert [n for n in doc["notes"] if "constant lr" in n] == [
+        "warning: 2 steps replayed, each with the lr saved in its param group; the run's LR scheduler "
+        "(lr_scheduler.last_epoch = 2) moves the lr after every step, so steps 2 and later are AdamW at a constant lr, "
+        "not the steps the run takes"
+    ]
 
 
 def test_torchtitan_fused_qkv_without_head_dim_says_what_to_pass(titan_root: Path) -> None:
@@ -87,3 +95,56 @@ def test_refusals_name_the_cause(plain_root: Path, titan_root: Path) -> None:
     assert res.exit_code == 2 and res.stderr.startswith("error: [E514]") and "--optimizer-dir" in res.stderr
     res = runner.invoke(app, ["replay-step", str(titan_root / "llama3" / "checkpoint"), "--device", "cpu"])
     assert res.exit_code == 2 and res.stderr.startswith("error: [E204]") and "--step N|latest" in res.stderr
+
+
+def _titan_resaved(titan_root: Path, out: Path, **older: str) -> Path:
+    """torchtitan's step-2 save, loaded with torch's DCP reader and saved again with ``dcp.save`` under
+    ``out/checkpoint/step-2``, its items named in ``older`` (``optimizer``, ``lr_scheduler``) taken from step 1: the
+    state a resume leaves that restored one file of an older step beside the newer weights."""
+    import torch
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    run = titan_root / "llama3" / "checkpoint"
+    out.mkdir(parents=True, exist_ok=True)
+    sd = {}
+    for step in (1, 2):
+        dcp_to_torch_save(run / f"step-{step}", out / f"step{step}.pt")
+        sd[step] = torch.load(out / f"step{step}.pt", weights_only=False)
+    mixed = {**sd[2], **{item: sd[1][item] for item in older}}
+    dcp.save(mixed, checkpoint_id=str(out / "checkpoint" / "step-2"))
+    return out / "checkpoint" / "step-2"
+
+
+def test_optimizer_state_of_an_older_step_is_not_ok(titan_root: Path, tmp_path: Path) -> None:
+    """step-1's optimizer state beside step-2's weights and train_state: AdamW replays it exactly, but not the step
+    the run would take (bias correction of step 1 at the trainer's step 2): exit 1 naming the counters, as R002."""
+    ckpt = _titan_resaved(titan_root, tmp_path, optimizer="1")
+    args = ["replay-step", str(ckpt), "--device", "cpu", "--head-dim", "16"]
+    res = runner.invoke(app, [*args, "--json"])
+    assert res.exit_code == 1, res.stderr
+    doc = json.loads(res.stdout)
+    assert not doc["ok"] and doc["params_failed"] == 0 and len(doc["params"]) == 17
+    assert all(p["step_before"] == 1 for p in doc["params"])
+    assert (
+        len(doc["problems"]) == 1
+        and doc["problems"][0].startswith("optimizer step 1 (optimizer.state.")
+        and "but train_state.step = 2" in doc["problems"][0]
+    )
+    assert "R002" in doc["problems"][0]
+    res = runner.invoke(app, args)
+    assert res.exit_code == 1 and res.stderr.startswith("error: [E700] optimizer step 1 (")
+    # the verdict says why it failed, not only that every parameter matches
+    (verdict,) = [line for line in res.stdout.splitlines() if line.startswith("result")]
+    assert verdict == (
+        "result      FAILED: 17 of 17 parameters match the reference step with a sane update; the saved state as a "
+        "whole does not resume the run (1 problem below)"
+    )
+    assert "R002" in runner.invoke(app, ["validate", "--deep", str(ckpt)]).stdout
+    # a subset of the parameters (--filter) may legitimately have stepped fewer times: no verdict from its steps
+    res = runner.invoke(app, [*args, "--filter", "norm.weight", "--json"])
+    assert res.exit_code == 0 and json.loads(res.stdout)["problems"] == []
+    # the newer scheduler alone keeps optimizer and trainer in step: the replay is OK (validate names the scheduler)
+    ok = _titan_resaved(titan_root, tmp_path / "sched", lr_scheduler="1")
+    res = runner.invoke(app, ["replay-step", str(ok), "--device", "cpu", "--head-dim", "16", "--json"])
+    assert res.exit_code == 0 and json.loads(res.stdout)["ok"]

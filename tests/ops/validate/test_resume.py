@@ -132,6 +132,17 @@ def test_scheduler_from_another_step(titan_root: Path, tmp_path: Path) -> None:
     assert any("lr_scheduler.last_epoch = 1 but train_state.step = 2" in f["message"] for f in doc["findings"])
 
 
+def test_save_in_the_directory_of_another_step(titan_root: Path, tmp_path: Path) -> None:
+    """torchtitan names step-N by the train_state.step it saves: step 2's save copied to step-3/ (a resume from
+    "step 3" continues at step 2) is R002 naming both; the same save in step-2/ is not."""
+    src = titan_root / "llama3" / "checkpoint" / "step-2"
+    rc, doc = run(copy_checkpoint(src, tmp_path / "checkpoint" / "step-3"), "--deep")
+    msgs = [f["message"] for f in doc["findings"] if f["code"] == "R002"]
+    assert rc == 1 and msgs == ["train_state.step = 2 but its directory is step-3 (step 3)"], doc["findings"]
+    rc, doc = run(copy_checkpoint(src, tmp_path / "other" / "step-2"), "--deep")
+    assert rc == 0 and "R002" not in codes(doc), doc["findings"]
+
+
 # ------------------------------------------------------------------ moments (D006, D007, D008)
 W1 = "layers.0.feed_forward.w1.weight"
 

@@ -14,7 +14,14 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from ckpttool.errors import CkptError
-from ckpttool.model.counters import Counter, lost_optimizer_state, scheduler_counters, trainer_steps
+from ckpttool.model.counters import (
+    Counter,
+    directory_step_disagrees,
+    lost_optimizer_state,
+    optimizer_step_disagrees,
+    scheduler_counters,
+    trainer_steps,
+)
 from ckpttool.ops.validate.base import rule
 from ckpttool.ops.validate.context import Context
 from ckpttool.ops.validate.rules.data import saved_steps, synthesized_from_stats
@@ -81,13 +88,13 @@ def train_step_mismatch(ctx: Context) -> Iterator[tuple[str, str]]:
     for c in trains[1:]:
         if c.value != ref.value:
             yield c.key, f"{c.key} = {c.value} but {ref.key} = {ref.value}"
-    if opt is not None and opt is not ref and opt.value != ref.value:
-        if not (opt.value < ref.value and _grad_scaler(ctx)):
-            yield (
-                opt.key,
-                f"optimizer step {opt.value} ({opt.key}, the largest) but {ref.key} = {ref.value}"
-                + (_ONE_AHEAD if opt.value == ref.value + 1 else ""),
-            )
+    named = directory_step_disagrees(ctx.ckpt, trains)
+    if named is not None:
+        yield named
+    if opt is not None and opt is not ref:
+        bad = optimizer_step_disagrees(ctx.ckpt, opt, ref)
+        if bad is not None:
+            yield bad
     per_step = _scheduler_per_step(ctx)
     for c in epochs:
         if c is not ref and c.value != ref.value and (per_step or c.value > ref.value):
@@ -97,15 +104,6 @@ def train_step_mismatch(ctx: Context) -> Iterator[tuple[str, str]]:
         e = by_item.get(c.key.rsplit(".", 1)[0])
         if e is not None and c.value != e.value + 1:
             yield c.key, f"LR scheduler {c.key} = {c.value} but {e.key} = {e.value} (expected last_epoch + 1)"
-
-
-#: Why an optimizer's step is one ahead of the trainer's in every save of a run: torch's ``_init_optim_state``
-#: (``torch/distributed/checkpoint/state_dict.py``), which ``get_state_dict`` runs on an optimizer with no state,
-#: takes one zero-lr step with zero gradients to create it, and the live optimizer keeps that step.
-_ONE_AHEAD = (
-    "; one ahead, as after a save before the first step: get_state_dict on an optimizer with no state yet takes "
-    "one zero-lr step to create it (torch's _init_optim_state) and the live optimizer keeps counting from it"
-)
 
 
 @rule("R004")
@@ -131,24 +129,6 @@ def _scheduler_per_step(ctx: Context) -> bool:
 
     spec = registry.find(ctx.cat.schema.id)
     return spec is not None and spec.scheduler_per_step
-
-
-#: The entries of a saved ``torch.amp.GradScaler`` (``state_dict()``: ``scale``, ``growth_factor``, ``backoff_factor``,
-#: ``growth_interval``, ``_growth_tracker``), as the last components of its flattened keys.
-_GRAD_SCALER_KEYS = ("scale", "backoff_factor", "_growth_tracker")
-
-
-def _grad_scaler(ctx: Context) -> bool:
-    """The checkpoint saves a loss scaler's state (``torch.amp.GradScaler``, any item name): ``scaler.step(opt)``
-    skips the optimizer step of an iteration whose gradients hold inf/NaN, while the trainer's step and the LR
-    scheduler count it, so the optimizer's ``step`` is legitimately behind them (never ahead)."""
-    entries = ctx.ckpt.reader.metadata.entries
-    for key in entries:
-        if key.endswith("._growth_tracker"):
-            item = key[: -len("._growth_tracker")]
-            if all(f"{item}.{k}" in entries for k in _GRAD_SCALER_KEYS):
-                return True
-    return False
 
 
 def _no_optimizer_state(ctx: Context, counters: list[Counter]) -> Iterator[tuple[str, str]]:
