@@ -983,6 +983,23 @@ def _adapter_files(src_dir: Path) -> list[str]:
     return adapters
 
 
+def _warn_unread_beside(src_dir: Path, warnings: list[str]) -> None:
+    """Name the training state saved beside the weights that import does not read (a Hugging Face ``Trainer``
+    ``checkpoint-N/``: ``optimizer.pt``, ``scheduler.pt``, ``rng_state.pth``; NeMo Automodel's ``optim/`` beside
+    ``model/``; :func:`ckpttool.model.beside.unread_beside`): the output holds the model weights only. Other
+    pickles (a ``pytorch_model.bin`` copy of the weights) are not named: they are not training state."""
+    from ckpttool.model.beside import unpaired_optimizer, unread_beside
+
+    opt = unpaired_optimizer(src_dir, src_dir)
+    unread = (*unread_beside(src_dir, src_dir, any_pickle=False), *((opt,) if opt is not None else ()))
+    if unread:
+        shown = ", ".join(unread[:6]) + (f" (+{len(unread) - 6} more)" if len(unread) > 6 else "")
+        warnings.append(
+            f"{shown}: not imported (training state beside the weights, which import does not read): "
+            "the output holds the model weights only, no optimizer or scheduler state to resume from"
+        )
+
+
 def _check_not_empty(src_dir: Path, sources: dict[str, _Source]) -> None:
     """Refuse safetensors files that hold no tensor: an empty checkpoint would load into no model.
 
@@ -1016,6 +1033,7 @@ def _import_plain(
     warnings: list[str] = []
     if adapters:  # PEFT adapter weights beside the model are not base weights (hf_storage_files leaves them out)
         warnings.append(f"{adapters[0]} (a PEFT adapter) was not imported: merge it into the model first to import it")
+    _warn_unread_beside(src_dir, warnings)
     sources = _hf_sources(src_dir, md)
     _check_not_empty(src_dir, sources)
     _check_index(src_dir, sources)

@@ -755,3 +755,45 @@ def test_mixtral_per_expert_export_loads_into_mixtral_with_identical_logits(tmp_
     assert all(bitwise(back.state_dict()[k], want[k]) for k in want)
     with torch.no_grad():
         assert torch.equal(back.eval()(ids).logits, logits)
+
+
+def test_a_trainer_checkpoint_folder_imports_its_weights_and_names_the_training_state_left_out(tmp_path: Path) -> None:
+    """A Hugging Face ``Trainer`` ``checkpoint-N/`` (written by transformers' own ``Trainer``: model.safetensors beside
+    optimizer.pt, scheduler.pt, rng_state.pth, trainer_state.json, training_args.bin): the import wrote the weights
+    and said nothing of the optimizer state it left behind; it now names those files in a warning."""
+    from transformers import LlamaConfig, LlamaForCausalLM, Trainer, TrainingArguments
+
+    cfg = LlamaConfig(
+        vocab_size=64,
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+    )
+    torch.manual_seed(0)
+    data = [{"input_ids": torch.arange(8), "labels": torch.arange(8)} for _ in range(2)]
+    args = TrainingArguments(
+        output_dir=str(tmp_path / "run"),
+        max_steps=1,
+        save_steps=1,
+        per_device_train_batch_size=2,
+        report_to=[],
+        use_cpu=True,
+        disable_tqdm=True,
+    )
+    Trainer(model=LlamaForCausalLM(cfg), args=args, train_dataset=data).train()
+    step = tmp_path / "run" / "checkpoint-1"
+    assert (step / "optimizer.pt").is_file() and (step / "model.safetensors").is_file()
+    doc = cli("import", str(step), str(tmp_path / "out"))
+    left = [w for w in doc["warnings"] if "not imported" in w]
+    assert len(left) == 1, doc["warnings"]
+    for name in ("optimizer.pt", "scheduler.pt", "rng_state.pth", "trainer_state.json", "training_args.bin"):
+        assert name in left[0], left[0]
+    assert "model.safetensors" not in left[0] and "config.json" not in left[0]
+    res = runner.invoke(app, ["import", str(step), str(tmp_path / "out2")])
+    assert res.exit_code == 0 and "warning: " in res.stderr and "optimizer.pt" in res.stderr, res.stderr
+    ref = hf_tensors(step)
+    sd = {f"model.{k}": torch.empty_like(v) for k, v in ref.items()}
+    dcp.load(sd, checkpoint_id=str(tmp_path / "out"), no_dist=True)  # the weights themselves, bitwise
+    assert all(bitwise(sd[f"model.{k}"], v) for k, v in ref.items())
