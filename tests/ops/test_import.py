@@ -797,3 +797,20 @@ def test_a_trainer_checkpoint_folder_imports_its_weights_and_names_the_training_
     sd = {f"model.{k}": torch.empty_like(v) for k, v in ref.items()}
     dcp.load(sd, checkpoint_id=str(tmp_path / "out"), no_dist=True)  # the weights themselves, bitwise
     assert all(bitwise(sd[f"model.{k}"], v) for k, v in ref.items())
+
+
+def test_a_config_without_heads_is_named_by_imports_own_flag(hf_dirs: Path, tmp_path: Path) -> None:
+    """``--schema torchtitan`` with a config.json that lacks the heads the RoPE permutation needs: the hint said
+    "pass the model's config.json with `model_assets`", a parameter import does not have; it names --config."""
+    import shutil
+
+    d = tmp_path / "llama"
+    shutil.copytree(hf_dirs / "llama", d)
+    cfg = json.loads((d / "config.json").read_text())
+    del cfg["num_attention_heads"], cfg["num_key_value_heads"]
+    (d / "config.json").write_text(json.dumps(cfg))
+    res = runner.invoke(app, ["import", str(d), str(tmp_path / "o"), "--schema", "torchtitan"])
+    err = res.stderr.splitlines()
+    assert res.exit_code == 2 and len(err) == 2 and err[0].startswith("error: [E601] "), res.stderr
+    assert err[1] == "hint: pass the model's config.json with --config", err
+    assert not (tmp_path / "o").exists()
