@@ -46,7 +46,7 @@ from ckpttool.model.hfconfig import config_value, read_hf_config
 from ckpttool.model.schemas import registry
 from ckpttool.model.schemas.base import canonical_model_key
 from ckpttool.ops import distributed
-from ckpttool.ops.fields import OutputOptions, PhaseFn, ProgressFn, options_of
+from ckpttool.ops.fields import OutputOptions, PhaseFn, ProgressFn, check_output_ranks, options_of
 
 if TYPE_CHECKING:
     from ckpttool.layouts.record import EPTensorSpec
@@ -525,6 +525,7 @@ def _import_ep(
         if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
             raise UsageError(f"`{name}` must be an integer >= 1, got {v!r}", param=name)
     p, f = opts.ep_size or 1, opts.ep_fsdp_size or 1
+    check_output_ranks(p * f, f"`ep_size` {p} x `ep_fsdp_size` {f}", "ep_fsdp_size")
     if opts.world_size not in (1, p * f):
         raise UsageError(
             f"`world_size` {opts.world_size} is not `ep_size` x `ep_fsdp_size` = {p * f}",
@@ -626,6 +627,7 @@ def _check_import_options(hf_dir: str | os.PathLike[str], opts: ImportOptions) -
         raise UsageError(f"`schema` {opts.schema!r} is not one of {', '.join(SCHEMAS)}", param="schema")
     if isinstance(opts.world_size, bool) or not isinstance(opts.world_size, int) or opts.world_size < 1:
         raise UsageError(f"`world_size` must be an integer >= 1, got {opts.world_size!r}", param="world_size")
+    check_output_ranks(opts.world_size, f"`world_size` {opts.world_size}", "world_size")
     src_dir = Path(hf_dir)
     if not src_dir.is_dir():
         if os.path.lexists(src_dir):

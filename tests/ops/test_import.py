@@ -814,3 +814,34 @@ def test_a_config_without_heads_is_named_by_imports_own_flag(hf_dirs: Path, tmp_
     assert res.exit_code == 2 and len(err) == 2 and err[0].startswith("error: [E601] "), res.stderr
     assert err[1] == "hint: pass the model's config.json with --config", err
     assert not (tmp_path / "o").exists()
+
+
+@pytest.mark.parametrize(
+    ("flags", "shown"),
+    [
+        (["--world-size", "100000000"], "--world-size 100000000 is 100,000,000 "),
+        (["--ep-size", "8", "--ep-fsdp-size", "100000000"], "--ep-size 8 x --ep-fsdp-size 100000000 is 800,000,000 "),
+    ],
+)
+def test_a_mesh_of_millions_of_ranks_is_refused_before_planning(
+    hf_dirs: Path, tmp_path: Path, flags: list[str], shown: str
+) -> None:
+    """``--world-size 100000000`` (a mistyped 8): the plan of a row block per rank of every tensor ran until the
+    process ran out of memory (E999 MemoryError, or the OOM killer); it is E100 naming the flag, before planning.
+    Run with a 3 GiB address-space cap, so that the unfixed plan ends in MemoryError instead of exhausting the host."""
+    import resource
+    import subprocess
+    import sys
+
+    def cap() -> None:
+        resource.setrlimit(resource.RLIMIT_AS, (3 << 30, 3 << 30))
+
+    out = tmp_path / "o"
+    res = subprocess.run(
+        [sys.executable, "-m", "ckpttool", "import", str(hf_dirs / "qwen_moe"), str(out), *flags],
+        capture_output=True, text=True, timeout=300, preexec_fn=cap,
+    )  # fmt: skip
+    err = res.stderr.splitlines()
+    assert res.returncode == 2 and len(err) == 2, res.stderr
+    assert err[0].startswith(f"error: [E100] {shown}") and "131,072" in err[0], err
+    assert not out.exists()
