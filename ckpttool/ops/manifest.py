@@ -873,6 +873,14 @@ def _inside(root: Path, target: Path | str | None) -> tuple[str, ...]:
     return () if rel.startswith("..") else (rel.replace(os.sep, "/"),)
 
 
+def _below(path: Path, folder: Path) -> bool:
+    """``path`` (its folder resolved, the name kept) lies in ``folder`` (resolved) or below it."""
+    try:
+        return path.parent.resolve().joinpath(path.name).is_relative_to(folder.resolve())
+    except OSError:
+        return False
+
+
 def _check_target(target: Path, ckpt: Checkpoint) -> None:
     """Refuse a manifest path that would replace or add what ckpttool must not (``check_file_target``): inside
     the directories read (the one given, the checkpoint's model and optimizer folders) only the manifest's own
@@ -894,6 +902,8 @@ def _check_target(target: Path, ckpt: Checkpoint) -> None:
             f"the checkpoint's {MANIFEST_NAME} was not written by ckpttool and is kept; write this manifest to a "
             "file outside the checkpoint with --output FILE (verify with --verify --output FILE)"
         )
+    elif os.path.lexists(target) and not any(_below(target, s) for s in sources):  # a file of the user's, outside
+        hint = "choose a new file for --output (or a manifest ckpttool wrote, which it replaces): this one is kept"
     check_file_target(
         target, option="manifest", hint=hint, sources=sources, inside_ok=own_place, owned=is_manifest_head
     )
