@@ -694,12 +694,9 @@ def check_against_model(
     for kind, lines in check.findings.items():
         if kind not in refused:
             why = "allowed" if kind in allow else "dcp.load into the model leaves them unread"
-            warnings.append(f"{len(lines)} {kind} key(s) against {check.model_class} ({why}): {lines[0]}")
+            warnings.append(f"{len(lines)} {kind} key(s) against {check.model_class} ({why}): {_first(lines)}")
     if refused:
-        parts = []
-        for kind, lines in refused.items():
-            shown = "; ".join(lines[:3]) + (f" (+{len(lines) - 3} more)" if len(lines) > 3 else "")
-            parts.append(f"{kind} {len(lines)}: {shown}")
+        parts = [f"{kind} {len(lines)}: {_first(lines)}" for kind, lines in refused.items()]
         raise ModelMismatchError(
             f"the import does not fit {check.model_class} built from config.json: " + " | ".join(parts),
             param="config",
@@ -707,6 +704,11 @@ def check_against_model(
             f"model directory; `allow_mismatch` {','.join(refused)} imports it anyway",
         )
     return check
+
+
+def _first(lines: list[str], n: int = 3) -> str:
+    """The first ``n`` of ``lines`` and how many more: ``'a; b; c (+2 more)'``."""
+    return "; ".join(lines[:n]) + (f" (+{len(lines) - n} more)" if len(lines) > n else "")
 
 
 def _tie_lm_head(sources: dict[str, _Source], config: Any, warnings: list[str]) -> None:

@@ -845,3 +845,26 @@ def test_a_mesh_of_millions_of_ranks_is_refused_before_planning(
     assert res.returncode == 2 and len(err) == 2, res.stderr
     assert err[0].startswith(f"error: [E100] {shown}") and "131,072" in err[0], err
     assert not out.exists()
+
+
+def test_the_warning_on_keys_the_model_lacks_names_them_all_or_counts_the_rest(hf_dirs: Path, tmp_path: Path) -> None:
+    """Keys the model class lacks are imported with a warning; it said "5 unexpected key(s) ...: <the first>" and
+    nothing of the other four; it names the first 3 and "(+2 more)", as the refusal of missing keys does."""
+    import shutil
+
+    from safetensors.torch import save_file
+
+    d = tmp_path / "llama"
+    shutil.copytree(hf_dirs / "llama", d)
+    extra = {f"model.extra{i}.weight": torch.full((2, 2), float(i)) for i in range(5)}
+    save_file(extra, str(d / "model-extra.safetensors"), metadata={"format": "pt"})
+    idx = json.loads((d / "model.safetensors.index.json").read_text())
+    idx["weight_map"].update(dict.fromkeys(extra, "model-extra.safetensors"))
+    (d / "model.safetensors.index.json").write_text(json.dumps(idx))
+    doc = cli("import", str(d), str(tmp_path / "o"))
+    (w,) = [w for w in doc["warnings"] if "unexpected" in w]
+    assert w == (
+        "5 unexpected key(s) against LlamaForCausalLM (dcp.load into the model leaves them unread): "
+        "model.extra0.weight [2, 2]; model.extra1.weight [2, 2]; model.extra2.weight [2, 2] (+2 more)"
+    ), w
+    assert len(doc["model_check"]["findings"]["unexpected"]) == 5
