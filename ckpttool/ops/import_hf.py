@@ -24,7 +24,12 @@ from typing import TYPE_CHECKING, Any
 
 from ckpttool.errors import ExportError, MetadataError, ModelMismatchError, UsageError
 from ckpttool.format.files import missing_path_hint, open_regular, resolve_inside
-from ckpttool.format.hf_storage import ADAPTER_PREFIX, hf_storage_files, load_hf_storage_metadata
+from ckpttool.format.hf_storage import (
+    ADAPTER_PREFIX,
+    hf_storage_files,
+    load_hf_storage_metadata,
+    mistral_consolidated,
+)
 from ckpttool.format.jsonview import JsonView, json_counted
 from ckpttool.format.marker import MARKER_NAME
 from ckpttool.format.metadata import ChunkMeta, DType, TensorMeta
@@ -1038,6 +1043,12 @@ def _import_plain(
     if adapters:  # PEFT adapter weights beside the model are not base weights (hf_storage_files leaves them out)
         warnings.append(f"{adapters[0]} (a PEFT adapter) was not imported: merge it into the model first to import it")
     _warn_unread_beside(src_dir, warnings)
+    every = sorted(n for n in os.listdir(src_dir) if n.endswith(".safetensors") and not n.startswith("."))
+    for name in mistral_consolidated(src_dir, every):  # hf_storage_files leaves it out, as transformers does
+        warnings.append(
+            f"{name} (Mistral's own format, beside the files model.safetensors.index.json names) was not imported: "
+            "the import is the index's model, as transformers loads it"
+        )
     sources = _hf_sources(src_dir, md)
     _check_not_empty(src_dir, sources)
     _check_index(src_dir, sources)

@@ -868,3 +868,37 @@ def test_the_warning_on_keys_the_model_lacks_names_them_all_or_counts_the_rest(h
         "model.extra0.weight [2, 2]; model.extra1.weight [2, 2]; model.extra2.weight [2, 2] (+2 more)"
     ), w
     assert len(doc["model_check"]["findings"]["unexpected"]) == 5
+
+
+def test_mistrals_consolidated_file_beside_the_indexed_shards_is_left_out_as_transformers_does(
+    hf_dirs: Path, tmp_path: Path
+) -> None:
+    """Mistral's Hugging Face repositories ship ``consolidated.safetensors`` (Mistral's own names) beside the
+    ``save_pretrained`` shards and their index; transformers reads the index's files. import refused such a folder
+    (E200 "1 shard(s) on disk are not in the index ... do not load it"); it imports the index's model, bitwise, and
+    names the file it left out. Without an index, such a file is the folder's model as before."""
+    import shutil
+
+    from safetensors.torch import save_file
+
+    d = tmp_path / "mistral"
+    shutil.copytree(hf_dirs / "llama", d)
+    native = {"tok_embeddings.weight": torch.ones(64, 32), "layers.0.attention.wq.weight": torch.ones(32, 32)}
+    save_file(native, str(d / "consolidated.safetensors"))
+    doc = cli("import", str(d), str(tmp_path / "o"))
+    assert any(w.startswith("consolidated.safetensors (Mistral's own format") for w in doc["warnings"]), doc
+    ref = hf_tensors(hf_dirs / "llama")
+    sd = {f"model.{k}": torch.empty_like(v) for k, v in ref.items()}
+    dcp.load(sd, checkpoint_id=str(tmp_path / "o"), no_dist=True)
+    assert all(bitwise(sd[f"model.{k}"], v) for k, v in ref.items())
+    from torch.distributed.checkpoint import FileSystemReader
+
+    keys = set(FileSystemReader(str(tmp_path / "o")).read_metadata().state_dict_metadata)
+    assert keys == {f"model.{k}" for k in ref}
+    alone = tmp_path / "alone"
+    alone.mkdir()
+    save_file(native, str(alone / "consolidated.safetensors"))
+    res = runner.invoke(app, ["import", str(alone), str(tmp_path / "o2"), "--allow-mismatch", "missing"])
+    assert res.exit_code == 0, res.stderr
+    keys = set(FileSystemReader(str(tmp_path / "o2")).read_metadata().state_dict_metadata)
+    assert keys == {f"model.{k}" for k in native}
