@@ -992,6 +992,20 @@ def _adapter_files(src_dir: Path) -> list[str]:
     return adapters
 
 
+def _warn_left_out(src_dir: Path, adapters: list[str], warnings: list[str]) -> None:
+    """Name what the folder holds beside the model that is not imported: a PEFT adapter, Mistral's own
+    ``consolidated.safetensors`` (both left out by ``hf_storage_files``) and training state."""
+    if adapters:  # PEFT adapter weights beside the model are not base weights (hf_storage_files leaves them out)
+        warnings.append(f"{adapters[0]} (a PEFT adapter) was not imported: merge it into the model first to import it")
+    _warn_unread_beside(src_dir, warnings)
+    every = sorted(n for n in os.listdir(src_dir) if n.endswith(".safetensors") and not n.startswith("."))
+    for name in mistral_consolidated(src_dir, every):  # hf_storage_files leaves it out, as transformers does
+        warnings.append(
+            f"{name} (Mistral's own format, beside the files model.safetensors.index.json names) was not imported: "
+            "the import is the index's model, as transformers loads it"
+        )
+
+
 def _warn_unread_beside(src_dir: Path, warnings: list[str]) -> None:
     """Name the training state saved beside the weights that import does not read (a Hugging Face ``Trainer``
     ``checkpoint-N/``: ``optimizer.pt``, ``scheduler.pt``, ``rng_state.pth``; NeMo Automodel's ``optim/`` beside
@@ -1040,15 +1054,7 @@ def _import_plain(
     adapters = _adapter_files(src_dir)
     md = load_hf_storage_metadata(src_dir)
     warnings: list[str] = []
-    if adapters:  # PEFT adapter weights beside the model are not base weights (hf_storage_files leaves them out)
-        warnings.append(f"{adapters[0]} (a PEFT adapter) was not imported: merge it into the model first to import it")
-    _warn_unread_beside(src_dir, warnings)
-    every = sorted(n for n in os.listdir(src_dir) if n.endswith(".safetensors") and not n.startswith("."))
-    for name in mistral_consolidated(src_dir, every):  # hf_storage_files leaves it out, as transformers does
-        warnings.append(
-            f"{name} (Mistral's own format, beside the files model.safetensors.index.json names) was not imported: "
-            "the import is the index's model, as transformers loads it"
-        )
+    _warn_left_out(src_dir, adapters, warnings)
     sources = _hf_sources(src_dir, md)
     _check_not_empty(src_dir, sources)
     _check_index(src_dir, sources)
