@@ -46,7 +46,14 @@ AdapterOpt = Annotated[
         "[default: from config.json model_type].",
     ),
 ]
-ConfigOpt = Annotated[Path | None, typer.Option("--config", help="config.json [default: HF_DIR/config.json].")]
+ConfigOpt = Annotated[
+    Path | None,
+    typer.Option(
+        "--config",
+        help="config.json [default: HF_DIR/config.json, or the one saved with the weights: "
+        "HF_DIR/.hf_metadata/ (NeMo Automodel), consolidated/, huggingface/].",
+    ),
+]
 WorldSizeOpt = Annotated[
     int,
     typer.Option(

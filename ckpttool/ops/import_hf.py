@@ -46,6 +46,7 @@ from ckpttool.model.adapters import (
     import_adapters,
     rope_from_hf_rows,
 )
+from ckpttool.model.beside import hf_config_beside
 from ckpttool.model.hf_forms import FORMS, ExpertForm, forms_for
 from ckpttool.model.hfconfig import config_value, read_hf_config
 from ckpttool.model.schemas import registry
@@ -1049,7 +1050,8 @@ def _import_plain(
     t0 = time.perf_counter()
     src_dir = _check_import_options(hf_dir, opts)
     report.phase(f"reading headers of {src_dir}")
-    cfg_path = opts.config if opts.config is not None else (src_dir if (src_dir / "config.json").exists() else None)
+    # the folder's config.json, or where the trainer saved it with the weights (NeMo Automodel's model/.hf_metadata/)
+    cfg_path = opts.config if opts.config is not None else hf_config_beside(src_dir)
     config = read_hf_config(cfg_path, param="config") if cfg_path is not None else None
     adapters = _adapter_files(src_dir)
     md = load_hf_storage_metadata(src_dir)
