@@ -1007,6 +1007,11 @@ def _warn_left_out(src_dir: Path, adapters: list[str], warnings: list[str]) -> N
         )
 
 
+#: What a Hugging Face ``Trainer`` writes beside its final ``save_model()`` weights, and model repositories often
+#: ship: the run's arguments and log, no state to resume from; named only beside training state that is.
+_RECORDS_ONLY = frozenset({"training_args.bin", "trainer_state.json"})
+
+
 def _warn_unread_beside(src_dir: Path, warnings: list[str]) -> None:
     """Name the training state saved beside the weights that import does not read (a Hugging Face ``Trainer``
     ``checkpoint-N/``: ``optimizer.pt``, ``scheduler.pt``, ``rng_state.pth``; NeMo Automodel's ``optim/`` beside
@@ -1016,7 +1021,7 @@ def _warn_unread_beside(src_dir: Path, warnings: list[str]) -> None:
 
     opt = unpaired_optimizer(src_dir, src_dir)
     unread = (*unread_beside(src_dir, src_dir, any_pickle=False), *((opt,) if opt is not None else ()))
-    if unread:
+    if set(unread) - _RECORDS_ONLY:  # a final save_model() folder (weights, training_args.bin) holds no state
         shown = ", ".join(unread[:6]) + (f" (+{len(unread) - 6} more)" if len(unread) > 6 else "")
         warnings.append(
             f"{shown}: not imported (training state beside the weights, which import does not read): "

@@ -782,7 +782,13 @@ def test_a_trainer_checkpoint_folder_imports_its_weights_and_names_the_training_
         use_cpu=True,
         disable_tqdm=True,
     )
-    Trainer(model=LlamaForCausalLM(cfg), args=args, train_dataset=data).train()
+    trainer = Trainer(model=LlamaForCausalLM(cfg), args=args, train_dataset=data)
+    trainer.train()
+    trainer.save_model(str(tmp_path / "final"))  # weights, config.json, training_args.bin: no state to warn of
+    assert (tmp_path / "final" / "training_args.bin").is_file()
+    assert not [
+        w for w in cli("import", str(tmp_path / "final"), str(tmp_path / "f"))["warnings"] if "not imported" in w
+    ]
     step = tmp_path / "run" / "checkpoint-1"
     assert (step / "optimizer.pt").is_file() and (step / "model.safetensors").is_file()
     doc = cli("import", str(step), str(tmp_path / "out"))
