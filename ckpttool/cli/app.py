@@ -362,10 +362,12 @@ HIDDEN_ALIASES = frozenset({"--optimizer"})
 
 
 def _takes_urls(cmd: Any) -> bool:
-    """Whether a command has a CHECKPOINT/OUT argument that may be a URL (parsed by ``options.location``)."""
-    from ckpttool.ui.options import location
+    """Whether a command has a CHECKPOINT/OUT argument that may be a URL (parsed by ``options.location`` or
+    ``options.output_location``)."""
+    from ckpttool.ui.options import location, output_location
 
-    return any(getattr(p.type, "func", None) is location for p in cmd.params if p.param_type_name == "argument")
+    parsers = (location, output_location)
+    return any(getattr(p.type, "func", None) in parsers for p in cmd.params if p.param_type_name == "argument")
 
 
 #: The metavar of a path option: a directory, a file, else ``PATH`` (either).

@@ -46,7 +46,14 @@ AdapterOpt = Annotated[
         "[default: from config.json model_type].",
     ),
 ]
-ConfigOpt = Annotated[Path | None, typer.Option("--config", help="config.json [default: HF_DIR/config.json].")]
+ConfigOpt = Annotated[
+    Path | None,
+    typer.Option(
+        "--config",
+        help="config.json [default: HF_DIR/config.json, or the one saved with the weights: "
+        "HF_DIR/.hf_metadata/ (NeMo Automodel), consolidated/, huggingface/].",
+    ),
+]
 WorldSizeOpt = Annotated[
     int,
     typer.Option(
@@ -160,11 +167,11 @@ def _run(hf_dir: Path, out: PurePath, shown: PhaseProgress | None, options: Impo
 
 
 def _render(r: ImportResult) -> None:
-    from ckpttool.ui.render import fmt_rate, fmt_seconds, human_bytes, plural, stdout_console
+    from ckpttool.ui.render import FILES_SHOWN, fmt_list, fmt_rate, fmt_seconds, human_bytes, plural, stdout_console
 
     lines = [
         f"dry run: would import {plural(r.tensors, 'tensor')}, {human_bytes(r.bytes)} to {r.output} in "
-        + ", ".join(f"{f['name']} {human_bytes(f['bytes'])}" for f in r.files)
+        + fmt_list((f"{f['name']} {human_bytes(f['bytes'])}" for f in r.files), limit=FILES_SHOWN)
         + f"; nothing was written (planned in {fmt_seconds(r.seconds)})"
         if r.dry_run
         else f"imported {plural(r.tensors, 'tensor')}, {human_bytes(r.bytes)} to {r.output} "

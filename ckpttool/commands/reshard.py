@@ -127,7 +127,7 @@ def reshard_command(
 
 
 def _render(res: ReshardResult) -> None:
-    from ckpttool.ui.render import fmt_rate, fmt_seconds, human_bytes, plural, stdout_console
+    from ckpttool.ui.render import FILES_SHOWN, fmt_list, fmt_rate, fmt_seconds, human_bytes, plural, stdout_console
 
     con = stdout_console()
     src_v = {None: "unversioned", 1: "legacy (version 1)", 2: "canonical (version 2)"}[res.from_version]
@@ -147,7 +147,7 @@ def _render(res: ReshardResult) -> None:
         f"{plural(res.byte_items, 'byte item')} copied unchanged"
     )
     if res.dry_run:  # --dry-run: the plan, nothing written (bytes: tensor data per target rank file)
-        per_file = ", ".join(str(f["path"]) + " " + human_bytes(f["bytes"]) for f in res.files)
+        per_file = fmt_list((str(f["path"]) + " " + human_bytes(f["bytes"]) for f in res.files), limit=FILES_SHOWN)
         con.print(
             f"plan    {human_bytes(res.bytes_written)} of tensor data ({per_file}); "
             f"{plural(res.chunks_copied, 'chunk')} to copy verbatim, {res.chunks_rewritten} to reassemble"

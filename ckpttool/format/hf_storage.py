@@ -30,6 +30,7 @@ __all__ = [
     "HF_INDEX_NAME",
     "check_hf_index",
     "hf_storage_files",
+    "mistral_consolidated",
     "load_hf_storage_metadata",
     "read_safetensors_header",
     "shard_rank",
@@ -136,8 +137,25 @@ def hf_storage_files(path: Path) -> list[str]:
     except OSError:
         return []
     names = [n for n in every if not n.startswith(ADAPTER_PREFIX)] or every
+    names = [n for n in names if n not in mistral_consolidated(path, names)]
     consolidated = [n for n in names if not _SHARD_RE.match(n)]
     return consolidated or names
+
+
+#: Mistral's own single-file save (``consolidated.safetensors``: Mistral's names, ``layers.N.attention.wq.weight``),
+#: which Mistral's Hugging Face repositories ship beside the ``save_pretrained`` shards and their index.
+_MISTRAL_RE = re.compile(r"^consolidated(?:\.\d+)?\.safetensors$")
+
+
+def mistral_consolidated(path: Path, names: list[str]) -> list[str]:
+    """Of the safetensors file ``names`` in ``path``, Mistral's ``consolidated*.safetensors`` beside an index and the
+    files it names: not part of the ``save_pretrained`` model (transformers reads only the index's files), so
+    :func:`hf_storage_files` leaves them out, as it leaves out a PEFT adapter; ``[]`` without an index (then such a
+    file is the folder's only save, read as any other)."""
+    found = [n for n in names if _MISTRAL_RE.match(n)]
+    if not found or len(found) == len(names) or not os.path.lexists(path / HF_INDEX_NAME):
+        return []
+    return found
 
 
 def shard_rank(name: str) -> int | None:

@@ -75,10 +75,11 @@ _DCP_METADATA = ".metadata"
 _READ_BESIDE = frozenset({NEMO_STEP_SCHEDULER})
 
 
-def _unread_file(name: str) -> bool:
+def _unread_file(name: str, any_pickle: bool = True) -> bool:
     """A file named ``name`` beside the checkpoint is training state ckpttool does not read (the one
-    test :func:`unread_beside` and :func:`unread_in_listing` share)."""
-    return bool(_UNREAD_FILE.match(name) or (_PICKLE_FILE.search(name) and name not in _READ_BESIDE))
+    test :func:`unread_beside` and :func:`unread_in_listing` share); with ``any_pickle=False`` only the
+    trainers' own training-state names (:data:`_UNREAD_FILE`), not any other pickle."""
+    return bool(_UNREAD_FILE.match(name) or (any_pickle and _PICKLE_FILE.search(name) and name not in _READ_BESIDE))
 
 
 def _unread_folder(name: str, holds_metadata: bool) -> bool:
@@ -87,7 +88,9 @@ def _unread_folder(name: str, holds_metadata: bool) -> bool:
     return bool(_UNREAD_DIR.match(name)) or holds_metadata
 
 
-def unread_beside(model_dir: Path, given: Path, read: Collection[Path] = ()) -> tuple[str, ...]:
+def unread_beside(
+    model_dir: Path, given: Path, read: Collection[Path] = (), *, any_pickle: bool = True
+) -> tuple[str, ...]:
     """Training-state files and folders saved beside the checkpoint that ckpttool does not read.
 
     Looked for in ``model_dir`` and, where it is the model folder of a model/optimizer pair
@@ -99,7 +102,9 @@ def unread_beside(model_dir: Path, given: Path, read: Collection[Path] = ()) -> 
     checkpoint of its own) is one, and so is a folder of the step directory holding a pickle (NeMo
     Automodel's ``rng/``, ``dataloader/``). Names are relative to ``given`` (the directory the user passed)
     where they lie below it; a folder ends in ``/``. ``()`` when there are none or a directory
-    cannot be listed.
+    cannot be listed. ``any_pickle=False``: of the files, only those the trainers name as training state
+    (``optimizer.pt``, ``rng_state.pth``, ...), not any other pickle (``import``: a ``pytorch_model.bin``
+    copy of the weights beside their safetensors is not training state).
     """
     own = {p.resolve() for p in read}
     from ckpttool.model.schemas import registry
@@ -127,7 +132,7 @@ def unread_beside(model_dir: Path, given: Path, read: Collection[Path] = ()) -> 
                 _unread_folder(name, d == model_dir and os.path.lexists(d / name / _DCP_METADATA))
                 or (d != model_dir and _holds_pickles(d / name))
                 if is_dir
-                else _unread_file(name)
+                else _unread_file(name, any_pickle)
             )
             if unread and (d / name).resolve() not in own:
                 rel = os.path.relpath(d / name, given) if (d / name).is_relative_to(given) else str(d / name)

@@ -20,7 +20,18 @@ else:  # torch requires typing_extensions
 if TYPE_CHECKING:
     from ckpttool.model.checkpoint import OpenOptions
 
-__all__ = ["Hooks", "OutputOptions", "PhaseFn", "ProgressFn", "Unpack", "hooks_of", "options_of", "same_named"]
+__all__ = [
+    "MAX_OUTPUT_RANKS",
+    "Hooks",
+    "OutputOptions",
+    "PhaseFn",
+    "ProgressFn",
+    "Unpack",
+    "check_output_ranks",
+    "hooks_of",
+    "options_of",
+    "same_named",
+]
 
 #: ``progress(done_bytes, total_bytes)``: ``(0, total)`` once planned, then as bytes are written or
 #: checked; called from the calling thread.
@@ -28,6 +39,27 @@ ProgressFn = Callable[[int, int], None]
 #: ``phase(text)``: the step an operation starts (``planning``, ``checking chunks``, ``writing``, ...),
 #: called from the calling thread.
 PhaseFn = Callable[[str], None]
+
+
+#: The most target ranks an output that writes one data file per rank (import, reshard) is planned for: more than
+#: any training job's mesh, and the plan holds each tensor's piece per rank, so a mistyped size (``--world-size
+#: 80000000``) is refused at once instead of planning until the process runs out of memory.
+MAX_OUTPUT_RANKS = 1 << 17
+
+
+def check_output_ranks(ranks: int, sizes: str, param: str) -> None:
+    """Refuse an output mesh of more than :data:`MAX_OUTPUT_RANKS` ranks (``sizes``: how ``ranks`` was given).
+
+    Raises:
+        UsageError (E100): naming ``param``.
+    """
+    if ranks > MAX_OUTPUT_RANKS:
+        raise UsageError(
+            f"{sizes} is {ranks:,} target ranks, more than the {MAX_OUTPUT_RANKS:,} an output is planned for "
+            "(one data file per rank)",
+            param=param,
+            hint="give the sizes of the job that will load the output",
+        )
 
 
 class Hooks(TypedDict, total=False):

@@ -24,7 +24,12 @@ from typing import TYPE_CHECKING, Any
 
 from ckpttool.errors import ExportError, MetadataError, ModelMismatchError, UsageError
 from ckpttool.format.files import missing_path_hint, open_regular, resolve_inside
-from ckpttool.format.hf_storage import ADAPTER_PREFIX, hf_storage_files, load_hf_storage_metadata
+from ckpttool.format.hf_storage import (
+    ADAPTER_PREFIX,
+    hf_storage_files,
+    load_hf_storage_metadata,
+    mistral_consolidated,
+)
 from ckpttool.format.jsonview import JsonView, json_counted
 from ckpttool.format.marker import MARKER_NAME
 from ckpttool.format.metadata import ChunkMeta, DType, TensorMeta
@@ -41,12 +46,13 @@ from ckpttool.model.adapters import (
     import_adapters,
     rope_from_hf_rows,
 )
+from ckpttool.model.beside import hf_config_beside
 from ckpttool.model.hf_forms import FORMS, ExpertForm, forms_for
 from ckpttool.model.hfconfig import config_value, read_hf_config
 from ckpttool.model.schemas import registry
 from ckpttool.model.schemas.base import canonical_model_key
 from ckpttool.ops import distributed
-from ckpttool.ops.fields import OutputOptions, PhaseFn, ProgressFn, options_of
+from ckpttool.ops.fields import OutputOptions, PhaseFn, ProgressFn, check_output_ranks, options_of
 
 if TYPE_CHECKING:
     from ckpttool.layouts.record import EPTensorSpec
@@ -525,6 +531,7 @@ def _import_ep(
         if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
             raise UsageError(f"`{name}` must be an integer >= 1, got {v!r}", param=name)
     p, f = opts.ep_size or 1, opts.ep_fsdp_size or 1
+    check_output_ranks(p * f, f"`ep_size` {p} x `ep_fsdp_size` {f}", "ep_fsdp_size")
     if opts.world_size not in (1, p * f):
         raise UsageError(
             f"`world_size` {opts.world_size} is not `ep_size` x `ep_fsdp_size` = {p * f}",
@@ -626,6 +633,7 @@ def _check_import_options(hf_dir: str | os.PathLike[str], opts: ImportOptions) -
         raise UsageError(f"`schema` {opts.schema!r} is not one of {', '.join(SCHEMAS)}", param="schema")
     if isinstance(opts.world_size, bool) or not isinstance(opts.world_size, int) or opts.world_size < 1:
         raise UsageError(f"`world_size` must be an integer >= 1, got {opts.world_size!r}", param="world_size")
+    check_output_ranks(opts.world_size, f"`world_size` {opts.world_size}", "world_size")
     src_dir = Path(hf_dir)
     if not src_dir.is_dir():
         if os.path.lexists(src_dir):
@@ -692,12 +700,9 @@ def check_against_model(
     for kind, lines in check.findings.items():
         if kind not in refused:
             why = "allowed" if kind in allow else "dcp.load into the model leaves them unread"
-            warnings.append(f"{len(lines)} {kind} key(s) against {check.model_class} ({why}): {lines[0]}")
+            warnings.append(f"{len(lines)} {kind} key(s) against {check.model_class} ({why}): {_first(lines)}")
     if refused:
-        parts = []
-        for kind, lines in refused.items():
-            shown = "; ".join(lines[:3]) + (f" (+{len(lines) - 3} more)" if len(lines) > 3 else "")
-            parts.append(f"{kind} {len(lines)}: {shown}")
+        parts = [f"{kind} {len(lines)}: {_first(lines)}" for kind, lines in refused.items()]
         raise ModelMismatchError(
             f"the import does not fit {check.model_class} built from config.json: " + " | ".join(parts),
             param="config",
@@ -705,6 +710,11 @@ def check_against_model(
             f"model directory; `allow_mismatch` {','.join(refused)} imports it anyway",
         )
     return check
+
+
+def _first(lines: list[str], n: int = 3) -> str:
+    """The first ``n`` of ``lines`` and how many more: ``'a; b; c (+2 more)'``."""
+    return "; ".join(lines[:n]) + (f" (+{len(lines) - n} more)" if len(lines) > n else "")
 
 
 def _tie_lm_head(sources: dict[str, _Source], config: Any, warnings: list[str]) -> None:
@@ -983,6 +993,42 @@ def _adapter_files(src_dir: Path) -> list[str]:
     return adapters
 
 
+def _warn_left_out(src_dir: Path, adapters: list[str], warnings: list[str]) -> None:
+    """Name what the folder holds beside the model that is not imported: a PEFT adapter, Mistral's own
+    ``consolidated.safetensors`` (both left out by ``hf_storage_files``) and training state."""
+    if adapters:  # PEFT adapter weights beside the model are not base weights (hf_storage_files leaves them out)
+        warnings.append(f"{adapters[0]} (a PEFT adapter) was not imported: merge it into the model first to import it")
+    _warn_unread_beside(src_dir, warnings)
+    every = sorted(n for n in os.listdir(src_dir) if n.endswith(".safetensors") and not n.startswith("."))
+    for name in mistral_consolidated(src_dir, every):  # hf_storage_files leaves it out, as transformers does
+        warnings.append(
+            f"{name} (Mistral's own format, beside the files model.safetensors.index.json names) was not imported: "
+            "the import is the index's model, as transformers loads it"
+        )
+
+
+#: What a Hugging Face ``Trainer`` writes beside its final ``save_model()`` weights, and model repositories often
+#: ship: the run's arguments and log, no state to resume from; named only beside training state that is.
+_RECORDS_ONLY = frozenset({"training_args.bin", "trainer_state.json"})
+
+
+def _warn_unread_beside(src_dir: Path, warnings: list[str]) -> None:
+    """Name the training state saved beside the weights that import does not read (a Hugging Face ``Trainer``
+    ``checkpoint-N/``: ``optimizer.pt``, ``scheduler.pt``, ``rng_state.pth``; NeMo Automodel's ``optim/`` beside
+    ``model/``; :func:`ckpttool.model.beside.unread_beside`): the output holds the model weights only. Other
+    pickles (a ``pytorch_model.bin`` copy of the weights) are not named: they are not training state."""
+    from ckpttool.model.beside import unpaired_optimizer, unread_beside
+
+    opt = unpaired_optimizer(src_dir, src_dir)
+    unread = (*unread_beside(src_dir, src_dir, any_pickle=False), *((opt,) if opt is not None else ()))
+    if set(unread) - _RECORDS_ONLY:  # a final save_model() folder (weights, training_args.bin) holds no state
+        shown = ", ".join(unread[:6]) + (f" (+{len(unread) - 6} more)" if len(unread) > 6 else "")
+        warnings.append(
+            f"{shown}: not imported (training state beside the weights, which import does not read): "
+            "the output holds the model weights only, no optimizer or scheduler state to resume from"
+        )
+
+
 def _check_not_empty(src_dir: Path, sources: dict[str, _Source]) -> None:
     """Refuse safetensors files that hold no tensor: an empty checkpoint would load into no model.
 
@@ -1009,13 +1055,13 @@ def _import_plain(
     t0 = time.perf_counter()
     src_dir = _check_import_options(hf_dir, opts)
     report.phase(f"reading headers of {src_dir}")
-    cfg_path = opts.config if opts.config is not None else (src_dir if (src_dir / "config.json").exists() else None)
+    # the folder's config.json, or where the trainer saved it with the weights (NeMo Automodel's model/.hf_metadata/)
+    cfg_path = opts.config if opts.config is not None else hf_config_beside(src_dir)
     config = read_hf_config(cfg_path, param="config") if cfg_path is not None else None
     adapters = _adapter_files(src_dir)
     md = load_hf_storage_metadata(src_dir)
     warnings: list[str] = []
-    if adapters:  # PEFT adapter weights beside the model are not base weights (hf_storage_files leaves them out)
-        warnings.append(f"{adapters[0]} (a PEFT adapter) was not imported: merge it into the model first to import it")
+    _warn_left_out(src_dir, adapters, warnings)
     sources = _hf_sources(src_dir, md)
     _check_not_empty(src_dir, sources)
     _check_index(src_dir, sources)

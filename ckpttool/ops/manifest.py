@@ -590,7 +590,7 @@ def training_state_digests(model_dir: Path, algorithm: str) -> list[dict[str, An
     """``{"file", "size", "digest"}`` of each file a trainer saved beside ``model_dir`` (OLMo-core's
     ``train/rankR.pt`` and ``.metadata.json``, NeMo Automodel's ``step_scheduler.pt``:
     :func:`~ckpttool.model.beside.files_beside`), named relative to the step directory; a symlink is
-    listed (``"digest": "symlink"``), never followed.
+    listed (``"digest": "symlink:<digest of its target>"``), never followed.
 
     Raises:
         DataFileError: a file that cannot be read.
@@ -605,7 +605,7 @@ def training_state_digests(model_dir: Path, algorithm: str) -> list[dict[str, An
         full = model_dir.parent / rel
         st = os.lstat(full)
         if stat.S_ISLNK(st.st_mode) or not stat.S_ISREG(st.st_mode):
-            out.append({"file": rel, "size": 0, "digest": "symlink" if stat.S_ISLNK(st.st_mode) else "special"})
+            out.append(_link_or_special(full, rel, st.st_mode, algorithm))
             continue
         fd = open_regular(full)
         try:
@@ -637,8 +637,8 @@ def sidecar_digests(root: Path, skip: set[str], algorithm: str) -> list[dict[str
     ckpttool's output marker (:data:`~ckpttool.format.marker.MARKER_NAME`: no reader uses it, and
     ``manifest``/``stamp`` update it when they add their file), in name order.
 
-    Symlinks and special files are listed with ``digest`` ``"symlink"`` / ``"special"`` (never
-    followed or read). Refused past :data:`MAX_SIDECARS` files.
+    Symlinks and special files are listed with ``digest`` ``"symlink:<digest of the link's target text>"`` /
+    ``"special"`` (never followed or read). Refused past :data:`MAX_SIDECARS` files.
 
     Raises:
         SizeLimitError: more than :data:`MAX_SIDECARS` files; DataFileError: a file that cannot be read.
@@ -654,8 +654,7 @@ def sidecar_digests(root: Path, skip: set[str], algorithm: str) -> list[dict[str
             raise SizeLimitError(f"{root}: more than {MAX_SIDECARS:,} files beside the checkpoint's data", path=root)
         st = os.lstat(full)
         if stat.S_ISLNK(st.st_mode) or not stat.S_ISREG(st.st_mode):
-            kind = "symlink" if stat.S_ISLNK(st.st_mode) else "special"
-            out.append({"file": rel, "size": 0, "digest": kind})
+            out.append(_link_or_special(full, rel, st.st_mode, algorithm))
             continue
         fd = open_regular(Path(full))
         try:
@@ -664,6 +663,22 @@ def sidecar_digests(root: Path, skip: set[str], algorithm: str) -> list[dict[str
             os.close(fd)
         out.append({"file": rel, "size": st.st_size, "digest": digest})
     return out
+
+
+#: The ``digest`` of a symlink listed by a manifest of an older ckpttool (its target not recorded).
+_LINK = "symlink"
+
+
+def _link_or_special(full: str | Path, rel: str, mode: int, algorithm: str) -> dict[str, Any]:
+    """The ``sidecars`` / ``training_state`` item of a file that is not read: a symlink as ``"symlink:"`` and the
+    digest of its target (the link's own text, never followed; ``size`` its length), so that a link pointed
+    elsewhere is ``changed``; anything else ``"special"``."""
+    import stat
+
+    if not stat.S_ISLNK(mode):
+        return {"file": rel, "size": 0, "digest": "special"}
+    target = os.fsencode(os.readlink(full))
+    return {"file": rel, "size": len(target), "digest": f"{_LINK}:{digest_bytes(target, algorithm)}"}
 
 
 def _files_below(root: Path, skip: set[str]) -> Iterator[tuple[str, str]]:
@@ -716,11 +731,16 @@ def _file_problems(listed: tuple[dict[str, Any], ...], now: dict[str, dict[str, 
         got = now.pop(f["file"], None)
         if got is None:
             problems.append(ManifestProblem("missing", f["file"], None, f"{f['file']}: in the manifest, not on disk"))
-        elif (got["size"], got["digest"]) != (f["size"], f["digest"]):
+        elif (got["size"], got["digest"]) != (f["size"], f["digest"]) and not _older_link(f, got):
             problems.append(ManifestProblem("changed", f["file"], None, f"{f['file']}: differs from the manifest"))
     for name in sorted(now):
         problems.append(ManifestProblem("extra", name, None, f"{name}: a file the manifest does not list (added)"))
     return problems
+
+
+def _older_link(listed: dict[str, Any], now: dict[str, Any]) -> bool:
+    """A symlink listed by an older manifest (``"symlink"``, size 0: its target not recorded) that is a symlink now."""
+    return listed["digest"] == _LINK and listed["size"] == 0 and str(now["digest"]).startswith(_LINK + ":")
 
 
 def _check_covers(covers: str) -> None:
@@ -873,6 +893,14 @@ def _inside(root: Path, target: Path | str | None) -> tuple[str, ...]:
     return () if rel.startswith("..") else (rel.replace(os.sep, "/"),)
 
 
+def _below(path: Path, folder: Path) -> bool:
+    """``path`` (its folder resolved, the name kept) lies in ``folder`` (resolved) or below it."""
+    try:
+        return path.parent.resolve().joinpath(path.name).is_relative_to(folder.resolve())
+    except OSError:
+        return False
+
+
 def _check_target(target: Path, ckpt: Checkpoint) -> None:
     """Refuse a manifest path that would replace or add what ckpttool must not (``check_file_target``): inside
     the directories read (the one given, the checkpoint's model and optimizer folders) only the manifest's own
@@ -894,6 +922,8 @@ def _check_target(target: Path, ckpt: Checkpoint) -> None:
             f"the checkpoint's {MANIFEST_NAME} was not written by ckpttool and is kept; write this manifest to a "
             "file outside the checkpoint with --output FILE (verify with --verify --output FILE)"
         )
+    elif os.path.lexists(target) and not any(_below(target, s) for s in sources):  # a file of the user's, outside
+        hint = "choose a new file for --output (or a manifest ckpttool wrote, which it replaces): this one is kept"
     check_file_target(
         target, option="manifest", hint=hint, sources=sources, inside_ok=own_place, owned=is_manifest_head
     )

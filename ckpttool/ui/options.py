@@ -79,6 +79,18 @@ def location(value: str | PurePath) -> PurePath:
     return url_path(value) if is_url(value) else Path(local_path(value))
 
 
+def output_location(value: str | PurePath) -> PurePath:
+    """:func:`location` for an output: an empty string is refused with a hint that names a directory to write (the
+    current directory, ``.``, is itself refused as an output: the shell would be left in a removed directory).
+
+    Raises:
+        typer.BadParameter (E100): an empty string.
+    """
+    if not isinstance(value, PurePath) and not value:
+        raise typer.BadParameter("an empty path (an unset shell variable?); name the output directory (e.g. ./out)")
+    return location(value)
+
+
 # PurePath, not Path: typer converts a ``Path`` annotation with ``Path(value)``, which would turn
 # ``s3://b/k`` into ``s3:/b/k``; ``location`` returns a ``Path`` or a ``UrlPath``.
 CheckpointArg = Annotated[
@@ -98,7 +110,7 @@ OutputArg = Annotated[
         help="Output directory (written beside itself, renamed when complete), or a URL prefix (s3://bucket/out: "
         "uploaded under a temporary prefix, published when complete; docs/storage.md).",
         show_default=False,
-        parser=location,
+        parser=output_location,
         metavar="OUT",
     ),
 ]

@@ -148,8 +148,10 @@ def flag_names() -> dict[str, str]:
     return out
 
 
-#: Parameter names of the library (in its messages) -> the CLI parameter that sets them.
-_LIBRARY_NAMES = {"algorithm": "hash_name", "storage_options": "storage_option"}
+#: Parameter names of the library (in its messages) -> the CLI parameter that sets them. ``model_assets`` (the
+#: model adapters' hints: where the model's config.json comes from) is export's ``--model-assets`` folder and, in a
+#: command without it, its ``--config`` file (import, validate).
+_LIBRARY_NAMES = {"algorithm": "hash_name", "storage_options": "storage_option", "model_assets": "config"}
 
 
 def with_flags(text: str) -> str:

@@ -29,6 +29,7 @@ if TYPE_CHECKING:  # rich is slow to import: only commands that print tables pay
 
 __all__ = [
     "ABSENT",
+    "FILES_SHOWN",
     "PIPE_WIDTH",
     "PlainConsole",
     "STYLES",
@@ -485,6 +486,11 @@ def fmt_count(n: int | None) -> str:
 def plural(n: int, word: str, many: str | None = None) -> str:
     """``plural(1, 'data file')`` -> ``'1 data file'``; ``plural(2, ...)`` -> ``'2 data files'``."""
     return f"{n:,} {word if n == 1 else (many or word + 's')}"
+
+
+#: Output data files a dry run's plan line names, then ``... (+N more)`` (``--json`` lists every one): an import
+#: or reshard for a 1,000-rank mesh plans 1,000 files.
+FILES_SHOWN = 8
 
 
 def fmt_list(items: Any, limit: int = 0) -> str:

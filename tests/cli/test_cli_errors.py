@@ -561,3 +561,19 @@ def test_an_empty_path_is_refused_not_taken_as_the_current_directory(sample_ckpt
     res = runner.invoke(app, [a.format(ckpt=sample_ckpt) for a in argv])
     assert res.exit_code == 2, res.output
     assert "[E100]" in res.stderr and "an empty path (an unset shell variable?)" in res.stderr, res.stderr
+
+
+@pytest.mark.parametrize("cmd", [["import", "{hf}"], ["reshard", "{ckpt}", "--to", "canonical"]])
+def test_an_empty_output_path_hint_names_a_directory_not_the_refused_current_one(
+    sample_ckpt: Path, tmp_path: Path, cmd: list[str]
+) -> None:
+    """``ckpttool import HF ""`` (an unset ``$OUT``): the E100 said "pass '.' for the current directory", and the
+    current directory as OUT is refused (E600); for an output it says to name the output directory."""
+    hf = tmp_path / "hf"
+    assert runner.invoke(app, ["export", str(sample_ckpt), str(hf)]).exit_code == 0
+    argv = [a.format(hf=hf, ckpt=sample_ckpt) for a in cmd]
+    res = runner.invoke(app, [*argv[:2], "", *argv[2:]])
+    assert res.exit_code == 2, res.output
+    err = res.stderr.splitlines()[0]
+    assert err.startswith("error: [E100] ") and "an empty path (an unset shell variable?)" in err, err
+    assert "name the output directory" in err and "'.'" not in err, err

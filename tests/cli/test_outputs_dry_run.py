@@ -111,3 +111,26 @@ def test_dry_run_refuses_what_the_run_would_refuse(
     res = cli(*argv, "--dry-run")
     assert res.exit_code == 2 and res.stderr.strip().splitlines()[-2].startswith("error: [E600] "), res.stderr
     assert sorted(os.listdir(out)) == before and sorted(os.listdir(tmp_path)) == ["ckpt"]
+
+
+def test_a_dry_run_for_a_large_mesh_names_the_first_files_and_counts_the_rest(
+    hf_export: Path, ep_suite: Path, tmp_path: Path
+) -> None:
+    """A dry run for 1,000 ranks printed all 1,000 ``__R_0.distcp SIZE`` on one line (~25 KB); the plan line names
+    the first 8 and ``(+992 more)``; ``--json`` still lists every file."""
+    res = cli("import", hf_export, tmp_path / "i", "--world-size", "1000", "--dry-run")
+    assert res.exit_code == 0, res.stderr
+    line = res.stdout.splitlines()[0]
+    assert "__7_0.distcp" in line and "__8_0.distcp" not in line and ", ... (+992 more); nothing was written" in line
+    assert len(line) < 600, len(line)
+    doc = json.loads(cli("import", hf_export, tmp_path / "i", "--world-size", "1000", "--dry-run", "--json").stdout)
+    assert len(doc["files"]) == 1000
+    decl = ["--source-layout", "legacy", "--ep-size", "2", "--ep-fsdp-size", "2"]
+    args = ["reshard", ep_suite / "legacy", tmp_path / "r", "--to", "canonical", "--with-optimizer", *decl,
+            "--target-ep-size", "8", "--target-ep-fsdp-size", "64", "--dry-run"]  # fmt: skip
+    res = cli(*args)
+    assert res.exit_code == 0, res.stderr
+    plan = next(x for x in res.stdout.splitlines() if x.startswith("plan "))
+    assert "__7_0.distcp" in plan and "__8_0.distcp" not in plan and ", ... (+504 more))" in plan, plan
+    assert len(json.loads(cli(*args, "--json").stdout)["files"]) == 512
+    assert not (tmp_path / "i").exists() and not (tmp_path / "r").exists()

@@ -314,3 +314,28 @@ def test_replay_of_the_model_folder_alone_names_the_step_directory(nemo_root: Pa
     res = runner.invoke(app, ["replay-step", "--device", "cpu", str(step / "model")])
     assert res.exit_code == 2 and "[E514]" in res.stderr, res.output
     assert f"hint: its optimizer folder {step / 'optim'}/ lies beside it: pass the step directory {step}," in res.stderr
+
+
+def test_import_of_nemos_model_folder_reads_the_config_nemo_saved_beside_it(nemo_root: Path, tmp_path: Path) -> None:
+    """NeMo Automodel's ``model/`` keeps the model's config.json in ``model/.hf_metadata/``: import found none, so
+    ``--schema torch-native`` checked nothing against the model class (silently) and ``--schema torchtitan`` was
+    refused for want of the heads; it reads that config, as inspect and validate do (``hf_config_beside``)."""
+    import json
+
+    import torch
+    import torch.distributed.checkpoint as dcp
+    from safetensors.torch import load_file
+
+    model = nemo_root / "run" / "epoch_0_step_2" / "model"
+    assert (model / ".hf_metadata" / "config.json").is_file() and not (model / "config.json").exists()
+    res = runner.invoke(app, ["import", str(model), str(tmp_path / "native"), "--json"])
+    assert res.exit_code == 0, res.stderr
+    doc = json.loads(res.stdout)
+    assert doc["model_check"]["checked"] is True and doc["model_check"]["model_class"] == "LlamaForCausalLM", doc
+    (shard,) = model.glob("*.safetensors")
+    ref = load_file(str(shard))
+    sd = {f"model.{k}": torch.empty_like(v) for k, v in ref.items()}
+    dcp.load(sd, checkpoint_id=str(tmp_path / "native"), no_dist=True)
+    assert all(torch.equal(sd[f"model.{k}"].view(torch.uint8), v.view(torch.uint8)) for k, v in ref.items())
+    res = runner.invoke(app, ["import", str(model), str(tmp_path / "titan"), "--schema", "torchtitan"])
+    assert res.exit_code == 0, res.stderr

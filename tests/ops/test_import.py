@@ -755,3 +755,156 @@ def test_mixtral_per_expert_export_loads_into_mixtral_with_identical_logits(tmp_
     assert all(bitwise(back.state_dict()[k], want[k]) for k in want)
     with torch.no_grad():
         assert torch.equal(back.eval()(ids).logits, logits)
+
+
+def test_a_trainer_checkpoint_folder_imports_its_weights_and_names_the_training_state_left_out(tmp_path: Path) -> None:
+    """A Hugging Face ``Trainer`` ``checkpoint-N/`` (written by transformers' own ``Trainer``: model.safetensors beside
+    optimizer.pt, scheduler.pt, rng_state.pth, trainer_state.json, training_args.bin): the import wrote the weights
+    and said nothing of the optimizer state it left behind; it now names those files in a warning."""
+    from transformers import LlamaConfig, LlamaForCausalLM, Trainer, TrainingArguments
+
+    cfg = LlamaConfig(
+        vocab_size=64,
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+    )
+    torch.manual_seed(0)
+    data = [{"input_ids": torch.arange(8), "labels": torch.arange(8)} for _ in range(2)]
+    args = TrainingArguments(
+        output_dir=str(tmp_path / "run"),
+        max_steps=1,
+        save_steps=1,
+        per_device_train_batch_size=2,
+        report_to=[],
+        use_cpu=True,
+        disable_tqdm=True,
+    )
+    trainer = Trainer(model=LlamaForCausalLM(cfg), args=args, train_dataset=data)
+    trainer.train()
+    trainer.save_model(str(tmp_path / "final"))  # weights, config.json, training_args.bin: no state to warn of
+    assert (tmp_path / "final" / "training_args.bin").is_file()
+    assert not [
+        w for w in cli("import", str(tmp_path / "final"), str(tmp_path / "f"))["warnings"] if "not imported" in w
+    ]
+    step = tmp_path / "run" / "checkpoint-1"
+    assert (step / "optimizer.pt").is_file() and (step / "model.safetensors").is_file()
+    doc = cli("import", str(step), str(tmp_path / "out"))
+    left = [w for w in doc["warnings"] if "not imported" in w]
+    assert len(left) == 1, doc["warnings"]
+    for name in ("optimizer.pt", "scheduler.pt", "rng_state.pth", "trainer_state.json", "training_args.bin"):
+        assert name in left[0], left[0]
+    assert "model.safetensors" not in left[0] and "config.json" not in left[0]
+    res = runner.invoke(app, ["import", str(step), str(tmp_path / "out2")])
+    assert res.exit_code == 0 and "warning: " in res.stderr and "optimizer.pt" in res.stderr, res.stderr
+    ref = hf_tensors(step)
+    sd = {f"model.{k}": torch.empty_like(v) for k, v in ref.items()}
+    dcp.load(sd, checkpoint_id=str(tmp_path / "out"), no_dist=True)  # the weights themselves, bitwise
+    assert all(bitwise(sd[f"model.{k}"], v) for k, v in ref.items())
+
+
+def test_a_config_without_heads_is_named_by_imports_own_flag(hf_dirs: Path, tmp_path: Path) -> None:
+    """``--schema torchtitan`` with a config.json that lacks the heads the RoPE permutation needs: the hint said
+    "pass the model's config.json with `model_assets`", a parameter import does not have; it names --config."""
+    import shutil
+
+    d = tmp_path / "llama"
+    shutil.copytree(hf_dirs / "llama", d)
+    cfg = json.loads((d / "config.json").read_text())
+    del cfg["num_attention_heads"], cfg["num_key_value_heads"]
+    (d / "config.json").write_text(json.dumps(cfg))
+    res = runner.invoke(app, ["import", str(d), str(tmp_path / "o"), "--schema", "torchtitan"])
+    err = res.stderr.splitlines()
+    assert res.exit_code == 2 and len(err) == 2 and err[0].startswith("error: [E601] "), res.stderr
+    assert err[1] == "hint: pass the model's config.json with --config", err
+    assert not (tmp_path / "o").exists()
+
+
+@pytest.mark.parametrize(
+    ("flags", "shown"),
+    [
+        (["--world-size", "100000000"], "--world-size 100000000 is 100,000,000 "),
+        (["--ep-size", "8", "--ep-fsdp-size", "100000000"], "--ep-size 8 x --ep-fsdp-size 100000000 is 800,000,000 "),
+    ],
+)
+def test_a_mesh_of_millions_of_ranks_is_refused_before_planning(
+    hf_dirs: Path, tmp_path: Path, flags: list[str], shown: str
+) -> None:
+    """``--world-size 100000000`` (a mistyped 8): the plan of a row block per rank of every tensor ran until the
+    process ran out of memory (E999 MemoryError, or the OOM killer); it is E100 naming the flag, before planning.
+    Run with a 3 GiB address-space cap, so that the unfixed plan ends in MemoryError instead of exhausting the host."""
+    import resource
+    import subprocess
+    import sys
+
+    def cap() -> None:
+        resource.setrlimit(resource.RLIMIT_AS, (3 << 30, 3 << 30))
+
+    out = tmp_path / "o"
+    res = subprocess.run(
+        [sys.executable, "-m", "ckpttool", "import", str(hf_dirs / "qwen_moe"), str(out), *flags],
+        capture_output=True, text=True, timeout=300, preexec_fn=cap,
+    )  # fmt: skip
+    err = res.stderr.splitlines()
+    assert res.returncode == 2 and len(err) == 2, res.stderr
+    assert err[0].startswith(f"error: [E100] {shown}") and "131,072" in err[0], err
+    assert not out.exists()
+
+
+def test_the_warning_on_keys_the_model_lacks_names_them_all_or_counts_the_rest(hf_dirs: Path, tmp_path: Path) -> None:
+    """Keys the model class lacks are imported with a warning; it said "5 unexpected key(s) ...: <the first>" and
+    nothing of the other four; it names the first 3 and "(+2 more)", as the refusal of missing keys does."""
+    import shutil
+
+    from safetensors.torch import save_file
+
+    d = tmp_path / "llama"
+    shutil.copytree(hf_dirs / "llama", d)
+    extra = {f"model.extra{i}.weight": torch.full((2, 2), float(i)) for i in range(5)}
+    save_file(extra, str(d / "model-extra.safetensors"), metadata={"format": "pt"})
+    idx = json.loads((d / "model.safetensors.index.json").read_text())
+    idx["weight_map"].update(dict.fromkeys(extra, "model-extra.safetensors"))
+    (d / "model.safetensors.index.json").write_text(json.dumps(idx))
+    doc = cli("import", str(d), str(tmp_path / "o"))
+    (w,) = [w for w in doc["warnings"] if "unexpected" in w]
+    assert w == (
+        "5 unexpected key(s) against LlamaForCausalLM (dcp.load into the model leaves them unread): "
+        "model.extra0.weight [2, 2]; model.extra1.weight [2, 2]; model.extra2.weight [2, 2] (+2 more)"
+    ), w
+    assert len(doc["model_check"]["findings"]["unexpected"]) == 5
+
+
+def test_mistrals_consolidated_file_beside_the_indexed_shards_is_left_out_as_transformers_does(
+    hf_dirs: Path, tmp_path: Path
+) -> None:
+    """Mistral's Hugging Face repositories ship ``consolidated.safetensors`` (Mistral's own names) beside the
+    ``save_pretrained`` shards and their index; transformers reads the index's files. import refused such a folder
+    (E200 "1 shard(s) on disk are not in the index ... do not load it"); it imports the index's model, bitwise, and
+    names the file it left out. Without an index, such a file is the folder's model as before."""
+    import shutil
+
+    from safetensors.torch import save_file
+
+    d = tmp_path / "mistral"
+    shutil.copytree(hf_dirs / "llama", d)
+    native = {"tok_embeddings.weight": torch.ones(64, 32), "layers.0.attention.wq.weight": torch.ones(32, 32)}
+    save_file(native, str(d / "consolidated.safetensors"))
+    doc = cli("import", str(d), str(tmp_path / "o"))
+    assert any(w.startswith("consolidated.safetensors (Mistral's own format") for w in doc["warnings"]), doc
+    ref = hf_tensors(hf_dirs / "llama")
+    sd = {f"model.{k}": torch.empty_like(v) for k, v in ref.items()}
+    dcp.load(sd, checkpoint_id=str(tmp_path / "o"), no_dist=True)
+    assert all(bitwise(sd[f"model.{k}"], v) for k, v in ref.items())
+    from torch.distributed.checkpoint import FileSystemReader
+
+    keys = set(FileSystemReader(str(tmp_path / "o")).read_metadata().state_dict_metadata)
+    assert keys == {f"model.{k}" for k in ref}
+    alone = tmp_path / "alone"
+    alone.mkdir()
+    save_file(native, str(alone / "consolidated.safetensors"))
+    res = runner.invoke(app, ["import", str(alone), str(tmp_path / "o2"), "--allow-mismatch", "missing"])
+    assert res.exit_code == 0, res.stderr
+    keys = set(FileSystemReader(str(tmp_path / "o2")).read_metadata().state_dict_metadata)
+    assert keys == {f"model.{k}" for k in native}

@@ -232,3 +232,27 @@ def test_a_checkpoints_own_manifest_symlinked_outside_is_refused(
     assert lines[1].startswith("hint: ")
     res = runner.invoke(app, ["manifest", str(d), "--verify", "--output", str(outside)])  # named by the user: read
     assert res.exit_code == 0, res.stdout + res.stderr
+
+
+def test_a_symlink_beside_the_data_pointed_elsewhere_is_found(sample_ckpt: Path, tmp_path: Path) -> None:
+    """A symlink beside a checkpoint's data (``config.json -> configs/a.json``) was listed as ``"symlink"`` and
+    nothing else: pointing it at another file (what a loader then reads) still "matched its manifest"; the
+    manifest records the digest of the link's target text, so the change is found (never followed). A manifest
+    of the older form (``"symlink"``, size 0) still verifies."""
+    d = shutil.copytree(sample_ckpt, tmp_path / "ckpt")
+    (d / "configs").mkdir()
+    (d / "configs" / "a.json").write_text('{"lr": 1}')
+    (d / "configs" / "b.json").write_text('{"lr": 2}')
+    (d / "config.json").symlink_to("configs/a.json")
+    _ok("manifest", str(d))
+    doc = json.loads((d / "manifest.json").read_text())
+    (link,) = [f for f in doc["sidecars"] if f["file"] == "config.json"]
+    assert link["digest"].startswith("symlink:") and link["size"] == len("configs/a.json"), link
+    _ok("manifest", str(d), "--verify")
+    (d / "config.json").unlink()
+    (d / "config.json").symlink_to("configs/b.json")
+    res = runner.invoke(app, ["manifest", str(d), "--verify"])
+    assert res.exit_code == 1 and "changed  config.json: differs from the manifest" in res.stdout, res.stdout
+    link.update(digest="symlink", size=0)  # as an older ckpttool wrote it: any symlink there matches
+    (d / "manifest.json").write_text(json.dumps(doc))
+    _ok("manifest", str(d), "--verify")

@@ -199,3 +199,21 @@ def test_plot_mark_counts_only_where_ckpttool_puts_it(ckpt: Path, tmp_path: Path
         for _ in range(2):
             res = runner.invoke(app, ["stats", str(ckpt), "--plot", str(ours)])
             assert res.exit_code == 0, res.stderr
+
+
+def test_manifest_output_over_a_users_file_outside_the_checkpoint_hints_another_file(
+    ckpt: Path, tmp_path: Path
+) -> None:
+    """``manifest CKPT -o notes.txt`` where notes.txt is the user's file outside the checkpoint: refused and kept, but
+    the hint said "write the manifest ... to a file outside the checkpoint", which is what was run; it says to
+    choose a new file. Inside the checkpoint the hint stays as it was."""
+    notes = tmp_path / "notes.txt"
+    notes.write_text("precious\n")
+    res = runner.invoke(app, ["manifest", str(ckpt), "-o", str(notes)])
+    _refused(res, "is not an output of this kind")
+    hint = res.stderr.splitlines()[1]
+    assert hint.startswith("hint: choose a new file for --output") and "outside the checkpoint" not in hint, hint
+    assert notes.read_text() == "precious\n"
+    res = runner.invoke(app, ["manifest", str(ckpt), "-o", str(ckpt / ".metadata")])
+    _refused(res, "which this command reads")
+    assert "outside the checkpoint" in res.stderr.splitlines()[1]

@@ -28,7 +28,7 @@ from ckpttool.layouts.geometry import nested_shard_intervals, tensor_geometry
 from ckpttool.layouts.permute import canonical_to_legacy_perm, legacy_to_canonical_perm
 from ckpttool.layouts.record import LAYOUT_FORMAT, LAYOUT_KEY, EPTensorSpec, parse_layout_record
 from ckpttool.model.catalog import Catalog
-from ckpttool.ops.fields import OutputOptions
+from ckpttool.ops.fields import OutputOptions, check_output_ranks
 
 __all__ = [
     "Piece",
@@ -406,6 +406,7 @@ def _target_mesh(
     for name, v in (("target_ep_size", p2), ("target_ep_fsdp_size", f2)):
         if type(v) is not int or v < 1:
             raise UsageError(f"`{name}` must be an integer >= 1, got {v!r}", param=name)
+    check_output_ranks(p2 * f2, f"`target_ep_size` {p2} x `target_ep_fsdp_size` {f2}", "target_ep_fsdp_size")
     for key, spec in layout.ep_tensors.items():
         e = spec.num_experts
         if e % p2:

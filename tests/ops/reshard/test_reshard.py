@@ -739,3 +739,26 @@ def test_a_layout_json_that_is_not_a_regular_file_is_refused_not_ignored(
     assert not out.exists() and os.path.lexists(sidecar)
     res = runner.invoke(app, ["inspect", str(ck)])  # a malformed record is the layout's error there (E400)
     assert f"[{code}]" in (res.stdout if code == "E400" else res.stderr), res.stdout
+
+
+def test_a_target_mesh_of_millions_of_ranks_is_refused_before_planning(ep_suite: Path, tmp_path: Path) -> None:
+    """``--target-ep-fsdp-size 100000000`` (a mistyped size): the plan of 800M target rank files ran until the
+    process ran out of memory (E999 MemoryError, or the OOM killer); it is E100 naming the flag, before planning.
+    Run with a 3 GiB address-space cap, so that the unfixed plan ends in MemoryError instead of exhausting the host."""
+    import resource
+    import subprocess
+    import sys
+
+    def cap() -> None:
+        resource.setrlimit(resource.RLIMIT_AS, (3 << 30, 3 << 30))
+
+    out = tmp_path / "o"
+    args = ["reshard", str(ep_suite / "legacy"), str(out), "--to", "canonical", "--with-optimizer", *DECL,
+            "--target-ep-size", "8", "--target-ep-fsdp-size", "100000000"]  # fmt: skip
+    res = subprocess.run(
+        [sys.executable, "-m", "ckpttool", *args], capture_output=True, text=True, timeout=300, preexec_fn=cap
+    )
+    err = res.stderr.splitlines()
+    assert res.returncode == 2 and len(err) == 2, res.stderr
+    assert err[0].startswith("error: [E100] --target-ep-size 8 x --target-ep-fsdp-size 100000000 is 800,000,000 ")
+    assert "131,072" in err[0] and not out.exists()
