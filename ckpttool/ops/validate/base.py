@@ -28,8 +28,18 @@ __all__ = [
     "RULES",
     "FAMILIES",
     "rule",
+    "RuleSkipped",
     "select_rules",
 ]
+
+
+class RuleSkipped(Exception):
+    """Raised by a rule function that found it cannot check this checkpoint (what it needs is not there): the
+    run reports the rule ``skipped`` with ``reason``, never ``passed`` over a check that did not run."""
+
+    def __init__(self, reason: str) -> None:
+        super().__init__(reason)
+        self.reason = reason
 
 
 class Severity(str, Enum):

@@ -21,7 +21,7 @@ from ckpttool.model.checkpoint import Checkpoint, CheckpointOrPath, OpenOptions,
 from ckpttool.model.hfconfig import read_hf_config
 from ckpttool.ops.fields import Hooks, ProgressFn, Unpack, hooks_of, options_of
 from ckpttool.ops.validate import rules as _rules  # noqa: F401 - registers the rules
-from ckpttool.ops.validate.base import RULES, Finding, Rule, Severity, select_rules
+from ckpttool.ops.validate.base import RULES, Finding, Rule, RuleSkipped, Severity, select_rules
 from ckpttool.ops.validate.context import Context
 from ckpttool.ops.validate.reference import load_reference
 
@@ -233,7 +233,12 @@ def _validate_open(
             log.debug("%s %s: skipped (%s)", r.code, r.name, reason)
             continue
         t_rule = time.perf_counter()
-        found = [out if isinstance(out, Finding) else r.make(*out) for out in r.func(ctx)]
+        try:
+            found = [out if isinstance(out, Finding) else r.make(*out) for out in r.func(ctx)]
+        except RuleSkipped as e:  # the rule found it cannot check this checkpoint: never "passed"
+            statuses.append(RuleStatus(r, "skipped", e.reason))
+            log.debug("%s %s: skipped (%s)", r.code, r.name, e.reason)
+            continue
         log.debug("%s %s: %d finding(s) in %.1f ms", r.code, r.name, len(found), (time.perf_counter() - t_rule) * 1e3)
         failing = any(_fails(f, opts.strict) for f in found)
         partly = f"without --deep: {r.shallow} only" if "deep" in r.needs and not ctx.deep else None

@@ -129,6 +129,21 @@ def test_sample_with_its_config_is_clean(sample_ckpt: Path) -> None:
     assert rc == 0 and codes(doc) == set()
 
 
+@pytest.mark.parametrize("over", [{"model_type": None}, {"model_type": "no-such-model"}])
+def test_M010_that_could_not_compare_is_skipped_not_passed(ck: Path, over: dict[str, Any]) -> None:
+    """`--select M010` with a config transformers cannot build said OK, M010 "passed": no comparison was made."""
+    cfg = write_config(ck, **over)
+    if over["model_type"] is None:
+        cfg.write_text(json.dumps({k: v for k, v in json.loads(cfg.read_text()).items() if k != "model_type"}))
+    rc, doc = run(ck, "--strict", "--config", cfg, "--select", "M010")
+    status = {r["code"]: r for r in doc["rules"]}["M010"]
+    assert status["status"] == "skipped" and status["reason"].startswith("model class not checked: "), status
+    res = runner.invoke(app, ["validate", str(ck), "--config", str(cfg), "--select", "M010"])
+    assert "1 skipped (model class not checked: " in res.stdout
+    rc, doc = run(ck, "--config", cfg, "--select", "M011")  # M011 still says why
+    assert [f["code"] for f in doc["findings"]] == ["M011"]
+
+
 def test_M001_layers_missing_stage_local(ck: Path) -> None:
     rc, doc = run(ck, "--strict", "--config", write_config(ck, num_hidden_layers=4))
     assert rc == 1 and codes(doc) == {"M001", "M010"}  # M010: the model class has layers 2..3 too

@@ -16,7 +16,7 @@ from collections.abc import Iterable, Iterator
 from typing import Any
 
 from ckpttool.model.hfconfig import config_value
-from ckpttool.ops.validate.base import rule
+from ckpttool.ops.validate.base import RuleSkipped, rule
 from ckpttool.ops.validate.context import Context
 
 _LAYER_RE = re.compile(r"^(?P<prefix>.*?\blayers)\.(?P<idx>\d+)\.")
@@ -296,9 +296,9 @@ def _model_class_check(ctx: Context) -> tuple[Any, str | None]:
 
 @rule("M010")
 def model_class_mismatch(ctx: Context) -> Iterator[tuple[str, str]]:
-    check, _ = _model_class_check(ctx)
-    if check is None or not check.checked:
-        return
+    check, why = _model_class_check(ctx)
+    if check is None or not check.checked:  # M011 says why; M010 never "passed" over a comparison not made
+        raise RuleSkipped(f"model class not checked: {why if why is not None else check.not_checked}")
     for kind, lines in check.findings.items():
         for line in lines:
             key = line.split(" ", 1)[0].rstrip(":")
