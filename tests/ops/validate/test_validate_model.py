@@ -198,6 +198,16 @@ def test_M002_fused_experts_rows(ck: Path) -> None:
     }
 
 
+def test_M002_without_an_expert_count_in_the_config_is_skipped_not_passed(ck: Path) -> None:
+    """A dense config for a MoE checkpoint: M002 "passed" over experts it had no count to check against."""
+    cfg = write_config(ck)
+    cfg.write_text(json.dumps({k: v for k, v in json.loads(cfg.read_text()).items() if k != "n_routed_experts"}))
+    rc, doc = run(ck, "--config", cfg, "--select", "M002")
+    status = {r["code"]: r for r in doc["rules"]}["M002"]
+    assert status["status"] == "skipped", status
+    assert "no num_experts" in status["reason"] and "experts" in status["reason"].rsplit(" has ", 1)[1]
+
+
 def test_M002_renumbered_local_experts(per_expert_ckpt: Path, tmp_path: Path) -> None:
     cfg = tmp_path / "config.json"
     cfg.write_text(json.dumps({"num_hidden_layers": 1, "num_experts": 8, "vocab_size": 16}))

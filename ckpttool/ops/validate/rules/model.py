@@ -110,6 +110,9 @@ def layer_coverage(ctx: Context) -> Iterator[tuple[str, str] | tuple[str, str, s
 def expert_coverage(ctx: Context) -> Iterator[tuple[str, str]]:
     e = _num_experts(ctx)
     if e is None:
+        expert = next((k for k in ctx.cat.model if _EXPERT_RE.match(k) or _FUSED_RE.match(k)), None)
+        if expert is not None:  # expert tensors and a config with no expert count: nothing to check them against
+            raise RuleSkipped(f"--config names no num_experts / n_routed_experts but the checkpoint has {expert}")
         return  # dense model
     per: dict[tuple[str, str], set[int]] = defaultdict(set)
     for key, t in ctx.cat.model.items():
