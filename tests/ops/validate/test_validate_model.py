@@ -285,6 +285,22 @@ def test_M006_M007_M008(sample_ckpt: Path, tmp_path: Path) -> None:
     assert "reference [16]" in by["M007"]["message"] and "reference bfloat16" in by["M008"]["message"]
 
 
+@pytest.mark.parametrize("form", ["list", "index"])
+def test_M007_M008_against_names_only_are_skipped_not_passed(sample_ckpt: Path, tmp_path: Path, form: str) -> None:
+    """A key list, or an index copied without its shards, gives no shapes: M007/M008 "passed" over nothing."""
+    with CheckpointReader(sample_ckpt) as r:
+        names = [k[len("model.") :] for k in r.metadata.entries if k.startswith("model.")]
+    ref = tmp_path / "ref.json"
+    body: Any = names if form == "list" else {"weight_map": dict.fromkeys(names, "model.safetensors")}
+    ref.write_text(json.dumps(body))
+    rc, doc = run(sample_ckpt, "--strict", "--against", ref, "--select", "M005,M007,M008")
+    status = {r["code"]: r for r in doc["rules"]}
+    assert status["M005"]["status"] == "passed"
+    for code, what in (("M007", "shapes"), ("M008", "dtypes")):
+        assert status[code]["status"] == "skipped", status[code]
+        assert status[code]["reason"] == f"the reference {ref} gives no {what} (a key list, or an index without its safetensors)"
+
+
 def test_tied_head_is_not_reported_missing(dense_ckpt: Path, tmp_path: Path) -> None:
     c = copy_checkpoint(dense_ckpt, tmp_path / "c")
     assert damage.drop_keys(c, lambda k: "lm_head" in k)

@@ -204,6 +204,16 @@ def _tied_head(name: str, tied: bool | None, names: Iterable[str]) -> bool:
     )
 
 
+def _given(ctx: Context, what: str) -> None:
+    """Raise :class:`RuleSkipped` unless the ``--against`` reference gives the ``shape`` / ``dtype`` of a key (a key
+    list, or an index whose safetensors files are not beside it, gives names only: nothing to compare)."""
+    assert ctx.reference is not None
+    if not any(getattr(rt, what) is not None for rt in ctx.reference.tensors.values()):
+        raise RuleSkipped(
+            f"the reference {ctx.reference.source} gives no {what}s (a key list, or an index without its safetensors)"
+        )
+
+
 @rule("M005")
 def missing_keys(ctx: Context) -> Iterator[tuple[str, str]]:
     assert ctx.reference is not None
@@ -239,6 +249,7 @@ def shape_mismatch(ctx: Context) -> Iterator[tuple[str, str]]:
     assert ctx.reference is not None
     names = _ckpt_names(ctx)
     ref = ctx.reference.tensors
+    _given(ctx, "shape")
     for name, rt in ref.items():
         key = names.get(name)
         if key is not None and rt.shape is not None and tuple(rt.shape) != ctx.cat.model[key].shape:
@@ -258,6 +269,7 @@ def shape_mismatch(ctx: Context) -> Iterator[tuple[str, str]]:
 @rule("M008")
 def dtype_mismatch(ctx: Context) -> Iterator[tuple[str, str]]:
     assert ctx.reference is not None
+    _given(ctx, "dtype")
     names = _ckpt_names(ctx)
     for name, rt in ctx.reference.tensors.items():
         key = names.get(name)
