@@ -298,7 +298,10 @@ def test_M007_M008_against_names_only_are_skipped_not_passed(sample_ckpt: Path, 
     assert status["M005"]["status"] == "passed"
     for code, what in (("M007", "shapes"), ("M008", "dtypes")):
         assert status[code]["status"] == "skipped", status[code]
-        assert status[code]["reason"] == f"the reference {ref} gives no {what} (a key list, or an index without its safetensors)"
+        assert (
+            status[code]["reason"]
+            == f"the reference {ref} gives no {what} (a key list, or an index without its safetensors)"
+        )
 
 
 def test_tied_head_is_not_reported_missing(dense_ckpt: Path, tmp_path: Path) -> None:
