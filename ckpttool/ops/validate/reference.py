@@ -160,7 +160,13 @@ def load_reference(path: str | os.PathLike[str]) -> Reference:
     Raises:
         UsageError: missing, unreadable or not a reference.
     """
-    p = Path(path)
+    ref = _load(Path(path))
+    if not ref.tensors:  # every checkpoint key would be "unexpected" and nothing "missing": a reference of nothing
+        raise _bad(Path(path), "names no tensor")
+    return ref
+
+
+def _load(p: Path) -> Reference:
     if p.is_dir():
         index = p / "model.safetensors.index.json"
         if index.exists():

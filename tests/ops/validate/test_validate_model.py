@@ -304,6 +304,17 @@ def test_M007_M008_against_names_only_are_skipped_not_passed(sample_ckpt: Path, 
         )
 
 
+@pytest.mark.parametrize("body", ["[]", "{}", '{"keys": []}', '{"weight_map": {}}'])
+def test_against_a_reference_of_no_tensor_is_refused(sample_ckpt: Path, tmp_path: Path, body: str) -> None:
+    """An empty reference passed M005/M007/M008 (exit 0) with every key a mere M006 warning."""
+    ref = tmp_path / "ref.json"
+    ref.write_text(body)
+    res = runner.invoke(app, ["validate", str(sample_ckpt), "--against", str(ref)])
+    assert res.exit_code == 2 and res.stdout == ""
+    assert res.stderr.splitlines()[0] == f"error: [E100] --against {ref}: names no tensor"
+    assert res.stderr.splitlines()[1].startswith("hint: pass an HF model directory")
+
+
 def test_tied_head_is_not_reported_missing(dense_ckpt: Path, tmp_path: Path) -> None:
     c = copy_checkpoint(dense_ckpt, tmp_path / "c")
     assert damage.drop_keys(c, lambda k: "lm_head" in k)
