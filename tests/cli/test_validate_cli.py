@@ -149,3 +149,33 @@ def test_unwritable_junit_path_gets_a_validate_hint(broken: Path, tmp_path: Path
         assert err[0] == f"error: [E600] --junit {target}: directory {target.parent} does not exist"
     assert err[1].startswith("hint: ") and "--junit takes the path of a file" in err[1]
     assert "--overwrite" not in res.stderr  # validate has no such option
+
+
+@pytest.mark.parametrize(
+    ("args", "first"),
+    [
+        (["--select", "M001"], "error: [E100] --select M001: the selected rules (M001) need --config, not given"),
+        (
+            ["--select", "D001,M003"],
+            "error: [E100] --select D001, M003: the selected rules (D001, M003) need --config and --deep, not given",
+        ),
+        (["--select", "S015"], "error: [E100] --select S015: the selected rules (S015) need --manifest, not given"),
+        (["--select", "S", "--ignore", "S"], "error: [E100] --ignore S leaves none of the rules --select S chose"),
+    ],
+)
+def test_a_selection_that_cannot_run_is_refused_not_ok(
+    dense_ckpt: Path, tmp_path: Path, args: list[str], first: str
+) -> None:
+    """`--select M001` without --config printed "OK: ... 2 rules run, 1 skipped" (exit 0): nothing asked was checked."""
+    junit = tmp_path / "r.xml"
+    res = runner.invoke(app, ["validate", str(dense_ckpt), *args, "--junit", str(junit)])
+    assert res.exit_code == 2 and res.stdout == "" and not junit.exists()
+    lines = res.stderr.splitlines()
+    assert lines[0].startswith(first) and lines[0].endswith("nothing would be checked"), lines
+    assert lines[1].startswith("hint: ") and len(lines) == 2
+
+
+def test_a_selection_partly_runnable_still_runs(dense_ckpt: Path) -> None:
+    res = runner.invoke(app, ["validate", str(dense_ckpt), "--select", "M001,S002", "--json"])
+    status = {r["code"]: r for r in json.loads(res.stdout)["rules"]}
+    assert res.exit_code == 0 and status["M001"]["reason"] == "needs --config" and status["S002"]["status"] == "passed"

@@ -215,6 +215,7 @@ def _validate_open(
     ckpt.param_groups()
     ckpt.extra_state()
     ctx = Context(ckpt, deep=opts.deep, strict=opts.strict, config=cfg, reference=ref, manifest=man)
+    _refuse_selection_that_cannot_run(rules, ctx, opts)
     bytes_read, deep_seconds = 0, 0.0
     if opts.deep and any(not _skip_reason(r, ctx) and "deep" in r.needs for r in rules):
         from ckpttool.ops.validate.deep import run_deep
@@ -245,6 +246,39 @@ def _validate_open(
         status = "failed" if failing else ("reported" if found else "passed")
         statuses.append(RuleStatus(r, status, partly, tuple(found)))
     return _finish(ckpt.path, opts, statuses, t0, bytes_read, deep_seconds)
+
+
+def _refuse_selection_that_cannot_run(rules: list[Rule], ctx: Context, opts: ValidateOptions) -> None:
+    """``select`` names rules and every one of them needs an option not given (``--select D001`` without ``--deep``):
+    the run would check nothing that was asked and still say OK.
+
+    Raises:
+        UsageError (E100): naming the options the selected rules need.
+    """
+    from ckpttool.ops.validate.base import _split_codes
+
+    sel = _split_codes(opts.select)
+    if not sel:
+        return
+    ign = _split_codes(opts.ignore)
+    asked = [r for r in rules if any(r.code.startswith(p) for p in sel) and not any(r.code.startswith(p) for p in ign)]
+    if not asked:  # every selected rule is ignored (the fatal ones run anyway)
+        raise errors.UsageError(
+            f"`ignore` {', '.join(_split_codes(opts.ignore))} leaves none of the rules `select` "
+            f"{', '.join(sel)} chose: nothing would be checked",
+            param="select",
+            hint="drop the `ignore` codes that cover the selection, or select other rules",
+        )
+    reasons = [_skip_reason(r, ctx) for r in asked]
+    if all(why is not None and why.startswith("needs --") for why in reasons):
+        given = {"deep": ctx.deep, "config": ctx.config, "against": ctx.reference, "manifest": ctx.manifest}
+        need = sorted({f"--{n}" for r in asked for n in r.needs if not given[n]})
+        raise errors.UsageError(
+            f"`select` {', '.join(sel)}: the selected rules ({', '.join(r.code for r in asked)}) need "
+            f"{' and '.join(need)}, not given: nothing would be checked",
+            param="select",
+            hint=f"add {' '.join(need)} (docs/rules.md), or select rules that run without it",
+        )
 
 
 def _with_read_error_rules(rules: list[Rule], read_errors: dict[str, Any], ignore: Sequence[str] | None) -> list[Rule]:
