@@ -169,7 +169,10 @@ WorkersOpt = Annotated[
     int | None, typer.Option("--workers", min=1, help="Reader threads for --deep (default: CPU count, 2..8).")
 ]
 ListRulesOpt = Annotated[
-    bool, typer.Option("--list-rules", help="List the rules (code, severity, what they check) and exit.")
+    bool,
+    typer.Option(
+        "--list-rules", help="List the rules (code, severity, what they check; those --select/--ignore name) and exit."
+    ),
 ]
 #: validate's own --optimizer-dir (old spelling --optimizer, hidden; says "validated" where the shared one says "read").
 ValidateOptimizerDirOpt = Annotated[
@@ -216,7 +219,7 @@ def validate_command(
 
         if checkpoint is not None:  # the listing checks nothing: never let it pass for a check of CHECKPOINT
             Output(json_output).warning(f"{checkpoint} was not checked: --list-rules lists the rules and exits")
-        print_rules(json_output)
+        print_rules(json_output, select or (), ignore or ())
         return
     if checkpoint is None and manifest:  # `validate --manifest DIR`: the option took the checkpoint as its value
         checkpoint, manifest = opt.location(manifest), ""

@@ -179,3 +179,16 @@ def test_a_selection_partly_runnable_still_runs(dense_ckpt: Path) -> None:
     res = runner.invoke(app, ["validate", str(dense_ckpt), "--select", "M001,S002", "--json"])
     status = {r["code"]: r for r in json.loads(res.stdout)["rules"]}
     assert res.exit_code == 0 and status["M001"]["reason"] == "needs --config" and status["S002"]["status"] == "passed"
+
+
+def test_list_rules_honours_select_and_ignore() -> None:
+    """`validate --list-rules --select S01` listed all 81 rules; `--select ZZZ` too, exit 0."""
+    res = runner.invoke(app, ["validate", "--list-rules", "--json", "--select", "S01,M010", "--ignore", "S015"])
+    listed = [r["code"] for r in json.loads(res.stdout)["rules"]]
+    assert res.exit_code == 0
+    assert listed == sorted(c for c in RULES if (c.startswith("S01") or c == "M010") and c != "S015")
+    res = runner.invoke(app, ["validate", "--list-rules", "--select", "ZZZ"])
+    assert res.exit_code == 2 and res.stdout == ""
+    assert res.stderr.startswith("error: [E100] --select 'ZZZ' matches no rule code")
+    res = runner.invoke(app, ["validate", "--list-rules", "--json"])
+    assert [r["code"] for r in json.loads(res.stdout)["rules"]] == sorted(RULES)
