@@ -173,6 +173,14 @@ def _load(p: Path) -> Reference:
             tensors = _from_json(resolve_inside(p, index.name, what="reference file"))
         else:
             files = sorted(p.glob("*.safetensors"))
+            if not files and (p / ".metadata").is_file():  # comparing two checkpoints is `diff`'s work
+                raise UsageError(
+                    f"`against` {p}: a DCP checkpoint (.metadata), not a reference model; `against` reads the names, "
+                    "shapes and dtypes of an HF model folder",
+                    path=p,
+                    hint=f"compare two checkpoints with `ckpttool diff CHECKPOINT {p}`, or pass `against` an export "
+                    f"of it (`ckpttool export {p} OUT`)",
+                )
             if not files:
                 raise _bad(p, "directory holds no model.safetensors.index.json and no *.safetensors")
             tensors = {}

@@ -315,6 +315,19 @@ def test_against_a_reference_of_no_tensor_is_refused(sample_ckpt: Path, tmp_path
     assert res.stderr.splitlines()[1].startswith("hint: pass an HF model directory")
 
 
+def test_against_a_dcp_checkpoint_points_to_diff(sample_ckpt: Path, dense_ckpt: Path) -> None:
+    """--against OTHER_CKPT said only "directory holds no model.safetensors.index.json": now it names diff/export."""
+    res = runner.invoke(app, ["validate", str(sample_ckpt), "--against", str(dense_ckpt)])
+    assert res.exit_code == 2 and res.stdout == ""
+    err = res.stderr.splitlines()
+    assert err[0] == f"error: [E100] --against {dense_ckpt}: a DCP checkpoint (.metadata), not a reference model; " + (
+        "--against reads the names, shapes and dtypes of an HF model folder"
+    )
+    assert err[1] == f"hint: compare two checkpoints with `ckpttool diff CHECKPOINT {dense_ckpt}`, " + (
+        f"or pass --against an export of it (`ckpttool export {dense_ckpt} OUT`)"
+    )
+
+
 def test_tied_head_is_not_reported_missing(dense_ckpt: Path, tmp_path: Path) -> None:
     c = copy_checkpoint(dense_ckpt, tmp_path / "c")
     assert damage.drop_keys(c, lambda k: "lm_head" in k)
