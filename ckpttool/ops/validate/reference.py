@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ckpttool.errors import CkptError, UsageError
+from ckpttool.errors import CkptError, PathEscapeError, UsageError
 from ckpttool.format.files import read_regular, resolve_inside
 from ckpttool.format.jsonfile import DuplicateKeyError, json_error, parse_json
 from ckpttool.format.limits import current
@@ -160,7 +160,14 @@ def load_reference(path: str | os.PathLike[str]) -> Reference:
     Raises:
         UsageError: missing, unreadable or not a reference.
     """
-    ref = _load(Path(path))
+    try:
+        ref = _load(Path(path))
+    except PathEscapeError as e:  # the default hint speaks of a checkpoint's files
+        e.hint = (
+            "a reference folder's files are read only inside it (a Hugging Face hub snapshot links them to ../../blobs): "
+            "pass a .safetensors file itself, or a copy with the links resolved (cp -rL DIR REF)"
+        )
+        raise
     if not ref.tensors:  # every checkpoint key would be "unexpected" and nothing "missing": a reference of nothing
         raise _bad(Path(path), "names no tensor")
     return ref

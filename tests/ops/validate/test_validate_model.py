@@ -328,6 +328,24 @@ def test_against_a_dcp_checkpoint_points_to_diff(sample_ckpt: Path, dense_ckpt: 
     )
 
 
+def test_symlinks_out_of_config_and_against_folders_get_their_own_hint(sample_ckpt: Path, tmp_path: Path) -> None:
+    """The E101 hint said "the checkpoint references files outside its directory" of a --config / --against folder."""
+    ref = reference(sample_ckpt, tmp_path / "ref")
+    (tmp_path / "cfg").mkdir()
+    (tmp_path / "cfg" / "config.json").symlink_to(sample_ckpt / "model_assets" / "config.json")
+    (tmp_path / "snap").mkdir()
+    (tmp_path / "snap" / "model.safetensors").symlink_to(ref / "model.safetensors")
+    res = runner.invoke(app, ["validate", str(sample_ckpt), "--config", str(tmp_path / "cfg")])
+    assert res.exit_code == 2 and res.stderr.splitlines()[1] == (
+        f"hint: a folder's config.json is read only inside it; name the file you mean: --config {tmp_path}/cfg/config.json"
+    )
+    res = runner.invoke(app, ["validate", str(sample_ckpt), "--against", str(tmp_path / "snap")])
+    assert res.exit_code == 2 and res.stderr.startswith("error: [E101]")
+    assert res.stderr.splitlines()[1].startswith("hint: a reference folder's files are read only inside it")
+    for good in (["--config", str(tmp_path / "cfg" / "config.json")], ["--against", str(ref / "model.safetensors")]):
+        assert runner.invoke(app, ["validate", str(sample_ckpt), *good]).exit_code == 0  # what the hints say works
+
+
 def test_tied_head_is_not_reported_missing(dense_ckpt: Path, tmp_path: Path) -> None:
     c = copy_checkpoint(dense_ckpt, tmp_path / "c")
     assert damage.drop_keys(c, lambda k: "lm_head" in k)
