@@ -101,8 +101,15 @@ def _from_index(p: Path, obj: dict[str, Any]) -> dict[str, RefTensor]:
         raise _bad(p, "index has no weight_map object")
     out: dict[str, RefTensor] = {}
     shards = sorted({str(s) for s in wm.values()})
-    for s in shards:
-        sp = resolve_inside(p.parent, s, what="weight_map file")  # PathEscapeError outside the model directory
+    found = [(s, resolve_inside(p.parent, s, what="weight_map file")) for s in shards]  # PathEscapeError outside
+    missing = [s for s, sp in found if not sp.exists()]
+    if missing and len(missing) < len(found):  # some shards here, some not: the shapes of part of the model only
+        raise _bad(
+            p,
+            f"weight_map names {len(missing)} of {len(found)} shards that are not in {p.parent} "
+            f"({', '.join(missing[:3])}{', ...' if len(missing) > 3 else ''}): an incomplete download or copy",
+        )
+    for _, sp in found:
         if sp.exists():
             out.update(_safetensors_header(sp))
     for k in wm:

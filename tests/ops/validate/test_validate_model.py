@@ -346,6 +346,28 @@ def test_symlinks_out_of_config_and_against_folders_get_their_own_hint(sample_ck
         assert runner.invoke(app, ["validate", str(sample_ckpt), *good]).exit_code == 0  # what the hints say works
 
 
+def test_against_an_index_with_some_shards_missing_is_refused(sample_ckpt: Path, tmp_path: Path) -> None:
+    """An HF folder with one of its two shards missing passed M007/M008 over the tensors of the missing one."""
+    from safetensors.torch import load_file, save_file
+
+    ref = reference(sample_ckpt, tmp_path / "ref")
+    sd = load_file(str(ref / "model.safetensors"))
+    (ref / "model.safetensors").unlink()
+    names = sorted(sd)
+    half = {"model-00001-of-00002.safetensors": names[::2], "model-00002-of-00002.safetensors": names[1::2]}
+    save_file(
+        {k: sd[k] for k in half["model-00001-of-00002.safetensors"]}, str(ref / "model-00001-of-00002.safetensors")
+    )
+    wm = {k: f for f, ks in half.items() for k in ks}
+    (ref / "model.safetensors.index.json").write_text(json.dumps({"weight_map": wm}))
+    res = runner.invoke(app, ["validate", str(sample_ckpt), "--against", str(ref)])
+    assert res.exit_code == 2 and res.stdout == ""
+    assert res.stderr.splitlines()[0] == (
+        f"error: [E100] --against {ref / 'model.safetensors.index.json'}: weight_map names 1 of 2 shards that are not "
+        f"in {ref} (model-00002-of-00002.safetensors): an incomplete download or copy"
+    )
+
+
 def test_tied_head_is_not_reported_missing(dense_ckpt: Path, tmp_path: Path) -> None:
     c = copy_checkpoint(dense_ckpt, tmp_path / "c")
     assert damage.drop_keys(c, lambda k: "lm_head" in k)
