@@ -192,3 +192,22 @@ def test_list_rules_honours_select_and_ignore() -> None:
     assert res.stderr.startswith("error: [E100] --select 'ZZZ' matches no rule code")
     res = runner.invoke(app, ["validate", "--list-rules", "--json"])
     assert [r["code"] for r in json.loads(res.stdout)["rules"]] == sorted(RULES)
+
+
+def test_junit_report_of_keys_and_paths_with_control_bytes_is_well_formed(dense_ckpt: Path, tmp_path: Path) -> None:
+    """A key with \\x01 / ESC in it (from --against or the checkpoint) was written into the JUnit XML as is: CI could
+    not parse the report; a checkpoint folder named with an undecodable byte could not be written at all."""
+    import os
+
+    ck = copy_checkpoint(dense_ckpt, Path(os.fsdecode(os.fsencode(str(tmp_path)) + b"/ck\xff\x01")))
+    ref = tmp_path / "keys.json"
+    ref.write_text(json.dumps(["model.evil\x01\x1b[31mkey"]))
+    junit = tmp_path / "r.xml"
+    res = runner.invoke(app, ["validate", str(ck), "--against", str(ref), "--select", "M005", "--junit", str(junit)])
+    assert res.exit_code == 1, res.stderr
+    root = ET.parse(junit).getroot()  # well-formed
+    suite = root.find("testsuite")
+    assert suite is not None and suite.get("name", "").endswith("/ck\\xff\\x01")
+    fail = root.find(".//testcase[@name='M005 missing-keys']/failure")
+    assert fail is not None
+    assert fail.get("message") == f"model.model.evil\\x01\\x1b[31mkey: in the reference {ref} but not in the checkpoint"
