@@ -315,7 +315,8 @@ def validate(
         The :class:`ValidationResult`.
 
     Raises:
-        UsageError: ``source`` is not a directory, an unknown rule code, unreadable ``config``/``against``.
+        UsageError: ``source`` is not a directory, an unknown rule code, a ``select`` whose every rule needs an option
+            not given (or is ignored), unreadable ``config``/``against``, an ``against`` that names no tensor.
         AmbiguousCheckpointError, StepNotFoundError: which checkpoint below ``source`` is not clear.
         SchemaError: a key-schema override that matches nothing.
     """
