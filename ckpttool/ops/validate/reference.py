@@ -142,10 +142,16 @@ def _from_json(p: Path) -> dict[str, RefTensor]:
                 raise _bad(p, f"entry {k!r:.80}: shape is not a list of sizes")
             out[str(k)] = RefTensor(
                 tuple(shape) if isinstance(shape, list) else None,
-                str(v["dtype"]).removeprefix("torch.") if v.get("dtype") else None,
+                _json_dtype(str(v["dtype"])) if v.get("dtype") else None,
             )
         return out
     raise _bad(p, f"expected a list or an object, got {type(obj).__name__}")
+
+
+def _json_dtype(name: str) -> str:
+    """A dtype of a JSON reference as torch names it: ``bfloat16``, ``torch.bfloat16`` or the safetensors tag ``BF16``
+    (what a header or ``safe_open(...).get_slice(k).get_dtype()`` gives)."""
+    return SAFETENSORS_TAGS.get(name) or name.removeprefix("torch.")
 
 
 def _tie(config_path: Path) -> bool | None:

@@ -368,6 +368,23 @@ def test_against_an_index_with_some_shards_missing_is_refused(sample_ckpt: Path,
     )
 
 
+@pytest.mark.parametrize("spell", ["safetensors", "torch"])
+def test_against_json_dtypes_in_safetensors_tags_are_understood(sample_ckpt: Path, tmp_path: Path, spell: str) -> None:
+    """{key: {"shape", "dtype": "F32"}} (the safetensors header's spelling) gave one false M008 warning per key."""
+    from safetensors import safe_open
+
+    src = reference(sample_ckpt, tmp_path / "ref") / "model.safetensors"
+    with safe_open(str(src), "pt") as f:
+        body = {k: {"shape": list(f.get_slice(k).get_shape()), "dtype": f.get_slice(k).get_dtype()} for k in f.keys()}
+    if spell == "torch":
+        body = {k: {**v, "dtype": "torch.float32" if v["dtype"] == "F32" else v["dtype"]} for k, v in body.items()}
+    ref = tmp_path / "ref.json"
+    ref.write_text(json.dumps(body))
+    rc, doc = run(sample_ckpt, "--strict", "--against", ref, "--select", "M")
+    assert rc == 0 and codes(doc) == set(), doc["findings"][:3]
+    assert {r["code"]: r["status"] for r in doc["rules"]}["M008"] == "passed"
+
+
 def test_tied_head_is_not_reported_missing(dense_ckpt: Path, tmp_path: Path) -> None:
     c = copy_checkpoint(dense_ckpt, tmp_path / "c")
     assert damage.drop_keys(c, lambda k: "lm_head" in k)
