@@ -219,6 +219,8 @@ def validate_command(
 
         if checkpoint is not None:  # the listing checks nothing: never let it pass for a check of CHECKPOINT
             Output(json_output).warning(f"{checkpoint} was not checked: --list-rules lists the rules and exits")
+        if junit is not None:  # nor let a CI job look for a report that was never written
+            Output(json_output).warning(f"--junit {junit} was not written: --list-rules lists the rules and exits")
         print_rules(json_output, select or (), ignore or ())
         return
     if checkpoint is None and manifest:  # `validate --manifest DIR`: the option took the checkpoint as its value

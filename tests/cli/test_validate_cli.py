@@ -211,3 +211,10 @@ def test_junit_report_of_keys_and_paths_with_control_bytes_is_well_formed(dense_
     fail = root.find(".//testcase[@name='M005 missing-keys']/failure")
     assert fail is not None
     assert fail.get("message") == f"model.model.evil\\x01\\x1b[31mkey: in the reference {ref} but not in the checkpoint"
+
+
+def test_list_rules_says_the_junit_report_was_not_written(tmp_path: Path) -> None:
+    junit = tmp_path / "r.xml"
+    res = runner.invoke(app, ["validate", "--list-rules", "--junit", str(junit)])
+    assert res.exit_code == 0 and not junit.exists()
+    assert res.stderr == f"warning: --junit {junit} was not written: --list-rules lists the rules and exits\n"
