@@ -249,8 +249,9 @@ def _validate_open(
 
 
 def _refuse_selection_that_cannot_run(rules: list[Rule], ctx: Context, opts: ValidateOptions) -> None:
-    """``select`` names rules and every one of them needs an option not given (``--select D001`` without ``--deep``):
-    the run would check nothing that was asked and still say OK.
+    """``select`` names rules and every one of them needs an option not given (``--select D001`` without ``--deep``)
+    or has nothing to check here (``--select O`` on model weights only): the run would check nothing that was asked
+    and still say OK.
 
     Raises:
         UsageError (E100): naming the options the selected rules need.
@@ -270,15 +271,24 @@ def _refuse_selection_that_cannot_run(rules: list[Rule], ctx: Context, opts: Val
             hint="drop the `ignore` codes that cover the selection, or select other rules",
         )
     reasons = [_skip_reason(r, ctx) for r in asked]
-    if all(why is not None and why.startswith("needs --") for why in reasons):
+    if any(why is None for why in reasons):
+        return
+    codes = ", ".join(r.code for r in asked[:6]) + (f" and {len(asked) - 6} more" if len(asked) > 6 else "")
+    if all(cast("str", why).startswith("needs --") for why in reasons):
         given = {"deep": ctx.deep, "config": ctx.config, "against": ctx.reference, "manifest": ctx.manifest}
         need = sorted({f"--{n}" for r in asked for n in r.needs if not given[n]})
         raise errors.UsageError(
-            f"`select` {', '.join(sel)}: the selected rules ({', '.join(r.code for r in asked)}) need "
-            f"{' and '.join(need)}, not given: nothing would be checked",
+            f"`select` {', '.join(sel)}: the selected rules ({codes}) need {' and '.join(need)}, not given: "
+            "nothing would be checked",
             param="select",
             hint=f"add {' '.join(need)} (docs/rules.md), or select rules that run without it",
         )
+    raise errors.UsageError(  # e.g. --select O on model weights only: no optimizer state to check
+        f"`select` {', '.join(sel)}: the selected rules ({codes}) cannot run on {ctx.cat.path}: "
+        f"{'; '.join(sorted({cast('str', why) for why in reasons}))}; nothing would be checked",
+        param="select",
+        hint="select rules for what this checkpoint holds (`ckpttool inspect` shows it)",
+    )
 
 
 def _with_read_error_rules(rules: list[Rule], read_errors: dict[str, Any], ignore: Sequence[str] | None) -> list[Rule]:
