@@ -245,7 +245,34 @@ def _validate_open(
         partly = f"without --deep: {r.shallow} only" if "deep" in r.needs and not ctx.deep else None
         status = "failed" if failing else ("reported" if found else "passed")
         statuses.append(RuleStatus(r, status, partly, tuple(found)))
+    _refuse_when_nothing_selected_ran(statuses, ctx, opts)
     return _finish(ckpt.path, opts, statuses, t0, bytes_read, deep_seconds)
+
+
+def _refuse_when_nothing_selected_ran(statuses: list[RuleStatus], ctx: Context, opts: ValidateOptions) -> None:
+    """Every rule ``select`` named was skipped by the rule itself (``--select M010`` with a config transformers cannot
+    build): the run checked nothing asked; said as :func:`_refuse_selection_that_cannot_run` says it before the run.
+
+    Raises:
+        UsageError (E100): naming the reasons.
+    """
+    from ckpttool.ops.validate.base import _split_codes
+
+    sel, ign = _split_codes(opts.select), _split_codes(opts.ignore)
+    asked = [
+        s
+        for s in statuses
+        if any(s.rule.code.startswith(p) for p in sel) and not any(s.rule.code.startswith(p) for p in ign)
+    ]
+    if not asked or any(s.status != "skipped" for s in asked) or any(s.findings for s in statuses):
+        return
+    codes = ", ".join(s.rule.code for s in asked[:6]) + (f" and {len(asked) - 6} more" if len(asked) > 6 else "")
+    raise errors.UsageError(
+        f"`select` {', '.join(sel)}: the selected rules ({codes}) could not run on {ctx.cat.path}: "
+        f"{'; '.join(sorted({s.reason or 'skipped' for s in asked}))}; nothing was checked",
+        param="select",
+        hint="fix what the reason names (the --config, the reference), or select rules that run here",
+    )
 
 
 def _refuse_selection_that_cannot_run(rules: list[Rule], ctx: Context, opts: ValidateOptions) -> None:

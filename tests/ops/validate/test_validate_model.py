@@ -135,13 +135,17 @@ def test_M010_that_could_not_compare_is_skipped_not_passed(ck: Path, over: dict[
     cfg = write_config(ck, **over)
     if over["model_type"] is None:
         cfg.write_text(json.dumps({k: v for k, v in json.loads(cfg.read_text()).items() if k != "model_type"}))
-    rc, doc = run(ck, "--strict", "--config", cfg, "--select", "M010")
+    rc, doc = run(ck, "--strict", "--config", cfg, "--select", "M001,M010")
     status = {r["code"]: r for r in doc["rules"]}["M010"]
     assert status["status"] == "skipped" and status["reason"].startswith("model class not checked: "), status
-    res = runner.invoke(app, ["validate", str(ck), "--config", str(cfg), "--select", "M010"])
+    res = runner.invoke(app, ["validate", str(ck), "--config", str(cfg), "--select", "M001,M010"])
     assert "1 skipped (model class not checked: " in res.stdout
     rc, doc = run(ck, "--config", cfg, "--select", "M011")  # M011 still says why
     assert [f["code"] for f in doc["findings"]] == ["M011"]
+    res = runner.invoke(app, ["validate", str(ck), "--config", str(cfg), "--select", "M010"])  # nothing asked ran
+    assert res.exit_code == 2 and res.stdout == ""
+    assert res.stderr.startswith(f"error: [E100] --select M010: the selected rules (M010) could not run on {ck}: ")
+    assert res.stderr.splitlines()[0].endswith("; nothing was checked")
 
 
 def test_M001_layers_missing_stage_local(ck: Path) -> None:
@@ -202,7 +206,7 @@ def test_M002_without_an_expert_count_in_the_config_is_skipped_not_passed(ck: Pa
     """A dense config for a MoE checkpoint: M002 "passed" over experts it had no count to check against."""
     cfg = write_config(ck)
     cfg.write_text(json.dumps({k: v for k, v in json.loads(cfg.read_text()).items() if k != "n_routed_experts"}))
-    rc, doc = run(ck, "--config", cfg, "--select", "M002")
+    rc, doc = run(ck, "--config", cfg, "--select", "M001,M002")
     status = {r["code"]: r for r in doc["rules"]}["M002"]
     assert status["status"] == "skipped", status
     assert "no num_experts" in status["reason"] and "experts" in status["reason"].rsplit(" has ", 1)[1]
@@ -296,6 +300,8 @@ def test_M007_M008_against_names_only_are_skipped_not_passed(sample_ckpt: Path, 
     rc, doc = run(sample_ckpt, "--strict", "--against", ref, "--select", "M005,M007,M008")
     status = {r["code"]: r for r in doc["rules"]}
     assert status["M005"]["status"] == "passed"
+    res = runner.invoke(app, ["validate", str(sample_ckpt), "--against", str(ref), "--select", "M007"])
+    assert res.exit_code == 2 and "the selected rules (M007) could not run" in res.stderr  # nothing asked was checked
     for code, what in (("M007", "shapes"), ("M008", "dtypes")):
         assert status[code]["status"] == "skipped", status[code]
         assert (
