@@ -75,6 +75,25 @@ _JUNIT_HINT = (
 )
 
 
+def _junit_file(junit: str) -> Path:
+    """The ``--junit`` path; one ending in ``/`` names a directory, where a report file was meant to go.
+
+    Raises:
+        OutputError (E600): a path ending in a separator (``--junit reports/`` would have written a file ``reports``).
+    """
+    import os
+
+    from ckpttool.errors import OutputError
+
+    if junit.endswith(("/", os.sep)):
+        raise OutputError(
+            f"--junit {junit}: names a directory; --junit takes the path of the report file",
+            path=junit,
+            hint=f"name the file, e.g. --junit {junit}validate.xml",
+        )
+    return Path(junit)
+
+
 def _check_junit_path(
     junit: Path, checkpoint: PurePath, sel: CheckpointSelection | None, against: Path | None
 ) -> tuple[Path, ...]:
@@ -162,8 +181,10 @@ ManifestOpt = Annotated[
     ),
 ]
 JunitOpt = Annotated[
-    Path | None,
-    typer.Option("--junit", help="Also write a JUnit XML report (one test case per rule) to this file."),
+    str | None,
+    typer.Option(
+        "--junit", metavar="FILE", help="Also write a JUnit XML report (one test case per rule) to this file."
+    ),
 ]
 WorkersOpt = Annotated[
     int | None, typer.Option("--workers", min=1, help="Reader threads for --deep (default: CPU count, 2..8).")
@@ -234,7 +255,8 @@ def validate_command(
 
     decl = declaration(source_layout, ep_size, ep_fsdp_size, no_ep)
     sel = selection(step, optimizer_dir, schema, model_prefix, optimizer_prefix)
-    sources = _check_junit_path(junit, checkpoint, sel, against) if junit is not None else ()
+    junit_file = _junit_file(junit) if junit is not None else None
+    sources = _check_junit_path(junit_file, checkpoint, sel, against) if junit_file is not None else ()
     options = ValidateOptions(
         strict=strict,
         deep=deep,
@@ -247,8 +269,8 @@ def validate_command(
     )
 
     def report(res: ValidationResult) -> None:
-        if junit is not None:
-            _write_junit(junit, res, sources)
+        if junit_file is not None:
+            _write_junit(junit_file, res, sources)
         Output(json_output).result(res, _render)
 
     # --deep: phases named on stderr (opening, planning the deep pass, ...); the byte bar of the reading from its total on

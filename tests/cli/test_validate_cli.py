@@ -218,3 +218,19 @@ def test_list_rules_says_the_junit_report_was_not_written(tmp_path: Path) -> Non
     res = runner.invoke(app, ["validate", "--list-rules", "--junit", str(junit)])
     assert res.exit_code == 0 and not junit.exists()
     assert res.stderr == f"warning: --junit {junit} was not written: --list-rules lists the rules and exits\n"
+
+
+@pytest.mark.parametrize("existing", [False, True])
+def test_junit_path_ending_in_a_slash_is_refused(dense_ckpt: Path, tmp_path: Path, existing: bool) -> None:
+    """`--junit reports/` wrote a file named `reports` (or replaced an old report `reports`): a directory was meant."""
+    target = tmp_path / "reports"
+    if existing:  # an earlier report of ckpttool there: still not replaced through a directory spelling
+        assert runner.invoke(app, ["validate", str(dense_ckpt), "--junit", str(target)]).exit_code == 0
+    before = target.read_bytes() if existing else None
+    res = runner.invoke(app, ["validate", str(dense_ckpt), "--junit", f"{target}/"])
+    assert res.exit_code == 2 and res.stdout == ""
+    assert res.stderr.splitlines() == [
+        f"error: [E600] --junit {target}/: names a directory; --junit takes the path of the report file",
+        f"hint: name the file, e.g. --junit {target}/validate.xml",
+    ]
+    assert (target.read_bytes() if existing else target.exists()) == (before if existing else False)
