@@ -272,6 +272,11 @@ def validate_command(
         if junit_file is not None:
             _write_junit(junit_file, res, sources)
         Output(json_output).result(res, _render)
+        if against is not None and res.exit_code != 2:  # an OK against another step's export is no claim of equal weights
+            Output(json_output).note(
+                f"--against compared names, shapes and dtypes, not values: `ckpttool diff {checkpoint} {against}` "
+                "compares the values"
+            )
 
     # --deep: phases named on stderr (opening, planning the deep pass, ...); the byte bar of the reading from its total on
     enabled = deep and not json_output and sys.stderr.isatty()

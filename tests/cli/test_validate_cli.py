@@ -234,3 +234,16 @@ def test_junit_path_ending_in_a_slash_is_refused(dense_ckpt: Path, tmp_path: Pat
         f"hint: name the file, e.g. --junit {target}/validate.xml",
     ]
     assert (target.read_bytes() if existing else target.exists()) == (before if existing else False)
+
+
+def test_against_says_values_were_not_compared(sample_ckpt: Path, tmp_path: Path) -> None:
+    """An OK of --against another step's export read as "the same weights"; a note says what was compared."""
+    out = tmp_path / "hf"
+    assert runner.invoke(app, ["export", str(sample_ckpt), str(out), "-q"]).exit_code == 0
+    res = runner.invoke(app, ["validate", str(sample_ckpt), "--against", str(out), "--select", "M"])
+    assert res.exit_code == 0
+    assert res.stderr.splitlines()[-1] == (
+        f"note: --against compared names, shapes and dtypes, not values: `ckpttool diff {sample_ckpt} {out}` "
+        "compares the values"
+    )
+    assert "note:" not in runner.invoke(app, ["validate", str(sample_ckpt), "--against", str(out), "-q"]).stderr
