@@ -272,7 +272,8 @@ def validate_command(
         if junit_file is not None:
             _write_junit(junit_file, res, sources)
         Output(json_output).result(res, _render)
-        if against is not None and res.exit_code != 2:  # an OK against another step's export is no claim of equal weights
+        # an OK against another step's export is no claim of equal weights
+        if against is not None and res.exit_code != 2:
             Output(json_output).note(
                 f"--against compared names, shapes and dtypes, not values: `ckpttool diff {checkpoint} {against}` "
                 "compares the values"
