@@ -5,6 +5,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 from ckpttool.ui.options import JsonOpt, examples
@@ -13,9 +14,9 @@ from ckpttool.ui.output import command_boundary, emit_json
 RULES_SCHEMA = "ckpttool.rules/1"
 
 
-def rules_document() -> dict[str, Any]:
-    """The ``ckpttool.rules/1`` document: every rule of ``validate``, by code."""
-    from ckpttool.ops.validate import RULES
+def rules_document(select: Sequence[str] = (), ignore: Sequence[str] = ()) -> dict[str, Any]:
+    """The ``ckpttool.rules/1`` document: every rule of ``validate`` (those ``select``/``ignore`` name), by code."""
+    from ckpttool.ops.validate.base import listed_rules
 
     return {
         "schema": RULES_SCHEMA,
@@ -30,14 +31,14 @@ def rules_document() -> dict[str, Any]:
                 "summary": r.summary,
                 "hint": r.hint,
             }
-            for r in (RULES[c] for c in sorted(RULES))
+            for r in listed_rules(select, ignore)
         ],
     }
 
 
-def print_rules(json_output: bool) -> None:
-    """Print the rules as a table, or the ``ckpttool.rules/1`` JSON document."""
-    doc = rules_document()
+def print_rules(json_output: bool, select: Sequence[str] = (), ignore: Sequence[str] = ()) -> None:
+    """Print the rules (those ``select``/``ignore`` name) as a table, or the ``ckpttool.rules/1`` JSON document."""
+    doc = rules_document(select, ignore)
     if json_output:
         emit_json(doc)
         return

@@ -75,6 +75,25 @@ _JUNIT_HINT = (
 )
 
 
+def _junit_file(junit: str) -> Path:
+    """The ``--junit`` path; one ending in ``/`` names a directory, where a report file was meant to go.
+
+    Raises:
+        OutputError (E600): a path ending in a separator (``--junit reports/`` would have written a file ``reports``).
+    """
+    import os
+
+    from ckpttool.errors import OutputError
+
+    if junit.endswith(("/", os.sep)):
+        raise OutputError(
+            f"--junit {junit}: names a directory; --junit takes the path of the report file",
+            path=junit,
+            hint=f"name the file, e.g. --junit {junit}validate.xml",
+        )
+    return Path(junit)
+
+
 def _check_junit_path(
     junit: Path, checkpoint: PurePath, sel: CheckpointSelection | None, against: Path | None
 ) -> tuple[Path, ...]:
@@ -162,14 +181,19 @@ ManifestOpt = Annotated[
     ),
 ]
 JunitOpt = Annotated[
-    Path | None,
-    typer.Option("--junit", help="Also write a JUnit XML report (one test case per rule) to this file."),
+    str | None,
+    typer.Option(
+        "--junit", metavar="FILE", help="Also write a JUnit XML report (one test case per rule) to this file."
+    ),
 ]
 WorkersOpt = Annotated[
     int | None, typer.Option("--workers", min=1, help="Reader threads for --deep (default: CPU count, 2..8).")
 ]
 ListRulesOpt = Annotated[
-    bool, typer.Option("--list-rules", help="List the rules (code, severity, what they check) and exit.")
+    bool,
+    typer.Option(
+        "--list-rules", help="List the rules (code, severity, what they check; those --select/--ignore name) and exit."
+    ),
 ]
 #: validate's own --optimizer-dir (old spelling --optimizer, hidden; says "validated" where the shared one says "read").
 ValidateOptimizerDirOpt = Annotated[
@@ -216,7 +240,9 @@ def validate_command(
 
         if checkpoint is not None:  # the listing checks nothing: never let it pass for a check of CHECKPOINT
             Output(json_output).warning(f"{checkpoint} was not checked: --list-rules lists the rules and exits")
-        print_rules(json_output)
+        if junit is not None:  # nor let a CI job look for a report that was never written
+            Output(json_output).warning(f"--junit {junit} was not written: --list-rules lists the rules and exits")
+        print_rules(json_output, select or (), ignore or ())
         return
     if checkpoint is None and manifest:  # `validate --manifest DIR`: the option took the checkpoint as its value
         checkpoint, manifest = opt.location(manifest), ""
@@ -229,7 +255,8 @@ def validate_command(
 
     decl = declaration(source_layout, ep_size, ep_fsdp_size, no_ep)
     sel = selection(step, optimizer_dir, schema, model_prefix, optimizer_prefix)
-    sources = _check_junit_path(junit, checkpoint, sel, against) if junit is not None else ()
+    junit_file = _junit_file(junit) if junit is not None else None
+    sources = _check_junit_path(junit_file, checkpoint, sel, against) if junit_file is not None else ()
     options = ValidateOptions(
         strict=strict,
         deep=deep,
@@ -242,9 +269,15 @@ def validate_command(
     )
 
     def report(res: ValidationResult) -> None:
-        if junit is not None:
-            _write_junit(junit, res, sources)
+        if junit_file is not None:
+            _write_junit(junit_file, res, sources)
         Output(json_output).result(res, _render)
+        # an OK against another step's export is no claim of equal weights
+        if against is not None and res.exit_code != 2:
+            Output(json_output).note(
+                f"--against compared names, shapes and dtypes, not values: `ckpttool diff {checkpoint} {against}` "
+                "compares the values"
+            )
 
     # --deep: phases named on stderr (opening, planning the deep pass, ...); the byte bar of the reading from its total on
     enabled = deep and not json_output and sys.stderr.isatty()

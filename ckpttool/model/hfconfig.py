@@ -11,7 +11,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from ckpttool.errors import UsageError
+from ckpttool.errors import PathEscapeError, UsageError
 from ckpttool.format import limits
 
 __all__ = ["read_hf_config", "config_value"]
@@ -35,7 +35,13 @@ def read_hf_config(path: str | os.PathLike[str], *, param: str = "config") -> di
 
     p = Path(path)
     if p.is_dir():
-        p = resolve_inside(p, "config.json", what=f"`{param}` file")
+        try:
+            p = resolve_inside(p, "config.json", what=f"`{param}` file")
+        except PathEscapeError as e:  # the default hint speaks of a checkpoint's files
+            e.hint = (
+                f"a folder's config.json is read only inside it; name the file you mean: `{param}` {p / 'config.json'}"
+            )
+            raise
     try:
         obj = parse_json(read_regular(p, limits.current().max_object_bytes, what="config.json"), str(p))
     except OSError as e:

@@ -149,3 +149,101 @@ def test_unwritable_junit_path_gets_a_validate_hint(broken: Path, tmp_path: Path
         assert err[0] == f"error: [E600] --junit {target}: directory {target.parent} does not exist"
     assert err[1].startswith("hint: ") and "--junit takes the path of a file" in err[1]
     assert "--overwrite" not in res.stderr  # validate has no such option
+
+
+@pytest.mark.parametrize(
+    ("args", "first"),
+    [
+        (["--select", "M001"], "error: [E100] --select M001: the selected rules (M001) need --config, not given"),
+        (
+            ["--select", "D001,M003"],
+            "error: [E100] --select D001, M003: the selected rules (D001, M003) need --config and --deep, not given",
+        ),
+        (["--select", "S015"], "error: [E100] --select S015: the selected rules (S015) need --manifest, not given"),
+        (["--select", "S", "--ignore", "S"], "error: [E100] --ignore S leaves none of the rules --select S chose"),
+    ],
+)
+def test_a_selection_that_cannot_run_is_refused_not_ok(
+    dense_ckpt: Path, tmp_path: Path, args: list[str], first: str
+) -> None:
+    """`--select M001` without --config printed "OK: ... 2 rules run, 1 skipped" (exit 0): nothing asked was checked."""
+    junit = tmp_path / "r.xml"
+    res = runner.invoke(app, ["validate", str(dense_ckpt), *args, "--junit", str(junit)])
+    assert res.exit_code == 2 and res.stdout == "" and not junit.exists()
+    lines = res.stderr.splitlines()
+    assert lines[0].startswith(first) and lines[0].endswith("nothing would be checked"), lines
+    assert lines[1].startswith("hint: ") and len(lines) == 2
+
+
+def test_a_selection_partly_runnable_still_runs(dense_ckpt: Path) -> None:
+    res = runner.invoke(app, ["validate", str(dense_ckpt), "--select", "M001,S002", "--json"])
+    status = {r["code"]: r for r in json.loads(res.stdout)["rules"]}
+    assert res.exit_code == 0 and status["M001"]["reason"] == "needs --config" and status["S002"]["status"] == "passed"
+
+
+def test_list_rules_honours_select_and_ignore() -> None:
+    """`validate --list-rules --select S01` listed all 81 rules; `--select ZZZ` too, exit 0."""
+    res = runner.invoke(app, ["validate", "--list-rules", "--json", "--select", "S01,M010", "--ignore", "S015"])
+    listed = [r["code"] for r in json.loads(res.stdout)["rules"]]
+    assert res.exit_code == 0
+    assert listed == sorted(c for c in RULES if (c.startswith("S01") or c == "M010") and c != "S015")
+    res = runner.invoke(app, ["validate", "--list-rules", "--select", "ZZZ"])
+    assert res.exit_code == 2 and res.stdout == ""
+    assert res.stderr.startswith("error: [E100] --select 'ZZZ' matches no rule code")
+    res = runner.invoke(app, ["validate", "--list-rules", "--json"])
+    assert [r["code"] for r in json.loads(res.stdout)["rules"]] == sorted(RULES)
+
+
+def test_junit_report_of_keys_and_paths_with_control_bytes_is_well_formed(dense_ckpt: Path, tmp_path: Path) -> None:
+    """A key with \\x01 / ESC in it (from --against or the checkpoint) was written into the JUnit XML as is: CI could
+    not parse the report; a checkpoint folder named with an undecodable byte could not be written at all."""
+    import os
+
+    ck = copy_checkpoint(dense_ckpt, Path(os.fsdecode(os.fsencode(str(tmp_path)) + b"/ck\xff\x01")))
+    ref = tmp_path / "keys.json"
+    ref.write_text(json.dumps(["model.evil\x01\x1b[31mkey"]))
+    junit = tmp_path / "r.xml"
+    res = runner.invoke(app, ["validate", str(ck), "--against", str(ref), "--select", "M005", "--junit", str(junit)])
+    assert res.exit_code == 1, res.stderr
+    root = ET.parse(junit).getroot()  # well-formed
+    suite = root.find("testsuite")
+    assert suite is not None and suite.get("name", "").endswith("/ck\\xff\\x01")
+    fail = root.find(".//testcase[@name='M005 missing-keys']/failure")
+    assert fail is not None
+    assert fail.get("message") == f"model.model.evil\\x01\\x1b[31mkey: in the reference {ref} but not in the checkpoint"
+
+
+def test_list_rules_says_the_junit_report_was_not_written(tmp_path: Path) -> None:
+    junit = tmp_path / "r.xml"
+    res = runner.invoke(app, ["validate", "--list-rules", "--junit", str(junit)])
+    assert res.exit_code == 0 and not junit.exists()
+    assert res.stderr == f"warning: --junit {junit} was not written: --list-rules lists the rules and exits\n"
+
+
+@pytest.mark.parametrize("existing", [False, True])
+def test_junit_path_ending_in_a_slash_is_refused(dense_ckpt: Path, tmp_path: Path, existing: bool) -> None:
+    """`--junit reports/` wrote a file named `reports` (or replaced an old report `reports`): a directory was meant."""
+    target = tmp_path / "reports"
+    if existing:  # an earlier report of ckpttool there: still not replaced through a directory spelling
+        assert runner.invoke(app, ["validate", str(dense_ckpt), "--junit", str(target)]).exit_code == 0
+    before = target.read_bytes() if existing else None
+    res = runner.invoke(app, ["validate", str(dense_ckpt), "--junit", f"{target}/"])
+    assert res.exit_code == 2 and res.stdout == ""
+    assert res.stderr.splitlines() == [
+        f"error: [E600] --junit {target}/: names a directory; --junit takes the path of the report file",
+        f"hint: name the file, e.g. --junit {target}/validate.xml",
+    ]
+    assert (target.read_bytes() if existing else target.exists()) == (before if existing else False)
+
+
+def test_against_says_values_were_not_compared(sample_ckpt: Path, tmp_path: Path) -> None:
+    """An OK of --against another step's export read as "the same weights"; a note says what was compared."""
+    out = tmp_path / "hf"
+    assert runner.invoke(app, ["export", str(sample_ckpt), str(out), "-q"]).exit_code == 0
+    res = runner.invoke(app, ["validate", str(sample_ckpt), "--against", str(out), "--select", "M"])
+    assert res.exit_code == 0
+    assert res.stderr.splitlines()[-1] == (
+        f"note: --against compared names, shapes and dtypes, not values: `ckpttool diff {sample_ckpt} {out}` "
+        "compares the values"
+    )
+    assert "note:" not in runner.invoke(app, ["validate", str(sample_ckpt), "--against", str(out), "-q"]).stderr

@@ -28,8 +28,19 @@ __all__ = [
     "RULES",
     "FAMILIES",
     "rule",
+    "RuleSkipped",
     "select_rules",
+    "listed_rules",
 ]
+
+
+class RuleSkipped(Exception):
+    """Raised by a rule function that found it cannot check this checkpoint (what it needs is not there): the
+    run reports the rule ``skipped`` with ``reason``, never ``passed`` over a check that did not run."""
+
+    def __init__(self, reason: str) -> None:
+        super().__init__(reason)
+        self.reason = reason
 
 
 class Severity(str, Enum):
@@ -211,3 +222,18 @@ def select_rules(select: Iterable[str] | None = None, ignore: Iterable[str] | No
         if chosen or r.fatal:
             out.append(r)
     return out
+
+
+def listed_rules(select: Iterable[str] | None = None, ignore: Iterable[str] | None = None) -> list[Rule]:
+    """The rules ``select``/``ignore`` name, by code, without the fatal rules a run adds (``--list-rules``).
+
+    Raises:
+        UsageError: a code or prefix that matches no rule.
+    """
+    select_rules(select, ignore)  # the codes checked as a run checks them
+    sel, ign = _split_codes(select), _split_codes(ignore)
+    return [
+        RULES[c]
+        for c in sorted(RULES)
+        if (not sel or any(c.startswith(p) for p in sel)) and not any(c.startswith(p) for p in ign)
+    ]

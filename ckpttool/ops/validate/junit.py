@@ -10,6 +10,7 @@ Jenkins/GitLab/GitHub (``testsuites/testsuite/testcase``).
 
 from __future__ import annotations
 
+import re
 import xml.etree.ElementTree as ET
 from typing import TYPE_CHECKING
 
@@ -68,4 +69,18 @@ def junit_xml(res: ValidationResult) -> str:
         if other:
             ET.SubElement(case, "system-out").text = "\n".join(_line(f) for f in other)
     ET.indent(suites)
-    return '<?xml version="1.0" encoding="UTF-8"?>\n' + ET.tostring(suites, encoding="unicode") + "\n"
+    text = ET.tostring(suites, encoding="unicode")
+    return '<?xml version="1.0" encoding="UTF-8"?>\n' + _NOT_XML.sub(_escaped, text) + "\n"
+
+
+#: Characters XML 1.0 does not allow in a document (ElementTree writes them as they are: a key or path holding one
+#: made the report unparsable for CI), and lone surrogates (undecodable bytes of a file name), which UTF-8 cannot hold.
+_NOT_XML = re.compile("[\x00-\x08\x0b\x0c\x0e-\x1f\ud800-\udfff\ufffe\uffff]")
+
+
+def _escaped(m: re.Match[str]) -> str:
+    """``\\xNN`` / ``\\uNNNN`` for a character XML cannot hold (a surrogate-escaped byte as the byte)."""
+    c = ord(m.group())
+    if 0xDC80 <= c <= 0xDCFF:
+        return f"\\x{c - 0xDC00:02x}"
+    return f"\\x{c:02x}" if c < 0x100 else f"\\u{c:04x}"

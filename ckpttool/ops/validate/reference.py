@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ckpttool.errors import CkptError, UsageError
+from ckpttool.errors import CkptError, PathEscapeError, UsageError
 from ckpttool.format.files import read_regular, resolve_inside
 from ckpttool.format.jsonfile import DuplicateKeyError, json_error, parse_json
 from ckpttool.format.limits import current
@@ -101,8 +101,15 @@ def _from_index(p: Path, obj: dict[str, Any]) -> dict[str, RefTensor]:
         raise _bad(p, "index has no weight_map object")
     out: dict[str, RefTensor] = {}
     shards = sorted({str(s) for s in wm.values()})
-    for s in shards:
-        sp = resolve_inside(p.parent, s, what="weight_map file")  # PathEscapeError outside the model directory
+    found = [(s, resolve_inside(p.parent, s, what="weight_map file")) for s in shards]  # PathEscapeError outside
+    missing = [s for s, sp in found if not sp.exists()]
+    if missing and len(missing) < len(found):  # some shards here, some not: the shapes of part of the model only
+        raise _bad(
+            p,
+            f"weight_map names {len(missing)} of {len(found)} shards that are not in {p.parent} "
+            f"({', '.join(missing[:3])}{', ...' if len(missing) > 3 else ''}): an incomplete download or copy",
+        )
+    for _, sp in found:
         if sp.exists():
             out.update(_safetensors_header(sp))
     for k in wm:
@@ -135,10 +142,16 @@ def _from_json(p: Path) -> dict[str, RefTensor]:
                 raise _bad(p, f"entry {k!r:.80}: shape is not a list of sizes")
             out[str(k)] = RefTensor(
                 tuple(shape) if isinstance(shape, list) else None,
-                str(v["dtype"]).removeprefix("torch.") if v.get("dtype") else None,
+                _json_dtype(str(v["dtype"])) if v.get("dtype") else None,
             )
         return out
     raise _bad(p, f"expected a list or an object, got {type(obj).__name__}")
+
+
+def _json_dtype(name: str) -> str:
+    """A dtype of a JSON reference as torch names it: ``bfloat16``, ``torch.bfloat16`` or the safetensors tag ``BF16``
+    (what a header or ``safe_open(...).get_slice(k).get_dtype()`` gives)."""
+    return SAFETENSORS_TAGS.get(name) or name.removeprefix("torch.")
 
 
 def _tie(config_path: Path) -> bool | None:
@@ -160,13 +173,34 @@ def load_reference(path: str | os.PathLike[str]) -> Reference:
     Raises:
         UsageError: missing, unreadable or not a reference.
     """
-    p = Path(path)
+    try:
+        ref = _load(Path(path))
+    except PathEscapeError as e:  # the default hint speaks of a checkpoint's files
+        e.hint = (
+            "a reference folder's files are read only inside it (a Hugging Face hub snapshot links them to ../../blobs): "
+            "pass a .safetensors file itself, or a copy with the links resolved (cp -rL DIR REF)"
+        )
+        raise
+    if not ref.tensors:  # every checkpoint key would be "unexpected" and nothing "missing": a reference of nothing
+        raise _bad(Path(path), "names no tensor")
+    return ref
+
+
+def _load(p: Path) -> Reference:
     if p.is_dir():
         index = p / "model.safetensors.index.json"
         if index.exists():
             tensors = _from_json(resolve_inside(p, index.name, what="reference file"))
         else:
             files = sorted(p.glob("*.safetensors"))
+            if not files and (p / ".metadata").is_file():  # comparing two checkpoints is `diff`'s work
+                raise UsageError(
+                    f"`against` {p}: a DCP checkpoint (.metadata), not a reference model; `against` reads the names, "
+                    "shapes and dtypes of an HF model folder",
+                    path=p,
+                    hint=f"compare two checkpoints with `ckpttool diff CHECKPOINT {p}`, or pass `against` an export "
+                    f"of it (`ckpttool export {p} OUT`)",
+                )
             if not files:
                 raise _bad(p, "directory holds no model.safetensors.index.json and no *.safetensors")
             tensors = {}

@@ -21,7 +21,7 @@ from ckpttool.model.checkpoint import Checkpoint, CheckpointOrPath, OpenOptions,
 from ckpttool.model.hfconfig import read_hf_config
 from ckpttool.ops.fields import Hooks, ProgressFn, Unpack, hooks_of, options_of
 from ckpttool.ops.validate import rules as _rules  # noqa: F401 - registers the rules
-from ckpttool.ops.validate.base import RULES, Finding, Rule, Severity, select_rules
+from ckpttool.ops.validate.base import RULES, Finding, Rule, RuleSkipped, Severity, select_rules
 from ckpttool.ops.validate.context import Context
 from ckpttool.ops.validate.reference import load_reference
 
@@ -215,6 +215,7 @@ def _validate_open(
     ckpt.param_groups()
     ckpt.extra_state()
     ctx = Context(ckpt, deep=opts.deep, strict=opts.strict, config=cfg, reference=ref, manifest=man)
+    _refuse_selection_that_cannot_run(rules, ctx, opts)
     bytes_read, deep_seconds = 0, 0.0
     if opts.deep and any(not _skip_reason(r, ctx) and "deep" in r.needs for r in rules):
         from ckpttool.ops.validate.deep import run_deep
@@ -233,13 +234,88 @@ def _validate_open(
             log.debug("%s %s: skipped (%s)", r.code, r.name, reason)
             continue
         t_rule = time.perf_counter()
-        found = [out if isinstance(out, Finding) else r.make(*out) for out in r.func(ctx)]
+        try:
+            found = [out if isinstance(out, Finding) else r.make(*out) for out in r.func(ctx)]
+        except RuleSkipped as e:  # the rule found it cannot check this checkpoint: never "passed"
+            statuses.append(RuleStatus(r, "skipped", e.reason))
+            log.debug("%s %s: skipped (%s)", r.code, r.name, e.reason)
+            continue
         log.debug("%s %s: %d finding(s) in %.1f ms", r.code, r.name, len(found), (time.perf_counter() - t_rule) * 1e3)
         failing = any(_fails(f, opts.strict) for f in found)
         partly = f"without --deep: {r.shallow} only" if "deep" in r.needs and not ctx.deep else None
         status = "failed" if failing else ("reported" if found else "passed")
         statuses.append(RuleStatus(r, status, partly, tuple(found)))
+    _refuse_when_nothing_selected_ran(statuses, ctx, opts)
     return _finish(ckpt.path, opts, statuses, t0, bytes_read, deep_seconds)
+
+
+def _refuse_when_nothing_selected_ran(statuses: list[RuleStatus], ctx: Context, opts: ValidateOptions) -> None:
+    """Every rule ``select`` named was skipped by the rule itself (``--select M010`` with a config transformers cannot
+    build): the run checked nothing asked; said as :func:`_refuse_selection_that_cannot_run` says it before the run.
+
+    Raises:
+        UsageError (E100): naming the reasons.
+    """
+    from ckpttool.ops.validate.base import _split_codes
+
+    sel, ign = _split_codes(opts.select), _split_codes(opts.ignore)
+    asked = [
+        s
+        for s in statuses
+        if any(s.rule.code.startswith(p) for p in sel) and not any(s.rule.code.startswith(p) for p in ign)
+    ]
+    if not asked or any(s.status != "skipped" for s in asked) or any(s.findings for s in statuses):
+        return
+    codes = ", ".join(s.rule.code for s in asked[:6]) + (f" and {len(asked) - 6} more" if len(asked) > 6 else "")
+    raise errors.UsageError(
+        f"`select` {', '.join(sel)}: the selected rules ({codes}) could not run on {ctx.cat.path}: "
+        f"{'; '.join(sorted({s.reason or 'skipped' for s in asked}))}; nothing was checked",
+        param="select",
+        hint="fix what the reason names (the --config, the reference), or select rules that run here",
+    )
+
+
+def _refuse_selection_that_cannot_run(rules: list[Rule], ctx: Context, opts: ValidateOptions) -> None:
+    """``select`` names rules and every one of them needs an option not given (``--select D001`` without ``--deep``)
+    or has nothing to check here (``--select O`` on model weights only): the run would check nothing that was asked
+    and still say OK.
+
+    Raises:
+        UsageError (E100): naming the options the selected rules need.
+    """
+    from ckpttool.ops.validate.base import _split_codes
+
+    sel = _split_codes(opts.select)
+    if not sel:
+        return
+    ign = _split_codes(opts.ignore)
+    asked = [r for r in rules if any(r.code.startswith(p) for p in sel) and not any(r.code.startswith(p) for p in ign)]
+    if not asked:  # every selected rule is ignored (the fatal ones run anyway)
+        raise errors.UsageError(
+            f"`ignore` {', '.join(_split_codes(opts.ignore))} leaves none of the rules `select` "
+            f"{', '.join(sel)} chose: nothing would be checked",
+            param="select",
+            hint="drop the `ignore` codes that cover the selection, or select other rules",
+        )
+    reasons = [_skip_reason(r, ctx) for r in asked]
+    if any(why is None for why in reasons):
+        return
+    codes = ", ".join(r.code for r in asked[:6]) + (f" and {len(asked) - 6} more" if len(asked) > 6 else "")
+    if all(cast("str", why).startswith("needs --") for why in reasons):
+        given = {"deep": ctx.deep, "config": ctx.config, "against": ctx.reference, "manifest": ctx.manifest}
+        need = sorted({f"--{n}" for r in asked for n in r.needs if not given[n]})
+        raise errors.UsageError(
+            f"`select` {', '.join(sel)}: the selected rules ({codes}) need {' and '.join(need)}, not given: "
+            "nothing would be checked",
+            param="select",
+            hint=f"add {' '.join(need)} (docs/rules.md), or select rules that run without it",
+        )
+    raise errors.UsageError(  # e.g. --select O on model weights only: no optimizer state to check
+        f"`select` {', '.join(sel)}: the selected rules ({codes}) cannot run on {ctx.cat.path}: "
+        f"{'; '.join(sorted({cast('str', why) for why in reasons}))}; nothing would be checked",
+        param="select",
+        hint="select rules for what this checkpoint holds (`ckpttool inspect` shows it)",
+    )
 
 
 def _with_read_error_rules(rules: list[Rule], read_errors: dict[str, Any], ignore: Sequence[str] | None) -> list[Rule]:
@@ -276,7 +352,8 @@ def validate(
         The :class:`ValidationResult`.
 
     Raises:
-        UsageError: ``source`` is not a directory, an unknown rule code, unreadable ``config``/``against``.
+        UsageError: ``source`` is not a directory, an unknown rule code, a ``select`` whose every rule needs an option
+            not given (or is ignored), unreadable ``config``/``against``, an ``against`` that names no tensor.
         AmbiguousCheckpointError, StepNotFoundError: which checkpoint below ``source`` is not clear.
         SchemaError: a key-schema override that matches nothing.
     """

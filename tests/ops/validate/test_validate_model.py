@@ -129,6 +129,25 @@ def test_sample_with_its_config_is_clean(sample_ckpt: Path) -> None:
     assert rc == 0 and codes(doc) == set()
 
 
+@pytest.mark.parametrize("over", [{"model_type": None}, {"model_type": "no-such-model"}])
+def test_M010_that_could_not_compare_is_skipped_not_passed(ck: Path, over: dict[str, Any]) -> None:
+    """`--select M010` with a config transformers cannot build said OK, M010 "passed": no comparison was made."""
+    cfg = write_config(ck, **over)
+    if over["model_type"] is None:
+        cfg.write_text(json.dumps({k: v for k, v in json.loads(cfg.read_text()).items() if k != "model_type"}))
+    rc, doc = run(ck, "--strict", "--config", cfg, "--select", "M001,M010")
+    status = {r["code"]: r for r in doc["rules"]}["M010"]
+    assert status["status"] == "skipped" and status["reason"].startswith("model class not checked: "), status
+    res = runner.invoke(app, ["validate", str(ck), "--config", str(cfg), "--select", "M001,M010"])
+    assert "1 skipped (model class not checked: " in res.stdout
+    rc, doc = run(ck, "--config", cfg, "--select", "M011")  # M011 still says why
+    assert [f["code"] for f in doc["findings"]] == ["M011"]
+    res = runner.invoke(app, ["validate", str(ck), "--config", str(cfg), "--select", "M010"])  # nothing asked ran
+    assert res.exit_code == 2 and res.stdout == ""
+    assert res.stderr.startswith(f"error: [E100] --select M010: the selected rules (M010) could not run on {ck}: ")
+    assert res.stderr.splitlines()[0].endswith("; nothing was checked")
+
+
 def test_M001_layers_missing_stage_local(ck: Path) -> None:
     rc, doc = run(ck, "--strict", "--config", write_config(ck, num_hidden_layers=4))
     assert rc == 1 and codes(doc) == {"M001", "M010"}  # M010: the model class has layers 2..3 too
@@ -181,6 +200,16 @@ def test_M002_fused_experts_rows(ck: Path) -> None:
     assert {f["key"] for f in doc["findings"] if f["code"] == "M002"} == {
         f"model.model.layers.{n}.mlp.experts.{p}" for n in range(2) for p in ("gate_up_proj", "down_proj")
     }
+
+
+def test_M002_without_an_expert_count_in_the_config_is_skipped_not_passed(ck: Path) -> None:
+    """A dense config for a MoE checkpoint: M002 "passed" over experts it had no count to check against."""
+    cfg = write_config(ck)
+    cfg.write_text(json.dumps({k: v for k, v in json.loads(cfg.read_text()).items() if k != "n_routed_experts"}))
+    rc, doc = run(ck, "--config", cfg, "--select", "M001,M002")
+    status = {r["code"]: r for r in doc["rules"]}["M002"]
+    assert status["status"] == "skipped", status
+    assert "no num_experts" in status["reason"] and "experts" in status["reason"].rsplit(" has ", 1)[1]
 
 
 def test_M002_renumbered_local_experts(per_expert_ckpt: Path, tmp_path: Path) -> None:
@@ -258,6 +287,108 @@ def test_M006_M007_M008(sample_ckpt: Path, tmp_path: Path) -> None:
     assert set(by) == {"M006", "M007", "M008"} and rc == 1
     assert by["M006"]["key"] == "model.model.norm.weight" and by["M006"]["severity"] == "warning"
     assert "reference [16]" in by["M007"]["message"] and "reference bfloat16" in by["M008"]["message"]
+
+
+@pytest.mark.parametrize("form", ["list", "index"])
+def test_M007_M008_against_names_only_are_skipped_not_passed(sample_ckpt: Path, tmp_path: Path, form: str) -> None:
+    """A key list, or an index copied without its shards, gives no shapes: M007/M008 "passed" over nothing."""
+    with CheckpointReader(sample_ckpt) as r:
+        names = [k[len("model.") :] for k in r.metadata.entries if k.startswith("model.")]
+    ref = tmp_path / "ref.json"
+    body: Any = names if form == "list" else {"weight_map": dict.fromkeys(names, "model.safetensors")}
+    ref.write_text(json.dumps(body))
+    rc, doc = run(sample_ckpt, "--strict", "--against", ref, "--select", "M005,M007,M008")
+    status = {r["code"]: r for r in doc["rules"]}
+    assert status["M005"]["status"] == "passed"
+    res = runner.invoke(app, ["validate", str(sample_ckpt), "--against", str(ref), "--select", "M007"])
+    assert res.exit_code == 2 and "the selected rules (M007) could not run" in res.stderr  # nothing asked was checked
+    for code, what in (("M007", "shapes"), ("M008", "dtypes")):
+        assert status[code]["status"] == "skipped", status[code]
+        assert (
+            status[code]["reason"]
+            == f"the reference {ref} gives no {what} (a key list, or an index without its safetensors)"
+        )
+
+
+@pytest.mark.parametrize("body", ["[]", "{}", '{"keys": []}', '{"weight_map": {}}'])
+def test_against_a_reference_of_no_tensor_is_refused(sample_ckpt: Path, tmp_path: Path, body: str) -> None:
+    """An empty reference passed M005/M007/M008 (exit 0) with every key a mere M006 warning."""
+    ref = tmp_path / "ref.json"
+    ref.write_text(body)
+    res = runner.invoke(app, ["validate", str(sample_ckpt), "--against", str(ref)])
+    assert res.exit_code == 2 and res.stdout == ""
+    assert res.stderr.splitlines()[0] == f"error: [E100] --against {ref}: names no tensor"
+    assert res.stderr.splitlines()[1].startswith("hint: pass an HF model directory")
+
+
+def test_against_a_dcp_checkpoint_points_to_diff(sample_ckpt: Path, dense_ckpt: Path) -> None:
+    """--against OTHER_CKPT said only "directory holds no model.safetensors.index.json": now it names diff/export."""
+    res = runner.invoke(app, ["validate", str(sample_ckpt), "--against", str(dense_ckpt)])
+    assert res.exit_code == 2 and res.stdout == ""
+    err = res.stderr.splitlines()
+    assert err[0] == f"error: [E100] --against {dense_ckpt}: a DCP checkpoint (.metadata), not a reference model; " + (
+        "--against reads the names, shapes and dtypes of an HF model folder"
+    )
+    assert err[1] == f"hint: compare two checkpoints with `ckpttool diff CHECKPOINT {dense_ckpt}`, " + (
+        f"or pass --against an export of it (`ckpttool export {dense_ckpt} OUT`)"
+    )
+
+
+def test_symlinks_out_of_config_and_against_folders_get_their_own_hint(sample_ckpt: Path, tmp_path: Path) -> None:
+    """The E101 hint said "the checkpoint references files outside its directory" of a --config / --against folder."""
+    ref = reference(sample_ckpt, tmp_path / "ref")
+    (tmp_path / "cfg").mkdir()
+    (tmp_path / "cfg" / "config.json").symlink_to(sample_ckpt / "model_assets" / "config.json")
+    (tmp_path / "snap").mkdir()
+    (tmp_path / "snap" / "model.safetensors").symlink_to(ref / "model.safetensors")
+    res = runner.invoke(app, ["validate", str(sample_ckpt), "--config", str(tmp_path / "cfg")])
+    assert res.exit_code == 2 and res.stderr.splitlines()[1] == (
+        f"hint: a folder's config.json is read only inside it; name the file you mean: --config {tmp_path}/cfg/config.json"
+    )
+    res = runner.invoke(app, ["validate", str(sample_ckpt), "--against", str(tmp_path / "snap")])
+    assert res.exit_code == 2 and res.stderr.startswith("error: [E101]")
+    assert res.stderr.splitlines()[1].startswith("hint: a reference folder's files are read only inside it")
+    for good in (["--config", str(tmp_path / "cfg" / "config.json")], ["--against", str(ref / "model.safetensors")]):
+        assert runner.invoke(app, ["validate", str(sample_ckpt), *good]).exit_code == 0  # what the hints say works
+
+
+def test_against_an_index_with_some_shards_missing_is_refused(sample_ckpt: Path, tmp_path: Path) -> None:
+    """An HF folder with one of its two shards missing passed M007/M008 over the tensors of the missing one."""
+    from safetensors.torch import load_file, save_file
+
+    ref = reference(sample_ckpt, tmp_path / "ref")
+    sd = load_file(str(ref / "model.safetensors"))
+    (ref / "model.safetensors").unlink()
+    names = sorted(sd)
+    half = {"model-00001-of-00002.safetensors": names[::2], "model-00002-of-00002.safetensors": names[1::2]}
+    save_file(
+        {k: sd[k] for k in half["model-00001-of-00002.safetensors"]}, str(ref / "model-00001-of-00002.safetensors")
+    )
+    wm = {k: f for f, ks in half.items() for k in ks}
+    (ref / "model.safetensors.index.json").write_text(json.dumps({"weight_map": wm}))
+    res = runner.invoke(app, ["validate", str(sample_ckpt), "--against", str(ref)])
+    assert res.exit_code == 2 and res.stdout == ""
+    assert res.stderr.splitlines()[0] == (
+        f"error: [E100] --against {ref / 'model.safetensors.index.json'}: weight_map names 1 of 2 shards that are not "
+        f"in {ref} (model-00002-of-00002.safetensors): an incomplete download or copy"
+    )
+
+
+@pytest.mark.parametrize("spell", ["safetensors", "torch"])
+def test_against_json_dtypes_in_safetensors_tags_are_understood(sample_ckpt: Path, tmp_path: Path, spell: str) -> None:
+    """{key: {"shape", "dtype": "F32"}} (the safetensors header's spelling) gave one false M008 warning per key."""
+    from safetensors import safe_open
+
+    src = reference(sample_ckpt, tmp_path / "ref") / "model.safetensors"
+    with safe_open(str(src), "pt") as f:
+        body = {k: {"shape": list(f.get_slice(k).get_shape()), "dtype": f.get_slice(k).get_dtype()} for k in f.keys()}
+    if spell == "torch":
+        body = {k: {**v, "dtype": "torch.float32" if v["dtype"] == "F32" else v["dtype"]} for k, v in body.items()}
+    ref = tmp_path / "ref.json"
+    ref.write_text(json.dumps(body))
+    rc, doc = run(sample_ckpt, "--strict", "--against", ref, "--select", "M")
+    assert rc == 0 and codes(doc) == set(), doc["findings"][:3]
+    assert {r["code"]: r["status"] for r in doc["rules"]}["M008"] == "passed"
 
 
 def test_tied_head_is_not_reported_missing(dense_ckpt: Path, tmp_path: Path) -> None:

@@ -176,3 +176,16 @@ def test_optimizer_flag_spellings(acc_root: Path, flag: str) -> None:
     c1 = acc_root / "accelerate" / "checkpoint-1"
     rc, doc, _ = run(c1 / "pytorch_model_fsdp_0", flag, c1 / "optimizer_0", "--strict")
     assert rc == 0
+
+
+def test_select_of_optimizer_rules_on_a_model_only_save_is_refused_not_ok(titan_root: Path) -> None:
+    """`--select O --deep` on torchtitan's last_save_model_only step said OK with every selected rule skipped."""
+    root = titan_root / "llama3" / "checkpoint"
+    res = runner.invoke(app, ["validate", str(root), "--step", "3", "--select", "O", "--deep"])
+    assert res.exit_code == 2 and res.stdout == ""
+    err = res.stderr.splitlines()
+    assert err[0].startswith("error: [E100] --select O: the selected rules (O001, O002, O003, O004, O005, O006 and ")
+    assert err[0].endswith(": no optimizer state (model weights only); nothing would be checked")
+    assert err[1] == "hint: select rules for what this checkpoint holds (`ckpttool inspect` shows it)"
+    res = runner.invoke(app, ["validate", str(root), "--step", "3", "--select", "O,S002", "--deep"])
+    assert res.exit_code == 0  # a rule that runs: the others are reported skipped

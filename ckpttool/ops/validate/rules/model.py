@@ -16,7 +16,7 @@ from collections.abc import Iterable, Iterator
 from typing import Any
 
 from ckpttool.model.hfconfig import config_value
-from ckpttool.ops.validate.base import rule
+from ckpttool.ops.validate.base import RuleSkipped, rule
 from ckpttool.ops.validate.context import Context
 
 _LAYER_RE = re.compile(r"^(?P<prefix>.*?\blayers)\.(?P<idx>\d+)\.")
@@ -110,6 +110,9 @@ def layer_coverage(ctx: Context) -> Iterator[tuple[str, str] | tuple[str, str, s
 def expert_coverage(ctx: Context) -> Iterator[tuple[str, str]]:
     e = _num_experts(ctx)
     if e is None:
+        expert = next((k for k in ctx.cat.model if _EXPERT_RE.match(k) or _FUSED_RE.match(k)), None)
+        if expert is not None:  # expert tensors and a config with no expert count: nothing to check them against
+            raise RuleSkipped(f"--config names no num_experts / n_routed_experts but the checkpoint has {expert}")
         return  # dense model
     per: dict[tuple[str, str], set[int]] = defaultdict(set)
     for key, t in ctx.cat.model.items():
@@ -201,6 +204,16 @@ def _tied_head(name: str, tied: bool | None, names: Iterable[str]) -> bool:
     )
 
 
+def _given(ctx: Context, what: str) -> None:
+    """Raise :class:`RuleSkipped` unless the ``--against`` reference gives the ``shape`` / ``dtype`` of a key (a key
+    list, or an index whose safetensors files are not beside it, gives names only: nothing to compare)."""
+    assert ctx.reference is not None
+    if not any(getattr(rt, what) is not None for rt in ctx.reference.tensors.values()):
+        raise RuleSkipped(
+            f"the reference {ctx.reference.source} gives no {what}s (a key list, or an index without its safetensors)"
+        )
+
+
 @rule("M005")
 def missing_keys(ctx: Context) -> Iterator[tuple[str, str]]:
     assert ctx.reference is not None
@@ -236,6 +249,7 @@ def shape_mismatch(ctx: Context) -> Iterator[tuple[str, str]]:
     assert ctx.reference is not None
     names = _ckpt_names(ctx)
     ref = ctx.reference.tensors
+    _given(ctx, "shape")
     for name, rt in ref.items():
         key = names.get(name)
         if key is not None and rt.shape is not None and tuple(rt.shape) != ctx.cat.model[key].shape:
@@ -255,6 +269,7 @@ def shape_mismatch(ctx: Context) -> Iterator[tuple[str, str]]:
 @rule("M008")
 def dtype_mismatch(ctx: Context) -> Iterator[tuple[str, str]]:
     assert ctx.reference is not None
+    _given(ctx, "dtype")
     names = _ckpt_names(ctx)
     for name, rt in ctx.reference.tensors.items():
         key = names.get(name)
@@ -296,9 +311,9 @@ def _model_class_check(ctx: Context) -> tuple[Any, str | None]:
 
 @rule("M010")
 def model_class_mismatch(ctx: Context) -> Iterator[tuple[str, str]]:
-    check, _ = _model_class_check(ctx)
-    if check is None or not check.checked:
-        return
+    check, why = _model_class_check(ctx)
+    if check is None or not check.checked:  # M011 says why; M010 never "passed" over a comparison not made
+        raise RuleSkipped(f"model class not checked: {why if why is not None else check.not_checked}")
     for kind, lines in check.findings.items():
         for line in lines:
             key = line.split(" ", 1)[0].rstrip(":")
