@@ -236,13 +236,7 @@ def validate_command(
     from ckpttool.errors import UsageError
 
     if list_rules:
-        from ckpttool.commands.rules import print_rules
-
-        if checkpoint is not None:  # the listing checks nothing: never let it pass for a check of CHECKPOINT
-            Output(json_output).warning(f"{checkpoint} was not checked: --list-rules lists the rules and exits")
-        if junit is not None:  # nor let a CI job look for a report that was never written
-            Output(json_output).warning(f"--junit {junit} was not written: --list-rules lists the rules and exits")
-        print_rules(json_output, select or (), ignore or ())
+        _list_rules(checkpoint, junit, select, ignore, json_output)
         return
     if checkpoint is None and manifest:  # `validate --manifest DIR`: the option took the checkpoint as its value
         checkpoint, manifest = opt.location(manifest), ""
@@ -294,6 +288,19 @@ def validate_command(
     if fatal is not None:
         print_error(fatal)
     raise typer.Exit(res.exit_code)
+
+
+def _list_rules(
+    checkpoint: object, junit: str | None, select: list[str] | None, ignore: list[str] | None, json_output: bool
+) -> None:
+    """``--list-rules``: the rules ``select``/``ignore`` name; a warning for CHECKPOINT and ``--junit`` given with it."""
+    from ckpttool.commands.rules import print_rules
+
+    if checkpoint is not None:  # the listing checks nothing: never let it pass for a check of CHECKPOINT
+        Output(json_output).warning(f"{checkpoint} was not checked: --list-rules lists the rules and exits")
+    if junit is not None:  # nor let a CI job look for a report that was never written
+        Output(json_output).warning(f"--junit {junit} was not written: --list-rules lists the rules and exits")
+    print_rules(json_output, select or (), ignore or ())
 
 
 def _after(shown: PhaseProgress | None, report: Callable[[ValidationResult], None], res: ValidationResult) -> None:
