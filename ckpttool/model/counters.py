@@ -228,3 +228,27 @@ def directory_step_disagrees(ckpt: Checkpoint, trains: list[Counter]) -> tuple[s
         return None
     c = trains[0]
     return c.key, f"{c.key} = {c.value} but its directory is {named[0]} (step {named[1]})"
+
+
+def scheduler_per_step(ckpt: Checkpoint) -> bool:
+    """The checkpoint's trainer steps its LR scheduler once per optimizer step (:attr:`SchemaSpec.scheduler_per_step`;
+    ``False`` for a schema ckpttool has no spec of)."""
+    from ckpttool.model.schemas import registry
+
+    spec = registry.find(ckpt.catalog.schema.id)
+    return spec is not None and spec.scheduler_per_step
+
+
+def scheduler_disagrees(
+    ckpt: Checkpoint, ref: Counter, epochs: list[Counter], *, all_params: bool = True
+) -> list[tuple[str, str]]:
+    """``(key, message)`` of each LR scheduler ``last_epoch`` (``epochs``) that is not the step ``ref`` counts
+    (``validate``'s ``R002``): where the trainer steps the scheduler once per optimizer step
+    (:func:`scheduler_per_step`) any difference, else one ahead of ``ref`` only (a scheduler stepped per epoch is
+    behind). ``all_params`` false (``ref`` the largest step of a subset of the parameters): behind is allowed."""
+    per_step = scheduler_per_step(ckpt)
+    return [
+        (c.key, f"LR scheduler {c.key} = {c.value} but {ref.key} = {ref.value}")
+        for c in epochs
+        if c is not ref and c.value != ref.value and (c.value > ref.value or (per_step and all_params))
+    ]

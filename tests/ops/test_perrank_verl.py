@@ -329,6 +329,33 @@ def test_a_state_field_lost_on_one_rank_is_refused(verl_root: Path, tmp_path: Pa
         assert "every rank saves the same state fields" in res.stderr
 
 
+def test_replay_of_optimizer_state_from_another_save_than_the_scheduler_is_not_ok(
+    verl_root: Path, tmp_path: Path
+) -> None:
+    """verl saves no trainer step: the LR scheduler's last_epoch (stepped once per optimizer step) is the run's only
+    other counter. A scheduler one step ahead of the optimizer state (extra_state of another save) passed
+    replay-step, "OK", while validate --deep reported R002; replay now says the two are of different saves, exit 1."""
+    import torch
+
+    actor = shutil.copytree(verl_root / "w2" / "global_step_2" / "actor", tmp_path / "actor")
+    res = runner.invoke(app, ["replay-step", "--device", "cpu", "--json", str(actor)])
+    assert res.exit_code == 0 and json.loads(res.stdout)["problems"] == [], res.output
+    for rank in (0, 1):
+        f = actor / f"extra_state_world_size_2_rank_{rank}.pt"
+        sd = torch.load(f, weights_only=False)
+        assert sd["lr_scheduler"]["last_epoch"] == 2
+        sd["lr_scheduler"]["last_epoch"], sd["lr_scheduler"]["_step_count"] = 3, 4
+        torch.save(sd, f)
+    res = runner.invoke(app, ["replay-step", "--device", "cpu", "--json", str(actor)])
+    assert res.exit_code == 1, res.output
+    (problem,) = json.loads(res.stdout)["problems"]
+    assert problem.startswith("LR scheduler lr_scheduler.last_epoch = 3 but optimizer.state.") and (
+        "the optimizer state and the LR scheduler are of different saves" in problem
+    ), problem
+    res = runner.invoke(app, ["validate", "--deep", "--json", str(actor)])
+    assert "R002" in [f["code"] for f in json.loads(res.stdout)["findings"]], res.output
+
+
 def test_run_prefix_on_s3_names_the_verl_folder(verl_root: Path, s3_server: Any) -> None:
     """The run prefix on S3 (moto server): the verl actor folder below it is named, with what is unsupported."""
     import uuid

@@ -32,6 +32,7 @@ from ckpttool.model.counters import (
     lost_optimizer_state,
     optimizer_step_disagrees,
     scheduler_counters,
+    scheduler_disagrees,
     trainer_steps,
 )
 from ckpttool.ops.fields import PhaseFn, ProgressFn, options_of, same_named
@@ -768,18 +769,20 @@ def _state_problems(
     if lost is not None:
         return (f"{lost[1]}; every parameter replayed from fresh state (`ckpttool validate --deep` reports R002)",)
     loaded = [r for r in results if r.state != "fresh"]
-    trains = trainer_steps(ckpt) if loaded and not prep.synthesized else []
-    if not trains:
-        return ()  # no trainer step to compare; or saved before the first step (D005), as R002 skips it
+    if not loaded or prep.synthesized:
+        return ()  # nothing loaded to compare; or saved before the first step (D005), as R002 skips it
     top = max(loaded, key=lambda r: r.step_before)
     opt = Counter(f"{ckpt.catalog.schema.optimizer_prefix or ''}state.{top.fqn}.step", int(top.step_before))
-    bad = optimizer_step_disagrees(ckpt, opt, trains[0], all_params=complete)
+    trains = trainer_steps(ckpt)
+    if trains:
+        bad = optimizer_step_disagrees(ckpt, opt, trains[0], all_params=complete)
+        why = f"the optimizer state is not the trainer's step, and a resume would bias-correct for step {opt.value}"
+    else:  # no trainer step saved (verl): the LR scheduler's last_epoch is the run's only other counter
+        bad = next(iter(scheduler_disagrees(ckpt, opt, scheduler_counters(ckpt)[0], all_params=complete)), None)
+        why = "the optimizer state and the LR scheduler are of different saves: a resume pairs the moments of one step with the lr of another"
     if bad is None:
         return ()
-    return (
-        f"{bad[1]}: the optimizer state is not the trainer's step, and a resume would bias-correct for step "
-        f"{opt.value} (`ckpttool validate --deep` reports R002)",
-    )
+    return (f"{bad[1]}: {why} (`ckpttool validate --deep` reports R002)",)
 
 
 #: Elements per reference/comparison slab: a few dozen float64 temporaries of this size per worker.

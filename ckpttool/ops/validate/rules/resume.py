@@ -20,6 +20,8 @@ from ckpttool.model.counters import (
     lost_optimizer_state,
     optimizer_step_disagrees,
     scheduler_counters,
+    scheduler_disagrees,
+    scheduler_per_step,
     trainer_steps,
 )
 from ckpttool.ops.validate.base import rule
@@ -95,10 +97,7 @@ def train_step_mismatch(ctx: Context) -> Iterator[tuple[str, str]]:
         bad = optimizer_step_disagrees(ctx.ckpt, opt, ref)
         if bad is not None:
             yield bad
-    per_step = _scheduler_per_step(ctx)
-    for c in epochs:
-        if c is not ref and c.value != ref.value and (per_step or c.value > ref.value):
-            yield c.key, f"LR scheduler {c.key} = {c.value} but {ref.key} = {ref.value}"
+    yield from scheduler_disagrees(ctx.ckpt, ref, epochs)
     by_item = {e.key.rsplit(".", 1)[0]: e for e in epochs}
     for c in counts:
         e = by_item.get(c.key.rsplit(".", 1)[0])
@@ -108,7 +107,7 @@ def train_step_mismatch(ctx: Context) -> Iterator[tuple[str, str]]:
 
 @rule("R004")
 def scheduler_behind_step(ctx: Context) -> Iterator[tuple[str, str]]:
-    if _scheduler_per_step(ctx) or synthesized_from_stats(ctx):
+    if scheduler_per_step(ctx.ckpt) or synthesized_from_stats(ctx):
         return  # R002 compares them
     trains = trainer_steps(ctx.ckpt)
     epochs, _ = scheduler_counters(ctx.ckpt)
@@ -120,15 +119,6 @@ def scheduler_behind_step(ctx: Context) -> Iterator[tuple[str, str]]:
                 f"LR scheduler {c.key} = {c.value} but {ref.key} = {ref.value}: a scheduler stepped once per epoch, "
                 "or one restored from an older step",
             )
-
-
-def _scheduler_per_step(ctx: Context) -> bool:
-    """The checkpoint's trainer steps its LR scheduler once per optimizer step (:attr:`SchemaSpec.scheduler_per_step`;
-    ``False`` for a schema ckpttool has no spec of)."""
-    from ckpttool.model.schemas import registry
-
-    spec = registry.find(ctx.cat.schema.id)
-    return spec is not None and spec.scheduler_per_step
 
 
 def _no_optimizer_state(ctx: Context, counters: list[Counter]) -> Iterator[tuple[str, str]]:
