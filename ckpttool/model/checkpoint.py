@@ -408,8 +408,8 @@ def _open_perrank(
     sel = selection or CheckpointSelection()
     if sel.schema is None:
         sel = replace(sel, schema=SchemaOverride(schema=layout.schema, by=f"{layout.name} per-rank files"))
-    how = f"{where.how}; {layout.name} per-rank files: " + "; ".join(assembled.notes)
-    return reader, sel, replace(where, how=how), (replica_error, tiling_error)
+    read = f"{layout.name} per-rank files: " + "; ".join(assembled.notes)
+    return reader, sel, replace(where, format_note=read), (replica_error, tiling_error)
 
 
 def _perrank_tiling(model: Path, reader: PerRankReader) -> PerRankError | None:

@@ -132,7 +132,9 @@ class Located:
         model: the checkpoint directory (the model folder of a pair).
         optimizer: the optimizer folder of a pair, or ``None``.
         step: the step of a step directory, if known.
-        how: one line saying how it was chosen (shown by ``inspect``).
+        how: one line saying how it was chosen.
+        format_note: what the format's reader found there (per-rank files: their ranks, mesh, items read);
+            :attr:`described` (shown by ``inspect``) is ``how`` and this.
         newer_incomplete: step directories newer than the chosen step whose save did not finish
             (data files or ``.metadata.tmp`` without ``.metadata``), newest first; validate's
             ``R001`` reports them.
@@ -144,6 +146,12 @@ class Located:
     step: int | None = None
     how: str = "the directory given"
     newer_incomplete: tuple[IncompleteStep, ...] = ()
+    format_note: str = ""
+
+    @property
+    def described(self) -> str:
+        """How it was chosen and what its format's reader found there (``inspect``'s ``opened`` line)."""
+        return f"{self.how}; {self.format_note}" if self.format_note else self.how
 
     def to_dict(self) -> dict[str, Any]:
         """JSON view (``inspect --json`` ``location``)."""
@@ -152,7 +160,7 @@ class Located:
             "model": str(self.model),
             "optimizer": str(self.optimizer) if self.optimizer is not None else None,
             "step": self.step,
-            "how": self.how,
+            "how": self.described,
             "newer_incomplete": [i.to_dict() for i in self.newer_incomplete],
         }
 

@@ -1084,9 +1084,11 @@ def _overview_header(con: Console, ov: InspectResult, flags: Callable[[str], str
     s = ov.summary
     con.print(f"checkpoint  {ov.path}")
     loc = ov.location
-    if loc is not None and (loc.model != loc.given or loc.optimizer is not None or loc.how != "the directory given"):
+    if loc is not None and (
+        loc.model != loc.given or loc.optimizer is not None or loc.described != "the directory given"
+    ):
         pair = f" + optimizer {loc.optimizer}" if loc.optimizer is not None else ""
-        con.print(f"opened      {loc.model}{pair} ({flags(loc.how)})")
+        con.print(f"opened      {loc.model}{pair} ({flags(loc.described)})")
     con.print(
         f"dcp version {ov.dcp_version or ABSENT}"
         + {"safetensors": "; safetensors storage", "per_rank": "; per-rank files (not DCP)"}.get(ov.serialization, "")

@@ -51,7 +51,7 @@ def test_assembled_tensors_equal_torch_gathered(tc_root: Path, name: str, world:
             assert float(ck.reader.read_tensor(f"optimizer.state.{k}.step")) == ref["step"][k]
             assert ck.reader.read_object(f"optimizer.param_groups.{k}.lr") == ref["lr"]
         assert ck.reader.read_object("lr_scheduler.last_epoch") == 2  # the scheduler file was read
-        assert "lr_scheduler" in ck.located.how and "optimizer" in ck.located.how
+        assert "lr_scheduler" in ck.located.described and "optimizer" in ck.located.described
 
 
 @pytest.mark.parametrize("name", ["w2", "w2st"])
@@ -143,7 +143,7 @@ def test_metadata_version_1_0_reads_as_2_0(tc_root: Path) -> None:
 
     loaded = torch.load(tc_root / "w2" / "loaded_w2v1.pt", weights_only=False)
     with open_checkpoint(tc_root / "w2v1" / "step-2") as ck:
-        assert "metadata.pkl version 1.0" in ck.located.how
+        assert "metadata.pkl version 1.0" in ck.located.described
         assert set(ck.catalog.model) == {f"model.{k}" for k in loaded}
         for k, t in loaded.items():
             assert torch.equal(ck.reader.read_tensor(f"model.{k}"), t), k

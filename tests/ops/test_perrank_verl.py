@@ -177,7 +177,8 @@ def test_export_names_the_saved_hf_config_and_the_dtype_fix(verl_root: Path, tmp
     actor = _actor(verl_root, 2)
     res = runner.invoke(app, ["export", str(verl_root / "w2"), str(tmp_path / "a"), "--quantize", "fp8-block"])
     assert res.exit_code == 0, res.output
-    assert res.stderr.splitlines()[0] == (
+    assert res.stderr.splitlines()[0] == f"note: source {actor} (the only checkpoint below the directory given)"
+    assert res.stderr.splitlines()[1] == (
         f"note: {tmp_path / 'a'} holds no config.json (no --model-assets): transformers' from_pretrained needs one "
         "(and the fp8-block weights' quantization_config goes into it: vLLM cannot load them without it); pass "
         "--model-assets DIR, the folder of the model's config.json and tokenizer files (the trainer saved one "
@@ -185,7 +186,9 @@ def test_export_names_the_saved_hf_config_and_the_dtype_fix(verl_root: Path, tmp
     )
     # --json carries the folder (no note beside the document); none once --model-assets is given
     res = runner.invoke(app, ["export", str(verl_root / "w2"), str(tmp_path / "c"), "--dry-run", "--json"])
-    assert res.exit_code == 0 and res.stderr == "", res.output
+    assert (
+        res.exit_code == 0 and res.stderr == f"note: source {actor} (the only checkpoint below the directory given)\n"
+    )
     assert json.loads(res.stdout)["config_beside"] == str(actor / "huggingface")
     res = runner.invoke(
         app,
@@ -273,7 +276,7 @@ def test_frozen_parameters_are_not_lost_state(verl_root: Path) -> None:
         for k in ref["exp_avg"]:
             assert torch.equal(ck.reader.read_tensor(f"optimizer.state.{k}.exp_avg"), ref["exp_avg"][k]), k
         assert ck.catalog.frozen == frozenset(FROZEN)
-        assert "2 frozen parameter(s)" in ck.located.how
+        assert "2 frozen parameter(s)" in ck.located.described
     res = runner.invoke(app, ["validate", "--strict", "--deep", "--json", str(actor)])
     assert res.exit_code == 0, res.output
     doc = json.loads(res.output)
