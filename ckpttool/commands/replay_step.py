@@ -169,7 +169,7 @@ def replay_step_command(
 
     Exit 0: every parameter matches with a sane update; 1: a mismatch beyond tolerance, an update beyond its
     bound (R003), a stepped parameter that could not be replayed, steps counted with no optimizer state
-    saved, or an optimizer step that is not the trainer's (R002); 2: unusable input.
+    saved, or an optimizer step that is not the trainer's or the LR scheduler's (R002); 2: unusable input.
     """
     from ckpttool.model.checkpoint import OpenOptions
     from ckpttool.ops.entry import replay_mismatch, run_replay

@@ -162,7 +162,8 @@ def test_replay_step_help_names_every_cause_of_exit_1(tmp_path: Path) -> None:
     text = " ".join(runner.invoke(app, ["replay-step", "--help"], env={"COLUMNS": "100"}).stdout.split())
     assert (
         "1: a mismatch beyond tolerance, an update beyond its bound (R003), a stepped parameter that could not be "
-        "replayed, or steps counted with no optimizer state saved"
+        "replayed, steps counted with no optimizer state saved, or an optimizer step that is not the trainer's or "
+        "the LR scheduler's (R002)"
     ) in text
     torch.manual_seed(0)
     model = torch.nn.Linear(8, 4)
