@@ -4,7 +4,7 @@ A reference is one of:
 
 - an HF model directory: ``model.safetensors.index.json`` (its ``weight_map`` names the
   shards) or every ``*.safetensors`` file in it; ``config.json`` beside it gives
-  ``tie_word_embeddings``;
+  ``tie_word_embeddings`` (or its ``model_type``'s default: ``model.hfconfig.tie_word_embeddings``);
 - a ``.safetensors`` file;
 - a JSON file: a list of keys, ``{"keys": [...]}``, an index with ``weight_map``, or
   ``{key: {"shape": [...], "dtype": "bfloat16"}}``.
@@ -27,6 +27,7 @@ from ckpttool.format.files import read_regular, resolve_inside
 from ckpttool.format.jsonfile import DuplicateKeyError, json_error, parse_json
 from ckpttool.format.limits import current
 from ckpttool.format.safetensors import SAFETENSORS_TAGS, HeaderError, read_header
+from ckpttool.model.hfconfig import tie_word_embeddings
 
 __all__ = ["RefTensor", "Reference", "load_reference"]
 
@@ -161,10 +162,7 @@ def _tie(config_path: Path) -> bool | None:
         return None
     if not isinstance(cfg, dict):
         return None
-    v = cfg.get("tie_word_embeddings")
-    if v is None and isinstance(cfg.get("text_config"), dict):
-        v = cfg["text_config"].get("tie_word_embeddings")
-    return bool(v) if v is not None else None
+    return tie_word_embeddings(cfg)
 
 
 def load_reference(path: str | os.PathLike[str]) -> Reference:

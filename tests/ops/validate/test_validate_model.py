@@ -241,6 +241,28 @@ def test_M004_untied_head_missing_and_tied_head_missing_is_fine(dense_ckpt: Path
     assert rc == 0 and codes(doc) == set()
 
 
+@pytest.mark.parametrize(("model_type", "tied"), [("gpt2", True), ("gemma", True), ("llama", False), ("qwen3", False)])
+def test_M004_config_without_tie_word_embeddings_uses_the_model_types_default(
+    dense_ckpt: Path, tmp_path: Path, model_type: str, tied: bool
+) -> None:
+    """An older hub config.json (no tie_word_embeddings) of a model type transformers ties by default (GPT-2, Gemma)
+    was M004 on a checkpoint without lm_head; the default of transformers' own config class decides."""
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    c = copy_checkpoint(dense_ckpt, tmp_path / "c")
+    assert damage.drop_keys(c, lambda k: "lm_head" in k)
+    doc = CONFIG_MAPPING[model_type](vocab_size=64, num_hidden_layers=2).to_dict()
+    doc.pop("tie_word_embeddings", None)
+    cfg = tmp_path / "config.json"
+    cfg.write_text(json.dumps(doc))
+    rc, out = run(c, "--strict", "--config", cfg, "--select", "M004")
+    if tied:
+        assert rc == 0 and codes(out) == set(), out["findings"]
+    else:
+        assert rc == 1 and codes(out) == {"M004"}
+        assert out["findings"][0]["key"] == "model.lm_head.weight"
+
+
 def test_bad_config_is_a_usage_error(sample_ckpt: Path, tmp_path: Path) -> None:
     bad = tmp_path / "config.json"
     bad.write_text("{not json")

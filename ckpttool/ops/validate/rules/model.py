@@ -5,7 +5,8 @@ from ``...layers.<N>.`` components, per-expert indices from ``...experts.<j>.``;
 expert tensors (``...experts.gate_up_proj`` ``[E, 2I, H]``, HF transformers v5) carry
 the experts in dim 0. Config names: ``num_hidden_layers``; ``num_experts`` /
 ``n_routed_experts`` / ``num_local_experts``; ``tie_word_embeddings`` (also read from
-``text_config`` of multimodal configs).
+``text_config`` of multimodal configs; when the config leaves it out, the default of transformers' config class
+for its ``model_type``: ``model.hfconfig.tie_word_embeddings``).
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from collections import defaultdict
 from collections.abc import Iterable, Iterator
 from typing import Any
 
-from ckpttool.model.hfconfig import config_value
+from ckpttool.model.hfconfig import config_value, tie_word_embeddings
 from ckpttool.ops.validate.base import RuleSkipped, rule
 from ckpttool.ops.validate.context import Context
 
@@ -140,7 +141,7 @@ def expert_coverage(ctx: Context) -> Iterator[tuple[str, str]]:
 
 @rule("M003")
 def tied_head_differs(ctx: Context) -> Iterator[tuple[str, str]]:
-    if not config_value(ctx.config, "tie_word_embeddings"):
+    if not tie_word_embeddings(ctx.config):
         return
     head, emb = ctx.cat.tied_keys()
     if head is None or emb is None:
@@ -158,7 +159,7 @@ def tied_head_differs(ctx: Context) -> Iterator[tuple[str, str]]:
 
 @rule("M004")
 def untied_head_missing(ctx: Context) -> Iterator[tuple[str, str]]:
-    if config_value(ctx.config, "tie_word_embeddings"):
+    if tie_word_embeddings(ctx.config):
         return
     if config_value(ctx.config, "vocab_size") is None and config_value(ctx.config, "num_hidden_layers") is None:
         return  # not a language-model config
@@ -193,8 +194,7 @@ def _tied(ctx: Context) -> bool | None:
     assert ctx.reference is not None
     if ctx.reference.tie_word_embeddings is not None:
         return ctx.reference.tie_word_embeddings
-    v = config_value(ctx.config, "tie_word_embeddings")
-    return bool(v) if v is not None else None
+    return tie_word_embeddings(ctx.config)
 
 
 def _tied_head(name: str, tied: bool | None, names: Iterable[str]) -> bool:
@@ -301,7 +301,7 @@ def _model_class_check(ctx: Context) -> tuple[Any, str | None]:
         selected, _, _, _ = select_sources(
             ctx.cat, rules, adapter=adapter, adapter_config=AdapterConfig.from_hf_config(ctx.config)
         )
-        tie = config_value(ctx.config, "tie_word_embeddings") is True
+        tie = tie_word_embeddings(ctx.config) is True
         drop = {rules.tied_lm_head} if tie and any(s.out_key == rules.tied_embedding for s in selected) else set()
         plan = build_plan(selected, rules, drop=drop)
     except CkptError as e:
