@@ -42,11 +42,13 @@ class RefTensor:
 
 @dataclass
 class Reference:
-    """Expected model tensors: HF key -> :class:`RefTensor`; ``tie_word_embeddings`` from its config."""
+    """Expected model tensors: HF key -> :class:`RefTensor`; ``tie_word_embeddings`` from its config
+    (``config_problem``: why the ``config.json`` beside it could not be read, ``None`` when read or absent)."""
 
     source: str
     tensors: dict[str, RefTensor] = field(default_factory=dict)
     tie_word_embeddings: bool | None = None
+    config_problem: str | None = None
 
 
 def _bad(p: Path, why: str) -> UsageError:
@@ -155,14 +157,17 @@ def _json_dtype(name: str) -> str:
     return SAFETENSORS_TAGS.get(name) or name.removeprefix("torch.")
 
 
-def _tie(config_path: Path) -> bool | None:
+def _tie(config_path: Path) -> tuple[bool | None, str | None]:
+    """``tie_word_embeddings`` of the reference's ``config.json``, and why it could not be read (``None``: read)."""
     try:
         cfg = parse_json(read_regular(config_path, current().max_object_bytes, what="config.json"), str(config_path))
-    except (OSError, json.JSONDecodeError, UnicodeDecodeError):
-        return None
+    except OSError as e:
+        return None, f"{config_path}: cannot read ({e.strerror or e})"
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        return None, f"{config_path}: not valid JSON ({e})"
     if not isinstance(cfg, dict):
-        return None
-    return tie_word_embeddings(cfg)
+        return None, f"{config_path}: not a JSON object ({type(cfg).__name__})"
+    return tie_word_embeddings(cfg), None
 
 
 def load_reference(path: str | os.PathLike[str]) -> Reference:
@@ -205,8 +210,8 @@ def _load(p: Path) -> Reference:
             for f in files:
                 tensors.update(_safetensors_header(resolve_inside(p, f.name, what="reference file")))
         cfg = p / "config.json"
-        tie = _tie(resolve_inside(p, cfg.name, what="reference file")) if cfg.exists() else None
-        return Reference(str(p), tensors, tie)
+        tie, problem = _tie(resolve_inside(p, cfg.name, what="reference file")) if cfg.exists() else (None, None)
+        return Reference(str(p), tensors, tie, problem)
     if not p.exists():
         raise _bad(p, "no such file or directory")
     if p.suffix == ".safetensors":
@@ -214,4 +219,5 @@ def _load(p: Path) -> Reference:
     else:
         tensors = _from_json(p)
     cfg = p.parent / "config.json"
-    return Reference(str(p), tensors, _tie(cfg) if cfg.is_file() else None)
+    tie, problem = _tie(cfg) if cfg.is_file() else (None, None)
+    return Reference(str(p), tensors, tie, problem)

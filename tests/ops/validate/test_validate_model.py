@@ -286,6 +286,31 @@ def reference(src: Path, out: Path, edit: Any = None, tie: bool | None = None) -
     return out
 
 
+def test_M005_M006_unreadable_reference_config_that_decides_the_head_is_reported(
+    dense_ckpt: Path, tmp_path: Path
+) -> None:
+    """The reference's config.json could not be read, so whether lm_head is tied was not known: the head was passed
+    over silently (OK); it is now reported, naming the config and why it could not be read."""
+    c = copy_checkpoint(dense_ckpt, tmp_path / "c")
+    assert damage.drop_keys(c, lambda k: "lm_head" in k)
+    ref = reference(dense_ckpt, tmp_path / "ref")  # holds lm_head.weight
+    (ref / "config.json").write_text("{not json")
+    rc, doc = run(c, "--against", ref)
+    assert rc == 1 and codes(doc) == {"M005"}, doc["findings"]
+    f = doc["findings"][0]
+    assert f["key"] == "model.lm_head.weight"
+    assert f"{ref / 'config.json'}: not valid JSON" in f["message"] and "config.json" in f["hint"]
+
+    no_head = reference(dense_ckpt, tmp_path / "ref2", edit=lambda sd: sd.pop("lm_head.weight"))
+    (no_head / "config.json").write_text("[]")
+    rc, doc = run(dense_ckpt, "--against", no_head)
+    assert codes(doc) == {"M006"} and rc == 0, doc["findings"]
+    assert "not a JSON object" in doc["findings"][0]["message"]
+    (no_head / "config.json").write_text(json.dumps({"tie_word_embeddings": True}))  # a readable one decides
+    rc, doc = run(dense_ckpt, "--against", no_head)
+    assert codes(doc) == set() and rc == 0
+
+
 def test_against_its_own_weights_is_clean(sample_ckpt: Path, tmp_path: Path) -> None:
     rc, doc = run(sample_ckpt, "--strict", "--against", reference(sample_ckpt, tmp_path / "ref"))
     assert rc == 0 and codes(doc) == set()

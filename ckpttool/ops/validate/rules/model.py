@@ -197,6 +197,18 @@ def _tied(ctx: Context) -> bool | None:
     return tie_word_embeddings(ctx.config)
 
 
+def _unread_tie(ctx: Context, tied: bool | None) -> str | None:
+    """Why the tie of the head is not known because the reference's ``config.json`` could not be read (its
+    ``tie_word_embeddings`` would have decided), else ``None``: the head is then reported, never passed over."""
+    assert ctx.reference is not None
+    if tied is not None or ctx.reference.config_problem is None:
+        return None
+    return f"whether lm_head is tied to the embedding is not known: {ctx.reference.config_problem}"
+
+
+_UNREAD_HINT = "fix the reference's config.json (its tie_word_embeddings says whether lm_head.weight is expected)"
+
+
 def _tied_head(name: str, tied: bool | None, names: Iterable[str]) -> bool:
     """``name`` is an ``lm_head.weight`` that may be tied (``tied`` not ``False``) to an ``embed_tokens.weight`` of ``names``."""
     return (
@@ -215,7 +227,7 @@ def _given(ctx: Context, what: str) -> None:
 
 
 @rule("M005")
-def missing_keys(ctx: Context) -> Iterator[tuple[str, str]]:
+def missing_keys(ctx: Context) -> Iterator[tuple[str, str] | tuple[str, str, str]]:
     assert ctx.reference is not None
     names = _ckpt_names(ctx)
     ref = ctx.reference.tensors
@@ -224,14 +236,21 @@ def missing_keys(ctx: Context) -> Iterator[tuple[str, str]]:
     for name in ref:
         if name in names or name in cover:
             continue
-        if _tied_head(name, tied, names):
-            continue  # tied embeddings: the head is the embedding
         key = ctx.cat.model_key(name)
+        if _tied_head(name, tied, names):
+            unread = _unread_tie(ctx, tied)
+            if unread is not None:
+                yield (
+                    key,
+                    f"{key}: in the reference {ctx.reference.source} but not in the checkpoint; {unread}",
+                    _UNREAD_HINT,
+                )
+            continue  # tied embeddings: the head is the embedding
         yield key, f"{key}: in the reference {ctx.reference.source} but not in the checkpoint"
 
 
 @rule("M006")
-def unexpected_keys(ctx: Context) -> Iterator[tuple[str, str]]:
+def unexpected_keys(ctx: Context) -> Iterator[tuple[str, str] | tuple[str, str, str]]:
     assert ctx.reference is not None
     ref = ctx.reference.tensors
     covered = set(_fused_cover(ctx, set(ref)).values())
@@ -240,6 +259,9 @@ def unexpected_keys(ctx: Context) -> Iterator[tuple[str, str]]:
         if name in ref or key in covered:
             continue
         if _tied_head(name, tied, ref):
+            unread = _unread_tie(ctx, tied)
+            if unread is not None:
+                yield key, f"{key}: not in the reference {ctx.reference.source}; {unread}", _UNREAD_HINT
             continue  # HF drops a tied head from the saved weights
         yield key, f"{key}: not in the reference {ctx.reference.source}"
 
