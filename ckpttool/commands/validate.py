@@ -79,12 +79,23 @@ def _junit_file(junit: str) -> Path:
     """The ``--junit`` path; one ending in ``/`` names a directory, where a report file was meant to go.
 
     Raises:
-        OutputError (E600): a path ending in a separator (``--junit reports/`` would have written a file ``reports``).
+        OutputError (E600): an empty path (``Path("")`` is ``.``, reported as a directory); ``-`` (read as standard
+            output, where the report of the run itself goes: it would have written a file named ``-``); a path ending
+            in a separator (``--junit reports/`` would have written a file ``reports``).
     """
     import os
 
     from ckpttool.errors import OutputError
 
+    if not junit:
+        raise OutputError("--junit '': the path is empty", path=junit, hint=f"name the report file: {_JUNIT_HINT}")
+    if junit == "-":
+        raise OutputError(
+            "--junit -: the report is not written to standard output (the validate report goes there); "
+            "--junit takes the path of the report file",
+            path=junit,
+            hint="name the file, e.g. --junit validate.xml (a file named '-': --junit ./-)",
+        )
     if junit.endswith(("/", os.sep)):
         raise OutputError(
             f"--junit {junit}: names a directory; --junit takes the path of the report file",
