@@ -198,7 +198,10 @@ JunitOpt = Annotated[
     ),
 ]
 WorkersOpt = Annotated[
-    int | None, typer.Option("--workers", min=1, help="Reader threads for --deep (default: CPU count, 2..8).")
+    int | None,
+    typer.Option(
+        "--workers", min=1, help="Reader threads for --deep (default: CPU count, 2..8); no effect without --deep."
+    ),
 ]
 ListRulesOpt = Annotated[
     bool,
@@ -260,8 +263,8 @@ def validate_command(
 
     decl = declaration(source_layout, ep_size, ep_fsdp_size, no_ep)
     sel = selection(step, optimizer_dir, schema, model_prefix, optimizer_prefix)
-    junit_file = _junit_file(junit) if junit is not None else None
-    sources = _check_junit_path(junit_file, checkpoint, sel, against) if junit_file is not None else ()
+    junit_file, sources = _junit_target(junit, checkpoint, sel, against)
+    _note_unused_workers(workers, deep, json_output)
     options = ValidateOptions(
         strict=strict,
         deep=deep,
@@ -299,6 +302,23 @@ def validate_command(
     if fatal is not None:
         print_error(fatal)
     raise typer.Exit(res.exit_code)
+
+
+def _junit_target(
+    junit: str | None, checkpoint: PurePath, sel: CheckpointSelection | None, against: Path | None
+) -> tuple[Path | None, tuple[Path, ...]]:
+    """The ``--junit`` file (``None``: not asked) and the directories it must stay out of, checked before the run."""
+    if junit is None:
+        return None, ()
+    junit_file = _junit_file(junit)
+    return junit_file, _check_junit_path(junit_file, checkpoint, sel, against)
+
+
+def _note_unused_workers(workers: int | None, deep: bool, json_output: bool) -> None:
+    """A note for ``--workers`` without ``--deep``: only the deep pass reads data, so it neither speeds up nor widens
+    the check."""
+    if workers is not None and not deep:
+        Output(json_output).note(f"--workers {workers} has no effect without --deep: it sets --deep's reader threads")
 
 
 def _list_rules(

@@ -263,6 +263,15 @@ def test_junit_dash_or_empty_is_refused(
     assert (tmp_path / "-").read_bytes().startswith(b'<?xml version="1.0"')
 
 
+def test_workers_without_deep_says_it_has_no_effect(dense_ckpt: Path) -> None:
+    """`--workers 8` without --deep was accepted silently, as if it sped up or widened the check."""
+    res = runner.invoke(app, ["validate", str(dense_ckpt), "--workers", "8"])
+    assert res.exit_code == 0
+    assert res.stderr == "note: --workers 8 has no effect without --deep: it sets --deep's reader threads\n"
+    res = runner.invoke(app, ["validate", str(dense_ckpt), "--workers", "2", "--deep"])
+    assert res.exit_code == 0 and "--workers" not in res.stderr
+
+
 def test_against_says_values_were_not_compared(sample_ckpt: Path, tmp_path: Path) -> None:
     """An OK of --against another step's export read as "the same weights"; a note says what was compared."""
     out = tmp_path / "hf"
