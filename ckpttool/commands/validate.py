@@ -53,6 +53,9 @@ def _render(res: ValidationResult) -> None:
     skipped = [s for s in res.rules if s.status == "skipped"]
     reasons = sorted({s.reason or "" for s in skipped})
     skip_txt = f", {len(skipped)} skipped ({'; '.join(reasons)})" if skipped else ""
+    # a rule that ran in part (R002 without --deep: Megatron's common.pt only) never reads as a full check
+    part = [f"{s.rule.code} {s.reason}" for s in res.rules if s.status != "skipped" and s.reason]
+    part_txt = f" ({len(part)} in part: {'; '.join(part)})" if part else ""
     word = {0: "OK", 1: "FAILED", 2: "UNREADABLE"}[res.exit_code]
     deep = (  # the rate of the deep pass alone
         f", read {human_bytes(res.bytes_read)} ({fmt_seconds(res.deep_seconds)}, "
@@ -64,7 +67,8 @@ def _render(res: ValidationResult) -> None:
         verdict(
             word,
             f": {plural(c['error'], 'error')}, {plural(c['warning'], 'warning')}, {c['info']} info; "
-            f"{plural(ran, 'rule')} run{skip_txt}{deep} in {res.seconds:.2f} s" + (" [strict]" if res.strict else ""),
+            f"{plural(ran, 'rule')} run{part_txt}{skip_txt}{deep} in {res.seconds:.2f} s"
+            + (" [strict]" if res.strict else ""),
         )
     )
 

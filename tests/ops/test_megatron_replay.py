@@ -131,6 +131,20 @@ def test_plain_validate_checks_common_pt_iteration_against_its_directory(tmp_pat
     assert next(s for s in doc["rules"] if s["code"] == "R002")["status"] == "passed"
 
 
+def test_plain_validate_says_r002_checked_common_pt_only() -> None:
+    """Without --deep the human summary of a Megatron checkpoint read "OK: ... 50 rules run" with R002 counted as a
+    full check; only --json's rule status said it checked common.pt alone. The summary now says so."""
+    r = runner.invoke(app, ["validate", str(DATA / "dense1")])
+    assert r.exit_code == 0, r.output
+    last = r.stdout.splitlines()[-1]
+    assert last.startswith("OK: ") and (
+        " rules run (1 in part: R002 without --deep: common.pt's iteration against its iter_N directory and its "
+        "optimizers' common_step only), " in last
+    ), last
+    r = runner.invoke(app, ["validate", "--deep", str(DATA / "dense1")])
+    assert r.exit_code == 0 and "in part" not in r.stdout, r.output
+
+
 def test_r002_without_deep_is_skipped_outside_megatron(dense_ckpt: Path) -> None:
     r = runner.invoke(app, ["validate", "--json", str(dense_ckpt)])
     status = next(s for s in json.loads(r.stdout)["rules"] if s["code"] == "R002")
