@@ -145,6 +145,25 @@ def test_plain_validate_says_r002_checked_common_pt_only() -> None:
     assert r.exit_code == 0 and "in part" not in r.stdout, r.output
 
 
+def test_junit_says_r002_checked_common_pt_only(tmp_path: Path) -> None:
+    """Without --deep the JUnit report showed R002 as a plain pass; its test case now says it ran in part."""
+    import xml.etree.ElementTree as ET
+
+    report = tmp_path / "r.xml"
+    r = runner.invoke(app, ["validate", str(DATA / "dense1"), "--junit", str(report)])
+    assert r.exit_code == 0, r.output
+    case = next(c for c in ET.parse(report).iter("testcase") if c.get("name", "").startswith("R002 "))
+    assert case.find("failure") is None and case.find("skipped") is None
+    out = case.find("system-out")
+    assert out is not None and out.text == (
+        "ran in part: without --deep: common.pt's iteration against its iter_N directory and its optimizers' "
+        "common_step only"
+    )
+    assert runner.invoke(app, ["validate", "--deep", str(DATA / "dense1"), "--junit", str(report)]).exit_code == 0
+    case = next(c for c in ET.parse(report).iter("testcase") if c.get("name", "").startswith("R002 "))
+    assert case.find("system-out") is None
+
+
 def test_r002_without_deep_is_skipped_outside_megatron(dense_ckpt: Path) -> None:
     r = runner.invoke(app, ["validate", "--json", str(dense_ckpt)])
     status = next(s for s in json.loads(r.stdout)["rules"] if s["code"] == "R002")
