@@ -53,6 +53,9 @@ def _render(res: ValidationResult) -> None:
     skipped = [s for s in res.rules if s.status == "skipped"]
     reasons = sorted({s.reason or "" for s in skipped})
     skip_txt = f", {len(skipped)} skipped ({'; '.join(reasons)})" if skipped else ""
+    # a rule that ran in part (R002 without --deep: Megatron's common.pt only) never reads as a full check
+    part = [f"{s.rule.code} {s.reason}" for s in res.rules if s.status != "skipped" and s.reason]
+    part_txt = f" ({len(part)} in part: {'; '.join(part)})" if part else ""
     word = {0: "OK", 1: "FAILED", 2: "UNREADABLE"}[res.exit_code]
     deep = (  # the rate of the deep pass alone
         f", read {human_bytes(res.bytes_read)} ({fmt_seconds(res.deep_seconds)}, "
@@ -64,7 +67,8 @@ def _render(res: ValidationResult) -> None:
         verdict(
             word,
             f": {plural(c['error'], 'error')}, {plural(c['warning'], 'warning')}, {c['info']} info; "
-            f"{plural(ran, 'rule')} run{skip_txt}{deep} in {res.seconds:.2f} s" + (" [strict]" if res.strict else ""),
+            f"{plural(ran, 'rule')} run{part_txt}{skip_txt}{deep} in {res.seconds:.2f} s"
+            + (" [strict]" if res.strict else ""),
         )
     )
 
@@ -79,12 +83,23 @@ def _junit_file(junit: str) -> Path:
     """The ``--junit`` path; one ending in ``/`` names a directory, where a report file was meant to go.
 
     Raises:
-        OutputError (E600): a path ending in a separator (``--junit reports/`` would have written a file ``reports``).
+        OutputError (E600): an empty path (``Path("")`` is ``.``, reported as a directory); ``-`` (read as standard
+            output, where the report of the run itself goes: it would have written a file named ``-``); a path ending
+            in a separator (``--junit reports/`` would have written a file ``reports``).
     """
     import os
 
     from ckpttool.errors import OutputError
 
+    if not junit:
+        raise OutputError("--junit '': the path is empty", path=junit, hint=f"name the report file: {_JUNIT_HINT}")
+    if junit == "-":
+        raise OutputError(
+            "--junit -: the report is not written to standard output (the validate report goes there); "
+            "--junit takes the path of the report file",
+            path=junit,
+            hint="name the file, e.g. --junit validate.xml (a file named '-': --junit ./-)",
+        )
     if junit.endswith(("/", os.sep)):
         raise OutputError(
             f"--junit {junit}: names a directory; --junit takes the path of the report file",
@@ -187,7 +202,10 @@ JunitOpt = Annotated[
     ),
 ]
 WorkersOpt = Annotated[
-    int | None, typer.Option("--workers", min=1, help="Reader threads for --deep (default: CPU count, 2..8).")
+    int | None,
+    typer.Option(
+        "--workers", min=1, help="Reader threads for --deep (default: CPU count, 2..8); no effect without --deep."
+    ),
 ]
 ListRulesOpt = Annotated[
     bool,
@@ -249,8 +267,8 @@ def validate_command(
 
     decl = declaration(source_layout, ep_size, ep_fsdp_size, no_ep)
     sel = selection(step, optimizer_dir, schema, model_prefix, optimizer_prefix)
-    junit_file = _junit_file(junit) if junit is not None else None
-    sources = _check_junit_path(junit_file, checkpoint, sel, against) if junit_file is not None else ()
+    junit_file, sources = _junit_target(junit, checkpoint, sel, against)
+    _note_unused_workers(workers, deep, json_output)
     options = ValidateOptions(
         strict=strict,
         deep=deep,
@@ -288,6 +306,23 @@ def validate_command(
     if fatal is not None:
         print_error(fatal)
     raise typer.Exit(res.exit_code)
+
+
+def _junit_target(
+    junit: str | None, checkpoint: PurePath, sel: CheckpointSelection | None, against: Path | None
+) -> tuple[Path | None, tuple[Path, ...]]:
+    """The ``--junit`` file (``None``: not asked) and the directories it must stay out of, checked before the run."""
+    if junit is None:
+        return None, ()
+    junit_file = _junit_file(junit)
+    return junit_file, _check_junit_path(junit_file, checkpoint, sel, against)
+
+
+def _note_unused_workers(workers: int | None, deep: bool, json_output: bool) -> None:
+    """A note for ``--workers`` without ``--deep``: only the deep pass reads data, so it neither speeds up nor widens
+    the check."""
+    if workers is not None and not deep:
+        Output(json_output).note(f"--workers {workers} has no effect without --deep: it sets --deep's reader threads")
 
 
 def _list_rules(

@@ -14,7 +14,66 @@ from typing import Any
 from ckpttool.errors import PathEscapeError, UsageError
 from ckpttool.format import limits
 
-__all__ = ["read_hf_config", "config_value"]
+__all__ = ["read_hf_config", "config_value", "tie_word_embeddings", "TIE_DEFAULTS"]
+
+#: The ``tie_word_embeddings`` default of transformers' config class for each ``model_type`` (what
+#: ``from_pretrained`` uses when ``config.json`` leaves the key out, as older hub configs do). The classes differ:
+#: ``LlamaConfig`` says ``False``, ``GemmaConfig`` and ``GPT2Config`` ``True``. Checked against the installed
+#: transformers' own config classes by ``tests/model/test_hfconfig_tie.py``; a ``model_type`` not listed is
+#: asked of transformers when it is installed.
+TIE_DEFAULTS: dict[str, bool] = {
+    "bloom": True,
+    "cohere": True,
+    "cohere2": True,
+    "deepseek_v2": False,
+    "deepseek_v3": False,
+    "ernie4_5": True,
+    "ernie4_5_moe": True,
+    "exaone4": False,
+    "falcon": True,
+    "gemma": True,
+    "gemma2": True,
+    "gemma3": True,
+    "gemma3_text": True,
+    "glm": False,
+    "glm4": False,
+    "glm4_moe": False,
+    "gpt2": True,
+    "gpt_neox": False,
+    "gpt_oss": False,
+    "gptj": False,
+    "granite": False,
+    "granitemoe": False,
+    "jamba": False,
+    "llama": False,
+    "llama4": False,
+    "llama4_text": False,
+    "minimax": False,
+    "mistral": False,
+    "mistral3": True,
+    "mixtral": False,
+    "nemotron": False,
+    "olmo": False,
+    "olmo2": False,
+    "olmo3": False,
+    "olmoe": False,
+    "opt": True,
+    "phi": False,
+    "phi3": False,
+    "phimoe": False,
+    "qwen2": False,
+    "qwen2_5_vl": False,
+    "qwen2_moe": False,
+    "qwen2_vl": False,
+    "qwen3": False,
+    "qwen3_moe": False,
+    "qwen3_next": False,
+    "qwen3_vl": False,
+    "qwen3_vl_moe": False,
+    "smollm3": True,
+    "stablelm": False,
+    "starcoder2": True,
+}
 
 
 def read_hf_config(path: str | os.PathLike[str], *, param: str = "config") -> dict[str, Any]:
@@ -75,4 +134,50 @@ def config_value(cfg: dict[str, Any] | None, *names: str) -> Any:
             for n in names:
                 if scope.get(n) is not None:
                     return scope[n]
+    return None
+
+
+def _class_default(model_type: str) -> bool | None:
+    """The ``tie_word_embeddings`` default of transformers' config class for ``model_type``: :data:`TIE_DEFAULTS`,
+    else the installed transformers' class (imported only then); ``None`` when neither knows it."""
+    if model_type in TIE_DEFAULTS:
+        return TIE_DEFAULTS[model_type]
+    return _transformers_default(model_type)
+
+
+_ASKED: dict[str, bool | None] = {}
+
+
+def _transformers_default(model_type: str) -> bool | None:
+    if model_type not in _ASKED:
+        v: Any = None
+        try:
+            from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+            cfg = CONFIG_MAPPING[model_type]()
+            v = getattr(cfg, "tie_word_embeddings", None)
+            if v is None:  # a multimodal class that leaves it to its language model's config
+                v = getattr(cfg.get_text_config(), "tie_word_embeddings", None)
+        except Exception:  # transformers missing, or no class for this model_type: not known
+            v = None
+        _ASKED[model_type] = v if isinstance(v, bool) else None
+    return _ASKED[model_type]
+
+
+def tie_word_embeddings(cfg: dict[str, Any] | None) -> bool | None:
+    """The ``tie_word_embeddings`` transformers uses for ``cfg``: the value it sets (or its ``text_config`` sets),
+    else the default of the config class of its ``model_type`` (``text_config``'s when the top level's class has
+    none); ``None`` when the config sets none and no ``model_type`` says (a bare dict, an unknown model type)."""
+    v = config_value(cfg, "tie_word_embeddings")
+    if v is not None:
+        return bool(v) if isinstance(v, (bool, int)) else None
+    if not cfg:
+        return None
+    text = cfg.get("text_config")
+    for scope in (cfg, text if isinstance(text, dict) else None):
+        mt = scope.get("model_type") if scope else None
+        if isinstance(mt, str):
+            d = _class_default(mt)
+            if d is not None:
+                return d
     return None

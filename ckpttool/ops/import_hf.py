@@ -48,7 +48,7 @@ from ckpttool.model.adapters import (
 )
 from ckpttool.model.beside import hf_config_beside
 from ckpttool.model.hf_forms import FORMS, ExpertForm, forms_for
-from ckpttool.model.hfconfig import config_value, read_hf_config
+from ckpttool.model.hfconfig import config_value, read_hf_config, tie_word_embeddings
 from ckpttool.model.schemas import registry
 from ckpttool.model.schemas.base import canonical_model_key
 from ckpttool.ops import distributed
@@ -720,7 +720,7 @@ def _first(lines: list[str], n: int = 3) -> str:
 def _tie_lm_head(sources: dict[str, _Source], config: Any, warnings: list[str]) -> None:
     """Under ``tie_word_embeddings``, a ``lm_head.weight`` the folder does not store is written from the embedding
     (``save_pretrained`` leaves the tied copy out; the model's ``state_dict()`` has it)."""
-    tie = config_value(config, "tie_word_embeddings") is True
+    tie = tie_word_embeddings(config) is True
     if tie and "lm_head.weight" not in sources and "model.embed_tokens.weight" in sources:
         e = sources["model.embed_tokens.weight"]
         sources["lm_head.weight"] = _Source("lm_head.weight", e.file, e.offset, e.dtype, e.shape)

@@ -27,7 +27,7 @@ from ckpttool.errors import ExportError
 from ckpttool.format.metadata import DType
 from ckpttool.model.adapters import AdapterConfig
 from ckpttool.model.adapters.megatron import megatron_from_hf
-from ckpttool.model.hfconfig import config_value
+from ckpttool.model.hfconfig import config_value, tie_word_embeddings
 
 __all__ = ["EXTRA_STATE_VALUE", "MegatronTensor", "megatron_natives", "write_megatron_files"]
 
@@ -65,7 +65,7 @@ def megatron_natives(
             HF tensors gathered into one megatron tensor differ in dtype.
     """
     n_layers = config_value(config, "num_hidden_layers")
-    tie = config_value(config, "tie_word_embeddings") is True
+    tie = tie_word_embeddings(config) is True
     plan = megatron_from_hf(
         {k: s.shape for k, s in sources.items()},
         acfg,

@@ -236,6 +236,42 @@ def test_junit_path_ending_in_a_slash_is_refused(dense_ckpt: Path, tmp_path: Pat
     assert (target.read_bytes() if existing else target.exists()) == (before if existing else False)
 
 
+@pytest.mark.parametrize(
+    ("junit", "lines"),
+    [
+        (
+            "-",
+            [
+                "error: [E600] --junit -: the report is not written to standard output (the validate report goes "
+                "there); --junit takes the path of the report file",
+                "hint: name the file, e.g. --junit validate.xml (a file named '-': --junit ./-)",
+            ],
+        ),
+        ("", ["error: [E600] --junit '': the path is empty"]),
+    ],
+)
+def test_junit_dash_or_empty_is_refused(
+    dense_ckpt: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, junit: str, lines: list[str]
+) -> None:
+    """`--junit -` wrote a file named `-` in the working directory; `--junit ''` said "`--junit .`: is a directory"."""
+    monkeypatch.chdir(tmp_path)
+    res = runner.invoke(app, ["validate", str(dense_ckpt), "--junit", junit])
+    assert res.exit_code == 2 and res.stdout == ""
+    assert res.stderr.splitlines()[: len(lines)] == lines
+    assert list(tmp_path.iterdir()) == []
+    assert runner.invoke(app, ["validate", str(dense_ckpt), "--junit", "./-"]).exit_code == 0
+    assert (tmp_path / "-").read_bytes().startswith(b'<?xml version="1.0"')
+
+
+def test_workers_without_deep_says_it_has_no_effect(dense_ckpt: Path) -> None:
+    """`--workers 8` without --deep was accepted silently, as if it sped up or widened the check."""
+    res = runner.invoke(app, ["validate", str(dense_ckpt), "--workers", "8"])
+    assert res.exit_code == 0
+    assert res.stderr == "note: --workers 8 has no effect without --deep: it sets --deep's reader threads\n"
+    res = runner.invoke(app, ["validate", str(dense_ckpt), "--workers", "2", "--deep"])
+    assert res.exit_code == 0 and "--workers" not in res.stderr
+
+
 def test_against_says_values_were_not_compared(sample_ckpt: Path, tmp_path: Path) -> None:
     """An OK of --against another step's export read as "the same weights"; a note says what was compared."""
     out = tmp_path / "hf"

@@ -131,6 +131,39 @@ def test_plain_validate_checks_common_pt_iteration_against_its_directory(tmp_pat
     assert next(s for s in doc["rules"] if s["code"] == "R002")["status"] == "passed"
 
 
+def test_plain_validate_says_r002_checked_common_pt_only() -> None:
+    """Without --deep the human summary of a Megatron checkpoint read "OK: ... 50 rules run" with R002 counted as a
+    full check; only --json's rule status said it checked common.pt alone. The summary now says so."""
+    r = runner.invoke(app, ["validate", str(DATA / "dense1")])
+    assert r.exit_code == 0, r.output
+    last = r.stdout.splitlines()[-1]
+    assert last.startswith("OK: ") and (
+        " rules run (1 in part: R002 without --deep: common.pt's iteration against its iter_N directory and its "
+        "optimizers' common_step only), " in last
+    ), last
+    r = runner.invoke(app, ["validate", "--deep", str(DATA / "dense1")])
+    assert r.exit_code == 0 and "in part" not in r.stdout, r.output
+
+
+def test_junit_says_r002_checked_common_pt_only(tmp_path: Path) -> None:
+    """Without --deep the JUnit report showed R002 as a plain pass; its test case now says it ran in part."""
+    import xml.etree.ElementTree as ET
+
+    report = tmp_path / "r.xml"
+    r = runner.invoke(app, ["validate", str(DATA / "dense1"), "--junit", str(report)])
+    assert r.exit_code == 0, r.output
+    case = next(c for c in ET.parse(report).iter("testcase") if c.get("name", "").startswith("R002 "))
+    assert case.find("failure") is None and case.find("skipped") is None
+    out = case.find("system-out")
+    assert out is not None and out.text == (
+        "ran in part: without --deep: common.pt's iteration against its iter_N directory and its optimizers' "
+        "common_step only"
+    )
+    assert runner.invoke(app, ["validate", "--deep", str(DATA / "dense1"), "--junit", str(report)]).exit_code == 0
+    case = next(c for c in ET.parse(report).iter("testcase") if c.get("name", "").startswith("R002 "))
+    assert case.find("system-out") is None
+
+
 def test_r002_without_deep_is_skipped_outside_megatron(dense_ckpt: Path) -> None:
     r = runner.invoke(app, ["validate", "--json", str(dense_ckpt)])
     status = next(s for s in json.loads(r.stdout)["rules"] if s["code"] == "R002")

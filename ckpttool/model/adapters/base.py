@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ckpttool.errors import ExportError
-from ckpttool.model.hfconfig import config_value
+from ckpttool.model.hfconfig import config_value, tie_word_embeddings
 
 __all__ = [
     "AdapterConfig",
@@ -77,7 +77,7 @@ class AdapterConfig:
             head_dim=head_dim,
             hidden_size=hidden,
             num_experts=num("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts"),
-            tie_word_embeddings=config_value(cfg, "tie_word_embeddings") is True,
+            tie_word_embeddings=tie_word_embeddings(cfg) is True,
             model_type=mt if isinstance(mt, str) else None,
         )
 

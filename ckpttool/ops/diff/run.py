@@ -635,12 +635,12 @@ def _hf_config(st: Side, dcp: Side) -> dict[str, Any] | None:
 
 def _tied_config(side: Side) -> bool:
     """The safetensors side's ``config.json`` says ``tie_word_embeddings`` (its ``lm_head`` is the embedding)."""
-    from ckpttool.model.hfconfig import config_value, read_hf_config
+    from ckpttool.model.hfconfig import read_hf_config, tie_word_embeddings
 
     cfg_file = Path(side.ckpt.located.model) / "config.json"
     if not cfg_file.is_file():
         return False
-    return config_value(read_hf_config(cfg_file), "tie_word_embeddings") is True
+    return tie_word_embeddings(read_hf_config(cfg_file)) is True
 
 
 # ---------------------------------------------------------------------------------------------- comparing

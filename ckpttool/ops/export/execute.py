@@ -50,7 +50,7 @@ from ckpttool.layouts.record import SIDECAR_NAME
 from ckpttool.model.adapters import AdapterConfig, ModelAdapter, detect_adapter, get_adapter
 from ckpttool.model.catalog import Catalog
 from ckpttool.model.checkpoint import Checkpoint, CheckpointOrPath, gc_held, open_source
-from ckpttool.model.hfconfig import config_value, read_hf_config
+from ckpttool.model.hfconfig import read_hf_config, tie_word_embeddings
 from ckpttool.model.schemas.detect import detect_schema
 from ckpttool.ops import distributed
 from ckpttool.ops.export.expected import MISMATCH_KINDS, ModelCheck, compare_with_model
@@ -709,7 +709,7 @@ def _read_whole(reader: CheckpointReader, key: str) -> torch.Tensor:
 def _tied_pair(
     selected: list[Selected], rules: ExportRules, config: dict[str, Any] | None
 ) -> tuple[Selected | None, Selected | None, bool]:
-    tie = config_value(config, "tie_word_embeddings") is True
+    tie = tie_word_embeddings(config) is True
     # the last selected tensor of each output key (as a dict keyed by out_key would keep), by a C-level search
     out_keys = [s.out_key for s in selected]
     out_keys.reverse()

@@ -41,7 +41,7 @@ from ckpttool.errors import ChunkError, CkptError
 from ckpttool.format.metadata import DTYPE_ITEMSIZE, BytesMeta, ChunkMeta, TensorMeta
 from ckpttool.format.tiling import tiling_problem
 from ckpttool.layouts.record import LAYOUT_KEY
-from ckpttool.model.hfconfig import config_value
+from ckpttool.model.hfconfig import tie_word_embeddings
 from ckpttool.ops import distributed
 from ckpttool.ops.fields import ProgressFn
 from ckpttool.ops.validate.stats import UNINIT_BOUND, DeepResult, PairStats, TensorStats
@@ -640,7 +640,7 @@ def _pairs(ctx: Context) -> list[PairStats]:
             and v.dtype in _MOMENT_DTYPES
         ):
             out.append(PairStats(m.key, v.key, "moments"))
-    if ctx.config is not None and bool(config_value(ctx.config, "tie_word_embeddings")):
+    if ctx.config is not None and bool(tie_word_embeddings(ctx.config)):
         head, emb = ctx.cat.tied_keys()
         if head and emb and ctx.cat.model[head].shape == ctx.cat.model[emb].shape:
             out.append(PairStats(head, emb, "tied"))

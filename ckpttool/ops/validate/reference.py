@@ -4,7 +4,7 @@ A reference is one of:
 
 - an HF model directory: ``model.safetensors.index.json`` (its ``weight_map`` names the
   shards) or every ``*.safetensors`` file in it; ``config.json`` beside it gives
-  ``tie_word_embeddings``;
+  ``tie_word_embeddings`` (or its ``model_type``'s default: ``model.hfconfig.tie_word_embeddings``);
 - a ``.safetensors`` file;
 - a JSON file: a list of keys, ``{"keys": [...]}``, an index with ``weight_map``, or
   ``{key: {"shape": [...], "dtype": "bfloat16"}}``.
@@ -27,6 +27,7 @@ from ckpttool.format.files import read_regular, resolve_inside
 from ckpttool.format.jsonfile import DuplicateKeyError, json_error, parse_json
 from ckpttool.format.limits import current
 from ckpttool.format.safetensors import SAFETENSORS_TAGS, HeaderError, read_header
+from ckpttool.model.hfconfig import tie_word_embeddings
 
 __all__ = ["RefTensor", "Reference", "load_reference"]
 
@@ -41,11 +42,13 @@ class RefTensor:
 
 @dataclass
 class Reference:
-    """Expected model tensors: HF key -> :class:`RefTensor`; ``tie_word_embeddings`` from its config."""
+    """Expected model tensors: HF key -> :class:`RefTensor`; ``tie_word_embeddings`` from its config
+    (``config_problem``: why the ``config.json`` beside it could not be read, ``None`` when read or absent)."""
 
     source: str
     tensors: dict[str, RefTensor] = field(default_factory=dict)
     tie_word_embeddings: bool | None = None
+    config_problem: str | None = None
 
 
 def _bad(p: Path, why: str) -> UsageError:
@@ -154,17 +157,17 @@ def _json_dtype(name: str) -> str:
     return SAFETENSORS_TAGS.get(name) or name.removeprefix("torch.")
 
 
-def _tie(config_path: Path) -> bool | None:
+def _tie(config_path: Path) -> tuple[bool | None, str | None]:
+    """``tie_word_embeddings`` of the reference's ``config.json``, and why it could not be read (``None``: read)."""
     try:
         cfg = parse_json(read_regular(config_path, current().max_object_bytes, what="config.json"), str(config_path))
-    except (OSError, json.JSONDecodeError, UnicodeDecodeError):
-        return None
+    except OSError as e:
+        return None, f"{config_path}: cannot read ({e.strerror or e})"
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        return None, f"{config_path}: not valid JSON ({e})"
     if not isinstance(cfg, dict):
-        return None
-    v = cfg.get("tie_word_embeddings")
-    if v is None and isinstance(cfg.get("text_config"), dict):
-        v = cfg["text_config"].get("tie_word_embeddings")
-    return bool(v) if v is not None else None
+        return None, f"{config_path}: not a JSON object ({type(cfg).__name__})"
+    return tie_word_embeddings(cfg), None
 
 
 def load_reference(path: str | os.PathLike[str]) -> Reference:
@@ -207,8 +210,8 @@ def _load(p: Path) -> Reference:
             for f in files:
                 tensors.update(_safetensors_header(resolve_inside(p, f.name, what="reference file")))
         cfg = p / "config.json"
-        tie = _tie(resolve_inside(p, cfg.name, what="reference file")) if cfg.exists() else None
-        return Reference(str(p), tensors, tie)
+        tie, problem = _tie(resolve_inside(p, cfg.name, what="reference file")) if cfg.exists() else (None, None)
+        return Reference(str(p), tensors, tie, problem)
     if not p.exists():
         raise _bad(p, "no such file or directory")
     if p.suffix == ".safetensors":
@@ -216,4 +219,5 @@ def _load(p: Path) -> Reference:
     else:
         tensors = _from_json(p)
     cfg = p.parent / "config.json"
-    return Reference(str(p), tensors, _tie(cfg) if cfg.is_file() else None)
+    tie, problem = _tie(cfg) if cfg.is_file() else (None, None)
+    return Reference(str(p), tensors, tie, problem)

@@ -241,6 +241,28 @@ def test_M004_untied_head_missing_and_tied_head_missing_is_fine(dense_ckpt: Path
     assert rc == 0 and codes(doc) == set()
 
 
+@pytest.mark.parametrize(("model_type", "tied"), [("gpt2", True), ("gemma", True), ("llama", False), ("qwen3", False)])
+def test_M004_config_without_tie_word_embeddings_uses_the_model_types_default(
+    dense_ckpt: Path, tmp_path: Path, model_type: str, tied: bool
+) -> None:
+    """An older hub config.json (no tie_word_embeddings) of a model type transformers ties by default (GPT-2, Gemma)
+    was M004 on a checkpoint without lm_head; the default of transformers' own config class decides."""
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    c = copy_checkpoint(dense_ckpt, tmp_path / "c")
+    assert damage.drop_keys(c, lambda k: "lm_head" in k)
+    doc = CONFIG_MAPPING[model_type](vocab_size=64, num_hidden_layers=2).to_dict()
+    doc.pop("tie_word_embeddings", None)
+    cfg = tmp_path / "config.json"
+    cfg.write_text(json.dumps(doc))
+    rc, out = run(c, "--strict", "--config", cfg, "--select", "M004")
+    if tied:
+        assert rc == 0 and codes(out) == set(), out["findings"]
+    else:
+        assert rc == 1 and codes(out) == {"M004"}
+        assert out["findings"][0]["key"] == "model.lm_head.weight"
+
+
 def test_bad_config_is_a_usage_error(sample_ckpt: Path, tmp_path: Path) -> None:
     bad = tmp_path / "config.json"
     bad.write_text("{not json")
@@ -262,6 +284,31 @@ def reference(src: Path, out: Path, edit: Any = None, tie: bool | None = None) -
     if tie is not None:
         (out / "config.json").write_text(json.dumps({"tie_word_embeddings": tie}))
     return out
+
+
+def test_M005_M006_unreadable_reference_config_that_decides_the_head_is_reported(
+    dense_ckpt: Path, tmp_path: Path
+) -> None:
+    """The reference's config.json could not be read, so whether lm_head is tied was not known: the head was passed
+    over silently (OK); it is now reported, naming the config and why it could not be read."""
+    c = copy_checkpoint(dense_ckpt, tmp_path / "c")
+    assert damage.drop_keys(c, lambda k: "lm_head" in k)
+    ref = reference(dense_ckpt, tmp_path / "ref")  # holds lm_head.weight
+    (ref / "config.json").write_text("{not json")
+    rc, doc = run(c, "--against", ref)
+    assert rc == 1 and codes(doc) == {"M005"}, doc["findings"]
+    f = doc["findings"][0]
+    assert f["key"] == "model.lm_head.weight"
+    assert f"{ref / 'config.json'}: not valid JSON" in f["message"] and "config.json" in f["hint"]
+
+    no_head = reference(dense_ckpt, tmp_path / "ref2", edit=lambda sd: sd.pop("lm_head.weight"))
+    (no_head / "config.json").write_text("[]")
+    rc, doc = run(dense_ckpt, "--against", no_head)
+    assert codes(doc) == {"M006"} and rc == 0, doc["findings"]
+    assert "not a JSON object" in doc["findings"][0]["message"]
+    (no_head / "config.json").write_text(json.dumps({"tie_word_embeddings": True}))  # a readable one decides
+    rc, doc = run(dense_ckpt, "--against", no_head)
+    assert codes(doc) == set() and rc == 0
 
 
 def test_against_its_own_weights_is_clean(sample_ckpt: Path, tmp_path: Path) -> None:

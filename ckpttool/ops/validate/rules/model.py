@@ -5,7 +5,8 @@ from ``...layers.<N>.`` components, per-expert indices from ``...experts.<j>.``;
 expert tensors (``...experts.gate_up_proj`` ``[E, 2I, H]``, HF transformers v5) carry
 the experts in dim 0. Config names: ``num_hidden_layers``; ``num_experts`` /
 ``n_routed_experts`` / ``num_local_experts``; ``tie_word_embeddings`` (also read from
-``text_config`` of multimodal configs).
+``text_config`` of multimodal configs; when the config leaves it out, the default of transformers' config class
+for its ``model_type``: ``model.hfconfig.tie_word_embeddings``).
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from collections import defaultdict
 from collections.abc import Iterable, Iterator
 from typing import Any
 
-from ckpttool.model.hfconfig import config_value
+from ckpttool.model.hfconfig import config_value, tie_word_embeddings
 from ckpttool.ops.validate.base import RuleSkipped, rule
 from ckpttool.ops.validate.context import Context
 
@@ -140,7 +141,7 @@ def expert_coverage(ctx: Context) -> Iterator[tuple[str, str]]:
 
 @rule("M003")
 def tied_head_differs(ctx: Context) -> Iterator[tuple[str, str]]:
-    if not config_value(ctx.config, "tie_word_embeddings"):
+    if not tie_word_embeddings(ctx.config):
         return
     head, emb = ctx.cat.tied_keys()
     if head is None or emb is None:
@@ -158,7 +159,7 @@ def tied_head_differs(ctx: Context) -> Iterator[tuple[str, str]]:
 
 @rule("M004")
 def untied_head_missing(ctx: Context) -> Iterator[tuple[str, str]]:
-    if config_value(ctx.config, "tie_word_embeddings"):
+    if tie_word_embeddings(ctx.config):
         return
     if config_value(ctx.config, "vocab_size") is None and config_value(ctx.config, "num_hidden_layers") is None:
         return  # not a language-model config
@@ -193,8 +194,19 @@ def _tied(ctx: Context) -> bool | None:
     assert ctx.reference is not None
     if ctx.reference.tie_word_embeddings is not None:
         return ctx.reference.tie_word_embeddings
-    v = config_value(ctx.config, "tie_word_embeddings")
-    return bool(v) if v is not None else None
+    return tie_word_embeddings(ctx.config)
+
+
+def _unread_tie(ctx: Context, tied: bool | None) -> str | None:
+    """Why the tie of the head is not known because the reference's ``config.json`` could not be read (its
+    ``tie_word_embeddings`` would have decided), else ``None``: the head is then reported, never passed over."""
+    assert ctx.reference is not None
+    if tied is not None or ctx.reference.config_problem is None:
+        return None
+    return f"whether lm_head is tied to the embedding is not known: {ctx.reference.config_problem}"
+
+
+_UNREAD_HINT = "fix the reference's config.json (its tie_word_embeddings says whether lm_head.weight is expected)"
 
 
 def _tied_head(name: str, tied: bool | None, names: Iterable[str]) -> bool:
@@ -215,7 +227,7 @@ def _given(ctx: Context, what: str) -> None:
 
 
 @rule("M005")
-def missing_keys(ctx: Context) -> Iterator[tuple[str, str]]:
+def missing_keys(ctx: Context) -> Iterator[tuple[str, str] | tuple[str, str, str]]:
     assert ctx.reference is not None
     names = _ckpt_names(ctx)
     ref = ctx.reference.tensors
@@ -224,14 +236,21 @@ def missing_keys(ctx: Context) -> Iterator[tuple[str, str]]:
     for name in ref:
         if name in names or name in cover:
             continue
-        if _tied_head(name, tied, names):
-            continue  # tied embeddings: the head is the embedding
         key = ctx.cat.model_key(name)
+        if _tied_head(name, tied, names):
+            unread = _unread_tie(ctx, tied)
+            if unread is not None:
+                yield (
+                    key,
+                    f"{key}: in the reference {ctx.reference.source} but not in the checkpoint; {unread}",
+                    _UNREAD_HINT,
+                )
+            continue  # tied embeddings: the head is the embedding
         yield key, f"{key}: in the reference {ctx.reference.source} but not in the checkpoint"
 
 
 @rule("M006")
-def unexpected_keys(ctx: Context) -> Iterator[tuple[str, str]]:
+def unexpected_keys(ctx: Context) -> Iterator[tuple[str, str] | tuple[str, str, str]]:
     assert ctx.reference is not None
     ref = ctx.reference.tensors
     covered = set(_fused_cover(ctx, set(ref)).values())
@@ -240,6 +259,9 @@ def unexpected_keys(ctx: Context) -> Iterator[tuple[str, str]]:
         if name in ref or key in covered:
             continue
         if _tied_head(name, tied, ref):
+            unread = _unread_tie(ctx, tied)
+            if unread is not None:
+                yield key, f"{key}: not in the reference {ctx.reference.source}; {unread}", _UNREAD_HINT
             continue  # HF drops a tied head from the saved weights
         yield key, f"{key}: not in the reference {ctx.reference.source}"
 
@@ -301,7 +323,7 @@ def _model_class_check(ctx: Context) -> tuple[Any, str | None]:
         selected, _, _, _ = select_sources(
             ctx.cat, rules, adapter=adapter, adapter_config=AdapterConfig.from_hf_config(ctx.config)
         )
-        tie = config_value(ctx.config, "tie_word_embeddings") is True
+        tie = tie_word_embeddings(ctx.config) is True
         drop = {rules.tied_lm_head} if tie and any(s.out_key == rules.tied_embedding for s in selected) else set()
         plan = build_plan(selected, rules, drop=drop)
     except CkptError as e:
