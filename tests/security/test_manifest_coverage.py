@@ -256,3 +256,88 @@ def test_a_symlink_beside_the_data_pointed_elsewhere_is_found(sample_ckpt: Path,
     link.update(digest="symlink", size=0)  # as an older ckpttool wrote it: any symlink there matches
     (d / "manifest.json").write_text(json.dumps(doc))
     _ok("manifest", str(d), "--verify")
+
+
+@pytest.mark.parametrize("file", ["../../etc/passwd", "/etc/passwd", "", "a/../../x.distcp"])
+@pytest.mark.parametrize("command", ["manifest --verify", "validate --manifest"])
+def test_an_entry_file_outside_the_checkpoint_is_an_unusable_manifest(
+    sample_ckpt: Path, tmp_path: Path, file: str, command: str
+) -> None:
+    """An entry whose ``file`` is absolute or leaves the folder still 'matched' (digests were compared by key, the
+    place never looked at): it is hostile input, E260 naming the entry, exit 2."""
+    man = tmp_path / "m.json"
+    _ok("manifest", str(sample_ckpt), "-o", str(man))
+    doc = json.loads(man.read_text())
+    doc["entries"][0]["file"] = file
+    man.write_text(json.dumps(doc))
+    argv = ["manifest", str(sample_ckpt), "--verify", "-o", str(man)]
+    if command == "validate --manifest":
+        argv = ["validate", str(sample_ckpt), "--manifest", str(man), "--select", "S015"]
+    res = runner.invoke(app, argv)
+    lines = res.stderr.splitlines()
+    assert res.exit_code == 2 and res.stdout == "" and len(lines) == 2, res.stdout + res.stderr
+    assert lines[0].startswith("error: [E260] ") and f"entries[0] ('{doc['entries'][0]['key']}'): file " in lines[0]
+    assert "is not a file name inside the directory" in lines[0] and lines[1].startswith("hint: "), lines
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "said"),
+    [
+        ("offset", 10**15, "offset 1000000000000000"),
+        ("length", 10**15, "length 1000000000000000"),
+        ("offset", 0, "offset 0"),
+        ("file", "extra_state/extra_state_rank_0.pt", "file 'extra_state/extra_state_rank_0.pt'"),
+    ],
+)
+def test_an_entry_placed_elsewhere_than_the_checkpoint_says_is_changed(
+    sample_ckpt: Path, tmp_path: Path, field: str, value: object, said: str
+) -> None:
+    """A manifest's ``file``/``offset``/``length`` were never compared with the checkpoint's ``.metadata``: one edited
+    to 10^15 (or another file) 'matched'. Each entry's window is now the one ``.metadata`` holds, or a ``changed``
+    problem naming the entry, the field and both values (exit 1 in ``manifest --verify`` and S015)."""
+    man = tmp_path / "m.json"
+    _ok("manifest", str(sample_ckpt), "-o", str(man))
+    _ok("manifest", str(sample_ckpt), "--verify", "-o", str(man))  # an untouched manifest still matches
+    doc = json.loads(man.read_text())
+    entry = doc["entries"][3]
+    was = entry[field]
+    assert was != value
+    entry[field] = value
+    man.write_text(json.dumps(doc))
+    res = runner.invoke(app, ["manifest", str(sample_ckpt), "--verify", "-o", str(man), "--json"])
+    assert res.exit_code == 1, res.stdout + res.stderr
+    problems = json.loads(res.stdout)["problems"]
+    shown = f"'{was}'" if isinstance(was, str) else str(was)
+    assert [(p["kind"], p["key"]) for p in problems] == [("changed", entry["key"])], problems
+    assert problems[0]["message"].endswith(f": the manifest says {said}; the checkpoint's metadata {shown}")
+    res = runner.invoke(app, ["validate", str(sample_ckpt), "--manifest", str(man), "--select", "S015", "--json"])
+    found = json.loads(res.stdout)["findings"]
+    assert res.exit_code == 1 and [(f["code"], f["key"]) for f in found] == [("S015", entry["key"])], res.stdout
+    assert said in found[0]["message"]
+
+
+def test_an_export_manifest_extent_of_a_file_it_does_not_list_is_an_unusable_manifest(hf_export: Path) -> None:
+    """An extent naming a file that is not in the manifest's ``files`` was never read (only listed files are):
+    the manifest contradicts itself, E260."""
+    doc = json.loads((hf_export / "manifest.json").read_text())
+    doc["entries"][0]["file"] = "other.safetensors"
+    (hf_export / "manifest.json").write_text(json.dumps(doc))
+    res = runner.invoke(app, ["manifest", str(hf_export), "--verify"])
+    assert res.exit_code == 2 and res.stderr.startswith("error: [E260] "), res.stdout + res.stderr
+    assert "entries[0]" in res.stderr and "file 'other.safetensors' is not in its files" in res.stderr
+
+
+def test_a_version_1_manifest_still_verifies(sample_ckpt: Path, tmp_path: Path) -> None:
+    """A manifest of an older ckpttool (version 1: no ``covers``, ``kind`` or ``sidecars``) that agrees with the
+    checkpoint still matches: the storage windows it records are the ones ``.metadata`` holds."""
+    man = tmp_path / "m.json"
+    _ok("manifest", str(sample_ckpt), "-o", str(man))
+    doc = json.loads(man.read_text())
+    doc["version"] = 1
+    for key in ("kind", "sidecars", "training_state"):
+        doc.pop(key, None)
+    for e in doc["entries"]:
+        e.pop("covers")
+    man.write_text(json.dumps(doc))
+    res = runner.invoke(app, ["manifest", str(sample_ckpt), "--verify", "-o", str(man)])
+    assert res.exit_code == 0 and "matches its manifest" in res.stdout, res.stdout + res.stderr
