@@ -63,6 +63,7 @@ __all__ = [
     "verify_safetensors_manifest",
     "ManifestCheck",
     "check_against_manifest",
+    "check_manifest_kind",
     "write_output_manifest",
     "safetensors_source_identity",
 ]
@@ -1210,19 +1211,95 @@ def load_manifest(path: str | os.PathLike[str]) -> Manifest:
         if ent.ident in seen:
             raise _bad(shown, f"{ent.where()} is listed twice")
         seen.add(ent.ident)
-    md = doc.get("metadata")
-    md_digest = md_size = None
-    if md is not None:
-        if not isinstance(md, dict) or not isinstance(md.get("digest"), str) or type(md.get("size")) is not int:
-            raise _bad(shown, "metadata must be an object with digest and size, or null")
-        md_digest, md_size = md["digest"], md["size"]
+    md_digest, md_size, md_file = _manifest_metadata(doc, shown)
     source = doc.get("source")
     if source is not None and not isinstance(source, dict):
         raise _bad(shown, "source must be an object")
     sidecars = _manifest_sidecars(doc, shown)
     training = _manifest_sidecars(doc, shown, "training_state")
     return Manifest(
-        algorithm, entries, md_digest, md_size, source, kind, tuple(files), sidecars, shown, training_state=training
+        algorithm,
+        entries,
+        md_digest,
+        md_size,
+        source,
+        kind,
+        tuple(files),
+        sidecars,
+        shown,
+        metadata_file=md_file,
+        training_state=training,
+    )
+
+
+def _manifest_metadata(doc: dict[str, Any], shown: str) -> tuple[str | None, int | None, str]:
+    """``(digest, size, file)`` of a manifest's ``metadata`` (``None`` digest and size: null), checked."""
+    md = doc.get("metadata")
+    if md is None:
+        return None, None, METADATA_NAME
+    if not isinstance(md, dict) or not isinstance(md.get("digest"), str) or type(md.get("size")) is not int:
+        raise _bad(shown, "metadata must be an object with digest and size, or null")
+    md_file = md.get("file", METADATA_NAME)  # every ckpttool wrote it; absent: taken as .metadata
+    if type(md_file) is not str or md_file not in _DESCRIBED:
+        raise _bad(shown, f"metadata.file must be one of {', '.join(map(repr, _DESCRIBED))}")
+    return md["digest"], md["size"], md_file
+
+
+#: What a manifest was made of, by its ``metadata.file`` (kind ``dcp``), as named in messages.
+_DESCRIBED = {
+    METADATA_NAME: "a DCP checkpoint (its .metadata digested)",
+    HEADERS_NAME: "a safetensors model folder (its headers digested)",
+    PERRANK_NAME: "a per-rank save (its rank files' tensor metadata digested)",
+}
+_EXPORT = "a safetensors export (export --manifest)"
+
+
+def _manifest_made_of(manifest: Manifest) -> tuple[str, str] | None:
+    """``(what, as named)`` a manifest was made of: ``dcp``, ``safetensors`` (a model folder or an export),
+    ``per-rank``; ``None``: it does not say (``metadata`` null: a model/optimizer pair's, a rank-local save's)."""
+    if manifest.kind == "safetensors":
+        return "safetensors", _EXPORT
+    if manifest.metadata_digest is None:
+        return None
+    what = {METADATA_NAME: "dcp", HEADERS_NAME: "safetensors", PERRANK_NAME: "per-rank"}[manifest.metadata_file]
+    return what, _DESCRIBED[manifest.metadata_file]
+
+
+def _checkpoint_is(reader: CheckpointReader) -> tuple[str, str] | None:
+    """``(what, as named)`` an opened checkpoint is, in the terms of :func:`_manifest_made_of` (``pair`` for a
+    model/optimizer pair); ``None``: a rank-local DCP save (``__R.metadata``, no ``.metadata``), not compared."""
+    if isinstance(reader, PerRankReader):
+        return "per-rank", f"a per-rank save ({reader.assembled.format})"
+    if reader.parts:
+        return "pair", f"a model/optimizer pair ({_folder_kind(reader)})"
+    if _metadata_file(reader) == METADATA_NAME:
+        return "dcp", "a DCP checkpoint (with .metadata)"
+    if reader.metadata.serialization == "torch_save":
+        return None
+    return "safetensors", "a safetensors model folder (no .metadata)"
+
+
+def check_manifest_kind(reader: CheckpointReader, manifest: Manifest) -> None:
+    """Refuse a manifest made of another kind of checkpoint than ``reader``'s (a DCP checkpoint's manifest on a
+    safetensors export, an export's on a DCP checkpoint): one error, not a problem for every entry.
+
+    Raises:
+        ManifestError (E260): naming both kinds.
+    """
+    made_of, now = _manifest_made_of(manifest), _checkpoint_is(reader)
+    if made_of is not None and now is not None and made_of[0] != now[0]:
+        raise _other_kind(manifest, made_of[1], str(reader.path), now[1])
+
+
+def _other_kind(manifest: Manifest, made_of: str, directory: str, now: str) -> ManifestError:
+    import shlex
+
+    shown = manifest.path or "the manifest"
+    return ManifestError(
+        f"{shown} is the manifest of {made_of}, but {directory} is {now}",
+        path=shown,
+        hint=f"verify {shlex.quote(directory)} against a manifest made of it (`ckpttool manifest {shlex.quote(directory)}` "
+        "writes one; an export's is written by `export --manifest`), and this manifest against the checkpoint it was made of",
     )
 
 
@@ -1241,6 +1318,7 @@ def verify_manifest(
     Raises:
         the reader's errors for a damaged archive (a data file missing or cut short is a problem).
     """
+    check_manifest_kind(reader, manifest)
     problems: list[ManifestProblem] = []
     stored = {(k, c.offsets if c is not None else None): c for k, c in _items(reader)}
     listed = {e.ident: e for e in manifest.entries}
@@ -1472,6 +1550,7 @@ def verify_safetensors_manifest(
 
     Raises:
         UsageError: ``manifest`` is not a safetensors manifest.
+        ManifestError (E260): ``directory`` is a DCP checkpoint (a ``.metadata``), not an export.
         MetadataError, NotRegularFileError, PathEscapeError: unreadable files.
     """
     from ckpttool.format.files import open_regular, resolve_inside
@@ -1484,6 +1563,8 @@ def verify_safetensors_manifest(
             hint="verify a DCP checkpoint with `ckpttool validate DIR --manifest FILE`",
         )
     root = Path(directory)
+    if (root / METADATA_NAME).exists():  # what an export never writes: a DCP checkpoint (or a DCP-written folder)
+        raise _other_kind(manifest, _EXPORT, str(directory), "a DCP checkpoint (with .metadata)")
     problems: list[ManifestProblem] = []
     by_file: dict[str, list[ManifestEntry]] = {}
     for e in manifest.entries:

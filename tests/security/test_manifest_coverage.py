@@ -139,8 +139,49 @@ def test_validate_checks_an_export_against_its_own_manifest(hf_export: Path, sam
     """``validate --manifest`` of an export's manifest compares files, headers and extents as ``manifest --verify``
     does (it compared them as DCP chunks: every tensor of an intact export was 'missing')."""
     _ok("validate", str(hf_export), "--manifest", str(hf_export / "manifest.json"))
-    res = runner.invoke(app, ["validate", str(sample_ckpt), "--manifest", str(hf_export / "manifest.json")])
-    assert res.exit_code == 1 and "S015" in res.stdout and "Traceback" not in res.stderr, res.stdout + res.stderr
+
+
+@pytest.mark.parametrize("command", ["manifest --verify", "validate --manifest"])
+@pytest.mark.parametrize("made_of", ["dcp", "export"])
+def test_a_manifest_of_another_kind_of_checkpoint_is_one_error(
+    hf_export: Path, sample_ckpt: Path, tmp_path: Path, command: str, made_of: str
+) -> None:
+    """A DCP checkpoint's manifest checked against its safetensors export gave ~180 problems (every entry missing,
+    every tensor extra), an export's on the DCP checkpoint one per file; now one E260 naming both kinds and a hint."""
+    if made_of == "dcp":
+        man, target = tmp_path / "dcp-manifest.json", hf_export
+        _ok("manifest", str(sample_ckpt), "-o", str(man))
+        said = f"{man} is the manifest of a DCP checkpoint (its .metadata digested), but {hf_export} is a safetensors"
+    else:
+        man, target = hf_export / "manifest.json", sample_ckpt
+        said = (
+            f"{man} is the manifest of a safetensors export (export --manifest), but {sample_ckpt} is a DCP checkpoint"
+        )
+    argv = ["manifest", str(target), "--verify", "-o", str(man)]
+    if command == "validate --manifest":
+        argv = ["validate", str(target), "--manifest", str(man)]
+    res = runner.invoke(app, argv)
+    lines = res.stderr.splitlines()
+    assert res.exit_code == 2 and res.stdout == "" and len(lines) == 2, res.stdout + res.stderr
+    assert lines[0].startswith(f"error: [E260] {said}"), lines
+    assert lines[1].startswith(f"hint: verify {target} against a manifest made of it (`ckpttool manifest {target}`")
+
+
+def test_a_manifest_of_a_safetensors_folder_on_a_dcp_checkpoint_is_one_error(sample_ckpt: Path, tmp_path: Path) -> None:
+    """The manifest of a Hugging Face safetensors folder (its headers digested) on a DCP checkpoint: one E260."""
+    import torch
+    from safetensors.torch import save_file
+
+    hf = tmp_path / "hf"
+    hf.mkdir()
+    save_file({"lm_head.weight": torch.randn(8, 4)}, str(hf / "model.safetensors"))
+    _ok("manifest", str(hf))
+    res = runner.invoke(app, ["manifest", str(sample_ckpt), "--verify", "-o", str(hf / "manifest.json")])
+    assert res.exit_code == 2 and res.stdout == "", res.stdout + res.stderr
+    assert res.stderr.startswith(
+        f"error: [E260] {hf / 'manifest.json'} is the manifest of a safetensors model folder (its headers digested), "
+        f"but {sample_ckpt} is a DCP checkpoint (with .metadata)\n"
+    ), res.stderr
 
 
 def test_an_edited_config_json_is_found(hf_export: Path) -> None:
