@@ -1421,7 +1421,21 @@ def _stored_entry_problem(
         view = _view_problem(reader, e, chunk)
         if view is not None:
             return ManifestProblem("changed", e.key, e.offsets, f"{e.where()}: {view}")
-    return None
+    crc = _crc_problem(reader, e, chunk)
+    return None if crc is None else ManifestProblem("changed", e.key, e.offsets, f"{e.where()}: {crc}")
+
+
+def _crc_problem(reader: CheckpointReader, e: ManifestEntry, chunk: ChunkMeta | None) -> str | None:
+    """How an entry's recorded ``crc32`` differs from the one its storage record's zip entry holds (``None``: it
+    does not, the entry records none (an older manifest may leave it out), or the record cannot be located)."""
+    if e.crc32 is None or chunk is None or chunk.numel == 0:
+        return None
+    try:
+        rec = reader.locate(e.key, chunk).record
+    except CkptError:  # the record no longer fits a .metadata that changed (reported): the digest said the rest
+        return None
+    got = f"{rec.crc32:08x}" if rec.member is not None else None
+    return None if got == e.crc32 else f"the manifest says crc32 {e.crc32}; its storage record's zip entry {got}"
 
 
 def _location_problem(e: ManifestEntry, stored: StorageInfo) -> str | None:
@@ -1457,10 +1471,16 @@ def _metadata_problems(reader: CheckpointReader, manifest: Manifest) -> list[Man
                 "metadata", METADATA_NAME, None, "the manifest records no digest of .metadata: it was not checked"
             )
         ]
-    md, _ = _metadata_digest(reader, manifest.algorithm)
+    md, size = _metadata_digest(reader, manifest.algorithm)
+    name = _metadata_file(reader)
+    if md is not None and md == manifest.metadata_digest and size != manifest.metadata_size:
+        return [
+            ManifestProblem(
+                "metadata", name, None, f"the manifest says {name} is {manifest.metadata_size} bytes, not {size}"
+            )
+        ]
     if md is None or md == manifest.metadata_digest:
         return []
-    name = _metadata_file(reader)
     if name == METADATA_NAME:
         return [
             ManifestProblem("metadata", METADATA_NAME, None, ".metadata differs from the one the manifest was made of")

@@ -382,3 +382,35 @@ def test_a_version_1_manifest_still_verifies(sample_ckpt: Path, tmp_path: Path) 
     man.write_text(json.dumps(doc))
     res = runner.invoke(app, ["manifest", str(sample_ckpt), "--verify", "-o", str(man)])
     assert res.exit_code == 0 and "matches its manifest" in res.stdout, res.stdout + res.stderr
+
+
+@pytest.mark.parametrize("covers", ["window", "record"])
+def test_an_edited_crc32_or_metadata_size_is_found(sample_ckpt: Path, tmp_path: Path, covers: str) -> None:
+    """An entry's ``crc32`` and ``metadata.size`` were never compared with the checkpoint: edited to other values
+    they still 'matched'. Now each is a problem naming the entry (or ``.metadata``) and both values; a ``crc32``
+    left out (``null``, as an older manifest may have it) is still accepted."""
+    man = tmp_path / "m.json"
+    _ok("manifest", str(sample_ckpt), "-o", str(man), "--covers", covers)
+    doc = json.loads(man.read_text())
+    entry = next(e for e in doc["entries"] if e["crc32"] is not None)
+    was = entry["crc32"]
+    entry["crc32"] = "00000000" if was != "00000000" else "00000001"
+    doc["metadata"]["size"] += 1
+    man.write_text(json.dumps(doc))
+    res = runner.invoke(app, ["manifest", str(sample_ckpt), "--verify", "-o", str(man), "--json"])
+    assert res.exit_code == 1, res.stdout + res.stderr
+    got = [(p["kind"], p["key"], p["message"]) for p in json.loads(res.stdout)["problems"]]
+    size = doc["metadata"]["size"] - 1
+    assert got == [
+        (
+            "changed",
+            entry["key"],
+            f"{entry['key']!r} chunk at {entry['offsets']}: the manifest says crc32 "
+            f"{entry['crc32']}; its storage record's zip entry {was}",
+        ),
+        ("metadata", ".metadata", f"the manifest says .metadata is {size + 1} bytes, not {size}"),
+    ], got
+    entry["crc32"] = None
+    doc["metadata"]["size"] = size
+    man.write_text(json.dumps(doc))
+    _ok("manifest", str(sample_ckpt), "--verify", "-o", str(man))
