@@ -8,22 +8,31 @@ from typing import TYPE_CHECKING, Annotated
 
 import typer
 
-from ckpttool.ui.options import CheckpointArg, JsonOpt, StepOpt, TrustPickleOpt, examples, selection
+from ckpttool.ui.options import CheckpointArg, JsonOpt, StepOpt, TrustPickleOpt, examples, manifest_file, selection
 from ckpttool.ui.output import Output, command_boundary
 
 if TYPE_CHECKING:
     from ckpttool.ops.manifest import ManifestCheck, ManifestResult
 
 
+#: ``--output FILE``: an empty path is refused (it read as the current directory).
+OutputOpt = Annotated[
+    Path | None,
+    typer.Option(
+        "--output",
+        "-o",
+        help="Write the manifest here instead of DIR/manifest.json.",
+        show_default=False,
+        parser=manifest_file,
+        metavar="FILE",
+    ),
+]
+
+
 @command_boundary
 def manifest_command(
     checkpoint: CheckpointArg,
-    output: Annotated[
-        Path | None,
-        typer.Option(
-            "--output", "-o", help="Write the manifest here instead of DIR/manifest.json.", show_default=False
-        ),
-    ] = None,
+    output: OutputOpt = None,
     hash_name: Annotated[
         str,
         typer.Option(

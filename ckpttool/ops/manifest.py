@@ -33,7 +33,7 @@ from ckpttool.format.jsonview import JsonView
 from ckpttool.format.locator import ChunkLocation
 from ckpttool.format.manifest_file import MANIFEST_FORMAT, MANIFEST_NAME, is_manifest_head
 from ckpttool.format.marker import MARKER_NAME, recording
-from ckpttool.format.metadata import BytesMeta, ChunkMeta, TensorMeta
+from ckpttool.format.metadata import BytesMeta, ChunkMeta, StorageInfo, TensorMeta
 from ckpttool.format.perrank import PerRankReader
 from ckpttool.format.reader import CheckpointReader
 from ckpttool.model.checkpoint import Checkpoint, CheckpointOrPath, OpenOptions, open_source
@@ -63,6 +63,7 @@ __all__ = [
     "verify_safetensors_manifest",
     "ManifestCheck",
     "check_against_manifest",
+    "check_manifest_kind",
     "write_output_manifest",
     "safetensors_source_identity",
 ]
@@ -1001,6 +1002,8 @@ def _entry(
     offsets, sizes, crc, digest = d.get("offsets"), d.get("sizes"), d.get("crc32"), d.get("digest")
     if not isinstance(key, str) or not isinstance(file, str):
         raise _bad(path, f"entries[{i}]: key and file must be strings")
+    if _leaves_folder(file):  # hostile: never joined to the checkpoint's path, never compared as a place
+        raise _bad(path, f"entries[{i}] ({key[:200]!a}): file {file[:200]!a} is not a file name inside the directory")
     covers = d.get("covers", "window") if version >= 2 else "window"
     view = d.get("view")
     problem = _entry_problem(off, length, offsets, sizes, crc, digest, hexlen) or _covers_problem(
@@ -1055,6 +1058,11 @@ def _covers_problem(covers: Any, kind: str, offsets: Any, sizes: Any) -> str | N
     return None
 
 
+def _leaves_folder(name: str) -> bool:
+    """Whether an entry's ``file`` is empty, absolute or climbs out of the checkpoint's folder (a ``..`` part)."""
+    return not name or "\0" in name or name.startswith("/") or ".." in name.split("/")
+
+
 _HEX = frozenset("0123456789abcdef")
 
 
@@ -1098,7 +1106,15 @@ def _manifest_files(doc: dict[str, Any], shown: str) -> list[dict[str, Any]]:
     raw_files = doc.get("files")
     if not isinstance(raw_files, list):
         raise _bad(shown, "files must be a list")
-    return _objects(raw_files, "files", _FILE_FIELDS, shown, lambda f: _is_hex(f["header_digest"]))
+    out = _objects(raw_files, "files", _FILE_FIELDS, shown, lambda f: _is_hex(f["header_digest"]))
+    seen: set[str] = set()
+    for j, f in enumerate(out):
+        if _leaves_folder(f["file"]):
+            raise _bad(shown, f"files[{j}] ({f['file'][:200]!a}) is not a file name inside the directory")
+        if f["file"] in seen:
+            raise _bad(shown, f"files[{j}] ({f['file'][:200]!a}) is listed twice")
+        seen.add(f["file"])
+    return out
 
 
 def _manifest_sidecars(doc: dict[str, Any], shown: str, name: str = "sidecars") -> tuple[dict[str, Any], ...] | None:
@@ -1185,24 +1201,105 @@ def load_manifest(path: str | os.PathLike[str]) -> Manifest:
         raise _bad(shown, f"{len(raw_entries):,} entries, more than the {cap:,} a checkpoint's .metadata may hold")
     entries = tuple(_entry(d, i, shown, hexlen, version, kind) for i, d in enumerate(raw_entries))
     files = _manifest_files(doc, shown) if kind == "safetensors" else []
+    if kind == "safetensors":  # an extent of a file not listed would never be read: the manifest contradicts itself
+        names = {f["file"] for f in files}
+        for i, ent in enumerate(entries):
+            if ent.file not in names:
+                raise _bad(shown, f"entries[{i}] ({ent.key[:200]!a}): file {ent.file[:200]!a} is not in its files")
     seen: set[tuple[str, tuple[int, ...] | None]] = set()
     for ent in entries:
         if ent.ident in seen:
             raise _bad(shown, f"{ent.where()} is listed twice")
         seen.add(ent.ident)
-    md = doc.get("metadata")
-    md_digest = md_size = None
-    if md is not None:
-        if not isinstance(md, dict) or not isinstance(md.get("digest"), str) or type(md.get("size")) is not int:
-            raise _bad(shown, "metadata must be an object with digest and size, or null")
-        md_digest, md_size = md["digest"], md["size"]
+    md_digest, md_size, md_file = _manifest_metadata(doc, shown)
     source = doc.get("source")
     if source is not None and not isinstance(source, dict):
         raise _bad(shown, "source must be an object")
     sidecars = _manifest_sidecars(doc, shown)
     training = _manifest_sidecars(doc, shown, "training_state")
     return Manifest(
-        algorithm, entries, md_digest, md_size, source, kind, tuple(files), sidecars, shown, training_state=training
+        algorithm,
+        entries,
+        md_digest,
+        md_size,
+        source,
+        kind,
+        tuple(files),
+        sidecars,
+        shown,
+        metadata_file=md_file,
+        training_state=training,
+    )
+
+
+def _manifest_metadata(doc: dict[str, Any], shown: str) -> tuple[str | None, int | None, str]:
+    """``(digest, size, file)`` of a manifest's ``metadata`` (``None`` digest and size: null), checked."""
+    md = doc.get("metadata")
+    if md is None:
+        return None, None, METADATA_NAME
+    if not isinstance(md, dict) or not isinstance(md.get("digest"), str) or type(md.get("size")) is not int:
+        raise _bad(shown, "metadata must be an object with digest and size, or null")
+    md_file = md.get("file", METADATA_NAME)  # every ckpttool wrote it; absent: taken as .metadata
+    if type(md_file) is not str or md_file not in _DESCRIBED:
+        raise _bad(shown, f"metadata.file must be one of {', '.join(map(repr, _DESCRIBED))}")
+    return md["digest"], md["size"], md_file
+
+
+#: What a manifest was made of, by its ``metadata.file`` (kind ``dcp``), as named in messages.
+_DESCRIBED = {
+    METADATA_NAME: "a DCP checkpoint (its .metadata digested)",
+    HEADERS_NAME: "a safetensors model folder (its headers digested)",
+    PERRANK_NAME: "a per-rank save (its rank files' tensor metadata digested)",
+}
+_EXPORT = "a safetensors export (export --manifest)"
+
+
+def _manifest_made_of(manifest: Manifest) -> tuple[str, str] | None:
+    """``(what, as named)`` a manifest was made of: ``dcp``, ``safetensors`` (a model folder or an export),
+    ``per-rank``; ``None``: it does not say (``metadata`` null: a model/optimizer pair's, a rank-local save's)."""
+    if manifest.kind == "safetensors":
+        return "safetensors", _EXPORT
+    if manifest.metadata_digest is None:
+        return None
+    what = {METADATA_NAME: "dcp", HEADERS_NAME: "safetensors", PERRANK_NAME: "per-rank"}[manifest.metadata_file]
+    return what, _DESCRIBED[manifest.metadata_file]
+
+
+def _checkpoint_is(reader: CheckpointReader) -> tuple[str, str] | None:
+    """``(what, as named)`` an opened checkpoint is, in the terms of :func:`_manifest_made_of` (``pair`` for a
+    model/optimizer pair); ``None``: a rank-local DCP save (``__R.metadata``, no ``.metadata``), not compared."""
+    if isinstance(reader, PerRankReader):
+        return "per-rank", f"a per-rank save ({reader.assembled.format})"
+    if reader.parts:
+        return "pair", f"a model/optimizer pair ({_folder_kind(reader)})"
+    if _metadata_file(reader) == METADATA_NAME:
+        return "dcp", "a DCP checkpoint (with .metadata)"
+    if reader.metadata.serialization == "torch_save":
+        return None
+    return "safetensors", "a safetensors model folder (no .metadata)"
+
+
+def check_manifest_kind(reader: CheckpointReader, manifest: Manifest) -> None:
+    """Refuse a manifest made of another kind of checkpoint than ``reader``'s (a DCP checkpoint's manifest on a
+    safetensors export, an export's on a DCP checkpoint): one error, not a problem for every entry.
+
+    Raises:
+        ManifestError (E260): naming both kinds.
+    """
+    made_of, now = _manifest_made_of(manifest), _checkpoint_is(reader)
+    if made_of is not None and now is not None and made_of[0] != now[0]:
+        raise _other_kind(manifest, made_of[1], str(reader.path), now[1])
+
+
+def _other_kind(manifest: Manifest, made_of: str, directory: str, now: str) -> ManifestError:
+    import shlex
+
+    shown = manifest.path or "the manifest"
+    return ManifestError(
+        f"{shown} is the manifest of {made_of}, but {directory} is {now}",
+        path=shown,
+        hint=f"verify {shlex.quote(directory)} against a manifest made of it (`ckpttool manifest {shlex.quote(directory)}` "
+        "writes one; an export's is written by `export --manifest`), and this manifest against the checkpoint it was made of",
     )
 
 
@@ -1221,9 +1318,15 @@ def verify_manifest(
     Raises:
         the reader's errors for a damaged archive (a data file missing or cut short is a problem).
     """
+    check_manifest_kind(reader, manifest)
     problems: list[ManifestProblem] = []
     stored = {(k, c.offsets if c is not None else None): c for k, c in _items(reader)}
     listed = {e.ident: e for e in manifest.entries}
+    meta = _metadata_problems(reader, manifest)
+    beside = _beside_problems(reader, manifest, stored)
+    # Each entry's storage window must be the one the checkpoint's metadata holds, unless that metadata is itself
+    # reported changed (a re-save moves every chunk after a changed one: their bytes are then compared where they are).
+    strict = not meta and not any(p.kind != "extra" and _is_metadata_file(p.key) for p in beside)
     for e in _counted(manifest.entries, on_entry):
         if e.ident not in stored:
             problems.append(
@@ -1232,7 +1335,7 @@ def verify_manifest(
                 )
             )
             continue
-        problem = _stored_entry_problem(reader, e, stored[e.ident], manifest.algorithm)
+        problem = _stored_entry_problem(reader, e, stored[e.ident], manifest.algorithm, strict)
         if problem is not None:
             problems.append(problem)
     for ident in stored:
@@ -1240,21 +1343,8 @@ def verify_manifest(
             key, offs = ident
             where = f"{key!r}" + (f" chunk at {list(offs)}" if offs is not None else " (byte item)")
             problems.append(ManifestProblem("extra", key, offs, f"{where} is stored but not in the manifest"))
-    problems.extend(_metadata_problems(reader, manifest))
-    if manifest.sidecars is not None and reader.remote is None and _parts_below(reader):
-        root = Path(reader.path)
-        held = {
-            (k, offs): reader.storage_info(k, c).relative_path
-            for (k, offs), c in stored.items()
-            if _has_storage(reader, k, c)
-        }
-        # An entry's own ``file`` is trusted only for a chunk the checkpoint no longer stores (reported above):
-        # a stored chunk's file is the one the checkpoint names, so a manifest cannot hide a file by naming it.
-        unheld = (e.file for e in manifest.entries if e.ident not in held)
-        skip = {METADATA_NAME, MANIFEST_NAME, *unheld, *held.values(), *_inside(root, manifest.path)}
-        listed_files = {f["file"] for f in manifest.sidecars}
-        skip -= {f for f in _partial_files(reader) if f in listed_files}  # an older manifest did not list them
-        problems.extend(_sidecar_problems(root, manifest.sidecars, skip, manifest.algorithm))
+    problems.extend(meta)
+    problems.extend(beside)
     if manifest.training_state is not None and beside_of is not None and reader.remote is None:
         now = {f["file"]: f for f in training_state_digests(beside_of, manifest.algorithm)}
         said = {(p.kind, p.key) for p in problems}  # a pair's step_scheduler.pt is a sidecar too
@@ -1262,21 +1352,54 @@ def verify_manifest(
     return problems
 
 
+def _beside_problems(
+    reader: CheckpointReader, manifest: Manifest, stored: dict[tuple[str, tuple[int, ...] | None], ChunkMeta | None]
+) -> list[ManifestProblem]:
+    """The sidecars (files beside the data) missing, changed or added since the manifest (none when it lists none)."""
+    if manifest.sidecars is None or reader.remote is not None or not _parts_below(reader):
+        return []
+    root = Path(reader.path)
+    held = {
+        (k, offs): reader.storage_info(k, c).relative_path
+        for (k, offs), c in stored.items()
+        if _has_storage(reader, k, c)
+    }
+    # An entry's own ``file`` is trusted only for a chunk the checkpoint no longer stores (reported as missing):
+    # a stored chunk's file is the one the checkpoint names, so a manifest cannot hide a file by naming it.
+    unheld = (e.file for e in manifest.entries if e.ident not in held)
+    skip = {METADATA_NAME, MANIFEST_NAME, *unheld, *held.values(), *_inside(root, manifest.path)}
+    listed_files = {f["file"] for f in manifest.sidecars}
+    skip -= {f for f in _partial_files(reader) if f in listed_files}  # an older manifest did not list them
+    return _sidecar_problems(root, manifest.sidecars, skip, manifest.algorithm)
+
+
+def _is_metadata_file(name: str) -> bool:
+    """A sidecar that holds a checkpoint's storage records: a pair's ``model/.metadata``, a rank-local ``__0.metadata``."""
+    return name.rsplit("/", 1)[-1].endswith(METADATA_NAME)
+
+
 def _stored_entry_problem(
-    reader: CheckpointReader, e: ManifestEntry, chunk: ChunkMeta | None, algorithm: str
+    reader: CheckpointReader, e: ManifestEntry, chunk: ChunkMeta | None, algorithm: str, strict: bool = True
 ) -> ManifestProblem | None:
     """What differs between a manifest entry and the chunk (or byte item) stored under its key, if anything:
-    other sizes, its data file deleted (``missing``) or cut short, another digest, a record's view."""
+    other sizes, another storage window than the checkpoint's metadata holds (``strict``: that metadata is the
+    one the manifest vouches for), its data file deleted (``missing``) or cut short, another digest, a record's view."""
     if chunk is not None and e.sizes is not None and tuple(chunk.sizes) != e.sizes:
         return ManifestProblem(
             "changed", e.key, e.offsets, f"{e.where()}: sizes {list(chunk.sizes)}, the manifest says {list(e.sizes)}"
         )
+    stored = reader.metadata.storage_for(e.key, chunk)  # where the checkpoint's own metadata puts it (no I/O)
+    if stored is not None and strict:
+        moved = _location_problem(e, stored)
+        if moved is not None:
+            return ManifestProblem("changed", e.key, e.offsets, moved)
     try:
         info = reader.storage_info(e.key, chunk)
         kind, digest = _hash_entry(reader, e.key, chunk, e.covers, algorithm)
     except DataFileError as err:  # a data file deleted or cut short since: this entry's bytes are not there
-        gone = reader.remote is None and not (Path(reader.path) / e.file).exists()
-        said = f"{e.where()} in {e.file}: " + ("its data file is missing" if gone else err.message)
+        rel = stored.relative_path if stored is not None else e.file
+        gone = reader.remote is None and not (Path(reader.path) / rel).exists()
+        said = f"{e.where()} in {rel}: " + ("its data file is missing" if gone else err.message)
         return ManifestProblem("missing" if gone else "changed", e.key, e.offsets, said)
     if kind != e.covers:
         return ManifestProblem(
@@ -1298,7 +1421,39 @@ def _stored_entry_problem(
         view = _view_problem(reader, e, chunk)
         if view is not None:
             return ManifestProblem("changed", e.key, e.offsets, f"{e.where()}: {view}")
-    return None
+    crc = _crc_problem(reader, e, chunk)
+    return None if crc is None else ManifestProblem("changed", e.key, e.offsets, f"{e.where()}: {crc}")
+
+
+def _crc_problem(reader: CheckpointReader, e: ManifestEntry, chunk: ChunkMeta | None) -> str | None:
+    """How an entry's recorded ``crc32`` differs from the one its storage record's zip entry holds (``None``: it
+    does not, the entry records none (an older manifest may leave it out), or the record cannot be located)."""
+    if e.crc32 is None or chunk is None or chunk.numel == 0:
+        return None
+    try:
+        rec = reader.locate(e.key, chunk).record
+    except CkptError:  # the record no longer fits a .metadata that changed (reported): the digest said the rest
+        return None
+    got = f"{rec.crc32:08x}" if rec.member is not None else None
+    return None if got == e.crc32 else f"the manifest says crc32 {e.crc32}; its storage record's zip entry {got}"
+
+
+def _location_problem(e: ManifestEntry, stored: StorageInfo) -> str | None:
+    """How an entry's ``file``, ``offset`` and ``length`` differ from the storage record the checkpoint's metadata
+    holds for its chunk (``None``: they agree). Every manifest ckpttool writes records that window, whatever its
+    ``covers``: another one is a manifest of another checkpoint, or one edited."""
+    said: dict[str, str | int] = {"file": e.file, "offset": e.offset, "length": e.length}
+    there: dict[str, str | int] = {"file": stored.relative_path, "offset": stored.offset, "length": stored.length}
+    differ = [name for name in said if said[name] != there[name]]
+    if not differ:
+        return None
+    says = ", ".join(f"{name} {_shown(said[name])}" for name in differ)
+    holds = ", ".join(_shown(there[name]) for name in differ)
+    return f"{e.where()}: the manifest says {says}; the checkpoint's metadata {holds}"
+
+
+def _shown(value: str | int) -> str:
+    return f"{value[:200]!a}" if isinstance(value, str) else str(value)
 
 
 def _metadata_problems(reader: CheckpointReader, manifest: Manifest) -> list[ManifestProblem]:
@@ -1316,10 +1471,16 @@ def _metadata_problems(reader: CheckpointReader, manifest: Manifest) -> list[Man
                 "metadata", METADATA_NAME, None, "the manifest records no digest of .metadata: it was not checked"
             )
         ]
-    md, _ = _metadata_digest(reader, manifest.algorithm)
+    md, size = _metadata_digest(reader, manifest.algorithm)
+    name = _metadata_file(reader)
+    if md is not None and md == manifest.metadata_digest and size != manifest.metadata_size:
+        return [
+            ManifestProblem(
+                "metadata", name, None, f"the manifest says {name} is {manifest.metadata_size} bytes, not {size}"
+            )
+        ]
     if md is None or md == manifest.metadata_digest:
         return []
-    name = _metadata_file(reader)
     if name == METADATA_NAME:
         return [
             ManifestProblem("metadata", METADATA_NAME, None, ".metadata differs from the one the manifest was made of")
@@ -1409,6 +1570,7 @@ def verify_safetensors_manifest(
 
     Raises:
         UsageError: ``manifest`` is not a safetensors manifest.
+        ManifestError (E260): ``directory`` is a DCP checkpoint (a ``.metadata``), not an export.
         MetadataError, NotRegularFileError, PathEscapeError: unreadable files.
     """
     from ckpttool.format.files import open_regular, resolve_inside
@@ -1421,6 +1583,8 @@ def verify_safetensors_manifest(
             hint="verify a DCP checkpoint with `ckpttool validate DIR --manifest FILE`",
         )
     root = Path(directory)
+    if (root / METADATA_NAME).exists():  # what an export never writes: a DCP checkpoint (or a DCP-written folder)
+        raise _other_kind(manifest, _EXPORT, str(directory), "a DCP checkpoint (with .metadata)")
     problems: list[ManifestProblem] = []
     by_file: dict[str, list[ManifestEntry]] = {}
     for e in manifest.entries:

@@ -91,6 +91,23 @@ def output_location(value: str | PurePath) -> PurePath:
     return location(value)
 
 
+def manifest_file(value: str | PurePath) -> Path:
+    """``manifest --output FILE`` (the manifest written, or read with ``--verify``): an empty string is refused
+    (``Path("")`` is the current directory, which was then named as the manifest: "manifest .: is a directory").
+
+    Raises:
+        typer.BadParameter (E100): an empty string.
+    """
+    if isinstance(value, PurePath):
+        return Path(value)
+    if not value:
+        raise typer.BadParameter(
+            "an empty path (an unset shell variable?); name the manifest file (e.g. ./manifest.json), "
+            "or leave --output out for DIR/manifest.json"
+        )
+    return Path(value)
+
+
 # PurePath, not Path: typer converts a ``Path`` annotation with ``Path(value)``, which would turn
 # ``s3://b/k`` into ``s3:/b/k``; ``location`` returns a ``Path`` or a ``UrlPath``.
 CheckpointArg = Annotated[

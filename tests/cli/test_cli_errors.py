@@ -577,3 +577,17 @@ def test_an_empty_output_path_hint_names_a_directory_not_the_refused_current_one
     err = res.stderr.splitlines()[0]
     assert err.startswith("error: [E100] ") and "an empty path (an unset shell variable?)" in err, err
     assert "name the output directory" in err and "'.'" not in err, err
+
+
+@pytest.mark.parametrize("verify", [False, True])
+def test_an_empty_manifest_output_is_refused_not_taken_as_the_current_directory(
+    sample_ckpt: Path, verify: bool
+) -> None:
+    """``ckpttool manifest CKPT -o ""`` (an unset ``$OUT``) said "manifest .: is a directory" (E600, the empty path
+    read as the current directory); it is now E100 saying the path is empty and naming a file to give."""
+    res = runner.invoke(app, ["manifest", str(sample_ckpt), "-o", "", *(["--verify"] if verify else [])])
+    assert res.exit_code == 2 and res.stdout == "", res.output
+    err = res.stderr.splitlines()[0]
+    assert err.startswith("error: [E100] ") and "an empty path (an unset shell variable?)" in err, err
+    assert "name the manifest file (e.g. ./manifest.json)" in err and "is a directory" not in err, err
+    assert not (sample_ckpt / "manifest.json").exists()

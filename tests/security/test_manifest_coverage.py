@@ -139,8 +139,49 @@ def test_validate_checks_an_export_against_its_own_manifest(hf_export: Path, sam
     """``validate --manifest`` of an export's manifest compares files, headers and extents as ``manifest --verify``
     does (it compared them as DCP chunks: every tensor of an intact export was 'missing')."""
     _ok("validate", str(hf_export), "--manifest", str(hf_export / "manifest.json"))
-    res = runner.invoke(app, ["validate", str(sample_ckpt), "--manifest", str(hf_export / "manifest.json")])
-    assert res.exit_code == 1 and "S015" in res.stdout and "Traceback" not in res.stderr, res.stdout + res.stderr
+
+
+@pytest.mark.parametrize("command", ["manifest --verify", "validate --manifest"])
+@pytest.mark.parametrize("made_of", ["dcp", "export"])
+def test_a_manifest_of_another_kind_of_checkpoint_is_one_error(
+    hf_export: Path, sample_ckpt: Path, tmp_path: Path, command: str, made_of: str
+) -> None:
+    """A DCP checkpoint's manifest checked against its safetensors export gave ~180 problems (every entry missing,
+    every tensor extra), an export's on the DCP checkpoint one per file; now one E260 naming both kinds and a hint."""
+    if made_of == "dcp":
+        man, target = tmp_path / "dcp-manifest.json", hf_export
+        _ok("manifest", str(sample_ckpt), "-o", str(man))
+        said = f"{man} is the manifest of a DCP checkpoint (its .metadata digested), but {hf_export} is a safetensors"
+    else:
+        man, target = hf_export / "manifest.json", sample_ckpt
+        said = (
+            f"{man} is the manifest of a safetensors export (export --manifest), but {sample_ckpt} is a DCP checkpoint"
+        )
+    argv = ["manifest", str(target), "--verify", "-o", str(man)]
+    if command == "validate --manifest":
+        argv = ["validate", str(target), "--manifest", str(man)]
+    res = runner.invoke(app, argv)
+    lines = res.stderr.splitlines()
+    assert res.exit_code == 2 and res.stdout == "" and len(lines) == 2, res.stdout + res.stderr
+    assert lines[0].startswith(f"error: [E260] {said}"), lines
+    assert lines[1].startswith(f"hint: verify {target} against a manifest made of it (`ckpttool manifest {target}`")
+
+
+def test_a_manifest_of_a_safetensors_folder_on_a_dcp_checkpoint_is_one_error(sample_ckpt: Path, tmp_path: Path) -> None:
+    """The manifest of a Hugging Face safetensors folder (its headers digested) on a DCP checkpoint: one E260."""
+    import torch
+    from safetensors.torch import save_file
+
+    hf = tmp_path / "hf"
+    hf.mkdir()
+    save_file({"lm_head.weight": torch.randn(8, 4)}, str(hf / "model.safetensors"))
+    _ok("manifest", str(hf))
+    res = runner.invoke(app, ["manifest", str(sample_ckpt), "--verify", "-o", str(hf / "manifest.json")])
+    assert res.exit_code == 2 and res.stdout == "", res.stdout + res.stderr
+    assert res.stderr.startswith(
+        f"error: [E260] {hf / 'manifest.json'} is the manifest of a safetensors model folder (its headers digested), "
+        f"but {sample_ckpt} is a DCP checkpoint (with .metadata)\n"
+    ), res.stderr
 
 
 def test_an_edited_config_json_is_found(hf_export: Path) -> None:
@@ -256,3 +297,120 @@ def test_a_symlink_beside_the_data_pointed_elsewhere_is_found(sample_ckpt: Path,
     link.update(digest="symlink", size=0)  # as an older ckpttool wrote it: any symlink there matches
     (d / "manifest.json").write_text(json.dumps(doc))
     _ok("manifest", str(d), "--verify")
+
+
+@pytest.mark.parametrize("file", ["../../etc/passwd", "/etc/passwd", "", "a/../../x.distcp"])
+@pytest.mark.parametrize("command", ["manifest --verify", "validate --manifest"])
+def test_an_entry_file_outside_the_checkpoint_is_an_unusable_manifest(
+    sample_ckpt: Path, tmp_path: Path, file: str, command: str
+) -> None:
+    """An entry whose ``file`` is absolute or leaves the folder still 'matched' (digests were compared by key, the
+    place never looked at): it is hostile input, E260 naming the entry, exit 2."""
+    man = tmp_path / "m.json"
+    _ok("manifest", str(sample_ckpt), "-o", str(man))
+    doc = json.loads(man.read_text())
+    doc["entries"][0]["file"] = file
+    man.write_text(json.dumps(doc))
+    argv = ["manifest", str(sample_ckpt), "--verify", "-o", str(man)]
+    if command == "validate --manifest":
+        argv = ["validate", str(sample_ckpt), "--manifest", str(man), "--select", "S015"]
+    res = runner.invoke(app, argv)
+    lines = res.stderr.splitlines()
+    assert res.exit_code == 2 and res.stdout == "" and len(lines) == 2, res.stdout + res.stderr
+    assert lines[0].startswith("error: [E260] ") and f"entries[0] ('{doc['entries'][0]['key']}'): file " in lines[0]
+    assert "is not a file name inside the directory" in lines[0] and lines[1].startswith("hint: "), lines
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "said"),
+    [
+        ("offset", 10**15, "offset 1000000000000000"),
+        ("length", 10**15, "length 1000000000000000"),
+        ("offset", 0, "offset 0"),
+        ("file", "extra_state/extra_state_rank_0.pt", "file 'extra_state/extra_state_rank_0.pt'"),
+    ],
+)
+def test_an_entry_placed_elsewhere_than_the_checkpoint_says_is_changed(
+    sample_ckpt: Path, tmp_path: Path, field: str, value: object, said: str
+) -> None:
+    """A manifest's ``file``/``offset``/``length`` were never compared with the checkpoint's ``.metadata``: one edited
+    to 10^15 (or another file) 'matched'. Each entry's window is now the one ``.metadata`` holds, or a ``changed``
+    problem naming the entry, the field and both values (exit 1 in ``manifest --verify`` and S015)."""
+    man = tmp_path / "m.json"
+    _ok("manifest", str(sample_ckpt), "-o", str(man))
+    _ok("manifest", str(sample_ckpt), "--verify", "-o", str(man))  # an untouched manifest still matches
+    doc = json.loads(man.read_text())
+    entry = doc["entries"][3]
+    was = entry[field]
+    assert was != value
+    entry[field] = value
+    man.write_text(json.dumps(doc))
+    res = runner.invoke(app, ["manifest", str(sample_ckpt), "--verify", "-o", str(man), "--json"])
+    assert res.exit_code == 1, res.stdout + res.stderr
+    problems = json.loads(res.stdout)["problems"]
+    shown = f"'{was}'" if isinstance(was, str) else str(was)
+    assert [(p["kind"], p["key"]) for p in problems] == [("changed", entry["key"])], problems
+    assert problems[0]["message"].endswith(f": the manifest says {said}; the checkpoint's metadata {shown}")
+    res = runner.invoke(app, ["validate", str(sample_ckpt), "--manifest", str(man), "--select", "S015", "--json"])
+    found = json.loads(res.stdout)["findings"]
+    assert res.exit_code == 1 and [(f["code"], f["key"]) for f in found] == [("S015", entry["key"])], res.stdout
+    assert said in found[0]["message"]
+
+
+def test_an_export_manifest_extent_of_a_file_it_does_not_list_is_an_unusable_manifest(hf_export: Path) -> None:
+    """An extent naming a file that is not in the manifest's ``files`` was never read (only listed files are):
+    the manifest contradicts itself, E260."""
+    doc = json.loads((hf_export / "manifest.json").read_text())
+    doc["entries"][0]["file"] = "other.safetensors"
+    (hf_export / "manifest.json").write_text(json.dumps(doc))
+    res = runner.invoke(app, ["manifest", str(hf_export), "--verify"])
+    assert res.exit_code == 2 and res.stderr.startswith("error: [E260] "), res.stdout + res.stderr
+    assert "entries[0]" in res.stderr and "file 'other.safetensors' is not in its files" in res.stderr
+
+
+def test_a_version_1_manifest_still_verifies(sample_ckpt: Path, tmp_path: Path) -> None:
+    """A manifest of an older ckpttool (version 1: no ``covers``, ``kind`` or ``sidecars``) that agrees with the
+    checkpoint still matches: the storage windows it records are the ones ``.metadata`` holds."""
+    man = tmp_path / "m.json"
+    _ok("manifest", str(sample_ckpt), "-o", str(man))
+    doc = json.loads(man.read_text())
+    doc["version"] = 1
+    for key in ("kind", "sidecars", "training_state"):
+        doc.pop(key, None)
+    for e in doc["entries"]:
+        e.pop("covers")
+    man.write_text(json.dumps(doc))
+    res = runner.invoke(app, ["manifest", str(sample_ckpt), "--verify", "-o", str(man)])
+    assert res.exit_code == 0 and "matches its manifest" in res.stdout, res.stdout + res.stderr
+
+
+@pytest.mark.parametrize("covers", ["window", "record"])
+def test_an_edited_crc32_or_metadata_size_is_found(sample_ckpt: Path, tmp_path: Path, covers: str) -> None:
+    """An entry's ``crc32`` and ``metadata.size`` were never compared with the checkpoint: edited to other values
+    they still 'matched'. Now each is a problem naming the entry (or ``.metadata``) and both values; a ``crc32``
+    left out (``null``, as an older manifest may have it) is still accepted."""
+    man = tmp_path / "m.json"
+    _ok("manifest", str(sample_ckpt), "-o", str(man), "--covers", covers)
+    doc = json.loads(man.read_text())
+    entry = next(e for e in doc["entries"] if e["crc32"] is not None)
+    was = entry["crc32"]
+    entry["crc32"] = "00000000" if was != "00000000" else "00000001"
+    doc["metadata"]["size"] += 1
+    man.write_text(json.dumps(doc))
+    res = runner.invoke(app, ["manifest", str(sample_ckpt), "--verify", "-o", str(man), "--json"])
+    assert res.exit_code == 1, res.stdout + res.stderr
+    got = [(p["kind"], p["key"], p["message"]) for p in json.loads(res.stdout)["problems"]]
+    size = doc["metadata"]["size"] - 1
+    assert got == [
+        (
+            "changed",
+            entry["key"],
+            f"{entry['key']!r} chunk at {entry['offsets']}: the manifest says crc32 "
+            f"{entry['crc32']}; its storage record's zip entry {was}",
+        ),
+        ("metadata", ".metadata", f"the manifest says .metadata is {size + 1} bytes, not {size}"),
+    ], got
+    entry["crc32"] = None
+    doc["metadata"]["size"] = size
+    man.write_text(json.dumps(doc))
+    _ok("manifest", str(sample_ckpt), "--verify", "-o", str(man))

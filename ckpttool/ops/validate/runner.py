@@ -208,9 +208,10 @@ def _validate_open(
     ref = load_reference(opts.against) if opts.against is not None else None
     man = None
     if opts.manifest is not None:
-        from ckpttool.ops.manifest import load_manifest
+        from ckpttool.ops.manifest import check_manifest_kind, load_manifest
 
         man = load_manifest(_manifest_file(opts.manifest, Path(ckpt.located.model)))
+        check_manifest_kind(ckpt.reader, man)  # one error before any rule (or the deep pass) runs
     say("reading param groups and extra state")
     ckpt.param_groups()
     ckpt.extra_state()
