@@ -404,12 +404,14 @@ _TEXT_METAVARS = {
 def _uppercase_metavars(cmd: Any) -> None:
     """Values are named in usage lines, help and errors in one style, uppercase: arguments ``CHECKPOINT``,
     ``HF_DIR``, ``OUT``, ``NAME``; path options ``DIR``, ``FILE`` or ``PATH`` (not ``<path>``)."""
+    from ckpttool.ui.options import given_path
+
     for p in cmd.params:
         if p.metavar is not None or not p.name:
             continue
         if p.param_type_name == "argument":
             p.metavar = p.name.upper()
-        elif type(p.type).__name__ == "TyperPath":
+        elif type(p.type).__name__ == "TyperPath" or getattr(p.type, "func", None) is given_path:
             p.metavar = next((_PATH_METAVARS[o] for o in p.opts if o in _PATH_METAVARS), "PATH")
         elif not getattr(p, "count", False) and type(p.type).__name__ in _TYPE_METAVARS:
             named = next((_TEXT_METAVARS[o] for o in p.opts if o in _TEXT_METAVARS), None)

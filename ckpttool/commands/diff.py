@@ -58,6 +58,7 @@ MapOpt = Annotated[
         "--map",
         metavar="FILE",
         help="Export rules YAML mapping DCP keys to safetensors names, as export --rules (docs/export.md).",
+        parser=opt.given_path,
     ),
 ]
 WeightsOpt = Annotated[
@@ -116,6 +117,7 @@ DiffPlotOpt = Annotated[
         help="Also draw the relative difference per layer and the tensors that differ most to FILE "
         "(.png, .svg or a self-contained .html). Needs matplotlib: pip install 'matplotlib>=3.8'.",
         show_default=False,
+        parser=opt.given_path,
     ),
 ]
 

@@ -40,6 +40,7 @@ from ckpttool.ui.options import (
     VerifyCrcOpt,
     declaration,
     examples,
+    given_path,
     parse_dtype,
     parse_size,
     selection,
@@ -107,13 +108,18 @@ class ExportCLIOptions:
     ] = None
     rules: Annotated[
         Path | None,
-        typer.Option("--rules", help="YAML key/expert rules merged over the packaged defaults (docs/export.md)."),
+        typer.Option(
+            "--rules",
+            help="YAML key/expert rules merged over the packaged defaults (docs/export.md).",
+            parser=given_path,
+        ),
     ] = None
     model_assets: Annotated[
         Path | None,
         typer.Option(
             "--model-assets",
             help="Directory with config.json / tokenizer files to copy (config drives tied embeddings and num_experts).",
+            parser=given_path,
         ),
     ] = None
     filter_glob: FilterOpt = None
@@ -129,7 +135,9 @@ class ExportCLIOptions:
     adapter_config: Annotated[
         Path | None,
         typer.Option(
-            "--adapter-config", help="LoRA: adapter_config.json to write (default: --model-assets' or inferred)."
+            "--adapter-config",
+            help="LoRA: adapter_config.json to write (default: --model-assets' or inferred).",
+            parser=given_path,
         ),
     ] = None
     lora_alpha: Annotated[

@@ -19,6 +19,7 @@ from ckpttool.ui.options import (
     OutputArg,
     OverwriteOpt,
     examples,
+    given_path,
     parse_dtype,
 )
 from ckpttool.ui.output import Output, command_boundary
@@ -52,6 +53,7 @@ ConfigOpt = Annotated[
         "--config",
         help="config.json [default: HF_DIR/config.json, or the one saved with the weights: "
         "HF_DIR/.hf_metadata/ (NeMo Automodel), consolidated/, huggingface/].",
+        parser=given_path,
     ),
 ]
 WorldSizeOpt = Annotated[

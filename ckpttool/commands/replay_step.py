@@ -55,7 +55,9 @@ SelectOpt = Annotated[
 ]
 GradsOpt = Annotated[
     Path | None,
-    typer.Option("--grads", help="safetensors file of gradients keyed by parameter fqn (global shape)."),
+    typer.Option(
+        "--grads", help="safetensors file of gradients keyed by parameter fqn (global shape).", parser=opt.given_path
+    ),
 ]
 GradSeedOpt = Annotated[
     int | None, typer.Option("--grad-seed", help="Seed of the generated gradients (default 0; see docs/replay.md).")

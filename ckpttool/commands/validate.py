@@ -177,13 +177,18 @@ IgnoreOpt = Annotated[
 ]
 ConfigOpt = Annotated[
     Path | None,
-    typer.Option("--config", help="HF config.json of the model: layer and expert coverage, tied lm_head rules."),
+    typer.Option(
+        "--config",
+        help="HF config.json of the model: layer and expert coverage, tied lm_head rules.",
+        parser=opt.given_path,
+    ),
 ]
 AgainstOpt = Annotated[
     Path | None,
     typer.Option(
         "--against",
         help="Reference model (HF directory with safetensors/index, a .safetensors file, or a JSON key list): missing/unexpected keys, shapes, dtypes.",
+        parser=opt.given_path,
     ),
 ]
 ManifestOpt = Annotated[
@@ -221,6 +226,7 @@ ValidateOptimizerDirOpt = Annotated[
         "--optimizer",
         help="A separate optimizer checkpoint (e.g. checkpoint-N/optimizer_0) validated together with DIR's model.",
         show_default=False,
+        parser=opt.given_path,
     ),
 ]
 

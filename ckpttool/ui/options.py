@@ -79,6 +79,21 @@ def location(value: str | PurePath) -> PurePath:
     return url_path(value) if is_url(value) else Path(local_path(value))
 
 
+def given_path(value: str | PurePath) -> Path:
+    """A local file or directory option (``--model-assets DIR``, ``--config FILE``, ``--against REF``): an empty
+    string is refused, as :func:`location` refuses it (``Path("")`` is the current directory: an unset shell
+    variable, ``--model-assets "$ASSETS"``, would read, or copy into an export, whatever the current directory holds).
+
+    Raises:
+        typer.BadParameter (E100): an empty string.
+    """
+    if isinstance(value, PurePath):
+        return Path(value)
+    if not value:
+        raise typer.BadParameter("an empty path (an unset shell variable?); name the file or directory")
+    return Path(value)
+
+
 def output_location(value: str | PurePath) -> PurePath:
     """:func:`location` for an output: an empty string is refused with a hint that names a directory to write (the
     current directory, ``.``, is itself refused as an output: the shell would be left in a removed directory).
@@ -260,6 +275,7 @@ OptimizerDirOpt = Annotated[
         "--optimizer-dir",
         help="A separate optimizer checkpoint (e.g. checkpoint-N/optimizer_0) read together with DIR's model.",
         show_default=False,
+        parser=given_path,
     ),
 ]
 SchemaOpt = Annotated[

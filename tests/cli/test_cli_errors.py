@@ -563,6 +563,42 @@ def test_an_empty_path_is_refused_not_taken_as_the_current_directory(sample_ckpt
     assert "[E100]" in res.stderr and "an empty path (an unset shell variable?)" in res.stderr, res.stderr
 
 
+@pytest.mark.parametrize(
+    ("cmd", "flag"),
+    [
+        (["export", "{ckpt}", "{out}"], "--model-assets"),
+        (["export", "{ckpt}", "{out}"], "--rules"),
+        (["export", "{ckpt}", "{out}", "--format", "lora"], "--adapter-config"),
+        (["import", "{ckpt}", "{out}"], "--config"),
+        (["validate", "{ckpt}"], "--config"),
+        (["validate", "{ckpt}"], "--against"),
+        (["validate", "{ckpt}"], "--optimizer-dir"),
+        (["inspect", "{ckpt}"], "--optimizer-dir"),
+        (["diff", "{ckpt}", "{ckpt}"], "--rules"),
+        (["diff", "{ckpt}", "{ckpt}"], "--plot"),
+        (["stats", "{ckpt}"], "--plot"),
+        (["replay-step", "{ckpt}"], "--grads"),
+    ],
+)
+def test_an_empty_file_or_folder_option_is_refused_not_taken_as_the_current_directory(
+    sample_ckpt: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, cmd: list[str], flag: str
+) -> None:
+    """``export CKPT OUT --model-assets ""`` (an unset ``$ASSETS``) copied every file of the current directory into
+    the export as its assets; ``validate --against ""`` took the current directory as the reference model. An empty
+    path given to any file or folder option is now E100 naming the option, exit 2, before anything is written."""
+    cwd = tmp_path / "cwd"
+    cwd.mkdir()
+    (cwd / "notes.txt").write_text("not an asset\n")
+    monkeypatch.chdir(cwd)
+    out = tmp_path / "out"
+    res = runner.invoke(app, [*(a.format(ckpt=sample_ckpt, out=out) for a in cmd), flag, ""])
+    assert res.exit_code == 2 and res.stdout == "", res.output
+    err = res.stderr.splitlines()[0]  # an option of two spellings is named by both: '--rules' / '--map'
+    assert err.startswith(f"error: [E100] Invalid value for '{flag}'"), res.stderr
+    assert err.endswith(": an empty path (an unset shell variable?); name the file or directory"), res.stderr
+    assert not out.exists() and sorted(p.name for p in cwd.iterdir()) == ["notes.txt"]
+
+
 @pytest.mark.parametrize("cmd", [["import", "{hf}"], ["reshard", "{ckpt}", "--to", "canonical"]])
 def test_an_empty_output_path_hint_names_a_directory_not_the_refused_current_one(
     sample_ckpt: Path, tmp_path: Path, cmd: list[str]
