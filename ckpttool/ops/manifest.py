@@ -36,6 +36,7 @@ from ckpttool.format.marker import MARKER_NAME, recording
 from ckpttool.format.metadata import BytesMeta, ChunkMeta, StorageInfo, TensorMeta
 from ckpttool.format.perrank import PerRankReader
 from ckpttool.format.reader import CheckpointReader
+from ckpttool.format.unpickler import short_repr
 from ckpttool.model.checkpoint import Checkpoint, CheckpointOrPath, OpenOptions, open_source
 from ckpttool.ops.fields import Hooks, PhaseFn, ProgressFn, Unpack, hooks_of, options_of
 
@@ -122,7 +123,10 @@ class ManifestEntry:
         return (self.key, self.offsets)
 
     def where(self) -> str:
-        return f"{self.key!r}" + (f" chunk at {list(self.offsets)}" if self.offsets is not None else " (byte item)")
+        """The entry as messages name it (its key at most ~200 characters: a hostile manifest's key may be huge)."""
+        return short_repr(self.key, 200) + (
+            f" chunk at {short_repr(list(self.offsets), 200)}" if self.offsets is not None else " (byte item)"
+        )
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -731,7 +735,8 @@ def _file_problems(listed: tuple[dict[str, Any], ...], now: dict[str, dict[str, 
     for f in listed:
         got = now.pop(f["file"], None)
         if got is None:
-            problems.append(ManifestProblem("missing", f["file"], None, f"{f['file']}: in the manifest, not on disk"))
+            shown = f["file"] if len(f["file"]) <= 200 else f["file"][:197] + "..."  # a hostile manifest's name
+            problems.append(ManifestProblem("missing", f["file"], None, f"{shown}: in the manifest, not on disk"))
         elif (got["size"], got["digest"]) != (f["size"], f["digest"]) and not _older_link(f, got):
             problems.append(ManifestProblem("changed", f["file"], None, f"{f['file']}: differs from the manifest"))
     for name in sorted(now):
@@ -1654,7 +1659,9 @@ def _check_extents(
         t = tensors.get(e.key)
         if t is None:
             problems.append(
-                ManifestProblem("missing", e.key, None, f"{e.key!r} in {name}: in the manifest, not in the file")
+                ManifestProblem(
+                    "missing", e.key, None, f"{short_repr(e.key, 200)} in {name}: in the manifest, not in the file"
+                )
             )
             continue
         spans.setdefault(e.key, []).append((e.offset, e.length))

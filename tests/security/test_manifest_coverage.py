@@ -414,3 +414,26 @@ def test_an_edited_crc32_or_metadata_size_is_found(sample_ckpt: Path, tmp_path: 
     doc["metadata"]["size"] = size
     man.write_text(json.dumps(doc))
     _ok("manifest", str(sample_ckpt), "--verify", "-o", str(man))
+
+
+def test_a_huge_key_or_file_name_in_a_manifest_is_shortened_in_its_problem_lines(
+    sample_ckpt: Path, tmp_path: Path
+) -> None:
+    """A manifest (up to 256 MiB) may name an entry by a 5 MB key or a sidecar by a 100 kB name: each problem line
+    printed the whole of it (a 5 MB line); they are shortened to ~200 characters, the JSON keeps the values."""
+    m = tmp_path / "m.json"
+    _ok("manifest", str(sample_ckpt), "-o", str(m))
+    doc = json.loads(m.read_text())
+    doc["entries"][0]["key"] = "k" * 5_000_000
+    doc["sidecars"].append({"file": "f" * 100_000, "size": 1, "digest": doc["sidecars"][0]["digest"]})
+    m.write_text(json.dumps(doc))
+    res = runner.invoke(app, ["manifest", str(sample_ckpt), "--verify", "-o", str(m)])
+    assert res.exit_code == 1, res.output[:2000]
+    lines = res.output.splitlines()
+    assert any(
+        ln.startswith("missing  'kkkk") and ln.endswith("is in the manifest but not in the checkpoint") for ln in lines
+    )
+    assert any(ln.startswith("missing  ffff") and ln.endswith("...: in the manifest, not on disk") for ln in lines)
+    assert max(len(ln) for ln in lines) < 400, max(len(ln) for ln in lines)
+    res = runner.invoke(app, ["manifest", str(sample_ckpt), "--verify", "-o", str(m), "--json"])
+    assert "k" * 5_000_000 in [p["key"] for p in json.loads(res.stdout)["problems"]]
