@@ -180,6 +180,13 @@ def saves_grad_scaler(ckpt: Checkpoint) -> bool:
     return False
 
 
+def skips_optimizer_steps(ckpt: Checkpoint) -> bool:
+    """The trainer counts steps whose optimizer step was skipped, so the optimizer's ``step`` may be behind its
+    step and its LR scheduler: a saved ``GradScaler`` (:func:`saves_grad_scaler`) or Megatron's loss scaler (an
+    iteration that overflowed)."""
+    return saves_grad_scaler(ckpt) or ckpt.catalog.schema.id == "megatron"
+
+
 def optimizer_step_disagrees(
     ckpt: Checkpoint, opt: Counter, ref: Counter, *, all_params: bool = True
 ) -> tuple[str, str] | None:
@@ -191,8 +198,7 @@ def optimizer_step_disagrees(
     never is."""
     if opt.value == ref.value:
         return None
-    skips = saves_grad_scaler(ckpt) or ckpt.catalog.schema.id == "megatron"
-    if opt.value < ref.value and (not all_params or skips):
+    if opt.value < ref.value and (not all_params or skips_optimizer_steps(ckpt)):
         return None
     return (
         opt.key,
@@ -240,15 +246,16 @@ def scheduler_per_step(ckpt: Checkpoint) -> bool:
 
 
 def scheduler_disagrees(
-    ckpt: Checkpoint, ref: Counter, epochs: list[Counter], *, all_params: bool = True
+    ckpt: Checkpoint, ref: Counter, epochs: list[Counter], *, ref_may_lag: bool = False
 ) -> list[tuple[str, str]]:
     """``(key, message)`` of each LR scheduler ``last_epoch`` (``epochs``) that is not the step ``ref`` counts
-    (``validate``'s ``R002``): where the trainer steps the scheduler once per optimizer step
-    (:func:`scheduler_per_step`) any difference, else one ahead of ``ref`` only (a scheduler stepped per epoch is
-    behind). ``all_params`` false (``ref`` the largest step of a subset of the parameters): behind is allowed."""
+    (``validate``'s ``R002``). A scheduler behind ``ref`` is one only where the trainer steps it once per optimizer
+    step (:func:`scheduler_per_step`; else it may step per epoch: ``R004``). ``ref_may_lag``: ``ref`` (an optimizer's
+    step) may be behind the scheduler legitimately (the largest step of a subset of the parameters, or a trainer
+    that skips optimizer steps the scheduler counts: :func:`skips_optimizer_steps`), so a scheduler ahead is not."""
     per_step = scheduler_per_step(ckpt)
     return [
         (c.key, f"LR scheduler {c.key} = {c.value} but {ref.key} = {ref.value}")
         for c in epochs
-        if c is not ref and c.value != ref.value and (c.value > ref.value or (per_step and all_params))
+        if c is not ref and c.value != ref.value and (per_step if c.value < ref.value else not ref_may_lag)
     ]

@@ -33,6 +33,7 @@ from ckpttool.model.counters import (
     optimizer_step_disagrees,
     scheduler_counters,
     scheduler_disagrees,
+    skips_optimizer_steps,
     trainer_steps,
 )
 from ckpttool.ops.fields import PhaseFn, ProgressFn, options_of, same_named
@@ -778,7 +779,8 @@ def _state_problems(
         bad = optimizer_step_disagrees(ckpt, opt, trains[0], all_params=complete)
         why = f"the optimizer state is not the trainer's step, and a resume would bias-correct for step {opt.value}"
     else:  # no trainer step saved (verl): the LR scheduler's last_epoch is the run's only other counter
-        bad = next(iter(scheduler_disagrees(ckpt, opt, scheduler_counters(ckpt)[0], all_params=complete)), None)
+        lags = not complete or skips_optimizer_steps(ckpt)
+        bad = next(iter(scheduler_disagrees(ckpt, opt, scheduler_counters(ckpt)[0], ref_may_lag=lags)), None)
         why = "the optimizer state and the LR scheduler are of different saves: a resume pairs the moments of one step with the lr of another"
     if bad is None:
         return ()

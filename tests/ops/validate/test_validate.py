@@ -897,15 +897,10 @@ def test_D007_moments_of_a_real_run_beside_a_step_reset_to_0(tmp_path: Path) -> 
     assert all("at step 0, before any Adam step" in f["message"] for f in doc["findings"])
 
 
-def test_R002_optimizer_steps_skipped_by_a_grad_scaler_are_not_a_mismatch(tmp_path: Path) -> None:
-    """A clean fp16 AMP run (torch.amp.GradScaler, torch's recipe: scaler.step(opt); scaler.update(); sched.step())
-    saved with its scaler failed `validate --deep` with R002 'optimizer step 18 ... but train_state.step = 30': the
-    scaler skips the optimizer step of an iteration whose scaled gradients overflow while the trainer and the
-    scheduler count it. With a saved GradScaler the optimizer may be behind; ahead is still R002, and so is behind
-    without a scaler."""
-    import warnings
-
-    import torch.distributed.checkpoint as dcp
+def _amp_run() -> tuple[dict[str, Any], dict[str, Any], int]:
+    """30 iterations of a clean fp16 AMP run on CPU (torch's recipe: scaler.step(opt); scaler.update(); sched.step()),
+    whose GradScaler skips the optimizer step of the first iterations (their scaled gradients overflow):
+    ``({"model", "optimizer", "lr_scheduler"} state dicts, the scaler's state dict, optimizer steps taken)``."""
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
     torch.manual_seed(0)
@@ -924,16 +919,36 @@ def test_R002_optimizer_steps_skipped_by_a_grad_scaler_are_not_a_mismatch(tmp_pa
     taken = int(opt.state[model.weight]["step"])
     assert 0 < taken < 30
     msd, osd = get_state_dict(model, opt)
-    base = {"model": msd, "optimizer": osd, "lr_scheduler": sched.state_dict()}
-    saves = {
-        "amp": {**base, "scaler": scaler.state_dict(), "train_state": {"step": 30}},
-        "ahead": {**base, "scaler": scaler.state_dict(), "train_state": {"step": taken - 1}},
-        "no_scaler": {**base, "train_state": {"step": 30}},
-    }
+    return {"model": msd, "optimizer": osd, "lr_scheduler": sched.state_dict()}, scaler.state_dict(), taken
+
+
+def _save_each(root: Path, saves: dict[str, dict[str, Any]]) -> None:
+    """``dcp.save`` of each state dict to ``root/<name>`` (one process, no process group)."""
+    import warnings
+
+    import torch.distributed.checkpoint as dcp
+
     for name, state in saves.items():
         with warnings.catch_warnings():  # torch: no process group, saving in one process
             warnings.simplefilter("ignore")
-            dcp.save(state, checkpoint_id=str(tmp_path / name))
+            dcp.save(state, checkpoint_id=str(root / name))
+
+
+def test_R002_optimizer_steps_skipped_by_a_grad_scaler_are_not_a_mismatch(tmp_path: Path) -> None:
+    """A clean fp16 AMP run (torch.amp.GradScaler, torch's recipe: scaler.step(opt); scaler.update(); sched.step())
+    saved with its scaler failed `validate --deep` with R002 'optimizer step 18 ... but train_state.step = 30': the
+    scaler skips the optimizer step of an iteration whose scaled gradients overflow while the trainer and the
+    scheduler count it. With a saved GradScaler the optimizer may be behind; ahead is still R002, and so is behind
+    without a scaler."""
+    base, scaler, taken = _amp_run()
+    _save_each(
+        tmp_path,
+        {
+            "amp": {**base, "scaler": scaler, "train_state": {"step": 30}},
+            "ahead": {**base, "scaler": scaler, "train_state": {"step": taken - 1}},
+            "no_scaler": {**base, "train_state": {"step": 30}},
+        },
+    )
     rc, doc, _ = run(tmp_path / "amp", "--deep", "--strict")
     assert rc == 0 and doc["findings"] == [], doc["findings"]
     for name, ref in (("ahead", f"train_state.step = {taken - 1}"), ("no_scaler", "train_state.step = 30")):
@@ -943,6 +958,25 @@ def test_R002_optimizer_steps_skipped_by_a_grad_scaler_are_not_a_mismatch(tmp_pa
         assert rc == 1 and [m.split(": get_state_dict")[0] for m in opt_msgs] == [
             f"optimizer step {taken} (optimizer.state.weight.step, the largest) but {ref}{one_ahead}"
         ], doc["findings"]
+
+
+def test_a_scheduler_ahead_of_an_optimizer_whose_steps_a_grad_scaler_skipped_is_not_a_mismatch(
+    tmp_path: Path,
+) -> None:
+    """The same AMP run saved without a trainer step (model, optimizer, scheduler, scaler: a plain training loop's
+    save): R002 compared the scheduler's last_epoch 30 with the optimizer's step and failed `validate --deep`, and
+    replay-step said the two were of different saves, though the scaler's skipped steps are counted by the scheduler
+    alone. With a saved GradScaler a scheduler ahead of the optimizer is no finding; without one it still is."""
+    base, scaler, taken = _amp_run()
+    _save_each(tmp_path, {"amp": {**base, "scaler": scaler}, "no_scaler": base})
+    rc, doc, _ = run(tmp_path / "amp", "--deep", "--strict")
+    assert rc == 0 and doc["findings"] == [], doc["findings"]
+    res = runner.invoke(app, ["replay-step", str(tmp_path / "amp"), "--device", "cpu", "--json"])
+    assert res.exit_code == 0 and json.loads(res.stdout)["problems"] == [], res.output
+    rc, doc, _ = run(tmp_path / "no_scaler", "--deep")
+    assert rc == 1 and [f["message"] for f in doc["findings"] if f["code"] == "R002"] == [
+        f"LR scheduler lr_scheduler.last_epoch = 30 but optimizer.state.weight.step = {taken}"
+    ], doc["findings"]
 
 
 def test_an_optimizer_one_step_ahead_after_a_step_0_save_says_why(tmp_path: Path) -> None:

@@ -22,6 +22,7 @@ from ckpttool.model.counters import (
     scheduler_counters,
     scheduler_disagrees,
     scheduler_per_step,
+    skips_optimizer_steps,
     trainer_steps,
 )
 from ckpttool.ops.validate.base import rule
@@ -97,7 +98,7 @@ def train_step_mismatch(ctx: Context) -> Iterator[tuple[str, str]]:
         bad = optimizer_step_disagrees(ctx.ckpt, opt, ref)
         if bad is not None:
             yield bad
-    yield from scheduler_disagrees(ctx.ckpt, ref, epochs)
+    yield from scheduler_disagrees(ctx.ckpt, ref, epochs, ref_may_lag=ref is opt and skips_optimizer_steps(ctx.ckpt))
     by_item = {e.key.rsplit(".", 1)[0]: e for e in epochs}
     for c in counts:
         e = by_item.get(c.key.rsplit(".", 1)[0])
