@@ -31,6 +31,7 @@ __all__ = [
     "RuleSkipped",
     "select_rules",
     "listed_rules",
+    "split_codes",
 ]
 
 
@@ -189,7 +190,8 @@ def rule(code: str) -> Callable[[Callable[[Context], Iterable[RuleOutput]]], Cal
     return deco
 
 
-def _split_codes(values: Iterable[str] | None) -> list[str]:
+def split_codes(values: Iterable[str] | None) -> list[str]:
+    """``--select``/``--ignore`` values as codes or code prefixes: comma lists or repeated, upper-cased."""
     out: list[str] = []
     for v in values or ():
         out.extend(p.strip().upper() for p in str(v).split(",") if p.strip())
@@ -205,7 +207,7 @@ def select_rules(select: Iterable[str] | None = None, ignore: Iterable[str] | No
     Raises:
         UsageError: a code or prefix that matches no rule.
     """
-    sel, ign = _split_codes(select), _split_codes(ignore)
+    sel, ign = split_codes(select), split_codes(ignore)
     for name, codes in (("select", sel), ("ignore", ign)):
         for p in codes:
             if not any(c.startswith(p) for c in RULES):
@@ -215,13 +217,12 @@ def select_rules(select: Iterable[str] | None = None, ignore: Iterable[str] | No
                     hint=f"codes start with one of {', '.join(FAMILIES)} "
                     "(see docs/rules.md or `ckpttool validate --list-rules`)",
                 )
-    out = []
-    for code in sorted(RULES):
-        r = RULES[code]
-        chosen = (not sel or any(code.startswith(p) for p in sel)) and not any(code.startswith(p) for p in ign)
-        if chosen or r.fatal:
-            out.append(r)
-    return out
+    return [RULES[c] for c in sorted(RULES) if _chosen(c, sel, ign) or RULES[c].fatal]
+
+
+def _chosen(code: str, sel: list[str], ign: list[str]) -> bool:
+    """Rule ``code`` matches a ``select`` prefix (any, when none is given) and no ``ignore`` prefix."""
+    return (not sel or any(code.startswith(p) for p in sel)) and not any(code.startswith(p) for p in ign)
 
 
 def listed_rules(select: Iterable[str] | None = None, ignore: Iterable[str] | None = None) -> list[Rule]:
@@ -231,9 +232,5 @@ def listed_rules(select: Iterable[str] | None = None, ignore: Iterable[str] | No
         UsageError: a code or prefix that matches no rule.
     """
     select_rules(select, ignore)  # the codes checked as a run checks them
-    sel, ign = _split_codes(select), _split_codes(ignore)
-    return [
-        RULES[c]
-        for c in sorted(RULES)
-        if (not sel or any(c.startswith(p) for p in sel)) and not any(c.startswith(p) for p in ign)
-    ]
+    sel, ign = split_codes(select), split_codes(ignore)
+    return [RULES[c] for c in sorted(RULES) if _chosen(c, sel, ign)]

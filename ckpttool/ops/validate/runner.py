@@ -21,7 +21,16 @@ from ckpttool.model.checkpoint import Checkpoint, CheckpointOrPath, OpenOptions,
 from ckpttool.model.hfconfig import read_hf_config
 from ckpttool.ops.fields import Hooks, ProgressFn, Unpack, hooks_of, options_of
 from ckpttool.ops.validate import rules as _rules  # noqa: F401 - registers the rules
-from ckpttool.ops.validate.base import RULES, Finding, Rule, RuleSkipped, Severity, select_rules
+from ckpttool.ops.validate.base import (
+    RULES,
+    Finding,
+    Rule,
+    RuleSkipped,
+    Severity,
+    listed_rules,
+    select_rules,
+    split_codes,
+)
 from ckpttool.ops.validate.context import Context
 from ckpttool.ops.validate.reference import load_reference
 
@@ -257,14 +266,9 @@ def _refuse_when_nothing_selected_ran(statuses: list[RuleStatus], ctx: Context, 
     Raises:
         UsageError (E100): naming the reasons.
     """
-    from ckpttool.ops.validate.base import _split_codes
-
-    sel, ign = _split_codes(opts.select), _split_codes(opts.ignore)
-    asked = [
-        s
-        for s in statuses
-        if any(s.rule.code.startswith(p) for p in sel) and not any(s.rule.code.startswith(p) for p in ign)
-    ]
+    sel = split_codes(opts.select)
+    named = {r.code for r in listed_rules(opts.select, opts.ignore)} if sel else set()
+    asked = [s for s in statuses if s.rule.code in named]
     if not asked or any(s.status != "skipped" for s in asked) or any(s.findings for s in statuses):
         return
     codes = ", ".join(s.rule.code for s in asked[:6]) + (f" and {len(asked) - 6} more" if len(asked) > 6 else "")
@@ -284,16 +288,14 @@ def _refuse_selection_that_cannot_run(rules: list[Rule], ctx: Context, opts: Val
     Raises:
         UsageError (E100): naming the options the selected rules need.
     """
-    from ckpttool.ops.validate.base import _split_codes
-
-    sel = _split_codes(opts.select)
+    sel = split_codes(opts.select)
     if not sel:
         return
-    ign = _split_codes(opts.ignore)
-    asked = [r for r in rules if any(r.code.startswith(p) for p in sel) and not any(r.code.startswith(p) for p in ign)]
+    named = {r.code for r in listed_rules(opts.select, opts.ignore)}
+    asked = [r for r in rules if r.code in named]
     if not asked:  # every selected rule is ignored (the fatal ones run anyway)
         raise errors.UsageError(
-            f"`ignore` {', '.join(_split_codes(opts.ignore))} leaves none of the rules `select` "
+            f"`ignore` {', '.join(split_codes(opts.ignore))} leaves none of the rules `select` "
             f"{', '.join(sel)} chose: nothing would be checked",
             param="select",
             hint="drop the `ignore` codes that cover the selection, or select other rules",
@@ -323,9 +325,7 @@ def _with_read_error_rules(rules: list[Rule], read_errors: dict[str, Any], ignor
     """``rules`` with ``S010`` / ``S014`` where the deep pass could not read a chunk, whatever ``select`` chose
     (unless ``ignore`` names them): a selected rule (``D001``) passes over a chunk it could not read, and the run
     would say OK of data it never saw."""
-    from ckpttool.ops.validate.base import _split_codes
-
-    ign = _split_codes(ignore)
+    ign = split_codes(ignore)
     want = {"S014" if isinstance(e, errors.ChecksumError) else "S010" for e in read_errors.values()}
     add = [RULES[c] for c in sorted(want) if RULES[c] not in rules and not any(c.startswith(p) for p in ign)]
     return sorted([*rules, *add], key=lambda r: r.code) if add else rules
