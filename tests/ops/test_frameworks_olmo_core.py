@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import shutil
 from pathlib import Path
+from typing import Any
 
 import pytest
 from typer.testing import CliRunner
@@ -424,12 +425,28 @@ def _check_against_olmo_core(
     assert (logits - ref).abs().max().item() <= atol, (logits - ref).abs().max().item()
 
 
+def _export_and_check(
+    root: Path, tmp_path: Path, hf_config: Any, olmo_config: object, model_class: type, adapter: str
+) -> None:
+    """``export root/run tmp_path/hf --model-assets`` (``hf_config`` saved there) picks ``adapter`` without a warning,
+    and the export is what OLMo-core's converter makes of the saved state, logits included
+    (:func:`_check_against_olmo_core`)."""
+    import torch
+
+    assets = tmp_path / "assets"
+    hf_config.save_pretrained(assets)
+    state = torch.load(root / "expected.pt", weights_only=True)["model"]
+    res = runner.invoke(app, ["export", str(root / "run"), str(tmp_path / "hf"), "--model-assets", str(assets)])
+    assert res.exit_code == 0, res.stderr
+    assert "warning" not in res.stderr and adapter in res.stdout
+    _check_against_olmo_core(tmp_path / "hf", hf_config, olmo_config, state, model_class, atol=1e-5)
+
+
 def test_export_as_llama_matches_olmo_core_converter_and_logits(olmo_root: Path, tmp_path: Path) -> None:
     """The export of a llama_like OLMo-core model wrote its OLMo-core names (blocks.0.attention.w_q.weight, ...)
     with a warning, which transformers cannot load. Given the model's Llama config.json (`--model-assets`) the
     olmo-core-llama adapter is detected (or named with --adapter): the tensors are those of OLMo-core's own
     convert_state_to_hf for model_type llama, bit for bit, and LlamaForCausalLM gives OLMo-core's logits."""
-    import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
     from tests.fixtures.olmo_core_writer import model_config
@@ -448,13 +465,7 @@ def test_export_as_llama_matches_olmo_core_converter_and_logits(olmo_root: Path,
         tie_word_embeddings=False,
         max_position_embeddings=64,
     )
-    assets = tmp_path / "assets"
-    hf_config.save_pretrained(assets)
-    state = torch.load(olmo_root / "expected.pt", weights_only=True)["model"]
-    res = runner.invoke(app, ["export", str(olmo_root / "run"), str(tmp_path / "hf"), "--model-assets", str(assets)])
-    assert res.exit_code == 0, res.stderr
-    assert "warning" not in res.stderr and "olmo-core-llama" in res.stdout
-    _check_against_olmo_core(tmp_path / "hf", hf_config, olmo_config, state, LlamaForCausalLM, atol=1e-5)
+    _export_and_check(olmo_root, tmp_path, hf_config, olmo_config, LlamaForCausalLM, "olmo-core-llama")
     cli("export", str(olmo_root / "run"), str(tmp_path / "named"), "--adapter", "olmo-core-llama")
     from safetensors.torch import load_file
 
@@ -475,7 +486,6 @@ def test_export_as_olmo2_matches_olmo_core_converter_and_logits(olmo2_root: Path
     olmo-core-olmo2 adapter is detected: attention_norm -> post_attention_layernorm, feed_forward_norm ->
     post_feedforward_layernorm, q/k norms kept; the tensors are OLMo-core's convert_state_to_hf's bit for bit and
     Olmo2ForCausalLM gives OLMo-core's logits. The Llama adapter, named on it, refuses its q_norm (E601)."""
-    import torch
     from olmo_core.nn.hf.config import get_hf_config
     from transformers import Olmo2ForCausalLM
 
@@ -485,13 +495,7 @@ def test_export_as_olmo2_matches_olmo_core_converter_and_logits(olmo2_root: Path
     hf_config = get_hf_config(olmo_config.build(init_device="cpu"))  # type: ignore[attr-defined]
     assert hf_config.model_type == "olmo2"
     hf_config.max_position_embeddings = 64  # get_hf_config's -1: unbounded
-    assets = tmp_path / "assets"
-    hf_config.save_pretrained(assets)
-    state = torch.load(olmo2_root / "expected.pt", weights_only=True)["model"]
-    res = runner.invoke(app, ["export", str(olmo2_root / "run"), str(tmp_path / "hf"), "--model-assets", str(assets)])
-    assert res.exit_code == 0, res.stderr
-    assert "warning" not in res.stderr and "olmo-core-olmo2" in res.stdout
-    _check_against_olmo_core(tmp_path / "hf", hf_config, olmo_config, state, Olmo2ForCausalLM, atol=1e-5)
+    _export_and_check(olmo2_root, tmp_path, hf_config, olmo_config, Olmo2ForCausalLM, "olmo-core-olmo2")
     # the keys alone do not say where the norms sit: no config, raw names and the warning (as before)
     res = runner.invoke(app, ["export", str(olmo2_root / "run"), str(tmp_path / "raw")])
     assert res.exit_code == 0 and "no model adapter: 25 model tensor(s) were written under OLMo-core's" in res.stderr
