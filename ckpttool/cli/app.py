@@ -32,24 +32,6 @@ from ckpttool.ui.render import UI
 
 __all__ = ["app", "main", "entry", "version_text", "GLOBAL_OPTIONS"]
 
-#: The commands in ``--help`` order. Each one's module in :mod:`ckpttool.commands` (named after it,
-#: ``-`` spelled ``_``, but for :data:`_MODULE_OF`) defines ``<name>_command`` and its ``EPILOG``; the module
-#: is imported only when its command runs, shows its help or completes (:class:`_LazyCommands`).
-COMMANDS = (
-    "inspect",
-    "validate",
-    "export",
-    "reshard",
-    "stamp",
-    "replay-step",
-    "sample",
-    "rules",
-    "schema",
-    "diff",
-    "stats",
-    "manifest",
-    "import",
-)
 #: Command modules not named after their command (``import`` is a Python keyword).
 _MODULE_OF = {"import": "import_hf"}
 #: Each command's line in ``ckpttool --help``: the first line of its function's docstring (a test holds them
@@ -71,6 +53,11 @@ SUMMARIES = {
     "manifest": "Digest every chunk and byte item (each byte read once) into manifest.json beside .metadata.",
     "import": "Import a Hugging Face safetensors model as a DCP checkpoint (streaming, bit-exact, atomic).",
 }
+#: The commands in ``--help`` order (:data:`SUMMARIES`' order). Each one's module in :mod:`ckpttool.commands`
+#: (named after it, ``-`` spelled ``_``, but for :data:`_MODULE_OF`) defines ``<name>_command`` and its
+#: ``EPILOG``; the module is imported only when its command runs, shows its help or completes
+#: (:class:`_LazyCommands`).
+COMMANDS = tuple(SUMMARIES)
 
 # typer vendors click (typer._click); reach its exception classes through public names only
 # (both derive from typer.TyperException, which types their exit_code and format_message).
