@@ -28,6 +28,7 @@ __all__ = [
     "BLOCK_ELEMENTS",
     "IDENTICAL",
     "Metrics",
+    "Tolerance",
     "ValueCompare",
     "ValueDiff",
     "compare_tensors",
@@ -211,15 +212,31 @@ def _errors(a: Any, b: Any) -> tuple[Any, Any, Any, Any]:
 AtolAt = Callable[[Any], Any]
 
 
-def compare_tensors(
-    a: Any,
-    b: Any,
-    *,
-    as_dtype: Any = None,
-    rtol: float | None = None,
-    atol: float | AtolAt | None = None,
-    rows: int | None = None,
-) -> ValueDiff:
+@dataclass(frozen=True)
+class Tolerance:
+    """How two values are compared (:func:`compare_tensors`, :class:`ValueCompare`); the default: bitwise."""
+
+    as_dtype: Any = None
+    """A ``torch.dtype`` both sides are cast to first (``None``: none)."""
+    rtol: float | None = None
+    """Relative tolerance (``None`` = 0; ``rtol`` and ``atol`` both ``None``: bitwise)."""
+    atol: float | AtolAt | None = None
+    """Absolute tolerance (``None`` = 0), or an :data:`AtolAt`: one value per element (a block-FP8 side:
+    each block's own scale)."""
+    rows: int | None = None
+    """Elements per row block whose own sums :attr:`ValueDiff.rows` gives (stacked layers: one layer's)."""
+
+    @property
+    def tolerant(self) -> bool:
+        """A tolerance is given (else the comparison is bitwise)."""
+        return self.rtol is not None or self.atol is not None
+
+
+#: Bitwise, no cast.
+EXACT = Tolerance()
+
+
+def compare_tensors(a: Any, b: Any, how: Tolerance = EXACT) -> ValueDiff:
     """Compare two tensors of the same shape (see the module docstring).
 
     Besides the mismatch count, the :class:`Metrics` of the two (``max |a-b|``, relative L2,
@@ -227,21 +244,18 @@ def compare_tensors(
     converted once, no whole-tensor copy is made.
 
     Args:
-        a, b: CPU tensors of one shape (contiguous or not); same dtype unless ``as_dtype``
-            or a tolerance is given.
-        as_dtype: a ``torch.dtype`` both are cast to first.
-        rtol, atol: tolerance comparison (either may be ``None`` = 0); both ``None``: bitwise. ``atol`` may
-            be an :data:`AtolAt`, one value per element (a block-FP8 side: each block's own scale).
-        rows: elements per row block whose own sums :attr:`ValueDiff.rows` gives (stacked layers: one layer's).
+        a, b: CPU tensors of one shape (contiguous or not); same dtype unless ``how`` casts or
+            has a tolerance.
+        how: the :class:`Tolerance` (default bitwise).
 
     Returns:
         :class:`ValueDiff` (``metrics`` :data:`IDENTICAL` when the bytes are equal, ``None`` for booleans).
     """
     assert tuple(a.shape) == tuple(b.shape), "compare_tensors needs tensors of one shape"
-    if as_dtype is None and a.dtype == b.dtype and same_bytes(a, b):
+    if how.as_dtype is None and a.dtype == b.dtype and same_bytes(a, b):
         return ValueDiff(0, None)  # the common case in one call
     fa, fb = a.reshape(-1), b.reshape(-1)
-    acc = ValueCompare(fa.dtype, fb.dtype, as_dtype=as_dtype, rtol=rtol, atol=atol, rows=rows)
+    acc = ValueCompare(fa.dtype, fb.dtype, how)
     for start in range(0, fa.numel(), BLOCK_ELEMENTS):
         acc.add(fa[start : start + BLOCK_ELEMENTS], fb[start : start + BLOCK_ELEMENTS], start)
     return acc.result()
@@ -256,30 +270,21 @@ class ValueCompare:
 
     Args:
         a_dtype, b_dtype: the ``torch.dtype`` of each side's blocks.
-        as_dtype, rtol, atol, rows: as :func:`compare_tensors`.
+        how: the :class:`Tolerance` (default bitwise).
     """
 
-    def __init__(
-        self,
-        a_dtype: Any,
-        b_dtype: Any,
-        *,
-        as_dtype: Any = None,
-        rtol: float | None = None,
-        atol: float | AtolAt | None = None,
-        rows: int | None = None,
-    ) -> None:
+    def __init__(self, a_dtype: Any, b_dtype: Any, how: Tolerance = EXACT) -> None:
         import torch
 
-        self.as_dtype = as_dtype
+        self.as_dtype = how.as_dtype
         self.same_dtype = a_dtype == b_dtype
         self.same_bytes = True  # every block so far bitwise equal (no cast)
-        self.tolerant = rtol is not None or atol is not None
-        self.rt, self.at = rtol or 0.0, atol or 0.0
+        self.tolerant = how.tolerant
+        self.rt, self.at = how.rtol or 0.0, how.atol or 0.0
         # bool, and packed FP4 (which torch converts to nothing): compared by value codes, no float metrics
         self.numeric = not {a_dtype, b_dtype} & {torch.bool, torch.float4_e2m1fn_x2}
         complex_ = a_dtype.is_complex or b_dtype.is_complex  # (real, imaginary) pairs: no row blocks
-        self.sums = _Sums(0 if complex_ or not rows else rows)
+        self.sums = _Sums(0 if complex_ or not how.rows else how.rows)
         self.mismatched = 0
         self.first: int | None = None
         self.values: tuple[Any, Any] = (None, None)

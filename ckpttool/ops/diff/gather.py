@@ -32,7 +32,7 @@ from ckpttool.engine.plan import PairedSlabs, Window
 from ckpttool.errors import DataFileError
 from ckpttool.format.metadata import TensorMeta
 from ckpttool.format.tiling import tiling_problem
-from ckpttool.ops.diff.compare import BLOCK_ELEMENTS, ValueCompare, ValueDiff
+from ckpttool.ops.diff.compare import BLOCK_ELEMENTS, Tolerance, ValueCompare, ValueDiff
 from ckpttool.ops.export.transform import chunk_segments
 
 if TYPE_CHECKING:
@@ -180,11 +180,11 @@ def value_stream(side: Side, item: Item) -> Stream | None:
 
 
 def gathered_values(
-    a: Side, ia: Item, b: Side, ib: Item, how: dict[str, Any], tolerance: Callable[[dict[str, Any]], dict[str, Any]]
+    a: Side, ia: Item, b: Side, ib: Item, how: Tolerance, tolerance: Callable[[Tolerance], Tolerance]
 ) -> ValueDiff | None:
     """The value comparison of ``ia`` and ``ib`` through their engine streams; ``None`` when one has none.
 
-    ``how``: ``as_dtype``, ``rtol``, ``atol``; ``tolerance(how)``: the options once both streams are
+    ``how``: the :class:`~ckpttool.ops.diff.compare.Tolerance`; ``tolerance(how)``: the one used once both streams are
     planned (a dequantized side's default tolerance needs its scales).
 
     Raises:
@@ -196,7 +196,7 @@ def gathered_values(
     sa = value_stream(a, ia) if sb is not None else None
     if sa is None or sb is None:
         return None
-    acc = ValueCompare(DType(ia.dtype).to_torch(), DType(ib.dtype).to_torch(), **tolerance(how))
+    acc = ValueCompare(DType(ia.dtype).to_torch(), DType(ib.dtype).to_torch(), tolerance(how))
 
     def fold(mine: memoryview, theirs: memoryview, first: int) -> None:
         acc.add(sa.decode(mine, first), sb.decode(theirs, first), first)

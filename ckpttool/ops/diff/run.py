@@ -45,7 +45,15 @@ from ckpttool.model.checkpoint import (
 )
 from ckpttool.model.discovery import CheckpointSelection
 from ckpttool.model.schemas.base import canonical_group_key, canonical_state_key
-from ckpttool.ops.diff.compare import BLOCK_ELEMENTS, Metrics, ValueCompare, ValueDiff, compare_tensors, unravel
+from ckpttool.ops.diff.compare import (
+    BLOCK_ELEMENTS,
+    Metrics,
+    Tolerance,
+    ValueCompare,
+    ValueDiff,
+    compare_tensors,
+    unravel,
+)
 from ckpttool.ops.diff.gather import gathered_values, short_tensor
 from ckpttool.ops.diff.result import (
     BESIDE_NOTE,
@@ -742,14 +750,14 @@ def _run_equal(a: Side, la: list[ChunkLocation], b: Side, lb: list[ChunkLocation
     return True
 
 
-def _stream_values(a: Side, ia: Item, b: Side, ib: Item, how: dict[str, Any]) -> ValueDiff | None:
+def _stream_values(a: Side, ia: Item, b: Side, ib: Item, how: Tolerance) -> ValueDiff | None:
     """The value comparison of two stored tensors that are raw dim-0 row blocks (:func:`_row_blocks`), on the engine.
 
     One item reads A's records as one stream; a :class:`~ckpttool.engine.plan.PairedSlabs` sink
     reads B's elements beside each slab of :data:`~ckpttool.ops.diff.compare.BLOCK_ELEMENTS`
     and folds the two into a :class:`~ckpttool.ops.diff.compare.ValueCompare`; a ``Crc32`` span
-    per record of A and the sink's spans of B check every record. ``how``: ``as_dtype``,
-    ``rtol``, ``atol``. ``None``: another storage (:func:`~ckpttool.ops.diff.gather.gathered_values`).
+    per record of A and the sink's spans of B check every record. ``how``: the :class:`Tolerance`.
+    ``None``: another storage (:func:`~ckpttool.ops.diff.gather.gathered_values`).
 
     Raises:
         DataFileError: a data file ends first. ChecksumError: a record fails its CRC-32.
@@ -767,7 +775,7 @@ def _stream_values(a: Side, ia: Item, b: Side, ib: Item, how: dict[str, Any]) ->
     if la is None or lb is None:
         return None
     da, db = _torch_dtype(ia.dtype), _torch_dtype(ib.dtype)
-    acc = ValueCompare(da, db, **how)
+    acc = ValueCompare(da, db, how)
 
     def fold(mine: memoryview, theirs: memoryview, first: int) -> None:
         acc.add(torch.frombuffer(mine, dtype=da), torch.frombuffer(theirs, dtype=db), first)
@@ -786,7 +794,7 @@ def _stream_values(a: Side, ia: Item, b: Side, ib: Item, how: dict[str, Any]) ->
     return acc.result()
 
 
-def _loaded_values(a: Side, ia: Item, b: Side, ib: Item, how: dict[str, Any]) -> ValueDiff:
+def _loaded_values(a: Side, ia: Item, b: Side, ib: Item, how: Tolerance) -> ValueDiff:
     """The value comparison of two values assembled in memory (:meth:`Side.load`: the reader's global
     tensors, permuted, cut, placed by an adapter's runs or dequantized), for what has no engine windows
     (:mod:`ckpttool.ops.diff.gather`: records that are not raw, checked zip records, MXFP4); ``how`` as
@@ -796,16 +804,16 @@ def _loaded_values(a: Side, ia: Item, b: Side, ib: Item, how: dict[str, Any]) ->
         ta = a.load(ia)
     finally:
         tb = fut.result()
-    return compare_tensors(ta, tb, **_quant_how(a, ia, b, ib, how))
+    return compare_tensors(ta, tb, _quant_how(a, ia, b, ib, how))
 
 
-def _quant_how(a: Side, ia: Item, b: Side, ib: Item, how: dict[str, Any]) -> dict[str, Any]:
+def _quant_how(a: Side, ia: Item, b: Side, ib: Item, how: Tolerance) -> Tolerance:
     """``how`` with a dequantized side's default tolerance when none is given (known once its scales are read)."""
-    if how["rtol"] is None and how["atol"] is None and (ia.dequant or ib.dequant):  # one quantized side
+    if not how.tolerant and (ia.dequant or ib.dequant):  # one quantized side
         from ckpttool.ops.diff.quantized import quant_tolerance
 
         rtol, atol = quant_tolerance(ia, ib, a, b) or (None, None)
-        how = {**how, "rtol": rtol, "atol": atol}
+        how = replace(how, rtol=rtol, atol=atol)
     return how
 
 
@@ -870,12 +878,12 @@ def _compare_pair(
         say("comparing")
     floating = ia.dtype in _FLOATING and ib.dtype in _FLOATING
     stack = _stacked_layers(name, a, ia, ib)
-    how = {
-        "as_dtype": _torch_dtype(cast) if cast is not None and floating else None,
-        "rtol": opts.rtol,
-        "atol": opts.atol,
-        "rows": math.prod(ia.shape[1:]) if stack is not None else None,
-    }
+    how = Tolerance(
+        as_dtype=_torch_dtype(cast) if cast is not None and floating else None,
+        rtol=opts.rtol,
+        atol=opts.atol,
+        rows=math.prod(ia.shape[1:]) if stack is not None else None,
+    )
     vd = _stream_values(a, ia, b, ib, how)
     if vd is None:
         vd = gathered_values(a, ia, b, ib, how, lambda h: _quant_how(a, ia, b, ib, h))
