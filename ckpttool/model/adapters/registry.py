@@ -4,6 +4,7 @@
 :func:`detect_adapter` asks every registered adapter's :meth:`ModelAdapter.detects` and
 takes the one that claims the checkpoint (no built-in order of families). The order of
 registration is the order ``--adapter`` lists the names in (:func:`adapter_metavar`).
+Its public names are declared once, in the package's ``__all__`` (:mod:`ckpttool.model.adapters`).
 """
 
 from __future__ import annotations
@@ -14,17 +15,6 @@ from typing import Any
 
 from ckpttool.errors import UsageError
 from ckpttool.model.adapters.base import AdapterConfig, ModelAdapter
-
-__all__ = [
-    "ADAPTERS",
-    "Evidence",
-    "adapter_metavar",
-    "adapters_by_config",
-    "detect_adapter",
-    "get_adapter",
-    "import_adapters",
-    "register_adapter",
-]
 
 #: name -> adapter class, in registration order (the order ``--adapter`` lists them).
 ADAPTERS: dict[str, type[ModelAdapter]] = {}
