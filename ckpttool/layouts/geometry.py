@@ -36,31 +36,28 @@ __all__ = [
 
 @dataclass(frozen=True)
 class EPGeometry:
-    """How the chunks of one EP tensor split it, and whether that fits the layout.
-
-    Attributes:
-        key: checkpoint key.
-        shape: global shape (``()`` when the key is not in the checkpoint).
-        ep_dim: the expert dim.
-        fsdp_dim: dim split by EP-FSDP besides/with the EP dim (``None``: not FSDP-sharded).
-        num_experts: expert count (record/declaration, else ``shape[ep_dim]``).
-        blocks_per_dim: number of distinct non-empty chunk intervals along each dim.
-        ranks: ranks whose files hold the chunks.
-        same_dim: EP and EP-FSDP both shard ``ep_dim`` (legacy/canonical differ; ambiguous
-            without a record or declaration).
-        problems: disagreements with the declared/recorded ``ep_size``/``ep_fsdp_size``/
-            ``num_experts`` (empty = consistent).
-    """
+    """How the chunks of one EP tensor split it, and whether that fits the layout."""
 
     key: str
+    """Checkpoint key."""
     shape: tuple[int, ...]
+    """Global shape (``()`` when the key is not in the checkpoint)."""
     ep_dim: int
+    """The expert dim."""
     fsdp_dim: int | None
+    """Dim split by EP-FSDP besides/with the EP dim (``None``: not FSDP-sharded)."""
     num_experts: int
+    """Expert count (record/declaration, else ``shape[ep_dim]``)."""
     blocks_per_dim: tuple[int, ...]
+    """Number of distinct non-empty chunk intervals along each dim."""
     ranks: tuple[int, ...]
+    """Ranks whose files hold the chunks."""
     same_dim: bool
+    """EP and EP-FSDP both shard ``ep_dim`` (legacy/canonical differ; ambiguous without a record or
+    declaration)."""
     problems: tuple[str, ...]
+    """Disagreements with the declared/recorded ``ep_size``/``ep_fsdp_size``/``num_experts`` (empty =
+    consistent)."""
 
     def to_dict(self) -> dict[str, object]:
         """JSON-ready row (``inspect --json`` ``layout.geometry``)."""

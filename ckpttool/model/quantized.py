@@ -51,24 +51,23 @@ _E8M0 = ("uint8", "float8_e8m0fnu")
 
 @dataclass(frozen=True)
 class QuantPair:
-    """A quantized weight and its scale.
-
-    Attributes:
-        kind: ``"fp8-block"``, ``"fp8-experts"`` (fused ``[E, out, in]``), ``"mxfp4"``,
-            ``"fp8-compressed-tensors"`` or ``"fp8-tensor"`` (:func:`per_tensor_fp8`).
-        weight, scale: the stored keys (``x.weight`` / ``x.weight_scale_inv``, ``x_blocks`` / ``x_scales``).
-        name: the dequantized tensor's key (``x.weight``; ``x`` for MXFP4).
-        shape: the dequantized shape; stored: the stored weight's shape.
-        block: ``(B0, B1)`` of block FP8 (``(1, 32)``-like group size for MXFP4: ``(1, 2 * B)``).
-    """
+    """A quantized weight and its scale."""
 
     kind: QuantKind
+    """``"fp8-block"``, ``"fp8-experts"`` (fused ``[E, out, in]``), ``"mxfp4"``, ``"fp8-compressed-tensors"`` or
+    ``"fp8-tensor"`` (:func:`per_tensor_fp8`)."""
     weight: str
+    """The stored weight's key (``x.weight``; ``x_blocks`` for MXFP4)."""
     scale: str
+    """The stored scale's key (``x.weight_scale_inv``; ``x_scales`` for MXFP4)."""
     name: str
+    """The dequantized tensor's key (``x.weight``; ``x`` for MXFP4)."""
     shape: tuple[int, ...]
+    """The dequantized shape."""
     stored: tuple[int, ...]
+    """The stored weight's shape."""
     block: tuple[int, int]
+    """``(B0, B1)`` of block FP8 (``(1, 32)``-like group size for MXFP4: ``(1, 2 * B)``)."""
 
 
 def block_size(config: Mapping[str, Any] | None) -> tuple[int, int]:

@@ -37,25 +37,22 @@ __all__ = [
 
 @dataclass(frozen=True)
 class AdapterConfig:
-    """The model dimensions an adapter needs, read from an HF ``config.json``.
-
-    Attributes:
-        n_heads: ``num_attention_heads``.
-        n_kv_heads: ``num_key_value_heads`` (``n_heads`` when absent: no GQA).
-        head_dim: ``head_dim`` (``hidden_size // num_attention_heads`` when absent).
-        hidden_size: ``hidden_size``.
-        num_experts: routed experts (``num_experts`` / ``num_local_experts`` / ``n_routed_experts``), or ``None``.
-        tie_word_embeddings: the config's flag.
-        model_type: the config's ``model_type`` (``llama``, ``qwen3``, ``qwen3_moe``, ...).
-    """
+    """The model dimensions an adapter needs, read from an HF ``config.json``."""
 
     n_heads: int | None = None
+    """``num_attention_heads``."""
     n_kv_heads: int | None = None
+    """``num_key_value_heads`` (``n_heads`` when absent: no GQA)."""
     head_dim: int | None = None
+    """``head_dim`` (``hidden_size // num_attention_heads`` when absent)."""
     hidden_size: int | None = None
+    """``hidden_size``."""
     num_experts: int | None = None
+    """Routed experts (``num_experts`` / ``num_local_experts`` / ``n_routed_experts``), or ``None``."""
     tie_word_embeddings: bool = False
+    """The config's flag."""
     model_type: str | None = None
+    """The config's ``model_type`` (``llama``, ``qwen3``, ``qwen3_moe``, ...)."""
 
     @classmethod
     def from_hf_config(cls, cfg: dict[str, Any] | None) -> AdapterConfig:

@@ -170,14 +170,21 @@ class ExportResult:
     format: str
     files: list[dict[str, Any]]
     tensors: int
+    """Entries written to the safetensors files (a block-FP8 weight and its scale are two)."""
     bytes: int
+    """Bytes of tensor data written (safetensors headers and assets not counted)."""
     bytes_read: int
+    """Bytes read from the checkpoint's data files."""
     seconds: float
+    """Wall-clock seconds of the export; its writing phase alone: ``write_seconds``."""
     save_dtype: str
     weights: str
+    """``params`` (the stored parameters) or ``master`` (the FP32 master weights)."""
     experts: str
     casts: dict[str, int]
+    """``"<from>-><to>"`` dtype pair -> tensors cast that way."""
     narrowing_casts: dict[str, int]
+    """The casts of :attr:`casts` that lose precision or range (``float32->bfloat16``)."""
     origins: dict[str, list[str]]
     tied_embeddings: str | None
     layout: dict[str, Any]

@@ -132,27 +132,30 @@ class ExpertNorms:
 
 @dataclass(frozen=True)
 class CheckpointStats:
-    """Everything measured on one checkpoint.
-
-    Attributes:
-        path: the checkpoint directory; schema: its key schema; step: its training step when known.
-        tensors: per tensor, in checkpoint order; layers / modules: per-group sums;
-        experts: per-expert norms of expert tensors; updates: AdamW update sizes;
-        notes: what was not measured and why (a parameter's moments without hyperparameters, ...);
-        bytes_read: data bytes read; seconds: wall time of the pass.
-    """
+    """Everything measured on one checkpoint."""
 
     path: str
+    """The checkpoint directory."""
     schema: str
+    """Its key schema."""
     step: int | None
+    """Its training step when known."""
     tensors: tuple[TensorValueStats, ...]
+    """Per tensor, in checkpoint order."""
     layers: tuple[GroupStats, ...]
+    """Per-layer sums."""
     modules: tuple[GroupStats, ...]
+    """Per-module sums."""
     experts: tuple[ExpertNorms, ...]
+    """Per-expert norms of expert tensors."""
     updates: tuple[UpdateStats, ...]
+    """AdamW update sizes."""
     notes: tuple[str, ...]
+    """What was not measured and why (a parameter's moments without hyperparameters, ...)."""
     bytes_read: int
+    """Data bytes read."""
     seconds: float
+    """Wall time of the pass (seconds)."""
 
     def to_dict(self) -> dict[str, Any]:
         return _json(
