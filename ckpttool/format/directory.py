@@ -35,6 +35,7 @@ from ckpttool.format.dcp_safetensors import is_safetensors_serialized, resolve_s
 from ckpttool.format.digest import DEFAULT_ALGORITHM, digest_bytes
 from ckpttool.format.files import (
     _kind,
+    confined,
     copy_regular,
     missing_path_hint,
     open_regular,
@@ -378,7 +379,7 @@ class CheckpointDir:
             )
         target = (self.root / relative_path).resolve()
         root = next((r for k, r in self._part_roots.items() if relative_path.startswith(k + "/")), self.root)
-        if target != root and root not in target.parents:
+        if not confined(target, root):
             raise PathEscapeError(
                 f"{self.path}: path {relative_path!r} resolves outside the checkpoint ({target})",
                 path=relative_path,

@@ -3,7 +3,8 @@
 Every file ckpttool reads or copies from an input (``.metadata``, data files, ``layout.json``,
 ``extra_state/*``, ``--model-assets`` files, ``--config``, ``--against``) goes through these
 functions: a path that resolves (after ``..`` and symlinks) outside its directory is
-:class:`~ckpttool.errors.PathEscapeError` (``E101``); a device, FIFO, socket or directory is
+:class:`~ckpttool.errors.PathEscapeError` (``E101``) — but for a Hugging Face hub snapshot's links
+into its own repository's ``blobs/`` (:func:`hub_blobs`); a device, FIFO, socket or directory is
 :class:`~ckpttool.errors.NotRegularFileError` (``E102``), checked on the open descriptor (the
 open is non-blocking, so a FIFO cannot hang it); a file larger than its cap is
 :class:`~ckpttool.errors.SizeLimitError` (``E307``) before a byte is read.
@@ -18,7 +19,15 @@ from pathlib import Path
 from ckpttool.errors import DataFileError, NotRegularFileError, PathEscapeError, SizeLimitError
 from ckpttool.format import limits
 
-__all__ = ["resolve_inside", "open_regular", "read_regular", "copy_regular", "missing_path_hint"]
+__all__ = [
+    "resolve_inside",
+    "confined",
+    "hub_blobs",
+    "open_regular",
+    "read_regular",
+    "copy_regular",
+    "missing_path_hint",
+]
 
 
 def missing_path_hint(path: Path, what: str) -> str:
@@ -46,8 +55,31 @@ def missing_path_hint(path: Path, what: str) -> str:
 _O_READ = os.O_RDONLY | getattr(os, "O_CLOEXEC", 0) | getattr(os, "O_NONBLOCK", 0)
 
 
+#: The repository folders of a Hugging Face hub cache (``huggingface_hub``'s ``file_download.py``:
+#: ``<cache>/models--ORG--NAME/snapshots/<revision>/<file>`` is a relative symlink to ``../../blobs/<etag>``).
+_HUB_REPOS = ("models--", "datasets--", "spaces--")
+
+
+def hub_blobs(directory: Path) -> Path | None:
+    """``<repo>/blobs`` when the resolved ``directory`` is a hub snapshot ``<repo>/snapshots/<revision>`` or a
+    folder below one (``<repo>`` named ``models--*``, ``datasets--*`` or ``spaces--*``), else ``None``."""
+    for d in (directory, *directory.parents):
+        if d.parent.name == "snapshots" and d.parent.parent.name.startswith(_HUB_REPOS):
+            return d.parent.parent / "blobs"
+    return None
+
+
+def confined(target: Path, root: Path) -> bool:
+    """Whether the resolved ``target`` is the resolved ``root``, lies below it, or is a blob of the hub repository
+    whose snapshot ``root`` is (:func:`hub_blobs`)."""
+    return target == root or root in target.parents or target.parent == hub_blobs(root)
+
+
 def resolve_inside(root: Path, relative: str | os.PathLike[str], *, what: str = "path") -> Path:
     """``root / relative`` with every symlink resolved, refused unless it stays inside ``root``.
+
+    In a Hugging Face hub snapshot (:func:`hub_blobs`) a file may also resolve to a blob of the same
+    repository (``<repo>/blobs/<etag>``): that is where the hub cache keeps a snapshot's files.
 
     Args:
         root: the directory the file must lie in (resolved here).
@@ -55,14 +87,14 @@ def resolve_inside(root: Path, relative: str | os.PathLike[str], *, what: str = 
         what: how the path is named in messages.
 
     Raises:
-        PathEscapeError: absolute, empty, ``..`` or a symlink that leaves ``root``.
+        PathEscapeError: absolute, empty, ``..`` or a symlink that leaves ``root`` (and its repository's blobs).
     """
     rel = os.fspath(relative)
     base = root.resolve()
     if not rel or "\x00" in rel or os.path.isabs(rel):
         raise PathEscapeError(f"{root}: {what} {rel!r} is absolute or empty", path=rel)
     target = (base / rel).resolve()
-    if target != base and base not in target.parents:
+    if not confined(target, base):
         raise PathEscapeError(f"{root}: {what} {rel!r} resolves outside {root} ({target})", path=rel)
     return target
 

@@ -180,8 +180,8 @@ def load_reference(path: str | os.PathLike[str]) -> Reference:
         ref = _load(Path(path))
     except PathEscapeError as e:  # the default hint speaks of a checkpoint's files
         e.hint = (
-            "a reference folder's files are read only inside it (a Hugging Face hub snapshot links them to ../../blobs): "
-            "pass a .safetensors file itself, or a copy with the links resolved (cp -rL DIR REF)"
+            "a reference folder's files are read only inside it (a Hugging Face hub snapshot's also in its repository's "
+            "blobs/): pass a .safetensors file itself, or a copy with the links resolved (cp -rL DIR REF)"
         )
         raise
     if not ref.tensors:  # every checkpoint key would be "unexpected" and nothing "missing": a reference of nothing

@@ -1,0 +1,111 @@
+"""Hugging Face hub snapshots: every file of ``models--ORG--NAME/snapshots/REV/`` is a symlink to ``../../blobs/X``.
+
+The cache is laid out as ``huggingface_hub`` lays it out, and ``huggingface_hub``'s own
+``scan_cache_dir`` and ``try_to_load_from_cache`` are asked to recognise it first. A link into the
+repository's own ``blobs/`` is read; any other link leaving the snapshot is still ``E101``.
+References: torch's ``dcp.load`` into the transformers model (logits), ``safetensors``' reader.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+from typer.testing import CliRunner
+
+from ckpttool.cli.app import app
+from tests.fixtures import hf_models
+from tests.fixtures.cache import cached_build
+
+runner = CliRunner()
+REV = "0123456789abcdef0123456789abcdef01234567"
+
+
+@pytest.fixture(scope="session")
+def hf_dirs(fixture_root: Path) -> Path:
+    return cached_build(fixture_root, "import_hf_dirs", hf_models.build_hf_dirs)
+
+
+def hub_snapshot(src: Path, cache: Path, repo_id: str = "tiny/llama") -> Path:
+    """``src``'s files as the hub cache keeps them: blobs named by their sha256, relative links in the snapshot."""
+    repo = cache / ("models--" + repo_id.replace("/", "--"))
+    snap = repo / "snapshots" / REV
+    (repo / "blobs").mkdir(parents=True)
+    snap.mkdir(parents=True)
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text(REV)
+    for f in sorted(src.iterdir()):
+        if f.name == "reference.pt":  # the test's logits, not a file of the model repository
+            continue
+        digest = hashlib.sha256(f.read_bytes()).hexdigest()
+        shutil.copyfile(f, repo / "blobs" / digest)
+        os.symlink(f"../../blobs/{digest}", snap / f.name)
+    from huggingface_hub import scan_cache_dir, try_to_load_from_cache
+
+    (info,) = scan_cache_dir(cache).repos
+    assert info.repo_id == repo_id and {r.commit_hash for r in info.revisions} == {REV}
+    assert try_to_load_from_cache(repo_id, "config.json", cache_dir=cache) == str(snap / "config.json")
+    return snap
+
+
+def cli(*args: str, code: int = 0) -> str:
+    res = runner.invoke(app, list(args))
+    assert res.exit_code == code, res.output
+    return res.output
+
+
+def test_import_of_a_hub_snapshot_loads_with_identical_logits(hf_dirs: Path, tmp_path: Path) -> None:
+    import transformers
+
+    src = hf_dirs / "llama"  # sharded: model.safetensors.index.json and its shards are links too
+    snap = hub_snapshot(src, tmp_path / "hub")
+    doc = json.loads(cli("import", str(snap), str(tmp_path / "dcp"), "--json"))
+    assert doc["tensors"] > 0
+    model = transformers.LlamaForCausalLM(transformers.AutoConfig.from_pretrained(src))
+    sd = {"model": model.state_dict()}
+    dcp.load(sd, checkpoint_id=str(tmp_path / "dcp"), no_dist=True)
+    model.load_state_dict(sd["model"])
+    ref = torch.load(src / "reference.pt", weights_only=True)
+    model.eval()
+    with torch.no_grad():
+        torch.testing.assert_close(model(ref["ids"]).logits, ref["logits"], rtol=0, atol=0)
+
+
+def test_every_reader_of_a_hf_folder_reads_a_hub_snapshot(hf_dirs: Path, tmp_path: Path) -> None:
+    src = hf_dirs / "llama"
+    snap = hub_snapshot(src, tmp_path / "hub")
+    assert "OK:" in cli("validate", "--strict", str(snap))
+    assert "equal" in cli("diff", str(src), str(snap))
+    cli("import", str(src), str(tmp_path / "dcp"))
+    assert "OK:" in cli("validate", "--strict", str(tmp_path / "dcp"), "--against", str(snap))
+    cli("export", str(tmp_path / "dcp"), str(tmp_path / "hf"), "--model-assets", str(snap))
+    written = tmp_path / "hf" / "generation_config.json"  # copied as it is (config.json gets its dtype set)
+    assert not written.is_symlink() and written.read_bytes() == (src / "generation_config.json").read_bytes()
+    assert json.loads((tmp_path / "hf" / "config.json").read_text())["num_hidden_layers"] == 2
+
+
+@pytest.mark.parametrize("where", ["outside", "other-repo", "not-a-hub-cache"])
+def test_a_link_out_of_the_snapshots_own_blobs_is_still_refused(hf_dirs: Path, tmp_path: Path, where: str) -> None:
+    src = hf_dirs / "llama"
+    snap = hub_snapshot(src, tmp_path / "hub")
+    shard = next(p for p in sorted(snap.iterdir()) if p.name.endswith(".safetensors"))
+    if where == "not-a-hub-cache":  # the same layout under a folder the hub would not name models--*
+        plain = tmp_path / "hub" / "copies"
+        os.rename(snap.parent.parent, plain)
+        snap = plain / "snapshots" / REV
+    else:
+        target = tmp_path / "elsewhere" if where == "outside" else tmp_path / "hub" / "models--x--y" / "blobs"
+        target.mkdir(parents=True)
+        shutil.copyfile(shard.resolve(), target / "blob")
+        shard.unlink()
+        os.symlink(os.path.relpath(target / "blob", snap), shard)
+    for args in (("validate", "--strict", str(snap)), ("import", str(snap), str(tmp_path / "dcp"))):
+        out = cli(*args, code=2)
+        assert "[E101]" in out and "resolves outside" in out, out
+    assert not (tmp_path / "dcp").exists()
