@@ -16,7 +16,7 @@ import os
 import stat
 from pathlib import Path
 
-from ckpttool.errors import DataFileError, NotRegularFileError, PathEscapeError, SizeLimitError
+from ckpttool.errors import CkptError, DataFileError, NotRegularFileError, PathEscapeError, SizeLimitError
 from ckpttool.format import limits
 
 __all__ = [
@@ -67,6 +67,21 @@ def hub_blobs(directory: Path) -> Path | None:
         if d.parent.name == "snapshots" and d.parent.parent.name.startswith(_HUB_REPOS):
             return d.parent.parent / "blobs"
     return None
+
+
+def hub_snapshot(repo: Path) -> Path | None:
+    """The snapshot a hub repository folder ``repo`` (``models--ORG--NAME``) points at: ``snapshots/<refs/main>``,
+    else its only snapshot; ``None`` when ``repo`` is no hub repository or the choice is not clear."""
+    if not repo.name.startswith(_HUB_REPOS) or not (repo / "snapshots").is_dir():
+        return None
+    try:
+        rev = read_regular(repo / "refs" / "main", 256).decode("ascii").strip()
+    except (OSError, CkptError, UnicodeDecodeError):
+        rev = ""
+    if rev and "/" not in rev and rev not in (".", "..") and (repo / "snapshots" / rev).is_dir():
+        return repo / "snapshots" / rev
+    revs = [d for d in (repo / "snapshots").iterdir() if d.is_dir()]
+    return revs[0] if len(revs) == 1 else None
 
 
 def confined(target: Path, root: Path) -> bool:

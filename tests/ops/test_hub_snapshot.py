@@ -109,3 +109,12 @@ def test_a_link_out_of_the_snapshots_own_blobs_is_still_refused(hf_dirs: Path, t
         out = cli(*args, code=2)
         assert "[E101]" in out and "resolves outside" in out, out
     assert not (tmp_path / "dcp").exists()
+
+
+def test_import_of_the_hub_repository_folder_names_its_snapshot(hf_dirs: Path, tmp_path: Path) -> None:
+    snap = hub_snapshot(hf_dirs / "llama", tmp_path / "hub")
+    (snap.parent / ("f" * 40)).mkdir()  # an older revision beside it: refs/main chooses
+    repo = snap.parent.parent
+    out = cli("import", str(repo), str(tmp_path / "dcp"), code=2)
+    assert "[E200]" in out and f"pass its snapshot, {snap}" in out.replace("\n", ""), out
+    assert not (tmp_path / "dcp").exists()
