@@ -23,6 +23,7 @@ __all__ = [
     "resolve_inside",
     "confined",
     "hub_blobs",
+    "hub_snapshot",
     "open_regular",
     "read_regular",
     "copy_regular",
