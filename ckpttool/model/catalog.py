@@ -821,7 +821,7 @@ def build_catalog(
     if sch.spec is not None and sch.spec.group_members is not None:  # param groups in the trainer's common state
         groups = _common_state_groups(sch, _common_state(sch, cd.path, common), rest.optimizer_state)
         flavors = {"nested"} if groups else set()
-    if sch.id == "torchtune" and sch.optimizer_keying == "index":  # state by index: torch's numbering
+    if sch.spec is not None and sch.spec.index_state_by_param_order and sch.optimizer_keying == "index":
         sch, rest.optimizer_state = _index_mapped(sch, model, rest.optimizer_state)
     return Catalog(
         path=cd.path,

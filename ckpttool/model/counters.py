@@ -180,9 +180,10 @@ def saves_grad_scaler(ckpt: Checkpoint) -> bool:
 
 def skips_optimizer_steps(ckpt: Checkpoint) -> bool:
     """The trainer counts steps whose optimizer step was skipped, so the optimizer's ``step`` may be behind its
-    step and its LR scheduler: a saved ``GradScaler`` (:func:`saves_grad_scaler`) or Megatron's loss scaler (an
-    iteration that overflowed)."""
-    return saves_grad_scaler(ckpt) or ckpt.catalog.schema.id == "megatron"
+    step and its LR scheduler: a saved ``GradScaler`` (:func:`saves_grad_scaler`) or a trainer's own loss scaler
+    (``SchemaSpec.skips_overflow_steps``: Megatron's, an iteration that overflowed)."""
+    spec = ckpt.catalog.schema.spec
+    return saves_grad_scaler(ckpt) or (spec is not None and spec.skips_overflow_steps)
 
 
 def optimizer_step_disagrees(

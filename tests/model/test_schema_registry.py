@@ -220,3 +220,43 @@ def test_a_registered_common_state_is_read_once_by_every_reader(tmp_path: Path) 
         assert "clock.json iteration = 4 but its directory is iter_5 (step 5)" in found[0]["message"]
     finally:
         registry.unregister(CLOCKED.name)
+
+
+def _clock_config(folder: Path) -> str | None:
+    return None if (folder / "clock.cfg").is_file() else "absent: the trainer's load reads it"
+
+
+DECLARED = SchemaSpec(
+    name="trainer-declared",
+    model_prefix="trainer.",
+    optimizer_prefix="optimizer.",
+    model_container=("trainer",),
+    claims=_trainer_claims,
+    priority=15,
+    common_state_file="clock.json",
+    read_common_state=_read_clock,
+    common_state_required="the trainer's load reads its clock from it",
+    config_file="clock.cfg",
+    config_problem=_clock_config,
+    reshard_refusal=("a trainer-declared checkpoint: nothing to convert", "load it as it is"),
+)
+
+
+def test_behaviours_a_schema_declares_are_asked_of_its_spec(trainer_ckpt: Path, tmp_path: Path) -> None:
+    """``validate`` (K013, K014) and ``reshard`` (E602) ask the spec what its trainer needs, not its name."""
+    registry.register(DECLARED)
+    try:
+        res = runner.invoke(app, ["validate", "--json", "--select", "K013,K014", str(trainer_ckpt)])
+        found = {f["code"]: f for f in json.loads(res.stdout)["findings"] if f["severity"] in ("error", "warning")}
+        assert sorted(found) == ["K013", "K014"], res.stdout
+        assert found["K013"]["message"] == f"{trainer_ckpt / 'clock.cfg'}: absent: the trainer's load reads it"
+        assert found["K014"]["message"] == (
+            f"{trainer_ckpt / 'clock.json'}: missing; the trainer's load reads its clock from it"
+        )
+        res = runner.invoke(app, ["reshard", str(trainer_ckpt), str(tmp_path / "out"), "--to", "canonical"])
+        assert res.exit_code == 2 and "[E602]" in res.stderr, (res.exit_code, res.stderr)
+        assert f"{trainer_ckpt}: a trainer-declared checkpoint: nothing to convert" in res.stderr
+        assert "hint: load it as it is" in res.stderr
+        assert not (tmp_path / "out").exists()
+    finally:
+        registry.unregister(DECLARED.name)
