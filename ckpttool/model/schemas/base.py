@@ -256,6 +256,14 @@ class SchemaSpec:
             checkpoint folder (:func:`ckpttool.model.beside.trainer_state_missing` names them missing, ``K011``).
         publish_note: how its trainer publishes a step directory (a clause); a checkpoint folder opened inside a
             step directory not yet published is named with it (``K011``; ``""``: not checked).
+        import_adapters_by_model_type: ``(model_type glob, adapter)``: ``import --schema <name>`` needs a model
+            adapter of the schema's own, the first whose glob matches the config's ``model_type`` where ``--adapter``
+            is not given (torchtitan's).
+        import_through_own_adapter: ``import --schema <name>`` writes through its own adapter (``--adapter`` one of
+            its own, else the first).
+        import_writes_stacked: ``import --schema <name>`` writes with the stacked-layer writer
+            (:mod:`ckpttool.ops.import_megatron`: layers stacked on dim 0, experts by global index, no plain FSDP
+            expert chunks) and the trainer's config file and common state beside ``.metadata``.
         own_names_warning: the warning of an export without a model adapter that wrote its model under the
             trainer's own names (``{count}`` tensors, ``{shown}`` examples); ``""``: the generic warning.
         doc_model, doc_optimizer, doc_written_by: its row of the ``docs/design.md`` §2 table (markdown).
@@ -292,6 +300,9 @@ class SchemaSpec:
     restores_trainer_state_beside: bool = False
     publish_note: str = ""
     own_names_warning: str = ""
+    import_adapters_by_model_type: tuple[tuple[str, str], ...] = ()
+    import_through_own_adapter: bool = False
+    import_writes_stacked: bool = False
     doc_model: str = ""
     doc_optimizer: str = ""
     doc_written_by: str = ""

@@ -340,4 +340,6 @@ SPEC = SchemaSpec(
     doc_optimizer="`[chained_N.]optimizer.state.<field>.<key>` (field first); groups in `common.pt`",
     doc_written_by="megatron-core `dist_checkpointing.save` (`torch_dist`), Megatron-LM `iter_N/`",
     import_help="megatron-core torch_dist GPTModel keys (stacked layers, fused linear_qkv/linear_fc1)",
+    import_through_own_adapter=True,
+    import_writes_stacked=True,
 )
