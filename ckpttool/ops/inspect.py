@@ -441,11 +441,11 @@ class _RowTails(dict[tuple[Any, ...], str]):
 
 # ----------------------------------------------------------------------------------------------- build
 def _detected_adapter(cat: Any) -> str | None:
-    """The model adapter ``export`` would use on these names (no config: by the keys alone)."""
+    """The model adapter ``export`` would use on these names (no config: by the keys alone), asked as ``export``
+    asks: with the fqns, which an adapter of the naming scans (once) for the fragments it claims or refuses."""
     from ckpttool.model.adapters import detect_adapter
 
-    naming = cat.schema.naming
-    ad = detect_adapter(naming, cat.param_fqns if naming == "torchtitan" else [])  # only torchtitan reads the fqns
+    ad = detect_adapter(cat.schema.naming, cat.param_fqns)  # the shared list: read only
     return ad.name if ad is not None else None
 
 
