@@ -729,9 +729,10 @@ def _tie_lm_head(sources: dict[str, _Source], config: Any, warnings: list[str]) 
 
 
 def _model_check(natives: list[_Native], config: Any, opts: ImportOptions, warnings: list[str]) -> ModelCheck | None:
-    """:func:`check_against_model` of a ``torch-native`` import with a config (the keys ``dcp.load`` into the HF
-    model class asks for: ``model.<key>``, planner path ``("model", key)``); ``None`` otherwise."""
-    if config is None or opts.schema != "torch-native":
+    """:func:`check_against_model` of an import with a config whose schema writes the HF model class's own keys
+    (``SchemaSpec.import_checks_hf_model``, ``torch-native``: the keys ``dcp.load`` into the HF model class asks for:
+    ``model.<key>``, planner path ``("model", key)``); ``None`` otherwise."""
+    if config is None or not registry.get(opts.schema).import_checks_hf_model:
         return None
     model = {n.planner[1]: (n.shape, n.dtype) for n in natives if len(n.planner) == 2 and n.planner[0] == "model"}
     return check_against_model(model, config, opts.allow_mismatch, warnings)

@@ -261,6 +261,8 @@ class SchemaSpec:
             is not given (torchtitan's).
         import_through_own_adapter: ``import --schema <name>`` writes through its own adapter (``--adapter`` one of
             its own, else the first).
+        import_checks_hf_model: ``import --schema <name>`` writes the HF model class's own keys (``model.<key>``), so
+            an import with a config checks them against that class (the keys ``dcp.load`` into it asks for).
         import_writes_stacked: ``import --schema <name>`` writes with the stacked-layer writer
             (:mod:`ckpttool.ops.import_megatron`: layers stacked on dim 0, experts by global index, no plain FSDP
             expert chunks) and the trainer's config file and common state beside ``.metadata``.
@@ -303,6 +305,7 @@ class SchemaSpec:
     import_adapters_by_model_type: tuple[tuple[str, str], ...] = ()
     import_through_own_adapter: bool = False
     import_writes_stacked: bool = False
+    import_checks_hf_model: bool = False
     doc_model: str = ""
     doc_optimizer: str = ""
     doc_written_by: str = ""
