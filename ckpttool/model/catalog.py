@@ -31,7 +31,7 @@ from ckpttool.format.mdstorage import chunk_path_columns, chunk_paths, key_ids, 
 from ckpttool.format.metadata import DTYPE_ITEMSIZE, TRAINABLE_DTYPES, BytesMeta, ChunkMeta, StorageInfo, TensorMeta
 from ckpttool.layouts.record import LAYOUT_KEY, SIDECAR_NAME
 from ckpttool.model.schemas import registry
-from ckpttool.model.schemas.base import CANONICAL_MODEL_PREFIX
+from ckpttool.model.schemas.base import CANONICAL_MODEL_PREFIX, CommonState
 from ckpttool.model.schemas.detect import detect_schema, fused_parts, planner_paths
 from ckpttool.model.schemas.keyschema import KeySchema, SchemaOverride
 from ckpttool.optim_state.schema import infer_optimizer_type
@@ -226,6 +226,19 @@ class Catalog:
     _group_index_size: int = field(default=-1, repr=False, compare=False)
     _fqns: tuple[tuple[int, int, str | None], list[str]] | None = field(default=None, repr=False, compare=False)
     _paths: dict[str, tuple[Any, ...]] | None = field(default=None, repr=False, compare=False)  # planner_paths
+    _common: dict[tuple[str, Path], tuple[CommonState | None, CkptError | None]] = field(
+        default_factory=dict, repr=False, compare=False
+    )  # common_state, per (schema, folder)
+
+    def common_state(self, where: str | os.PathLike[str] | None = None) -> CommonState | None:
+        """The trainer's common state of the folder ``where`` (default: :attr:`path`), as its key schema's
+        :attr:`~ckpttool.model.schemas.base.SchemaSpec.read_common_state` reads it, read once (an error too);
+        ``None`` for a schema that declares none, or no such file.
+
+        Raises:
+            CkptError: the file is unreadable, needs ``--trust-pickle``, or is over the caps (the same error each call).
+        """
+        return _common_state(self.schema, Path(where) if where is not None else self.path, self._common)
 
     @property
     def param_fqns(self) -> list[str]:
@@ -804,10 +817,11 @@ def build_catalog(
     ranks = tuple(sorted({f.rank for f in data_files if f.rank is not None and f.referenced}))
     flavors = rest.flavors
     groups = sorted(rest.groups.values(), key=lambda g: (isinstance(g.group_id, str), g.group_id))
-    if sch.id == "megatron":  # its param groups live in common.pt beside .metadata
-        groups = _megatron_groups(cd.path, rest.optimizer_state)
+    common: dict[tuple[str, Path], tuple[CommonState | None, CkptError | None]] = {}
+    if sch.spec is not None and sch.spec.group_members is not None:  # param groups in the trainer's common state
+        groups = _common_state_groups(sch, _common_state(sch, cd.path, common), rest.optimizer_state)
         flavors = {"nested"} if groups else set()
-    if sch.id == "torchtune" and sch.optimizer_keying == "index":  # state by index: torch's numbering
+    if sch.spec is not None and sch.spec.index_state_by_param_order and sch.optimizer_keying == "index":
         sch, rest.optimizer_state = _index_mapped(sch, model, rest.optimizer_state)
     return Catalog(
         path=cd.path,
@@ -827,24 +841,41 @@ def build_catalog(
         training_state=rest.training,
         group_tensors=rest.group_tensors,
         _paths=planner,
+        _common=common,
     )
 
 
-def _megatron_groups(path: Path, state: dict[str, ParamState]) -> list[ParamGroup]:
-    """Megatron's param groups from ``common.pt``, their members by megatron's own default rule."""
-    from ckpttool.model.schemas import megatron
+def _common_state(
+    sch: KeySchema, where: Path, cache: dict[tuple[str, Path], tuple[CommonState | None, CkptError | None]]
+) -> CommonState | None:
+    """:meth:`Catalog.common_state` of folder ``where`` under schema ``sch``, kept in ``cache``."""
+    spec = sch.spec
+    if spec is None or spec.read_common_state is None:
+        return None
+    hit = cache.get((spec.name, where))
+    if hit is None:
+        try:
+            hit = (spec.read_common_state(where), None)
+        except CkptError as e:
+            hit = (None, e)
+        cache[(spec.name, where)] = hit
+    if hit[1] is not None:
+        raise hit[1]
+    return hit[0]
 
-    params = {
-        fqn: (megatron.chain_of(t.key), t.shape)
-        for fqn, ps in state.items()
-        for t in ps.fields.values()
-        if t is not None
-    }
+
+def _common_state_groups(sch: KeySchema, common: CommonState | None, state: dict[str, ParamState]) -> list[ParamGroup]:
+    """The param groups of the trainer's common state, their members by its trainer's default rule
+    (:attr:`~ckpttool.model.schemas.base.SchemaSpec.group_members`)."""
+    spec = sch.spec
+    if common is None or spec is None or spec.group_members is None:
+        return []
+    params = {fqn: (t.key, t.shape) for fqn, ps in state.items() for t in ps.fields.values() if t is not None}
     groups = []
-    for i, (values, members) in enumerate(megatron.assign_groups(path, params)):
-        keys = {h: f"{megatron.COMMON_FILE}:optimizer.param_groups.{i}.{h}" for h in values}
+    for i, (values, members) in enumerate(spec.group_members(common, params)):
+        keys = {h: f"{spec.common_state_file}:optimizer.param_groups.{i}.{h}" for h in values}
         groups.append(ParamGroup(i, "nested", keys=keys, values=values, params=members))
-        if "step" in values:  # the shared step of the chained optimizer, saved once in common.pt
+        if "step" in values:  # the shared step of the chained optimizer, saved once in the common state
             for fqn in members:
                 state[fqn].fields.setdefault("step", None)
     return groups

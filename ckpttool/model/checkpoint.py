@@ -41,6 +41,7 @@ from ckpttool.layouts.declaration import LayoutDeclaration, ResolvedLayout, reso
 from ckpttool.model.beside import hf_config_beside, unpaired_optimizer, unread_beside, unread_in_listing
 from ckpttool.model.catalog import Catalog, ExtraStateFile, ParamGroup, build_catalog, load_param_groups
 from ckpttool.model.discovery import CheckpointSelection, Located, compose_pair, locate
+from ckpttool.model.schemas.base import CommonState
 from ckpttool.model.schemas.keyschema import SchemaOverride
 
 __all__ = [
@@ -188,6 +189,20 @@ class Checkpoint:
         step = next((obj[k] for k in _STEP_KEYS if type(obj.get(k)) is int), None)
         return ExtraState(f, tuple(sorted(map(str, obj))), step)
 
+    @property
+    def common_state_file(self) -> str | None:
+        """The file its key schema reads the trainer's common state from (``common.pt``), ``None``: none."""
+        spec = self.catalog.schema.spec
+        return None if spec is None or spec.read_common_state is None else spec.common_state_file
+
+    def common_state(self) -> CommonState | None:
+        """The trainer's common state beside the opened checkpoint folder (:meth:`Catalog.common_state`), read once.
+
+        Raises:
+            CkptError: the file is unreadable, needs ``--trust-pickle``, or is over the caps.
+        """
+        return self.catalog.common_state(self.located.model)
+
     def unread_beside(self) -> tuple[str, ...]:
         """Training state saved beside this checkpoint that ckpttool does not read (its own data files
         excluded; :func:`ckpttool.model.beside.unread_beside`), relative to the directory given."""
@@ -204,7 +219,8 @@ class Checkpoint:
 
     def _files_read(self) -> set[str]:
         """The files of this checkpoint's folder it reads, relative to it: the data files, a per-rank save's rank
-        files (replicas too) and its metadata, and the files its key schema reads (``SchemaSpec.files_read``)."""
+        files (replicas too) and its metadata, and the files its key schema reads (``SchemaSpec.files_read``, its
+        ``common_state_file``)."""
         from ckpttool.model.schemas import registry
 
         read = set(referenced_paths(self.metadata.storage))
@@ -216,6 +232,8 @@ class Checkpoint:
         spec = registry.find(self.catalog.schema.id)
         if spec is not None:  # a schema given by its prefixes alone reads no files of its own
             read.update(spec.files_read)
+            if spec.common_state_file is not None:
+                read.add(spec.common_state_file)
         return read
 
     def hf_config_beside(self) -> Path | None:

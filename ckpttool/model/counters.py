@@ -61,7 +61,7 @@ def _int_item(ckpt: Checkpoint, key: str) -> int | None:
 
 def trainer_steps(ckpt: Checkpoint) -> list[Counter]:
     """The trainer's step counters, in :data:`TRAIN_STEP_KEYS` order, then ``extra_state`` files'
-    ``global_step``, then Megatron's ``common.pt`` ``iteration``, then the training-state files beside the
+    ``global_step``, then the iteration of the trainer's common state (Megatron's ``common.pt``), then the training-state files beside the
     checkpoint."""
     root = ckpt.catalog.schema.state_root  # "app." in an app-state save; top-level items are read too
     keys = [root + k for k in TRAIN_STEP_KEYS] + (list(TRAIN_STEP_KEYS) if root else [])
@@ -69,15 +69,13 @@ def trainer_steps(ckpt: Checkpoint) -> list[Counter]:
     for st in ckpt.extra_state():
         if st.global_step is not None:
             out.append(Counter(st.file.relative_path, st.global_step))
-    if ckpt.catalog.schema.id == "megatron":  # Megatron-LM's iteration is in common.pt, beside .metadata
-        from ckpttool.model.schemas.megatron import COMMON_FILE, read_common
-
+    if ckpt.common_state_file is not None:  # Megatron-LM's iteration is in common.pt, beside .metadata
         try:
-            common = read_common(Path(ckpt.located.model))
+            common = ckpt.common_state()
         except CkptError:
             common = None  # named by the rules that read it
         if common is not None and common.iteration is not None:
-            out.append(Counter(f"{COMMON_FILE}:iteration", common.iteration))
+            out.append(Counter(f"{ckpt.common_state_file}:iteration", common.iteration))
     for ts in read_training_state_beside(Path(ckpt.located.model)):  # OLMo-core's train/rankR.pt, NeMo's
         name = TRAINER_STEP_KEY.get(ts.file, "global_step")  # step_scheduler.pt beside the checkpoint
         gs = ts.values.get(name)
@@ -182,9 +180,10 @@ def saves_grad_scaler(ckpt: Checkpoint) -> bool:
 
 def skips_optimizer_steps(ckpt: Checkpoint) -> bool:
     """The trainer counts steps whose optimizer step was skipped, so the optimizer's ``step`` may be behind its
-    step and its LR scheduler: a saved ``GradScaler`` (:func:`saves_grad_scaler`) or Megatron's loss scaler (an
-    iteration that overflowed)."""
-    return saves_grad_scaler(ckpt) or ckpt.catalog.schema.id == "megatron"
+    step and its LR scheduler: a saved ``GradScaler`` (:func:`saves_grad_scaler`) or a trainer's own loss scaler
+    (``SchemaSpec.skips_overflow_steps``: Megatron's, an iteration that overflowed)."""
+    spec = ckpt.catalog.schema.spec
+    return saves_grad_scaler(ckpt) or (spec is not None and spec.skips_overflow_steps)
 
 
 def optimizer_step_disagrees(

@@ -19,6 +19,7 @@ import os
 import shlex
 import time
 from dataclasses import dataclass, field, replace
+from fnmatch import fnmatchcase
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -50,7 +51,7 @@ from ckpttool.model.beside import hf_config_beside
 from ckpttool.model.hf_forms import FORMS, ExpertForm, forms_for
 from ckpttool.model.hfconfig import config_value, read_hf_config, tie_word_embeddings
 from ckpttool.model.schemas import registry
-from ckpttool.model.schemas.base import canonical_model_key
+from ckpttool.model.schemas.base import SchemaSpec, canonical_model_key
 from ckpttool.ops import distributed
 from ckpttool.ops.fields import OutputOptions, PhaseFn, ProgressFn, check_output_ranks, options_of
 
@@ -731,9 +732,10 @@ def _tie_lm_head(sources: dict[str, _Source], config: Any, warnings: list[str]) 
 
 
 def _model_check(natives: list[_Native], config: Any, opts: ImportOptions, warnings: list[str]) -> ModelCheck | None:
-    """:func:`check_against_model` of a ``torch-native`` import with a config (the keys ``dcp.load`` into the HF
-    model class asks for: ``model.<key>``, planner path ``("model", key)``); ``None`` otherwise."""
-    if config is None or opts.schema != "torch-native":
+    """:func:`check_against_model` of an import with a config whose schema writes the HF model class's own keys
+    (``SchemaSpec.import_checks_hf_model``, ``torch-native``: the keys ``dcp.load`` into the HF model class asks for:
+    ``model.<key>``, planner path ``("model", key)``); ``None`` otherwise."""
+    if config is None or not registry.get(opts.schema).import_checks_hf_model:
         return None
     model = {n.planner[1]: (n.shape, n.dtype) for n in natives if len(n.planner) == 2 and n.planner[0] == "model"}
     return check_against_model(model, config, opts.allow_mismatch, warnings)
@@ -801,38 +803,40 @@ def _choose_adapter(opts: ImportOptions, config: Any) -> ModelAdapter | None:
         )
     own = import_adapters(opts.schema, identity=False)
     adapter: ModelAdapter | None = None
-    if opts.schema == "torchtitan":
-        name = opts.adapter
-        if name is None:
-            mt = config_value(config, "model_type")
-            name = (
-                "torchtitan-qwen3"
-                if isinstance(mt, str) and mt.startswith("qwen3")
-                else "torchtitan-llama3"
-                if mt == "llama"
-                else None
-            )
-        if name is None:
-            raise UsageError(
-                "`schema` torchtitan needs a model adapter: the config's model_type does not name a built-in one",
-                param="adapter",
-                hint=f"pass `adapter` {' or '.join(own)} (and `config`)",
-            )
-        if name not in own:  # another naming: its keys are not torchtitan's
-            raise UsageError(
-                f"`schema` torchtitan imports through a torchtitan adapter, not {name}",
-                param="adapter",
-                hint=f"pass `adapter` {' or '.join(own)}, or leave it out (the config's model_type)",
-            )
-        adapter = get_adapter(name)
-    elif opts.schema == "megatron":
+    spec = registry.get(opts.schema)
+    if spec.import_adapters_by_model_type:  # torchtitan: its adapter named by the config's model_type
+        adapter = get_adapter(_adapter_by_model_type(opts, spec, own, config))
+    elif spec.import_through_own_adapter:  # megatron: its one adapter
         if opts.adapter is not None and opts.adapter not in own:
-            raise UsageError(f"`schema` megatron imports through the {' or '.join(own)} adapter", param="adapter")
+            raise UsageError(f"`schema` {spec.name} imports through the {' or '.join(own)} adapter", param="adapter")
         adapter = get_adapter(opts.adapter or next(iter(own)))
     elif opts.adapter is not None and importable[opts.adapter].import_schema != opts.schema:
         others = dict.fromkeys(str(cls.import_schema) for cls in importable.values() if not cls.identity)
         raise UsageError(f"`adapter` applies to `schema` {' or '.join(others)}", param="adapter")
     return adapter
+
+
+def _adapter_by_model_type(opts: ImportOptions, spec: SchemaSpec, own: dict[str, Any], config: Any) -> str:
+    """``adapter``, else the one :attr:`~ckpttool.model.schemas.base.SchemaSpec.import_adapters_by_model_type` names for
+    the config's ``model_type``; one of the schema's own (``own``)."""
+    name = opts.adapter
+    if name is None:
+        mt = config_value(config, "model_type")
+        if isinstance(mt, str):
+            name = next((a for pat, a in spec.import_adapters_by_model_type if fnmatchcase(mt, pat)), None)
+    if name is None:
+        raise UsageError(
+            f"`schema` {spec.name} needs a model adapter: the config's model_type does not name a built-in one",
+            param="adapter",
+            hint=f"pass `adapter` {' or '.join(own)} (and `config`)",
+        )
+    if name not in own:  # another naming: its keys are not the schema's
+        raise UsageError(
+            f"`schema` {spec.name} imports through a {spec.name} adapter, not {name}",
+            param="adapter",
+            hint=f"pass `adapter` {' or '.join(own)}, or leave it out (the config's model_type)",
+        )
+    return name
 
 
 def _check_ep(src_dir: Path, natives: list[_Native], ep: tuple[int, int] | None) -> None:
@@ -866,7 +870,7 @@ def _warn_plain_fsdp_experts(
     ``export``, ``reshard`` and ``diff`` (E405) find the expert order unknown. Say so, and how to avoid it: with
     ``num_experts`` divisible by ``world_size``, ``ep_fsdp_size`` = ``world_size`` writes the same chunks and a
     layout record (docs/import.md)."""
-    if ep is not None or opts.world_size < 2 or opts.schema == "megatron":
+    if ep is not None or opts.world_size < 2 or registry.get(opts.schema).import_writes_stacked:
         return
     from ckpttool.layouts.declaration import EP_NAME_RE
     from ckpttool.layouts.geometry import nested_shard_intervals
@@ -966,7 +970,7 @@ def _write_output(
             raise
         if group.is_root:
             report.phase("writing metadata" + (" and manifest.json" if opts.manifest else ""))
-            if opts.schema == "megatron":
+            if registry.get(opts.schema).import_writes_stacked:  # megatron-core's metadata.json and common.pt
                 from ckpttool.ops.import_megatron import write_megatron_files
 
                 write_megatron_files(tmp, opts.fsync)
@@ -1075,7 +1079,7 @@ def _import_plain(
     acfg = AdapterConfig.from_hf_config(config)
     report.phase("planning")
     objects: tuple[str, ...] = ()
-    if opts.schema == "megatron":
+    if registry.get(opts.schema).import_writes_stacked:  # megatron-core's stacked layers
         natives, skipped, objects = _megatron_tensors(sources, md, warnings, config, acfg, ep)
     else:
         natives, skipped = _native_tensors(sources, opts, adapter, acfg)

@@ -441,11 +441,11 @@ class _RowTails(dict[tuple[Any, ...], str]):
 
 # ----------------------------------------------------------------------------------------------- build
 def _detected_adapter(cat: Any) -> str | None:
-    """The model adapter ``export`` would use on these names (no config: by the keys alone)."""
+    """The model adapter ``export`` would use on these names (no config: by the keys alone), asked as ``export``
+    asks: with the fqns, which an adapter of the naming scans (once) for the fragments it claims or refuses."""
     from ckpttool.model.adapters import detect_adapter
 
-    naming = cat.schema.naming
-    ad = detect_adapter(naming, cat.param_fqns if naming == "torchtitan" else [])  # only torchtitan reads the fqns
+    ad = detect_adapter(cat.schema.naming, cat.param_fqns)  # the shared list: read only
     return ad.name if ad is not None else None
 
 
@@ -788,25 +788,24 @@ def _build(ckpt: Checkpoint, opts: InspectOptions) -> InspectResult:
         derived_from=_derived_from(ckpt),
         training_values=_training_values(ckpt),
         hf_copies=tuple(hf_copies(ckpt.reader.path, ckpt.located.model)),
-        trainer_state=(*_megatron_common(ckpt), *read_training_state_beside(ckpt.located.model)),
+        trainer_state=(*_common_state(ckpt), *read_training_state_beside(ckpt.located.model)),
         unread_beside=ckpt.unread_beside(),
     )
 
 
-def _megatron_common(ckpt: Checkpoint) -> tuple[TrainerState, ...]:
-    """Megatron's ``common.pt`` (its ``iteration``: the step a resume continues from) as a trainer-state row;
-    ``()`` for other schemas and a checkpoint without one."""
-    if ckpt.catalog.schema.id != "megatron":
+def _common_state(ckpt: Checkpoint) -> tuple[TrainerState, ...]:
+    """The trainer's common state (Megatron's ``common.pt``: its ``iteration``, the step a resume continues from) as a
+    trainer-state row; ``()`` for a schema without one and a checkpoint without the file."""
+    name = ckpt.common_state_file
+    if name is None:
         return ()
-    from ckpttool.model.schemas.megatron import COMMON_FILE, read_common
-
     try:
-        common = read_common(Path(ckpt.located.model))
+        common = ckpt.common_state()
     except CkptError as e:
-        return (TrainerState(COMMON_FILE, error=str(e).splitlines()[0][:300]),)
+        return (TrainerState(name, error=str(e).splitlines()[0][:300]),)
     if common is None:
         return ()
-    return (TrainerState(COMMON_FILE, dict(common.values), common.keys),)
+    return (TrainerState(name, dict(common.values), common.keys),)
 
 
 def _quantized(ckpt: Checkpoint, cat: Catalog) -> dict[str, Any] | None:

@@ -10,8 +10,9 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -21,9 +22,11 @@ from typer.testing import CliRunner
 import ckpttool
 from ckpttool.cli.app import app
 from ckpttool.model.catalog import build_catalog
+from ckpttool.model.checkpoint import open_checkpoint
+from ckpttool.model.counters import trainer_steps
 from ckpttool.model.discovery import step_of
 from ckpttool.model.schemas import registry
-from ckpttool.model.schemas.base import Detected, SchemaSpec, canonical_model_key
+from ckpttool.model.schemas.base import CommonState, Detected, SchemaSpec, canonical_model_key
 from ckpttool.model.schemas.keyschema import SchemaOverride
 from ckpttool.ui.options import IMPORT_SCHEMA_DEFAULT, ImportSchemaChoice, SchemaChoice
 
@@ -155,3 +158,105 @@ def test_without_the_registered_schema(trainer_ckpt: Path) -> None:
     # nested under a name no spec knows: no model tensors, every tensor is "other"
     assert cat.schema.id == "unrecognized" and not cat.model
     assert sorted(cat.other_tensors) == [*(f"trainer.layers.{i}.w" for i in range(3)), "trainer_clock.ticks"]
+
+
+# ------------------------------------------------------------------------------ a trainer's common state
+READS: list[Path] = []
+
+
+def _read_clock(folder: Path) -> CommonState | None:
+    """A test trainer's common state: ``clock.json`` beside ``.metadata`` (its iteration and one param group)."""
+    READS.append(folder)
+    p = folder / "clock.json"
+    if not p.is_file():
+        return None
+    doc = json.loads(p.read_text())
+    return CommonState(
+        groups=(tuple(doc["groups"]),), common_step=(None,), iteration=doc["iteration"], keys=tuple(doc), values={}
+    )
+
+
+def _every_parameter(common: CommonState, params: Mapping[str, tuple[str, tuple[int, ...]]]) -> list[Any]:
+    return [(dict(g), sorted(params)) for g in common.groups[0]]
+
+
+CLOCKED = SchemaSpec(
+    name="trainer-clocked",
+    model_prefix="trainer.",
+    optimizer_prefix="optimizer.",
+    model_container=("trainer",),
+    claims=_trainer_claims,
+    priority=15,
+    common_state_file="clock.json",
+    read_common_state=_read_clock,
+    group_members=_every_parameter,
+)
+
+
+def test_a_registered_common_state_is_read_once_by_every_reader(tmp_path: Path) -> None:
+    """A schema that declares a common-state file (and a reader) has its iteration counted as a trainer step, its
+    param groups in the catalog and its file as one ckpttool reads, with no generic module naming it."""
+    g = torch.Generator().manual_seed(3)
+    model = {f"layers.{i}.w": torch.randn(4, 4, generator=g) for i in range(2)}
+    state = {f"optimizer.state.layers.{i}.w.exp_avg": torch.zeros(4, 4) for i in range(2)}
+    dcp.save({"trainer": model, **state}, checkpoint_id=str(tmp_path / "iter_5"))
+    (tmp_path / "iter_5" / "clock.json").write_text(json.dumps({"iteration": 4, "groups": [{"lr": 0.5}]}))
+    registry.register(CLOCKED)
+    READS.clear()
+    try:
+        with open_checkpoint(tmp_path / "iter_5") as ckpt:
+            assert ckpt.catalog.schema.id == "trainer-clocked"
+            [group] = ckpt.catalog.param_groups
+            assert (group.values, group.params) == ({"lr": 0.5}, ["layers.0.w", "layers.1.w"])
+            assert group.keys == {"lr": "clock.json:optimizer.param_groups.0.lr"}
+            assert [(c.key, c.value) for c in trainer_steps(ckpt)] == [("clock.json:iteration", 4)]
+            assert ckpt.common_state() is ckpt.common_state()
+            assert ckpt.unread_beside() == ()
+        assert READS == [tmp_path / "iter_5"]  # read once: the catalog's groups, the counters and the rest share it
+        res = runner.invoke(app, ["validate", "--json", "--select", "R002", str(tmp_path / "iter_5")])
+        assert res.stdout.strip(), (res.exit_code, res.stderr)
+        found = [f for f in json.loads(res.stdout)["findings"] if f["severity"] in ("error", "warning")]
+        assert [(f["code"], f["key"]) for f in found] == [("R002", "clock.json")], res.stdout
+        assert "clock.json iteration = 4 but its directory is iter_5 (step 5)" in found[0]["message"]
+    finally:
+        registry.unregister(CLOCKED.name)
+
+
+def _clock_config(folder: Path) -> str | None:
+    return None if (folder / "clock.cfg").is_file() else "absent: the trainer's load reads it"
+
+
+DECLARED = SchemaSpec(
+    name="trainer-declared",
+    model_prefix="trainer.",
+    optimizer_prefix="optimizer.",
+    model_container=("trainer",),
+    claims=_trainer_claims,
+    priority=15,
+    common_state_file="clock.json",
+    read_common_state=_read_clock,
+    common_state_required="the trainer's load reads its clock from it",
+    config_file="clock.cfg",
+    config_problem=_clock_config,
+    reshard_refusal=("a trainer-declared checkpoint: nothing to convert", "load it as it is"),
+)
+
+
+def test_behaviours_a_schema_declares_are_asked_of_its_spec(trainer_ckpt: Path, tmp_path: Path) -> None:
+    """``validate`` (K013, K014) and ``reshard`` (E602) ask the spec what its trainer needs, not its name."""
+    registry.register(DECLARED)
+    try:
+        res = runner.invoke(app, ["validate", "--json", "--select", "K013,K014", str(trainer_ckpt)])
+        found = {f["code"]: f for f in json.loads(res.stdout)["findings"] if f["severity"] in ("error", "warning")}
+        assert sorted(found) == ["K013", "K014"], res.stdout
+        assert found["K013"]["message"] == f"{trainer_ckpt / 'clock.cfg'}: absent: the trainer's load reads it"
+        assert found["K014"]["message"] == (
+            f"{trainer_ckpt / 'clock.json'}: missing; the trainer's load reads its clock from it"
+        )
+        res = runner.invoke(app, ["reshard", str(trainer_ckpt), str(tmp_path / "out"), "--to", "canonical"])
+        assert res.exit_code == 2 and "[E602]" in res.stderr, (res.exit_code, res.stderr)
+        assert f"{trainer_ckpt}: a trainer-declared checkpoint: nothing to convert" in res.stderr
+        assert "hint: load it as it is" in res.stderr
+        assert not (tmp_path / "out").exists()
+    finally:
+        registry.unregister(DECLARED.name)

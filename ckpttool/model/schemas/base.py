@@ -8,8 +8,13 @@ registry, so adding a trainer's schema is one module (a spec) and its tests. Tor
 from __future__ import annotations
 
 import re
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from ckpttool.model.catalog import ParamGroup
 
 __all__ = [
     "CANONICAL_MODEL_PREFIX",
@@ -17,9 +22,11 @@ __all__ = [
     "canonical_state_key",
     "GENERIC_DISCOVERY",
     "GENERIC_TRAINING_STATE_ITEMS",
+    "CommonState",
     "Detected",
     "Discovery",
     "FolderPair",
+    "GroupMembers",
     "SchemaSpec",
     "canonical_model_key",
     "per_rank_spec",
@@ -149,6 +156,37 @@ class Detected:
     training_state: tuple[str, ...]
 
 
+@dataclass(frozen=True)
+class CommonState:
+    """The trainer's common state: one file beside ``.metadata`` holding what is not sharded (Megatron's
+    ``common.pt``), as a schema's :attr:`SchemaSpec.read_common_state` reads it.
+
+    Attributes:
+        groups: per chained optimizer (index order), its param groups (hyperparameter dicts, no ``params``).
+        common_step: per chained optimizer, the shared step (``None``: not saved / not a number).
+        scheduler: the LR scheduler's saved state (``max_lr``, ``num_steps``, ...), or ``{}``.
+        scheduler_item: the top-level item it was saved as (``opt_param_scheduler``).
+        iteration: the saved trainer iteration, or ``None``.
+        keys: the top-level keys of the file.
+        values: its top-level numbers (``iteration``, ``checkpoint_version``, ``num_floating_point_operations_so_far``).
+    """
+
+    groups: tuple[tuple[dict[str, Any], ...], ...] = ()
+    common_step: tuple[float | None, ...] = ()
+    scheduler: dict[str, Any] = field(default_factory=dict)
+    scheduler_item: str = ""
+    iteration: int | None = None
+    keys: tuple[str, ...] = ()
+    values: dict[str, int | float] = field(default_factory=dict)
+
+
+#: ``SchemaSpec.group_members``: the common state and, per parameter with optimizer state, the key of one of its
+#: state tensors and its global shape -> ``[(hyperparameters, member fqns)]`` in saved order.
+GroupMembers = Callable[
+    [CommonState, Mapping[str, tuple[str, tuple[int, ...]]]], list[tuple[dict[str, Any], list[str]]]
+]
+
+
 def named_by_format(d: Detected) -> bool:
     """The ``claims`` of a schema its per-rank file format names (verl, torch-checkpointing): DCP keys never do."""
     return False
@@ -193,6 +231,43 @@ class SchemaSpec:
         stacked_layers: fqn prefixes of parameters stored with every layer stacked on dim 0 (Megatron-core's
             ``decoder.layers.``: ``decoder.layers.mlp.linear_fc1.weight [L, out, in]``); layer ``i`` of such a
             tensor is ``<prefix><i>`` (``decoder.layers.3``), as ``stats`` groups it.
+        common_state_file: the file beside ``.metadata`` holding its trainer's common state (Megatron's
+            ``common.pt``: iteration, param groups, LR scheduler), read by :attr:`read_common_state`.
+        read_common_state: reads :attr:`common_state_file` of a checkpoint folder safely (``None``: no such file;
+            raises ``CkptError``); asked once per opened checkpoint (``Catalog.common_state``). The iteration counts
+            as a trainer step (``R002``), the file's numbers are a trainer-state row of ``inspect``.
+        common_state_required: why its trainer's load fails without :attr:`common_state_file` (``K014``; ``""``:
+            the file is optional).
+        common_state_problems: inconsistencies within the common state (``R002``): ``(key, message)`` pairs.
+        group_members: its param groups are saved in the common state without their parameters: the members
+            inferred by its trainer's default rule (:data:`GroupMembers`); the catalog's groups are these.
+        inferred_groups_note: the warning ``replay-step`` gives when the replayed parameters' groups (inferred by
+            :attr:`group_members`) differ in hyperparameters: (groups used, parameters chosen, hyperparameters
+            that differ) -> the note.
+        skips_overflow_steps: its trainer skips the optimizer step of an iteration whose gradients overflowed (its
+            own loss scaler, not saved as a ``GradScaler``) while the iteration counts: the optimizer's step may be
+            behind the trainer's (``R002``).
+        index_state_by_param_order: optimizer state keyed by parameter index is the parameters' order in the
+            model's state dict (torchtune builds its optimizer from ``model.parameters()``): renamed to the fqns.
+        reshard_refusal: ``(why, hint)`` when ``reshard`` cannot rewrite its checkpoints (E602), else ``None``.
+        config_file, config_problem: a config file beside ``.metadata`` that its trainer's load reads, and why that
+            load would refuse the folder's copy (``None``: it would not; ``K013``).
+        restores_trainer_state_beside: its trainer's load restores the trainer state from files beside the
+            checkpoint folder (:func:`ckpttool.model.beside.trainer_state_missing` names them missing, ``K011``).
+        publish_note: how its trainer publishes a step directory (a clause); a checkpoint folder opened inside a
+            step directory not yet published is named with it (``K011``; ``""``: not checked).
+        import_adapters_by_model_type: ``(model_type glob, adapter)``: ``import --schema <name>`` needs a model
+            adapter of the schema's own, the first whose glob matches the config's ``model_type`` where ``--adapter``
+            is not given (torchtitan's).
+        import_through_own_adapter: ``import --schema <name>`` writes through its own adapter (``--adapter`` one of
+            its own, else the first).
+        import_checks_hf_model: ``import --schema <name>`` writes the HF model class's own keys (``model.<key>``), so
+            an import with a config checks them against that class (the keys ``dcp.load`` into it asks for).
+        import_writes_stacked: ``import --schema <name>`` writes with the stacked-layer writer
+            (:mod:`ckpttool.ops.import_megatron`: layers stacked on dim 0, experts by global index, no plain FSDP
+            expert chunks) and the trainer's config file and common state beside ``.metadata``.
+        own_names_warning: the warning of an export without a model adapter that wrote its model under the
+            trainer's own names (``{count}`` tensors, ``{shown}`` examples); ``""``: the generic warning.
         doc_model, doc_optimizer, doc_written_by: its row of the ``docs/design.md`` §2 table (markdown).
     """
 
@@ -213,6 +288,24 @@ class SchemaSpec:
     scheduler_per_step: bool = True
     step_dir_is_trainer_step: bool = False
     stacked_layers: tuple[str, ...] = ()
+    common_state_file: str | None = None
+    read_common_state: Callable[[Path], CommonState | None] | None = None
+    common_state_required: str = ""
+    common_state_problems: Callable[[CommonState], Iterator[tuple[str, str]]] | None = None
+    group_members: GroupMembers | None = None
+    inferred_groups_note: Callable[[Sequence[ParamGroup], set[str], list[str]], str] | None = None
+    skips_overflow_steps: bool = False
+    index_state_by_param_order: bool = False
+    reshard_refusal: tuple[str, str] | None = None
+    config_file: str = ""
+    config_problem: Callable[[Path], str | None] | None = None
+    restores_trainer_state_beside: bool = False
+    publish_note: str = ""
+    own_names_warning: str = ""
+    import_adapters_by_model_type: tuple[tuple[str, str], ...] = ()
+    import_through_own_adapter: bool = False
+    import_writes_stacked: bool = False
+    import_checks_hf_model: bool = False
     doc_model: str = ""
     doc_optimizer: str = ""
     doc_written_by: str = ""

@@ -17,7 +17,7 @@ from typing import Any
 from ckpttool.errors import UsageError
 from ckpttool.format.jsonview import json_fields
 from ckpttool.model.schemas import registry
-from ckpttool.model.schemas.base import canonical_model_key
+from ckpttool.model.schemas.base import SchemaSpec, canonical_model_key
 
 __all__ = ["KeySchema", "SchemaOverride", "model_head"]
 
@@ -101,6 +101,12 @@ class KeySchema:
     def recognised(self) -> bool:
         """Model tensors or optimizer state were found."""
         return self.model_prefix is not None or self.optimizer_prefix is not None
+
+    @property
+    def spec(self) -> SchemaSpec | None:
+        """The registered spec of this schema (``None``: ``custom``, ``unrecognized``, or given by prefixes alone):
+        what generic code asks about its trainer's behaviour."""
+        return registry.find(self.id)
 
     @property
     def state_prefix(self) -> str | None:

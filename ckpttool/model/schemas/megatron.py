@@ -22,13 +22,17 @@ Torch-free; :func:`read_common` reads ``common.pt`` with ckpttool's safe loader.
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
-from dataclasses import dataclass, field
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from ckpttool.model.schemas.base import Detected, Discovery, SchemaSpec
+from ckpttool.model.schemas.base import CommonState, Detected, Discovery, SchemaSpec
+
+if TYPE_CHECKING:
+    from ckpttool.model.catalog import ParamGroup
 
 __all__ = [
     "COMMON_FILE",
@@ -84,25 +88,8 @@ def no_weight_decay(fqn: str, shape: tuple[int, ...]) -> bool:
     return fqn.endswith(("bias", "_bias")) or len(per_layer_shape(fqn, shape)) == 1
 
 
-@dataclass(frozen=True)
-class MegatronCommon:
-    """What ``common.pt`` says about the optimizer and the schedule.
-
-    Attributes:
-        groups: per chained optimizer (index order), its param groups (hyperparameter dicts, no ``params``).
-        common_step: per chained optimizer, the shared step (``None``: not saved / not a number).
-        scheduler: ``opt_param_scheduler`` (``max_lr``, ``num_steps``, ...), or ``{}``.
-        iteration: the saved ``iteration``, or ``None``.
-        keys: the top-level keys of ``common.pt``.
-        values: its top-level numbers (``iteration``, ``checkpoint_version``, ``num_floating_point_operations_so_far``).
-    """
-
-    groups: tuple[tuple[dict[str, Any], ...], ...] = ()
-    common_step: tuple[float | None, ...] = ()
-    scheduler: dict[str, Any] = field(default_factory=dict)
-    iteration: int | None = None
-    keys: tuple[str, ...] = ()
-    values: dict[str, int | float] = field(default_factory=dict)
+#: What ``common.pt`` says about the optimizer and the schedule (the schema's :class:`CommonState`).
+MegatronCommon = CommonState
 
 
 def is_megatron_dir(path: Path) -> bool:
@@ -233,6 +220,7 @@ def read_common(ckpt_dir: Path) -> MegatronCommon | None:
         groups=tuple(g for g, _ in parsed),
         common_step=tuple(s for _, s in parsed),
         scheduler=dict(sched) if isinstance(sched, dict) else {},
+        scheduler_item="opt_param_scheduler",
         iteration=it if isinstance(it, int) and not isinstance(it, bool) else None,
         keys=tuple(str(k) for k in obj),
         values={str(k): v for k, v in obj.items() if type(v) in (int, float)},
@@ -241,6 +229,81 @@ def read_common(ckpt_dir: Path) -> MegatronCommon | None:
 
 def _claims(d: Detected) -> bool:
     return d.naming == "megatron" and d.model_prefix == ""
+
+
+def assign_groups(
+    common: CommonState, params: Mapping[str, tuple[str, tuple[int, ...]]]
+) -> list[tuple[dict[str, Any], list[str]]]:
+    """The param groups of ``common.pt`` (every chained optimizer's, in order) with their members.
+
+    ``common.pt`` keeps no ``params`` lists (megatron drops them: ``LocalNonpersistentObject``);
+    the members follow megatron's default grouping (``_get_param_groups``): per chained
+    optimizer, biases and 1-D parameters (:func:`no_weight_decay`) in its group with
+    ``wd_mult`` 0, the others in the one with ``wd_mult`` 1. A chain whose groups are not that
+    pair (custom overrides) gets no members: nothing is guessed.
+
+    Args:
+        common: what :func:`read_common` read.
+        params: parameter key -> (one of its state keys: its chained optimizer, global shape), of the parameters
+            with state.
+
+    Returns:
+        ``[(hyperparameters, member keys)]``, each chain's groups in saved order; a chain's shared
+        ``common_step`` is its groups' ``step`` value.
+    """
+    out: list[tuple[dict[str, Any], list[str]]] = []
+    for chain, groups in enumerate(common.groups):
+        members: list[list[str]] = [[] for _ in groups]
+        mults = [g.get("wd_mult") for g in groups]
+        standard = len(groups) in (1, 2) and len(set(mults)) == len(mults) and set(mults) <= {0.0, 1.0}
+        if standard:
+            for fqn, (key, shape) in params.items():
+                if chain_of(key) != chain:
+                    continue
+                want = 0.0 if no_weight_decay(fqn, shape) else 1.0
+                if want in mults:
+                    members[mults.index(want)].append(fqn)
+        for g, m in zip(groups, members):
+            values = dict(g)
+            values["chained_optimizer"] = chain
+            if common.common_step[chain] is not None:
+                values["step"] = common.common_step[chain]
+            out.append((values, m))
+    return out
+
+
+def common_steps_problems(common: CommonState) -> Iterator[tuple[str, str]]:
+    """The optimizers' ``common_step`` of ``common.pt``: megatron's ``ChainedOptimizer`` steps every chained
+    optimizer together (one skip decision for all), and an optimizer never steps more often than the
+    iterations run (a step skipped for a loss-scale overflow, or a resume with ``--no-load-optim``,
+    leaves it behind; nothing puts it ahead)."""
+    steps = {i: int(s) for i, s in enumerate(common.common_step) if s is not None and math.isfinite(s)}
+    if len(set(steps.values())) > 1:
+        shown = ", ".join(f"optimizer {i}: {s}" for i, s in steps.items())
+        yield (
+            f"{COMMON_FILE}:optimizer",
+            f"{COMMON_FILE}: the chained optimizers' common_step differ ({shown}); megatron steps them together",
+        )
+    top = max(steps.values(), default=None)
+    if top is not None and common.iteration is not None and top > common.iteration:
+        yield (
+            f"{COMMON_FILE}:optimizer",
+            f"{COMMON_FILE}: optimizer common_step {top} is ahead of iteration {common.iteration}",
+        )
+
+
+def inferred_groups_note(used: Sequence[ParamGroup], chosen: set[str], differ: list[str]) -> str:
+    """``replay-step``'s warning when the replayed parameters' groups differ in ``differ``: their members were
+    inferred by megatron's default rule (:func:`assign_groups`), which a run with its own ``no_weight_decay_cond``
+    or ``config_overrides`` did not use."""
+    zero = next((f for g in used if g.values.get("wd_mult") == 0.0 for f in g.params if f in chosen), None)
+    return (
+        f"warning: common.pt saves its param groups without their parameters; the {', '.join(differ)} of each "
+        "parameter is its group's by megatron's default grouping (biases and 1-D parameters in the wd_mult 0 group"
+        + (f", e.g. {zero}" if zero else "")
+        + "): a run with its own no_weight_decay_cond or config_overrides grouped otherwise, and the replay does not "
+        "show it (docs/frameworks.md)"
+    )
 
 
 SPEC = SchemaSpec(
@@ -255,51 +318,28 @@ SPEC = SchemaSpec(
     split_state_key=split_state_key,
     files_read=(COMMON_FILE,),
     stacked_layers=(STACKED_PREFIX,),
+    common_state_file=COMMON_FILE,
+    read_common_state=read_common,
+    common_state_required=(
+        "megatron-core's dist_checkpointing.load reads the common state from it "
+        "(the iteration, the optimizers' param groups and step, the run's args) and fails without it"
+    ),
+    common_state_problems=common_steps_problems,
+    group_members=assign_groups,
+    inferred_groups_note=inferred_groups_note,
+    # Megatron's own loss scaler skips the step of an iteration that overflowed; the iteration still counts
+    skips_overflow_steps=True,
+    reshard_refusal=(
+        "a megatron-core torch_dist checkpoint: its expert tensors are stored by global expert index "
+        "([L, E, ...] with each rank's sharded offsets), so there is no EP layout to convert",
+        "megatron-core loads it at any EP size as it is (dist_checkpointing.load reshards on load)",
+    ),
+    config_file=METADATA_JSON,
+    config_problem=config_problem,
     doc_model="`<key>` (top level, layers stacked: `decoder.layers.<...> [L, ...]`)",
     doc_optimizer="`[chained_N.]optimizer.state.<field>.<key>` (field first); groups in `common.pt`",
     doc_written_by="megatron-core `dist_checkpointing.save` (`torch_dist`), Megatron-LM `iter_N/`",
     import_help="megatron-core torch_dist GPTModel keys (stacked layers, fused linear_qkv/linear_fc1)",
+    import_through_own_adapter=True,
+    import_writes_stacked=True,
 )
-
-
-def assign_groups(
-    ckpt_dir: Path, params: dict[str, tuple[int, tuple[int, ...]]]
-) -> list[tuple[dict[str, Any], list[str]]]:
-    """The param groups of ``common.pt`` (every chained optimizer's, in order) with their members.
-
-    ``common.pt`` keeps no ``params`` lists (megatron drops them: ``LocalNonpersistentObject``);
-    the members follow megatron's default grouping (``_get_param_groups``): per chained
-    optimizer, biases and 1-D parameters (:func:`no_weight_decay`) in its group with
-    ``wd_mult`` 0, the others in the one with ``wd_mult`` 1. A chain whose groups are not that
-    pair (custom overrides) gets no members: nothing is guessed.
-
-    Args:
-        ckpt_dir: the checkpoint directory.
-        params: parameter key -> (chained optimizer index, global shape), of the parameters with state.
-
-    Returns:
-        ``[(hyperparameters, member keys)]``, each chain's groups in saved order (``[]``: no
-        ``common.pt``); a chain's shared ``common_step`` is its groups' ``step`` value.
-    """
-    common = read_common(ckpt_dir)
-    if common is None:
-        return []
-    out: list[tuple[dict[str, Any], list[str]]] = []
-    for chain, groups in enumerate(common.groups):
-        members: list[list[str]] = [[] for _ in groups]
-        mults = [g.get("wd_mult") for g in groups]
-        standard = len(groups) in (1, 2) and len(set(mults)) == len(mults) and set(mults) <= {0.0, 1.0}
-        if standard:
-            for fqn, (c, shape) in params.items():
-                if c != chain:
-                    continue
-                want = 0.0 if no_weight_decay(fqn, shape) else 1.0
-                if want in mults:
-                    members[mults.index(want)].append(fqn)
-        for g, m in zip(groups, members):
-            values = dict(g)
-            values["chained_optimizer"] = chain
-            if common.common_step[chain] is not None:
-                values["step"] = common.common_step[chain]
-            out.append((values, m))
-    return out

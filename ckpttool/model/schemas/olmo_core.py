@@ -37,6 +37,15 @@ SPEC = SchemaSpec(
         step_folders=(("model_and_optim", ("train",)),),
     ),
     step_dir_is_trainer_step=True,
+    # Checkpointer.load reads train/rank{R}.pt (else rank0.pt): without it no trainer state is restored
+    restores_trainer_state_beside=True,
+    own_names_warning=(
+        "no model adapter: {count} model tensor(s) were written under OLMo-core's own names, "
+        "not HF's ({shown}): transformers and vLLM do not load them; export again with "
+        "`model_assets` DIR holding the model's HF config.json (model_type llama picks adapter "
+        "olmo-core-llama, olmo2 picks olmo-core-olmo2), or `adapter` olmo-core-llama|olmo-core-olmo2"
+    ),
+    publish_note="OLMo-core's Checkpointer writes .metadata.json last; its latest_checkpoint skips this directory",
     doc_model="`model.<fqn>`",
     doc_optimizer="`optim.state.<fqn>.<field>`, `optim.param_groups.<fqn>.<hyper>` (flattened)",
     doc_written_by="OLMo-core's `Checkpointer` (`stepN/model_and_optim/`, beside `train/rankR.pt`)",

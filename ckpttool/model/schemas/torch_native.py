@@ -32,6 +32,7 @@ SPEC = SchemaSpec(
         folder_pairs=(FolderPair(re.compile(r"^pytorch_model_fsdp_(\d+)$"), "optimizer_{0}"),),
     ),
     import_help="dcp.save({'model': model.state_dict()})",
+    import_checks_hf_model=True,  # it writes the HF model's own keys: checked against the config's model class
     doc_model="`model.<fqn>`",
     doc_optimizer="`optimizer.state.<fqn>.<field>`",
     doc_written_by='`get_state_dict` + `dcp.save({"model", "optimizer"})`, Accelerate (one folder each), VeOmni',

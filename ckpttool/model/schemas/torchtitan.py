@@ -32,6 +32,7 @@ SPEC = SchemaSpec(
     discovery=Discovery(step_words=("step",)),
     step_dir_is_trainer_step=True,
     import_help="CheckpointManager names via the adapter",
+    import_adapters_by_model_type=(("qwen3*", "torchtitan-qwen3"), ("llama", "torchtitan-llama3")),
     doc_model="`<fqn>` (top level)",
     doc_optimizer="`optimizer.state.<fqn>.<field>` (flattened groups)",
     doc_written_by="torchtitan's `CheckpointManager`, plus `lr_scheduler`, `dataloader`, `train_state`",

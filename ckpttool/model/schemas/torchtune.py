@@ -33,6 +33,7 @@ SPEC = SchemaSpec(
     claims=_claims,
     priority=4,
     training_state_items=ITEMS,
+    index_state_by_param_order=True,  # its optimizer is built from model.parameters(): state i is parameter i
     discovery=Discovery(step_words=("dist_epoch",)),
     doc_model="`model.<fqn>` (torchtune names: `layers.N.attn.q_proj.weight`, `sa_norm.scale`)",
     doc_optimizer="`optimizer.state.<i>.<field>` (index -> fqn by parameter order), `optimizer.param_groups.<g>.*`",

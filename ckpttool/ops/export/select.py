@@ -77,14 +77,10 @@ class RuleKeys:
         return out
 
     def finish(self, cat: Catalog, filter_glob: str | None, warnings: list[str]) -> None:
-        if self.renamed and cat.schema.id == "olmo-core":
+        spec = cat.schema.spec
+        if self.renamed and spec is not None and spec.own_names_warning:  # OLMo-core's names are not HF's
             # every key, whatever a default rule made of it (lm_head.w_out.weight is no HF name either)
-            warnings.append(
-                f"no model adapter: {len(self.as_stored)} model tensor(s) were written under OLMo-core's own names, "
-                f"not HF's ({shown(self.as_stored, 3)}): transformers and vLLM do not load them; export again with "
-                "`model_assets` DIR holding the model's HF config.json (model_type llama picks adapter "
-                "olmo-core-llama, olmo2 picks olmo-core-olmo2), or `adapter` olmo-core-llama|olmo-core-olmo2"
-            )
+            warnings.append(spec.own_names_warning.format(count=len(self.as_stored), shown=shown(self.as_stored, 3)))
         elif self.renamed:
             warnings.append(
                 f"{len(self.renamed)} key(s) outside the HF naming were exported as their fqn: {shown(self.renamed, 5)}"

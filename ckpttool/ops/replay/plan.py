@@ -912,8 +912,9 @@ def _inferred_membership_note(cat: Catalog, selected: list[str], notes: list[str
     param groups without ``params``, and the members follow megatron's default rule
     (:func:`ckpttool.model.schemas.megatron.assign_groups`), which a run with its own ``no_weight_decay_cond`` or
     ``config_overrides`` did not use; where the groups differ in hyperparameters, those of a parameter are then
-    not certain to be the run's."""
-    if cat.schema.id != "megatron" or not selected:
+    not certain to be the run's (the schema's ``SchemaSpec.inferred_groups_note``)."""
+    spec = cat.schema.spec
+    if spec is None or spec.inferred_groups_note is None or not selected:
         return
     chosen = set(selected)
     used = [g for g in cat.param_groups if chosen.intersection(g.params)]
@@ -921,14 +922,7 @@ def _inferred_membership_note(cat: Catalog, selected: list[str], notes: list[str
     differ = [k for k in differ if k in ("lr", "weight_decay", "betas", "eps")]
     if len(used) < 2 or not differ:
         return
-    zero = next((f for g in used if g.values.get("wd_mult") == 0.0 for f in g.params if f in chosen), None)
-    notes.append(
-        f"warning: common.pt saves its param groups without their parameters; the {', '.join(differ)} of each "
-        "parameter is its group's by megatron's default grouping (biases and 1-D parameters in the wd_mult 0 group"
-        + (f", e.g. {zero}" if zero else "")
-        + "): a run with its own no_weight_decay_cond or config_overrides grouped otherwise, and the replay does not "
-        "show it (docs/frameworks.md)"
-    )
+    notes.append(spec.inferred_groups_note(used, chosen, differ))
 
 
 def bytes_per_element(p: ParamPlan, reference_itemsize: int = 8, steps: int = 1) -> int:

@@ -20,7 +20,6 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any, Literal
 
 from ckpttool.engine.pool import map_ordered
@@ -540,15 +539,13 @@ def _constant_lr_note(ckpt: Checkpoint, steps: int) -> list[str]:
     run's (a warning note naming the scheduler's counter)."""
     epochs, _ = scheduler_counters(ckpt)
     where = f"{epochs[0].key} = {epochs[0].value}" if epochs else None
-    if where is None and ckpt.catalog.schema.id == "megatron":
-        from ckpttool.model.schemas.megatron import COMMON_FILE, read_common
-
+    if where is None and ckpt.common_state_file is not None:  # Megatron's scheduler, in common.pt
         try:
-            common = read_common(Path(ckpt.located.model))
+            common = ckpt.common_state()
         except CkptError:
             common = None
         if common is not None and common.scheduler:
-            where = f"{COMMON_FILE} opt_param_scheduler"
+            where = f"{ckpt.common_state_file} {common.scheduler_item}"
     if where is None:
         return []
     return [

@@ -387,12 +387,9 @@ def _refuse_kind(ckpt: Checkpoint) -> None:
         what = "a per-rank checkpoint (each rank's own torch.save / safetensors file, assembled; no DCP metadata)"
     elif kind != "torch_save":
         what = _NOT_ARCHIVES.get(kind, f"a checkpoint of serialization {kind!r}")
-    elif ckpt.catalog.schema.id == "megatron":
-        raise ReshardError(
-            f"{src_p}: a megatron-core torch_dist checkpoint: its expert tensors are stored by global expert index "
-            "([L, E, ...] with each rank's sharded offsets), so there is no EP layout to convert",
-            hint="megatron-core loads it at any EP size as it is (dist_checkpointing.load reshards on load)",
-        )
+    elif (spec := ckpt.catalog.schema.spec) is not None and spec.reshard_refusal is not None:
+        why, hint = spec.reshard_refusal  # megatron-core's torch_dist: experts by global index, no EP layout
+        raise ReshardError(f"{src_p}: {why}", hint=hint)
     else:
         return
     raise ReshardError(

@@ -118,9 +118,10 @@ class Rule:
         summary: what it checks (one line, used in ``docs/rules.md`` and JUnit).
         hint: default fix hint of its findings.
         needs: options it needs to run: subset of ``{"deep", "config", "against", "manifest"}``.
-        shallow: what the rule checks without ``--deep`` although it needs it for the rest, from the small files
-            of a checkpoint of the key schemas ``shallow_schemas`` (``R002``: Megatron's ``common.pt``, read anyway);
-            ``None``: skipped without ``--deep``. The function reads ``ctx.deep`` to tell.
+        shallow: what the rule checks without ``--deep`` although it needs it for the rest, from the trainer's
+            common state of a checkpoint whose key schema declares one (``SchemaSpec.common_state_file``; ``R002``:
+            Megatron's ``common.pt``, read anyway); ``None``: skipped without ``--deep``. The function reads
+            ``ctx.deep`` to tell.
         fatal: findings mean unreadable/unsafe input (exit 2); always runs.
         func: ``func(ctx) -> iterable of (key, message[, hint]) or Finding``.
     """
@@ -135,7 +136,6 @@ class Rule:
     fatal: bool = False
     error_code: str | None = None
     shallow: str | None = None
-    shallow_schemas: frozenset[str] = field(default_factory=frozenset)
 
     @property
     def family(self) -> str:
@@ -183,7 +183,6 @@ def rule(code: str) -> Callable[[Callable[[Context], Iterable[RuleOutput]]], Cal
             row.get("fatal", False),
             row.get("error_code"),
             row["shallow"]["checks"] if "shallow" in row else None,
-            frozenset(row["shallow"]["schemas"] if "shallow" in row else ()),
         )
         return func
 

@@ -171,8 +171,9 @@ def _skip_reason(r: Rule, ctx: Context) -> str | None:
 
 
 def _shallow(r: Rule, ctx: Context) -> bool:
-    """Rule ``r`` checks part of what it checks without ``--deep`` on this checkpoint (:attr:`Rule.shallow`)."""
-    return r.shallow is not None and ctx.cat.schema.id in r.shallow_schemas
+    """Rule ``r`` checks part of what it checks without ``--deep`` on this checkpoint (:attr:`Rule.shallow`): its key
+    schema declares a common state."""
+    return r.shallow is not None and ctx.ckpt.common_state_file is not None
 
 
 def _model_only(ctx: Context) -> bool:

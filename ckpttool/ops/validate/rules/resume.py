@@ -11,7 +11,6 @@ from __future__ import annotations
 import math
 from collections.abc import Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from ckpttool.errors import CkptError
 from ckpttool.model.counters import (
@@ -28,9 +27,6 @@ from ckpttool.model.counters import (
 from ckpttool.ops.validate.base import rule
 from ckpttool.ops.validate.context import Context
 from ckpttool.ops.validate.rules.data import saved_steps, synthesized_from_stats
-
-if TYPE_CHECKING:
-    from ckpttool.model.schemas.megatron import MegatronCommon
 
 
 @rule("R001")
@@ -76,7 +72,7 @@ def _optimizer_step(ctx: Context) -> Counter | None:
 
 @rule("R002")
 def train_step_mismatch(ctx: Context) -> Iterator[tuple[str, str]]:
-    yield from _megatron_iteration(ctx)
+    yield from _common_state_iteration(ctx)
     if not ctx.deep:
         return  # common.pt alone (``shallow`` in rules.json): the other counters are the deep pass's
     if synthesized_from_stats(ctx):
@@ -129,44 +125,25 @@ def _no_optimizer_state(ctx: Context, counters: list[Counter]) -> Iterator[tuple
         yield lost
 
 
-def _megatron_iteration(ctx: Context) -> Iterator[tuple[str, str]]:
-    """Megatron's ``common.pt`` ``iteration`` against the ``iter_NNNNNNN`` directory it was saved in (megatron
-    names the directory by the iteration it saves; a resume continues from ``common.pt``'s)."""
-    if ctx.cat.schema.id != "megatron":
+def _common_state_iteration(ctx: Context) -> Iterator[tuple[str, str]]:
+    """The iteration of the trainer's common state (Megatron's ``common.pt``) against the step directory it was
+    saved in (megatron names the directory ``iter_NNNNNNN`` by the iteration it saves; a resume continues from
+    ``common.pt``'s), then the schema's own checks of it (``SchemaSpec.common_state_problems``)."""
+    name = ctx.ckpt.common_state_file
+    if name is None:
         return
     from ckpttool.model.discovery import step_of
-    from ckpttool.model.schemas.megatron import COMMON_FILE, read_common
 
     d = Path(ctx.ckpt.located.model)
     named = step_of(d.name)
     try:
-        common = read_common(d)
+        common = ctx.ckpt.common_state()
     except CkptError:
         return  # named by the rules that read it
     if common is None:
         return
     if named is not None and common.iteration is not None and common.iteration != named:
-        yield COMMON_FILE, f"{COMMON_FILE} iteration = {common.iteration} but its directory is {d.name} (step {named})"
-    yield from _megatron_common_steps(common)
-
-
-def _megatron_common_steps(common: MegatronCommon) -> Iterator[tuple[str, str]]:
-    """The optimizers' ``common_step`` of ``common.pt``: megatron's ``ChainedOptimizer`` steps every chained
-    optimizer together (one skip decision for all), and an optimizer never steps more often than the
-    iterations run (a step skipped for a loss-scale overflow, or a resume with ``--no-load-optim``,
-    leaves it behind; nothing puts it ahead)."""
-    from ckpttool.model.schemas.megatron import COMMON_FILE
-
-    steps = {i: int(s) for i, s in enumerate(common.common_step) if s is not None and math.isfinite(s)}
-    if len(set(steps.values())) > 1:
-        shown = ", ".join(f"optimizer {i}: {s}" for i, s in steps.items())
-        yield (
-            f"{COMMON_FILE}:optimizer",
-            f"{COMMON_FILE}: the chained optimizers' common_step differ ({shown}); megatron steps them together",
-        )
-    top = max(steps.values(), default=None)
-    if top is not None and common.iteration is not None and top > common.iteration:
-        yield (
-            f"{COMMON_FILE}:optimizer",
-            f"{COMMON_FILE}: optimizer common_step {top} is ahead of iteration {common.iteration}",
-        )
+        yield name, f"{name} iteration = {common.iteration} but its directory is {d.name} (step {named})"
+    spec = ctx.cat.schema.spec
+    if spec is not None and spec.common_state_problems is not None:
+        yield from spec.common_state_problems(common)

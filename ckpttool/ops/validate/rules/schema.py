@@ -112,15 +112,16 @@ def nested_state_in_byte_items(ctx: Context) -> Iterator[tuple[str | None, str]]
 @rule("K011")
 def training_state_beside_checkpoint(ctx: Context) -> Iterator[tuple[str | None, str]]:
     located = ctx.ckpt.located
-    if ctx.cat.schema.id == "olmo-core" and (missing := trainer_state_missing(Path(located.model))) is not None:
+    spec = ctx.cat.schema.spec
+    restores = spec is not None and spec.restores_trainer_state_beside  # OLMo-core's train/rankR.pt
+    if restores and (missing := trainer_state_missing(Path(located.model))) is not None:
         yield None, missing
     step = Path(located.model).parent
-    if ctx.cat.schema.id == "olmo-core" and (why := unpublished(step)) is not None:
-        yield (  # model_and_optim/ opened directly (the step directory or `--step N` is E202)
+    if spec is not None and spec.publish_note and (why := unpublished(step)) is not None:
+        yield (  # OLMo-core's model_and_optim/ opened directly (the step directory or `--step N` is E202)
             None,
-            f"{step}: holds {why}: a save not yet published (OLMo-core's Checkpointer writes .metadata.json "
-            f"last; its latest_checkpoint skips this directory): {Path(located.model).name}/ was read, the save may "
-            "still be running or was interrupted",
+            f"{step}: holds {why}: a save not yet published ({spec.publish_note}): {Path(located.model).name}/ was "
+            "read, the save may still be running or was interrupted",
         )
     bad = [s for s in read_training_state_beside(Path(located.model)) if s.error is not None]
     if bad:
@@ -155,30 +156,25 @@ def training_state_not_read(ctx: Context) -> Iterator[tuple[str | None, str]]:
 
 @rule("K013")
 def megatron_config(ctx: Context) -> Iterator[tuple[str | None, str]]:
-    if ctx.cat.schema.id != "megatron":
+    spec = ctx.cat.schema.spec  # Megatron's metadata.json
+    if spec is None or spec.config_problem is None:
         return
     from ckpttool.errors import CkptError
-    from ckpttool.model.schemas.megatron import METADATA_JSON, config_problem
 
     d = Path(ctx.ckpt.located.model)
     try:
-        problem = config_problem(d)
+        problem = spec.config_problem(d)
     except CkptError as e:
         problem = e.message
     if problem is not None:
-        yield METADATA_JSON, f"{d / METADATA_JSON}: {problem}"
+        yield spec.config_file, f"{d / spec.config_file}: {problem}"
 
 
 @rule("K014")
 def megatron_common_missing(ctx: Context) -> Iterator[tuple[str | None, str]]:
-    if ctx.cat.schema.id != "megatron":
+    spec = ctx.cat.schema.spec  # Megatron's common.pt
+    if spec is None or spec.common_state_file is None or not spec.common_state_required:
         return
-    from ckpttool.model.schemas.megatron import COMMON_FILE
-
     d = Path(ctx.ckpt.located.model)
-    if not os.path.lexists(d / COMMON_FILE):
-        yield (
-            COMMON_FILE,
-            f"{d / COMMON_FILE}: missing; megatron-core's dist_checkpointing.load reads the common state from it "
-            "(the iteration, the optimizers' param groups and step, the run's args) and fails without it",
-        )
+    if not os.path.lexists(d / spec.common_state_file):
+        yield spec.common_state_file, f"{d / spec.common_state_file}: missing; {spec.common_state_required}"
