@@ -109,6 +109,9 @@ def stats_command(
 
         write_stats_plot(res, plot, optimizer=not no_optimizer)
     sink = Output(json_output)
+    disorder = _step_disorder(res)
+    if disorder is not None:
+        sink.warning(disorder)
     if not json_output:  # --json: the notes are in the document
         for c in res.checkpoints:
             for n in c.notes:
@@ -116,6 +119,19 @@ def stats_command(
     deliver(res, lambda r: sink.result(r, lambda x: _render(x, by, plot)))
     if json_output and plot is not None:  # the document has no place for it: stderr says where the picture went
         sink.note(f"wrote {plot}")
+
+
+def _step_disorder(res: StatsResult) -> str | None:
+    """A warning when a checkpoint's known step is below the one given before it (a shell glob's ``step-1 step-10
+    step-2``): the changes are between neighbours as given, a jump of several steps read as one step's change."""
+    steps = [c.step for c in res.checkpoints]
+    known = [s for s in steps if s is not None]
+    if len(known) < 2 or len(known) < len(steps) or all(a <= b for a, b in zip(known, known[1:])):
+        return None
+    return (
+        f"the checkpoints are not in step order (steps {', '.join(map(str, steps))}, as given): each change is between "
+        "neighbours as given; give them in run order (a shell glob puts step-10 before step-2: ls -v, sort -V)"
+    )
 
 
 def _g(v: float | None) -> str | None:

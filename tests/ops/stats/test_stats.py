@@ -176,6 +176,34 @@ def test_change_columns_say_what_they_count(run3: list[Path], tmp_path: Path) ->
     assert "Δ#1→#2" in res.stdout and "Δ#2→#3" in res.stdout and "Δ1→2" not in res.stdout, res.stdout
 
 
+def test_checkpoints_given_out_of_step_order_are_warned_about(run3: list[Path], tmp_path: Path) -> None:
+    """``ckpttool stats run/step-*`` with a ``step-10`` beside ``step-2``: the shell's glob sorts ``step-10`` before
+    ``step-2``, and the changes were computed 1→10, 10→2 without a word, the ten-step jump read as one step's change.
+    A checkpoint whose known step is below the one given before it is now a warning (with -q and --json too) naming
+    the steps in the order given; checkpoints in run order (or two runs at one step) have none."""
+    import shutil
+
+    steps = {1: run3[0], 2: run3[1], 10: run3[2]}
+    for s, src in steps.items():
+        shutil.copytree(src, tmp_path / f"step-{s}")
+    globbed = sorted(str(p) for p in tmp_path.glob("step-*"))  # what the shell gives: step-1, step-10, step-2
+    assert [Path(p).name for p in globbed] == ["step-1", "step-10", "step-2"]
+    want = (
+        "warning: the checkpoints are not in step order (steps 1, 10, 2, as given): each change is between "
+        "neighbours as given; give them in run order (a shell glob puts step-10 before step-2: ls -v, sort -V)"
+    )
+    for extra in ([], ["-q"], ["--json"]):
+        res = runner.invoke(app, ["stats", *globbed, "--no-optimizer", *extra], env={"COLUMNS": "200"})
+        assert res.exit_code == 0, res.stderr
+        assert want in res.stderr.splitlines(), res.stderr
+    in_order = sorted(globbed, key=lambda p: int(Path(p).name.split("-")[1]))
+    res = runner.invoke(app, ["stats", *in_order, "--no-optimizer"], env={"COLUMNS": "200"})
+    assert res.exit_code == 0 and "warning" not in res.stderr, res.stderr
+    assert "Δ1→2" in res.stdout and "Δ2→10" in res.stdout
+    res = runner.invoke(app, ["stats", str(run3[0]), str(run3[0]), "--no-optimizer"])  # one step twice: no order
+    assert res.exit_code == 0 and "warning" not in res.stderr, res.stderr
+
+
 def test_steps_the_trainer_saved_name_the_checkpoints(tmp_path: Path) -> None:
     """Step directories opened one by one had ``step: null`` though each saved ``train_state.step`` (torchtitan's
     item): the step is now the trainer's when its counters agree, and the change columns are headed by it."""
