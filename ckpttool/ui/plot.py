@@ -117,6 +117,10 @@ def layer_axis(res: StatsResult) -> list[str]:
     return order
 
 
+#: Checkpoints drawn with a legend; more are coloured by their place in the order given, named on a colour bar.
+_LEGEND_MOST = 8
+
+
 def _layer_lines(ax: Any, res: StatsResult, value: Any, title: str, ylabel: str, empty: str = "") -> bool:
     """One line per checkpoint of ``value(layer)`` over the layers of :func:`layer_axis` that have one: each value
     at its own layer's position (a layer without a value in a checkpoint, say one whose parameters were frozen, is
@@ -127,9 +131,23 @@ def _layer_lines(ax: Any, res: StatsResult, value: Any, title: str, ylabel: str,
         series.append((_label(res, i), pts))
     names = [n for n in layer_axis(res) if any(n in pts for _, pts in series)]
     shown = [v for _, pts in series for v in pts.values()]
-    for label, pts in series:
+    many = len(series) > _LEGEND_MOST
+    if many:  # a legend of dozens of entries is taller than the panel and hides the lines: a colour scale instead
+        from matplotlib import colormaps
+        from matplotlib.cm import ScalarMappable
+        from matplotlib.colors import Normalize
+
+        scale = ScalarMappable(norm=Normalize(0, len(series) - 1), cmap=colormaps["viridis"])
+    for i, (label, pts) in enumerate(series):
         if pts:
-            ax.plot(range(len(names)), [pts.get(n, math.nan) for n in names], marker="o", markersize=3, label=label)
+            ax.plot(
+                range(len(names)),
+                [pts.get(n, math.nan) for n in names],
+                marker="o",
+                markersize=3,
+                label=label,
+                color=scale.get_cmap()(i / (len(series) - 1)) if many else None,
+            )
     drawn = bool(shown)
     ax.set_title(title, fontsize=9)
     if drawn:
@@ -144,7 +162,13 @@ def _layer_lines(ax: Any, res: StatsResult, value: Any, title: str, ylabel: str,
         else:
             ax.set_ylim(0, max(shown) * 1.05)
             ax.ticklabel_format(axis="y", style="sci", scilimits=(-3, 4), useOffset=False)
-        ax.legend(fontsize=6)
+        if many:
+            bar = ax.figure.colorbar(scale, ax=ax)
+            at = sorted({*_every(len(series) - 1, 9), len(series) - 1})  # the first and the last named
+            bar.set_ticks(at, labels=[series[i][0] for i in at], fontsize=6)
+            bar.set_label("checkpoint (in the order given)", fontsize=8)
+        else:
+            ax.legend(fontsize=6)
     else:
         ax.text(0.5, 0.5, empty or "not in the checkpoint", ha="center", va="center", transform=ax.transAxes)
         ax.set_axis_off()

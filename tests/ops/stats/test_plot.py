@@ -288,3 +288,53 @@ def test_diff_plot_marks_nan_differences_as_not_a_number_not_equal(tmp_path: Pat
     assert "not a number: NaN or Inf in a or b" in texts
     assert "infinite: ||b|| = 0 where a differs" not in texts and "every compared tensor is equal" not in texts
     assert "model.layers.1.w" in texts and "model.layers.0.w" in texts  # the bars' names (the x axis: layers)
+
+
+def test_many_checkpoints_are_a_colour_scale_not_a_legend_over_the_lines(tmp_path: Path) -> None:
+    """``stats run/step-{1..40} --plot``: each panel had a legend of 40 entries, taller than the panel, drawn over
+    the lines (their values hidden), and matplotlib printed its own ``UserWarning: constrained_layout not applied``
+    on stderr. Beyond 8 checkpoints the lines are coloured by their place in the run, and one colour bar per panel
+    names every k-th checkpoint; each line is still labelled, and drawn at the values stats measured."""
+    import subprocess
+    import sys
+
+    import matplotlib
+
+    matplotlib.use("Agg", force=True)
+    from matplotlib.image import imread
+
+    torch.manual_seed(0)
+    m = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 4))
+    opt = torch.optim.AdamW(m.parameters(), lr=1e-2)
+    paths = []
+    for step in range(1, 41):
+        train_steps(m, opt, 1)
+        msd, osd = get_state_dict(m, opt)
+        save_quiet({"model": msd, "optimizer": osd}, tmp_path / f"step-{step}")
+        paths.append(str(tmp_path / f"step-{step}"))
+    for suffix in (".svg", ".png"):
+        out = tmp_path / f"many{suffix}"
+        res = subprocess.run(
+            [sys.executable, "-m", "ckpttool", "stats", *paths, "-q", "--plot", str(out)],
+            capture_output=True,
+            text=True,
+        )
+        assert res.returncode == 0 and res.stderr == "", res.stderr
+    texts = _svg_texts(tmp_path / "many.svg")
+    labels = [t for t in texts if re.fullmatch(r"step \d+", t)]
+    assert texts.count("checkpoint (in the order given)") == 3, texts  # weights, exp_avg, update size
+    assert 0 < len(labels) <= 3 * 10 and {"step 1", "step 40"} <= set(labels), labels
+    assert imread(tmp_path / "many.png").shape == (960, 1440, 4)
+    # the lines themselves: one per checkpoint, labelled, at the norms stats measured (torch's, tests above)
+    import matplotlib.pyplot as plt
+
+    from ckpttool.ui.plot import _layer_lines
+
+    res_ = collect_stats(paths, StatsOptions())
+    fig, ax = plt.subplots()
+    _layer_lines(ax, res_, lambda g: g.norms.get("weight"), "w", "L2 norm")
+    drawn = _drawn(ax)
+    plt.close(fig)
+    assert ax.get_legend() is None and len(drawn) == 40
+    for i, c in enumerate(res_.checkpoints):
+        assert drawn[f"step {i + 1}"] == {g.name: pytest.approx(g.norms["weight"]) for g in c.layers}
