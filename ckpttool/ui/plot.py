@@ -14,6 +14,7 @@ import html
 import io
 import math
 import re
+import warnings
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -276,8 +277,11 @@ def _save(fig: Any, plt: Any, path: Path, title: str) -> None:
     suffix = path.suffix.lower()
     buf = io.BytesIO()
     fmt = "svg" if suffix == ".html" else suffix[1:]
-    fig.savefig(buf, format=fmt, dpi=120, metadata={"Software" if fmt == "png" else "Creator": _MARK})
+    with warnings.catch_warnings(record=True) as caught:  # matplotlib's own warnings: ckpttool's lines instead
+        warnings.simplefilter("always")
+        fig.savefig(buf, format=fmt, dpi=120, metadata={"Software" if fmt == "png" else "Creator": _MARK})
     plt.close(fig)
+    _drawing_warnings(path, [str(w.message) for w in caught])
     data = buf.getvalue()
     if suffix == ".html":
         svg = data.decode("utf-8")
@@ -286,6 +290,22 @@ def _save(fig: Any, plt: Any, path: Path, title: str) -> None:
             f"<body>\n{svg[svg.index('<svg') :]}\n</body></html>\n"
         ).encode()
     atomic_write_bytes(path, data, fsync=False)
+
+
+#: matplotlib's warning for a character its font cannot draw (a CJK checkpoint path): ``Glyph 23455 (...) missing``.
+_NO_GLYPH = re.compile(r"Glyph (\d+) .*missing from font")
+
+
+def _drawing_warnings(path: Path, messages: list[str]) -> None:
+    """matplotlib's warnings while drawing ``path`` as ``warning:`` lines (its own printed a source file and line):
+    the characters no font had, drawn as boxes, in one line; any other, its first line, once."""
+    from ckpttool.ui.output import warn
+
+    boxes = list(dict.fromkeys(chr(int(m.group(1))) for t in messages if (m := _NO_GLYPH.search(t))))
+    if boxes:
+        warn(f"--plot {path}: the font has no glyph for {', '.join(boxes)} (drawn as boxes)")
+    for text in dict.fromkeys(t.splitlines()[0] if t else "" for t in messages if not _NO_GLYPH.search(t)):
+        warn(f"--plot {path}: {text}")
 
 
 def diff_layers(res: DiffResult) -> list[tuple[str, float | None, float]]:

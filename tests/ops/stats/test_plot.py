@@ -338,3 +338,32 @@ def test_many_checkpoints_are_a_colour_scale_not_a_legend_over_the_lines(tmp_pat
     assert ax.get_legend() is None and len(drawn) == 40
     for i, c in enumerate(res_.checkpoints):
         assert drawn[f"step {i + 1}"] == {g.name: pytest.approx(g.norms["weight"]) for g in c.layers}
+
+
+@pytest.mark.parametrize("command", ["diff", "stats"])
+def test_characters_the_font_lacks_are_one_warning_not_matplotlibs(command: str, tmp_path: Path) -> None:
+    """``diff 実験/a 実験/b --plot d.png``: the picture names both paths, DejaVu Sans has no CJK glyphs, and
+    matplotlib printed two raw ``.../plot.py:279: UserWarning: Glyph 23455 (...) missing from font(s)`` lines with
+    its source line on stderr. Now one ``warning:`` names the characters drawn as boxes; the picture is written."""
+    import subprocess
+    import sys
+
+    from matplotlib.image import imread
+
+    paths = []
+    for name, scale in (("a", 1.0), ("b", 2.0)):
+        save_quiet({"model": {"layers.0.w": torch.ones(4) * scale}}, tmp_path / "実験" / name)
+        paths.append(str(tmp_path / "実験" / name))
+    if command == "stats":  # stats names a path in its legend where the steps are unknown: #1 実験/a
+        paths = [paths[0], str(tmp_path / "実験" / "b")]
+        for p in paths:
+            Path(p).rename(Path(p).with_name(f"{Path(p).name}-験"))
+        paths = [f"{p}-験" for p in paths]
+    out = tmp_path / "d.png"
+    res = subprocess.run(
+        [sys.executable, "-m", "ckpttool", command, *paths, "-q", "--plot", str(out)], capture_output=True, text=True
+    )
+    assert res.returncode == (1 if command == "diff" else 0), res.stderr
+    chars = "実, 験" if command == "diff" else "験"
+    assert res.stderr.splitlines() == [f"warning: --plot {out}: the font has no glyph for {chars} (drawn as boxes)"]
+    assert imread(out).shape[2] == 4
