@@ -262,6 +262,36 @@ def test_update_size_of_moments_with_nan_is_nan(dense_ckpt: Path, tmp_path: Path
     assert "no update size" not in res.stderr
 
 
+def test_update_size_of_a_negative_second_moment_is_nan(dense_ckpt: Path, tmp_path: Path) -> None:
+    """A negative value in one parameter's exp_avg_sq (a damaged moment: a sum of squares never is) was read as 0:
+    ``lr * |m_hat| / eps``, an update RMS of thousands for a step of 1e-3, without a word, a divergence that never
+    happened. torch's next step takes its square root (NaN, checked below on the loaded state): the size is nan
+    (JSON null), for the layer too, and a note names the parameter."""
+    bad = copy_checkpoint(dense_ckpt, tmp_path / "bad")
+    fqn = "model.layers.1.mlp.up_proj.weight"
+
+    def negate(t: torch.Tensor) -> torch.Tensor:
+        t.view(-1)[0] = -t.view(-1)[0] - 1e-6
+        return t
+
+    damage.rewrite_tensor(bad, f"optimizer.state.{fqn}.exp_avg_sq", negate)
+    v = torch_state(bad, tmp_path)[f"optimizer.state.{fqn}.exp_avg_sq"]
+    assert float(v.min()) < 0 and math.isnan(float(v.double().sqrt().view(-1)[0]))  # torch's denominator there
+    c = collect_stats([bad], StatsOptions()).checkpoints[0]
+    (note,) = [n for n in c.notes if n.startswith("update size nan: exp_avg_sq holds negative")]
+    assert note.endswith(f"1 parameter(s), e.g. {fqn}") and "D002" in note, note
+    u = next(u for u in c.updates if u.fqn == fqn)
+    assert math.isnan(u.rms) and math.isnan(u.max) and u.to_dict()["rms"] is None
+    layer = next(g for g in c.layers if g.name == "model.layers.1")
+    assert layer.update_rms is not None and math.isnan(layer.update_rms)
+    others = [u for u in c.updates if u.fqn != fqn]
+    assert others and all(0 < u.rms < 1e-2 for u in others)
+    clean = collect_stats([dense_ckpt], StatsOptions()).checkpoints[0]
+    assert not any(n.startswith("update size nan") for n in clean.notes)
+    res = runner.invoke(app, ["stats", str(bad)])
+    assert res.exit_code == 0 and "update size nan: exp_avg_sq holds negative values" in res.stderr, res.stderr
+
+
 def test_step_latest_past_an_unfinished_newer_save_says_so(dense_ckpt: Path, tmp_path: Path) -> None:
     """`stats RUN --step latest` measured step 1 while step 2's save had not finished, without a word (replay-step
     and validate's R001 name it); a note now does, on stderr and in the JSON notes."""
