@@ -523,9 +523,11 @@ class _StackedLayers:
         self, moments: dict[str, Moments], slices: dict[tuple[str, int], TensorValueStats]
     ) -> list[tuple[str, Moments]]:
         """``(layer, update sizes)`` of every parameter: a stacked one's per layer (``nan`` in a layer whose moments
-        hold NaN/Inf, as a tensor's), any other's in :func:`layer_of` its fqn."""
-        for (_, i), r in slices.items():
-            if r.role in ("exp_avg", "exp_avg_sq") and r.nonfinite and (r.fqn, i) in self.moments:
+        hold NaN/Inf or whose ``exp_avg_sq`` holds a negative value, as a tensor's), any other's in :func:`layer_of`
+        its fqn."""
+        for (k, i), r in slices.items():
+            broken = r.nonfinite or (r.role == "exp_avg_sq" and self.sums[(k, i)].acc.negative)
+            if r.role in ("exp_avg", "exp_avg_sq") and broken and (r.fqn, i) in self.moments:
                 self.moments[(r.fqn, i)] = Moments(self.moments[(r.fqn, i)].numel, math.nan, math.nan)
         return [(layer_of(f), u) for f, u in moments.items() if f not in self.prefix] + [
             (f"{self.prefix[f]}{i}", u) for (f, i), u in self.moments.items()
