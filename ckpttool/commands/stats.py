@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import shlex
 import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 from enum import Enum
 from pathlib import Path, PurePath
 from typing import TYPE_CHECKING, Annotated, Any
@@ -94,7 +97,7 @@ def stats_command(
         check_plot_target(plot, tuple(c for c in checkpoints if isinstance(c, Path)))
     options = StatsOptions(filters=tuple(filters or ()), workers=workers, optimizer=not no_optimizer)
     # phases named on stderr (measuring CKPT i/n, comparing steps); each checkpoint's byte bar from its total on
-    with PhaseProgress.on_stderr("stats", not json_output and sys.stderr.isatty()) as shown:
+    with PhaseProgress.on_stderr("stats", not json_output and sys.stderr.isatty()) as shown, _run_hint():
         res = collect_stats(
             [str(c) for c in checkpoints],
             options,
@@ -119,6 +122,22 @@ def stats_command(
     deliver(res, lambda r: sink.result(r, lambda x: _render(x, by, plot)))
     if json_output and plot is not None:  # the document has no place for it: stderr says where the picture went
         sink.note(f"wrote {plot}")
+
+
+@contextmanager
+def _run_hint() -> Iterator[None]:
+    """A run's root given without ``--step`` (E204): its hint also names the steps' directories in run order, as
+    one ``ckpttool stats`` command line (following the run step by step is what stats of several is for)."""
+    from ckpttool.errors import AmbiguousCheckpointError
+
+    try:
+        yield
+    except AmbiguousCheckpointError as e:
+        if len(e.steps) > 1:
+            dirs = [shlex.quote(d) for _, d in e.steps]
+            shown = dirs if len(dirs) <= 6 else [*dirs[:3], "...", dirs[-1]]
+            e.hint += f"; or follow the run, its steps in run order: ckpttool stats {' '.join(shown)}"
+        raise
 
 
 def _step_disorder(res: StatsResult) -> str | None:

@@ -204,6 +204,27 @@ def test_checkpoints_given_out_of_step_order_are_warned_about(run3: list[Path], 
     assert res.exit_code == 0 and "warning" not in res.stderr, res.stderr
 
 
+def test_a_run_root_without_step_says_how_to_follow_the_run(run3: list[Path], tmp_path: Path) -> None:
+    """``ckpttool stats run/`` (a run's root, step-1 ... step-3 below it) said only "pick one with --step N|latest, or
+    pass a directory": the way to see the run step by step, stats' point, was left unsaid. The hint now also names
+    the steps' directories in run order (step-10 after step-2), as one command line."""
+    import shlex
+    import shutil
+
+    root = tmp_path / "run"
+    for s, src in ((1, run3[0]), (2, run3[1]), (10, run3[2])):
+        shutil.copytree(src, root / f"step-{s}")
+    res = runner.invoke(app, ["stats", str(root)])
+    assert res.exit_code == 2 and res.stdout == ""
+    err, hint = res.stderr.splitlines()
+    assert err.startswith("error: [E204] ")
+    follow = " ".join(shlex.quote(str(root / f"step-{s}")) for s in (1, 2, 10))
+    assert hint.endswith(f"; or follow the run, its steps in run order: ckpttool stats {follow}"), hint
+    assert "--step N|latest" in hint
+    ok = runner.invoke(app, ["stats", *shlex.split(hint.rsplit("ckpttool stats ", 1)[1]), "--no-optimizer"])
+    assert ok.exit_code == 0 and "Δ1→2" in ok.stdout and "Δ2→10" in ok.stdout, ok.stderr
+
+
 def test_steps_the_trainer_saved_name_the_checkpoints(tmp_path: Path) -> None:
     """Step directories opened one by one had ``step: null`` though each saved ``train_state.step`` (torchtitan's
     item): the step is now the trainer's when its counters agree, and the change columns are headed by it."""
