@@ -230,14 +230,20 @@ def _table(con: Console, c: CheckpointStats, by: StatsView) -> None:
 def _changes(con: Console, res: StatsResult) -> None:
     from ckpttool.ui.render import Col, print_table
 
-    pairs = list(dict.fromkeys((ch.a, ch.b) for ch in res.changes))
+    given = [(a.path, b.path) for a, b in zip(res.checkpoints, res.checkpoints[1:])]  # pair i: i and i + 1
+    rel: dict[tuple[int, str], float | None] = {}  # (pair index, layer): a pair given twice is two columns
+    at = 0
+    for ch in res.changes:  # in pair order, each layer once per pair
+        while at < len(given) and (given[at] != (ch.a, ch.b) or (at, ch.layer) in rel):
+            at += 1
+        rel[(at, ch.layer)] = ch.relative
+    pairs = list(dict.fromkeys(i for i, _ in rel))
     layers = list(dict.fromkeys(ch.layer for ch in res.changes))
-    rel = {(ch.a, ch.b, ch.layer): ch.relative for ch in res.changes}
-    steps = [c.step for c in res.checkpoints]  # pair i: checkpoints i and i + 1, in the order given
+    steps = [c.step for c in res.checkpoints]
     known = len(pairs) == len(steps) - 1 and None not in steps and len(set(steps)) == len(steps)
     names = [str(s) for s in steps] if known else [f"#{i + 1}" for i in range(len(steps))]
-    cols = [Col("layer", "key")] + [Col(f"Δ{names[i]}→{names[i + 1]}", "num") for i in range(len(pairs))]
-    rows: list[list[Any]] = [[layer, *(_g(rel.get((a, b, layer))) for a, b in pairs)] for layer in layers]
+    cols = [Col("layer", "key")] + [Col(f"Δ{names[i]}→{names[i + 1]}", "num") for i in pairs]
+    rows: list[list[Any]] = [[layer, *(_g(rel.get((i, layer))) for i in pairs)] for layer in layers]
     by = "steps" if known else "#N: the Nth checkpoint given"
     print_table(con, f"relative change ‖W_b − W_a‖ / ‖W_a‖ between consecutive checkpoints ({by})", cols, rows)
 

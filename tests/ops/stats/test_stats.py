@@ -225,6 +225,25 @@ def test_a_run_root_without_step_says_how_to_follow_the_run(run3: list[Path], tm
     assert ok.exit_code == 0 and "Δ1→2" in ok.stdout and "Δ2→10" in ok.stdout, ok.stderr
 
 
+def test_a_pair_given_again_has_its_own_change_column(run3: list[Path]) -> None:
+    """``stats s1 s2 s1 s2``: three consecutive pairs, the JSON's 3 x layers changes, but the table's columns were
+    keyed by the pair's paths, and the third pair (s1→s2 again) folded into the first: two columns, ``Δ#1→#2`` and
+    ``Δ#2→#3``. Each pair given has its column now, its figures those of the JSON."""
+    paths = [str(run3[0]), str(run3[1])] * 2
+    res = runner.invoke(app, ["stats", *paths, "--no-optimizer"], env={"COLUMNS": "200"})
+    assert res.exit_code == 0, res.stderr
+    doc = json.loads(runner.invoke(app, ["stats", *paths, "--no-optimizer", "--json"]).stdout)
+    layers = list(dict.fromkeys(ch["layer"] for ch in doc["changes"]))
+    assert len(doc["changes"]) == 3 * len(layers)
+    table = res.stdout.split("relative change", 1)[1].splitlines()
+    head = next(ln for ln in table if "Δ#1→#2" in ln)
+    assert "Δ#2→#3" in head and "Δ#3→#4" in head, res.stdout
+    for layer in layers:
+        row = next(ln for ln in table if ln.startswith(f"│ {layer} "))
+        want = [f"{ch['relative']:.4g}" for ch in doc["changes"] if ch["layer"] == layer]
+        assert [c.strip() for c in row.strip("│").split("│")[1:]] == want, (row, want)
+
+
 def test_steps_the_trainer_saved_name_the_checkpoints(tmp_path: Path) -> None:
     """Step directories opened one by one had ``step: null`` though each saved ``train_state.step`` (torchtitan's
     item): the step is now the trainer's when its counters agree, and the change columns are headed by it."""
