@@ -179,16 +179,17 @@ def _table(con: Console, c: CheckpointStats, by: StatsView) -> None:
     from ckpttool.ui.render import Col, fmt_count, print_table
 
     if by is StatsView.tensor:
+        # narrow terminals: zeros, mean, dtype, numel, then std give way (named below); key, role, abs max, L2 stay
         cols = [
             Col("key", "key"),
             Col("role", "code"),
-            Col("dtype", "code"),
-            Col("numel", "num"),
-            Col("mean", "num"),
-            Col("std", "num"),
+            Col("dtype", "code", drop=3),
+            Col("numel", "num", drop=2),
+            Col("mean", "num", drop=4),
+            Col("std", "num", drop=1),
             Col("abs max", "num"),
             Col("L2", "num"),
-            Col("zeros", "num"),
+            Col("zeros", "num", drop=5),
             Col("NaN/Inf", "num", hide_empty=True),
         ]
         rows: list[list[Any]] = [

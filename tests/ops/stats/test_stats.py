@@ -823,3 +823,27 @@ def test_checkpoints_of_different_models_are_said_to_be_so_once(dense_ckpt: Path
     # checkpoints of one model: nothing skipped, no such line
     doc = collect_stats([dense_ckpt, dense_ckpt], StatsOptions(optimizer=False))
     assert doc.changes and not doc.skipped
+
+
+def test_per_tensor_table_fits_a_60_column_terminal(dense_ckpt: Path, tmp_path: Path) -> None:
+    """``stats --by tensor`` at 60 columns printed a 105-column table (no column could give way) that the terminal
+    wrapped into a jumble; zeros, mean, dtype, numel and std now give way, named below it, and key, role, abs max and
+    L2 stay, the L2 that torch computes of each tensor."""
+    res = runner.invoke(app, ["stats", str(dense_ckpt), "--by", "tensor"], env={"COLUMNS": "60"})
+    assert res.exit_code == 0, res.stderr
+    lines = res.stdout.splitlines()
+    assert max(len(ln) for ln in lines if ln[:1] in "┏┃┡│└") <= 60, res.stdout
+    (hidden,) = [ln for ln in lines if ln.startswith("  (not shown at 60 columns: ")]
+    assert "zeros" in hidden and "L2" not in hidden and "abs max" not in hidden, hidden
+    head = next(ln for ln in lines if ln.startswith("┃ key"))
+    names = [c.strip() for c in head.strip("┃").split("┃")]
+    assert names[:2] == ["key", "role"] and "L2" in names and "abs max" in names, names
+    ref = torch_state(dense_ckpt, tmp_path)
+    wide = runner.invoke(app, ["stats", str(dense_ckpt), "--by", "tensor", "--wide"], env={"COLUMNS": "60"})
+    rows = [ln for ln in wide.stdout.splitlines() if ln.startswith("│ model.")]
+    assert rows
+    wide_head = next(ln for ln in wide.stdout.splitlines() if ln.startswith("┃ key"))
+    at = [c.strip() for c in wide_head.strip("┃").split("┃")].index("L2")
+    for row in rows:
+        cells = [c.strip() for c in row.strip("│").split("│")]
+        assert cells[at] == f"{float(ref[cells[0]].double().norm()):.4g}", cells
