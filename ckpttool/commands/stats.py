@@ -229,7 +229,7 @@ def _table(con: Console, c: CheckpointStats, by: StatsView) -> None:
 
 
 def _changes(con: Console, res: StatsResult) -> None:
-    from ckpttool.ui.render import Col, print_table
+    from ckpttool.ui.render import Col, column_groups, print_table
 
     given = [(a.path, b.path) for a, b in zip(res.checkpoints, res.checkpoints[1:])]  # pair i: i and i + 1
     rel: dict[tuple[int, str], float | None] = {}  # (pair index, layer): a pair given twice is two columns
@@ -246,7 +246,11 @@ def _changes(con: Console, res: StatsResult) -> None:
     cols = [Col("layer", "key")] + [Col(f"Δ{names[i]}→{names[i + 1]}", "num") for i in pairs]
     rows: list[list[Any]] = [[layer, *(_g(rel.get((i, layer))) for i in pairs)] for layer in layers]
     by = "steps" if known else "#N: the Nth checkpoint given"
-    print_table(con, f"relative change ‖W_b − W_a‖ / ‖W_a‖ between consecutive checkpoints ({by})", cols, rows)
+    title = f"relative change ‖W_b − W_a‖ / ‖W_a‖ between consecutive checkpoints ({by})"
+    groups = column_groups(cols, rows, con.width)  # no Δ column may give way: a table per group that fits
+    for n, group in enumerate(groups):
+        more = f", {n + 1} of {len(groups)}" if len(groups) > 1 else ""
+        print_table(con, title[:-1] + more + ")", [cols[j] for j in group], [[r[j] for j in group] for r in rows])
 
 
 EPILOG = examples(

@@ -847,3 +847,24 @@ def test_per_tensor_table_fits_a_60_column_terminal(dense_ckpt: Path, tmp_path: 
     for row in rows:
         cells = [c.strip() for c in row.strip("│").split("│")]
         assert cells[at] == f"{float(ref[cells[0]].double().norm()):.4g}", cells
+
+
+def test_change_table_of_many_checkpoints_is_split_to_fit_the_terminal(run3: list[Path]) -> None:
+    """``stats`` of 12 checkpoints at 80 columns printed one change table 128 columns wide (11 Δ columns, none of
+    which may give way) that the terminal wrapped into a jumble. It is now printed as several tables that each fit,
+    every one with the layer column, the Δ columns in order, each figure the one --json has; --wide keeps one."""
+    paths = [str(run3[i % 3]) for i in range(12)]
+    res = runner.invoke(app, ["stats", *paths, "--no-optimizer", "-q"], env={"COLUMNS": "80"})
+    assert res.exit_code == 0, res.stderr
+    part = res.stdout.split("relative change", 1)[1].splitlines()
+    assert max(len(ln) for ln in part if ln[:1] in "┏┃┡│└") <= 80, res.stdout
+    heads = [ln for ln in part if ln.startswith("┃ layer")]
+    assert len(heads) > 1
+    shown = [c.strip() for h in heads for c in h.strip("┃").split("┃")[1:]]
+    assert shown == [f"Δ#{i}→#{i + 1}" for i in range(1, 12)], shown
+    doc = json.loads(runner.invoke(app, ["stats", *paths, "--no-optimizer", "--json"]).stdout)
+    layer = doc["changes"][0]["layer"]
+    got = [c.strip() for ln in part if ln.startswith(f"│ {layer} ") for c in ln.strip("│").split("│")[1:]]
+    assert got == [f"{ch['relative']:.4g}" for ch in doc["changes"] if ch["layer"] == layer]
+    wide = runner.invoke(app, ["stats", *paths, "--no-optimizer", "-q", "--wide"], env={"COLUMNS": "80"})
+    assert len([ln for ln in wide.stdout.split("relative change", 1)[1].splitlines() if ln.startswith("┃ layer")]) == 1
