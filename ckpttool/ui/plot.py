@@ -18,7 +18,7 @@ import warnings
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from ckpttool.errors import UsageError
+from ckpttool.errors import OutputError, UsageError
 from ckpttool.format.atomic import atomic_write_bytes, check_file_target
 
 if TYPE_CHECKING:
@@ -59,6 +59,17 @@ def check_plot_target(path: Path, sources: tuple[Path, ...] = ()) -> None:
     Raises:
         UsageError: an unknown suffix, a missing directory, no matplotlib; OutputError (E600): as above.
     """
+    try:
+        _check_plot_target(path, sources)
+    except OSError as e:  # a name the system refuses to look up (over NAME_MAX: ENAMETOOLONG)
+        raise OutputError(
+            f"--plot {path}: cannot be used as a file name ({e.strerror})",
+            hint="give a shorter file name ending in .png, .svg or .html",
+        ) from None
+    _pyplot()
+
+
+def _check_plot_target(path: Path, sources: tuple[Path, ...]) -> None:
     if path.is_dir():
         raise UsageError(f"--plot {path} is a directory", hint="give a file name ending in .png, .svg or .html")
     if path.suffix.lower() not in PLOT_SUFFIXES:
@@ -80,7 +91,6 @@ def check_plot_target(path: Path, sources: tuple[Path, ...] = ()) -> None:
         sources=sources,
         owned=_drawn_here,
     )
-    _pyplot()
 
 
 #: What every picture ckpttool draws carries: the PNG ``Software`` text, the SVG's ``dc:creator``, the HTML title.

@@ -455,6 +455,27 @@ def test_plot_refused_before_any_work(dense_ckpt: Path, tmp_path: Path) -> None:
     assert not (tmp_path / "x.png").exists() and p.stdout == ""
 
 
+@pytest.mark.parametrize("command", ["stats", "diff"])
+def test_plot_name_the_system_refuses_is_one_coded_line(command: str, dense_ckpt: Path, tmp_path: Path) -> None:
+    """``--plot`` with a file name of 300 characters (over NAME_MAX, 255): the stat of the target raised
+    ``OSError: [Errno 36] File name too long`` and the command ended ``E999 internal error``; it is E600 naming
+    the option and the system's reason, before anything is read, and nothing is written."""
+    import errno
+    import os
+
+    name = tmp_path / ("x" * 300 + ".png")
+    with pytest.raises(OSError) as raised:  # what the system says of that name
+        os.stat(name)
+    assert raised.value.errno == errno.ENAMETOOLONG
+    args = [command, str(dense_ckpt)] + ([str(dense_ckpt)] if command == "diff" else []) + ["--plot", str(name)]
+    res = runner.invoke(app, args)
+    assert res.exit_code == 2 and res.stdout == "", res.stderr
+    err, hint = res.stderr.splitlines()
+    assert err == f"error: [E600] --plot {name}: cannot be used as a file name (File name too long)", err
+    assert hint.startswith("hint: ") and "E999" not in res.stderr
+    assert os.listdir(tmp_path) == []
+
+
 def test_matplotlib_is_imported_only_by_the_plot_module() -> None:
     root = Path(__file__).resolve().parents[3] / "ckpttool"
     users = sorted(
