@@ -347,6 +347,10 @@ class Output:
         print_error(err)
 
 
+#: ``pathlib.Path.resolve``'s error for a symlink loop before Python 3.13 (later ones raise ``OSError`` ELOOP).
+_SYMLINK_LOOP = re.compile(r"Symlink loop from '(.*)'", re.S)
+
+
 def command_boundary(func: F) -> F:
     """Wrap a command: map errors to one-line messages and documented exit codes.
 
@@ -381,6 +385,8 @@ def command_boundary(func: F) -> F:
             _silence_stdout()
             raise typer.Exit(0) from None
         except OSError as e:
+            if e.errno == errno.ELOOP and e.filename is not None:  # Python 3.13's Path.resolve() of a symlink loop
+                return _symlink_loop(str(e.filename))
             if e.errno != errno.ENAMETOOLONG:
                 return _internal(e)
             # a path argument with a component over NAME_MAX (255 bytes) or longer than PATH_MAX: the user's to fix
@@ -391,8 +397,20 @@ def command_boundary(func: F) -> F:
                 )
             )
             raise typer.Exit(2) from None
+        except RuntimeError as e:
+            loop = _SYMLINK_LOOP.fullmatch(str(e))  # Path.resolve() of a link that leads back to itself (Python < 3.13)
+            return _internal(e) if loop is None else _symlink_loop(loop.group(1))
         except Exception as e:
             return _internal(e)
+
+    def _symlink_loop(path: str) -> Any:
+        print_error(
+            UsageError(
+                f"{path}: a symbolic link loop (a link that leads back to itself)",
+                hint="point the link at a real file or directory, or give another path",
+            )
+        )
+        raise typer.Exit(2) from None
 
     def _internal(e: Exception) -> Any:
         if os.environ.get("CKPTTOOL_DEBUG"):

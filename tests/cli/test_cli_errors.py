@@ -660,3 +660,20 @@ def test_a_path_the_system_refuses_as_too_long_is_one_coded_line(
     err, hint = res.stderr.splitlines()
     assert err.startswith("error: [E100] ") and "File name too long" in err and name[:50] in err, err
     assert hint.startswith("hint: ") and "E999" not in res.stderr
+
+
+def test_an_output_that_is_a_symlink_loop_is_one_coded_line(dense_ckpt: Path, tmp_path: Path) -> None:
+    """``export ckpt loop/a`` where ``a -> b -> a``: ``Path.resolve()`` raised ``RuntimeError: Symlink loop from``
+    and export ended in E999 internal error; a symlink loop met anywhere is E100 naming the path, exit 2."""
+    import errno
+
+    (tmp_path / "a").symlink_to("b")
+    (tmp_path / "b").symlink_to("a")
+    with pytest.raises(OSError) as raised:  # what the system says of it
+        os.stat(tmp_path / "a")
+    assert raised.value.errno == errno.ELOOP
+    res = runner.invoke(app, ["export", str(dense_ckpt), str(tmp_path / "a")])
+    assert res.exit_code == 2 and res.stdout == "", res.stderr
+    err, hint = res.stderr.splitlines()
+    assert err == f"error: [E100] {tmp_path / 'a'}: a symbolic link loop (a link that leads back to itself)", err
+    assert hint.startswith("hint: ") and sorted(os.listdir(tmp_path)) == ["a", "b"]
