@@ -192,6 +192,13 @@ def diff_command(
             opening_a=OpenOptions(declaration=decl_a, trust_pickle=trust_pickle, selection=keys),
             opening_b=OpenOptions(declaration=decl_b, trust_pickle=trust_pickle, selection=keys),
         )
+    unused = [n for n, given in (("--rules", map_rules), ("--adapter", adapter)) if given is not None]
+    unused += ["--weights master"] if weights is not Weights.params else []
+    if unused and res.a.kind == res.b.kind == "dcp":  # the export mapping of a DCP side to safetensors names
+        Output(json_output).warning(
+            f"{', '.join(unused)} {'map' if len(unused) > 1 else 'maps'} a DCP checkpoint to a safetensors side's "
+            "names: both sides are DCP checkpoints, compared by their own keys without it"
+        )
     if plot is not None:
         from ckpttool.ui.plot import write_diff_plot
 

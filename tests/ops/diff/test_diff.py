@@ -496,3 +496,24 @@ def test_a_side_that_is_a_symlink_loop_is_one_coded_line(side: str, dense_ckpt: 
     assert re.match(r"error: \[E1\d\d\] ", err) and loop in err and "E999" not in err, err
     stats = CliRunner().invoke(app, ["stats", loop])
     assert stats.exit_code == 2 and stats.stderr.splitlines()[0] == err, (stats.stderr, err)
+
+
+def test_export_mapping_options_between_two_dcp_sides_are_said_unused(dense_ckpt: Path, tmp_path: Path) -> None:
+    """``diff ckpt ckpt --rules rules.yaml`` (or ``--adapter``, ``--weights master``): they map a DCP side to the
+    names of a safetensors side, and between two DCP checkpoints they were dropped without a word, even a --rules
+    file that does not exist: the user believed the comparison used them. A warning now names them as unused."""
+    missing = tmp_path / "nope.yaml"
+    for extra, named in (
+        (["--rules", str(missing)], "--rules"),
+        (["--adapter", "hf"], "--adapter"),
+        (["--weights", "master"], "--weights master"),
+    ):
+        for json_flag in ([], ["--json"]):
+            res = CliRunner().invoke(app, ["diff", str(dense_ckpt), str(dense_ckpt), *extra, *json_flag])
+            assert res.exit_code == 0, res.stderr
+            assert res.stderr.splitlines() == [
+                f"warning: {named} maps a DCP checkpoint to a safetensors side's names: both sides are DCP "
+                "checkpoints, compared by their own keys without it"
+            ], res.stderr
+    res = CliRunner().invoke(app, ["diff", str(dense_ckpt), str(dense_ckpt)])
+    assert res.exit_code == 0 and "warning" not in res.stderr
