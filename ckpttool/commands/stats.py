@@ -215,14 +215,14 @@ def _table(con: Console, c: CheckpointStats, by: StatsView) -> None:
     cols = [Col(by.value, "key"), Col("params", "num")]
     cols += [Col(f"‖{r}‖", "num", drop=int(r in ("master_weight", "exp_avg_sq"))) for r in roles]
     cols += [
-        Col("abs max", "num", drop=1),
+        Col("abs max", "num", drop=1, hide_empty=True),
         Col("update rms", "num", hide_empty=True),
         Col("NaN/Inf", "num", hide_empty=True),
     ]
     rows = [
         [g.name, fmt_count(g.params)]
         + [_g(g.norms.get(r)) for r in roles]
-        + [_g(g.abs_max), _g(g.update_rms), g.nonfinite or None]
+        + [_g(g.abs_max) if g.params else None, _g(g.update_rms), g.nonfinite or None]  # no model tensor: blank
         for g in groups
     ]
     print_table(con, f"per {by.value}", cols, rows)

@@ -889,3 +889,24 @@ def test_change_table_of_many_checkpoints_is_split_to_fit_the_terminal(run3: lis
     assert got == [f"{ch['relative']:.4g}" for ch in doc["changes"] if ch["layer"] == layer]
     wide = runner.invoke(app, ["stats", *paths, "--no-optimizer", "-q", "--wide"], env={"COLUMNS": "80"})
     assert len([ln for ln in wide.stdout.split("relative change", 1)[1].splitlines() if ln.startswith("┃ layer")]) == 1
+
+
+def test_a_layer_without_model_tensors_has_no_abs_max_not_nan(dense_ckpt: Path, tmp_path: Path) -> None:
+    """``stats --filter 'optimizer.*'`` (the moments only): each layer's ``abs max`` (of its model tensors, none
+    measured) read ``nan``, what the table prints for weights that hold only NaN/Inf: a divergence that is not
+    there. It is blank (the column left out when no layer has one); a layer whose weights are all NaN still says
+    nan."""
+    res = runner.invoke(app, ["stats", str(dense_ckpt), "--filter", "optimizer.*"], env={"COLUMNS": "200"})
+    assert res.exit_code == 0, res.stderr
+    table = [ln for ln in res.stdout.splitlines() if ln[:1] in "┃│"]
+    assert table and not any("nan" in ln for ln in table), res.stdout
+    assert "abs max" not in table[0] and "‖exp_avg‖" in table[0], table[0]
+    bad = copy_checkpoint(dense_ckpt, tmp_path / "bad")
+    fqn = "model.layers.1.mlp.up_proj.weight"
+    for key in [k for k in torch_state(bad, tmp_path) if k.startswith("model.model.layers.1.") and "weight" in k]:
+        damage.rewrite_tensor(bad, key, lambda t: torch.full_like(t, math.nan))
+    res = runner.invoke(app, ["stats", str(bad), "--no-optimizer"], env={"COLUMNS": "200"})
+    row = next(ln for ln in res.stdout.splitlines() if ln.startswith("│ model.layers.1 "))
+    cells = [c.strip() for c in row.strip("│").split("│")]
+    head = next(ln for ln in res.stdout.splitlines() if ln.startswith("┃ layer"))
+    assert cells[[c.strip() for c in head.strip("┃").split("┃")].index("abs max")] == "nan", (row, fqn)
