@@ -277,7 +277,12 @@ class IncompleteCheckpointError(MetadataError, code="E202"):
 
 
 class AmbiguousCheckpointError(MetadataError, code="E204"):
-    """A directory without ``.metadata`` holding several checkpoints below it: which one is not clear."""
+    """A directory without ``.metadata`` holding several checkpoints below it: which one is not clear.
+
+    ``steps``: the complete steps' directories below it, ``(step, directory)`` in step order (a command that reads
+    several checkpoints names them in its hint)."""
+
+    steps: tuple[tuple[int, str], ...] = ()
 
 
 class StepNotFoundError(MetadataError, code="E205"):

@@ -192,6 +192,7 @@ def diff_command(
             opening_a=OpenOptions(declaration=decl_a, trust_pickle=trust_pickle, selection=keys),
             opening_b=OpenOptions(declaration=decl_b, trust_pickle=trust_pickle, selection=keys),
         )
+    _unused_mapping(res, map_rules, adapter, weights, json_output)
     if plot is not None:
         from ckpttool.ui.plot import write_diff_plot
 
@@ -199,6 +200,18 @@ def diff_command(
     _print_result(res, plot, json_output)
     if not res.equal:
         raise typer.Exit(1)
+
+
+def _unused_mapping(res: Any, map_rules: Path | None, adapter: str | None, weights: Weights, json_output: bool) -> None:
+    """A warning naming ``--rules``, ``--adapter`` and ``--weights master`` between two DCP checkpoints: the export
+    mapping of a DCP side to a safetensors side's names, which such a comparison does not use."""
+    unused = [n for n, given in (("--rules", map_rules), ("--adapter", adapter)) if given is not None]
+    unused += ["--weights master"] if weights is not Weights.params else []
+    if unused and res.a.kind == res.b.kind == "dcp":
+        Output(json_output).warning(
+            f"{', '.join(unused)} {'map' if len(unused) > 1 else 'maps'} a DCP checkpoint to a safetensors side's "
+            "names: both sides are DCP checkpoints, compared by their own keys without it"
+        )
 
 
 def _print_result(res: Any, plot: Path | None, json_output: bool) -> None:

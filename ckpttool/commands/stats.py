@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import shlex
 import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 from enum import Enum
 from pathlib import Path, PurePath
 from typing import TYPE_CHECKING, Annotated, Any
@@ -94,7 +97,7 @@ def stats_command(
         check_plot_target(plot, tuple(c for c in checkpoints if isinstance(c, Path)))
     options = StatsOptions(filters=tuple(filters or ()), workers=workers, optimizer=not no_optimizer)
     # phases named on stderr (measuring CKPT i/n, comparing steps); each checkpoint's byte bar from its total on
-    with PhaseProgress.on_stderr("stats", not json_output and sys.stderr.isatty()) as shown:
+    with PhaseProgress.on_stderr("stats", not json_output and sys.stderr.isatty()) as shown, _run_hint():
         res = collect_stats(
             [str(c) for c in checkpoints],
             options,
@@ -109,6 +112,9 @@ def stats_command(
 
         write_stats_plot(res, plot, optimizer=not no_optimizer)
     sink = Output(json_output)
+    disorder = _step_disorder(res)
+    if disorder is not None:
+        sink.warning(disorder)
     if not json_output:  # --json: the notes are in the document
         for c in res.checkpoints:
             for n in c.notes:
@@ -116,6 +122,35 @@ def stats_command(
     deliver(res, lambda r: sink.result(r, lambda x: _render(x, by, plot)))
     if json_output and plot is not None:  # the document has no place for it: stderr says where the picture went
         sink.note(f"wrote {plot}")
+
+
+@contextmanager
+def _run_hint() -> Iterator[None]:
+    """A run's root given without ``--step`` (E204): its hint also names the steps' directories in run order, as
+    one ``ckpttool stats`` command line (following the run step by step is what stats of several is for)."""
+    from ckpttool.errors import AmbiguousCheckpointError
+
+    try:
+        yield
+    except AmbiguousCheckpointError as e:
+        if len(e.steps) > 1:
+            dirs = [shlex.quote(d) for _, d in e.steps]
+            shown = dirs if len(dirs) <= 6 else [*dirs[:3], "...", dirs[-1]]
+            e.hint += f"; or follow the run, its steps in run order: ckpttool stats {' '.join(shown)}"
+        raise
+
+
+def _step_disorder(res: StatsResult) -> str | None:
+    """A warning when a checkpoint's known step is below the one given before it (a shell glob's ``step-1 step-10
+    step-2``): the changes are between neighbours as given, a jump of several steps read as one step's change."""
+    steps = [c.step for c in res.checkpoints]
+    known = [s for s in steps if s is not None]
+    if len(known) < 2 or len(known) < len(steps) or all(a <= b for a, b in zip(known, known[1:])):
+        return None
+    return (
+        f"the checkpoints are not in step order (steps {', '.join(map(str, steps))}, as given): each change is between "
+        "neighbours as given; give them in run order (a shell glob puts step-10 before step-2: ls -v, sort -V)"
+    )
 
 
 def _g(v: float | None) -> str | None:
@@ -144,16 +179,17 @@ def _table(con: Console, c: CheckpointStats, by: StatsView) -> None:
     from ckpttool.ui.render import Col, fmt_count, print_table
 
     if by is StatsView.tensor:
+        # narrow terminals: zeros, mean, dtype, numel, then std give way (named below); key, role, abs max, L2 stay
         cols = [
             Col("key", "key"),
             Col("role", "code"),
-            Col("dtype", "code"),
-            Col("numel", "num"),
-            Col("mean", "num"),
-            Col("std", "num"),
+            Col("dtype", "code", drop=3),
+            Col("numel", "num", drop=2),
+            Col("mean", "num", drop=4),
+            Col("std", "num", drop=1),
             Col("abs max", "num"),
             Col("L2", "num"),
-            Col("zeros", "num"),
+            Col("zeros", "num", drop=5),
             Col("NaN/Inf", "num", hide_empty=True),
         ]
         rows: list[list[Any]] = [
@@ -179,32 +215,42 @@ def _table(con: Console, c: CheckpointStats, by: StatsView) -> None:
     cols = [Col(by.value, "key"), Col("params", "num")]
     cols += [Col(f"‖{r}‖", "num", drop=int(r in ("master_weight", "exp_avg_sq"))) for r in roles]
     cols += [
-        Col("abs max", "num", drop=1),
+        Col("abs max", "num", drop=1, hide_empty=True),
         Col("update rms", "num", hide_empty=True),
         Col("NaN/Inf", "num", hide_empty=True),
     ]
     rows = [
         [g.name, fmt_count(g.params)]
         + [_g(g.norms.get(r)) for r in roles]
-        + [_g(g.abs_max), _g(g.update_rms), g.nonfinite or None]
+        + [_g(g.abs_max) if g.params else None, _g(g.update_rms), g.nonfinite or None]  # no model tensor: blank
         for g in groups
     ]
     print_table(con, f"per {by.value}", cols, rows)
 
 
 def _changes(con: Console, res: StatsResult) -> None:
-    from ckpttool.ui.render import Col, print_table
+    from ckpttool.ui.render import Col, column_groups, print_table
 
-    pairs = list(dict.fromkeys((ch.a, ch.b) for ch in res.changes))
+    given = [(a.path, b.path) for a, b in zip(res.checkpoints, res.checkpoints[1:])]  # pair i: i and i + 1
+    rel: dict[tuple[int, str], float | None] = {}  # (pair index, layer): a pair given twice is two columns
+    at = 0
+    for ch in res.changes:  # in pair order, each layer once per pair
+        while at < len(given) and (given[at] != (ch.a, ch.b) or (at, ch.layer) in rel):
+            at += 1
+        rel[(at, ch.layer)] = ch.relative
+    pairs = list(dict.fromkeys(i for i, _ in rel))
     layers = list(dict.fromkeys(ch.layer for ch in res.changes))
-    rel = {(ch.a, ch.b, ch.layer): ch.relative for ch in res.changes}
-    steps = [c.step for c in res.checkpoints]  # pair i: checkpoints i and i + 1, in the order given
+    steps = [c.step for c in res.checkpoints]
     known = len(pairs) == len(steps) - 1 and None not in steps and len(set(steps)) == len(steps)
     names = [str(s) for s in steps] if known else [f"#{i + 1}" for i in range(len(steps))]
-    cols = [Col("layer", "key")] + [Col(f"Δ{names[i]}→{names[i + 1]}", "num") for i in range(len(pairs))]
-    rows: list[list[Any]] = [[layer, *(_g(rel.get((a, b, layer))) for a, b in pairs)] for layer in layers]
+    cols = [Col("layer", "key")] + [Col(f"Δ{names[i]}→{names[i + 1]}", "num") for i in pairs]
+    rows: list[list[Any]] = [[layer, *(_g(rel.get((i, layer))) for i in pairs)] for layer in layers]
     by = "steps" if known else "#N: the Nth checkpoint given"
-    print_table(con, f"relative change ‖W_b − W_a‖ / ‖W_a‖ between consecutive checkpoints ({by})", cols, rows)
+    title = f"relative change ‖W_b − W_a‖ / ‖W_a‖ between consecutive checkpoints ({by})"
+    groups = column_groups(cols, rows, con.width)  # no Δ column may give way: a table per group that fits
+    for n, group in enumerate(groups):
+        more = f", {n + 1} of {len(groups)}" if len(groups) > 1 else ""
+        print_table(con, title[:-1] + more + ")", [cols[j] for j in group], [[r[j] for j in group] for r in rows])
 
 
 EPILOG = examples(

@@ -898,11 +898,19 @@ def _ambiguous(
         )
     else:
         hint = f"pass one of them, e.g. {shlex.quote(str(units[0].model))}"
-    return AmbiguousCheckpointError(
+    err = AmbiguousCheckpointError(
         f"{root}: no .metadata; {len(units)} checkpoints below it: {shown}",
         path=root,
         hint=hint,
     )
+    err.steps = tuple(
+        sorted(
+            (u.step, str(u.model if u.optimizer is None else u.model.parent))
+            for u in units
+            if u.step is not None and u.step not in incomplete
+        )
+    )
+    return err
 
 
 def _prefixed(md: CheckpointMetadata, prefix: str) -> dict[tuple[str, tuple[int, ...] | None], StorageInfo]:

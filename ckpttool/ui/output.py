@@ -11,6 +11,7 @@ command's flags. ``docs/design.md`` §8; ``docs/cli.md``.
 
 from __future__ import annotations
 
+import errno
 import functools
 import io
 import json
@@ -23,7 +24,7 @@ from typing import Any, Protocol, TextIO, TypeVar
 
 import typer
 
-from ckpttool.errors import CkptError
+from ckpttool.errors import CkptError, UsageError
 from ckpttool.ui.render import safe_text
 
 __all__ = [
@@ -346,6 +347,10 @@ class Output:
         print_error(err)
 
 
+#: ``pathlib.Path.resolve``'s error for a symlink loop before Python 3.13 (later ones raise ``OSError`` ELOOP).
+_SYMLINK_LOOP = re.compile(r"Symlink loop from '(.*)'", re.S)
+
+
 def command_boundary(func: F) -> F:
     """Wrap a command: map errors to one-line messages and documented exit codes.
 
@@ -379,13 +384,41 @@ def command_boundary(func: F) -> F:
             # /dev/null so the interpreter's final flush does not fail again.
             _silence_stdout()
             raise typer.Exit(0) from None
-        except Exception as e:
-            if os.environ.get("CKPTTOOL_DEBUG"):
-                raise
-            msg = " ".join(str(e).split())[:200]
-            _stderr().write(_line("error", f"[E999] internal error: {type(e).__name__}: {msg}"))
-            _stderr().write(_line("hint", "rerun with CKPTTOOL_DEBUG=1 for a traceback and report it"))
+        except OSError as e:
+            if e.errno == errno.ELOOP and e.filename is not None:  # Python 3.13's Path.resolve() of a symlink loop
+                return _symlink_loop(str(e.filename))
+            if e.errno != errno.ENAMETOOLONG:
+                return _internal(e)
+            # a path argument with a component over NAME_MAX (255 bytes) or longer than PATH_MAX: the user's to fix
+            print_error(
+                UsageError(
+                    f"{e.filename if e.filename is not None else 'a path'}: {e.strerror}",
+                    hint="a name in a path holds at most 255 bytes, a path 4096: give a shorter one",
+                )
+            )
             raise typer.Exit(2) from None
+        except RuntimeError as e:
+            loop = _SYMLINK_LOOP.fullmatch(str(e))  # Path.resolve() of a link that leads back to itself (Python < 3.13)
+            return _internal(e) if loop is None else _symlink_loop(loop.group(1))
+        except Exception as e:
+            return _internal(e)
+
+    def _symlink_loop(path: str) -> Any:
+        print_error(
+            UsageError(
+                f"{path}: a symbolic link loop (a link that leads back to itself)",
+                hint="point the link at a real file or directory, or give another path",
+            )
+        )
+        raise typer.Exit(2) from None
+
+    def _internal(e: Exception) -> Any:
+        if os.environ.get("CKPTTOOL_DEBUG"):
+            raise e
+        msg = " ".join(str(e).split())[:200]
+        _stderr().write(_line("error", f"[E999] internal error: {type(e).__name__}: {msg}"))
+        _stderr().write(_line("hint", "rerun with CKPTTOOL_DEBUG=1 for a traceback and report it"))
+        raise typer.Exit(2) from None
 
     return wrapper  # type: ignore[return-value]
 

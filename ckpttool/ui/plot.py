@@ -14,10 +14,11 @@ import html
 import io
 import math
 import re
+import warnings
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from ckpttool.errors import UsageError
+from ckpttool.errors import OutputError, UsageError
 from ckpttool.format.atomic import atomic_write_bytes, check_file_target
 
 if TYPE_CHECKING:
@@ -58,6 +59,17 @@ def check_plot_target(path: Path, sources: tuple[Path, ...] = ()) -> None:
     Raises:
         UsageError: an unknown suffix, a missing directory, no matplotlib; OutputError (E600): as above.
     """
+    try:
+        _check_plot_target(path, sources)
+    except OSError as e:  # a name the system refuses to look up (over NAME_MAX: ENAMETOOLONG)
+        raise OutputError(
+            f"--plot {path}: cannot be used as a file name ({e.strerror})",
+            hint="give a shorter file name ending in .png, .svg or .html",
+        ) from None
+    _pyplot()
+
+
+def _check_plot_target(path: Path, sources: tuple[Path, ...]) -> None:
     if path.is_dir():
         raise UsageError(f"--plot {path} is a directory", hint="give a file name ending in .png, .svg or .html")
     if path.suffix.lower() not in PLOT_SUFFIXES:
@@ -79,7 +91,6 @@ def check_plot_target(path: Path, sources: tuple[Path, ...] = ()) -> None:
         sources=sources,
         owned=_drawn_here,
     )
-    _pyplot()
 
 
 #: What every picture ckpttool draws carries: the PNG ``Software`` text, the SVG's ``dc:creator``, the HTML title.
@@ -117,6 +128,10 @@ def layer_axis(res: StatsResult) -> list[str]:
     return order
 
 
+#: Checkpoints drawn with a legend; more are coloured by their place in the order given, named on a colour bar.
+_LEGEND_MOST = 8
+
+
 def _layer_lines(ax: Any, res: StatsResult, value: Any, title: str, ylabel: str, empty: str = "") -> bool:
     """One line per checkpoint of ``value(layer)`` over the layers of :func:`layer_axis` that have one: each value
     at its own layer's position (a layer without a value in a checkpoint, say one whose parameters were frozen, is
@@ -127,9 +142,23 @@ def _layer_lines(ax: Any, res: StatsResult, value: Any, title: str, ylabel: str,
         series.append((_label(res, i), pts))
     names = [n for n in layer_axis(res) if any(n in pts for _, pts in series)]
     shown = [v for _, pts in series for v in pts.values()]
-    for label, pts in series:
+    many = len(series) > _LEGEND_MOST
+    if many:  # a legend of dozens of entries is taller than the panel and hides the lines: a colour scale instead
+        from matplotlib import colormaps
+        from matplotlib.cm import ScalarMappable
+        from matplotlib.colors import Normalize
+
+        scale = ScalarMappable(norm=Normalize(0, len(series) - 1), cmap=colormaps["viridis"])
+    for i, (label, pts) in enumerate(series):
         if pts:
-            ax.plot(range(len(names)), [pts.get(n, math.nan) for n in names], marker="o", markersize=3, label=label)
+            ax.plot(
+                range(len(names)),
+                [pts.get(n, math.nan) for n in names],
+                marker="o",
+                markersize=3,
+                label=label,
+                color=scale.get_cmap()(i / (len(series) - 1)) if many else None,
+            )
     drawn = bool(shown)
     ax.set_title(title, fontsize=9)
     if drawn:
@@ -144,7 +173,13 @@ def _layer_lines(ax: Any, res: StatsResult, value: Any, title: str, ylabel: str,
         else:
             ax.set_ylim(0, max(shown) * 1.05)
             ax.ticklabel_format(axis="y", style="sci", scilimits=(-3, 4), useOffset=False)
-        ax.legend(fontsize=6)
+        if many:
+            bar = ax.figure.colorbar(scale, ax=ax)
+            at = sorted({*_every(len(series) - 1, 9), len(series) - 1})  # the first and the last named
+            bar.set_ticks(at, labels=[series[i][0] for i in at], fontsize=6)
+            bar.set_label("checkpoint (in the order given)", fontsize=8)
+        else:
+            ax.legend(fontsize=6)
     else:
         ax.text(0.5, 0.5, empty or "not in the checkpoint", ha="center", va="center", transform=ax.transAxes)
         ax.set_axis_off()
@@ -252,8 +287,11 @@ def _save(fig: Any, plt: Any, path: Path, title: str) -> None:
     suffix = path.suffix.lower()
     buf = io.BytesIO()
     fmt = "svg" if suffix == ".html" else suffix[1:]
-    fig.savefig(buf, format=fmt, dpi=120, metadata={"Software" if fmt == "png" else "Creator": _MARK})
+    with warnings.catch_warnings(record=True) as caught:  # matplotlib's own warnings: ckpttool's lines instead
+        warnings.simplefilter("always")
+        fig.savefig(buf, format=fmt, dpi=120, metadata={"Software" if fmt == "png" else "Creator": _MARK})
     plt.close(fig)
+    _drawing_warnings(path, [str(w.message) for w in caught])
     data = buf.getvalue()
     if suffix == ".html":
         svg = data.decode("utf-8")
@@ -262,6 +300,22 @@ def _save(fig: Any, plt: Any, path: Path, title: str) -> None:
             f"<body>\n{svg[svg.index('<svg') :]}\n</body></html>\n"
         ).encode()
     atomic_write_bytes(path, data, fsync=False)
+
+
+#: matplotlib's warning for a character its font cannot draw (a CJK checkpoint path): ``Glyph 23455 (...) missing``.
+_NO_GLYPH = re.compile(r"Glyph (\d+) .*missing from font")
+
+
+def _drawing_warnings(path: Path, messages: list[str]) -> None:
+    """matplotlib's warnings while drawing ``path`` as ``warning:`` lines (its own printed a source file and line):
+    the characters no font had, drawn as boxes, in one line; any other, its first line, once."""
+    from ckpttool.ui.output import warn
+
+    boxes = list(dict.fromkeys(chr(int(m.group(1))) for t in messages if (m := _NO_GLYPH.search(t))))
+    if boxes:
+        warn(f"--plot {path}: the font has no glyph for {', '.join(boxes)} (drawn as boxes)")
+    for text in dict.fromkeys(t.splitlines()[0] if t else "" for t in messages if not _NO_GLYPH.search(t)):
+        warn(f"--plot {path}: {text}")
 
 
 def diff_layers(res: DiffResult) -> list[tuple[str, float | None, float]]:

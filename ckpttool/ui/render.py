@@ -724,6 +724,23 @@ def print_table(con: Console | PlainConsole, title: str, columns: list[Col], row
     return hidden
 
 
+def column_groups(columns: list[Col], rows: list[list[Any]], width: int, fixed: int = 1) -> list[list[int]]:
+    """The columns of a table too wide for ``width`` cells, none of which may give way (one per pair of
+    checkpoints), as consecutive groups of indices that each fit beside the first ``fixed`` columns (printed in each
+    group): one group, every column, where the table fits (or no column fits beside the fixed ones)."""
+    cells = [[_cell(v) for v in r] for r in rows]
+    widths = [max([len(c.name)] + [_cell_width(r[i]) for r in cells]) for i, c in enumerate(columns)]
+    head = list(range(fixed))
+    groups: list[list[int]] = []
+    for i in range(fixed, len(columns)):
+        cand = head + groups[-1] + [i] if groups else []
+        if cand and _table_width([columns[j] for j in cand], [widths[j] for j in cand], True) <= width:
+            groups[-1].append(i)
+        else:
+            groups.append([i])
+    return [head + g for g in groups] or [head]
+
+
 R = TypeVar("R")
 #: A table as data: each column with the cell it takes from a record (:func:`print_records`).
 Columns = tuple[tuple[Col, Callable[[R], str]], ...]

@@ -627,3 +627,53 @@ def test_an_empty_manifest_output_is_refused_not_taken_as_the_current_directory(
     assert err.startswith("error: [E100] ") and "an empty path (an unset shell variable?)" in err, err
     assert "name the manifest file (e.g. ./manifest.json)" in err and "is a directory" not in err, err
     assert not (sample_ckpt / "manifest.json").exists()
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["stats", "{long}"],
+        ["stats", "{ok}", "{ok}/{name}"],
+        ["diff", "{long}", "{ok}"],
+        ["diff", "{ok}", "{long}"],
+        ["inspect", "{long}"],
+        ["validate", "{long}"],
+        ["export", "{ok}", "{long}"],
+    ],
+    ids=["stats", "stats-second", "diff-a", "diff-b", "inspect", "validate", "export-out"],
+)
+def test_a_path_the_system_refuses_as_too_long_is_one_coded_line(
+    args: list[str], dense_ckpt: Path, tmp_path: Path
+) -> None:
+    """A checkpoint (or output) path with a component of 300 characters (over NAME_MAX): every command ended with
+    ``error: [E999] internal error: OSError: [Errno 36] File name too long``, an invitation to report a bug; it is
+    E100 naming the path and the system's reason, exit 2, nothing on stdout."""
+    import errno
+
+    name = "y" * 300
+    with pytest.raises(OSError) as raised:  # what the system says of such a name
+        os.stat(tmp_path / name)
+    assert raised.value.errno == errno.ENAMETOOLONG
+    argv = [a.format(long=tmp_path / name, ok=dense_ckpt, name=name) for a in args]
+    res = runner.invoke(app, argv)
+    assert res.exit_code == 2 and res.stdout == "", res.stderr
+    err, hint = res.stderr.splitlines()
+    assert err.startswith("error: [E100] ") and "File name too long" in err and name[:50] in err, err
+    assert hint.startswith("hint: ") and "E999" not in res.stderr
+
+
+def test_an_output_that_is_a_symlink_loop_is_one_coded_line(dense_ckpt: Path, tmp_path: Path) -> None:
+    """``export ckpt loop/a`` where ``a -> b -> a``: ``Path.resolve()`` raised ``RuntimeError: Symlink loop from``
+    and export ended in E999 internal error; a symlink loop met anywhere is E100 naming the path, exit 2."""
+    import errno
+
+    (tmp_path / "a").symlink_to("b")
+    (tmp_path / "b").symlink_to("a")
+    with pytest.raises(OSError) as raised:  # what the system says of it
+        os.stat(tmp_path / "a")
+    assert raised.value.errno == errno.ELOOP
+    res = runner.invoke(app, ["export", str(dense_ckpt), str(tmp_path / "a")])
+    assert res.exit_code == 2 and res.stdout == "", res.stderr
+    err, hint = res.stderr.splitlines()
+    assert err == f"error: [E100] {tmp_path / 'a'}: a symbolic link loop (a link that leads back to itself)", err
+    assert hint.startswith("hint: ") and sorted(os.listdir(tmp_path)) == ["a", "b"]

@@ -210,6 +210,15 @@ def _hf_side(where: Path, only_file: str | None) -> bool:
     )
 
 
+def _same_path(a: Path, b: Path) -> bool:
+    """Whether ``a`` and ``b`` name one path: resolved, or where either is a symlink loop (which ``resolve`` raises
+    on) as absolute paths."""
+    try:
+        return a.resolve() == b.resolve()
+    except (RuntimeError, OSError):
+        return a.absolute() == b.absolute()
+
+
 def _open_side(
     label: str,
     path: CheckpointOrPath,
@@ -251,7 +260,7 @@ def _open_side(
             )
     except CkptError as e:
         has_weights = where.is_dir() and any(where.glob("*.safetensors"))
-        about_where = e.path is None or Path(e.path).resolve() == where.resolve()  # not a damaged file below it
+        about_where = e.path is None or _same_path(Path(e.path), where)  # not a damaged file below it
         if (
             e.code == "E200"
             and about_where

@@ -523,9 +523,11 @@ class _StackedLayers:
         self, moments: dict[str, Moments], slices: dict[tuple[str, int], TensorValueStats]
     ) -> list[tuple[str, Moments]]:
         """``(layer, update sizes)`` of every parameter: a stacked one's per layer (``nan`` in a layer whose moments
-        hold NaN/Inf, as a tensor's), any other's in :func:`layer_of` its fqn."""
-        for (_, i), r in slices.items():
-            if r.role in ("exp_avg", "exp_avg_sq") and r.nonfinite and (r.fqn, i) in self.moments:
+        hold NaN/Inf or whose ``exp_avg_sq`` holds a negative value, as a tensor's), any other's in :func:`layer_of`
+        its fqn."""
+        for (k, i), r in slices.items():
+            broken = r.nonfinite or (r.role == "exp_avg_sq" and self.sums[(k, i)].acc.negative)
+            if r.role in ("exp_avg", "exp_avg_sq") and broken and (r.fqn, i) in self.moments:
                 self.moments[(r.fqn, i)] = Moments(self.moments[(r.fqn, i)].numel, math.nan, math.nan)
         return [(layer_of(f), u) for f, u in moments.items() if f not in self.prefix] + [
             (f"{self.prefix[f]}{i}", u) for (f, i), u in self.moments.items()
@@ -582,7 +584,8 @@ def _stats_one(ckpt: Checkpoint, opts: StatsOptions, progress: Progress) -> Chec
         for k, s in sums.items()
         if s.experts and roles[k][1] == "weight" and k not in stacked
     ) + layers.experts(roles, entries)
-    _judge_moments(moments, hypers, rows, notes)
+    negative = {roles[k][0] for k, s in sums.items() if roles[k][1] == "exp_avg_sq" and s.acc.negative}
+    _judge_moments(moments, hypers, rows, notes, negative)
     updates = _updates(ckpt, moments, hypers, rows)
     layer_updates = layers.updates(moments, slices)
     read = ckpt.reader.bytes_read - before
@@ -610,11 +613,15 @@ SYNTHESIZED_NOTE = (
 
 
 def _judge_moments(
-    moments: dict[str, Moments], hypers: dict[str, AdamHyper], rows: list[TensorValueStats], notes: dict[str, list[str]]
+    moments: dict[str, Moments],
+    hypers: dict[str, AdamHyper],
+    rows: list[TensorValueStats],
+    notes: dict[str, list[str]],
+    negative: set[str],
 ) -> None:
-    """The update sizes that are no training step's, said in ``notes``: moments holding NaN/Inf (the size made
-    ``nan`` in ``moments``, as torch's next step there; the kernels read them as 0) and state torch made up before
-    the first step (``D005``)."""
+    """The update sizes that are no training step's, said in ``notes``: moments holding NaN/Inf, or an
+    ``exp_avg_sq`` holding negative values (the parameters ``negative``) (the size made ``nan`` in ``moments``, as
+    torch's next step there; the kernels read them as 0) and state torch made up before the first step (``D005``)."""
     of: dict[str, list[TensorValueStats]] = {}  # each parameter's moment rows, in one pass over the rows
     for r in rows:
         if r.role in ("exp_avg", "exp_avg_sq") and r.fqn in moments:
@@ -624,6 +631,11 @@ def _judge_moments(
         moments[fqn] = Moments(moments[fqn].numel, math.nan, math.nan)
     if broken:
         notes[NONFINITE_MOMENTS_NOTE] = broken
+    below = [fqn for fqn in moments if fqn in negative and fqn not in broken]
+    for fqn in below:
+        moments[fqn] = Moments(moments[fqn].numel, math.nan, math.nan)
+    if below:
+        notes[NEGATIVE_MOMENTS_NOTE] = below
     made_up = [fqn for fqn in moments if hypers[fqn].step == 1 and _zero_moments(of.get(fqn, []))]
     if made_up:  # get_state_dict's zero-lr step before the first real one
         notes[SYNTHESIZED_NOTE] = made_up
@@ -652,6 +664,11 @@ NONFINITE_MOMENTS_NOTE = (
     "update size nan: exp_avg or exp_avg_sq holds NaN/Inf "
     "(the next step writes non-finite weights there; validate --deep: D001)"
 )
+#: Parameters whose exp_avg_sq holds negative values (damaged: a sum of squares never is): no update size either.
+NEGATIVE_MOMENTS_NOTE = (
+    "update size nan: exp_avg_sq holds negative values, which no step writes "
+    "(a damaged second moment: the next step takes its square root, NaN; validate --deep: D002)"
+)
 #: Why per-expert norms are in stored order (a ``note:``).
 STORED_ORDER_NOTE = "per-expert norms in stored order (the EP layout is not known: declare it with `ckpttool stamp`)"
 
@@ -662,6 +679,7 @@ _SELF_SAID = (
     STORED_ORDER_NOTE,
     COMPLEX_NOTE,
     NONFINITE_MOMENTS_NOTE,
+    NEGATIVE_MOMENTS_NOTE,
     NEWER_INCOMPLETE_NOTE,
     SYNTHESIZED_NOTE,
 )

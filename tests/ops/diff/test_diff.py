@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 from typing import Any
 
@@ -473,3 +474,46 @@ def test_an_opened_checkpoint_is_compared_as_its_path_is_and_left_open(dense_ckp
 def test_a_tolerance_of_another_type_is_a_usage_error(dense_ckpt: Path, field: str) -> None:
     with pytest.raises(UsageError, match=f"`{field}` must be a finite number"):
         diff_checkpoints(dense_ckpt, dense_ckpt, DiffOptions(**{field: "1e-3"}))  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("side", ["a", "b"])
+def test_a_side_that_is_a_symlink_loop_is_one_coded_line(side: str, dense_ckpt: Path, tmp_path: Path) -> None:
+    """``diff loop/a ckpt`` where ``loop/a -> b -> a``: the reader's error was compared with the side by
+    ``Path.resolve()``, which raises ``RuntimeError: Symlink loop`` there, and diff ended with E999 internal error.
+    It is the reader's coded error (exit 2) naming the side, as stats says of the same path."""
+    import errno
+    import os
+
+    (tmp_path / "a").symlink_to("b")
+    (tmp_path / "b").symlink_to("a")
+    with pytest.raises(OSError) as raised:  # what the system says of it
+        os.stat(tmp_path / "a")
+    assert raised.value.errno == errno.ELOOP
+    loop = str(tmp_path / "a")
+    res = CliRunner().invoke(app, ["diff", *([loop, str(dense_ckpt)] if side == "a" else [str(dense_ckpt), loop])])
+    assert res.exit_code == 2 and res.stdout == "", res.stderr
+    err, hint = res.stderr.splitlines()
+    assert re.match(r"error: \[E1\d\d\] ", err) and loop in err and "E999" not in err, err
+    stats = CliRunner().invoke(app, ["stats", loop])
+    assert stats.exit_code == 2 and stats.stderr.splitlines()[0] == err, (stats.stderr, err)
+
+
+def test_export_mapping_options_between_two_dcp_sides_are_said_unused(dense_ckpt: Path, tmp_path: Path) -> None:
+    """``diff ckpt ckpt --rules rules.yaml`` (or ``--adapter``, ``--weights master``): they map a DCP side to the
+    names of a safetensors side, and between two DCP checkpoints they were dropped without a word, even a --rules
+    file that does not exist: the user believed the comparison used them. A warning now names them as unused."""
+    missing = tmp_path / "nope.yaml"
+    for extra, named in (
+        (["--rules", str(missing)], "--rules"),
+        (["--adapter", "hf"], "--adapter"),
+        (["--weights", "master"], "--weights master"),
+    ):
+        for json_flag in ([], ["--json"]):
+            res = CliRunner().invoke(app, ["diff", str(dense_ckpt), str(dense_ckpt), *extra, *json_flag])
+            assert res.exit_code == 0, res.stderr
+            assert res.stderr.splitlines() == [
+                f"warning: {named} maps a DCP checkpoint to a safetensors side's names: both sides are DCP "
+                "checkpoints, compared by their own keys without it"
+            ], res.stderr
+    res = CliRunner().invoke(app, ["diff", str(dense_ckpt), str(dense_ckpt)])
+    assert res.exit_code == 0 and "warning" not in res.stderr

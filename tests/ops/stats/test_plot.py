@@ -288,3 +288,82 @@ def test_diff_plot_marks_nan_differences_as_not_a_number_not_equal(tmp_path: Pat
     assert "not a number: NaN or Inf in a or b" in texts
     assert "infinite: ||b|| = 0 where a differs" not in texts and "every compared tensor is equal" not in texts
     assert "model.layers.1.w" in texts and "model.layers.0.w" in texts  # the bars' names (the x axis: layers)
+
+
+def test_many_checkpoints_are_a_colour_scale_not_a_legend_over_the_lines(tmp_path: Path) -> None:
+    """``stats run/step-{1..40} --plot``: each panel had a legend of 40 entries, taller than the panel, drawn over
+    the lines (their values hidden), and matplotlib printed its own ``UserWarning: constrained_layout not applied``
+    on stderr. Beyond 8 checkpoints the lines are coloured by their place in the run, and one colour bar per panel
+    names every k-th checkpoint; each line is still labelled, and drawn at the values stats measured."""
+    import subprocess
+    import sys
+
+    import matplotlib
+
+    matplotlib.use("Agg", force=True)
+    from matplotlib.image import imread
+
+    torch.manual_seed(0)
+    m = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 4))
+    opt = torch.optim.AdamW(m.parameters(), lr=1e-2)
+    paths = []
+    for step in range(1, 41):
+        train_steps(m, opt, 1)
+        msd, osd = get_state_dict(m, opt)
+        save_quiet({"model": msd, "optimizer": osd}, tmp_path / f"step-{step}")
+        paths.append(str(tmp_path / f"step-{step}"))
+    for suffix in (".svg", ".png"):
+        out = tmp_path / f"many{suffix}"
+        res = subprocess.run(
+            [sys.executable, "-m", "ckpttool", "stats", *paths, "-q", "--plot", str(out)],
+            capture_output=True,
+            text=True,
+        )
+        assert res.returncode == 0 and res.stderr == "", res.stderr
+    texts = _svg_texts(tmp_path / "many.svg")
+    labels = [t for t in texts if re.fullmatch(r"step \d+", t)]
+    assert texts.count("checkpoint (in the order given)") == 3, texts  # weights, exp_avg, update size
+    assert 0 < len(labels) <= 3 * 10 and {"step 1", "step 40"} <= set(labels), labels
+    assert imread(tmp_path / "many.png").shape == (960, 1440, 4)
+    # the lines themselves: one per checkpoint, labelled, at the norms stats measured (torch's, tests above)
+    import matplotlib.pyplot as plt
+
+    from ckpttool.ui.plot import _layer_lines
+
+    res_ = collect_stats(paths, StatsOptions())
+    fig, ax = plt.subplots()
+    _layer_lines(ax, res_, lambda g: g.norms.get("weight"), "w", "L2 norm")
+    drawn = _drawn(ax)
+    plt.close(fig)
+    assert ax.get_legend() is None and len(drawn) == 40
+    for i, c in enumerate(res_.checkpoints):
+        assert drawn[f"step {i + 1}"] == {g.name: pytest.approx(g.norms["weight"]) for g in c.layers}
+
+
+@pytest.mark.parametrize("command", ["diff", "stats"])
+def test_characters_the_font_lacks_are_one_warning_not_matplotlibs(command: str, tmp_path: Path) -> None:
+    """``diff 実験/a 実験/b --plot d.png``: the picture names both paths, DejaVu Sans has no CJK glyphs, and
+    matplotlib printed two raw ``.../plot.py:279: UserWarning: Glyph 23455 (...) missing from font(s)`` lines with
+    its source line on stderr. Now one ``warning:`` names the characters drawn as boxes; the picture is written."""
+    import subprocess
+    import sys
+
+    from matplotlib.image import imread
+
+    paths = []
+    for name, scale in (("a", 1.0), ("b", 2.0)):
+        save_quiet({"model": {"layers.0.w": torch.ones(4) * scale}}, tmp_path / "実験" / name)
+        paths.append(str(tmp_path / "実験" / name))
+    if command == "stats":  # stats names a path in its legend where the steps are unknown: #1 実験/a
+        paths = [paths[0], str(tmp_path / "実験" / "b")]
+        for p in paths:
+            Path(p).rename(Path(p).with_name(f"{Path(p).name}-験"))
+        paths = [f"{p}-験" for p in paths]
+    out = tmp_path / "d.png"
+    res = subprocess.run(
+        [sys.executable, "-m", "ckpttool", command, *paths, "-q", "--plot", str(out)], capture_output=True, text=True
+    )
+    assert res.returncode == (1 if command == "diff" else 0), res.stderr
+    chars = "実, 験" if command == "diff" else "験"
+    assert res.stderr.splitlines() == [f"warning: --plot {out}: the font has no glyph for {chars} (drawn as boxes)"]
+    assert imread(out).shape[2] == 4

@@ -176,6 +176,74 @@ def test_change_columns_say_what_they_count(run3: list[Path], tmp_path: Path) ->
     assert "Δ#1→#2" in res.stdout and "Δ#2→#3" in res.stdout and "Δ1→2" not in res.stdout, res.stdout
 
 
+def test_checkpoints_given_out_of_step_order_are_warned_about(run3: list[Path], tmp_path: Path) -> None:
+    """``ckpttool stats run/step-*`` with a ``step-10`` beside ``step-2``: the shell's glob sorts ``step-10`` before
+    ``step-2``, and the changes were computed 1→10, 10→2 without a word, the ten-step jump read as one step's change.
+    A checkpoint whose known step is below the one given before it is now a warning (with -q and --json too) naming
+    the steps in the order given; checkpoints in run order (or two runs at one step) have none."""
+    import shutil
+
+    steps = {1: run3[0], 2: run3[1], 10: run3[2]}
+    for s, src in steps.items():
+        shutil.copytree(src, tmp_path / f"step-{s}")
+    globbed = sorted(str(p) for p in tmp_path.glob("step-*"))  # what the shell gives: step-1, step-10, step-2
+    assert [Path(p).name for p in globbed] == ["step-1", "step-10", "step-2"]
+    want = (
+        "warning: the checkpoints are not in step order (steps 1, 10, 2, as given): each change is between "
+        "neighbours as given; give them in run order (a shell glob puts step-10 before step-2: ls -v, sort -V)"
+    )
+    for extra in ([], ["-q"], ["--json"]):
+        res = runner.invoke(app, ["stats", *globbed, "--no-optimizer", *extra], env={"COLUMNS": "200"})
+        assert res.exit_code == 0, res.stderr
+        assert want in res.stderr.splitlines(), res.stderr
+    in_order = sorted(globbed, key=lambda p: int(Path(p).name.split("-")[1]))
+    res = runner.invoke(app, ["stats", *in_order, "--no-optimizer"], env={"COLUMNS": "200"})
+    assert res.exit_code == 0 and "warning" not in res.stderr, res.stderr
+    assert "Δ1→2" in res.stdout and "Δ2→10" in res.stdout
+    res = runner.invoke(app, ["stats", str(run3[0]), str(run3[0]), "--no-optimizer"])  # one step twice: no order
+    assert res.exit_code == 0 and "warning" not in res.stderr, res.stderr
+
+
+def test_a_run_root_without_step_says_how_to_follow_the_run(run3: list[Path], tmp_path: Path) -> None:
+    """``ckpttool stats run/`` (a run's root, step-1 ... step-3 below it) said only "pick one with --step N|latest, or
+    pass a directory": the way to see the run step by step, stats' point, was left unsaid. The hint now also names
+    the steps' directories in run order (step-10 after step-2), as one command line."""
+    import shlex
+    import shutil
+
+    root = tmp_path / "run"
+    for s, src in ((1, run3[0]), (2, run3[1]), (10, run3[2])):
+        shutil.copytree(src, root / f"step-{s}")
+    res = runner.invoke(app, ["stats", str(root)])
+    assert res.exit_code == 2 and res.stdout == ""
+    err, hint = res.stderr.splitlines()
+    assert err.startswith("error: [E204] ")
+    follow = " ".join(shlex.quote(str(root / f"step-{s}")) for s in (1, 2, 10))
+    assert hint.endswith(f"; or follow the run, its steps in run order: ckpttool stats {follow}"), hint
+    assert "--step N|latest" in hint
+    ok = runner.invoke(app, ["stats", *shlex.split(hint.rsplit("ckpttool stats ", 1)[1]), "--no-optimizer"])
+    assert ok.exit_code == 0 and "Δ1→2" in ok.stdout and "Δ2→10" in ok.stdout, ok.stderr
+
+
+def test_a_pair_given_again_has_its_own_change_column(run3: list[Path]) -> None:
+    """``stats s1 s2 s1 s2``: three consecutive pairs, the JSON's 3 x layers changes, but the table's columns were
+    keyed by the pair's paths, and the third pair (s1→s2 again) folded into the first: two columns, ``Δ#1→#2`` and
+    ``Δ#2→#3``. Each pair given has its column now, its figures those of the JSON."""
+    paths = [str(run3[0]), str(run3[1])] * 2
+    res = runner.invoke(app, ["stats", *paths, "--no-optimizer"], env={"COLUMNS": "200"})
+    assert res.exit_code == 0, res.stderr
+    doc = json.loads(runner.invoke(app, ["stats", *paths, "--no-optimizer", "--json"]).stdout)
+    layers = list(dict.fromkeys(ch["layer"] for ch in doc["changes"]))
+    assert len(doc["changes"]) == 3 * len(layers)
+    table = res.stdout.split("relative change", 1)[1].splitlines()
+    head = next(ln for ln in table if "Δ#1→#2" in ln)
+    assert "Δ#2→#3" in head and "Δ#3→#4" in head, res.stdout
+    for layer in layers:
+        row = next(ln for ln in table if ln.startswith(f"│ {layer} "))
+        want = [f"{ch['relative']:.4g}" for ch in doc["changes"] if ch["layer"] == layer]
+        assert [c.strip() for c in row.strip("│").split("│")[1:]] == want, (row, want)
+
+
 def test_steps_the_trainer_saved_name_the_checkpoints(tmp_path: Path) -> None:
     """Step directories opened one by one had ``step: null`` though each saved ``train_state.step`` (torchtitan's
     item): the step is now the trainer's when its counters agree, and the change columns are headed by it."""
@@ -232,6 +300,36 @@ def test_update_size_of_moments_with_nan_is_nan(dense_ckpt: Path, tmp_path: Path
     assert res.exit_code == 0
     assert "note: " in res.stderr and "update size nan: exp_avg or exp_avg_sq holds NaN/Inf" in res.stderr
     assert "no update size" not in res.stderr
+
+
+def test_update_size_of_a_negative_second_moment_is_nan(dense_ckpt: Path, tmp_path: Path) -> None:
+    """A negative value in one parameter's exp_avg_sq (a damaged moment: a sum of squares never is) was read as 0:
+    ``lr * |m_hat| / eps``, an update RMS of thousands for a step of 1e-3, without a word, a divergence that never
+    happened. torch's next step takes its square root (NaN, checked below on the loaded state): the size is nan
+    (JSON null), for the layer too, and a note names the parameter."""
+    bad = copy_checkpoint(dense_ckpt, tmp_path / "bad")
+    fqn = "model.layers.1.mlp.up_proj.weight"
+
+    def negate(t: torch.Tensor) -> torch.Tensor:
+        t.view(-1)[0] = -t.view(-1)[0] - 1e-6
+        return t
+
+    damage.rewrite_tensor(bad, f"optimizer.state.{fqn}.exp_avg_sq", negate)
+    v = torch_state(bad, tmp_path)[f"optimizer.state.{fqn}.exp_avg_sq"]
+    assert float(v.min()) < 0 and math.isnan(float(v.double().sqrt().view(-1)[0]))  # torch's denominator there
+    c = collect_stats([bad], StatsOptions()).checkpoints[0]
+    (note,) = [n for n in c.notes if n.startswith("update size nan: exp_avg_sq holds negative")]
+    assert note.endswith(f"1 parameter(s), e.g. {fqn}") and "D002" in note, note
+    u = next(u for u in c.updates if u.fqn == fqn)
+    assert math.isnan(u.rms) and math.isnan(u.max) and u.to_dict()["rms"] is None
+    layer = next(g for g in c.layers if g.name == "model.layers.1")
+    assert layer.update_rms is not None and math.isnan(layer.update_rms)
+    others = [u for u in c.updates if u.fqn != fqn]
+    assert others and all(0 < u.rms < 1e-2 for u in others)
+    clean = collect_stats([dense_ckpt], StatsOptions()).checkpoints[0]
+    assert not any(n.startswith("update size nan") for n in clean.notes)
+    res = runner.invoke(app, ["stats", str(bad)])
+    assert res.exit_code == 0 and "update size nan: exp_avg_sq holds negative values" in res.stderr, res.stderr
 
 
 def test_step_latest_past_an_unfinished_newer_save_says_so(dense_ckpt: Path, tmp_path: Path) -> None:
@@ -355,6 +453,27 @@ def test_plot_refused_before_any_work(dense_ckpt: Path, tmp_path: Path) -> None:
         and "Traceback" not in p.stderr
     )
     assert not (tmp_path / "x.png").exists() and p.stdout == ""
+
+
+@pytest.mark.parametrize("command", ["stats", "diff"])
+def test_plot_name_the_system_refuses_is_one_coded_line(command: str, dense_ckpt: Path, tmp_path: Path) -> None:
+    """``--plot`` with a file name of 300 characters (over NAME_MAX, 255): the stat of the target raised
+    ``OSError: [Errno 36] File name too long`` and the command ended ``E999 internal error``; it is E600 naming
+    the option and the system's reason, before anything is read, and nothing is written."""
+    import errno
+    import os
+
+    name = tmp_path / ("x" * 300 + ".png")
+    with pytest.raises(OSError) as raised:  # what the system says of that name
+        os.stat(name)
+    assert raised.value.errno == errno.ENAMETOOLONG
+    args = [command, str(dense_ckpt)] + ([str(dense_ckpt)] if command == "diff" else []) + ["--plot", str(name)]
+    res = runner.invoke(app, args)
+    assert res.exit_code == 2 and res.stdout == "", res.stderr
+    err, hint = res.stderr.splitlines()
+    assert err == f"error: [E600] --plot {name}: cannot be used as a file name (File name too long)", err
+    assert hint.startswith("hint: ") and "E999" not in res.stderr
+    assert os.listdir(tmp_path) == []
 
 
 def test_matplotlib_is_imported_only_by_the_plot_module() -> None:
@@ -725,3 +844,69 @@ def test_checkpoints_of_different_models_are_said_to_be_so_once(dense_ckpt: Path
     # checkpoints of one model: nothing skipped, no such line
     doc = collect_stats([dense_ckpt, dense_ckpt], StatsOptions(optimizer=False))
     assert doc.changes and not doc.skipped
+
+
+def test_per_tensor_table_fits_a_60_column_terminal(dense_ckpt: Path, tmp_path: Path) -> None:
+    """``stats --by tensor`` at 60 columns printed a 105-column table (no column could give way) that the terminal
+    wrapped into a jumble; zeros, mean, dtype, numel and std now give way, named below it, and key, role, abs max and
+    L2 stay, the L2 that torch computes of each tensor."""
+    res = runner.invoke(app, ["stats", str(dense_ckpt), "--by", "tensor"], env={"COLUMNS": "60"})
+    assert res.exit_code == 0, res.stderr
+    lines = res.stdout.splitlines()
+    assert max(len(ln) for ln in lines if ln[:1] in "┏┃┡│└") <= 60, res.stdout
+    (hidden,) = [ln for ln in lines if ln.startswith("  (not shown at 60 columns: ")]
+    assert "zeros" in hidden and "L2" not in hidden and "abs max" not in hidden, hidden
+    head = next(ln for ln in lines if ln.startswith("┃ key"))
+    names = [c.strip() for c in head.strip("┃").split("┃")]
+    assert names[:2] == ["key", "role"] and "L2" in names and "abs max" in names, names
+    ref = torch_state(dense_ckpt, tmp_path)
+    wide = runner.invoke(app, ["stats", str(dense_ckpt), "--by", "tensor", "--wide"], env={"COLUMNS": "60"})
+    rows = [ln for ln in wide.stdout.splitlines() if ln.startswith("│ model.")]
+    assert rows
+    wide_head = next(ln for ln in wide.stdout.splitlines() if ln.startswith("┃ key"))
+    at = [c.strip() for c in wide_head.strip("┃").split("┃")].index("L2")
+    for row in rows:
+        cells = [c.strip() for c in row.strip("│").split("│")]
+        assert cells[at] == f"{float(ref[cells[0]].double().norm()):.4g}", cells
+
+
+def test_change_table_of_many_checkpoints_is_split_to_fit_the_terminal(run3: list[Path]) -> None:
+    """``stats`` of 12 checkpoints at 80 columns printed one change table 128 columns wide (11 Δ columns, none of
+    which may give way) that the terminal wrapped into a jumble. It is now printed as several tables that each fit,
+    every one with the layer column, the Δ columns in order, each figure the one --json has; --wide keeps one."""
+    paths = [str(run3[i % 3]) for i in range(12)]
+    res = runner.invoke(app, ["stats", *paths, "--no-optimizer", "-q"], env={"COLUMNS": "80"})
+    assert res.exit_code == 0, res.stderr
+    part = res.stdout.split("relative change", 1)[1].splitlines()
+    assert max(len(ln) for ln in part if ln[:1] in "┏┃┡│└") <= 80, res.stdout
+    heads = [ln for ln in part if ln.startswith("┃ layer")]
+    assert len(heads) > 1
+    shown = [c.strip() for h in heads for c in h.strip("┃").split("┃")[1:]]
+    assert shown == [f"Δ#{i}→#{i + 1}" for i in range(1, 12)], shown
+    doc = json.loads(runner.invoke(app, ["stats", *paths, "--no-optimizer", "--json"]).stdout)
+    layer = doc["changes"][0]["layer"]
+    got = [c.strip() for ln in part if ln.startswith(f"│ {layer} ") for c in ln.strip("│").split("│")[1:]]
+    assert got == [f"{ch['relative']:.4g}" for ch in doc["changes"] if ch["layer"] == layer]
+    wide = runner.invoke(app, ["stats", *paths, "--no-optimizer", "-q", "--wide"], env={"COLUMNS": "80"})
+    assert len([ln for ln in wide.stdout.split("relative change", 1)[1].splitlines() if ln.startswith("┃ layer")]) == 1
+
+
+def test_a_layer_without_model_tensors_has_no_abs_max_not_nan(dense_ckpt: Path, tmp_path: Path) -> None:
+    """``stats --filter 'optimizer.*'`` (the moments only): each layer's ``abs max`` (of its model tensors, none
+    measured) read ``nan``, what the table prints for weights that hold only NaN/Inf: a divergence that is not
+    there. It is blank (the column left out when no layer has one); a layer whose weights are all NaN still says
+    nan."""
+    res = runner.invoke(app, ["stats", str(dense_ckpt), "--filter", "optimizer.*"], env={"COLUMNS": "200"})
+    assert res.exit_code == 0, res.stderr
+    table = [ln for ln in res.stdout.splitlines() if ln[:1] in "┃│"]
+    assert table and not any("nan" in ln for ln in table), res.stdout
+    assert "abs max" not in table[0] and "‖exp_avg‖" in table[0], table[0]
+    bad = copy_checkpoint(dense_ckpt, tmp_path / "bad")
+    fqn = "model.layers.1.mlp.up_proj.weight"
+    for key in [k for k in torch_state(bad, tmp_path) if k.startswith("model.model.layers.1.") and "weight" in k]:
+        damage.rewrite_tensor(bad, key, lambda t: torch.full_like(t, math.nan))
+    res = runner.invoke(app, ["stats", str(bad), "--no-optimizer"], env={"COLUMNS": "200"})
+    row = next(ln for ln in res.stdout.splitlines() if ln.startswith("│ model.layers.1 "))
+    cells = [c.strip() for c in row.strip("│").split("│")]
+    head = next(ln for ln in res.stdout.splitlines() if ln.startswith("┃ layer"))
+    assert cells[[c.strip() for c in head.strip("┃").split("┃")].index("abs max")] == "nan", (row, fqn)

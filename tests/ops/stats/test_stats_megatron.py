@@ -241,3 +241,32 @@ def test_diff_plot_and_json_are_per_layer_of_stacked_tensors(tmp_path: Path) -> 
     svg = out.read_text()
     assert "model.decoder.layers.0" in svg and "model.decoder.layers.1" in svg
     assert "<!-- model.decoder.layers.mlp.linear_fc1 -->" not in svg
+
+
+def test_layer_whose_second_moment_slice_is_negative_has_no_update_size(tmp_path: Path) -> None:
+    """A negative value in layer 1's slice of a stacked exp_avg_sq (damaged: validate's D002) was read as 0, and
+    ``decoder.layers.1`` got an update RMS of ``lr * |m_hat| / eps``; torch's next step there takes its square root,
+    NaN. That layer's update size is now nan (JSON null), as the parameter's; layer 0's is the one AdamW computes."""
+    import shutil
+
+    from tests.fixtures import damage
+
+    path = tmp_path / "ck"
+    shutil.copytree(DATA / "dense1" / "iter_0000003", path)
+    key = "optimizer.state.exp_avg_sq.decoder.layers.mlp.linear_fc1.weight"
+
+    def negate(t: torch.Tensor) -> torch.Tensor:
+        t[1].view(-1)[0] = -1.0
+        return t
+
+    damage.rewrite_tensor(path, key, negate, row_major=True)
+    v = torch_state(path, tmp_path)[key]
+    assert float(v[1].min()) == -1.0 and float(v[0].min()) >= 0  # what torch's reader loads
+    before = {g["name"]: g for g in _stats(DATA / "dense1" / "iter_0000003")["checkpoints"][0]["layers"]}
+    c = _stats(path)["checkpoints"][0]
+    layers = {g["name"]: g for g in c["layers"]}
+    assert layers["decoder.layers.1"]["update_rms"] is None
+    assert layers["decoder.layers.0"]["update_rms"] == pytest.approx(before["decoder.layers.0"]["update_rms"])
+    u = next(u for u in c["updates"] if u["fqn"] == "decoder.layers.mlp.linear_fc1.weight")
+    assert u["rms"] is None
+    assert any(n.startswith("update size nan: exp_avg_sq holds negative values") for n in c["notes"]), c["notes"]
