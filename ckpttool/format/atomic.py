@@ -21,6 +21,7 @@ import logging
 import os
 import shutil
 import signal
+import stat
 import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -689,7 +690,8 @@ def _inside_any(directory: Path, roots: tuple[str | os.PathLike[str], ...]) -> P
 
 def atomic_write_bytes(path: str | os.PathLike[str], data: bytes, *, fsync: bool = True) -> None:
     """Write a small file whole: a new file of a random name beside ``path`` (``O_EXCL | O_NOFOLLOW``: never
-    through a link planted there), ``fsync`` ed unless told not, renamed over ``path``.
+    through a link planted there), ``fsync`` ed unless told not, renamed over ``path``. A regular file it
+    replaces keeps its permission bits (a ``0600`` picture stays ``0600``); a new one is ``0644`` less the umask.
 
     Raises:
         OutputError: the directory is not writable or the write failed (the temporary file is removed).
@@ -697,8 +699,15 @@ def atomic_write_bytes(path: str | os.PathLike[str], data: bytes, *, fsync: bool
     p = Path(path)
     tmp = p.parent / f".{p.name}.ckpttool-tmp-{os.getpid()}-{os.urandom(4).hex()}"
     try:
+        try:
+            st = os.stat(p, follow_symlinks=False)
+            mode = stat.S_IMODE(st.st_mode) if stat.S_ISREG(st.st_mode) else None
+        except FileNotFoundError:
+            mode = None
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644)
         with os.fdopen(fd, "wb") as f:
+            if mode is not None:
+                os.fchmod(f.fileno(), mode)
             f.write(data)
             f.flush()
             if fsync:

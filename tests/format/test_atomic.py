@@ -387,3 +387,20 @@ def test_a_failed_output_leaves_no_parents_it_created(tmp_path: Path) -> None:
     with AtomicOutputDir(tmp_path / "x" / "y" / "OUT") as tmp:
         (tmp / "done.bin").write_bytes(b"x")
     assert (tmp_path / "x" / "y" / "OUT" / "done.bin").is_file()
+
+
+def test_a_small_file_replaced_keeps_its_permission_bits(sample_ckpt: Path, tmp_path: Path) -> None:
+    """`stats --plot "$(mktemp --suffix=.png)"` (an empty 0600 file) left the picture 0644 (world-readable); it
+    stays 0600, and a new file is created as before (0644 less the umask)."""
+    pytest.importorskip("matplotlib")
+    private = tmp_path / "private.png"
+    private.touch(mode=0o600)
+    res = CliRunner().invoke(app, ["stats", str(sample_ckpt), "--plot", str(private)])
+    assert res.exit_code == 0, res.output
+    assert private.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and (private.stat().st_mode & 0o777) == 0o600
+    fresh = tmp_path / "fresh.png"
+    res = CliRunner().invoke(app, ["stats", str(sample_ckpt), "--plot", str(fresh)])
+    assert res.exit_code == 0, res.output
+    umask = os.umask(0)
+    os.umask(umask)
+    assert (fresh.stat().st_mode & 0o777) == 0o644 & ~umask
