@@ -170,18 +170,21 @@ class CheckpointStats:
 
 @dataclass(frozen=True)
 class LayerChange:
-    """Relative change of one layer's model tensors between two checkpoints of a run:
-    ``||W_b - W_a|| / ||W_a||`` (L2 over the layer's tensors present in both with equal shapes); a layer all zero
-    in A: 0 where it stayed zero, ``inf`` where it moved; NaN where either side holds a NaN or infinity."""
+    """Change of one layer's model tensors between two checkpoints of a run (L2 over the layer's tensors present
+    in both with equal shapes, float64 sums)."""
 
     a: str
     b: str
     layer: str
     relative: float | None
+    """``||W_b - W_a|| / ||W_a||``; a layer all zero in A: 0 where it stayed zero, ``inf`` where it moved; NaN
+    where either side holds a NaN or infinity."""
     tensors: int
+    absolute: float | None = None
+    """``||W_b - W_a||`` in the weights' own units; NaN where either side holds a NaN or infinity."""
 
     def to_dict(self) -> dict[str, Any]:
-        return _json(self, "relative")
+        return _json(self, "relative", "absolute")
 
 
 @dataclass(frozen=True)

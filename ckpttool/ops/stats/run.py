@@ -863,7 +863,10 @@ def _layer_changes(a: str, b: str, got: Iterable[list[tuple[str, float, float]]]
             acc[0] += d2
             acc[1] += a2
             acc[2] += 1
-    return [LayerChange(a, b, layer, _relative(d2, a2), int(n)) for layer, (d2, a2, n) in per.items()]
+    return [
+        LayerChange(a, b, layer, _relative(d2, a2), int(n), absolute=math.sqrt(d2))
+        for layer, (d2, a2, n) in per.items()
+    ]
 
 
 def _pair_stack(a: Checkpoint, ka: str, b: Checkpoint, kb: str, fqn: str) -> str | None:

@@ -157,7 +157,9 @@ def test_relative_change_between_checkpoints_matches_torch(run3: list[Path], tmp
             a2 = sum(float(a[k].double().pow(2).sum()) for k in keys)
             assert ch.tensors == len(keys)
             assert ch.relative is not None and math.isclose(ch.relative, math.sqrt(d2 / a2), rel_tol=1e-6), ch
+            assert ch.absolute is not None and math.isclose(ch.absolute, math.sqrt(d2), rel_tol=1e-6), ch
     assert all(ch.relative and ch.relative > 0 for ch in res.changes)
+    assert [c["absolute"] for c in res.to_dict()["changes"]] == [c.absolute for c in res.changes]
 
 
 def test_change_columns_say_what_they_count(run3: list[Path], tmp_path: Path) -> None:
