@@ -606,3 +606,44 @@ def test_an_object_rewritten_after_the_listing_is_said_to_have_changed(sample_ck
                 got.value.message.startswith(f"{url}/.metadata: ") and "changed while being read" in got.value.message
             )
             assert f"the listing said {len(md)}" in got.value.message
+
+
+def test_manifest_of_a_remote_checkpoint_is_written_beside_its_metadata_and_verifies(
+    sample_ckpt: Path, s3_server: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`manifest s3://...` (docs/storage.md lists it) was E999 'internal error: AttributeError' (and would have
+    written a local ./s3:/bucket/... tree); it PUTs manifest.json beside .metadata, with the entries of the local
+    manifest, and `--verify` reads it back from the prefix; `-o FILE` writes a local file."""
+    monkeypatch.chdir(tmp_path)
+    local = copy_checkpoint(sample_ckpt, tmp_path / "local")
+    url = upload(s3_server, local)
+    prefix = url.split("/", 3)[3]
+    assert runner.invoke(app, ["manifest", str(local)]).exit_code == 0
+    want = json.loads((local / "manifest.json").read_text())
+    r = cli(s3_server, "manifest", url)
+    assert r.exit_code == 0, r.output
+    assert f"wrote {url}/manifest.json" in r.stdout
+    got = json.loads(download(s3_server, "ckpts", prefix, tmp_path / "dl")["manifest.json"])
+    assert got["entries"] == want["entries"] and got["metadata"] == want["metadata"]
+    assert sorted(os.listdir(tmp_path)) == ["dl", "local"]  # nothing written locally (no ./s3:/...)
+    v = cli(s3_server, "manifest", url, "--verify")
+    assert v.exit_code == 0, v.output
+    assert f"{url} (dcp) matches its manifest {url}/manifest.json" in v.stdout
+    # the windows are read (were the spool's zeros: every chunk and byte item 'changed'): a damaged chunk is named
+    corrupt_chunk_bytes(local, "model.model.embed_tokens.weight")
+    s3_server.client().upload_file(str(local / "__0_0.distcp"), "ckpts", f"{prefix}/__0_0.distcp")
+    v = cli(s3_server, "manifest", url, "--verify")
+    assert v.exit_code == 1, v.output
+    assert [ln.split()[:2] for ln in v.stdout.splitlines()[:-1]] == [["changed", "'model.model.embed_tokens.weight'"]]
+    s3_server.client().upload_file(str(sample_ckpt / "__0_0.distcp"), "ckpts", f"{prefix}/__0_0.distcp")
+    out = tmp_path / "m.json"
+    r = cli(s3_server, "manifest", url, "-o", str(out))
+    assert r.exit_code == 0, r.output
+    assert json.loads(out.read_text())["entries"] == want["entries"]
+    assert cli(s3_server, "manifest", url, "--verify", "-o", str(out)).exit_code == 0
+    # a manifest.json on the prefix that ckpttool did not write is kept
+    s3_server.client().put_object(Bucket="ckpts", Key=f"{prefix}/manifest.json", Body=b'{"mine": 1}')
+    r = cli(s3_server, "manifest", url)
+    assert r.exit_code == 2 and "[E600]" in r.output and f"{url}/manifest.json" in r.output, r.output
+    assert "Traceback" not in r.output
+    assert s3_server.client().get_object(Bucket="ckpts", Key=f"{prefix}/manifest.json")["Body"].read() == b'{"mine": 1}'
