@@ -647,3 +647,17 @@ def test_manifest_of_a_remote_checkpoint_is_written_beside_its_metadata_and_veri
     assert r.exit_code == 2 and "[E600]" in r.output and f"{url}/manifest.json" in r.output, r.output
     assert "Traceback" not in r.output
     assert s3_server.client().get_object(Bucket="ckpts", Key=f"{prefix}/manifest.json")["Body"].read() == b'{"mine": 1}'
+
+
+def test_validate_of_a_remote_incomplete_save_names_the_url(sample_ckpt: Path, s3_server: Any) -> None:
+    """Data objects without .metadata: S001/E202 keyed by the URL, as a local directory is by its path (the key
+    was 's3:/ckpts/...', the scheme's slash lost, and the error line said 's3:/ckpts/x: s3://ckpts/x: ...')."""
+    prefix = f"t-{uuid.uuid4().hex[:8]}"
+    s3_server.bucket("ckpts")
+    s3_server.client().upload_file(str(sample_ckpt / "__0_0.distcp"), "ckpts", f"{prefix}/__0_0.distcp")
+    url = f"s3://ckpts/{prefix}"
+    r = cli(s3_server, "validate", "--json", url)
+    assert r.exit_code == 2, r.output
+    doc = json.loads(r.stdout)
+    assert [(f["code"], f["error_code"], f["key"]) for f in doc["findings"]] == [("S001", "E202", url)]
+    assert r.stderr.splitlines()[0] == f"error: [E202] {url}: has .distcp data files but no .metadata (incomplete save)"

@@ -422,7 +422,7 @@ def _validate_path(
         # an unfinished save is named by its directory (it may hold no .metadata to blame); another error by
         # the file it names (a safetensors shard, a per-rank file), not ".metadata" for every format
         unfinished = isinstance(e, errors.IncompleteCheckpointError)
-        where = Path(e.path) if e.path else None
+        where = (cast(Path, url_path(e.path)) if is_url(e.path) else Path(e.path)) if e.path else None
         if unfinished and where is not None and where.name == ".metadata":  # the missing file: its directory
             where = where.parent
         key = (str(where) if unfinished else where.name) if where is not None else ".metadata"
