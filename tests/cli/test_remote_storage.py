@@ -661,3 +661,18 @@ def test_validate_of_a_remote_incomplete_save_names_the_url(sample_ckpt: Path, s
     doc = json.loads(r.stdout)
     assert [(f["code"], f["error_code"], f["key"]) for f in doc["findings"]] == [("S001", "E202", url)]
     assert r.stderr.splitlines()[0] == f"error: [E202] {url}: has .distcp data files but no .metadata (incomplete save)"
+
+
+def test_export_into_the_remote_source_prefix_is_refused(sample_ckpt: Path, s3_server: Any) -> None:
+    """docs/storage.md: 'The target may not overlap the source checkpoint'. An export of s3://b/ck to s3://b/ck/hf
+    was published inside the checkpoint's prefix (the source's URL lost its scheme on the way to the check): E600
+    naming both, before anything is written, as for local directories."""
+    url = upload(s3_server, sample_ckpt)
+    prefix = url.split("/", 3)[3]
+    before = s3_server.keys("ckpts", prefix + "/")
+    for out in (f"{url}/hf", f"{url}/hf/deeper"):
+        r = cli(s3_server, "export", url, out)
+        assert r.exit_code == 2, r.output
+        assert r.stderr.splitlines()[0] == f"error: [E600] {out}: the output overlaps the source checkpoint {url}"
+    assert s3_server.keys("ckpts", prefix + "/") == before
+    assert not [k for k in s3_server.keys("ckpts", "") if ".ckpttool-tmp-" in k and k.startswith(prefix)]
