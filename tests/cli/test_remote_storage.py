@@ -676,3 +676,26 @@ def test_export_into_the_remote_source_prefix_is_refused(sample_ckpt: Path, s3_s
         assert r.stderr.splitlines()[0] == f"error: [E600] {out}: the output overlaps the source checkpoint {url}"
     assert s3_server.keys("ckpts", prefix + "/") == before
     assert not [k for k in s3_server.keys("ckpts", "") if ".ckpttool-tmp-" in k and k.startswith(prefix)]
+
+
+@pytest.mark.parametrize("name", ["extra/../../../escaped.txt", "/abs/escaped.txt"])
+def test_reshard_of_a_prefix_holding_an_object_named_to_escape_names_that_object(
+    name: str, sample_ckpt: Path, s3_server: Any, tmp_path: Path
+) -> None:
+    """reshard copies every object beside the checkpoint into OUT. An object whose key has a '..' component (or an
+    empty one: '//') is refused (E101), nothing written: the message said "storage path ... the checkpoint references
+    files outside its directory", which .metadata did not; it names the object below the prefix and what to do."""
+    url = upload(s3_server, sample_ckpt)
+    prefix = url.split("/", 3)[3]
+    s3_server.client().put_object(Bucket="ckpts", Key=f"{prefix}/{name}", Body=b"x")
+    out = tmp_path / "sub" / "out"
+    r = cli(s3_server, "reshard", url, str(out), "--to", "canonical", "--with-optimizer")
+    assert r.exit_code == 2, r.output
+    lines = r.stderr.splitlines()
+    assert lines[0].startswith(f"error: [E101] {url}: object {name!r} "), lines
+    assert lines[0].endswith(": it cannot be copied to OUT")
+    assert lines[1] == (
+        "hint: it is no part of the DCP checkpoint (its .metadata does not name it): rename or delete the object, "
+        "then run again"
+    )
+    assert not (tmp_path / "sub").exists() and not (tmp_path / "escaped.txt").exists()
