@@ -1859,7 +1859,7 @@ def _manifest_of(
     from ckpttool.format.storage import is_url
 
     if manifest_path is None and is_url(directory):
-        target, data = _remote_manifest(directory)
+        target, data = remote_manifest(directory)
         say(f"reading manifest {target}")
         return target, load_manifest(target, data)
     target = Path(manifest_path) if manifest_path is not None else _default_manifest(directory, opening)
@@ -1867,8 +1867,8 @@ def _manifest_of(
     return target, load_manifest(target)
 
 
-def _remote_manifest(url: str | os.PathLike[str]) -> tuple[Path, bytes]:
-    """``URL/manifest.json`` (named as a UrlPath) and its bytes, capped by ``--max-object-size``.
+def remote_manifest(url: str | os.PathLike[str], name: str = MANIFEST_NAME) -> tuple[Path, bytes]:
+    """``URL/name`` (named as a UrlPath) and its bytes, capped by ``--max-object-size``.
 
     Raises:
         UsageError: no such object; the storage errors (``E140``-``E144``).
@@ -1876,15 +1876,15 @@ def _remote_manifest(url: str | os.PathLike[str]) -> tuple[Path, bytes]:
     from ckpttool.format.storage import RemoteStore
 
     store = RemoteStore(url)
-    where = cast(Path, store.path / MANIFEST_NAME)
-    if store.size(MANIFEST_NAME) is None:
+    where = cast(Path, store.path / name)
+    if store.size(name) is None:
         raise UsageError(
             f"{where}: no such manifest file",
             path=where,
             param="manifest",
             hint="write one with `ckpttool manifest URL`",
         )
-    return where, store.read_whole(MANIFEST_NAME, limits.current().max_object_bytes, what="manifest")
+    return where, store.read_whole(name, limits.current().max_object_bytes, what="manifest")
 
 
 def _default_manifest(directory: str | os.PathLike[str], opening: OpenOptions | None) -> Path:

@@ -699,3 +699,27 @@ def test_reshard_of_a_prefix_holding_an_object_named_to_escape_names_that_object
         "then run again"
     )
     assert not (tmp_path / "sub").exists() and not (tmp_path / "escaped.txt").exists()
+
+
+def test_validate_manifest_of_a_remote_checkpoint_reads_the_one_manifest_wrote(
+    sample_ckpt: Path, s3_server: Any, tmp_path: Path
+) -> None:
+    """`validate --manifest` without a value on a URL was refused ('needs a local checkpoint') and a URL value was
+    read as the local path 's3:/...' ('no such manifest file'); both read the object `manifest URL` PUT, and
+    a chunk changed since is named (S015, exit 1)."""
+    local = copy_checkpoint(sample_ckpt, tmp_path / "local")
+    url = upload(s3_server, local)
+    prefix = url.split("/", 3)[3]
+    assert cli(s3_server, "manifest", url).exit_code == 0
+    for args in (["--manifest", "--", url], ["--manifest", f"{url}/manifest.json", url]):
+        r = cli(s3_server, "validate", "--json", *args)
+        assert r.exit_code == 0, r.output
+        assert {s["code"]: s["status"] for s in json.loads(r.stdout)["rules"]}["S015"] == "passed"
+    missing = cli(s3_server, "validate", "--manifest", f"{url}/other.json", url)
+    assert missing.exit_code == 2 and missing.stderr.startswith(f"error: [E100] {url}/other.json: no such manifest")
+    corrupt_chunk_bytes(local, "model.model.embed_tokens.weight")
+    s3_server.client().upload_file(str(local / "__0_0.distcp"), "ckpts", f"{prefix}/__0_0.distcp")
+    r = cli(s3_server, "validate", "--json", "--manifest", "--", url)
+    assert r.exit_code == 1, r.output
+    s015 = [f for f in json.loads(r.stdout)["findings"] if f["code"] == "S015"]
+    assert [f["key"] for f in s015] == ["model.model.embed_tokens.weight"]
