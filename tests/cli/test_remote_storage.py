@@ -723,3 +723,22 @@ def test_validate_manifest_of_a_remote_checkpoint_reads_the_one_manifest_wrote(
     assert r.exit_code == 1, r.output
     s015 = [f for f in json.loads(r.stdout)["findings"] if f["code"] == "S015"]
     assert [f["key"] for f in s015] == ["model.model.embed_tokens.weight"]
+
+
+def test_manifest_output_that_is_a_url_is_refused_not_written_as_a_local_s3_folder(
+    sample_ckpt: Path, s3_server: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`manifest CK -o s3://b/m.json` wrote the local file ./s3:/b/m.json (Path() of the URL) and said 'wrote
+    s3:/b/m.json'; --output is a local file: a URL is E100 before anything is read, nothing written."""
+    monkeypatch.chdir(tmp_path)
+    url = upload(s3_server, sample_ckpt)
+    for ck in (url, str(sample_ckpt)):
+        for extra in ([], ["--verify"]):
+            r = cli(s3_server, "manifest", ck, *extra, "-o", "s3://ckpts/elsewhere/m.json")
+            assert r.exit_code == 2, r.output
+            assert r.stderr.startswith("error: [E100] ") and "--output" in r.stderr and "s3://" in r.stderr, r.stderr
+            assert os.listdir(tmp_path) == []
+    assert "manifest.json" not in os.listdir(sample_ckpt)
+    r = cli(s3_server, "manifest", url, "-o", f"file://{tmp_path}/m.json")  # file://PATH is the local PATH
+    assert r.exit_code == 0 and r.stdout.startswith(f"wrote {tmp_path}/m.json: "), r.output
+    assert os.listdir(tmp_path) == ["m.json"]
