@@ -92,6 +92,11 @@ def given_path(value: str | PurePath) -> Path:
         return Path(value)
     if not value:
         raise typer.BadParameter("an empty path (an unset shell variable?); name the file or directory")
+    from ckpttool.format.storage import is_url, local_path
+
+    value = os.fspath(local_path(value))  # file:///a/b is /a/b
+    if is_url(value):  # Path() of it was the local path 's3:/bucket/...': "not a directory"
+        raise typer.BadParameter(f"{value}: a URL; this option takes a local file or directory (copy it here first)")
     return Path(value)
 
 

@@ -742,3 +742,26 @@ def test_manifest_output_that_is_a_url_is_refused_not_written_as_a_local_s3_fold
     r = cli(s3_server, "manifest", url, "-o", f"file://{tmp_path}/m.json")  # file://PATH is the local PATH
     assert r.exit_code == 0 and r.stdout.startswith(f"wrote {tmp_path}/m.json: "), r.output
     assert os.listdir(tmp_path) == ["m.json"]
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["export", "{url}", "{out}", "--model-assets", "s3://ckpts/assets"],
+        ["validate", "{url}", "--config", "s3://ckpts/config.json"],
+        ["validate", "{url}", "--against", "s3://ckpts/ref"],
+    ],
+)
+def test_a_url_for_a_local_file_option_is_refused_naming_the_url(
+    args: list[str], sample_ckpt: Path, s3_server: Any, tmp_path: Path
+) -> None:
+    """--model-assets / --config / --against read local files only: a URL was taken as the local path
+    's3:/ckpts/...' ('s3:/ckpts/assets: --model-assets is not a directory'); it is E100 naming the option and the
+    URL as given, before the checkpoint is read."""
+    url = upload(s3_server, sample_ckpt)
+    r = cli(s3_server, *[a.format(url=url, out=tmp_path / "out") for a in args])
+    assert r.exit_code == 2, r.output
+    line = r.stderr.splitlines()[0]
+    assert line.startswith(f"error: [E100] Invalid value for '{args[-2]}'"), line
+    assert f"{args[-1]}: a URL;" in line and "s3:/ckpts" not in line.replace("s3://", "")
+    assert not (tmp_path / "out").exists()
