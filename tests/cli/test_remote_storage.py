@@ -765,3 +765,24 @@ def test_a_url_for_a_local_file_option_is_refused_naming_the_url(
     assert line.startswith(f"error: [E100] Invalid value for '{args[-2]}'"), line
     assert f"{args[-1]}: a URL;" in line and "s3:/ckpts" not in line.replace("s3://", "")
     assert not (tmp_path / "out").exists()
+
+
+def test_a_remote_run_root_names_the_checkpoints_below_it(sample_ckpt: Path, s3_server: Any) -> None:
+    """A URL of a run root (step-100/, step-200/ with .metadata each; step-300/ unfinished): step discovery is for
+    local directories (docs/storage.md), so E200 'no .metadata object' — its hint now names the prefixes below
+    that hold a .metadata (the newest last) instead of only 'pass the URL of the prefix that dcp.save wrote'."""
+    run = f"run-{uuid.uuid4().hex[:8]}"
+    for step in ("step-100", "step-200"):
+        s3_server.upload_dir(sample_ckpt, "ckpts", f"{run}/{step}")
+    s3_server.client().upload_file(str(sample_ckpt / "__0_0.distcp"), "ckpts", f"{run}/step-300/__0_0.distcp")
+    url = f"s3://ckpts/{run}"
+    for args in (["inspect", url], ["validate", url, "--step", "latest"]):
+        r = cli(s3_server, *args)
+        assert r.exit_code == 2, r.output
+        assert "Traceback" not in r.output
+    r = cli(s3_server, "inspect", url)
+    assert r.stderr.splitlines() == [
+        f"error: [E200] {url}: no .metadata object; not a DCP checkpoint (remote checkpoints are opened at their "
+        "own prefix, without step discovery or safetensors-only storage)",
+        f"hint: checkpoints below it: {url}/step-100, {url}/step-200 (pass one of them)",
+    ]
