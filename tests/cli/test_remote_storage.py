@@ -786,3 +786,21 @@ def test_a_remote_run_root_names_the_checkpoints_below_it(sample_ckpt: Path, s3_
         "own prefix, without step discovery or safetensors-only storage)",
         f"hint: checkpoints below it: {url}/step-100, {url}/step-200 (pass one of them)",
     ]
+
+
+def test_inspect_of_a_url_reads_no_local_file_named_like_it(
+    sample_ckpt: Path, s3_server: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The training state 'beside' s3://ckpts/P was looked for on the local disk, below ./s3:/ckpts (the URL made
+    a Path): with such a folder in the current directory inspect --json was E999 'UrlPath has no attribute
+    resolve'. A URL's neighbours are never local files: the report is the one of a clean directory."""
+    url = upload(s3_server, sample_ckpt)
+    monkeypatch.chdir(tmp_path)
+    clean = cli(s3_server, "inspect", "--json", url)
+    assert clean.exit_code == 0, clean.output
+    (tmp_path / "s3:" / "ckpts" / "train").mkdir(parents=True)
+    (tmp_path / "s3:" / "ckpts" / "train" / "rank0.pt").write_bytes(b"not a checkpoint of that bucket")
+    r = cli(s3_server, "inspect", "--json", url)
+    assert r.exit_code == 0, r.output
+    a, b = json.loads(r.stdout), json.loads(clean.stdout)
+    assert a["trainer_state"] == b["trainer_state"] and a["training_values"] == b["training_values"]
