@@ -82,6 +82,19 @@ def _holding(directory: Path) -> str:
     return "the one holding the .safetensors files" if safetensors else "the one holding .metadata"
 
 
+def _checkpoints_below(url: object, sizes: dict[str, int], shown: int = 6) -> str | None:
+    """A hint naming the prefixes below ``url`` that hold a ``.metadata`` (a run root's steps, in natural order:
+    step-99 before step-100), or ``None`` when there are none."""
+    suffix = "/" + METADATA_NAME
+    found = [rel[: -len(suffix)] for rel in sizes if rel.endswith(suffix)]
+    if not found:
+        return None
+    found.sort(key=lambda r: [(0, int(t), "") if t.isdigit() else (1, 0, t) for t in re.split(r"(\d+)", r)])
+    more = f" (+{len(found) - shown} more)" if len(found) > shown else ""
+    names = ", ".join(f"{url}/{r}" for r in found[-shown:])
+    return f"checkpoints below it: {names}{more} (pass one of them)"
+
+
 class CheckpointDir:
     """A DCP checkpoint directory with its validated metadata (torch-free).
 
@@ -260,7 +273,8 @@ class CheckpointDir:
                     f"{store.path}: no .metadata object; not a DCP checkpoint (remote checkpoints are opened "
                     "at their own prefix, without step discovery or safetensors-only storage)",
                     path=store.path / METADATA_NAME,
-                    hint="pass the URL of the prefix that dcp.save wrote (it holds .metadata and __R_N.distcp)",
+                    hint=_checkpoints_below(store.path, sizes)
+                    or "pass the URL of the prefix that dcp.save wrote (it holds .metadata and __R_N.distcp)",
                 )
             shown = store.path / METADATA_NAME
             self.metadata = parse_metadata_taken(

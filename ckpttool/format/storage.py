@@ -238,13 +238,20 @@ def url_path(path: str | os.PathLike[str]) -> UrlPath:
     return path if isinstance(path, UrlPath) else UrlPath.of(os.fspath(path))
 
 
-def confine_key(root: str, relative: str, *, shown: object, what: str = "storage path") -> str:
+def confine_key(
+    root: str,
+    relative: str,
+    *,
+    shown: object,
+    what: str = "storage path",
+    why: str = "it could leave the checkpoint prefix",
+) -> str:
     """``root + "/" + relative`` for a ``relative`` that stays inside the prefix ``root``.
 
     Object stores have no directories or symlinks: the key is the string. Refused (``E101``):
     empty, absolute, a scheme, NUL/control characters, backslashes, ``.``/``..``/empty
     components — anything that could name another bucket, another prefix, or the same object
-    under two names.
+    under two names. ``why``: the consequence the message ends with.
 
     Raises:
         PathEscapeError: the path is refused.
@@ -263,9 +270,7 @@ def confine_key(root: str, relative: str, *, shown: object, what: str = "storage
     elif any(part in ("", ".", "..") for part in relative.split("/")):
         bad = "has an empty, '.' or '..' component"
     if bad is not None:
-        raise PathEscapeError(
-            f"{shown}: {what} {relative!r} {bad}: it could leave the checkpoint prefix", path=relative
-        )
+        raise PathEscapeError(f"{shown}: {what} {relative!r} {bad}: {why}", path=relative)
     return f"{root.rstrip('/')}/{relative}"
 
 

@@ -229,6 +229,13 @@ def hf_config_beside(model_dir: Path) -> Path | None:
     return None
 
 
+def _is_url(model_dir: Path) -> bool:
+    """``model_dir`` is a remote checkpoint's ``UrlPath`` (``Path()`` of it would name a local ``s3:/...``)."""
+    from ckpttool.format.storage import is_url
+
+    return is_url(os.fspath(model_dir))
+
+
 def training_state_beside(model_dir: Path) -> list[str]:
     """Paths (relative to the opened directory's parent) of training-state files saved beside it.
 
@@ -236,6 +243,8 @@ def training_state_beside(model_dir: Path) -> list[str]:
     beside a ``model/`` folder; ``[]`` when there are none or the parent cannot be listed.
     """
     out: list[str] = []
+    if _is_url(model_dir):  # object storage: its neighbours are objects, never local files below ./s3:/...
+        return out
     train = model_dir.parent / "train"
     try:
         names = os.listdir(train)
@@ -253,6 +262,8 @@ def files_beside(model_dir: Path) -> list[str]:
     restore reads: :func:`training_state_beside`, then OLMo-core's ``stepN/.metadata.json`` (beside
     ``model_and_optim/`` or ``train/``); what ``manifest`` digests beside the checkpoint."""
     out = training_state_beside(model_dir)
+    if _is_url(model_dir):
+        return out
     step = model_dir.parent
     if os.path.lexists(step / OLMO_CORE_METADATA) and (
         model_dir.name == "model_and_optim" or os.path.isdir(step / "train")

@@ -139,9 +139,11 @@ class Checkpoint:
         the two: the folder the reader reads them from is their common parent, which may hold anything (``/`` for
         two file systems), and an output beside them is none of the checkpoint's.
         """
+        if is_url(os.fspath(self.reader.path)):  # a UrlPath, kept: Path() of it drops the scheme's second slash
+            return (self.reader.path,)
         root = Path(self.reader.path)
         where = self.located
-        if where.optimizer is None or is_url(str(root)):
+        if where.optimizer is None:
             return (root,)
         given = Path(where.given).resolve()
         if root.resolve() == given or given in root.resolve().parents:

@@ -76,8 +76,9 @@ def trainer_steps(ckpt: Checkpoint) -> list[Counter]:
             common = None  # named by the rules that read it
         if common is not None and common.iteration is not None:
             out.append(Counter(f"{ckpt.common_state_file}:iteration", common.iteration))
-    for ts in read_training_state_beside(Path(ckpt.located.model)):  # OLMo-core's train/rankR.pt, NeMo's
-        name = TRAINER_STEP_KEY.get(ts.file, "global_step")  # step_scheduler.pt beside the checkpoint
+    # OLMo-core's train/rankR.pt, NeMo's step_scheduler.pt beside the checkpoint (a URL's UrlPath kept: none read)
+    for ts in read_training_state_beside(ckpt.located.model):
+        name = TRAINER_STEP_KEY.get(ts.file, "global_step")
         gs = ts.values.get(name)
         if isinstance(gs, int):
             out.append(Counter(f"{ts.file}:{name}", gs))

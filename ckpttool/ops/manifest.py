@@ -19,7 +19,7 @@ from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from itertools import islice
 from pathlib import Path
-from typing import Any, cast
+from typing import TYPE_CHECKING, Any, cast
 
 from ckpttool.engine.io import ShortReadError, read_upto
 from ckpttool.engine.pool import imap_ordered, worker_count
@@ -39,6 +39,9 @@ from ckpttool.format.reader import CheckpointReader
 from ckpttool.format.unpickler import short_repr
 from ckpttool.model.checkpoint import Checkpoint, CheckpointOrPath, OpenOptions, open_source
 from ckpttool.ops.fields import Hooks, PhaseFn, ProgressFn, Unpack, hooks_of, options_of
+
+if TYPE_CHECKING:
+    from ckpttool.format.storage import RemoteStore
 
 __all__ = [
     "MANIFEST_FORMAT",
@@ -398,6 +401,7 @@ def _hash_entry(
     """``(covers, digest)`` of one entry; ``record`` falls back to ``window`` where a chunk has no stored record.
     ``loc``: the chunk's location when it lies in its data file as is (its record's CRC-32 checked on the read)."""
     info = reader.storage_info(key, chunk)
+    reader.fetch(info)  # a remote checkpoint: its window into the spool (read unfetched, it is zeros); local: nothing
     if covers == "record" and chunk is not None:
         span = record_span(reader, key, chunk)
         if span is not None:
@@ -419,7 +423,14 @@ def _metadata_file(reader: CheckpointReader) -> str:
     """What :func:`_metadata_digest` digests for ``reader``: ``.metadata``, :data:`PERRANK_NAME` or :data:`HEADERS_NAME`."""
     if isinstance(reader, PerRankReader):
         return PERRANK_NAME
-    return METADATA_NAME if (reader.path / METADATA_NAME).exists() else HEADERS_NAME
+    return METADATA_NAME if _has_metadata(reader) else HEADERS_NAME
+
+
+def _has_metadata(reader: CheckpointReader) -> bool:
+    """Whether the checkpoint has a ``.metadata`` file (a remote one: in the prefix's listing)."""
+    if reader.remote is not None:
+        return reader.remote.size(METADATA_NAME) is not None
+    return (Path(reader.path) / METADATA_NAME).exists()
 
 
 def _perrank_digest(reader: CheckpointReader, algorithm: str) -> tuple[str, int]:
@@ -440,8 +451,8 @@ def _metadata_digest(reader: CheckpointReader, algorithm: str) -> tuple[str | No
         return None, None  # a composed model/optimizer pair has two
     if isinstance(reader, PerRankReader):
         return _perrank_digest(reader, algorithm)
-    if not (reader.path / METADATA_NAME).exists():
-        return _headers_digest(reader, algorithm)
+    if not _has_metadata(reader):
+        return _headers_digest(reader, algorithm)  # (None, None) for a remote one: not digested, as its sidecars
     known = reader.metadata_file_digest(algorithm)  # digested as read at open: no second read
     if known is not None:
         return known
@@ -852,10 +863,14 @@ def write_manifest(
             if progress is not None:
                 progress(done[0], total)
 
-        target = Path(out) if out is not None else Path(ckpt.located.model) / MANIFEST_NAME
-        if reader.remote is None:
+        remote = reader.remote if out is None else None  # beside .metadata on the prefix: one PUT
+        if remote is not None:
+            target = cast(Path, remote.path / MANIFEST_NAME)  # a UrlPath: named, never opened locally
+            _check_remote_target(remote)
+        else:
+            target = Path(out) if out is not None else Path(ckpt.located.model) / MANIFEST_NAME
             _check_writable(target)  # before hashing every byte: a read-only checkpoint is told at once
-        _check_target(target, ckpt)
+            _check_target(target, ckpt)
         say("hashing")
         t_hash = time.perf_counter()
         step(0)
@@ -870,8 +885,11 @@ def write_manifest(
         hash_seconds = time.perf_counter() - t_hash
         say(f"writing {target}")
         data = man.to_bytes()
-        with recording(target.parent, target.name):  # an output of ckpttool: its marker lists the manifest
-            _replace_file(target, data)
+        if remote is not None:
+            remote.write_bytes(MANIFEST_NAME, data)
+        else:
+            with recording(target.parent, target.name):  # an output of ckpttool: its marker lists the manifest
+                _replace_file(target, data)
         seconds = time.perf_counter() - t0
         log.info("manifest: %d entries, %d bytes hashed in %.3f s (%s)", len(man.entries), done[0], seconds, algorithm)
         return ManifestResult(
@@ -938,6 +956,26 @@ def _check_target(target: Path, ckpt: Checkpoint) -> None:
             f"manifest {target}: is a file of the checkpoint (named by its .metadata); it is left as it is",
             path=target,
             hint=hint,
+        )
+
+
+def _check_remote_target(store: RemoteStore) -> None:
+    """Refuse to replace a ``manifest.json`` on the prefix that ckpttool did not write (its head read).
+
+    Raises:
+        OutputError (E600): as above.
+    """
+    size = store.size(MANIFEST_NAME)
+    if size is None:
+        return
+    head = store.read_range(MANIFEST_NAME, 0, min(size, 4096)) if size else b""
+    if not is_manifest_head(head):
+        where = store.path / MANIFEST_NAME
+        raise OutputError(
+            f"{where}: exists and is not a manifest ckpttool wrote; nothing was hashed",
+            path=where,
+            hint=f"the checkpoint's {MANIFEST_NAME} is kept; write this manifest to a local file with --output FILE "
+            "(verify with --verify --output FILE)",
         )
 
 
@@ -1075,12 +1113,13 @@ def _is_hex(s: str) -> bool:
     return _HEX.issuperset(s)
 
 
-def _read_doc(p: Path, shown: str) -> dict[str, Any]:
-    """The manifest file's JSON object, capped and bounded; its ``format`` checked."""
-    try:
-        data = read_regular(p, limits.current().max_object_bytes, what="manifest")
-    except OSError as e:
-        raise ManifestError(f"{p}: cannot read the manifest ({e.strerror})", path=p) from e
+def _read_doc(p: Path, shown: str, data: bytes | None = None) -> dict[str, Any]:
+    """The manifest file's JSON object (``data``: its bytes, already read), capped and bounded; its ``format`` checked."""
+    if data is None:
+        try:
+            data = read_regular(p, limits.current().max_object_bytes, what="manifest")
+        except OSError as e:
+            raise ManifestError(f"{p}: cannot read the manifest ({e.strerror})", path=p) from e
     try:
         doc = json.loads(data.decode("utf-8"), parse_int=_bounded_int)
     except (ValueError, RecursionError) as e:  # not JSON / UTF-8, nested past the recursion limit, a long number
@@ -1166,8 +1205,10 @@ def _objects(
     return out
 
 
-def load_manifest(path: str | os.PathLike[str]) -> Manifest:
+def load_manifest(path: str | os.PathLike[str], data: bytes | None = None) -> Manifest:
     """Read and check a ``manifest.json`` (untrusted: capped, bounded JSON, every field checked).
+
+    ``data``: its bytes, already read (a remote manifest; ``path`` then only names it).
 
     Raises:
         UsageError: the file does not exist.
@@ -1175,13 +1216,13 @@ def load_manifest(path: str | os.PathLike[str]) -> Manifest:
         JsonDepthError, IntegerRangeError: a JSON bomb.
         ManifestError (E260): not JSON, another format, a newer version, a malformed entry, duplicates.
     """
-    p = Path(path)
+    p = Path(path) if data is None else cast(Path, path)
     shown = str(p)
-    if not p.exists():
+    if data is None and not p.exists():
         raise UsageError(
             f"{p}: no such manifest file", path=p, param="manifest", hint="write one with `ckpttool manifest DIR`"
         )
-    doc = _read_doc(p, shown)
+    doc = _read_doc(p, shown, data)
     version = doc.get("version")
     if type(version) is not int or version < 1:
         raise _bad(shown, "version must be a positive integer")
@@ -1807,6 +1848,45 @@ class ManifestCheck:
         return out
 
 
+def _manifest_of(
+    directory: str | os.PathLike[str],
+    manifest_path: str | os.PathLike[str] | None,
+    opening: OpenOptions | None,
+    say: Callable[[str], None],
+) -> tuple[Path, Manifest]:
+    """The manifest :func:`check_against_manifest` checks against (named, loaded): ``manifest_path``, else the
+    directory's own; a URL's is the one ``manifest URL`` PUT beside its ``.metadata``."""
+    from ckpttool.format.storage import is_url
+
+    if manifest_path is None and is_url(directory):
+        target, data = remote_manifest(directory)
+        say(f"reading manifest {target}")
+        return target, load_manifest(target, data)
+    target = Path(manifest_path) if manifest_path is not None else _default_manifest(directory, opening)
+    say(f"reading manifest {target}")
+    return target, load_manifest(target)
+
+
+def remote_manifest(url: str | os.PathLike[str], name: str = MANIFEST_NAME) -> tuple[Path, bytes]:
+    """``URL/name`` (named as a UrlPath) and its bytes, capped by ``--max-object-size``.
+
+    Raises:
+        UsageError: no such object; the storage errors (``E140``-``E144``).
+    """
+    from ckpttool.format.storage import RemoteStore
+
+    store = RemoteStore(url)
+    where = cast(Path, store.path / name)
+    if store.size(name) is None:
+        raise UsageError(
+            f"{where}: no such manifest file",
+            path=where,
+            param="manifest",
+            hint="write one with `ckpttool manifest URL`",
+        )
+    return where, store.read_whole(name, limits.current().max_object_bytes, what="manifest")
+
+
 def _default_manifest(directory: str | os.PathLike[str], opening: OpenOptions | None) -> Path:
     """``directory/manifest.json``, else the one :func:`write_manifest` writes by default: beside the ``.metadata``
     of the checkpoint ``directory`` resolves to (a run root's step, a pair's model folder)."""
@@ -1871,9 +1951,7 @@ def check_against_manifest(
         UsageError: no manifest; ManifestError: a malformed one; the readers' errors.
     """
     say = phase or (lambda text: None)
-    target = Path(manifest_path) if manifest_path is not None else _default_manifest(directory, opening)
-    say(f"reading manifest {target}")
-    man = load_manifest(target)
+    target, man = _manifest_of(directory, manifest_path, opening, say)
     total, done = sum(e.length for e in man.entries), [0]
 
     def step(n: int) -> None:

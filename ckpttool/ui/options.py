@@ -15,6 +15,7 @@ described by ``ckpttool schema CMD``.
 
 from __future__ import annotations
 
+import os
 import re
 from enum import Enum
 from pathlib import Path, PurePath
@@ -85,12 +86,17 @@ def given_path(value: str | PurePath) -> Path:
     variable, ``--model-assets "$ASSETS"``, would read, or copy into an export, whatever the current directory holds).
 
     Raises:
-        typer.BadParameter (E100): an empty string.
+        typer.BadParameter (E100): an empty string; a URL (other than ``file://``).
     """
     if isinstance(value, PurePath):
         return Path(value)
     if not value:
         raise typer.BadParameter("an empty path (an unset shell variable?); name the file or directory")
+    from ckpttool.format.storage import is_url, local_path
+
+    value = os.fspath(local_path(value))  # file:///a/b is /a/b
+    if is_url(value):  # Path() of it was the local path 's3:/bucket/...': "not a directory"
+        raise typer.BadParameter(f"{value}: a URL; this option takes a local file or directory (copy it here first)")
     return Path(value)
 
 
@@ -119,6 +125,14 @@ def manifest_file(value: str | PurePath) -> Path:
         raise typer.BadParameter(
             "an empty path (an unset shell variable?); name the manifest file (e.g. ./manifest.json), "
             "or leave --output out for DIR/manifest.json"
+        )
+    from ckpttool.format.storage import is_url, local_path
+
+    value = os.fspath(local_path(value))  # file:///a/m.json is /a/m.json
+    if is_url(value):  # Path() of it was a local ./s3:/bucket/... file
+        raise typer.BadParameter(
+            f"{value}: a URL; --output is a local file (a checkpoint in object storage gets its manifest.json "
+            "beside .metadata without --output)"
         )
     return Path(value)
 

@@ -606,3 +606,201 @@ def test_an_object_rewritten_after_the_listing_is_said_to_have_changed(sample_ck
                 got.value.message.startswith(f"{url}/.metadata: ") and "changed while being read" in got.value.message
             )
             assert f"the listing said {len(md)}" in got.value.message
+
+
+def test_manifest_of_a_remote_checkpoint_is_written_beside_its_metadata_and_verifies(
+    sample_ckpt: Path, s3_server: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`manifest s3://...` (docs/storage.md lists it) was E999 'internal error: AttributeError' (and would have
+    written a local ./s3:/bucket/... tree); it PUTs manifest.json beside .metadata, with the entries of the local
+    manifest, and `--verify` reads it back from the prefix; `-o FILE` writes a local file."""
+    monkeypatch.chdir(tmp_path)
+    local = copy_checkpoint(sample_ckpt, tmp_path / "local")
+    url = upload(s3_server, local)
+    prefix = url.split("/", 3)[3]
+    assert runner.invoke(app, ["manifest", str(local)]).exit_code == 0
+    want = json.loads((local / "manifest.json").read_text())
+    r = cli(s3_server, "manifest", url)
+    assert r.exit_code == 0, r.output
+    assert f"wrote {url}/manifest.json" in r.stdout
+    got = json.loads(download(s3_server, "ckpts", prefix, tmp_path / "dl")["manifest.json"])
+    assert got["entries"] == want["entries"] and got["metadata"] == want["metadata"]
+    assert sorted(os.listdir(tmp_path)) == ["dl", "local"]  # nothing written locally (no ./s3:/...)
+    v = cli(s3_server, "manifest", url, "--verify")
+    assert v.exit_code == 0, v.output
+    assert f"{url} (dcp) matches its manifest {url}/manifest.json" in v.stdout
+    # the windows are read (were the spool's zeros: every chunk and byte item 'changed'): a damaged chunk is named
+    corrupt_chunk_bytes(local, "model.model.embed_tokens.weight")
+    s3_server.client().upload_file(str(local / "__0_0.distcp"), "ckpts", f"{prefix}/__0_0.distcp")
+    v = cli(s3_server, "manifest", url, "--verify")
+    assert v.exit_code == 1, v.output
+    assert [ln.split()[:2] for ln in v.stdout.splitlines()[:-1]] == [["changed", "'model.model.embed_tokens.weight'"]]
+    s3_server.client().upload_file(str(sample_ckpt / "__0_0.distcp"), "ckpts", f"{prefix}/__0_0.distcp")
+    out = tmp_path / "m.json"
+    r = cli(s3_server, "manifest", url, "-o", str(out))
+    assert r.exit_code == 0, r.output
+    assert json.loads(out.read_text())["entries"] == want["entries"]
+    assert cli(s3_server, "manifest", url, "--verify", "-o", str(out)).exit_code == 0
+    # a manifest.json on the prefix that ckpttool did not write is kept
+    s3_server.client().put_object(Bucket="ckpts", Key=f"{prefix}/manifest.json", Body=b'{"mine": 1}')
+    r = cli(s3_server, "manifest", url)
+    assert r.exit_code == 2 and "[E600]" in r.output and f"{url}/manifest.json" in r.output, r.output
+    assert "Traceback" not in r.output
+    assert s3_server.client().get_object(Bucket="ckpts", Key=f"{prefix}/manifest.json")["Body"].read() == b'{"mine": 1}'
+
+
+def test_validate_of_a_remote_incomplete_save_names_the_url(sample_ckpt: Path, s3_server: Any) -> None:
+    """Data objects without .metadata: S001/E202 keyed by the URL, as a local directory is by its path (the key
+    was 's3:/ckpts/...', the scheme's slash lost, and the error line said 's3:/ckpts/x: s3://ckpts/x: ...')."""
+    prefix = f"t-{uuid.uuid4().hex[:8]}"
+    s3_server.bucket("ckpts")
+    s3_server.client().upload_file(str(sample_ckpt / "__0_0.distcp"), "ckpts", f"{prefix}/__0_0.distcp")
+    url = f"s3://ckpts/{prefix}"
+    r = cli(s3_server, "validate", "--json", url)
+    assert r.exit_code == 2, r.output
+    doc = json.loads(r.stdout)
+    assert [(f["code"], f["error_code"], f["key"]) for f in doc["findings"]] == [("S001", "E202", url)]
+    assert r.stderr.splitlines()[0] == f"error: [E202] {url}: has .distcp data files but no .metadata (incomplete save)"
+
+
+def test_export_into_the_remote_source_prefix_is_refused(sample_ckpt: Path, s3_server: Any) -> None:
+    """docs/storage.md: 'The target may not overlap the source checkpoint'. An export of s3://b/ck to s3://b/ck/hf
+    was published inside the checkpoint's prefix (the source's URL lost its scheme on the way to the check): E600
+    naming both, before anything is written, as for local directories."""
+    url = upload(s3_server, sample_ckpt)
+    prefix = url.split("/", 3)[3]
+    before = s3_server.keys("ckpts", prefix + "/")
+    for out in (f"{url}/hf", f"{url}/hf/deeper"):
+        r = cli(s3_server, "export", url, out)
+        assert r.exit_code == 2, r.output
+        assert r.stderr.splitlines()[0] == f"error: [E600] {out}: the output overlaps the source checkpoint {url}"
+    assert s3_server.keys("ckpts", prefix + "/") == before
+    assert not [k for k in s3_server.keys("ckpts", "") if ".ckpttool-tmp-" in k and k.startswith(prefix)]
+
+
+@pytest.mark.parametrize("name", ["extra/../../../escaped.txt", "/abs/escaped.txt"])
+def test_reshard_of_a_prefix_holding_an_object_named_to_escape_names_that_object(
+    name: str, sample_ckpt: Path, s3_server: Any, tmp_path: Path
+) -> None:
+    """reshard copies every object beside the checkpoint into OUT. An object whose key has a '..' component (or an
+    empty one: '//') is refused (E101), nothing written: the message said "storage path ... the checkpoint references
+    files outside its directory", which .metadata did not; it names the object below the prefix and what to do."""
+    url = upload(s3_server, sample_ckpt)
+    prefix = url.split("/", 3)[3]
+    s3_server.client().put_object(Bucket="ckpts", Key=f"{prefix}/{name}", Body=b"x")
+    out = tmp_path / "sub" / "out"
+    r = cli(s3_server, "reshard", url, str(out), "--to", "canonical", "--with-optimizer")
+    assert r.exit_code == 2, r.output
+    lines = r.stderr.splitlines()
+    assert lines[0].startswith(f"error: [E101] {url}: object {name!r} "), lines
+    assert lines[0].endswith(": it cannot be copied to OUT")
+    assert lines[1] == (
+        "hint: it is no part of the DCP checkpoint (its .metadata does not name it): rename or delete the object, "
+        "then run again"
+    )
+    assert not (tmp_path / "sub").exists() and not (tmp_path / "escaped.txt").exists()
+
+
+def test_validate_manifest_of_a_remote_checkpoint_reads_the_one_manifest_wrote(
+    sample_ckpt: Path, s3_server: Any, tmp_path: Path
+) -> None:
+    """`validate --manifest` without a value on a URL was refused ('needs a local checkpoint') and a URL value was
+    read as the local path 's3:/...' ('no such manifest file'); both read the object `manifest URL` PUT, and
+    a chunk changed since is named (S015, exit 1)."""
+    local = copy_checkpoint(sample_ckpt, tmp_path / "local")
+    url = upload(s3_server, local)
+    prefix = url.split("/", 3)[3]
+    assert cli(s3_server, "manifest", url).exit_code == 0
+    for args in (["--manifest", "--", url], ["--manifest", f"{url}/manifest.json", url]):
+        r = cli(s3_server, "validate", "--json", *args)
+        assert r.exit_code == 0, r.output
+        assert {s["code"]: s["status"] for s in json.loads(r.stdout)["rules"]}["S015"] == "passed"
+    missing = cli(s3_server, "validate", "--manifest", f"{url}/other.json", url)
+    assert missing.exit_code == 2 and missing.stderr.startswith(f"error: [E100] {url}/other.json: no such manifest")
+    corrupt_chunk_bytes(local, "model.model.embed_tokens.weight")
+    s3_server.client().upload_file(str(local / "__0_0.distcp"), "ckpts", f"{prefix}/__0_0.distcp")
+    r = cli(s3_server, "validate", "--json", "--manifest", "--", url)
+    assert r.exit_code == 1, r.output
+    s015 = [f for f in json.loads(r.stdout)["findings"] if f["code"] == "S015"]
+    assert [f["key"] for f in s015] == ["model.model.embed_tokens.weight"]
+
+
+def test_manifest_output_that_is_a_url_is_refused_not_written_as_a_local_s3_folder(
+    sample_ckpt: Path, s3_server: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`manifest CK -o s3://b/m.json` wrote the local file ./s3:/b/m.json (Path() of the URL) and said 'wrote
+    s3:/b/m.json'; --output is a local file: a URL is E100 before anything is read, nothing written."""
+    monkeypatch.chdir(tmp_path)
+    url = upload(s3_server, sample_ckpt)
+    for ck in (url, str(sample_ckpt)):
+        for extra in ([], ["--verify"]):
+            r = cli(s3_server, "manifest", ck, *extra, "-o", "s3://ckpts/elsewhere/m.json")
+            assert r.exit_code == 2, r.output
+            assert r.stderr.startswith("error: [E100] ") and "--output" in r.stderr and "s3://" in r.stderr, r.stderr
+            assert os.listdir(tmp_path) == []
+    assert "manifest.json" not in os.listdir(sample_ckpt)
+    r = cli(s3_server, "manifest", url, "-o", f"file://{tmp_path}/m.json")  # file://PATH is the local PATH
+    assert r.exit_code == 0 and r.stdout.startswith(f"wrote {tmp_path}/m.json: "), r.output
+    assert os.listdir(tmp_path) == ["m.json"]
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["export", "{url}", "{out}", "--model-assets", "s3://ckpts/assets"],
+        ["validate", "{url}", "--config", "s3://ckpts/config.json"],
+        ["validate", "{url}", "--against", "s3://ckpts/ref"],
+    ],
+)
+def test_a_url_for_a_local_file_option_is_refused_naming_the_url(
+    args: list[str], sample_ckpt: Path, s3_server: Any, tmp_path: Path
+) -> None:
+    """--model-assets / --config / --against read local files only: a URL was taken as the local path
+    's3:/ckpts/...' ('s3:/ckpts/assets: --model-assets is not a directory'); it is E100 naming the option and the
+    URL as given, before the checkpoint is read."""
+    url = upload(s3_server, sample_ckpt)
+    r = cli(s3_server, *[a.format(url=url, out=tmp_path / "out") for a in args])
+    assert r.exit_code == 2, r.output
+    line = r.stderr.splitlines()[0]
+    assert line.startswith(f"error: [E100] Invalid value for '{args[-2]}'"), line
+    assert f"{args[-1]}: a URL;" in line and "s3:/ckpts" not in line.replace("s3://", "")
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_remote_run_root_names_the_checkpoints_below_it(sample_ckpt: Path, s3_server: Any) -> None:
+    """A URL of a run root (step-100/, step-200/ with .metadata each; step-300/ unfinished): step discovery is for
+    local directories (docs/storage.md), so E200 'no .metadata object' — its hint now names the prefixes below
+    that hold a .metadata (the newest last) instead of only 'pass the URL of the prefix that dcp.save wrote'."""
+    run = f"run-{uuid.uuid4().hex[:8]}"
+    for step in ("step-100", "step-200"):
+        s3_server.upload_dir(sample_ckpt, "ckpts", f"{run}/{step}")
+    s3_server.client().upload_file(str(sample_ckpt / "__0_0.distcp"), "ckpts", f"{run}/step-300/__0_0.distcp")
+    url = f"s3://ckpts/{run}"
+    for args in (["inspect", url], ["validate", url, "--step", "latest"]):
+        r = cli(s3_server, *args)
+        assert r.exit_code == 2, r.output
+        assert "Traceback" not in r.output
+    r = cli(s3_server, "inspect", url)
+    assert r.stderr.splitlines() == [
+        f"error: [E200] {url}: no .metadata object; not a DCP checkpoint (remote checkpoints are opened at their "
+        "own prefix, without step discovery or safetensors-only storage)",
+        f"hint: checkpoints below it: {url}/step-100, {url}/step-200 (pass one of them)",
+    ]
+
+
+def test_inspect_of_a_url_reads_no_local_file_named_like_it(
+    sample_ckpt: Path, s3_server: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The training state 'beside' s3://ckpts/P was looked for on the local disk, below ./s3:/ckpts (the URL made
+    a Path): with such a folder in the current directory inspect --json was E999 'UrlPath has no attribute
+    resolve'. A URL's neighbours are never local files: the report is the one of a clean directory."""
+    url = upload(s3_server, sample_ckpt)
+    monkeypatch.chdir(tmp_path)
+    clean = cli(s3_server, "inspect", "--json", url)
+    assert clean.exit_code == 0, clean.output
+    (tmp_path / "s3:" / "ckpts" / "train").mkdir(parents=True)
+    (tmp_path / "s3:" / "ckpts" / "train" / "rank0.pt").write_bytes(b"not a checkpoint of that bucket")
+    r = cli(s3_server, "inspect", "--json", url)
+    assert r.exit_code == 0, r.output
+    a, b = json.loads(r.stdout), json.loads(clean.stdout)
+    assert a["trainer_state"] == b["trainer_state"] and a["training_values"] == b["training_values"]

@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ckpttool.engine.pool import map_ordered, worker_count
-from ckpttool.errors import DataFileError, NotRegularFileError, ReshardError, SizeLimitError
+from ckpttool.errors import DataFileError, NotRegularFileError, PathEscapeError, ReshardError, SizeLimitError
 from ckpttool.format import limits
 from ckpttool.format.atomic import signals_deferred
 from ckpttool.format.directory import DATA_FILE_RE, METADATA_NAME
@@ -35,7 +35,7 @@ from ckpttool.format.metadata import ChunkMeta
 from ckpttool.format.outputs import check_target, output_location
 from ckpttool.format.rank_local import RANK_METADATA_RE
 from ckpttool.format.reader import CheckpointReader
-from ckpttool.format.storage import is_url
+from ckpttool.format.storage import confine_key, is_url
 from ckpttool.format.tiling import contiguous_run
 from ckpttool.format.writer import DCPWriter, can_stream
 from ckpttool.layouts.record import SIDECAR_NAME
@@ -407,10 +407,24 @@ def _copy_extra_remote(reader: CheckpointReader, dst: Path) -> list[str]:
     Each object is confined (``E101``) and capped by ``--max-object-size`` before it is fetched.
     """
     assert reader.remote is not None
+    names = [
+        rel
+        for rel in sorted(reader.remote.sizes())
+        if rel not in (METADATA_NAME, SIDECAR_NAME, MANIFEST_NAME, MARKER_NAME)
+        and not ("/" not in rel and _source_file(rel))
+    ]
+    for rel in names:  # every key checked before the first is fetched or written
+        try:
+            confine_key(reader.remote.root, rel, shown=reader.path, what="object", why="it cannot be copied to OUT")
+        except PathEscapeError as e:
+            raise PathEscapeError(
+                e.message,
+                path=rel,
+                hint="it is no part of the DCP checkpoint (its .metadata does not name it): rename or delete the "
+                "object, then run again",
+            ) from None
     copied = []
-    for rel in sorted(reader.remote.sizes()):
-        if rel in (METADATA_NAME, SIDECAR_NAME, MANIFEST_NAME, MARKER_NAME) or ("/" not in rel and _source_file(rel)):
-            continue
+    for rel in names:
         data = reader.read_file(rel, limits.current().max_object_bytes, what="file beside the checkpoint")
         out = dst / rel
         out.parent.mkdir(parents=True, exist_ok=True)

@@ -13,7 +13,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, cast
+from typing import TYPE_CHECKING, Any, cast
 
 from ckpttool import errors
 from ckpttool.format.storage import is_url, url_path
@@ -33,6 +33,9 @@ from ckpttool.ops.validate.base import (
 )
 from ckpttool.ops.validate.context import Context
 from ckpttool.ops.validate.reference import load_reference
+
+if TYPE_CHECKING:
+    from ckpttool.ops.manifest import Manifest
 
 __all__ = ["SCHEMA", "RuleStatus", "ValidateOptions", "ValidationResult", "validate"]
 log = logging.getLogger(__name__)
@@ -220,7 +223,9 @@ def _validate_open(
     if opts.manifest is not None:
         from ckpttool.ops.manifest import check_manifest_kind, load_manifest
 
-        man = load_manifest(_manifest_file(opts.manifest, Path(ckpt.located.model)))
+        man = _load_manifest_of(opts.manifest, ckpt)
+        if man is None:
+            man = load_manifest(_manifest_file(opts.manifest, Path(ckpt.located.model)))
         check_manifest_kind(ckpt.reader, man)  # one error before any rule (or the deep pass) runs
     say("reading param groups and extra state")
     ckpt.param_groups()
@@ -362,8 +367,6 @@ def validate(
     opening, progress, phase = hooks_of("validate", hooks)
     opts = options_of(options, ValidateOptions)
     opening = check_source(source, opening)
-    if opts.manifest == "":
-        _refuse_own_manifest_of_url(source.located.given if isinstance(source, Checkpoint) else source)
     say = phase or (lambda text: None)
     with gc_held():  # one pause for open + rules: each re-enable triggers a full collection
         if isinstance(source, Checkpoint):
@@ -371,20 +374,18 @@ def validate(
         return _validate_path(source, opts, opening, progress, say)
 
 
-def _refuse_own_manifest_of_url(source: str | os.PathLike[str]) -> None:
-    """The checkpoint's own manifest (``manifest`` ``""``) is read beside a local checkpoint only.
+def _load_manifest_of(manifest: str | os.PathLike[str], ckpt: Checkpoint) -> Manifest | None:
+    """The manifest of :attr:`ValidateOptions.manifest` in object storage: for ``""`` (no value) the remote
+    checkpoint's own ``URL/manifest.json`` (what ``manifest URL`` writes), a URL of a file that object
+    (``URL/DIR`` is taken as a file: object stores have no directories); ``None``: a local file."""
+    from ckpttool.ops.manifest import load_manifest, remote_manifest
 
-    Raises:
-        UsageError (E100): ``source`` is a URL.
-    """
-    from ckpttool.format.storage import is_url
-
-    if is_url(source):
-        raise errors.UsageError(
-            f"`manifest` without a value needs a local checkpoint, not {source}",
-            param="manifest",
-            hint="pass the manifest file: `manifest` FILE",
-        )
+    if manifest == "" and ckpt.reader.remote is not None:
+        return load_manifest(*remote_manifest(ckpt.reader.path))
+    if is_url(manifest):
+        where = url_path(manifest)
+        return load_manifest(*remote_manifest(where.parent, where.name))
+    return None
 
 
 def _manifest_file(manifest: str | os.PathLike[str], checkpoint_dir: Path) -> Path:
@@ -423,7 +424,7 @@ def _validate_path(
         # an unfinished save is named by its directory (it may hold no .metadata to blame); another error by
         # the file it names (a safetensors shard, a per-rank file), not ".metadata" for every format
         unfinished = isinstance(e, errors.IncompleteCheckpointError)
-        where = Path(e.path) if e.path else None
+        where = (cast(Path, url_path(e.path)) if is_url(e.path) else Path(e.path)) if e.path else None
         if unfinished and where is not None and where.name == ".metadata":  # the missing file: its directory
             where = where.parent
         key = (str(where) if unfinished else where.name) if where is not None else ".metadata"
