@@ -21,7 +21,7 @@ from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from itertools import chain, compress, filterfalse, repeat
 from operator import add, and_, eq, getitem, is_, itemgetter, not_
-from pathlib import Path
+from pathlib import Path, PurePath
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 from ckpttool.errors import CkptError, IndexedOptimizerStateError, OptimStateError, PlannerDataError
@@ -29,6 +29,7 @@ from ckpttool.format.directory import CheckpointDir, rank_of_file
 from ckpttool.format.listing import FileListing, list_files
 from ckpttool.format.mdstorage import chunk_path_columns, chunk_paths, key_ids, referenced_paths
 from ckpttool.format.metadata import DTYPE_ITEMSIZE, TRAINABLE_DTYPES, BytesMeta, ChunkMeta, StorageInfo, TensorMeta
+from ckpttool.format.storage import UrlPath
 from ckpttool.layouts.record import LAYOUT_KEY, SIDECAR_NAME
 from ckpttool.model.schemas import registry
 from ckpttool.model.schemas.base import CANONICAL_MODEL_PREFIX, CommonState
@@ -226,7 +227,7 @@ class Catalog:
     _group_index_size: int = field(default=-1, repr=False, compare=False)
     _fqns: tuple[tuple[int, int, str | None], list[str]] | None = field(default=None, repr=False, compare=False)
     _paths: dict[str, tuple[Any, ...]] | None = field(default=None, repr=False, compare=False)  # planner_paths
-    _common: dict[tuple[str, Path], tuple[CommonState | None, CkptError | None]] = field(
+    _common: dict[tuple[str, PurePath], tuple[CommonState | None, CkptError | None]] = field(
         default_factory=dict, repr=False, compare=False
     )  # common_state, per (schema, folder)
 
@@ -238,7 +239,8 @@ class Catalog:
         Raises:
             CkptError: the file is unreadable, needs ``--trust-pickle``, or is over the caps (the same error each call).
         """
-        return _common_state(self.schema, Path(where) if where is not None else self.path, self._common)
+        folder = self.path if where is None else where if isinstance(where, PurePath) else Path(where)
+        return _common_state(self.schema, folder, self._common)
 
     @property
     def param_fqns(self) -> list[str]:
@@ -817,7 +819,7 @@ def build_catalog(
     ranks = tuple(sorted({f.rank for f in data_files if f.rank is not None and f.referenced}))
     flavors = rest.flavors
     groups = sorted(rest.groups.values(), key=lambda g: (isinstance(g.group_id, str), g.group_id))
-    common: dict[tuple[str, Path], tuple[CommonState | None, CkptError | None]] = {}
+    common: dict[tuple[str, PurePath], tuple[CommonState | None, CkptError | None]] = {}
     if sch.spec is not None and sch.spec.group_members is not None:  # param groups in the trainer's common state
         groups = _common_state_groups(sch, _common_state(sch, cd.path, common), rest.optimizer_state)
         flavors = {"nested"} if groups else set()
@@ -846,16 +848,16 @@ def build_catalog(
 
 
 def _common_state(
-    sch: KeySchema, where: Path, cache: dict[tuple[str, Path], tuple[CommonState | None, CkptError | None]]
+    sch: KeySchema, where: PurePath, cache: dict[tuple[str, PurePath], tuple[CommonState | None, CkptError | None]]
 ) -> CommonState | None:
     """:meth:`Catalog.common_state` of folder ``where`` under schema ``sch``, kept in ``cache``."""
     spec = sch.spec
-    if spec is None or spec.read_common_state is None:
-        return None
+    if spec is None or spec.read_common_state is None or isinstance(where, UrlPath):
+        return None  # a URL's common state is not fetched; no local file named like it is read either
     hit = cache.get((spec.name, where))
     if hit is None:
         try:
-            hit = (spec.read_common_state(where), None)
+            hit = (spec.read_common_state(Path(where)), None)
         except CkptError as e:
             hit = (None, e)
         cache[(spec.name, where)] = hit

@@ -222,6 +222,30 @@ def test_a_registered_common_state_is_read_once_by_every_reader(tmp_path: Path) 
         registry.unregister(CLOCKED.name)
 
 
+def test_the_common_state_of_a_url_is_not_read_from_a_local_folder_named_like_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``Path("s3://b/ck")`` is the local relative path ``s3:/b/ck``: a remote checkpoint's common state was looked
+    for there, so a folder of that name in the current directory was read as the checkpoint's own state."""
+    from ckpttool.format.storage import UrlPath
+
+    g = torch.Generator().manual_seed(3)
+    dcp.save({"trainer": {"layers.0.w": torch.randn(4, 4, generator=g)}}, checkpoint_id=str(tmp_path / "iter_5"))
+    planted = tmp_path / "s3:" / "bkt" / "ck"
+    planted.mkdir(parents=True)
+    (planted / "clock.json").write_text(json.dumps({"iteration": 99, "groups": [{"lr": 9.0}]}))
+    monkeypatch.chdir(tmp_path)
+    registry.register(CLOCKED)
+    READS.clear()
+    try:
+        with open_checkpoint(tmp_path / "iter_5") as ckpt:
+            assert ckpt.catalog.common_state(UrlPath.of("s3://bkt/ck")) is None
+            assert ckpt.catalog.common_state(str(planted)).iteration == 99  # a local folder is read
+        assert READS == [tmp_path / "iter_5", planted]
+    finally:
+        registry.unregister(CLOCKED.name)
+
+
 def _clock_config(folder: Path) -> str | None:
     return None if (folder / "clock.cfg").is_file() else "absent: the trainer's load reads it"
 
