@@ -238,6 +238,12 @@ class Checkpoint:
                 read.add(spec.common_state_file)
         return read
 
+    @property
+    def local_folder(self) -> Path | None:
+        """The checkpoint's folder on this machine (the model folder of a pair); ``None`` for a URL, whose
+        neighbours are not fetched (``Path("s3://b/ck")`` would name the local folder ``s3:/b/ck``)."""
+        return None if is_url(str(self.located.model)) else Path(self.located.model)
+
     def hf_config_beside(self) -> Path | None:
         """The folder of the model's ``config.json`` the trainer saved beside this checkpoint (NeMo
         Automodel's ``consolidated/``, verl's ``huggingface/``; :func:`ckpttool.model.beside.hf_config_beside`),

@@ -804,3 +804,22 @@ def test_inspect_of_a_url_reads_no_local_file_named_like_it(
     assert r.exit_code == 0, r.output
     a, b = json.loads(r.stdout), json.loads(clean.stdout)
     assert a["trainer_state"] == b["trainer_state"] and a["training_values"] == b["training_values"]
+
+
+def test_rules_reading_files_beside_a_remote_megatron_checkpoint_are_skipped_not_run_on_local_look_alikes(
+    s3_server: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """validate s3://…/iter_0000003 of a Megatron save said `common.pt: missing` (K014) and `metadata.json`
+    absent (K013): the rules looked for them in the local folder `s3:/…` (Path() of the URL). They are skipped
+    with the reason, and a local folder of that name is not read."""
+    local = Path(__file__).parent.parent / "fixtures" / "megatron_data" / "dense1" / "iter_0000003"
+    url = upload(s3_server, local)
+    monkeypatch.chdir(tmp_path)
+    planted = tmp_path / url.replace("://", ":/")
+    planted.mkdir(parents=True)
+    (planted / "metadata.json").write_text("{not json")
+    r = cli(s3_server, "validate", url, "--json")
+    doc = json.loads(r.stdout)
+    assert not [f for f in doc["findings"] if f["code"] in ("K011", "K013", "K014")], doc["findings"]
+    skipped = {x["code"]: x["reason"] for x in doc["rules"] if x.get("status") == "skipped"}
+    assert all("not fetched" in skipped.get(c, "") for c in ("K011", "K013", "K014")), skipped

@@ -16,8 +16,11 @@ from ckpttool.model.beside import read_training_state_beside, trainer_state_miss
 from ckpttool.model.discovery import unpublished
 from ckpttool.model.nested_state import describe_nested, nested_state_items
 from ckpttool.model.schemas.detect import planner_paths
-from ckpttool.ops.validate.base import rule
+from ckpttool.ops.validate.base import RuleSkipped, rule
 from ckpttool.ops.validate.context import Context
+
+#: Why a rule that reads files beside the checkpoint did not run on a URL.
+_REMOTE = "a remote checkpoint: the files beside it are not fetched"
 
 
 def _examples(keys: list[str], n: int = 3) -> str:
@@ -111,24 +114,25 @@ def nested_state_in_byte_items(ctx: Context) -> Iterator[tuple[str | None, str]]
 
 @rule("K011")
 def training_state_beside_checkpoint(ctx: Context) -> Iterator[tuple[str | None, str]]:
-    located = ctx.ckpt.located
+    model = ctx.ckpt.local_folder
+    if model is None:
+        raise RuleSkipped(_REMOTE)
     spec = ctx.cat.schema.spec
     restores = spec is not None and spec.restores_trainer_state_beside  # OLMo-core's train/rankR.pt
-    if restores and (missing := trainer_state_missing(Path(located.model))) is not None:
+    if restores and (missing := trainer_state_missing(model)) is not None:
         yield None, missing
-    step = Path(located.model).parent
+    step = model.parent
     if spec is not None and spec.publish_note and (why := unpublished(step)) is not None:
         yield (  # OLMo-core's model_and_optim/ opened directly (the step directory or `--step N` is E202)
             None,
-            f"{step}: holds {why}: a save not yet published ({spec.publish_note}): {Path(located.model).name}/ was "
+            f"{step}: holds {why}: a save not yet published ({spec.publish_note}): {model.name}/ was "
             "read, the save may still be running or was interrupted",
         )
-    bad = [s for s in read_training_state_beside(Path(located.model)) if s.error is not None]
+    bad = [s for s in read_training_state_beside(model) if s.error is not None]
     if bad:
-        where = Path(located.model).parent
         yield (
             None,
-            f"{where}: {len(bad)} training-state file(s) beside {Path(located.model).name}/ not read: "
+            f"{model.parent}: {len(bad)} training-state file(s) beside {model.name}/ not read: "
             + "; ".join(f"{s.file}: {s.error}" for s in bad[:3]),
         )
 
@@ -161,7 +165,9 @@ def megatron_config(ctx: Context) -> Iterator[tuple[str | None, str]]:
         return
     from ckpttool.errors import CkptError
 
-    d = Path(ctx.ckpt.located.model)
+    d = ctx.ckpt.local_folder
+    if d is None:
+        raise RuleSkipped(_REMOTE)
     try:
         problem = spec.config_problem(d)
     except CkptError as e:
@@ -175,6 +181,8 @@ def megatron_common_missing(ctx: Context) -> Iterator[tuple[str | None, str]]:
     spec = ctx.cat.schema.spec  # Megatron's common.pt
     if spec is None or spec.common_state_file is None or not spec.common_state_required:
         return
-    d = Path(ctx.ckpt.located.model)
+    d = ctx.ckpt.local_folder
+    if d is None:
+        raise RuleSkipped(_REMOTE)
     if not os.path.lexists(d / spec.common_state_file):
         yield spec.common_state_file, f"{d / spec.common_state_file}: missing; {spec.common_state_required}"
