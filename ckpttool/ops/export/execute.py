@@ -55,7 +55,7 @@ from ckpttool.model.schemas.detect import detect_schema
 from ckpttool.ops import distributed
 from ckpttool.ops.export.expected import MISMATCH_KINDS, ModelCheck, compare_with_model
 from ckpttool.ops.export.experts import expert_orders
-from ckpttool.ops.export.lora import read_adapter_config
+from ckpttool.ops.export.lora import check_lora_alpha, read_adapter_config
 from ckpttool.ops.export.outputs import OutputFormat, PrepareRequest, get_format
 from ckpttool.ops.export.plan import (
     SAVE_DTYPES,
@@ -746,6 +746,7 @@ def _check_options(opts: ExportOptions) -> None:
                 param=given[0],
                 hint=f"add `quantize` fp8-block (or fp8-channel) for FP8 weights, or drop `{given[0]}`",
             )
+    check_lora_alpha(opts.lora_alpha)
     if not out_format.reads_adapter_config:  # a LoRA setting alone would be ignored: a plain export, silently
         lora = [name for name in ("lora_alpha", "adapter_config") if getattr(opts, name) is not None]
         if lora:

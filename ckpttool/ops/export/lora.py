@@ -10,17 +10,19 @@ Key convention: ``peft.utils.save_and_load.get_peft_model_state_dict``
 from __future__ import annotations
 
 import json
+import math
 import re
 from collections import Counter
 from pathlib import Path
 from typing import Any
 
 from ckpttool.errors import ExportError, UsageError
+from ckpttool.format.unpickler import short_repr
 from ckpttool.model.catalog import Catalog
 from ckpttool.model.schemas.base import canonical_model_key
 from ckpttool.ops.export.plan import ExportPlan
 
-__all__ = ["adapter_config", "read_adapter_config"]
+__all__ = ["adapter_config", "check_lora_alpha", "read_adapter_config"]
 
 _PEFT_PREFIX = "base_model.model."
 _A_RE = re.compile(r"^(?P<module>.+)\.(?:lora_A\.weight|lora_embedding_A)$")
@@ -59,7 +61,92 @@ def read_adapter_config(path: Path) -> dict[str, Any]:
     peft_type = str(data.get("peft_type", "LORA")).upper()
     if peft_type != "LORA":
         raise UsageError(f"{path}: peft_type is {data.get('peft_type')!r}; `fmt` lora writes LoRA adapters", path=path)
+    _check_values(path, data)
     return data
+
+
+def _is_alpha(v: Any) -> bool:
+    """A usable LoRA alpha: a finite number above 0 (not a bool). 0 makes the adapter a no-op, NaN / infinity make
+    every adapted output NaN, a negative one flips the delta's sign: none is a trained adapter's alpha."""
+    if not isinstance(v, (int, float)) or isinstance(v, bool):
+        return False
+    try:
+        return math.isfinite(float(v)) and v > 0
+    except OverflowError:  # an integer beyond float range
+        return False
+
+
+def _is_rank(v: Any) -> bool:
+    """A LoRA rank as PEFT takes it: an integer above 0 (not a bool)."""
+    return isinstance(v, int) and not isinstance(v, bool) and v > 0
+
+
+def _bad_regex(text: str) -> bool:
+    try:
+        re.compile(text)
+    except re.error:
+        return True
+    return False
+
+
+def check_lora_alpha(value: float | None) -> None:
+    """Raises UsageError: ``lora_alpha`` (the option) NaN, infinite, 0 or negative."""
+    if value is not None and not _is_alpha(value):
+        raise UsageError(
+            f"`lora_alpha` {value!r} is not a finite number above 0",
+            param="lora_alpha",
+            hint="pass the LoraConfig lora_alpha used in training (e.g. 16)",
+        )
+
+
+def _check_values(path: Path, data: dict[str, Any]) -> None:
+    """Refuse the adapter config values that would give a wrong adapter or merge (PEFT takes them unchecked).
+
+    Raises:
+        UsageError: ``lora_alpha`` / an ``alpha_pattern`` value not a finite number above 0, ``r`` / a
+            ``rank_pattern`` value not an integer above 0, a pattern not an object, ``target_modules`` not a
+            string or a list of strings, ``modules_to_save`` not a list of strings.
+    """
+    problem = None
+    if "lora_alpha" in data and not _is_alpha(data["lora_alpha"]):
+        problem = f"lora_alpha {short_repr(data['lora_alpha'])} is not a finite number above 0"
+    elif "r" in data and not _is_rank(data["r"]):
+        problem = f"r {short_repr(data['r'])} is not an integer above 0"
+    for name, ok, what in (
+        ("alpha_pattern", _is_alpha, "a finite number above 0"),
+        ("rank_pattern", _is_rank, "an integer above 0"),
+    ):
+        pattern = data.get(name)
+        if problem is not None or pattern is None:
+            continue
+        if not isinstance(pattern, dict):
+            problem = f"{name} is not an object of module name -> value"
+        else:
+            bad = next((k for k, v in pattern.items() if not ok(v)), None)
+            if bad is not None:
+                problem = f"{name}[{short_repr(bad)}] {short_repr(pattern[bad])} is not {what}"
+    for name in ("alpha_pattern", "rank_pattern"):
+        for k in data.get(name) or {} if problem is None else {}:
+            if _bad_regex(k):
+                problem = f"{name} key {short_repr(k)} is not a regular expression"
+                break
+    target, saved = data.get("target_modules"), data.get("modules_to_save")
+    if problem is None and not (
+        target is None
+        or isinstance(target, str)
+        or (isinstance(target, list) and all(isinstance(t, str) for t in target))
+    ):
+        problem = f"target_modules {short_repr(target)} is not a string (a regex) or a list of module names"
+    if problem is None and isinstance(target, str) and _bad_regex(target):
+        problem = f"target_modules {short_repr(target)} is not a regular expression"
+    if problem is None and not (saved is None or (isinstance(saved, list) and all(isinstance(t, str) for t in saved))):
+        problem = f"modules_to_save {short_repr(saved)} is not a list of module names"
+    if problem is not None:
+        raise UsageError(
+            f"{path}: adapter config {problem}",
+            path=path,
+            hint="pass the adapter_config.json that PEFT wrote for this adapter",
+        )
 
 
 def adapter_config(
@@ -179,15 +266,18 @@ def _checked_given(
             hint="pass the adapter_config.json that belongs to this checkpoint (PEFT lists modules_to_save there), "
             "or leave `adapter_config` out to infer one",
         )
-    r = cfg.get("r")
+    r = cfg.get("r", 8)  # PEFT's LoraConfig default
     pattern = cfg.get("rank_pattern") or {}
-    if r is not None and not pattern and any(v != r for v in ranks.values()):
-        bad = next(k for k, v in ranks.items() if v != r)
-        raise ExportError(
-            f"adapter config says r={r} but {bad}.lora_A has rank {ranks[bad]}",
-            fqn=bad,
-            hint="pass the adapter_config.json that belongs to this checkpoint",
-        )
+    for module, rank in ranks.items():
+        key = pattern_key(pattern, module[len(_PEFT_PREFIX) :] if module.startswith(_PEFT_PREFIX) else module)
+        want = r if key is None else pattern[key]
+        if want != rank:
+            where = "r" if key is None else f"rank_pattern[{key!r}]"
+            raise ExportError(
+                f"adapter config says {where}={want} but {module}.lora_A has rank {rank}",
+                fqn=module,
+                hint="pass the adapter_config.json that belongs to this checkpoint",
+            )
     _check_peft_matches(sorted(ranks), cfg.get("target_modules"))
     if lora_alpha is not None:
         cfg["lora_alpha"] = lora_alpha
@@ -195,6 +285,17 @@ def _checked_given(
         raise ExportError("the adapter config has no lora_alpha", hint="pass `lora_alpha` A")
     cfg.setdefault("peft_type", "LORA")
     return cfg
+
+
+def pattern_key(pattern: dict[str, Any], module: str) -> str | None:
+    """The ``rank_pattern`` / ``alpha_pattern`` key PEFT uses for ``module`` (a path in the base model), or ``None``.
+
+    As ``peft.utils.other.get_pattern_key``: the first key ``k`` with ``re.match(rf"(.*\\.)?({k})$", module)``.
+    """
+    for k in pattern:
+        if re.match(rf"(.*\.)?({k})$", module):
+            return k
+    return None
 
 
 def _target_modules(cat: Catalog, rel: list[str]) -> Any:
