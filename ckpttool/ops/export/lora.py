@@ -20,12 +20,13 @@ from ckpttool.errors import ExportError, UsageError
 from ckpttool.format.unpickler import short_repr
 from ckpttool.model.catalog import Catalog
 from ckpttool.model.schemas.base import canonical_model_key
+from ckpttool.model.wrappers import strip_wrapper_segments
 from ckpttool.ops.export.plan import ExportPlan
 
 __all__ = ["adapter_config", "check_lora_alpha", "read_adapter_config"]
 
 _PEFT_PREFIX = "base_model.model."
-_A_RE = re.compile(r"^(?P<module>.+)\.(?:lora_A\.weight|lora_embedding_A)$")
+_FACTOR_RE = re.compile(r"^(?P<module>.+)\.(?P<part>lora_A|lora_B|lora_embedding_A|lora_embedding_B)(?:\.weight)?$")
 _ADAPTER_PART_RE = re.compile(
     r"\.(?:lora_A|lora_B|lora_embedding_A|lora_embedding_B|lora_magnitude_vector)(?:\.weight)?$"
 )
@@ -211,24 +212,63 @@ def adapter_config(
 def _ranks(plan: ExportPlan, cat: Catalog) -> tuple[dict[str, int], bool]:
     """Module -> rank (dim 0 of its ``lora_A`` / ``lora_embedding_A``), and whether DoRA magnitudes are present.
 
+    Every module's factors are checked as PEFT would need them: both ``A`` and ``B`` (PEFT loads a missing one
+    freshly initialised, with at most a warning), 2-D, ``B [out, r]`` and ``A [r, in]`` of one rank, and, where
+    the checkpoint holds the module's ``base_layer.weight``, ``[out, in]`` its shape.
+
     Raises:
-        ExportError: no ``lora_A`` / ``lora_embedding_A`` tensor.
+        ExportError: no ``lora_A`` / ``lora_embedding_A`` tensor, an incomplete pair, or factor shapes that do not fit.
     """
-    ranks: dict[str, int] = {}
+    factors: dict[str, dict[str, tuple[int, ...]]] = {}
     dora = False
     for task in plan.tasks:
         for p in task.pieces:
-            m = _A_RE.match(p.name)
-            if m and p.shape:
-                ranks[m.group("module")] = p.shape[0]
+            m = _FACTOR_RE.match(p.name)
+            if m:
+                factors.setdefault(m.group("module"), {})[m.group("part")] = tuple(p.shape)
             if ".lora_magnitude_vector" in p.name:
                 dora = True
-    if not ranks:
+    if not any(part in parts for parts in factors.values() for part in ("lora_A", "lora_embedding_A")):
         raise ExportError(
             f"{cat.path}: no lora_A / lora_embedding_A tensor among the adapter keys",
             hint="the checkpoint has no complete LoRA adapter; check `filter_glob`",
         )
+    bases = _base_shapes(cat)
+    ranks: dict[str, int] = {}
+    for module, parts in sorted(factors.items()):
+        kind = "lora_embedding_" if any(k.startswith("lora_embedding_") for k in parts) else "lora_"
+        a, b = parts.get(kind + "A"), parts.get(kind + "B")
+        if a is None or b is None or len(parts) != 2:
+            have = ", ".join(sorted(parts))
+            missing = ", ".join(sorted({kind + "A", kind + "B"} - set(parts))) or "a pair of one kind"
+            raise ExportError(
+                f"{module}: has {have} but no {missing}: PEFT would load the adapter with the missing factor freshly "
+                "initialised (a wrong or no-op adapter)",
+                fqn=module,
+                hint="export a checkpoint that holds both LoRA factors of every module (check `filter_glob`)",
+            )
+        base = bases.get(module)
+        want = None if base is None else (base if kind == "lora_" else base[::-1])  # an embedding is [in, out]
+        if len(a) != 2 or len(b) != 2 or b[1] != a[0] or (want is not None and (b[0], a[1]) != want):
+            raise ExportError(
+                f"{module}: {kind}B {list(b)} and {kind}A {list(a)} do not form a LoRA pair B [out, r] @ A [r, in]"
+                + ("" if base is None else f" of its base weight {list(base)}"),
+                fqn=module,
+                hint="the lora_A / lora_B tensors do not belong together; export the checkpoint they were trained in",
+            )
+        ranks[module] = a[0]
     return ranks, dora
+
+
+def _base_shapes(cat: Catalog) -> dict[str, tuple[int, ...]]:
+    """``base_model.model.<module>`` -> the shape of its ``base_layer.weight`` in the checkpoint (PEFT's wrapped layer)."""
+    prefix = canonical_model_key("")
+    out: dict[str, tuple[int, ...]] = {}
+    for key, entry in cat.model.items():
+        canonical = strip_wrapper_segments(cat.schema.canonical_key(key))[0]
+        if canonical.startswith(prefix) and canonical.endswith(".base_layer.weight"):
+            out[canonical[len(prefix) : -len(".base_layer.weight")]] = tuple(entry.shape)
+    return out
 
 
 def _modules_to_save(plan: ExportPlan, ranks: dict[str, int]) -> list[str]:

@@ -128,3 +128,100 @@ def test_a_rank_pattern_that_disagrees_with_the_tensors_is_refused(
     res = export_cli(str(lora_partial_ckpt), str(tmp_path / "o"), "--format", fmt, *args)
     assert_clean_failure(res, "E601", "rank_pattern['v_proj']=3", "rank 2")
     assert not (tmp_path / "o").exists()
+
+
+# ------------------------------------------------------------------------------------------ LoRA factors
+
+
+@pytest.fixture(scope="module")
+def peft_state(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict[str, torch.Tensor], Path]:
+    """A PEFT LoRA model (q_proj, v_proj, r=4) trained 2 AdamW steps: its state dict and the saved base model."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import LlamaForCausalLM
+
+    hf_models._quiet()
+    torch.manual_seed(5)
+    root = tmp_path_factory.mktemp("peft_state")
+    cfg = hf_models.llama_config()
+    LlamaForCausalLM(cfg).save_pretrained(root / "base")
+    model = get_peft_model(
+        LlamaForCausalLM.from_pretrained(root / "base"),
+        LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM"),
+    )
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+    ids = torch.randint(0, cfg.vocab_size, (2, 12), generator=torch.Generator().manual_seed(1))
+    for _ in range(2):
+        model(ids, labels=ids).loss.backward()
+        opt.step()
+        opt.zero_grad()
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}, root
+
+
+_Q = "base_model.model.model.layers.0.self_attn.q_proj."
+
+
+@pytest.mark.parametrize(
+    ("edit", "needle"),
+    [
+        ({"drop": _Q + "lora_A.default.weight"}, "has lora_B but no lora_A"),
+        ({"drop": _Q + "lora_B.default.weight"}, "has lora_A but no lora_B"),
+        ({_Q + "lora_B.default.weight": torch.zeros(32, 8)}, "lora_B [32, 8] and lora_A [4, 32] do not form"),
+        ({_Q + "lora_A.default.weight": torch.zeros(4, 16)}, "lora_A [4, 16] do not form a LoRA pair"),
+        ({_Q + "lora_A.default.weight": torch.zeros(4, 32, 1)}, "lora_A [4, 32, 1] do not form"),
+    ],
+)
+def test_lora_factors_that_do_not_fit_are_refused(
+    peft_state: tuple[dict[str, torch.Tensor], Path],
+    tmp_path: Path,
+    edit: dict[str, Any],
+    needle: str,
+) -> None:
+    """Before, `--format lora` wrote these: PEFT refused the mismatched shapes only when loading, and loaded an
+    adapter without its lora_A (or lora_B) silently, with that factor freshly initialised. Now E601, nothing written."""
+    import torch.distributed.checkpoint as dcp
+
+    sd = dict(peft_state[0])
+    for k, v in edit.items():
+        if k == "drop":
+            del sd[v]
+        else:
+            sd[k] = v
+    dcp.save({"model": sd}, checkpoint_id=str(tmp_path / "ckpt"))
+    res = export_cli(str(tmp_path / "ckpt"), str(tmp_path / "o"), "--format", "lora", "--lora-alpha", "8")
+    assert_clean_failure(res, "E601", _Q.rstrip("."), needle)
+    assert not (tmp_path / "o").exists()
+
+
+def test_peft_loads_an_adapter_without_a_lora_a_silently_and_wrong(
+    peft_state: tuple[dict[str, torch.Tensor], Path], tmp_path: Path
+) -> None:
+    """The reference for the refusal above: the complete adapter loads with the trained model's logits; PEFT loads
+    the same adapter without one lora_A with no error, and its logits differ."""
+    import torch.distributed.checkpoint as dcp
+    from peft import PeftModel
+    from safetensors.torch import load_file, save_file
+    from transformers import LlamaForCausalLM
+
+    sd, root = peft_state
+    dcp.save({"model": dict(sd)}, checkpoint_id=str(tmp_path / "ckpt"))
+    res = export_cli(str(tmp_path / "ckpt"), str(tmp_path / "o"), "--format", "lora", "--lora-alpha", "8")
+    assert res.exit_code == 0, res.stderr
+    ids = torch.randint(0, 96, (2, 12), generator=torch.Generator().manual_seed(1))
+
+    def logits(adapter: Path) -> torch.Tensor:
+        model = PeftModel.from_pretrained(load_hf(root / "base", LlamaForCausalLM), adapter).eval()
+        with torch.no_grad():
+            return model(ids).logits
+
+    want = logits(tmp_path / "o")
+    trained = load_hf(root / "base", LlamaForCausalLM)
+    from peft import LoraConfig, get_peft_model
+
+    trained = get_peft_model(trained, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"])).eval()
+    trained.load_state_dict(sd)
+    with torch.no_grad():
+        torch.testing.assert_close(want, trained(ids).logits, rtol=0, atol=1e-5)
+    tensors = load_file(tmp_path / "o" / "adapter_model.safetensors")
+    del tensors[_Q + "lora_A.weight"]
+    save_file(tensors, tmp_path / "o" / "adapter_model.safetensors")
+    assert not torch.allclose(logits(tmp_path / "o"), want, atol=1e-3)
