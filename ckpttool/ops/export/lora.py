@@ -27,6 +27,7 @@ __all__ = ["adapter_config", "check_lora_alpha", "read_adapter_config"]
 
 _PEFT_PREFIX = "base_model.model."
 _FACTOR_RE = re.compile(r"^(?P<module>.+)\.(?P<part>lora_A|lora_B|lora_embedding_A|lora_embedding_B)(?:\.weight)?$")
+_BIAS_RE = re.compile(r"\.lora_B\.bias$")
 _ADAPTER_PART_RE = re.compile(
     r"\.(?:lora_A|lora_B|lora_embedding_A|lora_embedding_B|lora_magnitude_vector)(?:\.weight)?$"
 )
@@ -173,7 +174,16 @@ def adapter_config(
     """
     ranks, dora = _ranks(plan, cat)
     saved = _modules_to_save(plan, ranks)
+    biased = sorted(p.name for t in plan.tasks for p in t.pieces if _BIAS_RE.search(p.name))
     if given is not None:
+        if biased and not given.get("lora_bias"):
+            raise ExportError(
+                f"{biased[0]}: the checkpoint holds lora_B biases (LoraConfig lora_bias=True) but the adapter config "
+                "does not set lora_bias: PEFT would load the adapter without them",
+                fqn=biased[0],
+                hint="pass the adapter_config.json that belongs to this checkpoint, or leave `adapter_config` out "
+                "to infer one",
+            )
         return _checked_given(given, ranks, lora_alpha, saved)
     if lora_alpha is None:
         raise ExportError(
@@ -201,6 +211,7 @@ def adapter_config(
         "fan_in_fan_out": False,
         "use_rslora": False,
         "use_dora": dora,
+        "lora_bias": bool(biased),
         "modules_to_save": saved or None,
         "rank_pattern": rank_pattern,
         "alpha_pattern": {},

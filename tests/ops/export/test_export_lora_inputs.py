@@ -225,3 +225,71 @@ def test_peft_loads_an_adapter_without_a_lora_a_silently_and_wrong(
     del tensors[_Q + "lora_A.weight"]
     save_file(tensors, tmp_path / "o" / "adapter_model.safetensors")
     assert not torch.allclose(logits(tmp_path / "o"), want, atol=1e-3)
+
+
+# ------------------------------------------------------------------------------------------ lora_bias
+
+
+def test_lora_bias_is_exported_as_peft_saves_it_and_its_merge_is_refused(tmp_path: Path) -> None:
+    """LoraConfig(lora_bias=True) trains a bias on each lora_B. Before, `--format lora` left the biases out (reported
+    only as "not a LoRA adapter tensor") and PEFT loaded the adapter without them (other logits), and `hf-merged`
+    failed with E605 "unexpected" keys. Now the adapter holds what PEFT's own save_pretrained writes (lora_bias in the
+    inferred config) and loads with the trained logits; a given config without lora_bias and the merge are E601."""
+    import torch.distributed.checkpoint as dcp
+    from peft import LoraConfig, PeftModel, get_peft_model
+    from safetensors.torch import load_file
+    from transformers import LlamaForCausalLM
+
+    hf_models._quiet()
+    torch.manual_seed(11)
+    cfg = hf_models.llama_config()
+    LlamaForCausalLM(cfg).save_pretrained(tmp_path / "base")
+    lcfg = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], lora_bias=True, task_type="CAUSAL_LM")
+    model = get_peft_model(LlamaForCausalLM.from_pretrained(tmp_path / "base"), lcfg)
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+    ids = torch.randint(0, cfg.vocab_size, (2, 12), generator=torch.Generator().manual_seed(1))
+    for _ in range(2):
+        model(ids, labels=ids).loss.backward()
+        opt.step()
+        opt.zero_grad()
+    model.eval()
+    with torch.no_grad():
+        want = model(ids).logits
+    dcp.save({"model": dict(model.state_dict())}, checkpoint_id=str(tmp_path / "ckpt"))
+    model.save_pretrained(tmp_path / "peft")  # the reference
+
+    res = export_cli(str(tmp_path / "ckpt"), str(tmp_path / "o"), "--format", "lora", "--lora-alpha", "8")
+    assert res.exit_code == 0, res.stderr
+    ours = load_file(tmp_path / "o" / "adapter_model.safetensors")
+    peft = load_file(tmp_path / "peft" / "adapter_model.safetensors")
+    assert any(k.endswith(".lora_B.bias") for k in peft)
+    assert sorted(ours) == sorted(peft) and all(torch.equal(ours[k], peft[k]) for k in peft)
+    assert json.loads((tmp_path / "o" / "adapter_config.json").read_text())["lora_bias"] is True
+    loaded = PeftModel.from_pretrained(load_hf(tmp_path / "base", LlamaForCausalLM), tmp_path / "o").eval()
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(ids).logits, want, rtol=0, atol=1e-5)
+
+    given = json.loads((tmp_path / "peft" / "adapter_config.json").read_text())
+    res = export_cli(
+        str(tmp_path / "ckpt"),
+        str(tmp_path / "o2"),
+        "--format",
+        "lora",
+        "--adapter-config",
+        str(tmp_path / "peft" / "adapter_config.json"),
+    )
+    assert res.exit_code == 0, res.stderr
+    given["lora_bias"] = False
+    (tmp_path / "nobias.json").write_text(json.dumps(given))
+    res = export_cli(
+        str(tmp_path / "ckpt"),
+        str(tmp_path / "o3"),
+        "--format",
+        "lora",
+        "--adapter-config",
+        str(tmp_path / "nobias.json"),
+    )
+    assert_clean_failure(res, "E601", "lora_B.bias", "does not set lora_bias")
+    res = export_cli(str(tmp_path / "ckpt"), str(tmp_path / "o4"), "--format", "hf-merged", "--lora-alpha", "8")
+    assert_clean_failure(res, "E601", "lora_B.default.bias", "merge is not implemented")
+    assert not (tmp_path / "o3").exists() and not (tmp_path / "o4").exists()

@@ -32,6 +32,7 @@ _PEFT_RE = re.compile(
     r"lora_magnitude_vector)\.(?P<adapter>[^.]+)(?:\.weight)?$"
 )
 _PEFT_BASE = canonical_model_key("base_model.model.")
+_LORA_BIAS_RE = re.compile(r"\.lora_B\.[^.]+\.bias$")
 
 
 class HFMergedFormat(HFFormat):
@@ -142,6 +143,12 @@ def _lora_pairs(cat: Catalog) -> tuple[dict[str, dict[str, str]], str]:
         canonical = strip_wrapper_segments(cat.schema.canonical_key(key))[0]
         m = _PEFT_RE.match(canonical)
         if m is None:
+            if _LORA_BIAS_RE.search(canonical):
+                raise ExportError(
+                    f"{key}: a lora_B bias (LoraConfig lora_bias=True); its merge is not implemented",
+                    fqn=key,
+                    hint="merge with PEFT's merge_and_unload(), or export the adapter with `fmt` lora",
+                )
             continue
         part = m["part"]
         if part == "lora_magnitude_vector":
