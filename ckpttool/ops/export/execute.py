@@ -919,8 +919,12 @@ def export_checkpoint(
     if get_format(opts.fmt).reads_adapter_config:
         if opts.adapter_config is not None:
             given_adapter = read_adapter_config(Path(opts.adapter_config))
-        elif opts.model_assets is not None and (Path(opts.model_assets) / "adapter_config.json").is_file():
-            given_adapter = read_adapter_config(Path(opts.model_assets) / "adapter_config.json")
+        elif opts.model_assets is not None and os.path.lexists(Path(opts.model_assets) / "adapter_config.json"):
+            # as every `model_assets` file: a symlink leaving the folder is E101, a FIFO or folder E102 (not skipped)
+            assets = Path(opts.model_assets)
+            given_adapter = read_adapter_config(
+                resolve_inside(assets, "adapter_config.json", what="`model_assets` file")
+            )
     given = _Given(rules, model_config, given_adapter)
     # the open's objects stay out of the cyclic GC until the export ends (frozen for the writes: gc_held)
     with gc_held() as resume_frozen, open_source(source, opening) as ckpt:

@@ -293,3 +293,44 @@ def test_lora_bias_is_exported_as_peft_saves_it_and_its_merge_is_refused(tmp_pat
     res = export_cli(str(tmp_path / "ckpt"), str(tmp_path / "o4"), "--format", "hf-merged", "--lora-alpha", "8")
     assert_clean_failure(res, "E601", "lora_B.default.bias", "merge is not implemented")
     assert not (tmp_path / "o3").exists() and not (tmp_path / "o4").exists()
+
+
+# ------------------------------------------------------------------------------------------ adapter config files
+
+
+def _assets_with(tmp_path: Path, lora_ckpt: Path, make: Any) -> Path:  # noqa: F811
+    import shutil
+
+    assets = tmp_path / "assets"
+    shutil.copytree(lora_ckpt / "model_assets", assets)
+    make(assets / "adapter_config.json")
+    return assets
+
+
+def test_a_model_assets_adapter_config_symlinked_out_of_the_folder_is_refused(lora_ckpt: Path, tmp_path: Path) -> None:  # noqa: F811
+    """Before, `--model-assets DIR` with `DIR/adapter_config.json -> <outside>` read the file outside (config.json and
+    every other assets file were refused, E101); now the same E101."""
+    outside = _peft_config(tmp_path)  # a valid config, so that only the place is wrong
+    assets = _assets_with(tmp_path, lora_ckpt, lambda p: p.symlink_to(outside))
+    for fmt in ("lora", "hf-merged"):
+        res = export_cli(str(lora_ckpt), str(tmp_path / "o"), "--format", fmt, "--model-assets", str(assets))
+        assert_clean_failure(res, "E101", "adapter_config.json", "resolves outside")
+        assert not (tmp_path / "o").exists()
+
+
+@pytest.mark.parametrize("kind", ["fifo", "dir"])
+def test_a_model_assets_adapter_config_that_is_not_a_file_is_refused_not_skipped(
+    lora_ckpt: Path,  # noqa: F811
+    tmp_path: Path,
+    kind: str,
+) -> None:
+    """Before, a FIFO or folder named adapter_config.json in `--model-assets` was skipped: the export went on with an
+    inferred config (here: E601 asking for --lora-alpha, or with it an adapter config other than the user's)."""
+    import os
+
+    assets = _assets_with(tmp_path, lora_ckpt, os.mkfifo if kind == "fifo" else Path.mkdir)
+    res = export_cli(
+        str(lora_ckpt), str(tmp_path / "o"), "--format", "lora", "--lora-alpha", "8", "--model-assets", str(assets)
+    )
+    assert_clean_failure(res, "E102", "adapter_config.json")
+    assert not (tmp_path / "o").exists()
