@@ -176,6 +176,15 @@ def adapter_config(
     saved = _modules_to_save(plan, ranks)
     biased = sorted(p.name for t in plan.tasks for p in t.pieces if _BIAS_RE.search(p.name))
     if given is not None:
+        if bool(given.get("use_dora")) != dora:
+            raise ExportError(
+                f"{cat.path}: the adapter config sets use_dora {bool(given.get('use_dora'))} but the checkpoint holds "
+                + ("DoRA magnitude vectors (lora_magnitude_vector)" if dora else "no DoRA magnitude vector")
+                + ": PEFT would load the adapter "
+                + ("without them (plain LoRA)" if dora else "with magnitudes computed from the base weights"),
+                hint="pass the adapter_config.json that belongs to this checkpoint, or leave `adapter_config` out "
+                "to infer one",
+            )
         if biased and not given.get("lora_bias"):
             raise ExportError(
                 f"{biased[0]}: the checkpoint holds lora_B biases (LoraConfig lora_bias=True) but the adapter config "

@@ -334,3 +334,48 @@ def test_a_model_assets_adapter_config_that_is_not_a_file_is_refused_not_skipped
     )
     assert_clean_failure(res, "E102", "adapter_config.json")
     assert not (tmp_path / "o").exists()
+
+
+# ------------------------------------------------------------------------------------------ DoRA
+
+
+def test_a_given_config_whose_use_dora_disagrees_with_the_tensors_is_refused(lora_ckpt: Path, tmp_path: Path) -> None:  # noqa: F811
+    """Before, a DoRA checkpoint exported with an adapter config without use_dora was written and PEFT loaded it as
+    plain LoRA (the magnitudes ignored: other logits); a plain LoRA checkpoint with use_dora true loaded with
+    magnitudes computed from the base weights. Now E601; PEFT's own config of the DoRA model still exports and loads
+    with the trained logits."""
+    import torch.distributed.checkpoint as dcp
+    from peft import LoraConfig, PeftModel, get_peft_model
+    from transformers import LlamaForCausalLM
+
+    hf_models._quiet()
+    torch.manual_seed(13)
+    cfg = hf_models.llama_config()
+    LlamaForCausalLM(cfg).save_pretrained(tmp_path / "base")
+    lcfg = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], use_dora=True, task_type="CAUSAL_LM")
+    model = get_peft_model(LlamaForCausalLM.from_pretrained(tmp_path / "base"), lcfg)
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+    ids = torch.randint(0, cfg.vocab_size, (2, 12), generator=torch.Generator().manual_seed(1))
+    for _ in range(2):
+        model(ids, labels=ids).loss.backward()
+        opt.step()
+        opt.zero_grad()
+    model.eval()
+    with torch.no_grad():
+        want = model(ids).logits
+    dcp.save({"model": dict(model.state_dict())}, checkpoint_id=str(tmp_path / "ckpt"))
+    model.save_pretrained(tmp_path / "peft")
+    peft_cfg = tmp_path / "peft" / "adapter_config.json"
+    res = export_cli(str(tmp_path / "ckpt"), str(tmp_path / "o"), "--format", "lora", "--adapter-config", str(peft_cfg))
+    assert res.exit_code == 0, res.stderr
+    loaded = PeftModel.from_pretrained(load_hf(tmp_path / "base", LlamaForCausalLM), tmp_path / "o").eval()
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(ids).logits, want, rtol=0, atol=1e-5)
+
+    no_dora = _peft_config(tmp_path)
+    res = export_cli(str(tmp_path / "ckpt"), str(tmp_path / "o2"), "--format", "lora", "--adapter-config", str(no_dora))
+    assert_clean_failure(res, "E601", "use_dora False", "lora_magnitude_vector")
+    dora = _peft_config(tmp_path, use_dora=True)
+    res = export_cli(str(lora_ckpt), str(tmp_path / "o3"), "--format", "lora", "--adapter-config", str(dora))
+    assert_clean_failure(res, "E601", "use_dora True", "no DoRA magnitude vector")
+    assert not (tmp_path / "o2").exists() and not (tmp_path / "o3").exists()
