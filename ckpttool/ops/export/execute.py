@@ -1107,6 +1107,15 @@ def _tied(
         # (_check_tied compares the two stored parameters, which must be the same tensor)
         at = next(i for i, x in enumerate(selected) if x is embed)
         embed = selected[at] = dataclasses.replace(embed, source=lm_head.source, origin="master")
+    if tie and lm_head is not None and lm_head.merge is not None:
+        # the merged lm_head (W + s * B @ A) is no longer the embedding W it is tied to: omitted, the merge is lost
+        raise ExportError(
+            f"{lm_head.model_key}: a LoRA adapter is merged into the lm_head but config.json says "
+            "tie_word_embeddings: true, so the merged lm_head would be left out (tied to the unmerged embedding)",
+            fqn=lm_head.model_key,
+            hint="set tie_word_embeddings to false in the `model_assets` config.json to write the merged lm_head "
+            "beside the embedding (the trained model's logits), or export the adapter with `fmt` lora",
+        )
     if tie:
         if lm_head is None:
             tied = "absent"

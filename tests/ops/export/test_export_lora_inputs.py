@@ -379,3 +379,60 @@ def test_a_given_config_whose_use_dora_disagrees_with_the_tensors_is_refused(lor
     res = export_cli(str(lora_ckpt), str(tmp_path / "o3"), "--format", "lora", "--adapter-config", str(dora))
     assert_clean_failure(res, "E601", "use_dora True", "no DoRA magnitude vector")
     assert not (tmp_path / "o2").exists() and not (tmp_path / "o3").exists()
+
+
+# ------------------------------------------------------------------------------------------ tied lm_head
+
+
+def test_a_merge_into_a_tied_lm_head_is_refused_and_exports_untied(tmp_path: Path) -> None:
+    """A tied Llama with LoRA on lm_head (target_modules includes lm_head). Before, `hf-merged` with the tied
+    config.json omitted the merged lm_head as "bitwise equal to the embedding" (the unmerged weights were compared):
+    the export lost the lm_head adapter (other logits). Now E601; with tie_word_embeddings false the merged lm_head
+    is written beside the embedding and the logits are the trained PEFT model's."""
+    import torch.distributed.checkpoint as dcp
+    from peft import LoraConfig, get_peft_model
+    from transformers import LlamaForCausalLM
+
+    hf_models._quiet()
+    torch.manual_seed(17)
+    cfg = hf_models.llama_config(tied=True)
+    LlamaForCausalLM(cfg).save_pretrained(tmp_path / "base")
+    lcfg = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "lm_head"], task_type="CAUSAL_LM")
+    model = get_peft_model(LlamaForCausalLM.from_pretrained(tmp_path / "base"), lcfg, adapter_name="sft")
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+    ids = torch.randint(0, cfg.vocab_size, (2, 12), generator=torch.Generator().manual_seed(1))
+    for _ in range(2):
+        model(ids, labels=ids).loss.backward()
+        opt.step()
+        opt.zero_grad()
+    model.eval()
+    with torch.no_grad():
+        want = model(ids).logits
+    dcp.save({"model": dict(model.state_dict())}, checkpoint_id=str(tmp_path / "ckpt"))
+    cfg.save_pretrained(tmp_path / "tied")
+    res = export_cli(
+        str(tmp_path / "ckpt"),
+        str(tmp_path / "o"),
+        "--merge-lora",
+        "--lora-alpha",
+        "8",
+        "--model-assets",
+        str(tmp_path / "tied"),
+    )
+    assert_clean_failure(res, "E601", "lm_head", "tie_word_embeddings: true")
+    assert not (tmp_path / "o").exists()
+    cfg.tie_word_embeddings = False
+    cfg.save_pretrained(tmp_path / "untied")
+    res = export_cli(
+        str(tmp_path / "ckpt"),
+        str(tmp_path / "o"),
+        "--merge-lora",
+        "--lora-alpha",
+        "8",
+        "--model-assets",
+        str(tmp_path / "untied"),
+    )
+    assert res.exit_code == 0, res.stderr
+    merged = load_hf(tmp_path / "o", LlamaForCausalLM).eval()
+    with torch.no_grad():
+        torch.testing.assert_close(merged(ids).logits, want, rtol=0, atol=1e-5)
