@@ -106,49 +106,55 @@ def _check_values(path: Path, data: dict[str, Any]) -> None:
 
     Raises:
         UsageError: ``lora_alpha`` / an ``alpha_pattern`` value not a finite number above 0, ``r`` / a
-            ``rank_pattern`` value not an integer above 0, a pattern not an object, ``target_modules`` not a
-            string or a list of strings, ``modules_to_save`` not a list of strings.
+            ``rank_pattern`` value not an integer above 0, a pattern not an object or with a key that is not a
+            regular expression, ``target_modules`` not a regular expression or a list of strings,
+            ``modules_to_save`` not a list of strings.
     """
-    problem = None
-    if "lora_alpha" in data and not _is_alpha(data["lora_alpha"]):
-        problem = f"lora_alpha {short_repr(data['lora_alpha'])} is not a finite number above 0"
-    elif "r" in data and not _is_rank(data["r"]):
-        problem = f"r {short_repr(data['r'])} is not an integer above 0"
-    for name, ok, what in (
-        ("alpha_pattern", _is_alpha, "a finite number above 0"),
-        ("rank_pattern", _is_rank, "an integer above 0"),
-    ):
-        pattern = data.get(name)
-        if problem is not None or pattern is None:
-            continue
-        if not isinstance(pattern, dict):
-            problem = f"{name} is not an object of module name -> value"
-        else:
-            bad = next((k for k, v in pattern.items() if not ok(v)), None)
-            if bad is not None:
-                problem = f"{name}[{short_repr(bad)}] {short_repr(pattern[bad])} is not {what}"
-    for name in ("alpha_pattern", "rank_pattern"):
-        for k in data.get(name) or {} if problem is None else {}:
-            if _bad_regex(k):
-                problem = f"{name} key {short_repr(k)} is not a regular expression"
-                break
-    target, saved = data.get("target_modules"), data.get("modules_to_save")
-    if problem is None and not (
-        target is None
-        or isinstance(target, str)
-        or (isinstance(target, list) and all(isinstance(t, str) for t in target))
-    ):
-        problem = f"target_modules {short_repr(target)} is not a string (a regex) or a list of module names"
-    if problem is None and isinstance(target, str) and _bad_regex(target):
-        problem = f"target_modules {short_repr(target)} is not a regular expression"
-    if problem is None and not (saved is None or (isinstance(saved, list) and all(isinstance(t, str) for t in saved))):
-        problem = f"modules_to_save {short_repr(saved)} is not a list of module names"
+    problem = _scalar_problem(data) or _pattern_problem(data) or _modules_problem(data)
     if problem is not None:
         raise UsageError(
             f"{path}: adapter config {problem}",
             path=path,
             hint="pass the adapter_config.json that PEFT wrote for this adapter",
         )
+
+
+def _scalar_problem(data: dict[str, Any]) -> str | None:
+    if "lora_alpha" in data and not _is_alpha(data["lora_alpha"]):
+        return f"lora_alpha {short_repr(data['lora_alpha'])} is not a finite number above 0"
+    if "r" in data and not _is_rank(data["r"]):
+        return f"r {short_repr(data['r'])} is not an integer above 0"
+    return None
+
+
+def _pattern_problem(data: dict[str, Any]) -> str | None:
+    for name, ok, what in (
+        ("alpha_pattern", _is_alpha, "a finite number above 0"),
+        ("rank_pattern", _is_rank, "an integer above 0"),
+    ):
+        pattern = data.get(name)
+        if pattern is None:
+            continue
+        if not isinstance(pattern, dict):
+            return f"{name} is not an object of module name -> value"
+        for k, v in pattern.items():
+            if not ok(v):
+                return f"{name}[{short_repr(k)}] {short_repr(v)} is not {what}"
+            if _bad_regex(k):
+                return f"{name} key {short_repr(k)} is not a regular expression"
+    return None
+
+
+def _modules_problem(data: dict[str, Any]) -> str | None:
+    target, saved = data.get("target_modules"), data.get("modules_to_save")
+    if isinstance(target, str):
+        if _bad_regex(target):
+            return f"target_modules {short_repr(target)} is not a regular expression"
+    elif not (target is None or (isinstance(target, list) and all(isinstance(t, str) for t in target))):
+        return f"target_modules {short_repr(target)} is not a string (a regex) or a list of module names"
+    if not (saved is None or (isinstance(saved, list) and all(isinstance(t, str) for t in saved))):
+        return f"modules_to_save {short_repr(saved)} is not a list of module names"
+    return None
 
 
 def adapter_config(
