@@ -154,7 +154,21 @@ def _modules_problem(data: dict[str, Any]) -> str | None:
         return f"target_modules {short_repr(target)} is not a string (a regex) or a list of module names"
     if not (saved is None or (isinstance(saved, list) and all(isinstance(t, str) for t in saved))):
         return f"modules_to_save {short_repr(saved)} is not a list of module names"
+    for name in ("exclude_modules", "layers_pattern"):
+        value = data.get(name)
+        if isinstance(value, str):
+            if _bad_regex(value):
+                return f"{name} {short_repr(value)} is not a regular expression"
+        elif not (value is None or (isinstance(value, list) and all(isinstance(t, str) for t in value))):
+            return f"{name} {short_repr(value)} is not a string or a list of strings"
+    layers = data.get("layers_to_transform")
+    if not (layers is None or _is_index(layers) or (isinstance(layers, list) and all(_is_index(i) for i in layers))):
+        return f"layers_to_transform {short_repr(layers)} is not a layer index or a list of them"
     return None
+
+
+def _is_index(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and v >= 0
 
 
 def adapter_config(
@@ -344,7 +358,7 @@ def _checked_given(
                 fqn=module,
                 hint="pass the adapter_config.json that belongs to this checkpoint",
             )
-    _check_peft_matches(sorted(ranks), cfg.get("target_modules"))
+    _check_peft_matches(sorted(ranks), cfg)
     if lora_alpha is not None:
         cfg["lora_alpha"] = lora_alpha
     if "lora_alpha" not in cfg:
@@ -383,37 +397,85 @@ def _target_modules(cat: Catalog, rel: list[str]) -> Any:
     return names
 
 
-def peft_target_matches(module: str, target: Any) -> bool:
-    """Whether PEFT would put an adapter on ``module`` (a path in the base model) for ``target_modules``.
+def peft_target_matches(module: str, config: dict[str, Any] | None) -> bool:
+    """Whether PEFT would put an adapter on ``module`` (a path in the base model) for adapter config ``config``.
 
-    As ``peft.tuners.tuners_utils.check_target_module_exists``: a string is a regex matched
-    against the whole path (``re.fullmatch``); a list matches a path equal to an entry or
-    ending with ``"." + entry``; ``None`` (not given) matches everything (PEFT fills it per model).
+    As ``peft.tuners.tuners_utils.check_target_module_exists``: a module ``exclude_modules`` names (a regex string:
+    ``re.fullmatch``; a list: equal or ending with ``"." + entry``) or inside a ``modules_to_save`` module gets none;
+    a ``target_modules`` string is a regex matched against the whole path (``"all-linear"``: every module but
+    ``lm_head``); a list matches a path equal to an entry, or ending with ``"." + entry`` and, with
+    ``layers_to_transform``, whose layer index (after ``layers_pattern``, else the first numbered segment) is listed.
+    ``None`` (no config, or no ``target_modules``) matches everything (PEFT fills it per model).
     """
+    cfg = config or {}
+    exclude = cfg.get("exclude_modules")
+    if isinstance(exclude, str) and re.fullmatch(exclude, module):
+        return False
+    if isinstance(exclude, list) and _in_list(module, exclude):
+        return False
+    if any(isinstance(m, str) and re.match(rf"(^|.*\.){m}($|\..*)", module) for m in cfg.get("modules_to_save") or []):
+        return False
+    target = cfg.get("target_modules")
     if target is None:
-        return True
+        return not cfg.get("target_parameters")
     if isinstance(target, str):
+        if target == "all-linear":
+            return module.rsplit(".", 1)[-1] != "lm_head"
         return re.fullmatch(target, module) is not None
-    return any(module == t or module.endswith("." + t) for t in target if isinstance(t, str))
+    if module in target:
+        return True
+    if not _in_list(module, target):
+        return False
+    layers = cfg.get("layers_to_transform")
+    if layers is None or layers == []:
+        return True
+    patterns = cfg.get("layers_pattern")
+    if isinstance(patterns, str):
+        patterns = [patterns]
+    match = None
+    if not patterns:
+        match = re.match(r".*?\.[^.]*\.(?P<idx>\d+)\.", module)
+    else:
+        for pattern in patterns:
+            match = re.match(rf"(?:^|.*?\.){pattern}\.(?P<idx>\d+)\.", module)
+            if match is not None:
+                break
+    if match is None:
+        return False
+    index = int(match.group("idx"))
+    return index == layers if isinstance(layers, int) else index in layers
 
 
-def _check_peft_matches(modules: list[str], target: Any) -> None:
+def _in_list(module: str, names: list[Any]) -> bool:
+    return any(isinstance(t, str) and (module == t or module.endswith("." + t)) for t in names)
+
+
+def _check_peft_matches(modules: list[str], config: dict[str, Any] | None) -> None:
     """Refuse LoRA output modules that PEFT would not load (``set_peft_model_state_dict`` drops them silently).
 
     Raises:
-        ExportError: a module outside ``base_model.model.`` or not matched by ``target_modules``.
+        ExportError: a module outside ``base_model.model.`` or one the config's ``target_modules``,
+            ``exclude_modules``, ``layers_to_transform`` / ``layers_pattern`` or ``modules_to_save`` leave out.
     """
     bad = []
     for m in modules:
         if not m.startswith(_PEFT_PREFIX):
             bad.append(f"{m} (not under {_PEFT_PREFIX})")
-        elif not peft_target_matches(m[len(_PEFT_PREFIX) :], target):
-            bad.append(f"{m} (not in target_modules {target!r})")
+        elif not peft_target_matches(m[len(_PEFT_PREFIX) :], config):
+            bad.append(f"{m} (not matched by the adapter config)")
     if bad:
         shown = "; ".join(bad[:3]) + (f" (+{len(bad) - 3} more)" if len(bad) > 3 else "")
+        settings = _matching_settings(config)
         raise ExportError(
-            f"{len(bad)} LoRA module(s) would not be loaded by PEFT: {shown}",
+            f"{len(bad)} LoRA module(s) would not be loaded by PEFT: {shown}" + (f"; {settings}" if settings else ""),
             fqn=modules[0],
             hint="PEFT loads base_model.model.<module path>.lora_A.weight for the modules target_modules names; "
-            "fix the adapter config's target_modules or the key rules (`rules`)",
+            "fix the adapter config's target_modules (exclude_modules, layers_to_transform) or the key rules (`rules`)",
         )
+
+
+def _matching_settings(config: dict[str, Any] | None) -> str:
+    """The config settings that choose PEFT's modules, for a message."""
+    cfg = config or {}
+    names = ("target_modules", "exclude_modules", "layers_to_transform", "layers_pattern", "modules_to_save")
+    return ", ".join(f"{n} {short_repr(cfg[n])}" for n in names if cfg.get(n) not in (None, [], ""))

@@ -436,3 +436,59 @@ def test_a_merge_into_a_tied_lm_head_is_refused_and_exports_untied(tmp_path: Pat
     merged = load_hf(tmp_path / "o", LlamaForCausalLM).eval()
     with torch.no_grad():
         torch.testing.assert_close(merged(ids).logits, want, rtol=0, atol=1e-5)
+
+
+# ------------------------------------------------------------------------------------------ which modules PEFT adapts
+
+
+@pytest.mark.parametrize(
+    ("change", "needle"),
+    [
+        ({"layers_to_transform": [0]}, "model.layers.1.self_attn.q_proj (not matched"),
+        ({"exclude_modules": ["v_proj"]}, "model.layers.0.self_attn.v_proj (not matched"),
+        ({"exclude_modules": ".*layers\\.1\\..*"}, "model.layers.1.self_attn.q_proj (not matched"),
+        ({"layers_to_transform": [0, 1], "layers_pattern": "blocks"}, "layers_pattern 'blocks'"),
+    ],
+)
+def test_a_given_config_that_leaves_adapted_modules_out_is_refused(
+    lora_ckpt: Path,  # noqa: F811
+    tmp_path: Path,
+    change: dict[str, Any],
+    needle: str,
+) -> None:
+    """Before, only target_modules was compared with the adapted modules: a config with layers_to_transform [0],
+    exclude_modules or another layers_pattern was written, and PEFT loaded the adapter without the modules it leaves
+    out (no error; other logits) or failed (no target module found). Now E601 naming the modules and the settings."""
+    from peft import PeftModel
+    from transformers import LlamaForCausalLM
+
+    given = _peft_config(tmp_path, **change)
+    res = export_cli(str(lora_ckpt), str(tmp_path / "o"), "--format", "lora", "--adapter-config", str(given))
+    assert_clean_failure(res, "E601", "would not be loaded by PEFT", needle)
+    assert not (tmp_path / "o").exists()
+    # PEFT's own reading of the same config: the complete adapter with this config does not give the trained logits
+    res = export_cli(str(lora_ckpt), str(tmp_path / "ok"), "--format", "lora", "--lora-alpha", "8")
+    assert res.exit_code == 0, res.stderr
+    cfg = json.loads((tmp_path / "ok" / "adapter_config.json").read_text())
+    cfg.update(change)
+    (tmp_path / "ok" / "adapter_config.json").write_text(json.dumps(cfg))
+    ref = torch.load(lora_ckpt / "reference.pt", weights_only=True)
+    try:
+        model = PeftModel.from_pretrained(load_hf(lora_ckpt / "base", LlamaForCausalLM), tmp_path / "ok").eval()
+    except ValueError:  # peft.utils.error.NoMatchingPeftModuleError: no module matched at all
+        return
+    with torch.no_grad():
+        assert not torch.allclose(model(ref["ids"]).logits, ref["logits"], atol=1e-4)
+
+
+def test_all_linear_target_modules_are_taken_as_peft_takes_them(lora_ckpt: Path, tmp_path: Path) -> None:  # noqa: F811
+    """target_modules "all-linear" (PEFT's shorthand: every linear layer but the output layer) was matched as a
+    regex and refused; it matches the adapted modules now, and PEFT loads the adapter with the trained logits."""
+    from peft import PeftModel
+    from transformers import LlamaForCausalLM
+
+    given = _peft_config(tmp_path, target_modules="all-linear")
+    res = export_cli(str(lora_ckpt), str(tmp_path / "o"), "--format", "lora", "--adapter-config", str(given))
+    assert res.exit_code == 0, res.stderr
+    model = PeftModel.from_pretrained(load_hf(lora_ckpt / "base", LlamaForCausalLM), tmp_path / "o")
+    assert_same_logits(model, lora_ckpt)
