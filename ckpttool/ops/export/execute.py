@@ -45,6 +45,7 @@ from ckpttool.format.reader import CheckpointReader
 from ckpttool.format.safetensors import ShardWriter
 from ckpttool.format.storage import is_url
 from ckpttool.format.tiling import contiguous_run, tiling_problem
+from ckpttool.format.unpickler import short_repr
 from ckpttool.layouts.declaration import ResolvedLayout
 from ckpttool.layouts.record import SIDECAR_NAME
 from ckpttool.model.adapters import AdapterConfig, ModelAdapter, detect_adapter, get_adapter
@@ -925,6 +926,14 @@ def export_checkpoint(
             given_adapter = read_adapter_config(
                 resolve_inside(assets, "adapter_config.json", what="`model_assets` file")
             )
+    if given_adapter is not None and opts.lora_alpha is not None and given_adapter.get("alpha_pattern"):
+        # `lora` would keep the pattern (PEFT applies it over lora_alpha), a merge would not: refused, not guessed
+        raise UsageError(
+            f"`lora_alpha` is given with an adapter config that has an alpha_pattern "
+            f"({short_repr(given_adapter['alpha_pattern'])}): which alpha applies to those modules is ambiguous",
+            param="lora_alpha",
+            hint="drop `lora_alpha` (the config's lora_alpha and alpha_pattern apply, as in PEFT), or edit the config",
+        )
     given = _Given(rules, model_config, given_adapter)
     # the open's objects stay out of the cyclic GC until the export ends (frozen for the writes: gc_held)
     with gc_held() as resume_frozen, open_source(source, opening) as ckpt:

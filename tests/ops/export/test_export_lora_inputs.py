@@ -492,3 +492,37 @@ def test_all_linear_target_modules_are_taken_as_peft_takes_them(lora_ckpt: Path,
     assert res.exit_code == 0, res.stderr
     model = PeftModel.from_pretrained(load_hf(lora_ckpt / "base", LlamaForCausalLM), tmp_path / "o")
     assert_same_logits(model, lora_ckpt)
+
+
+@pytest.mark.parametrize("fmt", ["lora", "hf-merged"])
+def test_lora_alpha_beside_an_alpha_pattern_is_refused(lora_ckpt: Path, tmp_path: Path, fmt: str) -> None:  # noqa: F811
+    """Before, `--lora-alpha 8` with a config whose alpha_pattern is {"v_proj": 32} gave two models: `lora` kept the
+    pattern (PEFT scales v_proj by 32/r), the merge scaled every module by 8/r. Now E100; without `--lora-alpha` the
+    merge applies the pattern as PEFT does (logits of PEFT's model over the exported adapter)."""
+    from peft import PeftModel
+    from transformers import LlamaForCausalLM
+
+    given = _peft_config(tmp_path, alpha_pattern={"v_proj": 32})
+    res = export_cli(
+        str(lora_ckpt), str(tmp_path / "o"), "--format", fmt, "--adapter-config", str(given), "--lora-alpha", "8"
+    )
+    assert_clean_failure(res, "E100", "--lora-alpha", "alpha_pattern")
+    assert not (tmp_path / "o").exists()
+    res = export_cli(str(lora_ckpt), str(tmp_path / "a"), "--format", "lora", "--adapter-config", str(given))
+    assert res.exit_code == 0, res.stderr
+    res = export_cli(
+        str(lora_ckpt),
+        str(tmp_path / "m"),
+        "--format",
+        "hf-merged",
+        "--adapter-config",
+        str(given),
+        "--model-assets",
+        str(lora_ckpt / "model_assets"),
+    )
+    assert res.exit_code == 0, res.stderr
+    ids = torch.load(lora_ckpt / "reference.pt", weights_only=True)["ids"]
+    peft = PeftModel.from_pretrained(load_hf(lora_ckpt / "base", LlamaForCausalLM), tmp_path / "a").eval()
+    merged = load_hf(tmp_path / "m", LlamaForCausalLM).eval()
+    with torch.no_grad():
+        torch.testing.assert_close(merged(ids).logits, peft(ids).logits, rtol=0, atol=1e-5)
