@@ -526,3 +526,43 @@ def test_lora_alpha_beside_an_alpha_pattern_is_refused(lora_ckpt: Path, tmp_path
     merged = load_hf(tmp_path / "m", LlamaForCausalLM).eval()
     with torch.no_grad():
         torch.testing.assert_close(merged(ids).logits, peft(ids).logits, rtol=0, atol=1e-5)
+
+
+def test_a_merge_of_fp32_masters_is_refused_in_one_line_that_says_what_to_do(tmp_path: Path) -> None:
+    """A BF16 PEFT model trained with FP32 masters (ckpttool's FullFP32AdamW, get_state_dict). Before, `hf-merged
+    --weights auto` said "--weights master is not supported" (the user gave auto) and pointed at --help; now it says
+    the masters are not merged and how to export them. `--format lora --weights master` writes the FP32 masters."""
+    import torch.distributed.checkpoint as dcp
+    from peft import LoraConfig, get_peft_model
+    from safetensors.torch import load_file
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+    from transformers import LlamaForCausalLM
+
+    from ckpttool.optim_state import FullFP32AdamW
+
+    hf_models._quiet()
+    torch.manual_seed(19)
+    cfg = hf_models.llama_config()
+    base = LlamaForCausalLM(cfg).to(torch.bfloat16)
+    model = get_peft_model(base, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]))
+    opt = FullFP32AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+    ids = torch.randint(0, cfg.vocab_size, (2, 12), generator=torch.Generator().manual_seed(1))
+    for _ in range(2):
+        model(ids, labels=ids).loss.backward()
+        opt.step()
+        opt.zero_grad()
+    msd, osd = get_state_dict(model, opt)
+    dcp.save({"model": msd, "optimizer": osd}, checkpoint_id=str(tmp_path / "ckpt"))
+    for weights in ("auto", "master"):
+        res = export_cli(
+            str(tmp_path / "ckpt"), str(tmp_path / "o"), "--merge-lora", "--lora-alpha", "8", "--weights", weights
+        )
+        assert_clean_failure(res, "E601", "FP32 master_weight", "auto on a checkpoint that has them")
+        assert "--weights params" in res.stderr and not (tmp_path / "o").exists()
+    res = export_cli(
+        str(tmp_path / "ckpt"), str(tmp_path / "a"), "--format", "lora", "--lora-alpha", "8", "--weights", "master"
+    )
+    assert res.exit_code == 0, res.stderr
+    got = load_file(tmp_path / "a" / "adapter_model.safetensors")
+    key = "base_model.model.model.layers.0.self_attn.q_proj.lora_A.default.weight"
+    assert torch.equal(got[key.replace(".default", "")], osd["state"][key]["master_weight"])

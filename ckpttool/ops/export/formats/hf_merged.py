@@ -95,7 +95,13 @@ class HFMergedFormat(HFFormat):
                 hint="the checkpoint is an adapter only; export it with `fmt` lora and merge with PEFT over the base model",
             )
         if req.weights == "master":
-            raise ExportError("`weights` master is not supported with `fmt` hf-merged", param="weights")
+            raise ExportError(
+                f"{cat.path}: the merge reads the stored parameters, not FP32 master_weight copies (`weights` master, "
+                "or auto on a checkpoint that has them)",
+                param="weights",
+                hint="export with `weights` params to merge the stored LoRA factors, or write the adapter from the "
+                "masters with `fmt` lora `weights` master and merge it with PEFT",
+            )
         if orphan:  # (a filter) the factors of a module whose base weight is not exported were merged into nothing
             factors = {k for m in orphan for k in pairs[m].values()}
             merged = skipped.get(_MERGED, [])
