@@ -45,6 +45,7 @@ from ckpttool.format.reader import CheckpointReader
 from ckpttool.format.safetensors import ShardWriter
 from ckpttool.format.storage import is_url
 from ckpttool.format.tiling import contiguous_run, tiling_problem
+from ckpttool.format.unpickler import short_repr
 from ckpttool.layouts.declaration import ResolvedLayout
 from ckpttool.layouts.record import SIDECAR_NAME
 from ckpttool.model.adapters import AdapterConfig, ModelAdapter, detect_adapter, get_adapter
@@ -55,7 +56,7 @@ from ckpttool.model.schemas.detect import detect_schema
 from ckpttool.ops import distributed
 from ckpttool.ops.export.expected import MISMATCH_KINDS, ModelCheck, compare_with_model
 from ckpttool.ops.export.experts import expert_orders
-from ckpttool.ops.export.lora import read_adapter_config
+from ckpttool.ops.export.lora import check_lora_alpha, read_adapter_config
 from ckpttool.ops.export.outputs import OutputFormat, PrepareRequest, get_format
 from ckpttool.ops.export.plan import (
     SAVE_DTYPES,
@@ -753,6 +754,7 @@ def _check_options(opts: ExportOptions) -> None:
                 param=given[0],
                 hint=f"add `quantize` fp8-block (or fp8-channel) for FP8 weights, or drop `{given[0]}`",
             )
+    check_lora_alpha(opts.lora_alpha)
     if not out_format.reads_adapter_config:  # a LoRA setting alone would be ignored: a plain export, silently
         lora = [name for name in ("lora_alpha", "adapter_config") if getattr(opts, name) is not None]
         if lora:
@@ -925,8 +927,20 @@ def export_checkpoint(
     if get_format(opts.fmt).reads_adapter_config:
         if opts.adapter_config is not None:
             given_adapter = read_adapter_config(Path(opts.adapter_config))
-        elif opts.model_assets is not None and (Path(opts.model_assets) / "adapter_config.json").is_file():
-            given_adapter = read_adapter_config(Path(opts.model_assets) / "adapter_config.json")
+        elif opts.model_assets is not None and os.path.lexists(Path(opts.model_assets) / "adapter_config.json"):
+            # as every `model_assets` file: a symlink leaving the folder is E101, a FIFO or folder E102 (not skipped)
+            assets = Path(opts.model_assets)
+            given_adapter = read_adapter_config(
+                resolve_inside(assets, "adapter_config.json", what="`model_assets` file")
+            )
+    if given_adapter is not None and opts.lora_alpha is not None and given_adapter.get("alpha_pattern"):
+        # `lora` would keep the pattern (PEFT applies it over lora_alpha), a merge would not: refused, not guessed
+        raise UsageError(
+            f"`lora_alpha` is given with an adapter config that has an alpha_pattern "
+            f"({short_repr(given_adapter['alpha_pattern'])}): which alpha applies to those modules is ambiguous",
+            param="lora_alpha",
+            hint="drop `lora_alpha` (the config's lora_alpha and alpha_pattern apply, as in PEFT), or edit the config",
+        )
     given = _Given(rules, model_config, given_adapter)
     # the open's objects stay out of the cyclic GC until the export ends (frozen for the writes: gc_held)
     with gc_held() as resume_frozen, open_source(source, opening) as ckpt:
@@ -1109,6 +1123,15 @@ def _tied(
         # (_check_tied compares the two stored parameters, which must be the same tensor)
         at = next(i for i, x in enumerate(selected) if x is embed)
         embed = selected[at] = dataclasses.replace(embed, source=lm_head.source, origin="master")
+    if tie and lm_head is not None and lm_head.merge is not None:
+        # the merged lm_head (W + s * B @ A) is no longer the embedding W it is tied to: omitted, the merge is lost
+        raise ExportError(
+            f"{lm_head.model_key}: a LoRA adapter is merged into the lm_head but config.json says "
+            "tie_word_embeddings: true, so the merged lm_head would be left out (tied to the unmerged embedding)",
+            fqn=lm_head.model_key,
+            hint="set tie_word_embeddings to false in the `model_assets` config.json to write the merged lm_head "
+            "beside the embedding (the trained model's logits), or export the adapter with `fmt` lora",
+        )
     if tie:
         if lm_head is None:
             tied = "absent"

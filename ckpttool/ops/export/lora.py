@@ -10,20 +10,24 @@ Key convention: ``peft.utils.save_and_load.get_peft_model_state_dict``
 from __future__ import annotations
 
 import json
+import math
 import re
 from collections import Counter
 from pathlib import Path
 from typing import Any
 
 from ckpttool.errors import ExportError, UsageError
+from ckpttool.format.unpickler import short_repr
 from ckpttool.model.catalog import Catalog
 from ckpttool.model.schemas.base import canonical_model_key
+from ckpttool.model.wrappers import strip_wrapper_segments
 from ckpttool.ops.export.plan import ExportPlan
 
-__all__ = ["adapter_config", "read_adapter_config"]
+__all__ = ["adapter_config", "check_lora_alpha", "read_adapter_config"]
 
 _PEFT_PREFIX = "base_model.model."
-_A_RE = re.compile(r"^(?P<module>.+)\.(?:lora_A\.weight|lora_embedding_A)$")
+_FACTOR_RE = re.compile(r"^(?P<module>.+)\.(?P<part>lora_A|lora_B|lora_embedding_A|lora_embedding_B)(?:\.weight)?$")
+_BIAS_RE = re.compile(r"\.lora_B\.bias$")
 _ADAPTER_PART_RE = re.compile(
     r"\.(?:lora_A|lora_B|lora_embedding_A|lora_embedding_B|lora_magnitude_vector)(?:\.weight)?$"
 )
@@ -59,7 +63,112 @@ def read_adapter_config(path: Path) -> dict[str, Any]:
     peft_type = str(data.get("peft_type", "LORA")).upper()
     if peft_type != "LORA":
         raise UsageError(f"{path}: peft_type is {data.get('peft_type')!r}; `fmt` lora writes LoRA adapters", path=path)
+    _check_values(path, data)
     return data
+
+
+def _is_alpha(v: Any) -> bool:
+    """A usable LoRA alpha: a finite number above 0 (not a bool). 0 makes the adapter a no-op, NaN / infinity make
+    every adapted output NaN, a negative one flips the delta's sign: none is a trained adapter's alpha."""
+    if not isinstance(v, (int, float)) or isinstance(v, bool):
+        return False
+    try:
+        return math.isfinite(float(v)) and v > 0
+    except OverflowError:  # an integer beyond float range
+        return False
+
+
+def _is_rank(v: Any) -> bool:
+    """A LoRA rank as PEFT takes it: an integer above 0 (not a bool)."""
+    return isinstance(v, int) and not isinstance(v, bool) and v > 0
+
+
+def _bad_regex(text: str) -> bool:
+    try:
+        re.compile(text)
+    except re.error:
+        return True
+    return False
+
+
+def check_lora_alpha(value: float | None) -> None:
+    """Raises UsageError: ``lora_alpha`` (the option) NaN, infinite, 0 or negative."""
+    if value is not None and not _is_alpha(value):
+        raise UsageError(
+            f"`lora_alpha` {value!r} is not a finite number above 0",
+            param="lora_alpha",
+            hint="pass the LoraConfig lora_alpha used in training (e.g. 16)",
+        )
+
+
+def _check_values(path: Path, data: dict[str, Any]) -> None:
+    """Refuse the adapter config values that would give a wrong adapter or merge (PEFT takes them unchecked).
+
+    Raises:
+        UsageError: ``lora_alpha`` / an ``alpha_pattern`` value not a finite number above 0, ``r`` / a
+            ``rank_pattern`` value not an integer above 0, a pattern not an object or with a key that is not a
+            regular expression, ``target_modules`` not a regular expression or a list of strings,
+            ``modules_to_save`` not a list of strings.
+    """
+    problem = _scalar_problem(data) or _pattern_problem(data) or _modules_problem(data)
+    if problem is not None:
+        raise UsageError(
+            f"{path}: adapter config {problem}",
+            path=path,
+            hint="pass the adapter_config.json that PEFT wrote for this adapter",
+        )
+
+
+def _scalar_problem(data: dict[str, Any]) -> str | None:
+    if "lora_alpha" in data and not _is_alpha(data["lora_alpha"]):
+        return f"lora_alpha {short_repr(data['lora_alpha'])} is not a finite number above 0"
+    if "r" in data and not _is_rank(data["r"]):
+        return f"r {short_repr(data['r'])} is not an integer above 0"
+    return None
+
+
+def _pattern_problem(data: dict[str, Any]) -> str | None:
+    for name, ok, what in (
+        ("alpha_pattern", _is_alpha, "a finite number above 0"),
+        ("rank_pattern", _is_rank, "an integer above 0"),
+    ):
+        pattern = data.get(name)
+        if pattern is None:
+            continue
+        if not isinstance(pattern, dict):
+            return f"{name} is not an object of module name -> value"
+        for k, v in pattern.items():
+            if not ok(v):
+                return f"{name}[{short_repr(k)}] {short_repr(v)} is not {what}"
+            if _bad_regex(k):
+                return f"{name} key {short_repr(k)} is not a regular expression"
+    return None
+
+
+def _modules_problem(data: dict[str, Any]) -> str | None:
+    target, saved = data.get("target_modules"), data.get("modules_to_save")
+    if isinstance(target, str):
+        if _bad_regex(target):
+            return f"target_modules {short_repr(target)} is not a regular expression"
+    elif not (target is None or (isinstance(target, list) and all(isinstance(t, str) for t in target))):
+        return f"target_modules {short_repr(target)} is not a string (a regex) or a list of module names"
+    if not (saved is None or (isinstance(saved, list) and all(isinstance(t, str) for t in saved))):
+        return f"modules_to_save {short_repr(saved)} is not a list of module names"
+    for name in ("exclude_modules", "layers_pattern"):
+        value = data.get(name)
+        if isinstance(value, str):
+            if _bad_regex(value):
+                return f"{name} {short_repr(value)} is not a regular expression"
+        elif not (value is None or (isinstance(value, list) and all(isinstance(t, str) for t in value))):
+            return f"{name} {short_repr(value)} is not a string or a list of strings"
+    layers = data.get("layers_to_transform")
+    if not (layers is None or _is_index(layers) or (isinstance(layers, list) and all(_is_index(i) for i in layers))):
+        return f"layers_to_transform {short_repr(layers)} is not a layer index or a list of them"
+    return None
+
+
+def _is_index(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and v >= 0
 
 
 def adapter_config(
@@ -85,7 +194,25 @@ def adapter_config(
     """
     ranks, dora = _ranks(plan, cat)
     saved = _modules_to_save(plan, ranks)
+    biased = sorted(p.name for t in plan.tasks for p in t.pieces if _BIAS_RE.search(p.name))
     if given is not None:
+        if bool(given.get("use_dora")) != dora:
+            raise ExportError(
+                f"{cat.path}: the adapter config sets use_dora {bool(given.get('use_dora'))} but the checkpoint holds "
+                + ("DoRA magnitude vectors (lora_magnitude_vector)" if dora else "no DoRA magnitude vector")
+                + ": PEFT would load the adapter "
+                + ("without them (plain LoRA)" if dora else "with magnitudes computed from the base weights"),
+                hint="pass the adapter_config.json that belongs to this checkpoint, or leave `adapter_config` out "
+                "to infer one",
+            )
+        if biased and not given.get("lora_bias"):
+            raise ExportError(
+                f"{biased[0]}: the checkpoint holds lora_B biases (LoraConfig lora_bias=True) but the adapter config "
+                "does not set lora_bias: PEFT would load the adapter without them",
+                fqn=biased[0],
+                hint="pass the adapter_config.json that belongs to this checkpoint, or leave `adapter_config` out "
+                "to infer one",
+            )
         return _checked_given(given, ranks, lora_alpha, saved)
     if lora_alpha is None:
         raise ExportError(
@@ -113,6 +240,7 @@ def adapter_config(
         "fan_in_fan_out": False,
         "use_rslora": False,
         "use_dora": dora,
+        "lora_bias": bool(biased),
         "modules_to_save": saved or None,
         "rank_pattern": rank_pattern,
         "alpha_pattern": {},
@@ -124,24 +252,63 @@ def adapter_config(
 def _ranks(plan: ExportPlan, cat: Catalog) -> tuple[dict[str, int], bool]:
     """Module -> rank (dim 0 of its ``lora_A`` / ``lora_embedding_A``), and whether DoRA magnitudes are present.
 
+    Every module's factors are checked as PEFT would need them: both ``A`` and ``B`` (PEFT loads a missing one
+    freshly initialised, with at most a warning), 2-D, ``B [out, r]`` and ``A [r, in]`` of one rank, and, where
+    the checkpoint holds the module's ``base_layer.weight``, ``[out, in]`` its shape.
+
     Raises:
-        ExportError: no ``lora_A`` / ``lora_embedding_A`` tensor.
+        ExportError: no ``lora_A`` / ``lora_embedding_A`` tensor, an incomplete pair, or factor shapes that do not fit.
     """
-    ranks: dict[str, int] = {}
+    factors: dict[str, dict[str, tuple[int, ...]]] = {}
     dora = False
     for task in plan.tasks:
         for p in task.pieces:
-            m = _A_RE.match(p.name)
-            if m and p.shape:
-                ranks[m.group("module")] = p.shape[0]
+            m = _FACTOR_RE.match(p.name)
+            if m:
+                factors.setdefault(m.group("module"), {})[m.group("part")] = tuple(p.shape)
             if ".lora_magnitude_vector" in p.name:
                 dora = True
-    if not ranks:
+    if not any(part in parts for parts in factors.values() for part in ("lora_A", "lora_embedding_A")):
         raise ExportError(
             f"{cat.path}: no lora_A / lora_embedding_A tensor among the adapter keys",
             hint="the checkpoint has no complete LoRA adapter; check `filter_glob`",
         )
+    bases = _base_shapes(cat)
+    ranks: dict[str, int] = {}
+    for module, parts in sorted(factors.items()):
+        kind = "lora_embedding_" if any(k.startswith("lora_embedding_") for k in parts) else "lora_"
+        a, b = parts.get(kind + "A"), parts.get(kind + "B")
+        if a is None or b is None or len(parts) != 2:
+            have = ", ".join(sorted(parts))
+            missing = ", ".join(sorted({kind + "A", kind + "B"} - set(parts))) or "a pair of one kind"
+            raise ExportError(
+                f"{module}: has {have} but no {missing}: PEFT would load the adapter with the missing factor freshly "
+                "initialised (a wrong or no-op adapter)",
+                fqn=module,
+                hint="export a checkpoint that holds both LoRA factors of every module (check `filter_glob`)",
+            )
+        base = bases.get(module)
+        want = None if base is None else (base if kind == "lora_" else base[::-1])  # an embedding is [in, out]
+        if len(a) != 2 or len(b) != 2 or b[1] != a[0] or (want is not None and (b[0], a[1]) != want):
+            raise ExportError(
+                f"{module}: {kind}B {list(b)} and {kind}A {list(a)} do not form a LoRA pair B [out, r] @ A [r, in]"
+                + ("" if base is None else f" of its base weight {list(base)}"),
+                fqn=module,
+                hint="the lora_A / lora_B tensors do not belong together; export the checkpoint they were trained in",
+            )
+        ranks[module] = a[0]
     return ranks, dora
+
+
+def _base_shapes(cat: Catalog) -> dict[str, tuple[int, ...]]:
+    """``base_model.model.<module>`` -> the shape of its ``base_layer.weight`` in the checkpoint (PEFT's wrapped layer)."""
+    prefix = canonical_model_key("")
+    out: dict[str, tuple[int, ...]] = {}
+    for key, entry in cat.model.items():
+        canonical = strip_wrapper_segments(cat.schema.canonical_key(key))[0]
+        if canonical.startswith(prefix) and canonical.endswith(".base_layer.weight"):
+            out[canonical[len(prefix) : -len(".base_layer.weight")]] = tuple(entry.shape)
+    return out
 
 
 def _modules_to_save(plan: ExportPlan, ranks: dict[str, int]) -> list[str]:
@@ -179,22 +346,36 @@ def _checked_given(
             hint="pass the adapter_config.json that belongs to this checkpoint (PEFT lists modules_to_save there), "
             "or leave `adapter_config` out to infer one",
         )
-    r = cfg.get("r")
+    r = cfg.get("r", 8)  # PEFT's LoraConfig default
     pattern = cfg.get("rank_pattern") or {}
-    if r is not None and not pattern and any(v != r for v in ranks.values()):
-        bad = next(k for k, v in ranks.items() if v != r)
-        raise ExportError(
-            f"adapter config says r={r} but {bad}.lora_A has rank {ranks[bad]}",
-            fqn=bad,
-            hint="pass the adapter_config.json that belongs to this checkpoint",
-        )
-    _check_peft_matches(sorted(ranks), cfg.get("target_modules"))
+    for module, rank in ranks.items():
+        key = pattern_key(pattern, module[len(_PEFT_PREFIX) :] if module.startswith(_PEFT_PREFIX) else module)
+        want = r if key is None else pattern[key]
+        if want != rank:
+            where = "r" if key is None else f"rank_pattern[{key!r}]"
+            raise ExportError(
+                f"adapter config says {where}={want} but {module}.lora_A has rank {rank}",
+                fqn=module,
+                hint="pass the adapter_config.json that belongs to this checkpoint",
+            )
+    _check_peft_matches(sorted(ranks), cfg)
     if lora_alpha is not None:
         cfg["lora_alpha"] = lora_alpha
     if "lora_alpha" not in cfg:
         raise ExportError("the adapter config has no lora_alpha", hint="pass `lora_alpha` A")
     cfg.setdefault("peft_type", "LORA")
     return cfg
+
+
+def pattern_key(pattern: dict[str, Any], module: str) -> str | None:
+    """The ``rank_pattern`` / ``alpha_pattern`` key PEFT uses for ``module`` (a path in the base model), or ``None``.
+
+    As ``peft.utils.other.get_pattern_key``: the first key ``k`` with ``re.match(rf"(.*\\.)?({k})$", module)``.
+    """
+    for k in pattern:
+        if re.match(rf"(.*\.)?({k})$", module):
+            return k
+    return None
 
 
 def _target_modules(cat: Catalog, rel: list[str]) -> Any:
@@ -216,37 +397,85 @@ def _target_modules(cat: Catalog, rel: list[str]) -> Any:
     return names
 
 
-def peft_target_matches(module: str, target: Any) -> bool:
-    """Whether PEFT would put an adapter on ``module`` (a path in the base model) for ``target_modules``.
+def peft_target_matches(module: str, config: dict[str, Any] | None) -> bool:
+    """Whether PEFT would put an adapter on ``module`` (a path in the base model) for adapter config ``config``.
 
-    As ``peft.tuners.tuners_utils.check_target_module_exists``: a string is a regex matched
-    against the whole path (``re.fullmatch``); a list matches a path equal to an entry or
-    ending with ``"." + entry``; ``None`` (not given) matches everything (PEFT fills it per model).
+    As ``peft.tuners.tuners_utils.check_target_module_exists``: a module ``exclude_modules`` names (a regex string:
+    ``re.fullmatch``; a list: equal or ending with ``"." + entry``) or inside a ``modules_to_save`` module gets none;
+    a ``target_modules`` string is a regex matched against the whole path (``"all-linear"``: every module but
+    ``lm_head``); a list matches a path equal to an entry, or ending with ``"." + entry`` and, with
+    ``layers_to_transform``, whose layer index (after ``layers_pattern``, else the first numbered segment) is listed.
+    ``None`` (no config, or no ``target_modules``) matches everything (PEFT fills it per model).
     """
+    cfg = config or {}
+    exclude = cfg.get("exclude_modules")
+    if isinstance(exclude, str) and re.fullmatch(exclude, module):
+        return False
+    if isinstance(exclude, list) and _in_list(module, exclude):
+        return False
+    if any(isinstance(m, str) and re.match(rf"(^|.*\.){m}($|\..*)", module) for m in cfg.get("modules_to_save") or []):
+        return False
+    target = cfg.get("target_modules")
     if target is None:
-        return True
+        return not cfg.get("target_parameters")
     if isinstance(target, str):
+        if target == "all-linear":
+            return module.rsplit(".", 1)[-1] != "lm_head"
         return re.fullmatch(target, module) is not None
-    return any(module == t or module.endswith("." + t) for t in target if isinstance(t, str))
+    if module in target:
+        return True
+    if not _in_list(module, target):
+        return False
+    layers = cfg.get("layers_to_transform")
+    if layers is None or layers == []:
+        return True
+    patterns = cfg.get("layers_pattern")
+    if isinstance(patterns, str):
+        patterns = [patterns]
+    match = None
+    if not patterns:
+        match = re.match(r".*?\.[^.]*\.(?P<idx>\d+)\.", module)
+    else:
+        for pattern in patterns:
+            match = re.match(rf"(?:^|.*?\.){pattern}\.(?P<idx>\d+)\.", module)
+            if match is not None:
+                break
+    if match is None:
+        return False
+    index = int(match.group("idx"))
+    return index == layers if isinstance(layers, int) else index in layers
 
 
-def _check_peft_matches(modules: list[str], target: Any) -> None:
+def _in_list(module: str, names: list[Any]) -> bool:
+    return any(isinstance(t, str) and (module == t or module.endswith("." + t)) for t in names)
+
+
+def _check_peft_matches(modules: list[str], config: dict[str, Any] | None) -> None:
     """Refuse LoRA output modules that PEFT would not load (``set_peft_model_state_dict`` drops them silently).
 
     Raises:
-        ExportError: a module outside ``base_model.model.`` or not matched by ``target_modules``.
+        ExportError: a module outside ``base_model.model.`` or one the config's ``target_modules``,
+            ``exclude_modules``, ``layers_to_transform`` / ``layers_pattern`` or ``modules_to_save`` leave out.
     """
     bad = []
     for m in modules:
         if not m.startswith(_PEFT_PREFIX):
             bad.append(f"{m} (not under {_PEFT_PREFIX})")
-        elif not peft_target_matches(m[len(_PEFT_PREFIX) :], target):
-            bad.append(f"{m} (not in target_modules {target!r})")
+        elif not peft_target_matches(m[len(_PEFT_PREFIX) :], config):
+            bad.append(f"{m} (not matched by the adapter config)")
     if bad:
         shown = "; ".join(bad[:3]) + (f" (+{len(bad) - 3} more)" if len(bad) > 3 else "")
+        settings = _matching_settings(config)
         raise ExportError(
-            f"{len(bad)} LoRA module(s) would not be loaded by PEFT: {shown}",
+            f"{len(bad)} LoRA module(s) would not be loaded by PEFT: {shown}" + (f"; {settings}" if settings else ""),
             fqn=modules[0],
             hint="PEFT loads base_model.model.<module path>.lora_A.weight for the modules target_modules names; "
-            "fix the adapter config's target_modules or the key rules (`rules`)",
+            "fix the adapter config's target_modules (exclude_modules, layers_to_transform) or the key rules (`rules`)",
         )
+
+
+def _matching_settings(config: dict[str, Any] | None) -> str:
+    """The config settings that choose PEFT's modules, for a message."""
+    cfg = config or {}
+    names = ("target_modules", "exclude_modules", "layers_to_transform", "layers_pattern", "modules_to_save")
+    return ", ".join(f"{n} {short_repr(cfg[n])}" for n in names if cfg.get(n) not in (None, [], ""))

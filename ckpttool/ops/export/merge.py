@@ -13,25 +13,17 @@ Not implemented, refused by name: DoRA (``use_dora``, ``lora_magnitude_vector``)
 
 from __future__ import annotations
 
-import re
 from typing import TYPE_CHECKING, Any
 
 from ckpttool.errors import ExportError
 from ckpttool.format.metadata import DTYPE_ITEMSIZE
+from ckpttool.ops.export.lora import pattern_key
 from ckpttool.ops.export.transform import Cast, SlabWhere
 
 if TYPE_CHECKING:
     import numpy as np
 
 __all__ = ["LoraMerge", "lora_scaling"]
-
-
-def _pattern_value(pattern: dict[str, Any], module: str) -> Any:
-    """PEFT's ``rank_pattern`` / ``alpha_pattern`` lookup: a key matching the end of the module path."""
-    for k, v in (pattern or {}).items():
-        if re.search(rf"(^|\.){re.escape(k)}$", module) or re.fullmatch(k, module):
-            return v
-    return None
 
 
 def lora_scaling(module: str, r: int, config: dict[str, Any] | None, lora_alpha: float | None) -> float:
@@ -55,8 +47,9 @@ def lora_scaling(module: str, r: int, config: dict[str, Any] | None, lora_alpha:
             hint="merge with PEFT's merge_and_unload()",
         )
     alpha: Any = lora_alpha
-    if alpha is None:
-        alpha = _pattern_value(cfg.get("alpha_pattern") or {}, module)
+    alpha_pattern = cfg.get("alpha_pattern") or {}
+    if alpha is None and (key := pattern_key(alpha_pattern, module)) is not None:
+        alpha = alpha_pattern[key]
     if alpha is None:
         alpha = cfg.get("lora_alpha")
     if not isinstance(alpha, (int, float)) or isinstance(alpha, bool):
@@ -65,10 +58,13 @@ def lora_scaling(module: str, r: int, config: dict[str, Any] | None, lora_alpha:
             fqn=module,
             hint="pass `lora_alpha` A (the LoraConfig lora_alpha used in training) or `adapter_config` FILE",
         )
-    want_r = _pattern_value(cfg.get("rank_pattern") or {}, module) or cfg.get("r")
-    if isinstance(want_r, int) and want_r != r and not cfg.get("rank_pattern"):
+    rank_pattern = cfg.get("rank_pattern") or {}
+    key = pattern_key(rank_pattern, module)
+    want_r = cfg.get("r") if key is None else rank_pattern[key]
+    if isinstance(want_r, int) and want_r != r:
+        where = "r" if key is None else f"rank_pattern[{key!r}]"
         raise ExportError(
-            f"{module}: the adapter config says r={want_r} but lora_A has rank {r}",
+            f"{module}: the adapter config says {where}={want_r} but lora_A has rank {r}",
             fqn=module,
             hint="pass the adapter_config.json that belongs to this checkpoint",
         )

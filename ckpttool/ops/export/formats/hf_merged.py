@@ -32,6 +32,7 @@ _PEFT_RE = re.compile(
     r"lora_magnitude_vector)\.(?P<adapter>[^.]+)(?:\.weight)?$"
 )
 _PEFT_BASE = canonical_model_key("base_model.model.")
+_LORA_BIAS_RE = re.compile(r"\.lora_B\.[^.]+\.bias$")
 
 
 class HFMergedFormat(HFFormat):
@@ -94,7 +95,13 @@ class HFMergedFormat(HFFormat):
                 hint="the checkpoint is an adapter only; export it with `fmt` lora and merge with PEFT over the base model",
             )
         if req.weights == "master":
-            raise ExportError("`weights` master is not supported with `fmt` hf-merged", param="weights")
+            raise ExportError(
+                f"{cat.path}: the merge reads the stored parameters, not FP32 master_weight copies (`weights` master, "
+                "or auto on a checkpoint that has them)",
+                param="weights",
+                hint="export with `weights` params to merge the stored LoRA factors, or write the adapter from the "
+                "masters with `fmt` lora `weights` master and merge it with PEFT",
+            )
         if orphan:  # (a filter) the factors of a module whose base weight is not exported were merged into nothing
             factors = {k for m in orphan for k in pairs[m].values()}
             merged = skipped.get(_MERGED, [])
@@ -142,6 +149,12 @@ def _lora_pairs(cat: Catalog) -> tuple[dict[str, dict[str, str]], str]:
         canonical = strip_wrapper_segments(cat.schema.canonical_key(key))[0]
         m = _PEFT_RE.match(canonical)
         if m is None:
+            if _LORA_BIAS_RE.search(canonical):
+                raise ExportError(
+                    f"{key}: a lora_B bias (LoraConfig lora_bias=True); its merge is not implemented",
+                    fqn=key,
+                    hint="merge with PEFT's merge_and_unload(), or export the adapter with `fmt` lora",
+                )
             continue
         part = m["part"]
         if part == "lora_magnitude_vector":

@@ -1,0 +1,568 @@
+"""`--format lora` / `hf-merged` inputs that would give a wrong adapter or merge: a given adapter config's values,
+`--lora-alpha`, and LoRA factors that do not fit each other. Each is one coded line, nothing written; the
+reference is what PEFT itself writes (`LoraConfig.save_pretrained`) and loads (`PeftModel.from_pretrained`)."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from tests.fixtures import hf_models
+from tests.ops.export.test_export import assert_clean_failure, export_cli
+from tests.ops.export.test_export_consumers import (  # noqa: F401  (session fixtures)
+    assert_same_logits,
+    load_hf,
+    lora_ckpt,
+    lora_partial_ckpt,
+)
+
+
+def _peft_config(tmp_path: Path, **changes: Any) -> Path:
+    """PEFT's own adapter_config.json of the ``lora_ckpt`` fixture's LoraConfig, with ``changes`` applied."""
+    from peft import LoraConfig
+
+    LoraConfig(
+        r=hf_models.LORA_R,
+        lora_alpha=hf_models.LORA_ALPHA,
+        target_modules=["q_proj", "v_proj"],
+        task_type="CAUSAL_LM",
+    ).save_pretrained(str(tmp_path / "peft"))
+    data = json.loads((tmp_path / "peft" / "adapter_config.json").read_text())
+    data.update(changes)
+    path = tmp_path / "given.json"
+    path.write_text(json.dumps(data))  # NaN / Infinity as Python's json (and PEFT's to_json) write them
+    return path
+
+
+@pytest.mark.parametrize("fmt", ["lora", "hf-merged"])
+@pytest.mark.parametrize(
+    ("change", "needle"),
+    [
+        ({"lora_alpha": math.nan}, "lora_alpha nan"),
+        ({"lora_alpha": math.inf}, "lora_alpha inf"),
+        ({"lora_alpha": 0}, "lora_alpha 0"),
+        ({"lora_alpha": -8}, "lora_alpha -8"),
+        ({"lora_alpha": "8"}, "lora_alpha '8'"),
+        ({"lora_alpha": True}, "lora_alpha True"),
+        ({"r": "4"}, "r '4'"),
+        ({"r": 4.0}, "r 4.0"),
+        ({"alpha_pattern": {"q_proj": math.nan}}, "alpha_pattern['q_proj'] nan"),
+        ({"rank_pattern": {"q_proj": 0}}, "rank_pattern['q_proj'] 0"),
+        ({"target_modules": 5}, "target_modules 5"),
+        ({"target_modules": "(q_proj"}, "not a regular expression"),
+    ],
+)
+def test_adapter_config_values_peft_would_take_unchecked_are_refused(
+    lora_ckpt: Path,  # noqa: F811
+    tmp_path: Path,
+    fmt: str,
+    change: dict[str, Any],
+    needle: str,
+) -> None:
+    """Before: a NaN / infinite alpha was written (lora) or merged (hf-merged) and every logit PEFT computed was NaN;
+    0 or a negative alpha gave an adapter that does nothing or the opposite; a string r / alpha was written as is;
+    target_modules 5 was an internal error (E999). Now each is E100 naming the file and key."""
+    given = _peft_config(tmp_path, **change)
+    res = export_cli(str(lora_ckpt), str(tmp_path / "o"), "--format", fmt, "--adapter-config", str(given))
+    assert_clean_failure(res, "E100", str(given), needle)
+    assert not (tmp_path / "o").exists()
+
+
+def test_a_nan_alpha_peft_would_load_gives_nan_logits_so_it_is_refused(lora_ckpt: Path, tmp_path: Path) -> None:  # noqa: F811
+    """The reference for the refusal above: PEFT loads the adapter with lora_alpha NaN and computes NaN logits."""
+    from peft import PeftModel
+    from transformers import LlamaForCausalLM
+
+    res = export_cli(str(lora_ckpt), str(tmp_path / "ok"), "--format", "lora", "--lora-alpha", "8")
+    assert res.exit_code == 0, res.stderr
+    cfg = json.loads((tmp_path / "ok" / "adapter_config.json").read_text())
+    cfg["lora_alpha"] = math.nan
+    (tmp_path / "ok" / "adapter_config.json").write_text(json.dumps(cfg))
+    model = PeftModel.from_pretrained(load_hf(lora_ckpt / "base", LlamaForCausalLM), tmp_path / "ok").eval()
+    with torch.no_grad():
+        logits = model(torch.load(lora_ckpt / "reference.pt", weights_only=True)["ids"]).logits
+    assert torch.isnan(logits).all()
+
+
+@pytest.mark.parametrize("fmt", ["lora", "hf-merged"])
+@pytest.mark.parametrize("alpha", ["nan", "inf", "0", "-8"])
+def test_lora_alpha_option_must_be_a_finite_number_above_zero(
+    lora_ckpt: Path,  # noqa: F811
+    tmp_path: Path,
+    fmt: str,
+    alpha: str,
+) -> None:
+    res = export_cli(str(lora_ckpt), str(tmp_path / "o"), "--format", fmt, f"--lora-alpha={alpha}")
+    assert_clean_failure(res, "E100", "--lora-alpha", "not a finite number above 0")
+    assert not (tmp_path / "o").exists()
+
+
+@pytest.mark.parametrize("fmt", ["lora", "hf-merged"])
+def test_a_rank_pattern_that_disagrees_with_the_tensors_is_refused(
+    lora_partial_ckpt: Path,  # noqa: F811
+    tmp_path: Path,
+    fmt: str,
+) -> None:
+    """Before, any rank_pattern turned the rank check off: rank_pattern {"v_proj": 3} over a rank-2 v_proj was
+    written, and PEFT refused to load it (size mismatch). PEFT's own pattern lookup is used now, per module."""
+    from peft import PeftModel
+    from transformers import LlamaForCausalLM
+
+    right = {"rank_pattern": {"v_proj": 2}, "layers_to_transform": [0]}
+    given = _peft_config(tmp_path, **right)
+    res = export_cli(str(lora_partial_ckpt), str(tmp_path / "ok"), "--format", "lora", "--adapter-config", str(given))
+    assert res.exit_code == 0, res.stderr
+    assert_same_logits(
+        PeftModel.from_pretrained(load_hf(lora_partial_ckpt / "base", LlamaForCausalLM), tmp_path / "ok"),
+        lora_partial_ckpt,
+    )
+    given = _peft_config(tmp_path, rank_pattern={"v_proj": 3}, layers_to_transform=[0])
+    args = ["--adapter-config", str(given)] + (
+        ["--model-assets", str(lora_partial_ckpt / "model_assets")] if fmt != "lora" else []
+    )
+    res = export_cli(str(lora_partial_ckpt), str(tmp_path / "o"), "--format", fmt, *args)
+    assert_clean_failure(res, "E601", "rank_pattern['v_proj']=3", "rank 2")
+    assert not (tmp_path / "o").exists()
+
+
+# ------------------------------------------------------------------------------------------ LoRA factors
+
+
+@pytest.fixture(scope="module")
+def peft_state(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict[str, torch.Tensor], Path]:
+    """A PEFT LoRA model (q_proj, v_proj, r=4) trained 2 AdamW steps: its state dict and the saved base model."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import LlamaForCausalLM
+
+    hf_models._quiet()
+    torch.manual_seed(5)
+    root = tmp_path_factory.mktemp("peft_state")
+    cfg = hf_models.llama_config()
+    LlamaForCausalLM(cfg).save_pretrained(root / "base")
+    model = get_peft_model(
+        LlamaForCausalLM.from_pretrained(root / "base"),
+        LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM"),
+    )
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+    ids = torch.randint(0, cfg.vocab_size, (2, 12), generator=torch.Generator().manual_seed(1))
+    for _ in range(2):
+        model(ids, labels=ids).loss.backward()
+        opt.step()
+        opt.zero_grad()
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}, root
+
+
+_Q = "base_model.model.model.layers.0.self_attn.q_proj."
+
+
+@pytest.mark.parametrize(
+    ("edit", "needle"),
+    [
+        ({"drop": _Q + "lora_A.default.weight"}, "has lora_B but no lora_A"),
+        ({"drop": _Q + "lora_B.default.weight"}, "has lora_A but no lora_B"),
+        ({_Q + "lora_B.default.weight": torch.zeros(32, 8)}, "lora_B [32, 8] and lora_A [4, 32] do not form"),
+        ({_Q + "lora_A.default.weight": torch.zeros(4, 16)}, "lora_A [4, 16] do not form a LoRA pair"),
+        ({_Q + "lora_A.default.weight": torch.zeros(4, 32, 1)}, "lora_A [4, 32, 1] do not form"),
+    ],
+)
+def test_lora_factors_that_do_not_fit_are_refused(
+    peft_state: tuple[dict[str, torch.Tensor], Path],
+    tmp_path: Path,
+    edit: dict[str, Any],
+    needle: str,
+) -> None:
+    """Before, `--format lora` wrote these: PEFT refused the mismatched shapes only when loading, and loaded an
+    adapter without its lora_A (or lora_B) silently, with that factor freshly initialised. Now E601, nothing written."""
+    import torch.distributed.checkpoint as dcp
+
+    sd = dict(peft_state[0])
+    for k, v in edit.items():
+        if k == "drop":
+            del sd[v]
+        else:
+            sd[k] = v
+    dcp.save({"model": sd}, checkpoint_id=str(tmp_path / "ckpt"))
+    res = export_cli(str(tmp_path / "ckpt"), str(tmp_path / "o"), "--format", "lora", "--lora-alpha", "8")
+    assert_clean_failure(res, "E601", _Q.rstrip("."), needle)
+    assert not (tmp_path / "o").exists()
+
+
+def test_peft_loads_an_adapter_without_a_lora_a_silently_and_wrong(
+    peft_state: tuple[dict[str, torch.Tensor], Path], tmp_path: Path
+) -> None:
+    """The reference for the refusal above: the complete adapter loads with the trained model's logits; PEFT loads
+    the same adapter without one lora_A with no error, and its logits differ."""
+    import torch.distributed.checkpoint as dcp
+    from peft import PeftModel
+    from safetensors.torch import load_file, save_file
+    from transformers import LlamaForCausalLM
+
+    sd, root = peft_state
+    dcp.save({"model": dict(sd)}, checkpoint_id=str(tmp_path / "ckpt"))
+    res = export_cli(str(tmp_path / "ckpt"), str(tmp_path / "o"), "--format", "lora", "--lora-alpha", "8")
+    assert res.exit_code == 0, res.stderr
+    ids = torch.randint(0, 96, (2, 12), generator=torch.Generator().manual_seed(1))
+
+    def logits(adapter: Path) -> torch.Tensor:
+        model = PeftModel.from_pretrained(load_hf(root / "base", LlamaForCausalLM), adapter).eval()
+        with torch.no_grad():
+            return model(ids).logits
+
+    want = logits(tmp_path / "o")
+    trained = load_hf(root / "base", LlamaForCausalLM)
+    from peft import LoraConfig, get_peft_model
+
+    trained = get_peft_model(trained, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"])).eval()
+    trained.load_state_dict(sd)
+    with torch.no_grad():
+        torch.testing.assert_close(want, trained(ids).logits, rtol=0, atol=1e-5)
+    tensors = load_file(tmp_path / "o" / "adapter_model.safetensors")
+    del tensors[_Q + "lora_A.weight"]
+    save_file(tensors, tmp_path / "o" / "adapter_model.safetensors")
+    assert not torch.allclose(logits(tmp_path / "o"), want, atol=1e-3)
+
+
+# ------------------------------------------------------------------------------------------ lora_bias
+
+
+def test_lora_bias_is_exported_as_peft_saves_it_and_its_merge_is_refused(tmp_path: Path) -> None:
+    """LoraConfig(lora_bias=True) trains a bias on each lora_B. Before, `--format lora` left the biases out (reported
+    only as "not a LoRA adapter tensor") and PEFT loaded the adapter without them (other logits), and `hf-merged`
+    failed with E605 "unexpected" keys. Now the adapter holds what PEFT's own save_pretrained writes (lora_bias in the
+    inferred config) and loads with the trained logits; a given config without lora_bias and the merge are E601."""
+    import torch.distributed.checkpoint as dcp
+    from peft import LoraConfig, PeftModel, get_peft_model
+    from safetensors.torch import load_file
+    from transformers import LlamaForCausalLM
+
+    hf_models._quiet()
+    torch.manual_seed(11)
+    cfg = hf_models.llama_config()
+    LlamaForCausalLM(cfg).save_pretrained(tmp_path / "base")
+    lcfg = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], lora_bias=True, task_type="CAUSAL_LM")
+    model = get_peft_model(LlamaForCausalLM.from_pretrained(tmp_path / "base"), lcfg)
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+    ids = torch.randint(0, cfg.vocab_size, (2, 12), generator=torch.Generator().manual_seed(1))
+    for _ in range(2):
+        model(ids, labels=ids).loss.backward()
+        opt.step()
+        opt.zero_grad()
+    model.eval()
+    with torch.no_grad():
+        want = model(ids).logits
+    dcp.save({"model": dict(model.state_dict())}, checkpoint_id=str(tmp_path / "ckpt"))
+    model.save_pretrained(tmp_path / "peft")  # the reference
+
+    res = export_cli(str(tmp_path / "ckpt"), str(tmp_path / "o"), "--format", "lora", "--lora-alpha", "8")
+    assert res.exit_code == 0, res.stderr
+    ours = load_file(tmp_path / "o" / "adapter_model.safetensors")
+    peft = load_file(tmp_path / "peft" / "adapter_model.safetensors")
+    assert any(k.endswith(".lora_B.bias") for k in peft)
+    assert sorted(ours) == sorted(peft) and all(torch.equal(ours[k], peft[k]) for k in peft)
+    assert json.loads((tmp_path / "o" / "adapter_config.json").read_text())["lora_bias"] is True
+    loaded = PeftModel.from_pretrained(load_hf(tmp_path / "base", LlamaForCausalLM), tmp_path / "o").eval()
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(ids).logits, want, rtol=0, atol=1e-5)
+
+    given = json.loads((tmp_path / "peft" / "adapter_config.json").read_text())
+    res = export_cli(
+        str(tmp_path / "ckpt"),
+        str(tmp_path / "o2"),
+        "--format",
+        "lora",
+        "--adapter-config",
+        str(tmp_path / "peft" / "adapter_config.json"),
+    )
+    assert res.exit_code == 0, res.stderr
+    given["lora_bias"] = False
+    (tmp_path / "nobias.json").write_text(json.dumps(given))
+    res = export_cli(
+        str(tmp_path / "ckpt"),
+        str(tmp_path / "o3"),
+        "--format",
+        "lora",
+        "--adapter-config",
+        str(tmp_path / "nobias.json"),
+    )
+    assert_clean_failure(res, "E601", "lora_B.bias", "does not set lora_bias")
+    res = export_cli(str(tmp_path / "ckpt"), str(tmp_path / "o4"), "--format", "hf-merged", "--lora-alpha", "8")
+    assert_clean_failure(res, "E601", "lora_B.default.bias", "merge is not implemented")
+    assert not (tmp_path / "o3").exists() and not (tmp_path / "o4").exists()
+
+
+# ------------------------------------------------------------------------------------------ adapter config files
+
+
+def _assets_with(tmp_path: Path, lora_ckpt: Path, make: Any) -> Path:  # noqa: F811
+    import shutil
+
+    assets = tmp_path / "assets"
+    shutil.copytree(lora_ckpt / "model_assets", assets)
+    make(assets / "adapter_config.json")
+    return assets
+
+
+def test_a_model_assets_adapter_config_symlinked_out_of_the_folder_is_refused(lora_ckpt: Path, tmp_path: Path) -> None:  # noqa: F811
+    """Before, `--model-assets DIR` with `DIR/adapter_config.json -> <outside>` read the file outside (config.json and
+    every other assets file were refused, E101); now the same E101."""
+    outside = _peft_config(tmp_path)  # a valid config, so that only the place is wrong
+    assets = _assets_with(tmp_path, lora_ckpt, lambda p: p.symlink_to(outside))
+    for fmt in ("lora", "hf-merged"):
+        res = export_cli(str(lora_ckpt), str(tmp_path / "o"), "--format", fmt, "--model-assets", str(assets))
+        assert_clean_failure(res, "E101", "adapter_config.json", "resolves outside")
+        assert not (tmp_path / "o").exists()
+
+
+@pytest.mark.parametrize("kind", ["fifo", "dir"])
+def test_a_model_assets_adapter_config_that_is_not_a_file_is_refused_not_skipped(
+    lora_ckpt: Path,  # noqa: F811
+    tmp_path: Path,
+    kind: str,
+) -> None:
+    """Before, a FIFO or folder named adapter_config.json in `--model-assets` was skipped: the export went on with an
+    inferred config (here: E601 asking for --lora-alpha, or with it an adapter config other than the user's)."""
+    import os
+
+    assets = _assets_with(tmp_path, lora_ckpt, os.mkfifo if kind == "fifo" else Path.mkdir)
+    res = export_cli(
+        str(lora_ckpt), str(tmp_path / "o"), "--format", "lora", "--lora-alpha", "8", "--model-assets", str(assets)
+    )
+    assert_clean_failure(res, "E102", "adapter_config.json")
+    assert not (tmp_path / "o").exists()
+
+
+# ------------------------------------------------------------------------------------------ DoRA
+
+
+def test_a_given_config_whose_use_dora_disagrees_with_the_tensors_is_refused(lora_ckpt: Path, tmp_path: Path) -> None:  # noqa: F811
+    """Before, a DoRA checkpoint exported with an adapter config without use_dora was written and PEFT loaded it as
+    plain LoRA (the magnitudes ignored: other logits); a plain LoRA checkpoint with use_dora true loaded with
+    magnitudes computed from the base weights. Now E601; PEFT's own config of the DoRA model still exports and loads
+    with the trained logits."""
+    import torch.distributed.checkpoint as dcp
+    from peft import LoraConfig, PeftModel, get_peft_model
+    from transformers import LlamaForCausalLM
+
+    hf_models._quiet()
+    torch.manual_seed(13)
+    cfg = hf_models.llama_config()
+    LlamaForCausalLM(cfg).save_pretrained(tmp_path / "base")
+    lcfg = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], use_dora=True, task_type="CAUSAL_LM")
+    model = get_peft_model(LlamaForCausalLM.from_pretrained(tmp_path / "base"), lcfg)
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+    ids = torch.randint(0, cfg.vocab_size, (2, 12), generator=torch.Generator().manual_seed(1))
+    for _ in range(2):
+        model(ids, labels=ids).loss.backward()
+        opt.step()
+        opt.zero_grad()
+    model.eval()
+    with torch.no_grad():
+        want = model(ids).logits
+    dcp.save({"model": dict(model.state_dict())}, checkpoint_id=str(tmp_path / "ckpt"))
+    model.save_pretrained(tmp_path / "peft")
+    peft_cfg = tmp_path / "peft" / "adapter_config.json"
+    res = export_cli(str(tmp_path / "ckpt"), str(tmp_path / "o"), "--format", "lora", "--adapter-config", str(peft_cfg))
+    assert res.exit_code == 0, res.stderr
+    loaded = PeftModel.from_pretrained(load_hf(tmp_path / "base", LlamaForCausalLM), tmp_path / "o").eval()
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(ids).logits, want, rtol=0, atol=1e-5)
+
+    no_dora = _peft_config(tmp_path)
+    res = export_cli(str(tmp_path / "ckpt"), str(tmp_path / "o2"), "--format", "lora", "--adapter-config", str(no_dora))
+    assert_clean_failure(res, "E601", "use_dora False", "lora_magnitude_vector")
+    dora = _peft_config(tmp_path, use_dora=True)
+    res = export_cli(str(lora_ckpt), str(tmp_path / "o3"), "--format", "lora", "--adapter-config", str(dora))
+    assert_clean_failure(res, "E601", "use_dora True", "no DoRA magnitude vector")
+    assert not (tmp_path / "o2").exists() and not (tmp_path / "o3").exists()
+
+
+# ------------------------------------------------------------------------------------------ tied lm_head
+
+
+def test_a_merge_into_a_tied_lm_head_is_refused_and_exports_untied(tmp_path: Path) -> None:
+    """A tied Llama with LoRA on lm_head (target_modules includes lm_head). Before, `hf-merged` with the tied
+    config.json omitted the merged lm_head as "bitwise equal to the embedding" (the unmerged weights were compared):
+    the export lost the lm_head adapter (other logits). Now E601; with tie_word_embeddings false the merged lm_head
+    is written beside the embedding and the logits are the trained PEFT model's."""
+    import torch.distributed.checkpoint as dcp
+    from peft import LoraConfig, get_peft_model
+    from transformers import LlamaForCausalLM
+
+    hf_models._quiet()
+    torch.manual_seed(17)
+    cfg = hf_models.llama_config(tied=True)
+    LlamaForCausalLM(cfg).save_pretrained(tmp_path / "base")
+    lcfg = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "lm_head"], task_type="CAUSAL_LM")
+    model = get_peft_model(LlamaForCausalLM.from_pretrained(tmp_path / "base"), lcfg, adapter_name="sft")
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+    ids = torch.randint(0, cfg.vocab_size, (2, 12), generator=torch.Generator().manual_seed(1))
+    for _ in range(2):
+        model(ids, labels=ids).loss.backward()
+        opt.step()
+        opt.zero_grad()
+    model.eval()
+    with torch.no_grad():
+        want = model(ids).logits
+    dcp.save({"model": dict(model.state_dict())}, checkpoint_id=str(tmp_path / "ckpt"))
+    cfg.save_pretrained(tmp_path / "tied")
+    res = export_cli(
+        str(tmp_path / "ckpt"),
+        str(tmp_path / "o"),
+        "--merge-lora",
+        "--lora-alpha",
+        "8",
+        "--model-assets",
+        str(tmp_path / "tied"),
+    )
+    assert_clean_failure(res, "E601", "lm_head", "tie_word_embeddings: true")
+    assert not (tmp_path / "o").exists()
+    cfg.tie_word_embeddings = False
+    cfg.save_pretrained(tmp_path / "untied")
+    res = export_cli(
+        str(tmp_path / "ckpt"),
+        str(tmp_path / "o"),
+        "--merge-lora",
+        "--lora-alpha",
+        "8",
+        "--model-assets",
+        str(tmp_path / "untied"),
+    )
+    assert res.exit_code == 0, res.stderr
+    merged = load_hf(tmp_path / "o", LlamaForCausalLM).eval()
+    with torch.no_grad():
+        torch.testing.assert_close(merged(ids).logits, want, rtol=0, atol=1e-5)
+
+
+# ------------------------------------------------------------------------------------------ which modules PEFT adapts
+
+
+@pytest.mark.parametrize(
+    ("change", "needle"),
+    [
+        ({"layers_to_transform": [0]}, "model.layers.1.self_attn.q_proj (not matched"),
+        ({"exclude_modules": ["v_proj"]}, "model.layers.0.self_attn.v_proj (not matched"),
+        ({"exclude_modules": ".*layers\\.1\\..*"}, "model.layers.1.self_attn.q_proj (not matched"),
+        ({"layers_to_transform": [0, 1], "layers_pattern": "blocks"}, "layers_pattern 'blocks'"),
+    ],
+)
+def test_a_given_config_that_leaves_adapted_modules_out_is_refused(
+    lora_ckpt: Path,  # noqa: F811
+    tmp_path: Path,
+    change: dict[str, Any],
+    needle: str,
+) -> None:
+    """Before, only target_modules was compared with the adapted modules: a config with layers_to_transform [0],
+    exclude_modules or another layers_pattern was written, and PEFT loaded the adapter without the modules it leaves
+    out (no error; other logits) or failed (no target module found). Now E601 naming the modules and the settings."""
+    from peft import PeftModel
+    from transformers import LlamaForCausalLM
+
+    given = _peft_config(tmp_path, **change)
+    res = export_cli(str(lora_ckpt), str(tmp_path / "o"), "--format", "lora", "--adapter-config", str(given))
+    assert_clean_failure(res, "E601", "would not be loaded by PEFT", needle)
+    assert not (tmp_path / "o").exists()
+    # PEFT's own reading of the same config: the complete adapter with this config does not give the trained logits
+    res = export_cli(str(lora_ckpt), str(tmp_path / "ok"), "--format", "lora", "--lora-alpha", "8")
+    assert res.exit_code == 0, res.stderr
+    cfg = json.loads((tmp_path / "ok" / "adapter_config.json").read_text())
+    cfg.update(change)
+    (tmp_path / "ok" / "adapter_config.json").write_text(json.dumps(cfg))
+    ref = torch.load(lora_ckpt / "reference.pt", weights_only=True)
+    try:
+        model = PeftModel.from_pretrained(load_hf(lora_ckpt / "base", LlamaForCausalLM), tmp_path / "ok").eval()
+    except ValueError:  # peft.utils.error.NoMatchingPeftModuleError: no module matched at all
+        return
+    with torch.no_grad():
+        assert not torch.allclose(model(ref["ids"]).logits, ref["logits"], atol=1e-4)
+
+
+def test_all_linear_target_modules_are_taken_as_peft_takes_them(lora_ckpt: Path, tmp_path: Path) -> None:  # noqa: F811
+    """target_modules "all-linear" (PEFT's shorthand: every linear layer but the output layer) was matched as a
+    regex and refused; it matches the adapted modules now, and PEFT loads the adapter with the trained logits."""
+    from peft import PeftModel
+    from transformers import LlamaForCausalLM
+
+    given = _peft_config(tmp_path, target_modules="all-linear")
+    res = export_cli(str(lora_ckpt), str(tmp_path / "o"), "--format", "lora", "--adapter-config", str(given))
+    assert res.exit_code == 0, res.stderr
+    model = PeftModel.from_pretrained(load_hf(lora_ckpt / "base", LlamaForCausalLM), tmp_path / "o")
+    assert_same_logits(model, lora_ckpt)
+
+
+@pytest.mark.parametrize("fmt", ["lora", "hf-merged"])
+def test_lora_alpha_beside_an_alpha_pattern_is_refused(lora_ckpt: Path, tmp_path: Path, fmt: str) -> None:  # noqa: F811
+    """Before, `--lora-alpha 8` with a config whose alpha_pattern is {"v_proj": 32} gave two models: `lora` kept the
+    pattern (PEFT scales v_proj by 32/r), the merge scaled every module by 8/r. Now E100; without `--lora-alpha` the
+    merge applies the pattern as PEFT does (logits of PEFT's model over the exported adapter)."""
+    from peft import PeftModel
+    from transformers import LlamaForCausalLM
+
+    given = _peft_config(tmp_path, alpha_pattern={"v_proj": 32})
+    res = export_cli(
+        str(lora_ckpt), str(tmp_path / "o"), "--format", fmt, "--adapter-config", str(given), "--lora-alpha", "8"
+    )
+    assert_clean_failure(res, "E100", "--lora-alpha", "alpha_pattern")
+    assert not (tmp_path / "o").exists()
+    res = export_cli(str(lora_ckpt), str(tmp_path / "a"), "--format", "lora", "--adapter-config", str(given))
+    assert res.exit_code == 0, res.stderr
+    res = export_cli(
+        str(lora_ckpt),
+        str(tmp_path / "m"),
+        "--format",
+        "hf-merged",
+        "--adapter-config",
+        str(given),
+        "--model-assets",
+        str(lora_ckpt / "model_assets"),
+    )
+    assert res.exit_code == 0, res.stderr
+    ids = torch.load(lora_ckpt / "reference.pt", weights_only=True)["ids"]
+    peft = PeftModel.from_pretrained(load_hf(lora_ckpt / "base", LlamaForCausalLM), tmp_path / "a").eval()
+    merged = load_hf(tmp_path / "m", LlamaForCausalLM).eval()
+    with torch.no_grad():
+        torch.testing.assert_close(merged(ids).logits, peft(ids).logits, rtol=0, atol=1e-5)
+
+
+def test_a_merge_of_fp32_masters_is_refused_in_one_line_that_says_what_to_do(tmp_path: Path) -> None:
+    """A BF16 PEFT model trained with FP32 masters (ckpttool's FullFP32AdamW, get_state_dict). Before, `hf-merged
+    --weights auto` said "--weights master is not supported" (the user gave auto) and pointed at --help; now it says
+    the masters are not merged and how to export them. `--format lora --weights master` writes the FP32 masters."""
+    import torch.distributed.checkpoint as dcp
+    from peft import LoraConfig, get_peft_model
+    from safetensors.torch import load_file
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+    from transformers import LlamaForCausalLM
+
+    from ckpttool.optim_state import FullFP32AdamW
+
+    hf_models._quiet()
+    torch.manual_seed(19)
+    cfg = hf_models.llama_config()
+    base = LlamaForCausalLM(cfg).to(torch.bfloat16)
+    model = get_peft_model(base, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]))
+    opt = FullFP32AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+    ids = torch.randint(0, cfg.vocab_size, (2, 12), generator=torch.Generator().manual_seed(1))
+    for _ in range(2):
+        model(ids, labels=ids).loss.backward()
+        opt.step()
+        opt.zero_grad()
+    msd, osd = get_state_dict(model, opt)
+    dcp.save({"model": msd, "optimizer": osd}, checkpoint_id=str(tmp_path / "ckpt"))
+    for weights in ("auto", "master"):
+        res = export_cli(
+            str(tmp_path / "ckpt"), str(tmp_path / "o"), "--merge-lora", "--lora-alpha", "8", "--weights", weights
+        )
+        assert_clean_failure(res, "E601", "FP32 master_weight", "auto on a checkpoint that has them")
+        assert "--weights params" in res.stderr and not (tmp_path / "o").exists()
+    res = export_cli(
+        str(tmp_path / "ckpt"), str(tmp_path / "a"), "--format", "lora", "--lora-alpha", "8", "--weights", "master"
+    )
+    assert res.exit_code == 0, res.stderr
+    got = load_file(tmp_path / "a" / "adapter_model.safetensors")
+    key = "base_model.model.model.layers.0.self_attn.q_proj.lora_A.default.weight"
+    assert torch.equal(got[key.replace(".default", "")], osd["state"][key]["master_weight"])
