@@ -23,7 +23,14 @@ from ckpttool.model.schemas.base import canonical_model_key
 from ckpttool.model.wrappers import strip_wrapper_segments
 from ckpttool.ops.export.plan import ExportPlan
 
-__all__ = ["adapter_config", "check_lora_alpha", "read_adapter_config"]
+__all__ = ["INFERRED_SCALING", "adapter_config", "check_lora_alpha", "read_adapter_config"]
+
+#: The warning of a LoRA export or merge whose scaling comes from ``lora_alpha`` alone (no adapter config):
+#: rsLoRA's ``alpha / sqrt(r)`` and an ``alpha_pattern`` leave no trace in the tensors.
+INFERRED_SCALING = (
+    "no adapter config given: the LoRA scaling is `lora_alpha` / r; if training used use_rslora (alpha / sqrt(r)) "
+    "or an alpha_pattern, the adapter computes other logits: pass that run's adapter_config.json as `adapter_config`"
+)
 
 _PEFT_PREFIX = "base_model.model."
 _FACTOR_RE = re.compile(r"^(?P<module>.+)\.(?P<part>lora_A|lora_B|lora_embedding_A|lora_embedding_B)(?:\.weight)?$")
@@ -219,6 +226,7 @@ def adapter_config(
             f"{cat.path}: lora_alpha cannot be inferred from the adapter weights",
             hint="pass `lora_alpha` A (the LoraConfig lora_alpha used in training) or `adapter_config` FILE",
         )
+    plan.warnings.append(INFERRED_SCALING)
     common_r = Counter(ranks.values()).most_common(1)[0][0]
     modules = sorted(ranks)
     _check_peft_matches(modules, None)

@@ -566,3 +566,52 @@ def test_a_merge_of_fp32_masters_is_refused_in_one_line_that_says_what_to_do(tmp
     got = load_file(tmp_path / "a" / "adapter_model.safetensors")
     key = "base_model.model.model.layers.0.self_attn.q_proj.lora_A.default.weight"
     assert torch.equal(got[key.replace(".default", "")], osd["state"][key]["master_weight"])
+
+
+@pytest.mark.parametrize("fmt", ["lora", "hf-merged"])
+def test_an_rslora_run_exported_with_lora_alpha_alone_is_warned_about(tmp_path: Path, fmt: str) -> None:
+    """rsLoRA (scaling alpha / sqrt(r)) leaves no trace in the tensors: an export with `--lora-alpha` alone wrote an
+    adapter (or merge) with PEFT's alpha / r scaling and other logits, without a word. It now warns that the scaling
+    was taken from `--lora-alpha`; with the run's adapter_config.json the logits are the trained model's, no warning."""
+    import torch.distributed.checkpoint as dcp
+    from peft import LoraConfig, PeftModel, get_peft_model
+    from transformers import LlamaForCausalLM
+
+    hf_models._quiet()
+    torch.manual_seed(12)
+    cfg = hf_models.llama_config()
+    LlamaForCausalLM(cfg).save_pretrained(tmp_path / "base")
+    lcfg = LoraConfig(r=4, lora_alpha=8, use_rslora=True, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM")
+    model = get_peft_model(LlamaForCausalLM.from_pretrained(tmp_path / "base"), lcfg)
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+    ids = torch.randint(0, cfg.vocab_size, (2, 12), generator=torch.Generator().manual_seed(2))
+    for _ in range(2):
+        model(ids, labels=ids).loss.backward()
+        opt.step()
+        opt.zero_grad()
+    model.eval()
+    with torch.no_grad():
+        want = model(ids).logits
+    dcp.save({"model": dict(model.state_dict())}, checkpoint_id=str(tmp_path / "ckpt"))
+    model.save_pretrained(tmp_path / "peft")
+    assets = ("--model-assets", str(tmp_path / "base")) if fmt == "hf-merged" else ()
+
+    def logits(out: Path) -> torch.Tensor:
+        if fmt == "lora":
+            loaded = PeftModel.from_pretrained(load_hf(tmp_path / "base", LlamaForCausalLM), out)
+        else:
+            loaded = load_hf(out, LlamaForCausalLM)
+        with torch.no_grad():
+            return loaded.eval()(ids).logits
+
+    res = export_cli(str(tmp_path / "ckpt"), str(tmp_path / "alpha"), "--format", fmt, "--lora-alpha", "8", *assets)
+    assert res.exit_code == 0, res.stderr
+    assert "warning: no adapter config given: the LoRA scaling is --lora-alpha / r" in res.stderr, res.stderr
+    assert not torch.allclose(logits(tmp_path / "alpha"), want, atol=1e-3)  # what the warning is about
+    given = str(tmp_path / "peft" / "adapter_config.json")
+    res = export_cli(str(tmp_path / "ckpt"), str(tmp_path / "cfg"), "--format", fmt, "--adapter-config", given, *assets)
+    if fmt == "hf-merged" and res.exit_code != 0:  # rsLoRA merges are refused: one coded line, nothing written
+        assert_clean_failure(res, "E601", "rslora")
+        return
+    assert res.exit_code == 0 and "no adapter config given" not in res.stderr, res.stderr
+    torch.testing.assert_close(logits(tmp_path / "cfg"), want, rtol=0, atol=1e-5)

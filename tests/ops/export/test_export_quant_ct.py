@@ -28,6 +28,7 @@ from safetensors.torch import save_file
 from typer.testing import CliRunner
 
 from ckpttool.cli.app import app
+from ckpttool.ops.export.lora import INFERRED_SCALING
 from ckpttool.ops.export.quantize import MAX_BLOCK_REL_ERROR
 from tests.fixtures import hf_models
 from tests.ops.export.test_export_consumers import lora_ckpt, qwen_ckpt, qwen_legacy_ckpt  # noqa: F401  (session fixtures)
@@ -336,7 +337,7 @@ def test_lora_merged_then_quantized(lora_ckpt: Path, tmp_path: Path) -> None:  #
 
     out = tmp_path / "mq"
     r = _export(lora_ckpt, out, "--merge-lora", "--lora-alpha", str(hf_models.LORA_ALPHA), "--quantize", "fp8-block")
-    assert r["quantization"]["quantized"] == 14 and r["warnings"] == []
+    assert r["quantization"]["quantized"] == 14 and r["warnings"] == [INFERRED_SCALING]  # alpha given, no config
     _export(lora_ckpt, tmp_path / "adapter", "--format", "lora", "--lora-alpha", str(hf_models.LORA_ALPHA))
     base = load_hf(lora_ckpt / "base", LlamaForCausalLM)
     base_q = base.state_dict()["model.layers.0.self_attn.q_proj.weight"].clone()  # merge_and_unload merges in place

@@ -223,9 +223,12 @@ def lora_merges(
         ExportError: unknown alpha, DoRA / rsLoRA, factor shapes that do not fit the weight.
     """
     from ckpttool.ops.export.execute import _read_whole
+    from ckpttool.ops.export.lora import INFERRED_SCALING
     from ckpttool.ops.export.merge import LoraMerge, lora_scaling
 
     out: dict[str, SlabTransform] = {}
+    if config is None and any(t.selected.merge is not None for t in plan.tasks):
+        plan.warnings.append(INFERRED_SCALING)
     for t in plan.tasks:
         pair = t.selected.merge
         if pair is None:
