@@ -32,10 +32,17 @@ __all__ = [
 
 
 def missing_path_hint(path: Path, what: str) -> str:
-    """A hint for a path that does not exist: the directories beside it with a close name (a typo), else
-    the nearest folder above it that exists and a few of its subdirectories; ``pass {what}`` when neither helps."""
+    """A hint for a path that does not exist: a symbolic link that leads nowhere said to be one; the directories
+    beside it with a close name (a typo), else the nearest folder above it that exists and a few of its
+    subdirectories; ``pass {what}`` when neither helps."""
     import difflib
 
+    if os.path.islink(path):  # a link that leads nowhere: dangling, or a loop (a -> b -> a)
+        try:
+            target = os.readlink(path)
+        except OSError:
+            target = "?"
+        return f"{path} is a symbolic link to {target} that leads to nothing (dangling, or a loop): pass {what} itself"
     missing, parent, tail = path.name, path.parent, Path()
     while not parent.is_dir() and parent != parent.parent:
         missing, parent, tail = parent.name, parent.parent, Path(missing) / tail

@@ -637,7 +637,7 @@ def _check_import_options(hf_dir: str | os.PathLike[str], opts: ImportOptions) -
     check_output_ranks(opts.world_size, f"`world_size` {opts.world_size}", "world_size")
     src_dir = Path(hf_dir)
     if not src_dir.is_dir():
-        if os.path.lexists(src_dir):
+        if src_dir.exists():  # (a link that leads nowhere lexists: it is "no such directory" below, said to be a link)
             raise UsageError(
                 f"{src_dir}: not a directory",
                 path=src_dir,

@@ -677,3 +677,24 @@ def test_an_output_that_is_a_symlink_loop_is_one_coded_line(dense_ckpt: Path, tm
     err, hint = res.stderr.splitlines()
     assert err == f"error: [E100] {tmp_path / 'a'}: a symbolic link loop (a link that leads back to itself)", err
     assert hint.startswith("hint: ") and sorted(os.listdir(tmp_path)) == ["a", "b"]
+
+
+@pytest.mark.parametrize("kind", ["loop", "dangling"])
+@pytest.mark.parametrize("command", ["inspect", "validate", "stats", "import"])
+def test_a_checkpoint_path_that_is_a_link_to_nothing_says_so(command: str, kind: str, tmp_path: Path) -> None:
+    """``stats loop/a`` (a -> b -> a) or a dangling link said only "no such directory" (import: "not a directory,
+    pass the folder, not a file in it") beside a hint about other folders, though the path is right there in
+    ``ls``; the hint now says it is a symbolic link leading to nothing, and where it points."""
+    if kind == "loop":
+        (tmp_path / "a").symlink_to("b")
+        (tmp_path / "b").symlink_to("a")
+    else:
+        (tmp_path / "a").symlink_to("gone")
+    argv = [command, str(tmp_path / "a")] + ([str(tmp_path / "out")] if command == "import" else [])
+    res = runner.invoke(app, argv)
+    assert res.exit_code == 2 and res.stdout == "", res.stderr
+    err, hint = res.stderr.splitlines()
+    assert err == f"error: [E100] {tmp_path / 'a'}: no such directory", err
+    target = "b" if kind == "loop" else "gone"
+    assert hint.startswith(f"hint: {tmp_path / 'a'} is a symbolic link to {target} that leads to nothing"), hint
+    assert not (tmp_path / "out").exists()
