@@ -160,15 +160,21 @@ def parse_storage_options(pairs: Iterable[str]) -> dict[str, Any]:
     return out
 
 
+#: Option keys whose values name a place, not a secret: shown in messages (a wrong endpoint must be seen) unless the
+#: value carries ``user:password@``.
+_SHOWN_OPTIONS = frozenset({"endpoint_url", "region_name"})
+
+
 def redact(text: str, options: Mapping[str, Any] | None = None) -> str:
-    """``text`` with every string value of ``options`` (secrets) replaced by ``***``."""
+    """``text`` with every string value of ``options`` (secrets) replaced by ``***``, but for an ``endpoint_url`` or
+    ``region_name`` without ``@`` in it (:data:`_SHOWN_OPTIONS`)."""
     values: list[str] = []
 
-    def walk(o: Any) -> None:
+    def walk(o: Any, key: str = "") -> None:
         if isinstance(o, Mapping):
-            for v in o.values():
-                walk(v)
-        elif isinstance(o, str) and len(o) >= 4:
+            for k, v in o.items():
+                walk(v, str(k))
+        elif isinstance(o, str) and len(o) >= 4 and not (key in _SHOWN_OPTIONS and "@" not in o):
             values.append(o)
 
     walk(options if options is not None else _SETTING.value.options)

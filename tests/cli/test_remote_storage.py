@@ -87,6 +87,10 @@ def test_storage_options_nest_and_convert_and_are_redacted() -> None:
     )
     assert opts == {"anon": False, "client_kwargs": {"endpoint_url": "http://h:1"}, "retries": 3, "secret": "abcd1234"}
     assert "abcd1234" not in redact("signature abcd1234 failed", opts)
+    # an endpoint names a place (shown, so a wrong one can be seen), unless it carries credentials
+    assert redact("cannot reach http://h:1/bkt", opts) == "cannot reach http://h:1/bkt"
+    with_user = {"client_kwargs": {"endpoint_url": "http://u:pw12@h:1"}}
+    assert redact("cannot reach http://u:pw12@h:1/bkt", with_user) == "cannot reach ***/bkt"
     with pytest.raises(RemoteStorageError):
         parse_storage_options(["novalue"])
 
@@ -237,6 +241,7 @@ def test_secrets_never_in_logs_or_errors(sample_ckpt: Path, s3_server: Any, tmp_
     assert ok.exit_code == 0, ok.output
     bad = cli(s3_server, "-vv", "--remote-retries", "1", "inspect", url, endpoint="http://127.0.0.1:9")
     assert bad.exit_code == 2 and "[E14" in bad.output
+    assert "127.0.0.1:9" in bad.output, bad.output  # the endpoint that failed is named (not a secret)
     for r in (ok, bad):
         assert s3fx.SECRET not in r.output
         assert s3fx.SECRET not in (r.stderr or "")
