@@ -118,3 +118,12 @@ def test_import_of_the_hub_repository_folder_names_its_snapshot(hf_dirs: Path, t
     out = cli("import", str(repo), str(tmp_path / "dcp"), code=2)
     assert "[E200]" in out and f"pass its snapshot, {snap}" in out.replace("\n", ""), out
     assert not (tmp_path / "dcp").exists()
+
+
+def test_import_of_the_hub_cache_root_names_a_models_snapshot(hf_dirs: Path, tmp_path: Path) -> None:
+    snap = hub_snapshot(hf_dirs / "llama", tmp_path / "hub")
+    out = cli("import", str(tmp_path / "hub"), str(tmp_path / "dcp"), code=2)
+    assert "[E200]" in out and f"a Hugging Face hub cache: pass the snapshot of one model, {snap}" in out.replace(
+        "\n", ""
+    ), out
+    assert not (tmp_path / "dcp").exists()
