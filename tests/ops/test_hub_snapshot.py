@@ -127,3 +127,17 @@ def test_import_of_the_hub_cache_root_names_a_models_snapshot(hf_dirs: Path, tmp
         "\n", ""
     ), out
     assert not (tmp_path / "dcp").exists()
+
+
+@pytest.mark.parametrize("given", ["repo", "cache"])
+def test_export_model_assets_of_a_hub_folder_above_the_snapshot_is_refused(
+    hf_dirs: Path, tmp_path: Path, given: str
+) -> None:
+    """The files are in the snapshot: the repository folder holds none, so the export would have no config.json
+    (a note once advised copying one into the hub cache)."""
+    snap = hub_snapshot(hf_dirs / "llama", tmp_path / "hub")
+    cli("import", str(snap), str(tmp_path / "dcp"))
+    assets = snap.parent.parent if given == "repo" else tmp_path / "hub"
+    out = cli("export", str(tmp_path / "dcp"), str(tmp_path / "hf"), "--model-assets", str(assets), code=2)
+    assert "--model-assets holds no config.json" in out and str(snap) in out.replace("\n", ""), out
+    assert not (tmp_path / "hf").exists()
