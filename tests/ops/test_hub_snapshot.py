@@ -141,3 +141,14 @@ def test_export_model_assets_of_a_hub_folder_above_the_snapshot_is_refused(
     out = cli("export", str(tmp_path / "dcp"), str(tmp_path / "hf"), "--model-assets", str(assets), code=2)
     assert "--model-assets holds no config.json" in out and str(snap) in out.replace("\n", ""), out
     assert not (tmp_path / "hf").exists()
+
+
+@pytest.mark.parametrize("option", ["--against", "--config"])
+def test_validate_reference_of_a_hub_repository_folder_names_its_snapshot(
+    hf_dirs: Path, tmp_path: Path, option: str
+) -> None:
+    snap = hub_snapshot(hf_dirs / "llama", tmp_path / "hub")
+    cli("import", str(snap), str(tmp_path / "dcp"))
+    out = cli("validate", "--strict", str(tmp_path / "dcp"), option, str(snap.parent.parent), code=2)
+    assert "[E100]" in out and f"pass its snapshot, {snap}" in out.replace("\n", ""), out
+    assert "OK:" in cli("validate", "--strict", str(tmp_path / "dcp"), option, str(snap))

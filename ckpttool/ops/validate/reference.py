@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from ckpttool.errors import CkptError, PathEscapeError, UsageError
-from ckpttool.format.files import read_regular, resolve_inside
+from ckpttool.format.files import hub_hint, read_regular, resolve_inside
 from ckpttool.format.jsonfile import DuplicateKeyError, json_error, parse_json
 from ckpttool.format.limits import current
 from ckpttool.format.safetensors import SAFETENSORS_TAGS, HeaderError, read_header
@@ -51,11 +51,11 @@ class Reference:
     config_problem: str | None = None
 
 
-def _bad(p: Path, why: str) -> UsageError:
+def _bad(p: Path, why: str, hint: str | None = None) -> UsageError:
     return UsageError(
         f"`against` {p}: {why}",
         path=p,
-        hint="pass an HF model directory (safetensors + index), a .safetensors file or a JSON key list",
+        hint=hint or "pass an HF model directory (safetensors + index), a .safetensors file or a JSON key list",
     )
 
 
@@ -205,7 +205,7 @@ def _load(p: Path) -> Reference:
                     f"of it (`ckpttool export {p} OUT`)",
                 )
             if not files:
-                raise _bad(p, "directory holds no model.safetensors.index.json and no *.safetensors")
+                raise _bad(p, "directory holds no model.safetensors.index.json and no *.safetensors", hub_hint(p))
             tensors = {}
             for f in files:
                 tensors.update(_safetensors_header(resolve_inside(p, f.name, what="reference file")))
