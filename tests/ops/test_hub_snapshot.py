@@ -152,3 +152,22 @@ def test_validate_reference_of_a_hub_repository_folder_names_its_snapshot(
     out = cli("validate", "--strict", str(tmp_path / "dcp"), option, str(snap.parent.parent), code=2)
     assert "[E100]" in out and f"pass its snapshot, {snap}" in out.replace("\n", ""), out
     assert "OK:" in cli("validate", "--strict", str(tmp_path / "dcp"), option, str(snap))
+
+
+def test_export_with_a_hub_snapshot_as_assets_never_advises_writing_into_the_cache(
+    hf_dirs: Path, tmp_path: Path
+) -> None:
+    """The tokenizer note once ended 'copy the tokenizer of the base model into it': into the snapshot, a folder
+    huggingface_hub manages. The files belong in the export."""
+    src = tmp_path / "notok"
+    shutil.copytree(hf_dirs / "llama", src)
+    for f in src.iterdir():
+        if f.name.startswith(("tokenizer", "special_tokens", "vocab", "merges")):
+            f.unlink()
+    snap = hub_snapshot(src, tmp_path / "hub")
+    cli("import", str(snap), str(tmp_path / "dcp"))
+    res = runner.invoke(app, ["export", str(tmp_path / "dcp"), str(tmp_path / "hf"), "--model-assets", str(snap)])
+    assert res.exit_code == 0, res.output
+    note = " ".join(res.stderr.split())
+    assert "holds no tokenizer files" in note and "copy the base model's tokenizer files into the export" in note, note
+    assert "into it" not in note
