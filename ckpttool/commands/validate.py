@@ -291,7 +291,8 @@ def validate_command(
             _write_junit(junit_file, res, sources)
         Output(json_output).result(res, _render)
         # an OK against another step's export is no claim of equal weights
-        if against is not None and res.exit_code != 2:
+        compared = any(s.rule.code in ("M005", "M006", "M007", "M008") and s.status != "skipped" for s in res.rules)
+        if against is not None and res.exit_code != 2 and compared:
             Output(json_output).note(
                 f"--against compared names, shapes and dtypes, not values: `ckpttool diff {checkpoint} {against}` "
                 "compares the values"

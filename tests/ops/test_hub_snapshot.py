@@ -171,3 +171,17 @@ def test_export_with_a_hub_snapshot_as_assets_never_advises_writing_into_the_cac
     note = " ".join(res.stderr.split())
     assert "holds no tokenizer files" in note and "copy the base model's tokenizer files into the export" in note, note
     assert "into it" not in note
+
+
+def test_validate_against_of_a_torchtitan_import_is_skipped_not_failed(hf_dirs: Path, tmp_path: Path) -> None:
+    """`import --schema torchtitan` writes torchtitan names; `--against` the HF model it came from compared them as HF
+    names: 'FAILED', every tensor missing (M005) and every key unexpected (M006), the hint 'the save dropped it'.
+    diff (through the adapter) is the reference: it finds the two equal."""
+    src = hf_dirs / "llama"
+    cli("import", str(src), str(tmp_path / "titan"), "--schema", "torchtitan")
+    assert "equal" in cli("diff", str(tmp_path / "titan"), str(src))
+    res = runner.invoke(app, ["validate", "--strict", str(tmp_path / "titan"), "--against", str(src)])
+    assert res.exit_code == 0, res.output
+    out = " ".join(res.stdout.split())
+    assert "OK:" in out and "model keys are torchtitan-llama3 names" in out and "M005" not in out, out
+    assert "compared names, shapes and dtypes" not in res.stderr  # nothing was compared
