@@ -93,6 +93,11 @@ def hub_hint(directory: Path) -> str | None:
     snapshot = hub_snapshot(directory)
     if snapshot is not None:
         return f"a Hugging Face hub repository folder: pass its snapshot, {snapshot}"
+    if directory.name.startswith(_HUB_REPOS) and (directory / "snapshots").is_dir():  # no refs/main to choose by
+        revs = sorted(str(d) for d in (directory / "snapshots").iterdir() if d.is_dir())
+        if revs:
+            more = f", ... ({len(revs)} in all)" if len(revs) > 3 else ""
+            return f"a Hugging Face hub repository folder: pass one of its snapshots, {', '.join(revs[:3])}{more}"
     try:
         repos = sorted(e.name for e in os.scandir(directory) if e.is_dir() and e.name.startswith(_HUB_REPOS[0]))
     except OSError:

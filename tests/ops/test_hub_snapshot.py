@@ -185,3 +185,14 @@ def test_validate_against_of_a_torchtitan_import_is_skipped_not_failed(hf_dirs: 
     out = " ".join(res.stdout.split())
     assert "OK:" in out and "model keys are torchtitan-llama3 names" in out and "M005" not in out, out
     assert "compared names, shapes and dtypes" not in res.stderr  # nothing was compared
+
+
+def test_import_of_a_hub_repository_folder_without_refs_main_lists_its_snapshots(hf_dirs: Path, tmp_path: Path) -> None:
+    snap = hub_snapshot(hf_dirs / "llama", tmp_path / "hub")
+    other = snap.parent / ("f" * 40)
+    other.mkdir()
+    repo = snap.parent.parent
+    (repo / "refs" / "main").unlink()  # a download by revision only: no refs/main says which snapshot
+    out = " ".join(cli("import", str(repo), str(tmp_path / "dcp"), code=2).split())
+    want = f"pass one of its snapshots, {snap}, {other}".replace(" ", "")
+    assert "[E200]" in out and want in out.replace(" ", ""), out
