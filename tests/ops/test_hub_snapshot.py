@@ -196,3 +196,25 @@ def test_import_of_a_hub_repository_folder_without_refs_main_lists_its_snapshots
     out = " ".join(cli("import", str(repo), str(tmp_path / "dcp"), code=2).split())
     want = f"pass one of its snapshots, {snap}, {other}".replace(" ", "")
     assert "[E200]" in out and want in out.replace(" ", ""), out
+
+
+def test_validate_against_a_sharded_hub_snapshot_compares_shapes_and_dtypes(hf_dirs: Path, tmp_path: Path) -> None:
+    """The snapshot's index resolves into blobs/: its shards were looked for there, not found, and M007/M008 were
+    skipped ('gives no shapes') while the note said shapes and dtypes were compared (safetensors' own reader
+    finds the shards' shapes)."""
+    from safetensors import safe_open
+
+    src = hf_dirs / "llama"
+    assert (src / "model.safetensors.index.json").is_file()  # sharded: the index names its shards
+    snap = hub_snapshot(src, tmp_path / "hub")
+    shapes = {}
+    for f in sorted(snap.glob("*.safetensors")):
+        with safe_open(str(f), "pt") as h:
+            shapes.update({k: h.get_slice(k).get_shape() for k in h.keys()})
+    cli("import", str(src), str(tmp_path / "dcp"))
+    res = runner.invoke(app, ["validate", "--strict", str(tmp_path / "dcp"), "--against", str(snap), "--json"])
+    assert res.exit_code == 0, res.output
+    doc = json.loads(res.stdout)
+    status = {r["code"]: r["status"] for r in doc["rules"]}
+    assert status["M007"] == "passed" and status["M008"] == "passed", doc["rules"]
+    assert len(shapes) > 0
