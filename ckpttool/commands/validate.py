@@ -322,11 +322,16 @@ def _junit_target(
 def _note_against(res: ValidationResult, checkpoint: PurePath, against: Path | None, json_output: bool) -> None:
     """An OK against another step's export is no claim of equal weights: say so, where ``--against`` compared
     anything (its rules are skipped for a checkpoint of a model adapter's names)."""
-    compared = any(s.rule.code in ("M005", "M006", "M007", "M008") and s.status != "skipped" for s in res.rules)
-    if against is not None and res.exit_code != 2 and compared:
+    ran = {s.rule.code for s in res.rules if s.status != "skipped"}
+    what = [
+        w
+        for codes, w in ((("M005", "M006"), "names"), (("M007",), "shapes"), (("M008",), "dtypes"))
+        if ran & set(codes)
+    ]
+    if against is not None and res.exit_code != 2 and what:
+        listed = what[0] if len(what) == 1 else f"{', '.join(what[:-1])} and {what[-1]}"
         Output(json_output).note(
-            f"--against compared names, shapes and dtypes, not values: `ckpttool diff {checkpoint} {against}` "
-            "compares the values"
+            f"--against compared {listed}, not values: `ckpttool diff {checkpoint} {against}` compares the values"
         )
 
 

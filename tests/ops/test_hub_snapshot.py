@@ -218,3 +218,18 @@ def test_validate_against_a_sharded_hub_snapshot_compares_shapes_and_dtypes(hf_d
     status = {r["code"]: r["status"] for r in doc["rules"]}
     assert status["M007"] == "passed" and status["M008"] == "passed", doc["rules"]
     assert len(shapes) > 0
+
+
+def test_validate_against_a_key_list_says_it_compared_names_only(hf_dirs: Path, tmp_path: Path) -> None:
+    """A key list gives no shapes or dtypes (M007/M008 skipped): the note once said 'compared names, shapes and
+    dtypes'."""
+    src = hf_dirs / "llama"
+    cli("import", str(src), str(tmp_path / "dcp"))
+    keys = tmp_path / "keys.json"
+    keys.write_text(json.dumps(sorted(json.loads((src / "model.safetensors.index.json").read_text())["weight_map"])))
+    res = runner.invoke(app, ["validate", "--strict", str(tmp_path / "dcp"), "--against", str(keys)])
+    assert res.exit_code == 0, res.output
+    note = " ".join(res.stderr.split())
+    assert "--against compared names, not values" in note, note
+    res = runner.invoke(app, ["validate", "--strict", str(tmp_path / "dcp"), "--against", str(src)])
+    assert "--against compared names, shapes and dtypes, not values" in " ".join(res.stderr.split())
