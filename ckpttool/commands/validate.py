@@ -290,12 +290,7 @@ def validate_command(
         if junit_file is not None:
             _write_junit(junit_file, res, sources)
         Output(json_output).result(res, _render)
-        # an OK against another step's export is no claim of equal weights
-        if against is not None and res.exit_code != 2:
-            Output(json_output).note(
-                f"--against compared names, shapes and dtypes, not values: `ckpttool diff {checkpoint} {against}` "
-                "compares the values"
-            )
+        _note_against(res, checkpoint, against, json_output)
 
     # --deep: phases named on stderr (opening, planning the deep pass, ...); the byte bar of the reading from its total on
     enabled = deep and not json_output and sys.stderr.isatty()
@@ -322,6 +317,22 @@ def _junit_target(
         return None, ()
     junit_file = _junit_file(junit)
     return junit_file, _check_junit_path(junit_file, checkpoint, sel, against)
+
+
+def _note_against(res: ValidationResult, checkpoint: PurePath, against: Path | None, json_output: bool) -> None:
+    """An OK against another step's export is no claim of equal weights: say so, where ``--against`` compared
+    anything (its rules are skipped for a checkpoint of a model adapter's names)."""
+    ran = {s.rule.code for s in res.rules if s.status != "skipped"}
+    what = [
+        w
+        for codes, w in ((("M005", "M006"), "names"), (("M007",), "shapes"), (("M008",), "dtypes"))
+        if ran & set(codes)
+    ]
+    if against is not None and res.exit_code != 2 and what:
+        listed = what[0] if len(what) == 1 else f"{', '.join(what[:-1])} and {what[-1]}"
+        Output(json_output).note(
+            f"--against compared {listed}, not values: `ckpttool diff {checkpoint} {against}` compares the values"
+        )
 
 
 def _note_unused_workers(workers: int | None, deep: bool, json_output: bool) -> None:

@@ -24,6 +24,7 @@ __all__ = [
     "confined",
     "hub_blobs",
     "hub_snapshot",
+    "hub_hint",
     "open_regular",
     "read_regular",
     "copy_regular",
@@ -90,6 +91,29 @@ def hub_snapshot(repo: Path) -> Path | None:
         return repo / "snapshots" / rev
     revs = [d for d in (repo / "snapshots").iterdir() if d.is_dir()]
     return revs[0] if len(revs) == 1 else None
+
+
+def hub_hint(directory: Path) -> str | None:
+    """A hint for a Hugging Face hub repository folder (``models--ORG--NAME``) or a hub cache root (the folder
+    holding them) given where a model folder is wanted: the snapshot to pass (:func:`hub_snapshot`); ``None``
+    when ``directory`` is neither (or no snapshot of it is clear)."""
+    snapshot = hub_snapshot(directory)
+    if snapshot is not None:
+        return f"a Hugging Face hub repository folder: pass its snapshot, {snapshot}"
+    if directory.name.startswith(_HUB_REPOS) and (directory / "snapshots").is_dir():  # no refs/main to choose by
+        revs = sorted(str(d) for d in (directory / "snapshots").iterdir() if d.is_dir())
+        if revs:
+            more = f", ... ({len(revs)} in all)" if len(revs) > 3 else ""
+            return f"a Hugging Face hub repository folder: pass one of its snapshots, {', '.join(revs[:3])}{more}"
+    try:
+        repos = sorted(e.name for e in os.scandir(directory) if e.is_dir() and e.name.startswith(_HUB_REPOS[0]))
+    except OSError:
+        return None
+    snapshots = [s for s in (hub_snapshot(directory / r) for r in repos) if s is not None]
+    if not snapshots:
+        return None
+    more = f", ... ({len(snapshots)} in all)" if len(snapshots) > 3 else ""
+    return f"a Hugging Face hub cache: pass the snapshot of one model, {', '.join(map(str, snapshots[:3]))}{more}"
 
 
 def confined(target: Path, root: Path) -> bool:

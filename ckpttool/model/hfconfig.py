@@ -89,10 +89,11 @@ def read_hf_config(path: str | os.PathLike[str], *, param: str = "config") -> di
         NotRegularFileError, SizeLimitError, JsonDepthError, IntegerRangeError: a FIFO or device,
             too large, nested too deeply, an impossible number.
     """
-    from ckpttool.format.files import read_regular, resolve_inside
+    from ckpttool.format.files import hub_hint, read_regular, resolve_inside
     from ckpttool.format.jsonfile import parse_json
 
     p = Path(path)
+    hub = hub_hint(p) if p.is_dir() else None  # a hub repository folder or cache: config.json is in a snapshot
     if p.is_dir():
         try:
             p = resolve_inside(p, "config.json", what=f"`{param}` file")
@@ -108,7 +109,7 @@ def read_hf_config(path: str | os.PathLike[str], *, param: str = "config") -> di
             f"`{param}` {p}: cannot read ({e.strerror})",
             path=p,
             param=param,
-            hint="pass the model's config.json (or the directory holding it)",
+            hint=hub or "pass the model's config.json (or the directory holding it)",
         ) from e
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise UsageError(

@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ckpttool.errors import ExportError, MetadataError, ModelMismatchError, UsageError
-from ckpttool.format.files import hub_snapshot, missing_path_hint, open_regular, resolve_inside
+from ckpttool.format.files import hub_hint, missing_path_hint, open_regular, resolve_inside
 from ckpttool.format.hf_storage import (
     ADAPTER_PREFIX,
     hf_storage_files,
@@ -650,15 +650,15 @@ def _check_import_options(hf_dir: str | os.PathLike[str], opts: ImportOptions) -
         )
     if not hf_storage_files(src_dir):
         pickled = sorted(n for n in os.listdir(src_dir) if n.endswith((".bin", ".pt", ".pth")))
-        snapshot = hub_snapshot(src_dir)
+        hub = hub_hint(src_dir)
         raise MetadataError(
             f"{src_dir}: no .metadata and no .safetensors files",
             path=src_dir,
             hint=f"import reads safetensors files only ({pickled[0]} is a torch.save file): load the model with "
             "transformers and save it again with save_pretrained (it writes safetensors), then import that"
             if pickled
-            else f"a Hugging Face hub repository folder: pass its snapshot, {snapshot}"
-            if snapshot is not None
+            else hub
+            if hub is not None
             else "pass the Hugging Face model directory, the one holding model*.safetensors and config.json",
         )
     return src_dir

@@ -118,3 +118,118 @@ def test_import_of_the_hub_repository_folder_names_its_snapshot(hf_dirs: Path, t
     out = cli("import", str(repo), str(tmp_path / "dcp"), code=2)
     assert "[E200]" in out and f"pass its snapshot, {snap}" in out.replace("\n", ""), out
     assert not (tmp_path / "dcp").exists()
+
+
+def test_import_of_the_hub_cache_root_names_a_models_snapshot(hf_dirs: Path, tmp_path: Path) -> None:
+    snap = hub_snapshot(hf_dirs / "llama", tmp_path / "hub")
+    out = cli("import", str(tmp_path / "hub"), str(tmp_path / "dcp"), code=2)
+    assert "[E200]" in out and f"a Hugging Face hub cache: pass the snapshot of one model, {snap}" in out.replace(
+        "\n", ""
+    ), out
+    assert not (tmp_path / "dcp").exists()
+
+
+@pytest.mark.parametrize("given", ["repo", "cache"])
+def test_export_model_assets_of_a_hub_folder_above_the_snapshot_is_refused(
+    hf_dirs: Path, tmp_path: Path, given: str
+) -> None:
+    """The files are in the snapshot: the repository folder holds none, so the export would have no config.json
+    (a note once advised copying one into the hub cache)."""
+    snap = hub_snapshot(hf_dirs / "llama", tmp_path / "hub")
+    cli("import", str(snap), str(tmp_path / "dcp"))
+    assets = snap.parent.parent if given == "repo" else tmp_path / "hub"
+    out = cli("export", str(tmp_path / "dcp"), str(tmp_path / "hf"), "--model-assets", str(assets), code=2)
+    assert "--model-assets holds no config.json" in out and str(snap) in out.replace("\n", ""), out
+    assert not (tmp_path / "hf").exists()
+
+
+@pytest.mark.parametrize("option", ["--against", "--config"])
+def test_validate_reference_of_a_hub_repository_folder_names_its_snapshot(
+    hf_dirs: Path, tmp_path: Path, option: str
+) -> None:
+    snap = hub_snapshot(hf_dirs / "llama", tmp_path / "hub")
+    cli("import", str(snap), str(tmp_path / "dcp"))
+    out = cli("validate", "--strict", str(tmp_path / "dcp"), option, str(snap.parent.parent), code=2)
+    assert "[E100]" in out and f"pass its snapshot, {snap}" in out.replace("\n", ""), out
+    assert "OK:" in cli("validate", "--strict", str(tmp_path / "dcp"), option, str(snap))
+
+
+def test_export_with_a_hub_snapshot_as_assets_never_advises_writing_into_the_cache(
+    hf_dirs: Path, tmp_path: Path
+) -> None:
+    """The tokenizer note once ended 'copy the tokenizer of the base model into it': into the snapshot, a folder
+    huggingface_hub manages. The files belong in the export."""
+    src = tmp_path / "notok"
+    shutil.copytree(hf_dirs / "llama", src)
+    for f in src.iterdir():
+        if f.name.startswith(("tokenizer", "special_tokens", "vocab", "merges")):
+            f.unlink()
+    snap = hub_snapshot(src, tmp_path / "hub")
+    cli("import", str(snap), str(tmp_path / "dcp"))
+    res = runner.invoke(app, ["export", str(tmp_path / "dcp"), str(tmp_path / "hf"), "--model-assets", str(snap)])
+    assert res.exit_code == 0, res.output
+    note = " ".join(res.stderr.split())
+    assert "holds no tokenizer files" in note and "copy the base model's tokenizer files into the export" in note, note
+    assert "into it" not in note
+
+
+def test_validate_against_of_a_torchtitan_import_is_skipped_not_failed(hf_dirs: Path, tmp_path: Path) -> None:
+    """`import --schema torchtitan` writes torchtitan names; `--against` the HF model it came from compared them as HF
+    names: 'FAILED', every tensor missing (M005) and every key unexpected (M006), the hint 'the save dropped it'.
+    diff (through the adapter) is the reference: it finds the two equal."""
+    src = hf_dirs / "llama"
+    cli("import", str(src), str(tmp_path / "titan"), "--schema", "torchtitan")
+    assert "equal" in cli("diff", str(tmp_path / "titan"), str(src))
+    res = runner.invoke(app, ["validate", "--strict", str(tmp_path / "titan"), "--against", str(src)])
+    assert res.exit_code == 0, res.output
+    out = " ".join(res.stdout.split())
+    assert "OK:" in out and "model keys are torchtitan-llama3 names" in out and "M005" not in out, out
+    assert "compared names, shapes and dtypes" not in res.stderr  # nothing was compared
+
+
+def test_import_of_a_hub_repository_folder_without_refs_main_lists_its_snapshots(hf_dirs: Path, tmp_path: Path) -> None:
+    snap = hub_snapshot(hf_dirs / "llama", tmp_path / "hub")
+    other = snap.parent / ("f" * 40)
+    other.mkdir()
+    repo = snap.parent.parent
+    (repo / "refs" / "main").unlink()  # a download by revision only: no refs/main says which snapshot
+    out = " ".join(cli("import", str(repo), str(tmp_path / "dcp"), code=2).split())
+    want = f"pass one of its snapshots, {snap}, {other}".replace(" ", "")
+    assert "[E200]" in out and want in out.replace(" ", ""), out
+
+
+def test_validate_against_a_sharded_hub_snapshot_compares_shapes_and_dtypes(hf_dirs: Path, tmp_path: Path) -> None:
+    """The snapshot's index resolves into blobs/: its shards were looked for there, not found, and M007/M008 were
+    skipped ('gives no shapes') while the note said shapes and dtypes were compared (safetensors' own reader
+    finds the shards' shapes)."""
+    from safetensors import safe_open
+
+    src = hf_dirs / "llama"
+    assert (src / "model.safetensors.index.json").is_file()  # sharded: the index names its shards
+    snap = hub_snapshot(src, tmp_path / "hub")
+    shapes = {}
+    for f in sorted(snap.glob("*.safetensors")):
+        with safe_open(str(f), "pt") as h:
+            shapes.update({k: h.get_slice(k).get_shape() for k in h.keys()})
+    cli("import", str(src), str(tmp_path / "dcp"))
+    res = runner.invoke(app, ["validate", "--strict", str(tmp_path / "dcp"), "--against", str(snap), "--json"])
+    assert res.exit_code == 0, res.output
+    doc = json.loads(res.stdout)
+    status = {r["code"]: r["status"] for r in doc["rules"]}
+    assert status["M007"] == "passed" and status["M008"] == "passed", doc["rules"]
+    assert len(shapes) > 0
+
+
+def test_validate_against_a_key_list_says_it_compared_names_only(hf_dirs: Path, tmp_path: Path) -> None:
+    """A key list gives no shapes or dtypes (M007/M008 skipped): the note once said 'compared names, shapes and
+    dtypes'."""
+    src = hf_dirs / "llama"
+    cli("import", str(src), str(tmp_path / "dcp"))
+    keys = tmp_path / "keys.json"
+    keys.write_text(json.dumps(sorted(json.loads((src / "model.safetensors.index.json").read_text())["weight_map"])))
+    res = runner.invoke(app, ["validate", "--strict", str(tmp_path / "dcp"), "--against", str(keys)])
+    assert res.exit_code == 0, res.output
+    note = " ".join(res.stderr.split())
+    assert "--against compared names, not values" in note, note
+    res = runner.invoke(app, ["validate", "--strict", str(tmp_path / "dcp"), "--against", str(src)])
+    assert "--against compared names, shapes and dtypes, not values" in " ".join(res.stderr.split())

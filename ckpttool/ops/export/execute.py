@@ -37,7 +37,7 @@ from ckpttool.errors import (
 )
 from ckpttool.format import limits
 from ckpttool.format.atomic import signals_deferred
-from ckpttool.format.files import copy_regular, read_regular, resolve_inside
+from ckpttool.format.files import copy_regular, hub_hint, read_regular, resolve_inside
 from ckpttool.format.jsonview import JsonView, json_counted
 from ckpttool.format.metadata import DTYPE_ITEMSIZE, ChunkMeta, TensorMeta
 from ckpttool.format.outputs import check_target, output_location
@@ -228,6 +228,11 @@ def _read_model_config(assets: Path | None) -> dict[str, Any] | None:
             hint="pass the directory holding config.json and the tokenizer files",
         )
     if not (assets / "config.json").exists():
+        hub = hub_hint(assets)
+        if hub is not None:  # the files are in its snapshot: exporting without them would drop config.json silently
+            raise UsageError(
+                f"{assets}: `model_assets` holds no config.json", path=assets, param="model_assets", hint=hub
+            )
         return None
     return read_hf_config(resolve_inside(assets, "config.json", what="`model_assets` file"), param="model_assets")
 

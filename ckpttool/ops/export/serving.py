@@ -163,5 +163,5 @@ def tokenizer_note(asset_names: Iterable[str], assets_dir: str) -> str | None:
         return None
     return (
         f"{assets_dir} holds no tokenizer files ({', '.join(TOKENIZER_FILES[:3])}, ...): the export loads with "
-        "from_pretrained but AutoTokenizer cannot; copy the tokenizer of the base model into it"
+        "from_pretrained but AutoTokenizer cannot; copy the base model's tokenizer files into the export"
     )

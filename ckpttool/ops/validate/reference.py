@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from ckpttool.errors import CkptError, PathEscapeError, UsageError
-from ckpttool.format.files import read_regular, resolve_inside
+from ckpttool.format.files import hub_hint, read_regular, resolve_inside
 from ckpttool.format.jsonfile import DuplicateKeyError, json_error, parse_json
 from ckpttool.format.limits import current
 from ckpttool.format.safetensors import SAFETENSORS_TAGS, HeaderError, read_header
@@ -51,11 +51,11 @@ class Reference:
     config_problem: str | None = None
 
 
-def _bad(p: Path, why: str) -> UsageError:
+def _bad(p: Path, why: str, hint: str | None = None) -> UsageError:
     return UsageError(
         f"`against` {p}: {why}",
         path=p,
-        hint="pass an HF model directory (safetensors + index), a .safetensors file or a JSON key list",
+        hint=hint or "pass an HF model directory (safetensors + index), a .safetensors file or a JSON key list",
     )
 
 
@@ -98,18 +98,21 @@ def _safetensors_header(p: Path) -> dict[str, RefTensor]:
     return out
 
 
-def _from_index(p: Path, obj: dict[str, Any]) -> dict[str, RefTensor]:
+def _from_index(p: Path, obj: dict[str, Any], folder: Path | None = None) -> dict[str, RefTensor]:
+    """``folder``: where the shards are (default the index's own; a hub snapshot's index resolves into ``blobs/``,
+    its shards are beside the link)."""
+    folder = p.parent if folder is None else folder
     wm = obj.get("weight_map")
     if not isinstance(wm, dict):
         raise _bad(p, "index has no weight_map object")
     out: dict[str, RefTensor] = {}
     shards = sorted({str(s) for s in wm.values()})
-    found = [(s, resolve_inside(p.parent, s, what="weight_map file")) for s in shards]  # PathEscapeError outside
+    found = [(s, resolve_inside(folder, s, what="weight_map file")) for s in shards]  # PathEscapeError outside
     missing = [s for s, sp in found if not sp.exists()]
     if missing and len(missing) < len(found):  # some shards here, some not: the shapes of part of the model only
         raise _bad(
             p,
-            f"weight_map names {len(missing)} of {len(found)} shards that are not in {p.parent} "
+            f"weight_map names {len(missing)} of {len(found)} shards that are not in {folder} "
             f"({', '.join(missing[:3])}{', ...' if len(missing) > 3 else ''}): an incomplete download or copy",
         )
     for _, sp in found:
@@ -120,7 +123,7 @@ def _from_index(p: Path, obj: dict[str, Any]) -> dict[str, RefTensor]:
     return out
 
 
-def _from_json(p: Path) -> dict[str, RefTensor]:
+def _from_json(p: Path, folder: Path | None = None) -> dict[str, RefTensor]:
     try:
         obj = parse_json(read_regular(p, current().max_object_bytes, what="reference"), str(p))
     except OSError as e:
@@ -128,7 +131,7 @@ def _from_json(p: Path) -> dict[str, RefTensor]:
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise _bad(p, f"not valid JSON ({e})") from e
     if isinstance(obj, dict) and "weight_map" in obj:
-        return _from_index(p, obj)
+        return _from_index(p, obj, folder)
     if isinstance(obj, dict) and isinstance(obj.get("keys"), list):
         obj = obj["keys"]
     if isinstance(obj, list):
@@ -193,7 +196,7 @@ def _load(p: Path) -> Reference:
     if p.is_dir():
         index = p / "model.safetensors.index.json"
         if index.exists():
-            tensors = _from_json(resolve_inside(p, index.name, what="reference file"))
+            tensors = _from_json(resolve_inside(p, index.name, what="reference file"), p)
         else:
             files = sorted(p.glob("*.safetensors"))
             if not files and (p / ".metadata").is_file():  # comparing two checkpoints is `diff`'s work
@@ -205,7 +208,7 @@ def _load(p: Path) -> Reference:
                     f"of it (`ckpttool export {p} OUT`)",
                 )
             if not files:
-                raise _bad(p, "directory holds no model.safetensors.index.json and no *.safetensors")
+                raise _bad(p, "directory holds no model.safetensors.index.json and no *.safetensors", hub_hint(p))
             tensors = {}
             for f in files:
                 tensors.update(_safetensors_header(resolve_inside(p, f.name, what="reference file")))

@@ -171,7 +171,18 @@ def untied_head_missing(ctx: Context) -> Iterator[tuple[str, str]]:
 
 # ------------------------------------------------------------------------------------------ --against
 def _ckpt_names(ctx: Context) -> dict[str, str]:
-    """HF name -> checkpoint key of every model tensor."""
+    """HF name -> checkpoint key of every model tensor; :class:`RuleSkipped` when the checkpoint's names are not
+    HF's (a model adapter such as torchtitan's maps them, and may reshape: comparing the names as they are would
+    report every tensor missing and every checkpoint key unexpected)."""
+    from ckpttool.model.adapters import detect_adapter
+
+    adapter = detect_adapter(ctx.cat.schema.naming, ctx.cat.param_fqns, ctx.config)
+    if adapter is not None and adapter.name != "hf":
+        raise RuleSkipped(
+            f"the checkpoint's model keys are {adapter.name} names, the reference's Hugging Face names: "
+            "compare them with `ckpttool diff CHECKPOINT REF` (through the adapter), or check the names export "
+            "writes with --config (M010)"
+        )
     return {ctx.cat.fqn_of(k): k for k in ctx.cat.model}
 
 
@@ -252,10 +263,11 @@ def missing_keys(ctx: Context) -> Iterator[tuple[str, str] | tuple[str, str, str
 @rule("M006")
 def unexpected_keys(ctx: Context) -> Iterator[tuple[str, str] | tuple[str, str, str]]:
     assert ctx.reference is not None
+    names = _ckpt_names(ctx)
     ref = ctx.reference.tensors
     covered = set(_fused_cover(ctx, set(ref)).values())
     tied = _tied(ctx)
-    for name, key in _ckpt_names(ctx).items():
+    for name, key in names.items():
         if name in ref or key in covered:
             continue
         if _tied_head(name, tied, ref):
@@ -291,8 +303,8 @@ def shape_mismatch(ctx: Context) -> Iterator[tuple[str, str]]:
 @rule("M008")
 def dtype_mismatch(ctx: Context) -> Iterator[tuple[str, str]]:
     assert ctx.reference is not None
-    _given(ctx, "dtype")
     names = _ckpt_names(ctx)
+    _given(ctx, "dtype")
     for name, rt in ctx.reference.tensors.items():
         key = names.get(name)
         if key is not None and rt.dtype is not None and rt.dtype != ctx.cat.model[key].dtype:
