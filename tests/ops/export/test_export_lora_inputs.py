@@ -230,24 +230,20 @@ def test_peft_loads_an_adapter_without_a_lora_a_silently_and_wrong(
 # ------------------------------------------------------------------------------------------ lora_bias
 
 
-def test_lora_bias_is_exported_as_peft_saves_it_and_its_merge_is_refused(tmp_path: Path) -> None:
-    """LoraConfig(lora_bias=True) trains a bias on each lora_B. Before, `--format lora` left the biases out (reported
-    only as "not a LoRA adapter tensor") and PEFT loaded the adapter without them (other logits), and `hf-merged`
-    failed with E605 "unexpected" keys. Now the adapter holds what PEFT's own save_pretrained writes (lora_bias in the
-    inferred config) and loads with the trained logits; a given config without lora_bias and the merge are E601."""
+def _trained_peft(tmp_path: Path, seed: int, lcfg: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    """A tiny Llama (``base/``, ``save_pretrained``) wrapped by PEFT with ``lcfg``, trained 2 AdamW steps, saved with
+    ``dcp.save`` into ``ckpt/`` and by PEFT's own ``save_pretrained`` into ``peft/``: ``(input ids, its logits)``."""
     import torch.distributed.checkpoint as dcp
-    from peft import LoraConfig, PeftModel, get_peft_model
-    from safetensors.torch import load_file
+    from peft import get_peft_model
     from transformers import LlamaForCausalLM
 
     hf_models._quiet()
-    torch.manual_seed(11)
+    torch.manual_seed(seed)
     cfg = hf_models.llama_config()
     LlamaForCausalLM(cfg).save_pretrained(tmp_path / "base")
-    lcfg = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], lora_bias=True, task_type="CAUSAL_LM")
     model = get_peft_model(LlamaForCausalLM.from_pretrained(tmp_path / "base"), lcfg)
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
-    ids = torch.randint(0, cfg.vocab_size, (2, 12), generator=torch.Generator().manual_seed(1))
+    ids = torch.randint(0, cfg.vocab_size, (2, 12), generator=torch.Generator().manual_seed(seed))
     for _ in range(2):
         model(ids, labels=ids).loss.backward()
         opt.step()
@@ -257,6 +253,20 @@ def test_lora_bias_is_exported_as_peft_saves_it_and_its_merge_is_refused(tmp_pat
         want = model(ids).logits
     dcp.save({"model": dict(model.state_dict())}, checkpoint_id=str(tmp_path / "ckpt"))
     model.save_pretrained(tmp_path / "peft")  # the reference
+    return ids, want
+
+
+def test_lora_bias_is_exported_as_peft_saves_it_and_its_merge_is_refused(tmp_path: Path) -> None:
+    """LoraConfig(lora_bias=True) trains a bias on each lora_B. Before, `--format lora` left the biases out (reported
+    only as "not a LoRA adapter tensor") and PEFT loaded the adapter without them (other logits), and `hf-merged`
+    failed with E605 "unexpected" keys. Now the adapter holds what PEFT's own save_pretrained writes (lora_bias in the
+    inferred config) and loads with the trained logits; a given config without lora_bias and the merge are E601."""
+    from peft import LoraConfig, PeftModel
+    from safetensors.torch import load_file
+    from transformers import LlamaForCausalLM
+
+    lcfg = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], lora_bias=True, task_type="CAUSAL_LM")
+    ids, want = _trained_peft(tmp_path, 11, lcfg)
 
     res = export_cli(str(tmp_path / "ckpt"), str(tmp_path / "o"), "--format", "lora", "--lora-alpha", "8")
     assert res.exit_code == 0, res.stderr
@@ -573,27 +583,11 @@ def test_an_rslora_run_exported_with_lora_alpha_alone_is_warned_about(tmp_path: 
     """rsLoRA (scaling alpha / sqrt(r)) leaves no trace in the tensors: an export with `--lora-alpha` alone wrote an
     adapter (or merge) with PEFT's alpha / r scaling and other logits, without a word. It now warns that the scaling
     was taken from `--lora-alpha`; with the run's adapter_config.json the logits are the trained model's, no warning."""
-    import torch.distributed.checkpoint as dcp
-    from peft import LoraConfig, PeftModel, get_peft_model
+    from peft import LoraConfig, PeftModel
     from transformers import LlamaForCausalLM
 
-    hf_models._quiet()
-    torch.manual_seed(12)
-    cfg = hf_models.llama_config()
-    LlamaForCausalLM(cfg).save_pretrained(tmp_path / "base")
     lcfg = LoraConfig(r=4, lora_alpha=8, use_rslora=True, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM")
-    model = get_peft_model(LlamaForCausalLM.from_pretrained(tmp_path / "base"), lcfg)
-    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
-    ids = torch.randint(0, cfg.vocab_size, (2, 12), generator=torch.Generator().manual_seed(2))
-    for _ in range(2):
-        model(ids, labels=ids).loss.backward()
-        opt.step()
-        opt.zero_grad()
-    model.eval()
-    with torch.no_grad():
-        want = model(ids).logits
-    dcp.save({"model": dict(model.state_dict())}, checkpoint_id=str(tmp_path / "ckpt"))
-    model.save_pretrained(tmp_path / "peft")
+    ids, want = _trained_peft(tmp_path, 12, lcfg)
     assets = ("--model-assets", str(tmp_path / "base")) if fmt == "hf-merged" else ()
 
     def logits(out: Path) -> torch.Tensor:
