@@ -822,7 +822,34 @@ def test_rules_reading_files_beside_a_remote_megatron_checkpoint_are_skipped_not
     doc = json.loads(r.stdout)
     assert not [f for f in doc["findings"] if f["code"] in ("K011", "K013", "K014")], doc["findings"]
     skipped = {x["code"]: x["reason"] for x in doc["rules"] if x.get("status") == "skipped"}
-    assert all("not fetched" in skipped.get(c, "") for c in ("K011", "K013", "K014")), skipped
+    assert all("not fetched" in skipped.get(c, "") for c in ("K011", "K013")), skipped
+    assert "K014" not in skipped  # common.pt's presence is known from the listing
+
+
+def test_a_remote_megatron_checkpoint_without_common_pt_fails_k014_as_its_local_copy(
+    s3_server: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """K014 (common.pt missing, megatron's load fails) was skipped for a URL ("the files beside it are not
+    fetched"): it is known from the prefix's listing, so the remote copy fails as the local one does; a local
+    look-alike folder s3:/… holding a common.pt is not read."""
+    import shutil
+
+    local = tmp_path / "iter_0000003"
+    shutil.copytree(MEGATRON_DENSE1, local)
+    (local / "common.pt").unlink()
+    url = upload(s3_server, local)
+    monkeypatch.chdir(tmp_path)
+    planted = tmp_path / url.replace("://", ":/")
+    planted.mkdir(parents=True)
+    shutil.copy(MEGATRON_DENSE1 / "common.pt", planted / "common.pt")
+    r = cli(s3_server, "validate", url, "--json")
+    lo = cli(s3_server, "validate", str(local), "--json")
+    assert r.exit_code == lo.exit_code == 1, (r.output, lo.output)
+    a, b = json.loads(r.stdout), json.loads(lo.stdout)
+    k014 = [f for f in a["findings"] if f["code"] == "K014"]
+    assert [f["key"] for f in k014] == ["common.pt"]
+    assert k014[0]["message"].startswith(f"{url}/common.pt: missing; megatron-core's dist_checkpointing.load")
+    assert _findings(a, url) == _findings(b, str(local))
 
 
 MEGATRON_DENSE1 = Path(__file__).parent.parent / "fixtures" / "megatron_data" / "dense1" / "iter_0000003"
