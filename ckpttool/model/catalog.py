@@ -29,7 +29,7 @@ from ckpttool.format.directory import CheckpointDir, rank_of_file
 from ckpttool.format.listing import FileListing, list_files
 from ckpttool.format.mdstorage import chunk_path_columns, chunk_paths, key_ids, referenced_paths
 from ckpttool.format.metadata import DTYPE_ITEMSIZE, TRAINABLE_DTYPES, BytesMeta, ChunkMeta, StorageInfo, TensorMeta
-from ckpttool.format.storage import UrlPath
+from ckpttool.format.storage import UrlPath, is_url, url_path
 from ckpttool.layouts.record import LAYOUT_KEY, SIDECAR_NAME
 from ckpttool.model.schemas import registry
 from ckpttool.model.schemas.base import CANONICAL_MODEL_PREFIX, CommonState
@@ -230,6 +230,7 @@ class Catalog:
     _common: dict[tuple[str, PurePath], tuple[CommonState | None, CkptError | None]] = field(
         default_factory=dict, repr=False, compare=False
     )  # common_state, per (schema, folder)
+    _remote: CheckpointDir | None = field(default=None, repr=False, compare=False)  # a URL checkpoint's own reader
 
     def common_state(self, where: str | os.PathLike[str] | None = None) -> CommonState | None:
         """The trainer's common state of the folder ``where`` (default: :attr:`path`), as its key schema's
@@ -239,8 +240,8 @@ class Catalog:
         Raises:
             CkptError: the file is unreadable, needs ``--trust-pickle``, or is over the caps (the same error each call).
         """
-        folder = self.path if where is None else where if isinstance(where, PurePath) else Path(where)
-        return _common_state(self.schema, folder, self._common)
+        folder = self.path if where is None else where if isinstance(where, PurePath) else _folder(where)
+        return _common_state(self.schema, folder, self._common, self._remote)
 
     @property
     def param_fqns(self) -> list[str]:
@@ -820,8 +821,9 @@ def build_catalog(
     flavors = rest.flavors
     groups = sorted(rest.groups.values(), key=lambda g: (isinstance(g.group_id, str), g.group_id))
     common: dict[tuple[str, PurePath], tuple[CommonState | None, CkptError | None]] = {}
+    remote = cd if cd.remote is not None else None
     if sch.spec is not None and sch.spec.group_members is not None:  # param groups in the trainer's common state
-        groups = _common_state_groups(sch, _common_state(sch, cd.path, common), rest.optimizer_state)
+        groups = _common_state_groups(sch, _common_state(sch, cd.path, common, remote), rest.optimizer_state)
         flavors = {"nested"} if groups else set()
     if sch.spec is not None and sch.spec.index_state_by_param_order and sch.optimizer_keying == "index":
         sch, rest.optimizer_state = _index_mapped(sch, model, rest.optimizer_state)
@@ -844,26 +846,66 @@ def build_catalog(
         group_tensors=rest.group_tensors,
         _paths=planner,
         _common=common,
+        _remote=remote,
     )
 
 
+def _folder(where: str | os.PathLike[str]) -> PurePath:
+    """The folder ``where`` names: a URL's :class:`UrlPath` (never the local ``s3:/…`` of ``Path(url)``)."""
+    return url_path(where) if is_url(where) else Path(where)
+
+
 def _common_state(
-    sch: KeySchema, where: PurePath, cache: dict[tuple[str, PurePath], tuple[CommonState | None, CkptError | None]]
+    sch: KeySchema,
+    where: PurePath,
+    cache: dict[tuple[str, PurePath], tuple[CommonState | None, CkptError | None]],
+    remote: CheckpointDir | None = None,
 ) -> CommonState | None:
-    """:meth:`Catalog.common_state` of folder ``where`` under schema ``sch``, kept in ``cache``."""
+    """:meth:`Catalog.common_state` of folder ``where`` under schema ``sch``, kept in ``cache``; ``remote``: the
+    reader of a URL checkpoint, whose own prefix's common state it fetches."""
     spec = sch.spec
-    if spec is None or spec.read_common_state is None or isinstance(where, UrlPath):
-        return None  # a URL's common state is not fetched; no local file named like it is read either
+    if spec is None or spec.read_common_state is None or spec.common_state_file is None:
+        return None
+    if isinstance(where, UrlPath) and (remote is None or str(where) != str(remote.path)):
+        return None  # another URL's common state is not fetched; no local file named like it is read either
     hit = cache.get((spec.name, where))
     if hit is None:
         try:
-            hit = (spec.read_common_state(Path(where)), None)
+            data = _common_state_bytes(where, spec.common_state_file, remote)
+            shown = str(where / spec.common_state_file)
+            hit = (None if data is None else spec.read_common_state(data, shown), None)
         except CkptError as e:
             hit = (None, e)
         cache[(spec.name, where)] = hit
     if hit[1] is not None:
         raise hit[1]
     return hit[0]
+
+
+def _common_state_bytes(where: PurePath, name: str, remote: CheckpointDir | None) -> bytes | None:
+    """The bytes of the common-state file ``name`` of folder ``where`` (``None``: no such file), read as every file
+    of a checkpoint is: confined to the folder, a regular file, at most ``--max-object-size``. A URL checkpoint's
+    own prefix is read through its reader (``remote``): absent from its listing is no such file.
+
+    Raises:
+        PathEscapeError, NotRegularFileError, SizeLimitError, DataFileError: as ``CheckpointDir.read_file``.
+    """
+    from ckpttool.format import limits
+    from ckpttool.format.files import read_regular, resolve_inside
+
+    cap = limits.current().max_object_bytes
+    if isinstance(where, UrlPath):
+        assert remote is not None and remote.remote is not None
+        if remote.remote.size(name) is None:  # confined to the prefix, or PathEscapeError
+            return None
+        return remote.read_file(name, cap, what=name)
+    folder = Path(where)
+    p = folder / name
+    if not os.path.lexists(p):
+        return None
+    # a symlink out of the folder is refused (E101), a FIFO or a directory of that name is named (E102)
+    src = resolve_inside(folder, name, what=name)
+    return read_regular(src, cap, shown=p, what=name)
 
 
 def _common_state_groups(sch: KeySchema, common: CommonState | None, state: dict[str, ParamState]) -> list[ParamGroup]:

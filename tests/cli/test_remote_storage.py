@@ -827,4 +827,95 @@ def test_rules_reading_files_beside_a_remote_megatron_checkpoint_are_skipped_not
     doc = json.loads(r.stdout)
     assert not [f for f in doc["findings"] if f["code"] in ("K011", "K013", "K014")], doc["findings"]
     skipped = {x["code"]: x["reason"] for x in doc["rules"] if x.get("status") == "skipped"}
-    assert all("not fetched" in skipped.get(c, "") for c in ("K011", "K013", "K014")), skipped
+    assert all("not fetched" in skipped.get(c, "") for c in ("K011", "K013")), skipped
+    assert "K014" not in skipped  # common.pt's presence is known from the listing
+
+
+def test_a_remote_megatron_checkpoint_without_common_pt_fails_k014_as_its_local_copy(
+    s3_server: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """K014 (common.pt missing, megatron's load fails) was skipped for a URL ("the files beside it are not
+    fetched"): it is known from the prefix's listing, so the remote copy fails as the local one does; a local
+    look-alike folder s3:/… holding a common.pt is not read."""
+    import shutil
+
+    local = tmp_path / "iter_0000003"
+    shutil.copytree(MEGATRON_DENSE1, local)
+    (local / "common.pt").unlink()
+    url = upload(s3_server, local)
+    monkeypatch.chdir(tmp_path)
+    planted = tmp_path / url.replace("://", ":/")
+    planted.mkdir(parents=True)
+    shutil.copy(MEGATRON_DENSE1 / "common.pt", planted / "common.pt")
+    r = cli(s3_server, "validate", url, "--json")
+    lo = cli(s3_server, "validate", str(local), "--json")
+    assert r.exit_code == lo.exit_code == 1, (r.output, lo.output)
+    a, b = json.loads(r.stdout), json.loads(lo.stdout)
+    k014 = [f for f in a["findings"] if f["code"] == "K014"]
+    assert [f["key"] for f in k014] == ["common.pt"]
+    assert k014[0]["message"].startswith(f"{url}/common.pt: missing; megatron-core's dist_checkpointing.load")
+    assert _findings(a, url) == _findings(b, str(local))
+
+
+MEGATRON_DENSE1 = Path(__file__).parent.parent / "fixtures" / "megatron_data" / "dense1" / "iter_0000003"
+
+
+def _findings(doc: dict[str, Any], where: str) -> list[tuple[str, str, str | None, str]]:
+    return sorted(
+        (f["code"], f["severity"], f.get("key"), f["message"].replace(where, "<ckpt>")) for f in doc["findings"]
+    )
+
+
+def test_a_remote_megatron_checkpoint_reads_its_common_pt_as_the_local_copy_does(s3_server: Any) -> None:
+    """validate s3://…/iter_0000003 of a Megatron save said "optimizer state lacks step (has exp_avg, exp_avg_sq)"
+    and R002 could not check the iteration: common.pt (the param groups, the shared step, the iteration) was not
+    fetched. It is read through the checkpoint's reader: the findings and inspect's trainer state and param groups
+    are those of the local copy."""
+    url = upload(s3_server, MEGATRON_DENSE1)
+    remote = cli(s3_server, "validate", url, "--json")
+    local = cli(s3_server, "validate", str(MEGATRON_DENSE1), "--json")
+    assert remote.exit_code == local.exit_code, (remote.output, local.output)
+    r, lo = json.loads(remote.stdout), json.loads(local.stdout)
+    assert _findings(r, url) == _findings(lo, str(MEGATRON_DENSE1))
+    assert not [f for f in r["findings"] if "lacks step" in f["message"]], r["findings"]
+    ran = {x["code"] for x in r["rules"] if x.get("status") != "skipped"}
+    assert "R002" in ran
+    remote = cli(s3_server, "inspect", "--json", url)
+    local = cli(s3_server, "inspect", "--json", str(MEGATRON_DENSE1))
+    assert remote.exit_code == local.exit_code == 0, (remote.output, local.output)
+    r, lo = json.loads(remote.stdout), json.loads(local.stdout)
+    assert r["trainer_state"] == lo["trainer_state"] and r["training_values"] == lo["training_values"]
+    assert r["trainer_state"] and r["trainer_state"][0]["values"]["iteration"] == 3
+    assert r["optimizer"] == lo["optimizer"] and len(r["optimizer"]["param_groups"]) == 2
+
+
+@pytest.mark.parametrize("damage", ["over the cap", "code-running pickle"])
+def test_a_remote_common_pt_is_refused_as_the_local_one_is(
+    s3_server: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, damage: str
+) -> None:
+    """A remote common.pt over --max-object-size or holding a call to eval is refused with the local copy's error
+    (E307 / E304, the same exit status), and the pickle never runs."""
+    import shutil
+
+    import torch
+
+    from tests.fixtures.hostile import Call
+
+    local = tmp_path / "iter_0000003"
+    shutil.copytree(MEGATRON_DENSE1, local)
+    canary = tmp_path / "ran"
+    caps: list[str] = []
+    if damage == "over the cap":
+        caps = ["--max-object-size", "1KiB"]
+    else:
+        torch.save({"iteration": 3, "x": Call(eval, f"open({str(canary)!r}, 'w').close()")}, local / "common.pt")
+    url = upload(s3_server, local)
+    monkeypatch.chdir(tmp_path)
+    for cmd in (["validate", "--json"], ["inspect", "--json"]):
+        r = runner.invoke(app, [*s3_server.cli_options(), *caps, cmd[0], url, *cmd[1:]])
+        lo = runner.invoke(app, [*caps, cmd[0], str(local), *cmd[1:]])
+        assert lo.exit_code != 0 and r.exit_code == lo.exit_code, (r.output, lo.output)
+        first = lo.stderr.splitlines()[0]
+        assert "common.pt" in first and "Traceback" not in r.output
+        assert r.stderr.splitlines()[0] == first.replace(str(local), url), (r.stderr, lo.stderr)
+    assert not canary.exists()

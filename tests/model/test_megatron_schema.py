@@ -174,7 +174,7 @@ def test_diff_sees_a_changed_moment(tmp_path: Path) -> None:
 
 
 def test_common_reader() -> None:
-    c = megatron.read_common(_dir("moe_ep2"))
+    c = megatron.parse_common((_dir("moe_ep2") / "common.pt").read_bytes(), "common.pt")
     assert c is not None
     assert c.iteration == 2 and c.common_step == (2.0, 2.0)
     assert c.scheduler["lr_warmup_steps"] == 2

@@ -233,9 +233,12 @@ class SchemaSpec:
             tensor is ``<prefix><i>`` (``decoder.layers.3``), as ``stats`` groups it.
         common_state_file: the file beside ``.metadata`` holding its trainer's common state (Megatron's
             ``common.pt``: iteration, param groups, LR scheduler), read by :attr:`read_common_state`.
-        read_common_state: reads :attr:`common_state_file` of a checkpoint folder safely (``None``: no such file;
-            raises ``CkptError``); asked once per opened checkpoint (``Catalog.common_state``). The iteration counts
-            as a trainer step (``R002``), the file's numbers are a trainer-state row of ``inspect``.
+        read_common_state: reads the bytes of :attr:`common_state_file` safely, ``(data, shown)`` -> the state
+            (``shown``: the file as messages name it; raises ``CkptError``); asked once per opened checkpoint
+            (``Catalog.common_state``), which fetches the bytes confined, regular and capped
+            (``--max-object-size``) from a local folder or the checkpoint's object-store prefix alike, and gives
+            ``None`` without asking where there is no such file. The iteration counts as a trainer step
+            (``R002``), the file's numbers are a trainer-state row of ``inspect``.
         common_state_required: why its trainer's load fails without :attr:`common_state_file` (``K014``; ``""``:
             the file is optional).
         common_state_problems: inconsistencies within the common state (``R002``): ``(key, message)`` pairs.
@@ -289,7 +292,7 @@ class SchemaSpec:
     step_dir_is_trainer_step: bool = False
     stacked_layers: tuple[str, ...] = ()
     common_state_file: str | None = None
-    read_common_state: Callable[[Path], CommonState | None] | None = None
+    read_common_state: Callable[[bytes, str], CommonState | None] | None = None
     common_state_required: str = ""
     common_state_problems: Callable[[CommonState], Iterator[tuple[str, str]]] | None = None
     group_members: GroupMembers | None = None

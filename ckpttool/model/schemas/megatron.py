@@ -16,7 +16,8 @@ What megatron-core 0.16 writes (``megatron/core/dist_checkpointing/strategies/to
   step ``state.common_step``; one per chained optimizer), ``opt_param_scheduler``,
   ``iteration``; ``metadata.json``: ``{"sharded_backend": "torch_dist", ...}``.
 
-Torch-free; :func:`read_common` reads ``common.pt`` with ckpttool's safe loader.
+Torch-free; :func:`parse_common` reads the bytes of ``common.pt`` with ckpttool's safe loader (the catalog fetches
+them, from a local folder or an object-store prefix, confined and capped).
 """
 
 from __future__ import annotations
@@ -41,7 +42,7 @@ __all__ = [
     "config_problem",
     "is_megatron_dir",
     "no_weight_decay",
-    "read_common",
+    "parse_common",
     "split_state_key",
 ]
 
@@ -179,28 +180,19 @@ def _one_optimizer(sd: Any) -> tuple[tuple[dict[str, Any], ...], float | None]:
     return groups, step
 
 
-def read_common(ckpt_dir: Path) -> MegatronCommon | None:
-    """Read ``<ckpt_dir>/common.pt`` safely (``None``: no such file).
+def parse_common(data: bytes, shown: str) -> MegatronCommon:
+    """What ``common.pt`` holds, from its bytes (``shown``: the file, as messages name it).
 
     Loaded by :func:`ckpttool.format.reader.load_saved_object` (zip structure checked, plain values
-    by a no-globals unpickler, tensors through ``torch.load(weights_only=True)``).
+    by a no-globals unpickler, tensors through ``torch.load(weights_only=True)``); the bytes were read
+    confined and capped as every file of the checkpoint (``Catalog.common_state``).
 
     Raises:
-        CkptError: the file is not a readable ``torch.save`` archive, needs ``--trust-pickle``, or is over the caps;
-            a symlink out of the checkpoint (``PathEscapeError``), not a regular file.
+        CkptError: not a readable ``torch.save`` archive, or it needs ``--trust-pickle``.
     """
-    from ckpttool.format import limits
-    from ckpttool.format.files import read_regular, resolve_inside
     from ckpttool.format.reader import load_saved_object
 
-    p = ckpt_dir / COMMON_FILE
-    if not os.path.lexists(p):
-        return None
-    # confined and capped as every file of the checkpoint: a symlink out of it is refused (E101),
-    # a FIFO or a directory of that name is named (it was passed over as "no common.pt")
-    src = resolve_inside(ckpt_dir, COMMON_FILE, what=COMMON_FILE)
-    data = read_regular(src, limits.current().max_object_bytes, shown=p, what=COMMON_FILE)
-    obj = load_saved_object(data, str(p))
+    obj = load_saved_object(data, shown)
     if not isinstance(obj, dict):
         return MegatronCommon()
     opt = obj.get("optimizer")
@@ -243,7 +235,7 @@ def assign_groups(
     pair (custom overrides) gets no members: nothing is guessed.
 
     Args:
-        common: what :func:`read_common` read.
+        common: what :func:`parse_common` read.
         params: parameter key -> (one of its state keys: its chained optimizer, global shape), of the parameters
             with state.
 
@@ -319,7 +311,7 @@ SPEC = SchemaSpec(
     files_read=(COMMON_FILE,),
     stacked_layers=(STACKED_PREFIX,),
     common_state_file=COMMON_FILE,
-    read_common_state=read_common,
+    read_common_state=parse_common,
     common_state_required=(
         "megatron-core's dist_checkpointing.load reads the common state from it "
         "(the iteration, the optimizers' param groups and step, the run's args) and fails without it"

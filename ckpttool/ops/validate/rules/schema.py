@@ -182,7 +182,15 @@ def megatron_common_missing(ctx: Context) -> Iterator[tuple[str | None, str]]:
     if spec is None or spec.common_state_file is None or not spec.common_state_required:
         return
     d = ctx.ckpt.local_folder
-    if d is None:
-        raise RuleSkipped(_REMOTE)
+    if d is None:  # a URL: the prefix's listing says whether the object is there (the catalog reads it from there)
+        reader = ctx.ckpt.reader
+        if reader.remote is None or str(ctx.ckpt.located.model) != str(reader.path):
+            raise RuleSkipped(_REMOTE)
+        if reader.remote.size(spec.common_state_file) is None:
+            yield (
+                spec.common_state_file,
+                f"{reader.path / spec.common_state_file}: missing; {spec.common_state_required}",
+            )
+        return
     if not os.path.lexists(d / spec.common_state_file):
         yield spec.common_state_file, f"{d / spec.common_state_file}: missing; {spec.common_state_required}"
