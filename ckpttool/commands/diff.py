@@ -117,7 +117,7 @@ DiffPlotOpt = Annotated[
         help="Also draw the relative difference per layer and the tensors that differ most to FILE "
         "(.png, .svg or a self-contained .html). Needs matplotlib: pip install 'matplotlib>=3.8'.",
         show_default=False,
-        parser=opt.given_path,
+        parser=opt.given_output_file,
     ),
 ]
 

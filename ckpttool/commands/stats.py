@@ -45,7 +45,7 @@ StatsPlotOpt = Annotated[
         help="Also draw per-layer norms (weights, moments, update size; experts as a heat map) to FILE "
         "(.png, .svg or a self-contained .html). Needs matplotlib: pip install 'matplotlib>=3.8'.",
         show_default=False,
-        parser=opt.given_path,
+        parser=opt.given_output_file,
     ),
 ]
 

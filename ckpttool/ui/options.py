@@ -100,6 +100,20 @@ def given_path(value: str | PurePath) -> Path:
     return Path(value)
 
 
+def given_output_file(value: str | PurePath) -> Path:
+    """A local output file option (``--plot FILE``): an empty string is refused as :func:`given_path` refuses it; a
+    URL is left to the command, whose check of the target says that it writes local files only.
+
+    Raises:
+        typer.BadParameter (E100): an empty string.
+    """
+    from ckpttool.format.storage import is_url, local_path
+
+    if isinstance(value, str) and value and is_url(os.fspath(local_path(value))):
+        return Path(value)
+    return given_path(value)
+
+
 def output_location(value: str | PurePath) -> PurePath:
     """:func:`location` for an output: an empty string is refused with a hint that names a directory to write (the
     current directory, ``.``, is itself refused as an output: the shell would be left in a removed directory).

@@ -58,7 +58,10 @@ def test_stats_writes_counts_with_thousands_separators(sample_ckpt: Path) -> Non
     assert res.exit_code == 0, res.stderr
     row = next(r for r in res.stdout.splitlines() if r.startswith("│ model.embed_tokens "))
     assert row.split("│")[2].strip() == "4,096"  # 128x32 embedding
-    res = runner.invoke(app, ["stats", str(sample_ckpt), "--by", "tensor", "--filter", "*embed_tokens*"])
+    # wide enough for the numel column (at 80 it gives way, named below the table)
+    res = runner.invoke(
+        app, ["stats", str(sample_ckpt), "--by", "tensor", "--filter", "*embed_tokens*"], env={"COLUMNS": "200"}
+    )
     assert res.exit_code == 0, res.stderr
     assert " 4,096 " in res.stdout and " 4096 " not in res.stdout
 
