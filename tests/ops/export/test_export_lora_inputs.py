@@ -230,18 +230,21 @@ def test_peft_loads_an_adapter_without_a_lora_a_silently_and_wrong(
 # ------------------------------------------------------------------------------------------ lora_bias
 
 
-def _trained_peft(tmp_path: Path, seed: int, lcfg: Any) -> tuple[torch.Tensor, torch.Tensor]:
-    """A tiny Llama (``base/``, ``save_pretrained``) wrapped by PEFT with ``lcfg``, trained 2 AdamW steps, saved with
-    ``dcp.save`` into ``ckpt/`` and by PEFT's own ``save_pretrained`` into ``peft/``: ``(input ids, its logits)``."""
+def _trained_peft(
+    tmp_path: Path, seed: int, lcfg: Any, *, tied: bool = False, adapter_name: str = "default"
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """A tiny Llama (``base/``, ``save_pretrained``; ``tied`` embeddings) wrapped by PEFT with ``lcfg``, trained 2
+    AdamW steps, saved with ``dcp.save`` into ``ckpt/`` and by PEFT's own ``save_pretrained`` into ``peft/``:
+    ``(input ids, its logits)``."""
     import torch.distributed.checkpoint as dcp
     from peft import get_peft_model
     from transformers import LlamaForCausalLM
 
     hf_models._quiet()
     torch.manual_seed(seed)
-    cfg = hf_models.llama_config()
+    cfg = hf_models.llama_config(tied=tied)
     LlamaForCausalLM(cfg).save_pretrained(tmp_path / "base")
-    model = get_peft_model(LlamaForCausalLM.from_pretrained(tmp_path / "base"), lcfg)
+    model = get_peft_model(LlamaForCausalLM.from_pretrained(tmp_path / "base"), lcfg, adapter_name=adapter_name)
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
     ids = torch.randint(0, cfg.vocab_size, (2, 12), generator=torch.Generator().manual_seed(seed))
     for _ in range(2):
@@ -354,27 +357,11 @@ def test_a_given_config_whose_use_dora_disagrees_with_the_tensors_is_refused(lor
     plain LoRA (the magnitudes ignored: other logits); a plain LoRA checkpoint with use_dora true loaded with
     magnitudes computed from the base weights. Now E601; PEFT's own config of the DoRA model still exports and loads
     with the trained logits."""
-    import torch.distributed.checkpoint as dcp
-    from peft import LoraConfig, PeftModel, get_peft_model
+    from peft import LoraConfig, PeftModel
     from transformers import LlamaForCausalLM
 
-    hf_models._quiet()
-    torch.manual_seed(13)
-    cfg = hf_models.llama_config()
-    LlamaForCausalLM(cfg).save_pretrained(tmp_path / "base")
     lcfg = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], use_dora=True, task_type="CAUSAL_LM")
-    model = get_peft_model(LlamaForCausalLM.from_pretrained(tmp_path / "base"), lcfg)
-    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
-    ids = torch.randint(0, cfg.vocab_size, (2, 12), generator=torch.Generator().manual_seed(1))
-    for _ in range(2):
-        model(ids, labels=ids).loss.backward()
-        opt.step()
-        opt.zero_grad()
-    model.eval()
-    with torch.no_grad():
-        want = model(ids).logits
-    dcp.save({"model": dict(model.state_dict())}, checkpoint_id=str(tmp_path / "ckpt"))
-    model.save_pretrained(tmp_path / "peft")
+    ids, want = _trained_peft(tmp_path, 13, lcfg)
     peft_cfg = tmp_path / "peft" / "adapter_config.json"
     res = export_cli(str(tmp_path / "ckpt"), str(tmp_path / "o"), "--format", "lora", "--adapter-config", str(peft_cfg))
     assert res.exit_code == 0, res.stderr
@@ -399,26 +386,12 @@ def test_a_merge_into_a_tied_lm_head_is_refused_and_exports_untied(tmp_path: Pat
     config.json omitted the merged lm_head as "bitwise equal to the embedding" (the unmerged weights were compared):
     the export lost the lm_head adapter (other logits). Now E601; with tie_word_embeddings false the merged lm_head
     is written beside the embedding and the logits are the trained PEFT model's."""
-    import torch.distributed.checkpoint as dcp
-    from peft import LoraConfig, get_peft_model
+    from peft import LoraConfig
     from transformers import LlamaForCausalLM
 
-    hf_models._quiet()
-    torch.manual_seed(17)
-    cfg = hf_models.llama_config(tied=True)
-    LlamaForCausalLM(cfg).save_pretrained(tmp_path / "base")
     lcfg = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "lm_head"], task_type="CAUSAL_LM")
-    model = get_peft_model(LlamaForCausalLM.from_pretrained(tmp_path / "base"), lcfg, adapter_name="sft")
-    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
-    ids = torch.randint(0, cfg.vocab_size, (2, 12), generator=torch.Generator().manual_seed(1))
-    for _ in range(2):
-        model(ids, labels=ids).loss.backward()
-        opt.step()
-        opt.zero_grad()
-    model.eval()
-    with torch.no_grad():
-        want = model(ids).logits
-    dcp.save({"model": dict(model.state_dict())}, checkpoint_id=str(tmp_path / "ckpt"))
+    ids, want = _trained_peft(tmp_path, 17, lcfg, tied=True, adapter_name="sft")
+    cfg = hf_models.llama_config(tied=True)
     cfg.save_pretrained(tmp_path / "tied")
     res = export_cli(
         str(tmp_path / "ckpt"),
