@@ -187,6 +187,22 @@ def test_validate_against_of_a_torchtitan_import_is_skipped_not_failed(hf_dirs: 
     assert "compared names, shapes and dtypes" not in res.stderr  # nothing was compared
 
 
+def test_validate_against_a_key_list_in_the_checkpoints_own_names_is_still_compared(
+    hf_dirs: Path, tmp_path: Path
+) -> None:
+    """A reference that speaks the checkpoint's torchtitan names (a JSON key list of them) is compared as it is: a
+    key the list names and the checkpoint lacks is M005, not skipped because the names are not HF's."""
+    from ckpttool.model.checkpoint import open_checkpoint
+
+    cli("import", str(hf_dirs / "llama"), str(tmp_path / "titan"), "--schema", "torchtitan")
+    with open_checkpoint(tmp_path / "titan") as ckpt:
+        names = [ckpt.catalog.fqn_of(k) for k in ckpt.catalog.model]
+    (tmp_path / "keys.json").write_text(json.dumps([*names, "layers.9.attention.wq.weight"]))
+    res = runner.invoke(app, ["validate", "--json", str(tmp_path / "titan"), "--against", str(tmp_path / "keys.json")])
+    found = [(f["code"], f["key"]) for f in json.loads(res.stdout)["findings"] if f["code"].startswith("M00")]
+    assert found == [("M005", "layers.9.attention.wq.weight")], res.stdout
+
+
 def test_import_of_a_hub_repository_folder_without_refs_main_lists_its_snapshots(hf_dirs: Path, tmp_path: Path) -> None:
     snap = hub_snapshot(hf_dirs / "llama", tmp_path / "hub")
     other = snap.parent / ("f" * 40)

@@ -173,9 +173,12 @@ def untied_head_missing(ctx: Context) -> Iterator[tuple[str, str]]:
 def _ckpt_names(ctx: Context) -> dict[str, str]:
     """HF name -> checkpoint key of every model tensor; :class:`RuleSkipped` when the checkpoint's names are not
     HF's (a model adapter such as torchtitan's maps them, and may reshape: comparing the names as they are would
-    report every tensor missing and every checkpoint key unexpected)."""
+    report every tensor missing and every checkpoint key unexpected) and the reference names fewer than half of them."""
     from ckpttool.model.adapters import detect_adapter
 
+    names = {ctx.cat.fqn_of(k): k for k in ctx.cat.model}
+    if ctx.reference is not None and 2 * len(names.keys() & ctx.reference.tensors.keys()) >= len(names):
+        return names  # the reference speaks the checkpoint's names (a key list of them): compared as they are
     adapter = detect_adapter(ctx.cat.schema.naming, ctx.cat.param_fqns, ctx.config)
     if adapter is not None and adapter.name != "hf":
         raise RuleSkipped(
@@ -183,7 +186,7 @@ def _ckpt_names(ctx: Context) -> dict[str, str]:
             "compare them with `ckpttool diff CHECKPOINT REF` (through the adapter), or check the names export "
             "writes with --config (M010)"
         )
-    return {ctx.cat.fqn_of(k): k for k in ctx.cat.model}
+    return names
 
 
 def _fused_cover(ctx: Context, ref_names: set[str]) -> dict[str, str]:
