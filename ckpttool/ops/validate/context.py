@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import operator
 import re
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from itertools import chain, repeat
 from typing import TYPE_CHECKING, Any
@@ -161,6 +162,13 @@ class Context:
     _own_config_error: CkptError | None = None
     _expert_state: dict[str, str | None] | None = None
     _stacked: frozenset[str] | None = None
+    _once: dict[str, Any] = field(default_factory=dict)
+
+    def once(self, name: str, make: Callable[[], Any]) -> Any:
+        """``make()``, computed once per validation under ``name`` (what several rules derive alike)."""
+        if name not in self._once:
+            self._once[name] = make()
+        return self._once[name]
 
     # ------------------------------------------------------------------ shortcuts
     @property

@@ -174,19 +174,30 @@ def _ckpt_names(ctx: Context) -> dict[str, str]:
     """HF name -> checkpoint key of every model tensor; :class:`RuleSkipped` when the checkpoint's names are not
     HF's (a model adapter such as torchtitan's maps them, and may reshape: comparing the names as they are would
     report every tensor missing and every checkpoint key unexpected) and the reference names fewer than half of them."""
+    names: dict[str, str]
+    skip: str | None
+    names, skip = ctx.once("against_names", lambda: _against_names(ctx))
+    if skip is not None:
+        raise RuleSkipped(skip)
+    return names
+
+
+def _against_names(ctx: Context) -> tuple[dict[str, str], str | None]:
+    """:func:`_ckpt_names`' names and, where they cannot be compared as they are, why (once per validation: M005-M008
+    and the fused-expert cover each ask)."""
     from ckpttool.model.adapters import detect_adapter
 
     names = {ctx.cat.fqn_of(k): k for k in ctx.cat.model}
     if ctx.reference is not None and 2 * len(names.keys() & ctx.reference.tensors.keys()) >= len(names):
-        return names  # the reference speaks the checkpoint's names (a key list of them): compared as they are
+        return names, None  # the reference speaks the checkpoint's names (a key list of them): compared as they are
     adapter = detect_adapter(ctx.cat.schema.naming, ctx.cat.param_fqns, ctx.config)
     if adapter is not None and adapter.name != "hf":
-        raise RuleSkipped(
+        return names, (
             f"the checkpoint's model keys are {adapter.name} names, the reference's Hugging Face names: "
             "compare them with `ckpttool diff CHECKPOINT REF` (through the adapter), or check the names export "
             "writes with --config (M010)"
         )
-    return names
+    return names, None
 
 
 def _fused_cover(ctx: Context, ref_names: set[str]) -> dict[str, str]:
