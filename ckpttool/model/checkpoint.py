@@ -248,7 +248,8 @@ class Checkpoint:
         """The folder of the model's ``config.json`` the trainer saved beside this checkpoint (NeMo
         Automodel's ``consolidated/``, verl's ``huggingface/``; :func:`ckpttool.model.beside.hf_config_beside`),
         ``None`` for none or a URL."""
-        return None if is_url(str(self.located.model)) else hf_config_beside(Path(self.located.model))
+        folder = self.local_folder
+        return None if folder is None else hf_config_beside(folder)
 
     def own_hf_config(self) -> dict[str, Any] | None:
         """The ``config.json`` in the checkpoint's own folder (a Hugging Face safetensors folder's, with its
@@ -258,12 +259,12 @@ class Checkpoint:
             UsageError, NotRegularFileError, SizeLimitError, PathEscapeError: as
             :func:`~ckpttool.model.hfconfig.read_hf_config`.
         """
-        where = str(self.located.model)
-        if is_url(where) or not (Path(where) / "config.json").is_file():
+        where = self.local_folder
+        if where is None or not (where / "config.json").is_file():
             return None
         from ckpttool.model.hfconfig import read_hf_config
 
-        return read_hf_config(Path(where))  # the directory: a config.json symlinked out of it is E101
+        return read_hf_config(where)  # the directory: a config.json symlinked out of it is E101
 
     @property
     def closed(self) -> bool:
