@@ -328,11 +328,17 @@ def _note_against(res: ValidationResult, checkpoint: PurePath, against: Path | N
         for codes, w in ((("M005", "M006"), "names"), (("M007",), "shapes"), (("M008",), "dtypes"))
         if ran & set(codes)
     ]
-    if against is not None and res.exit_code != 2 and what:
+    if against is None or res.exit_code == 2:
+        return
+    if what:
         listed = what[0] if len(what) == 1 else f"{', '.join(what[:-1])} and {what[-1]}"
         Output(json_output).note(
             f"--against compared {listed}, not values: `ckpttool diff {checkpoint} {against}` compares the values"
         )
+        return
+    why = next((s.reason for s in res.rules if s.rule.code == "M005" and s.reason), None)
+    if why is not None:  # the OK above is no word on the reference: say that nothing was compared, and why
+        Output(json_output).note(f"--against compared nothing: {why}")
 
 
 def _note_unused_workers(workers: int | None, deep: bool, json_output: bool) -> None:

@@ -187,6 +187,16 @@ def test_validate_against_of_a_torchtitan_import_is_skipped_not_failed(hf_dirs: 
     assert "compared names, shapes and dtypes" not in res.stderr  # nothing was compared
 
 
+def test_validate_against_that_compared_nothing_says_so_beside_its_ok(hf_dirs: Path, tmp_path: Path) -> None:
+    """An OK whose --against rules all skipped (torchtitan names against HF ones) said only, inside the summary's list
+    of skip reasons, that the reference was not looked at; a note now says --against compared nothing, and why."""
+    cli("import", str(hf_dirs / "llama"), str(tmp_path / "titan"), "--schema", "torchtitan")
+    res = runner.invoke(app, ["validate", "--strict", str(tmp_path / "titan"), "--against", str(hf_dirs / "llama")])
+    assert res.exit_code == 0, res.output
+    note = " ".join(res.stderr.split())
+    assert "note: --against compared nothing: the checkpoint's model keys are torchtitan-llama3 names" in note, note
+
+
 def test_validate_against_a_key_list_in_the_checkpoints_own_names_is_still_compared(
     hf_dirs: Path, tmp_path: Path
 ) -> None:
