@@ -29,6 +29,7 @@ from ckpttool.errors import (
     UsageError,
 )
 from ckpttool.format.directory import DATA_FILE_RE, METADATA_NAME
+from ckpttool.format.files import hub_snapshot
 from ckpttool.format.hf_storage import hf_storage_files
 from ckpttool.format.metadata import CheckpointMetadata, StorageInfo
 from ckpttool.format.perrank_formats import detect_layout, staging_of, unfinished_layout
@@ -897,7 +898,10 @@ def _ambiguous(
             f"{shlex.quote(str(example.model if example.optimizer is None else example.model.parent))}"
         )
     else:
-        hint = f"pass one of them, e.g. {shlex.quote(str(units[0].model))}"
+        main = hub_snapshot(root)  # a hub repository folder: the revision refs/main names is the example
+        pick = next((u for u in units if main is not None and u.model == main), None)
+        hint = f"pass one of them, e.g. {shlex.quote(str((pick or units[0]).model))}"
+        hint += " (the snapshot refs/main names)" if pick is not None else ""
     err = AmbiguousCheckpointError(
         f"{root}: no .metadata; {len(units)} checkpoints below it: {shown}",
         path=root,

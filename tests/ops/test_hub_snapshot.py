@@ -120,6 +120,17 @@ def test_import_of_the_hub_repository_folder_names_its_snapshot(hf_dirs: Path, t
     assert not (tmp_path / "dcp").exists()
 
 
+@pytest.mark.parametrize("command", ["inspect", "validate", "stats"])
+def test_a_hub_repository_folder_of_two_revisions_names_the_one_refs_main_names(
+    hf_dirs: Path, tmp_path: Path, command: str
+) -> None:
+    snap = hub_snapshot(hf_dirs / "llama", tmp_path / "hub")
+    older = snap.parent / ("0" * 40)  # sorts first: an example taken from the listing would name it
+    shutil.copytree(snap, older, symlinks=True)
+    out = cli(command, str(snap.parent.parent), code=2).replace("\n", "")
+    assert "[E204]" in out and f"pass one of them, e.g. {snap} (the snapshot refs/main names)" in out, out
+
+
 def test_import_of_the_hub_cache_root_names_a_models_snapshot(hf_dirs: Path, tmp_path: Path) -> None:
     snap = hub_snapshot(hf_dirs / "llama", tmp_path / "hub")
     out = cli("import", str(tmp_path / "hub"), str(tmp_path / "dcp"), code=2)
