@@ -512,13 +512,17 @@ def _membership(
 
 
 def _check_listed_once(cat: Catalog, hypers: dict[str, Hyper], wanted: Callable[[str], bool] | None) -> None:
-    """Refuse a selected parameter listed in two param groups with different hyperparameters (E514).
+    """Refuse a selected parameter listed more than once in the param groups (E514).
 
-    ``torch.optim`` refuses to build such an optimizer ("some parameters appear in more than one parameter group"),
-    so no run saved it; the catalog takes the first group, and which ``lr`` stepped the parameter is unknown.
+    In two groups: ``torch.optim`` refuses to build such an optimizer ("some parameters appear in more than one
+    parameter group"), so no run saved it; the catalog takes the first group, and which ``lr`` stepped the parameter
+    is unknown (nor, with equal hyperparameters, whether it was stepped once per step). Twice in one group:
+    ``torch.optim`` warns ("duplicate parameters") and steps it twice per optimizer step, so one replayed step is
+    not the run's; a resume through ``set_optimizer_state_dict`` keeps one entry and steps it once.
     """
     if sum(len(g.params) for g in cat.param_groups) == len(cat.group_index()):
         return  # every fqn listed once (the common case, at C speed)
+    hint = "the param groups were merged or edited wrongly; leave the parameter out with `filter_glob`"
     first: dict[str, Hyper] = {}
     for g in cat.param_groups:
         for f in g.params:
@@ -528,6 +532,14 @@ def _check_listed_once(cat: Catalog, hypers: dict[str, Hyper], wanted: Callable[
             if f not in first:
                 first[f] = h
                 continue
+            if h.group_id == g.group_id:
+                raise HyperparameterError(
+                    f"parameter {f} is listed twice in param group {g.group_id}: torch.optim steps a duplicated "
+                    "parameter twice per optimizer step (it warns 'duplicate parameters'), while a resume steps it "
+                    "once, so which update the saved state leads to is unknown",
+                    fqn=f,
+                    hint=hint,
+                )
             other = _hyper(g, f, g.group_id, _lr_dtype(cat, g))
             if other.as_kwargs() != h.as_kwargs():
                 raise HyperparameterError(
@@ -535,8 +547,15 @@ def _check_listed_once(cat: Catalog, hypers: dict[str, Hyper], wanted: Callable[
                     f"{h.weight_decay:g}) and {g.group_id} (lr {other.lr:g}, weight_decay {other.weight_decay:g}): "
                     "torch.optim never builds a parameter into two groups, so which hyperparameters step it is unknown",
                     fqn=f,
-                    hint="the param groups were merged or edited wrongly; leave the parameter out with `filter_glob`",
+                    hint=hint,
                 )
+            raise HyperparameterError(
+                f"parameter {f} is listed in param groups {h.group_id} and {g.group_id} (equal hyperparameters): "
+                "torch.optim never builds a parameter into two groups, so whether the run stepped it once or twice "
+                "per step is unknown",
+                fqn=f,
+                hint=hint,
+            )
 
 
 def _lr_dtype(cat: Catalog, group: Any) -> str | None:

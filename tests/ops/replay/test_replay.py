@@ -821,6 +821,40 @@ def test_a_parameter_listed_in_two_param_groups_is_refused(tmp_path: Path) -> No
     assert run(ck, "--device", "cpu", "--grads", grads, "--filter", "bias").exit_code == 0
 
 
+def test_a_parameter_listed_twice_in_one_group_or_in_two_equal_groups_is_refused(tmp_path: Path) -> None:
+    """Param groups listing a parameter twice in one group (torch.optim warns 'duplicate parameters' and steps it
+    twice per optimizer step) or in two groups with equal hyperparameters (torch.optim refuses to build that) replayed
+    it once and said 'OK: 2 of 2'. Which update the saved state leads to is unknown: E514 (exit 2) names the
+    parameter and the group(s); --filter leaves it out."""
+
+    def twice_in_group(osd: dict[str, Any]) -> None:
+        osd["param_groups"][0]["params"].append("weight")
+
+    def in_two_equal_groups(osd: dict[str, Any]) -> None:
+        osd["param_groups"].append({**osd["param_groups"][0], "params": ["weight"]})
+
+    hint = "hint: the param groups were merged or edited wrongly; leave the parameter out with --filter"
+    for mutate, first in [
+        (
+            twice_in_group,
+            "error: [E514] parameter weight is listed twice in param group 0: torch.optim steps a duplicated parameter "
+            "twice per optimizer step (it warns 'duplicate parameters'), while a resume steps it once, so which "
+            "update the saved state leads to is unknown",
+        ),
+        (
+            in_two_equal_groups,
+            "error: [E514] parameter weight is listed in param groups 0 and 1 (equal hyperparameters): torch.optim "
+            "never builds a parameter into two groups, so whether the run stepped it once or twice per step is "
+            "unknown",
+        ),
+    ]:
+        ck, grads, _, _ = _adamw_linear_with(tmp_path / mutate.__name__, mutate)
+        res = run(ck, "--device", "cpu", "--grads", grads)
+        assert res.exit_code == 2 and res.stdout == "", res.output
+        assert res.stderr.splitlines() == [first, hint]
+        assert run(ck, "--device", "cpu", "--grads", grads, "--filter", "bias").exit_code == 0
+
+
 def test_a_fractional_saved_step_is_refused(tmp_path: Path) -> None:
     """A saved step of 2.5 (no torch optimizer counts so: its counter adds 1.0 to a whole number) replayed with bias
     corrections at step 3.5 and said 'OK: 2 of 2', as negative and NaN steps no longer did (E511)."""
