@@ -1558,11 +1558,16 @@ class _SlabContext:
                 f"max |m_hat|/(sqrt(v_hat)+eps) {u:.3g} (update/lr) beyond {r.update.direction_bound:.3g}, the most "
                 f"Adam's moments allow at step {t:g}"
             )
+        finite = math.isfinite(d) and math.isfinite(pmax)
+        if not why:  # NaN compares as nothing: name the sizes themselves
+            why.append(f"max |update| {d:.3g} on a tensor whose largest saved value is {pmax:.3g}")
         if u > r.update.direction_bound * UPDATE_BOUND_SLACK:
             cause = (
                 "the saved moments or step cannot be Adam's own: a zeroed or stale exp_avg_sq, a reset step; run "
                 "`ckpttool validate --deep`"
             )
+        elif not finite:  # a saved NaN or infinity (D001, named first), not the lr
+            cause = "the step from a saved non-finite value is not finite"
         else:  # the moments are Adam's: the step is lr-sized, and lr is beyond the tensor's scale
             cause = (
                 f"the moments are within Adam's bound, so the saved lr {p.hyper.lr:.3g} is beyond the tensor's "

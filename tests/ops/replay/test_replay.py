@@ -689,10 +689,13 @@ def test_a_saved_lr_far_beyond_the_weights_is_still_an_update_size_failure(tmp_p
     ), w.problems
 
 
-def _adamw_linear_with(tmp_path: Path, mutate: Any, make_optim: Any = None) -> tuple[Path, Path, Any, Any]:
+def _adamw_linear_with(
+    tmp_path: Path, mutate: Any, make_optim: Any = None, mutate_model: Any = None
+) -> tuple[Path, Path, Any, Any]:
     """A ``torch.nn.Linear(8, 4)`` stepped 3 times by ``torch.optim.AdamW`` (or ``make_optim(params)``), its
-    ``get_state_dict`` optimizer state changed by ``mutate(osd)`` and saved with ``dcp.save``; gradients of the next
-    step in ``g.safetensors``. Returns (checkpoint, gradients file, model, optimizer) before that step."""
+    ``get_state_dict`` optimizer state changed by ``mutate(osd)`` (and model state by ``mutate_model(msd)``) and saved
+    with ``dcp.save``; gradients of the next step in ``g.safetensors``. Returns (checkpoint, gradients file, model,
+    optimizer) before that step."""
     from safetensors.torch import save_file
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
@@ -704,6 +707,9 @@ def _adamw_linear_with(tmp_path: Path, mutate: Any, make_optim: Any = None) -> t
     train_steps(model, opt, 3, loss="square")
     msd, osd = get_state_dict(model, opt)
     mutate(osd)
+    if mutate_model is not None:
+        msd = {k: v.detach().clone() for k, v in msd.items()}  # not the live parameters the caller steps
+        mutate_model(msd)
     save_quiet({"model": msd, "optimizer": osd}, tmp_path / "ck")
     gen = torch.Generator().manual_seed(7)
     save_file(
@@ -729,6 +735,26 @@ def test_a_nan_saved_state_is_not_called_a_difference_from_torch(tmp_path: Path)
     assert weight["torch_unequal"] == {"param": 0, "exp_avg": 0, "exp_avg_sq": 0, "step": 0}
     assert weight["problems"][0].startswith("saved exp_avg_sq holds non-finite values [D001]: 1 NaN of 32 element(s)")
     assert not any("torch.optim.AdamW" in p for p in weight["problems"]), weight["problems"]
+    assert_no_traceback(res)
+
+
+def test_a_non_finite_saved_parameter_names_its_update_size(tmp_path: Path) -> None:
+    """With an infinity saved in the parameter, the update-size problem read 'update size [R003]:  (the moments are within
+    Adam's bound, so the saved lr 0.01 is beyond the tensor's scale: ...)': no size named (NaN compares as nothing)
+    and the lr blamed. It now names the sizes and the non-finite saved value as the cause."""
+
+    def nan_weight(msd: dict[str, Any]) -> None:
+        msd["weight"][1, 2] = float("inf")
+
+    ck, grads, _, _ = _adamw_linear_with(tmp_path, lambda osd: None, mutate_model=nan_weight)
+    res = run(ck, "--device", "cpu", "--grads", grads, "--json")
+    assert res.exit_code == 1, res.output
+    weight = next(p for p in json.loads(res.stdout)["params"] if p["fqn"] == "weight")
+    assert weight["problems"][0].startswith("saved param holds non-finite values [D001]: 1 infinite of 32 element(s)")
+    assert weight["problems"][1] == (
+        "update size [R003]: max |update| nan on a tensor whose largest saved value is inf (the step from a saved "
+        "non-finite value is not finite)"
+    )
     assert_no_traceback(res)
 
 
