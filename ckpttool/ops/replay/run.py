@@ -1533,6 +1533,12 @@ class _SlabContext:
     def _check_update(self, parts: list[dict[str, Any]]) -> None:
         """Merge the slabs' update sizes into the result; beyond the bounds is an ``R003`` problem."""
         p, r = self.p, self.r
+        if p.hyper.lr == 0:  # AdamW then moves nothing (decay included): no update to check, whatever the moments
+            r.problems.append(
+                "update size [R003]: the saved lr is 0, so the step moves no parameter: the replay checks the moments "
+                "only, not the update a resume makes (a schedule at its start or end, or a wrong lr in the saved param "
+                "group)"
+            )
         ups = [x["update"] for x in parts if "update" in x]
         if not ups:
             return

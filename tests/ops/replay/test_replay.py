@@ -758,6 +758,37 @@ def test_a_non_finite_saved_parameter_names_its_update_size(tmp_path: Path) -> N
     assert_no_traceback(res)
 
 
+def test_a_saved_lr_of_zero_is_not_ok(tmp_path: Path) -> None:
+    """A param group saved with lr 0 replayed 'OK: 2 of 2 parameters match the reference step with a sane update':
+    AdamW at lr 0 moves nothing (weight decay included), so the replay checked the moments only. Each parameter of
+    the group now fails with an update-size problem naming the lr (exit 1); another group's parameters still pass."""
+
+    def lr0(osd: dict[str, Any]) -> None:
+        osd["param_groups"][0]["lr"] = 0.0
+
+    ck, grads, _, _ = _adamw_linear_with(tmp_path, lr0)
+    res = run(ck, "--device", "cpu", "--grads", grads, "--json")
+    assert res.exit_code == 1, res.output
+    doc = json.loads(res.stdout)
+    assert doc["ok"] is False and doc["params_failed"] == 2
+    for p in doc["params"]:
+        assert p["problems"] == [
+            "update size [R003]: the saved lr is 0, so the step moves no parameter: the replay checks the moments "
+            "only, not the update a resume makes (a schedule at its start or end, or a wrong lr in the saved param "
+            "group)"
+        ]
+    assert res.stderr.startswith("error: [E700] 2 of 2 parameter(s) do not reproduce the reference step; worst ")
+
+    def bias_lr0(osd: dict[str, Any]) -> None:
+        group = osd["param_groups"][0]
+        osd["param_groups"] = [{**group, "params": ["weight"]}, {**group, "params": ["bias"], "lr": 0.0}]
+
+    ck, grads, _, _ = _adamw_linear_with(tmp_path / "bias", bias_lr0)
+    doc = json.loads(run(ck, "--device", "cpu", "--grads", grads, "--json").stdout)
+    assert [(p["fqn"], p["ok"]) for p in doc["params"]] == [("bias", False), ("weight", True)]
+    assert_no_traceback(res)
+
+
 def test_a_negative_saved_second_moment_is_named_as_the_cause(tmp_path: Path) -> None:
     """A negative saved exp_avg_sq (validate --deep's D002) failed the replay (right) with only its consequences:
     'update size [R003]: max |m_hat|/(sqrt(v_hat)+eps) inf ...' and 'param: 1 element(s) beyond tolerance (max abs
