@@ -577,13 +577,20 @@ def _part_groups(cat: Catalog, fqn: str, parts: tuple[str, ...], head_dim: int |
         return 1
     rows_k = cat.model[parts[1]].shape[0]
     hd = head_dim
-    if hd is None:
-        attn = fqn.rsplit(".", 3)[0]  # layers.0.attention(.qkv_linear.wqkv.weight)
-        for norm in ("q_norm", "k_norm"):
-            e = cat.model_entry(f"{attn}.{norm}.weight")
-            if e is not None and len(e.shape) == 1:
-                hd = e.shape[0]
-                break
+    attn = fqn.rsplit(".", 3)[0]  # layers.0.attention(.qkv_linear.wqkv.weight)
+    for norm in ("q_norm", "k_norm"):
+        e = cat.model_entry(f"{attn}.{norm}.weight")
+        if e is not None and len(e.shape) == 1:
+            if head_dim is not None and head_dim != e.shape[0]:  # the checkpoint's own head dim wins over a flag
+                raise UsageError(
+                    f"`head_dim` {head_dim} contradicts the checkpoint: {attn}.{norm}.weight, the per-head norm "
+                    f"beside {fqn}, has {e.shape[0]} elements (the head dim); assembled with the wrong head dim, the "
+                    "fused rows would not line up with their saved state",
+                    param="head_dim",
+                    hint=f"leave out `head_dim` (the checkpoint tells it), or pass `head_dim` {e.shape[0]}",
+                )
+            hd = e.shape[0]
+            break
     if hd is None or hd <= 0 or rows_k % hd:
         return None
     return rows_k // hd
