@@ -596,6 +596,25 @@ def _zero_moments_note(results: list[ParamResult], notes: list[str]) -> None:
         )
 
 
+def _reset_step_problems(results: list[ParamResult]) -> None:
+    """Fail each loaded parameter saved at ``step`` 0 in a leaf whose other parameters stepped (``validate --deep``'s
+    ``O007`` finds the counters apart). ``torch.optim`` creates a parameter's state in its first step and counts it
+    at once, so a saved step 0 is state made up after the fact: its moments and bias correction restart at a resume
+    while the group's go on, as for state lost (``E513``), which the replay of that made-up state cannot tell."""
+    top: dict[int | str, float] = {}
+    for r in results:
+        if r.state == "loaded":
+            top[r.group_id] = max(top.get(r.group_id, 0.0), r.step_before)
+    for r in results:
+        if r.state == "loaded" and r.step_before == 0 and top[r.group_id] >= 1:
+            r.problems.insert(
+                0,
+                f"saved step 0 while its param group ({r.group_id}) is at step {top[r.group_id]:g} [O007]: torch.optim "
+                "counts a parameter's first step as it creates its state, so this state was reset or made up after "
+                "the run stepped (a resume restarts its moments and bias correction while its group's go on)",
+            )
+
+
 def _finish_timing(timing: dict[str, float], t_start: float, bytes_read: int) -> None:
     """Add the rates, the total seconds and the bytes read to ``timing``."""
     st = timing["step_seconds"]
@@ -734,6 +753,7 @@ def _replay(
     )
     _step_mismatch_note(results, layout.record, notes)
     _zero_moments_note(results, notes)
+    _reset_step_problems(results)
     results.sort(key=lambda r: (r.ok, -r.worst_ratio, r.fqn))
     _finish_timing(timing, t_start, bytes_read)
     return ReplayResult(

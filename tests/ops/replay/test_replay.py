@@ -789,6 +789,33 @@ def test_a_saved_lr_of_zero_is_not_ok(tmp_path: Path) -> None:
     assert_no_traceback(res)
 
 
+def test_a_state_reset_to_step_0_in_a_stepped_group_is_not_ok(tmp_path: Path) -> None:
+    """One parameter's state reset to step 0 with zero moments while its group is at step 3 (torch.optim never saves
+    that: it counts the first step as it creates the state) replayed a clean first step and said 'OK: 2 of 2'; a
+    resume restarts that parameter's moments while the group's go on, as for lost state (E513). Validate --deep says
+    O007; the replay now fails the parameter naming both steps (exit 1)."""
+
+    def reset(osd: dict[str, Any]) -> None:
+        st = osd["state"]["weight"]
+        st["step"], st["exp_avg"], st["exp_avg_sq"] = (
+            torch.zeros_like(st["step"]),
+            0 * st["exp_avg"],
+            0 * st["exp_avg_sq"],
+        )
+
+    ck, grads, _, _ = _adamw_linear_with(tmp_path, reset)
+    res = run(ck, "--device", "cpu", "--grads", grads, "--json")
+    assert res.exit_code == 1, res.output
+    doc = json.loads(res.stdout)
+    assert [(p["fqn"], p["ok"]) for p in doc["params"]] == [("weight", False), ("bias", True)]
+    assert doc["params"][0]["problems"] == [
+        "saved step 0 while its param group (0) is at step 3 [O007]: torch.optim counts a parameter's first step as "
+        "it creates its state, so this state was reset or made up after the run stepped (a resume restarts its "
+        "moments and bias correction while its group's go on)"
+    ]
+    assert run(ck, "--device", "cpu", "--grads", grads, "--filter", "weight").exit_code == 0  # no group step to compare
+
+
 def test_a_negative_saved_second_moment_is_named_as_the_cause(tmp_path: Path) -> None:
     """A negative saved exp_avg_sq (validate --deep's D002) failed the replay (right) with only its consequences:
     'update size [R003]: max |m_hat|/(sqrt(v_hat)+eps) inf ...' and 'param: 1 element(s) beyond tolerance (max abs
