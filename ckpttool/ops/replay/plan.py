@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import math
 import re
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -100,7 +100,8 @@ class ParamPlan:
         offloaded: ``cpu_offload_adamw`` keeps its master and moments on the CPU.
         moment_dtype: dtype name of ``exp_avg``/``exp_avg_sq`` (saved, or what fresh state gets).
         shared_step: the step saved once for its whole optimizer instead of per parameter
-            (Megatron-core's ``common_step`` in ``common.pt``: its param group's ``step``), else ``None``.
+            (Megatron-core's ``common_step`` in ``common.pt``: its param group's ``step``), or saved as a
+            Python number instead of a tensor (``object_steps`` of :func:`plan_replay`), else ``None``.
         parts: model keys of a parameter the optimizer steps fused while the model stores it
             split (torchtitan's ``wqkv`` as ``wq``/``wk``/``wv``; ``key`` then names no stored
             tensor); empty otherwise.
@@ -248,6 +249,12 @@ def _shared_step(group: Any) -> float | None:
     """The step a param group carries for all its parameters (Megatron's ``common_step``), else ``None``."""
     v = group.values.get("step") if group is not None else None
     return float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else None
+
+
+def _number_step(cat: Catalog, fqn: str, object_steps: Mapping[str, float]) -> float | None:
+    """A step saved as a number, not a per-parameter tensor: its group's shared step, else its own byte item's."""
+    shared = _shared_step(cat.group_of(fqn))
+    return shared if shared is not None else object_steps.get(fqn)
 
 
 def _saved_dtypes(state: dict[str, TensorEntry | None], fqn: str, shared_step: float | None = None) -> dict[str, str]:
@@ -673,14 +680,14 @@ def _record_base(cat: Catalog, record: LayoutRecord | None, optimizer: str) -> t
 
 
 def _infer_type(
-    cat: Catalog, selected: list[str], offload_patterns: Sequence[str] | None
+    cat: Catalog, selected: list[str], offload_patterns: Sequence[str] | None, object_steps: Mapping[str, float]
 ) -> tuple[str, str, dict[str, str]]:
     """Type, reason and per-parameter types inferred from the saved state fields (no record, ``auto``)."""
     inferred: dict[str, str] = {}
     for f in selected:
         ps = cat.optimizer_state.get(f)
         if ps is not None and ps.fields:
-            saved = _saved_dtypes(ps.fields, f, _shared_step(cat.group_of(f)))
+            saved = _saved_dtypes(ps.fields, f, _number_step(cat, f, object_steps))
             try:
                 inferred[f] = infer_optimizer_type(saved)
             except OptimStateError as e:
@@ -721,6 +728,7 @@ def _choose_type(
     selected: list[str],
     offload_patterns: Sequence[str] | None,
     notes: list[str],
+    object_steps: Mapping[str, float],
 ) -> _TypeChoice:
     """The optimizer type: ``--optimizer``, else the record's, else the saved state fields."""
     record_type, base_cfg, fused = _record_base(cat, record, optimizer)
@@ -735,7 +743,7 @@ def _choose_type(
         type_name = record_type
         reason = "layout record optimizer.type"
     else:
-        type_name, reason, per_param_type = _infer_type(cat, selected, offload_patterns)
+        type_name, reason, per_param_type = _infer_type(cat, selected, offload_patterns, object_steps)
     if offload_patterns:
         base_cfg = dict(base_cfg, offload_patterns=list(offload_patterns))
         base_cfg.pop("cpu_offload_param_patterns", None)
@@ -813,6 +821,7 @@ def _param_plans(
     config: dict[str, dict[str, Any]],
     lost: dict[str, str],
     notes: list[str],
+    object_steps: Mapping[str, float],
 ) -> list[ParamPlan]:
     """One checked :class:`ParamPlan` per selected parameter; notes the leaves replayed from fresh state."""
     type_name, per_param_type, hypers = choice.type_name, choice.per_param_type, members.hypers
@@ -835,7 +844,7 @@ def _param_plans(
         p.offloaded = t == "cpu_offload_adamw" and _offloaded(cfg, f)
         p.moment_dtype = _moment_dtype_for(t, cfg, dtype, f)
         if fields:
-            p.shared_step = _shared_step(cat.group_of(f)) if fields.get("step", 0) is None else None
+            p.shared_step = _number_step(cat, f, object_steps) if fields.get("step", 0) is None else None
             saved = _saved_dtypes(fields, f, p.shared_step)
             p.state = {k: v for k, v in fields.items() if v is not None}
             _check_policy(p, cfg, saved)
@@ -876,6 +885,7 @@ def plan_replay(
     chunk_size: int | None = None,
     filter_glob: str | None = None,
     head_dim: int | None = None,
+    object_steps: Mapping[str, float] | None = None,
 ) -> ReplayPlan:
     """Choose the parameters, hyperparameters and optimizer configuration of a replay.
 
@@ -892,6 +902,8 @@ def plan_replay(
             ``'*experts*'``, ``'model.layers.0.*'``; ``None`` selects every parameter.
         head_dim: attention head dim, to assemble fused ``wqkv`` parameters whose parts
             interleave per KV head (:func:`_part_groups`); ``None``: from ``q_norm``/``k_norm``.
+        object_steps: fqn -> ``step`` saved as a Python number (a byte item), which ``torch.optim.AdamW``
+            turns into a float32 tensor as it loads the state; the replay does the same.
 
     Returns:
         The :class:`ReplayPlan`.
@@ -925,9 +937,10 @@ def plan_replay(
                 "only frozen parameters selected: they have no optimizer state and a step does not change them",
                 param="select",
             )
-    choice = _choose_type(cat, record, optimizer, selected, offload_patterns, notes)
+    steps = object_steps or {}
+    choice = _choose_type(cat, record, optimizer, selected, offload_patterns, notes, steps)
     config = _configs(cat, selected, choice, chunk_size, notes)
-    plans = _param_plans(cat, selected, members, choice, config, lost, notes)
+    plans = _param_plans(cat, selected, members, choice, config, lost, notes, steps)
     _inferred_membership_note(cat, selected, notes)
     skipped = [f for f in members.stepped_orphans if wanted(f)]
     return ReplayPlan(plans, choice.type_name, choice.reason, config, notes, skipped, frozen)

@@ -25,6 +25,7 @@ from typing import Any, Literal
 from ckpttool.engine.pool import map_ordered
 from ckpttool.errors import CkptError, DeviceUnavailableError, StateDtypeError, UsageError
 from ckpttool.format.jsonview import json_fields, json_number
+from ckpttool.format.metadata import TensorMeta
 from ckpttool.model.checkpoint import Checkpoint, CheckpointOrPath, OpenOptions, open_source
 from ckpttool.model.counters import (
     Counter,
@@ -493,6 +494,7 @@ def _prepare(ckpt: Checkpoint, opts: ReplayOptions) -> _Prepared:
         cat,
         layout.record,
         **same_named(opts, "select", "filter_glob", "optimizer", "offload_patterns", "chunk_size", "head_dim"),
+        object_steps=_object_steps(ckpt),
     )
     notes = list(plan.notes)
     if opts.steps > 1:
@@ -775,6 +777,23 @@ def _replay(
         frozen=tuple(plan.frozen),
         problems=_state_problems(ckpt, prep, results, complete=opts.select is None and opts.filter_glob is None),
     )
+
+
+def _object_steps(ckpt: Checkpoint) -> dict[str, float]:
+    """fqn -> ``step`` saved as a Python number (a byte item: torch before 1.12, optimizers that count in an int),
+    which ``torch.optim.AdamW`` turns into a float32 tensor as it loads the state (``Adam.__setstate__``). Other
+    objects are left out (the plan refuses them, E511); a step shared by a param group (Megatron) is not read."""
+    cat, entries = ckpt.catalog, ckpt.reader.metadata.entries
+    out: dict[str, float] = {}
+    for fqn, ps in cat.optimizer_state.items():
+        if "step" not in ps.fields or ps.fields["step"] is not None:
+            continue
+        key = cat.state_key(fqn, "step")
+        if key in entries and not isinstance(entries[key], TensorMeta):
+            v = ckpt.reader.read_object(key)
+            if isinstance(v, (int, float)) and not isinstance(v, bool):
+                out[fqn] = float(v)
+    return out
 
 
 def _state_problems(

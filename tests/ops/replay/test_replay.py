@@ -816,6 +816,45 @@ def test_a_state_reset_to_step_0_in_a_stepped_group_is_not_ok(tmp_path: Path) ->
     assert run(ck, "--device", "cpu", "--grads", grads, "--filter", "weight").exit_code == 0  # no group step to compare
 
 
+def test_a_step_saved_as_a_python_number_replays_as_torch_loads_it(tmp_path: Path) -> None:
+    """A state whose step is a Python number (3 or 3.0: torch before 1.12, optimizers that count in an int) was refused:
+    'E511 optimizer state weight.step is saved as a Python object, not a tensor', though torch.optim.AdamW loads it
+    (its __setstate__ makes a float32 tensor of it) and resumes. It now replays as torch loads it, bitwise equal to
+    torch.optim.AdamW's next step; a fractional one is refused as a fractional tensor is, and a string still is."""
+    for name, value in (("int", 3), ("float", 3.0)):
+
+        def number_steps(osd: dict[str, Any], v: Any = value) -> None:
+            for st in osd["state"].values():
+                st["step"] = v
+
+        ck, grads, _, _ = _adamw_linear_with(tmp_path / name, number_steps)
+        res = run(ck, "--device", "cpu", "--grads", grads, "--reference", "torch", "--json")
+        assert res.exit_code == 0, res.output
+        doc = json.loads(res.stdout)
+        assert [(p["step_before"], p["step_after"], p["torch_unequal"]) for p in doc["params"]] == [
+            (3.0, 4.0, {"param": 0, "exp_avg": 0, "exp_avg_sq": 0, "step": 0})
+        ] * 2
+
+    def fractional(osd: dict[str, Any]) -> None:
+        osd["state"]["weight"]["step"] = 2.5
+
+    ck, grads, _, _ = _adamw_linear_with(tmp_path / "fractional", fractional)
+    res = run(ck, "--device", "cpu", "--grads", grads)
+    assert res.exit_code == 2 and res.stderr.startswith(
+        "error: [E511] optimizer state weight.step is 2.5, not a count of steps taken"
+    ), res.stderr
+
+    def text(osd: dict[str, Any]) -> None:
+        osd["state"]["weight"]["step"] = "3"
+
+    ck, grads, _, _ = _adamw_linear_with(tmp_path / "text", text)
+    res = run(ck, "--device", "cpu", "--grads", grads)
+    assert res.exit_code == 2 and res.stderr.startswith(
+        "error: [E511] optimizer state weight.step is saved as a Python object, not a tensor"
+    ), res.stderr
+    assert_no_traceback(res)
+
+
 def test_a_negative_saved_second_moment_is_named_as_the_cause(tmp_path: Path) -> None:
     """A negative saved exp_avg_sq (validate --deep's D002) failed the replay (right) with only its consequences:
     'update size [R003]: max |m_hat|/(sqrt(v_hat)+eps) inf ...' and 'param: 1 element(s) beyond tolerance (max abs
