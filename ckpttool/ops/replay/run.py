@@ -26,6 +26,7 @@ from ckpttool.engine.pool import map_ordered
 from ckpttool.errors import CkptError, DeviceUnavailableError, StateDtypeError, UsageError
 from ckpttool.format.jsonview import json_fields, json_number
 from ckpttool.format.metadata import TensorMeta
+from ckpttool.model.catalog import Catalog, leaf_key
 from ckpttool.model.checkpoint import Checkpoint, CheckpointOrPath, OpenOptions, open_source
 from ckpttool.model.counters import (
     Counter,
@@ -598,20 +599,27 @@ def _zero_moments_note(results: list[ParamResult], notes: list[str]) -> None:
         )
 
 
-def _reset_step_problems(results: list[ParamResult]) -> None:
+def _reset_step_problems(results: list[ParamResult], cat: Catalog) -> None:
     """Fail each loaded parameter saved at ``step`` 0 in a leaf whose other parameters stepped (``validate --deep``'s
     ``O007`` finds the counters apart). ``torch.optim`` creates a parameter's state in its first step and counts it
     at once, so a saved step 0 is state made up after the fact: its moments and bias correction restart at a resume
-    while the group's go on, as for state lost (``E513``), which the replay of that made-up state cannot tell."""
-    top: dict[int | str, float] = {}
+    while the group's go on, as for state lost (``E513``), which the replay of that made-up state cannot tell.
+    Leaves as :meth:`~ckpttool.model.catalog.Catalog.leaves` (flattened groups with equal hyperparameters are one)."""
+
+    def leaf(r: ParamResult) -> str:
+        g = cat.group_of(r.fqn)
+        return leaf_key(g) if g is not None else str(r.group_id)
+
+    top: dict[str, ParamResult] = {}
     for r in results:
-        if r.state == "loaded":
-            top[r.group_id] = max(top.get(r.group_id, 0.0), r.step_before)
+        if r.state == "loaded" and ((t := top.get(leaf(r))) is None or r.step_before > t.step_before):
+            top[leaf(r)] = r
     for r in results:
-        if r.state == "loaded" and r.step_before == 0 and top[r.group_id] >= 1:
+        t = top.get(leaf(r))
+        if r.state == "loaded" and r.step_before == 0 and t is not None and t.step_before >= 1:
             r.problems.insert(
                 0,
-                f"saved step 0 while its param group ({r.group_id}) is at step {top[r.group_id]:g} [O007]: torch.optim "
+                f"saved step 0 while {t.fqn} of its param group is at step {t.step_before:g} [O007]: torch.optim "
                 "counts a parameter's first step as it creates its state, so this state was reset or made up after "
                 "the run stepped (a resume restarts its moments and bias correction while its group's go on)",
             )
@@ -755,7 +763,7 @@ def _replay(
     )
     _step_mismatch_note(results, layout.record, notes)
     _zero_moments_note(results, notes)
-    _reset_step_problems(results)
+    _reset_step_problems(results, ckpt.catalog)
     results.sort(key=lambda r: (r.ok, -r.worst_ratio, r.fqn))
     _finish_timing(timing, t_start, bytes_read)
     return ReplayResult(

@@ -809,11 +809,28 @@ def test_a_state_reset_to_step_0_in_a_stepped_group_is_not_ok(tmp_path: Path) ->
     doc = json.loads(res.stdout)
     assert [(p["fqn"], p["ok"]) for p in doc["params"]] == [("weight", False), ("bias", True)]
     assert doc["params"][0]["problems"] == [
-        "saved step 0 while its param group (0) is at step 3 [O007]: torch.optim counts a parameter's first step as "
-        "it creates its state, so this state was reset or made up after the run stepped (a resume restarts its "
+        "saved step 0 while bias of its param group is at step 3 [O007]: torch.optim counts a parameter's first step "
+        "as it creates its state, so this state was reset or made up after the run stepped (a resume restarts its "
         "moments and bias correction while its group's go on)"
     ]
     assert run(ck, "--device", "cpu", "--grads", grads, "--filter", "weight").exit_code == 0  # no group step to compare
+    # the flattened flavor (torchtitan's): parameters with equal hyperparameters are one leaf
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+
+    from tests.fixtures.builders import save_quiet, train_steps
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(8, 4)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    train_steps(model, opt, 3)
+    msd, osd = get_state_dict(model, opt, options=StateDictOptions(flatten_optimizer_state_dict=True))
+    osd = {k: (torch.zeros_like(v) if k.startswith("state.weight.") else v) for k, v in osd.items()}
+    save_quiet({"model": msd, "optimizer": osd}, tmp_path / "flat")
+    res = run(tmp_path / "flat", "--device", "cpu", "--json")
+    assert res.exit_code == 1, res.output
+    assert json.loads(res.stdout)["params"][0]["problems"][0].startswith(
+        "saved step 0 while bias of its param group is at step 3 [O007]"
+    )
 
 
 def test_a_step_saved_as_a_python_number_replays_as_torch_loads_it(tmp_path: Path) -> None:
