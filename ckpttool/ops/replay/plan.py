@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import math
 import re
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -100,7 +100,8 @@ class ParamPlan:
         offloaded: ``cpu_offload_adamw`` keeps its master and moments on the CPU.
         moment_dtype: dtype name of ``exp_avg``/``exp_avg_sq`` (saved, or what fresh state gets).
         shared_step: the step saved once for its whole optimizer instead of per parameter
-            (Megatron-core's ``common_step`` in ``common.pt``: its param group's ``step``), else ``None``.
+            (Megatron-core's ``common_step`` in ``common.pt``: its param group's ``step``), or saved as a
+            Python number instead of a tensor (``object_steps`` of :func:`plan_replay`), else ``None``.
         parts: model keys of a parameter the optimizer steps fused while the model stores it
             split (torchtitan's ``wqkv`` as ``wq``/``wk``/``wv``; ``key`` then names no stored
             tensor); empty otherwise.
@@ -248,6 +249,12 @@ def _shared_step(group: Any) -> float | None:
     """The step a param group carries for all its parameters (Megatron's ``common_step``), else ``None``."""
     v = group.values.get("step") if group is not None else None
     return float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else None
+
+
+def _number_step(cat: Catalog, fqn: str, object_steps: Mapping[str, float]) -> float | None:
+    """A step saved as a number, not a per-parameter tensor: its group's shared step, else its own byte item's."""
+    shared = _shared_step(cat.group_of(fqn))
+    return shared if shared is not None else object_steps.get(fqn)
 
 
 def _saved_dtypes(state: dict[str, TensorEntry | None], fqn: str, shared_step: float | None = None) -> dict[str, str]:
@@ -512,13 +519,17 @@ def _membership(
 
 
 def _check_listed_once(cat: Catalog, hypers: dict[str, Hyper], wanted: Callable[[str], bool] | None) -> None:
-    """Refuse a selected parameter listed in two param groups with different hyperparameters (E514).
+    """Refuse a selected parameter listed more than once in the param groups (E514).
 
-    ``torch.optim`` refuses to build such an optimizer ("some parameters appear in more than one parameter group"),
-    so no run saved it; the catalog takes the first group, and which ``lr`` stepped the parameter is unknown.
+    In two groups: ``torch.optim`` refuses to build such an optimizer ("some parameters appear in more than one
+    parameter group"), so no run saved it; the catalog takes the first group, and which ``lr`` stepped the parameter
+    is unknown (nor, with equal hyperparameters, whether it was stepped once per step). Twice in one group:
+    ``torch.optim`` warns ("duplicate parameters") and steps it twice per optimizer step, so one replayed step is
+    not the run's; a resume through ``set_optimizer_state_dict`` keeps one entry and steps it once.
     """
     if sum(len(g.params) for g in cat.param_groups) == len(cat.group_index()):
         return  # every fqn listed once (the common case, at C speed)
+    hint = "the param groups were merged or edited wrongly; leave the parameter out with `filter_glob`"
     first: dict[str, Hyper] = {}
     for g in cat.param_groups:
         for f in g.params:
@@ -528,6 +539,14 @@ def _check_listed_once(cat: Catalog, hypers: dict[str, Hyper], wanted: Callable[
             if f not in first:
                 first[f] = h
                 continue
+            if h.group_id == g.group_id:
+                raise HyperparameterError(
+                    f"parameter {f} is listed twice in param group {g.group_id}: torch.optim steps a duplicated "
+                    "parameter twice per optimizer step (it warns 'duplicate parameters'), while a resume steps it "
+                    "once, so which update the saved state leads to is unknown",
+                    fqn=f,
+                    hint=hint,
+                )
             other = _hyper(g, f, g.group_id, _lr_dtype(cat, g))
             if other.as_kwargs() != h.as_kwargs():
                 raise HyperparameterError(
@@ -535,8 +554,15 @@ def _check_listed_once(cat: Catalog, hypers: dict[str, Hyper], wanted: Callable[
                     f"{h.weight_decay:g}) and {g.group_id} (lr {other.lr:g}, weight_decay {other.weight_decay:g}): "
                     "torch.optim never builds a parameter into two groups, so which hyperparameters step it is unknown",
                     fqn=f,
-                    hint="the param groups were merged or edited wrongly; leave the parameter out with `filter_glob`",
+                    hint=hint,
                 )
+            raise HyperparameterError(
+                f"parameter {f} is listed in param groups {h.group_id} and {g.group_id} (equal hyperparameters): "
+                "torch.optim never builds a parameter into two groups, so whether the run stepped it once or twice "
+                "per step is unknown",
+                fqn=f,
+                hint=hint,
+            )
 
 
 def _lr_dtype(cat: Catalog, group: Any) -> str | None:
@@ -558,13 +584,20 @@ def _part_groups(cat: Catalog, fqn: str, parts: tuple[str, ...], head_dim: int |
         return 1
     rows_k = cat.model[parts[1]].shape[0]
     hd = head_dim
-    if hd is None:
-        attn = fqn.rsplit(".", 3)[0]  # layers.0.attention(.qkv_linear.wqkv.weight)
-        for norm in ("q_norm", "k_norm"):
-            e = cat.model_entry(f"{attn}.{norm}.weight")
-            if e is not None and len(e.shape) == 1:
-                hd = e.shape[0]
-                break
+    attn = fqn.rsplit(".", 3)[0]  # layers.0.attention(.qkv_linear.wqkv.weight)
+    for norm in ("q_norm", "k_norm"):
+        e = cat.model_entry(f"{attn}.{norm}.weight")
+        if e is not None and len(e.shape) == 1:
+            if head_dim is not None and head_dim != e.shape[0]:  # the checkpoint's own head dim wins over a flag
+                raise UsageError(
+                    f"`head_dim` {head_dim} contradicts the checkpoint: {attn}.{norm}.weight, the per-head norm "
+                    f"beside {fqn}, has {e.shape[0]} elements (the head dim); assembled with the wrong head dim, the "
+                    "fused rows would not line up with their saved state",
+                    param="head_dim",
+                    hint=f"leave out `head_dim` (the checkpoint tells it), or pass `head_dim` {e.shape[0]}",
+                )
+            hd = e.shape[0]
+            break
     if hd is None or hd <= 0 or rows_k % hd:
         return None
     return rows_k // hd
@@ -647,14 +680,14 @@ def _record_base(cat: Catalog, record: LayoutRecord | None, optimizer: str) -> t
 
 
 def _infer_type(
-    cat: Catalog, selected: list[str], offload_patterns: Sequence[str] | None
+    cat: Catalog, selected: list[str], offload_patterns: Sequence[str] | None, object_steps: Mapping[str, float]
 ) -> tuple[str, str, dict[str, str]]:
     """Type, reason and per-parameter types inferred from the saved state fields (no record, ``auto``)."""
     inferred: dict[str, str] = {}
     for f in selected:
         ps = cat.optimizer_state.get(f)
         if ps is not None and ps.fields:
-            saved = _saved_dtypes(ps.fields, f, _shared_step(cat.group_of(f)))
+            saved = _saved_dtypes(ps.fields, f, _number_step(cat, f, object_steps))
             try:
                 inferred[f] = infer_optimizer_type(saved)
             except OptimStateError as e:
@@ -695,6 +728,7 @@ def _choose_type(
     selected: list[str],
     offload_patterns: Sequence[str] | None,
     notes: list[str],
+    object_steps: Mapping[str, float],
 ) -> _TypeChoice:
     """The optimizer type: ``--optimizer``, else the record's, else the saved state fields."""
     record_type, base_cfg, fused = _record_base(cat, record, optimizer)
@@ -709,7 +743,7 @@ def _choose_type(
         type_name = record_type
         reason = "layout record optimizer.type"
     else:
-        type_name, reason, per_param_type = _infer_type(cat, selected, offload_patterns)
+        type_name, reason, per_param_type = _infer_type(cat, selected, offload_patterns, object_steps)
     if offload_patterns:
         base_cfg = dict(base_cfg, offload_patterns=list(offload_patterns))
         base_cfg.pop("cpu_offload_param_patterns", None)
@@ -787,6 +821,7 @@ def _param_plans(
     config: dict[str, dict[str, Any]],
     lost: dict[str, str],
     notes: list[str],
+    object_steps: Mapping[str, float],
 ) -> list[ParamPlan]:
     """One checked :class:`ParamPlan` per selected parameter; notes the leaves replayed from fresh state."""
     type_name, per_param_type, hypers = choice.type_name, choice.per_param_type, members.hypers
@@ -809,7 +844,7 @@ def _param_plans(
         p.offloaded = t == "cpu_offload_adamw" and _offloaded(cfg, f)
         p.moment_dtype = _moment_dtype_for(t, cfg, dtype, f)
         if fields:
-            p.shared_step = _shared_step(cat.group_of(f)) if fields.get("step", 0) is None else None
+            p.shared_step = _number_step(cat, f, object_steps) if fields.get("step", 0) is None else None
             saved = _saved_dtypes(fields, f, p.shared_step)
             p.state = {k: v for k, v in fields.items() if v is not None}
             _check_policy(p, cfg, saved)
@@ -850,6 +885,7 @@ def plan_replay(
     chunk_size: int | None = None,
     filter_glob: str | None = None,
     head_dim: int | None = None,
+    object_steps: Mapping[str, float] | None = None,
 ) -> ReplayPlan:
     """Choose the parameters, hyperparameters and optimizer configuration of a replay.
 
@@ -866,6 +902,8 @@ def plan_replay(
             ``'*experts*'``, ``'model.layers.0.*'``; ``None`` selects every parameter.
         head_dim: attention head dim, to assemble fused ``wqkv`` parameters whose parts
             interleave per KV head (:func:`_part_groups`); ``None``: from ``q_norm``/``k_norm``.
+        object_steps: fqn -> ``step`` saved as a Python number (a byte item), which ``torch.optim.AdamW``
+            turns into a float32 tensor as it loads the state; the replay does the same.
 
     Returns:
         The :class:`ReplayPlan`.
@@ -899,9 +937,10 @@ def plan_replay(
                 "only frozen parameters selected: they have no optimizer state and a step does not change them",
                 param="select",
             )
-    choice = _choose_type(cat, record, optimizer, selected, offload_patterns, notes)
+    steps = object_steps or {}
+    choice = _choose_type(cat, record, optimizer, selected, offload_patterns, notes, steps)
     config = _configs(cat, selected, choice, chunk_size, notes)
-    plans = _param_plans(cat, selected, members, choice, config, lost, notes)
+    plans = _param_plans(cat, selected, members, choice, config, lost, notes, steps)
     _inferred_membership_note(cat, selected, notes)
     skipped = [f for f in members.stepped_orphans if wanted(f)]
     return ReplayPlan(plans, choice.type_name, choice.reason, config, notes, skipped, frozen)

@@ -25,6 +25,8 @@ from typing import Any, Literal
 from ckpttool.engine.pool import map_ordered
 from ckpttool.errors import CkptError, DeviceUnavailableError, StateDtypeError, UsageError
 from ckpttool.format.jsonview import json_fields, json_number
+from ckpttool.format.metadata import TensorMeta
+from ckpttool.model.catalog import Catalog, leaf_key
 from ckpttool.model.checkpoint import Checkpoint, CheckpointOrPath, OpenOptions, open_source
 from ckpttool.model.counters import (
     Counter,
@@ -493,6 +495,7 @@ def _prepare(ckpt: Checkpoint, opts: ReplayOptions) -> _Prepared:
         cat,
         layout.record,
         **same_named(opts, "select", "filter_glob", "optimizer", "offload_patterns", "chunk_size", "head_dim"),
+        object_steps=_object_steps(ckpt),
     )
     notes = list(plan.notes)
     if opts.steps > 1:
@@ -594,6 +597,32 @@ def _zero_moments_note(results: list[ParamResult], notes: list[str]) -> None:
             f"(moments reset, e.g. by a resume that re-initialised the optimizer but kept the step), e.g. "
             f"{zero[0].fqn} at step {zero[0].step_before:g}; `ckpttool validate --deep` reports D008"
         )
+
+
+def _reset_step_problems(results: list[ParamResult], cat: Catalog) -> None:
+    """Fail each loaded parameter saved at ``step`` 0 in a leaf whose other parameters stepped (``validate --deep``'s
+    ``O007`` finds the counters apart). ``torch.optim`` creates a parameter's state in its first step and counts it
+    at once, so a saved step 0 is state made up after the fact: its moments and bias correction restart at a resume
+    while the group's go on, as for state lost (``E513``), which the replay of that made-up state cannot tell.
+    Leaves as :meth:`~ckpttool.model.catalog.Catalog.leaves` (flattened groups with equal hyperparameters are one)."""
+
+    def leaf(r: ParamResult) -> str:
+        g = cat.group_of(r.fqn)
+        return leaf_key(g) if g is not None else str(r.group_id)
+
+    top: dict[str, ParamResult] = {}
+    for r in results:
+        if r.state == "loaded" and ((t := top.get(leaf(r))) is None or r.step_before > t.step_before):
+            top[leaf(r)] = r
+    for r in results:
+        t = top.get(leaf(r))
+        if r.state == "loaded" and r.step_before == 0 and t is not None and t.step_before >= 1:
+            r.problems.insert(
+                0,
+                f"saved step 0 while {t.fqn} of its param group is at step {t.step_before:g} [O007]: torch.optim "
+                "counts a parameter's first step as it creates its state, so this state was reset or made up after "
+                "the run stepped (a resume restarts its moments and bias correction while its group's go on)",
+            )
 
 
 def _finish_timing(timing: dict[str, float], t_start: float, bytes_read: int) -> None:
@@ -734,6 +763,7 @@ def _replay(
     )
     _step_mismatch_note(results, layout.record, notes)
     _zero_moments_note(results, notes)
+    _reset_step_problems(results, ckpt.catalog)
     results.sort(key=lambda r: (r.ok, -r.worst_ratio, r.fqn))
     _finish_timing(timing, t_start, bytes_read)
     return ReplayResult(
@@ -755,6 +785,23 @@ def _replay(
         frozen=tuple(plan.frozen),
         problems=_state_problems(ckpt, prep, results, complete=opts.select is None and opts.filter_glob is None),
     )
+
+
+def _object_steps(ckpt: Checkpoint) -> dict[str, float]:
+    """fqn -> ``step`` saved as a Python number (a byte item: torch before 1.12, optimizers that count in an int),
+    which ``torch.optim.AdamW`` turns into a float32 tensor as it loads the state (``Adam.__setstate__``). Other
+    objects are left out (the plan refuses them, E511); a step shared by a param group (Megatron) is not read."""
+    cat, entries = ckpt.catalog, ckpt.reader.metadata.entries
+    out: dict[str, float] = {}
+    for fqn, ps in cat.optimizer_state.items():
+        if "step" not in ps.fields or ps.fields["step"] is not None:
+            continue
+        key = cat.state_key(fqn, "step")
+        if key in entries and not isinstance(entries[key], TensorMeta):
+            v = ckpt.reader.read_object(key)
+            if isinstance(v, (int, float)) and not isinstance(v, bool):
+                out[fqn] = float(v)
+    return out
 
 
 def _state_problems(
@@ -1533,6 +1580,12 @@ class _SlabContext:
     def _check_update(self, parts: list[dict[str, Any]]) -> None:
         """Merge the slabs' update sizes into the result; beyond the bounds is an ``R003`` problem."""
         p, r = self.p, self.r
+        if p.hyper.lr == 0:  # AdamW then moves nothing (decay included): no update to check, whatever the moments
+            r.problems.append(
+                "update size [R003]: the saved lr is 0, so the step moves no parameter: the replay checks the moments "
+                "only, not the update a resume makes (a schedule at its start or end, or a wrong lr in the saved param "
+                "group)"
+            )
         ups = [x["update"] for x in parts if "update" in x]
         if not ups:
             return
@@ -1558,11 +1611,16 @@ class _SlabContext:
                 f"max |m_hat|/(sqrt(v_hat)+eps) {u:.3g} (update/lr) beyond {r.update.direction_bound:.3g}, the most "
                 f"Adam's moments allow at step {t:g}"
             )
+        finite = math.isfinite(d) and math.isfinite(pmax)
+        if not why:  # NaN compares as nothing: name the sizes themselves
+            why.append(f"max |update| {d:.3g} on a tensor whose largest saved value is {pmax:.3g}")
         if u > r.update.direction_bound * UPDATE_BOUND_SLACK:
             cause = (
                 "the saved moments or step cannot be Adam's own: a zeroed or stale exp_avg_sq, a reset step; run "
                 "`ckpttool validate --deep`"
             )
+        elif not finite:  # a saved NaN or infinity (D001, named first), not the lr
+            cause = "the step from a saved non-finite value is not finite"
         else:  # the moments are Adam's: the step is lr-sized, and lr is beyond the tensor's scale
             cause = (
                 f"the moments are within Adam's bound, so the saved lr {p.hyper.lr:.3g} is beyond the tensor's "

@@ -689,10 +689,13 @@ def test_a_saved_lr_far_beyond_the_weights_is_still_an_update_size_failure(tmp_p
     ), w.problems
 
 
-def _adamw_linear_with(tmp_path: Path, mutate: Any, make_optim: Any = None) -> tuple[Path, Path, Any, Any]:
+def _adamw_linear_with(
+    tmp_path: Path, mutate: Any, make_optim: Any = None, mutate_model: Any = None
+) -> tuple[Path, Path, Any, Any]:
     """A ``torch.nn.Linear(8, 4)`` stepped 3 times by ``torch.optim.AdamW`` (or ``make_optim(params)``), its
-    ``get_state_dict`` optimizer state changed by ``mutate(osd)`` and saved with ``dcp.save``; gradients of the next
-    step in ``g.safetensors``. Returns (checkpoint, gradients file, model, optimizer) before that step."""
+    ``get_state_dict`` optimizer state changed by ``mutate(osd)`` (and model state by ``mutate_model(msd)``) and saved
+    with ``dcp.save``; gradients of the next step in ``g.safetensors``. Returns (checkpoint, gradients file, model,
+    optimizer) before that step."""
     from safetensors.torch import save_file
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
@@ -704,6 +707,9 @@ def _adamw_linear_with(tmp_path: Path, mutate: Any, make_optim: Any = None) -> t
     train_steps(model, opt, 3, loss="square")
     msd, osd = get_state_dict(model, opt)
     mutate(osd)
+    if mutate_model is not None:
+        msd = {k: v.detach().clone() for k, v in msd.items()}  # not the live parameters the caller steps
+        mutate_model(msd)
     save_quiet({"model": msd, "optimizer": osd}, tmp_path / "ck")
     gen = torch.Generator().manual_seed(7)
     save_file(
@@ -729,6 +735,140 @@ def test_a_nan_saved_state_is_not_called_a_difference_from_torch(tmp_path: Path)
     assert weight["torch_unequal"] == {"param": 0, "exp_avg": 0, "exp_avg_sq": 0, "step": 0}
     assert weight["problems"][0].startswith("saved exp_avg_sq holds non-finite values [D001]: 1 NaN of 32 element(s)")
     assert not any("torch.optim.AdamW" in p for p in weight["problems"]), weight["problems"]
+    assert_no_traceback(res)
+
+
+def test_a_non_finite_saved_parameter_names_its_update_size(tmp_path: Path) -> None:
+    """With an infinity saved in the parameter, the update-size problem read 'update size [R003]:  (the moments are within
+    Adam's bound, so the saved lr 0.01 is beyond the tensor's scale: ...)': no size named (NaN compares as nothing)
+    and the lr blamed. It now names the sizes and the non-finite saved value as the cause."""
+
+    def nan_weight(msd: dict[str, Any]) -> None:
+        msd["weight"][1, 2] = float("inf")
+
+    ck, grads, _, _ = _adamw_linear_with(tmp_path, lambda osd: None, mutate_model=nan_weight)
+    res = run(ck, "--device", "cpu", "--grads", grads, "--json")
+    assert res.exit_code == 1, res.output
+    weight = next(p for p in json.loads(res.stdout)["params"] if p["fqn"] == "weight")
+    assert weight["problems"][0].startswith("saved param holds non-finite values [D001]: 1 infinite of 32 element(s)")
+    assert weight["problems"][1] == (
+        "update size [R003]: max |update| nan on a tensor whose largest saved value is inf (the step from a saved "
+        "non-finite value is not finite)"
+    )
+    assert_no_traceback(res)
+
+
+def test_a_saved_lr_of_zero_is_not_ok(tmp_path: Path) -> None:
+    """A param group saved with lr 0 replayed 'OK: 2 of 2 parameters match the reference step with a sane update':
+    AdamW at lr 0 moves nothing (weight decay included), so the replay checked the moments only. Each parameter of
+    the group now fails with an update-size problem naming the lr (exit 1); another group's parameters still pass."""
+
+    def lr0(osd: dict[str, Any]) -> None:
+        osd["param_groups"][0]["lr"] = 0.0
+
+    ck, grads, _, _ = _adamw_linear_with(tmp_path, lr0)
+    res = run(ck, "--device", "cpu", "--grads", grads, "--json")
+    assert res.exit_code == 1, res.output
+    doc = json.loads(res.stdout)
+    assert doc["ok"] is False and doc["params_failed"] == 2
+    for p in doc["params"]:
+        assert p["problems"] == [
+            "update size [R003]: the saved lr is 0, so the step moves no parameter: the replay checks the moments "
+            "only, not the update a resume makes (a schedule at its start or end, or a wrong lr in the saved param "
+            "group)"
+        ]
+    assert res.stderr.startswith("error: [E700] 2 of 2 parameter(s) do not reproduce the reference step; worst ")
+
+    def bias_lr0(osd: dict[str, Any]) -> None:
+        group = osd["param_groups"][0]
+        osd["param_groups"] = [{**group, "params": ["weight"]}, {**group, "params": ["bias"], "lr": 0.0}]
+
+    ck, grads, _, _ = _adamw_linear_with(tmp_path / "bias", bias_lr0)
+    doc = json.loads(run(ck, "--device", "cpu", "--grads", grads, "--json").stdout)
+    assert [(p["fqn"], p["ok"]) for p in doc["params"]] == [("bias", False), ("weight", True)]
+    assert_no_traceback(res)
+
+
+def test_a_state_reset_to_step_0_in_a_stepped_group_is_not_ok(tmp_path: Path) -> None:
+    """One parameter's state reset to step 0 with zero moments while its group is at step 3 (torch.optim never saves
+    that: it counts the first step as it creates the state) replayed a clean first step and said 'OK: 2 of 2'; a
+    resume restarts that parameter's moments while the group's go on, as for lost state (E513). Validate --deep says
+    O007; the replay now fails the parameter naming both steps (exit 1)."""
+
+    def reset(osd: dict[str, Any]) -> None:
+        st = osd["state"]["weight"]
+        st["step"], st["exp_avg"], st["exp_avg_sq"] = (
+            torch.zeros_like(st["step"]),
+            0 * st["exp_avg"],
+            0 * st["exp_avg_sq"],
+        )
+
+    ck, grads, _, _ = _adamw_linear_with(tmp_path, reset)
+    res = run(ck, "--device", "cpu", "--grads", grads, "--json")
+    assert res.exit_code == 1, res.output
+    doc = json.loads(res.stdout)
+    assert [(p["fqn"], p["ok"]) for p in doc["params"]] == [("weight", False), ("bias", True)]
+    assert doc["params"][0]["problems"] == [
+        "saved step 0 while bias of its param group is at step 3 [O007]: torch.optim counts a parameter's first step "
+        "as it creates its state, so this state was reset or made up after the run stepped (a resume restarts its "
+        "moments and bias correction while its group's go on)"
+    ]
+    assert run(ck, "--device", "cpu", "--grads", grads, "--filter", "weight").exit_code == 0  # no group step to compare
+    # the flattened flavor (torchtitan's): parameters with equal hyperparameters are one leaf
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+
+    from tests.fixtures.builders import save_quiet, train_steps
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(8, 4)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    train_steps(model, opt, 3)
+    msd, osd = get_state_dict(model, opt, options=StateDictOptions(flatten_optimizer_state_dict=True))
+    osd = {k: (torch.zeros_like(v) if k.startswith("state.weight.") else v) for k, v in osd.items()}
+    save_quiet({"model": msd, "optimizer": osd}, tmp_path / "flat")
+    res = run(tmp_path / "flat", "--device", "cpu", "--json")
+    assert res.exit_code == 1, res.output
+    assert json.loads(res.stdout)["params"][0]["problems"][0].startswith(
+        "saved step 0 while bias of its param group is at step 3 [O007]"
+    )
+
+
+def test_a_step_saved_as_a_python_number_replays_as_torch_loads_it(tmp_path: Path) -> None:
+    """A state whose step is a Python number (3 or 3.0: torch before 1.12, optimizers that count in an int) was refused:
+    'E511 optimizer state weight.step is saved as a Python object, not a tensor', though torch.optim.AdamW loads it
+    (its __setstate__ makes a float32 tensor of it) and resumes. It now replays as torch loads it, bitwise equal to
+    torch.optim.AdamW's next step; a fractional one is refused as a fractional tensor is, and a string still is."""
+    for name, value in (("int", 3), ("float", 3.0)):
+
+        def number_steps(osd: dict[str, Any], v: Any = value) -> None:
+            for st in osd["state"].values():
+                st["step"] = v
+
+        ck, grads, _, _ = _adamw_linear_with(tmp_path / name, number_steps)
+        res = run(ck, "--device", "cpu", "--grads", grads, "--reference", "torch", "--json")
+        assert res.exit_code == 0, res.output
+        doc = json.loads(res.stdout)
+        assert [(p["step_before"], p["step_after"], p["torch_unequal"]) for p in doc["params"]] == [
+            (3.0, 4.0, {"param": 0, "exp_avg": 0, "exp_avg_sq": 0, "step": 0})
+        ] * 2
+
+    def fractional(osd: dict[str, Any]) -> None:
+        osd["state"]["weight"]["step"] = 2.5
+
+    ck, grads, _, _ = _adamw_linear_with(tmp_path / "fractional", fractional)
+    res = run(ck, "--device", "cpu", "--grads", grads)
+    assert res.exit_code == 2 and res.stderr.startswith(
+        "error: [E511] optimizer state weight.step is 2.5, not a count of steps taken"
+    ), res.stderr
+
+    def text(osd: dict[str, Any]) -> None:
+        osd["state"]["weight"]["step"] = "3"
+
+    ck, grads, _, _ = _adamw_linear_with(tmp_path / "text", text)
+    res = run(ck, "--device", "cpu", "--grads", grads)
+    assert res.exit_code == 2 and res.stderr.startswith(
+        "error: [E511] optimizer state weight.step is saved as a Python object, not a tensor"
+    ), res.stderr
     assert_no_traceback(res)
 
 
@@ -819,6 +959,40 @@ def test_a_parameter_listed_in_two_param_groups_is_refused(tmp_path: Path) -> No
         "hint: the param groups were merged or edited wrongly; leave the parameter out with --filter",
     ]
     assert run(ck, "--device", "cpu", "--grads", grads, "--filter", "bias").exit_code == 0
+
+
+def test_a_parameter_listed_twice_in_one_group_or_in_two_equal_groups_is_refused(tmp_path: Path) -> None:
+    """Param groups listing a parameter twice in one group (torch.optim warns 'duplicate parameters' and steps it
+    twice per optimizer step) or in two groups with equal hyperparameters (torch.optim refuses to build that) replayed
+    it once and said 'OK: 2 of 2'. Which update the saved state leads to is unknown: E514 (exit 2) names the
+    parameter and the group(s); --filter leaves it out."""
+
+    def twice_in_group(osd: dict[str, Any]) -> None:
+        osd["param_groups"][0]["params"].append("weight")
+
+    def in_two_equal_groups(osd: dict[str, Any]) -> None:
+        osd["param_groups"].append({**osd["param_groups"][0], "params": ["weight"]})
+
+    hint = "hint: the param groups were merged or edited wrongly; leave the parameter out with --filter"
+    for mutate, first in [
+        (
+            twice_in_group,
+            "error: [E514] parameter weight is listed twice in param group 0: torch.optim steps a duplicated parameter "
+            "twice per optimizer step (it warns 'duplicate parameters'), while a resume steps it once, so which "
+            "update the saved state leads to is unknown",
+        ),
+        (
+            in_two_equal_groups,
+            "error: [E514] parameter weight is listed in param groups 0 and 1 (equal hyperparameters): torch.optim "
+            "never builds a parameter into two groups, so whether the run stepped it once or twice per step is "
+            "unknown",
+        ),
+    ]:
+        ck, grads, _, _ = _adamw_linear_with(tmp_path / mutate.__name__, mutate)
+        res = run(ck, "--device", "cpu", "--grads", grads)
+        assert res.exit_code == 2 and res.stdout == "", res.output
+        assert res.stderr.splitlines() == [first, hint]
+        assert run(ck, "--device", "cpu", "--grads", grads, "--filter", "bias").exit_code == 0
 
 
 def test_a_fractional_saved_step_is_refused(tmp_path: Path) -> None:

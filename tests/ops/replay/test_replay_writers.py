@@ -71,6 +71,22 @@ def test_torchtitan_moe(titan_root: Path) -> None:
     }
 
 
+def test_torchtitan_head_dim_contradicting_the_q_norm_is_refused(titan_root: Path) -> None:
+    """qwen3's q_norm (8 elements) tells the head dim, but --head-dim 4 overrode it without a word: the fused wqkv was
+    assembled in the wrong row order against its saved state and the replay said OK. A --head-dim that contradicts
+    the checkpoint's per-head norm is now refused (E100, exit 2) naming both; the right one replays as without it."""
+    args = ["replay-step", str(titan_root / "moe"), "--device", "cpu"]
+    res = runner.invoke(app, [*args, "--head-dim", "4"])
+    assert res.exit_code == 2 and res.stdout == "", res.output
+    assert res.stderr.splitlines() == [
+        "error: [E100] --head-dim 4 contradicts the checkpoint: layers.0.attention.q_norm.weight, the per-head norm "
+        "beside layers.0.attention.qkv_linear.wqkv.weight, has 8 elements (the head dim); assembled with the wrong "
+        "head dim, the fused rows would not line up with their saved state",
+        "hint: leave out --head-dim (the checkpoint tells it), or pass --head-dim 8",
+    ]
+    assert replay(str(titan_root / "moe"), "--head-dim", "8")["ok"]
+
+
 def test_accelerate_pair_and_app_state(acc_root: Path) -> None:
     doc = replay(str(acc_root / "accelerate" / "checkpoint-1"))
     assert doc["ok"] and len(doc["params"]) == 21
