@@ -822,6 +822,9 @@ def _state_problems(
     if trains:
         bad = optimizer_step_disagrees(ckpt, opt, trains[0], all_params=complete)
         why = f"the optimizer state is not the trainer's step, and a resume would bias-correct for step {opt.value}"
+        if bad is None:  # optimizer and trainer agree: an LR scheduler of another save still moves the next lr
+            bad = next(iter(scheduler_disagrees(ckpt, trains[0], scheduler_counters(ckpt)[0])), None)
+            why = "the LR scheduler is of another save: a resume would take the lr of another step from the next one"
     else:  # no trainer step saved (verl): the LR scheduler's last_epoch is the run's only other counter
         lags = not complete or skips_optimizer_steps(ckpt)
         bad = next(iter(scheduler_disagrees(ckpt, opt, scheduler_counters(ckpt)[0], ref_may_lag=lags)), None)

@@ -160,7 +160,12 @@ def test_optimizer_state_of_an_older_step_is_not_ok(titan_root: Path, tmp_path: 
     # a subset of the parameters (--filter) may legitimately have stepped fewer times: no verdict from its steps
     res = runner.invoke(app, [*args, "--filter", "norm.weight", "--json"])
     assert res.exit_code == 0 and json.loads(res.stdout)["problems"] == []
-    # the newer scheduler alone keeps optimizer and trainer in step: the replay is OK (validate names the scheduler)
-    ok = _titan_resaved(titan_root, tmp_path / "sched", lr_scheduler="1")
-    res = runner.invoke(app, ["replay-step", str(ok), "--device", "cpu", "--head-dim", "16", "--json"])
-    assert res.exit_code == 0 and json.loads(res.stdout)["ok"]
+    # step-1's LR scheduler beside step-2's optimizer and trainer: this step replays exactly, but the resumed run
+    # would take the next lr from another step's schedule; not OK, as validate's R002
+    sched = _titan_resaved(titan_root, tmp_path / "sched", lr_scheduler="1")
+    res = runner.invoke(app, ["replay-step", str(sched), "--device", "cpu", "--head-dim", "16", "--json"])
+    doc = json.loads(res.stdout)
+    assert res.exit_code == 1 and not doc["ok"] and doc["params_failed"] == 0, res.stdout
+    (problem,) = doc["problems"]
+    assert problem.startswith("LR scheduler lr_scheduler.") and "= 1 but train_state.step = 2" in problem, problem
+    assert "R002" in problem and "R002" in runner.invoke(app, ["validate", "--deep", str(sched)]).stdout
