@@ -445,6 +445,51 @@ def _optional_values(cmd: Any) -> None:
     cmd.parse_args = parse_args
 
 
+def _single_values(cmd: Any) -> None:
+    """A command's option that takes one value, given twice (``--filter A --filter B``), is an error (E100): click
+    keeps the last value silently, so the command would run on part of what was asked. Repeatable options, flags,
+    counts and the global options (display settings a shell alias may set: the last wins) are left alone."""
+    shared = {o for p in _global_options() for o in getattr(p, "opts", ())}
+    takes: dict[str, Any] = {}  # every option string that takes a value -> its option
+    for p in cmd.params:
+        if p.param_type_name == "option" and not (p.is_flag or p.count):
+            takes.update((o, p) for o in p.opts)
+    single = {o: p for o, p in takes.items() if not p.multiple and not shared.intersection(p.opts)}
+    if not single:
+        return
+    parse = cmd.parse_args
+
+    def parse_args(ctx: Any, args: list[str]) -> Any:
+        args, rest = list(args), parse(ctx, args)  # click's parser consumes the list it is given
+        given: dict[str, list[str]] = {}
+        i, n = 0, args.index("--") if "--" in args else len(args)
+        while i < n:
+            name, eq, value = args[i].partition("=") if args[i].startswith("--") else (args[i], "", "")
+            p = takes.get(name)
+            if (
+                p is not None
+                and not eq
+                and i + 1 < n
+                and not ((p.metavar or "").startswith("[") and args[i + 1][:1] == "-")
+            ):
+                value, i = (
+                    args[i + 1],
+                    i + 1,
+                )  # its value (click's rule: an option's next word), never read as an option
+            if name in single:
+                given.setdefault(single[name].name, []).append(value)
+            i += 1
+        for p in cmd.params:
+            if len(given.get(p.name, ())) > 1:
+                values = ", ".join(repr(v) for v in given[p.name])
+                raise typer.BadParameter(
+                    f"given {len(given[p.name])} times ({values}); it takes one value", ctx=ctx, param=p
+                )
+        return rest
+
+    cmd.parse_args = parse_args
+
+
 def _summary(cmd: Any) -> None:
     """The command's line in ``ckpttool --help``: its docstring's first line whole (click would cut it with "...")."""
     if cmd.help and not cmd.short_help:
@@ -562,6 +607,7 @@ def _load_command(name: str) -> Any:
     _uppercase_metavars(cmd)
     _plain_usage(cmd)
     _optional_values(cmd)
+    _single_values(cmd)
     _summary(cmd)
     add_completions(cmd)
     return cmd

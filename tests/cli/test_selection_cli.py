@@ -77,3 +77,25 @@ def test_optimizer_dir_that_does_not_exist(cmd: str, dense_ckpt: Path, tmp_path:
     err, hint = fail(cmd, str(dense_ckpt), "--optimizer-dir", str(tmp_path / "optimzer_0"))
     assert err == f"error: [E100] --optimizer-dir {tmp_path / 'optimzer_0'}: no such directory", err
     assert hint == f"hint: did you mean {tmp_path / 'optimizer_0'}?", hint
+
+
+@pytest.mark.parametrize("cmd", ["inspect", "export", "replay-step"])
+def test_a_single_value_option_given_twice_is_refused(cmd: str, dense_ckpt: Path, tmp_path: Path) -> None:
+    """click keeps the last value of an option given twice: `--filter A --filter B` would run on B alone, silently."""
+    out = tmp_path / "o"
+    extra = [str(out)] if cmd == "export" else []
+    err, hint = fail(cmd, str(dense_ckpt), *extra, "--filter", "*norm*", "--filter=*embed*")
+    assert err == "error: [E100] Invalid value for '--filter': given 2 times ('*norm*', '*embed*'); it takes one value"
+    assert hint == f"hint: see `ckpttool {cmd} --help`"
+    assert not out.exists()
+
+
+def test_a_value_that_spells_an_option_and_repeatable_options_are_not_counted(dense_ckpt: Path) -> None:
+    # --select is repeatable; --color is a display setting (the last wins, as a shell alias expects); a value equal
+    # to an option's name is a value
+    res = runner.invoke(app, ["validate", str(dense_ckpt), "--select", "S", "--select", "O", "--color", "always"])
+    assert res.exit_code == 0, res.stderr
+    res = runner.invoke(app, ["inspect", str(dense_ckpt), "--color", "never", "--color", "always", "--filter", "*"])
+    assert res.exit_code == 0, res.stderr
+    err, _ = fail("inspect", str(dense_ckpt), "--filter", "--filter")
+    assert "matches no key" in err, err
