@@ -124,6 +124,38 @@ def test_loose_tensor_beside_the_model_is_uncategorized(tmp_path: Path) -> None:
     assert cat.uncategorized_tensors() == ["ema.w"]
 
 
+@pytest.mark.parametrize("how", ["state_dict", "get_state_dict", "flattened"])
+def test_a_plain_save_under_optim_is_torch_native(how: str, tmp_path: Path) -> None:
+    """A user's own loop saving ``dcp.save({"model": ..., "optim": ...})`` was labelled ``olmo-core`` by the key
+    prefixes alone (and so judged by OLMo-core's trainer rules: train/rankR.pt beside it, stepN names). OLMo-core's
+    saves are told by the ``_StorageInfo`` its own writer pickles (tests/ops/test_frameworks_olmo_core.py); a plain
+    save is torch-native, whichever way its optimizer state dict was taken."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+    from typer.testing import CliRunner
+
+    from ckpttool.cli.app import app
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 4))
+    optim = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    model(torch.randn(2, 8)).sum().backward()
+    optim.step()
+    if how == "state_dict":
+        msd, osd = model.state_dict(), optim.state_dict()
+    else:
+        msd, osd = get_state_dict(
+            model, optim, options=StateDictOptions(flatten_optimizer_state_dict=how == "flattened")
+        )
+    dcp.save({"model": msd, "optim": osd}, checkpoint_id=str(tmp_path))
+    cat = build_catalog(tmp_path)
+    assert (cat.schema.id, cat.schema.model_prefix, cat.schema.optimizer_prefix) == ("torch-native", "model.", "optim.")
+    assert cat.schema.optimizer_keying == ("index" if how == "state_dict" else "fqn")
+    res = CliRunner().invoke(app, ["inspect", str(tmp_path)])
+    assert (
+        res.exit_code == 0 and "key schema  torch-native (detected): model 'model.', optimizer 'optim.'" in res.stdout
+    )
+
+
 # ------------------------------------------------------------------------------------------ overrides
 def test_override_reads_a_flat_save_as_torch_native(plain_root: Path) -> None:
     with open_checkpoint(

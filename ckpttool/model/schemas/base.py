@@ -147,6 +147,8 @@ class Detected:
         loose_top_level: tensors at the top level voted for the top-level reading.
         naming: the naming convention of the model fqns (``hf``, ``torchtitan``, ``unknown``).
         training_state: the top-level training-state items present.
+        writer: the storage writer the ``.metadata`` names when not torch's (:attr:`CheckpointMetadata.writer`:
+            ``"olmo-core"``), else ``None``.
     """
 
     model_prefix: str | None
@@ -154,6 +156,7 @@ class Detected:
     loose_top_level: bool
     naming: str
     training_state: tuple[str, ...]
+    writer: str | None = None
 
 
 @dataclass(frozen=True)

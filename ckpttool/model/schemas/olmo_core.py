@@ -18,7 +18,9 @@ __all__ = ["SPEC"]
 
 
 def _claims(d: Detected) -> bool:
-    return d.model_prefix == "model." and d.optimizer_prefix == "optim."
+    # the keys alone are a plain dcp.save({"model": ..., "optim": ...}) of any loop: the .metadata must name
+    # OLMo-core's own _StorageInfo, which its RemoteFileSystemWriter (every OLMo-core save) pickles
+    return d.writer == "olmo-core" and d.model_prefix == "model." and d.optimizer_prefix == "optim."
 
 
 SPEC = SchemaSpec(
