@@ -19,7 +19,9 @@ ITEMS = ("lr_scheduler", "dataloader", "train_state")
 
 
 def _claims(d: Detected) -> bool:
-    return d.naming == "torchtitan" or any(t in d.training_state for t in ITEMS)
+    # CheckpointManager saves the trainer's TrainState ("train_state") in every save but a model-only one (which
+    # holds torchtitan's own names); an lr_scheduler or dataloader item beside top-level tensors is any loop's too
+    return d.naming == "torchtitan" or "train_state" in d.training_state
 
 
 SPEC = SchemaSpec(
