@@ -149,6 +149,7 @@ class Detected:
         training_state: the top-level training-state items present.
         writer: the storage writer the ``.metadata`` names when not torch's (:attr:`CheckpointMetadata.writer`:
             ``"olmo-core"``), else ``None``.
+        fqns: the model fqns detection sampled (the first 4096 model tensors, in file order).
     """
 
     model_prefix: str | None
@@ -157,6 +158,7 @@ class Detected:
     naming: str
     training_state: tuple[str, ...]
     writer: str | None = None
+    fqns: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)

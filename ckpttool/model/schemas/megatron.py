@@ -219,8 +219,15 @@ def parse_common(data: bytes, shown: str) -> MegatronCommon:
     )
 
 
+#: a layer's own key (``decoder.layers.3.mlp...``): a plain ``model.state_dict()``, never dist_checkpointing's
+_PER_LAYER = re.compile(r"^decoder\.layers\.\d+\.")
+
+
 def _claims(d: Detected) -> bool:
-    return d.naming == "megatron" and d.model_prefix == ""
+    # dist_checkpointing stacks every layer on dim 0 (``decoder.layers.<name> [L, ...]``); Megatron's module names
+    # saved layer by layer (dcp.save(model.state_dict()) of a user's loop) are no dist_checkpointing save: no
+    # common.pt belongs beside them
+    return d.naming == "megatron" and d.model_prefix == "" and not any(_PER_LAYER.match(f) for f in d.fqns)
 
 
 def assign_groups(
