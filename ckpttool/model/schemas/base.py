@@ -150,6 +150,8 @@ class Detected:
         writer: the storage writer the ``.metadata`` names when not torch's (:attr:`CheckpointMetadata.writer`:
             ``"olmo-core"``), else ``None``.
         fqns: the model fqns detection sampled (the first 4096 model tensors, in file order).
+        planner: the ``.metadata`` holds ``planner_data`` (the saving planner flattened a nested state dict:
+            torch's ``DefaultSavePlanner``; megatron's ``MCoreSavePlanner`` saves with ``flatten_state_dict=False``).
     """
 
     model_prefix: str | None
@@ -159,6 +161,7 @@ class Detected:
     training_state: tuple[str, ...]
     writer: str | None = None
     fqns: tuple[str, ...] = ()
+    planner: bool = False
 
 
 @dataclass(frozen=True)
