@@ -54,7 +54,7 @@ log = logging.getLogger(__name__)
 #: ``.metadata`` files smaller than this are always parsed directly.
 MIN_CACHED_BYTES = 4 << 20
 #: Bumped whenever the parser's output for the same bytes could change.
-PARSER_VERSION = 1
+PARSER_VERSION = 2  # 2: CheckpointMetadata.writer
 _MAGIC = b"CKPTMDC2"
 _FOLDER = "metadata-v2"  # format 3 (xxh3-128 trailer); older formats live in older folders
 #: Bytes of the trailer: the xxh3-128 digest of the rest of the entry.
@@ -142,6 +142,7 @@ def encode_parts(md: CheckpointMetadata, digest: str, size: int) -> list[bytes |
         "version": md.version,
         "checkpoint_id": md.checkpoint_id,
         "save_id": md.save_id,
+        "writer": md.writer,
         "serialization": md.serialization,
         "strings": s.done(),
         "planner": planner,
@@ -350,6 +351,9 @@ def _decode(taken: list[bytes], header: dict[str, Any]) -> CheckpointMetadata:
     serialization = header.get("serialization")
     if serialization not in ("torch_save", "safetensors"):
         raise CorruptEntry("bad serialization")
+    writer = header.get("writer")
+    if writer not in (None, "olmo-core"):
+        raise CorruptEntry("bad writer")
     return CheckpointMetadata(
         entries=entries,
         storage=storage,
@@ -358,6 +362,7 @@ def _decode(taken: list[bytes], header: dict[str, Any]) -> CheckpointMetadata:
         checkpoint_id=_opt_str(header.get("checkpoint_id")),
         save_id=_opt_str(header.get("save_id")),
         serialization=serialization,
+        writer=writer,
     )
 
 

@@ -230,6 +230,7 @@ def _metadata(cols: list[memoryview], strs: list[str]) -> CheckpointMetadata:
         version=strs[top[0]] if top[0] >= 0 else None,
         checkpoint_id=ckpt_id,
         save_id=strs[top[4]] if top[4] >= 0 else None,
+        writer="olmo-core" if top[5] else None,
     )
 
 

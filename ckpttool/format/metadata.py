@@ -178,6 +178,9 @@ class CheckpointMetadata:
             higher ranks wrote of a chunk or byte item a lower rank wrote too (:mod:`.rank_local`): not read
             (``storage`` names the lowest rank's), but each rank's ``dcp.load`` reads its own, so they are
             data files of the checkpoint all the same.
+        writer: the storage writer the pickle names when not torch's: ``"olmo-core"`` where it resolves
+            OLMo-core's ``olmo_core.distributed.checkpoint.filesystem._StorageInfo`` (its
+            ``RemoteFileSystemWriter``, which every OLMo-core save goes through); ``None``: torch's own.
     """
 
     entries: dict[str, TensorMeta | BytesMeta]
@@ -188,6 +191,7 @@ class CheckpointMetadata:
     save_id: str | None = None
     serialization: str = "torch_save"
     replicas: tuple[tuple[str, tuple[int, ...] | None, StorageInfo], ...] = ()
+    writer: str | None = None
 
     def storage_for(self, fqn: str, chunk: ChunkMeta | None = None) -> StorageInfo | None:
         """Storage info of a tensor chunk (``chunk`` given) or of a byte item."""

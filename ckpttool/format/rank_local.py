@@ -96,6 +96,7 @@ def merge_rank_metadata(parts: list[tuple[int, CheckpointMetadata]], where: str)
         save_id=None,
         serialization=first.serialization,
         replicas=tuple(replicas),
+        writer=first.writer,
     )
 
 

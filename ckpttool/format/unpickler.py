@@ -48,6 +48,7 @@ from ckpttool.format.metadata import (
 from ckpttool.format.pickleframes import pickle_input
 
 __all__ = [
+    "OLMO_STORAGE_INFO",
     "UNREADABLE_PICKLE",
     "load_metadata",
     "parse_metadata_bytes",
@@ -132,6 +133,8 @@ _BytesStorageMetadata = _kind("BytesStorageMetadata")
 _MetadataIndex = _kind("MetadataIndex")
 _StorageMeta = _kind("StorageMeta")
 _StorageInfoRec = _kind("_StorageInfo")
+#: the global of OLMo-core's ``_StorageInfo`` (what its ``RemoteFileSystemWriter`` pickles; ``CheckpointMetadata.writer``)
+OLMO_STORAGE_INFO = ("olmo_core.distributed.checkpoint.filesystem", "_StorageInfo")
 
 
 class _TensorProperties(_Record):
@@ -224,7 +227,8 @@ _ALLOWED: dict[tuple[str, str], Any] = {
     ("torch.distributed.checkpoint.filesystem", "_StorageInfo"): _StorageInfoRec,
     # OLMo-core's RemoteFileSystemWriter pickles its own dataclass with torch's fields (relative_path,
     # offset, length; olmo_core/distributed/checkpoint/filesystem.py): the same stand-in, never imported
-    ("olmo_core.distributed.checkpoint.filesystem", "_StorageInfo"): _StorageInfoRec,
+    # (CheckpointMetadata.writer says the pickle named it)
+    OLMO_STORAGE_INFO: _StorageInfoRec,
     # Megatron-core's torch_dist strategy attaches the savers' plans to the Metadata
     # (``Metadata.all_local_plans``, megatron/core/dist_checkpointing/strategies/torch.py): torch's
     # own planner dataclasses, kept as inert records and never read.
@@ -274,6 +278,14 @@ class MetadataUnpickler(AllowListUnpickler):
     """
 
     allowed = _ALLOWED
+    #: ``"olmo-core"`` once the stream resolved OLMo-core's ``_StorageInfo`` (:attr:`CheckpointMetadata.writer`)
+    writer: str | None = None
+
+    def find_class(self, module: str, name: str) -> Any:
+        found = super().find_class(module, name)
+        if (module, name) == OLMO_STORAGE_INFO:
+            self.writer = "olmo-core"
+        return found
 
     def refused(self, module: str, name: str) -> CkptError:
         if module == "torch" and isinstance(name, str) and _DTYPE_LIKE.match(name):
@@ -609,7 +621,7 @@ def _storage_range(source: str, fqn: str, off: int, length: int) -> None:
         )
 
 
-def _convert(obj: Any, source: str) -> CheckpointMetadata:
+def _convert(obj: Any, source: str, writer: str | None = None) -> CheckpointMetadata:
     if not isinstance(obj, _Metadata):
         raise _bad(source, f"holds a {type(obj).__name__}, not a DCP Metadata object")
     sdm = getattr(obj, "state_dict_metadata", None)
@@ -653,6 +665,7 @@ def _convert(obj: Any, source: str) -> CheckpointMetadata:
         version=str(version) if isinstance(version, str) else None,
         checkpoint_id=str(ckpt_id) if ckpt_id is not None else None,
         save_id=str(save_id) if save_id is not None else None,
+        writer=writer,
     )
 
 
@@ -777,9 +790,9 @@ def parse_metadata_owned(
         _check_input(data, source)
     if isinstance(data, bytearray):  # given without reread: pickle reads bytes
         data = bytes(data)
-    obj = _unpickle(data, source)
+    obj, writer = _unpickle(data, source)
     del data
-    return _convert(obj, source)
+    return _convert(obj, source, writer)
 
 
 @contextlib.contextmanager
@@ -799,9 +812,11 @@ def gc_paused() -> Iterator[None]:
             gc.enable()
 
 
-def _unpickle(data: bytes, source: str) -> Any:
+def _unpickle(data: bytes, source: str) -> tuple[Any, str | None]:
+    """The unpickled object and the storage writer the stream named (:attr:`MetadataUnpickler.writer`)."""
     try:
-        return MetadataUnpickler(pickle_input(data), source=source).load()  # a read across a FRAME's end refused
+        up = MetadataUnpickler(pickle_input(data), source=source)
+        return up.load(), up.writer  # a read across a FRAME's end refused
     except UnsafePickleError:
         raise
     except MetadataError:

@@ -100,11 +100,13 @@ def unread_beside(
     OLMo-core's ``model_and_optim``, verl's ``actor``) is looked beside too, the names the trainer saves
     beside it that are read left out; a folder of ``model_dir`` holding a ``.metadata`` (a DCP
     checkpoint of its own) is one, and so is a folder of the step directory holding a pickle (NeMo
-    Automodel's ``rng/``, ``dataloader/``). Names are relative to ``given`` (the directory the user passed)
-    where they lie below it; a folder ends in ``/``. ``()`` when there are none or a directory
-    cannot be listed. ``any_pickle=False``: of the files, only those the trainers name as training state
-    (``optimizer.pt``, ``rng_state.pth``, ...), not any other pickle (``import``: a ``pytorch_model.bin``
-    copy of the weights beside their safetensors is not training state).
+    Automodel's ``rng/``, ``dataloader/``) or one of ``model_dir`` holding a pickle (a loop's ``rng/rank0.pt``;
+    not ``extra_state/``, which is read, nor the model's assets: :data:`_OWN_FOLDERS`). Names are relative to
+    ``given`` (the directory the user passed) where they lie below it; a folder ends in ``/``. ``()`` when there
+    are none or a directory cannot be listed. ``any_pickle=False``: of the files, only those the trainers name as
+    training state (``optimizer.pt``, ``rng_state.pth``, ...), not any other pickle, and no folder of ``model_dir``
+    for its pickles (``import``: a ``pytorch_model.bin`` copy of the weights beside their safetensors, Meta's
+    ``original/consolidated.00.pth``, are not training state).
     """
     own = {p.resolve() for p in read}
     from ckpttool.model.schemas import registry
@@ -130,7 +132,7 @@ def unread_beside(
                 continue
             unread = (
                 _unread_folder(name, d == model_dir and os.path.lexists(d / name / _DCP_METADATA))
-                or (d != model_dir and _holds_pickles(d / name))
+                or ((d != model_dir or (any_pickle and name not in _OWN_FOLDERS)) and _holds_pickles(d / name))
                 if is_dir
                 else _unread_file(name, any_pickle)
             )
@@ -164,13 +166,15 @@ def unread_in_listing(names: Collection[str], read: Collection[str] = ()) -> tup
 
     The same names as a local directory of those files gives: a top-level object matching the training-state
     or pickle patterns (not one in ``read``: the checkpoint's own data objects), a top-level folder named like
-    DeepSpeed's ``global_stepN/`` or holding a ``.metadata`` of its own (a folder ends in ``/``). Only the
+    DeepSpeed's ``global_stepN/``, holding a ``.metadata`` of its own or a pickle at its top (not ``extra_state/``
+    or the model's assets, :data:`_OWN_FOLDERS`; a folder ends in ``/``). Only the
     prefix itself is looked in (a URL names the checkpoint's own prefix: no model/optimizer pair above it).
     """
     own = set(read)
     files: set[str] = set()
     dirs: set[str] = set()
     nested: set[str] = set()
+    pickles: set[str] = set()
     for name in names:
         top, sep, rest = name.partition("/")
         if not sep:
@@ -179,13 +183,25 @@ def unread_in_listing(names: Collection[str], read: Collection[str] = ()) -> tup
         dirs.add(top)
         if rest == _DCP_METADATA:
             nested.add(top)
+        elif "/" not in rest and _PICKLE_FILE.search(rest) and name not in own:
+            pickles.add(top)
+    pickles -= _OWN_FOLDERS
     out = [
         d + "/" if d in dirs else d
         for d in sorted(files | dirs)
-        if (_unread_folder(d, d in nested) if d in dirs else _unread_file(d) and d not in own)
+        if (
+            (_unread_folder(d, d in nested) or (d in pickles and not d.startswith(".")))
+            if d in dirs
+            else _unread_file(d) and d not in own
+        )
     ]
     return tuple(out)
 
+
+#: Folders of the checkpoint folder that are not training state ckpttool leaves unread: ``extra_state/`` (read),
+#: the model's assets (:data:`_HF_CONFIG_DIRS`: config, tokenizer) and the inputs of a consolidated HF save (``sharded/``).
+#: Any other folder of it holding a pickle (a loop's ``rng/rank0.pt``, ``dataloader/rank_0.pt``) is named.
+_OWN_FOLDERS = frozenset({"extra_state", "sharded", "consolidated", "huggingface", "model_assets"})
 
 #: At most this many entries of a folder beside the checkpoint are looked at for pickles.
 _FOLDER_SCAN = 1000

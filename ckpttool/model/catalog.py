@@ -826,7 +826,7 @@ def build_catalog(
         groups = _common_state_groups(sch, _common_state(sch, cd.path, common, remote), rest.optimizer_state)
         flavors = {"nested"} if groups else set()
     if sch.spec is not None and sch.spec.index_state_by_param_order and sch.optimizer_keying == "index":
-        sch, rest.optimizer_state = _index_mapped(sch, model, rest.optimizer_state)
+        sch, rest.optimizer_state = _index_mapped(sch, model, rest.optimizer_state, len(groups))
     return Catalog(
         path=cd.path,
         dcp_version=md.version,
@@ -930,7 +930,7 @@ INDEX_MAPPED = "index-mapped"
 
 
 def _index_mapped(
-    sch: KeySchema, model: dict[str, TensorEntry], state: dict[str, ParamState]
+    sch: KeySchema, model: dict[str, TensorEntry], state: dict[str, ParamState], n_groups: int = 1
 ) -> tuple[KeySchema, dict[str, ParamState]]:
     """Index-keyed optimizer state (``optimizer.state.<i>.<field>``) renamed to the fqns of the parameters.
 
@@ -939,11 +939,17 @@ def _index_mapped(
     builds the optimizer from ``model.parameters()`` and its models have no persistent buffers,
     so index ``i`` is the ``i``-th key of the model's state dict, the order ``.metadata`` keeps
     them in. The groups' ``params`` lists confirm it when they are read (:func:`load_param_groups`).
-    An index beyond the model tensors leaves the state keyed by index (rule ``K003``).
+    An index beyond the model tensors leaves the state keyed by index (rule ``K003``), and so does an optimizer of
+    several param groups (not the one group of ``model.parameters()``: its own order, a loop's decay / no-decay
+    split) or a state tensor whose shape is not the mapped parameter's (0-d fields such as ``step`` aside).
     """
     fqns = [sch.fqn_of(k) for k in model]
-    if not all(i.isdigit() and int(i) < len(fqns) for i in state):
+    if n_groups > 1 or not all(i.isdigit() and int(i) < len(fqns) for i in state):
         return sch, state
+    shapes = [e.shape for e in model.values()]
+    for i, ps in state.items():
+        if any(t is not None and t.shape and t.shape != shapes[int(i)] for t in ps.fields.values()):
+            return sch, state
     mapped: dict[str, ParamState] = {}
     for i, ps in state.items():
         fqn = fqns[int(i)]

@@ -46,14 +46,19 @@ class Counter:
 
 
 def _int_item(ckpt: Checkpoint, key: str) -> int | None:
-    """Byte item ``key`` when it is stored and holds an ``int``; ``None`` otherwise (never raises:
-    a damaged or missing item is the storage checks' finding)."""
+    """Byte item ``key`` when it is stored and holds an ``int``, or tensor ``key`` of one element of an integer
+    dtype (torchtitan's older ``TrainState`` saved ``step`` as ``torch.tensor(step, dtype=torch.int32)``; read from
+    its stored bytes, :meth:`~ckpttool.format.reader.CheckpointReader.read_scalar`); ``None`` otherwise (never
+    raises: a damaged or missing item is the storage checks' finding)."""
     meta = ckpt.reader.metadata.entries.get(key)
-    if not isinstance(meta, BytesMeta):
+    if meta is None:
         return None
     try:
-        ckpt.reader.storage_info(key)
-        v = ckpt.reader.read_object(key)
+        if isinstance(meta, BytesMeta):
+            ckpt.reader.storage_info(key)
+            v = ckpt.reader.read_object(key)
+        else:
+            v = ckpt.reader.read_scalar(key)
     except CkptError:
         return None
     return v if type(v) is int else None

@@ -976,6 +976,7 @@ def compose_pair(
         checkpoint_id=model_md.checkpoint_id,
         save_id=model_md.save_id,
         serialization=serialization,
+        writer=model_md.writer if model_md.writer == optim_md.writer else None,
     )
     if not model_md.entries:
         raise MetadataError(f"{model_dir}: the checkpoint holds no entries", path=model_dir)

@@ -517,6 +517,8 @@ def test_training_state_beside_a_remote_checkpoint_is_named_as_locally(
     (ck / "global_step3" / "mp_rank_00_model_states.pt").write_bytes(b"x")
     (ck / "optim").mkdir()
     (ck / "optim" / ".metadata").write_bytes((ck / ".metadata").read_bytes())
+    (ck / "rng").mkdir()  # a folder of per-rank pickles in the checkpoint folder
+    (ck / "rng" / "rank0.pt").write_bytes(b"x")
     url = upload(s3_server, ck)
     local = runner.invoke(app, ["validate", "--strict", "--json", str(ck)])
     remote = cli(s3_server, "validate", "--strict", "--json", url)
@@ -542,6 +544,7 @@ def test_training_state_beside_a_remote_checkpoint_is_named_as_locally(
             "my_state.pkl",
             "optim/",
             "optimizer.pt",
+            "rng/",
             "rng_state_0.pth",
             "scheduler.pt",
             "trainer_state.json",

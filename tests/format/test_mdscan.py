@@ -27,7 +27,8 @@ pytestmark = pytest.mark.skipif(native.function("ckpt_mdscan", None) is None, re
 def _unpickled(data: bytes) -> Any:
     """The unpickler path's result for ``data``, or the error it raises."""
     try:
-        return _convert(_unpickle(data, ".metadata"), ".metadata")
+        obj, writer = _unpickle(data, ".metadata")
+        return _convert(obj, ".metadata", writer)
     except CkptError as e:
         return e
 

@@ -331,3 +331,59 @@ def test_a_missing_common_pt_is_named(tmp_path: Path) -> None:
     [f] = [f for f in json.loads(r.stdout)["findings"] if f["code"] == "K014"]
     assert f["key"] == "common.pt" and f["severity"] == "error"
     assert f["message"].startswith(f"{it / 'common.pt'}: missing; megatron-core's dist_checkpointing.load")
+
+
+def test_megatron_names_saved_layer_by_layer_are_not_a_dist_checkpointing_save(tmp_path: Path) -> None:
+    """``dcp.save(model.state_dict())`` of a Megatron GPTModel in a user's own loop keeps a key per layer
+    (``decoder.layers.0.mlp.linear_fc1.weight``): it was labelled megatron, and validate failed with K014 (common.pt
+    missing, which dist_checkpointing.load needs) and stats said its layers were stacked. dist_checkpointing stacks
+    a TransformerBlock's layers on dim 0 (``decoder.layers.<name> [L, ...]``): a per-layer save through torch's
+    DefaultSavePlanner is top-level now, validate --strict OK; the same tensors stacked as dist_checkpointing saves
+    them, without common.pt, are still megatron and K014."""
+    torch.manual_seed(0)
+    per_layer = {"embedding.word_embeddings.weight": torch.randn(16, 8)}
+    for i in range(2):
+        per_layer[f"decoder.layers.{i}.self_attention.linear_qkv.weight"] = torch.randn(24, 8)
+        per_layer[f"decoder.layers.{i}.mlp.linear_fc1.weight"] = torch.randn(32, 8)
+    per_layer |= {"decoder.final_layernorm.weight": torch.ones(8), "output_layer.weight": torch.randn(16, 8)}
+    dcp.save(per_layer, checkpoint_id=str(tmp_path / "loop"))
+    runner = CliRunner()
+    doc = json.loads(runner.invoke(app, ["inspect", str(tmp_path / "loop"), "--json"]).stdout)
+    assert (doc["key_schema"]["id"], doc["key_schema"]["naming"]) == ("top-level", "megatron")
+    res = runner.invoke(app, ["validate", "--strict", str(tmp_path / "loop"), "--json"])
+    assert res.exit_code == 0 and json.loads(res.stdout)["findings"] == [], res.output
+    res = runner.invoke(app, ["stats", str(tmp_path / "loop")])
+    assert res.exit_code == 0 and "stacked" not in res.output, res.output
+
+    stacked = {k: v for k, v in per_layer.items() if ".layers." not in k}
+    for name in ("self_attention.linear_qkv.weight", "mlp.linear_fc1.weight"):
+        stacked[f"decoder.layers.{name}"] = torch.stack([per_layer[f"decoder.layers.{i}.{name}"] for i in range(2)])
+    dcp.save(stacked, checkpoint_id=str(tmp_path / "stacked"))
+    doc = json.loads(runner.invoke(app, ["inspect", str(tmp_path / "stacked"), "--json"]).stdout)
+    assert doc["key_schema"]["id"] == "megatron"
+    res = runner.invoke(app, ["validate", "--strict", str(tmp_path / "stacked"), "--json"])
+    assert res.exit_code == 1 and [f["code"] for f in json.loads(res.stdout)["findings"]] == ["K014"], res.output
+
+
+def test_a_key_per_layer_saved_by_megatrons_planner_is_megatron(tmp_path: Path) -> None:
+    """dist_checkpointing keeps a key per layer (``decoder.layers.3.mixer...``) for a MambaBlock (hybrid models)
+    and for non-homogeneous TransformerBlock layers, saved by its MCoreSavePlanner with ``flatten_state_dict=False``
+    (no planner_data). Such a save lost its megatron label with the per-layer rule alone (no common.pt read, no
+    K014): the per-layer keys of a torch DefaultSavePlanner save (planner_data) are top-level, megatron's stay
+    megatron."""
+    from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+
+    torch.manual_seed(0)
+    sd = {"embedding.word_embeddings.weight": torch.randn(16, 8), "output_layer.weight": torch.randn(16, 8)}
+    for i in range(2):
+        sd[f"decoder.layers.{i}.mixer.in_proj.weight"] = torch.randn(24, 8)
+        sd[f"decoder.layers.{i}.mixer.out_proj.weight"] = torch.randn(8, 8)
+    sd["decoder.final_norm.weight"] = torch.ones(8)
+    dcp.save(sd, checkpoint_id=str(tmp_path / "mcore"), planner=DefaultSavePlanner(flatten_state_dict=False))
+    dcp.save(sd, checkpoint_id=str(tmp_path / "loop"))
+    runner = CliRunner()
+    for name, schema in (("mcore", "megatron"), ("loop", "top-level")):
+        doc = json.loads(runner.invoke(app, ["inspect", str(tmp_path / name), "--json"]).stdout)
+        assert doc["key_schema"]["id"] == schema, name
+    res = runner.invoke(app, ["validate", "--strict", str(tmp_path / "mcore"), "--json"])
+    assert res.exit_code == 1 and [f["code"] for f in json.loads(res.stdout)["findings"]] == ["K014"], res.output

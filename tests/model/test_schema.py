@@ -7,6 +7,7 @@ against what :func:`ckpttool.model.schemas.detect.detect_schema` and the catalog
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -122,6 +123,69 @@ def test_loose_tensor_beside_the_model_is_uncategorized(tmp_path: Path) -> None:
     cat = build_catalog(tmp_path)
     assert cat.schema.id == "torch-native" and list(cat.model) == ["model.w"]
     assert cat.uncategorized_tensors() == ["ema.w"]
+
+
+@pytest.mark.parametrize("how", ["state_dict", "get_state_dict", "flattened"])
+def test_a_plain_save_under_optim_is_torch_native(how: str, tmp_path: Path) -> None:
+    """A user's own loop saving ``dcp.save({"model": ..., "optim": ...})`` was labelled ``olmo-core`` by the key
+    prefixes alone (and so judged by OLMo-core's trainer rules: train/rankR.pt beside it, stepN names). OLMo-core's
+    saves are told by the ``_StorageInfo`` its own writer pickles (tests/ops/test_frameworks_olmo_core.py); a plain
+    save is torch-native, whichever way its optimizer state dict was taken."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+    from typer.testing import CliRunner
+
+    from ckpttool.cli.app import app
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 4))
+    optim = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    model(torch.randn(2, 8)).sum().backward()
+    optim.step()
+    if how == "state_dict":
+        msd, osd = model.state_dict(), optim.state_dict()
+    else:
+        msd, osd = get_state_dict(
+            model, optim, options=StateDictOptions(flatten_optimizer_state_dict=how == "flattened")
+        )
+    dcp.save({"model": msd, "optim": osd}, checkpoint_id=str(tmp_path))
+    cat = build_catalog(tmp_path)
+    assert (cat.schema.id, cat.schema.model_prefix, cat.schema.optimizer_prefix) == ("torch-native", "model.", "optim.")
+    assert cat.schema.optimizer_keying == ("index" if how == "state_dict" else "fqn")
+    res = CliRunner().invoke(app, ["inspect", str(tmp_path)])
+    assert (
+        res.exit_code == 0 and "key schema  torch-native (detected): model 'model.', optimizer 'optim.'" in res.stdout
+    )
+
+
+def test_a_loops_top_level_save_with_a_scheduler_is_not_torchtitan(tmp_path: Path) -> None:
+    """``dcp.save({**model_sd, "optimizer": ..., "lr_scheduler": ...})`` of a user's loop was labelled torchtitan by
+    its ``lr_scheduler`` item alone, and judged as torchtitan's trainer (which steps its scheduler every optimizer
+    step): a scheduler stepped once per epoch failed ``validate --deep`` with R002 (error) where the same save under
+    ``model.`` gets R004 (warning). torchtitan's CheckpointManager saves its TrainState (``train_state``) in every
+    save but a model-only one (torchtitan names): without either, the save is top-level."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+    from typer.testing import CliRunner
+
+    from ckpttool.cli.app import app
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Embedding(16, 8), torch.nn.Linear(8, 16))
+    optim = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    sched = torch.optim.lr_scheduler.StepLR(optim, step_size=1, gamma=0.9)
+    for _epoch in range(2):
+        for _ in range(3):
+            optim.zero_grad()
+            model(torch.randint(0, 16, (2, 4))).pow(2).mean().backward()
+            optim.step()
+        sched.step()
+    msd, osd = get_state_dict(model, optim, options=StateDictOptions(flatten_optimizer_state_dict=True))
+    dcp.save({**msd, "optimizer": osd, "lr_scheduler": sched.state_dict()}, checkpoint_id=str(tmp_path))
+    cat = build_catalog(tmp_path)
+    assert (cat.schema.id, cat.schema.model_prefix, cat.schema.training_state) == ("top-level", "", ("lr_scheduler",))
+    res = CliRunner().invoke(app, ["validate", "--deep", str(tmp_path), "--json"])
+    assert res.exit_code == 0, res.output
+    doc = json.loads(res.stdout)
+    assert [(f["code"], f["severity"]) for f in doc["findings"] if f["code"].startswith("R")] == [("R004", "warning")]
 
 
 # ------------------------------------------------------------------------------------------ overrides

@@ -286,6 +286,60 @@ def test_olmo_storage_info_is_never_imported(olmo_root: Path) -> None:
     assert int(out.stdout) > 84
 
 
+def test_olmo_cores_own_writer_names_the_schema(olmo_root: Path, tmp_path: Path) -> None:
+    """``olmo-core`` was claimed by the key prefixes ``model.``/``optim.`` alone, which a plain ``dcp.save`` of any
+    loop writes too (tests/model/test_schema.py). Every OLMo-core save goes through its ``RemoteFileSystemWriter``,
+    whose ``.metadata`` pickles OLMo-core's ``_StorageInfo``: that is what names the schema now, read alike by the
+    column reader, the unpickler and the parsed-metadata cache. The same keys and values saved by torch's
+    ``dcp.save`` (the job's own full state, ``expected.pt``) are torch-native."""
+    import hashlib
+
+    import torch
+    import torch.distributed.checkpoint as dcp
+
+    from ckpttool.format.mdcache import decode, encode
+    from ckpttool.format.mdscan import scan_metadata
+    from ckpttool.format.unpickler import _convert, _unpickle
+
+    data = (olmo_root / "run" / "step2" / "model_and_optim" / ".metadata").read_bytes()
+    obj, writer = _unpickle(data, ".metadata")
+    ref = _convert(obj, ".metadata", writer)
+    assert ref.writer == "olmo-core"
+    cols = scan_metadata(data, ".metadata")
+    assert cols is None or cols == ref  # the native column reader, where built, gives the same (writer included)
+    digest = hashlib.sha256(data).hexdigest()
+    assert decode(encode(ref, digest, len(data)), digest, len(data)).writer == "olmo-core"
+    for given in (olmo_root / "run", olmo_root / "run" / "step2" / "model_and_optim"):
+        assert json.loads(cli("inspect", str(given), "--json"))["key_schema"]["id"] == "olmo-core"
+
+    full = torch.load(olmo_root / "expected.pt", weights_only=True)
+    dcp.save({"model": full["model"], "optim": full["optim"]}, checkpoint_id=str(tmp_path / "plain"))
+    doc = json.loads(cli("inspect", str(tmp_path / "plain"), "--json"))
+    ks = doc["key_schema"]
+    assert (ks["id"], ks["model_prefix"], ks["optimizer_prefix"]) == ("torch-native", "model.", "optim.")
+    assert doc["summary"]["model_tensor_count"] == 21
+
+
+def test_a_model_only_save_by_olmo_cores_writer_is_olmo_core(olmo_root: Path, tmp_path: Path) -> None:
+    """OLMo-core saves model-only checkpoints too (``save_model_and_optim_state`` without an optimizer: its HF
+    conversion scripts; a train module without one): they were torch-native, and export's warning advised --rules
+    for OLMo-core's names instead of the adapters that map them. Written by OLMo-core's own writer they are
+    olmo-core now; the same state saved by torch's dcp.save stays torch-native."""
+    import torch
+    import torch.distributed.checkpoint as dcp
+    from olmo_core.distributed.checkpoint import save_state_dict
+
+    model = torch.load(olmo_root / "expected.pt", weights_only=True)["model"]
+    save_state_dict(tmp_path / "olmo", {"model": model})
+    dcp.save({"model": model}, checkpoint_id=str(tmp_path / "torch"), no_dist=True)
+    for name, schema in (("olmo", "olmo-core"), ("torch", "torch-native")):
+        ks = json.loads(cli("inspect", str(tmp_path / name), "--json"))["key_schema"]
+        assert (ks["id"], ks["model_prefix"], ks["optimizer_prefix"]) == (schema, "model.", None)
+    res = runner.invoke(app, ["export", str(tmp_path / "olmo"), str(tmp_path / "hf")])
+    assert res.exit_code == 0, res.output
+    assert "written under OLMo-core's own names" in res.stderr and "olmo-core-llama" in res.stderr, res.stderr
+
+
 def test_export_of_non_hf_names_says_what_serving_needs(olmo_root: Path, tmp_path: Path) -> None:
     """Without a config the keys do not say which adapter fits (where the norms sit): the export writes OLMo-core
     names as they are. The warning counted 19 "keys outside the HF naming" (lm_head.w_out.weight and

@@ -121,6 +121,38 @@ def test_groups_not_in_parameter_order_are_refused(tmp_path: Path) -> None:
     assert res.exit_code == 2 and "[E251]" in res.stderr and "param group 0" in res.stderr, res.stderr
 
 
+def test_an_optimizer_of_other_groups_is_not_mapped_by_parameter_order(tmp_path: Path) -> None:
+    """A loop over torchtune's modules whose optimizer puts the 1-D parameters in a group of their own first (decay /
+    no-decay) numbers them in that order, not the model's: index i was mapped to the model's i-th parameter all the
+    same, and validate blamed the checkpoint with O004 shape errors (a silent wrong mapping where shapes agree). Only
+    torchtune's one group of ``model.parameters()`` is mapped now; other state stays index-keyed (K003)."""
+    import torch
+    import torch.distributed.checkpoint as dcp
+
+    model = load_with_torch(CKPT, tmp_path)["model"]
+    for name, split in (("split", True), ("one", False)):
+        params = {k: torch.nn.Parameter(v.detach().clone()) for k, v in model.items()}
+        groups: list[dict[str, Any]] = (
+            [
+                {"params": [p for p in params.values() if p.ndim == 1], "weight_decay": 0.0},
+                {"params": [p for p in params.values() if p.ndim > 1]},
+            ]
+            if split
+            else [{"params": list(params.values())}]
+        )
+        opt = torch.optim.AdamW(groups, lr=1e-3)
+        for p in params.values():
+            p.grad = torch.ones_like(p)
+        opt.step()
+        sd = {"model": {k: p.detach() for k, p in params.items()}, "optimizer": opt.state_dict()}
+        dcp.save(sd, checkpoint_id=tmp_path / name / "dist_epoch_0", no_dist=True)
+        ks = json.loads(cli("inspect", str(tmp_path / name), "--json"))["key_schema"]
+        assert (ks["id"], ks["optimizer_keying"]) == ("torchtune", "index" if split else "index-mapped")
+        res = runner.invoke(app, ["validate", "--strict", str(tmp_path / name), "--json"])
+        codes = [f["code"] for f in json.loads(res.stdout)["findings"]]
+        assert (res.exit_code, codes) == ((1, ["K003"]) if split else (0, [])), res.output
+
+
 def test_several_epochs_below_the_output_dir(tmp_path: Path) -> None:
     """Several ``dist_epoch_N``: listed (E204) without ``--step``; ``--step latest`` / ``--step N`` picks one."""
     import shutil

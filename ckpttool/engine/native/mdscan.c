@@ -82,6 +82,7 @@ typedef struct {
      * reads the input behind the opcode being read: with `drop`, its pages are released as the parse passes them */
     ARR(uint8_t) pool;
     int drop;
+    int olmo_writer; /* the stream resolved OLMo-core's _StorageInfo global */
     uintptr_t drop_from, drop_to; /* the input's pages in [drop_from, drop_to) are released */
     int64_t drop_next;  /* input offset of the next release */
     /* output */
@@ -171,9 +172,14 @@ static int global_id(st *s, val mod, val name) {
         if (str_is(s, name, "MEM_FORMAT_ENCODING")) return G_MEMFMT;
         return -1;
     }
-    if (str_is(s, mod, "torch.distributed.checkpoint.filesystem") ||
-        str_is(s, mod, "olmo_core.distributed.checkpoint.filesystem"))
+    if (str_is(s, mod, "torch.distributed.checkpoint.filesystem"))
         return str_is(s, name, "_StorageInfo") ? K_SI : -1;
+    if (str_is(s, mod, "olmo_core.distributed.checkpoint.filesystem")) {
+        /* OLMo-core's RemoteFileSystemWriter: torch's fields; the writer is reported (top column) */
+        if (!str_is(s, name, "_StorageInfo")) return -1;
+        s->olmo_writer = 1;
+        return K_SI;
+    }
     if (str_is(s, mod, "torch.serialization")) return str_is(s, name, "_get_layout") ? G_LAYOUT : -1;
     if (str_is(s, mod, "pathlib"))
         return (str_is(s, name, "PosixPath") || str_is(s, name, "WindowsPath") || str_is(s, name, "PurePosixPath"))
@@ -870,7 +876,7 @@ static int planner_item(st *s, val k, val v) {
 }
 
 /* top: version (off, len or -1), checkpoint id (kind 0 none / 1 str / 2 path; off or item start, len),
- * save id (off, len or -1), storage and planner present flags */
+ * save id (off, len or -1), storage and planner present flags, 1 where OLMo-core's _StorageInfo was named */
 static int walk_top(st *s, val root) {
     val ver = field(s, root, 4), sm = field(s, root, 3);
     val cid = {0, 0, T_NONE}, sid = {0, 0, T_NONE};
@@ -892,6 +898,7 @@ static int walk_top(st *s, val root) {
     id = -1;
     if (sid.t == T_STR) SID(sid, id);
     EMIT(top, id);
+    EMIT(top, s->olmo_writer);
     return 0;
 }
 
@@ -949,7 +956,8 @@ static int run(st *s) {
  *   first chunk, chunks); chunks (offsets shape, sizes shape); storage (fqn string, offsets shape or
  *   -1, path string, offset, length); planner (key string, first item, items); planner items
  *   (0 string / 1 int, its id or value); top (version string or -1, checkpoint id kind 0 none /
- *   1 string / 2 path, its string or first item, path items, save id string or -1). */
+ *   1 string / 2 path, its string or first item, path items, save id string or -1, 1 where the stream named
+ *   OLMo-core's _StorageInfo else 0). */
 int ckpt_mdscan(const uint8_t *data, int64_t len, const char *dtypes, int64_t dtypes_len, int64_t max_values,
                 int drop, mdscan_out *out) {
     st s;

@@ -147,6 +147,11 @@ class Detected:
         loose_top_level: tensors at the top level voted for the top-level reading.
         naming: the naming convention of the model fqns (``hf``, ``torchtitan``, ``unknown``).
         training_state: the top-level training-state items present.
+        writer: the storage writer the ``.metadata`` names when not torch's (:attr:`CheckpointMetadata.writer`:
+            ``"olmo-core"``), else ``None``.
+        fqns: the model fqns detection sampled (the first 4096 model tensors, in file order).
+        planner: the ``.metadata`` holds ``planner_data`` (the saving planner flattened a nested state dict:
+            torch's ``DefaultSavePlanner``; megatron's ``MCoreSavePlanner`` saves with ``flatten_state_dict=False``).
     """
 
     model_prefix: str | None
@@ -154,6 +159,9 @@ class Detected:
     loose_top_level: bool
     naming: str
     training_state: tuple[str, ...]
+    writer: str | None = None
+    fqns: tuple[str, ...] = ()
+    planner: bool = False
 
 
 @dataclass(frozen=True)

@@ -529,7 +529,16 @@ def detect_schema(md: CheckpointMetadata, override: SchemaOverride | None = None
     fqns = [sch.fqn_of(k) for k in sample]
     training = tuple(sorted(t for t in scan.tops if t in known.training_state_items))
     keying = None if opt_prefix is None else _keying(sch, scan.tensors, state, state_prefix, get)
-    found = Detected(model_prefix, opt_prefix, "" in scan.model_votes, model_naming(fqns), training)
+    found = Detected(
+        model_prefix,
+        opt_prefix,
+        "" in scan.model_votes,
+        model_naming(fqns),
+        training,
+        md.writer,
+        tuple(fqns),
+        bool(planner),
+    )
     sid = _schema_id(found)
     reasons += _closing_reasons(md, bool(planner), found, (n_model, use_paths), keying, fqns)
     return KeySchema(

@@ -219,8 +219,19 @@ def parse_common(data: bytes, shown: str) -> MegatronCommon:
     )
 
 
+#: a layer's own key (``decoder.layers.3.mlp...``)
+_PER_LAYER = re.compile(r"^decoder\.layers\.\d+\.")
+
+
 def _claims(d: Detected) -> bool:
-    return d.naming == "megatron" and d.model_prefix == ""
+    # dist_checkpointing stacks the layers of a TransformerBlock on dim 0 (``decoder.layers.<name> [L, ...]``) and
+    # keeps a key per layer only for a MambaBlock or non-homogeneous layers, saved by its MCoreSavePlanner with
+    # flatten_state_dict=False: no planner_data. Megatron's module names saved layer by layer through torch's
+    # DefaultSavePlanner (dcp.save(model.state_dict()) of a user's loop) are no dist_checkpointing save: no
+    # common.pt belongs beside them
+    return (
+        d.naming == "megatron" and d.model_prefix == "" and not (d.planner and any(_PER_LAYER.match(f) for f in d.fqns))
+    )
 
 
 def assign_groups(

@@ -18,7 +18,11 @@ __all__ = ["SPEC"]
 
 
 def _claims(d: Detected) -> bool:
-    return d.model_prefix == "model." and d.optimizer_prefix == "optim."
+    # the keys alone are a plain dcp.save({"model": ..., "optim": ...}) of any loop: the .metadata must name
+    # OLMo-core's own _StorageInfo, which its RemoteFileSystemWriter (every OLMo-core save) pickles; a model-only
+    # save (save_model_and_optim_state without an optimizer: its HF conversion scripts, a train module without one)
+    # is OLMo-core's too
+    return d.writer == "olmo-core" and d.model_prefix == "model." and d.optimizer_prefix in ("optim.", None)
 
 
 SPEC = SchemaSpec(

@@ -15,7 +15,10 @@ __all__ = ["SPEC"]
 
 def _claims(d: Detected) -> bool:
     # an optimizer-only checkpoint under "optimizer." is the optimizer half of a torch-native save,
-    # unless loose top-level tensors voted for the top-level reading
+    # unless loose top-level tensors voted for the top-level reading; torchtitan's CheckpointManager saved its model
+    # under "model." before it flattened it to the top level (_flattened_model_states_sd): torchtitan's
+    if d.model_prefix == "model." and d.naming == "torchtitan" and "train_state" in d.training_state:
+        return False
     return d.model_prefix == "model." or (
         d.model_prefix is None and d.optimizer_prefix == "optimizer." and not d.loose_top_level
     )

@@ -19,7 +19,13 @@ ITEMS = ("lr_scheduler", "dataloader", "train_state")
 
 
 def _claims(d: Detected) -> bool:
-    return d.naming == "torchtitan" or any(t in d.training_state for t in ITEMS)
+    # CheckpointManager saves the trainer's TrainState ("train_state") in every save but a model-only one (which
+    # holds torchtitan's own names); an lr_scheduler or dataloader item beside top-level tensors is any loop's too.
+    # Before it flattened the model to the top level (_flattened_model_states_sd) it saved it under "model.":
+    # torchtitan's names and its train_state there
+    if d.model_prefix == "model.":
+        return d.naming == "torchtitan" and "train_state" in d.training_state
+    return d.naming == "torchtitan" or "train_state" in d.training_state
 
 
 SPEC = SchemaSpec(

@@ -143,6 +143,50 @@ def test_save_in_the_directory_of_another_step(titan_root: Path, tmp_path: Path)
     assert rc == 0 and "R002" not in codes(doc), doc["findings"]
 
 
+def test_a_step_saved_as_a_tensor_is_read(titan_root: Path, tmp_path: Path) -> None:
+    """torchtitan's older TrainState saved ``step`` as ``torch.tensor(step, dtype=torch.int32)`` (so do loops that
+    keep their step in a tensor): inspect showed it, but R002 read trainer steps from byte items only, so step 2's
+    save in step-3/ passed ``validate --strict --deep``. The one-element integer tensor is read as the trainer step
+    now (from its stored bytes): the same R002 as the int step; in step-2/ no finding."""
+    import torch
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    dcp_to_torch_save(titan_root / "llama3" / "checkpoint" / "step-2", tmp_path / "step2.pt")
+    sd = torch.load(tmp_path / "step2.pt", weights_only=False)
+    sd["train_state"]["step"] = torch.tensor(sd["train_state"]["step"], dtype=torch.int32)
+    for name in ("step-3", "step-2"):
+        dcp.save(sd, checkpoint_id=str(tmp_path / name / "checkpoint" / name))
+    rc, doc = run(tmp_path / "step-3" / "checkpoint" / "step-3", "--deep", "--strict")
+    msgs = [f["message"] for f in doc["findings"] if f["code"] == "R002"]
+    assert rc == 1 and msgs == ["train_state.step = 2 but its directory is step-3 (step 3)"], doc["findings"]
+    rc, doc = run(tmp_path / "step-2" / "checkpoint" / "step-2", "--deep", "--strict")
+    assert rc == 0 and "R002" not in codes(doc), doc["findings"]
+
+
+def test_a_save_of_torchtitans_model_under_model_is_torchtitan(titan_root: Path, tmp_path: Path) -> None:
+    """torchtitan's CheckpointManager saved its model under ``model.`` before it flattened it to the top level
+    (``_flattened_model_states_sd``), its TrainState's ``step`` a 0-d int32 tensor: such a save was torch-native,
+    so neither its step-N directory nor its per-step scheduler was checked (step 2's save in step-3/ passed
+    ``validate --strict --deep``). torchtitan's names with its ``train_state`` under ``model.`` are torchtitan now."""
+    import torch
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    dcp_to_torch_save(titan_root / "llama3" / "checkpoint" / "step-2", tmp_path / "step2.pt")
+    sd = torch.load(tmp_path / "step2.pt", weights_only=False)
+    items = ("optimizer", "lr_scheduler", "dataloader", "train_state")
+    old = {"model": {k: v for k, v in sd.items() if k not in items}, **{k: sd[k] for k in items if k in sd}}
+    old["train_state"]["step"] = torch.tensor(old["train_state"]["step"], dtype=torch.int32)
+    ckpt = tmp_path / "checkpoint" / "step-3"
+    dcp.save(old, checkpoint_id=str(ckpt))
+    ks = json.loads(runner.invoke(app, ["inspect", str(ckpt), "--json"]).stdout)["key_schema"]
+    assert (ks["id"], ks["model_prefix"], ks["naming"]) == ("torchtitan", "model.", "torchtitan")
+    rc, doc = run(ckpt, "--deep", "--strict")
+    msgs = [f["message"] for f in doc["findings"] if f["code"] == "R002"]
+    assert rc == 1 and msgs == ["train_state.step = 2 but its directory is step-3 (step 3)"], doc["findings"]
+
+
 # ------------------------------------------------------------------ moments (D006, D007, D008)
 W1 = "layers.0.feed_forward.w1.weight"
 

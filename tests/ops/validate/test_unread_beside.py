@@ -137,3 +137,30 @@ def test_a_dcp_checkpoint_in_a_subfolder_is_named(tmp_path: Path) -> None:
     assert code == 1 and k012["message"].endswith("does not read: optim/")
     assert json.loads(runner.invoke(app, ["inspect", str(ckpt), "--json"]).stdout)["unread_beside"] == ["optim/"]
     assert validate(str(ckpt), "--ignore", "K012")[0] == 0
+
+
+def test_a_folder_of_pickles_in_the_checkpoint_folder_is_named(tmp_path: Path) -> None:
+    """A loop's per-rank state saved into folders of the checkpoint folder (``rng/rank0.pt``, ``dataloader/rank_0.pt``)
+    is not read: validate --strict said OK (only such folders of the step directory above a model/optimizer pair were
+    named). They are named now (K012, ``unread_beside``); ``extra_state/`` (read) and the model's assets are not."""
+    model, opt, sched = _trained()
+    msd, osd = get_state_dict(model, opt)
+    ckpt = tmp_path / "step-1"
+    dcp.save({"model": msd, "optimizer": osd}, checkpoint_id=str(ckpt))
+    (ckpt / "extra_state").mkdir()
+    torch.save({"global_step": 1, "lr_scheduler": sched.state_dict()}, ckpt / "extra_state" / "extra_state_rank_0.pt")
+    (ckpt / "model_assets").mkdir()
+    model.config.save_pretrained(ckpt / "model_assets")
+    torch.save({"vocab": [1, 2]}, ckpt / "model_assets" / "tokenizer.bin")
+    code, findings = validate(str(ckpt))
+    assert code == 0 and not [f for f in findings if f["code"] == "K012"], findings
+    for folder, name in (("rng", "rank0.pt"), ("dataloader", "rank_0.pt")):
+        (ckpt / folder).mkdir()
+        torch.save({"state": torch.get_rng_state()}, ckpt / folder / name)
+    code, findings = validate(str(ckpt))
+    (k012,) = [f for f in findings if f["code"] == "K012"]
+    assert code == 1 and k012["message"].endswith("does not read: dataloader/, rng/"), k012
+    assert json.loads(runner.invoke(app, ["inspect", str(ckpt), "--json"]).stdout)["unread_beside"] == [
+        "dataloader/",
+        "rng/",
+    ]
