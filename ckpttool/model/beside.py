@@ -55,10 +55,11 @@ TRAINER_STEP_KEY = {NEMO_STEP_SCHEDULER: "step"}
 #: ``random_states_R.pkl``; ``accelerate/checkpointing.py``).
 #: And the rank files of the per-rank formats, left beside a checkpoint of another format (two trainers'
 #: saves in one folder): verl's ``(model|optim|extra_state)_world_size_W_rank_R.pt``, torch-checkpointing's
-#: ``metadata.pkl`` and ``model_R.pt`` / ``lr_scheduler_R.pt`` items.
+#: ``metadata.pkl`` and ``model_R.pt`` / ``lr_scheduler_R.pt`` items. The same names of training state in other
+#: encodings are named too: an ``optimizer.safetensors`` of moments, a ``train_state.json`` of counters.
 _UNREAD_FILE = re.compile(
-    r"^(?:(?:optimizer|scheduler|scaler|sampler)(?:_\d+)?\.(?:pt|bin|pth)"
-    r"|rng_state(?:_\d+)?\.pth|random_states_\d+\.pkl|trainer_state\.json|training_args\.bin"
+    r"^(?:(?:optimizer|scheduler|scaler|sampler)(?:_\d+)?\.(?:pt|bin|pth|safetensors)"
+    r"|rng_state(?:_\d+)?\.pth|random_states_\d+\.pkl|(?:trainer|train)_state\.json|training_args\.bin"
     r"|(?:model|optim|extra_state)_world_size_\d+_rank_\d+\.pt|metadata\.pkl|(?:model|lr_scheduler)_\d+\.pt)$"
 )
 #: DeepSpeed's engine state (ZeRO optimizer partitions, ``mp_rank_*_model_states.pt``) in ``global_stepN/``

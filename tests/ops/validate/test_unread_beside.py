@@ -164,3 +164,20 @@ def test_a_folder_of_pickles_in_the_checkpoint_folder_is_named(tmp_path: Path) -
         "dataloader/",
         "rng/",
     ]
+
+
+def test_optimizer_state_and_counters_beside_in_other_encodings_are_named(tmp_path: Path) -> None:
+    """Moments saved as ``optimizer.safetensors`` and counters as ``train_state.json`` beside a DCP checkpoint are
+    training state ckpttool does not read: validate --strict said OK, naming neither (K012 names them now)."""
+    from safetensors.torch import save_file
+
+    model, opt, _ = _trained()
+    ckpt = tmp_path / "step-1"
+    dcp.save({"model": get_state_dict(model, opt)[0]}, checkpoint_id=str(ckpt))
+    save_file(
+        {f"{i}.exp_avg": s["exp_avg"] for i, s in opt.state_dict()["state"].items()}, ckpt / "optimizer.safetensors"
+    )
+    (ckpt / "train_state.json").write_text(json.dumps({"step": 1}))
+    code, findings = validate(str(ckpt))
+    (k012,) = [f for f in findings if f["code"] == "K012"]
+    assert code == 1 and k012["message"].endswith("does not read: optimizer.safetensors, train_state.json"), k012
