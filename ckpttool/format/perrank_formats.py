@@ -149,6 +149,13 @@ def _verl_build(a: Assembled, objs: list[RankObject]) -> None:
                     raise PerRankError(f"{where}: {k!r:.80} is not a tensor", path=where, fqn=str(k))
                 a.add_tensor(f"model.{k}", v, ro)
             order = _param_order(obj)
+            if obj and not order:  # verl's FSDP workers save DTensors: plain tensors are another writer's
+                raise PerRankError(
+                    f"{where}: plain tensors under verl's rank-file name, not the DTensors verl's FSDP workers save: "
+                    "which are parameters, in the optimizer's order, is not recorded",
+                    path=where,
+                    hint="save with verl's checkpoint manager, or save model and optimizer with torch's dcp.save",
+                )
             if names is None:
                 names = order
             elif order != names:

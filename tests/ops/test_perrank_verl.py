@@ -610,3 +610,23 @@ def test_stats_names_the_step_of_global_step_n(verl_root: Path, where: str) -> N
     r = runner.invoke(app, ["stats", "--json", str(actor if where == "actor" else actor.parent)])
     assert r.exit_code == 0, r.output
     assert json.loads(r.stdout)["checkpoints"][0]["step"] == 2
+
+
+def test_plain_tensors_under_verls_rank_file_names_are_refused_saying_so(tmp_path: Path) -> None:
+    """A loop's ``torch.save(model.state_dict())`` named like verl's rank files holds plain tensors, not the DTensors
+    verl's FSDP workers save: E280 said the optimizer steps 2 parameters while "the model file holds 0"."""
+    import torch
+
+    model = torch.nn.Linear(4, 4)
+    opt = torch.optim.AdamW(model.parameters())
+    model(torch.randn(1, 4)).sum().backward()
+    opt.step()
+    actor = tmp_path / "global_step_1" / "actor"
+    actor.mkdir(parents=True)
+    torch.save(model.state_dict(), actor / "model_world_size_1_rank_0.pt")
+    torch.save(opt.state_dict(), actor / "optim_world_size_1_rank_0.pt")
+    res = runner.invoke(app, ["inspect", str(actor)])
+    assert res.exit_code == 2 and res.stdout == "", res.output
+    err, hint = res.stderr.strip().splitlines()
+    assert err.startswith("error: [E280] model_world_size_1_rank_0.pt: plain tensors under verl's rank-file name"), err
+    assert "dcp.save" in hint
