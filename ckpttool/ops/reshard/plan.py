@@ -214,21 +214,26 @@ def _target_boxes(
     out = []
     ndim = len(shape)
     same = spec.fsdp_dim == spec.ep_dim
+    # the intervals once per tensor, not once per rank (P*F ranks times P or F intervals each)
     if same:
         mesh = (p, f) if version == 2 else (f, p)
         ivs = nested_shard_intervals(shape[spec.ep_dim], mesh)
+    else:
+        ep_ivs = nested_shard_intervals(shape[spec.ep_dim], (p,))
+        if spec.fsdp_dim is not None:
+            fsdp_ivs = nested_shard_intervals(shape[spec.fsdp_dim], (f,))
     for r in range(p * f):
         e, ff = target_rank_coords(version, r, p, f)
         offs, sizes = [0] * ndim, list(shape)
         if same:
             offs[spec.ep_dim], sizes[spec.ep_dim] = ivs[r]
         else:
-            offs[spec.ep_dim], sizes[spec.ep_dim] = nested_shard_intervals(shape[spec.ep_dim], (p,))[e]
+            offs[spec.ep_dim], sizes[spec.ep_dim] = ep_ivs[e]
             if spec.fsdp_dim is None:
                 if ff:
                     continue  # replicated over EP-FSDP: DCP keeps one copy
             else:
-                offs[spec.fsdp_dim], sizes[spec.fsdp_dim] = nested_shard_intervals(shape[spec.fsdp_dim], (f,))[ff]
+                offs[spec.fsdp_dim], sizes[spec.fsdp_dim] = fsdp_ivs[ff]
         out.append((r, tuple(offs), tuple(sizes)))
     return out
 
