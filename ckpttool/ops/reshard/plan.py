@@ -19,7 +19,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ckpttool.errors import ChunkError, LayoutContradictionError, LayoutSizeError, ReshardError, UsageError
+from ckpttool.errors import (
+    ChunkError,
+    IndexedOptimizerStateError,
+    LayoutContradictionError,
+    LayoutSizeError,
+    ReshardError,
+    UsageError,
+)
 from ckpttool.format.directory import CheckpointDir, rank_of_file
 from ckpttool.format.metadata import BytesMeta, ChunkMeta, DType, TensorMeta
 from ckpttool.format.tiling import tiling_problem
@@ -578,8 +585,32 @@ def plan_reshard(
     ep_state = _ep_state(cat, layout, o.with_optimizer)
     plan = ReshardPlan(ckpt.path, layout, to_version, p2, f2, p2 * f2)
     _plan_entries(plan, ckpt, ep_state)
+    _refuse_indexed_state(cat, plan)
     _converted_record(plan, cat, source)
     return plan
+
+
+def _refuse_indexed_state(cat: Catalog, plan: ReshardPlan) -> None:
+    """State keyed by parameter index (a plain ``optimizer.state_dict()``) names no parameter, so the state of
+    the EP parameters whose expert order changes cannot be found: it would pass through in the old order.
+
+    Raises:
+        IndexedOptimizerStateError (E251): a state tensor shaped like a permuted EP parameter.
+    """
+    if cat.schema.optimizer_keying != "index" or not plan.permuted_keys:
+        return
+    shapes = {cat.model[k].shape for k in plan.permuted_keys if k in cat.model}
+    for ps in cat.optimizer_state.values():
+        for t in ps.fields.values():
+            if t is not None and t.shape and t.shape in shapes:
+                raise IndexedOptimizerStateError(
+                    f"{t.key}: the optimizer state under {cat.schema.optimizer_prefix!r} is keyed by parameter "
+                    f"index (a plain optimizer.state_dict()), so the state of the {len(plan.permuted_keys)} "
+                    "tensor(s) whose expert order changes cannot be found; it would keep the old order",
+                    fqn=t.key,
+                    hint="re-save the optimizer with torch.distributed.checkpoint.state_dict."
+                    "get_optimizer_state_dict(model, optimizer) (state keyed by parameter name)",
+                )
 
 
 def origin_world(cat: Catalog, layout: ResolvedLayout) -> int:

@@ -84,3 +84,38 @@ def test_a_hugging_face_model_folder_is_refused_pointing_to_import(sample_ckpt: 
     assert lines[0].startswith(f"error: [E602] {hf}: a safetensors checkpoint (a Hugging Face model folder or ")
     assert lines[1].startswith("hint: `ckpttool import` it") and "ckpttool export" not in lines[1]
     assert not out.exists()
+
+
+def _save_index_keyed(rank: int, world: int, out: str) -> None:
+    """The legacy 2 x 2 EP save of the suite with the optimizer as a plain ``optimizer.state_dict()`` has it:
+    state and param groups keyed by parameter index."""
+    import torch.distributed.checkpoint as dcp
+
+    from tests.fixtures.moe_ep import _sharded_state
+
+    msd, osd = _sharded_state(true_state(8), "legacy", rank, 2, 2, 0)
+    assert osd is not None
+    names = list(osd["state"])
+    state = {i: osd["state"][n] for i, n in enumerate(names)}
+    groups = [dict(g, params=list(range(len(names)))) for g in osd["param_groups"]]
+    dcp.save({"model": msd, "optim": {"state": state, "param_groups": groups}}, checkpoint_id=out)
+
+
+@pytest.mark.slow  # a 4-rank gloo save
+def test_index_keyed_optimizer_state_is_refused_when_the_expert_order_changes(tmp_path: Path) -> None:
+    """State keyed by parameter index names no parameter: reshard permuted the experts and passed their
+    exp_avg/exp_avg_sq/master_weight through in the legacy order (with or without --with-optimizer, "0
+    optimizer state tensors"), exit 0. It is E251 now, nothing written; a target in the same order still works."""
+    from tests.fixtures.distributed import run_ranks
+
+    src = tmp_path / "indexed"
+    run_ranks(4, _save_index_keyed, str(src))
+    for extra in ((), ("--with-optimizer",)):
+        res = runner.invoke(app, ["reshard", str(src), str(tmp_path / "o"), "--to", "canonical", *DECL, *extra])
+        assert res.exit_code == 2, res.stdout
+        assert res.stderr.startswith("error: [E251] optim.state.3.master_weight: the optimizer state under 'optim.'")
+        assert "get_optimizer_state_dict" in res.stderr
+        assert not (tmp_path / "o").exists()
+    res = runner.invoke(app, ["reshard", str(src), str(tmp_path / "same"), "--to", "legacy", *DECL])
+    assert res.exit_code == 0, res.stderr
+    assert "0 with a new expert order" in res.stdout
