@@ -119,3 +119,33 @@ def test_index_keyed_optimizer_state_is_refused_when_the_expert_order_changes(tm
     res = runner.invoke(app, ["reshard", str(src), str(tmp_path / "same"), "--to", "legacy", *DECL])
     assert res.exit_code == 0, res.stderr
     assert "0 with a new expert order" in res.stdout
+
+
+def test_a_malformed_layout_record_hint_does_not_send_back_to_the_declaration(ep_suite: Path, tmp_path: Path) -> None:
+    """A 'layout' byte item of the trainer's own (dcp.save of {"layout": "bshd"}) or a garbage layout.json is
+    read as the layout record whatever is declared, yet the E400 hint said "declare the layout with
+    --source-layout ...": declaring gave the same error and the same hint. The hint now says what to do with
+    the record itself."""
+    import shutil
+
+    import torch.distributed.checkpoint as dcp
+
+    own = tmp_path / "own"
+    g = torch.Generator().manual_seed(0)
+    experts = torch.randn(8, 4, 5, generator=g)
+    dcp.save({"model": {"layers.0.mlp.experts.down_proj": experts}, "layout": "bshd"}, checkpoint_id=own, no_dist=True)
+    res = runner.invoke(
+        app,
+        ["reshard", str(own), str(tmp_path / "o"), "--to", "canonical", "--no-ep", "--target-ep-size", "2"]
+        + ["--target-ep-fsdp-size", "1"],
+    )
+    assert res.exit_code == 2 and res.stderr.startswith(f"error: [E400] {own}: byte item 'layout': not valid JSON")
+    assert "declare the layout with" not in res.stderr
+    assert "a declaration does not replace it" in res.stderr
+    side = tmp_path / "side"
+    shutil.copytree(ep_suite / "legacy", side)
+    (side / "layout.json").write_text("garbage")
+    res = runner.invoke(app, ["reshard", str(side), str(tmp_path / "o"), "--to", "canonical", *DECL])
+    assert res.exit_code == 2 and res.stderr.startswith(f"error: [E400] {side}/layout.json: not valid JSON")
+    assert "hint: fix or delete layout.json, then declare the layout" in res.stderr
+    assert not (tmp_path / "o").exists()
