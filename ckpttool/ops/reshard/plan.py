@@ -30,8 +30,8 @@ from ckpttool.errors import (
 from ckpttool.format.directory import CheckpointDir, rank_of_file
 from ckpttool.format.metadata import BytesMeta, ChunkMeta, DType, TensorMeta
 from ckpttool.format.tiling import tiling_problem
-from ckpttool.layouts.declaration import LAYOUT_VERSIONS, ResolvedLayout
-from ckpttool.layouts.geometry import nested_shard_intervals, tensor_geometry
+from ckpttool.layouts.declaration import EP_NAME_RE, LAYOUT_VERSIONS, ResolvedLayout
+from ckpttool.layouts.geometry import dim_intervals, nested_shard_intervals, tensor_geometry
 from ckpttool.layouts.permute import canonical_to_legacy_perm, legacy_to_canonical_perm
 from ckpttool.layouts.record import LAYOUT_FORMAT, LAYOUT_KEY, EPTensorSpec, parse_layout_record
 from ckpttool.model.catalog import Catalog
@@ -586,8 +586,38 @@ def plan_reshard(
     plan = ReshardPlan(ckpt.path, layout, to_version, p2, f2, p2 * f2)
     _plan_entries(plan, ckpt, ep_state)
     _refuse_indexed_state(cat, plan)
+    _refuse_unknown_expert_tensors(cat, plan)
     _converted_record(plan, cat, source)
     return plan
+
+
+def _refuse_unknown_expert_tensors(cat: Catalog, plan: ReshardPlan) -> None:
+    """A tensor outside the model and its optimizer state (an EMA copy, a custom optimizer's state) that is a fused
+    expert tensor, by name or by naming a permuted parameter, shaped like one and split over ranks along its expert
+    dim: it would pass through in the old expert order while the parameters get the new one.
+
+    Raises:
+        ReshardError (E602): naming the first such tensor.
+    """
+    if not plan.permuted_keys:
+        return
+    prefix = cat.schema.model_prefix or ""
+    permuted = {k: cat.model[k].shape for k in plan.permuted_keys if k in cat.model}
+    fqns = [k[len(prefix) :] for k in permuted if k.startswith(prefix)]
+    shapes = set(permuted.values())
+    for key in cat.uncategorized_tensors():
+        entry = cat.tensors[key]
+        if entry.shape not in shapes or len(dim_intervals(entry, 0)) < 2:
+            continue
+        if EP_NAME_RE.search(key) or any(f and f in key for f in fqns):
+            raise ReshardError(
+                f"{key}: an expert tensor outside the model and its optimizer state (an EMA copy, a custom "
+                f"optimizer's state?), split over ranks along its expert dim; the experts of "
+                f"{len(plan.permuted_keys)} tensor(s) get a new order, and this one would keep the old order",
+                fqn=key,
+                hint="reshard a checkpoint without it, or save it under the model or the optimizer state "
+                "(`model_prefix` / `optimizer_prefix` name where they are)",
+            )
 
 
 def _refuse_indexed_state(cat: Catalog, plan: ReshardPlan) -> None:

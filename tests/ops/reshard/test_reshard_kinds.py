@@ -149,3 +149,34 @@ def test_a_malformed_layout_record_hint_does_not_send_back_to_the_declaration(ep
     assert res.exit_code == 2 and res.stderr.startswith(f"error: [E400] {side}/layout.json: not valid JSON")
     assert "hint: fix or delete layout.json, then declare the layout" in res.stderr
     assert not (tmp_path / "o").exists()
+
+
+def _save_with_ema(rank: int, world: int, out: str) -> None:
+    """The legacy 2 x 2 EP save of the suite with an EMA copy of the expert weights beside the model
+    (``{"model", "optimizer", "ema"}``), sharded like them."""
+    import torch.distributed.checkpoint as dcp
+
+    from tests.fixtures.moe_ep import _sharded_state, is_ep
+
+    msd, osd = _sharded_state(true_state(8), "legacy", rank, 2, 2, 0)
+    ema = {k: v for k, v in msd.items() if is_ep(f"model.{k}")}
+    dcp.save({"model": msd, "optimizer": osd, "ema": ema}, checkpoint_id=out)
+
+
+@pytest.mark.slow  # a 4-rank gloo save
+def test_an_expert_tensor_outside_model_and_optimizer_is_refused_when_the_order_changes(tmp_path: Path) -> None:
+    """An EMA copy of the experts ('ema.model.layers.0.mlp.experts.gate_up_proj', uncategorized) was copied in
+    the legacy order while the model's experts and their optimizer state were put in the canonical one, exit 0
+    ("27 other tensors ... copied unchanged"). It is E602 now, nothing written; a target in the same order
+    still copies it."""
+    from tests.fixtures.distributed import run_ranks
+
+    src = tmp_path / "ema"
+    run_ranks(4, _save_with_ema, str(src))
+    res = runner.invoke(app, ["reshard", str(src), str(tmp_path / "o"), "--to", "canonical", "--with-optimizer", *DECL])
+    assert res.exit_code == 2, res.stdout
+    assert res.stderr.startswith("error: [E602] ema.model.layers.0.mlp.experts.gate_up_proj: an expert tensor outside")
+    assert not (tmp_path / "o").exists()
+    res = runner.invoke(app, ["reshard", str(src), str(tmp_path / "same"), "--to", "legacy", "--with-optimizer", *DECL])
+    assert res.exit_code == 0, res.stderr
+    assert "0 with a new expert order" in res.stdout
