@@ -587,6 +587,7 @@ def plan_reshard(
     _plan_entries(plan, ckpt, ep_state)
     _refuse_indexed_state(cat, plan)
     _refuse_unknown_expert_tensors(cat, plan)
+    _refuse_orphan_expert_state(cat, plan)
     _converted_record(plan, cat, source)
     return plan
 
@@ -618,6 +619,34 @@ def _refuse_unknown_expert_tensors(cat: Catalog, plan: ReshardPlan) -> None:
                 hint="reshard a checkpoint without it, or save it under the model or the optimizer state "
                 "(`model_prefix` / `optimizer_prefix` name where they are)",
             )
+
+
+def _refuse_orphan_expert_state(cat: Catalog, plan: ReshardPlan) -> None:
+    """Optimizer state of fused expert parameters the checkpoint does not hold (an optimizer saved on its own):
+    the layout has no EP tensor to permute, so that state would keep its order under a record that names
+    another (a legacy source with both sizes above 1, or a legacy target with both above 1).
+
+    Raises:
+        ReshardError (E602): naming the first such state tensor split over ranks along its expert dim.
+    """
+    layout = plan.layout
+    src_perm = layout.version == 1 and (layout.ep_size or 1) > 1 and (layout.ep_fsdp_size or 1) > 1
+    dst_perm = plan.to_version == 1 and plan.ep_size > 1 and plan.ep_fsdp_size > 1
+    same = src_perm and dst_perm and (layout.ep_size, layout.ep_fsdp_size) == (plan.ep_size, plan.ep_fsdp_size)
+    if layout.ep_tensors or not (src_perm or dst_perm) or same:
+        return
+    for ps in cat.optimizer_state.values():
+        if ps.in_model or not ("experts." in ps.fqn and EP_NAME_RE.search(ps.fqn)):
+            continue
+        for t in ps.fields.values():
+            if t is not None and len(t.shape) >= 2 and len(dim_intervals(t, 0)) > 1:
+                raise ReshardError(
+                    f"{t.key}: optimizer state of the expert parameter {ps.fqn!r}, which the checkpoint does not "
+                    "hold: without the parameter reshard cannot permute it, and it would keep the old expert order "
+                    "under a record that names another",
+                    fqn=t.key,
+                    hint="reshard the checkpoint that holds the model with its optimizer state",
+                )
 
 
 def _refuse_indexed_state(cat: Catalog, plan: ReshardPlan) -> None:

@@ -180,3 +180,31 @@ def test_an_expert_tensor_outside_model_and_optimizer_is_refused_when_the_order_
     res = runner.invoke(app, ["reshard", str(src), str(tmp_path / "same"), "--to", "legacy", "--with-optimizer", *DECL])
     assert res.exit_code == 0, res.stderr
     assert "0 with a new expert order" in res.stdout
+
+
+def _save_optimizer_only(rank: int, world: int, out: str) -> None:
+    """The optimizer state of the suite's legacy 2 x 2 EP save, saved on its own (``{"optimizer": ...}``)."""
+    import torch.distributed.checkpoint as dcp
+
+    from tests.fixtures.moe_ep import _sharded_state
+
+    _, osd = _sharded_state(true_state(8), "legacy", rank, 2, 2, 0)
+    dcp.save({"optimizer": osd}, checkpoint_id=out)
+
+
+@pytest.mark.slow  # a 4-rank gloo save
+def test_expert_optimizer_state_without_its_parameters_is_refused(tmp_path: Path) -> None:
+    """An optimizer saved on its own, declared legacy 2 x 2: reshard --to canonical found "0 EP parameters",
+    copied the experts' state in the legacy order and recorded the output as canonical, exit 0. It is E602 now,
+    nothing written; a target in the same legacy order still copies it."""
+    from tests.fixtures.distributed import run_ranks
+
+    src = tmp_path / "optim"
+    run_ranks(4, _save_optimizer_only, str(src))
+    res = runner.invoke(app, ["reshard", str(src), str(tmp_path / "o"), "--to", "canonical", "--with-optimizer", *DECL])
+    assert res.exit_code == 2, res.stdout
+    assert res.stderr.startswith("error: [E602] optimizer.state.model.layers.0.mlp.experts.gate_up_proj.master_weight")
+    assert "which the checkpoint does not hold" in res.stderr
+    assert not (tmp_path / "o").exists()
+    res = runner.invoke(app, ["reshard", str(src), str(tmp_path / "same"), "--to", "legacy", "--with-optimizer", *DECL])
+    assert res.exit_code == 0, res.stderr
