@@ -374,15 +374,32 @@ def load_layout_record(cat: Catalog, reader: CheckpointReader) -> LayoutRecord |
             sidecar records disagree.
     """
     embedded = sidecar = None
+    # a malformed record is read whatever is declared: the hint says what to do with the record itself
     if cat.has_layout_item:
-        embedded = parse_layout_record(reader.read_object(LAYOUT_KEY), f"{cat.path}: byte item 'layout'")
+        try:
+            embedded = parse_layout_record(reader.read_object(LAYOUT_KEY), f"{cat.path}: byte item 'layout'")
+        except LayoutError as e:
+            if e.code == "E400":
+                e.hint = (
+                    "ckpttool reads the byte item 'layout' as its layout record (docs/layouts.md) and a declaration "
+                    "does not replace it; save the checkpoint again without a 'layout' item or with a valid record"
+                )
+            raise
     if cat.has_layout_sidecar:
         p = cat.path / SIDECAR_NAME
         try:
             text = reader.read_file(SIDECAR_NAME, limits.current().max_object_bytes, what="layout record")
         except DataFileError as e:
             raise LayoutError(e.message, path=p) from e
-        sidecar = parse_layout_record(text, str(p))
+        try:
+            sidecar = parse_layout_record(text, str(p))
+        except LayoutError as e:
+            if e.code == "E400":
+                e.hint = (
+                    f"fix or delete {SIDECAR_NAME}, then declare the layout (--source-layout legacy|canonical "
+                    "--ep-size P --ep-fsdp-size F) or record it again with `ckpttool stamp`"
+                )
+            raise
     if embedded is not None and sidecar is not None and embedded.raw != sidecar.raw:
         raise LayoutConflictError(
             f"{cat.path}: embedded layout record and {SIDECAR_NAME} disagree",

@@ -28,6 +28,7 @@ __all__ = [
     "dim_intervals",
     "shard_interval",
     "nested_shard_intervals",
+    "nonempty_shard_intervals",
     "expected_ep_intervals",
     "ep_split_candidates",
     "refines",
@@ -106,6 +107,25 @@ def nested_shard_intervals(n: int, mesh_sizes: tuple[int, ...]) -> list[tuple[in
     return pieces
 
 
+def nonempty_shard_intervals(n: int, mesh_sizes: tuple[int, ...]) -> set[tuple[int, int]]:
+    """The non-empty intervals of :func:`nested_shard_intervals` (the same set), without one entry per rank.
+
+    At most ``n`` pieces are non-empty at every level, so the work is bounded by ``n`` times the number of
+    mesh axes whatever the sizes: a record or declaration naming a mesh of ``10**12`` ranks costs no more
+    than one of 8.
+    """
+    pieces = [(0, n)] if n else []
+    for k in mesh_sizes:
+        nxt = []
+        for off, size in pieces:
+            for i in range(min(k, size)):  # pieces past the first `size` are empty (torch.chunk sizes)
+                o, s = shard_interval(size, k, i)
+                if s:
+                    nxt.append((off + o, s))
+        pieces = nxt
+    return set(pieces)
+
+
 def expected_ep_intervals(
     spec: EPTensorSpec, shape: tuple[int, ...], version: int, ep_size: int, ep_fsdp_size: int
 ) -> dict[int, set[tuple[int, int]]]:
@@ -124,12 +144,11 @@ def expected_ep_intervals(
     n_ep = shape[spec.ep_dim]
     if spec.fsdp_dim == spec.ep_dim:
         order = (ep_size, ep_fsdp_size) if version == 2 else (ep_fsdp_size, ep_size)
-        out[spec.ep_dim] = {iv for iv in nested_shard_intervals(n_ep, order) if iv[1]}
+        out[spec.ep_dim] = nonempty_shard_intervals(n_ep, order)
     else:
-        out[spec.ep_dim] = {iv for iv in nested_shard_intervals(n_ep, (ep_size,)) if iv[1]}
+        out[spec.ep_dim] = nonempty_shard_intervals(n_ep, (ep_size,))
         if spec.fsdp_dim is not None:
-            n_f = shape[spec.fsdp_dim]
-            out[spec.fsdp_dim] = {iv for iv in nested_shard_intervals(n_f, (ep_fsdp_size,)) if iv[1]}
+            out[spec.fsdp_dim] = nonempty_shard_intervals(shape[spec.fsdp_dim], (ep_fsdp_size,))
     return out
 
 

@@ -225,3 +225,35 @@ def test_no_ep_excludes_sizes_and_contradicts_an_ep_record(ep_suite: Path) -> No
     with pytest.raises(LayoutError) as ei:
         resolved(ep_suite / "p4f1", LayoutDeclaration.from_options(None, None, None, no_ep=True))
     assert ei.value.code == "E404" and "ep_size 4" in ei.value.message
+
+
+def test_record_of_a_huge_mesh_is_checked_without_one_entry_per_rank(ep_suite: Path, tmp_path: Path) -> None:
+    """A sidecar naming a mesh of 2 x 10**12 ranks (canonical, so no divisibility check stops it first) was
+    checked against the chunks by listing every rank's interval: `inspect`, `validate`, `export` and
+    `reshard` of such a checkpoint ran out of memory (E999) or hung. Only the non-empty intervals are listed
+    now (at most one per expert), so the contradiction is an E404 at once, under a 768 MiB address-space cap."""
+    import resource
+    import subprocess
+    import sys
+
+    from ckpttool.layouts.geometry import nested_shard_intervals, nonempty_shard_intervals
+
+    for n in range(13):
+        for mesh in ((1,), (3,), (7,), (2, 3), (4, 5), (2, 2, 3), (1, 40), (40,)):
+            assert nonempty_shard_intervals(n, mesh) == {iv for iv in nested_shard_intervals(n, mesh) if iv[1]}
+    ck = copy_checkpoint(ep_suite / "canonical", tmp_path / "c")
+    rec = record_for(VARIANTS["canonical"])
+    rec["parallel"]["ep_fsdp_size"] = 10**12
+    (ck / "layout.json").write_text(json.dumps(rec))
+
+    def cap() -> None:
+        resource.setrlimit(resource.RLIMIT_AS, (768 << 20, 768 << 20))
+
+    args = [sys.executable, "-m", "ckpttool", "reshard", str(ck), str(tmp_path / "o"), "--to", "canonical"]
+    res = subprocess.run(
+        [*args, "--with-optimizer"], capture_output=True, text=True, timeout=300, preexec_fn=cap, cwd=tmp_path
+    )
+    assert res.returncode == 2, res.stderr
+    assert res.stderr.startswith("error: [E404] model.model.layers.0.mlp.experts.gate_up_proj: the chunk geometry")
+    assert "ep_size 2 x ep_fsdp_size 1000000000000 gives 8" in res.stderr
+    assert not (tmp_path / "o").exists()

@@ -315,7 +315,11 @@ def execute_plan(
             with lock:
                 counts["rewritten"] += len(indices) - 1
         _write_byte_items(plan, reader, writer, mine)
-        if not distributed.merge_rank_files(group, writer, mine):  # pairs with _reshard's agree(error)
+        merged = distributed.merge_rank_files(group, writer, mine)  # pairs with _reshard's agree(error)
+        if group.active:  # every rank's chunks, as the merged records give every rank's bytes
+            per_rank = group.gather(dict(counts))
+            counts = {k: sum(c[k] for c in per_rank) for k in counts}
+        if not merged:
             return writer, counts
         writer.finish()
     return writer, counts

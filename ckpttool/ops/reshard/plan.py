@@ -19,12 +19,19 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ckpttool.errors import ChunkError, LayoutContradictionError, LayoutSizeError, ReshardError, UsageError
+from ckpttool.errors import (
+    ChunkError,
+    IndexedOptimizerStateError,
+    LayoutContradictionError,
+    LayoutSizeError,
+    ReshardError,
+    UsageError,
+)
 from ckpttool.format.directory import CheckpointDir, rank_of_file
 from ckpttool.format.metadata import BytesMeta, ChunkMeta, DType, TensorMeta
 from ckpttool.format.tiling import tiling_problem
-from ckpttool.layouts.declaration import LAYOUT_VERSIONS, ResolvedLayout
-from ckpttool.layouts.geometry import nested_shard_intervals, tensor_geometry
+from ckpttool.layouts.declaration import EP_NAME_RE, LAYOUT_VERSIONS, ResolvedLayout
+from ckpttool.layouts.geometry import dim_intervals, nested_shard_intervals, tensor_geometry
 from ckpttool.layouts.permute import canonical_to_legacy_perm, legacy_to_canonical_perm
 from ckpttool.layouts.record import LAYOUT_FORMAT, LAYOUT_KEY, EPTensorSpec, parse_layout_record
 from ckpttool.model.catalog import Catalog
@@ -214,21 +221,26 @@ def _target_boxes(
     out = []
     ndim = len(shape)
     same = spec.fsdp_dim == spec.ep_dim
+    # the intervals once per tensor, not once per rank (P*F ranks times P or F intervals each)
     if same:
         mesh = (p, f) if version == 2 else (f, p)
         ivs = nested_shard_intervals(shape[spec.ep_dim], mesh)
+    else:
+        ep_ivs = nested_shard_intervals(shape[spec.ep_dim], (p,))
+        if spec.fsdp_dim is not None:
+            fsdp_ivs = nested_shard_intervals(shape[spec.fsdp_dim], (f,))
     for r in range(p * f):
         e, ff = target_rank_coords(version, r, p, f)
         offs, sizes = [0] * ndim, list(shape)
         if same:
             offs[spec.ep_dim], sizes[spec.ep_dim] = ivs[r]
         else:
-            offs[spec.ep_dim], sizes[spec.ep_dim] = nested_shard_intervals(shape[spec.ep_dim], (p,))[e]
+            offs[spec.ep_dim], sizes[spec.ep_dim] = ep_ivs[e]
             if spec.fsdp_dim is None:
                 if ff:
                     continue  # replicated over EP-FSDP: DCP keeps one copy
             else:
-                offs[spec.fsdp_dim], sizes[spec.fsdp_dim] = nested_shard_intervals(shape[spec.fsdp_dim], (f,))[ff]
+                offs[spec.fsdp_dim], sizes[spec.fsdp_dim] = fsdp_ivs[ff]
         out.append((r, tuple(offs), tuple(sizes)))
     return out
 
@@ -573,8 +585,91 @@ def plan_reshard(
     ep_state = _ep_state(cat, layout, o.with_optimizer)
     plan = ReshardPlan(ckpt.path, layout, to_version, p2, f2, p2 * f2)
     _plan_entries(plan, ckpt, ep_state)
+    _refuse_indexed_state(cat, plan)
+    _refuse_unknown_expert_tensors(cat, plan)
+    _refuse_orphan_expert_state(cat, plan)
     _converted_record(plan, cat, source)
     return plan
+
+
+def _refuse_unknown_expert_tensors(cat: Catalog, plan: ReshardPlan) -> None:
+    """A tensor outside the model and its optimizer state (an EMA copy, a custom optimizer's state) that is a fused
+    expert tensor, by name or by naming a permuted parameter, shaped like one and split over ranks along its expert
+    dim: it would pass through in the old expert order while the parameters get the new one.
+
+    Raises:
+        ReshardError (E602): naming the first such tensor.
+    """
+    if not plan.permuted_keys:
+        return
+    prefix = cat.schema.model_prefix or ""
+    permuted = {k: cat.model[k].shape for k in plan.permuted_keys if k in cat.model}
+    fqns = [k[len(prefix) :] for k in permuted if k.startswith(prefix)]
+    shapes = set(permuted.values())
+    for key in cat.uncategorized_tensors():
+        entry = cat.tensors[key]
+        if entry.shape not in shapes or len(dim_intervals(entry, 0)) < 2:
+            continue
+        if EP_NAME_RE.search(key) or any(f and f in key for f in fqns):
+            raise ReshardError(
+                f"{key}: an expert tensor outside the model and its optimizer state (an EMA copy, a custom "
+                f"optimizer's state?), split over ranks along its expert dim; the experts of "
+                f"{len(plan.permuted_keys)} tensor(s) get a new order, and this one would keep the old order",
+                fqn=key,
+                hint="reshard a checkpoint without it, or save it under the model or the optimizer state "
+                "(`model_prefix` / `optimizer_prefix` name where they are)",
+            )
+
+
+def _refuse_orphan_expert_state(cat: Catalog, plan: ReshardPlan) -> None:
+    """Optimizer state of fused expert parameters the checkpoint does not hold (an optimizer saved on its own):
+    the layout has no EP tensor to permute, so that state would keep its order under a record that names
+    another (a legacy source with both sizes above 1, or a legacy target with both above 1).
+
+    Raises:
+        ReshardError (E602): naming the first such state tensor split over ranks along its expert dim.
+    """
+    layout = plan.layout
+    src_perm = layout.version == 1 and (layout.ep_size or 1) > 1 and (layout.ep_fsdp_size or 1) > 1
+    dst_perm = plan.to_version == 1 and plan.ep_size > 1 and plan.ep_fsdp_size > 1
+    same = src_perm and dst_perm and (layout.ep_size, layout.ep_fsdp_size) == (plan.ep_size, plan.ep_fsdp_size)
+    if layout.ep_tensors or not (src_perm or dst_perm) or same:
+        return
+    for ps in cat.optimizer_state.values():
+        if ps.in_model or not ("experts." in ps.fqn and EP_NAME_RE.search(ps.fqn)):
+            continue
+        for t in ps.fields.values():
+            if t is not None and len(t.shape) >= 2 and len(dim_intervals(t, 0)) > 1:
+                raise ReshardError(
+                    f"{t.key}: optimizer state of the expert parameter {ps.fqn!r}, which the checkpoint does not "
+                    "hold: without the parameter reshard cannot permute it, and it would keep the old expert order "
+                    "under a record that names another",
+                    fqn=t.key,
+                    hint="reshard the checkpoint that holds the model with its optimizer state",
+                )
+
+
+def _refuse_indexed_state(cat: Catalog, plan: ReshardPlan) -> None:
+    """State keyed by parameter index (a plain ``optimizer.state_dict()``) names no parameter, so the state of
+    the EP parameters whose expert order changes cannot be found: it would pass through in the old order.
+
+    Raises:
+        IndexedOptimizerStateError (E251): a state tensor shaped like a permuted EP parameter.
+    """
+    if cat.schema.optimizer_keying != "index" or not plan.permuted_keys:
+        return
+    shapes = {cat.model[k].shape for k in plan.permuted_keys if k in cat.model}
+    for ps in cat.optimizer_state.values():
+        for t in ps.fields.values():
+            if t is not None and t.shape and t.shape in shapes:
+                raise IndexedOptimizerStateError(
+                    f"{t.key}: the optimizer state under {cat.schema.optimizer_prefix!r} is keyed by parameter "
+                    f"index (a plain optimizer.state_dict()), so the state of the {len(plan.permuted_keys)} "
+                    "tensor(s) whose expert order changes cannot be found; it would keep the old order",
+                    fqn=t.key,
+                    hint="re-save the optimizer with torch.distributed.checkpoint.state_dict."
+                    "get_optimizer_state_dict(model, optimizer) (state keyed by parameter name)",
+                )
 
 
 def origin_world(cat: Catalog, layout: ResolvedLayout) -> int:

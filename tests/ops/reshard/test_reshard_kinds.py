@@ -84,3 +84,127 @@ def test_a_hugging_face_model_folder_is_refused_pointing_to_import(sample_ckpt: 
     assert lines[0].startswith(f"error: [E602] {hf}: a safetensors checkpoint (a Hugging Face model folder or ")
     assert lines[1].startswith("hint: `ckpttool import` it") and "ckpttool export" not in lines[1]
     assert not out.exists()
+
+
+def _save_index_keyed(rank: int, world: int, out: str) -> None:
+    """The legacy 2 x 2 EP save of the suite with the optimizer as a plain ``optimizer.state_dict()`` has it:
+    state and param groups keyed by parameter index."""
+    import torch.distributed.checkpoint as dcp
+
+    from tests.fixtures.moe_ep import _sharded_state
+
+    msd, osd = _sharded_state(true_state(8), "legacy", rank, 2, 2, 0)
+    assert osd is not None
+    names = list(osd["state"])
+    state = {i: osd["state"][n] for i, n in enumerate(names)}
+    groups = [dict(g, params=list(range(len(names)))) for g in osd["param_groups"]]
+    dcp.save({"model": msd, "optim": {"state": state, "param_groups": groups}}, checkpoint_id=out)
+
+
+@pytest.mark.slow  # a 4-rank gloo save
+def test_index_keyed_optimizer_state_is_refused_when_the_expert_order_changes(tmp_path: Path) -> None:
+    """State keyed by parameter index names no parameter: reshard permuted the experts and passed their
+    exp_avg/exp_avg_sq/master_weight through in the legacy order (with or without --with-optimizer, "0
+    optimizer state tensors"), exit 0. It is E251 now, nothing written; a target in the same order still works."""
+    from tests.fixtures.distributed import run_ranks
+
+    src = tmp_path / "indexed"
+    run_ranks(4, _save_index_keyed, str(src))
+    for extra in ((), ("--with-optimizer",)):
+        res = runner.invoke(app, ["reshard", str(src), str(tmp_path / "o"), "--to", "canonical", *DECL, *extra])
+        assert res.exit_code == 2, res.stdout
+        assert res.stderr.startswith("error: [E251] optim.state.3.master_weight: the optimizer state under 'optim.'")
+        assert "get_optimizer_state_dict" in res.stderr
+        assert not (tmp_path / "o").exists()
+    res = runner.invoke(app, ["reshard", str(src), str(tmp_path / "same"), "--to", "legacy", *DECL])
+    assert res.exit_code == 0, res.stderr
+    assert "0 with a new expert order" in res.stdout
+
+
+def test_a_malformed_layout_record_hint_does_not_send_back_to_the_declaration(ep_suite: Path, tmp_path: Path) -> None:
+    """A 'layout' byte item of the trainer's own (dcp.save of {"layout": "bshd"}) or a garbage layout.json is
+    read as the layout record whatever is declared, yet the E400 hint said "declare the layout with
+    --source-layout ...": declaring gave the same error and the same hint. The hint now says what to do with
+    the record itself."""
+    import shutil
+
+    import torch.distributed.checkpoint as dcp
+
+    own = tmp_path / "own"
+    g = torch.Generator().manual_seed(0)
+    experts = torch.randn(8, 4, 5, generator=g)
+    dcp.save({"model": {"layers.0.mlp.experts.down_proj": experts}, "layout": "bshd"}, checkpoint_id=own, no_dist=True)
+    res = runner.invoke(
+        app,
+        ["reshard", str(own), str(tmp_path / "o"), "--to", "canonical", "--no-ep", "--target-ep-size", "2"]
+        + ["--target-ep-fsdp-size", "1"],
+    )
+    assert res.exit_code == 2 and res.stderr.startswith(f"error: [E400] {own}: byte item 'layout': not valid JSON")
+    assert "declare the layout with" not in res.stderr
+    assert "a declaration does not replace it" in res.stderr
+    side = tmp_path / "side"
+    shutil.copytree(ep_suite / "legacy", side)
+    (side / "layout.json").write_text("garbage")
+    res = runner.invoke(app, ["reshard", str(side), str(tmp_path / "o"), "--to", "canonical", *DECL])
+    assert res.exit_code == 2 and res.stderr.startswith(f"error: [E400] {side}/layout.json: not valid JSON")
+    assert "hint: fix or delete layout.json, then declare the layout" in res.stderr
+    assert not (tmp_path / "o").exists()
+
+
+def _save_with_ema(rank: int, world: int, out: str) -> None:
+    """The legacy 2 x 2 EP save of the suite with an EMA copy of the expert weights beside the model
+    (``{"model", "optimizer", "ema"}``), sharded like them."""
+    import torch.distributed.checkpoint as dcp
+
+    from tests.fixtures.moe_ep import _sharded_state, is_ep
+
+    msd, osd = _sharded_state(true_state(8), "legacy", rank, 2, 2, 0)
+    ema = {k: v for k, v in msd.items() if is_ep(f"model.{k}")}
+    dcp.save({"model": msd, "optimizer": osd, "ema": ema}, checkpoint_id=out)
+
+
+@pytest.mark.slow  # a 4-rank gloo save
+def test_an_expert_tensor_outside_model_and_optimizer_is_refused_when_the_order_changes(tmp_path: Path) -> None:
+    """An EMA copy of the experts ('ema.model.layers.0.mlp.experts.gate_up_proj', uncategorized) was copied in
+    the legacy order while the model's experts and their optimizer state were put in the canonical one, exit 0
+    ("27 other tensors ... copied unchanged"). It is E602 now, nothing written; a target in the same order
+    still copies it."""
+    from tests.fixtures.distributed import run_ranks
+
+    src = tmp_path / "ema"
+    run_ranks(4, _save_with_ema, str(src))
+    res = runner.invoke(app, ["reshard", str(src), str(tmp_path / "o"), "--to", "canonical", "--with-optimizer", *DECL])
+    assert res.exit_code == 2, res.stdout
+    assert res.stderr.startswith("error: [E602] ema.model.layers.0.mlp.experts.gate_up_proj: an expert tensor outside")
+    assert not (tmp_path / "o").exists()
+    res = runner.invoke(app, ["reshard", str(src), str(tmp_path / "same"), "--to", "legacy", "--with-optimizer", *DECL])
+    assert res.exit_code == 0, res.stderr
+    assert "0 with a new expert order" in res.stdout
+
+
+def _save_optimizer_only(rank: int, world: int, out: str) -> None:
+    """The optimizer state of the suite's legacy 2 x 2 EP save, saved on its own (``{"optimizer": ...}``)."""
+    import torch.distributed.checkpoint as dcp
+
+    from tests.fixtures.moe_ep import _sharded_state
+
+    _, osd = _sharded_state(true_state(8), "legacy", rank, 2, 2, 0)
+    dcp.save({"optimizer": osd}, checkpoint_id=out)
+
+
+@pytest.mark.slow  # a 4-rank gloo save
+def test_expert_optimizer_state_without_its_parameters_is_refused(tmp_path: Path) -> None:
+    """An optimizer saved on its own, declared legacy 2 x 2: reshard --to canonical found "0 EP parameters",
+    copied the experts' state in the legacy order and recorded the output as canonical, exit 0. It is E602 now,
+    nothing written; a target in the same legacy order still copies it."""
+    from tests.fixtures.distributed import run_ranks
+
+    src = tmp_path / "optim"
+    run_ranks(4, _save_optimizer_only, str(src))
+    res = runner.invoke(app, ["reshard", str(src), str(tmp_path / "o"), "--to", "canonical", "--with-optimizer", *DECL])
+    assert res.exit_code == 2, res.stdout
+    assert res.stderr.startswith("error: [E602] optimizer.state.model.layers.0.mlp.experts.gate_up_proj.master_weight")
+    assert "which the checkpoint does not hold" in res.stderr
+    assert not (tmp_path / "o").exists()
+    res = runner.invoke(app, ["reshard", str(src), str(tmp_path / "same"), "--to", "legacy", "--with-optimizer", *DECL])
+    assert res.exit_code == 0, res.stderr
