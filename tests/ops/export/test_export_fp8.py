@@ -533,6 +533,27 @@ def test_casting_an_already_quantized_source_is_refused(
     assert _file_tensors(tmp_path / "copy").keys() == _file_tensors(fp8).keys()
 
 
+def test_an_fp8_folder_exported_as_stored_with_its_config_passes_the_model_check(
+    master_ckpt: Path, tmp_path: Path
+) -> None:
+    """An FP8 folder exported again as stored, with its own config.json (``--model-assets``: the only way to keep
+    the ``weight_block_size`` it needs), was E605: its ``weight_scale_inv`` tensors were "unexpected" keys of the
+    model class, which only a ``--quantize`` export left out of the check. Now the scales of the float8 weights
+    written are left out as well: the copy is the folder's tensors, bit for bit, beside the same config."""
+    fp8 = tmp_path / "fp8"
+    _export(master_ckpt, fp8, "--quantize-block", "16", "--model-assets", str(master_ckpt / "model_assets"))
+    out = tmp_path / "copy"
+    res = runner.invoke(app, ["export", str(fp8), str(out), "--model-assets", str(fp8), "--json"])
+    assert res.exit_code == 0, res.stderr
+    assert "unexpected" not in res.stderr
+    assert json.loads(res.stdout)["model_check"]["findings"] == {}
+    src, got = _file_tensors(fp8), _file_tensors(out)
+    assert got.keys() == src.keys() and sum(k.endswith("_scale_inv") for k in got) == 14
+    for k, v in src.items():
+        assert got[k].dtype == v.dtype and torch.equal(got[k].view(torch.uint8), v.view(torch.uint8)), k
+    assert json.loads((out / "config.json").read_text()) == json.loads((fp8 / "config.json").read_text())
+
+
 def test_fp8_weight_exported_without_its_scale_is_refused(master_ckpt: Path, tmp_path: Path) -> None:
     """``--filter '*q_proj.weight'`` on an FP8 folder wrote the FP8 codes without their ``weight_scale_inv`` (exit 0):
     no reader can scale them. Now E601 naming the weight and the scale left out; a glob taking both exports."""
