@@ -554,6 +554,25 @@ def test_an_fp8_folder_exported_as_stored_with_its_config_passes_the_model_check
     assert json.loads((out / "config.json").read_text()) == json.loads((fp8 / "config.json").read_text())
 
 
+def test_fp8_export_notes_no_rounding_of_its_float32_scales(master_ckpt: Path, tmp_path: Path) -> None:
+    """Every ``--quantize fp8-block --model-assets`` export noted that ``from_pretrained(dtype="auto")`` rounds its
+    float32 ``weight_scale_inv`` tensors to bfloat16 and advised ``dtype=torch.float32``: transformers' FP8Linear
+    allocates those scales float32 and its loader keeps a pre-quantized parameter's own dtype, so nothing is rounded.
+    The note now leaves them out (a float32 tensor of another name still gets it)."""
+    from ckpttool.format.safetensors import HeaderEntry
+    from ckpttool.ops.export.serving import rounded_on_load
+
+    r = _export(
+        master_ckpt, tmp_path / "fp8", "--quantize-block", "16", "--model-assets", str(master_ckpt / "model_assets")
+    )
+    assert r["quantization"]["quantized"] == 14
+    assert not [n for n in r["notes"] if "config.json names" in n], r["notes"]
+    w, s = HeaderEntry("x.weight", "float8_e4m3fn", (4, 4)), HeaderEntry("x.weight_scale_inv", "float32", (1, 1))
+    assert rounded_on_load("bfloat16", [w, s, HeaderEntry("n", "bfloat16", (9,))]) is None
+    stray = rounded_on_load("bfloat16", [s, HeaderEntry("n", "bfloat16", (9,))])  # no float8 weight beside it
+    assert stray is not None and "x.weight_scale_inv" in stray
+
+
 def test_fp8_weight_exported_without_its_scale_is_refused(master_ckpt: Path, tmp_path: Path) -> None:
     """``--filter '*q_proj.weight'`` on an FP8 folder wrote the FP8 codes without their ``weight_scale_inv`` (exit 0):
     no reader can scale them. Now E601 naming the weight and the scale left out; a glob taking both exports."""
