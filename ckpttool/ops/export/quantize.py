@@ -648,7 +648,14 @@ class QuantizedFormat(OutputFormat):
         edited = dict(self.base.edited_assets(model_config))
         if model_config is not None:
             doc = json.loads(edited["config.json"]) if "config.json" in edited else dict(model_config)
-            doc["quantization_config"] = QUANT_FORMATS[self.spec.fmt].config(self.spec, sorted(set(self.kept)))
+            kept = set(self.kept)
+            names = self._names
+            embedding = any(fnmatch.fnmatchcase(n, g) for n in names for g in ("*embed_tokens.weight", "*wte.weight"))
+            if embedding and not any(n.endswith("lm_head.weight") for n in names):
+                # a tied lm_head (not written): transformers still builds it as a Linear, and would convert it to an
+                # FP8 one (FP8Linear, compressed-tensors' `Linear` target) whose FP8 weight and scale the folder lacks
+                kept.add("lm_head")
+            doc["quantization_config"] = QUANT_FORMATS[self.spec.fmt].config(self.spec, sorted(kept))
             edited["config.json"] = (json.dumps(doc, indent=2) + "\n").encode("utf-8")
         return edited
 

@@ -573,6 +573,37 @@ def test_fp8_export_notes_no_rounding_of_its_float32_scales(master_ckpt: Path, t
     assert stray is not None and "x.weight_scale_inv" in stray
 
 
+@pytest.mark.parametrize("quant_format", ["fp8", "compressed-tensors"])
+def test_tied_export_keeps_the_omitted_lm_head_out_of_the_conversion(
+    fixture_root: Path, tmp_path: Path, quant_format: str
+) -> None:
+    """A tied model's export omits lm_head.weight, and its quantization_config listed only
+    ``model.embed_tokens`` as not converted: transformers (a list given: no default lm_head skip) builds lm_head
+    as an FP8Linear whose FP8 weight and scale the folder lacks (compressed-tensors' ``Linear`` target likewise).
+    Now ``lm_head`` is listed too; transformers' own FineGrainedFP8 quantizer keeps it a plain Linear."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers.quantizers.quantizer_finegrained_fp8 import FineGrainedFP8HfQuantizer
+    from transformers.utils.quantization_config import FineGrainedFP8Config
+
+    src = cached_build(fixture_root, "export_llama_tied", hf_models.build_llama_tied)
+    out = tmp_path / "q"
+    args = ["--quantize-block", "16", "--quant-format", quant_format, "--model-assets", str(src / "model_assets")]
+    r = _export(src, out, *args)
+    assert r["tied_embeddings"] == "omitted"
+    qc = json.loads((out / "config.json").read_text())["quantization_config"]
+    assert qc["modules_to_not_convert" if quant_format == "fp8" else "ignore"] == ["lm_head", "model.embed_tokens"]
+    if quant_format != "fp8":
+        return
+    cfg = AutoConfig.from_pretrained(str(out))
+    quantizer = FineGrainedFP8HfQuantizer(FineGrainedFP8Config.from_dict(dict(cfg.quantization_config)))
+    quantizer.pre_quantized = True
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(cfg)
+    quantizer._process_model_before_weight_loading(model)
+    assert type(model.lm_head).__name__ == "Linear"
+    assert type(model.model.layers[0].self_attn.q_proj).__name__ == "FP8Linear"
+
+
 def test_fp8_weight_exported_without_its_scale_is_refused(master_ckpt: Path, tmp_path: Path) -> None:
     """``--filter '*q_proj.weight'`` on an FP8 folder wrote the FP8 codes without their ``weight_scale_inv`` (exit 0):
     no reader can scale them. Now E601 naming the weight and the scale left out; a glob taking both exports."""
