@@ -1594,6 +1594,16 @@ def written_tensors(plan: ExportPlan) -> dict[str, tuple[tuple[int, ...], str]]:
     return out
 
 
+def without_fp8_scales(written: dict[str, tuple[tuple[int, ...], str]]) -> dict[str, tuple[tuple[int, ...], str]]:
+    """``written`` (:func:`written_tensors`) less the scales of its float8 weights (``x_scale_inv``, ``x_scale``):
+    no parameters of the model class (the quantizer the config's ``quantization_config`` names adds them), whether
+    the export quantized the weights or a folder stored quantized is copied (or validated) as stored."""
+    scales = {
+        k + x for k, (_, dtype) in written.items() if dtype.startswith("float8") for x in ("_scale_inv", "_scale")
+    }
+    return {k: v for k, v in written.items() if k not in scales}
+
+
 def _check_against_model(plan: ExportPlan, config: dict[str, Any], opts: ExportOptions) -> ModelCheck:
     """Compare the plan with the model class of ``config`` (:mod:`.expected`); refuse unallowed differences.
 
@@ -1605,13 +1615,7 @@ def _check_against_model(plan: ExportPlan, config: dict[str, Any], opts: ExportO
     if opts.quantize is not None:  # the scales are not parameters of the model class; the FP8 dtype was asked for
         suffix = "_scale_inv" if opts.quant_format == "fp8" else "_scale"
         written = {k: v for k, v in written.items() if not k.endswith(suffix)}
-    # a folder stored quantized, copied as stored: its scales are no parameters of the model class either (the
-    # quantizer the config's quantization_config names adds them)
-    scales = {
-        k + x for k, (_, dtype) in written.items() if dtype.startswith("float8") for x in ("_scale_inv", "_scale")
-    }
-    written = {k: v for k, v in written.items() if k not in scales}
-    check = compare_with_model(written, config)
+    check = compare_with_model(without_fp8_scales(written), config)
     if not check.checked:
         plan.warnings.append(f"keys and shapes were not checked against the model class: {check.not_checked}")
         return check

@@ -337,7 +337,7 @@ def _model_class_check(ctx: Context) -> tuple[Any, str | None]:
     """The export plan's tensors (names as ``export`` writes them) compared with the config's model class."""
     from ckpttool.errors import CkptError
     from ckpttool.model.adapters import AdapterConfig
-    from ckpttool.ops.export.execute import ExportOptions, export_adapter, written_tensors
+    from ckpttool.ops.export.execute import ExportOptions, export_adapter, without_fp8_scales, written_tensors
     from ckpttool.ops.export.expected import compare_with_model
     from ckpttool.ops.export.plan import build_plan, select_sources
     from ckpttool.ops.export.rules import load_rules
@@ -354,7 +354,7 @@ def _model_class_check(ctx: Context) -> tuple[Any, str | None]:
         plan = build_plan(selected, rules, drop=drop)
     except CkptError as e:
         return None, f"the tensors cannot be mapped to Hugging Face names ({e.message})"
-    return compare_with_model(written_tensors(plan), ctx.config), None
+    return compare_with_model(without_fp8_scales(written_tensors(plan)), ctx.config), None
 
 
 @rule("M010")
