@@ -338,3 +338,24 @@ def test_own_fp8_export_fits_its_model_class(own_fp8: tuple[Path, Path]) -> None
     assert res.exit_code == 0, [f["message"] for f in doc["findings"]]
     assert not [f for f in doc["findings"] if f["code"] == "M010"]
     assert next(r for r in doc["rules"] if r["code"] == "M010")["status"] == "passed"
+
+
+def test_a_config_without_quantization_config_keeps_the_folders_own(own_fp8: tuple[Path, Path], tmp_path: Path) -> None:
+    """``--config`` of the base model (for coverage, the model check: no ``quantization_config``) replaced the FP8
+    folder's own config.json whole, so its 16x16 scales were judged on the default 128 grid: validate failed M020
+    14 times and import refused with E612 ("damaged"). A config that says nothing of the quantization now leaves
+    the folder's own ``quantization_config`` in force; one that has one still decides."""
+    master, out = own_fp8
+    base = master / "model_assets" / "config.json"
+    assert "quantization_config" not in json.loads(base.read_text())
+    rc, found = _findings(out, "--config", str(base))
+    assert (rc, found) == (0, [])
+    res = runner.invoke(app, ["import", str(out), str(tmp_path / "dcp"), "--config", str(base), "--json"])
+    assert res.exit_code == 0, res.stderr
+    assert json.loads(res.stdout)["dequantized"]["kinds"] == {"fp8-block": 14}
+    other = tmp_path / "other.json"
+    other.write_text(json.dumps({"quantization_config": {"quant_method": "fp8", "weight_block_size": [32, 32]}}))
+    rc, found = _findings(out, "--config", str(other))
+    assert rc == 1 and {c for c, _ in found} == {"M020"}
+    res = runner.invoke(app, ["import", str(out), str(tmp_path / "dcp2"), "--config", str(other)])
+    assert res.exit_code == 2 and "[E612]" in res.stderr and "in 32x32 blocks" in res.stderr
