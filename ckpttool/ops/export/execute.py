@@ -1595,13 +1595,23 @@ def written_tensors(plan: ExportPlan) -> dict[str, tuple[tuple[int, ...], str]]:
 
 
 def without_fp8_scales(written: dict[str, tuple[tuple[int, ...], str]]) -> dict[str, tuple[tuple[int, ...], str]]:
-    """``written`` (:func:`written_tensors`) less the scales of its float8 weights (``x_scale_inv``, ``x_scale``):
-    no parameters of the model class (the quantizer the config's ``quantization_config`` names adds them), whether
+    """``written`` (:func:`written_tensors`) as the model class holds it: less the scales of its float8 weights
+    (``x_scale_inv``, ``x_scale``), and MXFP4 ``x_blocks`` ``[E, N, G, B]`` + ``x_scales`` ``[E, N, G]`` as the
+    ``x`` ``[E, G*2B, N]`` they dequantize to (dtype ``uint8``: not compared). The scales and blocks are no
+    parameters of the model class (the quantizer the config's ``quantization_config`` names adds them), whether
     the export quantized the weights or a folder stored quantized is copied (or validated) as stored."""
     scales = {
         k + x for k, (_, dtype) in written.items() if dtype.startswith("float8") for x in ("_scale_inv", "_scale")
     }
-    return {k: v for k, v in written.items() if k not in scales}
+    out = {k: v for k, v in written.items() if k not in scales}
+    for k, (shape, dtype) in written.items():
+        x = k.removesuffix("_blocks")
+        s = out.get(x + "_scales")
+        if x != k and dtype == "uint8" and len(shape) == 4 and s is not None and tuple(s[0]) == tuple(shape[:3]):
+            e, n, g, b = shape
+            del out[k], out[x + "_scales"]
+            out.setdefault(x, ((e, g * 2 * b, n), "uint8"))
+    return out
 
 
 def _check_against_model(plan: ExportPlan, config: dict[str, Any], opts: ExportOptions) -> ModelCheck:

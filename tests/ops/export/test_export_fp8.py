@@ -554,6 +554,61 @@ def test_an_fp8_folder_exported_as_stored_with_its_config_passes_the_model_check
     assert json.loads((out / "config.json").read_text()) == json.loads((fp8 / "config.json").read_text())
 
 
+def test_an_mxfp4_folder_exported_as_stored_is_checked_as_the_weights_it_holds(tmp_path: Path) -> None:
+    """A gpt-oss MXFP4 folder exported as stored with its config.json was E605: ``x_blocks`` / ``x_scales``
+    "unexpected" keys of GptOssForCausalLM. They are now compared as the ``x`` they dequantize to
+    (``[E, G*2B, N]``, transformers' ``convert_moe_packed_tensors``): the right shape passes, a wrong one is E605
+    naming ``x``."""
+    from transformers import GptOssConfig
+
+    from tests.ops.test_import_quantized import _write_folder
+
+    cfg = GptOssConfig(
+        hidden_size=64,
+        intermediate_size=32,
+        num_local_experts=2,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=32,
+        vocab_size=128,
+    ).to_dict()
+    cfg["quantization_config"] = {"quant_method": "mxfp4"}
+    p = "model.layers.0.mlp.experts."
+    g = torch.Generator().manual_seed(1)
+    t = {
+        p + "gate_up_proj_blocks": torch.randint(0, 256, (2, 64, 2, 16), generator=g, dtype=torch.uint8),
+        p + "gate_up_proj_scales": torch.full((2, 64, 2), 127, dtype=torch.uint8),
+        p + "down_proj_blocks": torch.randint(0, 256, (2, 64, 1, 16), generator=g, dtype=torch.uint8),
+        p + "down_proj_scales": torch.full((2, 64, 1), 127, dtype=torch.uint8),
+    }
+    src = _write_folder(tmp_path / "oss", t, cfg)
+    res = runner.invoke(
+        app,
+        [
+            "export",
+            str(src),
+            str(tmp_path / "out"),
+            "--model-assets",
+            str(src),
+            "--allow-mismatch",
+            "missing",
+            "--json",
+        ],
+    )
+    assert res.exit_code == 0, res.stderr
+    assert set(json.loads(res.stdout)["model_check"]["findings"]) == {"missing"}
+    assert _file_tensors(tmp_path / "out").keys() == t.keys()
+    t[p + "down_proj_blocks"] = t[p + "down_proj_blocks"][:, :32].contiguous()
+    t[p + "down_proj_scales"] = t[p + "down_proj_scales"][:, :32].contiguous()
+    src = _write_folder(tmp_path / "bad", t, cfg)
+    res = runner.invoke(
+        app, ["export", str(src), str(tmp_path / "o2"), "--model-assets", str(src), "--allow-mismatch", "missing"]
+    )
+    assert res.exit_code == 2 and "[E605]" in res.stderr and f"{p}down_proj: [2, 32, 32]" in res.stderr, res.stderr
+    assert "unexpected" not in res.stderr
+
+
 def test_fp8_export_notes_no_rounding_of_its_float32_scales(master_ckpt: Path, tmp_path: Path) -> None:
     """Every ``--quantize fp8-block --model-assets`` export noted that ``from_pretrained(dtype="auto")`` rounds its
     float32 ``weight_scale_inv`` tensors to bfloat16 and advised ``dtype=torch.float32``: transformers' FP8Linear
