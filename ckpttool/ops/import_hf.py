@@ -23,7 +23,7 @@ from fnmatch import fnmatchcase
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from ckpttool.errors import ExportError, MetadataError, ModelMismatchError, UsageError
+from ckpttool.errors import CkptError, ExportError, MetadataError, ModelMismatchError, UsageError
 from ckpttool.format.files import hub_hint, missing_path_hint, open_regular, resolve_inside
 from ckpttool.format.hf_storage import (
     ADAPTER_PREFIX,
@@ -1073,7 +1073,7 @@ def _import_plain(
     _check_not_empty(src_dir, sources)
     _check_index(src_dir, sources)
     real_files = sorted({s.file for s in sources.values()})
-    plans = _dequantize_sources(src_dir, sources, config, opts, warnings)
+    plans = _dequantize_sources(src_dir, sources, _quant_config(src_dir, config, opts), opts, warnings)
     _tie_lm_head(sources, config, warnings)
     adapter = _choose_adapter(opts, config)
     acfg = AdapterConfig.from_hf_config(config)
@@ -1129,6 +1129,21 @@ def _import_plain(
         dequantized=_dequantized_summary(plans),
         model_check=check.to_dict() if check is not None else None,
     )
+
+
+def _quant_config(src_dir: Path, config: Any, opts: ImportOptions) -> Any:
+    """The config that says how quantized weights scale: ``config``; a ``--config`` without a
+    ``quantization_config`` (the base model's, given for the model check) says nothing of it, so the folder's own
+    ``quantization_config`` is taken beside it (an unreadable own config.json: none, as before)."""
+    if opts.config is None or not isinstance(config, dict) or "quantization_config" in config:
+        return config
+    own_dir = hf_config_beside(src_dir)
+    try:
+        own = read_hf_config(own_dir, param="config") if own_dir is not None else None
+    except CkptError:
+        return config
+    qc = own.get("quantization_config") if isinstance(own, dict) else None
+    return config if qc is None else {**config, "quantization_config": qc}
 
 
 def _dequantize_sources(

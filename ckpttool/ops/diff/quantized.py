@@ -99,6 +99,9 @@ def load_dequantized(side: Side, item: Item) -> Any:
         return decode(memoryview(q), 0).reshape(item.shape)
     e = scale.view(torch.uint8).numpy().reshape(-1)
     experts, rows, n = item.shape
+    if not q.size:  # no element (an empty dim): nothing to dequantize, and no group size to reshape by
+        side.quant_atol = 0.0
+        return torch.zeros(item.shape, dtype=torch.float32)
     g = e.size // experts // n
     b = q.size // e.size
     vals = kernels.mxfp4_dequantize(q.reshape(-1, b), e).reshape(experts, n, g * 2 * b)
@@ -126,7 +129,8 @@ def fp8_decoder(side: Side, item: Item, scale: Any = None) -> Callable[[memoryvi
     finite = s[np.isfinite(s)]  # an infinite scale (damaged) would make every element of the tensor "within"
     side.quant_atol = _FP8_ATOL_STEPS * (float(finite.max()) if finite.size else 0.0)
     *_, rows, cols = item.shape
-    grids = s.reshape(-1, *s.shape[-2:])  # one scale grid per expert (one for a 2-D weight)
+    # one scale grid per expert (one for a 2-D weight); counted, as -1 cannot be inferred for an empty grid
+    grids = s.reshape(int(np.prod(s.shape[:-2])), *s.shape[-2:])
     side.quant_atol_at = _fp8_atol_at(grids, rows, cols, block)
 
     def decode(raw: memoryview, first: int) -> Any:

@@ -1594,6 +1594,26 @@ def written_tensors(plan: ExportPlan) -> dict[str, tuple[tuple[int, ...], str]]:
     return out
 
 
+def without_fp8_scales(written: dict[str, tuple[tuple[int, ...], str]]) -> dict[str, tuple[tuple[int, ...], str]]:
+    """``written`` (:func:`written_tensors`) as the model class holds it: less the scales of its float8 weights
+    (``x_scale_inv``, ``x_scale``), and MXFP4 ``x_blocks`` ``[E, N, G, B]`` + ``x_scales`` ``[E, N, G]`` as the
+    ``x`` ``[E, G*2B, N]`` they dequantize to (dtype ``uint8``: not compared). The scales and blocks are no
+    parameters of the model class (the quantizer the config's ``quantization_config`` names adds them), whether
+    the export quantized the weights or a folder stored quantized is copied (or validated) as stored."""
+    scales = {
+        k + x for k, (_, dtype) in written.items() if dtype.startswith("float8") for x in ("_scale_inv", "_scale")
+    }
+    out = {k: v for k, v in written.items() if k not in scales}
+    for k, (shape, dtype) in written.items():
+        x = k.removesuffix("_blocks")
+        s = out.get(x + "_scales")
+        if x != k and dtype == "uint8" and len(shape) == 4 and s is not None and tuple(s[0]) == tuple(shape[:3]):
+            e, n, g, b = shape
+            del out[k], out[x + "_scales"]
+            out.setdefault(x, ((e, g * 2 * b, n), "uint8"))
+    return out
+
+
 def _check_against_model(plan: ExportPlan, config: dict[str, Any], opts: ExportOptions) -> ModelCheck:
     """Compare the plan with the model class of ``config`` (:mod:`.expected`); refuse unallowed differences.
 
@@ -1605,7 +1625,7 @@ def _check_against_model(plan: ExportPlan, config: dict[str, Any], opts: ExportO
     if opts.quantize is not None:  # the scales are not parameters of the model class; the FP8 dtype was asked for
         suffix = "_scale_inv" if opts.quant_format == "fp8" else "_scale"
         written = {k: v for k, v in written.items() if not k.endswith(suffix)}
-    check = compare_with_model(written, config)
+    check = compare_with_model(without_fp8_scales(written), config)
     if not check.checked:
         plan.warnings.append(f"keys and shapes were not checked against the model class: {check.not_checked}")
         return check

@@ -483,6 +483,7 @@ class QuantizedFormat(OutputFormat):
                 except ValueError:
                     task = None
             if task is None:
+                self._check_skip_split(s, pieces)
                 self._keep(pieces)
                 return pieces, runs, order, counted
             self.quantized[key] = task
@@ -513,6 +514,39 @@ class QuantizedFormat(OutputFormat):
             elif fused_experts(p.name, p.shape):
                 self.kept.append(p.name.rpartition(".")[0])  # the experts module transformers converts as a whole
                 self._experts[0].append(p.name)
+
+    def _check_skip_split(self, s: Selected, pieces: tuple[Piece, ...]) -> None:
+        """Raises UsageError: a `quantize_skip` glob keeps some pieces of one source (an expert of a per-expert
+        split, one of a fused QKV's projections) and would quantize the others: a source is quantized whole or
+        not at all, so its other pieces were kept unquantized too, without a word (every expert of every layer
+        for `quantize_skip` '*.experts.0.*')."""
+        spec, dtype = self.spec, s.source.dtype
+        if len(pieces) < 2 or not spec.skip:
+            return
+        by_glob = [
+            p.name
+            for p in pieces
+            if spec.candidate(p.name, p.shape)
+            and dtype in _QUANTIZABLE
+            and 0 not in p.shape
+            and not any(fnmatch.fnmatchcase(p.name, g) for g in DEFAULT_SKIP)
+            and any(fnmatch.fnmatchcase(p.name, g) for g in spec.skip)
+        ]
+        others = [p.name for p in pieces if spec.quantizes(p.name, p.shape, dtype)]
+        if not by_glob or not others:
+            return
+        module = by_glob[0].partition(".experts.")[0] + ".experts" if ".experts." in by_glob[0] else None
+        raise UsageError(
+            f"`quantize_skip` keeps {by_glob[0]} but not {others[0]}, written from the same checkpoint tensor "
+            f"{s.model_key} (a tensor is quantized whole or not at all)",
+            param="quantize_skip",
+            hint=(
+                "transformers and vLLM convert an experts module as a whole: skip all its experts or none "
+                f"(e.g. `quantize_skip` '{module}.*')"
+                if module is not None
+                else f"skip all the tensors written from {s.model_key} or none"
+            ),
+        )
 
     def _check_fused(self, s: Selected, pieces: tuple[Piece, ...]) -> None:
         """Raises ExportError: fused expert tensors to quantize in a quant format with no fused layout."""
@@ -614,7 +648,14 @@ class QuantizedFormat(OutputFormat):
         edited = dict(self.base.edited_assets(model_config))
         if model_config is not None:
             doc = json.loads(edited["config.json"]) if "config.json" in edited else dict(model_config)
-            doc["quantization_config"] = QUANT_FORMATS[self.spec.fmt].config(self.spec, sorted(set(self.kept)))
+            kept = set(self.kept)
+            names = self._names
+            embedding = any(fnmatch.fnmatchcase(n, g) for n in names for g in ("*embed_tokens.weight", "*wte.weight"))
+            if embedding and not any(n.endswith("lm_head.weight") for n in names):
+                # a tied lm_head (not written): transformers still builds it as a Linear, and would convert it to an
+                # FP8 one (FP8Linear, compressed-tensors' `Linear` target) whose FP8 weight and scale the folder lacks
+                kept.add("lm_head")
+            doc["quantization_config"] = QUANT_FORMATS[self.spec.fmt].config(self.spec, sorted(kept))
             edited["config.json"] = (json.dumps(doc, indent=2) + "\n").encode("utf-8")
         return edited
 

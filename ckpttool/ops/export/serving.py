@@ -66,13 +66,17 @@ def rounded_on_load(dtype: str | None, entries: Iterable[Any]) -> str | None:
 
     ``from_pretrained(dtype="auto")`` builds the whole model in the config's dtype, so a float32 tensor written
     beside bfloat16 ones (``--save-dtype preserve`` of FP32 norms) is rounded when loaded: the export is bit-exact, the
-    loaded model is not. ``None`` when every floating tensor converts to ``dtype`` exactly.
+    loaded model is not. ``None`` when every floating tensor converts to ``dtype`` exactly. The float32
+    ``x_scale_inv`` of a float8 ``x`` (block FP8) is loaded as float32 and does not count.
     """
     if dtype is None:
         return None
+    entries = list(entries)
+    # block FP8 scales: transformers' FP8Linear / FP8Experts allocate them float32 whatever the dtype (vLLM too)
+    kept = {e.name + "_scale_inv" for e in entries if e.dtype.startswith("float8")}
     lost: dict[str, list[str]] = {}
     for e in entries:
-        if e.dtype in _FLOATING and is_narrowing(e.dtype, dtype):
+        if e.dtype in _FLOATING and is_narrowing(e.dtype, dtype) and e.name not in kept:
             lost.setdefault(e.dtype, []).append(e.name)
     if not lost:
         return None

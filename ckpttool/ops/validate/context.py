@@ -187,15 +187,22 @@ class Context:
     def quant_config(self) -> dict[str, Any] | None:
         """The config that gives quantized weights their block size: ``--config``, else the ``config.json`` in
         the checkpoint's own folder (an FP8 Hugging Face folder's ``quantization_config``), else ``None``
-        (128); an unreadable own ``config.json`` counts as none (the block rules' hint asks for ``--config``)."""
-        if self.config is not None:
+        (128); an unreadable own ``config.json`` counts as none (the block rules' hint asks for ``--config``).
+        A ``--config`` without a ``quantization_config`` (the base model's, given for coverage) says nothing of
+        the quantization: the own folder's ``quantization_config`` is taken beside it."""
+        if self.config is not None and "quantization_config" in self.config:
             return self.config
         if self._own_config is None:  # read once: the rules ask for it per scale tensor
             try:
-                self._own_config = (self.ckpt.own_hf_config(),)
+                own = self.ckpt.own_hf_config()
             except CkptError as e:
-                self._own_config = (None,)
-                self._own_config_error = e
+                own = None
+                if self.config is None:  # a --config given: the own config.json is not needed
+                    self._own_config_error = e
+            if self.config is not None:
+                qc = own.get("quantization_config") if isinstance(own, dict) else None
+                own = self.config if qc is None else {**self.config, "quantization_config": qc}
+            self._own_config = (own,)
         return self._own_config[0]
 
     @property

@@ -224,3 +224,25 @@ def test_an_infinite_fp8_scale_over_zero_codes_prints_no_numpy_warning(tmp_path:
     )
     assert res.returncode == 0, res.stderr
     assert "Warning" not in res.stderr and "kernels.py" not in res.stderr, res.stderr
+
+
+def test_quantized_weights_with_an_empty_dim_compare_without_an_internal_error(tmp_path: Path) -> None:
+    """A block-FP8 weight [0, 45] (scales [0, 3]) and MXFP4 blocks [2, 6, 3, 0]: import takes them; diff
+    reshaped their (empty) scale grids with -1 and stopped with E999 ValueError."""
+    fp8 = {
+        "l.weight": torch.zeros(0, 45, dtype=torch.uint8).view(torch.float8_e4m3fn),
+        "l.weight_scale_inv": torch.ones(0, 3),
+        "l.bias": torch.ones(3),
+    }
+    a = _write_folder(
+        tmp_path / "fp8", fp8, {"quantization_config": {"quant_method": "fp8", "weight_block_size": [16, 16]}}
+    )
+    doc = _diff(a, a, code=0)
+    assert _statuses(doc)["l.weight"] == "equal"
+    mx = _mxfp4_tensors()
+    p = "model.layers.0.mlp.experts.gate_up_proj"
+    mx[p + "_blocks"] = mx[p + "_blocks"][:, :, :, :0].contiguous()
+    b = _write_folder(tmp_path / "mx", mx, {"model_type": "gpt_oss"})
+    res = runner.invoke(app, ["diff", str(b), str(b), "--json"])
+    assert res.exit_code == 0, res.stderr
+    assert "E999" not in res.stderr and _statuses(json.loads(res.stdout))[p] == "equal"

@@ -533,6 +533,132 @@ def test_casting_an_already_quantized_source_is_refused(
     assert _file_tensors(tmp_path / "copy").keys() == _file_tensors(fp8).keys()
 
 
+def test_an_fp8_folder_exported_as_stored_with_its_config_passes_the_model_check(
+    master_ckpt: Path, tmp_path: Path
+) -> None:
+    """An FP8 folder exported again as stored, with its own config.json (``--model-assets``: the only way to keep
+    the ``weight_block_size`` it needs), was E605: its ``weight_scale_inv`` tensors were "unexpected" keys of the
+    model class, which only a ``--quantize`` export left out of the check. Now the scales of the float8 weights
+    written are left out as well: the copy is the folder's tensors, bit for bit, beside the same config."""
+    fp8 = tmp_path / "fp8"
+    _export(master_ckpt, fp8, "--quantize-block", "16", "--model-assets", str(master_ckpt / "model_assets"))
+    out = tmp_path / "copy"
+    res = runner.invoke(app, ["export", str(fp8), str(out), "--model-assets", str(fp8), "--json"])
+    assert res.exit_code == 0, res.stderr
+    assert "unexpected" not in res.stderr
+    assert json.loads(res.stdout)["model_check"]["findings"] == {}
+    src, got = _file_tensors(fp8), _file_tensors(out)
+    assert got.keys() == src.keys() and sum(k.endswith("_scale_inv") for k in got) == 14
+    for k, v in src.items():
+        assert got[k].dtype == v.dtype and torch.equal(got[k].view(torch.uint8), v.view(torch.uint8)), k
+    assert json.loads((out / "config.json").read_text()) == json.loads((fp8 / "config.json").read_text())
+
+
+def test_an_mxfp4_folder_exported_as_stored_is_checked_as_the_weights_it_holds(tmp_path: Path) -> None:
+    """A gpt-oss MXFP4 folder exported as stored with its config.json was E605: ``x_blocks`` / ``x_scales``
+    "unexpected" keys of GptOssForCausalLM. They are now compared as the ``x`` they dequantize to
+    (``[E, G*2B, N]``, transformers' ``convert_moe_packed_tensors``): the right shape passes, a wrong one is E605
+    naming ``x``."""
+    from transformers import GptOssConfig
+
+    from tests.ops.test_import_quantized import _write_folder
+
+    cfg = GptOssConfig(
+        hidden_size=64,
+        intermediate_size=32,
+        num_local_experts=2,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=32,
+        vocab_size=128,
+    ).to_dict()
+    cfg["quantization_config"] = {"quant_method": "mxfp4"}
+    p = "model.layers.0.mlp.experts."
+    g = torch.Generator().manual_seed(1)
+    t = {
+        p + "gate_up_proj_blocks": torch.randint(0, 256, (2, 64, 2, 16), generator=g, dtype=torch.uint8),
+        p + "gate_up_proj_scales": torch.full((2, 64, 2), 127, dtype=torch.uint8),
+        p + "down_proj_blocks": torch.randint(0, 256, (2, 64, 1, 16), generator=g, dtype=torch.uint8),
+        p + "down_proj_scales": torch.full((2, 64, 1), 127, dtype=torch.uint8),
+    }
+    src = _write_folder(tmp_path / "oss", t, cfg)
+    res = runner.invoke(
+        app,
+        [
+            "export",
+            str(src),
+            str(tmp_path / "out"),
+            "--model-assets",
+            str(src),
+            "--allow-mismatch",
+            "missing",
+            "--json",
+        ],
+    )
+    assert res.exit_code == 0, res.stderr
+    assert set(json.loads(res.stdout)["model_check"]["findings"]) == {"missing"}
+    assert _file_tensors(tmp_path / "out").keys() == t.keys()
+    t[p + "down_proj_blocks"] = t[p + "down_proj_blocks"][:, :32].contiguous()
+    t[p + "down_proj_scales"] = t[p + "down_proj_scales"][:, :32].contiguous()
+    src = _write_folder(tmp_path / "bad", t, cfg)
+    res = runner.invoke(
+        app, ["export", str(src), str(tmp_path / "o2"), "--model-assets", str(src), "--allow-mismatch", "missing"]
+    )
+    assert res.exit_code == 2 and "[E605]" in res.stderr and f"{p}down_proj: [2, 32, 32]" in res.stderr, res.stderr
+    assert "unexpected" not in res.stderr
+
+
+def test_fp8_export_notes_no_rounding_of_its_float32_scales(master_ckpt: Path, tmp_path: Path) -> None:
+    """Every ``--quantize fp8-block --model-assets`` export noted that ``from_pretrained(dtype="auto")`` rounds its
+    float32 ``weight_scale_inv`` tensors to bfloat16 and advised ``dtype=torch.float32``: transformers' FP8Linear
+    allocates those scales float32 and its loader keeps a pre-quantized parameter's own dtype, so nothing is rounded.
+    The note now leaves them out (a float32 tensor of another name still gets it)."""
+    from ckpttool.format.safetensors import HeaderEntry
+    from ckpttool.ops.export.serving import rounded_on_load
+
+    r = _export(
+        master_ckpt, tmp_path / "fp8", "--quantize-block", "16", "--model-assets", str(master_ckpt / "model_assets")
+    )
+    assert r["quantization"]["quantized"] == 14
+    assert not [n for n in r["notes"] if "config.json names" in n], r["notes"]
+    w, s = HeaderEntry("x.weight", "float8_e4m3fn", (4, 4)), HeaderEntry("x.weight_scale_inv", "float32", (1, 1))
+    assert rounded_on_load("bfloat16", [w, s, HeaderEntry("n", "bfloat16", (9,))]) is None
+    stray = rounded_on_load("bfloat16", [s, HeaderEntry("n", "bfloat16", (9,))])  # no float8 weight beside it
+    assert stray is not None and "x.weight_scale_inv" in stray
+
+
+@pytest.mark.parametrize("quant_format", ["fp8", "compressed-tensors"])
+def test_tied_export_keeps_the_omitted_lm_head_out_of_the_conversion(
+    fixture_root: Path, tmp_path: Path, quant_format: str
+) -> None:
+    """A tied model's export omits lm_head.weight, and its quantization_config listed only
+    ``model.embed_tokens`` as not converted: transformers (a list given: no default lm_head skip) builds lm_head
+    as an FP8Linear whose FP8 weight and scale the folder lacks (compressed-tensors' ``Linear`` target likewise).
+    Now ``lm_head`` is listed too; transformers' own FineGrainedFP8 quantizer keeps it a plain Linear."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers.quantizers.quantizer_finegrained_fp8 import FineGrainedFP8HfQuantizer
+    from transformers.utils.quantization_config import FineGrainedFP8Config
+
+    src = cached_build(fixture_root, "export_llama_tied", hf_models.build_llama_tied)
+    out = tmp_path / "q"
+    args = ["--quantize-block", "16", "--quant-format", quant_format, "--model-assets", str(src / "model_assets")]
+    r = _export(src, out, *args)
+    assert r["tied_embeddings"] == "omitted"
+    qc = json.loads((out / "config.json").read_text())["quantization_config"]
+    assert qc["modules_to_not_convert" if quant_format == "fp8" else "ignore"] == ["lm_head", "model.embed_tokens"]
+    if quant_format != "fp8":
+        return
+    cfg = AutoConfig.from_pretrained(str(out))
+    quantizer = FineGrainedFP8HfQuantizer(FineGrainedFP8Config.from_dict(dict(cfg.quantization_config)))
+    quantizer.pre_quantized = True
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(cfg)
+    quantizer._process_model_before_weight_loading(model)
+    assert type(model.lm_head).__name__ == "Linear"
+    assert type(model.model.layers[0].self_attn.q_proj).__name__ == "FP8Linear"
+
+
 def test_fp8_weight_exported_without_its_scale_is_refused(master_ckpt: Path, tmp_path: Path) -> None:
     """``--filter '*q_proj.weight'`` on an FP8 folder wrote the FP8 codes without their ``weight_scale_inv`` (exit 0):
     no reader can scale them. Now E601 naming the weight and the scale left out; a glob taking both exports."""

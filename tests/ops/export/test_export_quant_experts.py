@@ -238,3 +238,32 @@ def test_splitting_stored_fp8_fused_experts_is_refused(fixture_root: Path, tmp_p
     assert not out.exists()
     res = runner.invoke(app, ["export", str(fused), str(tmp_path / "copy")])  # fused, as stored
     assert res.exit_code == 0, res.stderr
+
+
+@pytest.mark.parametrize(
+    ("glob", "kept", "other"),
+    [
+        ("*.experts.0.*", "experts.0.gate_proj.weight", "experts.1.gate_proj.weight"),
+        ("*.experts.2.up_proj.weight", "experts.2.up_proj.weight", "experts.0.gate_proj.weight"),
+    ],
+)
+def test_per_expert_skip_of_some_experts_is_refused(tmp_path: Path, glob: str, kept: str, other: str) -> None:
+    """``--quantize-skip '*.experts.0.*'`` with per-expert output kept every expert of the layer unquantized (each
+    fused source is quantized whole or not at all), exit 0 and no word: 1 weight quantized, not 1 + 8 of experts
+    1-3. Now E100 naming a tensor the glob keeps and one it does not, nothing published; skipping whole experts
+    modules (or whole source tensors: every ``down_proj``) still exports."""
+    src = _tiny_moe(tmp_path / "ckpt")
+    out = tmp_path / "q"
+    args = ["export", str(src), str(out), "--quantize", "fp8-block", "--quantize-block", "8", "--json"]
+    res = runner.invoke(app, [*args, "--quantize-skip", glob])
+    assert res.exit_code == 2 and "[E100]" in res.stderr and "Traceback" not in res.stderr, res.stderr
+    p = "model.layers.0.mlp."
+    assert f"keeps {p}{kept} but not {p}{other}" in res.stderr, res.stderr
+    assert f"--quantize-skip '{p}experts.*'" in res.stderr
+    assert not out.exists() and not list(tmp_path.glob("q?*"))
+    res = runner.invoke(app, [*args, "--quantize-skip", "*.experts.*.down_proj.weight"])
+    assert res.exit_code == 0, res.stderr
+    files = _file_tensors(out)
+    assert files[p + "experts.3.down_proj.weight"].dtype == torch.bfloat16
+    assert files[p + "experts.3.up_proj.weight"].dtype == torch.float8_e4m3fn
+    assert json.loads(res.stdout)["quantization"]["quantized"] == 1 + 8

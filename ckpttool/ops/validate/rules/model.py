@@ -337,7 +337,7 @@ def _model_class_check(ctx: Context) -> tuple[Any, str | None]:
     """The export plan's tensors (names as ``export`` writes them) compared with the config's model class."""
     from ckpttool.errors import CkptError
     from ckpttool.model.adapters import AdapterConfig
-    from ckpttool.ops.export.execute import ExportOptions, export_adapter, written_tensors
+    from ckpttool.ops.export.execute import ExportOptions, export_adapter, without_fp8_scales, written_tensors
     from ckpttool.ops.export.expected import compare_with_model
     from ckpttool.ops.export.plan import build_plan, select_sources
     from ckpttool.ops.export.rules import load_rules
@@ -354,7 +354,35 @@ def _model_class_check(ctx: Context) -> tuple[Any, str | None]:
         plan = build_plan(selected, rules, drop=drop)
     except CkptError as e:
         return None, f"the tensors cannot be mapped to Hugging Face names ({e.message})"
-    return compare_with_model(written_tensors(plan), ctx.config), None
+    return compare_with_model(_fused_experts(without_fp8_scales(written_tensors(plan))), ctx.config), None
+
+
+def _fused_experts(written: dict[str, tuple[tuple[int, ...], str]]) -> dict[str, tuple[tuple[int, ...], str]]:
+    """``written`` with a folder's per-expert ``<p>.experts.<j>.{gate,up,down}_proj.weight`` (every expert
+    ``0..E-1``, parts of one shape) as the fused ``<p>.experts.gate_up_proj`` ``[E, 2I, H]`` / ``down_proj`` the
+    model class holds and transformers' weight conversion loads them into (as ``import`` fuses them); anything
+    else as it is."""
+    from ckpttool.model.hf_forms import FORMS
+
+    form = next(f for f in FORMS.values() if f.model_types is None and not f.renames)  # the generic per-expert form
+    groups: dict[str, dict[str, dict[int, str]]] = {}
+    for k in written:
+        m = form.pattern.match(k) if ".experts." in k else None
+        if m is not None:
+            groups.setdefault(m["p"], {}).setdefault(m["proj"], {})[int(m["j"])] = k
+    out = dict(written)
+    for prefix, projs in groups.items():
+        for fused, parts in form.fused():
+            got = [projs.get(x, {}) for x in parts]
+            n = len(got[0])
+            keys = [g[j] for g in got for j in range(n) if j in g]
+            if not n or len(keys) != n * len(parts) or len({written[k] for k in keys}) != 1:
+                continue  # experts missing or of different shapes: compared as stored (M010 names them)
+            (rows, cols), dtype = written[keys[0]]
+            for k in keys:
+                del out[k]
+            out.setdefault(f"{prefix}.experts.{fused}", ((n, rows * len(parts), cols), dtype))
+    return out
 
 
 @rule("M010")
