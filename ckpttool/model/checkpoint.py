@@ -264,7 +264,7 @@ class Checkpoint:
             return None
         from ckpttool.model.hfconfig import read_hf_config
 
-        return read_hf_config(where)  # the directory: a config.json symlinked out of it is E101
+        return read_hf_config(where, param=None)  # the directory: a config.json symlinked out of it is E101
 
     @property
     def closed(self) -> bool:

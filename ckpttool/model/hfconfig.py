@@ -76,12 +76,13 @@ TIE_DEFAULTS: dict[str, bool] = {
 }
 
 
-def read_hf_config(path: str | os.PathLike[str], *, param: str = "config") -> dict[str, Any]:
+def read_hf_config(path: str | os.PathLike[str], *, param: str | None = "config") -> dict[str, Any]:
     """Read an HF ``config.json`` (a file, or a directory holding one).
 
     Args:
         path: the file or its directory.
-        param: the library parameter that named it (for the error message).
+        param: the library parameter that named it (for the error message); ``None``: no option named it, it is
+            the config.json in the folder read (an HF folder's own), and the message names it so.
 
     Raises:
         UsageError: missing, unreadable or not a JSON object.
@@ -93,34 +94,38 @@ def read_hf_config(path: str | os.PathLike[str], *, param: str = "config") -> di
     from ckpttool.format.jsonfile import parse_json
 
     p = Path(path)
+    named = f"`{param}` file" if param is not None else "config.json"
     hub = hub_hint(p) if p.is_dir() else None  # a hub repository folder or cache: config.json is in a snapshot
     if p.is_dir():
         try:
-            p = resolve_inside(p, "config.json", what=f"`{param}` file")
+            p = resolve_inside(p, "config.json", what=named)
         except PathEscapeError as e:  # the default hint speaks of a checkpoint's files
-            e.hint = (
-                f"a folder's config.json is read only inside it; name the file you mean: `{param}` {p / 'config.json'}"
-            )
+            if param is not None:
+                e.hint = f"a folder's config.json is read only inside it; name the file you mean: `{param}` {p / 'config.json'}"
             raise
+    who = f"`{param}` {p}" if param is not None else f"{p} (the folder's own config.json)"
+    fix = (
+        "pass an HF config.json"
+        if param is not None
+        else "the folder's config.json is damaged: restore it (the model's dimensions and quantization are read from it)"
+    )
     try:
         obj = parse_json(read_regular(p, limits.current().max_object_bytes, what="config.json"), str(p))
     except OSError as e:
         raise UsageError(
-            f"`{param}` {p}: cannot read ({e.strerror})",
+            f"{who}: cannot read ({e.strerror})",
             path=p,
             param=param,
-            hint=hub or "pass the model's config.json (or the directory holding it)",
+            hint=hub or ("pass the model's config.json (or the directory holding it)" if param is not None else fix),
         ) from e
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise UsageError(
-            f"`{param}` {p}: not valid JSON ({e})", path=p, param=param, hint="pass an HF config.json"
-        ) from e
+        raise UsageError(f"{who}: not valid JSON ({e})", path=p, param=param, hint=fix) from e
     if not isinstance(obj, dict):
         raise UsageError(
-            f"`{param}` {p}: expected a JSON object, got {type(obj).__name__}",
+            f"{who}: expected a JSON object, got {type(obj).__name__}",
             path=p,
             param=param,
-            hint="pass an HF config.json",
+            hint=fix,
         )
     return obj
 

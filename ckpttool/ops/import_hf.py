@@ -1064,7 +1064,9 @@ def _import_plain(
     report.phase(f"reading headers of {src_dir}")
     # the folder's config.json, or where the trainer saved it with the weights (NeMo Automodel's model/.hf_metadata/)
     cfg_path = opts.config if opts.config is not None else hf_config_beside(src_dir)
-    config = read_hf_config(cfg_path, param="config") if cfg_path is not None else None
+    config = (
+        read_hf_config(cfg_path, param="config" if opts.config is not None else None) if cfg_path is not None else None
+    )
     adapters = _adapter_files(src_dir)
     md = load_hf_storage_metadata(src_dir)
     warnings: list[str] = []
@@ -1139,7 +1141,7 @@ def _quant_config(src_dir: Path, config: Any, opts: ImportOptions) -> Any:
         return config
     own_dir = hf_config_beside(src_dir)
     try:
-        own = read_hf_config(own_dir, param="config") if own_dir is not None else None
+        own = read_hf_config(own_dir, param=None) if own_dir is not None else None
     except CkptError:
         return config
     qc = own.get("quantization_config") if isinstance(own, dict) else None

@@ -491,3 +491,24 @@ def test_per_tensor_fp8_of_vllms_fp8_convention_is_dequantized(tmp_path: Path) -
     bad = _write_folder(tmp_path / "bad", tensors, cfg)
     err = _import(bad, tmp_path / "x", code=2)
     assert "[E612] model.layers.0.mlp.up_proj.weight_scale: float32 [2], but a per-tensor FP8 scale" in err, err
+
+
+def test_unreadable_own_config_is_named_as_the_folders_not_config_option(deepseek_dir: Path, tmp_path: Path) -> None:
+    """An FP8 folder whose own config.json is not JSON: import said ``[E100] --config F/config.json: not valid JSON``
+    and diff ``\\`config\\` F/config.json`` though no --config was passed. Now the folder's own config.json is named,
+    no option; a --config that is not JSON is still named as --config."""
+    import shutil
+
+    src = tmp_path / "fp8"
+    shutil.copytree(deepseek_dir, src)
+    (src / "config.json").write_text("{nope")
+    own = f"{src / 'config.json'} (the folder's own config.json): not valid JSON"
+    for args in (["import", str(src), str(tmp_path / "out")], ["diff", str(src), str(src)]):
+        res = runner.invoke(app, args)
+        assert res.exit_code == 2 and "[E100]" in res.stderr and own in res.stderr, res.stderr
+        assert "config`" not in res.stderr and "--config" not in res.stderr and "Traceback" not in res.stderr
+    assert not (tmp_path / "out").exists()
+    bad = tmp_path / "given.json"
+    bad.write_text("{nope")
+    res = runner.invoke(app, ["import", str(deepseek_dir), str(tmp_path / "out"), "--config", str(bad)])
+    assert res.exit_code == 2 and f"--config {bad}: not valid JSON" in res.stderr, res.stderr

@@ -645,7 +645,7 @@ def _hf_config(st: Side, dcp: Side) -> dict[str, Any] | None:
 
     for d in (Path(st.ckpt.located.model), Path(dcp.ckpt.located.model), Path(dcp.ckpt.located.model) / "model_assets"):
         if (d / "config.json").is_file():
-            cfg = read_hf_config(d / "config.json")
+            cfg = read_hf_config(d / "config.json", param=None)
             return cfg if isinstance(cfg, dict) else None
     return None
 
@@ -657,7 +657,7 @@ def _tied_config(side: Side) -> bool:
     cfg_file = Path(side.ckpt.located.model) / "config.json"
     if not cfg_file.is_file():
         return False
-    return tie_word_embeddings(read_hf_config(cfg_file)) is True
+    return tie_word_embeddings(read_hf_config(cfg_file, param=None)) is True
 
 
 # ---------------------------------------------------------------------------------------------- comparing
