@@ -285,8 +285,8 @@ def _fuse_per_expert(sources: dict[str, _Source], out: dict[str, _Native], acfg:
                 got = [projs.get(p, {}) for p in parts]
                 if not any(got):
                     continue  # none of this fused tensor's parts (only down_proj experts): nothing to fuse
-                widest = max(got, key=len)
-                n = acfg.num_experts or max(widest) + 1
+                # every fused tensor of the module has the same experts: one lost down_proj is not a smaller model
+                n = acfg.num_experts or max(max(g) for g in projs.values() if g) + 1
                 for p, g in zip(parts, got):
                     _expert_count(f"{prefix}.experts.*.{p}.weight", f"{prefix}.experts.0.{p}.weight", g, n)
                 first = got[0][0]

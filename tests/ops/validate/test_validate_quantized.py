@@ -391,3 +391,57 @@ def test_per_expert_folders_fit_their_fused_model_class(fixture_root: Path, tmp_
     assert res.exit_code == 1 and any("model.layers.0.mlp.experts.gate_up_proj" in m and "shape" in m for m in found), (
         found
     )
+
+
+@pytest.mark.parametrize("lost", ["experts.0.gate_proj", "experts.3.down_proj"])
+def test_per_expert_folder_missing_an_expert_fails_as_import_refuses_it(tmp_path: Path, lost: str) -> None:
+    """A per-expert FP8 export (``export --quantize fp8-block`` of an MoE checkpoint) that lost one expert's weight
+    and its scale: ``validate --deep`` said OK while ``import`` refused it (E601). Now M025 (E601) names the
+    per-expert tensors and the expert missing; the complete folder still validates clean."""
+    from safetensors.torch import load_file, save_file
+
+    from tests.ops.export.test_export_quant_experts import _tiny_moe
+
+    src = _tiny_moe(tmp_path / "ckpt")
+    assets = tmp_path / "assets"
+    assets.mkdir()
+    (assets / "config.json").write_text(json.dumps({"hidden_size": 20}))
+    out = tmp_path / "q"
+    res = runner.invoke(
+        app,
+        [
+            "export",
+            str(src),
+            str(out),
+            "--quantize",
+            "fp8-block",
+            "--quantize-block",
+            "8",
+            "--model-assets",
+            str(assets),
+        ],
+    )
+    assert res.exit_code == 0, res.stderr
+
+    def findings() -> tuple[int, list[dict[str, Any]]]:
+        res = runner.invoke(app, ["validate", str(out), "--deep", "--json"])
+        assert "Traceback" not in res.stderr, res.stderr
+        return res.exit_code, json.loads(res.stdout)["findings"]
+
+    code, found = findings()
+    assert code == 0 and not [f for f in found if f["severity"] != "info"], found
+    p = "model.layers.0.mlp."
+    tensors = load_file(str(out / "model.safetensors"))
+    assert p + lost + ".weight_scale_inv" in tensors
+    save_file({k: v for k, v in tensors.items() if lost not in k}, str(out / "model.safetensors"), {"format": "pt"})
+    index = json.loads((out / "model.safetensors.index.json").read_text())
+    index["weight_map"] = {k: v for k, v in index["weight_map"].items() if lost not in k}
+    (out / "model.safetensors.index.json").write_text(json.dumps(index))
+    res = runner.invoke(app, ["import", str(out), str(tmp_path / "imported")])
+    assert res.exit_code == 2 and "[E601]" in res.stderr, res.stderr
+    proj, j = lost.split(".")[2], lost.split(".")[1]
+    code, found = findings()
+    assert code == 1 and [f["code"] for f in found] == ["M025"], found
+    f = found[0]
+    assert f["key"] == f"{p}experts.*.{proj}.weight" and f["error_code"] == "E601", f
+    assert f"experts.<j>.{proj}.weight" in f["message"] and f"but the model has 4: missing {j}" in f["message"], f

@@ -139,6 +139,52 @@ def expert_coverage(ctx: Context) -> Iterator[tuple[str, str]]:
             )
 
 
+def _own_num_experts(cfg: dict[str, Any] | None) -> int | None:
+    v = config_value(cfg, "num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts")
+    return v if isinstance(v, int) and not isinstance(v, bool) and v > 0 else None
+
+
+@rule("M025")
+def per_expert_incomplete(ctx: Context) -> Iterator[tuple[str, str]]:
+    """Per-expert ``<p>.experts.<j>.<proj>.weight`` of one fused tensor (gate + up, down) that do not all cover
+    ``0..E-1``: what ``import`` refuses (E601) as it fuses them. ``E``: the ``num_experts`` of the folder's own
+    ``config.json``, else one more than the highest expert any per-expert tensor of the module has. With a ``--config``
+    that gives ``num_experts``, ``M002`` judges the coverage against it instead."""
+    from ckpttool.model.hf_forms import forms_for
+
+    if ctx.config is not None and _num_experts(ctx) is not None:
+        return  # M002
+    cfg = ctx.config if ctx.config is not None else ctx.quant_config  # without --config: the folder's own
+    n_cfg = _own_num_experts(cfg)
+    mt = config_value(cfg, "model_type")
+    keys = [k for k in ctx.cat.model if ".experts." in k]
+    used: set[str] = set()
+    for form in forms_for(mt if isinstance(mt, str) else None):
+        groups: dict[str, dict[str, dict[int, str]]] = {}
+        for k in keys:
+            m = form.pattern.match(k)
+            if m and k not in used:
+                groups.setdefault(m["p"], {}).setdefault(m["proj"], {})[int(m["j"])] = k
+        for prefix, projs in sorted(groups.items()):
+            for _fused, parts in form.fused():
+                got = [projs.get(p, {}) for p in parts]
+                if not any(got):
+                    continue
+                n = n_cfg or max(max(g) for g in projs.values() if g) + 1  # the module's experts, as import
+                for p, g in zip(parts, got):
+                    missing, extra = _missing(set(g), n), sorted(i for i in g if i >= n)
+                    if missing or extra:
+                        why = ([f"missing {missing}"] if missing else []) + (
+                            [f"out of range {_ranges(extra)}"] if extra else []
+                        )
+                        yield (
+                            f"{prefix}.experts.*.{p}.weight",
+                            f"{prefix}.experts.<j>.{p}.weight: per-expert tensors for experts {_ranges(sorted(g))} "
+                            f"but the model has {n:,}: {'; '.join(why)}",
+                        )
+                used.update(k for g in got for k in g.values())
+
+
 @rule("M003")
 def tied_head_differs(ctx: Context) -> Iterator[tuple[str, str]]:
     if not tie_word_embeddings(ctx.config):
