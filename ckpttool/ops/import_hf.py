@@ -1184,7 +1184,41 @@ def _dequantize_sources(
         sources.pop(k, None)
     for name, plan in plans.items():
         sources[name] = _Source(name, STAGED_PREFIX + name, 0, plan.dtype, plan.pair.shape)
+    _cast_expert_parts(sources, plans, config, warnings)
     return plans
+
+
+def _cast_expert_parts(sources: dict[str, _Source], plans: dict[str, Any], config: Any, warnings: list[str]) -> None:
+    """Per-expert parts of a fused tensor stored unquantized beside dequantized parts (one expert kept BF16 among
+    FP8 experts) are staged in the dequantized dtype (:class:`~ckpttool.ops.import_quant.Cast`), with a warning:
+    the fused tensor has one dtype, and ``dtype`` float32 would otherwise leave them bfloat16 among float32."""
+    from ckpttool.ops.import_quant import CASTABLE, STAGED_PREFIX, Cast
+
+    mt = config_value(config, "model_type") if isinstance(config, dict) else None
+    out_dtype = next(iter(plans.values())).dtype
+    cast: list[str] = []
+    for form in forms_for(mt if isinstance(mt, str) else None):
+        groups: dict[tuple[str, str], list[str]] = {}
+        for k in sources:
+            m = form.pattern.match(k)
+            if m:
+                fused = next(f for f, parts in form.fused() if m["proj"] in parts)
+                groups.setdefault((m["p"], fused), []).append(k)
+        for keys in groups.values():
+            if not any(k in plans for k in keys):
+                continue
+            for k in keys:
+                src = sources[k]
+                if k not in plans and src.dtype != out_dtype and src.dtype in CASTABLE:
+                    plans[k] = Cast(k, (src.file, src.offset), src.dtype, src.shape, out_dtype)
+                    sources[k] = _Source(k, STAGED_PREFIX + k, 0, out_dtype, src.shape)
+                    cast.append(k)
+    if cast:
+        more = f" (+{len(cast) - 1} more)" if len(cast) > 1 else ""
+        warnings.append(
+            f"{cast[0]}{more}: stored {plans[cast[0]].src_dtype}, unquantized, beside dequantized experts of the same "
+            f"fused tensor: written as {out_dtype} with them"
+        )
 
 
 def _staged_fds(src_dir: Path, plans: dict[str, Any]) -> dict[str, int]:
@@ -1194,6 +1228,9 @@ def _staged_fds(src_dir: Path, plans: dict[str, Any]) -> dict[str, int]:
 
 
 def _dequantized_summary(plans: dict[str, Any]) -> dict[str, Any] | None:
+    from ckpttool.ops.import_quant import Cast
+
+    plans = {k: p for k, p in plans.items() if not isinstance(p, Cast)}  # cast, not dequantized: a warning says so
     if not plans:
         return None
     first = next(iter(plans.values()))

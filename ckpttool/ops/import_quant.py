@@ -27,6 +27,7 @@ whose product is beyond the range of ``--dtype`` (torch's reader would load infi
 
 from __future__ import annotations
 
+import math
 import os
 import tempfile
 from collections.abc import Callable
@@ -62,6 +63,23 @@ class Dequantized:
     scale_at: tuple[str, int]
     scale_dtype: str
     dtype: str
+
+
+@dataclass(frozen=True)
+class Cast:
+    """An unquantized float tensor staged in the dequantized dtype: a per-expert part beside dequantized parts of the
+    same fused tensor (one expert kept BF16 among FP8 experts, imported with ``--dtype float32``), whose bytes must
+    have the dtype of the others to be fused."""
+
+    key: str
+    at: tuple[str, int]  # (file, absolute data offset)
+    src_dtype: str
+    shape: tuple[int, ...]
+    dtype: str
+
+
+#: Stored dtypes a :class:`Cast` reads.
+CASTABLE = ("bfloat16", "float16", "float32")
 
 
 def _bad(msg: str, key: str, hint: str | None = None) -> QuantizedSourceError:
@@ -120,10 +138,10 @@ class StagedFds(dict[str, int]):
 
     Args:
         src_dir: the HF directory (the stored pieces' files are opened inside it).
-        plans: dequantized name -> :class:`Dequantized`.
+        plans: dequantized name -> :class:`Dequantized` (or a :class:`Cast` part of fused experts).
     """
 
-    def __init__(self, src_dir: Path, plans: dict[str, Dequantized]) -> None:
+    def __init__(self, src_dir: Path, plans: dict[str, Dequantized | Cast]) -> None:
         super().__init__()
         self.src_dir, self.plans = src_dir, plans
         self.staged: set[str] = set()
@@ -139,7 +157,10 @@ class StagedFds(dict[str, int]):
         plan = self.plans[name[len(STAGED_PREFIX) :]]
         fd = _anonymous_file()
         try:
-            _STAGERS[plan.pair.kind](self, plan, fd)
+            if isinstance(plan, Cast):
+                _stage_cast(self, plan, fd)
+            else:
+                _STAGERS[plan.pair.kind](self, plan, fd)
         except BaseException:
             os.close(fd)
             raise
@@ -296,6 +317,21 @@ def _stage_mxfp4(fds: StagedFds, plan: Dequantized, fd: int) -> None:
         vals = _encode(mxfp4_dequantize(blocks, exps[j]).reshape(n, g * 2 * b).T, plan.dtype)
         _overflow_check(vals, plan.dtype, p, f"expert {j} ", 0, (g * 2 * b, n))
         write_all(fd, vals, j * n * g * 2 * b * item)
+
+
+def _stage_cast(fds: StagedFds, plan: Cast, fd: int) -> None:
+    """Write the stored float tensor as ``plan.dtype`` (float32: exact; bfloat16: nearest even, as ``Tensor.to``)."""
+    import numpy as np
+
+    from ckpttool.engine.io import write_all
+
+    n = math.prod(plan.shape)
+    raw = _read(fds, plan.at, 0, n * {"bfloat16": 2, "float16": 2, "float32": 4}[plan.src_dtype])
+    if plan.src_dtype == "bfloat16":
+        vals = (raw.view(np.uint16).astype(np.uint32) << 16).view(np.float32)
+    else:
+        vals = raw.view(np.float16 if plan.src_dtype == "float16" else np.float32).astype(np.float32)
+    write_all(fd, _encode(vals, plan.dtype), 0)
 
 
 _STAGERS: dict[QuantKind, Callable[[StagedFds, Dequantized, int], None]] = {

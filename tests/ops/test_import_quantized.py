@@ -512,3 +512,55 @@ def test_unreadable_own_config_is_named_as_the_folders_not_config_option(deepsee
     bad.write_text("{nope")
     res = runner.invoke(app, ["import", str(deepseek_dir), str(tmp_path / "out"), "--config", str(bad)])
     assert res.exit_code == 2 and f"--config {bad}: not valid JSON" in res.stderr, res.stderr
+
+
+def test_mixed_per_expert_folder_imports_in_float32(tmp_path: Path) -> None:
+    """A per-expert FP8 export with expert 0 kept BF16 (no scales): ``--dtype float32`` failed ``E601 per-expert
+    gate_up_proj parts differ in shape or dtype`` (the FP8 experts dequantized to float32, expert 0 bfloat16) while the
+    default bfloat16 worked. Now expert 0 is written as float32 (exact) with a warning; the bfloat16 import is the
+    float32 one rounded."""
+    from safetensors.torch import load_file
+
+    from tests.ops.export.test_export_quant_experts import _tiny_moe
+
+    src = _tiny_moe(tmp_path / "ckpt")
+    assets = tmp_path / "assets"
+    assets.mkdir()
+    (assets / "config.json").write_text(json.dumps({"hidden_size": 20}))
+    q = tmp_path / "q"
+    args = [
+        "export",
+        str(src),
+        str(q),
+        "--quantize",
+        "fp8-block",
+        "--quantize-block",
+        "8",
+        "--model-assets",
+        str(assets),
+    ]
+    assert runner.invoke(app, args).exit_code == 0
+    t = load_file(str(q / "model.safetensors"))
+    g = torch.Generator().manual_seed(1)
+    for k in [k for k in t if ".experts.0." in k]:
+        if k.endswith("_scale_inv"):
+            del t[k]
+        else:
+            t[k] = torch.randn(t[k].shape, generator=g).to(torch.bfloat16)
+    save_file(t, str(q / "model.safetensors"), {"format": "pt"})
+    (q / "model.safetensors.index.json").write_text(
+        json.dumps({"metadata": {}, "weight_map": dict.fromkeys(t, "model.safetensors")})
+    )
+    res = runner.invoke(app, ["import", str(q), str(tmp_path / "f32"), "--dtype", "float32"])
+    assert res.exit_code == 0, res.stderr
+    assert "stored bfloat16, unquantized, beside dequantized experts" in res.stderr
+    assert runner.invoke(app, ["import", str(q), str(tmp_path / "bf16")]).exit_code == 0
+    f32, bf16 = _torch_load(tmp_path / "f32"), _torch_load(tmp_path / "bf16")
+    p = "model.model.layers.0.mlp.experts."
+    gate_up, down = f32[p + "gate_up_proj"], f32[p + "down_proj"]
+    assert gate_up.dtype == down.dtype == torch.float32 and gate_up.shape == (4, 12, 20)
+    e0 = "model.layers.0.mlp.experts.0."
+    want = torch.cat([t[e0 + "gate_proj.weight"], t[e0 + "up_proj.weight"]]).float()
+    assert torch.equal(gate_up[0], want) and torch.equal(down[0], t[e0 + "down_proj.weight"].float())
+    for name in ("gate_up_proj", "down_proj"):
+        assert torch.equal(_bits(f32[p + name].to(torch.bfloat16)), _bits(bf16[p + name])), name
