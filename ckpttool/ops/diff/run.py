@@ -1513,6 +1513,18 @@ def _fail_closed(
     elif common == 0:
         why = f"no name in common ({kept[0]} in A, {kept[1]} in B)"
         hint = _no_common_name_hint(a, b, kept, opts)
+    elif tally.stats and all(0 in st.shape for st in tally.stats):  # every tensor compared empty: no value to compare
+        empty = tally.stats[0]
+        items = common - len(tally.stats)
+        why = (
+            f"{common} name(s) in common, {len(tally.stats)} of them tensors with no element (e.g. {empty.name!r} "
+            f"{list(empty.shape)}: the same shape and dtype on both sides, no value to compare)"
+            + (f", {items} byte item(s) (equal as stored bytes)" if items > 0 else "")
+        )
+        hint = (
+            "the tensors compared hold 0 elements: the checkpoint is empty or damaged (a dimension saved as 0); "
+            "`ckpttool inspect` shows the shapes"
+        )
     else:
         why = f"{common} name(s) in common, byte items only (equal as stored bytes), no tensor"
         hint = (

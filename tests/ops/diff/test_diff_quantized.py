@@ -246,3 +246,18 @@ def test_quantized_weights_with_an_empty_dim_compare_without_an_internal_error(t
     res = runner.invoke(app, ["diff", str(b), str(b), "--json"])
     assert res.exit_code == 0, res.stderr
     assert "E999" not in res.stderr and _statuses(json.loads(res.stdout))[p] == "equal"
+
+
+def test_empty_mxfp4_tensor_is_not_called_byte_items(tmp_path: Path) -> None:
+    """``diff F F`` of an MXFP4 folder whose only tensor is empty (blocks [2, 6, 3, 0]) said "nothing compared ...
+    byte items only" (E611): the folder has no byte item. It still refuses a verdict (no value compared), now naming
+    the empty tensor and its shape."""
+    p = "model.layers.0.mlp.experts.gate_up_proj"
+    t = {p + "_blocks": torch.zeros(2, 6, 3, 0, dtype=torch.uint8), p + "_scales": torch.full((2, 6, 3), 127).byte()}
+    src = _write_folder(
+        tmp_path / "oss", t, {"model_type": "gpt_oss", "quantization_config": {"quant_method": "mxfp4"}}
+    )
+    res = runner.invoke(app, ["diff", str(src), str(src)])
+    assert res.exit_code == 2 and "[E611]" in res.stderr and "Traceback" not in res.stderr, res.stderr
+    assert "byte item" not in res.stderr, res.stderr
+    assert f"1 of them tensors with no element (e.g. '{p}' [2, 0, 6]" in res.stderr, res.stderr
