@@ -821,7 +821,8 @@ def _quantized(ckpt: Checkpoint, cat: Catalog) -> dict[str, Any] | None:
     if os.path.isfile(cfg):
         from ckpttool.model.hfconfig import read_hf_config
 
-        config = read_hf_config(ckpt.located.model)  # the directory: a config.json symlinked out of it is E101
+        # the directory: a config.json symlinked out of it is E101; named as the folder's own, no option
+        config = read_hf_config(ckpt.located.model, param=None)
     block = block_size(config)
     pairs, problems = scaled_pairs(tensors, config)
     if not pairs and not problems:

@@ -503,7 +503,7 @@ def test_unreadable_own_config_is_named_as_the_folders_not_config_option(deepsee
     shutil.copytree(deepseek_dir, src)
     (src / "config.json").write_text("{nope")
     own = f"{src / 'config.json'} (the folder's own config.json): not valid JSON"
-    for args in (["import", str(src), str(tmp_path / "out")], ["diff", str(src), str(src)]):
+    for args in (["import", str(src), str(tmp_path / "out")], ["diff", str(src), str(src)], ["inspect", str(src)]):
         res = runner.invoke(app, args)
         assert res.exit_code == 2 and "[E100]" in res.stderr and own in res.stderr, res.stderr
         assert "config`" not in res.stderr and "--config" not in res.stderr and "Traceback" not in res.stderr
