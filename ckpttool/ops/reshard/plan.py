@@ -494,9 +494,6 @@ def _plan_entries(plan: ReshardPlan, ckpt: CheckpointDir, ep_state: dict[str, st
                 plan.byte_items.append(BytesPlan(key, _source_rank(ckpt, key, None) % plan.world))
             continue
         assert isinstance(meta, TensorMeta)
-        problem = tiling_problem(meta)
-        if problem is not None:
-            raise ChunkError(f"{ckpt.path}: chunks of {key!r} do not tile the tensor ({problem})", fqn=key)
         ep_model_key = key if key in layout.ep_tensors else ep_state.get(key)
         if ep_model_key is None:
             chunks = tuple(
@@ -584,9 +581,10 @@ def plan_reshard(
         LayoutError: ambiguous source (E405), geometry contradicting the layout (E404),
             target sizes that do not divide the expert count (E406).
         ReshardError: optimizer state of EP parameters without ``with_optimizer`` (E602).
-        ChunkError: source chunks that do not tile a tensor.
+        ChunkError: source chunks that do not tile the size ``.metadata`` gives a tensor (checked first).
     """
     o = options or ReshardOptions()
+    _refuse_untiled(ckpt)
     to_version, p2, f2 = _target_mesh(cat, layout, o.to, o.target_ep_size, o.target_ep_fsdp_size)
     # Optimizer state of EP parameters: migrate (with_optimizer) or refuse.
     ep_state = _ep_state(cat, layout, o.with_optimizer)
@@ -597,6 +595,25 @@ def plan_reshard(
     _refuse_orphan_expert_state(cat, plan)
     _converted_record(plan, cat, source)
     return plan
+
+
+def _refuse_untiled(ckpt: CheckpointDir) -> None:
+    """A tensor whose chunks do not tile the global size ``.metadata`` gives it, checked before anything compares
+    shapes (an optimizer state tensor against its parameter, the chunks against the layout): the metadata itself is
+    inconsistent, and that is the error to name.
+
+    Raises:
+        ChunkError: naming the first such tensor.
+    """
+    for key, meta in ckpt.metadata.entries.items():
+        if isinstance(meta, TensorMeta):
+            problem = tiling_problem(meta)
+            if problem is not None:
+                raise ChunkError(
+                    f"{ckpt.path}: chunks of {key!r} do not tile the size {list(meta.size)} that .metadata gives it "
+                    f"({problem})",
+                    fqn=key,
+                )
 
 
 def _refuse_unknown_expert_tensors(cat: Catalog, plan: ReshardPlan) -> None:

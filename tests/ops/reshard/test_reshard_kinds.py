@@ -208,3 +208,42 @@ def test_expert_optimizer_state_without_its_parameters_is_refused(tmp_path: Path
     assert not (tmp_path / "o").exists()
     res = runner.invoke(app, ["reshard", str(src), str(tmp_path / "same"), "--to", "legacy", "--with-optimizer", *DECL])
     assert res.exit_code == 0, res.stderr
+
+
+def test_metadata_whose_chunks_do_not_cover_its_size_is_named_before_shapes_are_compared(tmp_path: Path) -> None:
+    """A .metadata that gives an expert parameter the size [8, 8, 6] while its chunks (and its optimizer state)
+    hold [8, 8, 5] was refused with E602 "exp_avg: shape [8, 8, 5] differs from its parameter's [8, 8, 6]": the
+    state was blamed for the metadata's inconsistency. The error now names the tensor whose chunks do not tile
+    the size .metadata gives it; nothing written."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    from tests.fixtures.hostile import load_torch_metadata, write_torch_metadata
+
+    model = torch.nn.Module()
+    model.layers = torch.nn.ModuleList([torch.nn.Module()])
+    model.layers[0].mlp = torch.nn.Module()
+    model.layers[0].mlp.experts = torch.nn.Module()
+    model.layers[0].mlp.experts.down_proj = torch.nn.Parameter(torch.randn(8, 8, 5))
+    opt = torch.optim.AdamW(model.parameters())
+    model.layers[0].mlp.experts.down_proj.sum().backward()
+    opt.step()
+    msd, osd = get_state_dict(model, opt)
+    src = tmp_path / "lie"
+    dcp.save({"model": msd, "optimizer": osd}, checkpoint_id=str(src), no_dist=True)
+    md = load_torch_metadata(src)
+    key = "model.layers.0.mlp.experts.down_proj"
+    md.state_dict_metadata[key].size = torch.Size([8, 8, 6])
+    write_torch_metadata(src, md)
+    for flags in ((), ("--with-optimizer",)):
+        res = runner.invoke(
+            app,
+            ["reshard", str(src), str(tmp_path / "o"), "--to", "canonical", *flags]
+            + ["--target-ep-size", "2", "--target-ep-fsdp-size", "1"],
+        )
+        assert res.exit_code == 2, res.stdout
+        assert res.stderr.startswith(
+            f"error: [E301] {src}: chunks of {key!r} do not tile the size [8, 8, 6] that .metadata gives it (gap: "
+        ), res.stderr
+        assert "optimizer.state" not in res.stderr
+        assert not (tmp_path / "o").exists()
