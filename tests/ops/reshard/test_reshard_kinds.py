@@ -247,3 +247,32 @@ def test_metadata_whose_chunks_do_not_cover_its_size_is_named_before_shapes_are_
         ), res.stderr
         assert "optimizer.state" not in res.stderr
         assert not (tmp_path / "o").exists()
+
+
+def test_an_output_path_through_dotdot_means_what_the_shell_means(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`reshard L missing/../X` wrote ./X although missing/ does not exist (the path was normalized as text), and
+    `link/../X` wrote ./X where the shell and every later command see <link's target>/../X. Reshard and export
+    (one output layer) now refuse the first (E600, nothing written) and write the second where the kernel puts it."""
+    import torch.distributed.checkpoint as dcp
+
+    monkeypatch.chdir(tmp_path)
+    experts = torch.arange(4 * 6, dtype=torch.float32).reshape(4, 6)
+    dcp.save({"model": {"layers.0.mlp.experts.down_proj": experts}}, checkpoint_id=str(tmp_path / "ck"), no_dist=True)
+    sizes = ["--to", "canonical", "--target-ep-size", "2", "--target-ep-fsdp-size", "1"]
+    for args in (["reshard", "ck", "missing/../X", *sizes], ["reshard", "ck", "missing/../X", *sizes, "--dry-run"],
+                 ["export", "ck", "missing/../X"]):  # fmt: skip
+        res = runner.invoke(app, args)
+        assert res.exit_code == 2, res.stdout
+        assert res.stderr.startswith(
+            "error: [E600] missing/../X: cannot write there (missing is not an existing directory, so missing/.. "
+        ), res.stderr
+        assert sorted(p.name for p in tmp_path.iterdir()) == ["ck"]
+    (tmp_path / "real" / "sub").mkdir(parents=True)
+    (tmp_path / "link").symlink_to(tmp_path / "real" / "sub")
+    res = runner.invoke(app, ["reshard", "ck", "link/../X", *sizes])
+    assert res.exit_code == 0, res.stderr
+    assert not (tmp_path / "X").exists() and (tmp_path / "real" / "X" / ".metadata").is_file()
+    res = runner.invoke(app, ["inspect", "link/../X"])
+    assert res.exit_code == 0, res.stderr
