@@ -33,6 +33,7 @@ from ckpttool.format import marker
 
 __all__ = [
     "AtomicOutputDir",
+    "absolute_path",
     "OutputTarget",
     "Terminated",
     "check_output_target",
@@ -61,9 +62,31 @@ class Terminated(KeyboardInterrupt):
     """
 
 
-def _absolute(path: str | os.PathLike[str]) -> Path:
-    """Absolute, normalized ``path`` without resolving a symlink in its final component."""
-    return Path(os.path.abspath(os.fspath(path)))
+def absolute_path(path: str | os.PathLike[str]) -> Path:
+    """Absolute, normalized ``path`` without resolving a symlink in its final component.
+
+    A ``..`` means what it means to the kernel (and a shell): the parent of the directory before it, after
+    following symlinks (``link/../X`` is beside the link's target, not beside the link), and only when that
+    directory exists (``missing/../X`` names nothing, even though the text normalizes to ``X``).
+
+    Raises:
+        OutputError: a ``..`` follows a component that is not an existing directory.
+    """
+    text = os.fspath(path)
+    parts = Path(text).parts
+    if ".." not in parts:
+        return Path(os.path.abspath(text))
+    last = len(parts) - 1 - parts[::-1].index("..")
+    for i, part in enumerate(parts[: last + 1]):
+        if part == ".." and not os.path.isdir(os.path.join(*parts[:i]) if i else "."):
+            before = os.path.join(*parts[:i])
+            raise OutputError(
+                f"{text}: cannot write there ({before} is not an existing directory, so {before}/.. names nothing)",
+                path=Path(text),
+                hint=f"create {before} first, or give the path without '..'",
+            )
+    head = os.path.realpath(os.path.join(*parts[: last + 1]))
+    return Path(head, *parts[last + 1 :])
 
 
 def foreign_output_error(target: Path, found: marker.Ownership) -> ForeignOutputError:
@@ -88,7 +111,7 @@ def check_output_target(target: Path, *, overwrite: bool, source: Path | None = 
         OutputError: target is a file, non-empty without overwrite, or inside/equal to ``source``.
         ForeignOutputError: (E606) ``overwrite`` and a non-empty target that is not provably ours.
     """
-    target = _absolute(target)
+    target = absolute_path(target)
     if target.name == "":
         raise OutputError(
             f"{target}: cannot write there (not a directory name)",
@@ -335,8 +358,8 @@ class AtomicOutputDir(OutputTarget):
     """
 
     def _place(self, target: str | os.PathLike[str], source: str | os.PathLike[str] | None) -> None:
-        self.target = _absolute(target)
-        self.source = _absolute(source) if source is not None else None
+        self.target = absolute_path(target)
+        self.source = absolute_path(source) if source is not None else None
         self.tmp: Path | None = None
         self._created: list[Path] = []  # parents of target this run created, deepest first
         # Set by the handlers: an exception raised in a signal handler is lost when it lands

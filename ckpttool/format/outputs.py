@@ -93,7 +93,7 @@ def check_target(
         RemoteOutputDir(target, overwrite=overwrite, source=source).check()
         return
     local_source = Path(local_path(source)) if source is not None and not is_url(source) else None
-    check_output_target(Path(os.path.abspath(local_path(target))), overwrite=overwrite, source=local_source)
+    check_output_target(Path(local_path(target)), overwrite=overwrite, source=local_source)
 
 
 def _remote_ownership(store: RemoteStore, existing: dict[str, int]) -> marker.Ownership:

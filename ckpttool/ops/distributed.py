@@ -414,7 +414,9 @@ def _record_output(stack: contextlib.ExitStack, group: Group, out: Any, source: 
     if "://" in str(out):
         _store_set(group.store, "remote_out", str(out))
         return
-    target = Path(os.path.abspath(out))
+    from ckpttool.format.atomic import absolute_path
+
+    target = absolute_path(out)
     missing = []
     for a in target.parents:
         if a.exists() or a.is_symlink():
@@ -422,7 +424,7 @@ def _record_output(stack: contextlib.ExitStack, group: Group, out: Any, source: 
         missing.append(a)
     _store_set(group.store, "out", str(target))
     if source is not None and "://" not in str(source):
-        _store_set(group.store, "source", os.path.abspath(source))
+        _store_set(group.store, "source", str(absolute_path(source)))
     _store_set(group.store, "created", json.dumps([str(a) for a in missing]))
     stack.callback(lambda: None if group.phase == "committed" else _remove_empty(missing))
 

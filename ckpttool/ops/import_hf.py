@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ckpttool.errors import CkptError, ExportError, MetadataError, ModelMismatchError, UsageError
+from ckpttool.format.atomic import absolute_path
 from ckpttool.format.files import hub_hint, missing_path_hint, open_regular, resolve_inside
 from ckpttool.format.hf_storage import (
     ADAPTER_PREFIX,
@@ -1255,7 +1256,7 @@ def _write_dcp(tmp: Path, dst: Any, job: _Written, mine: set[int], progress: Pro
     progress(0, total)
     with DCPWriter(
         tmp,
-        dst if is_url(dst) else Path(os.path.abspath(dst)),
+        dst if is_url(dst) else absolute_path(dst),
         fsync=opts.fsync,
         digest=opts.algorithm if opts.manifest else None,
     ) as w:

@@ -424,7 +424,7 @@ def write_sample(path: str | os.PathLike[str], options: SampleOptions | None = N
         UsageError: unknown ``optimizer``, ``seed`` out of range.
     """
     from ckpttool.errors import UsageError
-    from ckpttool.format.atomic import AtomicOutputDir
+    from ckpttool.format.atomic import AtomicOutputDir, absolute_path
 
     opts = options_of(options, SampleOptions)
     steps, seed, optimizer = opts.steps, opts.seed, opts.optimizer
@@ -436,7 +436,7 @@ def write_sample(path: str | os.PathLike[str], options: SampleOptions | None = N
     with AtomicOutputDir(out, overwrite=opts.overwrite, kind="sample") as tmp:
         _train_and_save(
             tmp,
-            Path(os.path.abspath(out)),
+            absolute_path(out),
             steps=steps,
             seed=seed,
             config=opts.config or SampleConfig(),

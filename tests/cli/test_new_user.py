@@ -272,6 +272,17 @@ def test_messages_name_what_is_wrong(dense_model_ckpt: Path, tmp_path: Path) -> 
     assert res.exit_code == 2 and "hold optimizer state, or compare the models with --what model" in res.stderr
 
 
+def test_reshard_of_a_dense_model_is_refused_whatever_the_target_sizes(dense_model_ckpt: Path, tmp_path: Path) -> None:
+    """Target sizes made reshard of a dense model succeed and write a record claiming ep_size 2 for a model without
+    experts (without them it was refused): it is refused the same way with or without them, nothing written."""
+    for sizes in ([], ["--target-ep-size", "2", "--target-ep-fsdp-size", "1"], ["--target-ep-size", "1"]):
+        out = tmp_path / f"o{len(sizes)}"
+        res = runner.invoke(app, ["reshard", str(dense_model_ckpt), str(out), "--to", "canonical", *sizes])
+        assert res.exit_code == 2, res.stdout
+        assert res.stderr.startswith("error: [E100] ") and "no expert-parallel tensor (a dense model)" in res.stderr
+        assert not out.exists()
+
+
 def test_several_checkpoints_hint_a_path_to_paste(dense_model_ckpt: Path, tmp_path: Path) -> None:
     root = tmp_path / "my run"
     for step in (100, 200):

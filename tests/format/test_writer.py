@@ -222,11 +222,15 @@ def test_row_runs_legacy_to_canonical_slabs() -> None:
 
 def test_verbatim_reshard_never_imports_torch(tmp_path: Path) -> None:
     # The copy path must stay torch-free: `import torch` costs more than copying gigabytes.
-    from tests.fixtures.builders import build_dense
+    import torch.distributed.checkpoint as dcp
 
-    src = tmp_path / "dense"
-    src.mkdir()
-    build_dense(src)
+    src = tmp_path / "moe"  # one expert tensor, whole in one chunk: a 1 x 1 target copies every chunk verbatim
+    experts = torch.arange(4 * 6, dtype=torch.float32).reshape(4, 6)
+    dcp.save(
+        {"model": {"layers.0.mlp.experts.down_proj": experts, "norm": torch.ones(6)}},
+        checkpoint_id=str(src),
+        no_dist=True,
+    )
     code = (
         "import sys; from ckpttool.ops.reshard import ReshardOptions, reshard; "
         f"r = reshard({str(src)!r}, {str(tmp_path / 'out')!r}, ReshardOptions(to='canonical', target_ep_size=1, "

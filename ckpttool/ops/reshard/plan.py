@@ -389,6 +389,12 @@ def _target_mesh(
     layout.require_geometry(
         cat, "the record or declaration does not describe how this checkpoint was saved; fix it before resharding"
     )
+    if not layout.ep_tensors and not _has_expert_state(cat):
+        # target sizes do not change that: the output's record would claim an EP mesh for a model without experts
+        raise UsageError(
+            f"{cat.path}: no expert-parallel tensor (a dense model): there is no EP layout to reshard",
+            hint="`ckpttool inspect` lists the tensors; reshard applies to MoE checkpoints with stacked experts",
+        )
     if (target_ep_size is None) != (target_ep_fsdp_size is None):
         given, missing, keep = (
             ("target_ep_size", "target_ep_fsdp_size", layout.ep_fsdp_size)
@@ -405,11 +411,6 @@ def _target_mesh(
         )
     p2 = target_ep_size if target_ep_size is not None else layout.ep_size
     f2 = target_ep_fsdp_size if target_ep_fsdp_size is not None else layout.ep_fsdp_size
-    if (p2 is None or f2 is None) and not layout.ep_tensors:
-        raise UsageError(
-            f"{cat.path}: no expert-parallel tensor (a dense model): there is no EP layout to reshard",
-            hint="`ckpttool inspect` lists the tensors; reshard applies to MoE checkpoints with stacked experts",
-        )
     if p2 is None or f2 is None:
         raise UsageError(
             f"{cat.path}: the source EP sizes are unknown (no layout record, no declaration)",
@@ -434,6 +435,11 @@ def _target_mesh(
                 hint="choose target sizes whose product divides the expert count",
             )
     return to_version, p2, f2
+
+
+def _has_expert_state(cat: Catalog) -> bool:
+    """Whether the checkpoint holds optimizer state of fused expert parameters (with or without them)."""
+    return any("experts." in ps.fqn and EP_NAME_RE.search(ps.fqn) for ps in cat.optimizer_state.values())
 
 
 def _ep_state(cat: Catalog, layout: ResolvedLayout, with_optimizer: bool) -> dict[str, str]:
@@ -488,9 +494,6 @@ def _plan_entries(plan: ReshardPlan, ckpt: CheckpointDir, ep_state: dict[str, st
                 plan.byte_items.append(BytesPlan(key, _source_rank(ckpt, key, None) % plan.world))
             continue
         assert isinstance(meta, TensorMeta)
-        problem = tiling_problem(meta)
-        if problem is not None:
-            raise ChunkError(f"{ckpt.path}: chunks of {key!r} do not tile the tensor ({problem})", fqn=key)
         ep_model_key = key if key in layout.ep_tensors else ep_state.get(key)
         if ep_model_key is None:
             chunks = tuple(
@@ -573,13 +576,15 @@ def plan_reshard(
         The :class:`ReshardPlan`.
 
     Raises:
-        UsageError: bad ``to``; target sizes missing where the source's are unknown.
+        UsageError: bad ``to``; no expert tensor and no expert optimizer state (a dense model), whatever the
+            target sizes; target sizes missing where the source's are unknown.
         LayoutError: ambiguous source (E405), geometry contradicting the layout (E404),
             target sizes that do not divide the expert count (E406).
         ReshardError: optimizer state of EP parameters without ``with_optimizer`` (E602).
-        ChunkError: source chunks that do not tile a tensor.
+        ChunkError: source chunks that do not tile the size ``.metadata`` gives a tensor (checked first).
     """
     o = options or ReshardOptions()
+    _refuse_untiled(ckpt)
     to_version, p2, f2 = _target_mesh(cat, layout, o.to, o.target_ep_size, o.target_ep_fsdp_size)
     # Optimizer state of EP parameters: migrate (with_optimizer) or refuse.
     ep_state = _ep_state(cat, layout, o.with_optimizer)
@@ -590,6 +595,25 @@ def plan_reshard(
     _refuse_orphan_expert_state(cat, plan)
     _converted_record(plan, cat, source)
     return plan
+
+
+def _refuse_untiled(ckpt: CheckpointDir) -> None:
+    """A tensor whose chunks do not tile the global size ``.metadata`` gives it, checked before anything compares
+    shapes (an optimizer state tensor against its parameter, the chunks against the layout): the metadata itself is
+    inconsistent, and that is the error to name.
+
+    Raises:
+        ChunkError: naming the first such tensor.
+    """
+    for key, meta in ckpt.metadata.entries.items():
+        if isinstance(meta, TensorMeta):
+            problem = tiling_problem(meta)
+            if problem is not None:
+                raise ChunkError(
+                    f"{ckpt.path}: chunks of {key!r} do not tile the size {list(meta.size)} that .metadata gives it "
+                    f"({problem})",
+                    fqn=key,
+                )
 
 
 def _refuse_unknown_expert_tensors(cat: Catalog, plan: ReshardPlan) -> None:

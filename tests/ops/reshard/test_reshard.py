@@ -536,7 +536,7 @@ def test_ctrl_c_stops_the_copy_within_a_chunk(tmp_path: Path, monkeypatch: pytes
 
     src = tmp_path / "ck"
     dcp.save(
-        {"model": {f"model.layers.{i}.w": torch.full((64, 64), float(i)) for i in range(64)}},
+        {"model": {f"model.layers.{i}.mlp.experts.down_proj": torch.full((64, 64), float(i)) for i in range(64)}},
         checkpoint_id=str(src),
         no_dist=True,
     )

@@ -208,3 +208,71 @@ def test_expert_optimizer_state_without_its_parameters_is_refused(tmp_path: Path
     assert not (tmp_path / "o").exists()
     res = runner.invoke(app, ["reshard", str(src), str(tmp_path / "same"), "--to", "legacy", "--with-optimizer", *DECL])
     assert res.exit_code == 0, res.stderr
+
+
+def test_metadata_whose_chunks_do_not_cover_its_size_is_named_before_shapes_are_compared(tmp_path: Path) -> None:
+    """A .metadata that gives an expert parameter the size [8, 8, 6] while its chunks (and its optimizer state)
+    hold [8, 8, 5] was refused with E602 "exp_avg: shape [8, 8, 5] differs from its parameter's [8, 8, 6]": the
+    state was blamed for the metadata's inconsistency. The error now names the tensor whose chunks do not tile
+    the size .metadata gives it; nothing written."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    from tests.fixtures.hostile import load_torch_metadata, write_torch_metadata
+
+    model = torch.nn.Module()
+    model.layers = torch.nn.ModuleList([torch.nn.Module()])
+    model.layers[0].mlp = torch.nn.Module()
+    model.layers[0].mlp.experts = torch.nn.Module()
+    model.layers[0].mlp.experts.down_proj = torch.nn.Parameter(torch.randn(8, 8, 5))
+    opt = torch.optim.AdamW(model.parameters())
+    model.layers[0].mlp.experts.down_proj.sum().backward()
+    opt.step()
+    msd, osd = get_state_dict(model, opt)
+    src = tmp_path / "lie"
+    dcp.save({"model": msd, "optimizer": osd}, checkpoint_id=str(src), no_dist=True)
+    md = load_torch_metadata(src)
+    key = "model.layers.0.mlp.experts.down_proj"
+    md.state_dict_metadata[key].size = torch.Size([8, 8, 6])
+    write_torch_metadata(src, md)
+    for flags in ((), ("--with-optimizer",)):
+        res = runner.invoke(
+            app,
+            ["reshard", str(src), str(tmp_path / "o"), "--to", "canonical", *flags]
+            + ["--target-ep-size", "2", "--target-ep-fsdp-size", "1"],
+        )
+        assert res.exit_code == 2, res.stdout
+        assert res.stderr.startswith(
+            f"error: [E301] {src}: chunks of {key!r} do not tile the size [8, 8, 6] that .metadata gives it (gap: "
+        ), res.stderr
+        assert "optimizer.state" not in res.stderr
+        assert not (tmp_path / "o").exists()
+
+
+def test_an_output_path_through_dotdot_means_what_the_shell_means(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`reshard L missing/../X` wrote ./X although missing/ does not exist (the path was normalized as text), and
+    `link/../X` wrote ./X where the shell and every later command see <link's target>/../X. Reshard and export
+    (one output layer) now refuse the first (E600, nothing written) and write the second where the kernel puts it."""
+    import torch.distributed.checkpoint as dcp
+
+    monkeypatch.chdir(tmp_path)
+    experts = torch.arange(4 * 6, dtype=torch.float32).reshape(4, 6)
+    dcp.save({"model": {"layers.0.mlp.experts.down_proj": experts}}, checkpoint_id=str(tmp_path / "ck"), no_dist=True)
+    sizes = ["--to", "canonical", "--target-ep-size", "2", "--target-ep-fsdp-size", "1"]
+    for args in (["reshard", "ck", "missing/../X", *sizes], ["reshard", "ck", "missing/../X", *sizes, "--dry-run"],
+                 ["export", "ck", "missing/../X"]):  # fmt: skip
+        res = runner.invoke(app, args)
+        assert res.exit_code == 2, res.stdout
+        assert res.stderr.startswith(
+            "error: [E600] missing/../X: cannot write there (missing is not an existing directory, so missing/.. "
+        ), res.stderr
+        assert sorted(p.name for p in tmp_path.iterdir()) == ["ck"]
+    (tmp_path / "real" / "sub").mkdir(parents=True)
+    (tmp_path / "link").symlink_to(tmp_path / "real" / "sub")
+    res = runner.invoke(app, ["reshard", "ck", "link/../X", *sizes])
+    assert res.exit_code == 0, res.stderr
+    assert not (tmp_path / "X").exists() and (tmp_path / "real" / "X" / ".metadata").is_file()
+    res = runner.invoke(app, ["inspect", "link/../X"])
+    assert res.exit_code == 0, res.stderr
