@@ -1,0 +1,51 @@
+"""``validate --strict --deep`` and ``replay-step`` agree on the optimizer state of a ``torch.optim.AdamW`` saved with
+``dcp.save`` (``tests/ops/replay/test_replay.py``'s builder), damaged as bad merges and edits of the state do it."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from typer.testing import CliRunner
+
+from ckpttool.cli.app import app
+from tests.ops.replay.test_replay import _adamw_linear_with
+
+runner = CliRunner()
+
+
+def validate(ck: Path) -> tuple[int, list[dict[str, Any]]]:
+    res = runner.invoke(app, ["validate", str(ck), "--strict", "--deep", "--json"])
+    assert res.stdout.strip(), (res.exit_code, res.stderr)
+    return res.exit_code, json.loads(res.stdout)["findings"]
+
+
+def replay(ck: Path, grads: Path) -> Any:
+    return runner.invoke(app, ["replay-step", str(ck), "--device", "cpu", "--grads", str(grads)])
+
+
+def test_a_parameter_listed_twice_is_p005_as_replay_step_refuses_it_e514(tmp_path: Path) -> None:
+    """Param groups listing a parameter twice in one group, or in two groups with equal or different
+    hyperparameters: replay-step refused them (E514) while validate --strict --deep said 'OK: 0 errors'. validate now
+    reports P005 (error) with replay-step's own message."""
+
+    def twice_in_group(osd: dict[str, Any]) -> None:
+        osd["param_groups"][0]["params"].append("weight")
+
+    def in_two_equal_groups(osd: dict[str, Any]) -> None:
+        osd["param_groups"].append({**osd["param_groups"][0], "params": ["weight"]})
+
+    def in_two_groups(osd: dict[str, Any]) -> None:
+        osd["param_groups"].append({**osd["param_groups"][0], "params": ["weight"], "lr": 0.5})
+
+    for mutate in (twice_in_group, in_two_equal_groups, in_two_groups):
+        ck, grads, _, _ = _adamw_linear_with(tmp_path / mutate.__name__, mutate)
+        code, findings = validate(ck)
+        p005 = [f for f in findings if f["code"] == "P005"]
+        assert code == 1 and len(p005) == 1 and p005[0]["severity"] == "error", findings
+        res = replay(ck, grads)
+        assert res.exit_code == 2 and res.stderr.startswith(f"error: [E514] {p005[0]['message']}\n"), (
+            res.stderr,
+            p005,
+        )
