@@ -19,7 +19,7 @@ from ckpttool.model.catalog import Catalog, TensorEntry
 if TYPE_CHECKING:
     from ckpttool.format.reader import CheckpointReader
 
-__all__ = ["MOMENTS", "is_synthesized", "synthesized_params"]
+__all__ = ["MOMENTS", "exp_avg_lost", "is_synthesized", "synthesized_params"]
 
 MOMENTS = ("exp_avg", "exp_avg_sq")
 
@@ -28,6 +28,22 @@ def is_synthesized(step: float | None, moments_zero: Iterable[bool | None]) -> b
     """The one predicate: ``step == 1`` and every moment known to be all zero."""
     zeros = list(moments_zero)
     return step == 1.0 and len(zeros) == len(MOMENTS) and all(z is True for z in zeros)
+
+
+def exp_avg_lost(
+    step: float | None, beta1: float | None, exp_avg_zero: bool | None, exp_avg_sq_zero: bool | None
+) -> bool:
+    """The other predicate (``validate --deep``'s ``D015``, ``replay-step``'s note): ``exp_avg`` all zero while
+    ``exp_avg_sq`` is not, at a saved ``step`` of 2 or more. AdamW's ``exp_avg`` is zero only where every gradient
+    was, and ``exp_avg_sq`` would be too: the first moment was reset or lost. Not with ``beta1`` 0, where ``exp_avg``
+    is the last gradient alone (a zero last gradient zeroes it)."""
+    return (
+        step is not None
+        and step >= 2
+        and (beta1 is None or beta1 != 0)
+        and exp_avg_zero is True
+        and exp_avg_sq_zero is False
+    )
 
 
 def synthesized_params(reader: CheckpointReader, cat: Catalog, fqns: Iterable[str]) -> list[str]:

@@ -49,7 +49,7 @@ from ckpttool.ops.replay.compare import (
 )
 from ckpttool.ops.replay.plan import ITEMSIZE, Hyper, ParamPlan, make_batches, plan_replay
 from ckpttool.ops.replay.slabs import StackedSlabs, TensorSlabs
-from ckpttool.ops.state_checks import MOMENTS, synthesized_params
+from ckpttool.ops.state_checks import MOMENTS, exp_avg_lost, synthesized_params
 from ckpttool.ops.tensors import to_canonical
 from ckpttool.optim_state.bounds import adam_ratio_bound
 
@@ -153,6 +153,7 @@ class ParamResult:
     update: UpdateSize | None = None
     torch_unequal: dict[str, int] | None = None
     moments_zero: bool = False  # saved exp_avg and exp_avg_sq all zero at step >= 2 (a note, validate's D008)
+    exp_avg_zero: bool = False  # saved exp_avg all zero, exp_avg_sq not, at step >= 2 (a note, validate's D015)
 
     @property
     def ok(self) -> bool:
@@ -599,6 +600,19 @@ def _zero_moments_note(results: list[ParamResult], notes: list[str]) -> None:
         )
 
 
+def _zero_exp_avg_note(results: list[ParamResult], notes: list[str]) -> None:
+    """Note the parameters whose saved ``exp_avg`` is all zero while ``exp_avg_sq`` is not at a step of 2 or more
+    (``validate --deep``'s ``D015``: :func:`~ckpttool.ops.state_checks.exp_avg_lost`)."""
+    zero = [r for r in results if r.exp_avg_zero]
+    if zero:
+        notes.append(
+            f"warning: {len(zero)} parameter(s) have an all-zero exp_avg beside a non-zero exp_avg_sq at a saved step "
+            f"of 2 or more (AdamW's exp_avg is zero only where every gradient was, and exp_avg_sq would be too: the "
+            f"first moment was reset or lost), e.g. {zero[0].fqn} at step {zero[0].step_before:g}; "
+            "`ckpttool validate --deep` reports D015"
+        )
+
+
 def _reset_step_problems(results: list[ParamResult], cat: Catalog) -> None:
     """Fail each loaded parameter saved at ``step`` 0 in a leaf whose other parameters stepped (``validate --deep``'s
     ``O007`` finds the counters apart). ``torch.optim`` creates a parameter's state in its first step and counts it
@@ -763,6 +777,7 @@ def _replay(
     )
     _step_mismatch_note(results, layout.record, notes)
     _zero_moments_note(results, notes)
+    _zero_exp_avg_note(results, notes)
     _reset_step_problems(results, ckpt.catalog)
     results.sort(key=lambda r: (r.ok, -r.worst_ratio, r.fqn))
     _finish_timing(timing, t_start, bytes_read)
@@ -936,6 +951,8 @@ def _load_batch(
         )
         r.expected_step = step_before + steps
         r.moments_zero = step_before >= 2 and all(f in t and not bool(t[f].any()) for f in MOMENTS)
+        zero = [not bool(t[f].any()) if f in t else None for f in MOMENTS]
+        r.exp_avg_zero = exp_avg_lost(step_before, p.hyper.beta1, *zero)
         results[p.fqn] = r
     timing["load_seconds"] += time.perf_counter() - t0
     return loaded, results

@@ -7,6 +7,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+import torch
 from typer.testing import CliRunner
 
 from ckpttool.cli.app import app
@@ -49,3 +50,34 @@ def test_a_parameter_listed_twice_is_p005_as_replay_step_refuses_it_e514(tmp_pat
             res.stderr,
             p005,
         )
+
+
+def test_an_all_zero_exp_avg_beside_a_non_zero_exp_avg_sq_is_d015_and_a_replay_note(tmp_path: Path) -> None:
+    """exp_avg zeroed (exp_avg_sq kept) at step 3 said OK with no note in validate --deep and replay-step, though
+    AdamW's exp_avg is zero only where every gradient was (exp_avg_sq would be too). validate now warns D015 (as D008
+    warns of both moments zero) and replay-step notes it; with betas (0, 0.999), where exp_avg is the last gradient
+    alone, neither does."""
+
+    def zero_exp_avg(osd: dict[str, Any]) -> None:
+        osd["state"]["weight"]["exp_avg"].zero_()
+
+    ck, grads, _, _ = _adamw_linear_with(tmp_path / "zeroed", zero_exp_avg)
+    code, findings = validate(ck)
+    assert code == 1 and [(f["code"], f["severity"], f["message"]) for f in findings] == [
+        ("D015", "warning", "weight: exp_avg is all zero but exp_avg_sq is not at step 3")
+    ], findings
+    res = replay(ck, grads)
+    assert res.exit_code == 0, res.output
+    assert (
+        "warning: 1 parameter(s) have an all-zero exp_avg beside a non-zero exp_avg_sq at a saved step of 2 or more"
+        in " ".join(res.stdout.split())
+    ), res.stdout
+    assert "validate --deep` reports D015" in " ".join(res.stdout.split()), res.stdout
+
+    ck, grads, _, _ = _adamw_linear_with(
+        tmp_path / "beta1_0", zero_exp_avg, lambda p: torch.optim.AdamW(p, lr=1e-2, betas=(0.0, 0.999))
+    )
+    code, findings = validate(ck)
+    assert "D015" not in {f["code"] for f in findings}, findings
+    res = replay(ck, grads)
+    assert "D015" not in res.stdout, res.stdout

@@ -9,7 +9,7 @@ from collections.abc import Iterator
 from ckpttool.errors import CkptError
 from ckpttool.format.metadata import TensorMeta
 from ckpttool.model.catalog import TensorEntry
-from ckpttool.ops.state_checks import MOMENTS, is_synthesized
+from ckpttool.ops.state_checks import MOMENTS, exp_avg_lost, is_synthesized
 from ckpttool.ops.validate.base import rule
 from ckpttool.ops.validate.context import Context
 from ckpttool.ops.validate.rules.optimizer import _num
@@ -236,3 +236,33 @@ def zero_moments_after_steps(ctx: Context) -> Iterator[tuple[str, str]]:
         step = _step_value(ctx, fqn)
         if all(zeros) and step is not None and step >= 2:
             yield fqn, f"{fqn}: exp_avg and exp_avg_sq are all zero at step {step:g}"
+
+
+def _beta1(ctx: Context, fqn: str) -> float | None:
+    group = ctx.cat.group_of(fqn)
+    betas = group.values.get("betas") if group is not None else None
+    if not isinstance(betas, (list, tuple)) or len(betas) != 2:
+        return None
+    try:
+        return float(betas[0])
+    except (TypeError, ValueError):
+        return None
+
+
+@rule("D015")
+def zero_exp_avg_after_steps(ctx: Context) -> Iterator[tuple[str, str]]:
+    deep = ctx.deep_result
+    assert deep is not None
+    for fqn, ps in ctx.cat.optimizer_state.items():
+        zeros: list[bool | None] = []
+        for f in MOMENTS:
+            e = ps.fields.get(f)
+            st = deep.stats.get(e.key) if isinstance(e, TensorEntry) else None
+            known = st is not None and e is not None and st.numel == e.numel and st.numel > 0
+            zeros.append(bool(st.zero) if known and st is not None else None)
+        step = _step_value(ctx, fqn)
+        if exp_avg_lost(step, _beta1(ctx, fqn), *zeros):
+            yield (
+                ctx.cat.state_key(fqn, "exp_avg"),
+                f"{fqn}: exp_avg is all zero but exp_avg_sq is not at step {step:g}",
+            )
