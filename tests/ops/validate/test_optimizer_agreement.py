@@ -81,3 +81,21 @@ def test_an_all_zero_exp_avg_beside_a_non_zero_exp_avg_sq_is_d015_and_a_replay_n
     assert "D015" not in {f["code"] for f in findings}, findings
     res = replay(ck, grads)
     assert "D015" not in res.stdout, res.stdout
+
+
+def test_gradients_that_overflow_when_squared_are_named_not_the_saved_state(tmp_path: Path) -> None:
+    """--grads finite in float32 but ~1e27 (their square overflows float32) failed E700 'exp_avg_sq: 4 element(s)
+    beyond tolerance (max abs inf ...)', blaming the saved state. It is now E120 (exit 2) naming the gradient that
+    overflows when squared."""
+    from safetensors.torch import load_file, save_file
+
+    ck, grads, _, _ = _adamw_linear_with(tmp_path, lambda osd: None)
+    g = load_file(str(grads))
+    save_file({k: v / v.abs().max() * 1e27 for k, v in g.items()}, str(tmp_path / "big.safetensors"))
+    res = replay(ck, tmp_path / "big.safetensors")
+    assert res.exit_code == 2 and res.stdout == "", res.output
+    assert res.stderr.splitlines()[0] == (
+        f"error: [E120] --grads {tmp_path / 'big.safetensors'}: gradient weight overflows float32 when squared "
+        "(max |g| 1e+27, beyond 1.84e+19): exp_avg_sq of the step would be infinite"
+    ), res.stderr
+    assert "E700" not in res.output
