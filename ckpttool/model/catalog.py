@@ -24,7 +24,13 @@ from operator import add, and_, eq, getitem, is_, itemgetter, not_
 from pathlib import Path, PurePath
 from typing import TYPE_CHECKING, Any, NamedTuple
 
-from ckpttool.errors import CkptError, IndexedOptimizerStateError, OptimStateError, PlannerDataError
+from ckpttool.errors import (
+    CkptError,
+    HyperparameterError,
+    IndexedOptimizerStateError,
+    OptimStateError,
+    PlannerDataError,
+)
 from ckpttool.format.directory import CheckpointDir, rank_of_file
 from ckpttool.format.listing import FileListing, list_files
 from ckpttool.format.mdstorage import chunk_path_columns, chunk_paths, key_ids, referenced_paths
@@ -1004,12 +1010,46 @@ def load_param_groups(cat: Catalog, reader: CheckpointReader, errors: dict[str, 
                 errors[key] = e
                 continue
             if hyper == "params":
+                try:
+                    _check_params(cat, g, value)
+                except CkptError as e:
+                    if errors is None:
+                        raise
+                    errors[key] = e
+                    continue
                 if isinstance(value, (list, tuple)):
                     g.params = list(map(str, value))
                     if cat.schema.optimizer_keying == INDEX_MAPPED:
                         g.params = _group_fqns(cat, g)
                 continue
             g.values[hyper] = value
+
+
+def _check_params(cat: Catalog, group: ParamGroup, value: Any) -> None:
+    """Refuse a nested group's ``params`` that is not a list of parameter names (or indices): an entry ``None``, or
+    ``params`` saved as a string or another object, would else be read as no parameter or a parameter ``"None"``.
+
+    Raises:
+        HyperparameterError (E514): naming the group and what its ``params`` holds.
+    """
+    hint = (
+        "the param groups were edited or converted wrongly: save them from the optimizer (its state_dict() lists "
+        "each group's parameters), or use an earlier checkpoint"
+    )
+    if not isinstance(value, (list, tuple)):
+        shown = repr(value) if len(repr(value)) <= 40 else repr(value)[:37] + "..."
+        raise HyperparameterError(
+            f"{cat.path}: param group {group.group_id}: params is a {type(value).__name__} ({shown}), not a list "
+            "of parameter names",
+            hint=hint,
+        )
+    for i, v in enumerate(value):
+        if isinstance(v, bool) or not isinstance(v, (str, int)):
+            raise HyperparameterError(
+                f"{cat.path}: param group {group.group_id}: params entry {i} of {len(value)} is {v!r}, not a "
+                "parameter name",
+                hint=hint,
+            )
 
 
 def _group_value(reader: CheckpointReader, key: str) -> Any:

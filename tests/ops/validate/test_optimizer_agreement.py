@@ -99,3 +99,27 @@ def test_gradients_that_overflow_when_squared_are_named_not_the_saved_state(tmp_
         "(max |g| 1e+27, beyond 1.84e+19): exp_avg_sq of the step would be infinite"
     ), res.stderr
     assert "E700" not in res.output
+
+
+def test_params_with_none_entries_or_saved_as_a_string_are_refused_naming_the_group(tmp_path: Path) -> None:
+    """A group's params list with a None entry was read as a parameter 'None' and ignored (replay-step and validate
+    said OK); params saved as a string replayed as 'E514 none of the 0 parameter(s) of the param groups ...'. Both are
+    now one line naming the group: E514 from replay-step (exit 2), the same message as validate's S011."""
+
+    def none_entry(osd: dict[str, Any]) -> None:
+        osd["param_groups"][0]["params"].append(None)
+
+    def as_string(osd: dict[str, Any]) -> None:
+        osd["param_groups"][0]["params"] = "weight"
+
+    for mutate, says in (
+        (none_entry, "param group 0: params entry 2 of 3 is None, not a parameter name"),
+        (as_string, "param group 0: params is a str ('weight'), not a list of parameter names"),
+    ):
+        ck, grads, _, _ = _adamw_linear_with(tmp_path / mutate.__name__, mutate)
+        res = replay(ck, grads)
+        assert res.exit_code == 2 and res.stdout == "", res.output
+        assert res.stderr.splitlines()[0] == f"error: [E514] {ck}: {says}", res.stderr
+        assert "Traceback" not in res.output
+        code, findings = validate(ck)
+        assert code == 1 and [(f["code"], f["message"]) for f in findings] == [("S011", f"{ck}: {says}")], findings
