@@ -49,7 +49,7 @@ from ckpttool.ops.replay.compare import (
 )
 from ckpttool.ops.replay.plan import ITEMSIZE, Hyper, ParamPlan, make_batches, plan_replay
 from ckpttool.ops.replay.slabs import StackedSlabs, TensorSlabs
-from ckpttool.ops.state_checks import MOMENTS, exp_avg_lost, synthesized_params
+from ckpttool.ops.state_checks import MOMENTS, exp_avg_lost, step_not_count, synthesized_params
 from ckpttool.ops.tensors import to_canonical
 from ckpttool.optim_state.bounds import adam_ratio_bound
 
@@ -885,10 +885,6 @@ def _reuse_freed_memory() -> Iterator[None]:
             malloc_trim(0)
 
 
-#: The last whole number a float32 ``step`` reaches by adding 1.0 (``torch.optim``'s counter): 2^24.
-_FLOAT32_COUNT_LIMIT = 1 << 24
-
-
 def _load_batch(
     reader: Any,
     batch: list[ParamPlan],
@@ -920,19 +916,11 @@ def _load_batch(
     for p in batch:
         t = loaded[p.fqn]
         step_before = float(t["step"].item()) if "step" in t else 0.0
-        # a count of steps taken: Adam's bias corrections of a negative, infinite or NaN step are complex or NaN,
-        # and a fractional one (2.5) is no step torch takes (its counter adds 1.0 to a float32 whole number)
-        if not (math.isfinite(step_before) and step_before >= 0.0 and step_before.is_integer()):
+        is_f32 = "step" in t and t["step"].dtype == torch.float32  # a Python-number step is loaded as float32
+        why = step_not_count(step_before, is_f32)
+        if why is not None:
             raise StateDtypeError(
-                f"optimizer state {p.fqn}.step is {step_before:g}, not a count of steps taken (a finite whole number "
-                ">= 0)",
-                fqn=p.fqn,
-                hint="run `ckpttool validate --strict --deep` on the checkpoint to see every problem",
-            )
-        if "step" in t and t["step"].dtype == torch.float32 and step_before > _FLOAT32_COUNT_LIMIT:
-            raise StateDtypeError(  # 2^24 + 1.0 rounds back to 2^24: a float32 counter stops there
-                f"optimizer state {p.fqn}.step is {step_before:g}, beyond what a float32 step counter reaches by "
-                f"adding 1.0 ({_FLOAT32_COUNT_LIMIT:,}: 2^24 + 1 rounds back to 2^24), so not a count of steps taken",
+                f"optimizer state {p.fqn}.step {why}",
                 fqn=p.fqn,
                 hint="run `ckpttool validate --strict --deep` on the checkpoint to see every problem",
             )

@@ -123,3 +123,31 @@ def test_params_with_none_entries_or_saved_as_a_string_are_refused_naming_the_gr
         assert "Traceback" not in res.output
         code, findings = validate(ck)
         assert code == 1 and [(f["code"], f["message"]) for f in findings] == [("S011", f"{ck}: {says}")], findings
+
+
+def test_a_saved_step_is_judged_by_one_check_in_validate_and_replay_step(tmp_path: Path) -> None:
+    """A step of 2^25 (a float32 tensor, or a Python number, which torch.optim.AdamW loads as float32) was refused by
+    replay-step (E511: a float32 counter stops at 2^24) while validate --strict --deep said OK. Both now use
+    state_checks.step_not_count: validate reports D003 with replay-step's words; a Python-number step of 3 passes
+    both, as torch loads it."""
+    for name, value in (("tensor", torch.tensor(float(1 << 25))), ("number", 1 << 25), ("three", 3)):
+
+        def mutate(osd: dict[str, Any], v: Any = value) -> None:
+            for st in osd["state"].values():
+                st["step"] = v
+
+        ck, grads, _, _ = _adamw_linear_with(tmp_path / name, mutate)
+        code, findings = validate(ck)
+        res = replay(ck, grads)
+        if name == "three":
+            assert code == 0 and findings == [], findings
+            assert res.exit_code == 0, res.output
+            continue
+        says = (
+            "is 3.35544e+07, beyond what a float32 step counter reaches by adding 1.0 (16,777,216: 2^24 + 1 rounds "
+            "back to 2^24), so not a count of steps taken"
+        )
+        assert code == 1 and ("D003", f"optimizer.state.weight.step: step {says}") in {
+            (f["code"], f["message"]) for f in findings
+        }, findings
+        assert res.exit_code == 2 and res.stderr.startswith(f"error: [E511] optimizer state weight.step {says}\n")

@@ -10,9 +10,9 @@ from ckpttool.errors import CkptError
 from ckpttool.format.metadata import TensorMeta
 from ckpttool.model.catalog import TensorEntry
 from ckpttool.ops.state_checks import MOMENTS, exp_avg_lost, is_synthesized
+from ckpttool.ops.state_checks import step_not_count as why_not_count
 from ckpttool.ops.validate.base import rule
 from ckpttool.ops.validate.context import Context
-from ckpttool.ops.validate.rules.optimizer import _num
 from ckpttool.ops.validate.stats import PairStats, TensorStats
 from ckpttool.optim_state.bounds import adam_ratio_bound
 
@@ -77,13 +77,17 @@ def negative_exp_avg_sq(ctx: Context) -> Iterator[tuple[str, str]]:
 
 @rule("D003")
 def step_not_count(ctx: Context) -> Iterator[tuple[str, str]]:
+    entries = {ctx.cat.state_key(f, "step"): ps.fields.get("step") for f, ps in ctx.cat.optimizer_state.items()}
     for key, values, item in saved_steps(ctx):
         if values is None:
             yield key, f"{key}: step is a {type(item).__name__}, not a number"
             continue
+        t = entries.get(key)
+        float32 = t.dtype == "float32" if isinstance(t, TensorEntry) else item is not None  # a number loads as float32
         for v in values:
-            if not (math.isfinite(v) and v >= 0 and v == int(v)):
-                yield key, f"{key}: step value {_num(v)} is not a non-negative integer"
+            why = why_not_count(v, float32)
+            if why is not None:
+                yield key, f"{key}: step {why}"
                 break
 
 
