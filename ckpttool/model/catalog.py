@@ -24,7 +24,13 @@ from operator import add, and_, eq, getitem, is_, itemgetter, not_
 from pathlib import Path, PurePath
 from typing import TYPE_CHECKING, Any, NamedTuple
 
-from ckpttool.errors import CkptError, IndexedOptimizerStateError, OptimStateError, PlannerDataError
+from ckpttool.errors import (
+    CkptError,
+    HyperparameterError,
+    IndexedOptimizerStateError,
+    OptimStateError,
+    PlannerDataError,
+)
 from ckpttool.format.directory import CheckpointDir, rank_of_file
 from ckpttool.format.listing import FileListing, list_files
 from ckpttool.format.mdstorage import chunk_path_columns, chunk_paths, key_ids, referenced_paths
@@ -57,6 +63,7 @@ __all__ = [
     "adapter_frozen",
     "frozen_params",
     "lost_state",
+    "listed_twice",
     "dtype_refuted_by",
 ]
 
@@ -1003,12 +1010,46 @@ def load_param_groups(cat: Catalog, reader: CheckpointReader, errors: dict[str, 
                 errors[key] = e
                 continue
             if hyper == "params":
+                try:
+                    _check_params(cat, g, value)
+                except CkptError as e:
+                    if errors is None:
+                        raise
+                    errors[key] = e
+                    continue
                 if isinstance(value, (list, tuple)):
                     g.params = list(map(str, value))
                     if cat.schema.optimizer_keying == INDEX_MAPPED:
                         g.params = _group_fqns(cat, g)
                 continue
             g.values[hyper] = value
+
+
+def _check_params(cat: Catalog, group: ParamGroup, value: Any) -> None:
+    """Refuse a nested group's ``params`` that is not a list of parameter names (or indices): an entry ``None``, or
+    ``params`` saved as a string or another object, would else be read as no parameter or a parameter ``"None"``.
+
+    Raises:
+        HyperparameterError (E514): naming the group and what its ``params`` holds.
+    """
+    hint = (
+        "the param groups were edited or converted wrongly: save them from the optimizer (its state_dict() lists "
+        "each group's parameters), or use an earlier checkpoint"
+    )
+    if not isinstance(value, (list, tuple)):
+        shown = repr(value) if len(repr(value)) <= 40 else repr(value)[:37] + "..."
+        raise HyperparameterError(
+            f"{cat.path}: param group {group.group_id}: params is a {type(value).__name__} ({shown}), not a list "
+            "of parameter names",
+            hint=hint,
+        )
+    for i, v in enumerate(value):
+        if isinstance(v, bool) or not isinstance(v, (str, int)):
+            raise HyperparameterError(
+                f"{cat.path}: param group {group.group_id}: params entry {i} of {len(value)} is {v!r}, not a "
+                "parameter name",
+                hint=hint,
+            )
 
 
 def _group_value(reader: CheckpointReader, key: str) -> Any:
@@ -1129,6 +1170,56 @@ def lost_state(cat: Catalog) -> dict[str, str]:
             if not adapter_only or _ADAPTER_PARAM.search(f):
                 out[f] = label
     return out
+
+
+def _number_text(v: Any) -> str:
+    return f"{v:g}" if isinstance(v, (int, float)) and not isinstance(v, bool) else repr(v)
+
+
+def listed_twice(cat: Catalog) -> Iterator[tuple[str, str]]:
+    """``(fqn, message)`` of each parameter listed more than once in the param groups (loaded: needs
+    :func:`load_param_groups`), in group order; the one check behind ``validate``'s ``P005`` and ``replay-step``'s
+    ``E514``.
+
+    In two groups: ``torch.optim`` refuses to build such an optimizer ("some parameters appear in more than one
+    parameter group"), so no run saved it; the catalog takes the first group, and which ``lr`` stepped the parameter
+    is unknown (nor, with equal hyperparameters, whether it was stepped once per step). Twice in one group:
+    ``torch.optim`` warns ("duplicate parameters") and steps it twice per optimizer step, so one replayed step is
+    not the run's; a resume through ``set_optimizer_state_dict`` keeps one entry and steps it once.
+    """
+    if sum(len(g.params) for g in cat.param_groups) == len(cat.group_index()):
+        return  # every fqn listed once (the common case, at C speed)
+    first: dict[str, ParamGroup] = {}
+    for g in cat.param_groups:
+        here: set[str] = set()
+        for f in g.params:
+            h = first.setdefault(f, g)
+            if h is g:
+                if f in here:
+                    yield (
+                        f,
+                        f"parameter {f} is listed twice in param group {g.group_id}: torch.optim steps a duplicated "
+                        "parameter twice per optimizer step (it warns 'duplicate parameters'), while a resume steps "
+                        "it once, so which update the saved state leads to is unknown",
+                    )
+                here.add(f)
+                continue
+            if h.leaf_values != g.leaf_values:
+                a, b = h.values, g.values
+                yield (
+                    f,
+                    f"parameter {f} is listed in param groups {h.group_id} (lr {_number_text(a.get('lr'))}, "
+                    f"weight_decay {_number_text(a.get('weight_decay'))}) and {g.group_id} (lr "
+                    f"{_number_text(b.get('lr'))}, weight_decay {_number_text(b.get('weight_decay'))}): torch.optim "
+                    "never builds a parameter into two groups, so which hyperparameters step it is unknown",
+                )
+                continue
+            yield (
+                f,
+                f"parameter {f} is listed in param groups {h.group_id} and {g.group_id} (equal hyperparameters): "
+                "torch.optim never builds a parameter into two groups, so whether the run stepped it once or twice "
+                "per step is unknown",
+            )
 
 
 def implied_optimizer_type(fields: dict[str, str]) -> str | None:

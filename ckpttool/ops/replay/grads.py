@@ -10,6 +10,7 @@ every step. ``docs/replay.md``, "Gradients".
 
 from __future__ import annotations
 
+import math
 import os
 import zlib
 from pathlib import Path
@@ -139,5 +140,17 @@ class GradFile:
                 f": gradient {key} holds {bad} of {t.numel()} value(s) that are not finite (NaN or infinity){cast_to}",
                 fqn=fqn,
                 hint="pass finite gradients (the trainer skips a step whose gradients overflow)",
+            )
+        # a gradient whose square overflows makes exp_avg_sq infinite (in torch's step too): the comparison could
+        # only blame the saved state
+        top = float(t.abs().max()) if t.numel() else 0.0
+        limit = math.sqrt(torch.finfo(dtype).max)
+        if top > limit:
+            raise self._error(
+                f": gradient {key} overflows {str(dtype).removeprefix('torch.')} when squared (max |g| {top:.3g}, "
+                f"beyond {limit:.3g}){cast_to}: exp_avg_sq of the step would be infinite",
+                fqn=fqn,
+                hint="pass gradients of the magnitude the run's steps took (the trainer skips a step whose "
+                "gradients overflow)",
             )
         return t

@@ -31,7 +31,15 @@ from ckpttool.errors import (
 )
 from ckpttool.format.metadata import dtype_name
 from ckpttool.layouts.record import LayoutRecord
-from ckpttool.model.catalog import Catalog, TensorEntry, frozen_params, leaf_key, lost_state, match_filter
+from ckpttool.model.catalog import (
+    Catalog,
+    TensorEntry,
+    frozen_params,
+    leaf_key,
+    listed_twice,
+    lost_state,
+    match_filter,
+)
 from ckpttool.model.schemas.base import canonical_model_key
 from ckpttool.optim_state.schema import (
     OPTIMIZER_TYPES,
@@ -519,49 +527,14 @@ def _membership(
 
 
 def _check_listed_once(cat: Catalog, hypers: dict[str, Hyper], wanted: Callable[[str], bool] | None) -> None:
-    """Refuse a selected parameter listed more than once in the param groups (E514).
-
-    In two groups: ``torch.optim`` refuses to build such an optimizer ("some parameters appear in more than one
-    parameter group"), so no run saved it; the catalog takes the first group, and which ``lr`` stepped the parameter
-    is unknown (nor, with equal hyperparameters, whether it was stepped once per step). Twice in one group:
-    ``torch.optim`` warns ("duplicate parameters") and steps it twice per optimizer step, so one replayed step is
-    not the run's; a resume through ``set_optimizer_state_dict`` keeps one entry and steps it once.
-    """
-    if sum(len(g.params) for g in cat.param_groups) == len(cat.group_index()):
-        return  # every fqn listed once (the common case, at C speed)
-    hint = "the param groups were merged or edited wrongly; leave the parameter out with `filter_glob`"
-    first: dict[str, Hyper] = {}
-    for g in cat.param_groups:
-        for f in g.params:
-            h = hypers.get(f)
-            if h is None or (wanted is not None and not wanted(f)):
-                continue
-            if f not in first:
-                first[f] = h
-                continue
-            if h.group_id == g.group_id:
-                raise HyperparameterError(
-                    f"parameter {f} is listed twice in param group {g.group_id}: torch.optim steps a duplicated "
-                    "parameter twice per optimizer step (it warns 'duplicate parameters'), while a resume steps it "
-                    "once, so which update the saved state leads to is unknown",
-                    fqn=f,
-                    hint=hint,
-                )
-            other = _hyper(g, f, g.group_id, _lr_dtype(cat, g))
-            if other.as_kwargs() != h.as_kwargs():
-                raise HyperparameterError(
-                    f"parameter {f} is listed in param groups {h.group_id} (lr {h.lr:g}, weight_decay "
-                    f"{h.weight_decay:g}) and {g.group_id} (lr {other.lr:g}, weight_decay {other.weight_decay:g}): "
-                    "torch.optim never builds a parameter into two groups, so which hyperparameters step it is unknown",
-                    fqn=f,
-                    hint=hint,
-                )
+    """Refuse a selected parameter listed more than once in the param groups (E514; ``validate``'s ``P005``:
+    :func:`~ckpttool.model.catalog.listed_twice`)."""
+    for f, message in listed_twice(cat):
+        if f in hypers and (wanted is None or wanted(f)):
             raise HyperparameterError(
-                f"parameter {f} is listed in param groups {h.group_id} and {g.group_id} (equal hyperparameters): "
-                "torch.optim never builds a parameter into two groups, so whether the run stepped it once or twice "
-                "per step is unknown",
+                message,
                 fqn=f,
-                hint=hint,
+                hint="the param groups were merged or edited wrongly; leave the parameter out with `filter_glob`",
             )
 
 

@@ -49,7 +49,7 @@ from ckpttool.ops.replay.compare import (
 )
 from ckpttool.ops.replay.plan import ITEMSIZE, Hyper, ParamPlan, make_batches, plan_replay
 from ckpttool.ops.replay.slabs import StackedSlabs, TensorSlabs
-from ckpttool.ops.state_checks import MOMENTS, synthesized_params
+from ckpttool.ops.state_checks import MOMENTS, exp_avg_lost, step_not_count, synthesized_params
 from ckpttool.ops.tensors import to_canonical
 from ckpttool.optim_state.bounds import adam_ratio_bound
 
@@ -153,6 +153,7 @@ class ParamResult:
     update: UpdateSize | None = None
     torch_unequal: dict[str, int] | None = None
     moments_zero: bool = False  # saved exp_avg and exp_avg_sq all zero at step >= 2 (a note, validate's D008)
+    exp_avg_zero: bool = False  # saved exp_avg all zero, exp_avg_sq not, at step >= 2 (a note, validate's D015)
 
     @property
     def ok(self) -> bool:
@@ -599,6 +600,19 @@ def _zero_moments_note(results: list[ParamResult], notes: list[str]) -> None:
         )
 
 
+def _zero_exp_avg_note(results: list[ParamResult], notes: list[str]) -> None:
+    """Note the parameters whose saved ``exp_avg`` is all zero while ``exp_avg_sq`` is not at a step of 2 or more
+    (``validate --deep``'s ``D015``: :func:`~ckpttool.ops.state_checks.exp_avg_lost`)."""
+    zero = [r for r in results if r.exp_avg_zero]
+    if zero:
+        notes.append(
+            f"warning: {len(zero)} parameter(s) have an all-zero exp_avg beside a non-zero exp_avg_sq at a saved step "
+            f"of 2 or more (AdamW's exp_avg is zero only where every gradient was, and exp_avg_sq would be too: the "
+            f"first moment was reset or lost), e.g. {zero[0].fqn} at step {zero[0].step_before:g}; "
+            "`ckpttool validate --deep` reports D015"
+        )
+
+
 def _reset_step_problems(results: list[ParamResult], cat: Catalog) -> None:
     """Fail each loaded parameter saved at ``step`` 0 in a leaf whose other parameters stepped (``validate --deep``'s
     ``O007`` finds the counters apart). ``torch.optim`` creates a parameter's state in its first step and counts it
@@ -763,6 +777,7 @@ def _replay(
     )
     _step_mismatch_note(results, layout.record, notes)
     _zero_moments_note(results, notes)
+    _zero_exp_avg_note(results, notes)
     _reset_step_problems(results, ckpt.catalog)
     results.sort(key=lambda r: (r.ok, -r.worst_ratio, r.fqn))
     _finish_timing(timing, t_start, bytes_read)
@@ -870,10 +885,6 @@ def _reuse_freed_memory() -> Iterator[None]:
             malloc_trim(0)
 
 
-#: The last whole number a float32 ``step`` reaches by adding 1.0 (``torch.optim``'s counter): 2^24.
-_FLOAT32_COUNT_LIMIT = 1 << 24
-
-
 def _load_batch(
     reader: Any,
     batch: list[ParamPlan],
@@ -905,19 +916,11 @@ def _load_batch(
     for p in batch:
         t = loaded[p.fqn]
         step_before = float(t["step"].item()) if "step" in t else 0.0
-        # a count of steps taken: Adam's bias corrections of a negative, infinite or NaN step are complex or NaN,
-        # and a fractional one (2.5) is no step torch takes (its counter adds 1.0 to a float32 whole number)
-        if not (math.isfinite(step_before) and step_before >= 0.0 and step_before.is_integer()):
+        is_f32 = "step" in t and t["step"].dtype == torch.float32  # a Python-number step is loaded as float32
+        why = step_not_count(step_before, is_f32)
+        if why is not None:
             raise StateDtypeError(
-                f"optimizer state {p.fqn}.step is {step_before:g}, not a count of steps taken (a finite whole number "
-                ">= 0)",
-                fqn=p.fqn,
-                hint="run `ckpttool validate --strict --deep` on the checkpoint to see every problem",
-            )
-        if "step" in t and t["step"].dtype == torch.float32 and step_before > _FLOAT32_COUNT_LIMIT:
-            raise StateDtypeError(  # 2^24 + 1.0 rounds back to 2^24: a float32 counter stops there
-                f"optimizer state {p.fqn}.step is {step_before:g}, beyond what a float32 step counter reaches by "
-                f"adding 1.0 ({_FLOAT32_COUNT_LIMIT:,}: 2^24 + 1 rounds back to 2^24), so not a count of steps taken",
+                f"optimizer state {p.fqn}.step {why}",
                 fqn=p.fqn,
                 hint="run `ckpttool validate --strict --deep` on the checkpoint to see every problem",
             )
@@ -936,6 +939,8 @@ def _load_batch(
         )
         r.expected_step = step_before + steps
         r.moments_zero = step_before >= 2 and all(f in t and not bool(t[f].any()) for f in MOMENTS)
+        zero = [not bool(t[f].any()) if f in t else None for f in MOMENTS]
+        r.exp_avg_zero = exp_avg_lost(step_before, p.hyper.beta1, *zero)
         results[p.fqn] = r
     timing["load_seconds"] += time.perf_counter() - t0
     return loaded, results

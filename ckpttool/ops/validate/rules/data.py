@@ -9,10 +9,10 @@ from collections.abc import Iterator
 from ckpttool.errors import CkptError
 from ckpttool.format.metadata import TensorMeta
 from ckpttool.model.catalog import TensorEntry
-from ckpttool.ops.state_checks import MOMENTS, is_synthesized
+from ckpttool.ops.state_checks import MOMENTS, exp_avg_lost, is_synthesized
+from ckpttool.ops.state_checks import step_not_count as why_not_count
 from ckpttool.ops.validate.base import rule
 from ckpttool.ops.validate.context import Context
-from ckpttool.ops.validate.rules.optimizer import _num
 from ckpttool.ops.validate.stats import PairStats, TensorStats
 from ckpttool.optim_state.bounds import adam_ratio_bound
 
@@ -77,13 +77,17 @@ def negative_exp_avg_sq(ctx: Context) -> Iterator[tuple[str, str]]:
 
 @rule("D003")
 def step_not_count(ctx: Context) -> Iterator[tuple[str, str]]:
+    entries = {ctx.cat.state_key(f, "step"): ps.fields.get("step") for f, ps in ctx.cat.optimizer_state.items()}
     for key, values, item in saved_steps(ctx):
         if values is None:
             yield key, f"{key}: step is a {type(item).__name__}, not a number"
             continue
+        t = entries.get(key)
+        float32 = t.dtype == "float32" if isinstance(t, TensorEntry) else item is not None  # a number loads as float32
         for v in values:
-            if not (math.isfinite(v) and v >= 0 and v == int(v)):
-                yield key, f"{key}: step value {_num(v)} is not a non-negative integer"
+            why = why_not_count(v, float32)
+            if why is not None:
+                yield key, f"{key}: step {why}"
                 break
 
 
@@ -236,3 +240,33 @@ def zero_moments_after_steps(ctx: Context) -> Iterator[tuple[str, str]]:
         step = _step_value(ctx, fqn)
         if all(zeros) and step is not None and step >= 2:
             yield fqn, f"{fqn}: exp_avg and exp_avg_sq are all zero at step {step:g}"
+
+
+def _beta1(ctx: Context, fqn: str) -> float | None:
+    group = ctx.cat.group_of(fqn)
+    betas = group.values.get("betas") if group is not None else None
+    if not isinstance(betas, (list, tuple)) or len(betas) != 2:
+        return None
+    try:
+        return float(betas[0])
+    except (TypeError, ValueError):
+        return None
+
+
+@rule("D015")
+def zero_exp_avg_after_steps(ctx: Context) -> Iterator[tuple[str, str]]:
+    deep = ctx.deep_result
+    assert deep is not None
+    for fqn, ps in ctx.cat.optimizer_state.items():
+        zeros: list[bool | None] = []
+        for f in MOMENTS:
+            e = ps.fields.get(f)
+            st = deep.stats.get(e.key) if isinstance(e, TensorEntry) else None
+            known = st is not None and e is not None and st.numel == e.numel and st.numel > 0
+            zeros.append(bool(st.zero) if known and st is not None else None)
+        step = _step_value(ctx, fqn)
+        if exp_avg_lost(step, _beta1(ctx, fqn), *zeros):
+            yield (
+                ctx.cat.state_key(fqn, "exp_avg"),
+                f"{fqn}: exp_avg is all zero but exp_avg_sq is not at step {step:g}",
+            )

@@ -18,7 +18,7 @@ from typing import Any
 
 from ckpttool.errors import CkptError
 from ckpttool.format.metadata import FLOAT8_DTYPES, dtype_name
-from ckpttool.model.catalog import TensorEntry, dtype_refuted_by, lost_state
+from ckpttool.model.catalog import TensorEntry, dtype_refuted_by, listed_twice, lost_state
 from ckpttool.ops.validate.base import rule
 from ckpttool.ops.validate.context import Context
 from ckpttool.optim_state.schema import (
@@ -400,6 +400,13 @@ def state_without_group(ctx: Context) -> Iterator[tuple[str, str]]:
     for fqn, _, _ in _states(ctx):
         if ctx.group_of(fqn) is None:
             yield fqn, f"{fqn}: has optimizer state but is in no param group"
+
+
+@rule("P005")
+def param_listed_twice(ctx: Context) -> Iterator[tuple[str, str]]:
+    if not _membership_known(ctx):
+        return  # S011 reports why
+    yield from listed_twice(ctx.cat)
 
 
 @rule("O009")

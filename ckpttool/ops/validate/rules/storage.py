@@ -17,7 +17,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import cast
 
-from ckpttool.errors import ChecksumError, DataFileError, PathEscapeError, TrustRequiredError
+from ckpttool.errors import ChecksumError, DataFileError, HyperparameterError, PathEscapeError, TrustRequiredError
 from ckpttool.format.metadata import StorageInfo, TensorMeta
 from ckpttool.format.tiling import tiling_problem
 from ckpttool.ops.validate.base import RULES, Finding, Severity, rule
@@ -267,7 +267,7 @@ def byte_item_unreadable(ctx: Context) -> Iterator[Finding]:
         if isinstance(e, (DataFileError, PathEscapeError)):
             continue  # reported by S002/S003/S009
         # --trust-pickle is the way only for an item weights_only refuses: a corrupt one it would not mend
-        hint = e.hint if isinstance(e, TrustRequiredError) else _DAMAGED_ITEM_HINT
+        hint = e.hint if isinstance(e, (TrustRequiredError, HyperparameterError)) else _DAMAGED_ITEM_HINT
         yield r.make(key, e.message, hint, e.code)
 
 
