@@ -244,13 +244,15 @@ def test_atomic_dir_existing_out_needs_overwrite(tmp_path: Path) -> None:
 # --------------------------------------------------------------------------- export / reshard
 @pytest.fixture(scope="module")
 def big_ckpt(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A real dcp.save of 4 x 64 MiB float32 tensors: long enough to interrupt an export/reshard mid-way."""
+    """A real dcp.save of 4 x 64 MiB float32 tensors (and one small expert tensor: reshard refuses a dense model): long
+    enough to interrupt an export/reshard mid-way."""
     code = (
         "import sys, warnings, torch, torch.distributed.checkpoint as dcp\n"
         "warnings.simplefilter('ignore')\n"
         "g = torch.Generator().manual_seed(0)\n"
         "sd = {'model': {f'model.layers.{i}.mlp.down_proj.weight': torch.randn(4096, 4096, generator=g)"
         " for i in range(4)}}\n"
+        "sd['model']['model.layers.0.mlp.experts.down_proj'] = torch.randn(4, 8, 8, generator=g)  # MoE: reshard runs\n"
         "dcp.save(sd, checkpoint_id=sys.argv[1])\n"
     )
     path = tmp_path_factory.mktemp("big") / "ckpt"
