@@ -1036,17 +1036,21 @@ def _check_params(cat: Catalog, group: ParamGroup, value: Any) -> None:
         "the param groups were edited or converted wrongly: save them from the optimizer (its state_dict() lists "
         "each group's parameters), or use an earlier checkpoint"
     )
+
+    def shown(v: Any) -> str:
+        text = repr(v)
+        return text if len(text) <= 40 else text[:37] + "..."
+
     if not isinstance(value, (list, tuple)):
-        shown = repr(value) if len(repr(value)) <= 40 else repr(value)[:37] + "..."
         raise HyperparameterError(
-            f"{cat.path}: param group {group.group_id}: params is a {type(value).__name__} ({shown}), not a list "
-            "of parameter names",
+            f"{cat.path}: param group {group.group_id}: params is a {type(value).__name__} ({shown(value)}), not a "
+            "list of parameter names",
             hint=hint,
         )
     for i, v in enumerate(value):
         if isinstance(v, bool) or not isinstance(v, (str, int)):
             raise HyperparameterError(
-                f"{cat.path}: param group {group.group_id}: params entry {i} of {len(value)} is {v!r}, not a "
+                f"{cat.path}: param group {group.group_id}: params entry {i} of {len(value)} is {shown(v)}, not a "
                 "parameter name",
                 hint=hint,
             )

@@ -112,9 +112,16 @@ def test_params_with_none_entries_or_saved_as_a_string_are_refused_naming_the_gr
     def as_string(osd: dict[str, Any]) -> None:
         osd["param_groups"][0]["params"] = "weight"
 
+    def long_entry(osd: dict[str, Any]) -> None:  # an entry from the checkpoint is shown cut to 40 characters
+        osd["param_groups"][0]["params"].append(["w" * 20] * 50)
+
     for mutate, says in (
         (none_entry, "param group 0: params entry 2 of 3 is None, not a parameter name"),
         (as_string, "param group 0: params is a str ('weight'), not a list of parameter names"),
+        (
+            long_entry,
+            "param group 0: params entry 2 of 3 is " + repr(["w" * 20] * 50)[:37] + "..., not a parameter name",
+        ),
     ):
         ck, grads, _, _ = _adamw_linear_with(tmp_path / mutate.__name__, mutate)
         res = replay(ck, grads)
