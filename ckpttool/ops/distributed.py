@@ -255,12 +255,15 @@ class Group:
                 dist.destroy_process_group()
 
 
-def merge_rank_files(group: Group, writer: DCPWriter, mine: Sequence[int] | set[int]) -> bool:
+def merge_rank_files(
+    group: Group, writer: DCPWriter, mine: Sequence[int] | set[int], counts: dict[str, int] | None = None
+) -> bool:
     """The end of a distributed DCP write (reshard, import): whether this rank writes ``.metadata``.
 
     Under torchrun every rank syncs the data files it wrote (``mine``), :meth:`Group.agree`
     pairs with the ``agree(error)`` of a failing rank (raising its error everywhere), and rank 0
-    merges the other ranks' chunk records (offsets in their files) into ``writer``; the other
+    merges the other ranks' chunk records (offsets in their files) into ``writer`` and adds their
+    ``counts`` (chunks copied, rewritten: in the same gather, one collective) into its own; the other
     ranks return ``False`` and stop there. One process: ``True``, nothing to do.
     """
     if not group.active:
@@ -268,12 +271,15 @@ def merge_rank_files(group: Group, writer: DCPWriter, mine: Sequence[int] | set[
     for r in sorted(mine):
         writer.sync(r)
     group.agree(None)
-    records = group.gather(writer.records())
+    gathered = group.gather((writer.records(), dict(counts or {})))
     if not group.is_root:
         return False
-    for r, rec in enumerate(records):
+    for r, (rec, theirs) in enumerate(gathered):
         if r != group.rank:
             writer.merge(rec)
+            if counts is not None:
+                for k, v in theirs.items():
+                    counts[k] = counts.get(k, 0) + v
     return True
 
 

@@ -315,11 +315,9 @@ def execute_plan(
             with lock:
                 counts["rewritten"] += len(indices) - 1
         _write_byte_items(plan, reader, writer, mine)
-        merged = distributed.merge_rank_files(group, writer, mine)  # pairs with _reshard's agree(error)
-        if group.active:  # every rank's chunks, as the merged records give every rank's bytes
-            per_rank = group.gather(dict(counts))
-            counts = {k: sum(c[k] for c in per_rank) for k in counts}
-        if not merged:
+        # pairs with _reshard's agree(error); rank 0's counts become every rank's, as the merged records give every
+        # rank's bytes
+        if not distributed.merge_rank_files(group, writer, mine, counts):
             return writer, counts
         writer.finish()
     return writer, counts
