@@ -588,29 +588,34 @@ def _step_mismatch_note(results: list[ParamResult], record: Any, notes: list[str
             break
 
 
-def _zero_moments_note(results: list[ParamResult], notes: list[str]) -> None:
-    """Note the parameters whose saved moments are all zero though their step is 2 or more (``validate --deep``'s
-    ``D008``): the update from them looks sane, but the state of the steps taken was lost."""
-    zero = [r for r in results if r.moments_zero]
-    if zero:
-        notes.append(
-            f"warning: {len(zero)} parameter(s) have all-zero exp_avg and exp_avg_sq at a saved step of 2 or more "
-            f"(moments reset, e.g. by a resume that re-initialised the optimizer but kept the step), e.g. "
-            f"{zero[0].fqn} at step {zero[0].step_before:g}; `ckpttool validate --deep` reports D008"
-        )
+#: The saved moments a replay notes (``ParamResult`` flag, what the parameters have, ``validate --deep``'s rule): all
+#: zero at a step of 2 or more (``D008``: the update looks sane, the state of the steps taken was lost), and an
+#: all-zero ``exp_avg`` beside a non-zero ``exp_avg_sq`` (``D015``: :func:`~ckpttool.ops.state_checks.exp_avg_lost`).
+_ZERO_STATE_NOTES = (
+    (
+        "moments_zero",
+        "all-zero exp_avg and exp_avg_sq at a saved step of 2 or more (moments reset, e.g. by a resume that "
+        "re-initialised the optimizer but kept the step)",
+        "D008",
+    ),
+    (
+        "exp_avg_zero",
+        "an all-zero exp_avg beside a non-zero exp_avg_sq at a saved step of 2 or more (AdamW's exp_avg is zero only "
+        "where every gradient was, and exp_avg_sq would be too: the first moment was reset or lost)",
+        "D015",
+    ),
+)
 
 
-def _zero_exp_avg_note(results: list[ParamResult], notes: list[str]) -> None:
-    """Note the parameters whose saved ``exp_avg`` is all zero while ``exp_avg_sq`` is not at a step of 2 or more
-    (``validate --deep``'s ``D015``: :func:`~ckpttool.ops.state_checks.exp_avg_lost`)."""
-    zero = [r for r in results if r.exp_avg_zero]
-    if zero:
-        notes.append(
-            f"warning: {len(zero)} parameter(s) have an all-zero exp_avg beside a non-zero exp_avg_sq at a saved step "
-            f"of 2 or more (AdamW's exp_avg is zero only where every gradient was, and exp_avg_sq would be too: the "
-            f"first moment was reset or lost), e.g. {zero[0].fqn} at step {zero[0].step_before:g}; "
-            "`ckpttool validate --deep` reports D015"
-        )
+def _zero_state_notes(results: list[ParamResult], notes: list[str]) -> None:
+    """A ``warning:`` note per kind of lost moments (:data:`_ZERO_STATE_NOTES`) some parameter's saved state shows."""
+    for flag, what, code in _ZERO_STATE_NOTES:
+        zero = [r for r in results if getattr(r, flag)]
+        if zero:
+            notes.append(
+                f"warning: {len(zero)} parameter(s) have {what}, e.g. {zero[0].fqn} at step "
+                f"{zero[0].step_before:g}; `ckpttool validate --deep` reports {code}"
+            )
 
 
 def _reset_step_problems(results: list[ParamResult], cat: Catalog) -> None:
@@ -776,8 +781,7 @@ def _replay(
         say=say,
     )
     _step_mismatch_note(results, layout.record, notes)
-    _zero_moments_note(results, notes)
-    _zero_exp_avg_note(results, notes)
+    _zero_state_notes(results, notes)
     _reset_step_problems(results, ckpt.catalog)
     results.sort(key=lambda r: (r.ok, -r.worst_ratio, r.fqn))
     _finish_timing(timing, t_start, bytes_read)
