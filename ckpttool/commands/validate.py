@@ -321,7 +321,7 @@ def _junit_target(
 
 def _note_against(res: ValidationResult, checkpoint: PurePath, against: Path | None, json_output: bool) -> None:
     """An OK against another step's export is no claim of equal weights: say so, where ``--against`` compared
-    anything (its rules are skipped for a checkpoint of a model adapter's names)."""
+    anything (its rules are skipped where a model adapter's names cannot be mapped to the reference's)."""
     ran = {s.rule.code for s in res.rules if s.status != "skipped"}
     what = [
         w

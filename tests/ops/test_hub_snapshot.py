@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
+from safetensors.torch import save_file
 from typer.testing import CliRunner
 
 from ckpttool.cli.app import app
@@ -184,28 +185,68 @@ def test_export_with_a_hub_snapshot_as_assets_never_advises_writing_into_the_cac
     assert "into it" not in note
 
 
-def test_validate_against_of_a_torchtitan_import_is_skipped_not_failed(hf_dirs: Path, tmp_path: Path) -> None:
-    """`import --schema torchtitan` writes torchtitan names; `--against` the HF model it came from compared them as HF
-    names: 'FAILED', every tensor missing (M005) and every key unexpected (M006), the hint 'the save dropped it'.
-    diff (through the adapter) is the reference: it finds the two equal."""
+def test_validate_against_of_a_torchtitan_import_compares_through_the_adapter(hf_dirs: Path, tmp_path: Path) -> None:
+    """`import --schema torchtitan` writes torchtitan names; `--against` the HF model it came from once compared them
+    as HF names ('FAILED', every tensor missing), then skipped all four rules and said OK of a reference it never
+    looked at. It compares the names, shapes and dtypes export writes through the adapter (the dimensions from the
+    reference's config.json): equal to the model it came from, as diff (through the adapter) finds."""
     src = hf_dirs / "llama"
     cli("import", str(src), str(tmp_path / "titan"), "--schema", "torchtitan")
     assert "equal" in cli("diff", str(tmp_path / "titan"), str(src))
     res = runner.invoke(app, ["validate", "--strict", str(tmp_path / "titan"), "--against", str(src)])
     assert res.exit_code == 0, res.output
     out = " ".join(res.stdout.split())
-    assert "OK:" in out and "model keys are torchtitan-llama3 names" in out and "M005" not in out, out
-    assert "compared names, shapes and dtypes" not in res.stderr  # nothing was compared
+    assert "OK:" in out and "torchtitan-llama3 names" not in out, out
+    assert "--against compared names, shapes and dtypes" in res.stderr, res.stderr
+
+
+def test_validate_against_through_the_adapter_finds_what_differs(hf_dirs: Path, tmp_path: Path) -> None:
+    """Against another model's folder (one layer fewer, BF16): the torchtitan checkpoint's extra layer is unexpected
+    (M006, named by its torchtitan key and the HF name export writes), and the dtypes differ (M008), as the
+    safetensors headers of the reference say."""
+    from safetensors import safe_open
+
+    src = hf_dirs / "llama"
+    cli("import", str(src), str(tmp_path / "titan"), "--schema", "torchtitan")
+    ref = tmp_path / "ref"
+    ref.mkdir()
+    shutil.copy(src / "config.json", ref / "config.json")
+    keep = {}
+    for shard in src.glob("*.safetensors"):
+        with safe_open(str(shard), "pt") as f:
+            keep.update({k: f.get_tensor(k).to(torch.bfloat16) for k in f.keys() if ".layers.1." not in k})
+    save_file(keep, str(ref / "model.safetensors"))
+    res = runner.invoke(app, ["validate", "--strict", str(tmp_path / "titan"), "--against", str(ref), "--json"])
+    assert res.exit_code == 1, res.output
+    found = {(f["code"], f["key"]): f["message"] for f in json.loads(res.stdout)["findings"]}
+    assert {c for c, _ in found} == {"M006", "M008"}, found
+    unexpected = {k for c, k in found if c == "M006"}
+    assert unexpected and all(k.startswith("layers.1.") for k in unexpected), unexpected
+    assert "as model.layers.1." in found[("M006", "layers.1.attention_norm.weight")]
+    dtypes = {k for c, k in found if c == "M008"}
+    assert "tok_embeddings.weight" in dtypes and not any(k.startswith("layers.1.") for k in dtypes), dtypes
 
 
 def test_validate_against_that_compared_nothing_says_so_beside_its_ok(hf_dirs: Path, tmp_path: Path) -> None:
-    """An OK whose --against rules all skipped (torchtitan names against HF ones) said only, inside the summary's list
-    of skip reasons, that the reference was not looked at; a note now says --against compared nothing, and why."""
+    """Where the torchtitan names cannot be mapped to HF's (the reference folder has no config.json and no --config
+    gives the heads the RoPE rows need), the four rules are skipped and a note beside the OK says --against compared
+    nothing, and why; with --config they compare."""
     cli("import", str(hf_dirs / "llama"), str(tmp_path / "titan"), "--schema", "torchtitan")
-    res = runner.invoke(app, ["validate", "--strict", str(tmp_path / "titan"), "--against", str(hf_dirs / "llama")])
+    ref = tmp_path / "ref"
+    ref.mkdir()
+    for f in (hf_dirs / "llama").glob("*.safetensors"):
+        shutil.copy(f, ref / f.name)
+    res = runner.invoke(app, ["validate", "--strict", str(tmp_path / "titan"), "--against", str(ref)])
     assert res.exit_code == 0, res.output
     note = " ".join(res.stderr.split())
     assert "note: --against compared nothing: the checkpoint's model keys are torchtitan-llama3 names" in note, note
+    assert "pass the model's config.json with --config" in note, note
+    config = str(hf_dirs / "llama" / "config.json")
+    res = runner.invoke(
+        app, ["validate", "--strict", str(tmp_path / "titan"), "--against", str(ref), "--config", config]
+    )
+    assert res.exit_code == 0, res.output
+    assert "--against compared names, shapes and dtypes" in res.stderr, res.stderr
 
 
 def test_validate_against_a_key_list_in_the_checkpoints_own_names_is_still_compared(

@@ -1581,17 +1581,21 @@ def _spool_batches(reader: CheckpointReader, plan: ExportPlan, mine: set[int]) -
 
 def written_tensors(plan: ExportPlan) -> dict[str, tuple[tuple[int, ...], str]]:
     """Output key -> (shape, dtype) of a plan, expert tensors in their fused form (what transformers loads)."""
-    out: dict[str, tuple[tuple[int, ...], str]] = {}
+    return {key: (shape, dtype) for key, shape, dtype, _ in written_sources(plan)}
+
+
+def written_sources(plan: ExportPlan) -> Iterator[tuple[str, tuple[int, ...], str, str]]:
+    """``(output key, shape, dtype, checkpoint key of its model tensor)`` of each tensor a plan writes, expert
+    tensors in their fused form (what transformers loads)."""
     for t in plan.tasks:
         s, dtype = t.selected, t.pieces[0].dtype
         if s.hf is not None and not s.hf.pieces:
-            out[s.hf.key] = (s.hf.shape, dtype)
+            yield s.hf.key, s.hf.shape, dtype, s.model_key
         elif t.pieces[0].expert is not None:
-            out[s.out_key] = (s.source.shape, dtype)
+            yield s.out_key, s.source.shape, dtype, s.model_key
         else:
             for p in t.pieces:
-                out[plan.model_names.get(p.name, p.name)] = (p.shape, p.dtype)
-    return out
+                yield plan.model_names.get(p.name, p.name), p.shape, p.dtype, s.model_key
 
 
 def without_fp8_scales(written: dict[str, tuple[tuple[int, ...], str]]) -> dict[str, tuple[tuple[int, ...], str]]:

@@ -43,12 +43,15 @@ class RefTensor:
 @dataclass
 class Reference:
     """Expected model tensors: HF key -> :class:`RefTensor`; ``tie_word_embeddings`` from its config
-    (``config_problem``: why the ``config.json`` beside it could not be read, ``None`` when read or absent)."""
+    (``config_problem``: why the ``config.json`` beside it could not be read, ``None`` when read or absent);
+    ``config``: that ``config.json`` (``None``: absent or unreadable), the dimensions a model adapter maps
+    a checkpoint's names to HF's with."""
 
     source: str
     tensors: dict[str, RefTensor] = field(default_factory=dict)
     tie_word_embeddings: bool | None = None
     config_problem: str | None = None
+    config: dict[str, Any] | None = None
 
 
 def _bad(p: Path, why: str, hint: str | None = None) -> UsageError:
@@ -160,17 +163,20 @@ def _json_dtype(name: str) -> str:
     return SAFETENSORS_TAGS.get(name) or name.removeprefix("torch.")
 
 
-def _tie(config_path: Path) -> tuple[bool | None, str | None]:
-    """``tie_word_embeddings`` of the reference's ``config.json``, and why it could not be read (``None``: read)."""
+def _with_config(source: str, tensors: dict[str, RefTensor], config_path: Path | None) -> Reference:
+    """The reference, with the ``config.json`` beside it read (``None``: there is none) and, where it cannot be
+    read, why."""
+    if config_path is None:
+        return Reference(source, tensors)
     try:
         cfg = parse_json(read_regular(config_path, current().max_object_bytes, what="config.json"), str(config_path))
     except OSError as e:
-        return None, f"{config_path}: cannot read ({e.strerror or e})"
+        return Reference(source, tensors, config_problem=f"{config_path}: cannot read ({e.strerror or e})")
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        return None, f"{config_path}: not valid JSON ({e})"
+        return Reference(source, tensors, config_problem=f"{config_path}: not valid JSON ({e})")
     if not isinstance(cfg, dict):
-        return None, f"{config_path}: not a JSON object ({type(cfg).__name__})"
-    return tie_word_embeddings(cfg), None
+        return Reference(source, tensors, config_problem=f"{config_path}: not a JSON object ({type(cfg).__name__})")
+    return Reference(source, tensors, tie_word_embeddings(cfg), config=cfg)
 
 
 def load_reference(path: str | os.PathLike[str]) -> Reference:
@@ -213,8 +219,9 @@ def _load(p: Path) -> Reference:
             for f in files:
                 tensors.update(_safetensors_header(resolve_inside(p, f.name, what="reference file")))
         cfg = p / "config.json"
-        tie, problem = _tie(resolve_inside(p, cfg.name, what="reference file")) if cfg.exists() else (None, None)
-        return Reference(str(p), tensors, tie, problem)
+        return _with_config(
+            str(p), tensors, resolve_inside(p, cfg.name, what="reference file") if cfg.exists() else None
+        )
     if not p.exists():
         raise _bad(p, "no such file or directory")
     if p.suffix == ".safetensors":
@@ -222,5 +229,4 @@ def _load(p: Path) -> Reference:
     else:
         tensors = _from_json(p)
     cfg = p.parent / "config.json"
-    tie, problem = _tie(cfg) if cfg.is_file() else (None, None)
-    return Reference(str(p), tensors, tie, problem)
+    return _with_config(str(p), tensors, cfg if cfg.is_file() else None)

@@ -14,6 +14,7 @@ from __future__ import annotations
 import re
 from collections import defaultdict
 from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
 from typing import Any
 
 from ckpttool.model.hfconfig import config_value, tie_word_embeddings
@@ -216,11 +217,25 @@ def untied_head_missing(ctx: Context) -> Iterator[tuple[str, str]]:
 
 
 # ------------------------------------------------------------------------------------------ --against
-def _ckpt_names(ctx: Context) -> dict[str, str]:
-    """HF name -> checkpoint key of every model tensor; :class:`RuleSkipped` when the checkpoint's names are not
-    HF's (a model adapter such as torchtitan's maps them, and may reshape: comparing the names as they are would
-    report every tensor missing and every checkpoint key unexpected) and the reference names fewer than half of them."""
-    names: dict[str, str]
+@dataclass(frozen=True)
+class _Ours:
+    """A checkpoint model tensor under the HF name ``--against`` compares: the checkpoint key findings name, the
+    shape and dtype; ``via``: the model adapter the name and shape went through (``None``: the checkpoint's own)."""
+
+    key: str
+    shape: tuple[int, ...]
+    dtype: str
+    via: str | None = None
+
+    def label(self, name: str) -> str:
+        """How a finding names it: the checkpoint key, and the HF name where an adapter gave it."""
+        return self.key if self.via is None else f"{self.key} (as {name} through {self.via})"
+
+
+def _ckpt_names(ctx: Context) -> dict[str, _Ours]:
+    """HF name -> :class:`_Ours` of every model tensor; :class:`RuleSkipped` when the checkpoint's names are not
+    HF's and no model adapter maps them (see :func:`_against_names`)."""
+    names: dict[str, _Ours]
     skip: str | None
     names, skip = ctx.once("against_names", lambda: _against_names(ctx))
     if skip is not None:
@@ -228,26 +243,39 @@ def _ckpt_names(ctx: Context) -> dict[str, str]:
     return names
 
 
-def _against_names(ctx: Context) -> tuple[dict[str, str], str | None]:
-    """:func:`_ckpt_names`' names and, where they cannot be compared as they are, why (once per validation: M005-M008
-    and the fused-expert cover each ask)."""
-    from ckpttool.model.adapters import detect_adapter
+def _against_names(ctx: Context) -> tuple[dict[str, _Ours], str | None]:
+    """:func:`_ckpt_names`' names and, where they cannot be compared, why (once per validation: M005-M008 and the
+    fused-expert cover each ask).
 
-    names = {ctx.cat.fqn_of(k): k for k in ctx.cat.model}
+    A checkpoint whose names are a model adapter's (torchtitan's, Megatron's) is compared under the names and
+    shapes ``export`` writes through that adapter (RoPE rows, fused or stacked tensors split), with ``--config`` or
+    else the reference's own ``config.json`` for the dimensions; where neither gives them, why."""
+    from ckpttool.errors import CkptError
+    from ckpttool.model.adapters import detect_adapter
+    from ckpttool.ops.export.execute import written_sources
+
+    names = {ctx.cat.fqn_of(k): _Ours(k, t.shape, t.dtype) for k, t in ctx.cat.model.items()}
     if ctx.reference is not None and 2 * len(names.keys() & ctx.reference.tensors.keys()) >= len(names):
         return names, None  # the reference speaks the checkpoint's names (a key list of them): compared as they are
-    adapter = detect_adapter(ctx.cat.schema.naming, ctx.cat.param_fqns, ctx.config)
-    if adapter is not None and adapter.name != "hf":
+    config = ctx.config if ctx.config is not None else ctx.reference.config if ctx.reference is not None else None
+    adapter = detect_adapter(ctx.cat.schema.naming, ctx.cat.param_fqns, config)
+    if adapter is None or adapter.name == "hf":
+        return names, None
+    try:
+        plan = _export_plan(ctx, config, drop_tied=False)
+    except CkptError as e:
         return names, (
-            f"the checkpoint's model keys are {adapter.name} names, the reference's Hugging Face names: "
-            "compare them with `ckpttool diff CHECKPOINT REF` (through the adapter), or check the names export "
-            "writes with --config (M010)"
+            f"the checkpoint's model keys are {adapter.name} names, the reference's Hugging Face names, and they "
+            f"cannot be mapped to them ({e.message}): pass the model's config.json with --config, or compare with "
+            "`ckpttool diff CHECKPOINT REF` (through the adapter)"
         )
-    return names, None
+    return {
+        name: _Ours(key, tuple(shape), dtype, adapter.name) for name, shape, dtype, key in written_sources(plan)
+    }, None
 
 
 def _fused_cover(ctx: Context, ref_names: set[str]) -> dict[str, str]:
-    """Reference per-expert names covered by a fused checkpoint tensor -> that tensor's key."""
+    """Reference per-expert names covered by a fused tensor of :func:`_ckpt_names` -> that tensor's HF name."""
     cover: dict[str, str] = {}
     names = _ckpt_names(ctx)
     for name in ref_names:
@@ -255,9 +283,9 @@ def _fused_cover(ctx: Context, ref_names: set[str]) -> dict[str, str]:
         if not m or m["rest"] not in _PER_EXPERT_PROJ:
             continue
         fused = f"{m['prefix']}.{_PER_EXPERT_PROJ[m['rest']]}"
-        key = names.get(fused)
-        if key is not None and int(m["idx"]) < ctx.cat.model[key].shape[0]:
-            cover[name] = key
+        ours = names.get(fused)
+        if ours is not None and ours.shape and int(m["idx"]) < ours.shape[0]:
+            cover[name] = fused
     return cover
 
 
@@ -304,20 +332,22 @@ def missing_keys(ctx: Context) -> Iterator[tuple[str, str] | tuple[str, str, str
     ref = ctx.reference.tensors
     cover = _fused_cover(ctx, set(ref))
     tied = _tied(ctx)
+    via = next((o.via for o in names.values() if o.via is not None), None)
     for name in ref:
         if name in names or name in cover:
             continue
-        key = ctx.cat.model_key(name)
+        key = ctx.cat.model_key(name) if via is None else name
+        missing = "not in the checkpoint" if via is None else f"not written from the checkpoint through {via}"
         if _tied_head(name, tied, names):
             unread = _unread_tie(ctx, tied)
             if unread is not None:
                 yield (
                     key,
-                    f"{key}: in the reference {ctx.reference.source} but not in the checkpoint; {unread}",
+                    f"{key}: in the reference {ctx.reference.source} but {missing}; {unread}",
                     _UNREAD_HINT,
                 )
             continue  # tied embeddings: the head is the embedding
-        yield key, f"{key}: in the reference {ctx.reference.source} but not in the checkpoint"
+        yield key, f"{key}: in the reference {ctx.reference.source} but {missing}"
 
 
 @rule("M006")
@@ -327,15 +357,16 @@ def unexpected_keys(ctx: Context) -> Iterator[tuple[str, str] | tuple[str, str, 
     ref = ctx.reference.tensors
     covered = set(_fused_cover(ctx, set(ref)).values())
     tied = _tied(ctx)
-    for name, key in names.items():
-        if name in ref or key in covered:
+    for name, ours in names.items():
+        if name in ref or name in covered:
             continue
+        label = ours.label(name)
         if _tied_head(name, tied, ref):
             unread = _unread_tie(ctx, tied)
             if unread is not None:
-                yield key, f"{key}: not in the reference {ctx.reference.source}; {unread}", _UNREAD_HINT
+                yield ours.key, f"{label}: not in the reference {ctx.reference.source}; {unread}", _UNREAD_HINT
             continue  # HF drops a tied head from the saved weights
-        yield key, f"{key}: not in the reference {ctx.reference.source}"
+        yield ours.key, f"{label}: not in the reference {ctx.reference.source}"
 
 
 @rule("M007")
@@ -345,19 +376,22 @@ def shape_mismatch(ctx: Context) -> Iterator[tuple[str, str]]:
     ref = ctx.reference.tensors
     _given(ctx, "shape")
     for name, rt in ref.items():
-        key = names.get(name)
-        if key is not None and rt.shape is not None and tuple(rt.shape) != ctx.cat.model[key].shape:
-            yield key, f"{key}: shape {list(ctx.cat.model[key].shape)}, reference {list(rt.shape)}"
+        ours = names.get(name)
+        if ours is not None and rt.shape is not None and tuple(rt.shape) != ours.shape:
+            yield ours.key, f"{ours.label(name)}: shape {list(ours.shape)}, reference {list(rt.shape)}"
     seen: set[str] = set()
-    for name, key in _fused_cover(ctx, set(ref)).items():
-        rt, t = ref[name], ctx.cat.model[key]
-        if rt.shape is None or key in seen or len(t.shape) != 3 or len(rt.shape) != 2:
+    for name, fused in _fused_cover(ctx, set(ref)).items():
+        rt, ours = ref[name], names[fused]
+        if rt.shape is None or fused in seen or len(ours.shape) != 3 or len(rt.shape) != 2:
             continue
         rest = _EXPERT_RE.match(name)["rest"]  # type: ignore[index]
         want = (rt.shape[0] * 2, rt.shape[1]) if _PER_EXPERT_PROJ[rest] == "gate_up_proj" else tuple(rt.shape)
-        if t.shape[1:] != want:
-            seen.add(key)
-            yield key, f"{key}: fused shape {list(t.shape)} does not match per-expert {name} {list(rt.shape)}"
+        if ours.shape[1:] != want:
+            seen.add(fused)
+            yield (
+                ours.key,
+                f"{ours.label(fused)}: fused shape {list(ours.shape)} does not match per-expert {name} {list(rt.shape)}",
+            )
 
 
 @rule("M008")
@@ -366,9 +400,9 @@ def dtype_mismatch(ctx: Context) -> Iterator[tuple[str, str]]:
     names = _ckpt_names(ctx)
     _given(ctx, "dtype")
     for name, rt in ctx.reference.tensors.items():
-        key = names.get(name)
-        if key is not None and rt.dtype is not None and rt.dtype != ctx.cat.model[key].dtype:
-            yield key, f"{key}: dtype {ctx.cat.model[key].dtype}, reference {rt.dtype}"
+        ours = names.get(name)
+        if ours is not None and rt.dtype is not None and rt.dtype != ours.dtype:
+            yield ours.key, f"{ours.label(name)}: dtype {ours.dtype}, reference {rt.dtype}"
 
 
 @rule("M009")
@@ -379,25 +413,37 @@ def non_persistent_buffer_saved(ctx: Context) -> Iterator[tuple[str, str]]:
         yield keys[0], f"{keys[0]}{more}: a non-persistent buffer saved as a model tensor"
 
 
-def _model_class_check(ctx: Context) -> tuple[Any, str | None]:
-    """The export plan's tensors (names as ``export`` writes them) compared with the config's model class."""
-    from ckpttool.errors import CkptError
+def _export_plan(ctx: Context, config: dict[str, Any] | None, *, drop_tied: bool) -> Any:
+    """The plan ``export`` makes of the model tensors with ``config`` (an HF ``config.json``): the names, shapes and
+    dtypes it writes (``drop_tied``: less a tied ``lm_head.weight``, as export leaves it out).
+
+    Raises:
+        CkptError: the tensors cannot be mapped to Hugging Face names (an adapter without the dimensions it needs).
+    """
     from ckpttool.model.adapters import AdapterConfig
-    from ckpttool.ops.export.execute import ExportOptions, export_adapter, without_fp8_scales, written_tensors
-    from ckpttool.ops.export.expected import compare_with_model
+    from ckpttool.ops.export.execute import ExportOptions, export_adapter
     from ckpttool.ops.export.plan import build_plan, select_sources
     from ckpttool.ops.export.rules import load_rules
 
+    rules = load_rules(None)
+    adapter = export_adapter(ctx.cat, ExportOptions(), config)
+    selected, _, _, _ = select_sources(
+        ctx.cat, rules, adapter=adapter, adapter_config=AdapterConfig.from_hf_config(config)
+    )
+    tie = drop_tied and tie_word_embeddings(config) is True
+    drop = {rules.tied_lm_head} if tie and any(s.out_key == rules.tied_embedding for s in selected) else set()
+    return build_plan(selected, rules, drop=drop)
+
+
+def _model_class_check(ctx: Context) -> tuple[Any, str | None]:
+    """The export plan's tensors (names as ``export`` writes them) compared with the config's model class."""
+    from ckpttool.errors import CkptError
+    from ckpttool.ops.export.execute import without_fp8_scales, written_tensors
+    from ckpttool.ops.export.expected import compare_with_model
+
     assert ctx.config is not None
     try:
-        rules = load_rules(None)
-        adapter = export_adapter(ctx.cat, ExportOptions(), ctx.config)
-        selected, _, _, _ = select_sources(
-            ctx.cat, rules, adapter=adapter, adapter_config=AdapterConfig.from_hf_config(ctx.config)
-        )
-        tie = tie_word_embeddings(ctx.config) is True
-        drop = {rules.tied_lm_head} if tie and any(s.out_key == rules.tied_embedding for s in selected) else set()
-        plan = build_plan(selected, rules, drop=drop)
+        plan = _export_plan(ctx, ctx.config, drop_tied=True)
     except CkptError as e:
         return None, f"the tensors cannot be mapped to Hugging Face names ({e.message})"
     return compare_with_model(_fused_experts(without_fp8_scales(written_tensors(plan))), ctx.config), None
