@@ -934,7 +934,7 @@ def _stat(name: str, ia: Item, ib: Item, vd: ValueDiff, *, raw: bool = False, st
         norms = (math.sqrt(m.sum_dd), math.sqrt(m.sum_bb) if m.sum_bb is not None else None)
     if vd.mismatched:
         status = "differ"
-    elif m is not None and m.sum_dd != 0:
+    elif (m is not None and m.sum_dd != 0) or vd.not_bitwise:  # -0.0 against 0.0 adds 0 to the sum
         status = "within_tolerance"
     else:
         status = "equal"

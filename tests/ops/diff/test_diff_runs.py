@@ -374,6 +374,27 @@ def test_within_tolerance_is_its_own_status(tmp_path: Path) -> None:
     assert doc["summary"]["within_tolerance"] == 1 and doc["equal"] is True
 
 
+def test_signed_zeros_and_nan_payloads_within_a_tolerance_are_not_called_bitwise_equal(tmp_path: Path) -> None:
+    """``-0.0`` against ``0.0`` (or a NaN against a NaN of another payload) adds 0 to ``sum (a-b)^2``: with
+    ``--atol`` the tensor was "equal" and the verdict a plain "equal", which says bitwise equal; they are within the
+    tolerance (as torch.isclose says) but their bits differ (as torch's bit views say), so "within tolerance"."""
+    nan_b = torch.tensor([math.nan]).view(torch.int32) ^ (1 << 31)  # -nan: another bit pattern, still a NaN
+    a = {"z": torch.tensor([1.0, 0.0, 2.0]), "n": torch.tensor([1.0, math.nan]), "same": torch.ones(2)}
+    b = {"z": torch.tensor([1.0, -0.0, 2.0]), "n": torch.cat([torch.ones(1), nan_b.view(torch.float32)])}
+    b["same"] = torch.ones(2)
+    pa, pb = _save({"model": a}, tmp_path / "a"), _save({"model": b}, tmp_path / "b")
+    for k in ("z", "n"):
+        assert torch.isclose(a[k], b[k], atol=1e-3, equal_nan=True).all()
+        assert not torch.equal(a[k].view(torch.int32), b[k].view(torch.int32))
+    doc = diff_json(pa, pb, "--atol", "1e-3", code=0)
+    status = {t["name"]: t["status"] for t in doc["tensors"]}
+    assert status == {"model.z": "within_tolerance", "model.n": "within_tolerance", "model.same": "equal"}
+    res = cli(pa, pb, "--atol", "1e-3")
+    assert res.stdout.splitlines()[-1].startswith("equal within tolerance: 2 tensors not bitwise equal ("), res.stdout
+    doc = diff_json(pa, pb, code=1)  # bitwise: both differ
+    assert {d["name"] for d in doc["differences"]} == {"model.z", "model.n"}
+
+
 # ------------------------------------------------------------------------------------------ fail closed
 
 
