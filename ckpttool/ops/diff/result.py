@@ -26,6 +26,10 @@ WHAT = ("model", "optimizer", "all")
 #: which no item comparison covers (``extra_state/``, a trainer's state file).
 BESIDE_NOTE = "files beside the checkpoint, not compared as items"
 
+#: How the note on two sides that are one checkpoint begins (``diff X X``, ``diff run/ run/ --step 3``): it was
+#: compared with itself, which shows only that it reads alike twice; the verdict says so.
+SELF_NOTE = "A and B are one checkpoint"
+
 
 @dataclass(frozen=True)
 class DiffOptions:

@@ -57,6 +57,7 @@ from ckpttool.ops.diff.compare import (
 from ckpttool.ops.diff.gather import gathered_values, short_tensor
 from ckpttool.ops.diff.result import (
     BESIDE_NOTE,
+    SELF_NOTE,
     WHAT,
     Difference,
     DiffOptions,
@@ -1304,6 +1305,7 @@ def _diff(
     notes.extend(_cross_dtype_notes(tally.stats, opts))
     notes.extend(_beside_notes(a, b, opts))
     notes.extend(_newer_incomplete_notes(a, b))
+    notes.extend(_self_note(a, b))
     seconds = time.perf_counter() - t0
     log.info("diff: %d compared (%d raw), %d differences in %.3f s", tally.compared, tally.raw, tally.count, seconds)
     return DiffResult(
@@ -1351,6 +1353,23 @@ def _files_beside(side: Side) -> dict[str, str] | None:
     for f in training_state_digests(Path(side.ckpt.located.model), "xxh3-128"):
         out[f"../{f['file']}"] = f"{f['size']}:{f['digest']}"
     return out
+
+
+def _self_note(a: Side, b: Side) -> list[str]:
+    """A note when both sides are one checkpoint (``diff X X``; ``diff run/ run/ --step 3``, whose two sides open
+    the same step; a link to it): it is compared with itself, which proves only that it reads alike twice."""
+    if a.only_file != b.only_file:
+        return []
+    if a.reader is not b.reader and not _same_path(Path(a.reader.path), Path(b.reader.path)):
+        return []
+    where = getattr(a.ckpt, "located", None)
+    shown = str(where.model) if where is not None else str(a.reader.path)
+    shown = f"{shown}/{a.only_file}" if a.only_file else shown
+    below_run = any(s.info().opened for s in (a, b))  # a run root's step: --a-step/--b-step pick two
+    how = (
+        "to compare two steps of the run give --a-step N --b-step M" if below_run else "to compare two copies pass both"
+    )
+    return [f"{SELF_NOTE} ({shown}): compared with itself, which shows only that it reads alike twice; {how}"]
 
 
 def _newer_incomplete_notes(a: Side, b: Side) -> list[str]:

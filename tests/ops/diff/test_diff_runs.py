@@ -523,3 +523,33 @@ def test_bitwise_only_difference_is_named_in_the_summary(tmp_path: Path) -> None
     res = cli(a, b)
     assert res.exit_code == 1
     assert "max rel L2 0 (model.w2); max abs 0 (model.w2); min cosine 1 (model.w2)" in res.stdout.replace("\n", " ")
+
+
+# ------------------------------------------------------------------------------------------ one checkpoint twice
+
+
+def test_one_checkpoint_on_both_sides_is_said_to_be_compared_with_itself(runs: Path, tmp_path: Path) -> None:
+    """``diff run/ run/ --step 3`` opens run/step-3 on both sides (the user meant two steps) and ``diff X X``
+    compares X with itself: both said a plain "equal", as if two checkpoints had been found alike. The verdict and a
+    note now say that A and B are one checkpoint; a copy of it is two."""
+    run = runs / "run1"
+    res = cli(run, run, "--step", "3")
+    assert res.exit_code == 0, res.output
+    assert (
+        f"  note: A and B are one checkpoint ({run / 'step-3'}): compared with itself, which shows only that it "
+        "reads alike twice; to compare two steps of the run give --a-step N --b-step M"
+    ) in res.stdout.splitlines(), res.stdout
+    assert res.stdout.splitlines()[-1].startswith("equal to itself: A and B are one checkpoint (note above) (")
+    link = tmp_path / "link"
+    link.symlink_to(run / "step-1")
+    doc = diff_json(run / "step-1", link, "--what", "all", code=0)
+    assert [x for x in doc["notes"] if x.startswith("A and B are one checkpoint")] == [
+        f"A and B are one checkpoint ({run / 'step-1'}): compared with itself, which shows only that it reads alike "
+        "twice; to compare two copies pass both"
+    ]
+    import shutil
+
+    copy = Path(shutil.copytree(run / "step-1", tmp_path / "copy"))
+    res = cli(run / "step-1", copy)
+    assert res.exit_code == 0 and "one checkpoint" not in res.stdout, res.stdout
+    assert res.stdout.splitlines()[-1].startswith("equal (")
