@@ -1044,7 +1044,8 @@ def _compare_objects(name: str, a: Side, ia: Item, b: Side, ib: Item) -> Differe
     )
 
 
-def _same_object(x: Any, y: Any) -> bool:
+def _same_object(x: Any, y: Any, *, any_sequence: bool = False) -> bool:
+    """Equal values of one type (``any_sequence``: a list equals a tuple of the same values)."""
     try:
         import torch
 
@@ -1059,9 +1060,13 @@ def _same_object(x: Any, y: Any) -> bool:
     except ImportError:  # pragma: no cover - torch is a dependency
         pass
     if isinstance(x, dict) and isinstance(y, dict):
-        return x.keys() == y.keys() and all(_same_object(x[k], y[k]) for k in x)
+        return x.keys() == y.keys() and all(_same_object(x[k], y[k], any_sequence=any_sequence) for k in x)
     if isinstance(x, (list, tuple)) and isinstance(y, (list, tuple)):
-        return type(x) is type(y) and len(x) == len(y) and all(_same_object(p, q) for p, q in zip(x, y))
+        return (
+            (any_sequence or type(x) is type(y))
+            and len(x) == len(y)
+            and all(_same_object(p, q, any_sequence=any_sequence) for p, q in zip(x, y))
+        )
     return bool(type(x) is type(y) and x == y)
 
 
@@ -1083,10 +1088,14 @@ def _group_values(side: Side) -> dict[str, dict[str, Any]]:
     return out
 
 
-def _compare_groups(a: Side, b: Side, globs: tuple[str, ...] = ()) -> tuple[int, list[Difference]]:
-    """``(hyperparameters compared, differences)`` of the per-parameter param-group values (names ``globs`` match)."""
+def _compare_groups(a: Side, b: Side, globs: tuple[str, ...] = ()) -> tuple[int, list[Difference], list[str]]:
+    """``(hyperparameters compared, differences, names equal as values but a tuple on one side and a list on the
+    other)`` of the per-parameter param-group values (names ``globs`` match). ``betas`` saved as a tuple comes back
+    a list from torch's ``set_state_dict(..., full_state_dict=True)`` (it flattens and rebuilds the groups): the
+    optimizer steps alike with either, so that is a note, not a difference."""
     ga, gb = _group_values(a), _group_values(b)
     diffs: list[Difference] = []
+    retyped: list[str] = []
     n = 0
     for fqn in sorted(set(ga) | set(gb)):
         va, vb = ga.get(fqn), gb.get(fqn)
@@ -1102,7 +1111,14 @@ def _compare_groups(a: Side, b: Side, globs: tuple[str, ...] = ()) -> tuple[int,
                 continue
             n += 1
             x, y = va.get(hyper, _MISSING), vb.get(hyper, _MISSING)
-            if x is _MISSING or y is _MISSING or not _same_object(x, y):
+            if (
+                x is not _MISSING
+                and y is not _MISSING
+                and not _same_object(x, y)
+                and _same_object(x, y, any_sequence=True)
+            ):
+                retyped.append(f"{base}.{hyper}")
+            elif x is _MISSING or y is _MISSING or not _same_object(x, y):
                 diffs.append(
                     Difference(
                         f"{base}.{hyper}",
@@ -1112,7 +1128,7 @@ def _compare_groups(a: Side, b: Side, globs: tuple[str, ...] = ()) -> tuple[int,
                         b_value=_short(y),
                     )
                 )
-    return n, diffs
+    return n, diffs, retyped
 
 
 class _Missing:
@@ -1299,7 +1315,7 @@ def _diff(
             tally.add(Difference(ib.name, "only_b", f"{ib.name}: only in B ({ib.key})", None, ib.key))
     if opts.what in ("optimizer", "all") and a.kind == "dcp" and b.kind == "dcp":
         say("comparing hyperparameters")
-        _compare_hyperparameters(a, b, opts, tally)
+        notes.extend(_compare_hyperparameters(a, b, opts, tally))
     kept = (len(items_a), len(items_b))
     _fail_closed(a, b, opts, tally, seen, kept, len(pairs) - sum(ib is None for _, ib in pairs))
     notes.extend(_cross_dtype_notes(tally.stats, opts))
@@ -1472,15 +1488,24 @@ def _compare_pairs(
             progress(done, total)
 
 
-def _compare_hyperparameters(a: Side, b: Side, opts: DiffOptions, tally: _Tally) -> None:
-    """The per-parameter param-group values of two DCP sides (those ``opts.filters`` keeps)."""
+def _compare_hyperparameters(a: Side, b: Side, opts: DiffOptions, tally: _Tally) -> list[str]:
+    """The per-parameter param-group values of two DCP sides (those ``opts.filters`` keeps); a note naming those
+    equal as values but stored as a tuple on one side and a list on the other."""
     if not (a.ckpt.catalog.param_groups or b.ckpt.catalog.param_groups):
-        return
-    n_hyper, gd = _compare_groups(a, b, opts.filters)
+        return []
+    n_hyper, gd, retyped = _compare_groups(a, b, opts.filters)
     tally.compared += n_hyper
     tally.equal += n_hyper - sum(1 for d in gd if d.a_value is not None)
     for d in gd:
         tally.add(d)
+    if not retyped:
+        return []
+    shown = ", ".join(retyped[:3]) + (f", ... (+{len(retyped) - 3} more)" if len(retyped) > 3 else "")
+    return [
+        f"{len(retyped)} hyperparameter{'s' if len(retyped) != 1 else ''} equal as values but a tuple on one side "
+        f"and a list on the other ({shown}): torch's optimizers step alike with either (set_state_dict with "
+        "full_state_dict=True gives back a list)"
+    ]
 
 
 #: Difference kinds that are a verdict on a name both sides hold.

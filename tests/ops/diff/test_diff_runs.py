@@ -525,6 +525,50 @@ def test_bitwise_only_difference_is_named_in_the_summary(tmp_path: Path) -> None
     assert "max rel L2 0 (model.w2); max abs 0 (model.w2); min cosine 1 (model.w2)" in res.stdout.replace("\n", " ")
 
 
+# ------------------------------------------------------------------------------------------ hyperparameters
+
+
+def test_betas_given_back_as_a_list_by_a_full_state_dict_load_are_no_difference(tmp_path: Path) -> None:
+    """torch's ``set_state_dict(..., full_state_dict=True)`` (how FSDP2 loads a consolidated optimizer state)
+    flattens the param groups and rebuilds ``betas`` as a list: a faithful resume of a save whose betas were a tuple
+    was "DIFFERENT: 6 differences" (``(0.9, 0.95) in A, [0.9, 0.95] in B``). The optimizer steps alike with
+    either: a note names them, the verdict is equal; betas of other values still differ."""
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
+
+    model, optim, gen = _train(1)
+    model.loss(torch.randint(0, builders.DENSE["vocab"], (2, 8), generator=gen)).backward()
+    optim.step()
+    msd, osd = get_state_dict(model, optim)
+    a = _save({"model": msd, "optimizer": osd}, tmp_path / "a")
+    set_state_dict(
+        model, optim, model_state_dict=msd, optim_state_dict=osd, options=StateDictOptions(full_state_dict=True)
+    )
+    b = _save(dict(zip(("model", "optimizer"), get_state_dict(model, optim))), tmp_path / "b")
+    for g in optim.param_groups:
+        g["betas"] = (0.9, 0.99)
+    c = _save(dict(zip(("model", "optimizer"), get_state_dict(model, optim))), tmp_path / "c")
+    # the reference: torch's own reader gives a tuple in A, a list of the same values in B
+    groups = []
+    for p in (a, b):
+        dcp_to_torch_save(p, tmp_path / f"{p.name}.pt")
+        groups.append(torch.load(tmp_path / f"{p.name}.pt", weights_only=False)["optimizer"]["param_groups"])
+    assert type(groups[0][0]["betas"]) is tuple and type(groups[1][0]["betas"]) is list
+    assert list(groups[0][0]["betas"]) == groups[1][0]["betas"]
+    n = len(list(model.parameters()))
+    for what in ("optimizer", "all"):
+        doc = diff_json(a, b, "--what", what, code=0)
+        assert doc["equal"] and not doc["differences"], doc["differences"]
+        assert [x for x in doc["notes"] if "tuple on one side and a list on the other" in x] == [
+            f"{n} hyperparameters equal as values but a tuple on one side and a list on the other "
+            f"({', '.join(sorted(f'optimizer.param_groups.{k}.betas' for k in msd)[:3])}, ... (+{n - 3} more)): "
+            "torch's optimizers step alike with either (set_state_dict with full_state_dict=True gives back a list)"
+        ]
+    doc = diff_json(a, c, "--what", "optimizer", code=1)
+    assert {(x["kind"], x["name"].rsplit(".", 1)[1]) for x in doc["differences"]} == {("hyperparameter", "betas")}
+    assert len(doc["differences"]) == n and not any("tuple on one side" in x for x in doc["notes"])
+
+
 # ------------------------------------------------------------------------------------------ one checkpoint twice
 
 
