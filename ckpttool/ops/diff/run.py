@@ -1258,6 +1258,7 @@ class _Tally:
         self.count = 0
         self.stats: list[TensorStat] = []
         self.compared = self.equal = self.raw = self.values = 0
+        self.hypers = 0  # hyperparameters compared (values read and understood, as tensor values are)
 
     def add(self, d: Difference) -> None:
         self.count += 1
@@ -1495,6 +1496,7 @@ def _compare_hyperparameters(a: Side, b: Side, opts: DiffOptions, tally: _Tally)
         return []
     n_hyper, gd, retyped = _compare_groups(a, b, opts.filters)
     tally.compared += n_hyper
+    tally.hypers += n_hyper
     tally.equal += n_hyper - sum(1 for d in gd if d.a_value is not None)
     for d in gd:
         tally.add(d)
@@ -1515,7 +1517,7 @@ _COMMON_KINDS = frozenset({"values", "shape", "dtype", "object", "hyperparameter
 def _fail_closed(
     a: Side, b: Side, opts: DiffOptions, tally: _Tally, seen: tuple[int, int], kept: tuple[int, int], common: int
 ) -> None:
-    """Refuse a result that compared no tensor value and found no difference on a common name.
+    """Refuse a result that compared no tensor value nor hyperparameter and found no difference on a common name.
 
     Names on one side only are a finding when some name is common (byte items), not when none is
     (a naming mismatch: nothing was compared).
@@ -1523,8 +1525,8 @@ def _fail_closed(
     Raises:
         NothingComparedError: what each side holds, and why nothing was compared.
     """
-    if tally.values > 0 or any(d.kind in _COMMON_KINDS for d in tally.diffs):
-        return
+    if tally.values > 0 or tally.hypers > 0 or any(d.kind in _COMMON_KINDS for d in tally.diffs):
+        return  # hyperparameters compared (`--filter '*.lr'`) are values read and understood: a verdict
     if common > 0 and tally.count > 0:
         return  # names on one side only beside common byte items: a finding (exit 1), not a naming mismatch
     held = f"A holds {_holdings(a)}; B holds {_holdings(b)}"

@@ -597,3 +597,38 @@ def test_one_checkpoint_on_both_sides_is_said_to_be_compared_with_itself(runs: P
     res = cli(run / "step-1", copy)
     assert res.exit_code == 0 and "one checkpoint" not in res.stdout, res.stdout
     assert res.stdout.splitlines()[-1].startswith("equal (")
+
+
+def test_a_filter_that_keeps_hyperparameters_only_gives_a_verdict(tmp_path: Path) -> None:
+    """``diff run1 run2 --what optimizer --filter '*.lr'`` (did the learning rate change?) compared the lr of every
+    parameter, found them equal and still refused: "E611 nothing compared: --filter *.lr matched none of the 18
+    names". Hyperparameters are values read and understood: equal ones are a verdict (exit 0), other ones a finding
+    (exit 1); the reference is the param groups torch's own reader loads."""
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    model, optim, gen = _train(1)
+    model.loss(torch.randint(0, builders.DENSE["vocab"], (2, 8), generator=gen)).backward()
+    optim.step()
+    a = _save(dict(zip(("model", "optimizer"), get_state_dict(model, optim))), tmp_path / "a")
+    b = _save(dict(zip(("model", "optimizer"), get_state_dict(model, optim))), tmp_path / "b")
+    for g in optim.param_groups:
+        g["lr"] = 5e-3
+    c = _save(dict(zip(("model", "optimizer"), get_state_dict(model, optim))), tmp_path / "c")
+    lrs = []
+    for p in (a, b, c):
+        dcp_to_torch_save(p, tmp_path / f"{p.name}.pt")
+        lrs.append(
+            [g["lr"] for g in torch.load(tmp_path / f"{p.name}.pt", weights_only=False)["optimizer"]["param_groups"]]
+        )
+    assert lrs[0] == lrs[1] != lrs[2]
+    n = len(list(model.parameters()))
+    doc = diff_json(a, b, "--what", "optimizer", "--filter", "*.lr", code=0)
+    assert doc["equal"] and doc["counts"]["compared"] == n and doc["counts"]["tensors"] == 0, doc["counts"]
+    doc = diff_json(a, c, "--what", "optimizer", "--filter", "*.lr", code=1)
+    assert [(x["kind"], x["a_value"], x["b_value"]) for x in doc["differences"]] == [
+        ("hyperparameter", "0.01", "0.005")
+    ] * n
+    # a filter matching no name nor hyperparameter is still no verdict
+    res = cli(a, b, "--what", "optimizer", "--filter", "*.nothing")
+    assert res.exit_code == 2 and res.stderr.startswith("error: [E611] nothing compared"), res.output
