@@ -26,7 +26,14 @@ from ckpttool.engine.io import ShortReadError
 from ckpttool.engine.plan import CompareStream, Crc32, PairedSlabs, Window
 from ckpttool.engine.plan import Item as PlanItem
 from ckpttool.engine.pool import overlap
-from ckpttool.errors import CkptError, DataFileError, DiffError, NothingComparedError, UsageError
+from ckpttool.errors import (
+    AmbiguousLayoutError,
+    CkptError,
+    DataFileError,
+    DiffError,
+    NothingComparedError,
+    UsageError,
+)
 from ckpttool.format.locator import ChunkLocation
 from ckpttool.format.metadata import TensorMeta
 from ckpttool.format.perrank import PerRankReader
@@ -321,8 +328,11 @@ def _perm_of(side: Side, key: str, shape: tuple[int, ...]) -> list[int] | None:
     spec = lay.spec_for(key)
     if spec is None or len(shape) <= spec.ep_dim:  # not an EP tensor, or its 0-d step
         return None
-    if lay.canonical_perm(key) is None:  # E405 when ambiguous
-        return None
+    try:
+        if lay.canonical_perm(key) is None:
+            return None
+    except AmbiguousLayoutError as e:  # said of the side, with the options that declare that side's layout
+        raise _of_side(side, e) from None
     if spec.ep_dim != 0:
         raise DiffError(
             f"{key}: legacy EP layout on expert dim {spec.ep_dim}; diff un-permutes dim 0 only",
@@ -331,6 +341,20 @@ def _perm_of(side: Side, key: str, shape: tuple[int, ...]) -> list[int] | None:
         )
     assert lay.ep_size is not None and lay.ep_fsdp_size is not None
     return legacy_to_canonical_perm(shape[0], lay.ep_size, lay.ep_fsdp_size)
+
+
+#: The declaration options of side A (the library's and `inspect`'s names) and their side-B spellings in `diff`.
+_B_DECLARATION = {f"`{n}`": f"`b_{n}`" for n in ("source_layout", "ep_size", "ep_fsdp_size", "no_ep")}
+
+
+def _of_side(side: Side, e: AmbiguousLayoutError) -> AmbiguousLayoutError:
+    """``e`` naming its side and path; for B the hint names B's declaration options (``b_source_layout``, ...):
+    A's, which the hint named, declare the other checkpoint, and following it changed nothing."""
+    hint = e.hint
+    if side.label == "B":
+        for a_name, b_name in _B_DECLARATION.items():
+            hint = hint.replace(a_name, b_name)
+    return AmbiguousLayoutError(f"{side.label} ({side.path}): {e.message}", hint=hint, path=e.path, fqn=e.fqn)
 
 
 def dcp_items(side: Side, what: str) -> tuple[list[Item], list[Excluded], list[str]]:

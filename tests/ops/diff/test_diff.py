@@ -517,3 +517,27 @@ def test_export_mapping_options_between_two_dcp_sides_are_said_unused(dense_ckpt
             ], res.stderr
     res = CliRunner().invoke(app, ["diff", str(dense_ckpt), str(dense_ckpt)])
     assert res.exit_code == 0 and "warning" not in res.stderr
+
+
+def test_an_undeclared_ep_layout_of_b_names_b_and_its_options(qwen_legacy_ckpt: Path, tmp_path: Path) -> None:
+    """A legacy EP checkpoint without a layout record as B, A declared: E405 named neither side nor path, and its
+    hint said `--source-layout ... --ep-size ... --ep-fsdp-size`, A's options, which were given already: following
+    it changed nothing. The error now names B and its path and the hint B's options; following it compares."""
+    import shutil
+
+    b = Path(shutil.copytree(qwen_legacy_ckpt, tmp_path / "b"))
+    p, f = str(hf_models.MOE_P), str(hf_models.MOE_F)
+    declared = ["--source-layout", "legacy", "--ep-size", p, "--ep-fsdp-size", f]
+    res = cli(qwen_legacy_ckpt, b, *declared)
+    assert res.exit_code == 2 and res.stdout == "", res.output
+    error, hint = res.stderr.splitlines()
+    assert error.startswith(f"error: [E405] B ({b}): model."), error
+    assert hint.startswith("hint: declare it with --b-source-layout legacy|canonical --b-ep-size P --b-ep-fsdp-size F")
+    assert "--b-no-ep" in hint and " --source-layout" not in hint and " --no-ep" not in hint, hint
+    res = cli(qwen_legacy_ckpt, b)  # both undeclared: A is named first, with A's options
+    assert res.stderr.startswith(f"error: [E405] A ({qwen_legacy_ckpt}): model."), res.stderr
+    assert "hint: declare it with --source-layout legacy|canonical --ep-size P" in res.stderr, res.stderr
+    doc = diff_json(
+        qwen_legacy_ckpt, b, *declared, "--b-source-layout", "legacy", "--b-ep-size", p, "--b-ep-fsdp-size", f, code=0
+    )
+    assert doc["equal"] and doc["counts"]["tensors"] > 0
