@@ -31,6 +31,7 @@ from ckpttool.errors import (
     CkptError,
     DataFileError,
     DiffError,
+    LayoutError,
     NothingComparedError,
     UsageError,
 )
@@ -73,6 +74,7 @@ from ckpttool.ops.diff.result import (
     Item,
     SideInfo,
     TensorStat,
+    as_side_b,
 )
 from ckpttool.ops.diff.sides import side_openings
 from ckpttool.ops.export.transform import Run
@@ -266,6 +268,8 @@ def _open_side(
             ckpt = open_checkpoint(
                 where, declaration=opening.declaration, trust_pickle=opening.trust_pickle, selection=chosen
             )
+    except LayoutError as e:  # a record or declaration of this side (E403/E404/E406): said of the side
+        raise _of_side(label, p, e) from None
     except CkptError as e:
         has_weights = where.is_dir() and any(where.glob("*.safetensors"))
         about_where = e.path is None or _same_path(Path(e.path), where)  # not a damaged file below it
@@ -332,7 +336,7 @@ def _perm_of(side: Side, key: str, shape: tuple[int, ...]) -> list[int] | None:
         if lay.canonical_perm(key) is None:
             return None
     except AmbiguousLayoutError as e:  # said of the side, with the options that declare that side's layout
-        raise _of_side(side, e) from None
+        raise _of_side(side.label, side.path, e) from None
     if spec.ep_dim != 0:
         raise DiffError(
             f"{key}: legacy EP layout on expert dim {spec.ep_dim}; diff un-permutes dim 0 only",
@@ -343,18 +347,12 @@ def _perm_of(side: Side, key: str, shape: tuple[int, ...]) -> list[int] | None:
     return legacy_to_canonical_perm(shape[0], lay.ep_size, lay.ep_fsdp_size)
 
 
-#: The declaration options of side A (the library's and `inspect`'s names) and their side-B spellings in `diff`.
-_B_DECLARATION = {f"`{n}`": f"`b_{n}`" for n in ("source_layout", "ep_size", "ep_fsdp_size", "no_ep")}
-
-
-def _of_side(side: Side, e: AmbiguousLayoutError) -> AmbiguousLayoutError:
+def _of_side(label: str, path: Path, e: LayoutError) -> LayoutError:
     """``e`` naming its side and path; for B the hint names B's declaration options (``b_source_layout``, ...):
     A's, which the hint named, declare the other checkpoint, and following it changed nothing."""
-    hint = e.hint
-    if side.label == "B":
-        for a_name, b_name in _B_DECLARATION.items():
-            hint = hint.replace(a_name, b_name)
-    return AmbiguousLayoutError(f"{side.label} ({side.path}): {e.message}", hint=hint, path=e.path, fqn=e.fqn)
+    hint = as_side_b(e.hint) if label == "B" else e.hint
+    said = f"{label}: " if e.message.startswith(str(path)) else f"{label} ({path}): "
+    return type(e)(said + as_side_b(e.message) if label == "B" else said + e.message, hint=hint, path=e.path, fqn=e.fqn)
 
 
 def dcp_items(side: Side, what: str) -> tuple[list[Item], list[Excluded], list[str]]:

@@ -541,3 +541,22 @@ def test_an_undeclared_ep_layout_of_b_names_b_and_its_options(qwen_legacy_ckpt: 
         qwen_legacy_ckpt, b, *declared, "--b-source-layout", "legacy", "--b-ep-size", p, "--b-ep-fsdp-size", f, code=0
     )
     assert doc["equal"] and doc["counts"]["tensors"] > 0
+
+
+def test_a_bad_declaration_of_b_names_b_options(qwen_legacy_ckpt: Path, tmp_path: Path) -> None:
+    """``--b-source-layout legacy --b-ep-size 2`` said "--source-layout legacy needs --ep-fsdp-size" (A's options,
+    which were not given), and a declaration of B that contradicts its chunks said E404 without naming B."""
+    p, f = str(hf_models.MOE_P), str(hf_models.MOE_F)
+    a = ["--source-layout", "legacy", "--ep-size", p, "--ep-fsdp-size", f]
+    res = cli(qwen_legacy_ckpt, qwen_legacy_ckpt, *a, "--b-source-layout", "legacy", "--b-ep-size", p)
+    assert res.exit_code == 2 and res.stderr.splitlines() == [
+        "error: [E100] --b-source-layout legacy needs --b-ep-fsdp-size",
+        "hint: declare the saving mesh: --b-source-layout L --b-ep-size P --b-ep-fsdp-size F",
+    ], res.stderr
+    res = cli(qwen_legacy_ckpt, qwen_legacy_ckpt, *a, "--b-no-ep", "--b-ep-size", p)
+    assert res.stderr.startswith("error: [E100] --b-no-ep excludes --b-source-layout/--b-ep-size/--b-ep-fsdp-size")
+    wrong = ["--b-source-layout", "legacy", "--b-ep-size", str(hf_models.MOE_EXPERTS + 1), "--b-ep-fsdp-size", "1"]
+    res = cli(qwen_legacy_ckpt, qwen_legacy_ckpt, *a, *wrong)
+    assert res.exit_code == 2 and res.stderr.startswith(f"error: [E404] B ({qwen_legacy_ckpt}): model."), res.stderr
+    res = cli(qwen_legacy_ckpt, qwen_legacy_ckpt, "--source-layout", "legacy", "--ep-size", p)  # A's: as it was
+    assert res.stderr.startswith("error: [E100] --source-layout legacy needs --ep-fsdp-size"), res.stderr
