@@ -1098,15 +1098,22 @@ def _short(v: Any) -> str:
 
 
 def _group_values(side: Side) -> dict[str, dict[str, Any]]:
-    """Parameter fqn -> the hyperparameters of its param group (``lr``, ``betas``, ...)."""
+    """``optimizer.param_groups.<fqn>`` -> the hyperparameters of the parameter's group (``lr``, ``betas``, ...);
+    a group no parameter maps to (a plain ``optimizer.state_dict()``: its ``params`` are indices) by its index,
+    ``optimizer.param_groups.<g>``: compared group by group, not left out (an lr changed there was "equal")."""
     cat = side.ckpt.catalog
     side.ckpt.param_groups()
     out: dict[str, dict[str, Any]] = {}
+    reached: set[int] = set()
     for key in cat.model:
         fqn = cat.fqn_of(key)
         g = cat.group_of(fqn)
         if g is not None:
-            out[fqn] = g.leaf_values
+            out[canonical_group_key(fqn)] = g.leaf_values
+            reached.add(id(g))
+    for g in cat.param_groups:
+        if id(g) not in reached and g.flavor == "nested":
+            out.setdefault(canonical_group_key(str(g.group_id)), g.leaf_values)
     return out
 
 
@@ -1119,9 +1126,8 @@ def _compare_groups(a: Side, b: Side, globs: tuple[str, ...] = ()) -> tuple[int,
     diffs: list[Difference] = []
     retyped: list[str] = []
     n = 0
-    for fqn in sorted(set(ga) | set(gb)):
-        va, vb = ga.get(fqn), gb.get(fqn)
-        base = canonical_group_key(fqn)
+    for base in sorted(set(ga) | set(gb)):
+        va, vb = ga.get(base), gb.get(base)
         if globs and not _matches(globs, base, *(f"{base}.{h}" for h in set(va or ()) | set(vb or ()))):
             continue
         if va is None or vb is None:

@@ -632,3 +632,32 @@ def test_a_filter_that_keeps_hyperparameters_only_gives_a_verdict(tmp_path: Path
     # a filter matching no name nor hyperparameter is still no verdict
     res = cli(a, b, "--what", "optimizer", "--filter", "*.nothing")
     assert res.exit_code == 2 and res.stderr.startswith("error: [E611] nothing compared"), res.output
+
+
+def test_param_groups_of_an_index_keyed_optimizer_are_compared(tmp_path: Path) -> None:
+    """``dcp.save({"model": ..., "optimizer": optimizer.state_dict()})`` keys its state and groups by index: no
+    parameter maps to a group, so no hyperparameter was compared and an lr changed from 0.01 to 0.5 was "equal"
+    (``--what optimizer`` and ``--what all``). Such groups are compared group by group, by index, against the
+    values torch's own reader loads."""
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    model, optim, gen = _train(1)
+    model.loss(torch.randint(0, builders.DENSE["vocab"], (2, 8), generator=gen)).backward()
+    optim.step()
+    a = _save({"model": model.state_dict(), "optimizer": optim.state_dict()}, tmp_path / "a")
+    b = _save({"model": model.state_dict(), "optimizer": optim.state_dict()}, tmp_path / "b")
+    optim.param_groups[0]["lr"] = 0.5
+    c = _save({"model": model.state_dict(), "optimizer": optim.state_dict()}, tmp_path / "c")
+    dcp_to_torch_save(a, tmp_path / "a.pt")
+    dcp_to_torch_save(c, tmp_path / "c.pt")
+    groups = [torch.load(tmp_path / f"{n}.pt", weights_only=False)["optimizer"]["param_groups"] for n in "ac"]
+    changed = [h for h in groups[0][0] if groups[0][0][h] != groups[1][0][h]]
+    assert changed == ["lr"] and (groups[0][0]["lr"], groups[1][0]["lr"]) == (1e-2, 0.5)
+    for what in ("optimizer", "all"):
+        doc = diff_json(a, c, "--what", what, code=1)
+        assert [(d["kind"], d["name"], d["a_value"], d["b_value"]) for d in doc["differences"]] == [
+            ("hyperparameter", "optimizer.param_groups.0.lr", "0.01", "0.5")
+        ]
+        doc = diff_json(a, b, "--what", what, code=0)
+        hypers = len([h for h in groups[0][0] if h not in ("params", "param_names")])
+        assert doc["counts"]["compared"] == doc["counts"]["tensors"] + hypers, doc["counts"]
