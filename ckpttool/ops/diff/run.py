@@ -1346,7 +1346,7 @@ def _diff(
         say("comparing hyperparameters")
         notes.extend(_compare_hyperparameters(a, b, opts, tally))
     kept = (len(items_a), len(items_b))
-    _fail_closed(a, b, opts, tally, seen, kept, len(pairs) - sum(ib is None for _, ib in pairs))
+    _fail_closed(a, b, opts, tally, seen, kept, len(pairs) - sum(ib is None for _, ib in pairs), excluded)
     notes.extend(_cross_dtype_notes(tally.stats, opts))
     notes.extend(_beside_notes(a, b, opts))
     notes.extend(_newer_incomplete_notes(a, b))
@@ -1543,7 +1543,14 @@ _COMMON_KINDS = frozenset({"values", "shape", "dtype", "object", "hyperparameter
 
 
 def _fail_closed(
-    a: Side, b: Side, opts: DiffOptions, tally: _Tally, seen: tuple[int, int], kept: tuple[int, int], common: int
+    a: Side,
+    b: Side,
+    opts: DiffOptions,
+    tally: _Tally,
+    seen: tuple[int, int],
+    kept: tuple[int, int],
+    common: int,
+    excluded: list[Excluded],
 ) -> None:
     """Refuse a result that compared no tensor value nor hyperparameter and found no difference on a common name.
 
@@ -1585,8 +1592,7 @@ def _fail_closed(
         why = f"`filters` {' '.join(opts.filters)} matched none of the {seen[0]} names of A and {seen[1]} of B"
         hint = "names look like " + ", ".join(repr(n) for n in _examples(a, b)) + "; `ckpttool inspect` lists them"
     elif common == 0:
-        why = f"no name in common ({kept[0]} in A, {kept[1]} in B)"
-        hint = _no_common_name_hint(a, b, kept, opts)
+        why, hint = _no_common_name(a, b, opts, seen, kept, excluded)
     elif tally.stats and all(0 in st.shape for st in tally.stats):  # every tensor compared empty: no value to compare
         empty = tally.stats[0]
         items = common - len(tally.stats)
@@ -1606,6 +1612,35 @@ def _fail_closed(
             "compared value by value: re-save with the default planner to compare them"
         )
     raise NothingComparedError(f"nothing compared, so no verdict: {why}; {held}", hint=hint)
+
+
+def _no_common_name(
+    a: Side, b: Side, opts: DiffOptions, seen: tuple[int, int], kept: tuple[int, int], excluded: list[Excluded]
+) -> tuple[str, str]:
+    """What E611 says when no name is common: the counts, a side the mapping left out whole, and the fix."""
+    left_out = _all_left_out(seen, excluded)
+    why = f"no name in common ({kept[0]} in A, {kept[1]} in B){left_out}"
+    if left_out and opts.map_rules is not None:
+        bare = "A" if seen[0] == 0 else "B"
+        return (
+            why,
+            f"the rules of `map_rules` ({opts.map_rules}) leave out every key of {bare}: check their `to: null` rules",
+        )
+    return why, _no_common_name_hint(a, b, kept, opts)
+
+
+def _all_left_out(seen: tuple[int, int], excluded: list[Excluded]) -> str:
+    """``; every key of A was left out (6 skipped by a key rule)``: a side whose every key the mapping (``map_rules``,
+    an adapter) left out, which the E611 line must say (the ``not compared`` lines of the result are never printed)."""
+    out = ""
+    for label, n in zip("AB", seen, strict=True):
+        reasons: dict[str, int] = {}
+        for e in excluded:
+            if e.side == label:
+                reasons[e.reason] = reasons.get(e.reason, 0) + 1
+        if n == 0 and reasons:
+            out += f"; every key of {label} was left out (" + ", ".join(f"{c} {r}" for r, c in reasons.items()) + ")"
+    return out
 
 
 def _no_common_name_hint(a: Side, b: Side, kept: tuple[int, int], opts: DiffOptions) -> str:

@@ -560,3 +560,26 @@ def test_a_bad_declaration_of_b_names_b_options(qwen_legacy_ckpt: Path, tmp_path
     assert res.exit_code == 2 and res.stderr.startswith(f"error: [E404] B ({qwen_legacy_ckpt}): model."), res.stderr
     res = cli(qwen_legacy_ckpt, qwen_legacy_ckpt, "--source-layout", "legacy", "--ep-size", p)  # A's: as it was
     assert res.stderr.startswith("error: [E100] --source-layout legacy needs --ep-fsdp-size"), res.stderr
+
+
+def test_rules_that_leave_out_every_key_say_so(tmp_path: Path) -> None:
+    """``diff ckpt hf --rules r.yaml`` whose rules skip every model key said "no name in common (0 in A, 2 in B)" and
+    hinted "pass its rules (--rules)": the rules given were the cause, and the "not compared" lines that say so are
+    never printed with an error. The E611 line now says every key of A was left out, and why."""
+    from safetensors.torch import save_file
+
+    sd = {"w": torch.arange(4.0), "v": torch.ones(2)}
+    dcp.save({"model": sd}, checkpoint_id=str(tmp_path / "ckpt"), no_dist=True)
+    (tmp_path / "hf").mkdir()
+    save_file(sd, str(tmp_path / "hf" / "model.safetensors"))
+    rules = tmp_path / "r.yaml"
+    rules.write_text("format: ckpttool.export-rules\nversion: 1\nkeys:\n  - {match: '^model\\.(.+)$', to: null}\n")
+    assert cli(tmp_path / "ckpt", tmp_path / "hf").exit_code == 0  # without the rules: the same tensors
+    res = cli(tmp_path / "ckpt", tmp_path / "hf", "--rules", rules)
+    assert res.exit_code == 2 and res.stdout == "", res.output
+    error, hint = res.stderr.splitlines()
+    assert error.startswith(
+        "error: [E611] nothing compared, so no verdict: no name in common (0 in A, 2 in B); every key of A was left "
+        "out (2 skipped by a key rule); "
+    ), error
+    assert hint == f"hint: the rules of --rules ({rules}) leave out every key of A: check their `to: null` rules"
