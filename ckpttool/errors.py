@@ -455,7 +455,7 @@ class DiffError(CkptError, code="E610"):
 
 
 class NothingComparedError(DiffError, code="E611"):
-    """``diff`` compared no tensor value and found no difference: it cannot say "equal" (fail closed).
+    """``diff`` compared no tensor value nor hyperparameter and found no difference: it cannot say "equal" (fail closed).
 
     Both sides hold no tensors of the kind asked for (a state pickled into byte items), no name
     in common, or ``--filter`` left nothing; the message says what each side holds.

@@ -176,7 +176,7 @@ def diff_command(
         b_step=b_step,
     )
     decl_a = declaration(source_layout, ep_size, ep_fsdp_size, no_ep)
-    decl_b = declaration(b_source_layout, b_ep_size, b_ep_fsdp_size, b_no_ep)
+    decl_b = _declaration_of_b(b_source_layout, b_ep_size, b_ep_fsdp_size, b_no_ep)
     keys = selection(None, None, schema, model_prefix, optimizer_prefix)
     if plot is not None:
         from ckpttool.ui.plot import check_plot_target
@@ -200,6 +200,18 @@ def diff_command(
     _print_result(res, plot, json_output)
     if not res.equal:
         raise typer.Exit(1)
+
+
+def _declaration_of_b(source_layout: Any, ep_size: int | None, ep_fsdp_size: int | None, no_ep: bool) -> Any:
+    """B's layout declaration; a usage error names B's options (``--b-ep-fsdp-size``), not A's."""
+    from ckpttool.errors import UsageError
+    from ckpttool.ops.diff.result import as_side_b
+
+    try:
+        return declaration(source_layout, ep_size, ep_fsdp_size, no_ep)
+    except UsageError as e:
+        param = f"b_{e.param}" if e.param else None
+        raise UsageError(as_side_b(e.message), hint=as_side_b(e.hint), param=param) from None
 
 
 def _unused_mapping(res: Any, map_rules: Path | None, adapter: str | None, weights: Weights, json_output: bool) -> None:
@@ -269,10 +281,12 @@ def render_diff(res: DiffResult, *, max_rows: int = _ROWS) -> None:
     within = sum(t.status == "within_tolerance" for t in res.tensors)
     if res.equal and within:  # not bitwise: "equal" alone would claim more than was found
         verdict = f"equal within tolerance: {_plural(within, 'tensor')} not bitwise equal"
-    from ckpttool.ops.diff.result import BESIDE_NOTE
+    from ckpttool.ops.diff.result import BESIDE_NOTE, SELF_NOTE
 
     if res.equal and any(n.startswith(BESIDE_NOTE) for n in res.notes):
         verdict += "; files beside the checkpoints differ (note above)"
+    if res.equal and any(n.startswith(SELF_NOTE) for n in res.notes):
+        verdict += f" to itself: {SELF_NOTE} (note above)"
     con.print(f"{verdict} ({res.seconds:.2f} s)")
 
 

@@ -93,6 +93,8 @@ class ValueDiff:
         metrics: :class:`Metrics` of the whole tensors (``None``: booleans).
         rows: ``(sum (a-b)^2, sum b^2)`` of each block of ``rows`` elements along the flat values (a tensor of
             stacked layers ``[L, ...]``: each layer's), when asked for and the values were decoded; else ``()``.
+        not_bitwise: values of one dtype, not cast, whose bits differ where every element is within the tolerance
+            and no sum tells (``-0.0`` against ``0.0``, NaNs of other payloads: ``|a-b|`` 0 there).
     """
 
     mismatched: int
@@ -103,6 +105,7 @@ class ValueDiff:
     b_value: float | int | bool | None = None
     metrics: Metrics | None = IDENTICAL
     rows: tuple[tuple[float, float], ...] = ()
+    not_bitwise: bool = False
 
 
 def same_bytes(a: Any, b: Any) -> bool:
@@ -320,6 +323,7 @@ class ValueCompare:
             *self.values,
             met,
             rows,
+            self.same_dtype and self.as_dtype is None and not self.same_bytes,
         )
 
 

@@ -27,6 +27,20 @@ WHAT = ("model", "optimizer", "all")
 BESIDE_NOTE = "files beside the checkpoint, not compared as items"
 
 
+def as_side_b(text: str) -> str:
+    """``text`` with side A's layout declaration parameters (`` `source_layout` ``, `` `ep_size` ``,
+    `` `ep_fsdp_size` ``, `` `no_ep` ``: the library's and every other command's names) spelled as ``diff``'s
+    side-B ones (`` `b_source_layout` ``, ...), which the CLI names ``--b-source-layout``, ...)."""
+    for name in ("source_layout", "ep_fsdp_size", "ep_size", "no_ep"):
+        text = text.replace(f"`{name}`", f"`b_{name}`")
+    return text
+
+
+#: How the note on two sides that are one checkpoint begins (``diff X X``, ``diff run/ run/ --step 3``): it was
+#: compared with itself, which shows only that it reads alike twice; the verdict says so.
+SELF_NOTE = "A and B are one checkpoint"
+
+
 @dataclass(frozen=True)
 class DiffOptions:
     """What ``diff`` compares and how.

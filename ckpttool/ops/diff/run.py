@@ -26,7 +26,15 @@ from ckpttool.engine.io import ShortReadError
 from ckpttool.engine.plan import CompareStream, Crc32, PairedSlabs, Window
 from ckpttool.engine.plan import Item as PlanItem
 from ckpttool.engine.pool import overlap
-from ckpttool.errors import CkptError, DataFileError, DiffError, NothingComparedError, UsageError
+from ckpttool.errors import (
+    AmbiguousLayoutError,
+    CkptError,
+    DataFileError,
+    DiffError,
+    LayoutError,
+    NothingComparedError,
+    UsageError,
+)
 from ckpttool.format.locator import ChunkLocation
 from ckpttool.format.metadata import TensorMeta
 from ckpttool.format.perrank import PerRankReader
@@ -57,6 +65,7 @@ from ckpttool.ops.diff.compare import (
 from ckpttool.ops.diff.gather import gathered_values, short_tensor
 from ckpttool.ops.diff.result import (
     BESIDE_NOTE,
+    SELF_NOTE,
     WHAT,
     Difference,
     DiffOptions,
@@ -65,6 +74,7 @@ from ckpttool.ops.diff.result import (
     Item,
     SideInfo,
     TensorStat,
+    as_side_b,
 )
 from ckpttool.ops.diff.sides import side_openings
 from ckpttool.ops.export.transform import Run
@@ -258,6 +268,8 @@ def _open_side(
             ckpt = open_checkpoint(
                 where, declaration=opening.declaration, trust_pickle=opening.trust_pickle, selection=chosen
             )
+    except LayoutError as e:  # a record or declaration of this side (E403/E404/E406): said of the side
+        raise _of_side(label, p, e) from None
     except CkptError as e:
         has_weights = where.is_dir() and any(where.glob("*.safetensors"))
         about_where = e.path is None or _same_path(Path(e.path), where)  # not a damaged file below it
@@ -320,8 +332,11 @@ def _perm_of(side: Side, key: str, shape: tuple[int, ...]) -> list[int] | None:
     spec = lay.spec_for(key)
     if spec is None or len(shape) <= spec.ep_dim:  # not an EP tensor, or its 0-d step
         return None
-    if lay.canonical_perm(key) is None:  # E405 when ambiguous
-        return None
+    try:
+        if lay.canonical_perm(key) is None:
+            return None
+    except AmbiguousLayoutError as e:  # said of the side, with the options that declare that side's layout
+        raise _of_side(side.label, side.path, e) from None
     if spec.ep_dim != 0:
         raise DiffError(
             f"{key}: legacy EP layout on expert dim {spec.ep_dim}; diff un-permutes dim 0 only",
@@ -330,6 +345,14 @@ def _perm_of(side: Side, key: str, shape: tuple[int, ...]) -> list[int] | None:
         )
     assert lay.ep_size is not None and lay.ep_fsdp_size is not None
     return legacy_to_canonical_perm(shape[0], lay.ep_size, lay.ep_fsdp_size)
+
+
+def _of_side(label: str, path: Path, e: LayoutError) -> LayoutError:
+    """``e`` naming its side and path; for B the hint names B's declaration options (``b_source_layout``, ...):
+    A's, which the hint named, declare the other checkpoint, and following it changed nothing."""
+    hint = as_side_b(e.hint) if label == "B" else e.hint
+    said = f"{label}: " if e.message.startswith(str(path)) else f"{label} ({path}): "
+    return type(e)(said + as_side_b(e.message) if label == "B" else said + e.message, hint=hint, path=e.path, fqn=e.fqn)
 
 
 def dcp_items(side: Side, what: str) -> tuple[list[Item], list[Excluded], list[str]]:
@@ -934,7 +957,7 @@ def _stat(name: str, ia: Item, ib: Item, vd: ValueDiff, *, raw: bool = False, st
         norms = (math.sqrt(m.sum_dd), math.sqrt(m.sum_bb) if m.sum_bb is not None else None)
     if vd.mismatched:
         status = "differ"
-    elif m is not None and m.sum_dd != 0:
+    elif (m is not None and m.sum_dd != 0) or vd.not_bitwise:  # -0.0 against 0.0 adds 0 to the sum
         status = "within_tolerance"
     else:
         status = "equal"
@@ -1043,7 +1066,8 @@ def _compare_objects(name: str, a: Side, ia: Item, b: Side, ib: Item) -> Differe
     )
 
 
-def _same_object(x: Any, y: Any) -> bool:
+def _same_object(x: Any, y: Any, *, any_sequence: bool = False) -> bool:
+    """Equal values of one type (``any_sequence``: a list equals a tuple of the same values)."""
     try:
         import torch
 
@@ -1058,9 +1082,13 @@ def _same_object(x: Any, y: Any) -> bool:
     except ImportError:  # pragma: no cover - torch is a dependency
         pass
     if isinstance(x, dict) and isinstance(y, dict):
-        return x.keys() == y.keys() and all(_same_object(x[k], y[k]) for k in x)
+        return x.keys() == y.keys() and all(_same_object(x[k], y[k], any_sequence=any_sequence) for k in x)
     if isinstance(x, (list, tuple)) and isinstance(y, (list, tuple)):
-        return type(x) is type(y) and len(x) == len(y) and all(_same_object(p, q) for p, q in zip(x, y))
+        return (
+            (any_sequence or type(x) is type(y))
+            and len(x) == len(y)
+            and all(_same_object(p, q, any_sequence=any_sequence) for p, q in zip(x, y))
+        )
     return bool(type(x) is type(y) and x == y)
 
 
@@ -1070,26 +1098,36 @@ def _short(v: Any) -> str:
 
 
 def _group_values(side: Side) -> dict[str, dict[str, Any]]:
-    """Parameter fqn -> the hyperparameters of its param group (``lr``, ``betas``, ...)."""
+    """``optimizer.param_groups.<fqn>`` -> the hyperparameters of the parameter's group (``lr``, ``betas``, ...);
+    a group no parameter maps to (a plain ``optimizer.state_dict()``: its ``params`` are indices) by its index,
+    ``optimizer.param_groups.<g>``: compared group by group, not left out (an lr changed there was "equal")."""
     cat = side.ckpt.catalog
     side.ckpt.param_groups()
     out: dict[str, dict[str, Any]] = {}
+    reached: set[int] = set()
     for key in cat.model:
         fqn = cat.fqn_of(key)
         g = cat.group_of(fqn)
         if g is not None:
-            out[fqn] = g.leaf_values
+            out[canonical_group_key(fqn)] = g.leaf_values
+            reached.add(id(g))
+    for g in cat.param_groups:
+        if id(g) not in reached and g.flavor == "nested":
+            out.setdefault(canonical_group_key(str(g.group_id)), g.leaf_values)
     return out
 
 
-def _compare_groups(a: Side, b: Side, globs: tuple[str, ...] = ()) -> tuple[int, list[Difference]]:
-    """``(hyperparameters compared, differences)`` of the per-parameter param-group values (names ``globs`` match)."""
+def _compare_groups(a: Side, b: Side, globs: tuple[str, ...] = ()) -> tuple[int, list[Difference], list[str]]:
+    """``(hyperparameters compared, differences, names equal as values but a tuple on one side and a list on the
+    other)`` of the per-parameter param-group values (names ``globs`` match). ``betas`` saved as a tuple comes back
+    a list from torch's ``set_state_dict(..., full_state_dict=True)`` (it flattens and rebuilds the groups): the
+    optimizer steps alike with either, so that is a note, not a difference."""
     ga, gb = _group_values(a), _group_values(b)
     diffs: list[Difference] = []
+    retyped: list[str] = []
     n = 0
-    for fqn in sorted(set(ga) | set(gb)):
-        va, vb = ga.get(fqn), gb.get(fqn)
-        base = canonical_group_key(fqn)
+    for base in sorted(set(ga) | set(gb)):
+        va, vb = ga.get(base), gb.get(base)
         if globs and not _matches(globs, base, *(f"{base}.{h}" for h in set(va or ()) | set(vb or ()))):
             continue
         if va is None or vb is None:
@@ -1101,7 +1139,14 @@ def _compare_groups(a: Side, b: Side, globs: tuple[str, ...] = ()) -> tuple[int,
                 continue
             n += 1
             x, y = va.get(hyper, _MISSING), vb.get(hyper, _MISSING)
-            if x is _MISSING or y is _MISSING or not _same_object(x, y):
+            if (
+                x is not _MISSING
+                and y is not _MISSING
+                and not _same_object(x, y)
+                and _same_object(x, y, any_sequence=True)
+            ):
+                retyped.append(f"{base}.{hyper}")
+            elif x is _MISSING or y is _MISSING or not _same_object(x, y):
                 diffs.append(
                     Difference(
                         f"{base}.{hyper}",
@@ -1111,7 +1156,7 @@ def _compare_groups(a: Side, b: Side, globs: tuple[str, ...] = ()) -> tuple[int,
                         b_value=_short(y),
                     )
                 )
-    return n, diffs
+    return n, diffs, retyped
 
 
 class _Missing:
@@ -1241,6 +1286,7 @@ class _Tally:
         self.count = 0
         self.stats: list[TensorStat] = []
         self.compared = self.equal = self.raw = self.values = 0
+        self.hypers = 0  # hyperparameters compared (values read and understood, as tensor values are)
 
     def add(self, d: Difference) -> None:
         self.count += 1
@@ -1298,12 +1344,13 @@ def _diff(
             tally.add(Difference(ib.name, "only_b", f"{ib.name}: only in B ({ib.key})", None, ib.key))
     if opts.what in ("optimizer", "all") and a.kind == "dcp" and b.kind == "dcp":
         say("comparing hyperparameters")
-        _compare_hyperparameters(a, b, opts, tally)
+        notes.extend(_compare_hyperparameters(a, b, opts, tally))
     kept = (len(items_a), len(items_b))
-    _fail_closed(a, b, opts, tally, seen, kept, len(pairs) - sum(ib is None for _, ib in pairs))
+    _fail_closed(a, b, opts, tally, seen, kept, len(pairs) - sum(ib is None for _, ib in pairs), excluded)
     notes.extend(_cross_dtype_notes(tally.stats, opts))
     notes.extend(_beside_notes(a, b, opts))
     notes.extend(_newer_incomplete_notes(a, b))
+    notes.extend(_self_note(a, b))
     seconds = time.perf_counter() - t0
     log.info("diff: %d compared (%d raw), %d differences in %.3f s", tally.compared, tally.raw, tally.count, seconds)
     return DiffResult(
@@ -1351,6 +1398,23 @@ def _files_beside(side: Side) -> dict[str, str] | None:
     for f in training_state_digests(Path(side.ckpt.located.model), "xxh3-128"):
         out[f"../{f['file']}"] = f"{f['size']}:{f['digest']}"
     return out
+
+
+def _self_note(a: Side, b: Side) -> list[str]:
+    """A note when both sides are one checkpoint (``diff X X``; ``diff run/ run/ --step 3``, whose two sides open
+    the same step; a link to it): it is compared with itself, which proves only that it reads alike twice."""
+    if a.only_file != b.only_file:
+        return []
+    if a.reader is not b.reader and not _same_path(Path(a.reader.path), Path(b.reader.path)):
+        return []
+    where = getattr(a.ckpt, "located", None)
+    shown = str(where.model) if where is not None else str(a.reader.path)
+    shown = f"{shown}/{a.only_file}" if a.only_file else shown
+    below_run = any(s.info().opened for s in (a, b))  # a run root's step: --a-step/--b-step pick two
+    how = (
+        "to compare two steps of the run give --a-step N --b-step M" if below_run else "to compare two copies pass both"
+    )
+    return [f"{SELF_NOTE} ({shown}): compared with itself, which shows only that it reads alike twice; {how}"]
 
 
 def _newer_incomplete_notes(a: Side, b: Side) -> list[str]:
@@ -1453,15 +1517,25 @@ def _compare_pairs(
             progress(done, total)
 
 
-def _compare_hyperparameters(a: Side, b: Side, opts: DiffOptions, tally: _Tally) -> None:
-    """The per-parameter param-group values of two DCP sides (those ``opts.filters`` keeps)."""
+def _compare_hyperparameters(a: Side, b: Side, opts: DiffOptions, tally: _Tally) -> list[str]:
+    """The per-parameter param-group values of two DCP sides (those ``opts.filters`` keeps); a note naming those
+    equal as values but stored as a tuple on one side and a list on the other."""
     if not (a.ckpt.catalog.param_groups or b.ckpt.catalog.param_groups):
-        return
-    n_hyper, gd = _compare_groups(a, b, opts.filters)
+        return []
+    n_hyper, gd, retyped = _compare_groups(a, b, opts.filters)
     tally.compared += n_hyper
+    tally.hypers += n_hyper
     tally.equal += n_hyper - sum(1 for d in gd if d.a_value is not None)
     for d in gd:
         tally.add(d)
+    if not retyped:
+        return []
+    shown = ", ".join(retyped[:3]) + (f", ... (+{len(retyped) - 3} more)" if len(retyped) > 3 else "")
+    return [
+        f"{len(retyped)} hyperparameter{'s' if len(retyped) != 1 else ''} equal as values but a tuple on one side "
+        f"and a list on the other ({shown}): torch's optimizers step alike with either (set_state_dict with "
+        "full_state_dict=True gives back a list)"
+    ]
 
 
 #: Difference kinds that are a verdict on a name both sides hold.
@@ -1469,9 +1543,16 @@ _COMMON_KINDS = frozenset({"values", "shape", "dtype", "object", "hyperparameter
 
 
 def _fail_closed(
-    a: Side, b: Side, opts: DiffOptions, tally: _Tally, seen: tuple[int, int], kept: tuple[int, int], common: int
+    a: Side,
+    b: Side,
+    opts: DiffOptions,
+    tally: _Tally,
+    seen: tuple[int, int],
+    kept: tuple[int, int],
+    common: int,
+    excluded: list[Excluded],
 ) -> None:
-    """Refuse a result that compared no tensor value and found no difference on a common name.
+    """Refuse a result that compared no tensor value nor hyperparameter and found no difference on a common name.
 
     Names on one side only are a finding when some name is common (byte items), not when none is
     (a naming mismatch: nothing was compared).
@@ -1479,8 +1560,8 @@ def _fail_closed(
     Raises:
         NothingComparedError: what each side holds, and why nothing was compared.
     """
-    if tally.values > 0 or any(d.kind in _COMMON_KINDS for d in tally.diffs):
-        return
+    if tally.values > 0 or tally.hypers > 0 or any(d.kind in _COMMON_KINDS for d in tally.diffs):
+        return  # hyperparameters compared (`--filter '*.lr'`) are values read and understood: a verdict
     if common > 0 and tally.count > 0:
         return  # names on one side only beside common byte items: a finding (exit 1), not a naming mismatch
     held = f"A holds {_holdings(a)}; B holds {_holdings(b)}"
@@ -1511,8 +1592,7 @@ def _fail_closed(
         why = f"`filters` {' '.join(opts.filters)} matched none of the {seen[0]} names of A and {seen[1]} of B"
         hint = "names look like " + ", ".join(repr(n) for n in _examples(a, b)) + "; `ckpttool inspect` lists them"
     elif common == 0:
-        why = f"no name in common ({kept[0]} in A, {kept[1]} in B)"
-        hint = _no_common_name_hint(a, b, kept, opts)
+        why, hint = _no_common_name(a, b, opts, seen, kept, excluded)
     elif tally.stats and all(0 in st.shape for st in tally.stats):  # every tensor compared empty: no value to compare
         empty = tally.stats[0]
         items = common - len(tally.stats)
@@ -1532,6 +1612,35 @@ def _fail_closed(
             "compared value by value: re-save with the default planner to compare them"
         )
     raise NothingComparedError(f"nothing compared, so no verdict: {why}; {held}", hint=hint)
+
+
+def _no_common_name(
+    a: Side, b: Side, opts: DiffOptions, seen: tuple[int, int], kept: tuple[int, int], excluded: list[Excluded]
+) -> tuple[str, str]:
+    """What E611 says when no name is common: the counts, a side the mapping left out whole, and the fix."""
+    left_out = _all_left_out(seen, excluded)
+    why = f"no name in common ({kept[0]} in A, {kept[1]} in B){left_out}"
+    if left_out and opts.map_rules is not None:
+        bare = "A" if seen[0] == 0 else "B"
+        return (
+            why,
+            f"the rules of `map_rules` ({opts.map_rules}) leave out every key of {bare}: check their `to: null` rules",
+        )
+    return why, _no_common_name_hint(a, b, kept, opts)
+
+
+def _all_left_out(seen: tuple[int, int], excluded: list[Excluded]) -> str:
+    """``; every key of A was left out (6 skipped by a key rule)``: a side whose every key the mapping (``map_rules``,
+    an adapter) left out, which the E611 line must say (the ``not compared`` lines of the result are never printed)."""
+    out = ""
+    for label, n in zip("AB", seen, strict=True):
+        reasons: dict[str, int] = {}
+        for e in excluded:
+            if e.side == label:
+                reasons[e.reason] = reasons.get(e.reason, 0) + 1
+        if n == 0 and reasons:
+            out += f"; every key of {label} was left out (" + ", ".join(f"{c} {r}" for r, c in reasons.items()) + ")"
+    return out
 
 
 def _no_common_name_hint(a: Side, b: Side, kept: tuple[int, int], opts: DiffOptions) -> str:

@@ -517,3 +517,69 @@ def test_export_mapping_options_between_two_dcp_sides_are_said_unused(dense_ckpt
             ], res.stderr
     res = CliRunner().invoke(app, ["diff", str(dense_ckpt), str(dense_ckpt)])
     assert res.exit_code == 0 and "warning" not in res.stderr
+
+
+def test_an_undeclared_ep_layout_of_b_names_b_and_its_options(qwen_legacy_ckpt: Path, tmp_path: Path) -> None:
+    """A legacy EP checkpoint without a layout record as B, A declared: E405 named neither side nor path, and its
+    hint said `--source-layout ... --ep-size ... --ep-fsdp-size`, A's options, which were given already: following
+    it changed nothing. The error now names B and its path and the hint B's options; following it compares."""
+    import shutil
+
+    b = Path(shutil.copytree(qwen_legacy_ckpt, tmp_path / "b"))
+    p, f = str(hf_models.MOE_P), str(hf_models.MOE_F)
+    declared = ["--source-layout", "legacy", "--ep-size", p, "--ep-fsdp-size", f]
+    res = cli(qwen_legacy_ckpt, b, *declared)
+    assert res.exit_code == 2 and res.stdout == "", res.output
+    error, hint = res.stderr.splitlines()
+    assert error.startswith(f"error: [E405] B ({b}): model."), error
+    assert hint.startswith("hint: declare it with --b-source-layout legacy|canonical --b-ep-size P --b-ep-fsdp-size F")
+    assert "--b-no-ep" in hint and " --source-layout" not in hint and " --no-ep" not in hint, hint
+    res = cli(qwen_legacy_ckpt, b)  # both undeclared: A is named first, with A's options
+    assert res.stderr.startswith(f"error: [E405] A ({qwen_legacy_ckpt}): model."), res.stderr
+    assert "hint: declare it with --source-layout legacy|canonical --ep-size P" in res.stderr, res.stderr
+    doc = diff_json(
+        qwen_legacy_ckpt, b, *declared, "--b-source-layout", "legacy", "--b-ep-size", p, "--b-ep-fsdp-size", f, code=0
+    )
+    assert doc["equal"] and doc["counts"]["tensors"] > 0
+
+
+def test_a_bad_declaration_of_b_names_b_options(qwen_legacy_ckpt: Path, tmp_path: Path) -> None:
+    """``--b-source-layout legacy --b-ep-size 2`` said "--source-layout legacy needs --ep-fsdp-size" (A's options,
+    which were not given), and a declaration of B that contradicts its chunks said E404 without naming B."""
+    p, f = str(hf_models.MOE_P), str(hf_models.MOE_F)
+    a = ["--source-layout", "legacy", "--ep-size", p, "--ep-fsdp-size", f]
+    res = cli(qwen_legacy_ckpt, qwen_legacy_ckpt, *a, "--b-source-layout", "legacy", "--b-ep-size", p)
+    assert res.exit_code == 2 and res.stderr.splitlines() == [
+        "error: [E100] --b-source-layout legacy needs --b-ep-fsdp-size",
+        "hint: declare the saving mesh: --b-source-layout L --b-ep-size P --b-ep-fsdp-size F",
+    ], res.stderr
+    res = cli(qwen_legacy_ckpt, qwen_legacy_ckpt, *a, "--b-no-ep", "--b-ep-size", p)
+    assert res.stderr.startswith("error: [E100] --b-no-ep excludes --b-source-layout/--b-ep-size/--b-ep-fsdp-size")
+    wrong = ["--b-source-layout", "legacy", "--b-ep-size", str(hf_models.MOE_EXPERTS + 1), "--b-ep-fsdp-size", "1"]
+    res = cli(qwen_legacy_ckpt, qwen_legacy_ckpt, *a, *wrong)
+    assert res.exit_code == 2 and res.stderr.startswith(f"error: [E404] B ({qwen_legacy_ckpt}): model."), res.stderr
+    res = cli(qwen_legacy_ckpt, qwen_legacy_ckpt, "--source-layout", "legacy", "--ep-size", p)  # A's: as it was
+    assert res.stderr.startswith("error: [E100] --source-layout legacy needs --ep-fsdp-size"), res.stderr
+
+
+def test_rules_that_leave_out_every_key_say_so(tmp_path: Path) -> None:
+    """``diff ckpt hf --rules r.yaml`` whose rules skip every model key said "no name in common (0 in A, 2 in B)" and
+    hinted "pass its rules (--rules)": the rules given were the cause, and the "not compared" lines that say so are
+    never printed with an error. The E611 line now says every key of A was left out, and why."""
+    from safetensors.torch import save_file
+
+    sd = {"w": torch.arange(4.0), "v": torch.ones(2)}
+    dcp.save({"model": sd}, checkpoint_id=str(tmp_path / "ckpt"), no_dist=True)
+    (tmp_path / "hf").mkdir()
+    save_file(sd, str(tmp_path / "hf" / "model.safetensors"))
+    rules = tmp_path / "r.yaml"
+    rules.write_text("format: ckpttool.export-rules\nversion: 1\nkeys:\n  - {match: '^model\\.(.+)$', to: null}\n")
+    assert cli(tmp_path / "ckpt", tmp_path / "hf").exit_code == 0  # without the rules: the same tensors
+    res = cli(tmp_path / "ckpt", tmp_path / "hf", "--rules", rules)
+    assert res.exit_code == 2 and res.stdout == "", res.output
+    error, hint = res.stderr.splitlines()
+    assert error.startswith(
+        "error: [E611] nothing compared, so no verdict: no name in common (0 in A, 2 in B); every key of A was left "
+        "out (2 skipped by a key rule); "
+    ), error
+    assert hint == f"hint: the rules of --rules ({rules}) leave out every key of A: check their `to: null` rules"

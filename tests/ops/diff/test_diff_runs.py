@@ -374,6 +374,27 @@ def test_within_tolerance_is_its_own_status(tmp_path: Path) -> None:
     assert doc["summary"]["within_tolerance"] == 1 and doc["equal"] is True
 
 
+def test_signed_zeros_and_nan_payloads_within_a_tolerance_are_not_called_bitwise_equal(tmp_path: Path) -> None:
+    """``-0.0`` against ``0.0`` (or a NaN against a NaN of another payload) adds 0 to ``sum (a-b)^2``: with
+    ``--atol`` the tensor was "equal" and the verdict a plain "equal", which says bitwise equal; they are within the
+    tolerance (as torch.isclose says) but their bits differ (as torch's bit views say), so "within tolerance"."""
+    nan_b = torch.tensor([math.nan]).view(torch.int32) ^ (1 << 31)  # -nan: another bit pattern, still a NaN
+    a = {"z": torch.tensor([1.0, 0.0, 2.0]), "n": torch.tensor([1.0, math.nan]), "same": torch.ones(2)}
+    b = {"z": torch.tensor([1.0, -0.0, 2.0]), "n": torch.cat([torch.ones(1), nan_b.view(torch.float32)])}
+    b["same"] = torch.ones(2)
+    pa, pb = _save({"model": a}, tmp_path / "a"), _save({"model": b}, tmp_path / "b")
+    for k in ("z", "n"):
+        assert torch.isclose(a[k], b[k], atol=1e-3, equal_nan=True).all()
+        assert not torch.equal(a[k].view(torch.int32), b[k].view(torch.int32))
+    doc = diff_json(pa, pb, "--atol", "1e-3", code=0)
+    status = {t["name"]: t["status"] for t in doc["tensors"]}
+    assert status == {"model.z": "within_tolerance", "model.n": "within_tolerance", "model.same": "equal"}
+    res = cli(pa, pb, "--atol", "1e-3")
+    assert res.stdout.splitlines()[-1].startswith("equal within tolerance: 2 tensors not bitwise equal ("), res.stdout
+    doc = diff_json(pa, pb, code=1)  # bitwise: both differ
+    assert {d["name"] for d in doc["differences"]} == {"model.z", "model.n"}
+
+
 # ------------------------------------------------------------------------------------------ fail closed
 
 
@@ -502,3 +523,141 @@ def test_bitwise_only_difference_is_named_in_the_summary(tmp_path: Path) -> None
     res = cli(a, b)
     assert res.exit_code == 1
     assert "max rel L2 0 (model.w2); max abs 0 (model.w2); min cosine 1 (model.w2)" in res.stdout.replace("\n", " ")
+
+
+# ------------------------------------------------------------------------------------------ hyperparameters
+
+
+def test_betas_given_back_as_a_list_by_a_full_state_dict_load_are_no_difference(tmp_path: Path) -> None:
+    """torch's ``set_state_dict(..., full_state_dict=True)`` (how FSDP2 loads a consolidated optimizer state)
+    flattens the param groups and rebuilds ``betas`` as a list: a faithful resume of a save whose betas were a tuple
+    was "DIFFERENT: 6 differences" (``(0.9, 0.95) in A, [0.9, 0.95] in B``). The optimizer steps alike with
+    either: a note names them, the verdict is equal; betas of other values still differ."""
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
+
+    model, optim, gen = _train(1)
+    model.loss(torch.randint(0, builders.DENSE["vocab"], (2, 8), generator=gen)).backward()
+    optim.step()
+    msd, osd = get_state_dict(model, optim)
+    a = _save({"model": msd, "optimizer": osd}, tmp_path / "a")
+    set_state_dict(
+        model, optim, model_state_dict=msd, optim_state_dict=osd, options=StateDictOptions(full_state_dict=True)
+    )
+    b = _save(dict(zip(("model", "optimizer"), get_state_dict(model, optim))), tmp_path / "b")
+    for g in optim.param_groups:
+        g["betas"] = (0.9, 0.99)
+    c = _save(dict(zip(("model", "optimizer"), get_state_dict(model, optim))), tmp_path / "c")
+    # the reference: torch's own reader gives a tuple in A, a list of the same values in B
+    groups = []
+    for p in (a, b):
+        dcp_to_torch_save(p, tmp_path / f"{p.name}.pt")
+        groups.append(torch.load(tmp_path / f"{p.name}.pt", weights_only=False)["optimizer"]["param_groups"])
+    assert type(groups[0][0]["betas"]) is tuple and type(groups[1][0]["betas"]) is list
+    assert list(groups[0][0]["betas"]) == groups[1][0]["betas"]
+    n = len(list(model.parameters()))
+    for what in ("optimizer", "all"):
+        doc = diff_json(a, b, "--what", what, code=0)
+        assert doc["equal"] and not doc["differences"], doc["differences"]
+        assert [x for x in doc["notes"] if "tuple on one side and a list on the other" in x] == [
+            f"{n} hyperparameters equal as values but a tuple on one side and a list on the other "
+            f"({', '.join(sorted(f'optimizer.param_groups.{k}.betas' for k in msd)[:3])}, ... (+{n - 3} more)): "
+            "torch's optimizers step alike with either (set_state_dict with full_state_dict=True gives back a list)"
+        ]
+    doc = diff_json(a, c, "--what", "optimizer", code=1)
+    assert {(x["kind"], x["name"].rsplit(".", 1)[1]) for x in doc["differences"]} == {("hyperparameter", "betas")}
+    assert len(doc["differences"]) == n and not any("tuple on one side" in x for x in doc["notes"])
+
+
+# ------------------------------------------------------------------------------------------ one checkpoint twice
+
+
+def test_one_checkpoint_on_both_sides_is_said_to_be_compared_with_itself(runs: Path, tmp_path: Path) -> None:
+    """``diff run/ run/ --step 3`` opens run/step-3 on both sides (the user meant two steps) and ``diff X X``
+    compares X with itself: both said a plain "equal", as if two checkpoints had been found alike. The verdict and a
+    note now say that A and B are one checkpoint; a copy of it is two."""
+    run = runs / "run1"
+    res = cli(run, run, "--step", "3")
+    assert res.exit_code == 0, res.output
+    assert (
+        f"  note: A and B are one checkpoint ({run / 'step-3'}): compared with itself, which shows only that it "
+        "reads alike twice; to compare two steps of the run give --a-step N --b-step M"
+    ) in res.stdout.splitlines(), res.stdout
+    assert res.stdout.splitlines()[-1].startswith("equal to itself: A and B are one checkpoint (note above) (")
+    link = tmp_path / "link"
+    link.symlink_to(run / "step-1")
+    doc = diff_json(run / "step-1", link, "--what", "all", code=0)
+    assert [x for x in doc["notes"] if x.startswith("A and B are one checkpoint")] == [
+        f"A and B are one checkpoint ({run / 'step-1'}): compared with itself, which shows only that it reads alike "
+        "twice; to compare two copies pass both"
+    ]
+    import shutil
+
+    copy = Path(shutil.copytree(run / "step-1", tmp_path / "copy"))
+    res = cli(run / "step-1", copy)
+    assert res.exit_code == 0 and "one checkpoint" not in res.stdout, res.stdout
+    assert res.stdout.splitlines()[-1].startswith("equal (")
+
+
+def test_a_filter_that_keeps_hyperparameters_only_gives_a_verdict(tmp_path: Path) -> None:
+    """``diff run1 run2 --what optimizer --filter '*.lr'`` (did the learning rate change?) compared the lr of every
+    parameter, found them equal and still refused: "E611 nothing compared: --filter *.lr matched none of the 18
+    names". Hyperparameters are values read and understood: equal ones are a verdict (exit 0), other ones a finding
+    (exit 1); the reference is the param groups torch's own reader loads."""
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    model, optim, gen = _train(1)
+    model.loss(torch.randint(0, builders.DENSE["vocab"], (2, 8), generator=gen)).backward()
+    optim.step()
+    a = _save(dict(zip(("model", "optimizer"), get_state_dict(model, optim))), tmp_path / "a")
+    b = _save(dict(zip(("model", "optimizer"), get_state_dict(model, optim))), tmp_path / "b")
+    for g in optim.param_groups:
+        g["lr"] = 5e-3
+    c = _save(dict(zip(("model", "optimizer"), get_state_dict(model, optim))), tmp_path / "c")
+    lrs = []
+    for p in (a, b, c):
+        dcp_to_torch_save(p, tmp_path / f"{p.name}.pt")
+        lrs.append(
+            [g["lr"] for g in torch.load(tmp_path / f"{p.name}.pt", weights_only=False)["optimizer"]["param_groups"]]
+        )
+    assert lrs[0] == lrs[1] != lrs[2]
+    n = len(list(model.parameters()))
+    doc = diff_json(a, b, "--what", "optimizer", "--filter", "*.lr", code=0)
+    assert doc["equal"] and doc["counts"]["compared"] == n and doc["counts"]["tensors"] == 0, doc["counts"]
+    doc = diff_json(a, c, "--what", "optimizer", "--filter", "*.lr", code=1)
+    assert [(x["kind"], x["a_value"], x["b_value"]) for x in doc["differences"]] == [
+        ("hyperparameter", "0.01", "0.005")
+    ] * n
+    # a filter matching no name nor hyperparameter is still no verdict
+    res = cli(a, b, "--what", "optimizer", "--filter", "*.nothing")
+    assert res.exit_code == 2 and res.stderr.startswith("error: [E611] nothing compared"), res.output
+
+
+def test_param_groups_of_an_index_keyed_optimizer_are_compared(tmp_path: Path) -> None:
+    """``dcp.save({"model": ..., "optimizer": optimizer.state_dict()})`` keys its state and groups by index: no
+    parameter maps to a group, so no hyperparameter was compared and an lr changed from 0.01 to 0.5 was "equal"
+    (``--what optimizer`` and ``--what all``). Such groups are compared group by group, by index, against the
+    values torch's own reader loads."""
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    model, optim, gen = _train(1)
+    model.loss(torch.randint(0, builders.DENSE["vocab"], (2, 8), generator=gen)).backward()
+    optim.step()
+    a = _save({"model": model.state_dict(), "optimizer": optim.state_dict()}, tmp_path / "a")
+    b = _save({"model": model.state_dict(), "optimizer": optim.state_dict()}, tmp_path / "b")
+    optim.param_groups[0]["lr"] = 0.5
+    c = _save({"model": model.state_dict(), "optimizer": optim.state_dict()}, tmp_path / "c")
+    dcp_to_torch_save(a, tmp_path / "a.pt")
+    dcp_to_torch_save(c, tmp_path / "c.pt")
+    groups = [torch.load(tmp_path / f"{n}.pt", weights_only=False)["optimizer"]["param_groups"] for n in "ac"]
+    changed = [h for h in groups[0][0] if groups[0][0][h] != groups[1][0][h]]
+    assert changed == ["lr"] and (groups[0][0]["lr"], groups[1][0]["lr"]) == (1e-2, 0.5)
+    for what in ("optimizer", "all"):
+        doc = diff_json(a, c, "--what", what, code=1)
+        assert [(d["kind"], d["name"], d["a_value"], d["b_value"]) for d in doc["differences"]] == [
+            ("hyperparameter", "optimizer.param_groups.0.lr", "0.01", "0.5")
+        ]
+        doc = diff_json(a, b, "--what", what, code=0)
+        hypers = len([h for h in groups[0][0] if h not in ("params", "param_names")])
+        assert doc["counts"]["compared"] == doc["counts"]["tensors"] + hypers, doc["counts"]
