@@ -35,6 +35,8 @@ INFERRED_SCALING = (
 _PEFT_PREFIX = "base_model.model."
 _FACTOR_RE = re.compile(r"^(?P<module>.+)\.(?P<part>lora_A|lora_B|lora_embedding_A|lora_embedding_B)(?:\.weight)?$")
 _BIAS_RE = re.compile(r"\.lora_B\.bias$")
+_TOKENS = ".token_adapter.trainable_tokens_delta"
+_NOT_COPIES = (".bias", _TOKENS)  # output keys of a module that are not a modules_to_save copy
 _ADAPTER_PART_RE = re.compile(
     r"\.(?:lora_A|lora_B|lora_embedding_A|lora_embedding_B|lora_magnitude_vector)(?:\.weight)?$"
 )
@@ -115,7 +117,7 @@ def _check_values(path: Path, data: dict[str, Any]) -> None:
         UsageError: ``lora_alpha`` / an ``alpha_pattern`` value not a finite number above 0, ``r`` / a
             ``rank_pattern`` value not an integer above 0, a pattern not an object or with a key that is not a
             regular expression, ``target_modules`` not a regular expression or a list of strings,
-            ``modules_to_save`` not a list of strings.
+            ``modules_to_save`` not a list of strings, ``bias`` not ``none`` / ``all`` / ``lora_only``.
     """
     problem = _scalar_problem(data) or _pattern_problem(data) or _modules_problem(data)
     if problem is not None:
@@ -131,6 +133,8 @@ def _scalar_problem(data: dict[str, Any]) -> str | None:
         return f"lora_alpha {short_repr(data['lora_alpha'])} is not a finite number above 0"
     if "r" in data and not _is_rank(data["r"]):
         return f"r {short_repr(data['r'])} is not an integer above 0"
+    if data.get("bias", "none") not in ("none", "all", "lora_only"):
+        return f"bias {short_repr(data['bias'])} is not one of 'none', 'all', 'lora_only'"
     return None
 
 
@@ -202,6 +206,7 @@ def adapter_config(
     ranks, dora = _ranks(plan, cat)
     saved = _modules_to_save(plan, ranks)
     biased = sorted(p.name for t in plan.tasks for p in t.pieces if _BIAS_RE.search(p.name))
+    _check_trainable_tokens(plan, given)
     if given is not None:
         if bool(given.get("use_dora")) != dora:
             raise ExportError(
@@ -255,6 +260,37 @@ def adapter_config(
         "init_lora_weights": True,
         "inference_mode": True,
     }
+
+
+def _check_trainable_tokens(plan: ExportPlan, given: dict[str, Any] | None) -> None:
+    """Raises ExportError: the adapter holds trainable tokens (``trainable_tokens_delta``) but no given config says
+    which token ids they are (``trainable_token_indices``: PEFT would load the adapter without them), or a list of
+    indices whose count is not the delta's rows."""
+    for task in plan.tasks:
+        for p in task.pieces:
+            if not p.name.endswith(_TOKENS):
+                continue
+            indices = (given or {}).get("trainable_token_indices")
+            if not indices:
+                raise ExportError(
+                    f"{p.name}: the checkpoint holds trainable tokens (LoraConfig trainable_token_indices) but "
+                    + (
+                        "no adapter config is given"
+                        if given is None
+                        else "the adapter config has no trainable_token_indices"
+                    )
+                    + ": which token ids they replace cannot be read from the tensors, and PEFT would load the "
+                    "adapter without them",
+                    fqn=p.name,
+                    hint="pass the run's adapter_config.json with `adapter_config` (or in `model_assets`)",
+                )
+            if isinstance(indices, list) and len(indices) != p.shape[0]:
+                raise ExportError(
+                    f"{p.name}: {p.shape[0]} trainable token row(s) but the adapter config's trainable_token_indices "
+                    f"lists {len(indices)}",
+                    fqn=p.name,
+                    hint="pass the adapter_config.json that belongs to this checkpoint",
+                )
 
 
 def _ranks(plan: ExportPlan, cat: Catalog) -> tuple[dict[str, int], bool]:
@@ -321,11 +357,12 @@ def _base_shapes(cat: Catalog) -> dict[str, tuple[int, ...]]:
 
 def _modules_to_save(plan: ExportPlan, ranks: dict[str, int]) -> list[str]:
     """The paths (under ``base_model.model.``) of the ``modules_to_save`` copies written: the output modules that are
-    not LoRA modules (``base_model.model.lm_head.weight`` -> ``lm_head``)."""
+    not LoRA modules (``base_model.model.lm_head.weight`` -> ``lm_head``); a bias alone is one PEFT's ``bias``
+    ``all`` / ``lora_only`` saves, not a copy (a copy has its weight)."""
     out: set[str] = set()
     for task in plan.tasks:
         for p in task.pieces:
-            if _ADAPTER_PART_RE.search(p.name) or ".lora_" in p.name:
+            if _ADAPTER_PART_RE.search(p.name) or ".lora_" in p.name or p.name.endswith(_NOT_COPIES):
                 continue
             module = p.name.rsplit(".", 1)[0]
             if module not in ranks and module.startswith(_PEFT_PREFIX):

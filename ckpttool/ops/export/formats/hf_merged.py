@@ -141,7 +141,7 @@ def _lora_pairs(cat: Catalog) -> tuple[dict[str, dict[str, str]], str]:
     """Module path -> ``{"lora_A": key, "lora_B": key}``, and the one adapter's name.
 
     Raises:
-        ExportError: DoRA, LoRA on an embedding, no LoRA tensor, several adapters.
+        ExportError: DoRA, LoRA on an embedding, a lora_B bias, trainable tokens, no LoRA tensor, several adapters.
     """
     pairs: dict[str, dict[str, str]] = {}
     names: set[str] = set()
@@ -149,6 +149,13 @@ def _lora_pairs(cat: Catalog) -> tuple[dict[str, dict[str, str]], str]:
         canonical = strip_wrapper_segments(cat.schema.canonical_key(key))[0]
         m = _PEFT_RE.match(canonical)
         if m is None:
+            if ".token_adapter.trainable_tokens_delta." in canonical:
+                raise ExportError(
+                    f"{key}: trainable tokens (LoraConfig trainable_token_indices); their merge is not implemented",
+                    fqn=key,
+                    hint="merge with PEFT's merge_and_unload(), or export the adapter with `fmt` lora and the run's "
+                    "adapter_config.json",
+                )
             if _LORA_BIAS_RE.search(canonical):
                 raise ExportError(
                     f"{key}: a lora_B bias (LoraConfig lora_bias=True); its merge is not implemented",
