@@ -140,6 +140,9 @@ _MODULES_TO_SAVE_RE = re.compile(
 _TRAINABLE_TOKENS_RE = re.compile(
     r"^model\.(?P<module>base_model\.model\..+\.token_adapter\.trainable_tokens_delta)\.(?P<adapter>[^.]+)$"
 )
+#: DoRA's magnitude (``lora_magnitude_vector.<adapter>.weight`` in the model, a ``DoraLayer``): PEFT's save keeps the
+#: checkpoint format of before that refactor, ``<module>.lora_magnitude_vector`` (``LoraModel._get_adapter_state_dict``).
+_DORA_MODULE_WEIGHT = ".lora_magnitude_vector.weight"
 #: The biases PEFT trains and saves beside the adapter (``LoraConfig(bias=...)``, ``BaseTuner._get_learnable_bias_state_dict``):
 #: ``"all"`` every bias of the model, ``"lora_only"`` those of the adapted layers (``<module>.base_layer.bias``).
 _PEFT_BIAS_SUFFIX = {"all": ".bias", "lora_only": ".base_layer.bias"}
@@ -171,7 +174,10 @@ class LoraKeys:
         if hit is None:
             self.skipped.setdefault("not a LoRA adapter tensor", []).append(key)
             return None
-        return hit[0], None, hit[1]
+        out = hit[0]
+        if out.endswith(_DORA_MODULE_WEIGHT):  # PEFT saves DoRA's magnitude without the DoraLayer's ".weight"
+            out = out[: -len(".weight")]
+        return out, None, hit[1]
 
     def finish(self, cat: Catalog, filter_glob: str | None, warnings: list[str]) -> None:
         pass

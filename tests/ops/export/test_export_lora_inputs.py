@@ -439,8 +439,10 @@ def test_a_given_config_whose_use_dora_disagrees_with_the_tensors_is_refused(lor
     """Before, a DoRA checkpoint exported with an adapter config without use_dora was written and PEFT loaded it as
     plain LoRA (the magnitudes ignored: other logits); a plain LoRA checkpoint with use_dora true loaded with
     magnitudes computed from the base weights. Now E601; PEFT's own config of the DoRA model still exports and loads
-    with the trained logits."""
+    with the trained logits, under the keys PEFT's own save writes (before: `lora_magnitude_vector.weight`, the
+    DoraLayer's name, which PEFT releases before the DoraLayer refactor do not load)."""
     from peft import LoraConfig, PeftModel
+    from safetensors.torch import load_file
     from transformers import LlamaForCausalLM
 
     lcfg = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], use_dora=True, task_type="CAUSAL_LM")
@@ -448,6 +450,10 @@ def test_a_given_config_whose_use_dora_disagrees_with_the_tensors_is_refused(lor
     peft_cfg = tmp_path / "peft" / "adapter_config.json"
     res = export_cli(str(tmp_path / "ckpt"), str(tmp_path / "o"), "--format", "lora", "--adapter-config", str(peft_cfg))
     assert res.exit_code == 0, res.stderr
+    ours = load_file(tmp_path / "o" / "adapter_model.safetensors")
+    peft = load_file(tmp_path / "peft" / "adapter_model.safetensors")
+    assert any(k.endswith(".lora_magnitude_vector") for k in peft)
+    assert sorted(ours) == sorted(peft) and all(torch.equal(ours[k], peft[k]) for k in peft)
     loaded = PeftModel.from_pretrained(load_hf(tmp_path / "base", LlamaForCausalLM), tmp_path / "o").eval()
     with torch.no_grad():
         torch.testing.assert_close(loaded(ids).logits, want, rtol=0, atol=1e-5)
