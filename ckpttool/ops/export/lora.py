@@ -204,6 +204,7 @@ def adapter_config(
         ExportError: no ``lora_alpha`` anywhere, or ``given["r"]`` disagreeing with the tensors.
     """
     ranks, dora = _ranks(plan, cat)
+    _refuse_parameter_targets(cat, ranks)
     saved = _modules_to_save(plan, ranks)
     biased = sorted(p.name for t in plan.tasks for p in t.pieces if _BIAS_RE.search(p.name))
     _check_trainable_tokens(plan, given)
@@ -342,6 +343,33 @@ def _ranks(plan: ExportPlan, cat: Catalog) -> tuple[dict[str, int], bool]:
             )
         ranks[module] = a[0]
     return ranks, dora
+
+
+def _refuse_parameter_targets(cat: Catalog, ranks: dict[str, int]) -> None:
+    """Raises ExportError: a LoRA module that wraps parameters rather than a layer's ``weight`` (PEFT's
+    ``target_parameters``, a ``ParamWrapper``: ``experts.lora_A`` beside ``experts.base_layer.base_layer.down_proj``),
+    whose factors hold ``r`` rows per expert and whose config keys no writer here produces."""
+    prefix = canonical_model_key("")
+    wrapped: set[str] = set()
+    for key in cat.model:
+        canonical = strip_wrapper_segments(cat.schema.canonical_key(key))[0]
+        if (
+            not canonical.startswith(prefix)
+            or ".base_layer." not in canonical
+            or canonical.endswith(".base_layer.weight")
+        ):
+            continue
+        parts = canonical[len(prefix) :].split(".base_layer.")
+        wrapped.update(".base_layer.".join(parts[:i]) for i in range(1, len(parts)))
+    bases = _base_shapes(cat)
+    for module in sorted(ranks):
+        if module in wrapped and module not in bases:
+            raise ExportError(
+                f"{module}: LoRA on a parameter (LoraConfig target_parameters, e.g. fused MoE experts), not on a "
+                "layer's weight: its adapter export is not implemented",
+                fqn=module,
+                hint="save the adapter with PEFT's save_pretrained, or leave these modules out with `filter_glob`",
+            )
 
 
 def _base_shapes(cat: Catalog) -> dict[str, tuple[int, ...]]:

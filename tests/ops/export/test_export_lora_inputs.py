@@ -391,6 +391,40 @@ def test_trainable_tokens_are_exported_as_peft_saves_them_or_refused(tmp_path: P
     assert not any((tmp_path / o).exists() for o in ("o2", "o3", "o4"))
 
 
+def test_lora_on_expert_parameters_is_refused_by_name(tmp_path: Path) -> None:
+    """LoraConfig(target_parameters=[...]) puts LoRA on nn.Parameters (Qwen3-MoE's fused experts, PEFT's
+    ParamWrapper: r rows per expert, the base under `experts.base_layer.base_layer.<name>`). Before, `--format lora`
+    with PEFT's own config failed on a misleading rank check ("r=4 but ... rank 32"), and without one wrote exit 0 an
+    adapter config targeting `experts` that PEFT cannot load; `hf-merged` said the checkpoint was an adapter only.
+    Now both name LoRA on parameters (E601), nothing written."""
+    import torch.distributed.checkpoint as dcp
+    from peft import LoraConfig, get_peft_model
+    from transformers import Qwen3MoeForCausalLM
+
+    hf_models._quiet()
+    torch.manual_seed(14)
+    lcfg = LoraConfig(
+        r=4,
+        lora_alpha=8,
+        target_modules=["q_proj"],
+        target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"],
+        init_lora_weights=False,
+    )
+    model = get_peft_model(Qwen3MoeForCausalLM(hf_models.qwen_moe_config()), lcfg)
+    dcp.save({"model": dict(model.state_dict())}, checkpoint_id=str(tmp_path / "ckpt"))
+    model.save_pretrained(tmp_path / "peft")
+    given = str(tmp_path / "peft" / "adapter_config.json")
+    ck = str(tmp_path / "ckpt")
+    res = export_cli(ck, str(tmp_path / "o"), "--format", "lora", "--adapter-config", given)
+    assert_clean_failure(res, "E601", "layers.0.mlp.experts", "LoRA on a parameter", "target_parameters")
+    res = export_cli(ck, str(tmp_path / "o2"), "--format", "lora", "--lora-alpha", "8")
+    assert_clean_failure(res, "E601", "LoRA on a parameter")
+    res = export_cli(ck, str(tmp_path / "o3"), "--format", "hf-merged", "--adapter-config", given)
+    assert_clean_failure(res, "E601", "layers.0.mlp.experts", "no base layer weight")
+    assert "target_parameters" in res.stderr.strip().splitlines()[-1]
+    assert not any((tmp_path / o).exists() for o in ("o", "o2", "o3"))
+
+
 # ------------------------------------------------------------------------------------------ adapter config files
 
 

@@ -90,9 +90,11 @@ class HFMergedFormat(HFFormat):
         orphan = sorted(set(pairs) - used)
         if orphan and not filter_glob:
             raise ExportError(
-                f"{len(orphan)} LoRA module(s) have no base weight (or lack lora_A / lora_B) to merge into: {orphan[0]}",
+                f"{len(orphan)} LoRA module(s) have no base layer weight (or lack lora_A / lora_B) to merge into: {orphan[0]}",
                 fqn=orphan[0],
-                hint="the checkpoint is an adapter only; export it with `fmt` lora and merge with PEFT over the base model",
+                hint="an adapter-only checkpoint: export it with `fmt` lora and merge with PEFT over the base model; "
+                "LoRA on parameters (LoraConfig target_parameters: a base_layer with no weight): merge with PEFT's "
+                "merge_and_unload()",
             )
         if req.weights == "master":
             raise ExportError(
