@@ -232,7 +232,7 @@ def adapter_config(
             f"{cat.path}: lora_alpha cannot be inferred from the adapter weights",
             hint="pass `lora_alpha` A (the LoraConfig lora_alpha used in training) or `adapter_config` FILE",
         )
-    plan.warnings.append(INFERRED_SCALING)
+    _warn_inferred(plan, cat)
     common_r = Counter(ranks.values()).most_common(1)[0][0]
     modules = sorted(ranks)
     _check_peft_matches(modules, None)
@@ -261,6 +261,19 @@ def adapter_config(
         "init_lora_weights": True,
         "inference_mode": True,
     }
+
+
+def _warn_inferred(plan: ExportPlan, cat: Catalog) -> None:
+    """The warnings of an inferred adapter config: the scaling it assumes, and the biases it leaves out (the tensors
+    cannot tell a bias trained with PEFT's ``bias`` ``all`` / ``lora_only`` from the base model's)."""
+    plan.warnings.append(INFERRED_SCALING)
+    adapted_bias = next((k for k in cat.model if k.endswith(".base_layer.bias")), None)
+    if adapted_bias is not None:
+        plan.warnings.append(
+            f"the adapted layers have biases ({adapted_bias}, ...): an inferred config has bias 'none' and writes "
+            "none of them; if training used LoraConfig bias 'all' or 'lora_only', pass that run's adapter_config.json "
+            "as `adapter_config` (PEFT saves the trained biases with the adapter)"
+        )
 
 
 def _check_trainable_tokens(plan: ExportPlan, given: dict[str, Any] | None) -> None:

@@ -322,7 +322,8 @@ def test_biases_peft_trains_with_its_bias_option_are_exported_as_peft_saves_them
     factors, and PEFT's save_pretrained writes them into the adapter. Before, `--format lora` with that run's
     adapter_config.json left them out (listed only as "not a LoRA adapter tensor") and PEFT loaded the adapter
     over the base model's biases: other logits. Now the adapter holds PEFT's own keys and bytes and loads with the
-    trained logits; a `bias` PEFT has no such option for is E100."""
+    trained logits; without a config (which alone says the biases were trained) a warning says so; a `bias` PEFT has
+    no such option for is E100."""
     from peft import LoraConfig, PeftModel
     from safetensors.torch import load_file
     from transformers import LlamaForCausalLM
@@ -342,6 +343,9 @@ def test_biases_peft_trains_with_its_bias_option_are_exported_as_peft_saves_them
     with torch.no_grad():
         assert torch.equal(loaded(ids).logits, want)
 
+    res = export_cli(str(tmp_path / "ckpt"), str(tmp_path / "o3"), "--format", "lora", "--lora-alpha", "8")
+    assert res.exit_code == 0, res.stderr  # the tensors cannot tell a trained bias from the base's: said, not guessed
+    assert "base_layer.bias" in res.stderr and "bias 'all' or 'lora_only'" in res.stderr, res.stderr
     (tmp_path / "odd.json").write_text(json.dumps({**json.loads(Path(given).read_text()), "bias": "some"}))
     res = export_cli(
         str(tmp_path / "ckpt"), str(tmp_path / "o2"), "--format", "lora", "--adapter-config", str(tmp_path / "odd.json")
