@@ -14,7 +14,19 @@ from typing import Any
 from ckpttool.errors import PathEscapeError, UsageError
 from ckpttool.format import limits
 
-__all__ = ["read_hf_config", "config_value", "tie_word_embeddings", "TIE_DEFAULTS"]
+__all__ = ["read_hf_config", "config_value", "tie_word_embeddings", "TIE_DEFAULTS", "TIED_EMBEDDING_KEYS"]
+
+#: The input embedding a tied ``lm_head.weight`` shares, as transformers' model classes name it
+#: (``_tied_weights_keys``: ``{"lm_head.weight": <one of these>}``): Llama-like, multimodal (Gemma3, Qwen2-VL,
+#: Llava, Mistral3), GPT-2 / GPT-J / BigCode, OPT, GPT-NeoX, BLOOM / Falcon.
+TIED_EMBEDDING_KEYS: tuple[str, ...] = (
+    "model.embed_tokens.weight",
+    "model.language_model.embed_tokens.weight",
+    "transformer.wte.weight",
+    "model.decoder.embed_tokens.weight",
+    "gpt_neox.embed_in.weight",
+    "transformer.word_embeddings.weight",
+)
 
 #: The ``tie_word_embeddings`` default of transformers' config class for each ``model_type`` (what
 #: ``from_pretrained`` uses when ``config.json`` leaves the key out, as older hub configs do). The classes differ:

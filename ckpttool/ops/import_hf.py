@@ -50,7 +50,7 @@ from ckpttool.model.adapters import (
 )
 from ckpttool.model.beside import hf_config_beside
 from ckpttool.model.hf_forms import FORMS, ExpertForm, forms_for
-from ckpttool.model.hfconfig import config_value, read_hf_config, tie_word_embeddings
+from ckpttool.model.hfconfig import TIED_EMBEDDING_KEYS, config_value, read_hf_config, tie_word_embeddings
 from ckpttool.model.schemas import registry
 from ckpttool.model.schemas.base import SchemaSpec, canonical_model_key
 from ckpttool.ops import distributed
@@ -422,7 +422,7 @@ def _megatron_tensors(
         raise UsageError("`schema` megatron takes no EP sizes (megatron's keys are global)", param="ep_size")
     if "lm_head.weight" in sources and "lm_head.weight" not in md.entries:
         del sources["lm_head.weight"]
-        warnings.remove("tied lm_head.weight written from model.embed_tokens.weight (tie_word_embeddings)")
+        warnings.remove(_tied_note("model.embed_tokens.weight"))
     tensors, skipped, objects = megatron_natives(_generic_expert_names(sources, acfg), config, acfg)
     return [_Native(t.key, t.dtype, t.shape, t.rows, (t.key,), flat=t.flat) for t in tensors], skipped, objects
 
@@ -725,11 +725,17 @@ def _first(lines: list[str], n: int = 3) -> str:
 def _tie_lm_head(sources: dict[str, _Source], config: Any, warnings: list[str]) -> None:
     """Under ``tie_word_embeddings``, a ``lm_head.weight`` the folder does not store is written from the embedding
     (``save_pretrained`` leaves the tied copy out; the model's ``state_dict()`` has it)."""
-    tie = tie_word_embeddings(config) is True
-    if tie and "lm_head.weight" not in sources and "model.embed_tokens.weight" in sources:
-        e = sources["model.embed_tokens.weight"]
+    if tie_word_embeddings(config) is not True or "lm_head.weight" in sources:
+        return
+    found = [k for k in TIED_EMBEDDING_KEYS if k in sources]  # the class's _tied_weights_keys embedding
+    if len(found) == 1:
+        e = sources[found[0]]
         sources["lm_head.weight"] = _Source("lm_head.weight", e.file, e.offset, e.dtype, e.shape)
-        warnings.append("tied lm_head.weight written from model.embed_tokens.weight (tie_word_embeddings)")
+        warnings.append(_tied_note(found[0]))
+
+
+def _tied_note(embedding: str) -> str:
+    return f"tied lm_head.weight written from {embedding} (tie_word_embeddings)"
 
 
 def _model_check(natives: list[_Native], config: Any, opts: ImportOptions, warnings: list[str]) -> ModelCheck | None:

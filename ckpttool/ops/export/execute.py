@@ -1045,6 +1045,7 @@ def _select(
     opts: ExportOptions,
     rules: ExportRules,
     model_config: dict[str, Any] | None,
+    peft_config: dict[str, Any] | None = None,
 ) -> tuple[ModelAdapter | None, list[Selected], list[str], dict[str, list[str]]]:
     """The model adapter and the format's selection: ``(adapter, selected, warnings, skipped)``.
 
@@ -1063,6 +1064,7 @@ def _select(
         filter_glob=opts.filter_glob,
         adapter=model_adapter,
         adapter_config=AdapterConfig.from_hf_config(model_config),
+        peft_config=peft_config,
     )
     if not selected:
         per_expert = opts.filter_glob is not None and _experts(opts) == "per-expert"
@@ -1162,7 +1164,7 @@ def _prepare(
         ExportError / ExportAccountingError / ModelMismatchError / UsageError: see :func:`export_checkpoint`.
     """
     reader, cat, rules, model_config = ckpt.reader, ckpt.catalog, given.rules, given.model_config
-    model_adapter, selected, warnings, skipped = _select(ckpt, out_format, opts, rules, model_config)
+    model_adapter, selected, warnings, skipped = _select(ckpt, out_format, opts, rules, model_config, given.adapter)
     fused_note = _fused_experts_note(selected, rules, opts, out_format)  # before `experts` is resolved
     opts = _resolved_experts(opts, selected)
     check_trainable_dtypes(str(ckpt.path), cat, selected)

@@ -35,6 +35,8 @@ INFERRED_SCALING = (
 _PEFT_PREFIX = "base_model.model."
 _FACTOR_RE = re.compile(r"^(?P<module>.+)\.(?P<part>lora_A|lora_B|lora_embedding_A|lora_embedding_B)(?:\.weight)?$")
 _BIAS_RE = re.compile(r"\.lora_B\.bias$")
+_TOKENS = ".token_adapter.trainable_tokens_delta"
+_NOT_COPIES = (".bias", _TOKENS)  # output keys of a module that are not a modules_to_save copy
 _ADAPTER_PART_RE = re.compile(
     r"\.(?:lora_A|lora_B|lora_embedding_A|lora_embedding_B|lora_magnitude_vector)(?:\.weight)?$"
 )
@@ -115,7 +117,7 @@ def _check_values(path: Path, data: dict[str, Any]) -> None:
         UsageError: ``lora_alpha`` / an ``alpha_pattern`` value not a finite number above 0, ``r`` / a
             ``rank_pattern`` value not an integer above 0, a pattern not an object or with a key that is not a
             regular expression, ``target_modules`` not a regular expression or a list of strings,
-            ``modules_to_save`` not a list of strings.
+            ``modules_to_save`` not a list of strings, ``bias`` not ``none`` / ``all`` / ``lora_only``.
     """
     problem = _scalar_problem(data) or _pattern_problem(data) or _modules_problem(data)
     if problem is not None:
@@ -131,6 +133,8 @@ def _scalar_problem(data: dict[str, Any]) -> str | None:
         return f"lora_alpha {short_repr(data['lora_alpha'])} is not a finite number above 0"
     if "r" in data and not _is_rank(data["r"]):
         return f"r {short_repr(data['r'])} is not an integer above 0"
+    if data.get("bias", "none") not in ("none", "all", "lora_only"):
+        return f"bias {short_repr(data['bias'])} is not one of 'none', 'all', 'lora_only'"
     return None
 
 
@@ -200,8 +204,10 @@ def adapter_config(
         ExportError: no ``lora_alpha`` anywhere, or ``given["r"]`` disagreeing with the tensors.
     """
     ranks, dora = _ranks(plan, cat)
+    _refuse_parameter_targets(cat, ranks)
     saved = _modules_to_save(plan, ranks)
     biased = sorted(p.name for t in plan.tasks for p in t.pieces if _BIAS_RE.search(p.name))
+    _check_trainable_tokens(plan, given)
     if given is not None:
         if bool(given.get("use_dora")) != dora:
             raise ExportError(
@@ -226,7 +232,7 @@ def adapter_config(
             f"{cat.path}: lora_alpha cannot be inferred from the adapter weights",
             hint="pass `lora_alpha` A (the LoraConfig lora_alpha used in training) or `adapter_config` FILE",
         )
-    plan.warnings.append(INFERRED_SCALING)
+    _warn_inferred(plan, cat)
     common_r = Counter(ranks.values()).most_common(1)[0][0]
     modules = sorted(ranks)
     _check_peft_matches(modules, None)
@@ -255,6 +261,50 @@ def adapter_config(
         "init_lora_weights": True,
         "inference_mode": True,
     }
+
+
+def _warn_inferred(plan: ExportPlan, cat: Catalog) -> None:
+    """The warnings of an inferred adapter config: the scaling it assumes, and the biases it leaves out (the tensors
+    cannot tell a bias trained with PEFT's ``bias`` ``all`` / ``lora_only`` from the base model's)."""
+    plan.warnings.append(INFERRED_SCALING)
+    adapted_bias = next((k for k in cat.model if k.endswith(".base_layer.bias")), None)
+    if adapted_bias is not None:
+        plan.warnings.append(
+            f"the adapted layers have biases ({adapted_bias}, ...): an inferred config has bias 'none' and writes "
+            "none of them; if training used LoraConfig bias 'all' or 'lora_only', pass that run's adapter_config.json "
+            "as `adapter_config` (PEFT saves the trained biases with the adapter)"
+        )
+
+
+def _check_trainable_tokens(plan: ExportPlan, given: dict[str, Any] | None) -> None:
+    """Raises ExportError: the adapter holds trainable tokens (``trainable_tokens_delta``) but no given config says
+    which token ids they are (``trainable_token_indices``: PEFT would load the adapter without them), or a list of
+    indices whose count is not the delta's rows."""
+    for task in plan.tasks:
+        for p in task.pieces:
+            if not p.name.endswith(_TOKENS):
+                continue
+            indices = (given or {}).get("trainable_token_indices")
+            if not indices:
+                raise ExportError(
+                    f"{p.name}: the checkpoint holds trainable tokens (LoraConfig trainable_token_indices) but "
+                    + (
+                        "no adapter config is given"
+                        if given is None
+                        else "the adapter config has no trainable_token_indices"
+                    )
+                    + ": which token ids they replace cannot be read from the tensors, and PEFT would load the "
+                    "adapter without them",
+                    fqn=p.name,
+                    hint="pass the run's adapter_config.json with `adapter_config` (or in `model_assets`)",
+                )
+            if isinstance(indices, list) and len(indices) != p.shape[0]:
+                raise ExportError(
+                    f"{p.name}: {p.shape[0]} trainable token row(s) but the adapter config's trainable_token_indices "
+                    f"lists {len(indices)}",
+                    fqn=p.name,
+                    hint="pass the adapter_config.json that belongs to this checkpoint",
+                )
 
 
 def _ranks(plan: ExportPlan, cat: Catalog) -> tuple[dict[str, int], bool]:
@@ -308,6 +358,33 @@ def _ranks(plan: ExportPlan, cat: Catalog) -> tuple[dict[str, int], bool]:
     return ranks, dora
 
 
+def _refuse_parameter_targets(cat: Catalog, ranks: dict[str, int]) -> None:
+    """Raises ExportError: a LoRA module that wraps parameters rather than a layer's ``weight`` (PEFT's
+    ``target_parameters``, a ``ParamWrapper``: ``experts.lora_A`` beside ``experts.base_layer.base_layer.down_proj``),
+    whose factors hold ``r`` rows per expert and whose config keys no writer here produces."""
+    prefix = canonical_model_key("")
+    wrapped: set[str] = set()
+    for key in cat.model:
+        canonical = strip_wrapper_segments(cat.schema.canonical_key(key))[0]
+        if (
+            not canonical.startswith(prefix)
+            or ".base_layer." not in canonical
+            or canonical.endswith(".base_layer.weight")
+        ):
+            continue
+        parts = canonical[len(prefix) :].split(".base_layer.")
+        wrapped.update(".base_layer.".join(parts[:i]) for i in range(1, len(parts)))
+    bases = _base_shapes(cat)
+    for module in sorted(ranks):
+        if module in wrapped and module not in bases:
+            raise ExportError(
+                f"{module}: LoRA on a parameter (LoraConfig target_parameters, e.g. fused MoE experts), not on a "
+                "layer's weight: its adapter export is not implemented",
+                fqn=module,
+                hint="save the adapter with PEFT's save_pretrained, or leave these modules out with `filter_glob`",
+            )
+
+
 def _base_shapes(cat: Catalog) -> dict[str, tuple[int, ...]]:
     """``base_model.model.<module>`` -> the shape of its ``base_layer.weight`` in the checkpoint (PEFT's wrapped layer)."""
     prefix = canonical_model_key("")
@@ -321,11 +398,12 @@ def _base_shapes(cat: Catalog) -> dict[str, tuple[int, ...]]:
 
 def _modules_to_save(plan: ExportPlan, ranks: dict[str, int]) -> list[str]:
     """The paths (under ``base_model.model.``) of the ``modules_to_save`` copies written: the output modules that are
-    not LoRA modules (``base_model.model.lm_head.weight`` -> ``lm_head``)."""
+    not LoRA modules (``base_model.model.lm_head.weight`` -> ``lm_head``); a bias alone is one PEFT's ``bias``
+    ``all`` / ``lora_only`` saves, not a copy (a copy has its weight)."""
     out: set[str] = set()
     for task in plan.tasks:
         for p in task.pieces:
-            if _ADAPTER_PART_RE.search(p.name) or ".lora_" in p.name:
+            if _ADAPTER_PART_RE.search(p.name) or ".lora_" in p.name or p.name.endswith(_NOT_COPIES):
                 continue
             module = p.name.rsplit(".", 1)[0]
             if module not in ranks and module.startswith(_PEFT_PREFIX):

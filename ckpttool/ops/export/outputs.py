@@ -84,6 +84,7 @@ class SelectRequest:
         filter_glob: ``--filter``, or ``None``.
         adapter: the model adapter naming the tensors, or ``None``.
         adapter_config: its configuration, or ``None``.
+        peft_config: a given PEFT ``adapter_config.json`` (``--adapter-config`` / ``--model-assets``), or ``None``.
     """
 
     cat: Catalog
@@ -92,6 +93,7 @@ class SelectRequest:
     filter_glob: str | None
     adapter: ModelAdapter | None
     adapter_config: AdapterConfig | None
+    peft_config: dict[str, Any] | None = None
 
 
 @dataclass(frozen=True)

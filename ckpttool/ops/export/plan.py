@@ -15,7 +15,7 @@ from __future__ import annotations
 import fnmatch
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from ckpttool.errors import ExportError, StateDtypeError, UsageError
 from ckpttool.format.metadata import DTYPE_ITEMSIZE, FLOATING_DTYPES, TRAINABLE_DTYPES
@@ -386,6 +386,7 @@ def select_sources(
     filter_glob: str | None = None,
     adapter: ModelAdapter | None = None,
     adapter_config: AdapterConfig | None = None,
+    peft_config: dict[str, Any] | None = None,
 ) -> SelectResult:
     """Choose the tensors to export and their output keys (output format ``fmt``'s :meth:`OutputFormat.select`).
 
@@ -399,6 +400,7 @@ def select_sources(
         adapter: a model adapter mapping the fqns to HF names and layouts (``hf`` format; the key
             rules are then not used); keys it does not know are skipped and reported.
         adapter_config: the model dimensions the adapter needs (RoPE heads).
+        peft_config: a given PEFT adapter config (``lora``: its ``bias`` selects the biases PEFT saves).
 
     Returns:
         ``(selected, warnings, skipped, adapter_names)``; ``adapter_names`` maps
@@ -413,7 +415,7 @@ def select_sources(
 
     out_format = get_format(fmt)
     out_format.check_names(cat, adapter)
-    return out_format.select(SelectRequest(cat, rules, weights, filter_glob, adapter, adapter_config))
+    return out_format.select(SelectRequest(cat, rules, weights, filter_glob, adapter, adapter_config, peft_config))
 
 
 def build_plan(

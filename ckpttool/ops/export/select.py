@@ -135,13 +135,27 @@ _MODULES_TO_SAVE_RE = re.compile(
 )
 
 
-class LoraKeys:
-    """PEFT LoRA adapter keys (the rules' ``lora`` pattern) and ``modules_to_save`` copies, tagged with their adapter
-    name."""
+#: PEFT's trainable tokens (``LoraConfig(trainable_token_indices=...)``): the new rows of an embedding, saved with
+#: the adapter name removed (``<module>.token_adapter.trainable_tokens_delta``).
+_TRAINABLE_TOKENS_RE = re.compile(
+    r"^model\.(?P<module>base_model\.model\..+\.token_adapter\.trainable_tokens_delta)\.(?P<adapter>[^.]+)$"
+)
+#: DoRA's magnitude (``lora_magnitude_vector.<adapter>.weight`` in the model, a ``DoraLayer``): PEFT's save keeps the
+#: checkpoint format of before that refactor, ``<module>.lora_magnitude_vector`` (``LoraModel._get_adapter_state_dict``).
+_DORA_MODULE_WEIGHT = ".lora_magnitude_vector.weight"
+#: The biases PEFT trains and saves beside the adapter (``LoraConfig(bias=...)``, ``BaseTuner._get_learnable_bias_state_dict``):
+#: ``"all"`` every bias of the model, ``"lora_only"`` those of the adapted layers (``<module>.base_layer.bias``).
+_PEFT_BIAS_SUFFIX = {"all": ".bias", "lora_only": ".base_layer.bias"}
 
-    def __init__(self, rules: ExportRules) -> None:
+
+class LoraKeys:
+    """PEFT LoRA adapter keys (the rules' ``lora`` pattern), ``modules_to_save`` copies and trainable tokens, tagged
+    with their adapter name, and the biases PEFT saves with ``bias`` ``"all"`` / ``"lora_only"`` (kept under their own name)."""
+
+    def __init__(self, rules: ExportRules, bias: str = "none") -> None:
         self.lora_output_key = rules.lora_output_key
         self.skipped: dict[str, list[str]] = {}
+        self.bias_suffix = _PEFT_BIAS_SUFFIX.get(bias)
 
     def __call__(self, key: str, fqn: str, canonical: str, entry: TensorEntry) -> Mapped | None:
         hit = self.lora_output_key(canonical)
@@ -149,10 +163,21 @@ class LoraKeys:
             m = _MODULES_TO_SAVE_RE.fullmatch(canonical)
             if m is not None:
                 return f"{m.group('module')}.{m.group('name')}", None, m.group("adapter")
+        if hit is None and ".trainable_tokens_delta." in canonical:
+            t = _TRAINABLE_TOKENS_RE.fullmatch(canonical)
+            if t is not None:
+                return t.group("module"), None, t.group("adapter")
+        if hit is None and self.bias_suffix is not None and canonical.endswith(self.bias_suffix):
+            out = canonical[len(CANONICAL_MODEL_PREFIX) :]
+            if out.startswith("base_model.model.") and ".original_module." not in out:
+                return out
         if hit is None:
             self.skipped.setdefault("not a LoRA adapter tensor", []).append(key)
             return None
-        return hit[0], None, hit[1]
+        out = hit[0]
+        if out.endswith(_DORA_MODULE_WEIGHT):  # PEFT saves DoRA's magnitude without the DoraLayer's ".weight"
+            out = out[: -len(".weight")]
+        return out, None, hit[1]
 
     def finish(self, cat: Catalog, filter_glob: str | None, warnings: list[str]) -> None:
         pass

@@ -231,9 +231,16 @@ def test_peft_loads_an_adapter_without_a_lora_a_silently_and_wrong(
 
 
 def _trained_peft(
-    tmp_path: Path, seed: int, lcfg: Any, *, tied: bool = False, adapter_name: str = "default"
+    tmp_path: Path,
+    seed: int,
+    lcfg: Any,
+    *,
+    tied: bool = False,
+    adapter_name: str = "default",
+    attention_bias: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """A tiny Llama (``base/``, ``save_pretrained``; ``tied`` embeddings) wrapped by PEFT with ``lcfg``, trained 2
+    """A tiny Llama (``base/``, ``save_pretrained``; ``tied`` embeddings, ``attention_bias``: q/k/v/o biases) wrapped
+    by PEFT with ``lcfg``, trained 2
     AdamW steps, saved with ``dcp.save`` into ``ckpt/`` and by PEFT's own ``save_pretrained`` into ``peft/``:
     ``(input ids, its logits)``."""
     import torch.distributed.checkpoint as dcp
@@ -243,6 +250,7 @@ def _trained_peft(
     hf_models._quiet()
     torch.manual_seed(seed)
     cfg = hf_models.llama_config(tied=tied)
+    cfg.attention_bias = attention_bias
     LlamaForCausalLM(cfg).save_pretrained(tmp_path / "base")
     model = get_peft_model(LlamaForCausalLM.from_pretrained(tmp_path / "base"), lcfg, adapter_name=adapter_name)
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
@@ -308,6 +316,119 @@ def test_lora_bias_is_exported_as_peft_saves_it_and_its_merge_is_refused(tmp_pat
     assert not (tmp_path / "o3").exists() and not (tmp_path / "o4").exists()
 
 
+@pytest.mark.parametrize("bias", ["all", "lora_only"])
+def test_biases_peft_trains_with_its_bias_option_are_exported_as_peft_saves_them(tmp_path: Path, bias: str) -> None:
+    """LoraConfig(bias="all" | "lora_only") trains the model's biases (all of them, or the adapted layers') beside the
+    factors, and PEFT's save_pretrained writes them into the adapter. Before, `--format lora` with that run's
+    adapter_config.json left them out (listed only as "not a LoRA adapter tensor") and PEFT loaded the adapter
+    over the base model's biases: other logits. Now the adapter holds PEFT's own keys and bytes and loads with the
+    trained logits; without a config (which alone says the biases were trained) a warning says so; a `bias` PEFT has
+    no such option for is E100."""
+    from peft import LoraConfig, PeftModel
+    from safetensors.torch import load_file
+    from transformers import LlamaForCausalLM
+
+    lcfg = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], bias=bias, task_type="CAUSAL_LM")
+    ids, want = _trained_peft(tmp_path, 12, lcfg, attention_bias=True)
+    given = str(tmp_path / "peft" / "adapter_config.json")
+    res = export_cli(str(tmp_path / "ckpt"), str(tmp_path / "o"), "--format", "lora", "--adapter-config", given)
+    assert res.exit_code == 0, res.stderr
+    ours = load_file(tmp_path / "o" / "adapter_model.safetensors")
+    peft = load_file(tmp_path / "peft" / "adapter_model.safetensors")
+    assert any(k.endswith(".base_layer.bias") for k in peft)
+    assert sorted(ours) == sorted(peft) and all(torch.equal(ours[k], peft[k]) for k in peft)
+    written = json.loads((tmp_path / "o" / "adapter_config.json").read_text())
+    assert written["bias"] == bias and not written.get("modules_to_save")
+    loaded = PeftModel.from_pretrained(load_hf(tmp_path / "base", LlamaForCausalLM), tmp_path / "o").eval()
+    with torch.no_grad():
+        assert torch.equal(loaded(ids).logits, want)
+
+    res = export_cli(str(tmp_path / "ckpt"), str(tmp_path / "o3"), "--format", "lora", "--lora-alpha", "8")
+    assert res.exit_code == 0, res.stderr  # the tensors cannot tell a trained bias from the base's: said, not guessed
+    assert "base_layer.bias" in res.stderr and "bias 'all' or 'lora_only'" in res.stderr, res.stderr
+    (tmp_path / "odd.json").write_text(json.dumps({**json.loads(Path(given).read_text()), "bias": "some"}))
+    res = export_cli(
+        str(tmp_path / "ckpt"), str(tmp_path / "o2"), "--format", "lora", "--adapter-config", str(tmp_path / "odd.json")
+    )
+    assert_clean_failure(res, "E100", "bias 'some'")
+    assert not (tmp_path / "o2").exists()
+
+
+def test_trainable_tokens_are_exported_as_peft_saves_them_or_refused(tmp_path: Path) -> None:
+    """LoraConfig(trainable_token_indices=[...]) trains new rows of the embedding beside the factors. Before,
+    `--format lora` left the `trainable_tokens_delta` out with exit 0 and no warning, and PeftModel.from_pretrained
+    of the result failed (KeyError); `hf-merged` wrote `embed_tokens.token_adapter.*` names and no
+    `model.embed_tokens.weight` (transformers would initialise the embedding at random). Now the adapter holds
+    PEFT's own keys and bytes and loads with the trained logits; without the run's config (the token ids are not
+    in the tensors), with a count of ids that does not fit, and for the merge it is E601, nothing written."""
+    from peft import LoraConfig, PeftModel
+    from safetensors.torch import load_file
+    from transformers import LlamaForCausalLM
+
+    lcfg = LoraConfig(
+        r=4, lora_alpha=8, target_modules=["q_proj"], trainable_token_indices=[1, 2, 3], task_type="CAUSAL_LM"
+    )
+    ids, want = _trained_peft(tmp_path, 13, lcfg)
+    given = tmp_path / "peft" / "adapter_config.json"
+    res = export_cli(str(tmp_path / "ckpt"), str(tmp_path / "o"), "--format", "lora", "--adapter-config", str(given))
+    assert res.exit_code == 0, res.stderr
+    ours = load_file(tmp_path / "o" / "adapter_model.safetensors")
+    peft = load_file(tmp_path / "peft" / "adapter_model.safetensors")
+    assert any(k.endswith(".trainable_tokens_delta") for k in peft)
+    assert sorted(ours) == sorted(peft) and all(torch.equal(ours[k], peft[k]) for k in peft)
+    assert not json.loads((tmp_path / "o" / "adapter_config.json").read_text()).get("modules_to_save")
+    loaded = PeftModel.from_pretrained(load_hf(tmp_path / "base", LlamaForCausalLM), tmp_path / "o").eval()
+    with torch.no_grad():
+        assert torch.equal(loaded(ids).logits, want)
+
+    res = export_cli(str(tmp_path / "ckpt"), str(tmp_path / "o2"), "--format", "lora", "--lora-alpha", "8")
+    assert_clean_failure(res, "E601", "trainable_tokens_delta", "no adapter config is given")
+    (tmp_path / "two.json").write_text(json.dumps({**json.loads(given.read_text()), "trainable_token_indices": [1, 2]}))
+    res = export_cli(
+        str(tmp_path / "ckpt"), str(tmp_path / "o3"), "--format", "lora", "--adapter-config", str(tmp_path / "two.json")
+    )
+    assert_clean_failure(res, "E601", "3 trainable token row(s)", "lists 2")
+    res = export_cli(
+        str(tmp_path / "ckpt"), str(tmp_path / "o4"), "--format", "hf-merged", "--adapter-config", str(given)
+    )
+    assert_clean_failure(res, "E601", "trainable_tokens_delta", "merge is not implemented")
+    assert not any((tmp_path / o).exists() for o in ("o2", "o3", "o4"))
+
+
+def test_lora_on_expert_parameters_is_refused_by_name(tmp_path: Path) -> None:
+    """LoraConfig(target_parameters=[...]) puts LoRA on nn.Parameters (Qwen3-MoE's fused experts, PEFT's
+    ParamWrapper: r rows per expert, the base under `experts.base_layer.base_layer.<name>`). Before, `--format lora`
+    with PEFT's own config failed on a misleading rank check ("r=4 but ... rank 32"), and without one wrote exit 0 an
+    adapter config targeting `experts` that PEFT cannot load; `hf-merged` said the checkpoint was an adapter only.
+    Now both name LoRA on parameters (E601), nothing written."""
+    import torch.distributed.checkpoint as dcp
+    from peft import LoraConfig, get_peft_model
+    from transformers import Qwen3MoeForCausalLM
+
+    hf_models._quiet()
+    torch.manual_seed(14)
+    lcfg = LoraConfig(
+        r=4,
+        lora_alpha=8,
+        target_modules=["q_proj"],
+        target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"],
+        init_lora_weights=False,
+    )
+    model = get_peft_model(Qwen3MoeForCausalLM(hf_models.qwen_moe_config()), lcfg)
+    dcp.save({"model": dict(model.state_dict())}, checkpoint_id=str(tmp_path / "ckpt"))
+    model.save_pretrained(tmp_path / "peft")
+    given = str(tmp_path / "peft" / "adapter_config.json")
+    ck = str(tmp_path / "ckpt")
+    res = export_cli(ck, str(tmp_path / "o"), "--format", "lora", "--adapter-config", given)
+    assert_clean_failure(res, "E601", "layers.0.mlp.experts", "LoRA on a parameter", "target_parameters")
+    res = export_cli(ck, str(tmp_path / "o2"), "--format", "lora", "--lora-alpha", "8")
+    assert_clean_failure(res, "E601", "LoRA on a parameter")
+    res = export_cli(ck, str(tmp_path / "o3"), "--format", "hf-merged", "--adapter-config", given)
+    assert_clean_failure(res, "E601", "layers.0.mlp.experts", "no base layer weight")
+    assert "target_parameters" in res.stderr.strip().splitlines()[-1]
+    assert not any((tmp_path / o).exists() for o in ("o", "o2", "o3"))
+
+
 # ------------------------------------------------------------------------------------------ adapter config files
 
 
@@ -356,8 +477,10 @@ def test_a_given_config_whose_use_dora_disagrees_with_the_tensors_is_refused(lor
     """Before, a DoRA checkpoint exported with an adapter config without use_dora was written and PEFT loaded it as
     plain LoRA (the magnitudes ignored: other logits); a plain LoRA checkpoint with use_dora true loaded with
     magnitudes computed from the base weights. Now E601; PEFT's own config of the DoRA model still exports and loads
-    with the trained logits."""
+    with the trained logits, under the keys PEFT's own save writes (before: `lora_magnitude_vector.weight`, the
+    DoraLayer's name, which PEFT releases before the DoraLayer refactor do not load)."""
     from peft import LoraConfig, PeftModel
+    from safetensors.torch import load_file
     from transformers import LlamaForCausalLM
 
     lcfg = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], use_dora=True, task_type="CAUSAL_LM")
@@ -365,6 +488,10 @@ def test_a_given_config_whose_use_dora_disagrees_with_the_tensors_is_refused(lor
     peft_cfg = tmp_path / "peft" / "adapter_config.json"
     res = export_cli(str(tmp_path / "ckpt"), str(tmp_path / "o"), "--format", "lora", "--adapter-config", str(peft_cfg))
     assert res.exit_code == 0, res.stderr
+    ours = load_file(tmp_path / "o" / "adapter_model.safetensors")
+    peft = load_file(tmp_path / "peft" / "adapter_model.safetensors")
+    assert any(k.endswith(".lora_magnitude_vector") for k in peft)
+    assert sorted(ours) == sorted(peft) and all(torch.equal(ours[k], peft[k]) for k in peft)
     loaded = PeftModel.from_pretrained(load_hf(tmp_path / "base", LlamaForCausalLM), tmp_path / "o").eval()
     with torch.no_grad():
         torch.testing.assert_close(loaded(ids).logits, want, rtol=0, atol=1e-5)

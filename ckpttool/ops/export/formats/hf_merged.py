@@ -90,9 +90,11 @@ class HFMergedFormat(HFFormat):
         orphan = sorted(set(pairs) - used)
         if orphan and not filter_glob:
             raise ExportError(
-                f"{len(orphan)} LoRA module(s) have no base weight (or lack lora_A / lora_B) to merge into: {orphan[0]}",
+                f"{len(orphan)} LoRA module(s) have no base layer weight (or lack lora_A / lora_B) to merge into: {orphan[0]}",
                 fqn=orphan[0],
-                hint="the checkpoint is an adapter only; export it with `fmt` lora and merge with PEFT over the base model",
+                hint="an adapter-only checkpoint: export it with `fmt` lora and merge with PEFT over the base model; "
+                "LoRA on parameters (LoraConfig target_parameters: a base_layer with no weight): merge with PEFT's "
+                "merge_and_unload()",
             )
         if req.weights == "master":
             raise ExportError(
@@ -141,7 +143,7 @@ def _lora_pairs(cat: Catalog) -> tuple[dict[str, dict[str, str]], str]:
     """Module path -> ``{"lora_A": key, "lora_B": key}``, and the one adapter's name.
 
     Raises:
-        ExportError: DoRA, LoRA on an embedding, no LoRA tensor, several adapters.
+        ExportError: DoRA, LoRA on an embedding, a lora_B bias, trainable tokens, no LoRA tensor, several adapters.
     """
     pairs: dict[str, dict[str, str]] = {}
     names: set[str] = set()
@@ -149,6 +151,13 @@ def _lora_pairs(cat: Catalog) -> tuple[dict[str, dict[str, str]], str]:
         canonical = strip_wrapper_segments(cat.schema.canonical_key(key))[0]
         m = _PEFT_RE.match(canonical)
         if m is None:
+            if ".token_adapter.trainable_tokens_delta." in canonical:
+                raise ExportError(
+                    f"{key}: trainable tokens (LoraConfig trainable_token_indices); their merge is not implemented",
+                    fqn=key,
+                    hint="merge with PEFT's merge_and_unload(), or export the adapter with `fmt` lora and the run's "
+                    "adapter_config.json",
+                )
             if _LORA_BIAS_RE.search(canonical):
                 raise ExportError(
                     f"{key}: a lora_B bias (LoraConfig lora_bias=True); its merge is not implemented",

@@ -67,10 +67,12 @@ class LoraFormat(ModelFormat):
         )
 
     def select(self, req: SelectRequest) -> SelectResult:
-        """The LoRA adapter tensors, tagged with their adapter names."""
+        """The LoRA adapter tensors, tagged with their adapter names, and the biases a given config's ``bias`` trains."""
         from ckpttool.ops.export.select import LoraKeys, select_model
 
-        return select_model(req.cat, LoraKeys(req.rules), weights=req.weights, filter_glob=req.filter_glob)
+        bias = (req.peft_config or {}).get("bias", "none")
+        keys = LoraKeys(req.rules, bias=bias if isinstance(bias, str) else "none")
+        return select_model(req.cat, keys, weights=req.weights, filter_glob=req.filter_glob)
 
     def check_selection(self, cat: Catalog, tags: dict[str, str], warnings: list[str]) -> None:
         """Raises ExportError: several adapters selected."""
