@@ -1658,6 +1658,9 @@ def verify_safetensors_manifest(
                 fd, path, name, tensors, by_file.get(name, []), manifest.algorithm, problems, on_entry, data_start
             )
             _check_tiling(name, data_start, tensors, spans, problems)
+            trailing = _trailing_problem(name, os.fstat(fd).st_size, data_start, tensors)
+            if trailing is not None:
+                problems.append(trailing)
         finally:
             os.close(fd)
     skip = {MANIFEST_NAME, *(f["file"] for f in manifest.files), *_inside(root, manifest.path)}
@@ -1736,6 +1739,27 @@ def _check_extents(
                 )
             )
     return spans
+
+
+def _trailing_problem(name: str, size: int, data_start: int, tensors: dict[str, Any]) -> ManifestProblem | None:
+    """A file longer than its header and its tensors' data (bytes appended after the last tensor): ``changed``.
+
+    No extent covers such bytes, and safetensors' loader refuses the file (``MetadataIncompleteBuffer``).
+    """
+    end = data_start
+    for t in tensors.values():
+        offs = t.get("data_offsets")
+        if isinstance(offs, list) and len(offs) == 2 and all(type(x) is int for x in offs):
+            end = max(end, data_start + offs[1])
+    if size <= end:  # a file cut short is named by the extents it no longer holds
+        return None
+    return ManifestProblem(
+        "changed",
+        name,
+        None,
+        f"{name}: {size - end:,} byte(s) after the last tensor's data (the file has {size:,} bytes, its header and "
+        f"tensors end at byte {end:,}); safetensors refuses such a file",
+    )
 
 
 def _extent_budget(tensors: dict[str, Any]) -> int:

@@ -215,6 +215,31 @@ def test_a_dtype_changed_in_a_safetensors_header_is_a_problem(tmp_path: Path) ->
     assert [f["key"] for f in s015(hf, hf / "manifest.json")] == ["safetensors headers"]
 
 
+def test_bytes_appended_to_an_exported_safetensors_file_are_a_problem(dense_ckpt: Path, tmp_path: Path) -> None:
+    # an export's manifest digests the header and each tensor's extents: a byte appended after the last
+    # tensor was in no extent, and `manifest --verify` said "matches" of a file safetensors' loader refuses
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    out = tmp_path / "hf"
+    res = invoke("export", dense_ckpt, out, "--manifest")
+    assert res.exit_code == 0, res.stderr
+    assert invoke("manifest", out, "--verify").exit_code == 0
+    shard = out / "model.safetensors"
+    size = shard.stat().st_size
+    with open(shard, "ab") as f:
+        f.write(b"\0")
+    with pytest.raises(SafetensorError, match="not fully covered"):
+        load_file(str(shard))
+    res = invoke("manifest", out, "--verify", "--json")
+    assert res.exit_code == 1, res.stdout
+    doc = json.loads(res.stdout)
+    assert [(p["kind"], p["key"]) for p in doc["problems"]] == [("changed", "model.safetensors")]
+    assert f"the file has {size + 1:,} bytes" in doc["problems"][0]["message"]
+    res = invoke("validate", out, "--manifest", out / "manifest.json")  # its reader refuses the file, as safetensors
+    assert res.exit_code == 2 and "[E200]" in res.stderr and "unaccounted bytes" in res.stderr
+
+
 def test_verify_names_what_the_folder_is_not_the_manifest_format(tmp_path: Path) -> None:
     """`manifest --verify` of a Hugging Face safetensors folder printed "(dcp)": the manifest of a folder has the
     DCP manifest's entries, but the folder is no DCP checkpoint (no .metadata). The label names the folder;
