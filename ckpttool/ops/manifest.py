@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import stat
 import time
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
@@ -170,6 +171,10 @@ class Manifest:
     #: (OLMo-core's ``train/rankR.pt`` and ``.metadata.json``, NeMo Automodel's ``step_scheduler.pt``; names
     #: relative to the step directory); ``None``: none were there (or an older ckpttool): such files are then not checked.
     training_state: tuple[dict[str, Any], ...] | None = None
+    #: kind ``dcp``: ``{"file", "size"}`` of every data file the entries' windows lie in, as it was when digested:
+    #: bytes appended after the last window (which no entry covers) are ``changed``; ``None``: not recorded (an
+    #: older ckpttool, a remote checkpoint): file sizes are then not checked.
+    data_files: tuple[dict[str, Any], ...] | None = None
 
     def to_dict(self) -> dict[str, Any]:
         out: dict[str, Any] = {
@@ -186,6 +191,8 @@ class Manifest:
         }
         if self.kind == "safetensors":
             out["files"] = [dict(f) for f in self.files]
+        if self.data_files is not None:
+            out["data_files"] = [dict(f) for f in self.data_files]
         if self.sidecars is not None:
             out["sidecars"] = [dict(f) for f in self.sidecars]
         if self.training_state is not None:
@@ -590,16 +597,53 @@ def build_manifest(
             if on_entry is not None:
                 on_entry(entry.length)
     md, size = _metadata_digest(reader, algorithm)
+    md_file = METADATA_NAME if md is None else _metadata_file(reader)
+    return Manifest(
+        algorithm,
+        tuple(entries),
+        md,
+        size,
+        metadata_file=md_file,
+        **_files_beside(reader, entries, algorithm, exclude, beside_of),
+    )
+
+
+def _files_beside(
+    reader: CheckpointReader,
+    entries: list[ManifestEntry],
+    algorithm: str,
+    exclude: tuple[str, ...],
+    beside_of: Path | None,
+) -> dict[str, Any]:
+    """The :class:`Manifest` fields on the files of a local checkpoint (none of a remote one): ``sidecars``,
+    ``training_state`` and ``data_files``."""
+    if reader.remote is not None:
+        return {}
     sidecars = None
-    if reader.remote is None and _parts_below(reader):
+    if _parts_below(reader):
         skip = {METADATA_NAME, MANIFEST_NAME, *(e.file for e in entries), *(exclude or ())}
         skip -= set(_partial_files(reader))  # state in no entry (verl's RNG): the whole file is digested
         sidecars = tuple(sidecar_digests(Path(reader.path), skip, algorithm))
-    md_file = METADATA_NAME if md is None else _metadata_file(reader)
-    training = tuple(training_state_digests(beside_of, algorithm)) if beside_of and reader.remote is None else ()
-    return Manifest(
-        algorithm, tuple(entries), md, size, sidecars=sidecars, metadata_file=md_file, training_state=training or None
-    )
+    training = tuple(training_state_digests(beside_of, algorithm)) if beside_of else ()
+    return {
+        "sidecars": sidecars,
+        "training_state": training or None,
+        "data_files": tuple(data_file_sizes(Path(reader.path), (e.file for e in entries))),
+    }
+
+
+def data_file_sizes(root: Path, files: Iterable[str]) -> list[dict[str, Any]]:
+    """``{"file", "size"}`` of each data file named in ``files`` (once, in name order) that is a regular file
+    below ``root``: what ``data_files`` records (the bytes after the last window are in no entry)."""
+    out = []
+    for name in sorted(set(files)):
+        try:
+            st = os.lstat(root / name)
+        except OSError:
+            continue
+        if stat.S_ISREG(st.st_mode):
+            out.append({"file": name, "size": st.st_size})
+    return out
 
 
 def training_state_digests(model_dir: Path, algorithm: str) -> list[dict[str, Any]]:
@@ -1135,7 +1179,7 @@ def _read_doc(p: Path, shown: str, data: bytes | None = None) -> dict[str, Any]:
     return doc
 
 
-_LISTS = ("entries", "sidecars", "files", "training_state")
+_LISTS = ("entries", "sidecars", "files", "training_state", "data_files")
 
 
 def _bounded_int(text: str) -> int:
@@ -1180,9 +1224,29 @@ def _manifest_sidecars(doc: dict[str, Any], shown: str, name: str = "sidecars") 
     return tuple(out)
 
 
+def _manifest_data_files(doc: dict[str, Any], shown: str) -> tuple[dict[str, Any], ...] | None:
+    """The ``data_files`` list (``None``: absent, a manifest of an older ckpttool), checked."""
+    raw = doc.get("data_files")
+    if raw is None:
+        return None
+    cap = limits.metadata_record_cap()
+    if not isinstance(raw, list) or len(raw) > cap:
+        raise _bad(shown, f"data_files must be a list of at most {cap:,} files")
+    out = _objects(raw, "data_files", _DATA_FILE_FIELDS, shown, lambda f: f["size"] >= 0)
+    seen: set[str] = set()
+    for j, f in enumerate(out):
+        if _leaves_folder(f["file"]):
+            raise _bad(shown, f"data_files[{j}] ({f['file'][:200]!a}) is not a file name inside the directory")
+        if f["file"] in seen:
+            raise _bad(shown, f"data_files[{j}] ({f['file'][:200]!a}) is listed twice")
+        seen.add(f["file"])
+    return tuple(out)
+
+
 #: The fields of an item of a manifest's ``files`` and ``sidecars`` lists, with their JSON types.
 _FILE_FIELDS: dict[str, type] = {"file": str, "header_length": int, "header_digest": str}
 _SIDECAR_FIELDS: dict[str, type] = {"file": str, "size": int, "digest": str}
+_DATA_FILE_FIELDS: dict[str, type] = {"file": str, "size": int}
 
 
 def _objects(
@@ -1263,6 +1327,7 @@ def load_manifest(path: str | os.PathLike[str], data: bytes | None = None) -> Ma
         raise _bad(shown, "source must be an object")
     sidecars = _manifest_sidecars(doc, shown)
     training = _manifest_sidecars(doc, shown, "training_state")
+    data_files = _manifest_data_files(doc, shown) if kind == "dcp" else None
     return Manifest(
         algorithm,
         entries,
@@ -1275,6 +1340,7 @@ def load_manifest(path: str | os.PathLike[str], data: bytes | None = None) -> Ma
         shown,
         metadata_file=md_file,
         training_state=training,
+        data_files=data_files,
     )
 
 
@@ -1391,11 +1457,38 @@ def verify_manifest(
             problems.append(ManifestProblem("extra", key, offs, f"{where} is stored but not in the manifest"))
     problems.extend(meta)
     problems.extend(beside)
+    if strict:  # a re-save (its .metadata changed) rewrote the files: the entries and the metadata name it
+        problems.extend(_grown_data_files(reader, manifest))
     if manifest.training_state is not None and beside_of is not None and reader.remote is None:
         now = {f["file"]: f for f in training_state_digests(beside_of, manifest.algorithm)}
         said = {(p.kind, p.key) for p in problems}  # a pair's step_scheduler.pt is a sidecar too
         problems.extend(p for p in _file_problems(manifest.training_state, now) if (p.kind, p.key) not in said)
     return problems
+
+
+def _grown_data_files(reader: CheckpointReader, manifest: Manifest) -> list[ManifestProblem]:
+    """Data files longer than when the manifest was made (bytes appended after the last window, in no entry):
+    ``changed``. A file cut short is named by the entries whose windows it no longer holds."""
+    if manifest.data_files is None or reader.remote is not None:
+        return []
+    root = Path(reader.path)
+    out = []
+    for f in manifest.data_files:
+        try:
+            st = os.lstat(root / f["file"])
+        except OSError:
+            continue  # a missing data file: its entries are missing
+        if stat.S_ISREG(st.st_mode) and st.st_size > f["size"]:
+            out.append(
+                ManifestProblem(
+                    "changed",
+                    f["file"],
+                    None,
+                    f"{f['file']}: {st.st_size - f['size']:,} byte(s) after the data the manifest was made of (the file "
+                    f"has {st.st_size:,} bytes, the manifest recorded {f['size']:,}); no entry covers them",
+                )
+            )
+    return out
 
 
 def _beside_problems(
@@ -2064,6 +2157,7 @@ def write_output_manifest(writer: Any, out: Path, algorithm: str, identity: dict
         "entries": writer.manifest_entries(),
     }
     skip = {METADATA_NAME, MANIFEST_NAME, *(e["file"] for e in doc["entries"])}
+    doc["data_files"] = data_file_sizes(out, (e["file"] for e in doc["entries"]))  # complete: the writer finished
     doc["sidecars"] = sidecar_digests(out, skip, algorithm)  # layout.json, extra_state/, copied files
     if identity is not None:
         doc["source"] = identity

@@ -145,6 +145,25 @@ def test_validate_without_manifest_skips_s015(dense_ckpt: Path) -> None:
         (b'{"format": "ckpttool.manifest", "version": 2, "algorithm": "xxh3-128", "kind": [], "entries": []}', "E260"),
         (b'{"format": "ckpttool.manifest", "version": 1, "algorithm": "xxh3-128", "entries": [{"key": 1}]}', "E260"),
         (b"[" * 100_000 + b"]" * 100_000, "E309"),
+        (
+            b'{"format": "ckpttool.manifest", "version": 2, "algorithm": "xxh3-128", "entries": [], "data_files": 1}',
+            "E260",
+        ),
+        (
+            b'{"format": "ckpttool.manifest", "version": 2, "algorithm": "xxh3-128", "entries": [], '
+            b'"data_files": [{"file": "../x", "size": 1}]}',
+            "E260",
+        ),
+        (
+            b'{"format": "ckpttool.manifest", "version": 2, "algorithm": "xxh3-128", "entries": [], '
+            b'"data_files": [{"file": "a", "size": 1}, {"file": "a", "size": 2}]}',
+            "E260",
+        ),
+        (
+            b'{"format": "ckpttool.manifest", "version": 2, "algorithm": "xxh3-128", "entries": [], '
+            b'"data_files": [{"file": "a", "size": -1}]}',
+            "E260",
+        ),
     ],
 )
 def test_hostile_manifests_are_refused_with_one_error(
@@ -268,6 +287,35 @@ def test_verify_names_a_pair_of_dcp_folders_dcp(acc_root: Path, tmp_path: Path) 
     assert invoke("manifest", step, "-o", out).exit_code == 0
     res = invoke("manifest", step, "--verify", "-o", out)
     assert res.exit_code == 0 and res.stdout.startswith(f"{step} (dcp) matches its manifest {out} "), res.stdout
+
+
+def test_bytes_appended_to_a_dcp_data_file_are_a_problem(dense_ckpt: Path, tmp_path: Path) -> None:
+    # the entries digest the chunk windows: a byte appended after the last one was in none of them, and
+    # `manifest --verify` said "matches" of a data file other than the one the manifest was made of
+    ck = copy_checkpoint(dense_ckpt, tmp_path / "ck")
+    assert invoke("manifest", ck).exit_code == 0
+    data = ck / "__0_0.distcp"
+    size = data.stat().st_size
+    assert json.loads((ck / "manifest.json").read_text())["data_files"] == [{"file": "__0_0.distcp", "size": size}]
+    with CheckpointReader(ck) as r:  # the windows end where the file does: torch's writer leaves no byte uncovered
+        assert max(r.storage_info(k, c).offset + r.storage_info(k, c).length for k, c in _chunks(r)) == size
+    with open(data, "ab") as f:
+        f.write(b"\0")
+    res = invoke("manifest", ck, "--verify", "--json")
+    assert res.exit_code == 1, res.stdout
+    problems = json.loads(res.stdout)["problems"]
+    assert [(p["kind"], p["key"]) for p in problems] == [("changed", "__0_0.distcp")]
+    assert f"the file has {size + 1:,} bytes, the manifest recorded {size:,}" in problems[0]["message"]
+    assert [f["key"] for f in s015(ck, ck / "manifest.json")] == ["__0_0.distcp"]
+    # a manifest of an older ckpttool (no data_files) still verifies what it lists
+    old = json.loads((ck / "manifest.json").read_text())
+    del old["data_files"]
+    (tmp_path / "old.json").write_text(json.dumps(old))
+    assert invoke("manifest", ck, "--verify", "-o", tmp_path / "old.json").exit_code == 0
+
+
+def _chunks(r: CheckpointReader) -> list[tuple[str, Any]]:
+    return [(k, c) for k, m in r.metadata.entries.items() for c in getattr(m, "chunks", (None,))]
 
 
 def test_verify_lists_the_entries_of_a_deleted_or_cut_data_file(sample_ckpt: Path, tmp_path: Path) -> None:
