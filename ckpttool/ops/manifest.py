@@ -1792,6 +1792,7 @@ def _check_extents(
         if on_entry is not None:
             on_entry(sum(e.length for e in entries))
         return {k: [(-1, 0)] for k in tensors}  # every tensor reported once as not tiled
+    size = os.fstat(fd).st_size
     for e in _counted(entries, on_entry):
         t = tensors.get(e.key)
         if t is None:
@@ -1802,23 +1803,9 @@ def _check_extents(
             )
             continue
         spans.setdefault(e.key, []).append((e.offset, e.length))
-        offs = t.get("data_offsets")
-        if not (
-            isinstance(offs, list)
-            and len(offs) == 2
-            and all(type(x) is int for x in offs)
-            and data_start + offs[0] <= e.offset
-            and e.offset + e.length <= data_start + offs[1]
-        ):
-            problems.append(
-                ManifestProblem(
-                    "changed",
-                    e.key,
-                    None,
-                    f"{e.key!r} in {name}: the manifest's extent at byte {e.offset}+{e.length} lies outside the "
-                    "tensor's bytes; not read",
-                )
-            )
+        unread = _unread_extent(e, name, t, data_start, size)
+        if unread is not None:
+            problems.append(unread)
             continue
         digest = _hash_fd(fd, e.offset, e.length, algorithm, path, e.key)
         if digest != e.digest:
@@ -1832,6 +1819,37 @@ def _check_extents(
                 )
             )
     return spans
+
+
+def _unread_extent(
+    e: ManifestEntry, name: str, t: dict[str, Any], data_start: int, size: int
+) -> ManifestProblem | None:
+    """The ``changed`` problem of an extent not read: outside its tensor's bytes, or past the end of a file cut short
+    (each extent the file no longer holds, as for a DCP data file cut short); ``None`` for one to read."""
+    offs = t.get("data_offsets")
+    if not (
+        isinstance(offs, list)
+        and len(offs) == 2
+        and all(type(x) is int for x in offs)
+        and data_start + offs[0] <= e.offset
+        and e.offset + e.length <= data_start + offs[1]
+    ):
+        return ManifestProblem(
+            "changed",
+            e.key,
+            None,
+            f"{e.key!r} in {name}: the manifest's extent at byte {e.offset}+{e.length} lies outside the "
+            "tensor's bytes; not read",
+        )
+    if e.offset + e.length > size:
+        return ManifestProblem(
+            "changed",
+            e.key,
+            None,
+            f"{e.key!r} in {name}, bytes {e.offsets[0] if e.offsets else 0}+{e.length}: the file ({size:,} bytes) "
+            "ends before them (cut short)",
+        )
+    return None
 
 
 def _trailing_problem(name: str, size: int, data_start: int, tensors: dict[str, Any]) -> ManifestProblem | None:

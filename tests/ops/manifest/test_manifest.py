@@ -259,6 +259,22 @@ def test_bytes_appended_to_an_exported_safetensors_file_are_a_problem(dense_ckpt
     assert res.exit_code == 2 and "[E200]" in res.stderr and "unaccounted bytes" in res.stderr
 
 
+def test_an_exported_safetensors_file_cut_short_names_its_extents(dense_ckpt: Path, tmp_path: Path) -> None:
+    # a shard cut short stopped `manifest --verify` of an export with E300 and no verdict (exit 2), where a DCP
+    # data file cut short is a problem per entry (exit 1): each extent the file no longer holds is now `changed`
+    out = tmp_path / "hf"
+    assert invoke("export", dense_ckpt, out, "--manifest").exit_code == 0
+    man = load_manifest(out / "manifest.json")
+    shard = out / "model.safetensors"
+    last = max(man.entries, key=lambda e: e.offset)
+    shard.write_bytes(shard.read_bytes()[: last.offset + 1])  # the last tensor's extent loses all but one byte
+    res = invoke("manifest", out, "--verify", "--json")
+    assert res.exit_code == 1, res.output
+    problems = json.loads(res.stdout)["problems"]
+    assert [(p["kind"], p["key"]) for p in problems] == [("changed", last.key)]
+    assert f"the file ({last.offset + 1:,} bytes) ends before them (cut short)" in problems[0]["message"]
+
+
 def test_verify_names_what_the_folder_is_not_the_manifest_format(tmp_path: Path) -> None:
     """`manifest --verify` of a Hugging Face safetensors folder printed "(dcp)": the manifest of a folder has the
     DCP manifest's entries, but the folder is no DCP checkpoint (no .metadata). The label names the folder;
