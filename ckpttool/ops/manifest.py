@@ -995,12 +995,34 @@ def _check_target(target: Path, ckpt: Checkpoint) -> None:
     check_file_target(
         target, option="manifest", hint=hint, sources=sources, inside_ok=own_place, owned=is_manifest_head
     )
+    if not own_place and target.name == MANIFEST_NAME and _a_checkpoint_folder(target.parent):
+        # another checkpoint's own manifest place: its manifest (or none) replaced by this one's, it would no
+        # longer match "its manifest" (`validate --manifest`, `manifest --verify` of it)
+        raise OutputError(
+            f"manifest {target}: is the place of the manifest of another checkpoint ({target.parent}, beside its "
+            f"{METADATA_NAME} or safetensors files); this manifest of {root} is not written there",
+            path=target,
+            hint=f"write it beside {root}'s {METADATA_NAME} (no --output) or to a file outside any checkpoint, "
+            "e.g. --output manifest-of-CKPT.json",
+        )
     if own_place and MANIFEST_NAME in ckpt.reader.data_files():
         raise OutputError(
             f"manifest {target}: is a file of the checkpoint (named by its .metadata); it is left as it is",
             path=target,
             hint=hint,
         )
+
+
+def _a_checkpoint_folder(folder: Path) -> bool:
+    """Whether ``folder`` holds a checkpoint whose own manifest is ``folder/manifest.json``: a ``.metadata``, or
+    safetensors files (a Hugging Face folder, an export)."""
+    if os.path.lexists(folder / METADATA_NAME):
+        return True
+    try:
+        with os.scandir(folder) as it:
+            return any(e.name.endswith(".safetensors") for e in it)
+    except OSError:
+        return False
 
 
 def _check_remote_target(store: RemoteStore) -> None:

@@ -334,6 +334,28 @@ def _chunks(r: CheckpointReader) -> list[tuple[str, Any]]:
     return [(k, c) for k, m in r.metadata.entries.items() for c in getattr(m, "chunks", (None,))]
 
 
+def test_a_manifest_is_not_written_as_another_checkpoints_own(dense_ckpt: Path, tmp_path: Path) -> None:
+    # `manifest A -o B/manifest.json` replaced checkpoint B's own manifest (one ckpttool wrote) by A's: B then
+    # "differed from its manifest" in every entry. Another checkpoint's manifest place is refused, B's kept
+    a = copy_checkpoint(dense_ckpt, tmp_path / "a")
+    b = copy_checkpoint(dense_ckpt, tmp_path / "b")
+    assert invoke("manifest", b).exit_code == 0
+    kept = (b / "manifest.json").read_bytes()
+    hf = tmp_path / "hf"
+    assert invoke("export", dense_ckpt, hf, "--manifest").exit_code == 0
+    exported = (hf / "manifest.json").read_bytes()
+    for target in (b / "manifest.json", hf / "manifest.json"):
+        res = invoke("manifest", a, "-o", target)
+        assert res.exit_code == 2 and res.stderr.startswith(f"error: [E600] manifest {target}: is the place of"), (
+            res.stderr
+        )
+    assert (b / "manifest.json").read_bytes() == kept and (hf / "manifest.json").read_bytes() == exported
+    assert invoke("manifest", b, "--verify").exit_code == 0
+    (b / "manifest.json").unlink()  # none there yet: A's would still pass for B's own
+    assert invoke("manifest", a, "-o", b / "manifest.json").exit_code == 2 and not (b / "manifest.json").exists()
+    assert invoke("manifest", a, "-o", tmp_path / "manifest.json").exit_code == 0  # a folder of no checkpoint
+
+
 def test_verify_lists_the_entries_of_a_deleted_or_cut_data_file(sample_ckpt: Path, tmp_path: Path) -> None:
     """A data file deleted (or cut short) after the manifest was written: each of its entries is a problem
     (missing / changed) and the verdict is exit 1, not an E300 stop with no verdict."""
