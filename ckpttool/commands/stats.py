@@ -202,7 +202,7 @@ def _table(con: Console, c: CheckpointStats, by: StatsView) -> None:
                 _g(t.std),
                 _g(t.abs_max),
                 _g(t.l2),
-                f"{t.zero_fraction:.1%}",
+                f"{t.zero_fraction:.1%}" if t.numel else "-",
                 t.nonfinite or None,
             ]
             for t in c.tensors

@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import stat
 import time
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
@@ -170,6 +171,10 @@ class Manifest:
     #: (OLMo-core's ``train/rankR.pt`` and ``.metadata.json``, NeMo Automodel's ``step_scheduler.pt``; names
     #: relative to the step directory); ``None``: none were there (or an older ckpttool): such files are then not checked.
     training_state: tuple[dict[str, Any], ...] | None = None
+    #: kind ``dcp``: ``{"file", "size"}`` of every data file the entries' windows lie in, as it was when digested:
+    #: bytes appended after the last window (which no entry covers) are ``changed``; ``None``: not recorded (an
+    #: older ckpttool, a remote checkpoint): file sizes are then not checked.
+    data_files: tuple[dict[str, Any], ...] | None = None
 
     def to_dict(self) -> dict[str, Any]:
         out: dict[str, Any] = {
@@ -186,6 +191,8 @@ class Manifest:
         }
         if self.kind == "safetensors":
             out["files"] = [dict(f) for f in self.files]
+        if self.data_files is not None:
+            out["data_files"] = [dict(f) for f in self.data_files]
         if self.sidecars is not None:
             out["sidecars"] = [dict(f) for f in self.sidecars]
         if self.training_state is not None:
@@ -590,16 +597,53 @@ def build_manifest(
             if on_entry is not None:
                 on_entry(entry.length)
     md, size = _metadata_digest(reader, algorithm)
+    md_file = METADATA_NAME if md is None else _metadata_file(reader)
+    return Manifest(
+        algorithm,
+        tuple(entries),
+        md,
+        size,
+        metadata_file=md_file,
+        **_files_beside(reader, entries, algorithm, exclude, beside_of),
+    )
+
+
+def _files_beside(
+    reader: CheckpointReader,
+    entries: list[ManifestEntry],
+    algorithm: str,
+    exclude: tuple[str, ...],
+    beside_of: Path | None,
+) -> dict[str, Any]:
+    """The :class:`Manifest` fields on the files of a local checkpoint (none of a remote one): ``sidecars``,
+    ``training_state`` and ``data_files``."""
+    if reader.remote is not None:
+        return {}
     sidecars = None
-    if reader.remote is None and _parts_below(reader):
+    if _parts_below(reader):
         skip = {METADATA_NAME, MANIFEST_NAME, *(e.file for e in entries), *(exclude or ())}
         skip -= set(_partial_files(reader))  # state in no entry (verl's RNG): the whole file is digested
         sidecars = tuple(sidecar_digests(Path(reader.path), skip, algorithm))
-    md_file = METADATA_NAME if md is None else _metadata_file(reader)
-    training = tuple(training_state_digests(beside_of, algorithm)) if beside_of and reader.remote is None else ()
-    return Manifest(
-        algorithm, tuple(entries), md, size, sidecars=sidecars, metadata_file=md_file, training_state=training or None
-    )
+    training = tuple(training_state_digests(beside_of, algorithm)) if beside_of else ()
+    return {
+        "sidecars": sidecars,
+        "training_state": training or None,
+        "data_files": tuple(data_file_sizes(Path(reader.path), (e.file for e in entries))),
+    }
+
+
+def data_file_sizes(root: Path, files: Iterable[str]) -> list[dict[str, Any]]:
+    """``{"file", "size"}`` of each data file named in ``files`` (once, in name order) that is a regular file
+    below ``root``: what ``data_files`` records (the bytes after the last window are in no entry)."""
+    out = []
+    for name in sorted(set(files)):
+        try:
+            st = os.lstat(root / name)
+        except OSError:
+            continue
+        if stat.S_ISREG(st.st_mode):
+            out.append({"file": name, "size": st.st_size})
+    return out
 
 
 def training_state_digests(model_dir: Path, algorithm: str) -> list[dict[str, Any]]:
@@ -951,12 +995,34 @@ def _check_target(target: Path, ckpt: Checkpoint) -> None:
     check_file_target(
         target, option="manifest", hint=hint, sources=sources, inside_ok=own_place, owned=is_manifest_head
     )
+    if not own_place and target.name == MANIFEST_NAME and _a_checkpoint_folder(target.parent):
+        # another checkpoint's own manifest place: its manifest (or none) replaced by this one's, it would no
+        # longer match "its manifest" (`validate --manifest`, `manifest --verify` of it)
+        raise OutputError(
+            f"manifest {target}: is the place of the manifest of another checkpoint ({target.parent}, beside its "
+            f"{METADATA_NAME} or safetensors files); this manifest of {root} is not written there",
+            path=target,
+            hint=f"write it beside {root}'s {METADATA_NAME} (no --output) or to a file outside any checkpoint, "
+            "e.g. --output manifest-of-CKPT.json",
+        )
     if own_place and MANIFEST_NAME in ckpt.reader.data_files():
         raise OutputError(
             f"manifest {target}: is a file of the checkpoint (named by its .metadata); it is left as it is",
             path=target,
             hint=hint,
         )
+
+
+def _a_checkpoint_folder(folder: Path) -> bool:
+    """Whether ``folder`` holds a checkpoint whose own manifest is ``folder/manifest.json``: a ``.metadata``, or
+    safetensors files (a Hugging Face folder, an export)."""
+    if os.path.lexists(folder / METADATA_NAME):
+        return True
+    try:
+        with os.scandir(folder) as it:
+            return any(e.name.endswith(".safetensors") for e in it)
+    except OSError:
+        return False
 
 
 def _check_remote_target(store: RemoteStore) -> None:
@@ -1135,7 +1201,7 @@ def _read_doc(p: Path, shown: str, data: bytes | None = None) -> dict[str, Any]:
     return doc
 
 
-_LISTS = ("entries", "sidecars", "files", "training_state")
+_LISTS = ("entries", "sidecars", "files", "training_state", "data_files")
 
 
 def _bounded_int(text: str) -> int:
@@ -1180,9 +1246,29 @@ def _manifest_sidecars(doc: dict[str, Any], shown: str, name: str = "sidecars") 
     return tuple(out)
 
 
+def _manifest_data_files(doc: dict[str, Any], shown: str) -> tuple[dict[str, Any], ...] | None:
+    """The ``data_files`` list (``None``: absent, a manifest of an older ckpttool), checked."""
+    raw = doc.get("data_files")
+    if raw is None:
+        return None
+    cap = limits.metadata_record_cap()
+    if not isinstance(raw, list) or len(raw) > cap:
+        raise _bad(shown, f"data_files must be a list of at most {cap:,} files")
+    out = _objects(raw, "data_files", _DATA_FILE_FIELDS, shown, lambda f: f["size"] >= 0)
+    seen: set[str] = set()
+    for j, f in enumerate(out):
+        if _leaves_folder(f["file"]):
+            raise _bad(shown, f"data_files[{j}] ({f['file'][:200]!a}) is not a file name inside the directory")
+        if f["file"] in seen:
+            raise _bad(shown, f"data_files[{j}] ({f['file'][:200]!a}) is listed twice")
+        seen.add(f["file"])
+    return tuple(out)
+
+
 #: The fields of an item of a manifest's ``files`` and ``sidecars`` lists, with their JSON types.
 _FILE_FIELDS: dict[str, type] = {"file": str, "header_length": int, "header_digest": str}
 _SIDECAR_FIELDS: dict[str, type] = {"file": str, "size": int, "digest": str}
+_DATA_FILE_FIELDS: dict[str, type] = {"file": str, "size": int}
 
 
 def _objects(
@@ -1263,6 +1349,7 @@ def load_manifest(path: str | os.PathLike[str], data: bytes | None = None) -> Ma
         raise _bad(shown, "source must be an object")
     sidecars = _manifest_sidecars(doc, shown)
     training = _manifest_sidecars(doc, shown, "training_state")
+    data_files = _manifest_data_files(doc, shown) if kind == "dcp" else None
     return Manifest(
         algorithm,
         entries,
@@ -1275,6 +1362,7 @@ def load_manifest(path: str | os.PathLike[str], data: bytes | None = None) -> Ma
         shown,
         metadata_file=md_file,
         training_state=training,
+        data_files=data_files,
     )
 
 
@@ -1391,11 +1479,38 @@ def verify_manifest(
             problems.append(ManifestProblem("extra", key, offs, f"{where} is stored but not in the manifest"))
     problems.extend(meta)
     problems.extend(beside)
+    if strict:  # a re-save (its .metadata changed) rewrote the files: the entries and the metadata name it
+        problems.extend(_grown_data_files(reader, manifest))
     if manifest.training_state is not None and beside_of is not None and reader.remote is None:
         now = {f["file"]: f for f in training_state_digests(beside_of, manifest.algorithm)}
         said = {(p.kind, p.key) for p in problems}  # a pair's step_scheduler.pt is a sidecar too
         problems.extend(p for p in _file_problems(manifest.training_state, now) if (p.kind, p.key) not in said)
     return problems
+
+
+def _grown_data_files(reader: CheckpointReader, manifest: Manifest) -> list[ManifestProblem]:
+    """Data files longer than when the manifest was made (bytes appended after the last window, in no entry):
+    ``changed``. A file cut short is named by the entries whose windows it no longer holds."""
+    if manifest.data_files is None or reader.remote is not None:
+        return []
+    root = Path(reader.path)
+    out = []
+    for f in manifest.data_files:
+        try:
+            st = os.lstat(root / f["file"])
+        except OSError:
+            continue  # a missing data file: its entries are missing
+        if stat.S_ISREG(st.st_mode) and st.st_size > f["size"]:
+            out.append(
+                ManifestProblem(
+                    "changed",
+                    f["file"],
+                    None,
+                    f"{f['file']}: {st.st_size - f['size']:,} byte(s) after the data the manifest was made of (the file "
+                    f"has {st.st_size:,} bytes, the manifest recorded {f['size']:,}); no entry covers them",
+                )
+            )
+    return out
 
 
 def _beside_problems(
@@ -1658,6 +1773,9 @@ def verify_safetensors_manifest(
                 fd, path, name, tensors, by_file.get(name, []), manifest.algorithm, problems, on_entry, data_start
             )
             _check_tiling(name, data_start, tensors, spans, problems)
+            trailing = _trailing_problem(name, os.fstat(fd).st_size, data_start, tensors)
+            if trailing is not None:
+                problems.append(trailing)
         finally:
             os.close(fd)
     skip = {MANIFEST_NAME, *(f["file"] for f in manifest.files), *_inside(root, manifest.path)}
@@ -1696,6 +1814,7 @@ def _check_extents(
         if on_entry is not None:
             on_entry(sum(e.length for e in entries))
         return {k: [(-1, 0)] for k in tensors}  # every tensor reported once as not tiled
+    size = os.fstat(fd).st_size
     for e in _counted(entries, on_entry):
         t = tensors.get(e.key)
         if t is None:
@@ -1706,23 +1825,9 @@ def _check_extents(
             )
             continue
         spans.setdefault(e.key, []).append((e.offset, e.length))
-        offs = t.get("data_offsets")
-        if not (
-            isinstance(offs, list)
-            and len(offs) == 2
-            and all(type(x) is int for x in offs)
-            and data_start + offs[0] <= e.offset
-            and e.offset + e.length <= data_start + offs[1]
-        ):
-            problems.append(
-                ManifestProblem(
-                    "changed",
-                    e.key,
-                    None,
-                    f"{e.key!r} in {name}: the manifest's extent at byte {e.offset}+{e.length} lies outside the "
-                    "tensor's bytes; not read",
-                )
-            )
+        unread = _unread_extent(e, name, t, data_start, size)
+        if unread is not None:
+            problems.append(unread)
             continue
         digest = _hash_fd(fd, e.offset, e.length, algorithm, path, e.key)
         if digest != e.digest:
@@ -1736,6 +1841,58 @@ def _check_extents(
                 )
             )
     return spans
+
+
+def _unread_extent(
+    e: ManifestEntry, name: str, t: dict[str, Any], data_start: int, size: int
+) -> ManifestProblem | None:
+    """The ``changed`` problem of an extent not read: outside its tensor's bytes, or past the end of a file cut short
+    (each extent the file no longer holds, as for a DCP data file cut short); ``None`` for one to read."""
+    offs = t.get("data_offsets")
+    if not (
+        isinstance(offs, list)
+        and len(offs) == 2
+        and all(type(x) is int for x in offs)
+        and data_start + offs[0] <= e.offset
+        and e.offset + e.length <= data_start + offs[1]
+    ):
+        return ManifestProblem(
+            "changed",
+            e.key,
+            None,
+            f"{e.key!r} in {name}: the manifest's extent at byte {e.offset}+{e.length} lies outside the "
+            "tensor's bytes; not read",
+        )
+    if e.offset + e.length > size:
+        return ManifestProblem(
+            "changed",
+            e.key,
+            None,
+            f"{e.key!r} in {name}, bytes {e.offsets[0] if e.offsets else 0}+{e.length}: the file ({size:,} bytes) "
+            "ends before them (cut short)",
+        )
+    return None
+
+
+def _trailing_problem(name: str, size: int, data_start: int, tensors: dict[str, Any]) -> ManifestProblem | None:
+    """A file longer than its header and its tensors' data (bytes appended after the last tensor): ``changed``.
+
+    No extent covers such bytes, and safetensors' loader refuses the file (``MetadataIncompleteBuffer``).
+    """
+    end = data_start
+    for t in tensors.values():
+        offs = t.get("data_offsets")
+        if isinstance(offs, list) and len(offs) == 2 and all(type(x) is int for x in offs):
+            end = max(end, data_start + offs[1])
+    if size <= end:  # a file cut short is named by the extents it no longer holds
+        return None
+    return ManifestProblem(
+        "changed",
+        name,
+        None,
+        f"{name}: {size - end:,} byte(s) after the last tensor's data (the file has {size:,} bytes, its header and "
+        f"tensors end at byte {end:,}); safetensors refuses such a file",
+    )
 
 
 def _extent_budget(tensors: dict[str, Any]) -> int:
@@ -2040,6 +2197,7 @@ def write_output_manifest(writer: Any, out: Path, algorithm: str, identity: dict
         "entries": writer.manifest_entries(),
     }
     skip = {METADATA_NAME, MANIFEST_NAME, *(e["file"] for e in doc["entries"])}
+    doc["data_files"] = data_file_sizes(out, (e["file"] for e in doc["entries"]))  # complete: the writer finished
     doc["sidecars"] = sidecar_digests(out, skip, algorithm)  # layout.json, extra_state/, copied files
     if identity is not None:
         doc["source"] = identity

@@ -138,7 +138,8 @@ def _layer_lines(ax: Any, res: StatsResult, value: Any, title: str, ylabel: str,
     a gap in that line, not a shift of the values after it)."""
     series: list[tuple[str, dict[str, float]]] = []
     for i, c in enumerate(res.checkpoints):
-        pts = {g.name: v for g in c.layers if (v := value(g)) is not None and v > 0}
+        # 0 is a value (a zero-initialised LoRA B or gate, moments torch made up before the first step): drawn
+        pts = {g.name: v for g in c.layers if (v := value(g)) is not None and math.isfinite(v) and v >= 0}
         series.append((_label(res, i), pts))
     names = [n for n in layer_axis(res) if any(n in pts for _, pts in series)]
     shown = [v for _, pts in series for v in pts.values()]
@@ -157,7 +158,8 @@ def _layer_lines(ax: Any, res: StatsResult, value: Any, title: str, ylabel: str,
                 marker="o",
                 markersize=3,
                 label=label,
-                color=scale.get_cmap()(i / (len(series) - 1)) if many else None,
+                # the same colour in every panel, whichever lines a panel lacks
+                color=scale.get_cmap()(i / (len(series) - 1)) if many else f"C{i % 10}",
             )
     drawn = bool(shown)
     ax.set_title(title, fontsize=9)
@@ -166,13 +168,7 @@ def _layer_lines(ax: Any, res: StatsResult, value: Any, title: str, ylabel: str,
         ax.set_xticks(at, [_plain(names[i]) for i in at], rotation=90, fontsize=6)
         ax.set_xlabel("layer", fontsize=8)
         ax.set_ylabel(ylabel, fontsize=8)
-        # log across a decade or more; within one, a log axis labels its minor ticks alike (10x10^-4 ...):
-        # linear from 0, without an offset (values alike to 1e-8 would read as "1e-11+1e-3")
-        if max(shown) >= 10 * min(shown):
-            ax.set_yscale("log")
-        else:
-            ax.set_ylim(0, max(shown) * 1.05)
-            ax.ticklabel_format(axis="y", style="sci", scilimits=(-3, 4), useOffset=False)
+        _value_scale(ax, shown)
         if many:
             bar = ax.figure.colorbar(scale, ax=ax)
             at = sorted({*_every(len(series) - 1, 9), len(series) - 1})  # the first and the last named
@@ -184,6 +180,21 @@ def _layer_lines(ax: Any, res: StatsResult, value: Any, title: str, ylabel: str,
         ax.text(0.5, 0.5, empty or "not in the checkpoint", ha="center", va="center", transform=ax.transAxes)
         ax.set_axis_off()
     return drawn
+
+
+def _value_scale(ax: Any, shown: list[float]) -> None:
+    """The y axis of values ``>= 0``: log across a decade or more (symmetric-log where some are 0, which a log
+    axis has no place for: linear up to the smallest value above 0); within one, a log axis labels its minor ticks
+    alike (10x10^-4 ...): linear from 0, without an offset (values alike to 1e-8 would read as "1e-11+1e-3")."""
+    above = [v for v in shown if v > 0]
+    if above and max(above) >= 10 * min(above) and len(above) == len(shown):
+        ax.set_yscale("log")
+    elif above and max(above) >= 10 * min(above):
+        ax.set_yscale("symlog", linthresh=min(above))
+        ax.set_ylim(0, max(above) * 2)
+    else:
+        ax.set_ylim(0, max(shown) * 1.05 or 1.0)  # every value 0: a line at 0, not an empty axis
+        ax.ticklabel_format(axis="y", style="sci", scilimits=(-3, 4), useOffset=False)
 
 
 def _every(n: int, most: int) -> list[int]:

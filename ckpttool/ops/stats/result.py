@@ -48,7 +48,7 @@ class TensorValueStats:
         layer: ``layers.N``-style group (or the first key component); module: the fqn with layer
             indices replaced by ``*`` (``layers.*.attention.wq.weight``).
         dtype, shape: as stored; numel: elements read.
-        mean, std, abs_max, l2: over the finite values; zero_fraction: share of values == 0;
+        mean, std, abs_max, l2: over the finite values; zero_fraction: share of values == 0 (NaN for an empty tensor);
         nonfinite: NaN/inf count.
     """
 
@@ -68,7 +68,7 @@ class TensorValueStats:
     nonfinite: int
 
     def to_dict(self) -> dict[str, Any]:
-        return _json(self, "mean", "std", "abs_max", "l2")
+        return _json(self, "mean", "std", "abs_max", "l2", "zero_fraction")
 
 
 @dataclass(frozen=True)

@@ -397,7 +397,7 @@ def _tensor_row(key: str, fqn: str, role: str, entry: TensorEntry, s: SlabStats,
         dtype=entry.dtype,
         shape=entry.shape,
         l2=math.sqrt(s.s2),
-        zero_fraction=(s.zeros / s.numel) if s.numel else 0.0,
+        zero_fraction=(s.zeros / s.numel) if s.numel else math.nan,  # no share of no values: null
         std=std,
         # no finite value (an all-NaN/inf tensor): no largest one either (the engine's 0.0), null in JSON
         abs_max=s.abs_max if s.nonfinite < s.numel else math.nan,

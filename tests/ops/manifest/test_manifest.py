@@ -145,6 +145,25 @@ def test_validate_without_manifest_skips_s015(dense_ckpt: Path) -> None:
         (b'{"format": "ckpttool.manifest", "version": 2, "algorithm": "xxh3-128", "kind": [], "entries": []}', "E260"),
         (b'{"format": "ckpttool.manifest", "version": 1, "algorithm": "xxh3-128", "entries": [{"key": 1}]}', "E260"),
         (b"[" * 100_000 + b"]" * 100_000, "E309"),
+        (
+            b'{"format": "ckpttool.manifest", "version": 2, "algorithm": "xxh3-128", "entries": [], "data_files": 1}',
+            "E260",
+        ),
+        (
+            b'{"format": "ckpttool.manifest", "version": 2, "algorithm": "xxh3-128", "entries": [], '
+            b'"data_files": [{"file": "../x", "size": 1}]}',
+            "E260",
+        ),
+        (
+            b'{"format": "ckpttool.manifest", "version": 2, "algorithm": "xxh3-128", "entries": [], '
+            b'"data_files": [{"file": "a", "size": 1}, {"file": "a", "size": 2}]}',
+            "E260",
+        ),
+        (
+            b'{"format": "ckpttool.manifest", "version": 2, "algorithm": "xxh3-128", "entries": [], '
+            b'"data_files": [{"file": "a", "size": -1}]}',
+            "E260",
+        ),
     ],
 )
 def test_hostile_manifests_are_refused_with_one_error(
@@ -215,6 +234,47 @@ def test_a_dtype_changed_in_a_safetensors_header_is_a_problem(tmp_path: Path) ->
     assert [f["key"] for f in s015(hf, hf / "manifest.json")] == ["safetensors headers"]
 
 
+def test_bytes_appended_to_an_exported_safetensors_file_are_a_problem(dense_ckpt: Path, tmp_path: Path) -> None:
+    # an export's manifest digests the header and each tensor's extents: a byte appended after the last
+    # tensor was in no extent, and `manifest --verify` said "matches" of a file safetensors' loader refuses
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    out = tmp_path / "hf"
+    res = invoke("export", dense_ckpt, out, "--manifest")
+    assert res.exit_code == 0, res.stderr
+    assert invoke("manifest", out, "--verify").exit_code == 0
+    shard = out / "model.safetensors"
+    size = shard.stat().st_size
+    with open(shard, "ab") as f:
+        f.write(b"\0")
+    with pytest.raises(SafetensorError, match="not fully covered"):
+        load_file(str(shard))
+    res = invoke("manifest", out, "--verify", "--json")
+    assert res.exit_code == 1, res.stdout
+    doc = json.loads(res.stdout)
+    assert [(p["kind"], p["key"]) for p in doc["problems"]] == [("changed", "model.safetensors")]
+    assert f"the file has {size + 1:,} bytes" in doc["problems"][0]["message"]
+    res = invoke("validate", out, "--manifest", out / "manifest.json")  # its reader refuses the file, as safetensors
+    assert res.exit_code == 2 and "[E200]" in res.stderr and "unaccounted bytes" in res.stderr
+
+
+def test_an_exported_safetensors_file_cut_short_names_its_extents(dense_ckpt: Path, tmp_path: Path) -> None:
+    # a shard cut short stopped `manifest --verify` of an export with E300 and no verdict (exit 2), where a DCP
+    # data file cut short is a problem per entry (exit 1): each extent the file no longer holds is now `changed`
+    out = tmp_path / "hf"
+    assert invoke("export", dense_ckpt, out, "--manifest").exit_code == 0
+    man = load_manifest(out / "manifest.json")
+    shard = out / "model.safetensors"
+    last = max(man.entries, key=lambda e: e.offset)
+    shard.write_bytes(shard.read_bytes()[: last.offset + 1])  # the last tensor's extent loses all but one byte
+    res = invoke("manifest", out, "--verify", "--json")
+    assert res.exit_code == 1, res.output
+    problems = json.loads(res.stdout)["problems"]
+    assert [(p["kind"], p["key"]) for p in problems] == [("changed", last.key)]
+    assert f"the file ({last.offset + 1:,} bytes) ends before them (cut short)" in problems[0]["message"]
+
+
 def test_verify_names_what_the_folder_is_not_the_manifest_format(tmp_path: Path) -> None:
     """`manifest --verify` of a Hugging Face safetensors folder printed "(dcp)": the manifest of a folder has the
     DCP manifest's entries, but the folder is no DCP checkpoint (no .metadata). The label names the folder;
@@ -243,6 +303,57 @@ def test_verify_names_a_pair_of_dcp_folders_dcp(acc_root: Path, tmp_path: Path) 
     assert invoke("manifest", step, "-o", out).exit_code == 0
     res = invoke("manifest", step, "--verify", "-o", out)
     assert res.exit_code == 0 and res.stdout.startswith(f"{step} (dcp) matches its manifest {out} "), res.stdout
+
+
+def test_bytes_appended_to_a_dcp_data_file_are_a_problem(dense_ckpt: Path, tmp_path: Path) -> None:
+    # the entries digest the chunk windows: a byte appended after the last one was in none of them, and
+    # `manifest --verify` said "matches" of a data file other than the one the manifest was made of
+    ck = copy_checkpoint(dense_ckpt, tmp_path / "ck")
+    assert invoke("manifest", ck).exit_code == 0
+    data = ck / "__0_0.distcp"
+    size = data.stat().st_size
+    assert json.loads((ck / "manifest.json").read_text())["data_files"] == [{"file": "__0_0.distcp", "size": size}]
+    with CheckpointReader(ck) as r:  # the windows end where the file does: torch's writer leaves no byte uncovered
+        assert max(r.storage_info(k, c).offset + r.storage_info(k, c).length for k, c in _chunks(r)) == size
+    with open(data, "ab") as f:
+        f.write(b"\0")
+    res = invoke("manifest", ck, "--verify", "--json")
+    assert res.exit_code == 1, res.stdout
+    problems = json.loads(res.stdout)["problems"]
+    assert [(p["kind"], p["key"]) for p in problems] == [("changed", "__0_0.distcp")]
+    assert f"the file has {size + 1:,} bytes, the manifest recorded {size:,}" in problems[0]["message"]
+    assert [f["key"] for f in s015(ck, ck / "manifest.json")] == ["__0_0.distcp"]
+    # a manifest of an older ckpttool (no data_files) still verifies what it lists
+    old = json.loads((ck / "manifest.json").read_text())
+    del old["data_files"]
+    (tmp_path / "old.json").write_text(json.dumps(old))
+    assert invoke("manifest", ck, "--verify", "-o", tmp_path / "old.json").exit_code == 0
+
+
+def _chunks(r: CheckpointReader) -> list[tuple[str, Any]]:
+    return [(k, c) for k, m in r.metadata.entries.items() for c in getattr(m, "chunks", (None,))]
+
+
+def test_a_manifest_is_not_written_as_another_checkpoints_own(dense_ckpt: Path, tmp_path: Path) -> None:
+    # `manifest A -o B/manifest.json` replaced checkpoint B's own manifest (one ckpttool wrote) by A's: B then
+    # "differed from its manifest" in every entry. Another checkpoint's manifest place is refused, B's kept
+    a = copy_checkpoint(dense_ckpt, tmp_path / "a")
+    b = copy_checkpoint(dense_ckpt, tmp_path / "b")
+    assert invoke("manifest", b).exit_code == 0
+    kept = (b / "manifest.json").read_bytes()
+    hf = tmp_path / "hf"
+    assert invoke("export", dense_ckpt, hf, "--manifest").exit_code == 0
+    exported = (hf / "manifest.json").read_bytes()
+    for target in (b / "manifest.json", hf / "manifest.json"):
+        res = invoke("manifest", a, "-o", target)
+        assert res.exit_code == 2 and res.stderr.startswith(f"error: [E600] manifest {target}: is the place of"), (
+            res.stderr
+        )
+    assert (b / "manifest.json").read_bytes() == kept and (hf / "manifest.json").read_bytes() == exported
+    assert invoke("manifest", b, "--verify").exit_code == 0
+    (b / "manifest.json").unlink()  # none there yet: A's would still pass for B's own
+    assert invoke("manifest", a, "-o", b / "manifest.json").exit_code == 2 and not (b / "manifest.json").exists()
+    assert invoke("manifest", a, "-o", tmp_path / "manifest.json").exit_code == 0  # a folder of no checkpoint
 
 
 def test_verify_lists_the_entries_of_a_deleted_or_cut_data_file(sample_ckpt: Path, tmp_path: Path) -> None:

@@ -68,6 +68,12 @@ def test_written_manifest_equals_an_independent_read_of_the_output(
         read = build_manifest(r, written.algorithm, covers="record")
     assert [e.to_dict() for e in written.entries] == [e.to_dict() for e in read.entries]
     assert (written.metadata_digest, written.metadata_size) == (read.metadata_digest, read.metadata_size)
+    # the size of every data file (bytes appended after its last window are then named): as a stat of the output
+    assert (
+        written.data_files
+        == read.data_files
+        == tuple({"file": f.name, "size": f.stat().st_size} for f in sorted(out.glob("*.distcp")))
+    )
     assert {e.covers for e in written.entries if e.offsets is not None} == {"record"}
     assert all(e.covers == "window" for e in written.entries if e.offsets is None)
     # every chunk of the output is listed, and none twice

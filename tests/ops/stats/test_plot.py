@@ -367,3 +367,54 @@ def test_characters_the_font_lacks_are_one_warning_not_matplotlibs(command: str,
     chars = "実, 験" if command == "diff" else "験"
     assert res.stderr.splitlines() == [f"warning: --plot {out}: the font has no glyph for {chars} (drawn as boxes)"]
     assert imread(out).shape[2] == 4
+
+
+def test_values_of_zero_are_drawn_and_each_checkpoint_keeps_its_colour(tmp_path: Path) -> None:
+    """A layer whose norm is 0 (a zero-initialised LoRA B; moments torch made up before the first step) was left out
+    of its panel, and a panel of zeros only said "no exp_avg in the checkpoint"; a checkpoint without a line in a
+    panel shifted the colours of the later ones there. Zeros are drawn (symmetric-log axis), colours kept."""
+    import matplotlib
+
+    matplotlib.use("Agg", force=True)
+    import matplotlib.pyplot as plt
+
+    from ckpttool.ui.plot import _label, _layer_lines
+
+    torch.manual_seed(0)
+    a, b = torch.nn.Linear(4, 4), torch.nn.Linear(4, 4)
+    with torch.no_grad():
+        b.weight.zero_()
+        b.bias.zero_()
+    m = torch.nn.ModuleDict({"lora_a": a, "lora_b": b})
+    save_quiet({"model": m.state_dict()}, tmp_path / "s0")
+    opt = torch.optim.AdamW(m.parameters(), lr=1e-2, weight_decay=0.0)  # a step of zero gradients: weights kept
+    for p in (*a.parameters(), *b.parameters()):  # state torch makes up before a first step: moments all zero
+        p.grad = torch.zeros_like(p)
+    opt.step()
+    msd, osd = get_state_dict(m, opt)
+    save_quiet({"model": msd, "optimizer": osd}, tmp_path / "s1")
+    res = collect_stats([tmp_path / "s0", tmp_path / "s1"], StatsOptions())
+    for value, want in (
+        (lambda g: g.norms.get("weight"), [{"lora_a": a, "lora_b": b}] * 2),
+        (lambda g: g.norms.get("exp_avg"), [None, {"lora_a": 0.0, "lora_b": 0.0}]),
+    ):
+        fig, ax = plt.subplots()
+        assert _layer_lines(ax, res, value, "t", "y")  # drawn: not "no exp_avg in the checkpoint"
+        drawn = _drawn(ax)
+        colours = {line.get_label(): line.get_color() for line in ax.get_lines()}
+        plt.close(fig)
+        for i, w in enumerate(want):
+            label = _label(res, i)
+            if w is None:
+                assert label not in drawn
+                continue
+            expect = {
+                k: (v if isinstance(v, float) else float(torch.cat([v.weight.flatten(), v.bias]).norm()))
+                for k, v in w.items()
+            }
+            assert drawn[label] == pytest.approx(expect), (label, drawn)
+            assert colours[label] == f"C{i}"  # checkpoint #2 is C1 in every panel, though #1 has no moments
+    assert (
+        res.checkpoints[0].layers
+        and next(g for g in res.checkpoints[0].layers if g.name == "lora_b").norms["weight"] == 0
+    )

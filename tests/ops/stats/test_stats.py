@@ -783,6 +783,33 @@ def test_a_tensor_with_no_finite_value_has_no_abs_max(tmp_path: Path) -> None:
     assert re.search(r"│ layers\.0 +│ +16 │ +0 │ +nan │ +16 │", table), table
 
 
+def test_an_empty_tensor_has_no_share_of_zeros_and_int_tensors_match_torch(tmp_path: Path) -> None:
+    """A tensor of no element (a [0, 4] parameter) said 0.0% zeros (JSON 0.0) beside its null mean: a share of no
+    values is null (`-` in the table). Integer and bool buffers are measured as torch measures them in float64."""
+    import torch.distributed.checkpoint as dcp
+
+    sd = {
+        "empty": torch.zeros(0, 4),
+        "counts": torch.tensor([0, 3, -7, 0, 2**40], dtype=torch.int64),
+        "mask": torch.tensor([True, False, True]),
+        "codes": torch.tensor([-3, 0, 5], dtype=torch.int8),
+    }
+    dcp.save({"model": sd}, checkpoint_id=str(tmp_path / "c"), no_dist=True)
+    res = runner.invoke(app, ["stats", "--json", "--by", "tensor", str(tmp_path / "c")])
+    assert res.exit_code == 0, res.stderr
+    doc = json.loads(res.stdout)
+    jsonschema.validate(doc, load_schema("stats"))
+    rows = {t["fqn"]: t for t in doc["checkpoints"][0]["tensors"]}
+    assert rows["empty"]["numel"] == 0 and rows["empty"]["zero_fraction"] is None and rows["empty"]["mean"] is None
+    for name in ("counts", "mask", "codes"):
+        x = sd[name].to(torch.float64)
+        want = (x.mean(), x.std(unbiased=False), x.abs().max(), x.norm(), (x == 0).double().mean())
+        got = [rows[name][k] for k in ("mean", "std", "abs_max", "l2", "zero_fraction")]
+        assert all(close(g, float(w)) for g, w in zip(got, want, strict=True)), (name, got, want)
+    table = runner.invoke(app, ["stats", "--wide", "--by", "tensor", str(tmp_path / "c")]).stdout
+    assert re.search(r"│ model\.empty .*│ +- │\n", table), table
+
+
 def test_change_of_a_layer_all_zero_in_the_earlier_checkpoint_is_inf_or_0(tmp_path: Path) -> None:
     """A zero-initialised layer (a LoRA B, an AdaLN-Zero gate) has ||W_a|| = 0: its change was None, a blank `-` in
     the table, as if not computed, whether it moved or not; now `inf` where it moved (JSON null), 0 where it stayed."""
