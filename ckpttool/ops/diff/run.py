@@ -362,7 +362,7 @@ def dcp_items(side: Side, what: str) -> tuple[list[Item], list[Excluded], list[s
         for key in cat.byte_items:
             if key in group_keys:
                 continue
-            if key == LAYOUT_KEY:
+            if key == LAYOUT_KEY and not (side.ckpt.layout is not None and side.ckpt.layout.foreign_item):
                 excluded.append(Excluded(side.label, key, "the layout record describes the storage order, not values"))
                 continue
             if cat.category(key) == "optimizer_state":
