@@ -342,6 +342,14 @@ class SchemaSpec:
         """The Python name of its ``--schema`` choice (``torch_native``)."""
         return self.name.replace("-", "_")
 
+    def stacked_prefix(self, fqn: str) -> str | None:
+        """The prefix of :attr:`stacked_layers` under which ``fqn`` holds every layer stacked on dim 0
+        (``decoder.layers.mlp.linear_fc1.weight [L, out, in]``), else ``None``: also for one layer's own
+        ``decoder.layers.<N>.`` fqn, which megatron-core saves for a block of mixed layer types (dense and MoE
+        layers, ``moe_layer_freq``: ``TransformerBlock.sharded_state_dict``'s ``non_homogeneous_layers``)."""
+        p = next((p for p in self.stacked_layers if fqn.startswith(p)), None)
+        return None if p is None or fqn[len(p) :].split(".", 1)[0].isdigit() else p
+
 
 def per_rank_spec(
     name: str,

@@ -915,10 +915,8 @@ def _stacked_layers(name: str, a: Side, ia: Item, ib: Item) -> str | None:
         return None
     for p in spec.stacked_layers:
         at = name.find("." + p)
-        if at >= 0:
-            head = name[: at + 1 + len(p)]
-            if not name[len(head) :].split(".", 1)[0].isdigit():
-                return head
+        if at >= 0 and spec.stacked_prefix(name[at + 1 :]) is not None:
+            return name[: at + 1 + len(p)]
     return None
 
 
