@@ -23,6 +23,7 @@ from ckpttool.errors import (
     LayoutContradictionError,
     LayoutError,
     LayoutSizeError,
+    TrustRequiredError,
     UsageError,
 )
 from ckpttool.format import limits
@@ -34,7 +35,14 @@ from ckpttool.layouts.geometry import (
     tensor_geometry,
 )
 from ckpttool.layouts.permute import legacy_to_canonical_perm
-from ckpttool.layouts.record import LAYOUT_KEY, SIDECAR_NAME, EPTensorSpec, LayoutRecord, parse_layout_record
+from ckpttool.layouts.record import (
+    LAYOUT_KEY,
+    SIDECAR_NAME,
+    EPTensorSpec,
+    LayoutRecord,
+    is_own_record,
+    parse_layout_record,
+)
 
 if TYPE_CHECKING:
     from ckpttool.format.reader import CheckpointReader
@@ -46,6 +54,8 @@ __all__ = [
     "resolve_layout",
     "detect_ep_tensors",
     "load_layout_record",
+    "read_layout_records",
+    "LayoutRecords",
     "EP_NAME_RE",
     "LAYOUT_VERSIONS",
 ]
@@ -150,6 +160,8 @@ class ResolvedLayout:
             > 1, its chunks fit (:func:`~ckpttool.layouts.geometry.ep_split_candidates`); a
             same-dim tensor with none is stored in true order and not ambiguous.
         model_prefix, state_prefix: the key schema's prefixes (for :meth:`spec_for`).
+        foreign_item: the checkpoint's byte item ``layout`` is the trainer's own, not a layout record
+            (:func:`~ckpttool.layouts.record.is_own_record`): an item like any other.
     """
 
     version: int | None
@@ -162,6 +174,7 @@ class ResolvedLayout:
     candidates: dict[str, tuple[tuple[int, int], ...]] = field(default_factory=dict)
     model_prefix: str = "model."
     state_prefix: str | None = "optimizer.state."
+    foreign_item: bool = False
 
     @property
     def layout_name(self) -> str | None:
@@ -363,28 +376,51 @@ def _check_declaration_against_record(decl: LayoutDeclaration, rec: LayoutRecord
         )
 
 
-def load_layout_record(cat: Catalog, reader: CheckpointReader) -> LayoutRecord | None:
-    """Read, validate and reconcile the layout record (embedded item and sidecar).
+@dataclass(frozen=True)
+class LayoutRecords:
+    """The records a checkpoint holds: ``embedded`` (its byte item ``layout``), ``sidecar`` (``layout.json``),
+    and ``foreign``: the byte item ``layout`` is the trainer's own, not a record (:func:`is_own_record`)."""
 
-    Returns:
-        The record, or ``None`` when the checkpoint has none (unversioned).
+    embedded: LayoutRecord | None
+    sidecar: LayoutRecord | None
+    foreign: bool = False
+
+    @property
+    def record(self) -> LayoutRecord | None:
+        return self.embedded or self.sidecar
+
+
+def _read_embedded(cat: Catalog, reader: CheckpointReader) -> tuple[LayoutRecord | None, bool]:
+    """The embedded record, or ``(None, True)`` where the byte item ``layout`` is the trainer's own."""
+    if not cat.has_layout_item:
+        return None, False
+    try:
+        value = reader.read_object(LAYOUT_KEY)
+    except TrustRequiredError:  # ckpttool's record is a plain string: an object needing pickle is the trainer's
+        return None, True
+    if not is_own_record(value):
+        return None, True
+    # a malformed record is read whatever is declared: the hint says what to do with the record itself
+    try:
+        return parse_layout_record(value, f"{cat.path}: byte item 'layout'"), False
+    except LayoutError as e:
+        if e.code == "E400":
+            e.hint = (
+                "ckpttool reads the byte item 'layout' as its layout record (docs/layouts.md) and a declaration "
+                "does not replace it; save the checkpoint again without a 'layout' item or with a valid record"
+            )
+        raise
+
+
+def read_layout_records(cat: Catalog, reader: CheckpointReader) -> LayoutRecords:
+    """Read and validate the embedded record and the sidecar, and reconcile them.
 
     Raises:
         LayoutError (E400-E402): an invalid record; LayoutConflictError (E403): embedded and
             sidecar records disagree.
     """
-    embedded = sidecar = None
-    # a malformed record is read whatever is declared: the hint says what to do with the record itself
-    if cat.has_layout_item:
-        try:
-            embedded = parse_layout_record(reader.read_object(LAYOUT_KEY), f"{cat.path}: byte item 'layout'")
-        except LayoutError as e:
-            if e.code == "E400":
-                e.hint = (
-                    "ckpttool reads the byte item 'layout' as its layout record (docs/layouts.md) and a declaration "
-                    "does not replace it; save the checkpoint again without a 'layout' item or with a valid record"
-                )
-            raise
+    embedded, foreign = _read_embedded(cat, reader)
+    sidecar = None
     if cat.has_layout_sidecar:
         p = cat.path / SIDECAR_NAME
         try:
@@ -405,7 +441,22 @@ def load_layout_record(cat: Catalog, reader: CheckpointReader) -> LayoutRecord |
             f"{cat.path}: embedded layout record and {SIDECAR_NAME} disagree",
             hint=f"remove the stale {SIDECAR_NAME} (the embedded record was written with the save)",
         )
-    return embedded or sidecar
+    return LayoutRecords(embedded, sidecar, foreign)
+
+
+def load_layout_record(cat: Catalog, reader: CheckpointReader) -> LayoutRecord | None:
+    """Read, validate and reconcile the layout record (embedded item and sidecar).
+
+    A byte item ``layout`` that is not ckpttool's record (the trainer's own, by content) is no record.
+
+    Returns:
+        The record, or ``None`` when the checkpoint has none (unversioned).
+
+    Raises:
+        LayoutError (E400-E402): an invalid record; LayoutConflictError (E403): embedded and
+            sidecar records disagree.
+    """
+    return read_layout_records(cat, reader).record
 
 
 def resolve_layout(
@@ -425,26 +476,40 @@ def resolve_layout(
         LayoutError: invalid record (E400-E402), embedded and sidecar disagree (E403), the
             declaration contradicts the record or the chunk geometry (E404).
     """
-    rec = load_layout_record(cat, reader)
+    recs = read_layout_records(cat, reader)
+    rec, foreign = recs.record, recs.foreign
     where = str(cat.path)
     mp, sp = cat.schema.model_prefix or "", cat.schema.state_prefix
     if rec is not None:
         if declaration is not None:
             _check_declaration_against_record(declaration, rec, where)
-        source = "embedded" if cat.has_layout_item else "sidecar"
+        source = "embedded" if recs.embedded is not None else "sidecar"
         _check_record_lists_ep_tensors(
             cat, rec, f"{where}: byte item 'layout'" if source == "embedded" else str(cat.path / SIDECAR_NAME)
         )
         ep = dict(rec.extra_parallel)
         return ResolvedLayout(
-            rec.version, source, rec, rec.ep_size, rec.ep_fsdp_size, ep, declaration, model_prefix=mp, state_prefix=sp
+            rec.version,
+            source,
+            rec,
+            rec.ep_size,
+            rec.ep_fsdp_size,
+            ep,
+            declaration,
+            model_prefix=mp,
+            state_prefix=sp,
+            foreign_item=foreign,
         )
     ep = detect_ep_tensors(cat)
     if declaration is None:
         candidates = {k: tuple(ep_split_candidates(cat.model[k], s)) for k, s in ep.items() if s.fsdp_dim == s.ep_dim}
-        return ResolvedLayout(None, "none", None, None, None, ep, None, candidates, model_prefix=mp, state_prefix=sp)
+        return ResolvedLayout(
+            None, "none", None, None, None, ep, None, candidates, model_prefix=mp, state_prefix=sp, foreign_item=foreign
+        )
     if declaration.no_ep:
-        return ResolvedLayout(2, "declared", None, 1, None, ep, declaration, model_prefix=mp, state_prefix=sp)
+        return ResolvedLayout(
+            2, "declared", None, 1, None, ep, declaration, model_prefix=mp, state_prefix=sp, foreign_item=foreign
+        )
     for key, spec in ep.items():
         geo = tensor_geometry(cat.model[key], key, spec, declaration)
         if geo.problems:
@@ -464,4 +529,5 @@ def resolve_layout(
         declaration,
         model_prefix=mp,
         state_prefix=sp,
+        foreign_item=foreign,
     )

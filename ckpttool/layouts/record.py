@@ -20,7 +20,7 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
-from ckpttool.errors import LayoutError, LayoutFormatError, LayoutVersionError
+from ckpttool.errors import CkptError, LayoutError, LayoutFormatError, LayoutVersionError
 from ckpttool.format.jsonfile import parse_json
 from ckpttool.format.unpickler import short_repr
 
@@ -30,6 +30,7 @@ __all__ = [
     "SIDECAR_NAME",
     "EPTensorSpec",
     "LayoutRecord",
+    "is_own_record",
     "parse_layout_record",
 ]
 
@@ -84,10 +85,35 @@ class LayoutRecord:
         return json.dumps(self.raw, sort_keys=True, indent=2) + "\n"
 
 
-def _int(value: Any, where: str, *, minimum: int = 0) -> int:
+def _int(value: Any, where: str, *, minimum: int = 0, source: str = "layout record") -> int:
     if type(value) is not int or value < minimum:
-        raise LayoutError(f"layout record: {where} is {short_repr(value, 40)}, expected an integer >= {minimum}")
+        raise LayoutError(f"{source}: {where} is {short_repr(value, 40)}, expected an integer >= {minimum}")
     return value
+
+
+def is_own_record(obj: Any) -> bool:
+    """Whether a byte item named ``layout`` (as read) is ckpttool's layout record rather than the trainer's own.
+
+    By content: ckpttool writes a JSON object (a ``str``) whose ``format`` names it (``ckpttool.layout``, or another
+    ``ckpttool.`` format, an error when parsed). Anything else (a string that is not a JSON object, JSON without that
+    ``format``, a list, a dict, an object of the trainer's own) is a ``layout`` item of the trainer: an item of the
+    checkpoint like any other, not a record to parse.
+    """
+    if isinstance(obj, (bytes, bytearray)):
+        try:
+            obj = obj.decode("utf-8")
+        except UnicodeDecodeError:
+            return False
+    if not isinstance(obj, str) or not obj.lstrip().startswith("{"):
+        return False
+    try:
+        value = parse_json(obj, "layout")
+    except json.JSONDecodeError:
+        return False
+    except CkptError:  # an object too deep or too large: parse_layout_record says so
+        return True
+    fmt = value.get("format") if isinstance(value, dict) else None
+    return isinstance(fmt, str) and fmt.startswith("ckpttool.")
 
 
 def parse_layout_record(obj: Any, source: str = "layout record") -> LayoutRecord:
@@ -121,7 +147,7 @@ def parse_layout_record(obj: Any, source: str = "layout record") -> LayoutRecord
     par = obj.get("parallel", {})
     if not isinstance(par, dict):
         raise LayoutError(f"{source}: 'parallel' is not an object")
-    parallel = {str(k): _int(v, f"parallel.{k}", minimum=1) for k, v in par.items()}
+    parallel = {str(k): _int(v, f"parallel.{k}", minimum=1, source=source) for k, v in par.items()}
     ep_raw = obj.get("extra_parallel", {})
     if not isinstance(ep_raw, dict):
         raise LayoutError(f"{source}: 'extra_parallel' is not an object")
@@ -131,14 +157,14 @@ def parse_layout_record(obj: Any, source: str = "layout record") -> LayoutRecord
             raise LayoutError(f"{source}: extra_parallel[{key!r}] is not an object", fqn=key)
         fsdp_dim = spec.get("fsdp_dim")
         extra[str(key)] = EPTensorSpec(
-            ep_dim=_int(spec.get("ep_dim", 0), f"extra_parallel[{key!r}].ep_dim"),
-            fsdp_dim=None if fsdp_dim is None else _int(fsdp_dim, f"extra_parallel[{key!r}].fsdp_dim"),
-            num_experts=_int(spec.get("num_experts"), f"extra_parallel[{key!r}].num_experts", minimum=1),
+            ep_dim=_int(spec.get("ep_dim", 0), f"extra_parallel[{key!r}].ep_dim", source=source),
+            fsdp_dim=None if fsdp_dim is None else _int(fsdp_dim, f"extra_parallel[{key!r}].fsdp_dim", source=source),
+            num_experts=_int(spec.get("num_experts"), f"extra_parallel[{key!r}].num_experts", minimum=1, source=source),
         )
     opt = obj.get("optimizer", {})
     if not isinstance(opt, dict):
         raise LayoutError(f"{source}: 'optimizer' is not an object")
     step = obj.get("global_step")
     if step is not None:
-        step = _int(step, "global_step")
+        step = _int(step, "global_step", source=source)
     return LayoutRecord(version, parallel, extra, opt, step, obj)

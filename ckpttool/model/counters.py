@@ -216,7 +216,8 @@ def step_directory(ckpt: Checkpoint) -> tuple[str, int] | None:
     """``(name, step)`` of the step directory the checkpoint was saved in, where its trainer names step directories
     by the trainer step (:attr:`~ckpttool.model.schemas.base.SchemaSpec.step_dir_is_trainer_step`): the checkpoint
     directory itself (torchtitan's ``step-N``), or the directory above a step folder of the schema (OLMo-core's
-    ``stepN/model_and_optim``); ``None`` otherwise."""
+    ``stepN/model_and_optim``, verl's ``global_step_N/actor``) or above a model/optimizer pair (NeMo Automodel's
+    ``epoch_E_step_S/model`` + ``optim``); ``None`` otherwise."""
     from ckpttool.model.discovery import step_of
     from ckpttool.model.schemas import registry
 
@@ -224,21 +225,50 @@ def step_directory(ckpt: Checkpoint) -> tuple[str, int] | None:
     if spec is None or not spec.step_dir_is_trainer_step:
         return None
     d = Path(ckpt.located.model)
-    if d.name in {folder for folder, _ in spec.discovery.step_folders}:
+    if d.name in {folder for folder, _ in spec.discovery.step_folders} or ckpt.located.optimizer is not None:
         d = d.parent
     step = step_of(d.name)
     return None if step is None else (d.name, step)
 
 
-def directory_step_disagrees(ckpt: Checkpoint, trains: list[Counter]) -> tuple[str, str] | None:
-    """``(key, message)`` when the trainer's saved step (the first of ``trains``) is not the step its step
-    directory names (:func:`step_directory`): a save copied or renamed into another step's directory, which a
-    resume from that step would continue at the saved step instead (``validate``'s ``R002``)."""
+def several_optimizer_steps(ckpt: Checkpoint) -> bool:
+    """The trainer takes a varying number of optimizer steps per trainer step (verl's PPO mini-batches): the
+    optimizer's ``step`` counts neither the trainer's steps nor the LR scheduler's
+    (:attr:`~ckpttool.model.schemas.base.SchemaSpec.several_optimizer_steps_per_step`)."""
+    from ckpttool.model.schemas import registry
+
+    spec = registry.find(ckpt.catalog.schema.id)
+    return spec is not None and spec.several_optimizer_steps_per_step
+
+
+def directory_step_disagrees(
+    ckpt: Checkpoint, counter: Counter | None, *, may_lag: bool = False
+) -> tuple[str, str] | None:
+    """``(key, message)`` when ``counter`` (the trainer's saved step, else the optimizer's, else the LR scheduler's)
+    is not a step its step directory (:func:`step_directory`) can hold: within ``[N + lo, N + hi]`` of the directory's
+    step ``N`` (:attr:`~ckpttool.model.schemas.base.SchemaSpec.step_dir_range`; ``may_lag``: any step behind is
+    allowed, an optimizer that skips steps the trainer counts): a save copied or renamed into another step's
+    directory, which a resume from that step would continue at the saved step instead (``validate``'s ``R002``)."""
+    from ckpttool.model.schemas import registry
+
     named = step_directory(ckpt)
-    if named is None or not trains or trains[0].value == named[1]:
+    spec = registry.find(ckpt.catalog.schema.id)
+    if named is None or counter is None or spec is None:
         return None
-    c = trains[0]
-    return c.key, f"{c.key} = {c.value} but its directory is {named[0]} (step {named[1]})"
+    lo, hi = spec.step_dir_range
+    low = None if lo is None or may_lag else named[1] + lo
+    high = None if hi is None else named[1] + hi
+    if (low is None or counter.value >= low) and (high is None or counter.value <= high):
+        return None
+    if (low, high) == (named[1], named[1]):
+        expected = ""
+    elif low is None:
+        expected = f"; a save there holds step {high} or less"
+    elif high is None:
+        expected = f"; a save there holds step {low} or more"
+    else:
+        expected = f"; a save there holds step {' or '.join(str(v) for v in range(low, high + 1))}"
+    return counter.key, f"{counter.key} = {counter.value} but its directory is {named[0]} (step {named[1]}{expected})"
 
 
 def scheduler_per_step(ckpt: Checkpoint) -> bool:

@@ -613,7 +613,7 @@ def _layout_section(ckpt: Checkpoint) -> LayoutSummary | None:
         return LayoutSummary(
             rec.version,
             rec.layout_name,
-            "embedded" if cat.has_layout_item else "sidecar",
+            resolved.source,
             rec.parallel,
             rec.extra_parallel,
             rec.optimizer,

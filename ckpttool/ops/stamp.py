@@ -26,7 +26,7 @@ from typing import Any
 from ckpttool.errors import CkptError, LayoutContradictionError, LayoutError, OutputError, UsageError
 from ckpttool.format.atomic import atomic_write_text, unwritable_reason
 from ckpttool.format.marker import recording
-from ckpttool.layouts.declaration import LayoutDeclaration, load_layout_record
+from ckpttool.layouts.declaration import LayoutDeclaration, LayoutRecords, read_layout_records
 from ckpttool.layouts.geometry import EPGeometry, dim_intervals
 from ckpttool.layouts.record import SIDECAR_NAME, parse_layout_record
 from ckpttool.model.catalog import Catalog
@@ -229,12 +229,13 @@ def _contradiction_hint(ckpt: Checkpoint, err: LayoutError, sidecar: Path) -> st
     """A stamp-specific hint for E404: stamp needs the declaration, so "drop the options" does not apply."""
     cat = ckpt.catalog
     try:
-        rec = load_layout_record(cat, ckpt.reader)
+        recs = read_layout_records(cat, ckpt.reader)
     except CkptError:
-        rec = None
+        recs = LayoutRecords(None, None)
+    rec = recs.record
     if rec is not None:
         recorded = f"`source_layout` {rec.layout_name} `ep_size` {rec.ep_size} `ep_fsdp_size` {rec.ep_fsdp_size}"
-        if cat.has_layout_item:
+        if recs.embedded is not None:
             return (
                 "the layout is recorded inside the checkpoint (byte item 'layout', written with the save) and "
                 f"stamp cannot replace it; it needs no stamp (it says {recorded}); to store the experts in "

@@ -155,6 +155,9 @@ def test_recipe_step_scheduler_beside_is_read_and_compared(nemo_root: Path, tmp_
     doc = json.loads(cli("validate", "--strict", "--deep", "--json", str(step), code=1))
     r002 = {f["key"]: f["message"] for f in doc["findings"] if f["code"] == "R002"}
     assert r002.pop("sched.last_epoch") == "LR scheduler sched.last_epoch = 2 but step_scheduler.pt:step = 5"
+    assert r002.pop("step_scheduler.pt:step") == (
+        "step_scheduler.pt:step = 5 but its directory is epoch_0_step_1 (step 1; a save there holds step 1 or 2)"
+    )
     ((key, message),) = r002.items()
     assert key.startswith("optim.state.") and message.endswith(", the largest) but step_scheduler.pt:step = 5")
 
@@ -339,3 +342,32 @@ def test_import_of_nemos_model_folder_reads_the_config_nemo_saved_beside_it(nemo
     assert all(torch.equal(sd[f"model.{k}"].view(torch.uint8), v.view(torch.uint8)) for k, v in ref.items())
     res = runner.invoke(app, ["import", str(model), str(tmp_path / "titan"), "--schema", "torchtitan"])
     assert res.exit_code == 0, res.stderr
+
+
+def test_a_save_in_another_steps_directory_fails_r002(nemo_root: Path, tmp_path: Path) -> None:
+    """NeMo Automodel names a step directory ``epoch_E_step_S`` by its step (``recipes/llm/train_ft.py``: S is
+    StepScheduler.step before its increment, so the save after N optimizer steps is step N - 1; its
+    speculative-decoding recipes name it N). The directory was never compared: NeMo's own save of step 2
+    copied into ``epoch_0_step_5`` (a resume continues at step 5) passed validate --strict --deep. R002 now
+    compares the saved step (step_scheduler.pt's, else the optimizer's) with the directory's, N or N + 1."""
+    import shutil
+
+    import torch
+
+    saved = _save_with_scheduler_ahead(tmp_path / "run", 0)  # 2 optimizer steps, saved as epoch_0_step_1
+    for name in ("epoch_0_step_1", "epoch_0_step_2"):  # the names NeMo's recipes give a save after 2 steps
+        step = saved if name == saved.name else shutil.copytree(saved, tmp_path / "run" / name)
+        doc = json.loads(cli("validate", "--strict", "--deep", "--json", str(step)))
+        assert doc["ok"] and "R002" not in {f["code"] for f in doc["findings"]}, doc["findings"]
+    moved = shutil.copytree(saved, tmp_path / "run" / "epoch_0_step_5")
+    doc = json.loads(cli("validate", "--strict", "--deep", "--json", str(moved), code=1))
+    ((key, message),) = [(f["key"], f["message"]) for f in doc["findings"] if f["code"] == "R002"]
+    assert key.startswith("optim.state.") and key.endswith(".step"), key
+    assert message == f"{key} = 2 but its directory is epoch_0_step_5 (step 5; a save there holds step 5 or 6)"
+    torch.save(_step_scheduler_state(2), moved / "step_scheduler.pt")  # the recipe's own counter: named first
+    doc = json.loads(cli("validate", "--strict", "--deep", "--json", str(moved), code=1))
+    r002 = {f["key"]: f["message"] for f in doc["findings"] if f["code"] == "R002"}
+    assert r002 == {
+        "step_scheduler.pt:step": "step_scheduler.pt:step = 2 but its directory is epoch_0_step_5 (step 5; a save "
+        "there holds step 5 or 6)"
+    }

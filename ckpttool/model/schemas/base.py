@@ -236,6 +236,13 @@ class SchemaSpec:
         step_dir_is_trainer_step: its trainer names each step directory by the trainer step the save holds
             (torchtitan's ``step-N`` holds ``train_state.step`` N; OLMo-core's ``stepN/`` holds ``global_step`` N in
             ``train/rankR.pt``), so a directory that names another step holds another step's save (``R002``).
+        step_dir_range: ``(lo, hi)``: the step a save in the step directory of step ``N`` holds (the trainer's, else
+            the optimizer's, else the LR scheduler's) is within ``[N + lo, N + hi]`` (``None``: unbounded); ``(0, 0)``:
+            exactly ``N`` (torchtitan, OLMo-core).
+        several_optimizer_steps_per_step: its trainer takes a varying number of optimizer steps per trainer step
+            while its LR scheduler and step directory count trainer steps (verl's PPO: one per mini-batch,
+            ``ppo_epochs`` times, the scheduler once per update): the optimizer's ``step`` is compared with neither
+            (``R002``).
         stacked_layers: fqn prefixes of parameters stored with every layer stacked on dim 0 (Megatron-core's
             ``decoder.layers.``: ``decoder.layers.mlp.linear_fc1.weight [L, out, in]``); layer ``i`` of such a
             tensor is ``<prefix><i>`` (``decoder.layers.3``), as ``stats`` groups it.
@@ -298,6 +305,8 @@ class SchemaSpec:
     files_read: tuple[str, ...] = ()
     scheduler_per_step: bool = True
     step_dir_is_trainer_step: bool = False
+    step_dir_range: tuple[int | None, int | None] = (0, 0)
+    several_optimizer_steps_per_step: bool = False
     stacked_layers: tuple[str, ...] = ()
     common_state_file: str | None = None
     read_common_state: Callable[[bytes, str], CommonState | None] | None = None
@@ -333,9 +342,23 @@ class SchemaSpec:
         """The Python name of its ``--schema`` choice (``torch_native``)."""
         return self.name.replace("-", "_")
 
+    def stacked_prefix(self, fqn: str) -> str | None:
+        """The prefix of :attr:`stacked_layers` under which ``fqn`` holds every layer stacked on dim 0
+        (``decoder.layers.mlp.linear_fc1.weight [L, out, in]``), else ``None``: also for one layer's own
+        ``decoder.layers.<N>.`` fqn, which megatron-core saves for a block of mixed layer types (dense and MoE
+        layers, ``moe_layer_freq``: ``TransformerBlock.sharded_state_dict``'s ``non_homogeneous_layers``)."""
+        p = next((p for p in self.stacked_layers if fqn.startswith(p)), None)
+        return None if p is None or fqn[len(p) :].split(".", 1)[0].isdigit() else p
+
 
 def per_rank_spec(
-    name: str, *, priority: int, doc_optimizer: str, doc_written_by: str, discovery: Discovery = Discovery()
+    name: str,
+    *,
+    priority: int,
+    doc_optimizer: str,
+    doc_written_by: str,
+    discovery: Discovery = Discovery(),
+    **steps: Any,
 ) -> SchemaSpec:
     """The spec of a trainer's per-rank ``torch.save`` files (not DCP), which
     :mod:`ckpttool.format.perrank_formats` assembles into torch's flattened keys ``model.<fqn>``,
@@ -350,4 +373,5 @@ def per_rank_spec(
         doc_model="`model.<fqn>` (assembled)",
         doc_optimizer=doc_optimizer,
         doc_written_by=doc_written_by,
+        **steps,
     )

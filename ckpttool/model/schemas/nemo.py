@@ -75,6 +75,12 @@ SPEC = SchemaSpec(
         step_patterns=(STEP_RE,),
         incomplete_markers=(INCOMPLETE_MARKER,),
     ),
+    # recipes/llm/train_ft.py (and vlm, kd, seq_cls, bi-encoder): save_checkpoint(epoch, step_scheduler.step) in the
+    # loop body, after the optimizer step and before StepScheduler.__iter__ increments its step (from 0): the save
+    # after N optimizer steps is epoch_E_step_{N-1}, its step_scheduler.pt holding step N (state_dict: step + 1);
+    # the speculative-decoding recipes (train_eagle*, train_dflash) name it by runtime.global_step, N: N or N + 1
+    step_dir_is_trainer_step=True,
+    step_dir_range=(0, 1),
     doc_model="`<hf fqn>` (top level; `model/` safetensors)",
     doc_optimizer="`optim.state.<hf fqn>.<field>` (flattened; `optim/` DCP)",
     doc_written_by="NeMo Automodel's `Checkpointer` (`epoch_E_step_S/model/` + `optim/`, `sched`)",

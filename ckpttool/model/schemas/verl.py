@@ -23,6 +23,13 @@ SPEC = per_rank_spec(
         step_words=("global_step",),
         step_folders=(("actor", ("critic",)), ("critic", ("actor",))),
     ),
+    # ray_trainer.fit saves global_step_N after the N-th training step; the actor's LR scheduler steps once per
+    # update_actor (engine_workers.train_mini_batch: update_lr_scheduler on its last mini-batch), which skips the
+    # critic_warmup steps, and the optimizer once per mini-batch, ppo_epochs times (a non-finite grad norm skips one):
+    # last_epoch is N, or behind it, never ahead; the optimizer's step is not a count of training steps
+    step_dir_is_trainer_step=True,
+    step_dir_range=(None, 0),
+    several_optimizer_steps_per_step=True,
     doc_optimizer="`optimizer.state.<fqn>.<field>` (assembled; index -> fqn)",
     doc_written_by="verl's `FSDPCheckpointManager`: per-rank `{model,optim,extra_state}_world_size_W_rank_R.pt`",
 )

@@ -385,7 +385,7 @@ def dcp_items(side: Side, what: str) -> tuple[list[Item], list[Excluded], list[s
         for key in cat.byte_items:
             if key in group_keys:
                 continue
-            if key == LAYOUT_KEY:
+            if key == LAYOUT_KEY and not (side.ckpt.layout is not None and side.ckpt.layout.foreign_item):
                 excluded.append(Excluded(side.label, key, "the layout record describes the storage order, not values"))
                 continue
             if cat.category(key) == "optimizer_state":
@@ -938,10 +938,8 @@ def _stacked_layers(name: str, a: Side, ia: Item, ib: Item) -> str | None:
         return None
     for p in spec.stacked_layers:
         at = name.find("." + p)
-        if at >= 0:
-            head = name[: at + 1 + len(p)]
-            if not name[len(head) :].split(".", 1)[0].isdigit():
-                return head
+        if at >= 0 and spec.stacked_prefix(name[at + 1 :]) is not None:
+            return name[: at + 1 + len(p)]
     return None
 
 

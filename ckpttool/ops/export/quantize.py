@@ -86,8 +86,9 @@ FP8_DTYPE = "float8_e4m3fn"
 DEFAULT_SKIP = (
     "*embed*", "*wte*", "*wpe*", "*norm*", "lm_head.weight", "*.gate.weight", "*router*", "*shared_expert_gate*",
 )  # fmt: skip
-#: Source dtypes that are quantized (others are written as the save dtype says).
-_QUANTIZABLE = ("float32", "bfloat16", "float16")
+#: Source dtypes that are quantized (others are written as the save dtype says). float64 is rounded to float32 first
+#: (:func:`_widen`), as torch's own ``.to(torch.float8_e4m3fn)`` of a double does (c10 converts from float).
+_QUANTIZABLE = ("float32", "bfloat16", "float16", "float64")
 #: The largest error allowed, per block, relative to the block's amax: half an e4m3fn ulp at the top of the range
 #: (16 / 448 = 0.0357, round to nearest even on 3 mantissa bits) plus float32 rounding of ``w / scale``.
 MAX_BLOCK_REL_ERROR = 16 / 448 * (1 + 2**-10)
@@ -1147,8 +1148,9 @@ _PAGE = 4096
 
 
 def _widen(raw: np.ndarray, dtype: str, dest: np.ndarray) -> None:
-    """Raw ``uint8`` bytes of ``float32`` / ``bfloat16`` / ``float16`` values into ``dest`` (``[n, width]``, rows may
-    be strided): float32 exactly (bfloat16: its bits shifted into the upper half), or the stored dtype (:func:`_held`)."""
+    """Raw ``uint8`` bytes of ``float32`` / ``bfloat16`` / ``float16`` / ``float64`` values into ``dest`` (``[n, width]``,
+    rows may be strided): float32 exactly (bfloat16: its bits shifted into the upper half; float64 rounded to nearest),
+    or the stored dtype (:func:`_held`)."""
     import numpy as np
 
     shape = dest.shape
@@ -1158,6 +1160,8 @@ def _widen(raw: np.ndarray, dtype: str, dest: np.ndarray) -> None:
         np.left_shift(raw.view(np.uint16).reshape(shape), 16, out=dest.view(np.uint32), dtype=np.uint32)
     elif dtype == "float32":
         np.copyto(dest, raw.view(np.float32).reshape(shape))
+    elif dtype == "float64":
+        np.copyto(dest, raw.view(np.float64).reshape(shape))
     else:
         np.copyto(dest, raw.view(np.float16).reshape(shape))
 

@@ -30,10 +30,12 @@ from ckpttool.model.catalog import Catalog, leaf_key
 from ckpttool.model.checkpoint import Checkpoint, CheckpointOrPath, OpenOptions, open_source
 from ckpttool.model.counters import (
     Counter,
+    directory_step_disagrees,
     lost_optimizer_state,
     optimizer_step_disagrees,
     scheduler_counters,
     scheduler_disagrees,
+    several_optimizer_steps,
     skips_optimizer_steps,
     trainer_steps,
 )
@@ -844,7 +846,11 @@ def _state_problems(
         if bad is None:  # optimizer and trainer agree: an LR scheduler of another save still moves the next lr
             bad = next(iter(scheduler_disagrees(ckpt, trains[0], scheduler_counters(ckpt)[0])), None)
             why = "the LR scheduler is of another save: a resume would take the lr of another step from the next one"
-    else:  # no trainer step saved (verl): the LR scheduler's last_epoch is the run's only other counter
+    elif several_optimizer_steps(ckpt):  # verl: the optimizer steps per mini-batch, the scheduler per training step
+        epochs = scheduler_counters(ckpt)[0]
+        bad = directory_step_disagrees(ckpt, epochs[0] if epochs else None)
+        why = "the LR scheduler is of another save than its step directory: a resume would take the lr of another step"
+    else:  # no trainer step saved: the LR scheduler's last_epoch is the run's only other counter
         lags = not complete or skips_optimizer_steps(ckpt)
         bad = next(iter(scheduler_disagrees(ckpt, opt, scheduler_counters(ckpt)[0], ref_may_lag=lags)), None)
         why = "the optimizer state and the LR scheduler are of different saves: a resume pairs the moments of one step with the lr of another"

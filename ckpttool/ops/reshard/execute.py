@@ -4,14 +4,15 @@ Plans from metadata (:mod:`ckpttool.ops.reshard.plan`) and writes an atomic outp
 chunks equal to a source chunk are copied verbatim after the chunk locator's checks; other EP
 chunks are assembled tensor by tensor (each source chunk read once; peak memory one tensor's
 rewritten chunks plus one source chunk) and written with ``torch.save``; byte items pass
-through, the ``layout`` item replaced by the new record (``converted_from`` names the source);
-files beside the checkpoint are copied, a stale sidecar ``layout.json`` is not. The source is
+through, the ``layout`` item replaced by the new record (``converted_from`` names the source; a ``layout``
+item of the trainer's own is copied and the record written to the output's ``layout.json``); files beside the checkpoint are copied, a stale sidecar ``layout.json`` is not. The source is
 only read. ``docs/layouts.md``, "ckpttool reshard".
 """
 
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import math
 import os
@@ -27,7 +28,7 @@ from typing import TYPE_CHECKING, Any
 from ckpttool.engine.pool import map_ordered, worker_count
 from ckpttool.errors import DataFileError, NotRegularFileError, PathEscapeError, ReshardError, SizeLimitError
 from ckpttool.format import limits
-from ckpttool.format.atomic import signals_deferred
+from ckpttool.format.atomic import atomic_write_text, signals_deferred
 from ckpttool.format.directory import DATA_FILE_RE, METADATA_NAME
 from ckpttool.format.files import copy_regular, resolve_inside
 from ckpttool.format.marker import MARKER_NAME
@@ -570,9 +571,7 @@ def _reshard(
                 group.agree(e)  # the other ranks learn of it (and raise it) in execute_plan
             raise
         write_seconds = time.perf_counter() - t_write
-        extra, files = (
-            _root_files(src_p, reader, tmp, writer, opts, identity, plan.world, say) if group.is_root else ([], [])
-        )
+        extra, files = _root_files(src_p, reader, tmp, writer, opts, identity, plan, say) if group.is_root else ([], [])
     res = _result(
         ckpt, dst_p, opts, plan, layout, counts, files, extra, writer.bytes_written, time.perf_counter() - t0, identity
     )
@@ -586,14 +585,18 @@ def _root_files(
     writer: DCPWriter,
     opts: ReshardOptions,
     identity: dict[str, Any],
-    world: int,
+    plan: ReshardPlan,
     say: PhaseFn,
 ) -> tuple[list[str], list[dict[str, Any]]]:
-    """Rank 0's part once the data files are written: the extra files copied, the manifest written;
+    """Rank 0's part once the data files are written: the extra files copied, the record written to
+    ``layout.json`` where the trainer's own byte item ``layout`` was kept, the manifest written;
     ``(extra names, data files with their sizes)``."""
+    world = plan.world
     if _extra_names(src_p, reader):
         say("copying extra files")
     extra = _copy_extra_files(src_p, tmp) if reader.remote is None else _copy_extra_remote(reader, tmp)
+    if plan.record_in_sidecar:
+        atomic_write_text(tmp / SIDECAR_NAME, json.dumps(plan.record, sort_keys=True, indent=2) + "\n")
     if opts.manifest:
         say("writing manifest.json")
         _write_output_manifest(writer, tmp, opts.algorithm, identity)

@@ -23,6 +23,7 @@ from ckpttool.errors import (
     ChunkError,
     IndexedOptimizerStateError,
     LayoutContradictionError,
+    LayoutError,
     LayoutSizeError,
     ReshardError,
     UsageError,
@@ -33,7 +34,7 @@ from ckpttool.format.tiling import tiling_problem
 from ckpttool.layouts.declaration import EP_NAME_RE, LAYOUT_VERSIONS, ResolvedLayout
 from ckpttool.layouts.geometry import dim_intervals, nested_shard_intervals, tensor_geometry
 from ckpttool.layouts.permute import canonical_to_legacy_perm, legacy_to_canonical_perm
-from ckpttool.layouts.record import LAYOUT_FORMAT, LAYOUT_KEY, EPTensorSpec, parse_layout_record
+from ckpttool.layouts.record import LAYOUT_FORMAT, LAYOUT_KEY, SIDECAR_NAME, EPTensorSpec, parse_layout_record
 from ckpttool.model.catalog import Catalog
 from ckpttool.ops.fields import OutputOptions, check_output_ranks
 
@@ -163,6 +164,8 @@ class ReshardPlan:
     byte_items: list[BytesPlan] = field(default_factory=list)
     record: dict[str, Any] = field(default_factory=dict)
     planner_data: dict[str, tuple[Any, ...]] = field(default_factory=dict)
+    # the source's byte item 'layout' is the trainer's own: copied like any item, the record goes to layout.json
+    record_in_sidecar: bool = False
 
     @property
     def permuted_keys(self) -> list[str]:
@@ -490,7 +493,7 @@ def _plan_entries(plan: ReshardPlan, ckpt: CheckpointDir, ep_state: dict[str, st
         if key in md.planner_data:
             plan.planner_data[key] = md.planner_data[key]
         if isinstance(meta, BytesMeta):
-            if key != LAYOUT_KEY:
+            if key != LAYOUT_KEY or layout.foreign_item:
                 plan.byte_items.append(BytesPlan(key, _source_rank(ckpt, key, None) % plan.world))
             continue
         assert isinstance(meta, TensorMeta)
@@ -547,6 +550,9 @@ def _converted_record(plan: ReshardPlan, cat: Catalog, source: dict[str, Any] | 
         optimizer=None if src_rec is not None else implied_optimizer(cat),
         extra={"converted_from": converted_from},
     )
+    if layout.foreign_item:
+        plan.record_in_sidecar = True
+        return
     plan.byte_items.append(BytesPlan(LAYOUT_KEY, 0, json.dumps(plan.record, sort_keys=True)))
     plan.planner_data[LAYOUT_KEY] = (LAYOUT_KEY,)
 
@@ -585,6 +591,7 @@ def plan_reshard(
     """
     o = options or ReshardOptions()
     _refuse_untiled(ckpt)
+    _refuse_foreign_layout_item(cat, layout)
     to_version, p2, f2 = _target_mesh(cat, layout, o.to, o.target_ep_size, o.target_ep_fsdp_size)
     # Optimizer state of EP parameters: migrate (with_optimizer) or refuse.
     ep_state = _ep_state(cat, layout, o.with_optimizer)
@@ -595,6 +602,24 @@ def plan_reshard(
     _refuse_orphan_expert_state(cat, plan)
     _converted_record(plan, cat, source)
     return plan
+
+
+def _refuse_foreign_layout_item(cat: Catalog, layout: ResolvedLayout) -> None:
+    """A byte item ``layout`` of the trainer's own (not ckpttool's record) is copied like any item, so the output's
+    record goes to its ``layout.json``; the source's layout must be recorded the same way (``ckpttool stamp``).
+
+    Raises:
+        LayoutError (E400): no ``layout.json`` records the source's layout.
+    """
+    if layout.foreign_item and layout.source != "sidecar":
+        raise LayoutError(
+            f"{cat.path}: the byte item 'layout' is the trainer's own, not a ckpttool layout record, and no "
+            f"{SIDECAR_NAME} records the layout; nothing was written",
+            path=cat.path,
+            hint=f"record the layout beside it with `ckpttool stamp {cat.path} --source-layout legacy|canonical "
+            "--ep-size P --ep-fsdp-size F` (reshard keeps the trainer's item and writes its own record to the "
+            f"output's {SIDECAR_NAME})",
+        )
 
 
 def _refuse_untiled(ckpt: CheckpointDir) -> None:

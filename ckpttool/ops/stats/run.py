@@ -114,7 +114,7 @@ def stacked_prefix(ckpt: Checkpoint, fqn: str) -> str | None:
     spec = registry.find(ckpt.catalog.schema.id)
     if spec is None:
         return None
-    return next((p for p in spec.stacked_layers if fqn.startswith(p)), None)
+    return spec.stacked_prefix(fqn)
 
 
 #: Why a stacked tensor's layers are grouped together (its chunks hold several layers each).

@@ -291,14 +291,12 @@ class Context:
             from ckpttool.model.schemas import registry
 
             spec = registry.find(self.cat.schema.id)
-            prefixes = spec.stacked_layers if spec is not None else ()
 
             def stacked(fqn: str) -> bool:
-                p = next((p for p in prefixes if fqn.startswith(p)), None)
-                return p is not None and not fqn[len(p) :].split(".", 1)[0].isdigit()
+                return spec is not None and spec.stacked_prefix(fqn) is not None
 
             out: set[str] = set()
-            if prefixes:
+            if spec is not None and spec.stacked_layers:
                 out.update(k for k in self.cat.model if stacked(self.cat.fqn_of(k)))
                 for fqn, ps in self.cat.optimizer_state.items():
                     if stacked(fqn):

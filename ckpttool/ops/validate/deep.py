@@ -945,7 +945,8 @@ def _read_byte_items(ctx: Context, res: DeepResult) -> None:
     known = set(ctx.byte_item_errors)
     for g in ctx.cat.param_groups:
         known.update(g.keys.values())  # read (or recorded as unreadable) with the param groups
-    known.add(LAYOUT_KEY)
+    if ctx.layout is None or not ctx.layout.foreign_item:  # a trainer's own 'layout' item is read as any other
+        known.add(LAYOUT_KEY)
     for key, meta in reader.metadata.entries.items():
         if not isinstance(meta, BytesMeta) or key in known or not ctx.storage_ok(key):
             continue

@@ -583,3 +583,20 @@ def test_rules_that_leave_out_every_key_say_so(tmp_path: Path) -> None:
         "out (2 skipped by a key rule); "
     ), error
     assert hint == f"hint: the rules of --rules ({rules}) leave out every key of A: check their `to: null` rules"
+
+
+def test_a_layout_item_of_the_trainers_own_is_compared(tmp_path: Path) -> None:
+    """``--what all`` left every byte item named ``layout`` out as "the layout record", so two saves whose
+    trainer's own ``layout`` item differs ('bshd' vs 'sbhd') were reported equal (exit 0). Only ckpttool's record
+    is left out now; the trainer's item is compared like any object."""
+    w = torch.arange(6, dtype=torch.float32).reshape(2, 3)
+    for name, item in (("a", "bshd"), ("b", "sbhd"), ("c", "bshd")):
+        dcp.save({"model": {"w": w}, "layout": item}, checkpoint_id=tmp_path / name, no_dist=True)
+    res = runner.invoke(app, ["diff", str(tmp_path / "a"), str(tmp_path / "b"), "--what", "all", "--json"])
+    doc = json.loads(res.stdout)
+    assert res.exit_code == 1, res.stdout
+    assert [(d["name"], d["kind"], d["a_value"], d["b_value"]) for d in doc["differences"]] == [
+        ("layout", "object", "'bshd'", "'sbhd'")
+    ]
+    res = runner.invoke(app, ["diff", str(tmp_path / "a"), str(tmp_path / "c"), "--what", "all"])
+    assert res.exit_code == 0, res.stdout

@@ -726,3 +726,25 @@ def test_export_drops_an_fp8_quantization_config_it_writes_no_fp8_for(sample_ckp
     assert res.exit_code == 0, res.stderr
     assert json.loads(res.stdout)["config_edits"]["quantization_config"] == [qc, None]
     assert "quantization_config" not in json.loads((tmp_path / "hf" / "config.json").read_text())
+
+
+def test_float64_weights_are_quantized_not_left_silently(tmp_path: Path) -> None:
+    """A float64 2-D weight (a float64 training run, or a master copy saved in double) was written as bfloat16 by
+    ``--quantize fp8-block`` while the summary counted only the other weights as quantized, and nothing said so.
+    It is rounded to float32 and quantized now, as torch's ``(w / scale).to(torch.float8_e4m3fn)`` of it gives:
+    torch's reference bytes and scales, torch's own quantized reader, the error bound."""
+    g = torch.Generator().manual_seed(3)
+    w64 = torch.randn(40, 24, generator=g, dtype=torch.float64)
+    w32 = torch.randn(24, 40, generator=g)
+    sd = {
+        "model.model.layers.0.mlp.down_proj.weight": w64,
+        "model.model.layers.0.mlp.up_proj.weight": w32,
+        "model.model.norm.weight": torch.ones(24, dtype=torch.float64),
+    }
+    dcp.save(sd, checkpoint_id=str(tmp_path / "ckpt"), no_dist=True)
+    r = _export(tmp_path / "ckpt", tmp_path / "out", "--quantize-block", "16")
+    names = sorted(r["quantization"]["tensors"])
+    assert [n.rsplit(".", 2)[-2] for n in names] == ["down_proj", "up_proj"], names
+    sources = {n: sd[n] for n in names}  # a top-level save: the output keys are the keys saved
+    assert _check_against_sources(tmp_path / "out", sources, 16, r) == 2
+    assert _file_tensors(tmp_path / "out")[names[0]].dtype == torch.float8_e4m3fn

@@ -122,10 +122,10 @@ def test_index_keyed_optimizer_state_is_refused_when_the_expert_order_changes(tm
 
 
 def test_a_malformed_layout_record_hint_does_not_send_back_to_the_declaration(ep_suite: Path, tmp_path: Path) -> None:
-    """A 'layout' byte item of the trainer's own (dcp.save of {"layout": "bshd"}) or a garbage layout.json is
-    read as the layout record whatever is declared, yet the E400 hint said "declare the layout with
-    --source-layout ...": declaring gave the same error and the same hint. The hint now says what to do with
-    the record itself."""
+    """A garbage layout.json, or an embedded item that is ckpttool's record by its format but malformed, is read
+    as the layout record whatever is declared, yet the E400 hint said "declare the layout with --source-layout
+    ...": declaring gave the same error and the same hint. The hint now says what to do with the record itself."""
+    import json
     import shutil
 
     import torch.distributed.checkpoint as dcp
@@ -133,13 +133,16 @@ def test_a_malformed_layout_record_hint_does_not_send_back_to_the_declaration(ep
     own = tmp_path / "own"
     g = torch.Generator().manual_seed(0)
     experts = torch.randn(8, 4, 5, generator=g)
-    dcp.save({"model": {"layers.0.mlp.experts.down_proj": experts}, "layout": "bshd"}, checkpoint_id=own, no_dist=True)
+    broken = json.dumps({"format": "ckpttool.layout", "version": 2, "parallel": {"ep_size": 0}})
+    dcp.save({"model": {"layers.0.mlp.experts.down_proj": experts}, "layout": broken}, checkpoint_id=own, no_dist=True)
     res = runner.invoke(
         app,
         ["reshard", str(own), str(tmp_path / "o"), "--to", "canonical", "--no-ep", "--target-ep-size", "2"]
         + ["--target-ep-fsdp-size", "1"],
     )
-    assert res.exit_code == 2 and res.stderr.startswith(f"error: [E400] {own}: byte item 'layout': not valid JSON")
+    assert res.exit_code == 2 and res.stderr.startswith(
+        f"error: [E400] {own}: byte item 'layout': parallel.ep_size is 0"
+    )
     assert "declare the layout with" not in res.stderr
     assert "a declaration does not replace it" in res.stderr
     side = tmp_path / "side"
@@ -149,6 +152,75 @@ def test_a_malformed_layout_record_hint_does_not_send_back_to_the_declaration(ep
     assert res.exit_code == 2 and res.stderr.startswith(f"error: [E400] {side}/layout.json: not valid JSON")
     assert "hint: fix or delete layout.json, then declare the layout" in res.stderr
     assert not (tmp_path / "o").exists()
+
+
+@pytest.mark.parametrize("item", ["bshd", '{"tp": 2, "order": "bshd"}'])
+def test_a_layout_item_of_the_trainers_own_is_an_item_not_a_record(tmp_path: Path, item: str) -> None:
+    """``dcp.save({"model": ..., "layout": "bshd"})`` (a trainer's own top-level ``layout`` item, not ckpttool's
+    record) failed every command: inspect showed the layout as an E400 error, validate failed L001, export, stamp
+    and reshard refused E400 with a hint to save the checkpoint again. The item is told from the record by content
+    now: inspect, validate and export read the checkpoint as unversioned; stamp records the layout in layout.json;
+    reshard refuses (E400, one line, the stamp hint) until the layout is recorded, then keeps the trainer's item
+    as saved and writes its record to the output's layout.json."""
+    import json
+
+    import torch.distributed.checkpoint as dcp
+    from safetensors.torch import load_file
+
+    from ckpttool.layouts.record import parse_layout_record
+
+    g = torch.Generator().manual_seed(0)
+    model = {"layers.0.mlp.experts.down_proj": torch.randn(8, 4, 5, generator=g), "layers.0.w": torch.randn(3, 3)}
+    src = tmp_path / "src"
+    dcp.save({"model": model, "layout": item}, checkpoint_id=src, no_dist=True)
+    res = runner.invoke(app, ["inspect", str(src), "--json"])
+    doc = json.loads(res.stdout)
+    assert res.exit_code == 0 and doc["layout_error"] is None and doc["layout"]["source"] == "none", res.stdout
+    res = runner.invoke(app, ["validate", str(src), "--json"])
+    assert res.exit_code == 0 and json.loads(res.stdout)["findings"] == [], res.stdout
+    res = runner.invoke(app, ["export", str(src), str(tmp_path / "hf")])
+    assert res.exit_code == 0, res.stderr
+    exported = load_file(tmp_path / "hf" / "model.safetensors")
+    assert sorted(exported) == sorted(model) and all(torch.equal(exported[k], v) for k, v in model.items())
+    out = tmp_path / "out"
+    target = ["--to", "canonical", "--target-ep-size", "2", "--target-ep-fsdp-size", "1"]
+    res = runner.invoke(app, ["reshard", str(src), str(out), *target, "--no-ep"])
+    assert res.exit_code == 2 and len(res.stderr.splitlines()) == 2 and not out.exists(), res.stderr
+    assert res.stderr.startswith(f"error: [E400] {src}: the byte item 'layout' is the trainer's own"), res.stderr
+    assert f"hint: record the layout beside it with `ckpttool stamp {src} --source-layout" in res.stderr
+    res = runner.invoke(
+        app, ["stamp", str(src), "--source-layout", "canonical", "--ep-size", "1"] + ["--ep-fsdp-size", "1"]
+    )
+    assert res.exit_code == 0, res.stderr
+    res = runner.invoke(app, ["reshard", str(src), str(out), *target])
+    assert res.exit_code == 0, res.stderr
+    loaded = {"model": {k: torch.zeros_like(v) for k, v in model.items()}, "layout": None}
+    dcp.load(loaded, checkpoint_id=out, no_dist=True)  # torch's own reader: the trainer's item as it saved it
+    assert loaded["layout"] == item and all(torch.equal(loaded["model"][k], v) for k, v in model.items())
+    rec = parse_layout_record((out / "layout.json").read_text())
+    assert (rec.version, rec.ep_size, rec.ep_fsdp_size) == (2, 2, 1)
+    assert list(rec.extra_parallel) == ["model.layers.0.mlp.experts.down_proj"]
+    res = runner.invoke(app, ["validate", str(out), "--json"])
+    assert res.exit_code == 0 and json.loads(res.stdout)["findings"] == [], res.stdout
+    res = runner.invoke(app, ["inspect", str(out), "--json"])
+    assert json.loads(res.stdout)["layout"]["source"] == "sidecar"
+
+
+def test_a_layout_item_of_the_trainers_own_is_read_by_validate_deep(tmp_path: Path) -> None:
+    """validate --deep reads every byte item (S011: one torch.load(weights_only=True) refuses) but left out the one
+    named 'layout' as ckpttool's record, so a trainer's own 'layout' object that needs --trust-pickle passed as OK.
+    A 'layout' item that is not ckpttool's record is read as any other now."""
+    import argparse
+    import json
+
+    import torch.distributed.checkpoint as dcp
+
+    model = {"layers.0.mlp.experts.down_proj": torch.zeros(8, 4, 5)}
+    dcp.save({"model": model, "layout": argparse.Namespace(order="bshd")}, checkpoint_id=tmp_path / "c", no_dist=True)
+    res = runner.invoke(app, ["validate", "--deep", "--json", str(tmp_path / "c")])
+    assert res.exit_code == 1, res.stdout
+    ((code, key, message),) = [(f["code"], f["key"], f["message"]) for f in json.loads(res.stdout)["findings"]]
+    assert (code, key) == ("S011", "layout") and message.endswith("classes argparse.Namespace"), message
 
 
 def _save_with_ema(rank: int, world: int, out: str) -> None:

@@ -270,3 +270,51 @@ def test_layer_whose_second_moment_slice_is_negative_has_no_update_size(tmp_path
     u = next(u for u in c["updates"] if u["fqn"] == "decoder.layers.mlp.linear_fc1.weight")
     assert u["rms"] is None
     assert any(n.startswith("update size nan: exp_avg_sq holds negative values") for n in c["notes"]), c["notes"]
+
+
+@pytest.fixture(scope="module")
+def mixed() -> Path:
+    """megatron-core's own save of a block of mixed layer types (layer 0 dense, layer 1 MoE: ``moe_layer_freq``
+    [0, 1]), which it writes per layer (``decoder.layers.<i>.``), not stacked (``tests/fixtures/megatron.py``)."""
+    import os
+
+    from tests.fixtures.cache import cached_build
+    from tests.fixtures.megatron import build_megatron
+
+    root = Path(os.environ.get("CKPTTOOL_FIXTURE_CACHE", "/tmp/ckpttool-fixtures"))
+    return cached_build(root, "megatron-mixed", lambda d: build_megatron(d, ("moe_mixed",))) / "moe_mixed"
+
+
+@pytest.mark.heavy  # megatron-core's save on first use (cached after)
+def test_layers_saved_per_layer_by_a_mixed_block_are_not_split_as_stacked(mixed: Path, tmp_path: Path) -> None:
+    """A mixed block's ``decoder.layers.0.mlp.linear_fc1.weight [96, 32]`` was taken for a stacked tensor (its
+    name starts with ``decoder.layers.``): stats split its rows as layers (``decoder.layers.0`` .. ``.3`` for a
+    2-layer model, figures mixed across layers) and noted "layers stacked in chunks of several layers each". A
+    ``decoder.layers.<N>.`` fqn is one layer's: the rows are the layers megatron saved, their figures torch's."""
+    import re
+
+    path = mixed / "iter_0000002"
+    state = torch_state(path, tmp_path)
+    assert not any(k.startswith("model.decoder.layers.mlp.") for k in state)  # per layer, as megatron saved it
+    want: dict[str, dict[str, Any]] = {}
+    for key, t in state.items():
+        if not isinstance(t, torch.Tensor) or key.endswith("common_step") or "_extra_state" in key:
+            continue
+        fqn, role = _param(key)
+        fqn = fqn.removeprefix("model.")
+        m = re.match(r"(decoder\.layers\.\d+)\.", fqn)
+        g = want.setdefault(m.group(1) if m else fqn.rpartition(".")[0], {"params": 0, "s2": {}})
+        g["s2"][role] = g["s2"].get(role, 0.0) + float((t.double() ** 2).sum())
+        g["params"] += t.numel() if role == "weight" else 0
+    doc = _stats(path)
+    c = doc["checkpoints"][0]
+    got = {g["name"]: g for g in c["layers"]}
+    assert [n for n in got if n.startswith("decoder.layers")] == ["decoder.layers.0", "decoder.layers.1"]
+    assert set(got) == set(want), (sorted(got), sorted(want))
+    for name, w in want.items():
+        assert got[name]["params"] == w["params"], name
+        for role, s2 in w["s2"].items():
+            assert got[name]["norms"][role] == pytest.approx(math.sqrt(s2), rel=1e-9, abs=1e-30), (name, role)
+    assert not any("stacked" in n for n in c["notes"]), c["notes"]
+    r = runner.invoke(app, ["stats", str(path)])
+    assert r.exit_code == 0 and "stacked" not in r.output, r.output

@@ -492,3 +492,44 @@ def test_K006_planner_path_changed_in_place(tmp_path: Path) -> None:
         and "2 planner_data path(s) lead to no key" in f["message"]
         and "layerz" in f["message"]
     )
+
+
+def _mixtral_dcp(tmp_path: Path) -> tuple[Path, dict[str, Any]]:
+    """transformers' own ``MixtralForCausalLM.save_pretrained`` (Mixtral's hub names:
+    ``block_sparse_moe.experts.<j>.w1/w2/w3.weight``, router ``block_sparse_moe.gate.weight``) saved with
+    ``dcp.save({"model": ...})``, the state dict of a trainer that keeps those names; and its config."""
+    import torch.distributed.checkpoint as dcp
+    from safetensors.torch import load_file
+    from transformers import MixtralConfig, MixtralForCausalLM
+
+    cfg = MixtralConfig(
+        vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    MixtralForCausalLM(cfg).save_pretrained(tmp_path / "hf")
+    sd = load_file(tmp_path / "hf" / "model.safetensors")
+    assert "model.layers.1.block_sparse_moe.experts.3.w3.weight" in sd and "model.layers.0.mlp.gate.weight" not in sd
+    dcp.save({"model": sd}, checkpoint_id=tmp_path / "ck", no_dist=True)
+    return tmp_path / "ck", json.loads((tmp_path / "hf" / "config.json").read_text())
+
+
+def test_M010_folds_mixtral_per_expert_weights(tmp_path: Path) -> None:
+    """Mixtral's per-expert ``block_sparse_moe.experts.<j>.w1/w3/w2`` (what transformers' own save_pretrained
+    writes, and loads by folding them into ``mlp.experts.gate_up_proj``/``down_proj``) were compared as stored:
+    M010 failed the model's own weights with 32 errors (every expert "unexpected", the fused tensors and the
+    renamed router "missing"). Mixtral's form (model/hf_forms.py) is folded and renamed now as transformers'
+    conversion does; a wrong expert size is still named, on the fused tensor."""
+    ck, cfg = _mixtral_dcp(tmp_path)
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    rc, doc = run(ck, "--strict", "--config", tmp_path / "config.json", "--select", "M010")
+    assert rc == 0 and doc["findings"] == [], doc["findings"]
+    assert {r["code"]: r["status"] for r in doc["rules"]}["M010"] == "passed"
+    (tmp_path / "wrong.json").write_text(json.dumps({**cfg, "intermediate_size": 48}))
+    rc, doc = run(ck, "--config", tmp_path / "wrong.json", "--select", "M010")
+    got = sorted(f["message"] for f in doc["findings"])
+    assert rc == 1 and len(got) == 4, got
+    assert got[0] == (
+        "shape: model.layers.0.mlp.experts.down_proj: [4, 16, 32], MixtralForCausalLM has [4, 16, 48] "
+        "(MixtralForCausalLM)"
+    )

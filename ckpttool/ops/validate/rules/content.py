@@ -21,6 +21,7 @@ from typing import Any, cast
 from ckpttool.errors import CkptError
 from ckpttool.format.metadata import DTYPE_ITEMSIZE, TensorMeta
 from ckpttool.model.catalog import TensorEntry
+from ckpttool.model.schemas.base import SchemaSpec
 from ckpttool.ops.state_checks import MOMENTS
 from ckpttool.ops.validate.base import rule
 from ckpttool.ops.validate.context import Context
@@ -239,25 +240,24 @@ def identical_expert_slices(ctx: Context) -> Iterator[tuple[str, str]]:
 _Member = tuple[str, int | None]
 
 
-def _stacked_prefixes(ctx: Context) -> tuple[str, ...]:
-    """The fqn prefixes under which the key schema stores every layer stacked on dim 0 (Megatron-core's
-    ``decoder.layers.``: :attr:`~ckpttool.model.schemas.base.SchemaSpec.stacked_layers`)."""
+def _stacked_spec(ctx: Context) -> SchemaSpec | None:
+    """The key schema's spec, which says under which prefixes every layer is stacked on dim 0 (Megatron-core's
+    ``decoder.layers.``: :meth:`~ckpttool.model.schemas.base.SchemaSpec.stacked_prefix`)."""
     from ckpttool.model.schemas import registry
 
-    spec = registry.find(ctx.cat.schema.id)
-    return spec.stacked_layers if spec is not None else ()
+    return registry.find(ctx.cat.schema.id)
 
 
 def _layer_members(ctx: Context) -> dict[str, dict[int, dict[str, _Member]]]:
     """Layer prefix -> layer index -> the layer's tensors (relative name -> member): named ``...layers.N.<rel>``,
     or (a stacked schema) the dim-0 slices of ``decoder.layers.<rel> [L, ...]``."""
-    stacked = _stacked_prefixes(ctx)
+    spec = _stacked_spec(ctx)
     layers: dict[str, dict[int, dict[str, _Member]]] = defaultdict(lambda: defaultdict(dict))
     for key, entry in ctx.cat.model.items():
         if not isinstance(entry, TensorEntry):
             continue
         fqn = ctx.cat.fqn_of(key)
-        prefix = next((p for p in stacked if fqn.startswith(p)), None)
+        prefix = spec.stacked_prefix(fqn) if spec is not None else None
         if prefix is not None and entry.shape:
             for i in range(entry.shape[0]):
                 layers[prefix][i][fqn[len(prefix) :]] = (key, i)

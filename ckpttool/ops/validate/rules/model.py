@@ -446,34 +446,42 @@ def _model_class_check(ctx: Context) -> tuple[Any, str | None]:
         plan = _export_plan(ctx, ctx.config, drop_tied=True)
     except CkptError as e:
         return None, f"the tensors cannot be mapped to Hugging Face names ({e.message})"
-    return compare_with_model(_fused_experts(without_fp8_scales(written_tensors(plan))), ctx.config), None
+    mt = config_value(ctx.config, "model_type")
+    fused = _fused_experts(without_fp8_scales(written_tensors(plan)), mt if isinstance(mt, str) else None)
+    return compare_with_model(fused, ctx.config), None
 
 
-def _fused_experts(written: dict[str, tuple[tuple[int, ...], str]]) -> dict[str, tuple[tuple[int, ...], str]]:
-    """``written`` with a folder's per-expert ``<p>.experts.<j>.{gate,up,down}_proj.weight`` (every expert
-    ``0..E-1``, parts of one shape) as the fused ``<p>.experts.gate_up_proj`` ``[E, 2I, H]`` / ``down_proj`` the
-    model class holds and transformers' weight conversion loads them into (as ``import`` fuses them); anything
-    else as it is."""
-    from ckpttool.model.hf_forms import FORMS
+def _fused_experts(
+    written: dict[str, tuple[tuple[int, ...], str]], model_type: str | None
+) -> dict[str, tuple[tuple[int, ...], str]]:
+    """``written`` as transformers' weight conversion loads it into the model class of ``model_type``: each
+    per-expert form that applies (:func:`~ckpttool.model.hf_forms.forms_for`: the generic
+    ``<p>.experts.<j>.{gate,up,down}_proj.weight``, Mixtral's ``<p>.block_sparse_moe.experts.<j>.{w1,w3,w2}.weight``)
+    with every expert ``0..E-1``, parts of one shape, folded into the fused ``<p>.experts.gate_up_proj``
+    ``[E, 2I, H]`` / ``down_proj`` (as ``import`` fuses them), then the form's renames applied to every key
+    (Mixtral's ``.block_sparse_moe.`` -> ``.mlp.``); anything else as it is."""
+    from ckpttool.model.hf_forms import forms_for
 
-    form = next(f for f in FORMS.values() if f.model_types is None and not f.renames)  # the generic per-expert form
-    groups: dict[str, dict[str, dict[int, str]]] = {}
-    for k in written:
-        m = form.pattern.match(k) if ".experts." in k else None
-        if m is not None:
-            groups.setdefault(m["p"], {}).setdefault(m["proj"], {})[int(m["j"])] = k
     out = dict(written)
-    for prefix, projs in groups.items():
-        for fused, parts in form.fused():
-            got = [projs.get(x, {}) for x in parts]
-            n = len(got[0])
-            keys = [g[j] for g in got for j in range(n) if j in g]
-            if not n or len(keys) != n * len(parts) or len({written[k] for k in keys}) != 1:
-                continue  # experts missing or of different shapes: compared as stored (M010 names them)
-            (rows, cols), dtype = written[keys[0]]
-            for k in keys:
-                del out[k]
-            out.setdefault(f"{prefix}.experts.{fused}", ((n, rows * len(parts), cols), dtype))
+    for form in forms_for(model_type):
+        groups: dict[str, dict[str, dict[int, str]]] = {}
+        for k in out:
+            m = form.pattern.match(k) if ".experts." in k else None
+            if m is not None:
+                groups.setdefault(m["p"], {}).setdefault(m["proj"], {})[int(m["j"])] = k
+        for prefix, projs in groups.items():
+            for fused, parts in form.fused():
+                got = [projs.get(x, {}) for x in parts]
+                n = len(got[0])
+                keys = [g[j] for g in got for j in range(n) if j in g]
+                if not n or len(keys) != n * len(parts) or len({out[k] for k in keys}) != 1:
+                    continue  # experts missing or of different shapes: compared as stored (M010 names them)
+                (rows, cols), dtype = out[keys[0]]
+                for k in keys:
+                    del out[k]
+                out.setdefault(f"{prefix}.experts.{fused}", ((n, rows * len(parts), cols), dtype))
+        if form.renames:
+            out = {form.rename(k): v for k, v in out.items()}
     return out
 
 

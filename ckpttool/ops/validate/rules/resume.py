@@ -21,6 +21,7 @@ from ckpttool.model.counters import (
     scheduler_counters,
     scheduler_disagrees,
     scheduler_per_step,
+    several_optimizer_steps,
     skips_optimizer_steps,
     trainer_steps,
 )
@@ -77,7 +78,8 @@ def train_step_mismatch(ctx: Context) -> Iterator[tuple[str, str]]:
         return  # common.pt alone (``shallow`` in rules.json): the other counters are the deep pass's
     if synthesized_from_stats(ctx):
         return  # saved before the first optimizer step (D005): the counters of no step to compare
-    opt = _optimizer_step(ctx)
+    # verl: the optimizer steps once per PPO mini-batch, the scheduler and the directory count training steps
+    opt = None if several_optimizer_steps(ctx.ckpt) else _optimizer_step(ctx)
     trains = trainer_steps(ctx.ckpt)
     epochs, counts = scheduler_counters(ctx.ckpt)
     yield from _no_optimizer_state(ctx, trains + epochs)
@@ -87,7 +89,7 @@ def train_step_mismatch(ctx: Context) -> Iterator[tuple[str, str]]:
     for c in trains[1:]:
         if c.value != ref.value:
             yield c.key, f"{c.key} = {c.value} but {ref.key} = {ref.value}"
-    named = directory_step_disagrees(ctx.ckpt, trains)
+    named = directory_step_disagrees(ctx.ckpt, ref, may_lag=ref is opt and skips_optimizer_steps(ctx.ckpt))
     if named is not None:
         yield named
     if opt is not None and opt is not ref:
