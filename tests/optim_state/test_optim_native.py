@@ -14,7 +14,11 @@ import torch
 from ckpttool.optim_state.adamw import AdamWHyper, FusedScratch, fused_adamw_chunk_
 from ckpttool.optim_state.onepass import StepChunk, available, native_call
 
-pytestmark = pytest.mark.skipif(not available(), reason="native kernels not built or CKPTTOOL_NATIVE=0")
+pytestmark = pytest.mark.skipif(
+    not available(),
+    reason=f"native AdamW kernel not loaded (torch's CPU capability here: {torch.backends.cpu.get_cpu_capability()}; "
+    "the kernel reproduces the bits of its AVX2 build), or native kernels not built / CKPTTOOL_NATIVE=0",
+)
 
 B16, F16, F32 = torch.bfloat16, torch.float16, torch.float32
 DTYPES = [  # (gradient, moments, parameter or None)

@@ -7,6 +7,7 @@ options and megatron-core's own ``torch_dist`` saves.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -206,21 +207,28 @@ def test_a_layout_item_of_the_trainers_own_is_an_item_not_a_record(tmp_path: Pat
     assert json.loads(res.stdout)["layout"]["source"] == "sidecar"
 
 
+@dataclass
+class TrainerLayout:
+    """A trainer's own object saved under the name ``layout`` (not in torch's safe globals)."""
+
+    order: str
+
+
 def test_a_layout_item_of_the_trainers_own_is_read_by_validate_deep(tmp_path: Path) -> None:
     """validate --deep reads every byte item (S011: one torch.load(weights_only=True) refuses) but left out the one
     named 'layout' as ckpttool's record, so a trainer's own 'layout' object that needs --trust-pickle passed as OK.
-    A 'layout' item that is not ckpttool's record is read as any other now."""
-    import argparse
+    A 'layout' item that is not ckpttool's record is read as any other now. (The trainer's class is this module's
+    own: argparse.Namespace, say, is one megatron-core's import adds to torch's safe globals for the whole process.)"""
     import json
 
     import torch.distributed.checkpoint as dcp
 
     model = {"layers.0.mlp.experts.down_proj": torch.zeros(8, 4, 5)}
-    dcp.save({"model": model, "layout": argparse.Namespace(order="bshd")}, checkpoint_id=tmp_path / "c", no_dist=True)
+    dcp.save({"model": model, "layout": TrainerLayout("bshd")}, checkpoint_id=tmp_path / "c", no_dist=True)
     res = runner.invoke(app, ["validate", "--deep", "--json", str(tmp_path / "c")])
     assert res.exit_code == 1, res.stdout
     ((code, key, message),) = [(f["code"], f["key"], f["message"]) for f in json.loads(res.stdout)["findings"]]
-    assert (code, key) == ("S011", "layout") and message.endswith("classes argparse.Namespace"), message
+    assert (code, key) == ("S011", "layout") and message.endswith(f"classes {__name__}.TrainerLayout"), message
 
 
 def _save_with_ema(rank: int, world: int, out: str) -> None:
