@@ -128,6 +128,48 @@ def test_diff_of_a_save_pretrained_folder_and_its_import_compares_the_tied_head(
     assert "lm_head.weight" not in json.dumps(doc.get("only_b", [])), text[:2000]
 
 
+@pytest.mark.parametrize(("family", "embedding"), FAMILIES)
+def test_validate_against_the_save_pretrained_folder_passes_the_tied_head(
+    tmp_path: Path, family: str, embedding: str
+) -> None:
+    """The import holds lm_head.weight, the folder does not: a tied head (M006 passes it over), equal to the
+    embedding (M003 with --deep)."""
+    _, hf, ckpt = _saved(family, tmp_path)
+    res = runner.invoke(
+        app,
+        ["validate", str(ckpt), "--config", str(hf / "config.json"), "--against", str(hf), "--deep", "--json"],
+    )
+    codes = {f["code"] for f in json.loads(res.stdout)["findings"]}
+    assert not codes & {"M003", "M004", "M005", "M006"}, res.stdout
+
+
+@pytest.mark.parametrize(("family", "embedding"), FAMILIES)
+def test_validate_config_rules_find_the_embedding_of_each_family(tmp_path: Path, family: str, embedding: str) -> None:
+    """M003 (a head that differs from the embedding under tie_word_embeddings true) and M004 (no head under false)
+    find these families' embeddings: before, GPT-NeoX's gpt_neox.embed_in.weight was not one, and neither fired."""
+    hf_models._quiet()
+    torch.manual_seed(11)
+    model = _model(family)
+    sd = {k: v.clone() for k, v in model.state_dict().items()}
+    sd["lm_head.weight"] = sd[embedding] + 1  # an untied head: differs everywhere
+    dcp.save({"model": sd}, checkpoint_id=str(tmp_path / "differs"), no_dist=True)
+    model.config.save_pretrained(tmp_path / "tied")
+    model.config.tie_word_embeddings = False
+    model.config.save_pretrained(tmp_path / "untied")
+    res = runner.invoke(
+        app, ["validate", str(tmp_path / "differs"), "--config", str(tmp_path / "tied/config.json"), "--deep", "--json"]
+    )
+    m003 = [f for f in json.loads(res.stdout)["findings"] if f["code"] == "M003"]
+    assert [f["key"] for f in m003] == ["model.lm_head.weight"] and embedding in m003[0]["message"], res.stdout
+    del sd["lm_head.weight"]
+    dcp.save({"model": sd}, checkpoint_id=str(tmp_path / "headless"), no_dist=True)
+    res = runner.invoke(
+        app, ["validate", str(tmp_path / "headless"), "--config", str(tmp_path / "untied/config.json"), "--json"]
+    )
+    m004 = [f["key"] for f in json.loads(res.stdout)["findings"] if f["code"] == "M004"]
+    assert m004 == ["model.lm_head.weight"], res.stdout
+
+
 def test_a_rules_file_names_the_tied_pair_or_leaves_the_embedding_to_the_model_classes(tmp_path: Path) -> None:
     """The default rules' embedding is transformers' list (one of them exported); a `--rules` file's `embedding`
     replaces it (the one key), and one without `embedding` keeps the list; a non-string is refused."""
