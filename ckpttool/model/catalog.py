@@ -418,9 +418,17 @@ class Catalog:
         return out
 
     def tied_keys(self) -> tuple[str | None, str | None]:
-        """``(lm_head key, input embedding key)`` of the model (``None`` where absent)."""
+        """``(lm_head key, input embedding key)`` of the model (``None`` where absent): the embedding transformers'
+        model classes tie the head to (:func:`~ckpttool.model.hfconfig.tied_embedding_key`), else one by its name's
+        end (a wrapped or other model's), else torchtitan's ``tok_embeddings.weight``."""
+        from ckpttool.model.hfconfig import tied_embedding_key
+
         head = next((k for k in self.model if k.endswith("lm_head.weight")), None)
-        emb = next((k for k in self.model if k.endswith("embed_tokens.weight")), None)
+        fqns = {self.fqn_of(k): k for k in self.model}
+        tied = tied_embedding_key(fqns)
+        emb = fqns[tied] if tied is not None else None
+        if emb is None:
+            emb = next((k for k in self.model if k.endswith("embed_tokens.weight")), None)
         if emb is None:
             emb = next((k for k in self.model if k.endswith(("wte.weight", "word_embeddings.weight"))), None)
         if emb is None:

@@ -8,13 +8,21 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Container, Iterable
 from pathlib import Path
 from typing import Any
 
 from ckpttool.errors import PathEscapeError, UsageError
 from ckpttool.format import limits
 
-__all__ = ["read_hf_config", "config_value", "tie_word_embeddings", "TIE_DEFAULTS", "TIED_EMBEDDING_KEYS"]
+__all__ = [
+    "read_hf_config",
+    "config_value",
+    "tie_word_embeddings",
+    "tied_embedding_key",
+    "TIE_DEFAULTS",
+    "TIED_EMBEDDING_KEYS",
+]
 
 #: The input embedding a tied ``lm_head.weight`` shares, as transformers' model classes name it
 #: (``_tied_weights_keys``: ``{"lm_head.weight": <one of these>}``): Llama-like, multimodal (Gemma3, Qwen2-VL,
@@ -27,6 +35,15 @@ TIED_EMBEDDING_KEYS: tuple[str, ...] = (
     "gpt_neox.embed_in.weight",
     "transformer.word_embeddings.weight",
 )
+
+
+def tied_embedding_key(names: Container[str], candidates: Iterable[str] = TIED_EMBEDDING_KEYS) -> str | None:
+    """The one key of ``candidates`` (the model classes' own: :data:`TIED_EMBEDDING_KEYS`) that ``names`` holds: the
+    embedding a tied ``lm_head.weight`` shares; ``None`` where ``names`` holds none of them, or several (which one the
+    head is tied to is then not known)."""
+    found = [k for k in candidates if k in names]
+    return found[0] if len(found) == 1 else None
+
 
 #: The ``tie_word_embeddings`` default of transformers' config class for each ``model_type`` (what
 #: ``from_pretrained`` uses when ``config.json`` leaves the key out, as older hub configs do). The classes differ:

@@ -50,7 +50,7 @@ from ckpttool.model.adapters import (
 )
 from ckpttool.model.beside import hf_config_beside
 from ckpttool.model.hf_forms import FORMS, ExpertForm, forms_for
-from ckpttool.model.hfconfig import TIED_EMBEDDING_KEYS, config_value, read_hf_config, tie_word_embeddings
+from ckpttool.model.hfconfig import config_value, read_hf_config, tie_word_embeddings, tied_embedding_key
 from ckpttool.model.schemas import registry
 from ckpttool.model.schemas.base import SchemaSpec, canonical_model_key
 from ckpttool.ops import distributed
@@ -727,11 +727,11 @@ def _tie_lm_head(sources: dict[str, _Source], config: Any, warnings: list[str]) 
     (``save_pretrained`` leaves the tied copy out; the model's ``state_dict()`` has it)."""
     if tie_word_embeddings(config) is not True or "lm_head.weight" in sources:
         return
-    found = [k for k in TIED_EMBEDDING_KEYS if k in sources]  # the class's _tied_weights_keys embedding
-    if len(found) == 1:
-        e = sources[found[0]]
+    found = tied_embedding_key(sources)  # the class's _tied_weights_keys embedding
+    if found is not None:
+        e = sources[found]
         sources["lm_head.weight"] = _Source("lm_head.weight", e.file, e.offset, e.dtype, e.shape)
-        warnings.append(_tied_note(found[0]))
+        warnings.append(_tied_note(found))
 
 
 def _tied_note(embedding: str) -> str:

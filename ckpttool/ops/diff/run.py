@@ -456,18 +456,19 @@ def export_items(
     excluded = [Excluded(side.label, k, reason) for reason, keys in skipped.items() for k in keys]
     # tied head: an lm_head the other side leaves out (tie_word_embeddings) is compared with its embedding
     names = {i.name for i in items}
+    embedding = rules.tied_embedding_in(other)
     if (
         tied
         and fmt == "hf"
         and rules.tied_lm_head in names
         and rules.tied_lm_head not in other
-        and rules.tied_embedding in other
+        and embedding is not None
     ):
         head = next(i for i in items if i.name == rules.tied_lm_head)
-        items[items.index(head)] = replace(head, against=rules.tied_embedding)
+        items[items.index(head)] = replace(head, against=embedding)
         notes.append(
             f"{_other(side)} has no {rules.tied_lm_head} (tied embeddings): {side.label}'s {head.key} is compared "
-            f"with {_other(side)}'s {rules.tied_embedding}"
+            f"with {_other(side)}'s {embedding}"
         )
         if opts.weights == "master":
             notes.extend(_tied_master(side, selected, rules, items))
@@ -482,7 +483,9 @@ def _tied_master(side: Side, selected: Any, rules: Any, items: list[Item]) -> li
     (``items`` edited in place) when the two stored parameters are bitwise equal, i.e. one tied parameter; else it
     stays the stored parameter (and a difference shows). Returns the note saying so (or none)."""
     by_out = {s.out_key: s for s in selected}
-    emb, head = by_out.get(rules.tied_embedding), by_out.get(rules.tied_lm_head)
+    embedding = rules.tied_embedding_in(by_out)
+    emb = by_out.get(embedding) if embedding is not None else None
+    head = by_out.get(rules.tied_lm_head)
     if emb is None or head is None or emb.origin == head.origin:
         return []
     master, plain = (emb, head) if emb.origin == "master" else (head, emb)

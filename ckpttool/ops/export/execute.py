@@ -727,9 +727,9 @@ def _tied_pair(
     out_keys = [s.out_key for s in selected]
     out_keys.reverse()
     found: list[Selected | None] = []
-    for name in (rules.tied_embedding, rules.tied_lm_head):
+    for name in (rules.tied_embedding_in(set(out_keys)), rules.tied_lm_head):
         try:
-            found.append(selected[len(selected) - 1 - out_keys.index(name)])
+            found.append(None if name is None else selected[len(selected) - 1 - out_keys.index(name)])
         except ValueError:
             found.append(None)
     return found[0], found[1], tie

@@ -21,7 +21,7 @@ import functools
 import json
 import re
 import string
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Container, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -118,7 +118,9 @@ class ExportRules:
     """Parsed export rules (see module docstring)."""
 
     keys: tuple[KeyRule, ...]
-    tied_embedding: str
+    tied_embeddings: tuple[str, ...]
+    """The output keys of the input embedding a tied ``tied_lm_head`` may share (the rules' ``embedding``, else the
+    model classes' own: :data:`~ckpttool.model.hfconfig.TIED_EMBEDDING_KEYS`); :meth:`tied_embedding_in` picks it."""
     tied_lm_head: str
     experts: tuple[ExpertRule, ...]
     num_experts_config_keys: tuple[str, ...]
@@ -128,6 +130,12 @@ class ExportRules:
     """The model family's per-expert checkpoint form's renames, reversed (:meth:`ExpertForm.saved_name`): a
     per-expert export names every tensor as ``save_pretrained`` does (Mixtral's ``block_sparse_moe``); ``None``
     where the form renames nothing."""
+
+    def tied_embedding_in(self, names: Container[str]) -> str | None:
+        """The embedding of :attr:`tied_embeddings` among the output keys ``names`` (``None``: none, or several)."""
+        from ckpttool.model.hfconfig import tied_embedding_key
+
+        return tied_embedding_key(names, self.tied_embeddings)
 
     def map_key(self, key: str) -> tuple[str | None, bool, bool]:
         """Map a checkpoint key to its output key.
@@ -276,18 +284,21 @@ def _parse_keys(items: Any, source: str) -> tuple[KeyRule, ...]:
     return tuple(rules)
 
 
-def _parse_tied(tied: Any, source: str) -> tuple[str, str]:
-    """The ``tied_embeddings`` section: ``(embedding, lm_head)`` output keys."""
+def _parse_tied(tied: Any, source: str) -> tuple[tuple[str, ...], str]:
+    """The ``tied_embeddings`` section: ``(embeddings, lm_head)`` output keys; without ``embedding``, the embeddings
+    transformers' model classes tie the head to (:data:`~ckpttool.model.hfconfig.TIED_EMBEDDING_KEYS`)."""
+    from ckpttool.model.hfconfig import TIED_EMBEDDING_KEYS
+
     if (
         not isinstance(tied, dict)
-        or not isinstance(tied.get("embedding"), str)
+        or not isinstance(tied.get("embedding", ""), str)
         or not isinstance(tied.get("lm_head"), str)
     ):
         raise UsageError(
-            f"{source}: 'tied_embeddings' needs string 'embedding' and 'lm_head' output keys",
+            f"{source}: 'tied_embeddings' needs a string 'lm_head' output key (and 'embedding', if given, a string)",
             hint="see docs/export.md",
         )
-    return (tied["embedding"], tied["lm_head"])
+    return ((tied["embedding"],) if "embedding" in tied else TIED_EMBEDDING_KEYS, tied["lm_head"])
 
 
 def _parse_experts(items: Any, source: str) -> tuple[ExpertRule, ...]:
@@ -466,7 +477,7 @@ def load_rules(user_file: str | Path | None = None, model_type: str | None = Non
             model_type = None  # the user's split rules replace the defaults, the family's too
     return ExportRules(
         keys=merged["keys"],
-        tied_embedding=merged["tied_embeddings"][0],
+        tied_embeddings=merged["tied_embeddings"][0],
         tied_lm_head=merged["tied_embeddings"][1],
         experts=_form_rules(model_type) + merged["experts"],
         num_experts_config_keys=merged["num_experts_config_keys"],

@@ -13,11 +13,11 @@ from __future__ import annotations
 
 import re
 from collections import defaultdict
-from collections.abc import Iterable, Iterator
+from collections.abc import Container, Iterator
 from dataclasses import dataclass
 from typing import Any
 
-from ckpttool.model.hfconfig import config_value, tie_word_embeddings
+from ckpttool.model.hfconfig import config_value, tie_word_embeddings, tied_embedding_key
 from ckpttool.ops.validate.base import RuleSkipped, rule
 from ckpttool.ops.validate.context import Context
 
@@ -308,11 +308,10 @@ def _unread_tie(ctx: Context, tied: bool | None) -> str | None:
 _UNREAD_HINT = "fix the reference's config.json (its tie_word_embeddings says whether lm_head.weight is expected)"
 
 
-def _tied_head(name: str, tied: bool | None, names: Iterable[str]) -> bool:
-    """``name`` is an ``lm_head.weight`` that may be tied (``tied`` not ``False``) to an ``embed_tokens.weight`` of ``names``."""
-    return (
-        name.endswith("lm_head.weight") and tied is not False and any(n.endswith("embed_tokens.weight") for n in names)
-    )
+def _tied_head(name: str, tied: bool | None, names: Container[str]) -> bool:
+    """``name`` is an ``lm_head.weight`` that may be tied (``tied`` not ``False``) to an embedding of ``names`` that
+    transformers' model classes tie it to (:func:`~ckpttool.model.hfconfig.tied_embedding_key`)."""
+    return name.endswith("lm_head.weight") and tied is not False and tied_embedding_key(names) is not None
 
 
 def _given(ctx: Context, what: str) -> None:
@@ -431,7 +430,7 @@ def _export_plan(ctx: Context, config: dict[str, Any] | None, *, drop_tied: bool
         ctx.cat, rules, adapter=adapter, adapter_config=AdapterConfig.from_hf_config(config)
     )
     tie = drop_tied and tie_word_embeddings(config) is True
-    drop = {rules.tied_lm_head} if tie and any(s.out_key == rules.tied_embedding for s in selected) else set()
+    drop = {rules.tied_lm_head} if tie and rules.tied_embedding_in({s.out_key for s in selected}) else set()
     return build_plan(selected, rules, drop=drop)
 
 

@@ -1,0 +1,195 @@
+"""A tied ``lm_head.weight`` of the model families transformers ties to an embedding other than Llama's
+``model.embed_tokens.weight`` (GPT-2 ``transformer.wte.weight``, OPT ``model.decoder.embed_tokens.weight``,
+GPT-NeoX ``gpt_neox.embed_in.weight``): real models built from tiny configs and saved by ``save_pretrained``,
+imported, then exported, diffed and validated; checked against transformers' own ``from_pretrained`` and torch's
+``dcp.load``."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+from safetensors import safe_open
+from typer.testing import CliRunner
+
+from ckpttool.cli.app import app
+from tests.fixtures import hf_models
+
+runner = CliRunner()
+
+
+def _model(family: str) -> Any:
+    import transformers
+
+    if family == "gpt2":
+        return transformers.GPT2LMHeadModel(
+            transformers.GPT2Config(n_embd=32, n_layer=2, n_head=4, vocab_size=96, n_positions=64)
+        )
+    if family == "opt":
+        return transformers.OPTForCausalLM(
+            transformers.OPTConfig(
+                hidden_size=32,
+                ffn_dim=48,
+                num_hidden_layers=2,
+                num_attention_heads=4,
+                vocab_size=96,
+                max_position_embeddings=64,
+                word_embed_proj_dim=32,
+            )
+        )
+    return transformers.GPTNeoXForCausalLM(
+        transformers.GPTNeoXConfig(
+            hidden_size=32,
+            intermediate_size=48,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            vocab_size=96,
+            max_position_embeddings=64,
+            tie_word_embeddings=True,
+        )
+    )
+
+
+def _cli(*args: str) -> dict[str, Any]:
+    res = runner.invoke(app, [*args, "--json"])
+    assert res.exit_code == 0, res.stderr
+    return json.loads(res.stdout)
+
+
+def _saved(family: str, tmp_path: Path) -> tuple[Any, Path, Path]:
+    """The model, its ``save_pretrained`` folder and its import (a DCP checkpoint)."""
+    hf_models._quiet()
+    torch.manual_seed(7)
+    model = _model(family).eval()
+    assert model.config.tie_word_embeddings is True
+    model.save_pretrained(tmp_path / "hf")
+    _cli("import", str(tmp_path / "hf"), str(tmp_path / "dcp"))
+    return model, tmp_path / "hf", tmp_path / "dcp"
+
+
+def _keys(d: Path) -> set[str]:
+    out: set[str] = set()
+    for f in d.glob("*.safetensors"):
+        with safe_open(str(f), "pt") as s:
+            out |= set(s.keys())
+    return out
+
+
+FAMILIES = [
+    ("gpt2", "transformer.wte.weight"),
+    ("opt", "model.decoder.embed_tokens.weight"),
+    ("gpt_neox", "gpt_neox.embed_in.weight"),
+]
+
+
+@pytest.mark.parametrize(("family", "embedding"), FAMILIES)
+def test_an_export_of_a_tied_model_leaves_the_head_out_as_save_pretrained_does(
+    tmp_path: Path, family: str, embedding: str
+) -> None:
+    """Before, the export wrote lm_head.weight beside the embedding (the rules knew only model.embed_tokens.weight);
+    transformers' save_pretrained leaves the tied head out. Now the export's tensors are save_pretrained's, and
+    from_pretrained of it loads with nothing missing and gives the model's logits."""
+    import transformers
+
+    model, hf, ckpt = _saved(family, tmp_path)
+    want = model.state_dict()
+    sd = {"model": {k: torch.zeros_like(v) for k, v in want.items()}}
+    dcp.load(sd, checkpoint_id=str(ckpt), no_dist=True)  # torch's own reader: the import holds every tensor
+    assert all(torch.equal(sd["model"][k], v) for k, v in want.items())
+
+    doc = _cli("export", str(ckpt), str(tmp_path / "out"), "--model-assets", str(hf), "--save-dtype", "float32")
+    assert doc["tied_embeddings"] == "omitted", doc
+    assert _keys(tmp_path / "out") == _keys(hf)
+    assert "lm_head.weight" not in _keys(tmp_path / "out") and embedding in _keys(tmp_path / "out")
+    loaded, info = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "out"), output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"], info
+    assert loaded.lm_head.weight is loaded.get_input_embeddings().weight
+    ids = torch.arange(12).reshape(2, 6) % 96
+    with torch.no_grad():
+        assert torch.equal(loaded.eval()(ids).logits, model(ids).logits)
+
+
+@pytest.mark.parametrize(("family", "embedding"), FAMILIES)
+def test_diff_of_a_save_pretrained_folder_and_its_import_compares_the_tied_head(
+    tmp_path: Path, family: str, embedding: str
+) -> None:
+    """Before, `diff HF_DIR IMPORTED` listed lm_head.weight only in B for these families; now B's head is compared
+    with A's embedding (what save_pretrained leaves out is the embedding) and the two are equal."""
+    _, hf, ckpt = _saved(family, tmp_path)
+    res = runner.invoke(app, ["diff", str(hf), str(ckpt), "--json"])
+    assert res.exit_code == 0, res.stdout + res.stderr
+    doc = json.loads(res.stdout)
+    text = json.dumps(doc)
+    assert f"is compared with A's {embedding}" in text, text[:2000]
+    assert "lm_head.weight" not in json.dumps(doc.get("only_b", [])), text[:2000]
+
+
+@pytest.mark.parametrize(("family", "embedding"), FAMILIES)
+def test_validate_against_the_save_pretrained_folder_passes_the_tied_head(
+    tmp_path: Path, family: str, embedding: str
+) -> None:
+    """The import holds lm_head.weight, the folder does not: a tied head (M006 passes it over), equal to the
+    embedding (M003 with --deep)."""
+    _, hf, ckpt = _saved(family, tmp_path)
+    res = runner.invoke(
+        app,
+        ["validate", str(ckpt), "--config", str(hf / "config.json"), "--against", str(hf), "--deep", "--json"],
+    )
+    codes = {f["code"] for f in json.loads(res.stdout)["findings"]}
+    assert not codes & {"M003", "M004", "M005", "M006"}, res.stdout
+
+
+@pytest.mark.parametrize(("family", "embedding"), FAMILIES)
+def test_validate_config_rules_find_the_embedding_of_each_family(tmp_path: Path, family: str, embedding: str) -> None:
+    """M003 (a head that differs from the embedding under tie_word_embeddings true) and M004 (no head under false)
+    find these families' embeddings: before, GPT-NeoX's gpt_neox.embed_in.weight was not one, and neither fired."""
+    hf_models._quiet()
+    torch.manual_seed(11)
+    model = _model(family)
+    sd = {k: v.clone() for k, v in model.state_dict().items()}
+    sd["lm_head.weight"] = sd[embedding] + 1  # an untied head: differs everywhere
+    dcp.save({"model": sd}, checkpoint_id=str(tmp_path / "differs"), no_dist=True)
+    model.config.save_pretrained(tmp_path / "tied")
+    model.config.tie_word_embeddings = False
+    model.config.save_pretrained(tmp_path / "untied")
+    res = runner.invoke(
+        app, ["validate", str(tmp_path / "differs"), "--config", str(tmp_path / "tied/config.json"), "--deep", "--json"]
+    )
+    m003 = [f for f in json.loads(res.stdout)["findings"] if f["code"] == "M003"]
+    assert [f["key"] for f in m003] == ["model.lm_head.weight"] and embedding in m003[0]["message"], res.stdout
+    del sd["lm_head.weight"]
+    dcp.save({"model": sd}, checkpoint_id=str(tmp_path / "headless"), no_dist=True)
+    res = runner.invoke(
+        app, ["validate", str(tmp_path / "headless"), "--config", str(tmp_path / "untied/config.json"), "--json"]
+    )
+    m004 = [f["key"] for f in json.loads(res.stdout)["findings"] if f["code"] == "M004"]
+    assert m004 == ["model.lm_head.weight"], res.stdout
+
+
+def test_a_rules_file_names_the_tied_pair_or_leaves_the_embedding_to_the_model_classes(tmp_path: Path) -> None:
+    """The default rules' embedding is transformers' list (one of them exported); a `--rules` file's `embedding`
+    replaces it (the one key), and one without `embedding` keeps the list; a non-string is refused."""
+    from ckpttool.errors import UsageError
+    from ckpttool.ops.export.rules import load_rules
+
+    default = load_rules(None)
+    assert default.tied_embedding_in({"transformer.wte.weight", "lm_head.weight"}) == "transformer.wte.weight"
+    assert default.tied_embedding_in({"gpt_neox.embed_in.weight"}) == "gpt_neox.embed_in.weight"
+    assert default.tied_embedding_in({"model.embed_tokens.weight", "transformer.wte.weight"}) is None  # which one?
+    given = tmp_path / "r.yaml"
+    given.write_text("tied_embeddings: {embedding: tok.weight, lm_head: out.weight}\n")
+    rules = load_rules(given)
+    assert (rules.tied_embedding_in({"tok.weight", "model.embed_tokens.weight"}), rules.tied_lm_head) == (
+        "tok.weight",
+        "out.weight",
+    )
+    assert rules.tied_embedding_in({"model.embed_tokens.weight"}) is None
+    given.write_text("tied_embeddings: {lm_head: out.weight}\n")
+    assert load_rules(given).tied_embedding_in({"model.decoder.embed_tokens.weight"}) is not None
+    given.write_text("tied_embeddings: {embedding: [a], lm_head: out.weight}\n")
+    with pytest.raises(UsageError, match="'embedding', if given, a string"):
+        load_rules(given)
