@@ -533,3 +533,27 @@ def test_M010_folds_mixtral_per_expert_weights(tmp_path: Path) -> None:
         "shape: model.layers.0.mlp.experts.down_proj: [4, 16, 32], MixtralForCausalLM has [4, 16, 48] "
         "(MixtralForCausalLM)"
     )
+
+
+def test_tied_head_of_an_older_multimodal_save_is_not_reported_missing(tmp_path: Path) -> None:
+    """A tied ``lm_head.weight`` beside an embedding that transformers' classes name otherwise today (an older Llava
+    save's ``language_model.model.embed_tokens.weight``) is the embedding, as beside ``model.embed_tokens.weight``:
+    ``--against`` its reference (head left out of the checkpoint, tie in the config) reports no missing head."""
+    import torch.distributed.checkpoint as dcp
+
+    emb, norm = "language_model.model.embed_tokens.weight", "language_model.model.norm.weight"
+    sd = {emb: torch.ones(8, 4), norm: torch.ones(4)}
+    dcp.save({"model": sd}, checkpoint_id=tmp_path / "ckpt", no_dist=True)
+    ref = tmp_path / "ref"
+    ref.mkdir()
+    (ref / "keys.json").write_text(json.dumps([emb, norm, "language_model.lm_head.weight"]))
+    (ref / "config.json").write_text(json.dumps({"model_type": "llava", "tie_word_embeddings": True}))
+    res = runner.invoke(app, ["validate", str(tmp_path / "ckpt"), "--against", str(ref / "keys.json"), "--json"])
+    assert res.exit_code == 0, res.stdout
+    assert json.loads(res.stdout)["findings"] == []
+    (ref / "config.json").write_text(json.dumps({"model_type": "llava", "tie_word_embeddings": False}))
+    res = runner.invoke(app, ["validate", str(tmp_path / "ckpt"), "--against", str(ref / "keys.json"), "--json"])
+    assert res.exit_code == 1, res.stdout
+    assert [(f["code"], f["key"]) for f in json.loads(res.stdout)["findings"]] == [
+        ("M005", "model.language_model.lm_head.weight")
+    ]

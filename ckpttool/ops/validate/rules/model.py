@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import re
 from collections import defaultdict
-from collections.abc import Container, Iterator
+from collections.abc import Collection, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -308,10 +308,13 @@ def _unread_tie(ctx: Context, tied: bool | None) -> str | None:
 _UNREAD_HINT = "fix the reference's config.json (its tie_word_embeddings says whether lm_head.weight is expected)"
 
 
-def _tied_head(name: str, tied: bool | None, names: Container[str]) -> bool:
+def _tied_head(name: str, tied: bool | None, names: Collection[str]) -> bool:
     """``name`` is an ``lm_head.weight`` that may be tied (``tied`` not ``False``) to an embedding of ``names`` that
-    transformers' model classes tie it to (:func:`~ckpttool.model.hfconfig.tied_embedding_key`)."""
-    return name.endswith("lm_head.weight") and tied is not False and tied_embedding_key(names) is not None
+    transformers' model classes tie it to (:func:`~ckpttool.model.hfconfig.tied_embedding_key`), or to one named
+    ``...embed_tokens.weight`` under another prefix (an older multimodal save's ``language_model.model.``)."""
+    if not name.endswith("lm_head.weight") or tied is False:
+        return False
+    return tied_embedding_key(names) is not None or any(n.endswith("embed_tokens.weight") for n in names)
 
 
 def _given(ctx: Context, what: str) -> None:
