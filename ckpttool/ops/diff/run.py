@@ -1067,8 +1067,9 @@ def _compare_objects(name: str, a: Side, ia: Item, b: Side, ib: Item) -> Differe
     )
 
 
-def _same_object(x: Any, y: Any, *, any_sequence: bool = False) -> bool:
-    """Equal values of one type (``any_sequence``: a list equals a tuple of the same values)."""
+def _same_object(x: Any, y: Any, *, any_sequence: bool = False, any_number: bool = False) -> bool:
+    """Equal values of one type (``any_sequence``: a list equals a tuple of the same values; ``any_number``: an int
+    equals a float of the same value, ``weight_decay: 0`` in one run's YAML and ``0.0`` in the other's; not a bool)."""
     try:
         import torch
 
@@ -1083,13 +1084,17 @@ def _same_object(x: Any, y: Any, *, any_sequence: bool = False) -> bool:
     except ImportError:  # pragma: no cover - torch is a dependency
         pass
     if isinstance(x, dict) and isinstance(y, dict):
-        return x.keys() == y.keys() and all(_same_object(x[k], y[k], any_sequence=any_sequence) for k in x)
+        return x.keys() == y.keys() and all(
+            _same_object(x[k], y[k], any_sequence=any_sequence, any_number=any_number) for k in x
+        )
     if isinstance(x, (list, tuple)) and isinstance(y, (list, tuple)):
         return (
             (any_sequence or type(x) is type(y))
             and len(x) == len(y)
-            and all(_same_object(p, q, any_sequence=any_sequence) for p, q in zip(x, y))
+            and all(_same_object(p, q, any_sequence=any_sequence, any_number=any_number) for p, q in zip(x, y))
         )
+    if any_number and {type(x), type(y)} == {int, float}:
+        return bool(x == y)  # exact: Python compares an int with a float without rounding
     return bool(type(x) is type(y) and x == y)
 
 
@@ -1118,14 +1123,17 @@ def _group_values(side: Side) -> dict[str, dict[str, Any]]:
     return out
 
 
-def _compare_groups(a: Side, b: Side, globs: tuple[str, ...] = ()) -> tuple[int, list[Difference], list[str]]:
-    """``(hyperparameters compared, differences, names equal as values but a tuple on one side and a list on the
-    other)`` of the per-parameter param-group values (names ``globs`` match). ``betas`` saved as a tuple comes back
-    a list from torch's ``set_state_dict(..., full_state_dict=True)`` (it flattens and rebuilds the groups): the
-    optimizer steps alike with either, so that is a note, not a difference."""
+def _compare_groups(
+    a: Side, b: Side, globs: tuple[str, ...] = ()
+) -> tuple[int, list[Difference], list[tuple[str, str]]]:
+    """``(hyperparameters compared, differences, (how, name) of those equal as values but stored as other types)`` of
+    the per-parameter param-group values (names ``globs`` match). ``betas`` saved as a tuple comes back a list from
+    torch's ``set_state_dict(..., full_state_dict=True)`` (it flattens and rebuilds the groups), and ``weight_decay``
+    is ``0`` in a config that says ``0`` and ``0.0`` in one that says ``0.0``: the optimizer steps alike with either,
+    so that is a note, not a difference."""
     ga, gb = _group_values(a), _group_values(b)
     diffs: list[Difference] = []
-    retyped: list[str] = []
+    retyped: list[tuple[str, str]] = []
     n = 0
     for base in sorted(set(ga) | set(gb)):
         va, vb = ga.get(base), gb.get(base)
@@ -1140,14 +1148,11 @@ def _compare_groups(a: Side, b: Side, globs: tuple[str, ...] = ()) -> tuple[int,
                 continue
             n += 1
             x, y = va.get(hyper, _MISSING), vb.get(hyper, _MISSING)
-            if (
-                x is not _MISSING
-                and y is not _MISSING
-                and not _same_object(x, y)
-                and _same_object(x, y, any_sequence=True)
-            ):
-                retyped.append(f"{base}.{hyper}")
-            elif x is _MISSING or y is _MISSING or not _same_object(x, y):
+            if x is _MISSING or y is _MISSING or not _same_object(x, y):
+                retype = _retyped(x, y)
+                if retype is not None:
+                    retyped.append((retype, f"{base}.{hyper}"))
+                    continue
                 diffs.append(
                     Difference(
                         f"{base}.{hyper}",
@@ -1158,6 +1163,18 @@ def _compare_groups(a: Side, b: Side, globs: tuple[str, ...] = ()) -> tuple[int,
                     )
                 )
     return n, diffs, retyped
+
+
+def _retyped(x: Any, y: Any) -> str | None:
+    """``"sequence"`` (a tuple and a list) or ``"number"`` (an int and a float) where two hyperparameters unequal as
+    stored are equal as values, else ``None`` (absent on one side, or other values)."""
+    if x is _MISSING or y is _MISSING:
+        return None
+    if _same_object(x, y, any_sequence=True):
+        return "sequence"
+    if _same_object(x, y, any_sequence=True, any_number=True):
+        return "number"
+    return None
 
 
 class _Missing:
@@ -1529,14 +1546,20 @@ def _compare_hyperparameters(a: Side, b: Side, opts: DiffOptions, tally: _Tally)
     tally.equal += n_hyper - sum(1 for d in gd if d.a_value is not None)
     for d in gd:
         tally.add(d)
-    if not retyped:
-        return []
-    shown = ", ".join(retyped[:3]) + (f", ... (+{len(retyped) - 3} more)" if len(retyped) > 3 else "")
-    return [
-        f"{len(retyped)} hyperparameter{'s' if len(retyped) != 1 else ''} equal as values but a tuple on one side "
-        f"and a list on the other ({shown}): torch's optimizers step alike with either (set_state_dict with "
-        "full_state_dict=True gives back a list)"
-    ]
+    notes = []
+    for how, what, why in (
+        ("sequence", "a tuple on one side and a list on the other", "set_state_dict with full_state_dict=True gives "
+         "back a list"),
+        ("number", "an int on one side and a float on the other", "a config's 0 and 0.0"),
+    ):  # fmt: skip
+        names = [name for h, name in retyped if h == how]
+        if names:
+            shown = ", ".join(names[:3]) + (f", ... (+{len(names) - 3} more)" if len(names) > 3 else "")
+            notes.append(
+                f"{len(names)} hyperparameter{'s' if len(names) != 1 else ''} equal as values but {what} ({shown}): "
+                f"torch's optimizers step alike with either ({why})"
+            )
+    return notes
 
 
 #: Difference kinds that are a verdict on a name both sides hold.

@@ -279,7 +279,15 @@ def _warn_inferred(plan: ExportPlan, cat: Catalog) -> None:
 def _check_trainable_tokens(plan: ExportPlan, given: dict[str, Any] | None) -> None:
     """Raises ExportError: the adapter holds trainable tokens (``trainable_tokens_delta``) but no given config says
     which token ids they are (``trainable_token_indices``: PEFT would load the adapter without them), or a list of
-    indices whose count is not the delta's rows."""
+    indices whose count is not the delta's rows, or a given config naming trainable tokens the checkpoint does not
+    hold (PEFT's load fails on the missing ``trainable_tokens_delta``: KeyError)."""
+    wanted = (given or {}).get("trainable_token_indices")
+    if wanted and not any(p.name.endswith(_TOKENS) for task in plan.tasks for p in task.pieces):
+        raise ExportError(
+            f"the adapter config sets trainable_token_indices {short_repr(wanted, 60)} but the checkpoint holds no "
+            "trainable tokens (token_adapter.trainable_tokens_delta): PEFT cannot load such an adapter",
+            hint="pass the adapter_config.json that belongs to this checkpoint (or remove its trainable_token_indices)",
+        )
     for task in plan.tasks:
         for p in task.pieces:
             if not p.name.endswith(_TOKENS):

@@ -1112,13 +1112,13 @@ class BlockQuantizer:
             else:
                 buf = self._buffers.get("raw", np.uint8, nbytes)
                 self.reader.pread_into(loc.info, loc.record.data_offset + start, buf, key)
-                _widen(buf, meta.dtype.name, dest)
+                _widen(buf, meta.dtype.name, dest, key)
             if touched is not None:
                 self._crcs.piece(loc, start, buf)
             return
         from ckpttool.ops.export.transform import _decoded_chunk  # a chunk the locator cannot map: decoded (whole)
 
-        _widen(_decoded_chunk(self.reader, key, c)[start : start + nbytes], meta.dtype.name, dest)
+        _widen(_decoded_chunk(self.reader, key, c)[start : start + nbytes], meta.dtype.name, dest, key)
 
     def summary(self) -> dict[str, Any]:
         """``--json`` ``quantization.tensors``: output weight name -> its error figures, sorted by name."""
@@ -1147,10 +1147,15 @@ def _page_matched(scratch: Any, name: str, n: int, offset: int) -> Any:
 _PAGE = 4096
 
 
-def _widen(raw: np.ndarray, dtype: str, dest: np.ndarray) -> None:
+def _widen(raw: np.ndarray, dtype: str, dest: np.ndarray, key: str) -> None:
     """Raw ``uint8`` bytes of ``float32`` / ``bfloat16`` / ``float16`` / ``float64`` values into ``dest`` (``[n, width]``,
     rows may be strided): float32 exactly (bfloat16: its bits shifted into the upper half; float64 rounded to nearest),
-    or the stored dtype (:func:`_held`)."""
+    or the stored dtype (:func:`_held`).
+
+    Raises:
+        QuantizationError: a finite float64 value of ``key`` beyond float32's range (it would round to infinity and
+            be told as "NaN or infinity" in the checkpoint, which holds none).
+    """
     import numpy as np
 
     shape = dest.shape
@@ -1161,7 +1166,19 @@ def _widen(raw: np.ndarray, dtype: str, dest: np.ndarray) -> None:
     elif dtype == "float32":
         np.copyto(dest, raw.view(np.float32).reshape(shape))
     elif dtype == "float64":
-        np.copyto(dest, raw.view(np.float64).reshape(shape))
+        src = raw.view(np.float64).reshape(shape)
+        with np.errstate(over="ignore"):
+            np.copyto(dest, src)
+        over = np.isinf(dest) & np.isfinite(src)
+        if over.any():
+            v = float(src[over][0])
+            raise QuantizationError(
+                f"{key}: float64 value {v:.4g} is beyond float32's range (3.4e38), which FP8 quantization rounds "
+                "through: no finite FP8 scale",
+                fqn=key,
+                hint="check the tensor with `ckpttool stats` (neither FP8, bfloat16 nor float32 holds such a value; "
+                "an export without --quantize and with --save-dtype preserve keeps it in float64)",
+            )
     else:
         np.copyto(dest, raw.view(np.float16).reshape(shape))
 

@@ -569,6 +569,46 @@ def test_betas_given_back_as_a_list_by_a_full_state_dict_load_are_no_difference(
     assert len(doc["differences"]) == n and not any("tuple on one side" in x for x in doc["notes"])
 
 
+def test_an_int_and_a_float_of_one_value_are_no_hyperparameter_difference(tmp_path: Path) -> None:
+    """``weight_decay: 0`` in one run's config and ``0.0`` in the other's (``lr: 1`` and ``1.0``) was "DIFFERENT"
+    (``0.0 in A, 0 in B``) although torch's AdamW steps bitwise alike with either: a note names them now, the
+    verdict is equal; another value, or a bool against an int, still differs."""
+
+    def run(wd: Any, lr: Any, out: Path) -> tuple[Path, torch.Tensor]:
+        torch.manual_seed(0)
+        m = torch.nn.Linear(4, 3)
+        o = torch.optim.AdamW(m.parameters(), lr=lr, weight_decay=wd, amsgrad=wd is True)
+        for _ in range(2):
+            m(torch.ones(2, 4)).square().sum().backward()
+            o.step()
+        return _save({"model": m.state_dict(), "optimizer": o.state_dict()}, out), m.weight.detach().clone()
+
+    a, wa = run(0.0, 1.0, tmp_path / "a")
+    b, wb = run(0, 1, tmp_path / "b")
+    assert torch.equal(wa, wb)  # the reference: torch steps alike with the int and the float
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    dcp_to_torch_save(b, tmp_path / "b.pt")
+    group = torch.load(tmp_path / "b.pt", weights_only=False)["optimizer"]["param_groups"][0]
+    assert (type(group["weight_decay"]), type(group["lr"])) == (int, int)
+    doc = diff_json(a, b, "--what", "optimizer", code=0)
+    assert doc["equal"] and not doc["differences"]
+    assert [x for x in doc["notes"] if "an int on one side" in x] == [
+        "2 hyperparameters equal as values but an int on one side and a float on the other "
+        "(optimizer.param_groups.0.lr, optimizer.param_groups.0.weight_decay): torch's optimizers step alike with "
+        "either (a config's 0 and 0.0)"
+    ]
+    c, _ = run(0.0, 0.5, tmp_path / "c")
+    doc = diff_json(a, c, "--what", "optimizer", code=1)
+    assert [(x["name"], x["a_value"], x["b_value"]) for x in doc["differences"] if x["kind"] == "hyperparameter"] == [
+        ("optimizer.param_groups.0.lr", "1.0", "0.5")
+    ]
+    d, _ = run(True, 1, tmp_path / "d")  # weight_decay=True: a bool is not the int 1
+    e, _ = run(1, 1, tmp_path / "e")
+    doc = diff_json(d, e, "--what", "optimizer", code=1)
+    assert "optimizer.param_groups.0.weight_decay" in {x["name"] for x in doc["differences"]}
+
+
 # ------------------------------------------------------------------------------------------ one checkpoint twice
 
 

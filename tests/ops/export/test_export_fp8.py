@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import logging
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -748,3 +749,27 @@ def test_float64_weights_are_quantized_not_left_silently(tmp_path: Path) -> None
     sources = {n: sd[n] for n in names}  # a top-level save: the output keys are the keys saved
     assert _check_against_sources(tmp_path / "out", sources, 16, r) == 2
     assert _file_tensors(tmp_path / "out")[names[0]].dtype == torch.float8_e4m3fn
+
+
+def test_a_float64_value_beyond_float32_is_named_not_called_nan(tmp_path: Path) -> None:
+    """A finite float64 value above float32's largest (1e39) rounds to infinity on the way to FP8: the export said
+    the checkpoint's block "holds NaN or infinity" (it holds none, as torch reads it) and numpy's overflow warning
+    leaked to stderr. The error names the value and the key now; no output is written."""
+    w = torch.randn(32, 32, dtype=torch.float64, generator=torch.Generator().manual_seed(5))
+    w[3, 7] = 1e39
+    key = "model.model.layers.0.mlp.down_proj.weight"
+    dcp.save(
+        {key: w, "model.model.layers.0.mlp.up_proj.weight": torch.randn(32, 32)},
+        checkpoint_id=str(tmp_path / "c"),
+        no_dist=True,
+    )
+    sd = {key: torch.empty(32, 32, dtype=torch.float64)}
+    dcp.load(sd, checkpoint_id=str(tmp_path / "c"), no_dist=True)
+    assert bool(torch.isfinite(sd[key]).all()) and sd[key][3, 7].item() == 1e39  # the reference: no NaN, no inf
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)
+        res = runner.invoke(app, ["export", str(tmp_path / "c"), str(tmp_path / "o"), "--quantize", "fp8-block"])
+    assert res.exit_code == 2, (res.stdout, res.stderr)
+    assert f"[E607] {key}: float64 value 1e+39 is beyond float32's range" in res.stderr
+    assert "NaN" not in res.stderr and "Traceback" not in res.stderr and "RuntimeWarning" not in res.stderr
+    assert not (tmp_path / "o").exists()

@@ -89,6 +89,28 @@ def test_a_nan_alpha_peft_would_load_gives_nan_logits_so_it_is_refused(lora_ckpt
     assert torch.isnan(logits).all()
 
 
+def test_a_config_naming_trainable_tokens_the_checkpoint_lacks_is_refused(lora_ckpt: Path, tmp_path: Path) -> None:  # noqa: F811
+    """An adapter config with trainable_token_indices over a checkpoint that trained none was written as given
+    (exit 0), and PeftModel.from_pretrained of the result fails (KeyError on the missing trainable_tokens_delta):
+    now E601 names the setting, nothing written."""
+    from peft import PeftModel
+    from transformers import LlamaForCausalLM
+
+    given = _peft_config(tmp_path, trainable_token_indices=[1, 2])
+    res = export_cli(str(lora_ckpt), str(tmp_path / "o"), "--format", "lora", "--adapter-config", str(given))
+    assert_clean_failure(res, "E601", "trainable_token_indices [1, 2]", "holds no trainable tokens")
+    assert not (tmp_path / "o").exists()
+    # the reference: PEFT's own load of such an adapter (the factors, and that config)
+    res = export_cli(
+        str(lora_ckpt), str(tmp_path / "ok"), "--format", "lora", "--adapter-config", str(_peft_config(tmp_path))
+    )
+    assert res.exit_code == 0, res.stderr
+    cfg = json.loads((tmp_path / "ok" / "adapter_config.json").read_text())
+    (tmp_path / "ok" / "adapter_config.json").write_text(json.dumps({**cfg, "trainable_token_indices": [1, 2]}))
+    with pytest.raises(KeyError, match="trainable_tokens_delta"):
+        PeftModel.from_pretrained(load_hf(lora_ckpt / "base", LlamaForCausalLM), tmp_path / "ok")
+
+
 @pytest.mark.parametrize("fmt", ["lora", "hf-merged"])
 @pytest.mark.parametrize("alpha", ["nan", "inf", "0", "-8"])
 def test_lora_alpha_option_must_be_a_finite_number_above_zero(

@@ -514,6 +514,30 @@ def _mixtral_dcp(tmp_path: Path) -> tuple[Path, dict[str, Any]]:
     return tmp_path / "ck", json.loads((tmp_path / "hf" / "config.json").read_text())
 
 
+def test_M010_folds_experts_of_one_shape_but_several_dtypes(tmp_path: Path) -> None:
+    """One Mixtral expert's w3 saved in float16 beside float32 ones: transformers loads the folder (it casts as it
+    fuses), every shape right, but the fold wanted one (shape, dtype) and left the layer's experts as stored: 9 M010
+    errors calling right shapes "unexpected" and the fused tensor "missing". The experts fold now and the one finding
+    is the dtype, named on the fused tensor."""
+    import torch.distributed.checkpoint as dcp
+    from safetensors.torch import load_file, save_file
+    from transformers import MixtralForCausalLM
+
+    _, cfg = _mixtral_dcp(tmp_path)
+    sd = load_file(tmp_path / "hf" / "model.safetensors")
+    k = "model.layers.0.block_sparse_moe.experts.1.w3.weight"
+    sd[k] = sd[k].half()
+    save_file(sd, str(tmp_path / "hf" / "model.safetensors"), metadata={"format": "pt"})
+    _, info = MixtralForCausalLM.from_pretrained(tmp_path / "hf", output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"], info
+    dcp.save({"model": sd}, checkpoint_id=tmp_path / "mixed", no_dist=True)
+    (tmp_path / "config.json").write_text(json.dumps({**cfg, "dtype": "float32"}))
+    rc, doc = run(tmp_path / "mixed", "--config", tmp_path / "config.json", "--select", "M010")
+    assert [f["message"] for f in doc["findings"]] == [
+        "dtype: model.layers.0.mlp.experts.gate_up_proj: float16, config dtype float32 (MixtralForCausalLM)"
+    ], doc["findings"]
+
+
 def test_M010_folds_mixtral_per_expert_weights(tmp_path: Path) -> None:
     """Mixtral's per-expert ``block_sparse_moe.experts.<j>.w1/w3/w2`` (what transformers' own save_pretrained
     writes, and loads by folding them into ``mlp.experts.gate_up_proj``/``down_proj``) were compared as stored:
