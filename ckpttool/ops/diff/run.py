@@ -1588,7 +1588,7 @@ def _fail_closed(
             hint = "pass checkpoints that hold model tensors (`ckpttool inspect` shows what each holds)"
     elif kept == (0, 0):
         why = f"`filters` {' '.join(opts.filters)} matched none of the {seen[0]} names of A and {seen[1]} of B"
-        hint = "names look like " + ", ".join(repr(n) for n in _examples(a, b)) + "; `ckpttool inspect` lists them"
+        hint = _nothing_kept_hint(a, b, opts)
     elif common == 0:
         why, hint = _no_common_name(a, b, opts, seen, kept, excluded)
     elif tally.stats and all(0 in st.shape for st in tally.stats):  # every tensor compared empty: no value to compare
@@ -1610,6 +1610,41 @@ def _fail_closed(
             "compared value by value: re-save with the default planner to compare them"
         )
     raise NothingComparedError(f"nothing compared, so no verdict: {why}; {held}", hint=hint)
+
+
+def _nothing_kept_hint(a: Side, b: Side, opts: DiffOptions) -> str:
+    """The E611 hint where ``filters`` kept no name: the optimizer state it matches, else what names look like."""
+    return _optimizer_filter_hint(a, b, opts) or (
+        "names look like " + ", ".join(repr(n) for n in _examples(a, b)) + "; `ckpttool inspect` lists them"
+    )
+
+
+def _optimizer_filter_hint(a: Side, b: Side, opts: DiffOptions) -> str | None:
+    """The E611 hint where ``filters`` matched no model name but names of a DCP side's optimizer state (its state
+    fields, its param groups' items), which ``what`` model leaves out; ``None`` otherwise."""
+    if opts.what != "model":
+        return None
+    for side in (a, b):
+        if side.kind != "dcp":
+            continue
+        cat = side.ckpt.catalog
+        names = [
+            name
+            for fqn, ps in cat.optimizer_state.items()
+            for fld in ps.fields
+            for name in (canonical_state_key(fqn, fld), cat.state_key(fqn, fld))
+        ]
+        names += [k for g in cat.param_groups for k in g.keys.values()]
+        hit = next((n for n in names if _matches(opts.filters, n)), None)
+        if hit is None:
+            continue
+        found = (
+            f"`filters` {' '.join(opts.filters)} matches names of the optimizer state (e.g. {hit!r} of {side.label})"
+        )
+        if a.kind != b.kind:
+            return f"{found}, which a safetensors side does not hold: compare it against another DCP checkpoint"
+        return f"{found}, which `what` model leaves out: pass `what` optimizer (or `what` all)"
+    return None
 
 
 def _no_common_name(

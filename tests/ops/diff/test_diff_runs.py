@@ -9,6 +9,7 @@ in float64 on tensors loaded by torch's own ``dcp.load``.
 
 from __future__ import annotations
 
+import fnmatch
 import math
 import re
 import warnings
@@ -497,6 +498,40 @@ def test_a_filter_matching_one_side_only_says_so(tmp_path: Path) -> None:
     assert err[0].startswith("error: [E611] nothing compared, so no verdict: no name in common (6 in A, 0 in B)")
     assert err[1].startswith("hint: --filter *mlp* kept names of A only: B holds no name matching it")
     assert "--rules" not in err[1]
+
+
+def test_a_filter_matching_optimizer_names_names_what(tmp_path: Path) -> None:
+    """``diff a b --filter '*exp_avg*'`` (``--what model``, the default) was E611 with a hint of model names
+    ("names look like 'model.embed.weight'"), not saying that the filter matches the optimizer state, which
+    ``--what optimizer`` compares. The hint now says so and names the option; against a safetensors side, which holds
+    no optimizer state, it says that instead."""
+    from safetensors.torch import save_file
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    model, optim, gen = _train(1)
+    model.loss(torch.randint(0, builders.DENSE["vocab"], (2, 8), generator=gen)).backward()
+    optim.step()
+    msd, osd = get_state_dict(model, optim)
+    a = _save({"model": msd, "optimizer": osd}, tmp_path / "a")
+    for glob in ("*exp_avg*", "optimizer.*"):
+        res = cli(a, a, "--filter", glob)
+        assert res.exit_code == 2 and res.stdout == "", res.output
+        err = res.stderr.splitlines()
+        assert err[0].startswith(f"error: [E611] nothing compared, so no verdict: --filter {glob} matched none"), err
+        assert err[1].startswith(f"hint: --filter {glob} matches names of the optimizer state (e.g. 'optimizer."), err
+        assert err[1].endswith("of A), which --what model leaves out: pass --what optimizer (or --what all)"), err
+        named = err[1].split("(e.g. '")[1].split("'")[0]  # a state field torch's own optimizer state holds
+        fqn, field = named.removeprefix("optimizer.state.").rsplit(".", 1)
+        assert field in osd["state"][fqn] and fnmatch.fnmatchcase(named, glob), named
+        assert diff_json(a, a, "--filter", glob, "--what", "optimizer", code=0)["counts"]["tensors"] > 0
+    (tmp_path / "hf").mkdir()
+    save_file({k: v.contiguous() for k, v in msd.items()}, tmp_path / "hf" / "model.safetensors")
+    res = cli(tmp_path / "hf", a, "--filter", "*exp_avg*")
+    assert res.exit_code == 2 and res.stderr.splitlines()[1].endswith(
+        "of B), which a safetensors side does not hold: compare it against another DCP checkpoint"
+    ), res.stderr
+    res = cli(a, a, "--filter", "nothing.*")  # a filter matching nothing anywhere keeps the names hint
+    assert res.stderr.splitlines()[1].startswith("hint: names look like 'model."), res.stderr
 
 
 def test_the_library_picks_each_sides_step(runs: Path) -> None:
