@@ -623,6 +623,7 @@ def _pair_names(a: Side, b: Side, opts: DiffOptions) -> tuple[list[Item], list[I
             param="what",
             hint="compare the model against it with `what` model, or the optimizer against another DCP checkpoint",
         )
+    _require_model(dcp, st)
     st_items = _stored_items(st)
     other = {i.name for i in st_items}
     if st.kind == "lora" and not any(".lora_" in n for n in other):
@@ -634,6 +635,26 @@ def _pair_names(a: Side, b: Side, opts: DiffOptions) -> tuple[list[Item], list[I
     if a is dcp:
         return d_items, st_items, excluded, notes, naming
     return st_items, d_items, excluded, notes, naming
+
+
+def _require_model(dcp: Side, st: Side) -> None:
+    """Refuse a DCP side with no model tensor against a safetensors side (model weights only): nothing to compare.
+
+    Raises:
+        NothingComparedError (E611): the DCP side holds optimizer or training state only (or keys not recognised).
+    """
+    cat = dcp.ckpt.catalog
+    if cat.model:
+        return
+    why = "; ".join(r.removeprefix("no model tensors: ") for r in cat.schema.reasons[:2])
+    raise NothingComparedError(
+        f"nothing compared, so no verdict: {dcp.label} ({dcp.path}) holds no model tensors to compare with "
+        f"{st.label}'s {'PEFT adapter' if st.kind == 'lora' else 'safetensors'} ({why})",
+        path=dcp.path,
+        hint=f"pass the checkpoint that holds the model as {dcp.label}, or compare this state against another DCP "
+        "checkpoint with `what` optimizer (or `what` all); `ckpttool inspect` shows its keys, `model_prefix` names where "
+        "weights are",
+    )
 
 
 def _master_export_note(dcp: Side, d_items: list[Item], st_items: list[Item], opts: DiffOptions) -> list[str]:

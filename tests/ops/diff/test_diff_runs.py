@@ -534,6 +534,41 @@ def test_a_filter_matching_optimizer_names_names_what(tmp_path: Path) -> None:
     assert res.stderr.splitlines()[1].startswith("hint: names look like 'model."), res.stderr
 
 
+def test_training_state_only_against_safetensors_says_what_diff_found(tmp_path: Path) -> None:
+    """``dcp.save({"optimizer": ...})`` or ``{"train_state": ...}`` against an HF safetensors folder was E601 "no model
+    tensors to export", export's wording (diff exports nothing). It is now one E611 line naming the side, its path and
+    that it holds no model tensors, with the fix; the safetensors side may be A or B."""
+    from safetensors.torch import save_file
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    model, optim, gen = _train(1)
+    model.loss(torch.randint(0, builders.DENSE["vocab"], (2, 8), generator=gen)).backward()
+    optim.step()
+    msd, osd = get_state_dict(model, optim)
+    (tmp_path / "hf").mkdir()
+    save_file({k: v.contiguous() for k, v in msd.items()}, tmp_path / "hf" / "model.safetensors")
+    opt_only = _save({"optimizer": osd}, tmp_path / "opt")
+    train_only = _save({"train_state": {"step": torch.tensor(3), "seen": torch.tensor(96)}}, tmp_path / "train")
+    for a, b, side, path in (
+        (opt_only, tmp_path / "hf", "A", opt_only),
+        (tmp_path / "hf", train_only, "B", train_only),
+    ):
+        res = cli(a, b)
+        assert res.exit_code == 2 and res.stdout == "", res.output
+        err = res.stderr.splitlines()
+        assert len(err) == 2 and "export" not in res.stderr and "Traceback" not in res.stderr, err
+        assert err[0].startswith(
+            f"error: [E611] nothing compared, so no verdict: {side} ({path}) holds no model tensors to compare with "
+            f"{'B' if side == 'A' else 'A'}'s safetensors ("
+        ), err
+        assert err[1] == (
+            f"hint: pass the checkpoint that holds the model as {side}, or compare this state against another DCP "
+            "checkpoint with --what optimizer (or --what all); `ckpttool inspect` shows its keys, --model-prefix names "
+            "where weights are"
+        ), err
+    assert "optimizer state only" in cli(opt_only, tmp_path / "hf").stderr
+
+
 def test_the_library_picks_each_sides_step(runs: Path) -> None:
     """`diff_checkpoints` itself applies `step` to the sides that are run roots and refuses a side step on a checkpoint."""
     from ckpttool.errors import UsageError
