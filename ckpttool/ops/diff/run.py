@@ -1422,18 +1422,28 @@ def _files_beside(side: Side) -> dict[str, str] | None:
 def _self_note(a: Side, b: Side) -> list[str]:
     """A note when both sides are one checkpoint (``diff X X``; ``diff run/ run/ --step 3``, whose two sides open
     the same step; a link to it): it is compared with itself, which proves only that it reads alike twice."""
-    if a.only_file != b.only_file:
+    if a.only_file != b.only_file and (a.kind != b.kind or _one_file(a) is None or _one_file(a) != _one_file(b)):
         return []
     if a.reader is not b.reader and not _same_path(Path(a.reader.path), Path(b.reader.path)):
         return []
     where = getattr(a.ckpt, "located", None)
     shown = str(where.model) if where is not None else str(a.reader.path)
-    shown = f"{shown}/{a.only_file}" if a.only_file else shown
+    only = a.only_file or b.only_file
+    shown = f"{shown}/{only}" if only else shown
     below_run = any(s.info().opened for s in (a, b))  # a run root's step: --a-step/--b-step pick two
     how = (
         "to compare two steps of the run give --a-step N --b-step M" if below_run else "to compare two copies pass both"
     )
     return [f"{SELF_NOTE} ({shown}): compared with itself, which shows only that it reads alike twice; {how}"]
+
+
+def _one_file(side: Side) -> str | None:
+    """The one ``.safetensors`` file a safetensors side reads: the file given, or a folder's only one (``diff DIR
+    DIR/model.safetensors`` reads one file twice); ``None`` for a DCP side or a folder of several."""
+    if side.only_file is not None or side.kind == "dcp":
+        return side.only_file
+    files = sorted(Path(side.reader.path).glob("*.safetensors"))
+    return files[0].name if len(files) == 1 else None
 
 
 def _newer_incomplete_notes(a: Side, b: Side) -> list[str]:

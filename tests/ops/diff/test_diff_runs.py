@@ -669,6 +669,32 @@ def test_one_checkpoint_on_both_sides_is_said_to_be_compared_with_itself(runs: P
     assert res.stdout.splitlines()[-1].startswith("equal (")
 
 
+def test_a_folder_and_its_only_safetensors_file_are_one_checkpoint(tmp_path: Path) -> None:
+    """``diff DIR DIR/model.safetensors`` reads one file twice but said a plain "equal", as if two copies had been
+    found alike (``diff X X`` says that it compared X with itself). It now says so, either way round; a copy of the file
+    is two checkpoints."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    hf = tmp_path / "hf"
+    hf.mkdir()
+    save_file({"w": torch.arange(6.0).reshape(2, 3), "b": torch.ones(3)}, hf / "model.safetensors")
+    note = (
+        f"A and B are one checkpoint ({hf / 'model.safetensors'}): compared with itself, which shows only that it "
+        "reads alike twice; to compare two copies pass both"
+    )
+    for a, b in ((hf, hf / "model.safetensors"), (hf / "model.safetensors", hf)):
+        doc = diff_json(a, b, code=0)
+        assert [x for x in doc["notes"] if x.startswith("A and B are one checkpoint")] == [note], doc["notes"]
+        assert doc["counts"]["tensors"] == len(load_file(hf / "model.safetensors"))
+    copy = tmp_path / "copy"
+    copy.mkdir()
+    shutil.copy(hf / "model.safetensors", copy / "model.safetensors")
+    doc = diff_json(hf, copy / "model.safetensors", code=0)
+    assert not [x for x in doc["notes"] if x.startswith("A and B are one checkpoint")], doc["notes"]
+
+
 def test_a_filter_that_keeps_hyperparameters_only_gives_a_verdict(tmp_path: Path) -> None:
     """``diff run1 run2 --what optimizer --filter '*.lr'`` (did the learning rate change?) compared the lr of every
     parameter, found them equal and still refused: "E611 nothing compared: --filter *.lr matched none of the 18
