@@ -66,6 +66,7 @@ from ckpttool.ops.diff.gather import gathered_values, short_tensor
 from ckpttool.ops.diff.result import (
     BESIDE_NOTE,
     SELF_NOTE,
+    SIDE_B_DECLARED,
     WHAT,
     Difference,
     DiffOptions,
@@ -74,7 +75,6 @@ from ckpttool.ops.diff.result import (
     Item,
     SideInfo,
     TensorStat,
-    as_side_b,
 )
 from ckpttool.ops.diff.sides import side_openings
 from ckpttool.ops.export.transform import Run
@@ -348,11 +348,13 @@ def _perm_of(side: Side, key: str, shape: tuple[int, ...]) -> list[int] | None:
 
 
 def _of_side(label: str, path: Path, e: LayoutError) -> LayoutError:
-    """``e`` naming its side and path; for B the hint names B's declaration options (``b_source_layout``, ...):
-    A's, which the hint named, declare the other checkpoint, and following it changed nothing."""
-    hint = as_side_b(e.hint) if label == "B" else e.hint
+    """``e`` naming its side and path; for B the hint says that B's declaration is ``opening_b``'s, and ``param`` is
+    ``opening_b``: the declaration parameters it names (``source_layout``, ...) otherwise read as A's, which declare
+    the other checkpoint (the CLI names B's options instead: :data:`SIDE_B_DECLARED`)."""
     said = f"{label}: " if e.message.startswith(str(path)) else f"{label} ({path}): "
-    return type(e)(said + as_side_b(e.message) if label == "B" else said + e.message, hint=hint, path=e.path, fqn=e.fqn)
+    if label != "B":
+        return type(e)(said + e.message, hint=e.hint, path=e.path, fqn=e.fqn)
+    return type(e)(said + e.message, hint=SIDE_B_DECLARED + e.hint, path=e.path, fqn=e.fqn, param="opening_b")
 
 
 def dcp_items(side: Side, what: str) -> tuple[list[Item], list[Excluded], list[str]]:
