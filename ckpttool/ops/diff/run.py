@@ -1598,27 +1598,7 @@ def _fail_closed(
     held = f"A holds {_holdings(a)}; B holds {_holdings(b)}"
     if seen == (0, 0):
         why = f"neither side has {_what_words(opts.what)}"
-        hint = "the state is in byte items (pickled objects), which hold no comparable tensors"
-        unknown = [s for s in (a, b) if s.kind == "dcp" and s.ckpt.catalog.schema.id == "unrecognized"]
-        if unknown and any(s.tensor_keys() for s in unknown):
-            side = unknown[0]
-            hint = (
-                f"the key schema of {side.label} is not recognised (keys like "
-                + ", ".join(repr(k) for k in side.tensor_keys()[:2])
-                + "): name it with `schema`, `model_prefix` and `optimizer_prefix` (`ckpttool inspect` shows the keys)"
-            )
-        elif any(_byte_items(s) for s in (a, b)):
-            hint = (
-                "a state pickled into byte items (as DefaultSavePlanner(flatten_state_dict=False) saves) has no "
-                "tensors to compare: re-save with the default planner, or compare byte items with `what` all"
-                if opts.what != "all"
-                else "a state pickled into byte items (as DefaultSavePlanner(flatten_state_dict=False) saves) has no "
-                "tensors to compare value by value: re-save it with the default planner"
-            )
-        elif opts.what == "optimizer":
-            hint = "pass checkpoints that hold optimizer state, or compare the models with `what` model"
-        else:
-            hint = "pass checkpoints that hold model tensors (`ckpttool inspect` shows what each holds)"
+        hint = _no_tensor_hint(a, b, opts)
     elif kept == (0, 0):
         why = f"`filters` {' '.join(opts.filters)} matched none of the {seen[0]} names of A and {seen[1]} of B"
         hint = _nothing_kept_hint(a, b, opts)
@@ -1643,6 +1623,36 @@ def _fail_closed(
             "compared value by value: re-save with the default planner to compare them"
         )
     raise NothingComparedError(f"nothing compared, so no verdict: {why}; {held}", hint=hint)
+
+
+def _no_tensor_hint(a: Side, b: Side, opts: DiffOptions) -> str:
+    """The E611 hint where neither side has what ``what`` asks for: the optimizer state ``what`` model leaves out, a
+    key schema not recognised, a state pickled into byte items, or the kind of checkpoint to pass."""
+    held = [s.label for s in (a, b) if s.kind == "dcp" and s.ckpt.catalog.optimizer_state]
+    if opts.what == "model" and held:
+        return (
+            f"{' and '.join(held)} {'hold' if len(held) > 1 else 'holds'} optimizer state only, which `what` model "
+            "leaves out: compare it with `what` optimizer (or `what` all)"
+        )
+    unknown = [s for s in (a, b) if s.kind == "dcp" and s.ckpt.catalog.schema.id == "unrecognized"]
+    if unknown and any(s.tensor_keys() for s in unknown):
+        side = unknown[0]
+        return (
+            f"the key schema of {side.label} is not recognised (keys like "
+            + ", ".join(repr(k) for k in side.tensor_keys()[:2])
+            + "): name it with `schema`, `model_prefix` and `optimizer_prefix` (`ckpttool inspect` shows the keys)"
+        )
+    if any(_byte_items(s) for s in (a, b)):
+        return (
+            "a state pickled into byte items (as DefaultSavePlanner(flatten_state_dict=False) saves) has no "
+            "tensors to compare: re-save with the default planner, or compare byte items with `what` all"
+            if opts.what != "all"
+            else "a state pickled into byte items (as DefaultSavePlanner(flatten_state_dict=False) saves) has no "
+            "tensors to compare value by value: re-save it with the default planner"
+        )
+    if opts.what == "optimizer":
+        return "pass checkpoints that hold optimizer state, or compare the models with `what` model"
+    return "pass checkpoints that hold model tensors (`ckpttool inspect` shows what each holds)"
 
 
 def _nothing_kept_hint(a: Side, b: Side, opts: DiffOptions) -> str:

@@ -569,6 +569,28 @@ def test_training_state_only_against_safetensors_says_what_diff_found(tmp_path: 
     assert "optimizer state only" in cli(opt_only, tmp_path / "hf").stderr
 
 
+def test_two_optimizer_only_checkpoints_under_what_model_name_what_optimizer(tmp_path: Path) -> None:
+    """``diff opt1 opt2`` of two ``dcp.save({"optimizer": ...})`` saves (``--what model``, the default) was E611 with
+    the hint of a state pickled into byte items ("re-save with the default planner"): the byte items are the param
+    groups' hyperparameters, the state is tensors. The hint now says the sides hold optimizer state only and names
+    ``--what optimizer``, which compares them."""
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    model, optim, gen = _train(1)
+    model.loss(torch.randint(0, builders.DENSE["vocab"], (2, 8), generator=gen)).backward()
+    optim.step()
+    osd = get_state_dict(model, optim)[1]
+    a, b = _save({"optimizer": osd}, tmp_path / "a"), _save({"optimizer": osd}, tmp_path / "b")
+    res = cli(a, b)
+    assert res.exit_code == 2 and res.stdout == "", res.output
+    assert res.stderr.splitlines()[1] == (
+        "hint: A and B hold optimizer state only, which --what model leaves out: compare it with --what optimizer "
+        "(or --what all)"
+    ), res.stderr
+    n = sum(torch.is_tensor(v) for st in osd["state"].values() for v in st.values())  # torch's own state tensors
+    assert diff_json(a, b, "--what", "optimizer", code=0)["counts"]["tensors"] == n
+
+
 def test_the_library_picks_each_sides_step(runs: Path) -> None:
     """`diff_checkpoints` itself applies `step` to the sides that are run roots and refuses a side step on a checkpoint."""
     from ckpttool.errors import UsageError
