@@ -1702,6 +1702,16 @@ def _no_common_name(
             why,
             f"the rules of `map_rules` ({opts.map_rules}) leave out every key of {bare}: check their `to: null` rules",
         )
+    optimizer_only = [
+        s for s, n in zip((a, b), seen, strict=True) if n == 0 and s.kind == "dcp" and s.ckpt.catalog.optimizer_state
+    ]
+    if opts.what == "model" and optimizer_only:
+        side = optimizer_only[0]
+        return (
+            why,
+            f"{side.label} holds optimizer state and no model tensor, which `what` model compares: pass the checkpoint "
+            f"that holds the model as {side.label}, or compare the optimizer state with `what` optimizer",
+        )
     return why, _no_common_name_hint(a, b, kept, opts)
 
 

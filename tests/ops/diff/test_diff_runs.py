@@ -591,6 +591,29 @@ def test_two_optimizer_only_checkpoints_under_what_model_name_what_optimizer(tmp
     assert diff_json(a, b, "--what", "optimizer", code=0)["counts"]["tensors"] == n
 
 
+def test_an_optimizer_only_side_against_a_model_names_the_side(tmp_path: Path) -> None:
+    """``diff opt/ full/`` (an optimizer-only save against a model + optimizer save, ``--what model``) was E611 "no
+    name in common" with the hint of a naming mismatch ("pass its rules (--rules) or a model adapter (--adapter)"),
+    though A holds no model tensor at all. The hint now says so, for whichever side it is."""
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    model, optim, gen = _train(1)
+    model.loss(torch.randint(0, builders.DENSE["vocab"], (2, 8), generator=gen)).backward()
+    optim.step()
+    msd, osd = get_state_dict(model, optim)
+    opt_only = _save({"optimizer": osd}, tmp_path / "opt")
+    full = _save({"model": msd, "optimizer": osd}, tmp_path / "full")
+    for a, b, side in ((opt_only, full, "A"), (full, opt_only, "B")):
+        res = cli(a, b)
+        assert res.exit_code == 2 and res.stdout == "", res.output
+        err = res.stderr.splitlines()
+        assert err[0].startswith("error: [E611] nothing compared, so no verdict: no name in common"), err
+        assert err[1] == (
+            f"hint: {side} holds optimizer state and no model tensor, which --what model compares: pass the "
+            f"checkpoint that holds the model as {side}, or compare the optimizer state with --what optimizer"
+        ), err
+
+
 def test_the_library_picks_each_sides_step(runs: Path) -> None:
     """`diff_checkpoints` itself applies `step` to the sides that are run roots and refuses a side step on a checkpoint."""
     from ckpttool.errors import UsageError
