@@ -1126,8 +1126,10 @@ def _group_values(side: Side) -> dict[str, dict[str, Any]]:
     side.ckpt.param_groups()
     out: dict[str, dict[str, Any]] = {}
     reached: set[int] = set()
-    for key in cat.model:
-        fqn = cat.fqn_of(key)
+    fqns = [cat.fqn_of(key) for key in cat.model]
+    if not fqns:  # an optimizer-only save: its parameters are those of its state (an index-keyed one: by group)
+        fqns = [f for f in cat.optimizer_state if not f.isdigit()]
+    for fqn in fqns:
         g = cat.group_of(fqn)
         if g is not None:
             out[canonical_group_key(fqn)] = g.leaf_values
