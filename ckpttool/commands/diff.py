@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 from enum import Enum
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any
@@ -182,7 +184,10 @@ def diff_command(
         from ckpttool.ui.plot import check_plot_target
 
         check_plot_target(plot, tuple(Path(c) for c in (a, b)))
-    with PhaseProgress.on_stderr("diff", not json_output and sys.stderr.isatty(), bar_text="comparing") as shown:
+    with (
+        _side_b_options(),
+        PhaseProgress.on_stderr("diff", not json_output and sys.stderr.isatty(), bar_text="comparing") as shown,
+    ):
         res = diff_checkpoints(
             a,
             b,
@@ -200,6 +205,22 @@ def diff_command(
     _print_result(res, plot, json_output)
     if not res.equal:
         raise typer.Exit(1)
+
+
+@contextmanager
+def _side_b_options() -> Iterator[None]:
+    """A layout error of side B (``param`` ``opening_b``) naming B's options (``--b-source-layout``, ...) where the
+    library says that B's declaration is ``opening_b``'s, whose parameters are named as A's options."""
+    from ckpttool.errors import LayoutError
+    from ckpttool.ops.diff.result import SIDE_B_DECLARED, as_side_b
+
+    try:
+        yield
+    except LayoutError as e:
+        if e.param != "opening_b":
+            raise
+        hint = as_side_b(e.hint.removeprefix(SIDE_B_DECLARED))
+        raise type(e)(as_side_b(e.message), hint=hint, path=e.path, fqn=e.fqn) from None
 
 
 def _declaration_of_b(source_layout: Any, ep_size: int | None, ep_fsdp_size: int | None, no_ep: bool) -> Any:

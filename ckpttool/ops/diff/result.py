@@ -36,6 +36,11 @@ def as_side_b(text: str) -> str:
     return text
 
 
+#: How the hint of a layout error of side B (E403-E406, its ``param`` ``opening_b``) begins: B's declaration is the
+#: ``declaration`` of ``opening_b`` (``LayoutDeclaration.from_options(source_layout=..., ...)``), whose parameters the
+#: rest of the hint names; the CLI drops it and names B's options (:func:`as_side_b`: ``--b-source-layout``, ...).
+SIDE_B_DECLARED = "B's layout is declared by the declaration of `opening_b`: "
+
 #: How the note on two sides that are one checkpoint begins (``diff X X``, ``diff run/ run/ --step 3``): it was
 #: compared with itself, which shows only that it reads alike twice; the verdict says so.
 SELF_NOTE = "A and B are one checkpoint"

@@ -66,6 +66,7 @@ from ckpttool.ops.diff.gather import gathered_values, short_tensor
 from ckpttool.ops.diff.result import (
     BESIDE_NOTE,
     SELF_NOTE,
+    SIDE_B_DECLARED,
     WHAT,
     Difference,
     DiffOptions,
@@ -74,7 +75,6 @@ from ckpttool.ops.diff.result import (
     Item,
     SideInfo,
     TensorStat,
-    as_side_b,
 )
 from ckpttool.ops.diff.sides import side_openings
 from ckpttool.ops.export.transform import Run
@@ -348,11 +348,13 @@ def _perm_of(side: Side, key: str, shape: tuple[int, ...]) -> list[int] | None:
 
 
 def _of_side(label: str, path: Path, e: LayoutError) -> LayoutError:
-    """``e`` naming its side and path; for B the hint names B's declaration options (``b_source_layout``, ...):
-    A's, which the hint named, declare the other checkpoint, and following it changed nothing."""
-    hint = as_side_b(e.hint) if label == "B" else e.hint
+    """``e`` naming its side and path; for B the hint says that B's declaration is ``opening_b``'s, and ``param`` is
+    ``opening_b``: the declaration parameters it names (``source_layout``, ...) otherwise read as A's, which declare
+    the other checkpoint (the CLI names B's options instead: :data:`SIDE_B_DECLARED`)."""
     said = f"{label}: " if e.message.startswith(str(path)) else f"{label} ({path}): "
-    return type(e)(said + as_side_b(e.message) if label == "B" else said + e.message, hint=hint, path=e.path, fqn=e.fqn)
+    if label != "B":
+        return type(e)(said + e.message, hint=e.hint, path=e.path, fqn=e.fqn)
+    return type(e)(said + e.message, hint=SIDE_B_DECLARED + e.hint, path=e.path, fqn=e.fqn, param="opening_b")
 
 
 def dcp_items(side: Side, what: str) -> tuple[list[Item], list[Excluded], list[str]]:
@@ -626,6 +628,7 @@ def _pair_names(a: Side, b: Side, opts: DiffOptions) -> tuple[list[Item], list[I
             param="what",
             hint="compare the model against it with `what` model, or the optimizer against another DCP checkpoint",
         )
+    _require_model(dcp, st)
     st_items = _stored_items(st)
     other = {i.name for i in st_items}
     if st.kind == "lora" and not any(".lora_" in n for n in other):
@@ -637,6 +640,26 @@ def _pair_names(a: Side, b: Side, opts: DiffOptions) -> tuple[list[Item], list[I
     if a is dcp:
         return d_items, st_items, excluded, notes, naming
     return st_items, d_items, excluded, notes, naming
+
+
+def _require_model(dcp: Side, st: Side) -> None:
+    """Refuse a DCP side with no model tensor against a safetensors side (model weights only): nothing to compare.
+
+    Raises:
+        NothingComparedError (E611): the DCP side holds optimizer or training state only (or keys not recognised).
+    """
+    cat = dcp.ckpt.catalog
+    if cat.model:
+        return
+    why = "; ".join(r.removeprefix("no model tensors: ") for r in cat.schema.reasons[:2])
+    raise NothingComparedError(
+        f"nothing compared, so no verdict: {dcp.label} ({dcp.path}) holds no model tensors to compare with "
+        f"{st.label}'s {'PEFT adapter' if st.kind == 'lora' else 'safetensors'} ({why})",
+        path=dcp.path,
+        hint=f"pass the checkpoint that holds the model as {dcp.label}, or compare this state against another DCP "
+        "checkpoint with `what` optimizer (or `what` all); `ckpttool inspect` shows its keys, `model_prefix` names where "
+        "weights are",
+    )
 
 
 def _master_export_note(dcp: Side, d_items: list[Item], st_items: list[Item], opts: DiffOptions) -> list[str]:
@@ -1111,8 +1134,10 @@ def _group_values(side: Side) -> dict[str, dict[str, Any]]:
     side.ckpt.param_groups()
     out: dict[str, dict[str, Any]] = {}
     reached: set[int] = set()
-    for key in cat.model:
-        fqn = cat.fqn_of(key)
+    fqns = [cat.fqn_of(key) for key in cat.model]
+    if not fqns:  # an optimizer-only save: its parameters are those of its state (an index-keyed one: by group)
+        fqns = [f for f in cat.optimizer_state if not f.isdigit()]
+    for fqn in fqns:
         g = cat.group_of(fqn)
         if g is not None:
             out[canonical_group_key(fqn)] = g.leaf_values
@@ -1421,18 +1446,28 @@ def _files_beside(side: Side) -> dict[str, str] | None:
 def _self_note(a: Side, b: Side) -> list[str]:
     """A note when both sides are one checkpoint (``diff X X``; ``diff run/ run/ --step 3``, whose two sides open
     the same step; a link to it): it is compared with itself, which proves only that it reads alike twice."""
-    if a.only_file != b.only_file:
+    if a.only_file != b.only_file and (a.kind != b.kind or _one_file(a) is None or _one_file(a) != _one_file(b)):
         return []
     if a.reader is not b.reader and not _same_path(Path(a.reader.path), Path(b.reader.path)):
         return []
     where = getattr(a.ckpt, "located", None)
     shown = str(where.model) if where is not None else str(a.reader.path)
-    shown = f"{shown}/{a.only_file}" if a.only_file else shown
+    only = a.only_file or b.only_file
+    shown = f"{shown}/{only}" if only else shown
     below_run = any(s.info().opened for s in (a, b))  # a run root's step: --a-step/--b-step pick two
     how = (
         "to compare two steps of the run give --a-step N --b-step M" if below_run else "to compare two copies pass both"
     )
     return [f"{SELF_NOTE} ({shown}): compared with itself, which shows only that it reads alike twice; {how}"]
+
+
+def _one_file(side: Side) -> str | None:
+    """The one ``.safetensors`` file a safetensors side reads: the file given, or a folder's only one (``diff DIR
+    DIR/model.safetensors`` reads one file twice); ``None`` for a DCP side or a folder of several."""
+    if side.only_file is not None or side.kind == "dcp":
+        return side.only_file
+    files = sorted(Path(side.reader.path).glob("*.safetensors"))
+    return files[0].name if len(files) == 1 else None
 
 
 def _newer_incomplete_notes(a: Side, b: Side) -> list[str]:
@@ -1591,30 +1626,10 @@ def _fail_closed(
     held = f"A holds {_holdings(a)}; B holds {_holdings(b)}"
     if seen == (0, 0):
         why = f"neither side has {_what_words(opts.what)}"
-        hint = "the state is in byte items (pickled objects), which hold no comparable tensors"
-        unknown = [s for s in (a, b) if s.kind == "dcp" and s.ckpt.catalog.schema.id == "unrecognized"]
-        if unknown and any(s.tensor_keys() for s in unknown):
-            side = unknown[0]
-            hint = (
-                f"the key schema of {side.label} is not recognised (keys like "
-                + ", ".join(repr(k) for k in side.tensor_keys()[:2])
-                + "): name it with `schema`, `model_prefix` and `optimizer_prefix` (`ckpttool inspect` shows the keys)"
-            )
-        elif any(_byte_items(s) for s in (a, b)):
-            hint = (
-                "a state pickled into byte items (as DefaultSavePlanner(flatten_state_dict=False) saves) has no "
-                "tensors to compare: re-save with the default planner, or compare byte items with `what` all"
-                if opts.what != "all"
-                else "a state pickled into byte items (as DefaultSavePlanner(flatten_state_dict=False) saves) has no "
-                "tensors to compare value by value: re-save it with the default planner"
-            )
-        elif opts.what == "optimizer":
-            hint = "pass checkpoints that hold optimizer state, or compare the models with `what` model"
-        else:
-            hint = "pass checkpoints that hold model tensors (`ckpttool inspect` shows what each holds)"
+        hint = _no_tensor_hint(a, b, opts)
     elif kept == (0, 0):
         why = f"`filters` {' '.join(opts.filters)} matched none of the {seen[0]} names of A and {seen[1]} of B"
-        hint = "names look like " + ", ".join(repr(n) for n in _examples(a, b)) + "; `ckpttool inspect` lists them"
+        hint = _nothing_kept_hint(a, b, opts)
     elif common == 0:
         why, hint = _no_common_name(a, b, opts, seen, kept, excluded)
     elif tally.stats and all(0 in st.shape for st in tally.stats):  # every tensor compared empty: no value to compare
@@ -1638,6 +1653,71 @@ def _fail_closed(
     raise NothingComparedError(f"nothing compared, so no verdict: {why}; {held}", hint=hint)
 
 
+def _no_tensor_hint(a: Side, b: Side, opts: DiffOptions) -> str:
+    """The E611 hint where neither side has what ``what`` asks for: the optimizer state ``what`` model leaves out, a
+    key schema not recognised, a state pickled into byte items, or the kind of checkpoint to pass."""
+    held = [s.label for s in (a, b) if s.kind == "dcp" and s.ckpt.catalog.optimizer_state]
+    if opts.what == "model" and held:
+        return (
+            f"{' and '.join(held)} {'hold' if len(held) > 1 else 'holds'} optimizer state only, which `what` model "
+            "leaves out: compare it with `what` optimizer (or `what` all)"
+        )
+    unknown = [s for s in (a, b) if s.kind == "dcp" and s.ckpt.catalog.schema.id == "unrecognized"]
+    if unknown and any(s.tensor_keys() for s in unknown):
+        side = unknown[0]
+        return (
+            f"the key schema of {side.label} is not recognised (keys like "
+            + ", ".join(repr(k) for k in side.tensor_keys()[:2])
+            + "): name it with `schema`, `model_prefix` and `optimizer_prefix` (`ckpttool inspect` shows the keys)"
+        )
+    if any(_byte_items(s) for s in (a, b)):
+        return (
+            "a state pickled into byte items (as DefaultSavePlanner(flatten_state_dict=False) saves) has no "
+            "tensors to compare: re-save with the default planner, or compare byte items with `what` all"
+            if opts.what != "all"
+            else "a state pickled into byte items (as DefaultSavePlanner(flatten_state_dict=False) saves) has no "
+            "tensors to compare value by value: re-save it with the default planner"
+        )
+    if opts.what == "optimizer":
+        return "pass checkpoints that hold optimizer state, or compare the models with `what` model"
+    return "pass checkpoints that hold model tensors (`ckpttool inspect` shows what each holds)"
+
+
+def _nothing_kept_hint(a: Side, b: Side, opts: DiffOptions) -> str:
+    """The E611 hint where ``filters`` kept no name: the optimizer state it matches, else what names look like."""
+    return _optimizer_filter_hint(a, b, opts) or (
+        "names look like " + ", ".join(repr(n) for n in _examples(a, b)) + "; `ckpttool inspect` lists them"
+    )
+
+
+def _optimizer_filter_hint(a: Side, b: Side, opts: DiffOptions) -> str | None:
+    """The E611 hint where ``filters`` matched no model name but names of a DCP side's optimizer state (its state
+    fields, its param groups' items), which ``what`` model leaves out; ``None`` otherwise."""
+    if opts.what != "model":
+        return None
+    for side in (a, b):
+        if side.kind != "dcp":
+            continue
+        cat = side.ckpt.catalog
+        names = [
+            name
+            for fqn, ps in cat.optimizer_state.items()
+            for fld in ps.fields
+            for name in (canonical_state_key(fqn, fld), cat.state_key(fqn, fld))
+        ]
+        names += [k for g in cat.param_groups for k in g.keys.values()]
+        hit = next((n for n in names if _matches(opts.filters, n)), None)
+        if hit is None:
+            continue
+        found = (
+            f"`filters` {' '.join(opts.filters)} matches names of the optimizer state (e.g. {hit!r} of {side.label})"
+        )
+        if a.kind != b.kind:
+            return f"{found}, which a safetensors side does not hold: compare it against another DCP checkpoint"
+        return f"{found}, which `what` model leaves out: pass `what` optimizer (or `what` all)"
+    return None
+
+
 def _no_common_name(
     a: Side, b: Side, opts: DiffOptions, seen: tuple[int, int], kept: tuple[int, int], excluded: list[Excluded]
 ) -> tuple[str, str]:
@@ -1649,6 +1729,16 @@ def _no_common_name(
         return (
             why,
             f"the rules of `map_rules` ({opts.map_rules}) leave out every key of {bare}: check their `to: null` rules",
+        )
+    optimizer_only = [
+        s for s, n in zip((a, b), seen, strict=True) if n == 0 and s.kind == "dcp" and s.ckpt.catalog.optimizer_state
+    ]
+    if opts.what == "model" and optimizer_only:
+        side = optimizer_only[0]
+        return (
+            why,
+            f"{side.label} holds optimizer state and no model tensor, which `what` model compares: pass the checkpoint "
+            f"that holds the model as {side.label}, or compare the optimizer state with `what` optimizer",
         )
     return why, _no_common_name_hint(a, b, kept, opts)
 

@@ -543,6 +543,32 @@ def test_an_undeclared_ep_layout_of_b_names_b_and_its_options(qwen_legacy_ckpt: 
     assert doc["equal"] and doc["counts"]["tensors"] > 0
 
 
+def test_an_undeclared_ep_layout_of_b_names_opening_b_in_the_library(qwen_legacy_ckpt: Path) -> None:
+    """Through ``diff_checkpoints``, B's E405 hint named `b_source_layout`, `b_ep_size`, ...: the CLI's options, no
+    parameter of the library, where B is declared by ``opening_b``'s declaration. The hint now says so, with the
+    parameters of that declaration; following it compares (the CLI's hint, ``--b-source-layout``: the test above)."""
+    from ckpttool.errors import AmbiguousLayoutError
+    from ckpttool.layouts.declaration import LayoutDeclaration
+
+    declared = LayoutDeclaration.from_options("legacy", hf_models.MOE_P, hf_models.MOE_F)
+    with pytest.raises(AmbiguousLayoutError) as info:
+        diff_checkpoints(qwen_legacy_ckpt, qwen_legacy_ckpt, opening_a=OpenOptions(declaration=declared))
+    e = info.value
+    assert e.message.startswith(f"B ({qwen_legacy_ckpt}): model.") and e.param == "opening_b", e.message
+    assert e.hint.startswith(
+        "B's layout is declared by the declaration of `opening_b`: declare it with `source_layout` legacy|canonical "
+        "`ep_size` P `ep_fsdp_size` F"
+    ), e.hint
+    assert "b_" not in e.hint, e.hint
+    res = diff_checkpoints(
+        qwen_legacy_ckpt,
+        qwen_legacy_ckpt,
+        opening_a=OpenOptions(declaration=declared),
+        opening_b=OpenOptions(declaration=declared),
+    )
+    assert res.equal and len(res.tensors) > 0
+
+
 def test_a_bad_declaration_of_b_names_b_options(qwen_legacy_ckpt: Path, tmp_path: Path) -> None:
     """``--b-source-layout legacy --b-ep-size 2`` said "--source-layout legacy needs --ep-fsdp-size" (A's options,
     which were not given), and a declaration of B that contradicts its chunks said E404 without naming B."""

@@ -9,6 +9,7 @@ in float64 on tensors loaded by torch's own ``dcp.load``.
 
 from __future__ import annotations
 
+import fnmatch
 import math
 import re
 import warnings
@@ -499,6 +500,145 @@ def test_a_filter_matching_one_side_only_says_so(tmp_path: Path) -> None:
     assert "--rules" not in err[1]
 
 
+def test_a_filter_matching_optimizer_names_names_what(tmp_path: Path) -> None:
+    """``diff a b --filter '*exp_avg*'`` (``--what model``, the default) was E611 with a hint of model names
+    ("names look like 'model.embed.weight'"), not saying that the filter matches the optimizer state, which
+    ``--what optimizer`` compares. The hint now says so and names the option; against a safetensors side, which holds
+    no optimizer state, it says that instead."""
+    from safetensors.torch import save_file
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    model, optim, gen = _train(1)
+    model.loss(torch.randint(0, builders.DENSE["vocab"], (2, 8), generator=gen)).backward()
+    optim.step()
+    msd, osd = get_state_dict(model, optim)
+    a = _save({"model": msd, "optimizer": osd}, tmp_path / "a")
+    for glob in ("*exp_avg*", "optimizer.*"):
+        res = cli(a, a, "--filter", glob)
+        assert res.exit_code == 2 and res.stdout == "", res.output
+        err = res.stderr.splitlines()
+        assert err[0].startswith(f"error: [E611] nothing compared, so no verdict: --filter {glob} matched none"), err
+        assert err[1].startswith(f"hint: --filter {glob} matches names of the optimizer state (e.g. 'optimizer."), err
+        assert err[1].endswith("of A), which --what model leaves out: pass --what optimizer (or --what all)"), err
+        named = err[1].split("(e.g. '")[1].split("'")[0]  # a state field torch's own optimizer state holds
+        fqn, field = named.removeprefix("optimizer.state.").rsplit(".", 1)
+        assert field in osd["state"][fqn] and fnmatch.fnmatchcase(named, glob), named
+        assert diff_json(a, a, "--filter", glob, "--what", "optimizer", code=0)["counts"]["tensors"] > 0
+    (tmp_path / "hf").mkdir()
+    save_file({k: v.contiguous() for k, v in msd.items()}, tmp_path / "hf" / "model.safetensors")
+    res = cli(tmp_path / "hf", a, "--filter", "*exp_avg*")
+    assert res.exit_code == 2 and res.stderr.splitlines()[1].endswith(
+        "of B), which a safetensors side does not hold: compare it against another DCP checkpoint"
+    ), res.stderr
+    res = cli(a, a, "--filter", "nothing.*")  # a filter matching nothing anywhere keeps the names hint
+    assert res.stderr.splitlines()[1].startswith("hint: names look like 'model."), res.stderr
+
+
+def test_training_state_only_against_safetensors_says_what_diff_found(tmp_path: Path) -> None:
+    """``dcp.save({"optimizer": ...})`` or ``{"train_state": ...}`` against an HF safetensors folder was E601 "no model
+    tensors to export", export's wording (diff exports nothing). It is now one E611 line naming the side, its path and
+    that it holds no model tensors, with the fix; the safetensors side may be A or B."""
+    from safetensors.torch import save_file
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    model, optim, gen = _train(1)
+    model.loss(torch.randint(0, builders.DENSE["vocab"], (2, 8), generator=gen)).backward()
+    optim.step()
+    msd, osd = get_state_dict(model, optim)
+    (tmp_path / "hf").mkdir()
+    save_file({k: v.contiguous() for k, v in msd.items()}, tmp_path / "hf" / "model.safetensors")
+    opt_only = _save({"optimizer": osd}, tmp_path / "opt")
+    train_only = _save({"train_state": {"step": torch.tensor(3), "seen": torch.tensor(96)}}, tmp_path / "train")
+    for a, b, side, path in (
+        (opt_only, tmp_path / "hf", "A", opt_only),
+        (tmp_path / "hf", train_only, "B", train_only),
+    ):
+        res = cli(a, b)
+        assert res.exit_code == 2 and res.stdout == "", res.output
+        err = res.stderr.splitlines()
+        assert len(err) == 2 and "export" not in res.stderr and "Traceback" not in res.stderr, err
+        assert err[0].startswith(
+            f"error: [E611] nothing compared, so no verdict: {side} ({path}) holds no model tensors to compare with "
+            f"{'B' if side == 'A' else 'A'}'s safetensors ("
+        ), err
+        assert err[1] == (
+            f"hint: pass the checkpoint that holds the model as {side}, or compare this state against another DCP "
+            "checkpoint with --what optimizer (or --what all); `ckpttool inspect` shows its keys, --model-prefix names "
+            "where weights are"
+        ), err
+    assert "optimizer state only" in cli(opt_only, tmp_path / "hf").stderr
+
+
+def test_two_optimizer_only_checkpoints_under_what_model_name_what_optimizer(tmp_path: Path) -> None:
+    """``diff opt1 opt2`` of two ``dcp.save({"optimizer": ...})`` saves (``--what model``, the default) was E611 with
+    the hint of a state pickled into byte items ("re-save with the default planner"): the byte items are the param
+    groups' hyperparameters, the state is tensors. The hint now says the sides hold optimizer state only and names
+    ``--what optimizer``, which compares them."""
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    model, optim, gen = _train(1)
+    model.loss(torch.randint(0, builders.DENSE["vocab"], (2, 8), generator=gen)).backward()
+    optim.step()
+    osd = get_state_dict(model, optim)[1]
+    a, b = _save({"optimizer": osd}, tmp_path / "a"), _save({"optimizer": osd}, tmp_path / "b")
+    res = cli(a, b)
+    assert res.exit_code == 2 and res.stdout == "", res.output
+    assert res.stderr.splitlines()[1] == (
+        "hint: A and B hold optimizer state only, which --what model leaves out: compare it with --what optimizer "
+        "(or --what all)"
+    ), res.stderr
+    n = sum(torch.is_tensor(v) for st in osd["state"].values() for v in st.values())  # torch's own state tensors
+    assert diff_json(a, b, "--what", "optimizer", code=0)["counts"]["tensors"] == n
+
+
+def test_an_optimizer_only_save_has_the_param_groups_of_a_full_one(tmp_path: Path) -> None:
+    """``diff opt/ full/ --what optimizer``, one optimizer state saved alone and beside its model, was "DIFFERENT", one
+    difference per parameter ("optimizer.param_groups.0: no param group in B", "...: no param group in A"): with no model
+    tensor the parameters were not mapped to their groups. They are now, through the state's parameters: equal, and an
+    lr changed in the reference's param groups is one difference per parameter."""
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    model, optim, gen = _train(1)
+    model.loss(torch.randint(0, builders.DENSE["vocab"], (2, 8), generator=gen)).backward()
+    optim.step()
+    msd, osd = get_state_dict(model, optim)
+    opt_only = _save({"optimizer": osd}, tmp_path / "opt")
+    full = _save({"model": msd, "optimizer": osd}, tmp_path / "full")
+    n = len(list(model.parameters()))
+    doc = diff_json(opt_only, full, "--what", "optimizer", code=0)
+    assert doc["equal"] and not doc["differences"], doc["differences"]
+    for g in optim.param_groups:
+        g["lr"] = 5e-3
+    other = _save({"optimizer": get_state_dict(model, optim)[1]}, tmp_path / "other")
+    doc = diff_json(other, full, "--what", "optimizer", code=1)
+    assert [(x["kind"], x["a_value"], x["b_value"]) for x in doc["differences"]] == [
+        ("hyperparameter", "0.005", "0.01")
+    ] * n
+
+
+def test_an_optimizer_only_side_against_a_model_names_the_side(tmp_path: Path) -> None:
+    """``diff opt/ full/`` (an optimizer-only save against a model + optimizer save, ``--what model``) was E611 "no
+    name in common" with the hint of a naming mismatch ("pass its rules (--rules) or a model adapter (--adapter)"),
+    though A holds no model tensor at all. The hint now says so, for whichever side it is."""
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    model, optim, gen = _train(1)
+    model.loss(torch.randint(0, builders.DENSE["vocab"], (2, 8), generator=gen)).backward()
+    optim.step()
+    msd, osd = get_state_dict(model, optim)
+    opt_only = _save({"optimizer": osd}, tmp_path / "opt")
+    full = _save({"model": msd, "optimizer": osd}, tmp_path / "full")
+    for a, b, side in ((opt_only, full, "A"), (full, opt_only, "B")):
+        res = cli(a, b)
+        assert res.exit_code == 2 and res.stdout == "", res.output
+        err = res.stderr.splitlines()
+        assert err[0].startswith("error: [E611] nothing compared, so no verdict: no name in common"), err
+        assert err[1] == (
+            f"hint: {side} holds optimizer state and no model tensor, which --what model compares: pass the "
+            f"checkpoint that holds the model as {side}, or compare the optimizer state with --what optimizer"
+        ), err
+
+
 def test_the_library_picks_each_sides_step(runs: Path) -> None:
     """`diff_checkpoints` itself applies `step` to the sides that are run roots and refuses a side step on a checkpoint."""
     from ckpttool.errors import UsageError
@@ -637,6 +777,32 @@ def test_one_checkpoint_on_both_sides_is_said_to_be_compared_with_itself(runs: P
     res = cli(run / "step-1", copy)
     assert res.exit_code == 0 and "one checkpoint" not in res.stdout, res.stdout
     assert res.stdout.splitlines()[-1].startswith("equal (")
+
+
+def test_a_folder_and_its_only_safetensors_file_are_one_checkpoint(tmp_path: Path) -> None:
+    """``diff DIR DIR/model.safetensors`` reads one file twice but said a plain "equal", as if two copies had been
+    found alike (``diff X X`` says that it compared X with itself). It now says so, either way round; a copy of the file
+    is two checkpoints."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    hf = tmp_path / "hf"
+    hf.mkdir()
+    save_file({"w": torch.arange(6.0).reshape(2, 3), "b": torch.ones(3)}, hf / "model.safetensors")
+    note = (
+        f"A and B are one checkpoint ({hf / 'model.safetensors'}): compared with itself, which shows only that it "
+        "reads alike twice; to compare two copies pass both"
+    )
+    for a, b in ((hf, hf / "model.safetensors"), (hf / "model.safetensors", hf)):
+        doc = diff_json(a, b, code=0)
+        assert [x for x in doc["notes"] if x.startswith("A and B are one checkpoint")] == [note], doc["notes"]
+        assert doc["counts"]["tensors"] == len(load_file(hf / "model.safetensors"))
+    copy = tmp_path / "copy"
+    copy.mkdir()
+    shutil.copy(hf / "model.safetensors", copy / "model.safetensors")
+    doc = diff_json(hf, copy / "model.safetensors", code=0)
+    assert not [x for x in doc["notes"] if x.startswith("A and B are one checkpoint")], doc["notes"]
 
 
 def test_a_filter_that_keeps_hyperparameters_only_gives_a_verdict(tmp_path: Path) -> None:
