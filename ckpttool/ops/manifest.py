@@ -1217,14 +1217,23 @@ def _manifest_files(doc: dict[str, Any], shown: str) -> list[dict[str, Any]]:
     if not isinstance(raw_files, list):
         raise _bad(shown, "files must be a list")
     out = _objects(raw_files, "files", _FILE_FIELDS, shown, lambda f: _is_hex(f["header_digest"]))
-    seen: set[str] = set()
-    for j, f in enumerate(out):
-        if _leaves_folder(f["file"]):
-            raise _bad(shown, f"files[{j}] ({f['file'][:200]!a}) is not a file name inside the directory")
-        if f["file"] in seen:
-            raise _bad(shown, f"files[{j}] ({f['file'][:200]!a}) is listed twice")
-        seen.add(f["file"])
+    _check_file_names(out, "files", shown)
     return out
+
+
+def _check_file_names(items: list[dict[str, Any]], name: str, shown: str) -> None:
+    """Each item's ``file`` of list ``name`` is a file name inside the directory, listed once.
+
+    Raises:
+        ManifestError (E260): naming the item and why.
+    """
+    seen: set[str] = set()
+    for j, f in enumerate(items):
+        if _leaves_folder(f["file"]):
+            raise _bad(shown, f"{name}[{j}] ({f['file'][:200]!a}) is not a file name inside the directory")
+        if f["file"] in seen:
+            raise _bad(shown, f"{name}[{j}] ({f['file'][:200]!a}) is listed twice")
+        seen.add(f["file"])
 
 
 def _manifest_sidecars(doc: dict[str, Any], shown: str, name: str = "sidecars") -> tuple[dict[str, Any], ...] | None:
@@ -1255,13 +1264,7 @@ def _manifest_data_files(doc: dict[str, Any], shown: str) -> tuple[dict[str, Any
     if not isinstance(raw, list) or len(raw) > cap:
         raise _bad(shown, f"data_files must be a list of at most {cap:,} files")
     out = _objects(raw, "data_files", _DATA_FILE_FIELDS, shown, lambda f: f["size"] >= 0)
-    seen: set[str] = set()
-    for j, f in enumerate(out):
-        if _leaves_folder(f["file"]):
-            raise _bad(shown, f"data_files[{j}] ({f['file'][:200]!a}) is not a file name inside the directory")
-        if f["file"] in seen:
-            raise _bad(shown, f"data_files[{j}] ({f['file'][:200]!a}) is listed twice")
-        seen.add(f["file"])
+    _check_file_names(out, "data_files", shown)
     return tuple(out)
 
 

@@ -916,25 +916,8 @@ def test_a_tied_lm_head_is_written_from_the_embedding_the_model_class_ties_it_to
     (`_tied_weights_keys`); save_pretrained leaves lm_head out. Before, the import wrote it only beside
     model.embed_tokens.weight, so `dcp.load` into the model's own state_dict() failed (missing model.lm_head.weight);
     now it is written from the class's embedding and every tensor loads bitwise."""
-    import transformers
-
-    if family == "gpt2":
-        cfg: Any = transformers.GPT2Config(n_embd=32, n_layer=2, n_head=4, vocab_size=96, n_positions=64)
-        cls: Any = transformers.GPT2LMHeadModel
-    else:
-        cfg = transformers.OPTConfig(
-            hidden_size=32,
-            ffn_dim=48,
-            num_hidden_layers=2,
-            num_attention_heads=4,
-            vocab_size=96,
-            max_position_embeddings=64,
-            word_embed_proj_dim=32,
-        )
-        cls = transformers.OPTForCausalLM
-    hf_models._quiet()
     torch.manual_seed(61)
-    model = cls(cfg).to(torch.bfloat16)
+    model = hf_models.tiny_tied_model(family).to(torch.bfloat16)
     model.save_pretrained(tmp_path / "hf")
     assert "lm_head.weight" not in hf_tensors(tmp_path / "hf")
     doc = cli("import", str(tmp_path / "hf"), str(tmp_path / "dcp"))

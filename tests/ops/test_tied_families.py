@@ -22,38 +22,6 @@ from tests.fixtures import hf_models
 runner = CliRunner()
 
 
-def _model(family: str) -> Any:
-    import transformers
-
-    if family == "gpt2":
-        return transformers.GPT2LMHeadModel(
-            transformers.GPT2Config(n_embd=32, n_layer=2, n_head=4, vocab_size=96, n_positions=64)
-        )
-    if family == "opt":
-        return transformers.OPTForCausalLM(
-            transformers.OPTConfig(
-                hidden_size=32,
-                ffn_dim=48,
-                num_hidden_layers=2,
-                num_attention_heads=4,
-                vocab_size=96,
-                max_position_embeddings=64,
-                word_embed_proj_dim=32,
-            )
-        )
-    return transformers.GPTNeoXForCausalLM(
-        transformers.GPTNeoXConfig(
-            hidden_size=32,
-            intermediate_size=48,
-            num_hidden_layers=2,
-            num_attention_heads=4,
-            vocab_size=96,
-            max_position_embeddings=64,
-            tie_word_embeddings=True,
-        )
-    )
-
-
 def _cli(*args: str) -> dict[str, Any]:
     res = runner.invoke(app, [*args, "--json"])
     assert res.exit_code == 0, res.stderr
@@ -64,7 +32,7 @@ def _saved(family: str, tmp_path: Path) -> tuple[Any, Path, Path]:
     """The model, its ``save_pretrained`` folder and its import (a DCP checkpoint)."""
     hf_models._quiet()
     torch.manual_seed(7)
-    model = _model(family).eval()
+    model = hf_models.tiny_tied_model(family).eval()
     assert model.config.tie_word_embeddings is True
     model.save_pretrained(tmp_path / "hf")
     _cli("import", str(tmp_path / "hf"), str(tmp_path / "dcp"))
@@ -149,7 +117,7 @@ def test_validate_config_rules_find_the_embedding_of_each_family(tmp_path: Path,
     find these families' embeddings: before, GPT-NeoX's gpt_neox.embed_in.weight was not one, and neither fired."""
     hf_models._quiet()
     torch.manual_seed(11)
-    model = _model(family)
+    model = hf_models.tiny_tied_model(family)
     sd = {k: v.clone() for k, v in model.state_dict().items()}
     sd["lm_head.weight"] = sd[embedding] + 1  # an untied head: differs everywhere
     dcp.save({"model": sd}, checkpoint_id=str(tmp_path / "differs"), no_dist=True)
