@@ -471,6 +471,7 @@ def test_spool_is_bounded_and_evicted(sample_ckpt: Path, s3_server: Any, tmp_pat
 def test_a_word_in_the_url_does_not_classify_the_error() -> None:
     """A connection error quotes the endpoint URL: a prefix named credentials-eval or forbidden-planet made it a
     permission error (E142, never retried); the words are looked for in the error itself."""
+    pytest.importorskip("botocore", reason="botocore is not installed (pip install -e '.[s3-test]')")
     from botocore.exceptions import ClientError, ConnectTimeoutError, EndpointConnectionError, NoCredentialsError
 
     from ckpttool.format.storage import _classify
