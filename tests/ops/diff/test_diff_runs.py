@@ -591,24 +591,35 @@ def test_two_optimizer_only_checkpoints_under_what_model_name_what_optimizer(tmp
     assert diff_json(a, b, "--what", "optimizer", code=0)["counts"]["tensors"] == n
 
 
-def test_an_optimizer_only_save_has_the_param_groups_of_a_full_one(tmp_path: Path) -> None:
-    """``diff opt/ full/ --what optimizer``, one optimizer state saved alone and beside its model, was "DIFFERENT", one
-    difference per parameter ("optimizer.param_groups.0: no param group in B", "...: no param group in A"): with no model
-    tensor the parameters were not mapped to their groups. They are now, through the state's parameters: equal, and an
-    lr changed in the reference's param groups is one difference per parameter."""
+def _optimizer_alone_and_beside_its_model(tmp_path: Path) -> tuple[Any, Any, Path, Path]:
+    """A model and AdamW after two steps; its optimizer state saved alone (``opt``) and beside the model (``full``)."""
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
     model, optim, gen = _train(1)
     model.loss(torch.randint(0, builders.DENSE["vocab"], (2, 8), generator=gen)).backward()
     optim.step()
     msd, osd = get_state_dict(model, optim)
-    opt_only = _save({"optimizer": osd}, tmp_path / "opt")
-    full = _save({"model": msd, "optimizer": osd}, tmp_path / "full")
+    return (
+        model,
+        optim,
+        _save({"optimizer": osd}, tmp_path / "opt"),
+        _save({"model": msd, "optimizer": osd}, tmp_path / "full"),
+    )
+
+
+def test_an_optimizer_only_save_has_the_param_groups_of_a_full_one(tmp_path: Path) -> None:
+    """``diff opt/ full/ --what optimizer``, one optimizer state saved alone and beside its model, was "DIFFERENT", one
+    difference per parameter ("optimizer.param_groups.0: no param group in B", "...: no param group in A"): with no model
+    tensor the parameters were not mapped to their groups. They are now, through the state's parameters: equal, and an
+    lr changed in the reference's param groups is one difference per parameter."""
+    model, optim, opt_only, full = _optimizer_alone_and_beside_its_model(tmp_path)
     n = len(list(model.parameters()))
     doc = diff_json(opt_only, full, "--what", "optimizer", code=0)
     assert doc["equal"] and not doc["differences"], doc["differences"]
     for g in optim.param_groups:
         g["lr"] = 5e-3
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
     other = _save({"optimizer": get_state_dict(model, optim)[1]}, tmp_path / "other")
     doc = diff_json(other, full, "--what", "optimizer", code=1)
     assert [(x["kind"], x["a_value"], x["b_value"]) for x in doc["differences"]] == [
@@ -620,14 +631,7 @@ def test_an_optimizer_only_side_against_a_model_names_the_side(tmp_path: Path) -
     """``diff opt/ full/`` (an optimizer-only save against a model + optimizer save, ``--what model``) was E611 "no
     name in common" with the hint of a naming mismatch ("pass its rules (--rules) or a model adapter (--adapter)"),
     though A holds no model tensor at all. The hint now says so, for whichever side it is."""
-    from torch.distributed.checkpoint.state_dict import get_state_dict
-
-    model, optim, gen = _train(1)
-    model.loss(torch.randint(0, builders.DENSE["vocab"], (2, 8), generator=gen)).backward()
-    optim.step()
-    msd, osd = get_state_dict(model, optim)
-    opt_only = _save({"optimizer": osd}, tmp_path / "opt")
-    full = _save({"model": msd, "optimizer": osd}, tmp_path / "full")
+    model, optim, opt_only, full = _optimizer_alone_and_beside_its_model(tmp_path)
     for a, b, side in ((opt_only, full, "A"), (full, opt_only, "B")):
         res = cli(a, b)
         assert res.exit_code == 2 and res.stdout == "", res.output
