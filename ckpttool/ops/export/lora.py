@@ -292,8 +292,7 @@ def _check_trainable_tokens(plan: ExportPlan, given: dict[str, Any] | None) -> N
         for p in task.pieces:
             if not p.name.endswith(_TOKENS):
                 continue
-            indices = (given or {}).get("trainable_token_indices")
-            if not indices:
+            if not wanted:
                 raise ExportError(
                     f"{p.name}: the checkpoint holds trainable tokens (LoraConfig trainable_token_indices) but "
                     + (
@@ -306,10 +305,10 @@ def _check_trainable_tokens(plan: ExportPlan, given: dict[str, Any] | None) -> N
                     fqn=p.name,
                     hint="pass the run's adapter_config.json with `adapter_config` (or in `model_assets`)",
                 )
-            if isinstance(indices, list) and len(indices) != p.shape[0]:
+            if isinstance(wanted, list) and len(wanted) != p.shape[0]:
                 raise ExportError(
                     f"{p.name}: {p.shape[0]} trainable token row(s) but the adapter config's trainable_token_indices "
-                    f"lists {len(indices)}",
+                    f"lists {len(wanted)}",
                     fqn=p.name,
                     hint="pass the adapter_config.json that belongs to this checkpoint",
                 )
