@@ -98,9 +98,12 @@ class Group:
             return value
         import torch.distributed as dist
 
+        from ckpttool.format.atomic import signals_deferred
+
         box: list[Any] = [value if self.is_root else None]
         try:
-            dist.broadcast_object_list(box, src=0)
+            with signals_deferred():  # see gather
+                dist.broadcast_object_list(box, src=0)
         except Exception as e:
             raise self._lost(e) from None
         return box[0]  # type: ignore[no-any-return]
@@ -111,9 +114,15 @@ class Group:
             return [value]
         import torch.distributed as dist
 
+        from ckpttool.format.atomic import signals_deferred
+
         out: list[Any] = [None] * self.world
         try:
-            dist.all_gather_object(out, value)
+            # Two collectives (the sizes, then the bytes): a SIGINT/SIGTERM between them, raised here, would
+            # leave the peers in the second one for good (torchrun's Ctrl-C reaches every rank, each at its own
+            # point); it is raised once both are done, when every rank has had its say
+            with signals_deferred():
+                dist.all_gather_object(out, value)
         except Exception as e:
             raise self._lost(e) from None
         return out

@@ -302,24 +302,45 @@ if os.environ["RANK"] == "1":
 
     run = execute._Executor.run
     execute._Executor.run = lambda self, *a, **k: (time.sleep(3600), run(self, *a, **k))[1]
+elif "WAITING" in os.environ:  # rank 0 says when it enters its first collective after its share
+    from ckpttool.ops.distributed import Group
+
+    agree = Group.agree
+    def told(self, error):
+        if self.phase == "writing":
+            open(os.environ["WAITING"], "w").close()
+        return agree(self, error)
+    Group.agree = told
 sys.argv = ["ckpttool", *sys.argv[1:]]
 runpy.run_module("ckpttool", run_name="__main__")
 """
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("when", ["output-open", "rank-0-waiting"])
 def test_ctrl_c_of_torchrun_publishes_nothing_and_removes_the_temporary_output(
-    sample_ckpt: Path, tmp_path: Path
+    sample_ckpt: Path, tmp_path: Path, when: str
 ) -> None:
+    """Ctrl-C as soon as rank 0 opened the output, and once it waits in the barrier for rank 1 (the
+    sizes half of gloo's two-part gather done on its side: a signal raised there left rank 1 in
+    the second half until torchrun killed both 30 s later)."""
     import signal
     import time
 
     script = tmp_path / "slow.py"
     script.write_text(_SLOW_RANK_1)
     out = tmp_path / "out"
+    waiting = tmp_path / "rank-0-waiting"
     assert TORCHRUN is not None
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     env.pop("CKPTTOOL_DEBUG", None)
+    if when == "rank-0-waiting":
+        env["WAITING"] = str(waiting)
+    ready = (
+        (lambda: waiting.exists())
+        if when == "rank-0-waiting"
+        else (lambda: bool([p for p in tmp_path.iterdir() if "ckpttool-tmp" in p.name]))
+    )
     args = [str(script), "export", str(sample_ckpt), str(out), "--shard-size", "20KB"]
     interrupted = False
     for _ in range(4):
@@ -333,13 +354,15 @@ def test_ctrl_c_of_torchrun_publishes_nothing_and_removes_the_temporary_output(
         )
         try:
             deadline = time.monotonic() + 300
-            while not [p for p in tmp_path.iterdir() if "ckpttool-tmp" in p.name]:
+            while not ready():
                 if proc.poll() is not None:
                     break
                 if time.monotonic() > deadline:  # a hang guard, not a speed check
                     pytest.fail("the run never opened its output")
                 time.sleep(0.02)
             else:
+                if when == "rank-0-waiting":
+                    time.sleep(1.0)  # rank 0 is inside the gather by now (not a timing assertion)
                 proc.send_signal(signal.SIGINT)  # Ctrl-C of torchrun: it stops every rank (SIGTERM)
                 interrupted = True
             # The ranks stop at once, not at gloo's timeout (30 min): a run still going after 300 s fails the
@@ -354,5 +377,6 @@ def test_ctrl_c_of_torchrun_publishes_nothing_and_removes_the_temporary_output(
     assert proc.returncode != 0  # torchrun's own exit status (1) on a signal; the ranks exit 130
     errors = [line for line in err.splitlines() if line.startswith("error:")]
     assert errors == ["error: interrupted"], err[-3000:]
+    assert "forcefully exiting" not in err, err[-3000:]  # every rank left on its own, none was killed
     assert not out.exists()
     assert not [p for p in tmp_path.iterdir() if "ckpttool-tmp" in p.name]
