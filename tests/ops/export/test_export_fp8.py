@@ -773,3 +773,70 @@ def test_a_float64_value_beyond_float32_is_named_not_called_nan(tmp_path: Path) 
     assert f"[E607] {key}: float64 value 1e+39 is beyond float32's range" in res.stderr
     assert "NaN" not in res.stderr and "Traceback" not in res.stderr and "RuntimeWarning" not in res.stderr
     assert not (tmp_path / "o").exists()
+
+
+def test_a_source_cut_short_while_it_is_quantized_is_one_coded_line_nothing_published(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A data file cut short and written again once the export has checked the weight's chunk, while its units read
+    from it, fails with one coded line naming the file (E300, a short read), exit 2, no traceback and no output
+    published; a run the cuts missed writes the bytes of an undisturbed export."""
+    import os
+    import threading
+
+    from ckpttool.format.reader import CheckpointReader
+
+    key = "model.model.layers.0.mlp.down_proj.weight"
+    w = torch.randn(1024, 1024, generator=torch.Generator().manual_seed(1))
+    src = tmp_path / "ckpt"
+    dcp.save({key: w, "model.model.norm.weight": torch.ones(8)}, checkpoint_id=str(src), no_dist=True)
+    args = ["--quantize", "fp8-block"]
+    assert runner.invoke(app, ["export", str(src), str(tmp_path / "ref"), *args]).exit_code == 0
+    ref = (tmp_path / "ref" / "model.safetensors").read_bytes()
+    (data_file,) = src.glob("*.distcp")
+    data = data_file.read_bytes()
+    fd = os.open(data_file, os.O_RDWR)
+    stop, cutting, cycle = threading.Event(), threading.Event(), threading.Lock()
+    located = CheckpointReader.locate
+
+    def locate(self: CheckpointReader, k: str, c: Any) -> Any:
+        loc = located(self, k, c)
+        if k == key:
+            cutting.set()  # the weight's chunk is checked: cut the file under its units from now on
+        return loc
+
+    def cut() -> None:
+        while not stop.is_set():
+            if cutting.wait(0.01):
+                with cycle:
+                    os.ftruncate(fd, 4096)
+                    os.pwrite(fd, data[4096:], 4096)
+
+    monkeypatch.setattr(CheckpointReader, "locate", locate)
+    failed = 0
+    t = threading.Thread(target=cut)
+    t.start()
+    try:
+        for i in range(200):  # bounded by a count: until a run is cut short
+            out = tmp_path / f"out{i}"
+            res = runner.invoke(app, ["export", str(src), str(out), *args])
+            cutting.clear()
+            with cycle:  # the file whole again before the next run checks it
+                pass
+            if res.exit_code == 0:
+                assert (out / "model.safetensors").read_bytes() == ref
+                continue
+            assert res.exit_code == 2 and "Traceback" not in res.stderr, res.stderr
+            errors = [line for line in res.stderr.splitlines() if line.startswith("error:")]
+            # E300 (a short read of the weight's rows); E301 where the norm's archive is checked while cut short
+            assert len(errors) == 1 and errors[0].startswith(("error: [E300]", "error: [E301]")), res.stderr
+            assert f"{data_file}: " in errors[0], res.stderr
+            assert sorted(p.name for p in tmp_path.iterdir()) == sorted(["ckpt", "ref", *(f"out{j}" for j in range(i))])
+            failed += 1
+            break
+    finally:
+        stop.set()
+        t.join()
+        os.close(fd)
+    assert failed
+    assert data_file.read_bytes() == data
