@@ -15,8 +15,8 @@
  * ckpt_adam_update: the AdamW update size over an exp_avg / exp_avg_sq slab pair, as engine/stats.py
  * adam_update: u = m / (sqrt(max(v, 0)) + eps_r) in the working precision (float32 unless one of
  * them is float64), non-finite m, v read as 0, non-finite u left out; its count, sum of squares
- * (each square in float64, float64 lanes) and largest |u|. Float32 pairs run an AVX-512 body where the CPU has
- * one (+20-25% values/s on AMD Zen 4, whose AVX-512 divides and square roots outrun two AVX2 ones; the folds
+ * (each square in float64, float64 lanes) and largest |u|. Float32 pairs run an AVX-512 body on an AMD CPU that
+ * has it (+20-25% values/s on Zen 4, whose AVX-512 divides and square roots outrun two AVX2 ones; the folds
  * gained nothing there: their float64 lane chains bound them, so they keep their AVX2 bodies).
  *
  * ckpt_moment_ratio: max over the slab pair of m * m / v (m * m in m's working precision, divided
@@ -535,9 +535,10 @@ __attribute__((target(AVX512_TARGET))) static void update32_avx512(const float *
 }
 #endif
 
-/* The widest instruction set the statistics kernels use: 2 AVX-512 (F, BW, DQ, VL), 1 AVX2, 0 none; capped by
- * CKPTTOOL_NATIVE_ISA ("avx2" or "scalar": the narrower paths, which give the same results, for tests and
- * measurements). */
+/* The widest instruction set the statistics kernels use: 2 AVX-512 (F, BW, DQ, VL) on an AMD CPU, 1 AVX2, 0 none;
+ * capped by CKPTTOOL_NATIVE_ISA ("avx2" or "scalar": the narrower paths, which give the same results, for tests
+ * and measurements). AVX-512 was measured faster on AMD Zen 4 only: Intel's cores divide and take square roots
+ * of 16 floats at half the rate of 8 (no gain to expect), some at a lower clock, and none was measured. */
 static int isa_level(void) {
     static int level = -1;
     if (level < 0) { /* a benign race: every thread computes the same value */
@@ -546,7 +547,7 @@ static int isa_level(void) {
         __builtin_cpu_init();
         if (__builtin_cpu_supports("avx2")) l = 1;
         if (l && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-            __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("avx512vl"))
+            __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("avx512vl") && __builtin_cpu_is("amd"))
             l = 2;
 #endif
         const char *cap = getenv("CKPTTOOL_NATIVE_ISA");
