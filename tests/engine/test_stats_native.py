@@ -6,10 +6,12 @@ native kernel adds in float64, numpy in float32 blocks of 1024) and both to torc
 
 from __future__ import annotations
 
+import ast
 import math
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -205,3 +207,72 @@ def test_fold_sums_are_the_documented_lane_sums_bit_for_bit(dtype: str, kind: st
     fold_slab(b, t.view(torch.uint8).numpy(), dtype, Need(zeros=True, sums=True))
     s1, s2 = _lane_sums(x)
     assert (b.s1, b.s2) == (s1, s2)
+
+
+def _update_lane_sums(m: np.ndarray, v: np.ndarray, eps: float) -> tuple[int, float, float]:
+    """The native AdamW update size's documented result, computed by numpy: ``u = m / (sqrt(max(v, 0)) + eps)``
+    in float32 (non-finite moments read as 0, non-finite ``u`` left out), each ``u * u`` in float64 added into
+    lane ``i % 16`` (the tail after the groups into lane 0), the lanes added in order; the count and ``max |u|``."""
+    m = np.where(np.isfinite(m), m, 0).astype(np.float32)
+    v = np.where(np.isfinite(v), v, 0).astype(np.float32)
+    with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
+        u = m / (np.sqrt(np.maximum(v, np.float32(0))) + np.float32(eps))
+    fin = np.isfinite(u)
+    sq = np.where(fin, u, 0).astype(np.float64) ** 2
+    g = sq.size - sq.size % 16
+    lanes = [float(np.cumsum(sq[j:g:16])[-1]) if g else 0.0 for j in range(16)]
+    for t in sq[g:]:
+        lanes[0] += float(t)
+    s = 0.0
+    for a in lanes:
+        s += a
+    return int(fin.sum()), s, float(np.abs(u[fin]).max())
+
+
+_ISA_CODE = """
+import ctypes, sys
+import numpy as np
+from ckpttool.engine import native, stats
+from ckpttool.engine.stats import Need, SlabStats
+raw = np.load(sys.argv[1])
+out = [native.function("ckpt_stats_isa", ctypes.c_int32)()]
+for damaged in ("clean", "damaged"):
+    got = stats.adam_sizes(raw["m_" + damaged], "float32", raw["v_" + damaged], "float32", 1e-8)
+    out.append([float(x).hex() for x in got])
+for dtype in ("bfloat16", "float16", "float32"):
+    acc = SlabStats()
+    stats.fold_slab(acc, raw[dtype], dtype, Need(zeros=True, sums=True))
+    out.append([acc.nonfinite, acc.zeros, acc.abs_max.hex(), acc.s1.hex(), acc.s2.hex()])
+print(repr(out))
+"""
+
+
+def test_update_sizes_the_same_bits_on_every_instruction_set(tmp_path: Path) -> None:
+    """The AdamW update size of float32 moments runs an AVX-512 kernel on an AMD CPU that has it, AVX2 or plain C
+    elsewhere (``CKPTTOOL_NATIVE_ISA=avx2`` / ``scalar`` pick them): each gives numpy's update sizes in the
+    documented lanes bit for bit, and the statistics folds agree bit for bit too."""
+    raw: dict[str, np.ndarray] = {}
+    expected = []
+    for damaged in (False, True):
+        m_raw, v_raw = _moment_pair("float32", 70001, damaged)
+        name = "damaged" if damaged else "clean"
+        raw["m_" + name], raw["v_" + name] = m_raw, v_raw
+        ref = _update_lane_sums(m_raw.view(np.float32), v_raw.view(np.float32), 1e-8)
+        got = stats.adam_sizes(m_raw, "float32", v_raw, "float32", 1e-8)
+        assert got is not None
+        assert (int(got[0]), got[1], got[2]) == ref
+        expected.append([float(x).hex() for x in got])
+    for dtype in ("bfloat16", "float16", "float32"):
+        raw[dtype] = _values("special", 70001, dtype).view(torch.uint8).numpy()
+    np.savez(tmp_path / "raw.npz", **raw)
+    runs = {}
+    for isa in ("", "avx2", "scalar"):
+        env = {**os.environ, "CKPTTOOL_NATIVE_ISA": isa}
+        argv = [sys.executable, "-c", _ISA_CODE, str(tmp_path / "raw.npz")]
+        runs[isa] = ast.literal_eval(subprocess.run(argv, env=env, capture_output=True, text=True, check=True).stdout)
+    flags = set(Path("/proc/cpuinfo").read_text().split()) if Path("/proc/cpuinfo").exists() else set()
+    avx512 = {"avx512f", "avx512bw", "avx512dq", "avx512vl", "AuthenticAMD"} <= flags  # measured on AMD Zen 4 only
+    widest = 2 if avx512 else (1 if "avx2" in flags else 0)
+    assert {isa: out[0] for isa, out in runs.items()} == {"": widest, "avx2": min(widest, 1), "scalar": 0}
+    assert runs[""][1:] == runs["avx2"][1:] == runs["scalar"][1:]
+    assert runs[""][1:3] == expected
