@@ -161,3 +161,33 @@ def test_a_rules_file_names_the_tied_pair_or_leaves_the_embedding_to_the_model_c
     given.write_text("tied_embeddings: {embedding: [a], lm_head: out.weight}\n")
     with pytest.raises(UsageError, match="'embedding', if given, a string"):
         load_rules(given)
+
+
+LAYER_FAMILIES = [
+    *FAMILIES,
+    ("falcon", "transformer.word_embeddings.weight"),
+    ("bloom", "transformer.word_embeddings.weight"),
+]
+
+
+@pytest.mark.parametrize(("family", "embedding"), LAYER_FAMILIES)
+def test_validate_config_counts_the_decoder_layers_of_each_family(tmp_path: Path, family: str, embedding: str) -> None:
+    """M001 reads GPT-2's / Falcon's / BLOOM's transformer.h.<N> as it reads layers.<N>: before, a correct GPT-2
+    checkpoint failed `validate --config` with "no model key has a layers.<N> component". A layer dropped from the
+    save is still found, under the family's own container."""
+    hf_models._quiet()
+    model = hf_models.tiny_tied_model(family)
+    sd = dict(model.state_dict())
+    dcp.save({"model": sd}, checkpoint_id=str(tmp_path / "ok"), no_dist=True)
+    model.config.save_pretrained(tmp_path / "cfg")
+    cfg = str(tmp_path / "cfg/config.json")
+    res = runner.invoke(app, ["validate", str(tmp_path / "ok"), "--config", cfg, "--select", "M001", "--json"])
+    assert res.exit_code == 0 and not json.loads(res.stdout)["findings"], res.stdout
+    last = model.config.num_hidden_layers - 1
+    container = next(k for k in sd if f".{last}." in k).split(f".{last}.")[0]
+    lost = {k: v for k, v in sd.items() if not k.startswith(f"{container}.{last}.")}
+    dcp.save({"model": lost}, checkpoint_id=str(tmp_path / "lost"), no_dist=True)
+    res = runner.invoke(app, ["validate", str(tmp_path / "lost"), "--config", cfg, "--select", "M001", "--json"])
+    m001 = [f for f in json.loads(res.stdout)["findings"] if f["code"] == "M001"]
+    assert res.exit_code == 1 and [f["key"] for f in m001] == [f"model.{container}"], res.stdout
+    assert f"missing {last}" in m001[0]["message"], m001
