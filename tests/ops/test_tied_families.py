@@ -191,3 +191,34 @@ def test_validate_config_counts_the_decoder_layers_of_each_family(tmp_path: Path
     m001 = [f for f in json.loads(res.stdout)["findings"] if f["code"] == "M001"]
     assert res.exit_code == 1 and [f["key"] for f in m001] == [f"model.{container}"], res.stdout
     assert f"missing {last}" in m001[0]["message"], m001
+
+
+@pytest.mark.parametrize(("family", "embedding"), FAMILIES)
+def test_an_export_does_not_call_the_model_classs_own_names_outside_the_hf_naming(
+    tmp_path: Path, family: str, embedding: str
+) -> None:
+    """Before, an export of GPT-2 / GPT-NeoX warned that its keys (transformer.h.0.attn.c_attn.weight,
+    gpt_neox.embed_in.weight, ...) were "outside the HF naming": they are the names of the config's model class.
+    Now only a key the class does not hold is listed, and the export's keys are the class's own (OPT's
+    model.decoder.* never was listed)."""
+    model, hf, ckpt = _saved(family, tmp_path)
+    doc = _cli("export", str(ckpt), str(tmp_path / "out"), "--model-assets", str(hf))
+    assert not [w for w in doc["warnings"] if "exported as their fqn" in w], doc["warnings"]
+    assert _keys(tmp_path / "out") <= set(model.state_dict())
+    if family == "opt":
+        return  # model.decoder.* is written by the model.model.* rule: nothing to list
+    one = json.loads((hf / "config.json").read_text())
+    one["n_layer" if family == "gpt2" else "num_hidden_layers"] = 1  # layer 1 is no name of this class
+    (tmp_path / "one").mkdir()
+    (tmp_path / "one/config.json").write_text(json.dumps(one))
+    doc = _cli(
+        "export",
+        str(ckpt),
+        str(tmp_path / "out1"),
+        "--model-assets",
+        str(tmp_path / "one"),
+        "--allow-mismatch",
+        "unexpected",
+    )
+    named = [w for w in doc["warnings"] if "exported as their fqn" in w]
+    assert len(named) == 1 and ".1." in named[0] and ".0." not in named[0].split(":", 1)[1], named

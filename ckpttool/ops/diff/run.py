@@ -448,6 +448,7 @@ def export_items(
         weights=opts.weights,
         adapter=adapter,
         adapter_config=AdapterConfig.from_hf_config(config),
+        model_config=config,
     )
     side.adapter = adapter.name if adapter is not None and any(s.hf is not None for s in selected) else None
     fused, split_tasks = _export_plans(side, selected, rules, fmt)

@@ -1065,6 +1065,7 @@ def _select(
         adapter=model_adapter,
         adapter_config=AdapterConfig.from_hf_config(model_config),
         peft_config=peft_config,
+        model_config=model_config if out_format.checks_model_class else None,
     )
     if not selected:
         per_expert = opts.filter_glob is not None and _experts(opts) == "per-expert"
