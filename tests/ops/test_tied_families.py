@@ -222,3 +222,34 @@ def test_an_export_does_not_call_the_model_classs_own_names_outside_the_hf_namin
     )
     named = [w for w in doc["warnings"] if "exported as their fqn" in w]
     assert len(named) == 1 and ".1." in named[0] and ".0." not in named[0].split(":", 1)[1], named
+
+
+@pytest.mark.parametrize(("family", "embedding"), LAYER_FAMILIES)
+def test_a_quantized_export_of_a_tied_model_keeps_its_embedding_and_head_unconverted(
+    tmp_path: Path, family: str, embedding: str
+) -> None:
+    """`--quantize` leaves every family's embedding in BF16 (DEFAULT_SKIP's *embed*, *wte*), and the tied lm_head the
+    export omits is listed in modules_to_not_convert: before, only an embed_tokens / wte embedding told the tie, so
+    GPT-NeoX's embed_in and Falcon's / BLOOM's word_embeddings left lm_head out of it, and transformers' FP8 quantizer
+    made it an FP8Linear with no weight or scale in the folder."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers.quantizers.quantizer_finegrained_fp8 import FineGrainedFP8HfQuantizer
+    from transformers.utils.quantization_config import FineGrainedFP8Config
+
+    _, hf, ckpt = _saved(family, tmp_path)
+    out = tmp_path / "q"
+    doc = _cli(
+        "export", str(ckpt), str(out), "--model-assets", str(hf), "--quantize", "fp8-block", "--quantize-block", "16"
+    )
+    assert doc["tied_embeddings"] == "omitted", doc
+    with safe_open(str(out / "model.safetensors"), "pt") as f:
+        assert f.get_tensor(embedding).dtype == torch.bfloat16
+        assert any(f.get_tensor(k).dtype == torch.float8_e4m3fn for k in f.keys())
+    cfg = AutoConfig.from_pretrained(str(out))
+    quantizer = FineGrainedFP8HfQuantizer(FineGrainedFP8Config.from_dict(dict(cfg.quantization_config)))
+    quantizer.pre_quantized = True
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(cfg)
+    quantizer._process_model_before_weight_loading(model)
+    assert type(model.get_output_embeddings()).__name__ == "Linear"
+    assert type(model.get_input_embeddings()).__name__ == "Embedding"
