@@ -253,3 +253,39 @@ def test_a_quantized_export_of_a_tied_model_keeps_its_embedding_and_head_unconve
     quantizer._process_model_before_weight_loading(model)
     assert type(model.get_output_embeddings()).__name__ == "Linear"
     assert type(model.get_input_embeddings()).__name__ == "Embedding"
+
+
+def test_a_tied_export_holding_two_candidate_embeddings_ties_the_head_to_the_model_classs(tmp_path: Path) -> None:
+    """A tied Llama saved beside a second embedding named as another class names its own
+    (model.language_model.embed_tokens.weight): before, the export wrote both embeddings and lm_head, said
+    "embedding not exported", and never compared the head. Now the embedding is the model class's own (what
+    from_pretrained ties the head to): the head is compared with it and omitted, and the export loads with the
+    model's logits. Where the class does not tell (transformers cannot build it), E601 names both, nothing written."""
+    import transformers
+
+    hf_models._quiet()
+    torch.manual_seed(5)
+    cfg = hf_models.llama_config(tied=True)
+    model = transformers.LlamaForCausalLM(cfg).eval()
+    sd = dict(model.state_dict())
+    sd["model.language_model.embed_tokens.weight"] = torch.randn_like(sd["model.embed_tokens.weight"])
+    dcp.save({"model": sd}, checkpoint_id=str(tmp_path / "ckpt"), no_dist=True)
+    cfg.save_pretrained(tmp_path / "cfg")
+    args = ["--model-assets", str(tmp_path / "cfg"), "--allow-mismatch", "unexpected"]
+    doc = _cli("export", str(tmp_path / "ckpt"), str(tmp_path / "out"), *args)
+    assert doc["tied_embeddings"] == "omitted", doc
+    assert "lm_head.weight" not in _keys(tmp_path / "out")
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "out")).eval()
+    ids = torch.arange(12).reshape(2, 6) % 96
+    with torch.no_grad():
+        assert torch.equal(loaded(ids).logits, model(ids).logits)
+
+    bad = json.loads((tmp_path / "cfg/config.json").read_text()) | {"model_type": "no_such_model"}
+    (tmp_path / "bad").mkdir()
+    (tmp_path / "bad/config.json").write_text(json.dumps(bad))
+    res = runner.invoke(
+        app, ["export", str(tmp_path / "ckpt"), str(tmp_path / "out2"), "--model-assets", str(tmp_path / "bad")]
+    )
+    assert res.exit_code == 2 and "[E601]" in res.stderr, res.stderr
+    assert "model.embed_tokens.weight, model.language_model.embed_tokens.weight" in res.stderr
+    assert "Traceback" not in res.stderr and not (tmp_path / "out2").exists()

@@ -727,12 +727,45 @@ def _tied_pair(
     out_keys = [s.out_key for s in selected]
     out_keys.reverse()
     found: list[Selected | None] = []
-    for name in (rules.tied_embedding_in(set(out_keys)), rules.tied_lm_head):
+    names = set(out_keys)
+    embedding = rules.tied_embedding_in(names)
+    if tie and embedding is None and config is not None:
+        embedding = _tied_embedding_of_class(names, rules, config)
+    for name in (embedding, rules.tied_lm_head):
         try:
             found.append(None if name is None else selected[len(selected) - 1 - out_keys.index(name)])
         except ValueError:
             found.append(None)
     return found[0], found[1], tie
+
+
+def _tied_embedding_of_class(names: set[str], rules: ExportRules, config: dict[str, Any]) -> str | None:
+    """The one embedding of ``rules.tied_embeddings`` among ``names`` that the config's model class holds, where
+    ``names`` holds several (a tied head is tied to its class's own, what ``from_pretrained`` loads); ``None`` when
+    ``names`` holds none.
+
+    Raises:
+        ExportError (E601): several, and the model class does not tell which (it holds several, or none, or
+            transformers cannot build it): writing both and the head would load an untied model's logits.
+    """
+    present = [k for k in rules.tied_embeddings if k in names]
+    if len(present) < 2:
+        return None
+    from ckpttool.ops.export.expected import check_config_bounds, expected_state_dict
+
+    check_config_bounds(config, len(names))
+    got = expected_state_dict(config)
+    own = [k for k in present if not isinstance(got, str) and k in got[0]]
+    if len(own) == 1:
+        return own[0]
+    why = got if isinstance(got, str) else f"{got[2]} holds {len(own) or 'none'} of them"
+    raise ExportError(
+        f"config.json says tie_word_embeddings: true and the export holds {len(present)} embeddings the head may be "
+        f"tied to ({', '.join(present)}); which one is not known ({why})",
+        fqn=present[0],
+        hint="name it in a `rules` FILE.yaml: tied_embeddings: {embedding: <key>, lm_head: lm_head.weight} "
+        "(docs/export.md, 'Tied embeddings'), or leave the other out with `filter_glob`",
+    )
 
 
 def _check_options(opts: ExportOptions) -> None:
