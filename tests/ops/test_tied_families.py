@@ -224,7 +224,7 @@ def test_an_export_does_not_call_the_model_classs_own_names_outside_the_hf_namin
     assert len(named) == 1 and ".1." in named[0] and ".0." not in named[0].split(":", 1)[1], named
 
 
-@pytest.mark.parametrize(("family", "embedding"), LAYER_FAMILIES)
+@pytest.mark.parametrize(("family", "embedding"), [f for f in LAYER_FAMILIES if f[0] != "gpt2"])  # Conv1D: below
 def test_a_quantized_export_of_a_tied_model_keeps_its_embedding_and_head_unconverted(
     tmp_path: Path, family: str, embedding: str
 ) -> None:
@@ -289,3 +289,45 @@ def test_a_tied_export_holding_two_candidate_embeddings_ties_the_head_to_the_mod
     assert res.exit_code == 2 and "[E601]" in res.stderr, res.stderr
     assert "model.embed_tokens.weight, model.language_model.embed_tokens.weight" in res.stderr
     assert "Traceback" not in res.stderr and not (tmp_path / "out2").exists()
+
+
+def test_a_quantized_export_refuses_fp8_weights_of_gpt2s_conv1d_modules(tmp_path: Path) -> None:
+    """GPT-2's attention and MLP weights are Conv1D modules, which transformers' FP8 quantizer does not convert
+    ("no linear modules were found"): before, `export --quantize` wrote them FP8 with scales, which from_pretrained
+    would load as FP8 values without the scales. Now it is E601 naming them and the --quantize-skip globs, nothing
+    written; with those globs the export writes them in BF16, equal to the model's weights."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers.quantizers.quantizer_finegrained_fp8 import FineGrainedFP8HfQuantizer
+    from transformers.utils.quantization_config import FineGrainedFP8Config
+
+    model, hf, ckpt = _saved("gpt2", tmp_path)
+    cfg = AutoConfig.from_pretrained(str(hf))
+    cfg.quantization_config = {"quant_method": "fp8", "weight_block_size": [16, 16]}
+    quantizer = FineGrainedFP8HfQuantizer(FineGrainedFP8Config.from_dict(cfg.quantization_config))
+    quantizer.pre_quantized = True
+    with torch.device("meta"):
+        meta = AutoModelForCausalLM.from_config(cfg)
+    quantizer._process_model_before_weight_loading(meta)
+    assert type(meta.transformer.h[0].attn.c_attn).__name__ == "Conv1D"  # what transformers would load into
+
+    args = ["--model-assets", str(hf), "--quantize", "fp8-block", "--quantize-block", "16"]
+    res = runner.invoke(app, ["export", str(ckpt), str(tmp_path / "q"), *args])
+    assert res.exit_code == 2 and not (tmp_path / "q").exists(), res.output
+    err = res.stderr.splitlines()
+    assert err[0].startswith("error: [E601]") and "transformer.h.0.attn.c_attn.weight" in err[0], err
+    assert err[1] == (
+        "hint: keep them in the save dtype with --quantize-skip '*.c_attn.weight' --quantize-skip '*.c_fc.weight' "
+        "--quantize-skip '*.c_proj.weight' (or export without --quantize)"
+    ), err
+    skips = [
+        "--quantize-skip",
+        "*.c_attn.weight",
+        "--quantize-skip",
+        "*.c_fc.weight",
+        "--quantize-skip",
+        "*.c_proj.weight",
+    ]
+    _cli("export", str(ckpt), str(tmp_path / "q"), *args, *skips)
+    with safe_open(str(tmp_path / "q/model.safetensors"), "pt") as f:
+        got = f.get_tensor("transformer.h.0.attn.c_attn.weight")
+    assert got.dtype == torch.bfloat16 and torch.equal(got, model.transformer.h[0].attn.c_attn.weight.bfloat16())

@@ -1214,7 +1214,7 @@ def _prepare(
         drop=drop,
         out_format=out_format,
     )
-    quantizer = _quantizer(reader, plan, opts, out_format, warnings)
+    quantizer = _quantizer(reader, plan, opts, out_format, warnings, model_config)
     plan.warnings = warnings
     plan.skipped = skipped
     plan.tied = tied
@@ -1400,12 +1400,18 @@ def _export_result(
 
 
 def _quantizer(
-    reader: CheckpointReader, plan: ExportPlan, opts: ExportOptions, out_format: OutputFormat, warnings: list[str]
+    reader: CheckpointReader,
+    plan: ExportPlan,
+    opts: ExportOptions,
+    out_format: OutputFormat,
+    warnings: list[str],
+    model_config: dict[str, Any] | None = None,
 ) -> BlockQuantizer | None:
     """A quantized export's band quantizer (casts recounted, its plan warnings added to ``warnings``), else ``None``.
 
     Raises:
         UsageError: :meth:`QuantizedFormat.planned`'s.
+        ExportError: FP8 weights of modules the model class of ``model_config`` does not build as nn.Linear.
     """
     if "ckpttool.ops.export.quantize" not in sys.modules:  # not loaded: no format of it exists (start-up)
         return None
@@ -1414,9 +1420,41 @@ def _quantizer(
     if not isinstance(out_format, QuantizedFormat):
         return None
     quantized = out_format.planned()
+    if model_config:
+        _check_fp8_modules(plan, model_config)
     recount_casts(plan, opts.save_dtype, quantized)
     warnings.extend(out_format.warnings())
     return BlockQuantizer(reader, out_format.spec.block, quantized, out_format.spec.channel)
+
+
+def _check_fp8_modules(plan: ExportPlan, config: dict[str, Any]) -> None:
+    """Refuse FP8 weights of modules that transformers' FP8 quantizers do not convert (:func:`.not_linear_weights`).
+
+    Raises:
+        ExportError (E601): naming the first weights and the `quantize_skip` glob that keeps them, before anything
+            is written.
+    """
+    from ckpttool.ops.export.expected import check_config_bounds, not_linear_weights
+    from ckpttool.ops.export.quantize import FP8_DTYPE
+
+    names = [plan.model_names.get(p.name, p.name) for t in plan.tasks for p in t.pieces if p.dtype == FP8_DTYPE]
+    if not names:
+        return
+    check_config_bounds(config, len(plan.tasks))
+    got = not_linear_weights(config, names)
+    if got is None or not got[1]:
+        return
+    cls, bad = got
+    leaves = sorted({n.removesuffix(".weight").rsplit(".", 1)[-1] for n in bad})
+    raise ExportError(
+        f"`quantize` would write {len(bad)} FP8 weight(s) of modules {cls} does not build as nn.Linear "
+        f"({', '.join(bad[:3])}{', ...' if len(bad) > 3 else ''}): transformers' FP8 quantizers convert nn.Linear "
+        "only, and would load these as FP8 values without their scales",
+        param="quantize",
+        hint="keep them in the save dtype with "
+        + " ".join(f"`quantize_skip` '*.{leaf}.weight'" for leaf in leaves)
+        + " (or export without `quantize`)",
+    )
 
 
 def _quantization(opts: ExportOptions, prep: _Prepared) -> dict[str, Any] | None:
