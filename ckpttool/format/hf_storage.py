@@ -187,6 +187,8 @@ def load_hf_storage_metadata(path: Path, files: list[str] | None = None) -> Chec
     files = hf_storage_files(path) if files is None else files
     if not files:
         raise MetadataError(f"{path}: no .metadata and no .safetensors files", path=path)
+    if not alone:
+        _check_one_save(path, files)
     found = _Found()
     for name in files:
         _read_file(path, name, found)
@@ -200,6 +202,37 @@ def load_hf_storage_metadata(path: Path, files: list[str] | None = None) -> Chec
         size_ = tuple(max(c.offsets[d] + c.sizes[d] for c in cs) for d in range(ndim))
         entries[key] = TensorMeta(DType(found.dtypes[key]), size_, tuple(cs))
     return CheckpointMetadata(entries=entries, storage=found.storage, serialization="safetensors")
+
+
+#: ``save_pretrained``'s single-file save; with it beside an index, transformers loads it alone.
+HF_SINGLE_NAME = "model.safetensors"
+
+
+def _check_one_save(path: Path, files: list[str]) -> None:
+    """Refuse a folder holding ``model.safetensors`` beside an index that names other files: two saves.
+
+    transformers' ``from_pretrained`` looks for ``model.safetensors`` first and loads it alone, never reading the
+    index or its shards (``modeling_utils._get_resolved_checkpoint_files``); reading the folder as one model would mix
+    the two saves, and reading the single file alone would silently pass over the other. An index that names only
+    ``model.safetensors`` (an ``export`` of one shard) is that one save.
+
+    Raises:
+        MetadataError: ``E200``, naming both files and the shards the index lists.
+    """
+    if HF_SINGLE_NAME not in files:
+        return
+    wm = _read_index(path)
+    others = sorted(set(wm.values()) - {HF_SINGLE_NAME}) if wm is not None else []
+    if not others:
+        return
+    more = f" (+{len(others) - 1} more)" if len(others) > 1 else ""
+    raise MetadataError(
+        f"{path}: holds both {HF_SINGLE_NAME} and {HF_INDEX_NAME} (which lists {others[0]!r:.80}{more}): two saves; "
+        f"transformers' from_pretrained would load {HF_SINGLE_NAME} alone and ignore the index and its shards",
+        path=path / HF_SINGLE_NAME,
+        hint=f"keep the save you mean: move {HF_SINGLE_NAME} out of the folder, or {HF_INDEX_NAME} and the "
+        "shards it lists",
+    )
 
 
 def _read_index(path: Path) -> dict[str, str] | None:

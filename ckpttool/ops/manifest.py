@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any, cast
 
 from ckpttool.engine.io import ShortReadError, read_upto
 from ckpttool.engine.pool import imap_ordered, worker_count
-from ckpttool.errors import CkptError, DataFileError, ManifestError, OutputError, UsageError
+from ckpttool.errors import CkptError, DataFileError, ManifestError, MetadataError, OutputError, UsageError
 from ckpttool.format import limits
 from ckpttool.format.atomic import atomic_write_bytes, check_file_target, nearest_unwritable
 from ckpttool.format.digest import ALGORITHMS, DEFAULT_ALGORITHM, digest_bytes, new_hasher
@@ -1496,9 +1496,13 @@ def _grown_data_files(reader: CheckpointReader, manifest: Manifest) -> list[Mani
     ``changed``. A file cut short is named by the entries whose windows it no longer holds."""
     if manifest.data_files is None or reader.remote is not None:
         return []
-    root = Path(reader.path)
+    return _grown_files(Path(reader.path), manifest.data_files)
+
+
+def _grown_files(root: Path, data_files: tuple[dict[str, Any], ...]) -> list[ManifestProblem]:
+    """:func:`_grown_data_files` of the files ``data_files`` lists below ``root``."""
     out = []
-    for f in manifest.data_files:
+    for f in data_files:
         try:
             st = os.lstat(root / f["file"])
         except OSError:
@@ -2128,16 +2132,20 @@ def check_against_manifest(
         shown = str(directory)
     else:
         say(f"opening {directory}")
-        with open_source(directory, opening, record_problems=True) as ckpt:  # a data file gone: entries say so
-            for err in (ckpt.replica_error, ckpt.tiling_error):  # per-rank files that do not fit: raised as
-                if err is not None:  # every command but validate does (a rank's replica is in no entry)
-                    raise err
-            step(0)
-            problems = verify_manifest(ckpt.reader, man, on_entry=step, beside_of=Path(ckpt.located.model))
-            shown = str(ckpt.path)
-            folder = _folder_kind(ckpt.reader)
-            unchecked = unchecked_beside(ckpt.reader, man)
-            untracked = unchecked_training_state(ckpt.reader, man, Path(ckpt.located.model))
+        try:
+            with open_source(directory, opening, record_problems=True) as ckpt:  # a data file gone: entries say so
+                for err in (ckpt.replica_error, ckpt.tiling_error):  # per-rank files that do not fit: raised as
+                    if err is not None:  # every command but validate does (a rank's replica is in no entry)
+                        raise err
+                step(0)
+                problems = verify_manifest(ckpt.reader, man, on_entry=step, beside_of=Path(ckpt.located.model))
+                shown = str(ckpt.path)
+                folder = _folder_kind(ckpt.reader)
+                unchecked = unchecked_beside(ckpt.reader, man)
+                untracked = unchecked_training_state(ckpt.reader, man, Path(ckpt.located.model))
+        except MetadataError as e:  # a safetensors file the reader refuses (bytes appended): checked byte by byte
+            problems = _verify_refused_folder(directory, man, e, step)
+            shown, folder = str(directory), "safetensors"
     warnings = []
     for files, what in (
         (unchecked if man.kind == "dcp" else [], "files beside the checkpoint's data"),
@@ -2161,6 +2169,61 @@ def check_against_manifest(
         folder=folder,
         warnings=warnings,
     )
+
+
+def _verify_refused_folder(
+    directory: str | os.PathLike[str], man: Manifest, refused: MetadataError, on_entry: OnEntry
+) -> list[ManifestProblem]:
+    """Check a safetensors model folder that the reader refuses against the manifest ``ckpttool manifest`` made of
+    it (kind ``dcp``, its headers digested), without the reader: each entry's window (a tensor's raw bytes) read
+    and digested where the manifest says, the data files' sizes and headers, the sidecars.
+
+    A file grown since the manifest (a byte appended after the last tensor, which safetensors' loader refuses and
+    so does the reader) is then ``changed``, beside every entry checked, as an export's manifest reports it.
+
+    Raises:
+        ``refused``: the manifest is not of a local safetensors folder, or no data file grew (the reader's
+            refusal is then the answer: not a change the manifest can name).
+    """
+    from ckpttool.format.files import open_regular, resolve_inside
+    from ckpttool.format.storage import is_url
+
+    if man.metadata_file != HEADERS_NAME or man.data_files is None or is_url(directory):
+        raise refused
+    root = Path(directory)
+    grown = _grown_files(root, man.data_files)
+    if not grown:
+        raise refused
+    problems: list[ManifestProblem] = []
+    for e in _counted(man.entries, on_entry):
+        path = resolve_inside(root, e.file, what="data file")
+        if not path.is_file():
+            problems.append(
+                ManifestProblem("missing", e.key, e.offsets, f"{e.where()}: its data file {e.file} is gone")
+            )
+            continue
+        fd = open_regular(path)
+        try:
+            if e.offset + e.length > os.fstat(fd).st_size:
+                problems.append(ManifestProblem("changed", e.key, e.offsets, f"{e.where()}: {e.file} is cut short"))
+            elif _hash_fd(fd, e.offset, e.length, man.algorithm, path, e.key) != e.digest:
+                problems.append(
+                    ManifestProblem("changed", e.key, e.offsets, f"{e.where()}: stored bytes differ from the manifest")
+                )
+        finally:
+            os.close(fd)
+    problems.extend(grown)
+    names = [f["file"] for f in man.data_files]
+    h = new_hasher(man.algorithm)
+    if _digest_headers(root, names, h) != man.metadata_size or h.hexdigest() != man.metadata_digest:
+        problems.append(
+            ManifestProblem(
+                "metadata", HEADERS_NAME, None, f"{HEADERS_NAME} differ from the ones the manifest was made of"
+            )
+        )
+    skip = {METADATA_NAME, MANIFEST_NAME, *names, *(e.file for e in man.entries), *_inside(root, man.path)}
+    problems.extend(_sidecar_problems(root, man.sidecars, skip, man.algorithm))
+    return problems
 
 
 def _plural_files(n: int) -> str:

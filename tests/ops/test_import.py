@@ -926,3 +926,40 @@ def test_a_tied_lm_head_is_written_from_the_embedding_the_model_class_ties_it_to
     sd = {"model": {k: torch.zeros_like(v) for k, v in want.items()}}
     dcp.load(sd, checkpoint_id=str(tmp_path / "dcp"), no_dist=True)
     assert all(bitwise(sd["model"][k], v) for k, v in want.items())
+
+
+def test_a_folder_of_model_safetensors_beside_a_sharded_index_is_refused_naming_both(tmp_path: Path) -> None:
+    """save_pretrained's shards and their index, and another save's model.safetensors in the same folder:
+    transformers' from_pretrained loads model.safetensors alone (the index and its shards never read). Before, import
+    said E200 "'transformer.h.0.attn.c_attn.bias' is stored in two files", naming a tensor, not the two saves. Now
+    one line names model.safetensors and the index, says what from_pretrained would load and the fix; nothing is
+    written. An index that lists model.safetensors alone (export's) is that one save and imports."""
+    import transformers
+
+    hf_models._quiet()
+    torch.manual_seed(1)
+    sharded = hf_models.tiny_tied_model("gpt2")
+    sharded.save_pretrained(tmp_path / "hf", max_shard_size="40KB")
+    single = hf_models.tiny_tied_model("gpt2")
+    single.save_pretrained(tmp_path / "single")
+    (tmp_path / "hf/model.safetensors").write_bytes((tmp_path / "single/model.safetensors").read_bytes())
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "hf"))
+    assert torch.equal(loaded.transformer.wte.weight, single.transformer.wte.weight)  # the single file, alone
+    assert not torch.equal(loaded.transformer.wte.weight, sharded.transformer.wte.weight)
+
+    res = runner.invoke(app, ["import", str(tmp_path / "hf"), str(tmp_path / "out")])
+    assert res.exit_code == 2 and "Traceback" not in res.stderr, res.stderr
+    err = res.stderr.splitlines()
+    assert err[0].startswith("error: [E200]") and "model.safetensors and model.safetensors.index.json" in err[0], err
+    assert "from_pretrained would load model.safetensors alone" in err[0] and err[1].startswith("hint: keep the save")
+    assert not (tmp_path / "out").exists()
+
+    one = tmp_path / "one"
+    one.mkdir()
+    (one / "model.safetensors").write_bytes((tmp_path / "single/model.safetensors").read_bytes())
+    (one / "config.json").write_bytes((tmp_path / "single/config.json").read_bytes())
+    with safe_open(str(one / "model.safetensors"), "pt") as f:
+        index = {"metadata": {}, "weight_map": dict.fromkeys(f.keys(), "model.safetensors")}
+    (one / "model.safetensors.index.json").write_text(json.dumps(index))
+    res = runner.invoke(app, ["import", str(one), str(tmp_path / "out1")])
+    assert res.exit_code == 0, res.stderr

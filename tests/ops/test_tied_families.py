@@ -161,3 +161,173 @@ def test_a_rules_file_names_the_tied_pair_or_leaves_the_embedding_to_the_model_c
     given.write_text("tied_embeddings: {embedding: [a], lm_head: out.weight}\n")
     with pytest.raises(UsageError, match="'embedding', if given, a string"):
         load_rules(given)
+
+
+LAYER_FAMILIES = [
+    *FAMILIES,
+    ("falcon", "transformer.word_embeddings.weight"),
+    ("bloom", "transformer.word_embeddings.weight"),
+]
+
+
+@pytest.mark.parametrize(("family", "embedding"), LAYER_FAMILIES)
+def test_validate_config_counts_the_decoder_layers_of_each_family(tmp_path: Path, family: str, embedding: str) -> None:
+    """M001 reads GPT-2's / Falcon's / BLOOM's transformer.h.<N> as it reads layers.<N>: before, a correct GPT-2
+    checkpoint failed `validate --config` with "no model key has a layers.<N> component". A layer dropped from the
+    save is still found, under the family's own container."""
+    hf_models._quiet()
+    model = hf_models.tiny_tied_model(family)
+    sd = dict(model.state_dict())
+    dcp.save({"model": sd}, checkpoint_id=str(tmp_path / "ok"), no_dist=True)
+    model.config.save_pretrained(tmp_path / "cfg")
+    cfg = str(tmp_path / "cfg/config.json")
+    res = runner.invoke(app, ["validate", str(tmp_path / "ok"), "--config", cfg, "--select", "M001", "--json"])
+    assert res.exit_code == 0 and not json.loads(res.stdout)["findings"], res.stdout
+    last = model.config.num_hidden_layers - 1
+    container = next(k for k in sd if f".{last}." in k).split(f".{last}.")[0]
+    lost = {k: v for k, v in sd.items() if not k.startswith(f"{container}.{last}.")}
+    dcp.save({"model": lost}, checkpoint_id=str(tmp_path / "lost"), no_dist=True)
+    res = runner.invoke(app, ["validate", str(tmp_path / "lost"), "--config", cfg, "--select", "M001", "--json"])
+    m001 = [f for f in json.loads(res.stdout)["findings"] if f["code"] == "M001"]
+    assert res.exit_code == 1 and [f["key"] for f in m001] == [f"model.{container}"], res.stdout
+    assert f"missing {last}" in m001[0]["message"], m001
+
+
+@pytest.mark.parametrize(("family", "embedding"), FAMILIES)
+def test_an_export_does_not_call_the_model_classs_own_names_outside_the_hf_naming(
+    tmp_path: Path, family: str, embedding: str
+) -> None:
+    """Before, an export of GPT-2 / GPT-NeoX warned that its keys (transformer.h.0.attn.c_attn.weight,
+    gpt_neox.embed_in.weight, ...) were "outside the HF naming": they are the names of the config's model class.
+    Now only a key the class does not hold is listed, and the export's keys are the class's own (OPT's
+    model.decoder.* never was listed)."""
+    model, hf, ckpt = _saved(family, tmp_path)
+    doc = _cli("export", str(ckpt), str(tmp_path / "out"), "--model-assets", str(hf))
+    assert not [w for w in doc["warnings"] if "exported as their fqn" in w], doc["warnings"]
+    assert _keys(tmp_path / "out") <= set(model.state_dict())
+    if family == "opt":
+        return  # model.decoder.* is written by the model.model.* rule: nothing to list
+    one = json.loads((hf / "config.json").read_text())
+    one["n_layer" if family == "gpt2" else "num_hidden_layers"] = 1  # layer 1 is no name of this class
+    (tmp_path / "one").mkdir()
+    (tmp_path / "one/config.json").write_text(json.dumps(one))
+    doc = _cli(
+        "export",
+        str(ckpt),
+        str(tmp_path / "out1"),
+        "--model-assets",
+        str(tmp_path / "one"),
+        "--allow-mismatch",
+        "unexpected",
+    )
+    named = [w for w in doc["warnings"] if "exported as their fqn" in w]
+    assert len(named) == 1 and ".1." in named[0] and ".0." not in named[0].split(":", 1)[1], named
+
+
+@pytest.mark.parametrize(("family", "embedding"), [f for f in LAYER_FAMILIES if f[0] != "gpt2"])  # Conv1D: below
+def test_a_quantized_export_of_a_tied_model_keeps_its_embedding_and_head_unconverted(
+    tmp_path: Path, family: str, embedding: str
+) -> None:
+    """`--quantize` leaves every family's embedding in BF16 (DEFAULT_SKIP's *embed*, *wte*), and the tied lm_head the
+    export omits is listed in modules_to_not_convert: before, only an embed_tokens / wte embedding told the tie, so
+    GPT-NeoX's embed_in and Falcon's / BLOOM's word_embeddings left lm_head out of it, and transformers' FP8 quantizer
+    made it an FP8Linear with no weight or scale in the folder."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers.quantizers.quantizer_finegrained_fp8 import FineGrainedFP8HfQuantizer
+    from transformers.utils.quantization_config import FineGrainedFP8Config
+
+    _, hf, ckpt = _saved(family, tmp_path)
+    out = tmp_path / "q"
+    doc = _cli(
+        "export", str(ckpt), str(out), "--model-assets", str(hf), "--quantize", "fp8-block", "--quantize-block", "16"
+    )
+    assert doc["tied_embeddings"] == "omitted", doc
+    with safe_open(str(out / "model.safetensors"), "pt") as f:
+        assert f.get_tensor(embedding).dtype == torch.bfloat16
+        assert any(f.get_tensor(k).dtype == torch.float8_e4m3fn for k in f.keys())
+    cfg = AutoConfig.from_pretrained(str(out))
+    quantizer = FineGrainedFP8HfQuantizer(FineGrainedFP8Config.from_dict(dict(cfg.quantization_config)))
+    quantizer.pre_quantized = True
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(cfg)
+    quantizer._process_model_before_weight_loading(model)
+    assert type(model.get_output_embeddings()).__name__ == "Linear"
+    assert type(model.get_input_embeddings()).__name__ == "Embedding"
+
+
+def test_a_tied_export_holding_two_candidate_embeddings_ties_the_head_to_the_model_classs(tmp_path: Path) -> None:
+    """A tied Llama saved beside a second embedding named as another class names its own
+    (model.language_model.embed_tokens.weight): before, the export wrote both embeddings and lm_head, said
+    "embedding not exported", and never compared the head. Now the embedding is the model class's own (what
+    from_pretrained ties the head to): the head is compared with it and omitted, and the export loads with the
+    model's logits. Where the class does not tell (transformers cannot build it), E601 names both, nothing written."""
+    import transformers
+
+    hf_models._quiet()
+    torch.manual_seed(5)
+    cfg = hf_models.llama_config(tied=True)
+    model = transformers.LlamaForCausalLM(cfg).eval()
+    sd = dict(model.state_dict())
+    sd["model.language_model.embed_tokens.weight"] = torch.randn_like(sd["model.embed_tokens.weight"])
+    dcp.save({"model": sd}, checkpoint_id=str(tmp_path / "ckpt"), no_dist=True)
+    cfg.save_pretrained(tmp_path / "cfg")
+    args = ["--model-assets", str(tmp_path / "cfg"), "--allow-mismatch", "unexpected"]
+    doc = _cli("export", str(tmp_path / "ckpt"), str(tmp_path / "out"), *args)
+    assert doc["tied_embeddings"] == "omitted", doc
+    assert "lm_head.weight" not in _keys(tmp_path / "out")
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "out")).eval()
+    ids = torch.arange(12).reshape(2, 6) % 96
+    with torch.no_grad():
+        assert torch.equal(loaded(ids).logits, model(ids).logits)
+
+    bad = json.loads((tmp_path / "cfg/config.json").read_text()) | {"model_type": "no_such_model"}
+    (tmp_path / "bad").mkdir()
+    (tmp_path / "bad/config.json").write_text(json.dumps(bad))
+    res = runner.invoke(
+        app, ["export", str(tmp_path / "ckpt"), str(tmp_path / "out2"), "--model-assets", str(tmp_path / "bad")]
+    )
+    assert res.exit_code == 2 and "[E601]" in res.stderr, res.stderr
+    assert "model.embed_tokens.weight, model.language_model.embed_tokens.weight" in res.stderr
+    assert "Traceback" not in res.stderr and not (tmp_path / "out2").exists()
+
+
+def test_a_quantized_export_refuses_fp8_weights_of_gpt2s_conv1d_modules(tmp_path: Path) -> None:
+    """GPT-2's attention and MLP weights are Conv1D modules, which transformers' FP8 quantizer does not convert
+    ("no linear modules were found"): before, `export --quantize` wrote them FP8 with scales, which from_pretrained
+    would load as FP8 values without the scales. Now it is E601 naming them and the --quantize-skip globs, nothing
+    written; with those globs the export writes them in BF16, equal to the model's weights."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers.quantizers.quantizer_finegrained_fp8 import FineGrainedFP8HfQuantizer
+    from transformers.utils.quantization_config import FineGrainedFP8Config
+
+    model, hf, ckpt = _saved("gpt2", tmp_path)
+    cfg = AutoConfig.from_pretrained(str(hf))
+    cfg.quantization_config = {"quant_method": "fp8", "weight_block_size": [16, 16]}
+    quantizer = FineGrainedFP8HfQuantizer(FineGrainedFP8Config.from_dict(cfg.quantization_config))
+    quantizer.pre_quantized = True
+    with torch.device("meta"):
+        meta = AutoModelForCausalLM.from_config(cfg)
+    quantizer._process_model_before_weight_loading(meta)
+    assert type(meta.transformer.h[0].attn.c_attn).__name__ == "Conv1D"  # what transformers would load into
+
+    args = ["--model-assets", str(hf), "--quantize", "fp8-block", "--quantize-block", "16"]
+    res = runner.invoke(app, ["export", str(ckpt), str(tmp_path / "q"), *args])
+    assert res.exit_code == 2 and not (tmp_path / "q").exists(), res.output
+    err = res.stderr.splitlines()
+    assert err[0].startswith("error: [E601]") and "transformer.h.0.attn.c_attn.weight" in err[0], err
+    assert err[1] == (
+        "hint: keep them in the save dtype with --quantize-skip '*.c_attn.weight' --quantize-skip '*.c_fc.weight' "
+        "--quantize-skip '*.c_proj.weight' (or export without --quantize)"
+    ), err
+    skips = [
+        "--quantize-skip",
+        "*.c_attn.weight",
+        "--quantize-skip",
+        "*.c_fc.weight",
+        "--quantize-skip",
+        "*.c_proj.weight",
+    ]
+    _cli("export", str(ckpt), str(tmp_path / "q"), *args, *skips)
+    with safe_open(str(tmp_path / "q/model.safetensors"), "pt") as f:
+        got = f.get_tensor("transformer.h.0.attn.c_attn.weight")
+    assert got.dtype == torch.bfloat16 and torch.equal(got, model.transformer.h[0].attn.c_attn.weight.bfloat16())

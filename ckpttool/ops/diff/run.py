@@ -448,6 +448,7 @@ def export_items(
         weights=opts.weights,
         adapter=adapter,
         adapter_config=AdapterConfig.from_hf_config(config),
+        model_config=config,
     )
     side.adapter = adapter.name if adapter is not None and any(s.hf is not None for s in selected) else None
     fused, split_tasks = _export_plans(side, selected, rules, fmt)
@@ -1164,9 +1165,11 @@ def _compare_groups(
         va, vb = ga.get(base), gb.get(base)
         if globs and not _matches(globs, base, *(f"{base}.{h}" for h in set(va or ()) | set(vb or ()))):
             continue
-        if va is None or vb is None:
+        if va is None or vb is None:  # a name on one side only, not a value compared
             side = "B" if va is not None else "A"
-            diffs.append(Difference(base, "hyperparameter", f"{base}: no param group in {side}"))
+            diffs.append(
+                Difference(base, "only_a" if va is not None else "only_b", f"{base}: no param group in {side}")
+            )
             continue
         for hyper in sorted(set(va) | set(vb)):
             if globs and not _matches(globs, base, f"{base}.{hyper}"):
@@ -1388,6 +1391,9 @@ def _diff(
     if opts.what in ("optimizer", "all") and a.kind == "dcp" and b.kind == "dcp":
         say("comparing hyperparameters")
         notes.extend(_compare_hyperparameters(a, b, opts, tally))
+        keying = _keying_mismatch(a, b)
+        if keying is not None:
+            notes.append(f"{keying}: their optimizer state and param groups pair up with nothing (only in A / B)")
     kept = (len(items_a), len(items_b))
     _fail_closed(a, b, opts, tally, seen, kept, len(pairs) - sum(ib is None for _, ib in pairs), excluded)
     notes.extend(_cross_dtype_notes(tally.stats, opts))
@@ -1662,6 +1668,13 @@ def _no_tensor_hint(a: Side, b: Side, opts: DiffOptions) -> str:
             f"{' and '.join(held)} {'hold' if len(held) > 1 else 'holds'} optimizer state only, which `what` model "
             "leaves out: compare it with `what` optimizer (or `what` all)"
         )
+    state_only = [s for s in (a, b) if _training_state_only(s)]
+    if opts.what != "all" and state_only:
+        items = sorted({i for s in state_only for i in s.ckpt.catalog.training_state})
+        return (
+            f"{' and '.join(s.label for s in state_only)} {'hold' if len(state_only) > 1 else 'holds'} training state "
+            f"only ({', '.join(items[:3])}), which `what` {opts.what} leaves out: compare it with `what` all"
+        )
     unknown = [s for s in (a, b) if s.kind == "dcp" and s.ckpt.catalog.schema.id == "unrecognized"]
     if unknown and any(s.tensor_keys() for s in unknown):
         side = unknown[0]
@@ -1681,6 +1694,16 @@ def _no_tensor_hint(a: Side, b: Side, opts: DiffOptions) -> str:
     if opts.what == "optimizer":
         return "pass checkpoints that hold optimizer state, or compare the models with `what` model"
     return "pass checkpoints that hold model tensors (`ckpttool inspect` shows what each holds)"
+
+
+def _training_state_only(side: Side) -> bool:
+    """A DCP side whose every item is training state (``train_state``, ``lr_scheduler``, ``dataloader``: a
+    trainer's save of its loop state alone), which only ``what`` all compares."""
+    if side.kind != "dcp":
+        return False
+    cat = side.ckpt.catalog
+    keys = list(side.ckpt.metadata.entries)
+    return bool(keys) and all(cat.category(k) == "training_state" for k in keys)
 
 
 def _nothing_kept_hint(a: Side, b: Side, opts: DiffOptions) -> str:
@@ -1740,7 +1763,28 @@ def _no_common_name(
             f"{side.label} holds optimizer state and no model tensor, which `what` model compares: pass the checkpoint "
             f"that holds the model as {side.label}, or compare the optimizer state with `what` optimizer",
         )
+    keying = _keying_mismatch(a, b)
+    if keying is not None and opts.what != "model":
+        return (
+            why,
+            f"{keying}: re-save the index-keyed one with get_state_dict (torch.distributed.checkpoint.state_dict)",
+        )
     return why, _no_common_name_hint(a, b, kept, opts)
+
+
+def _keying_mismatch(a: Side, b: Side) -> str | None:
+    """Where one DCP side keys its optimizer state by parameter index (a plain ``optimizer.state_dict()``, which no
+    command maps to parameters: design.md §2) and the other by parameter name: what says so; else ``None``."""
+    if a.kind != "dcp" or b.kind != "dcp":
+        return None
+    keying = {s.label: s.ckpt.catalog.schema.optimizer_keying for s in (a, b)}
+    if {keying["A"], keying["B"]} != {"index", "fqn"}:
+        return None
+    by_index = "A" if keying["A"] == "index" else "B"
+    return (
+        f"{by_index}'s optimizer state is keyed by parameter index (a plain optimizer.state_dict()), "
+        f"{'B' if by_index == 'A' else 'A'}'s by parameter name"
+    )
 
 
 def _all_left_out(seen: tuple[int, int], excluded: list[Excluded]) -> str:

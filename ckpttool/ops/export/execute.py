@@ -727,12 +727,45 @@ def _tied_pair(
     out_keys = [s.out_key for s in selected]
     out_keys.reverse()
     found: list[Selected | None] = []
-    for name in (rules.tied_embedding_in(set(out_keys)), rules.tied_lm_head):
+    names = set(out_keys)
+    embedding = rules.tied_embedding_in(names)
+    if tie and embedding is None and config is not None:
+        embedding = _tied_embedding_of_class(names, rules, config)
+    for name in (embedding, rules.tied_lm_head):
         try:
             found.append(None if name is None else selected[len(selected) - 1 - out_keys.index(name)])
         except ValueError:
             found.append(None)
     return found[0], found[1], tie
+
+
+def _tied_embedding_of_class(names: set[str], rules: ExportRules, config: dict[str, Any]) -> str | None:
+    """The one embedding of ``rules.tied_embeddings`` among ``names`` that the config's model class holds, where
+    ``names`` holds several (a tied head is tied to its class's own, what ``from_pretrained`` loads); ``None`` when
+    ``names`` holds none.
+
+    Raises:
+        ExportError (E601): several, and the model class does not tell which (it holds several, or none, or
+            transformers cannot build it): writing both and the head would load an untied model's logits.
+    """
+    present = [k for k in rules.tied_embeddings if k in names]
+    if len(present) < 2:
+        return None
+    from ckpttool.ops.export.expected import check_config_bounds, expected_state_dict
+
+    check_config_bounds(config, len(names))
+    got = expected_state_dict(config)
+    own = [k for k in present if not isinstance(got, str) and k in got[0]]
+    if len(own) == 1:
+        return own[0]
+    why = got if isinstance(got, str) else f"{got[2]} holds {len(own) or 'none'} of them"
+    raise ExportError(
+        f"config.json says tie_word_embeddings: true and the export holds {len(present)} embeddings the head may be "
+        f"tied to ({', '.join(present)}); which one is not known ({why})",
+        fqn=present[0],
+        hint="name it in a `rules` FILE.yaml: tied_embeddings: {embedding: <key>, lm_head: lm_head.weight} "
+        "(docs/export.md, 'Tied embeddings'), or leave the other out with `filter_glob`",
+    )
 
 
 def _check_options(opts: ExportOptions) -> None:
@@ -1065,6 +1098,7 @@ def _select(
         adapter=model_adapter,
         adapter_config=AdapterConfig.from_hf_config(model_config),
         peft_config=peft_config,
+        model_config=model_config if out_format.checks_model_class else None,
     )
     if not selected:
         per_expert = opts.filter_glob is not None and _experts(opts) == "per-expert"
@@ -1180,7 +1214,7 @@ def _prepare(
         drop=drop,
         out_format=out_format,
     )
-    quantizer = _quantizer(reader, plan, opts, out_format, warnings)
+    quantizer = _quantizer(reader, plan, opts, out_format, warnings, model_config)
     plan.warnings = warnings
     plan.skipped = skipped
     plan.tied = tied
@@ -1366,12 +1400,18 @@ def _export_result(
 
 
 def _quantizer(
-    reader: CheckpointReader, plan: ExportPlan, opts: ExportOptions, out_format: OutputFormat, warnings: list[str]
+    reader: CheckpointReader,
+    plan: ExportPlan,
+    opts: ExportOptions,
+    out_format: OutputFormat,
+    warnings: list[str],
+    model_config: dict[str, Any] | None = None,
 ) -> BlockQuantizer | None:
     """A quantized export's band quantizer (casts recounted, its plan warnings added to ``warnings``), else ``None``.
 
     Raises:
         UsageError: :meth:`QuantizedFormat.planned`'s.
+        ExportError: FP8 weights of modules the model class of ``model_config`` does not build as nn.Linear.
     """
     if "ckpttool.ops.export.quantize" not in sys.modules:  # not loaded: no format of it exists (start-up)
         return None
@@ -1380,9 +1420,41 @@ def _quantizer(
     if not isinstance(out_format, QuantizedFormat):
         return None
     quantized = out_format.planned()
+    if model_config:
+        _check_fp8_modules(plan, model_config)
     recount_casts(plan, opts.save_dtype, quantized)
     warnings.extend(out_format.warnings())
     return BlockQuantizer(reader, out_format.spec.block, quantized, out_format.spec.channel)
+
+
+def _check_fp8_modules(plan: ExportPlan, config: dict[str, Any]) -> None:
+    """Refuse FP8 weights of modules that transformers' FP8 quantizers do not convert (:func:`.not_linear_weights`).
+
+    Raises:
+        ExportError (E601): naming the first weights and the `quantize_skip` glob that keeps them, before anything
+            is written.
+    """
+    from ckpttool.ops.export.expected import check_config_bounds, not_linear_weights
+    from ckpttool.ops.export.quantize import FP8_DTYPE
+
+    names = [plan.model_names.get(p.name, p.name) for t in plan.tasks for p in t.pieces if p.dtype == FP8_DTYPE]
+    if not names:
+        return
+    check_config_bounds(config, len(plan.tasks))
+    got = not_linear_weights(config, names)
+    if got is None or not got[1]:
+        return
+    cls, bad = got
+    leaves = sorted({n.removesuffix(".weight").rsplit(".", 1)[-1] for n in bad})
+    raise ExportError(
+        f"`quantize` would write {len(bad)} FP8 weight(s) of modules {cls} does not build as nn.Linear "
+        f"({', '.join(bad[:3])}{', ...' if len(bad) > 3 else ''}): transformers' FP8 quantizers convert nn.Linear "
+        "only, and would load these as FP8 values without their scales",
+        param="quantize",
+        hint="keep them in the save dtype with "
+        + " ".join(f"`quantize_skip` '*.{leaf}.weight'" for leaf in leaves)
+        + " (or export without `quantize`)",
+    )
 
 
 def _quantization(opts: ExportOptions, prep: _Prepared) -> dict[str, Any] | None:

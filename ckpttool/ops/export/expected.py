@@ -28,6 +28,7 @@ __all__ = [
     "check_config_bounds",
     "expected_state_dict",
     "compare_with_model",
+    "not_linear_weights",
     "shapes_entry_path",
 ]
 
@@ -178,8 +179,8 @@ def expected_state_dict(config: dict[str, Any]) -> Expected | str:
     return got
 
 
-def _build_expected(config: dict[str, Any], mt: str) -> Expected | str:
-    """:func:`expected_state_dict` without the cache: transformers builds the model on the meta device."""
+def _meta_model(config: dict[str, Any], mt: str) -> tuple[Any, Any] | str:
+    """``(model, its config)``: the causal LM transformers builds from ``config`` on the meta device, or why not."""
     try:
         import torch
         from transformers import AutoConfig, AutoModelForCausalLM
@@ -193,9 +194,40 @@ def _build_expected(config: dict[str, Any], mt: str) -> Expected | str:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             with torch.device("meta"):
-                model = AutoModelForCausalLM.from_config(cfg)  # type: ignore[no-untyped-call]
+                return AutoModelForCausalLM.from_config(cfg), cfg  # type: ignore[no-untyped-call]
     except Exception as e:  # a model_type transformers does not know, a config its class rejects
         return f"transformers cannot build a causal LM from this config ({type(e).__name__}: {str(e)[:160]})"
+
+
+def not_linear_weights(config: dict[str, Any], names: list[str]) -> tuple[str, list[str]] | None:
+    """Of the ``<module>.weight`` ``names``, those whose module in the config's model class is no ``torch.nn.Linear``
+    (GPT-2's ``Conv1D``), with the class's name: transformers' FP8 quantizers (``FineGrainedFP8``,
+    compressed-tensors) convert ``nn.Linear`` modules only, so an FP8 weight of any other module loads as FP8 values
+    without its scale. Names the class has no module for (per-expert names of fused experts) are not judged.
+    ``None``: the class cannot be built (transformers missing, an unknown ``model_type``)."""
+    mt = config.get("model_type")
+    got = _meta_model(config, mt) if isinstance(mt, str) else None
+    if got is None or isinstance(got, str):
+        return None
+    import torch
+
+    model, out = got[0], []
+    for name in names:
+        try:
+            module = model.get_submodule(name.removesuffix(".weight"))
+        except AttributeError:
+            continue
+        if name.endswith(".weight") and not isinstance(module, torch.nn.Linear):
+            out.append(name)
+    return type(model).__name__, out
+
+
+def _build_expected(config: dict[str, Any], mt: str) -> Expected | str:
+    """:func:`expected_state_dict` without the cache: transformers builds the model on the meta device."""
+    got = _meta_model(config, mt)
+    if isinstance(got, str):
+        return got
+    model, cfg = got
     sd = model.state_dict()
     out = {k: (tuple(v.shape), str(v.dtype).removeprefix("torch.")) for k, v in sd.items()}
     optional: set[str] = set()

@@ -85,6 +85,8 @@ class SelectRequest:
         adapter: the model adapter naming the tensors, or ``None``.
         adapter_config: its configuration, or ``None``.
         peft_config: a given PEFT ``adapter_config.json`` (``--adapter-config`` / ``--model-assets``), or ``None``.
+        model_config: the model's ``config.json`` where its model class names the keys (the key rules' note on
+            keys outside the HF naming leaves out the class's own names), or ``None``.
     """
 
     cat: Catalog
@@ -94,6 +96,7 @@ class SelectRequest:
     adapter: ModelAdapter | None
     adapter_config: AdapterConfig | None
     peft_config: dict[str, Any] | None = None
+    model_config: dict[str, Any] | None = None
 
 
 @dataclass(frozen=True)

@@ -387,6 +387,7 @@ def select_sources(
     adapter: ModelAdapter | None = None,
     adapter_config: AdapterConfig | None = None,
     peft_config: dict[str, Any] | None = None,
+    model_config: dict[str, Any] | None = None,
 ) -> SelectResult:
     """Choose the tensors to export and their output keys (output format ``fmt``'s :meth:`OutputFormat.select`).
 
@@ -401,6 +402,8 @@ def select_sources(
             rules are then not used); keys it does not know are skipped and reported.
         adapter_config: the model dimensions the adapter needs (RoPE heads).
         peft_config: a given PEFT adapter config (``lora``: its ``bias`` selects the biases PEFT saves).
+        model_config: the model's ``config.json``: keys its model class (built by transformers on the meta
+            device) holds are its own names, not reported as outside the HF naming.
 
     Returns:
         ``(selected, warnings, skipped, adapter_names)``; ``adapter_names`` maps
@@ -415,7 +418,9 @@ def select_sources(
 
     out_format = get_format(fmt)
     out_format.check_names(cat, adapter)
-    return out_format.select(SelectRequest(cat, rules, weights, filter_glob, adapter, adapter_config, peft_config))
+    return out_format.select(
+        SelectRequest(cat, rules, weights, filter_glob, adapter, adapter_config, peft_config, model_config)
+    )
 
 
 def build_plan(

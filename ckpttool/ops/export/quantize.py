@@ -86,6 +86,10 @@ FP8_DTYPE = "float8_e4m3fn"
 DEFAULT_SKIP = (
     "*embed*", "*wte*", "*wpe*", "*norm*", "lm_head.weight", "*.gate.weight", "*router*", "*shared_expert_gate*",
 )  # fmt: skip
+#: The input embeddings transformers' model classes tie ``lm_head`` to (:data:`~ckpttool.model.hfconfig.TIED_EMBEDDING_KEYS`,
+#: under any prefix): Llama's ``embed_tokens``, GPT-2's ``wte``, GPT-NeoX's ``embed_in``, BLOOM's / Falcon's
+#: ``word_embeddings``. One of them written without ``lm_head.weight``: the head is tied, kept out of the conversion.
+_TIED_EMBEDDING_GLOBS = ("*embed_tokens.weight", "*wte.weight", "*embed_in.weight", "*word_embeddings.weight")
 #: Source dtypes that are quantized (others are written as the save dtype says). float64 is rounded to float32 first
 #: (:func:`_widen`), as torch's own ``.to(torch.float8_e4m3fn)`` of a double does (c10 converts from float).
 _QUANTIZABLE = ("float32", "bfloat16", "float16", "float64")
@@ -651,7 +655,7 @@ class QuantizedFormat(OutputFormat):
             doc = json.loads(edited["config.json"]) if "config.json" in edited else dict(model_config)
             kept = set(self.kept)
             names = self._names
-            embedding = any(fnmatch.fnmatchcase(n, g) for n in names for g in ("*embed_tokens.weight", "*wte.weight"))
+            embedding = any(fnmatch.fnmatchcase(n, g) for n in names for g in _TIED_EMBEDDING_GLOBS)
             if embedding and not any(n.endswith("lm_head.weight") for n in names):
                 # a tied lm_head (not written): transformers still builds it as a Linear, and would convert it to an
                 # FP8 one (FP8Linear, compressed-tensors' `Linear` target) whose FP8 weight and scale the folder lacks

@@ -10,7 +10,7 @@ warnings once the walk is done. The output formats (:mod:`ckpttool.ops.export.fo
 from __future__ import annotations
 
 import re
-from typing import Protocol
+from typing import Any, Protocol
 
 from ckpttool.errors import ExportError, ExportNamingError
 from ckpttool.model.adapters import AdapterConfig, HFTensor, ModelAdapter, Skip
@@ -56,10 +56,11 @@ def shown(items: list[str], n: int) -> str:
 class RuleKeys:
     """The YAML key rules: the first matching rule's template (``to: null`` skips; ``warn`` reports the rename)."""
 
-    def __init__(self, rules: ExportRules) -> None:
+    def __init__(self, rules: ExportRules, model_config: dict[str, Any] | None = None) -> None:
         self.map_key = rules.key_mapper()
+        self.model_config = model_config
         self.skipped: dict[str, list[str]] = {}
-        self.renamed: list[str] = []
+        self.renamed: list[tuple[str, str]] = []  # (checkpoint key, output key) of the rules with `warn`
         self.as_stored: list[str] = []  # written under the fqn the checkpoint stores
 
     def __call__(self, key: str, fqn: str, canonical: str, entry: TensorEntry) -> Mapped | None:
@@ -71,7 +72,7 @@ class RuleKeys:
             self.skipped.setdefault("skipped by a key rule", []).append(key)
             return None
         if warn:
-            self.renamed.append(f"{key} -> {out}")
+            self.renamed.append((key, out))
         if out == fqn:
             self.as_stored.append(out)
         return out
@@ -81,12 +82,42 @@ class RuleKeys:
         if self.renamed and spec is not None and spec.own_names_warning:  # OLMo-core's names are not HF's
             # every key, whatever a default rule made of it (lm_head.w_out.weight is no HF name either)
             warnings.append(spec.own_names_warning.format(count=len(self.as_stored), shown=shown(self.as_stored, 3)))
-        elif self.renamed:
-            warnings.append(
-                f"{len(self.renamed)} key(s) outside the HF naming were exported as their fqn: {shown(self.renamed, 5)}"
-                f"; transformers and vLLM look for HF names (model.layers.N...): map these with `rules` FILE.yaml "
-                "(docs/export.md, 'Keys') or a model adapter (`adapter`)"
-            )
+            return
+        outside, cls = self.outside_the_model_class(len(cat.model))
+        if outside:
+            pairs = shown([f"{key} -> {out}" for key, out in outside], 5)
+            fix = "map these with `rules` FILE.yaml (docs/export.md, 'Keys') or a model adapter (`adapter`)"
+            if cls is not None:
+                warnings.append(
+                    f"{len(outside)} key(s) that are no names of {cls} (the config's model class) were exported as "
+                    f"their fqn: {pairs}; transformers and vLLM will not load them: {fix}"
+                )
+            else:
+                warnings.append(
+                    f"{len(outside)} key(s) outside the model.* / lm_head.* naming were exported as their fqn, not "
+                    f"checked against a model class (no config.json, or transformers cannot build its class): {pairs}; "
+                    f"transformers and vLLM load only its names (GPT-2's transformer.h.N... are): pass the config with "
+                    f"`model_assets` to check them, or {fix}"
+                )
+
+    def outside_the_model_class(self, tensors: int) -> tuple[list[tuple[str, str]], str | None]:
+        """The renamed keys less those the model class of ``model_config`` holds (``transformer.h.0.attn.c_attn.weight``
+        is GPT-2's own name, ``gpt_neox.embed_in.weight`` GPT-NeoX's), and the class's name; all of them and
+        ``None`` without a config, or where transformers cannot build its class.
+
+        Raises:
+            SizeLimitError: ``E307``, a config past :func:`~.expected.check_config_bounds`.
+        """
+        if not self.renamed or self.model_config is None:
+            return self.renamed, None
+        from ckpttool.ops.export.expected import check_config_bounds, expected_state_dict
+
+        check_config_bounds(self.model_config, tensors)
+        got = expected_state_dict(self.model_config)
+        if isinstance(got, str):
+            return self.renamed, None
+        own, _, cls = got
+        return [(key, out) for key, out in self.renamed if out not in own], cls
 
 
 class AdapterKeys:

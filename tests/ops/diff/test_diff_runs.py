@@ -871,3 +871,55 @@ def test_param_groups_of_an_index_keyed_optimizer_are_compared(tmp_path: Path) -
         doc = diff_json(a, b, "--what", what, code=0)
         hypers = len([h for h in groups[0][0] if h not in ("params", "param_names")])
         assert doc["counts"]["compared"] == doc["counts"]["tensors"] + hypers, doc["counts"]
+
+
+def _plain_and_get_state_dict_saves(tmp_path: Path) -> tuple[Path, Path]:
+    """One model + torch AdamW after a step, saved twice: its plain ``optimizer.state_dict()`` (state keyed by
+    parameter index) and ``get_state_dict``'s (keyed by parameter name)."""
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2))
+    optim = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    model(torch.randn(3, 4)).sum().backward()
+    optim.step()
+    plain = _save({"model": model.state_dict(), "optimizer": optim.state_dict()}, tmp_path / "plain")
+    msd, osd = get_state_dict(model, optim)
+    return plain, _save({"model": msd, "optimizer": osd}, tmp_path / "gsd")
+
+
+def test_an_index_keyed_optimizer_against_a_name_keyed_one_is_no_verdict_over_nothing(tmp_path: Path) -> None:
+    """`diff plain/ gsd/ --what optimizer` was "DIFFERENT: 29 differences" with 0 tensors compared: the param groups
+    each side holds alone (by index in A, by parameter in B) counted as hyperparameter differences. They are names
+    on one side only: nothing compared is E611, its hint naming the keying; `--what all` compares the model tensors
+    (equal, torch's own) and says why the optimizer state pairs up with nothing."""
+    plain, gsd = _plain_and_get_state_dict_saves(tmp_path)
+    res = cli(plain, gsd, "--what", "optimizer")
+    assert res.exit_code == 2 and res.stdout == "", res.output
+    err = res.stderr.splitlines()
+    assert err[0].startswith("error: [E611] nothing compared, so no verdict: no name in common"), err
+    assert err[1] == (
+        "hint: A's optimizer state is keyed by parameter index (a plain optimizer.state_dict()), B's by parameter "
+        "name: re-save the index-keyed one with get_state_dict (torch.distributed.checkpoint.state_dict)"
+    ), err
+    doc = diff_json(plain, gsd, "--what", "all", code=1)
+    assert doc["counts"]["tensors"] == 4 and not [
+        d for d in doc["differences"] if d["kind"] not in ("only_a", "only_b")
+    ]
+    assert any("keyed by parameter index" in n for n in doc["notes"]), doc["notes"]
+    assert diff_json(plain, plain, "--what", "optimizer", code=0)["equal"]  # same keying: compared
+
+
+def test_a_save_of_training_state_only_is_pointed_to_what_all(tmp_path: Path) -> None:
+    """`diff train/ train/` of a save holding only torchtitan-style train_state hinted at `--schema` (the key schema
+    is not recognised), which changes nothing: training state is compared by `--what all`, the hint now says so."""
+    state = {"train_state": {"step": torch.tensor(3), "tokens": 100}}
+    a = _save(state, tmp_path / "a")
+    b = _save({"train_state": {"step": torch.tensor(4), "tokens": 100}}, tmp_path / "b")
+    res = cli(a, b)
+    assert res.exit_code == 2 and res.stderr.splitlines()[1] == (
+        "hint: A and B hold training state only (train_state), which --what model leaves out: compare it with "
+        "--what all"
+    ), res.stderr
+    doc = diff_json(a, b, "--what", "all", code=1)
+    assert [d["name"] for d in doc["differences"]] == ["train_state.step"], doc["differences"]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import struct
 from pathlib import Path
 from typing import Any
 
@@ -209,7 +210,6 @@ def test_a_record_failing_its_crc_gets_no_manifest(dense_ckpt: Path, tmp_path: P
 def test_a_dtype_changed_in_a_safetensors_header_is_a_problem(tmp_path: Path) -> None:
     # the manifest of a safetensors folder digested the data windows only: a header whose dtype
     # was rewritten (F32 -> I32, same bytes, same sizes) verified as "matches"
-    import struct
 
     from safetensors.torch import save_file
 
@@ -232,6 +232,44 @@ def test_a_dtype_changed_in_a_safetensors_header_is_a_problem(tmp_path: Path) ->
     assert res.exit_code == 1, res.stdout
     assert res.stdout.splitlines()[0] == "metadata safetensors headers differ from the ones the manifest was made of"
     assert [f["key"] for f in s015(hf, hf / "manifest.json")] == ["safetensors headers"]
+
+
+def test_bytes_appended_to_a_hugging_face_folders_file_are_a_change_not_e200(tmp_path: Path) -> None:
+    """`ckpttool manifest` of a save_pretrained folder (kind dcp, its headers digested): a byte appended to
+    model.safetensors made `manifest --verify` stop with E200 (exit 2: the reader refuses the file, as safetensors
+    does) instead of the verdict the manifest exists for. Now it is `changed`, naming the file (exit 1), and every
+    entry is still checked: a flipped byte in a tensor is named too."""
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    from tests.fixtures import hf_models
+
+    hf = tmp_path / "hf"
+    hf_models.tiny_tied_model("gpt2").save_pretrained(hf)
+    assert invoke("manifest", hf).exit_code == 0
+    assert json.loads((hf / "manifest.json").read_text())["kind"] == "dcp"
+    assert invoke("manifest", hf, "--verify").exit_code == 0
+    shard = hf / "model.safetensors"
+    size = shard.stat().st_size
+    with open(shard, "ab") as f:
+        f.write(b"\0")
+    with pytest.raises(SafetensorError):
+        load_file(str(shard))
+    res = invoke("manifest", hf, "--verify", "--json")
+    assert res.exit_code == 1, res.stdout + res.stderr
+    doc = json.loads(res.stdout)
+    assert [(p["kind"], p["key"]) for p in doc["problems"]] == [("changed", "model.safetensors")]
+    assert f"the file has {size + 1:,} bytes" in doc["problems"][0]["message"]
+    data = bytearray(shard.read_bytes())
+    with shard.open("rb") as f:  # one bit of transformer.wte.weight's data
+        n = struct.unpack("<Q", f.read(8))[0]
+        start = json.loads(f.read(n))["transformer.wte.weight"]["data_offsets"][0]
+    data[8 + n + start] ^= 1
+    shard.write_bytes(bytes(data))
+    res = invoke("manifest", hf, "--verify", "--json")
+    assert res.exit_code == 1
+    got = [(p["kind"], p["key"]) for p in json.loads(res.stdout)["problems"]]
+    assert got == [("changed", "transformer.wte.weight"), ("changed", "model.safetensors")], got
 
 
 def test_bytes_appended_to_an_exported_safetensors_file_are_a_problem(dense_ckpt: Path, tmp_path: Path) -> None:

@@ -32,7 +32,9 @@ class ModelFormat(OutputFormat):
         """The key rules' output keys (:func:`~ckpttool.ops.export.select.select_model`)."""
         from ckpttool.ops.export.select import RuleKeys, select_model
 
-        return select_model(req.cat, RuleKeys(req.rules), weights=req.weights, filter_glob=req.filter_glob)
+        return select_model(
+            req.cat, RuleKeys(req.rules, req.model_config), weights=req.weights, filter_glob=req.filter_glob
+        )
 
     def pieces_planner(self) -> PiecesFn:
         """One piece per source, as stored (:func:`~ckpttool.ops.export.plan.stored_pieces`, no expert rule)."""

@@ -81,7 +81,7 @@ class HFFormat(ModelFormat):
         keys = (
             AdapterKeys(adapter, req.adapter_config)
             if adapter is not None and not adapter.identity
-            else RuleKeys(req.rules)
+            else RuleKeys(req.rules, req.model_config)
         )
         return select_model(cat, keys, weights=req.weights, filter_glob=req.filter_glob)
 

@@ -1,7 +1,7 @@
 """Model rules (``M``): structure against an HF ``config.json`` (``--config``) or a reference (``--against``).
 
 Checkpoint keys are ``model.<HF name>`` (``docs/design.md`` §2). Layer indices are read
-from ``...layers.<N>.`` components, per-expert indices from ``...experts.<j>.``; fused
+from ``...layers.<N>.`` (or GPT-2's ``transformer.h.<N>.``) components, per-expert indices from ``...experts.<j>.``; fused
 expert tensors (``...experts.gate_up_proj`` ``[E, 2I, H]``, HF transformers v5) carry
 the experts in dim 0. Config names: ``num_hidden_layers``; ``num_experts`` /
 ``n_routed_experts`` / ``num_local_experts``; ``tie_word_embeddings`` (also read from
@@ -21,7 +21,9 @@ from ckpttool.model.hfconfig import config_value, tie_word_embeddings, tied_embe
 from ckpttool.ops.validate.base import RuleSkipped, rule
 from ckpttool.ops.validate.context import Context
 
-_LAYER_RE = re.compile(r"^(?P<prefix>.*?\blayers)\.(?P<idx>\d+)\.")
+#: The decoder-layer container: ``layers`` (Llama, OPT's ``model.decoder.layers``, GPT-NeoX's ``gpt_neox.layers``) or
+#: ``h`` (GPT-2, Falcon, BLOOM, GPT-J: ``transformer.h.<N>``), a whole key component.
+_LAYER_RE = re.compile(r"^(?P<prefix>(?:.*?\.)?(?:layers|h))\.(?P<idx>\d+)\.")
 _EXPERT_RE = re.compile(r"^(?P<prefix>.*\bexperts)\.(?P<idx>\d+)\.(?P<rest>.+)$")
 _FUSED_RE = re.compile(r"^(?P<prefix>.*\bexperts)\.(?P<name>[A-Za-z_][A-Za-z0-9_]*)$")
 _PER_EXPERT_PROJ = {
@@ -84,7 +86,7 @@ def layer_coverage(ctx: Context) -> Iterator[tuple[str, str] | tuple[str, str, s
         if m:
             by_prefix[m["prefix"]].add(int(m["idx"]))
     if not by_prefix:
-        yield "model", f"no model key has a layers.<N> component but the config has {n} layers"
+        yield "model", f"no model key has a layers.<N> (or h.<N>) component but the config has {n} layers"
         return
     hf_layers = ctx.cat.model_key("model.layers")  # HF causal LMs: model.layers.<N>, spelled by the key schema
     main = hf_layers if hf_layers in by_prefix else max(by_prefix, key=lambda p: len(by_prefix[p]))
