@@ -41,7 +41,14 @@ def test_missing_entry_reads_as_none(tmp_path: Path) -> None:
 
 
 def test_model_shape_entry_bytes_are_those_json_dump_wrote() -> None:
-    doc = {"format": 1, "key": "ab", "model_class": "X", "tensors": {"é.w": [[2, 3], "float32"]}, "optional": []}
+    doc = {
+        "format": 2,
+        "key": "ab",
+        "model_class": "X",
+        "tensors": {"é.w": [[2, 3], "float32"]},
+        "optional": [],
+        "not_linear": ["é.w"],
+    }
     written = io.StringIO()
     json.dump(doc, written)  # how entries were written before the shared store
     assert json.dumps(doc).encode("ascii") == written.getvalue().encode()

@@ -755,10 +755,10 @@ def _tied_embedding_of_class(names: set[str], rules: ExportRules, config: dict[s
 
     check_config_bounds(config, len(names))
     got = expected_state_dict(config)
-    own = [k for k in present if not isinstance(got, str) and k in got[0]]
+    own = [k for k in present if not isinstance(got, str) and k in got.tensors]
     if len(own) == 1:
         return own[0]
-    why = got if isinstance(got, str) else f"{got[2]} holds {len(own) or 'none'} of them"
+    why = got if isinstance(got, str) else f"{got.model_class} holds {len(own) or 'none'} of them"
     raise ExportError(
         f"config.json says tie_word_embeddings: true and the export holds {len(present)} embeddings the head may be "
         f"tied to ({', '.join(present)}); which one is not known ({why})",

@@ -18,7 +18,7 @@ import logging
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 from ckpttool.format.jsonview import json_fields
 
@@ -35,12 +35,25 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 _FOLDER = "model-shapes-v1"
-_ENTRY_FORMAT = 1
+_ENTRY_FORMAT = 2  # 2: ``not_linear`` (entries of format 1 are ignored and rebuilt)
 _MAX_ENTRY_BYTES = 64 << 20
 _MAX_DIM = 1 << 62
 _MAX_NDIM = 64
 
-Expected = tuple[dict[str, tuple[tuple[int, ...], str]], set[str], str]
+
+class Expected(NamedTuple):
+    """The model class's state dict, as :func:`expected_state_dict` gives it (and its cache entry holds)."""
+
+    tensors: dict[str, tuple[tuple[int, ...], str]]
+    """key -> (shape, dtype name) of ``state_dict()``"""
+    optional: set[str]
+    """the tied keys ``save_pretrained`` leaves out"""
+    model_class: str
+    """e.g. ``LlamaForCausalLM``"""
+    not_linear: frozenset[str]
+    """``<module>.weight`` keys of 2-D weights whose module is no ``torch.nn.Linear`` (GPT-2's ``Conv1D``,
+    embeddings): what transformers' FP8 quantizers (``FineGrainedFP8``, compressed-tensors) do not convert"""
+
 
 #: the kinds of difference, each allowed with ``allow_mismatch`` (``--allow-mismatch``).
 MISMATCH_KINDS = ("missing", "unexpected", "shape", "dtype")
@@ -110,6 +123,7 @@ def _load_entry(path: Path, key: str) -> Expected | None:
         if not isinstance(doc, dict) or doc.get("format") != _ENTRY_FORMAT or doc.get("key") != key:
             raise ValueError("format or key differs")
         cls, tensors, optional = doc.get("model_class"), doc.get("tensors"), doc.get("optional")
+        not_linear = doc.get("not_linear")
         if not isinstance(cls, str) or not cls.isidentifier() or not isinstance(tensors, dict):
             raise ValueError("model_class or tensors malformed")
         from ckpttool.format.metadata import DTYPE_ITEMSIZE
@@ -126,21 +140,23 @@ def _load_entry(path: Path, key: str) -> Expected | None:
             out[k] = (tuple(shape), dtype)
         if not isinstance(optional, list) or not all(isinstance(k, str) and k in out for k in optional):
             raise ValueError("optional keys malformed")
+        if not isinstance(not_linear, list) or not all(isinstance(k, str) and k in out for k in not_linear):
+            raise ValueError("not_linear keys malformed")
     except (ValueError, RecursionError) as e:  # json.JSONDecodeError and UnicodeDecodeError are ValueErrors
         log.info("model shape cache entry %s ignored (%s); building the model again", path, e)
         return None
-    return out, set(optional), cls
+    return Expected(out, set(optional), cls, frozenset(not_linear))
 
 
 def _store_entry(path: Path, key: str, got: Expected) -> None:
     """Write the entry (temporary file + rename); any failure is only logged."""
-    expected, optional, cls = got
     doc = {
         "format": _ENTRY_FORMAT,
         "key": key,
-        "model_class": cls,
-        "tensors": {k: [list(shape), dtype] for k, (shape, dtype) in expected.items()},
-        "optional": sorted(optional),
+        "model_class": got.model_class,
+        "tensors": {k: [list(shape), dtype] for k, (shape, dtype) in got.tensors.items()},
+        "optional": sorted(got.optional),
+        "not_linear": sorted(got.not_linear),
     }
     from ckpttool.format.cache import store_entry
 
@@ -171,7 +187,7 @@ def expected_state_dict(config: dict[str, Any]) -> Expected | str:
         path = shapes_entry_path(key)
         hit = _load_entry(path, key)
         if hit is not None:
-            log.debug("model shapes of %s from the cache entry %s", hit[2], path)
+            log.debug("model shapes of %s from the cache entry %s", hit.model_class, path)
             return hit
     got = _build_expected(config, mt)
     if key is not None and not isinstance(got, str):
@@ -201,25 +217,14 @@ def _meta_model(config: dict[str, Any], mt: str) -> tuple[Any, Any] | str:
 
 def not_linear_weights(config: dict[str, Any], names: list[str]) -> tuple[str, list[str]] | None:
     """Of the ``<module>.weight`` ``names``, those whose module in the config's model class is no ``torch.nn.Linear``
-    (GPT-2's ``Conv1D``), with the class's name: transformers' FP8 quantizers (``FineGrainedFP8``,
-    compressed-tensors) convert ``nn.Linear`` modules only, so an FP8 weight of any other module loads as FP8 values
-    without its scale. Names the class has no module for (per-expert names of fused experts) are not judged.
-    ``None``: the class cannot be built (transformers missing, an unknown ``model_type``)."""
-    mt = config.get("model_type")
-    got = _meta_model(config, mt) if isinstance(mt, str) else None
-    if got is None or isinstance(got, str):
+    (:attr:`Expected.not_linear`, from the cache like :func:`expected_state_dict`), with the class's name:
+    transformers' FP8 quantizers convert ``nn.Linear`` modules only, so an FP8 weight of any other module loads as
+    FP8 values without its scale. Names the class has no module for (per-expert names of fused experts) are not
+    judged. ``None``: the class cannot be built (transformers missing, an unknown ``model_type``)."""
+    got = expected_state_dict(config)
+    if isinstance(got, str):
         return None
-    import torch
-
-    model, out = got[0], []
-    for name in names:
-        try:
-            module = model.get_submodule(name.removesuffix(".weight"))
-        except AttributeError:
-            continue
-        if name.endswith(".weight") and not isinstance(module, torch.nn.Linear):
-            out.append(name)
-    return type(model).__name__, out
+    return got.model_class, [n for n in names if n in got.not_linear]
 
 
 def _build_expected(config: dict[str, Any], mt: str) -> Expected | str:
@@ -238,7 +243,16 @@ def _build_expected(config: dict[str, Any], mt: str) -> Expected | str:
             t = getattr(mod, "_tied_weights_keys", None)
             if t:
                 optional.update(f"{name}.{k}" if name else k for k in t)
-    return out, {k for k in optional if k in out}, type(model).__name__
+    import torch
+
+    not_linear = {
+        f"{name}.weight" if name else "weight"
+        for name, mod in model.named_modules(remove_duplicate=False)
+        if not isinstance(mod, torch.nn.Linear)
+        and isinstance(mod._parameters.get("weight"), torch.Tensor)
+        and mod._parameters["weight"].dim() == 2
+    }
+    return Expected(out, {k for k in optional if k in out}, type(model).__name__, frozenset(not_linear & out.keys()))
 
 
 #: Config fields that count layers, and experts per layer (top level and nested text/decoder configs).
@@ -315,7 +329,7 @@ def compare_with_model(
     got = expected_state_dict(config)
     if isinstance(got, str):
         return ModelCheck(False, not_checked=got)
-    expected, optional, cls = got
+    expected, optional, cls = got.tensors, got.optional, got.model_class
     want_dtype = config.get("dtype") or config.get("torch_dtype")
     findings: dict[str, list[str]] = {}
     for k, (shape, _) in expected.items():

@@ -116,7 +116,7 @@ class RuleKeys:
         got = expected_state_dict(self.model_config)
         if isinstance(got, str):
             return self.renamed, None
-        own, _, cls = got
+        own, cls = got.tensors, got.model_class
         return [(key, out) for key, out in self.renamed if out not in own], cls
 
 

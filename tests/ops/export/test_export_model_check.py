@@ -140,6 +140,7 @@ def test_model_shapes_are_cached_and_a_hit_imports_neither_torch_nor_transformer
         "from ckpttool.ops.export.expected import expected_state_dict\n"
         f"got = expected_state_dict({_SMALL_LLAMA!r})\n"
         "print(json.dumps([sorted((k, list(v[0]), v[1]) for k, v in got[0].items()), sorted(got[1]), got[2],"
+        " sorted(got[3]),"
         " 'torch' in sys.modules, 'transformers' in sys.modules]))\n"
     )
     env = {**__import__("os").environ, "CKPTTOOL_CACHE_DIR": str(tmp_path / "cache")}
@@ -148,9 +149,10 @@ def test_model_shapes_are_cached_and_a_hit_imports_neither_torch_nor_transformer
         json.loads(subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, check=True).stdout)
         for _ in range(2)
     )
-    assert first[:3] == second[:3] and first[2] == "LlamaForCausalLM" and "lm_head.weight" in first[1]
-    assert first[3:] == [True, True], "a miss builds the model with transformers"
-    assert second[3:] == [False, False], "a hit reads the entry only"
+    assert first[:4] == second[:4] and first[2] == "LlamaForCausalLM" and "lm_head.weight" in first[1]
+    assert first[3] == ["model.embed_tokens.weight"], "the one 2-D weight of a module that is no nn.Linear"
+    assert first[4:] == [True, True], "a miss builds the model with transformers"
+    assert second[4:] == [False, False], "a hit reads the entry only"
     assert len(list((tmp_path / "cache" / "model-shapes-v1").glob("*.json"))) == 1
 
 
@@ -159,12 +161,15 @@ def test_model_shapes_are_cached_and_a_hit_imports_neither_torch_nor_transformer
     [
         b"garbage",
         b"[" * 100000,
-        b'{"format": 1, "key": "another", "model_class": "X", "tensors": {}, "optional": []}',
-        b'{"format": 1, "key": "@", "model_class": "X", "tensors": {"a": [[-1], "float32"]}, "optional": []}',
-        b'{"format": 1, "key": "@", "model_class": "X", "tensors": {"a": [[2], "evil"]}, "optional": []}',
-        b'{"format": 1, "key": "@", "model_class": "X", "tensors": {"a": [[2], "float32"]}, "optional": ["b"]}',
-        b'{"format": 1, "key": "@", "model_class": "os.system", "tensors": {}, "optional": []}',
-        b'{"format": 1, "key": "@", "model_class": "X", "tensors": {"a": [[true], "float32"]}, "optional": []}',
+        b'{"format": 2, "key": "another", "model_class": "X", "tensors": {}, "optional": [], "not_linear": []}',
+        b'{"format": 2, "key": "@", "model_class": "X", "tensors": {"a": [[-1], "float32"]}, "optional": [], "not_linear": []}',
+        b'{"format": 2, "key": "@", "model_class": "X", "tensors": {"a": [[2], "evil"]}, "optional": [], "not_linear": []}',
+        b'{"format": 2, "key": "@", "model_class": "X", "tensors": {"a": [[2], "float32"]}, "optional": ["b"], "not_linear": []}',
+        b'{"format": 2, "key": "@", "model_class": "os.system", "tensors": {}, "optional": [], "not_linear": []}',
+        b'{"format": 2, "key": "@", "model_class": "X", "tensors": {"a": [[true], "float32"]}, "optional": [], "not_linear": []}',
+        b'{"format": 1, "key": "@", "model_class": "X", "tensors": {}, "optional": []}',  # before not_linear
+        b'{"format": 2, "key": "@", "model_class": "X", "tensors": {"a": [[2, 2], "float32"]}, "optional": [], "not_linear": ["b"]}',
+        b'{"format": 2, "key": "@", "model_class": "X", "tensors": {}, "optional": [], "not_linear": "a"}',
     ],
 )
 def test_a_broken_or_hostile_cache_entry_is_ignored_and_rewritten(
