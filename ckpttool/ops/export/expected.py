@@ -126,18 +126,7 @@ def _load_entry(path: Path, key: str) -> Expected | None:
         not_linear = doc.get("not_linear")
         if not isinstance(cls, str) or not cls.isidentifier() or not isinstance(tensors, dict):
             raise ValueError("model_class or tensors malformed")
-        from ckpttool.format.metadata import DTYPE_ITEMSIZE
-
-        out: dict[str, tuple[tuple[int, ...], str]] = {}
-        for k, v in tensors.items():
-            if not (isinstance(v, list) and len(v) == 2 and isinstance(v[0], list) and isinstance(v[1], str)):
-                raise ValueError(f"tensor {k[:80]!r} malformed")
-            shape, dtype = v
-            if len(shape) > _MAX_NDIM or not all(type(d) is int and 0 <= d <= _MAX_DIM for d in shape):
-                raise ValueError(f"tensor {k[:80]!r}: bad shape")
-            if dtype not in DTYPE_ITEMSIZE:
-                raise ValueError(f"tensor {k[:80]!r}: unknown dtype")
-            out[k] = (tuple(shape), dtype)
+        out = _entry_tensors(tensors)
         if not isinstance(optional, list) or not all(isinstance(k, str) and k in out for k in optional):
             raise ValueError("optional keys malformed")
         if not isinstance(not_linear, list) or not all(isinstance(k, str) and k in out for k in not_linear):
@@ -146,6 +135,27 @@ def _load_entry(path: Path, key: str) -> Expected | None:
         log.info("model shape cache entry %s ignored (%s); building the model again", path, e)
         return None
     return Expected(out, set(optional), cls, frozenset(not_linear))
+
+
+def _entry_tensors(tensors: dict[str, Any]) -> dict[str, tuple[tuple[int, ...], str]]:
+    """An entry's ``tensors``, each shape and dtype checked.
+
+    Raises:
+        ValueError: naming the first malformed tensor.
+    """
+    from ckpttool.format.metadata import DTYPE_ITEMSIZE
+
+    out: dict[str, tuple[tuple[int, ...], str]] = {}
+    for k, v in tensors.items():
+        if not (isinstance(v, list) and len(v) == 2 and isinstance(v[0], list) and isinstance(v[1], str)):
+            raise ValueError(f"tensor {k[:80]!r} malformed")
+        shape, dtype = v
+        if len(shape) > _MAX_NDIM or not all(type(d) is int and 0 <= d <= _MAX_DIM for d in shape):
+            raise ValueError(f"tensor {k[:80]!r}: bad shape")
+        if dtype not in DTYPE_ITEMSIZE:
+            raise ValueError(f"tensor {k[:80]!r}: unknown dtype")
+        out[k] = (tuple(shape), dtype)
+    return out
 
 
 def _store_entry(path: Path, key: str, got: Expected) -> None:
