@@ -919,6 +919,32 @@ def test_a_tensor_lr_replays_torchs_own_step_bitwise(tmp_path: Path) -> None:
     assert all(r.torch_unequal == {"param": 0, "exp_avg": 0, "exp_avg_sq": 0, "step": 0} for r in res.params)
 
 
+@pytest.mark.parametrize("flags", [{}, {"fused": True}], ids=["single-tensor", "fused"])
+def test_tensor_betas_replay_torchs_own_step_bitwise(tmp_path: Path, flags: dict[str, bool]) -> None:
+    """torch.optim.AdamW(betas=(torch.tensor(0.9), torch.tensor(0.999))), which torch accepts and keeps as 0-d
+    tensors (dcp.save stores the pair as a byte item of two tensors), was refused: '[E514] param group of weight:
+    betas[0] is tensor(0.9000), expected a number'. The replay now takes the saved tensors, as the run computed
+    1 - beta and the bias corrections with them (floats give steps an ulp away): torch's own next step, bitwise."""
+    from safetensors.torch import load_file
+
+    betas = (torch.tensor(0.8), torch.tensor(0.95))
+    ck, grads, model, opt = _adamw_linear_with(
+        tmp_path, lambda osd: None, lambda p: torch.optim.AdamW(p, lr=1e-2, betas=betas, weight_decay=0.1, **flags)
+    )
+    assert all(torch.is_tensor(b) for b in opt.param_groups[0]["betas"])
+    g = load_file(str(grads))
+    for n, p in model.named_parameters():
+        p.grad = g[n].clone()
+    opt.step()  # the run's own next step
+    res, got = replay_collect(ck, grads=str(grads), reference="torch")
+    assert res.ok, [(r.fqn, r.problems) for r in res.params]
+    for n, p in model.named_parameters():
+        assert torch.equal(got[n]["param"], p.detach()), n
+        assert torch.equal(got[n]["exp_avg"], opt.state[p]["exp_avg"]), n
+        assert torch.equal(got[n]["exp_avg_sq"], opt.state[p]["exp_avg_sq"]), n
+    assert all(r.torch_unequal == {"param": 0, "exp_avg": 0, "exp_avg_sq": 0, "step": 0} for r in res.params)
+
+
 def test_state_of_a_tensor_in_no_group_and_not_in_the_model_is_a_skip(tmp_path: Path) -> None:
     """Optimizer state for an fqn that is neither a model tensor nor in a param group (validate's O003: a renamed or
     removed parameter) was passed over without a word: 'OK: 2 of 2 parameters match'. It was stepped and is not
