@@ -945,6 +945,25 @@ def test_tensor_betas_replay_torchs_own_step_bitwise(tmp_path: Path, flags: dict
     assert all(r.torch_unequal == {"param": 0, "exp_avg": 0, "exp_avg_sq": 0, "step": 0} for r in res.params)
 
 
+def test_a_grad_scale_whose_gradients_overflow_is_an_option_error_not_a_failed_checkpoint(tmp_path: Path) -> None:
+    """`--grad-scale 1e30` generates gradients whose squares overflow float32: exp_avg_sq of the step is infinite (in
+    torch's step too), and replay-step said 'FAILED: 0 of 2 parameters match' with E700 'the saved optimizer state does
+    not reproduce the next step; run ckpttool validate' (exit 1), blaming a sound checkpoint for the option. It is now
+    E100 naming --grad-scale (exit 2, nothing on stdout), as a gradients file that overflows is E120; a scale whose
+    largest generated value squares within float32 still replays OK."""
+    ck, _, _, _ = _adamw_linear_with(tmp_path, lambda osd: None)
+    for scale in ("1e30", "1e40"):
+        res = run(ck, "--device", "cpu", "--grad-scale", scale)
+        assert res.exit_code == 2 and res.stdout == "", (scale, res.output)
+        assert res.stderr.startswith(f"error: [E100] --grad-scale {float(scale):g} makes the generated gradient of "), (
+            res.stderr
+        )
+        assert "exp_avg_sq of the step would be infinite" in res.stderr
+        assert_no_traceback(res)
+    ok = run(ck, "--device", "cpu", "--grad-scale", "1e15", "--json")
+    assert ok.exit_code == 0 and json.loads(ok.stdout)["ok"] is True, ok.output
+
+
 def test_state_of_a_tensor_in_no_group_and_not_in_the_model_is_a_skip(tmp_path: Path) -> None:
     """Optimizer state for an fqn that is neither a model tensor nor in a param group (validate's O003: a renamed or
     removed parameter) was passed over without a word: 'OK: 2 of 2 parameters match'. It was stepped and is not
