@@ -542,6 +542,7 @@ def _membership(
     group_of = {f: g for f in params if (g := cat.group_of(f)) is not None}
     hypers = {f: _hyper(group_of[f], f, group_of[f].group_id, _lr_dtype(cat, group_of[f])) for f in params}
     _check_listed_once(cat, hypers, wanted)
+    notes.extend(_adam_or_adamw(group_of, hypers))
     return _Membership(grouped, params, group_of, hypers, fused, stepped)
 
 
@@ -555,6 +556,25 @@ def _check_listed_once(cat: Catalog, hypers: dict[str, Hyper], wanted: Callable[
                 fqn=f,
                 hint="the param groups were merged or edited wrongly; leave the parameter out with `filter_glob`",
             )
+
+
+def _adam_or_adamw(group_of: Mapping[str, Any], hypers: Mapping[str, Hyper]) -> list[str]:
+    """A warning where torch's Adam and AdamW cannot be told apart: groups of ``torch.optim`` before 2.7 (``amsgrad``
+    saved, ``decoupled_weight_decay`` not: torch 2.7 made AdamW a subclass of Adam and saves it in both) with a
+    non-zero ``weight_decay``: ``torch.optim.Adam`` (L2 weight decay added to the gradient, another step) saves
+    the same entries as ``AdamW``. With ``weight_decay`` 0 their steps are the same."""
+    unsure = [
+        f
+        for f, g in group_of.items()
+        if "amsgrad" in g.keys and "decoupled_weight_decay" not in g.keys and hypers[f].weight_decay != 0.0
+    ]
+    if not unsure:
+        return []
+    return [
+        f"warning: {len(unsure)} parameter(s) (e.g. {unsure[0]}) are in param groups saved by torch before 2.7 with "
+        f"weight_decay {hypers[unsure[0]].weight_decay:g} and no decoupled_weight_decay entry: torch.optim.Adam (L2 "
+        "weight decay, another step) saves the same entries as AdamW; replayed as AdamW, which the run must have used"
+    ]
 
 
 def _lr_dtype(cat: Catalog, group: Any) -> str | None:

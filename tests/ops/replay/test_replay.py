@@ -964,6 +964,32 @@ def test_a_grad_scale_whose_gradients_overflow_is_an_option_error_not_a_failed_c
     assert ok.exit_code == 0 and json.loads(ok.stdout)["ok"] is True, ok.output
 
 
+@pytest.mark.parametrize("optimizer", ["AdamW", "Adam"])
+def test_a_torch_26_group_with_weight_decay_warns_that_adam_looks_the_same(tmp_path: Path, optimizer: str) -> None:
+    """Before 2.7 torch saved Adam's and AdamW's groups with the same entries (no decoupled_weight_decay), so a save
+    of torch.optim.Adam(weight_decay=0.1) (L2 decay: another step) replayed as AdamW with 'OK' and not a word. It
+    still replays as AdamW (the common case), with a warning naming the ambiguity; torch 2.7+ groups (the entry
+    saved) and groups with weight_decay 0 (the same step either way) get none."""
+
+    def as_torch_26(osd: dict[str, Any]) -> None:
+        del osd["param_groups"][0]["decoupled_weight_decay"]
+
+    make = getattr(torch.optim, optimizer)
+    ck, grads, _, _ = _adamw_linear_with(tmp_path / "wd", as_torch_26, lambda p: make(p, lr=1e-2, weight_decay=0.1))
+    res, _ = replay_collect(ck, grads=str(grads))
+    warned = [n for n in res.notes if "before 2.7" in n]
+    assert warned == [
+        "warning: 2 parameter(s) (e.g. weight) are in param groups saved by torch before 2.7 with weight_decay 0.1 "
+        "and no decoupled_weight_decay entry: torch.optim.Adam (L2 weight decay, another step) saves the same entries "
+        "as AdamW; replayed as AdamW, which the run must have used"
+    ], res.notes
+    ck0, grads0, _, _ = _adamw_linear_with(tmp_path / "wd0", as_torch_26, lambda p: make(p, lr=1e-2, weight_decay=0))
+    assert not [n for n in replay_collect(ck0, grads=str(grads0))[0].notes if "before 2.7" in n]
+    if optimizer == "AdamW":
+        ck27, grads27, _, _ = _adamw_linear_with(tmp_path / "wd27", lambda osd: None)
+        assert not [n for n in replay_collect(ck27, grads=str(grads27))[0].notes if "before 2.7" in n]
+
+
 def test_state_of_a_tensor_in_no_group_and_not_in_the_model_is_a_skip(tmp_path: Path) -> None:
     """Optimizer state for an fqn that is neither a model tensor nor in a param group (validate's O003: a renamed or
     removed parameter) was passed over without a word: 'OK: 2 of 2 parameters match'. It was stepped and is not
