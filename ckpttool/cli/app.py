@@ -898,10 +898,16 @@ def _open_closed_streams() -> None:
     """A program started with stdout or stderr closed (``ckpttool ... >&-``; Python sets ``sys.stdout`` to
     ``None``) writes that stream to ``/dev/null``: every print failed (E999, or exit 1 with no line),
     not the verdict's exit code. The descriptor is taken too, so that no file the command opens gets
-    descriptor 1 or 2 and a stray write lands in an output."""
+    descriptor 1 or 2 and a stray write lands in an output. An open stream escapes what its encoding
+    cannot hold (``backslashreplace``, as Python's own stderr does)."""
     for name in ("stdout", "stderr"):
-        if getattr(sys, name) is None:
+        stream = getattr(sys, name)
+        if stream is None:
             setattr(sys, name, open(os.devnull, "w", encoding="utf-8"))  # kept until the exit
+        elif callable(getattr(stream, "reconfigure", None)) and getattr(stream, "errors", None) == "strict":
+            # a stream that cannot encode every character (PYTHONIOENCODING=ascii, a cp1252 console): a key's
+            # 'é' is written as \xe9, not an E999 after half of the output
+            stream.reconfigure(errors="backslashreplace")
 
 
 def main() -> None:

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ckpttool.format.jsonview import json_fields
+from ckpttool.format.jsonview import json_fields, json_number
 
 __all__ = [
     "NEMO_STEP_SCHEDULER",
@@ -329,7 +329,7 @@ class TrainerState:
     error: str | None = None
 
     def to_dict(self) -> dict[str, Any]:
-        return json_fields(self, values=dict(self.values))
+        return json_fields(self, values={k: json_number(v) for k, v in self.values.items()})
 
 
 def read_training_state_beside(model_dir: Path) -> list[TrainerState]:

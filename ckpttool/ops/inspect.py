@@ -23,7 +23,7 @@ from typing import Any
 
 from ckpttool.errors import CkptError, PathEscapeError, TrustRequiredError, UsageError
 from ckpttool.format.files import resolve_inside
-from ckpttool.format.jsonview import json_fields
+from ckpttool.format.jsonview import json_fields, json_number
 from ckpttool.format.mdstorage import file_extents
 from ckpttool.format.perrank import PerRankReader
 from ckpttool.layouts.geometry import EPGeometry
@@ -329,7 +329,7 @@ class InspectResult:
         d["derived_from"] = dict(self.derived_from) if self.derived_from is not None else None
         d["model_adapter"] = self.model_adapter
         d["adapter_choices"] = [{"adapter": a, "model_type": t} for a, t in self.adapter_choices]
-        d["training_values"] = dict(self.training_values or {})
+        d["training_values"] = {k: json_number(v) for k, v in (self.training_values or {}).items()}
         d["hf_copies"] = list(self.hf_copies)
         d["trainer_state"] = [t.to_dict() for t in self.trainer_state]
         d["unread_beside"] = list(self.unread_beside)
@@ -461,15 +461,16 @@ def _adapter_choices(cat: Any) -> tuple[tuple[str, str], ...]:
 
 
 def _plain(value: Any) -> Any:
-    """JSON-safe view of a hyperparameter value (tuples -> lists, tensors -> numbers)."""
+    """JSON-safe view of a hyperparameter value (tuples -> lists, tensors -> numbers; a non-finite float, which JSON
+    cannot hold, as the string ``"nan"``/``"inf"``/``"-inf"``: saved, so never ``None``, which says 'not saved')."""
     if isinstance(value, (list, tuple)):
         return [_plain(v) for v in value]
     if isinstance(value, dict):
         return {str(k): _plain(v) for k, v in value.items()}
     if hasattr(value, "tolist"):
-        return value.tolist()
-    if isinstance(value, float) and value != value:
-        return None
+        return _plain(value.tolist())
+    if isinstance(value, float):
+        return json_number(value)
     return value if isinstance(value, (int, float, str, bool)) or value is None else repr(value)
 
 

@@ -350,6 +350,27 @@ def test_closed_stdout_is_not_a_failure(argv: list[str], sample_ckpt: Path) -> N
     assert "Traceback" not in err and "error" not in err
 
 
+def test_a_stdout_that_cannot_encode_a_key_escapes_it(tmp_path: Path) -> None:
+    """`inspect` on a stdout whose encoding cannot hold a key's characters (PYTHONIOENCODING=ascii, a cp1252
+    console) printed half its report, then 'error: [E999] internal error: UnicodeEncodeError' (exit 2). The
+    character is now escaped (as Python's own stderr does) and the report is whole."""
+    import subprocess
+    import sys
+
+    from tests.fixtures.builders import save_quiet
+
+    ckpt = tmp_path / "ck"
+    save_quiet({"model": {"caf\u00e9.weight": torch.ones(2), "e\u0301.bias": torch.ones(1)}}, ckpt)
+    env = {**os.environ, "PYTHONIOENCODING": "ascii", "COLUMNS": "120"}
+    proc = subprocess.run(
+        [sys.executable, "-m", "ckpttool", "inspect", str(ckpt)], capture_output=True, env=env, timeout=120
+    )
+    assert proc.returncode == 0, proc.stderr.decode()
+    out = proc.stdout.decode("ascii")
+    assert "model.caf\\xe9.weight" in out and "model.e\\u0301.bias" in out and "layout      none" in out, out
+    assert proc.stderr == b""
+
+
 @pytest.mark.parametrize("argv", [["--help"], ["-V"], ["inspect", "--help"], ["export", "-h"]])
 def test_closed_stdout_during_help_or_version_is_not_a_failure(argv: list[str]) -> None:
     """`ckpttool --help | ...` with the reader gone: click's own EPIPE handling exited 1 (no line) where a

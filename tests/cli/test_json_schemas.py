@@ -221,3 +221,29 @@ def test_inspect_md_field_table_is_the_schemas_fields() -> None:
         if sub:
             node = schema[top]
             assert sub.split(".")[0] in node.get("properties", {}), row
+
+
+def test_inspect_and_stats_json_of_non_finite_hyperparameters_are_strict_json(fixture_root: Path) -> None:
+    """A diverged run saves NaN/inf hyperparameters and counters: the documents hold them as the strings "nan",
+    "inf", "-inf" (never an internal error from json.dumps, never NaN tokens, never null, which says 'not saved')."""
+    from tests.fixtures import builders
+    from tests.fixtures.cache import cached_build
+
+    ckpt = cached_build(fixture_root, "nonfinite_hyperparameters", builders.build_nonfinite_hyperparameters)
+
+    def strict(text: str) -> dict:  # type: ignore[type-arg]
+        return json.loads(text, parse_constant=lambda c: pytest.fail(f"non-standard JSON constant {c}"))
+
+    doc = validated("inspect", ["inspect", "--json", str(ckpt)])
+    strict(runner.invoke(app, ["inspect", "--json", str(ckpt)]).stdout)
+    group = doc["optimizer"]["param_groups"][0]
+    assert (group["lr"], group["eps"], group["initial_lr"], group["betas"]) == ("nan", "inf", "-inf", ["nan", 0.999])
+    assert doc["training_values"] == {"train_state.step": "nan", "lr_scheduler.last_epoch": "nan"}
+    human = runner.invoke(app, ["inspect", str(ckpt)])
+    assert human.exit_code == 0 and "step nan" in human.stdout and "last_epoch nan" in human.stdout
+
+    stats = validated("stats", ["stats", "--json", str(ckpt)])
+    strict(runner.invoke(app, ["stats", "--json", str(ckpt)]).stdout)
+    (only,) = stats["checkpoints"]
+    assert only["updates"] == []
+    assert only["notes"] == ["hyperparameters or step not finite (NaN, infinity): 2 parameter(s), e.g. weight"]

@@ -16,7 +16,7 @@ import zlib
 from pathlib import Path
 from typing import TYPE_CHECKING, cast
 
-from ckpttool.errors import GradientsError
+from ckpttool.errors import GradientsError, UsageError
 from ckpttool.model.schemas.base import canonical_model_key
 
 if TYPE_CHECKING:
@@ -55,6 +55,11 @@ def seeded_grad(
 
     Returns:
         CPU tensor of ``shape`` and ``dtype``: ``(randn_fp32 * scale).to(dtype)``.
+
+    Raises:
+        UsageError (E100): ``scale`` makes the gradient overflow ``dtype``, or its square (``exp_avg_sq`` of the step
+            would be infinite, in torch's step too): as for a gradients file (E120), the comparison could only blame
+            the saved state.
     """
     import torch
 
@@ -62,7 +67,18 @@ def seeded_grad(
     gen.manual_seed(grad_seed_for(fqn, seed, step_index))
     g = torch.randn(shape, generator=gen, dtype=torch.float32)
     g.mul_(scale)
-    return g if dtype == torch.float32 else g.to(dtype)
+    g = g if dtype == torch.float32 else g.to(dtype)
+    top = float(g.abs().max()) if g.numel() else 0.0  # NaN where a value is: not <= below
+    limit = math.sqrt(torch.finfo(dtype).max)
+    if not top <= limit:
+        raise UsageError(
+            f"`grad_scale` {scale:g} makes the generated gradient of {fqn} overflow {str(dtype).removeprefix('torch.')}"
+            f"{' when squared' if math.isfinite(top) else ''} (max |g| {top:.3g}, the most a step can square "
+            f"{limit:.3g}): exp_avg_sq of the step would be infinite and every parameter would fail",
+            param="grad_scale",
+            hint="pass a --grad-scale of the size of the run's gradients (the default 1e-3 is)",
+        )
+    return g
 
 
 class GradFile:

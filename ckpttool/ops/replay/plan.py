@@ -77,6 +77,8 @@ class Hyper:
         lr_dtype: the dtype of ``lr`` where the group saved it as a tensor
             (``torch.optim.AdamW(lr=torch.tensor(...))``), else ``None``: ``torch.optim.AdamW`` computes its step
             with a tensor ``lr`` in that dtype, so the replay of an ``adamw`` parameter passes it as one.
+        betas_dtype: likewise the dtype of ``betas`` where the group saved them as one-element tensors
+            (``torch.optim.AdamW(betas=(torch.tensor(0.9), torch.tensor(0.999)))``), else ``None``.
     """
 
     group_id: int | str
@@ -87,6 +89,7 @@ class Hyper:
     weight_decay: float
     extra: tuple[tuple[str, Any], ...] = ()
     lr_dtype: str | None = None
+    betas_dtype: str | None = None
 
     def as_kwargs(self) -> dict[str, Any]:
         """Constructor keywords of every ckpttool optimizer: ``lr, betas, eps, weight_decay``."""
@@ -176,6 +179,23 @@ def _float(value: Any, what: str, fqn: str) -> float:
     return out
 
 
+def _betas(betas: Any, fqn: str) -> tuple[tuple[Any, Any], str | None]:
+    """The saved ``betas`` as two values, and their dtype where torch saved them as one-element tensors
+    (``torch.optim.AdamW`` accepts ``betas`` as two tensors and keeps them so: ``dcp.save`` stores the pair as a
+    byte item of two tensors), else ``None``.
+
+    Raises:
+        HyperparameterError (E514): not a pair.
+    """
+    if not isinstance(betas, (list, tuple)) or len(betas) != 2:
+        raise HyperparameterError(f"param group of {fqn}: betas is {betas!r:.40}, expected two numbers", fqn=fqn)
+    if all(callable(getattr(b, "numel", None)) and callable(getattr(b, "item", None)) for b in betas):
+        dtypes = {str(b.dtype).removeprefix("torch.") for b in betas}
+        if len(dtypes) == 1 and all(b.numel() == 1 for b in betas):
+            return (betas[0].item(), betas[1].item()), dtypes.pop()
+    return (betas[0], betas[1]), None
+
+
 def _hyper(group: Any, fqn: str, group_id: int | str, lr_dtype: str | None = None) -> Hyper:
     values = group.values
     missing = [h for h in ("lr", "betas", "eps", "weight_decay") if h not in values]
@@ -193,9 +213,7 @@ def _hyper(group: Any, fqn: str, group_id: int | str, lr_dtype: str | None = Non
             fqn=fqn,
             hint="the checkpoint must save lr, betas, eps and weight_decay for every param group",
         )
-    betas = values["betas"]
-    if not isinstance(betas, (list, tuple)) or len(betas) != 2:
-        raise HyperparameterError(f"param group of {fqn}: betas is {betas!r:.40}, expected two numbers", fqn=fqn)
+    betas, betas_dtype = _betas(values["betas"], fqn)
     for switch in _UNSUPPORTED_SWITCHES:
         if values.get(switch):
             raise HyperparameterError(
@@ -235,6 +253,7 @@ def _hyper(group: Any, fqn: str, group_id: int | str, lr_dtype: str | None = Non
         _float(values["weight_decay"], "weight_decay", fqn),
         extra,
         lr_dtype,
+        betas_dtype,
     )
     # AdamW's own domain (torch.optim.AdamW refuses the same values): named here, not as a bare option error
     for what, value, ok, domain in (
@@ -523,6 +542,7 @@ def _membership(
     group_of = {f: g for f in params if (g := cat.group_of(f)) is not None}
     hypers = {f: _hyper(group_of[f], f, group_of[f].group_id, _lr_dtype(cat, group_of[f])) for f in params}
     _check_listed_once(cat, hypers, wanted)
+    notes.extend(_adam_or_adamw(group_of, hypers))
     return _Membership(grouped, params, group_of, hypers, fused, stepped)
 
 
@@ -536,6 +556,25 @@ def _check_listed_once(cat: Catalog, hypers: dict[str, Hyper], wanted: Callable[
                 fqn=f,
                 hint="the param groups were merged or edited wrongly; leave the parameter out with `filter_glob`",
             )
+
+
+def _adam_or_adamw(group_of: Mapping[str, Any], hypers: Mapping[str, Hyper]) -> list[str]:
+    """A warning where torch's Adam and AdamW cannot be told apart: groups of ``torch.optim`` before 2.7 (``amsgrad``
+    saved, ``decoupled_weight_decay`` not: torch 2.7 made AdamW a subclass of Adam and saves it in both) with a
+    non-zero ``weight_decay``: ``torch.optim.Adam`` (L2 weight decay added to the gradient, another step) saves
+    the same entries as ``AdamW``. With ``weight_decay`` 0 their steps are the same."""
+    unsure = [
+        f
+        for f, g in group_of.items()
+        if "amsgrad" in g.keys and "decoupled_weight_decay" not in g.keys and hypers[f].weight_decay != 0.0
+    ]
+    if not unsure:
+        return []
+    return [
+        f"warning: {len(unsure)} parameter(s) (e.g. {unsure[0]}) are in param groups saved by torch before 2.7 with "
+        f"weight_decay {hypers[unsure[0]].weight_decay:g} and no decoupled_weight_decay entry: torch.optim.Adam (L2 "
+        "weight decay, another step) saves the same entries as AdamW; replayed as AdamW, which the run must have used"
+    ]
 
 
 def _lr_dtype(cat: Catalog, group: Any) -> str | None:

@@ -980,7 +980,8 @@ def _build_optimizers(
         if type_name == "adamw":
             if "fused" not in plan_config.get(type_name, {}):
                 group.update(saved_flags(hyper, dev, ("fused", "foreach", "capturable")))  # the run's implementation
-            group["lr"] = torch_lr(hyper, dev, {**group, **plan_config.get(type_name, {})})
+            flags = {**group, **plan_config.get(type_name, {})}
+            group["lr"], group["betas"] = torch_lr(hyper, dev, flags), torch_betas(hyper, dev, flags)
         opt = build_optimizer(type_name, [group], **plan_config.get(type_name, {}))
         saved_group = {k: v for k, v in opt.param_groups[0].items() if k != "params"}
         saved_group["params"] = list(range(len(members)))
@@ -1003,6 +1004,18 @@ def torch_lr(hyper: Hyper, dev: Any, flags: dict[str, bool]) -> Any:
 
     dtype = getattr(torch, hyper.lr_dtype)
     return torch.tensor(hyper.lr, dtype=dtype, device=dev if flags.get("capturable") else "cpu")
+
+
+def torch_betas(hyper: Hyper, dev: Any, flags: dict[str, bool]) -> Any:
+    """The ``betas`` to build ``torch.optim.AdamW`` with ``flags``: the saved floats, or two 0-d tensors of the saved
+    dtype where the group saved tensors (torch then computes ``1 - beta`` and the bias corrections in that dtype), as
+    :func:`torch_lr` passes ``lr``; floats where torch refuses tensors (``foreach`` without ``capturable``)."""
+    if hyper.betas_dtype is None or (flags.get("foreach") and not flags.get("capturable")):
+        return (hyper.beta1, hyper.beta2)
+    import torch
+
+    dtype, where = getattr(torch, hyper.betas_dtype), dev if flags.get("capturable") else "cpu"
+    return (torch.tensor(hyper.beta1, dtype=dtype, device=where), torch.tensor(hyper.beta2, dtype=dtype, device=where))
 
 
 def saved_flags(hyper: Hyper, dev: Any, names: Sequence[str] = TORCH_FLAGS) -> dict[str, bool]:
@@ -1045,7 +1058,12 @@ def _torch_reference(
             continue
         flags = saved_flags(p.hyper, dev)
         theta = torch.nn.Parameter(saved["param"].to(dev, copy=True))
-        kwargs: dict[str, Any] = {**p.hyper.as_kwargs(), **flags, "lr": torch_lr(p.hyper, dev, flags)}
+        kwargs: dict[str, Any] = {
+            **p.hyper.as_kwargs(),
+            **flags,
+            "lr": torch_lr(p.hyper, dev, flags),
+            "betas": torch_betas(p.hyper, dev, flags),
+        }
         opt = torch.optim.AdamW([theta], **kwargs)
         if not p.fresh:
             st = {k: v.to(dev) if k != "step" else v for k, v in saved.items() if k != "param"}

@@ -203,6 +203,12 @@ def _hyper(ckpt: Checkpoint, fqn: str, notes: dict[str, list[str]]) -> AdamHyper
     except (KeyError, TypeError, ValueError, IndexError, CkptError) as e:
         notes.setdefault(f"hyperparameters unreadable ({type(e).__name__})", []).append(fqn)
         return None
+    if not all(math.isfinite(x) for x in (lr, b1, b2, eps, step)):  # no update size (and none JSON can hold)
+        notes.setdefault("hyperparameters or step not finite (NaN, infinity)", []).append(fqn)
+        return None
+    if not (lr >= 0.0 and 0.0 <= b1 < 1.0 and 0.0 <= b2 < 1.0 and eps >= 0.0):  # beta1 1: no bias correction
+        notes.setdefault("hyperparameters outside AdamW's domain (lr, eps >= 0; 0 <= betas < 1)", []).append(fqn)
+        return None
     return AdamHyper(lr=lr, beta1=b1, beta2=b2, eps=eps, step=step)
 
 

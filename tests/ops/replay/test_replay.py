@@ -919,6 +919,77 @@ def test_a_tensor_lr_replays_torchs_own_step_bitwise(tmp_path: Path) -> None:
     assert all(r.torch_unequal == {"param": 0, "exp_avg": 0, "exp_avg_sq": 0, "step": 0} for r in res.params)
 
 
+@pytest.mark.parametrize("flags", [{}, {"fused": True}], ids=["single-tensor", "fused"])
+def test_tensor_betas_replay_torchs_own_step_bitwise(tmp_path: Path, flags: dict[str, bool]) -> None:
+    """torch.optim.AdamW(betas=(torch.tensor(0.9), torch.tensor(0.999))), which torch accepts and keeps as 0-d
+    tensors (dcp.save stores the pair as a byte item of two tensors), was refused: '[E514] param group of weight:
+    betas[0] is tensor(0.9000), expected a number'. The replay now takes the saved tensors, as the run computed
+    1 - beta and the bias corrections with them (floats give steps an ulp away): torch's own next step, bitwise."""
+    from safetensors.torch import load_file
+
+    betas = (torch.tensor(0.8), torch.tensor(0.95))
+    ck, grads, model, opt = _adamw_linear_with(
+        tmp_path, lambda osd: None, lambda p: torch.optim.AdamW(p, lr=1e-2, betas=betas, weight_decay=0.1, **flags)
+    )
+    assert all(torch.is_tensor(b) for b in opt.param_groups[0]["betas"])
+    g = load_file(str(grads))
+    for n, p in model.named_parameters():
+        p.grad = g[n].clone()
+    opt.step()  # the run's own next step
+    res, got = replay_collect(ck, grads=str(grads), reference="torch")
+    assert res.ok, [(r.fqn, r.problems) for r in res.params]
+    for n, p in model.named_parameters():
+        assert torch.equal(got[n]["param"], p.detach()), n
+        assert torch.equal(got[n]["exp_avg"], opt.state[p]["exp_avg"]), n
+        assert torch.equal(got[n]["exp_avg_sq"], opt.state[p]["exp_avg_sq"]), n
+    assert all(r.torch_unequal == {"param": 0, "exp_avg": 0, "exp_avg_sq": 0, "step": 0} for r in res.params)
+
+
+def test_a_grad_scale_whose_gradients_overflow_is_an_option_error_not_a_failed_checkpoint(tmp_path: Path) -> None:
+    """`--grad-scale 1e30` generates gradients whose squares overflow float32: exp_avg_sq of the step is infinite (in
+    torch's step too), and replay-step said 'FAILED: 0 of 2 parameters match' with E700 'the saved optimizer state does
+    not reproduce the next step; run ckpttool validate' (exit 1), blaming a sound checkpoint for the option. It is now
+    E100 naming --grad-scale (exit 2, nothing on stdout), as a gradients file that overflows is E120; a scale whose
+    largest generated value squares within float32 still replays OK."""
+    ck, _, _, _ = _adamw_linear_with(tmp_path, lambda osd: None)
+    for scale in ("1e30", "1e40"):
+        res = run(ck, "--device", "cpu", "--grad-scale", scale)
+        assert res.exit_code == 2 and res.stdout == "", (scale, res.output)
+        assert res.stderr.startswith(f"error: [E100] --grad-scale {float(scale):g} makes the generated gradient of "), (
+            res.stderr
+        )
+        assert "exp_avg_sq of the step would be infinite" in res.stderr
+        assert_no_traceback(res)
+    ok = run(ck, "--device", "cpu", "--grad-scale", "1e15", "--json")
+    assert ok.exit_code == 0 and json.loads(ok.stdout)["ok"] is True, ok.output
+
+
+@pytest.mark.parametrize("optimizer", ["AdamW", "Adam"])
+def test_a_torch_26_group_with_weight_decay_warns_that_adam_looks_the_same(tmp_path: Path, optimizer: str) -> None:
+    """Before 2.7 torch saved Adam's and AdamW's groups with the same entries (no decoupled_weight_decay), so a save
+    of torch.optim.Adam(weight_decay=0.1) (L2 decay: another step) replayed as AdamW with 'OK' and not a word. It
+    still replays as AdamW (the common case), with a warning naming the ambiguity; torch 2.7+ groups (the entry
+    saved) and groups with weight_decay 0 (the same step either way) get none."""
+
+    def as_torch_26(osd: dict[str, Any]) -> None:
+        del osd["param_groups"][0]["decoupled_weight_decay"]
+
+    make = getattr(torch.optim, optimizer)
+    ck, grads, _, _ = _adamw_linear_with(tmp_path / "wd", as_torch_26, lambda p: make(p, lr=1e-2, weight_decay=0.1))
+    res, _ = replay_collect(ck, grads=str(grads))
+    warned = [n for n in res.notes if "before 2.7" in n]
+    assert warned == [
+        "warning: 2 parameter(s) (e.g. weight) are in param groups saved by torch before 2.7 with weight_decay 0.1 "
+        "and no decoupled_weight_decay entry: torch.optim.Adam (L2 weight decay, another step) saves the same entries "
+        "as AdamW; replayed as AdamW, which the run must have used"
+    ], res.notes
+    ck0, grads0, _, _ = _adamw_linear_with(tmp_path / "wd0", as_torch_26, lambda p: make(p, lr=1e-2, weight_decay=0))
+    assert not [n for n in replay_collect(ck0, grads=str(grads0))[0].notes if "before 2.7" in n]
+    if optimizer == "AdamW":
+        ck27, grads27, _, _ = _adamw_linear_with(tmp_path / "wd27", lambda osd: None)
+        assert not [n for n in replay_collect(ck27, grads=str(grads27))[0].notes if "before 2.7" in n]
+
+
 def test_state_of_a_tensor_in_no_group_and_not_in_the_model_is_a_skip(tmp_path: Path) -> None:
     """Optimizer state for an fqn that is neither a model tensor nor in a param group (validate's O003: a renamed or
     removed parameter) was passed over without a word: 'OK: 2 of 2 parameters match'. It was stepped and is not

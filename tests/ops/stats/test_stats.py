@@ -738,6 +738,31 @@ def test_no_update_size_for_a_group_whose_step_is_not_adamw(tmp_path: Path, opti
     ]
 
 
+@pytest.mark.parametrize("edit", [{"betas": (1.0, 0.999)}, {"betas": (0.9, 1.0)}, {"lr": -1e-3}, {"eps": -1e-8}])
+def test_no_update_size_from_hyperparameters_outside_adamws_domain(tmp_path: Path, edit: dict[str, Any]) -> None:
+    """A param group saved with betas[0] 1.0 (edited, merged wrongly: torch.optim.AdamW refuses to build one) made
+    stats stop with 'error: [E999] internal error: ZeroDivisionError' (its bias correction 1 - 1^step is 0). As
+    replay-step refuses such a group (E514), stats leaves the update out with a note and measures the rest."""
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    from tests.fixtures.builders import save_quiet, train_steps
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 2)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    train_steps(model, opt, 2)
+    msd, osd = get_state_dict(model, opt)
+    osd["param_groups"][0].update(edit)
+    save_quiet({"model": msd, "optimizer": osd}, tmp_path / "ck")
+    res = runner.invoke(app, ["stats", "--json", str(tmp_path / "ck")])
+    assert res.exit_code == 0, res.stderr
+    (doc,) = json.loads(res.stdout)["checkpoints"]
+    assert doc["updates"] == [] and len(doc["tensors"]) == 6
+    assert doc["notes"] == [
+        "hyperparameters outside AdamW's domain (lr, eps >= 0; 0 <= betas < 1): 2 parameter(s), e.g. weight"
+    ]
+
+
 def test_a_tensor_new_in_the_later_checkpoint_is_named_as_not_compared(tmp_path: Path) -> None:
     """A tensor only in B (a layer added, a key renamed) was silently left out of the change; one only in A
     was named: both are listed in ``skipped`` and on the 'not compared' lines."""
