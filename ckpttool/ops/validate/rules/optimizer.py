@@ -26,7 +26,6 @@ from ckpttool.optim_state.schema import (
     STATE_FIELDS,
     expected_state_dtypes,
     infer_optimizer_type,
-    missing_hyperparameters,
     step_dtype_ok,
 )
 
@@ -335,7 +334,7 @@ def unrecognized_state(ctx: Context) -> Iterator[tuple[str, str]]:
 @rule("P001")
 def group_missing_hyperparameter(ctx: Context) -> Iterator[tuple[str, str]]:
     for g in ctx.cat.param_groups:
-        missing = missing_hyperparameters(g.keys)
+        missing = ctx.cat.missing_hyperparameters(g)
         if missing:
             yield (
                 ctx.cat.group_key(g.group_id),
