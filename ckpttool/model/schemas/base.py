@@ -267,7 +267,8 @@ class SchemaSpec:
             behind the trainer's (``R002``).
         skip_step_groups: whether its param groups (``keys``: hyperparameter name -> item) are those of the trainer's
             own skip-step optimizer, which leaves a step whose loss or gradient norm spikes out of its ``step`` while the
-            trainer counts it (OLMo-core's ``SkipStepAdamW``): the optimizer's step may then be behind (``R002``).
+            trainer counts it (OLMo-core's ``SkipStepAdamW``): the optimizer's step may then be behind (``R002``), and
+            its moments are in the dtype it was configured with (``dtype``), not the parameter's (``O005``).
         index_state_by_param_order: optimizer state keyed by parameter index is the parameters' order in the
             model's state dict (torchtune builds its optimizer from ``model.parameters()``): renamed to the fqns.
         reshard_refusal: ``(why, hint)`` when ``reshard`` cannot rewrite its checkpoints (E602), else ``None``.

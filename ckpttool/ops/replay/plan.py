@@ -345,6 +345,23 @@ def _moment_dtype_for(type_name: str, cfg: dict[str, Any], param_dtype: str, fqn
     return moment_dtype
 
 
+def _refuse_own_moment_dtype(p: ParamPlan, expected: dict[str, str], saved: dict[str, str]) -> None:
+    """Refuse (E511) plain-AdamW state whose two moments share a dtype other than the parameter's: an optimizer
+    configured with its own moment dtype (OLMo-core's ``SkipStepAdamW(dtype=...)``, which ``validate`` accepts),
+    not a violated policy; torch's AdamW, which replay-step replays, keeps them in the parameter's dtype."""
+    got = saved.get("exp_avg")
+    if p.optimizer_type != "adamw" or got is None or got == expected.get("exp_avg") or saved.get("exp_avg_sq") != got:
+        return
+    raise StateDtypeError(
+        f"optimizer state of {p.fqn} keeps both moments in {got} for a {p.dtype} parameter: an optimizer "
+        "configured with its own moment dtype (as OLMo-core's SkipStepAdamW dtype=...), not torch's AdamW, which "
+        "keeps them in the parameter's dtype",
+        fqn=p.fqn,
+        hint="replay-step replays torch's AdamW (moments in the parameter's dtype) and the master-weight types; "
+        "`ckpttool validate --deep` checks this state",
+    )
+
+
 def _check_policy(p: ParamPlan, cfg: dict[str, Any], saved: dict[str, str]) -> None:
     """Saved fields, dtypes and shapes of ``p`` against its optimizer type (raises on a violation)."""
     expected = {f: dtype_name(d) for f, d in expected_state_dtypes(p.optimizer_type, cfg, p.dtype, fqn=p.fqn).items()}
@@ -360,6 +377,7 @@ def _check_policy(p: ParamPlan, cfg: dict[str, Any], saved: dict[str, str]) -> N
             hint="the state is incomplete or was saved by another optimizer (`optimizer`); "
             "run `ckpttool validate --strict` to see every problem",
         )
+    _refuse_own_moment_dtype(p, expected, saved)
     for f, want in expected.items():
         if saved[f] != want and not (f == "step" and step_dtype_ok(p.optimizer_type, saved[f])):
             raise StateDtypeError(

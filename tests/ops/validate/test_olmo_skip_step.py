@@ -16,7 +16,7 @@ from ckpttool.cli.app import app
 runner = CliRunner()
 
 
-def _olmo_save(root: Path, *, skip_step: bool, global_step: int) -> int:
+def _olmo_save(root: Path, *, skip_step: bool, global_step: int, moment_dtype: object = None) -> int:
     """Train a small model 5 steps (step 5 a loss spike), save ``root/run/stepN`` with OLMo-core's ``Checkpointer``
     (one process) and return the optimizer's saved ``step`` as OLMo-core counts it."""
     import torch
@@ -36,7 +36,9 @@ def _olmo_save(root: Path, *, skip_step: bool, global_step: int) -> int:
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.LayerNorm(16), torch.nn.Linear(16, 4))
     if skip_step:
-        opt = adamw.SkipStepAdamW(model.parameters(), lr=1e-3, weight_decay=0.1, rolling_interval_length=4)
+        opt = adamw.SkipStepAdamW(
+            model.parameters(), lr=1e-3, weight_decay=0.1, rolling_interval_length=4, dtype=moment_dtype
+        )
     else:
         opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1)
     for s in range(1, 6 if skip_step else 4):
@@ -84,3 +86,24 @@ def test_torch_adamw_behind_the_trainer_is_still_named(tmp_path: Path) -> None:
         f["code"] == "R002" and "optimizer step 3" in f["message"] and "global_step = 5" in f["message"]
         for f in json.loads(out)["findings"]
     ), out
+
+
+@pytest.mark.filterwarnings("ignore:std_mean")
+def test_moments_in_skip_step_adamws_own_dtype_are_its_configuration(tmp_path: Path) -> None:
+    """``SkipStepAdamW(dtype=torch.bfloat16)`` keeps bf16 moments for float32 parameters: validate passes them (no
+    O005 'dtype policy'), replay-step refuses them naming the optimizer's moment dtype, in one coded line."""
+    import torch
+
+    _olmo_save(tmp_path, skip_step=True, global_step=5, moment_dtype=torch.bfloat16)
+    state = json.loads(_cli("inspect", str(tmp_path / "run"), "--step", "latest", "--json")[1])["optimizer"]["fields"]
+    assert state["exp_avg"] == state["exp_avg_sq"] == {"bfloat16": 6}  # as OLMo-core saved them
+
+    code, out, err = _cli("validate", str(tmp_path / "run"), "--step", "latest", "--deep", "--strict", "--json")
+    findings = json.loads(out)["findings"]
+    assert not [f for f in findings if f["code"] == "O005"], findings
+    assert code == 0, (out, err)
+
+    code, out, err = _cli("replay-step", str(tmp_path / "run"), "--step", "latest", "--device", "cpu")
+    assert code == 2
+    assert "[E511]" in err and "keeps both moments in bfloat16 for a float32 parameter" in err
+    assert "policy violated" not in err and len(err.strip().splitlines()) == 2
