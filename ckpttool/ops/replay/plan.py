@@ -198,7 +198,8 @@ def _refuse_non_adam(group: Any, fqn: str, missing: list[str], state_fields: Ite
             f"param group of {fqn} has no betas (keys {keys}): it is not an Adam/AdamW "
             "group (an SGD group has momentum, dampening, nesterov)",
             fqn=fqn,
-            hint=_ANY_OPTIMIZER,
+            hint=_ANY_OPTIMIZER + "; where AdamW steps the other parameters (Muon beside AdamW), select those "
+            "(`filter_glob`)",
         )
 
 
@@ -562,6 +563,7 @@ def _membership(
     hypers = {
         f: _hyper(group_of[f], f, group_of[f].group_id, _lr_dtype(cat, group_of[f]), _state_fields(cat, f))
         for f in params
+        if wanted is None or wanted(f)  # another optimizer's groups beside AdamW's (Muon's) are not asked
     }
     _check_listed_once(cat, hypers, wanted)
     return _Membership(grouped, params, group_of, hypers, fused, stepped)
