@@ -41,7 +41,7 @@ from ckpttool.model.schemas import registry
 from ckpttool.model.schemas.base import CANONICAL_MODEL_PREFIX, CommonState
 from ckpttool.model.schemas.detect import detect_schema, fused_parts, planner_paths
 from ckpttool.model.schemas.keyschema import KeySchema, SchemaOverride
-from ckpttool.optim_state.schema import infer_optimizer_type
+from ckpttool.optim_state.schema import infer_optimizer_type, missing_hyperparameters
 
 if TYPE_CHECKING:
     from ckpttool.format.reader import CheckpointReader
@@ -382,6 +382,16 @@ class Catalog:
                 index.update(dict.fromkeys(filterfalse(index.__contains__, g.params), g))
             self._group_index, self._group_index_size = index, size
         return self._group_index
+
+    def missing_hyperparameters(self, group: ParamGroup) -> list[str]:
+        """The hyperparameters ``group`` lacks (:func:`~ckpttool.optim_state.schema.missing_hyperparameters`), told
+        from its saved state fields where it has ``betas`` and no ``eps`` (Lion's group: ``lion_group``): those of its
+        members, or of every parameter while a nested group's ``params`` are not loaded."""
+        if "eps" in group.keys or "betas" not in group.keys:
+            return missing_hyperparameters(group.keys)
+        members = group.params or list(self.optimizer_state)
+        states = filter(None, map(self.optimizer_state.get, members))
+        return missing_hyperparameters(group.keys, {f for ps in states for f in ps.fields})
 
     def params_listed_in_order(self) -> bool:
         """Do the param groups' ``params``, one group after the other, list exactly :attr:`param_fqns` in order?

@@ -187,8 +187,12 @@ def saves_grad_scaler(ckpt: Checkpoint) -> bool:
 def skips_optimizer_steps(ckpt: Checkpoint) -> bool:
     """The trainer counts steps whose optimizer step was skipped, so the optimizer's ``step`` may be behind its
     step and its LR scheduler: a saved ``GradScaler`` (:func:`saves_grad_scaler`) or a trainer's own loss scaler
-    (``SchemaSpec.skips_overflow_steps``: Megatron's, an iteration that overflowed)."""
+    (``SchemaSpec.skips_overflow_steps``: Megatron's, an iteration that overflowed), or the trainer's own skip-step
+    optimizer, told by its param groups (``SchemaSpec.skip_step_groups``: OLMo-core's ``SkipStepAdamW``, a loss
+    spike)."""
     spec = ckpt.catalog.schema.spec
+    if spec is not None and spec.skip_step_groups is not None and spec.skip_step_groups(ckpt.catalog.param_groups):
+        return True
     return saves_grad_scaler(ckpt) or (spec is not None and spec.skips_overflow_steps)
 
 

@@ -36,7 +36,7 @@ from ckpttool.model.discovery import Located
 from ckpttool.model.schemas.keyschema import KeySchema
 from ckpttool.model.schemas.nemo import hf_copies
 from ckpttool.ops.fields import options_of
-from ckpttool.optim_state.schema import HYPERPARAMETERS, missing_hyperparameters
+from ckpttool.optim_state.schema import HYPERPARAMETERS
 
 log = logging.getLogger(__name__)
 
@@ -474,7 +474,9 @@ def _plain(value: Any) -> Any:
     return value if isinstance(value, (int, float, str, bool)) or value is None else repr(value)
 
 
-def _group_row(g: ParamGroup, gid: int | str, params: int, examples: list[str], has_state: bool) -> GroupRow:
+def _group_row(
+    cat: Catalog, g: ParamGroup, gid: int | str, params: int, examples: list[str], has_state: bool
+) -> GroupRow:
     return GroupRow(
         gid,
         g.flavor,
@@ -482,7 +484,7 @@ def _group_row(g: ParamGroup, gid: int | str, params: int, examples: list[str], 
         params,
         tuple(examples),
         has_state,
-        tuple(sorted(missing_hyperparameters(g.keys))),
+        tuple(sorted(cat.missing_hyperparameters(g))),
         keeps_no_state(g),
     )
 
@@ -497,7 +499,7 @@ def _param_group_rows(cat: Catalog, filt: str | None) -> list[GroupRow]:
     if cat.optimizer_flavor != "flattened":
         stepped = {f for f, ps in cat.optimizer_state.items() if ps.fields}
         return [
-            _group_row(g, g.group_id, len(g.params), g.params[:3], not stepped.isdisjoint(g.params))
+            _group_row(cat, g, g.group_id, len(g.params), g.params[:3], not stepped.isdisjoint(g.params))
             for g in cat.param_groups
         ]
     members: dict[tuple[str, bool], list[str]] = {}
@@ -508,7 +510,7 @@ def _param_group_rows(cat: Catalog, filt: str | None) -> list[GroupRow]:
             sig = (leaf_key(g), has_state(fqn))  # a leaf (Catalog.leaves), split by state
             members.setdefault(sig, []).append(fqn)
             first.setdefault(sig, g)
-    return [_group_row(first[sig], fqns[0], len(fqns), fqns[:3], sig[1]) for sig, fqns in members.items()]
+    return [_group_row(cat, first[sig], fqns[0], len(fqns), fqns[:3], sig[1]) for sig, fqns in members.items()]
 
 
 def _never_stepped(cat: Catalog, without: list[str], grouped: set[str] | None) -> tuple[str, ...]:

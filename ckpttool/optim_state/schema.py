@@ -23,6 +23,7 @@ __all__ = [
     "HYPERPARAMETERS",
     "expected_state_dtypes",
     "infer_optimizer_type",
+    "lion_group",
     "missing_hyperparameters",
     "other_adam_family",
     "step_dtype_ok",
@@ -55,15 +56,27 @@ _OTHER_OPTIMIZER_KEYS = _NO_WEIGHT_DECAY_KEYS | frozenset(
 )
 
 
-def missing_hyperparameters(keys: Iterable[str]) -> list[str]:
+def lion_group(keys: Iterable[str], state_fields: Iterable[str]) -> bool:
+    """Whether a param group saved with ``keys``, whose parameters saved the state ``state_fields``, is Lion's
+    (sign momentum: OLMo-core's ``Lion``/``SkipStepLion``, lion-pytorch): ``betas`` and no ``eps`` in the group,
+    one moment ``exp_avg`` and no second moment ``exp_avg_sq`` in the state. An Adam-family group always has
+    ``eps`` and its state both moments."""
+    have, fields = set(keys), set(state_fields)
+    return "betas" in have and "eps" not in have and "exp_avg" in fields and "exp_avg_sq" not in fields
+
+
+def missing_hyperparameters(keys: Iterable[str], state_fields: Iterable[str] = ()) -> list[str]:
     """The :data:`HYPERPARAMETERS` a param group saved with ``keys`` lacks, in that order.
 
     A group of another torch optimizer (SGD, RMSprop, Adagrad, ...: one of its own keys saved) has no
     ``betas``/``eps`` to lack, and Rprop's and LBFGS's no ``weight_decay``: only ``lr`` (and
-    ``weight_decay``) are asked of those.
+    ``weight_decay``) are asked of those. Lion (:func:`lion_group`, told by the group's ``state_fields``) has
+    no ``eps``.
     """
     have = set(keys)
     missing = [h for h in HYPERPARAMETERS if h not in have]
+    if lion_group(have, state_fields):
+        return [h for h in missing if h != "eps"]
     if "betas" in missing and not _OTHER_OPTIMIZER_KEYS.isdisjoint(have):
         asked = ("lr",) if not _NO_WEIGHT_DECAY_KEYS.isdisjoint(have) else ("lr", "weight_decay")
         missing = [h for h in missing if h in asked]

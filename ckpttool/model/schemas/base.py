@@ -265,6 +265,10 @@ class SchemaSpec:
         skips_overflow_steps: its trainer skips the optimizer step of an iteration whose gradients overflowed (its
             own loss scaler, not saved as a ``GradScaler``) while the iteration counts: the optimizer's step may be
             behind the trainer's (``R002``).
+        skip_step_groups: whether its param groups (``keys``: hyperparameter name -> item) are those of the trainer's
+            own skip-step optimizer, which leaves a step whose loss or gradient norm spikes out of its ``step`` while the
+            trainer counts it (OLMo-core's ``SkipStepAdamW``): the optimizer's step may then be behind (``R002``), and
+            its moments are in the dtype it was configured with (``dtype``), not the parameter's (``O005``).
         index_state_by_param_order: optimizer state keyed by parameter index is the parameters' order in the
             model's state dict (torchtune builds its optimizer from ``model.parameters()``): renamed to the fqns.
         reshard_refusal: ``(why, hint)`` when ``reshard`` cannot rewrite its checkpoints (E602), else ``None``.
@@ -315,6 +319,7 @@ class SchemaSpec:
     group_members: GroupMembers | None = None
     inferred_groups_note: Callable[[Sequence[ParamGroup], set[str], list[str]], str] | None = None
     skips_overflow_steps: bool = False
+    skip_step_groups: Callable[[Sequence[ParamGroup]], bool] | None = None
     index_state_by_param_order: bool = False
     reshard_refusal: tuple[str, str] | None = None
     config_file: str = ""

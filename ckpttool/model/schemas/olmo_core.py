@@ -12,7 +12,13 @@ get_optimizer_state_dict(m, o, flatten_optimizer_state_dict=True)}``, so keys ``
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
 from ckpttool.model.schemas.base import Detected, Discovery, SchemaSpec
+
+if TYPE_CHECKING:
+    from ckpttool.model.catalog import ParamGroup
 
 __all__ = ["SPEC"]
 
@@ -23,6 +29,14 @@ def _claims(d: Detected) -> bool:
     # save (save_model_and_optim_state without an optimizer: its HF conversion scripts, a train module without one)
     # is OLMo-core's too
     return d.writer == "olmo-core" and d.model_prefix == "model." and d.optimizer_prefix in ("optim.", None)
+
+
+def _skip_step_groups(groups: Sequence[ParamGroup]) -> bool:
+    """Adam groups without ``amsgrad``, which every ``torch.optim.Adam``/``AdamW`` group saves: OLMo-core's own
+    ``SkipStepAdamW`` (``SkipStepAdamWConfig``) or ``OLMoDDPOptimizer``, whose defaults are ``lr``, ``betas``,
+    ``eps``, ``weight_decay`` alone and whose ``step`` adds the step factor, 0 on a skipped step (``adamw_step``)."""
+    adam = [g for g in groups if "betas" in g.keys and "eps" in g.keys]
+    return bool(adam) and all("amsgrad" not in g.keys for g in adam)
 
 
 SPEC = SchemaSpec(
@@ -41,6 +55,8 @@ SPEC = SchemaSpec(
         step_folders=(("model_and_optim", ("train",)),),
     ),
     step_dir_is_trainer_step=True,
+    # SkipStepAdamW's step counts the steps it took; the trainer's global_step the skipped ones too
+    skip_step_groups=_skip_step_groups,
     # Checkpointer.load reads train/rank{R}.pt (else rank0.pt): without it no trainer state is restored
     restores_trainer_state_beside=True,
     own_names_warning=(

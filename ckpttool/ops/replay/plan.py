@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import math
 import re
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -46,6 +46,7 @@ from ckpttool.optim_state.schema import (
     STATE_FIELDS,
     expected_state_dtypes,
     infer_optimizer_type,
+    lion_group,
     other_adam_family,
     step_dtype_ok,
 )
@@ -196,17 +197,38 @@ def _betas(betas: Any, fqn: str) -> tuple[tuple[Any, Any], str | None]:
     return (betas[0], betas[1]), None
 
 
-def _hyper(group: Any, fqn: str, group_id: int | str, lr_dtype: str | None = None) -> Hyper:
-    values = group.values
-    missing = [h for h in ("lr", "betas", "eps", "weight_decay") if h not in values]
+_ANY_OPTIMIZER = (
+    "replay-step replays AdamW steps only; `ckpttool validate` and `ckpttool inspect` read checkpoints of any optimizer"
+)
+
+
+def _refuse_non_adam(group: Any, fqn: str, missing: list[str], state_fields: Iterable[str]) -> None:
+    """Refuse (E514) a param group saved by an optimizer outside the Adam family: Lion's (``betas`` without ``eps``
+    over one moment, :func:`~ckpttool.optim_state.schema.lion_group`) or one without ``betas`` (SGD, ...)."""
+    keys = ", ".join(sorted(group.keys))
+    if lion_group(group.values, state_fields):
+        raise HyperparameterError(
+            f"param group of {fqn} has betas and no eps (keys {keys}) and its state "
+            f"{', '.join(sorted(state_fields))} has no exp_avg_sq: it was saved by Lion (sign momentum), not Adam/AdamW",
+            fqn=fqn,
+            hint=_ANY_OPTIMIZER,
+        )
     if "betas" in missing:  # every Adam-family group saves betas: this one was saved by another optimizer
         raise HyperparameterError(
-            f"param group of {fqn} has no betas (keys {', '.join(sorted(group.keys))}): it is not an Adam/AdamW "
+            f"param group of {fqn} has no betas (keys {keys}): it is not an Adam/AdamW "
             "group (an SGD group has momentum, dampening, nesterov)",
             fqn=fqn,
-            hint="replay-step replays AdamW steps only; `ckpttool validate` and `ckpttool inspect` read checkpoints "
-            "of any optimizer",
+            hint=_ANY_OPTIMIZER + "; where AdamW steps the other parameters (Muon beside AdamW), select those "
+            "(`filter_glob`)",
         )
+
+
+def _hyper(
+    group: Any, fqn: str, group_id: int | str, lr_dtype: str | None = None, state_fields: Iterable[str] = ()
+) -> Hyper:
+    values = group.values
+    missing = [h for h in ("lr", "betas", "eps", "weight_decay") if h not in values]
+    _refuse_non_adam(group, fqn, missing, state_fields)
     if missing:
         raise HyperparameterError(
             f"param group of {fqn} lacks {', '.join(missing)} (keys {', '.join(sorted(group.keys))})",
@@ -227,8 +249,7 @@ def _hyper(group: Any, fqn: str, group_id: int | str, lr_dtype: str | None = Non
             f"param group of {fqn} was saved by torch.optim.{other} (decoupled_weight_decay without amsgrad; "
             f"keys {', '.join(sorted(group.keys))}); replay-step replays AdamW",
             fqn=fqn,
-            hint="replay-step replays AdamW steps only; `ckpttool validate` and `ckpttool inspect` read checkpoints "
-            "of any optimizer",
+            hint=_ANY_OPTIMIZER,
         )
     if values.get("decoupled_weight_decay") is False and values.get("weight_decay"):
         raise HyperparameterError(
@@ -344,6 +365,23 @@ def _moment_dtype_for(type_name: str, cfg: dict[str, Any], param_dtype: str, fqn
     return moment_dtype
 
 
+def _refuse_own_moment_dtype(p: ParamPlan, expected: dict[str, str], saved: dict[str, str]) -> None:
+    """Refuse (E511) plain-AdamW state whose two moments share a dtype other than the parameter's: an optimizer
+    configured with its own moment dtype (OLMo-core's ``SkipStepAdamW(dtype=...)``, which ``validate`` accepts),
+    not a violated policy; torch's AdamW, which replay-step replays, keeps them in the parameter's dtype."""
+    got = saved.get("exp_avg")
+    if p.optimizer_type != "adamw" or got is None or got == expected.get("exp_avg") or saved.get("exp_avg_sq") != got:
+        return
+    raise StateDtypeError(
+        f"optimizer state of {p.fqn} keeps both moments in {got} for a {p.dtype} parameter: an optimizer "
+        "configured with its own moment dtype (as OLMo-core's SkipStepAdamW dtype=...), not torch's AdamW, which "
+        "keeps them in the parameter's dtype",
+        fqn=p.fqn,
+        hint="replay-step replays torch's AdamW (moments in the parameter's dtype) and the master-weight types; "
+        "`ckpttool validate --deep` checks this state",
+    )
+
+
 def _check_policy(p: ParamPlan, cfg: dict[str, Any], saved: dict[str, str]) -> None:
     """Saved fields, dtypes and shapes of ``p`` against its optimizer type (raises on a violation)."""
     expected = {f: dtype_name(d) for f, d in expected_state_dtypes(p.optimizer_type, cfg, p.dtype, fqn=p.fqn).items()}
@@ -359,6 +397,7 @@ def _check_policy(p: ParamPlan, cfg: dict[str, Any], saved: dict[str, str]) -> N
             hint="the state is incomplete or was saved by another optimizer (`optimizer`); "
             "run `ckpttool validate --strict` to see every problem",
         )
+    _refuse_own_moment_dtype(p, expected, saved)
     for f, want in expected.items():
         if saved[f] != want and not (f == "step" and step_dtype_ok(p.optimizer_type, saved[f])):
             raise StateDtypeError(
@@ -540,7 +579,11 @@ def _membership(
         )
     params = params_in_model + list(fused)
     group_of = {f: g for f in params if (g := cat.group_of(f)) is not None}
-    hypers = {f: _hyper(group_of[f], f, group_of[f].group_id, _lr_dtype(cat, group_of[f])) for f in params}
+    hypers = {
+        f: _hyper(group_of[f], f, group_of[f].group_id, _lr_dtype(cat, group_of[f]), _state_fields(cat, f))
+        for f in params
+        if wanted is None or wanted(f)  # another optimizer's groups beside AdamW's (Muon's) are not asked
+    }
     _check_listed_once(cat, hypers, wanted)
     notes.extend(_adam_or_adamw(group_of, hypers))
     return _Membership(grouped, params, group_of, hypers, fused, stepped)
@@ -613,6 +656,12 @@ def _part_groups(cat: Catalog, fqn: str, parts: tuple[str, ...], head_dim: int |
     if hd is None or hd <= 0 or rows_k % hd:
         return None
     return rows_k // hd
+
+
+def _state_fields(cat: Catalog, fqn: str) -> tuple[str, ...]:
+    """The state fields ``fqn`` saved (none where it has no state)."""
+    ps = cat.optimizer_state.get(fqn)
+    return tuple(ps.fields) if ps is not None else ()
 
 
 def _stackable_parts(cat: Catalog, fqn: str) -> tuple[str, ...]:

@@ -589,7 +589,7 @@ def test_sgd_checkpoint_is_named_as_not_adamw(tmp_path: Path) -> None:
         "momentum, nesterov, params, weight_decay): it is not an Adam/AdamW group (an SGD group has momentum, "
         "dampening, nesterov)",
         "hint: replay-step replays AdamW steps only; `ckpttool validate` and `ckpttool inspect` read checkpoints of "
-        "any optimizer",
+        "any optimizer; where AdamW steps the other parameters (Muon beside AdamW), select those (--filter)",
     ]
 
 

@@ -26,7 +26,6 @@ from ckpttool.optim_state.schema import (
     STATE_FIELDS,
     expected_state_dtypes,
     infer_optimizer_type,
-    missing_hyperparameters,
     step_dtype_ok,
 )
 
@@ -174,6 +173,10 @@ def state_dtype_policy(ctx: Context) -> Iterator[tuple[str, str]]:
     if declared is not None and declared not in OPTIMIZER_TYPES:
         return  # O008
     any_master = any("master_weight" in fields for _, fields, _ in _states(ctx))
+    spec = ctx.cat.schema.spec
+    own_moment_dtype = (
+        spec is not None and spec.skip_step_groups is not None and spec.skip_step_groups(ctx.cat.param_groups)
+    )
     for fqn, fields, param in _states(ctx):
         if set(fields) - set(STATE_FIELDS) or any(f not in fields for f in _CORE):
             continue  # O008 / O001
@@ -182,7 +185,7 @@ def state_dtype_policy(ctx: Context) -> Iterator[tuple[str, str]]:
             continue
         yield from _amsgrad_problems(ctx, fqn, "dtype")
         check_step = dts["step"] not in LOW_PRECISION  # P003 reports low-precision steps
-        policy = _dtype_policy(fqn, dts, param, declared, cfg)
+        policy = _dtype_policy(fqn, dts, param, declared, cfg, own_moment_dtype=own_moment_dtype)
         if isinstance(policy, str):
             yield fqn, policy
             continue
@@ -207,11 +210,19 @@ def _untrainable(fqn: str, fields: dict[str, TensorEntry | None], param: TensorE
 
 
 def _dtype_policy(
-    fqn: str, dts: dict[str, str], param: TensorEntry | None, declared: str | None, cfg: dict[str, Any]
+    fqn: str,
+    dts: dict[str, str],
+    param: TensorEntry | None,
+    declared: str | None,
+    cfg: dict[str, Any],
+    *,
+    own_moment_dtype: bool = False,
 ) -> tuple[dict[str, str], str] | str:
     """``(expected dtype per field, where the type came from)``, or the problem when none can be derived.
 
-    The declared type's policy; else the type the dtypes imply (``step`` read as float32).
+    The declared type's policy; else the type the dtypes imply (``step`` read as float32). ``own_moment_dtype``:
+    the trainer's own skip-step AdamW (``SchemaSpec.skip_step_groups``: OLMo-core's ``SkipStepAdamW(dtype=...)``)
+    keeps both moments in one configured dtype, whatever the parameter's.
     """
     if declared is not None:
         try:
@@ -232,8 +243,8 @@ def _dtype_policy(
             return f"{fqn}: state dtypes {_fmt(dts)} match no optimizer type ({e.message})"
         pdt = param.dtype if param is not None else dts.get("exp_avg", "float32")
         want = {k: dtype_name(v) for k, v in expected_state_dtypes(implied, {}, pdt, fqn=fqn).items()}
-        if implied == "master_fp32_adamw":  # moments of any dtype other than f32 are a configuration
-            want["exp_avg"] = want["exp_avg_sq"] = dts["exp_avg"]
+        if implied == "master_fp32_adamw" or (implied == "adamw" and own_moment_dtype):
+            want["exp_avg"] = want["exp_avg_sq"] = dts["exp_avg"]  # moments of a configured dtype
         source = f"implied type {implied}"
     return want, source
 
@@ -335,7 +346,7 @@ def unrecognized_state(ctx: Context) -> Iterator[tuple[str, str]]:
 @rule("P001")
 def group_missing_hyperparameter(ctx: Context) -> Iterator[tuple[str, str]]:
     for g in ctx.cat.param_groups:
-        missing = missing_hyperparameters(g.keys)
+        missing = ctx.cat.missing_hyperparameters(g)
         if missing:
             yield (
                 ctx.cat.group_key(g.group_id),
