@@ -1,7 +1,7 @@
 """Optimizer state: its schema, the FP32-master / CPU-offload AdamW family, staging, the reference step.
 
-:mod:`.schema` says which fields and dtypes each optimizer type saves (torch-free: the
-checkpoint model reads it). The optimizers (:mod:`.adamw`, :mod:`.offload` with its CPU
+:mod:`.schema` says which fields and dtypes each optimizer type saves, :mod:`.known` which fields the
+other optimizers users run save (torch-free: the checkpoint model and ``validate`` read them). The optimizers (:mod:`.adamw`, :mod:`.offload` with its CPU
 staging, :mod:`.multi`, :mod:`.factory`), the FP64 reference step (:mod:`.reference`) and the
 checked DCP load (:mod:`.checkpoint`) import torch. Public API in ``docs/optim_state.md``;
 names load lazily, so importing this package imports no torch.

@@ -21,6 +21,7 @@ from ckpttool.format.metadata import FLOAT8_DTYPES, dtype_name
 from ckpttool.model.catalog import TensorEntry, dtype_refuted_by, listed_twice, lost_state
 from ckpttool.ops.validate.base import rule
 from ckpttool.ops.validate.context import Context
+from ckpttool.optim_state.known import ADAMW, known_optimizers_of, known_state_fields
 from ckpttool.optim_state.schema import (
     OPTIMIZER_TYPES,
     STATE_FIELDS,
@@ -79,6 +80,19 @@ def _amsgrad_problems(ctx: Context, fqn: str, what: str) -> Iterator[tuple[str, 
         yield key, f"{key}: {t.dtype} but exp_avg_sq is {v.dtype} (amsgrad keeps their running maximum in its dtype)"
 
 
+def _group_view(ctx: Context, fqn: str) -> dict[str, Any] | None:
+    """The parameter's param group as hyperparameter name -> saved value (``None`` where unread), or ``None``."""
+    g = ctx.cat.group_of(fqn)
+    return None if g is None else {**dict.fromkeys(g.keys), **g.values}
+
+
+def _other_optimizer(ctx: Context, fqn: str, fields: dict[str, TensorEntry | None]) -> bool:
+    """The fields are those of a known optimizer other than AdamW (:mod:`ckpttool.optim_state.known`) for the
+    parameter's group: Lion's lone ``exp_avg`` is complete state, not AdamW state that lost a moment."""
+    names = known_optimizers_of(fields, _group_view(ctx, fqn))
+    return bool(names) and ADAMW not in names
+
+
 def _membership_known(ctx: Context) -> bool:
     """Every nested group's ``params`` list was read (else group membership is unknown)."""
     return not any(g.flavor == "nested" and g.keys.get("params") in ctx.byte_item_errors for g in ctx.cat.param_groups)
@@ -95,7 +109,7 @@ def _declared(ctx: Context) -> tuple[str | None, dict[str, Any]]:
 @rule("O001")
 def partial_state(ctx: Context) -> Iterator[tuple[str, str]]:
     for fqn, fields, _ in _states(ctx):
-        if set(fields) - set(STATE_FIELDS):
+        if set(fields) - set(STATE_FIELDS) or _other_optimizer(ctx, fqn, fields):
             continue  # not an AdamW family state: O008
         missing = [f for f in _CORE if f not in fields]
         if missing:
@@ -334,12 +348,27 @@ def unrecognized_state(ctx: Context) -> Iterator[tuple[str, str]]:
     declared, _ = _declared(ctx)
     if declared is not None and declared not in OPTIMIZER_TYPES:
         yield "layout", f"layout record: optimizer.type {declared!r} is not one of {', '.join(OPTIMIZER_TYPES)}"
+    known = known_state_fields()
     fields_seen: dict[str, list[str]] = defaultdict(list)
+    sets_seen: dict[tuple[str, ...], list[str]] = defaultdict(list)
     for fqn, fields, _ in _states(ctx):
-        for f in set(fields) - set(STATE_FIELDS):
+        if set(fields) <= set(STATE_FIELDS):
+            continue  # AdamW's fields: O001 / O005 judge them
+        if known_optimizers_of(fields, _group_view(ctx, fqn)):
+            continue  # another optimizer's state (optim_state.known), not checked further
+        unknown = set(fields) - known
+        for f in unknown:
             fields_seen[f].append(fqn)
+        if not unknown:
+            sets_seen[tuple(sorted(fields))].append(fqn)
     for f, fqns in sorted(fields_seen.items()):
         yield fqns[0], f"{len(fqns)} parameter(s) have unknown state field {f!r} (e.g. {fqns[0]})"
+    for names, fqns in sorted(sets_seen.items()):
+        yield (
+            fqns[0],
+            f"{len(fqns)} parameter(s) have state fields {', '.join(names)}, which no known optimizer saves together "
+            f"(e.g. {fqns[0]})",
+        )
 
 
 # ------------------------------------------------------------------------------------------ param groups

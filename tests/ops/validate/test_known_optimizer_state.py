@@ -1,0 +1,131 @@
+"""The state of the optimizers users run, built and stepped by torch (and OLMo-core) and saved with
+``dcp.save(get_state_dict(...))``: ``validate --strict --deep`` failed every healthy save of SGD, Adagrad, RMSprop,
+Adamax, NAdam, Adadelta, Muon and Lion with O008 "unknown state field", and OLMo-core's SkipStepLion (its lone
+``exp_avg``) with O001 "lacks step, exp_avg_sq". Their fields are known
+(``ckpttool.optim_state.known``); a field no known optimizer saves, or known fields no one optimizer saves
+together, are still O008."""
+
+from __future__ import annotations
+
+import json
+import warnings
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from typer.testing import CliRunner
+
+from ckpttool.cli.app import app
+
+runner = CliRunner()
+
+#: id -> (factory over the parameters, the fields torch's own state_dict must hold for the first weight)
+OPTIMIZERS: dict[str, tuple[Callable[[Any], torch.optim.Optimizer], set[str]]] = {
+    "SGD-momentum": (lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9), {"momentum_buffer"}),
+    "Adagrad": (lambda p: torch.optim.Adagrad(p, lr=0.1), {"step", "sum"}),
+    "RMSprop": (lambda p: torch.optim.RMSprop(p, lr=0.01), {"step", "square_avg"}),
+    "RMSprop-centered-momentum": (
+        lambda p: torch.optim.RMSprop(p, lr=0.01, momentum=0.9, centered=True),
+        {"step", "square_avg", "momentum_buffer", "grad_avg"},
+    ),
+    "Adam-amsgrad": (
+        lambda p: torch.optim.Adam(p, lr=0.01, amsgrad=True),
+        {"step", "exp_avg", "exp_avg_sq", "max_exp_avg_sq"},
+    ),
+    "AdamW-amsgrad": (
+        lambda p: torch.optim.AdamW(p, lr=0.01, amsgrad=True),
+        {"step", "exp_avg", "exp_avg_sq", "max_exp_avg_sq"},
+    ),
+    "Adamax": (lambda p: torch.optim.Adamax(p, lr=0.01), {"step", "exp_avg", "exp_inf"}),
+    "NAdam": (lambda p: torch.optim.NAdam(p, lr=0.01), {"step", "mu_product", "exp_avg", "exp_avg_sq"}),
+    "RAdam": (lambda p: torch.optim.RAdam(p, lr=0.01), {"step", "exp_avg", "exp_avg_sq"}),
+    "Adadelta": (lambda p: torch.optim.Adadelta(p), {"step", "square_avg", "acc_delta"}),
+    "Muon": (lambda p: torch.optim.Muon(p, lr=0.01), {"momentum_buffer"}),
+    "Lion": (
+        lambda p: pytest.importorskip("olmo_core.optim.lion").Lion(p, lr=1e-3, weight_decay=0.1),
+        {"exp_avg", "step_factor"},
+    ),
+    "SkipStepLion": (  # no step_factor: Lion's lone exp_avg was O001 "lacks step, exp_avg_sq"
+        lambda p: pytest.importorskip("olmo_core.optim.lion").SkipStepLion(p, lr=1e-3, weight_decay=0.1),
+        {"exp_avg"},
+    ),
+}
+
+
+def _save(out: Path, name: str, change: Callable[[dict[str, Any]], None] | None = None) -> None:
+    """A two-layer model (Muon steps 2-D parameters only: no biases) stepped twice by the optimizer ``name``."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    factory, fields = OPTIMIZERS[name]
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8, bias=False), torch.nn.Linear(8, 2, bias=False))
+    opt = factory(model.parameters())
+    for _ in range(2):
+        opt.zero_grad()
+        model(torch.randn(3, 4)).pow(2).mean().backward()
+        opt.step()
+    assert set(opt.state_dict()["state"][0]) == fields  # what the optimizer saves, independently of ckpttool
+    msd, osd = get_state_dict(model, opt)
+    if change is not None:
+        change(osd["state"])
+    with warnings.catch_warnings():  # torch: no process group, saving in one process
+        warnings.simplefilter("ignore")
+        dcp.save({"model": msd, "optimizer": osd}, checkpoint_id=str(out))
+
+
+def _validate(ckpt: Path) -> tuple[int, list[dict[str, Any]]]:
+    res = runner.invoke(app, ["validate", str(ckpt), "--strict", "--deep", "--json"])
+    assert res.stdout.strip(), (res.exit_code, res.stderr)
+    return res.exit_code, json.loads(res.stdout)["findings"]
+
+
+@pytest.mark.parametrize("name", list(OPTIMIZERS))
+def test_state_of_a_known_optimizer_passes_strict(tmp_path: Path, name: str) -> None:
+    _save(tmp_path / "ck", name)
+    rc, findings = _validate(tmp_path / "ck")
+    assert [f for f in findings if f["severity"] != "info"] == [] and rc == 0, findings
+
+
+def test_a_lone_exp_avg_beside_eps_is_adamw_state_that_lost_a_moment(tmp_path: Path) -> None:
+    """Lion's state is told by its group (``betas`` without ``eps``): an AdamW save that kept only ``exp_avg``
+    is still O001."""
+
+    def lose(state: dict[str, Any]) -> None:
+        for s in state.values():
+            del s["step"], s["exp_avg_sq"]
+
+    _save(tmp_path / "ck", "RAdam", change=lose)
+    rc, findings = _validate(tmp_path / "ck")
+    assert rc == 1 and {f["code"] for f in findings} == {"O001"}, findings
+
+
+def test_an_invented_field_is_still_unknown(tmp_path: Path) -> None:
+    def add(state: dict[str, Any]) -> None:
+        state["0.weight"]["ghost"] = torch.zeros_like(state["0.weight"]["momentum_buffer"])
+
+    _save(tmp_path / "ck", "SGD-momentum", change=add)
+    rc, findings = _validate(tmp_path / "ck")
+    assert rc == 1 and [(f["code"], f["message"]) for f in findings] == [
+        ("O008", "1 parameter(s) have unknown state field 'ghost' (e.g. 0.weight)")
+    ]
+
+
+def test_known_fields_no_one_optimizer_saves_together_are_unknown_state(tmp_path: Path) -> None:
+    """Adagrad's ``sum`` beside Adamax's ``exp_inf``: each field is some optimizer's, the pair no optimizer's."""
+
+    def add(state: dict[str, Any]) -> None:
+        for s in state.values():
+            s["exp_inf"] = torch.zeros_like(s["sum"])
+
+    _save(tmp_path / "ck", "Adagrad", change=add)
+    rc, findings = _validate(tmp_path / "ck")
+    assert rc == 1 and [(f["code"], f["message"]) for f in findings] == [
+        (
+            "O008",
+            "2 parameter(s) have state fields exp_inf, step, sum, which no known optimizer saves together "
+            "(e.g. 0.weight)",
+        )
+    ]
