@@ -1,11 +1,11 @@
 """The per-parameter state fields of the optimizers users run, beside ckpttool's AdamW family.
 
-One table (:data:`KNOWN_OPTIMIZERS`), read by ``validate``'s ``O008`` (``docs/rules.md``): a parameter's saved
-fields that one of these optimizers saves together are known state, not "unknown state fields". Each entry was
-read off the optimizer's own source: ``torch/optim/<name>.py`` (``state["..."] =`` in ``_init_group`` / ``step``,
-torch 2.13) and ``olmo_core/optim/lion.py`` (OLMo-core 3.0). Knowing the fields checks nothing of their values,
-shapes or dtypes; ``replay-step`` still replays AdamW state only. Torch-free.
-"""
+One table (:data:`KNOWN_OPTIMIZERS`), read by ``validate`` (``docs/rules.md``): a parameter's saved fields that
+one of these optimizers saves together are known state, not ``O008``'s "unknown state fields", and ``O004``
+checks their shapes (:data:`SCALAR_FIELDS`); nothing more of them (values, dtypes) is checked, and
+``replay-step`` still replays AdamW state only. Each entry was read off the optimizer's own source:
+``torch/optim/<name>.py`` (``state["..."] =`` in ``_init_group`` / ``step``, torch 2.13) and
+``olmo_core/optim/lion.py`` (OLMo-core 3.0). Torch-free."""
 
 from __future__ import annotations
 
@@ -15,10 +15,14 @@ from typing import Any
 
 from ckpttool.optim_state.schema import STATE_FIELDS, lion_group
 
-__all__ = ["ADAMW", "KNOWN_OPTIMIZERS", "KnownOptimizer", "known_optimizers_of", "known_state_fields"]
+__all__ = ["ADAMW", "KNOWN_OPTIMIZERS", "SCALAR_FIELDS", "KnownOptimizer", "known_optimizers_of", "known_state_fields"]
 
 #: The name of ckpttool's own AdamW family's entry (the state ``O001``/``O004``/``O005`` check).
 ADAMW = "AdamW"
+
+#: The fields the optimizers below save as one number (a 0-d tensor: ``torch.tensor(...)``); every other field of
+#: theirs is a tensor of its parameter's shape (``zeros_like(p)``, ``full_like(p)``, a clone of the gradient).
+SCALAR_FIELDS: frozenset[str] = frozenset(("step", "step_factor", "mu_product"))
 
 #: What a param group (hyperparameter name -> saved value; ``None`` where unread) must show for an entry to apply.
 _GROUP_TESTS: dict[str, Callable[[Mapping[str, Any], frozenset[str]], bool]] = {

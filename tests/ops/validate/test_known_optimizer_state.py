@@ -129,3 +129,25 @@ def test_known_fields_no_one_optimizer_saves_together_are_unknown_state(tmp_path
             "(e.g. 0.weight)",
         )
     ]
+
+
+@pytest.mark.parametrize(
+    ("name", "field", "message"),
+    [
+        ("Muon", "momentum_buffer", "shape [4, 8] differs from the parameter's [8, 4]"),
+        ("RMSprop-centered-momentum", "grad_avg", "shape [4, 8] differs from the parameter's [8, 4]"),
+        ("NAdam", "mu_product", "mu_product has shape [2], expected a 0-d tensor"),
+    ],
+)
+def test_a_known_optimizer_field_of_another_shape_is_O004(tmp_path: Path, name: str, field: str, message: str) -> None:
+    """Knowing an optimizer's fields must not pass them unread: a field of another shape than torch gives it
+    (``zeros_like(p)``; ``mu_product`` one number) was O008's unknown field, and is now O004."""
+
+    def reshape(state: dict[str, Any]) -> None:
+        t = state["0.weight"][field]
+        state["0.weight"][field] = t.repeat(2) if t.dim() == 0 else t.t().contiguous()
+
+    _save(tmp_path / "ck", name, change=reshape)
+    rc, findings = _validate(tmp_path / "ck")
+    key = f"optimizer.state.0.weight.{field}"
+    assert rc == 1 and [(f["code"], f["message"]) for f in findings] == [("O004", f"{key}: {message}")], findings

@@ -21,7 +21,7 @@ from ckpttool.format.metadata import FLOAT8_DTYPES, dtype_name
 from ckpttool.model.catalog import TensorEntry, dtype_refuted_by, listed_twice, lost_state
 from ckpttool.ops.validate.base import rule
 from ckpttool.ops.validate.context import Context
-from ckpttool.optim_state.known import ADAMW, known_optimizers_of, known_state_fields
+from ckpttool.optim_state.known import ADAMW, SCALAR_FIELDS, known_optimizers_of, known_state_fields
 from ckpttool.optim_state.schema import (
     OPTIMIZER_TYPES,
     STATE_FIELDS,
@@ -155,17 +155,18 @@ def orphan_state(ctx: Context) -> Iterator[tuple[str, str]]:
 @rule("O004")
 def state_shape_mismatch(ctx: Context) -> Iterator[tuple[str, str]]:
     for fqn, fields, param in _states(ctx):
+        other = _other_optimizer(ctx, fqn, fields)  # its fields are checked too (all known: SCALAR_FIELDS)
         for name, t in fields.items():
-            if name not in STATE_FIELDS:
+            if name not in STATE_FIELDS and not other:
                 continue
             if t is None:
-                if name != "step":
+                if name not in SCALAR_FIELDS:
                     key = ctx.cat.state_key(fqn, name)
                     yield key, f"{key}: saved as a Python object, not a tensor"
                 continue
-            if name == "step":
+            if name in SCALAR_FIELDS:
                 if t.numel != 1:
-                    yield t.key, f"{t.key}: step has shape {list(t.shape)}, expected a 0-d tensor"
+                    yield t.key, f"{t.key}: {name} has shape {list(t.shape)}, expected a 0-d tensor"
             elif param is not None and t.shape != param.shape:
                 yield t.key, f"{t.key}: shape {list(t.shape)} differs from the parameter's {list(param.shape)}"
         yield from _amsgrad_problems(ctx, fqn, "shape")
