@@ -151,3 +151,23 @@ def test_a_known_optimizer_field_of_another_shape_is_O004(tmp_path: Path, name: 
     rc, findings = _validate(tmp_path / "ck")
     key = f"optimizer.state.0.weight.{field}"
     assert rc == 1 and [(f["code"], f["message"]) for f in findings] == [("O004", f"{key}: {message}")], findings
+
+
+@pytest.mark.parametrize(("momentum", "fails"), [(0.0, False), (0.9, True)])
+def test_a_none_momentum_buffer_is_sgds_own_only_without_momentum(tmp_path: Path, momentum: float, fails: bool) -> None:
+    """Older torch SGD stored ``state['momentum_buffer'] = None`` for every stepped parameter at momentum 0: its
+    own state, not a lost tensor. With momentum the buffer is a tensor, and a ``None`` one is O004."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    model = torch.nn.Linear(4, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=momentum)
+    model(torch.randn(3, 4)).sum().backward()
+    opt.step()
+    msd, osd = get_state_dict(model, opt)
+    osd["state"] = {fqn: {"momentum_buffer": None} for fqn in msd}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dcp.save({"model": msd, "optimizer": osd}, checkpoint_id=str(tmp_path / "ck"))
+    rc, findings = _validate(tmp_path / "ck")
+    assert (rc, {f["code"] for f in findings}) == ((1, {"O004"}) if fails else (0, set())), findings

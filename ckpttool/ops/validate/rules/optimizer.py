@@ -93,6 +93,13 @@ def _other_optimizer(ctx: Context, fqn: str, fields: dict[str, TensorEntry | Non
     return bool(names) and ADAMW not in names
 
 
+def _no_momentum(ctx: Context, fqn: str, name: str) -> bool:
+    """A ``momentum_buffer`` saved as ``None`` in a group of ``momentum`` 0: older releases of torch's SGD stored
+    the ``None`` buffer of every stepped parameter (torch 2.13's keeps no state at momentum 0), not a lost tensor."""
+    group = _group_view(ctx, fqn) if name == "momentum_buffer" else None
+    return group is not None and group.get("momentum") == 0
+
+
 def _membership_known(ctx: Context) -> bool:
     """Every nested group's ``params`` list was read (else group membership is unknown)."""
     return not any(g.flavor == "nested" and g.keys.get("params") in ctx.byte_item_errors for g in ctx.cat.param_groups)
@@ -160,7 +167,7 @@ def state_shape_mismatch(ctx: Context) -> Iterator[tuple[str, str]]:
             if name not in STATE_FIELDS and not other:
                 continue
             if t is None:
-                if name not in SCALAR_FIELDS:
+                if name not in SCALAR_FIELDS and not _no_momentum(ctx, fqn, name):
                     key = ctx.cat.state_key(fqn, name)
                     yield key, f"{key}: saved as a Python object, not a tensor"
                 continue
