@@ -232,9 +232,7 @@ def test_a_quantized_export_of_a_tied_model_keeps_its_embedding_and_head_unconve
     export omits is listed in modules_to_not_convert: before, only an embed_tokens / wte embedding told the tie, so
     GPT-NeoX's embed_in and Falcon's / BLOOM's word_embeddings left lm_head out of it, and transformers' FP8 quantizer
     made it an FP8Linear with no weight or scale in the folder."""
-    from transformers import AutoConfig, AutoModelForCausalLM
-    from transformers.quantizers.quantizer_finegrained_fp8 import FineGrainedFP8HfQuantizer
-    from transformers.utils.quantization_config import FineGrainedFP8Config
+    from transformers import AutoConfig
 
     _, hf, ckpt = _saved(family, tmp_path)
     out = tmp_path / "q"
@@ -245,12 +243,7 @@ def test_a_quantized_export_of_a_tied_model_keeps_its_embedding_and_head_unconve
     with safe_open(str(out / "model.safetensors"), "pt") as f:
         assert f.get_tensor(embedding).dtype == torch.bfloat16
         assert any(f.get_tensor(k).dtype == torch.float8_e4m3fn for k in f.keys())
-    cfg = AutoConfig.from_pretrained(str(out))
-    quantizer = FineGrainedFP8HfQuantizer(FineGrainedFP8Config.from_dict(dict(cfg.quantization_config)))
-    quantizer.pre_quantized = True
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(cfg)
-    quantizer._process_model_before_weight_loading(model)
+    model = hf_models.fp8_meta_model(AutoConfig.from_pretrained(str(out)))
     assert type(model.get_output_embeddings()).__name__ == "Linear"
     assert type(model.get_input_embeddings()).__name__ == "Embedding"
 
@@ -296,18 +289,12 @@ def test_a_quantized_export_refuses_fp8_weights_of_gpt2s_conv1d_modules(tmp_path
     ("no linear modules were found"): before, `export --quantize` wrote them FP8 with scales, which from_pretrained
     would load as FP8 values without the scales. Now it is E601 naming them and the --quantize-skip globs, nothing
     written; with those globs the export writes them in BF16, equal to the model's weights."""
-    from transformers import AutoConfig, AutoModelForCausalLM
-    from transformers.quantizers.quantizer_finegrained_fp8 import FineGrainedFP8HfQuantizer
-    from transformers.utils.quantization_config import FineGrainedFP8Config
+    from transformers import AutoConfig
 
     model, hf, ckpt = _saved("gpt2", tmp_path)
     cfg = AutoConfig.from_pretrained(str(hf))
     cfg.quantization_config = {"quant_method": "fp8", "weight_block_size": [16, 16]}
-    quantizer = FineGrainedFP8HfQuantizer(FineGrainedFP8Config.from_dict(cfg.quantization_config))
-    quantizer.pre_quantized = True
-    with torch.device("meta"):
-        meta = AutoModelForCausalLM.from_config(cfg)
-    quantizer._process_model_before_weight_loading(meta)
+    meta = hf_models.fp8_meta_model(cfg)
     assert type(meta.transformer.h[0].attn.c_attn).__name__ == "Conv1D"  # what transformers would load into
 
     args = ["--model-assets", str(hf), "--quantize", "fp8-block", "--quantize-block", "16"]

@@ -637,9 +637,7 @@ def test_tied_export_keeps_the_omitted_lm_head_out_of_the_conversion(
     ``model.embed_tokens`` as not converted: transformers (a list given: no default lm_head skip) builds lm_head
     as an FP8Linear whose FP8 weight and scale the folder lacks (compressed-tensors' ``Linear`` target likewise).
     Now ``lm_head`` is listed too; transformers' own FineGrainedFP8 quantizer keeps it a plain Linear."""
-    from transformers import AutoConfig, AutoModelForCausalLM
-    from transformers.quantizers.quantizer_finegrained_fp8 import FineGrainedFP8HfQuantizer
-    from transformers.utils.quantization_config import FineGrainedFP8Config
+    from transformers import AutoConfig
 
     src = cached_build(fixture_root, "export_llama_tied", hf_models.build_llama_tied)
     out = tmp_path / "q"
@@ -650,12 +648,7 @@ def test_tied_export_keeps_the_omitted_lm_head_out_of_the_conversion(
     assert qc["modules_to_not_convert" if quant_format == "fp8" else "ignore"] == ["lm_head", "model.embed_tokens"]
     if quant_format != "fp8":
         return
-    cfg = AutoConfig.from_pretrained(str(out))
-    quantizer = FineGrainedFP8HfQuantizer(FineGrainedFP8Config.from_dict(dict(cfg.quantization_config)))
-    quantizer.pre_quantized = True
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(cfg)
-    quantizer._process_model_before_weight_loading(model)
+    model = hf_models.fp8_meta_model(AutoConfig.from_pretrained(str(out)))
     assert type(model.lm_head).__name__ == "Linear"
     assert type(model.model.layers[0].self_attn.q_proj).__name__ == "FP8Linear"
 

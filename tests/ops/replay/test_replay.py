@@ -872,6 +872,24 @@ def test_a_step_saved_as_a_python_number_replays_as_torch_loads_it(tmp_path: Pat
     assert_no_traceback(res)
 
 
+def _assert_replay_is_the_runs_next_step(ck: Path, grads: Path, model: Any, opt: Any) -> None:
+    """Step ``opt`` with the gradients file (the run's own next step), replay the checkpoint against torch with the
+    same file: every parameter and moment equal to the run's, bitwise."""
+    from safetensors.torch import load_file
+
+    g = load_file(str(grads))
+    for n, p in model.named_parameters():
+        p.grad = g[n].clone()
+    opt.step()
+    res, got = replay_collect(ck, grads=str(grads), reference="torch")
+    assert res.ok, [(r.fqn, r.problems) for r in res.params]
+    for n, p in model.named_parameters():
+        assert torch.equal(got[n]["param"], p.detach()), n
+        assert torch.equal(got[n]["exp_avg"], opt.state[p]["exp_avg"]), n
+        assert torch.equal(got[n]["exp_avg_sq"], opt.state[p]["exp_avg_sq"]), n
+    assert all(r.torch_unequal == {"param": 0, "exp_avg": 0, "exp_avg_sq": 0, "step": 0} for r in res.params)
+
+
 def test_a_negative_saved_second_moment_is_named_as_the_cause(tmp_path: Path) -> None:
     """A negative saved exp_avg_sq (validate --deep's D002) failed the replay (right) with only its consequences:
     'update size [R003]: max |m_hat|/(sqrt(v_hat)+eps) inf ...' and 'param: 1 element(s) beyond tolerance (max abs
@@ -900,23 +918,11 @@ def test_a_tensor_lr_replays_torchs_own_step_bitwise(tmp_path: Path) -> None:
     and said 'OK' with --reference torch (torch_unequal 0, its reference built the same way) while the run's own next
     step differs from it by an ulp in some elements (torch computes lr * weight_decay and the step size with the
     tensor). Both now take the saved tensor: the replay equals torch's own step bitwise."""
-    from safetensors.torch import load_file
-
     ck, grads, model, opt = _adamw_linear_with(
         tmp_path, lambda osd: None, lambda p: torch.optim.AdamW(p, lr=torch.tensor(1e-2), weight_decay=0.1)
     )
     assert torch.is_tensor(opt.param_groups[0]["lr"])
-    g = load_file(str(grads))
-    for n, p in model.named_parameters():
-        p.grad = g[n].clone()
-    opt.step()  # the run's own next step
-    res, got = replay_collect(ck, grads=str(grads), reference="torch")
-    assert res.ok, [(r.fqn, r.problems) for r in res.params]
-    for n, p in model.named_parameters():
-        assert torch.equal(got[n]["param"], p.detach()), n
-        assert torch.equal(got[n]["exp_avg"], opt.state[p]["exp_avg"]), n
-        assert torch.equal(got[n]["exp_avg_sq"], opt.state[p]["exp_avg_sq"]), n
-    assert all(r.torch_unequal == {"param": 0, "exp_avg": 0, "exp_avg_sq": 0, "step": 0} for r in res.params)
+    _assert_replay_is_the_runs_next_step(ck, grads, model, opt)
 
 
 @pytest.mark.parametrize("flags", [{}, {"fused": True}], ids=["single-tensor", "fused"])
@@ -925,24 +931,12 @@ def test_tensor_betas_replay_torchs_own_step_bitwise(tmp_path: Path, flags: dict
     tensors (dcp.save stores the pair as a byte item of two tensors), was refused: '[E514] param group of weight:
     betas[0] is tensor(0.9000), expected a number'. The replay now takes the saved tensors, as the run computed
     1 - beta and the bias corrections with them (floats give steps an ulp away): torch's own next step, bitwise."""
-    from safetensors.torch import load_file
-
     betas = (torch.tensor(0.8), torch.tensor(0.95))
     ck, grads, model, opt = _adamw_linear_with(
         tmp_path, lambda osd: None, lambda p: torch.optim.AdamW(p, lr=1e-2, betas=betas, weight_decay=0.1, **flags)
     )
     assert all(torch.is_tensor(b) for b in opt.param_groups[0]["betas"])
-    g = load_file(str(grads))
-    for n, p in model.named_parameters():
-        p.grad = g[n].clone()
-    opt.step()  # the run's own next step
-    res, got = replay_collect(ck, grads=str(grads), reference="torch")
-    assert res.ok, [(r.fqn, r.problems) for r in res.params]
-    for n, p in model.named_parameters():
-        assert torch.equal(got[n]["param"], p.detach()), n
-        assert torch.equal(got[n]["exp_avg"], opt.state[p]["exp_avg"]), n
-        assert torch.equal(got[n]["exp_avg_sq"], opt.state[p]["exp_avg_sq"]), n
-    assert all(r.torch_unequal == {"param": 0, "exp_avg": 0, "exp_avg_sq": 0, "step": 0} for r in res.params)
+    _assert_replay_is_the_runs_next_step(ck, grads, model, opt)
 
 
 def test_a_grad_scale_whose_gradients_overflow_is_an_option_error_not_a_failed_checkpoint(tmp_path: Path) -> None:
