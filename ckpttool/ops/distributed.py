@@ -74,6 +74,10 @@ class Group:
     lost_error: RankLostError | None = field(default=None, repr=False, compare=False)
     note: str | None = field(default=None, compare=False)
     stderr_fd: int | None = field(default=None, repr=False, compare=False)  # a silenced rank's own stderr
+    # rank 0, when the output was not published: its staging directory and the parents of OUT this run made,
+    # removed again by :meth:`finish` once every rank ended (a peer may have written there after rank 0 removed it)
+    unpublished: Path | None = field(default=None, repr=False, compare=False)
+    unpublished_parents: list[Path] = field(default_factory=list, repr=False, compare=False)
 
     @property
     def active(self) -> bool:
@@ -255,6 +259,8 @@ class Group:
                 time.sleep(0.02)
         if pending and self.lost_error is None and self.note is None:
             self.lost_peer(wait_s=0.5)
+        if self.unpublished is not None:
+            _remove_unpublished(self.unpublished, self.unpublished_parents)
 
     def close(self) -> None:
         if self.active:
@@ -395,6 +401,17 @@ def _clean_after_lost_root(store: Any) -> None:
     _remove_empty([Path(a) for a in json.loads(_store_get(store, "created") or "[]")])
 
 
+def _remove_unpublished(staging: Path, parents: list[Path]) -> None:
+    """Rank 0, at the end of a run that published nothing: its ``staging`` directory again (made by this process,
+    under this run's own name; what a peer wrote there after rank 0 removed it: the removal's last ``rmdir`` fails
+    when a file appears during it), then the ``parents`` of OUT the run made, when empty."""
+    import shutil
+
+    if staging.is_dir() and not staging.is_symlink():
+        shutil.rmtree(staging, ignore_errors=True)
+    _remove_empty(parents)
+
+
 def _remove_empty(dirs: Sequence[Path]) -> None:
     """``rmdir`` each of ``dirs`` (deepest first) until one is not empty (someone else's files) or gone."""
     for a in dirs:
@@ -412,8 +429,14 @@ def _published(group: Group, cm: Any) -> Any:
     SIGTERM ignored: the rest of the run only reports)."""
     import signal
 
-    with cm as tmp:
-        yield tmp
+    tmp = None
+    try:
+        with cm as tmp:
+            yield tmp
+    except BaseException:
+        if isinstance(tmp, Path):  # removed by cm; a peer still writing its share may have made a file there since
+            group.unpublished = tmp
+        raise
     group.mark("committed")
     # published: torchrun's SIGTERM (a peer lost from here on) must not cut the report short
     with contextlib.suppress(ValueError):
@@ -442,6 +465,7 @@ def _record_output(stack: contextlib.ExitStack, group: Group, out: Any, source: 
         _store_set(group.store, "source", str(absolute_path(source)))
     _store_set(group.store, "created", json.dumps([str(a) for a in missing]))
     stack.callback(lambda: None if group.phase == "committed" else _remove_empty(missing))
+    stack.callback(lambda: None if group.phase == "committed" else group.unpublished_parents.extend(missing))
 
 
 def _report(e: BaseException) -> dict[str, Any]:

@@ -316,6 +316,63 @@ runpy.run_module("ckpttool", run_name="__main__")
 """
 
 
+# Ctrl-C reaches rank 0 as soon as the output is open while rank 1 goes on writing its share: rank 1
+# fills the staging directory (2,000 files, so rank 0's removal takes a while), then keeps adding a file
+# each millisecond while rank 0 removes the directory, as a peer's writer threads do until their unit ends
+_LATE_PEER = """\
+import os, runpy, signal, sys, time
+from ckpttool.format.marker import MARKER_NAME
+from ckpttool.ops import distributed
+
+enter = distributed.enter_output_dir
+def entered(*a, **k):
+    tmp = enter(*a, **k)
+    deadline = time.monotonic() + 60
+    if os.environ["RANK"] == "0":
+        while not (tmp / "ready").exists() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        os.kill(os.getpid(), signal.SIGINT)
+        time.sleep(60)
+    for i in range(2000):
+        (tmp / f"early-{i}").touch()
+    (tmp / "ready").touch()
+    gone = None
+    while time.monotonic() < deadline and (gone is None or time.monotonic() < gone + 1.0):
+        if gone is None and not (tmp / MARKER_NAME).exists():
+            gone = time.monotonic()
+        try:
+            (tmp / f"late-{time.monotonic_ns()}").touch()
+        except FileNotFoundError:
+            break
+        time.sleep(0.001)
+    os.kill(os.getpid(), signal.SIGINT)
+    time.sleep(60)
+distributed.enter_output_dir = entered
+sys.argv = ["ckpttool", *sys.argv[1:]]
+runpy.run_module("ckpttool", run_name="__main__")
+"""
+
+
+@pytest.mark.slow
+def test_ctrl_c_leaves_no_staging_directory_when_a_peer_wrote_there_during_its_removal(
+    sample_ckpt: Path, tmp_path: Path
+) -> None:
+    """Rank 0 removes the staging directory as it leaves; a file rank 1 writes there meanwhile made the removal's
+    last rmdir fail, and a directory of rank 1's shards was left beside OUT (seen in CI). Rank 0 removes it again
+    once every rank has ended."""
+    script = tmp_path / "late.py"
+    script.write_text(_LATE_PEER)
+    out = tmp_path / "out" / "deeper"
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    env.pop("CKPTTOOL_DEBUG", None)
+    r = run_torchrun(2, [str(script), "export", str(sample_ckpt), str(out)], env=env)
+    assert r.returncode != 0
+    errors = [line for line in r.stderr.splitlines() if line.startswith("error:")]
+    assert errors == ["error: interrupted"], r.stderr[-3000:]
+    assert "forcefully exiting" not in r.stderr, r.stderr[-3000:]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["late.py"]  # nor the parent of OUT this run made
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("when", ["output-open", "rank-0-waiting"])
 def test_ctrl_c_of_torchrun_publishes_nothing_and_removes_the_temporary_output(
