@@ -15,7 +15,15 @@ from typing import Any
 
 from ckpttool.optim_state.schema import STATE_FIELDS, lion_group
 
-__all__ = ["ADAMW", "KNOWN_OPTIMIZERS", "SCALAR_FIELDS", "KnownOptimizer", "known_optimizers_of", "known_state_fields"]
+__all__ = [
+    "ADAMW",
+    "KNOWN_OPTIMIZERS",
+    "SCALAR_FIELDS",
+    "KnownOptimizer",
+    "known_optimizers_of",
+    "known_state_fields",
+    "saved_by_adamw",
+]
 
 #: The name of ckpttool's own AdamW family's entry (the state ``O001``/``O004``/``O005`` check).
 ADAMW = "AdamW"
@@ -87,6 +95,12 @@ def known_optimizers_of(fields: Iterable[str], group: Mapping[str, Any] | None =
     """The names of the :data:`KNOWN_OPTIMIZERS` that save exactly ``fields`` for a parameter of ``group``."""
     have = frozenset(fields)
     return tuple(k.name for k in KNOWN_OPTIMIZERS if k.saves(have, group))
+
+
+def saved_by_adamw(fields: Iterable[str]) -> bool:
+    """Whether ckpttool's own AdamW family (the first entry of :data:`KNOWN_OPTIMIZERS`) saves exactly ``fields``: told
+    without the param group, so the common case never builds one (validate asks it of every parameter)."""
+    return KNOWN_OPTIMIZERS[0].saves(fields)
 
 
 def known_state_fields() -> frozenset[str]:

@@ -21,7 +21,7 @@ from ckpttool.format.metadata import FLOAT8_DTYPES, dtype_name
 from ckpttool.model.catalog import TensorEntry, dtype_refuted_by, listed_twice, lost_state
 from ckpttool.ops.validate.base import rule
 from ckpttool.ops.validate.context import Context
-from ckpttool.optim_state.known import ADAMW, SCALAR_FIELDS, known_optimizers_of, known_state_fields
+from ckpttool.optim_state.known import ADAMW, SCALAR_FIELDS, known_optimizers_of, known_state_fields, saved_by_adamw
 from ckpttool.optim_state.schema import (
     OPTIMIZER_TYPES,
     STATE_FIELDS,
@@ -89,6 +89,8 @@ def _group_view(ctx: Context, fqn: str) -> dict[str, Any] | None:
 def _other_optimizer(ctx: Context, fqn: str, fields: dict[str, TensorEntry | None]) -> bool:
     """The fields are those of a known optimizer other than AdamW (:mod:`ckpttool.optim_state.known`) for the
     parameter's group: Lion's lone ``exp_avg`` is complete state, not AdamW state that lost a moment."""
+    if saved_by_adamw(fields):
+        return False  # AdamW's own fields: no group to build (every parameter of a large checkpoint asks)
     names = known_optimizers_of(fields, _group_view(ctx, fqn))
     return bool(names) and ADAMW not in names
 
