@@ -606,10 +606,10 @@ def _adam_or_adamw(group_of: Mapping[str, Any], hypers: Mapping[str, Hyper]) -> 
     saved, ``decoupled_weight_decay`` not: torch 2.7 made AdamW a subclass of Adam and saves it in both) with a
     non-zero ``weight_decay``: ``torch.optim.Adam`` (L2 weight decay added to the gradient, another step) saves
     the same entries as ``AdamW``. With ``weight_decay`` 0 their steps are the same."""
-    unsure = [
+    unsure = [  # the replayed parameters (`filter_glob`): those ``hypers`` holds
         f
-        for f, g in group_of.items()
-        if "amsgrad" in g.keys and "decoupled_weight_decay" not in g.keys and hypers[f].weight_decay != 0.0
+        for f, h in hypers.items()
+        if "amsgrad" in (keys := group_of[f].keys) and "decoupled_weight_decay" not in keys and h.weight_decay != 0.0
     ]
     if not unsure:
         return []

@@ -977,6 +977,11 @@ def test_a_torch_26_group_with_weight_decay_warns_that_adam_looks_the_same(tmp_p
         "and no decoupled_weight_decay entry: torch.optim.Adam (L2 weight decay, another step) saves the same entries "
         "as AdamW; replayed as AdamW, which the run must have used"
     ], res.notes
+    # `--filter` replays the selected parameters only: the warning counts those (it raised KeyError E999 on the others)
+    filtered, _ = replay_collect(ck, grads=str(grads), filter_glob="bias")
+    assert [n for n in filtered.notes if "before 2.7" in n] == [
+        warned[0].replace("2 parameter(s) (e.g. weight)", "1 parameter(s) (e.g. bias)")
+    ]
     ck0, grads0, _, _ = _adamw_linear_with(tmp_path / "wd0", as_torch_26, lambda p: make(p, lr=1e-2, weight_decay=0))
     assert not [n for n in replay_collect(ck0, grads=str(grads0))[0].notes if "before 2.7" in n]
     if optimizer == "AdamW":
