@@ -302,12 +302,14 @@ def render_diff(res: DiffResult, *, max_rows: int = _ROWS) -> None:
     within = sum(t.status == "within_tolerance" for t in res.tensors)
     if res.equal and within:  # not bitwise: "equal" alone would claim more than was found
         verdict = f"equal within tolerance: {_plural(within, 'tensor')} not bitwise equal"
-    from ckpttool.ops.diff.result import BESIDE_NOTE, SELF_NOTE
+    from ckpttool.ops.diff.result import BESIDE_NOTE, MODEL_ONLY_NOTE, SELF_NOTE
 
     if res.equal and any(n.startswith(BESIDE_NOTE) for n in res.notes):
         verdict += "; files beside the checkpoints differ (note above)"
     if res.equal and any(n.startswith(SELF_NOTE) for n in res.notes):
         verdict += f" to itself: {SELF_NOTE} (note above)"
+    elif res.equal and any(n.startswith(MODEL_ONLY_NOTE) for n in res.notes):
+        verdict += " as models; optimizer state not compared (note above)"
     con.print(f"{verdict} ({res.seconds:.2f} s)")
 
 

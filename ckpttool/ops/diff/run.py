@@ -65,6 +65,7 @@ from ckpttool.ops.diff.compare import (
 from ckpttool.ops.diff.gather import gathered_values, short_tensor
 from ckpttool.ops.diff.result import (
     BESIDE_NOTE,
+    MODEL_ONLY_NOTE,
     SELF_NOTE,
     SIDE_B_DECLARED,
     WHAT,
@@ -1400,6 +1401,7 @@ def _diff(
     notes.extend(_beside_notes(a, b, opts))
     notes.extend(_newer_incomplete_notes(a, b))
     notes.extend(_self_note(a, b))
+    notes.extend(_model_only_note(a, b, opts))
     seconds = time.perf_counter() - t0
     log.info("diff: %d compared (%d raw), %d differences in %.3f s", tally.compared, tally.raw, tally.count, seconds)
     return DiffResult(
@@ -1465,6 +1467,26 @@ def _self_note(a: Side, b: Side) -> list[str]:
         "to compare two steps of the run give --a-step N --b-step M" if below_run else "to compare two copies pass both"
     )
     return [f"{SELF_NOTE} ({shown}): compared with itself, which shows only that it reads alike twice; {how}"]
+
+
+def _model_only_note(a: Side, b: Side, opts: DiffOptions) -> list[str]:
+    """With ``what`` model of two DCP sides of which one holds optimizer state or param groups: a note counting
+    what was left out (state fields, param groups), so that "equal" is not read as "the same training state"."""
+    if opts.what != "model" or a.kind != "dcp" or b.kind != "dcp":
+        return []
+    held = []
+    for side in (a, b):
+        cat = side.ckpt.catalog
+        fields = sum(len(ps.fields) for ps in cat.optimizer_state.values())
+        if fields or cat.param_groups:
+            groups = len(cat.param_groups)
+            held.append(
+                f"{side.label} holds {fields:,} state field{'s' * (fields != 1)} in {groups:,} "
+                f"param group{'s' * (groups != 1)}"
+            )
+    if not held:
+        return []
+    return [f"{MODEL_ONLY_NOTE} ({'; '.join(held)}): --what all compares them"]
 
 
 def _one_file(side: Side) -> str | None:

@@ -118,3 +118,34 @@ def test_manifest_verify_of_a_run_root_asks_for_a_step(tmp_path: Path) -> None:
     assert res.exit_code == 2 and "[E204]" in res.stderr and "--step" in res.stderr, res.stderr
     gone = invoke("manifest", tmp_path / "nowhere", "--verify")
     assert gone.exit_code == 2 and "no such directory" in gone.stderr, gone.stderr
+
+
+def test_equal_models_of_two_training_states_do_not_read_as_the_same_state(tmp_path: Path) -> None:
+    """Two saves of one AdamW run that differ only in the scheduler's lr: ``diff`` (``--what model``, the default)
+    said a plain "equal". It compared the model only; a note and the verdict now say that the optimizer state and
+    param groups were left out, and ``--what all`` finds the lr."""
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 3)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    model(torch.randn(2, 4)).sum().backward()
+    opt.step()
+    for name, lr in (("a", 1e-3), ("b", 5e-4)):
+        opt.param_groups[0]["lr"] = lr
+        msd, osd = get_state_dict(model, opt)
+        dcp.save({"model": msd, "optim": osd}, checkpoint_id=str(tmp_path / name), no_dist=True)
+    res = invoke("diff", tmp_path / "a", tmp_path / "b")
+    assert res.exit_code == 0, res.output
+    note = (
+        "optimizer state and param groups not compared (A holds 6 state fields in 1 param group; B holds 6 state "
+        "fields in 1 param group): --what all compares them"
+    )
+    assert f"  note: {note}" in res.stdout.splitlines(), res.stdout
+    assert res.stdout.splitlines()[-1].startswith("equal as models; optimizer state not compared (note above) (")
+    doc = json.loads(invoke("diff", tmp_path / "a", tmp_path / "b", "--json").stdout)
+    assert doc["equal"] is True and note in doc["notes"]
+    jsonschema.validate(doc, load_schema("diff"))
+    full = invoke("diff", tmp_path / "a", tmp_path / "b", "--what", "all")
+    assert full.exit_code == 1 and "optimizer.param_groups.weight.lr: 0.001 in A, 0.0005 in B" in full.stdout
+    assert "not compared (" not in full.stdout
