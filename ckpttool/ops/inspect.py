@@ -36,6 +36,7 @@ from ckpttool.model.discovery import Located
 from ckpttool.model.schemas.keyschema import KeySchema
 from ckpttool.model.schemas.nemo import hf_copies
 from ckpttool.ops.fields import options_of
+from ckpttool.optim_state.known import saved_by
 from ckpttool.optim_state.schema import HYPERPARAMETERS
 
 log = logging.getLogger(__name__)
@@ -186,6 +187,11 @@ class OptimizerSummary:
     implied_type: str | None
     implied_types: dict[str, int]
     """Optimizer type implied by a parameter's fields -> parameters (``implied_type``: the most common)."""
+    saved_by: str | None
+    saved_by_counts: dict[str, int]
+    """The optimizer a parameter's state fields (and its param group) imply -> parameters
+    (:func:`ckpttool.optim_state.known.saved_by`: ``torch.optim.RMSprop``, ``ambiguous: A or B``, ``unknown``;
+    ``saved_by``: the most common, ``None`` where no parameter has state), most first (then by name)."""
     declared_type: str | None
     """``optimizer.type`` of the layout record."""
     param_groups: tuple[GroupRow, ...]
@@ -541,11 +547,15 @@ def _optimizer_section(cat: Catalog, filt: str | None, declared: str | None) -> 
     never_stepped = _never_stepped(cat, without, grouped)
     field_dtypes: dict[str, Counter[str]] = defaultdict(Counter)
     implied: Counter[str] = Counter()
+    by: Counter[str] = Counter()
+    groups = cat.group_index() if cat.param_groups else {}
     for fqn in with_state:
         ps = cat.optimizer_state[fqn]
         for name, dtype in ps.field_dtypes.items():
             field_dtypes[name][dtype] += 1
         implied[ps.implied_type or "unknown"] += 1
+        g = groups.get(fqn)
+        by[saved_by(ps.fields, None if g is None else g.keys, None if g is None else g.values)] += 1
     return OptimizerSummary(
         flavor=cat.optimizer_flavor,
         params_total=len(params),
@@ -553,6 +563,8 @@ def _optimizer_section(cat: Catalog, filt: str | None, declared: str | None) -> 
         fields={k: dict(v) for k, v in sorted(field_dtypes.items())},
         implied_type=implied.most_common(1)[0][0] if implied else None,
         implied_types=dict(implied),
+        saved_by=min(by, key=lambda k: (-by[k], k)) if by else None,
+        saved_by_counts=dict(sorted(by.items(), key=lambda kv: (-kv[1], kv[0]))),
         declared_type=declared,
         param_groups=tuple(_param_group_rows(cat, filt)),
         params_without_state=tuple(without),

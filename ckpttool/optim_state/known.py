@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
+from functools import lru_cache
 from typing import Any
 
 from ckpttool.optim_state.schema import STATE_FIELDS, lion_group, other_adam_family, sparse_adam_group
@@ -200,14 +201,28 @@ def known_state_fields() -> frozenset[str]:
     return out
 
 
-def saved_by(fields: Iterable[str], group: Mapping[str, Any] | None = None) -> str:
-    """The optimizer that saved ``fields`` for a parameter of the param group ``group`` (as
-    :func:`known_optimizers_of`): its class (``torch.optim.RMSprop``), ``ambiguous: A or B`` where the fields fit
-    several and the group tells none of them (``momentum_buffer`` in a group of neither SGD's nor Muon's keys), or
-    ``unknown`` where they fit none. An entry whose group shows it (:meth:`KnownOptimizer.told`) is preferred."""
-    have = frozenset(fields)
-    fit = [k for k in KNOWN_OPTIMIZERS if k.saves(have, group)]
-    told = [k for k in fit if k.told(have, group)]
+#: The param-group values a test of :data:`_GROUP_TESTS` reads (``is True`` / ``is False``); the others read which
+#: keys the group holds.
+_READ_VALUES = ("amsgrad", "decoupled_weight_decay")
+
+
+def saved_by(fields: Iterable[str], keys: Iterable[str] | None = None, values: Mapping[str, Any] | None = None) -> str:
+    """The optimizer that saved ``fields`` for a parameter whose param group holds ``keys`` with the saved
+    ``values`` (``None``: no group): its class (``torch.optim.RMSprop``), ``ambiguous: A or B`` where the fields fit
+    several entries of :data:`KNOWN_OPTIMIZERS` and the group tells none of them (``momentum_buffer`` in a group of
+    neither SGD's nor Muon's keys), or ``unknown`` where they fit none. An entry whose group shows it
+    (:meth:`KnownOptimizer.told`) is preferred. Cached: one answer per field set and group shape."""
+    read = tuple((v if isinstance(v := (values or {}).get(k), bool) else None) for k in _READ_VALUES)
+    return _saved_by(frozenset(fields), None if keys is None else frozenset(keys), read)
+
+
+@lru_cache(maxsize=4096)
+def _saved_by(fields: frozenset[str], keys: frozenset[str] | None, read: tuple[bool | None, ...]) -> str:
+    group = None
+    if keys is not None:
+        group = {**dict.fromkeys(keys), **{k: v for k, v in zip(_READ_VALUES, read, strict=True) if k in keys}}
+    fit = [k for k in KNOWN_OPTIMIZERS if k.saves(fields, group)]
+    told = [k for k in fit if k.told(fields, group)]
     names = list(dict.fromkeys(k.saved_by for k in (told or fit)))
     if not names:
         return "unknown"
