@@ -211,7 +211,8 @@ def saved_by(fields: Iterable[str], keys: Iterable[str] | None = None, values: M
     ``values`` (``None``: no group): its class (``torch.optim.RMSprop``), ``ambiguous: A or B`` where the fields fit
     several entries of :data:`KNOWN_OPTIMIZERS` and the group tells none of them (``momentum_buffer`` in a group of
     neither SGD's nor Muon's keys), or ``unknown`` where they fit none. An entry whose group shows it
-    (:meth:`KnownOptimizer.told`) is preferred. Cached: one answer per field set and group shape."""
+    (:meth:`KnownOptimizer.told`) is preferred; with no fields (a parameter that has no state: SGD at momentum 0)
+    only the group can tell. Cached: one answer per field set and group shape."""
     read = tuple((v if isinstance(v := (values or {}).get(k), bool) else None) for k in _READ_VALUES)
     return _saved_by(frozenset(fields), None if keys is None else frozenset(keys), read)
 
@@ -221,8 +222,8 @@ def _saved_by(fields: frozenset[str], keys: frozenset[str] | None, read: tuple[b
     group = None
     if keys is not None:
         group = {**dict.fromkeys(keys), **{k: v for k, v in zip(_READ_VALUES, read, strict=True) if k in keys}}
-    fit = [k for k in KNOWN_OPTIMIZERS if k.saves(fields, group)]
-    told = [k for k in fit if k.told(fields, group)]
+    fit = [k for k in KNOWN_OPTIMIZERS if fields and k.saves(fields, group)]
+    told = [k for k in (fit if fields else KNOWN_OPTIMIZERS) if k.told(fields, group)]
     names = list(dict.fromkeys(k.saved_by for k in (told or fit)))
     if not names:
         return "unknown"
