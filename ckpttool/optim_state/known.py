@@ -166,15 +166,18 @@ KNOWN_OPTIMIZERS: tuple[KnownOptimizer, ...] = (
 SCALAR_FIELDS: frozenset[str] = frozenset().union(*(k.scalars for k in KNOWN_OPTIMIZERS))
 
 
-def field_shape(optimizers: Iterable[str], name: str, param_shape: tuple[int, ...]) -> tuple[int, ...]:
+def field_shape(optimizers: Iterable[str], name: str, param_shape: tuple[int, ...]) -> tuple[int, ...] | None:
     """The shape torch gives the state field ``name`` of a parameter of ``param_shape`` in the state of the
     :data:`KNOWN_OPTIMIZERS` named ``optimizers`` (:func:`known_optimizers_of`): ``()`` for a scalar field, the
-    parameter's shape with one dimension 1 for a reduced one (Adafactor's), else the parameter's shape."""
+    parameter's shape with one dimension 1 for a reduced one (Adafactor's, of a parameter of 2+ dimensions; ``None``
+    for one of fewer, which torch's Adafactor keeps as ``variance``), else the parameter's shape."""
     if name in SCALAR_FIELDS:
         return ()
     for k in KNOWN_OPTIMIZERS:
         dim = dict(k.reduced).get(name) if k.name in optimizers else None
-        if dim is not None and len(param_shape) >= 2:
+        if dim is not None:
+            if len(param_shape) < 2:
+                return None
             shape = list(param_shape)
             shape[dim] = 1
             return tuple(shape)

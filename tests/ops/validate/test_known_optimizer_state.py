@@ -238,3 +238,20 @@ def test_sparse_adam_state_and_group_pass_strict(tmp_path: Path) -> None:
     _save_model(tmp_path / "ck", model, opt, lambda: torch.randint(0, 10, (3,)))
     assert set(opt.state_dict()["param_groups"][0]) == {"lr", "betas", "eps", "maximize", "params"}
     assert _validate(tmp_path / "ck") == (0, [])
+
+
+def test_a_factored_adafactor_moment_of_a_one_dimensional_parameter_is_O004(tmp_path: Path) -> None:
+    """torch's Adafactor factors only parameters of 2+ dimensions (a bias keeps ``variance``): a bias saved with
+    ``row_var``/``col_var`` fits the parameter's shape rule of no field and would not step (``variance`` is None)."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 8)
+    opt = torch.optim.Adafactor(model.parameters(), lr=0.01)
+    _save_model(tmp_path / "ck", model, opt, lambda: torch.randn(3, 4))
+    s = opt.state[model.bias]
+    s["row_var"], s["col_var"] = s.pop("variance").reshape(8), torch.zeros(8)  # as from a lying converter
+    _save_model(tmp_path / "bad", model, opt, lambda: torch.randn(3, 4), steps=0)
+    rc, findings = _validate(tmp_path / "bad")
+    assert rc == 1 and sorted((f["code"], f["message"]) for f in findings) == [
+        ("O004", f"optimizer.state.bias.{f}: {f} of shape [8], which torch saves for no parameter of shape [8]")
+        for f in ("col_var", "row_var")
+    ], findings

@@ -103,11 +103,16 @@ def _other_optimizer(ctx: Context, fqn: str, fields: dict[str, TensorEntry | Non
     return () if ADAMW in names else names
 
 
-def _wanted(name: str, want: tuple[int, ...], param_shape: tuple[int, ...]) -> str:
-    """The shape a state field should have, said for an O004 message."""
-    if want == param_shape:
-        return f"the parameter's {list(param_shape)}"
-    return f"{list(want)}, the {name} torch saves for a parameter of shape {list(param_shape)}"
+def _shape_problem(name: str, shape: tuple[int, ...], want: tuple[int, ...] | None, param: tuple[int, ...]) -> str:
+    """What is wrong with a state field of ``shape`` that torch saves as ``want`` (``None``: saves none) for a
+    parameter of shape ``param``, said for an O004 message."""
+    if want is None:
+        return f"{name} of shape {list(shape)}, which torch saves for no parameter of shape {list(param)}"
+    if want == param:
+        return f"shape {list(shape)} differs from the parameter's {list(param)}"
+    return (
+        f"shape {list(shape)} differs from {list(want)}, the {name} torch saves for a parameter of shape {list(param)}"
+    )
 
 
 def _no_momentum(ctx: Context, fqn: str, name: str) -> bool:
@@ -192,7 +197,7 @@ def state_shape_mismatch(ctx: Context) -> Iterator[tuple[str, str]]:
                 if t.numel != 1:
                     yield t.key, f"{t.key}: {name} has shape {list(t.shape)}, expected a 0-d tensor"
             elif param is not None and t.shape != (want := field_shape(other, name, param.shape)):
-                yield t.key, f"{t.key}: shape {list(t.shape)} differs from {_wanted(name, want, param.shape)}"
+                yield t.key, f"{t.key}: {_shape_problem(name, t.shape, want, param.shape)}"
         yield from _amsgrad_problems(ctx, fqn, "shape")
     for ps in ctx.cat.optimizer_state.values():
         if not ps.stored_as:
