@@ -29,14 +29,21 @@ from ckpttool.format.perrank import PerRankReader
 from ckpttool.layouts.geometry import EPGeometry
 from ckpttool.layouts.record import EPTensorSpec
 from ckpttool.model.beside import TrainerState, read_training_state_beside
-from ckpttool.model.catalog import Catalog, ParamGroup, TensorEntry, group_by_prefix, leaf_key, match_filter
+from ckpttool.model.catalog import (
+    Catalog,
+    ParamGroup,
+    TensorEntry,
+    group_by_prefix,
+    leaf_key,
+    match_filter,
+    saved_by_counts,
+)
 from ckpttool.model.checkpoint import Checkpoint, CheckpointOrPath, ExtraState, OpenOptions, gc_held, open_source
 from ckpttool.model.counters import keeps_no_state
 from ckpttool.model.discovery import Located
 from ckpttool.model.schemas.keyschema import KeySchema
 from ckpttool.model.schemas.nemo import hf_copies
 from ckpttool.ops.fields import options_of
-from ckpttool.optim_state.known import saved_by
 from ckpttool.optim_state.schema import HYPERPARAMETERS
 
 log = logging.getLogger(__name__)
@@ -547,15 +554,12 @@ def _optimizer_section(cat: Catalog, filt: str | None, declared: str | None) -> 
     never_stepped = _never_stepped(cat, without, grouped)
     field_dtypes: dict[str, Counter[str]] = defaultdict(Counter)
     implied: Counter[str] = Counter()
-    by: Counter[str] = Counter()
-    groups = cat.group_index() if cat.param_groups else {}
+    by = saved_by_counts(cat, with_state)
     for fqn in with_state:
         ps = cat.optimizer_state[fqn]
         for name, dtype in ps.field_dtypes.items():
             field_dtypes[name][dtype] += 1
         implied[ps.implied_type or "unknown"] += 1
-        g = groups.get(fqn)
-        by[saved_by(ps.fields, None if g is None else g.keys, None if g is None else g.values)] += 1
     return OptimizerSummary(
         flavor=cat.optimizer_flavor,
         params_total=len(params),
@@ -563,8 +567,8 @@ def _optimizer_section(cat: Catalog, filt: str | None, declared: str | None) -> 
         fields={k: dict(v) for k, v in sorted(field_dtypes.items())},
         implied_type=implied.most_common(1)[0][0] if implied else None,
         implied_types=dict(implied),
-        saved_by=min(by, key=lambda k: (-by[k], k)) if by else None,
-        saved_by_counts=dict(sorted(by.items(), key=lambda kv: (-kv[1], kv[0]))),
+        saved_by=next(iter(by), None),
+        saved_by_counts=by,
         declared_type=declared,
         param_groups=tuple(_param_group_rows(cat, filt)),
         params_without_state=tuple(without),

@@ -216,18 +216,21 @@ def saved_by(fields: Iterable[str], keys: Iterable[str] | None = None, values: M
     neither SGD's nor Muon's keys), or ``unknown`` where they fit none. An entry whose group shows it
     (:meth:`KnownOptimizer.told`) is preferred; with no fields (a parameter that has no state: SGD at momentum 0)
     only the group can tell. Cached: one answer per field set and group shape."""
-    read = tuple((v if isinstance(v := (values or {}).get(k), bool) else None) for k in _READ_VALUES)
-    return _saved_by(frozenset(fields), None if keys is None else frozenset(keys), read)
+    vals = values or {}
+    amsgrad, decoupled = vals.get("amsgrad"), vals.get("decoupled_weight_decay")  # _READ_VALUES
+    read = (amsgrad if isinstance(amsgrad, bool) else None, decoupled if isinstance(decoupled, bool) else None)
+    return _saved_by(tuple(fields), None if keys is None else tuple(keys), read)
 
 
 @lru_cache(maxsize=4096)
-def _saved_by(fields: frozenset[str], keys: frozenset[str] | None, read: tuple[bool | None, ...]) -> str:
+def _saved_by(names: tuple[str, ...], keys: tuple[str, ...] | None, read: tuple[bool | None, ...]) -> str:
+    fields = frozenset(names)
     group = None
     if keys is not None:
         group = {**dict.fromkeys(keys), **{k: v for k, v in zip(_READ_VALUES, read, strict=True) if k in keys}}
     fit = [k for k in KNOWN_OPTIMIZERS if fields and k.saves(fields, group)]
     told = [k for k in (fit if fields else KNOWN_OPTIMIZERS) if k.told(fields, group)]
-    names = list(dict.fromkeys(k.saved_by for k in (told or fit)))
-    if not names:
+    labels = list(dict.fromkeys(k.saved_by for k in (told or fit)))
+    if not labels:
         return "unknown"
-    return names[0] if len(names) == 1 else "ambiguous: " + " or ".join(names)
+    return labels[0] if len(labels) == 1 else "ambiguous: " + " or ".join(labels)
