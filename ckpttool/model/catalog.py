@@ -16,7 +16,7 @@ import math
 import os
 import re
 from array import array
-from collections import defaultdict
+from collections import Counter, defaultdict
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from itertools import chain, compress, filterfalse, repeat
@@ -41,6 +41,7 @@ from ckpttool.model.schemas import registry
 from ckpttool.model.schemas.base import CANONICAL_MODEL_PREFIX, CommonState
 from ckpttool.model.schemas.detect import detect_schema, fused_parts, planner_paths
 from ckpttool.model.schemas.keyschema import KeySchema, SchemaOverride
+from ckpttool.optim_state.known import saved_by
 from ckpttool.optim_state.schema import infer_optimizer_type, missing_hyperparameters
 
 if TYPE_CHECKING:
@@ -57,6 +58,7 @@ __all__ = [
     "leaf_key",
     "load_param_groups",
     "implied_optimizer_type",
+    "saved_by_counts",
     "match_filter",
     "group_by_prefix",
     "KNOWN_NON_PERSISTENT_BUFFERS",
@@ -1242,6 +1244,29 @@ def listed_twice(cat: Catalog) -> Iterator[tuple[str, str]]:
                 "torch.optim never builds a parameter into two groups, so whether the run stepped it once or twice "
                 "per step is unknown",
             )
+
+
+def saved_by_counts(cat: Catalog, fqns: Iterable[str] | None = None) -> dict[str, int]:
+    """The optimizer that saved the state of each parameter of ``fqns`` that has state (every parameter with state
+    where ``None``; :func:`ckpttool.optim_state.known.saved_by`, told from its fields and its param group) ->
+    parameters, most first (then by name): ``{"torch.optim.RMSprop": 4}``; ``{}`` where none has state."""
+    groups = cat.group_index() if cat.param_groups else {}
+    state = cat.optimizer_state
+    by: Counter[str] = Counter()
+    seen: dict[tuple[int, tuple[str, ...]], str] = {}  # (the group's id, the fields) -> the answer: groups live here
+    for fqn in state if fqns is None else fqns:
+        ps = state.get(fqn)
+        if ps is None or not ps.fields:
+            continue
+        g = groups.get(fqn)
+        k = (id(g), tuple(ps.fields))
+        name = seen.get(k)
+        if name is None:
+            if len(seen) >= 4096:  # a group per parameter (flattened): no hits to keep
+                seen.clear()
+            name = seen[k] = saved_by(ps.fields, None if g is None else g.keys, None if g is None else g.values)
+        by[name] += 1
+    return dict(sorted(by.items(), key=lambda kv: (-kv[1], kv[0])))
 
 
 def implied_optimizer_type(fields: dict[str, str]) -> str | None:

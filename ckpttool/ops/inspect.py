@@ -29,7 +29,15 @@ from ckpttool.format.perrank import PerRankReader
 from ckpttool.layouts.geometry import EPGeometry
 from ckpttool.layouts.record import EPTensorSpec
 from ckpttool.model.beside import TrainerState, read_training_state_beside
-from ckpttool.model.catalog import Catalog, ParamGroup, TensorEntry, group_by_prefix, leaf_key, match_filter
+from ckpttool.model.catalog import (
+    Catalog,
+    ParamGroup,
+    TensorEntry,
+    group_by_prefix,
+    leaf_key,
+    match_filter,
+    saved_by_counts,
+)
 from ckpttool.model.checkpoint import Checkpoint, CheckpointOrPath, ExtraState, OpenOptions, gc_held, open_source
 from ckpttool.model.counters import keeps_no_state
 from ckpttool.model.discovery import Located
@@ -186,6 +194,11 @@ class OptimizerSummary:
     implied_type: str | None
     implied_types: dict[str, int]
     """Optimizer type implied by a parameter's fields -> parameters (``implied_type``: the most common)."""
+    saved_by: str | None
+    saved_by_counts: dict[str, int]
+    """The optimizer a parameter's state fields (and its param group) imply -> parameters
+    (:func:`ckpttool.optim_state.known.saved_by`: ``torch.optim.RMSprop``, ``ambiguous: A or B``, ``unknown``;
+    ``saved_by``: the most common, ``None`` where no parameter has state), most first (then by name)."""
     declared_type: str | None
     """``optimizer.type`` of the layout record."""
     param_groups: tuple[GroupRow, ...]
@@ -541,6 +554,7 @@ def _optimizer_section(cat: Catalog, filt: str | None, declared: str | None) -> 
     never_stepped = _never_stepped(cat, without, grouped)
     field_dtypes: dict[str, Counter[str]] = defaultdict(Counter)
     implied: Counter[str] = Counter()
+    by = saved_by_counts(cat, with_state)
     for fqn in with_state:
         ps = cat.optimizer_state[fqn]
         for name, dtype in ps.field_dtypes.items():
@@ -553,6 +567,8 @@ def _optimizer_section(cat: Catalog, filt: str | None, declared: str | None) -> 
         fields={k: dict(v) for k, v in sorted(field_dtypes.items())},
         implied_type=implied.most_common(1)[0][0] if implied else None,
         implied_types=dict(implied),
+        saved_by=next(iter(by), None),
+        saved_by_counts=by,
         declared_type=declared,
         param_groups=tuple(_param_group_rows(cat, filt)),
         params_without_state=tuple(without),

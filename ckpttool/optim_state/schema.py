@@ -26,6 +26,7 @@ __all__ = [
     "lion_group",
     "missing_hyperparameters",
     "other_adam_family",
+    "sparse_adam_group",
     "step_dtype_ok",
 ]
 
@@ -65,18 +66,28 @@ def lion_group(keys: Iterable[str], state_fields: Iterable[str]) -> bool:
     return "betas" in have and "eps" not in have and "exp_avg" in fields and "exp_avg_sq" not in fields
 
 
+def sparse_adam_group(keys: Iterable[str]) -> bool:
+    """Whether a param group saved with ``keys`` is torch's SparseAdam's (``lr``, ``betas``, ``eps``, ``maximize``:
+    ``torch/optim/sparse_adam.py``): ``betas`` and ``maximize`` without ``weight_decay``, which every other torch
+    Adam-family group holds, nor their ``amsgrad``/``decoupled_weight_decay``."""
+    have = set(keys)
+    return {"betas", "maximize"} <= have and not {"weight_decay", "amsgrad", "decoupled_weight_decay"} & have
+
+
 def missing_hyperparameters(keys: Iterable[str], state_fields: Iterable[str] = ()) -> list[str]:
     """The :data:`HYPERPARAMETERS` a param group saved with ``keys`` lacks, in that order.
 
     A group of another torch optimizer (SGD, RMSprop, Adagrad, ...: one of its own keys saved) has no
     ``betas``/``eps`` to lack, and Rprop's and LBFGS's no ``weight_decay``: only ``lr`` (and
     ``weight_decay``) are asked of those. Lion (:func:`lion_group`, told by the group's ``state_fields``) has
-    no ``eps``.
+    no ``eps``, SparseAdam (:func:`sparse_adam_group`) no ``weight_decay``.
     """
     have = set(keys)
     missing = [h for h in HYPERPARAMETERS if h not in have]
     if lion_group(have, state_fields):
         return [h for h in missing if h != "eps"]
+    if sparse_adam_group(have):
+        return [h for h in missing if h != "weight_decay"]
     if "betas" in missing and not _OTHER_OPTIMIZER_KEYS.isdisjoint(have):
         asked = ("lr",) if not _NO_WEIGHT_DECAY_KEYS.isdisjoint(have) else ("lr", "weight_decay")
         missing = [h for h in missing if h in asked]

@@ -1206,6 +1206,13 @@ def _overview_optimizer(con: Console, ov: InspectResult) -> None:
             f"optimizer   flavor {o.flavor or ABSENT}; state for {o.params_with_state}/{o.params_total} params; "
             f"implied type {o.implied_type or ABSENT}; declared type {o.declared_type or ABSENT}"
         )
+        if o.saved_by_counts:
+            by = (
+                ", ".join(f"{k} ({n})" for k, n in o.saved_by_counts.items())
+                if len(o.saved_by_counts) > 1
+                else o.saved_by
+            )
+            con.print(f"saved by    {by}")
     if o.fields:
         print_table(
             con,

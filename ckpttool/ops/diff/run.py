@@ -42,7 +42,7 @@ from ckpttool.format.perrank_formats import detect_layout
 from ckpttool.format.storage import is_url, local_path
 from ckpttool.layouts.permute import legacy_to_canonical_perm
 from ckpttool.layouts.record import LAYOUT_KEY
-from ckpttool.model.catalog import TensorEntry, match_filter
+from ckpttool.model.catalog import TensorEntry, match_filter, saved_by_counts
 from ckpttool.model.checkpoint import (
     Checkpoint,
     CheckpointOrPath,
@@ -1395,6 +1395,9 @@ def _diff(
         keying = _keying_mismatch(a, b)
         if keying is not None:
             notes.append(f"{keying}: their optimizer state and param groups pair up with nothing (only in A / B)")
+        changed = _optimizer_changed(a, b)
+        if changed is not None:
+            notes.append(changed)
     kept = (len(items_a), len(items_b))
     _fail_closed(a, b, opts, tally, seen, kept, len(pairs) - sum(ib is None for _, ib in pairs), excluded)
     notes.extend(_cross_dtype_notes(tally.stats, opts))
@@ -1792,6 +1795,22 @@ def _no_common_name(
             f"{keying}: re-save the index-keyed one with get_state_dict (torch.distributed.checkpoint.state_dict)",
         )
     return why, _no_common_name_hint(a, b, kept, opts)
+
+
+def _optimizer_changed(a: Side, b: Side) -> str | None:
+    """Where the two DCP sides' optimizer state was saved by different optimizers (``inspect``'s ``saved_by``: the
+    state fields and param groups then differ by design, not by damage): the line that says so; else ``None``."""
+    said = {s.label: saved_by_counts(s.ckpt.catalog) for s in (a, b)}
+    if not said["A"] or not said["B"] or said["A"].keys() == said["B"].keys():
+        return None
+    return (
+        f"A's optimizer state was saved by {_optimizers(said['A'])}, B's by {_optimizers(said['B'])}: their state "
+        "fields and param groups differ by design"
+    )
+
+
+def _optimizers(counts: dict[str, int]) -> str:
+    return next(iter(counts)) if len(counts) == 1 else ", ".join(f"{k} ({n})" for k, n in counts.items())
 
 
 def _keying_mismatch(a: Side, b: Side) -> str | None:

@@ -41,6 +41,7 @@ from ckpttool.model.catalog import (
     match_filter,
 )
 from ckpttool.model.schemas.base import canonical_model_key
+from ckpttool.optim_state.known import saved_by
 from ckpttool.optim_state.schema import (
     OPTIMIZER_TYPES,
     STATE_FIELDS,
@@ -204,23 +205,46 @@ _ANY_OPTIMIZER = (
 
 def _refuse_non_adam(group: Any, fqn: str, missing: list[str], state_fields: Iterable[str]) -> None:
     """Refuse (E514) a param group saved by an optimizer outside the Adam family: Lion's (``betas`` without ``eps``
-    over one moment, :func:`~ckpttool.optim_state.schema.lion_group`) or one without ``betas`` (SGD, ...)."""
+    over one moment, :func:`~ckpttool.optim_state.schema.lion_group`), SparseAdam's (no ``weight_decay``) or one
+    without ``betas`` (SGD, RMSprop, ...), named as :func:`~ckpttool.optim_state.known.saved_by` tells it."""
     keys = ", ".join(sorted(group.keys))
-    if lion_group(group.values, state_fields):
+    fields = sorted(state_fields)
+    if lion_group(group.values, fields):
         raise HyperparameterError(
             f"param group of {fqn} has betas and no eps (keys {keys}) and its state "
-            f"{', '.join(sorted(state_fields))} has no exp_avg_sq: it was saved by Lion (sign momentum), not Adam/AdamW",
+            f"{', '.join(fields)} has no exp_avg_sq: it was saved by Lion (sign momentum), not Adam/AdamW",
             fqn=fqn,
             hint=_ANY_OPTIMIZER,
         )
-    if "betas" in missing:  # every Adam-family group saves betas: this one was saved by another optimizer
-        raise HyperparameterError(
-            f"param group of {fqn} has no betas (keys {keys}): it is not an Adam/AdamW "
-            "group (an SGD group has momentum, dampening, nesterov)",
-            fqn=fqn,
-            hint=_ANY_OPTIMIZER + "; where AdamW steps the other parameters (Muon beside AdamW), select those "
-            "(`filter_glob`)",
+    who = saved_by(fields, group.keys, group.values)
+    if "betas" not in missing and who != "torch.optim.SparseAdam":
+        return
+    state = f"state {', '.join(fields)}" if fields else "no state"
+    if who == "unknown":  # every Adam-family group saves betas: this one was saved by another optimizer
+        said = f"it is not an Adam/AdamW group ({state}, which no optimizer ckpttool knows saves together)"
+    else:
+        said = f"it was saved by {who.removeprefix('ambiguous: ')} ({state}), not Adam/AdamW"
+    raise HyperparameterError(
+        f"param group of {fqn} has {'no betas' if 'betas' in missing else 'no weight_decay'} (keys {keys}): {said}",
+        fqn=fqn,
+        hint=_hint_for(who),
+    )
+
+
+def _hint_for(who: str) -> str:
+    """The hint of a refusal of another optimizer's group: Muon, which steps the hidden matrices beside an AdamW
+    for the rest, asks for a selection of those; the others for the commands that read their state."""
+    if "Muon" in who:
+        return (
+            _ANY_OPTIMIZER
+            + "; where AdamW steps the other parameters (Muon beside AdamW), select those (`filter_glob`)"
         )
+    if who == "unknown":
+        return _ANY_OPTIMIZER
+    return (
+        f"replay-step replays AdamW steps only; `ckpttool validate` checks the {who.removeprefix('ambiguous: ')} "
+        "state's fields and shapes, `ckpttool inspect` shows them"
+    )
 
 
 def _hyper(

@@ -24,7 +24,7 @@ from ckpttool.engine.kernels import IEEE_BITS, float_values
 from ckpttool.engine.pool import map_ordered, worker_count
 from ckpttool.engine.stats import SlabStats
 from ckpttool.errors import CkptError, UsageError
-from ckpttool.model.catalog import TensorEntry, match_filter
+from ckpttool.model.catalog import Catalog, TensorEntry, match_filter, saved_by_counts
 from ckpttool.model.checkpoint import Checkpoint, CheckpointOrPath, OpenOptions, open_source
 from ckpttool.model.discovery import EPOCH_DIR, NEWER_INCOMPLETE, Located, step_of
 from ckpttool.ops.fields import PhaseFn, options_of, same_named
@@ -342,9 +342,21 @@ def _plan(
             _split_layers(ckpt, fqn, m, notes, stacked, m.key, v.key)
             hyper = _hyper(ckpt, fqn, notes)
             work.extend(_Work(m.key, i, m, moment_key=v.key, hyper=hyper) for i in range(len(m.chunks)))
-        elif m is not None or v is not None:
-            notes.setdefault("moments stored with different chunks (no update size)", []).append(fqn)
+        elif ps.fields:
+            notes.setdefault(_unpaired_note(cat, fqn, m, v), []).append(fqn)
     return work, roles, stacked
+
+
+def _unpaired_note(cat: Catalog, fqn: str, m: TensorEntry | None, v: TensorEntry | None) -> str:
+    """Why a parameter with state has no update size: AdamW's two moments ``m``, ``v`` stored in different chunks;
+    else its state has not both (SGD's ``momentum_buffer``, RMSprop's ``square_avg``, Lion's lone ``exp_avg``) and
+    the optimizer that saved it (``inspect``'s ``saved_by``) steps otherwise."""
+    if m is not None and v is not None:
+        return "moments stored with different chunks (no update size)"
+    (who,) = saved_by_counts(cat, (fqn,))
+    if who == "unknown":
+        return "optimizer state that no known optimizer saves (validate: O008), not AdamW's two moments"
+    return f"optimizer state of {who}, whose step is not AdamW's"
 
 
 #: A variance ``sum x^2 / n - mean^2`` below this fraction of ``sum x^2 / n`` (a spread under 1e-3 of the values'

@@ -586,11 +586,42 @@ def test_sgd_checkpoint_is_named_as_not_adamw(tmp_path: Path) -> None:
     assert res.exit_code == 2 and res.stdout == ""
     assert res.stderr.splitlines() == [
         "error: [E514] param group of weight has no betas (keys dampening, differentiable, foreach, fused, lr, maximize, "
-        "momentum, nesterov, params, weight_decay): it is not an Adam/AdamW group (an SGD group has momentum, "
-        "dampening, nesterov)",
-        "hint: replay-step replays AdamW steps only; `ckpttool validate` and `ckpttool inspect` read checkpoints of "
-        "any optimizer; where AdamW steps the other parameters (Muon beside AdamW), select those (--filter)",
+        "momentum, nesterov, params, weight_decay): it was saved by torch.optim.SGD (state momentum_buffer), not "
+        "Adam/AdamW",
+        "hint: replay-step replays AdamW steps only; `ckpttool validate` checks the torch.optim.SGD state's fields "
+        "and shapes, `ckpttool inspect` shows them",
     ]
+
+
+@pytest.mark.parametrize(
+    ("name", "make"),
+    [
+        ("RMSprop", lambda p: torch.optim.RMSprop(p, lr=0.01)),
+        ("Adagrad", lambda p: torch.optim.Adagrad(p, lr=0.1)),
+        ("Adafactor", lambda p: torch.optim.Adafactor(p, lr=0.01)),
+        ("Rprop", lambda p: torch.optim.Rprop(p, lr=0.01)),
+        ("ASGD", lambda p: torch.optim.ASGD(p, lr=0.01)),
+        ("SGD-no-momentum", lambda p: torch.optim.SGD(p, lr=0.1)),  # no state: its group tells it
+    ],
+)
+def test_another_optimizers_checkpoint_is_refused_by_its_name(tmp_path: Path, name: str, make: Any) -> None:
+    """replay-step refused every optimizer without betas as 'not an Adam/AdamW group (an SGD group has momentum,
+    dampening, nesterov)' with a hint to select the AdamW parameters beside Muon, RMSprop's and Adafactor's alike;
+    it now names the optimizer torch stepped (``optim_state.known``) and points at what reads its state."""
+    made: list[torch.optim.Optimizer] = []
+    ref = builders.build_linear_stepped(tmp_path / "ck", lambda p: made.append(make(p)) or made[0], steps=2)
+    want = f"torch.optim.{type(made[0]).__name__}"
+    res = run(tmp_path / "ck", "--device", "cpu")
+    assert res.exit_code == 2 and res.stdout == "", res.output
+    error, hint = res.stderr.splitlines()
+    fields = sorted(ref["state"][0]) if ref["state"] else []
+    state = f"state {', '.join(fields)}" if fields else "no state"
+    assert error.startswith("error: [E514] param group of weight has no betas (keys "), error
+    assert error.endswith(f"): it was saved by {want} ({state}), not Adam/AdamW"), error
+    assert hint == (
+        f"hint: replay-step replays AdamW steps only; `ckpttool validate` checks the {want} state's fields and "
+        "shapes, `ckpttool inspect` shows them"
+    )
 
 
 def test_zero_initialised_bias_early_in_training_is_not_an_update_size_failure(tmp_path: Path) -> None:
@@ -1188,3 +1219,26 @@ def test_moments_reset_at_a_later_step_are_noted(tmp_path: Path) -> None:
     clean, _, _, _ = _adamw_linear_with(tmp_path / "clean", lambda osd: None)
     doc = json.loads(run(clean, "--device", "cpu", "--json").stdout)
     assert not any("all-zero" in n for n in doc["notes"]), doc["notes"]
+
+
+def test_sparse_adam_checkpoint_is_named_not_called_damaged(tmp_path: Path) -> None:
+    """SparseAdam's group has no weight_decay (torch's own): replay-step said it 'lacks weight_decay' with the hint
+    that the checkpoint must save it, as if damaged; it names SparseAdam now."""
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    from tests.fixtures.builders import save_quiet
+
+    torch.manual_seed(0)
+    model = torch.nn.Embedding(10, 4, sparse=True)
+    opt = torch.optim.SparseAdam(model.parameters(), lr=0.01)
+    model(torch.randint(0, 10, (3,))).sum().backward()
+    opt.step()
+    msd, osd = get_state_dict(model, opt)
+    save_quiet({"model": msd, "optimizer": osd}, tmp_path / "ck")
+    res = run(tmp_path / "ck", "--device", "cpu")
+    assert res.exit_code == 2 and res.stderr.splitlines() == [
+        "error: [E514] param group of weight has no weight_decay (keys betas, eps, lr, maximize, params): it was "
+        "saved by torch.optim.SparseAdam (state exp_avg, exp_avg_sq, step), not Adam/AdamW",
+        "hint: replay-step replays AdamW steps only; `ckpttool validate` checks the torch.optim.SparseAdam state's "
+        "fields and shapes, `ckpttool inspect` shows them",
+    ], res.stderr

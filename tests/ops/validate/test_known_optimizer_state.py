@@ -1,7 +1,8 @@
 """The state of the optimizers users run, built and stepped by torch (and OLMo-core) and saved with
 ``dcp.save(get_state_dict(...))``: ``validate --strict --deep`` failed every healthy save of SGD, Adagrad, RMSprop,
-Adamax, NAdam, Adadelta, Muon and Lion with O008 "unknown state field", and OLMo-core's SkipStepLion (its lone
-``exp_avg``) with O001 "lacks step, exp_avg_sq". Their fields are known
+Adamax, NAdam, Adadelta, Muon, Lion, Adafactor, Rprop and ASGD with O008 "unknown state field", OLMo-core's
+SkipStepLion (its lone ``exp_avg``) with O001 "lacks step, exp_avg_sq", and SparseAdam with P001 "missing
+weight_decay" (its group has none). Their fields are known
 (``ckpttool.optim_state.known``); a field no known optimizer saves, or known fields no one optimizer saves
 together, are still O008."""
 
@@ -43,6 +44,9 @@ OPTIMIZERS: dict[str, tuple[Callable[[Any], torch.optim.Optimizer], set[str]]] =
     "RAdam": (lambda p: torch.optim.RAdam(p, lr=0.01), {"step", "exp_avg", "exp_avg_sq"}),
     "Adadelta": (lambda p: torch.optim.Adadelta(p), {"step", "square_avg", "acc_delta"}),
     "Muon": (lambda p: torch.optim.Muon(p, lr=0.01), {"momentum_buffer"}),
+    "Adafactor": (lambda p: torch.optim.Adafactor(p, lr=0.01), {"step", "row_var", "col_var"}),
+    "Rprop": (lambda p: torch.optim.Rprop(p, lr=0.01), {"step", "prev", "step_size"}),
+    "ASGD": (lambda p: torch.optim.ASGD(p, lr=0.01), {"step", "eta", "mu", "ax"}),
     "Lion": (
         lambda p: pytest.importorskip("olmo_core.optim.lion").Lion(p, lr=1e-3, weight_decay=0.1),
         {"exp_avg", "step_factor"},
@@ -137,6 +141,19 @@ def test_known_fields_no_one_optimizer_saves_together_are_unknown_state(tmp_path
         ("Muon", "momentum_buffer", "shape [4, 8] differs from the parameter's [8, 4]"),
         ("RMSprop-centered-momentum", "grad_avg", "shape [4, 8] differs from the parameter's [8, 4]"),
         ("NAdam", "mu_product", "mu_product has shape [2], expected a 0-d tensor"),
+        ("Rprop", "step_size", "shape [4, 8] differs from the parameter's [8, 4]"),
+        ("ASGD", "eta", "eta has shape [2], expected a 0-d tensor"),
+        ("ASGD", "ax", "shape [4, 8] differs from the parameter's [8, 4]"),
+        (
+            "Adafactor",
+            "row_var",
+            "shape [1, 8] differs from [8, 1], the row_var torch saves for a parameter of shape [8, 4]",
+        ),
+        (
+            "Adafactor",
+            "col_var",
+            "shape [4, 1] differs from [1, 4], the col_var torch saves for a parameter of shape [8, 4]",
+        ),
     ],
 )
 def test_a_known_optimizer_field_of_another_shape_is_O004(tmp_path: Path, name: str, field: str, message: str) -> None:
@@ -171,3 +188,70 @@ def test_a_none_momentum_buffer_is_sgds_own_only_without_momentum(tmp_path: Path
         dcp.save({"model": msd, "optimizer": osd}, checkpoint_id=str(tmp_path / "ck"))
     rc, findings = _validate(tmp_path / "ck")
     assert (rc, {f["code"] for f in findings}) == ((1, {"O004"}) if fails else (0, set())), findings
+
+
+def _save_model(
+    out: Path, model: torch.nn.Module, opt: torch.optim.Optimizer, batch: Callable[[], Any], steps: int = 2
+) -> dict[str, Any]:
+    """``model`` stepped ``steps`` times by ``opt`` on ``batch()``, saved to ``out``; its optimizer state dict."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    for _ in range(steps):
+        opt.zero_grad()
+        model(batch()).float().pow(2).mean().backward()
+        opt.step()
+    msd, osd = get_state_dict(model, opt)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dcp.save({"model": msd, "optimizer": osd}, checkpoint_id=str(out))
+    return osd
+
+
+def test_adafactor_state_of_a_bias_is_its_one_variance(tmp_path: Path) -> None:
+    """torch's Adafactor factors the second moment of a 2-D weight (``row_var`` [rows, 1], ``col_var`` [1, cols])
+    and keeps a bias's whole (``variance``): both forms pass, and a ``variance`` of another shape is O004."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 8)
+    opt = torch.optim.Adafactor(model.parameters(), lr=0.01)
+    _save_model(tmp_path / "ck", model, opt, lambda: torch.randn(3, 4))
+    assert {k: set(v) for k, v in opt.state_dict()["state"].items()} == {
+        0: {"step", "row_var", "col_var"},
+        1: {"step", "variance"},
+    }
+    assert _validate(tmp_path / "ck") == (0, [])
+
+    opt.state[model.bias]["variance"] = torch.zeros(4)  # as saved from another configuration
+    _save_model(tmp_path / "bad", model, opt, lambda: torch.randn(3, 4), steps=0)
+    rc, findings = _validate(tmp_path / "bad")
+    assert rc == 1 and [(f["code"], f["message"]) for f in findings] == [
+        ("O004", "optimizer.state.bias.variance: shape [4] differs from the parameter's [8]")
+    ], findings
+
+
+def test_sparse_adam_state_and_group_pass_strict(tmp_path: Path) -> None:
+    """torch's SparseAdam saves AdamW's fields (its ``step`` a Python int) in a group of ``lr``, ``betas``,
+    ``eps``, ``maximize``: no ``weight_decay`` to miss (P001 failed every healthy save)."""
+    torch.manual_seed(0)
+    model = torch.nn.Embedding(10, 4, sparse=True)
+    opt = torch.optim.SparseAdam(model.parameters(), lr=0.01)
+    _save_model(tmp_path / "ck", model, opt, lambda: torch.randint(0, 10, (3,)))
+    assert set(opt.state_dict()["param_groups"][0]) == {"lr", "betas", "eps", "maximize", "params"}
+    assert _validate(tmp_path / "ck") == (0, [])
+
+
+def test_a_factored_adafactor_moment_of_a_one_dimensional_parameter_is_O004(tmp_path: Path) -> None:
+    """torch's Adafactor factors only parameters of 2+ dimensions (a bias keeps ``variance``): a bias saved with
+    ``row_var``/``col_var`` fits the parameter's shape rule of no field and would not step (``variance`` is None)."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 8)
+    opt = torch.optim.Adafactor(model.parameters(), lr=0.01)
+    _save_model(tmp_path / "ck", model, opt, lambda: torch.randn(3, 4))
+    s = opt.state[model.bias]
+    s["row_var"], s["col_var"] = s.pop("variance").reshape(8), torch.zeros(8)  # as from a lying converter
+    _save_model(tmp_path / "bad", model, opt, lambda: torch.randn(3, 4), steps=0)
+    rc, findings = _validate(tmp_path / "bad")
+    assert rc == 1 and sorted((f["code"], f["message"]) for f in findings) == [
+        ("O004", f"optimizer.state.bias.{f}: {f} of shape [8], which torch saves for no parameter of shape [8]")
+        for f in ("col_var", "row_var")
+    ], findings

@@ -21,7 +21,14 @@ from ckpttool.format.metadata import FLOAT8_DTYPES, dtype_name
 from ckpttool.model.catalog import TensorEntry, dtype_refuted_by, listed_twice, lost_state
 from ckpttool.ops.validate.base import rule
 from ckpttool.ops.validate.context import Context
-from ckpttool.optim_state.known import ADAMW, SCALAR_FIELDS, known_optimizers_of, known_state_fields, saved_by_adamw
+from ckpttool.optim_state.known import (
+    ADAMW,
+    SCALAR_FIELDS,
+    field_shape,
+    known_optimizers_of,
+    known_state_fields,
+    saved_by_adamw,
+)
 from ckpttool.optim_state.schema import (
     OPTIMIZER_TYPES,
     STATE_FIELDS,
@@ -86,13 +93,26 @@ def _group_view(ctx: Context, fqn: str) -> dict[str, Any] | None:
     return None if g is None else {**dict.fromkeys(g.keys), **g.values}
 
 
-def _other_optimizer(ctx: Context, fqn: str, fields: dict[str, TensorEntry | None]) -> bool:
-    """The fields are those of a known optimizer other than AdamW (:mod:`ckpttool.optim_state.known`) for the
-    parameter's group: Lion's lone ``exp_avg`` is complete state, not AdamW state that lost a moment."""
+def _other_optimizer(ctx: Context, fqn: str, fields: dict[str, TensorEntry | None]) -> tuple[str, ...]:
+    """The known optimizers other than AdamW (:mod:`ckpttool.optim_state.known`) whose state the fields are for
+    the parameter's group (``()`` for AdamW's): Lion's lone ``exp_avg`` is complete state, not AdamW state that
+    lost a moment."""
     if saved_by_adamw(fields):
-        return False  # AdamW's own fields: no group to build (every parameter of a large checkpoint asks)
+        return ()  # AdamW's own fields: no group to build (every parameter of a large checkpoint asks)
     names = known_optimizers_of(fields, _group_view(ctx, fqn))
-    return bool(names) and ADAMW not in names
+    return () if ADAMW in names else names
+
+
+def _shape_problem(name: str, shape: tuple[int, ...], want: tuple[int, ...] | None, param: tuple[int, ...]) -> str:
+    """What is wrong with a state field of ``shape`` that torch saves as ``want`` (``None``: saves none) for a
+    parameter of shape ``param``, said for an O004 message."""
+    if want is None:
+        return f"{name} of shape {list(shape)}, which torch saves for no parameter of shape {list(param)}"
+    if want == param:
+        return f"shape {list(shape)} differs from the parameter's {list(param)}"
+    return (
+        f"shape {list(shape)} differs from {list(want)}, the {name} torch saves for a parameter of shape {list(param)}"
+    )
 
 
 def _no_momentum(ctx: Context, fqn: str, name: str) -> bool:
@@ -164,7 +184,7 @@ def orphan_state(ctx: Context) -> Iterator[tuple[str, str]]:
 @rule("O004")
 def state_shape_mismatch(ctx: Context) -> Iterator[tuple[str, str]]:
     for fqn, fields, param in _states(ctx):
-        other = _other_optimizer(ctx, fqn, fields)  # its fields are checked too (all known: SCALAR_FIELDS)
+        other = _other_optimizer(ctx, fqn, fields)  # its fields are checked too (known.field_shape)
         for name, t in fields.items():
             if name not in STATE_FIELDS and not other:
                 continue
@@ -176,8 +196,8 @@ def state_shape_mismatch(ctx: Context) -> Iterator[tuple[str, str]]:
             if name in SCALAR_FIELDS:
                 if t.numel != 1:
                     yield t.key, f"{t.key}: {name} has shape {list(t.shape)}, expected a 0-d tensor"
-            elif param is not None and t.shape != param.shape:
-                yield t.key, f"{t.key}: shape {list(t.shape)} differs from the parameter's {list(param.shape)}"
+            elif param is not None and t.shape != (want := field_shape(other, name, param.shape)):
+                yield t.key, f"{t.key}: {_shape_problem(name, t.shape, want, param.shape)}"
         yield from _amsgrad_problems(ctx, fqn, "shape")
     for ps in ctx.cat.optimizer_state.values():
         if not ps.stored_as:
