@@ -894,6 +894,11 @@ def _refuse_removed_cwd() -> None:
         sys.exit(err.exit_code)
 
 
+#: Error handlers of a text stream that raise on a character its encoding cannot hold (``surrogateescape``,
+#: Python's for stdout and stderr in the C/POSIX locale, encodes only the surrogates it decoded itself).
+_RAISING_ERRORS = ("strict", "surrogateescape")
+
+
 def _open_closed_streams() -> None:
     """A program started with stdout or stderr closed (``ckpttool ... >&-``; Python sets ``sys.stdout`` to
     ``None``) writes that stream to ``/dev/null``: every print failed (E999, or exit 1 with no line),
@@ -904,9 +909,10 @@ def _open_closed_streams() -> None:
         stream = getattr(sys, name)
         if stream is None:
             setattr(sys, name, open(os.devnull, "w", encoding="utf-8"))  # kept until the exit
-        elif callable(getattr(stream, "reconfigure", None)) and getattr(stream, "errors", None) == "strict":
-            # a stream that cannot encode every character (PYTHONIOENCODING=ascii, a cp1252 console): a key's
-            # 'é' is written as \xe9, not an E999 after half of the output
+        elif callable(getattr(stream, "reconfigure", None)) and getattr(stream, "errors", None) in _RAISING_ERRORS:
+            # a stream that cannot encode every character (PYTHONIOENCODING=ascii, a cp1252 console, LC_ALL=C
+            # with PYTHONUTF8=0, whose 'surrogateescape' raises on any other character): a key's 'é' is written
+            # as \xe9, not an E999 after half of the output
             stream.reconfigure(errors="backslashreplace")
 
 

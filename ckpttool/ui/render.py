@@ -365,6 +365,12 @@ class PlainConsole:
             self._rich = _rich_console(self.file, self.width, color=False, tty=False)
         return self._rich
 
+    @property
+    def unicode_frame(self) -> bool:
+        """Whether the stream's encoding holds a table frame's box characters, as rich decides it: else rich
+        draws the frame in ASCII (``PYTHONIOENCODING=ascii``, ``LC_ALL=C`` with ``PYTHONUTF8=0``)."""
+        return str(getattr(self.file, "encoding", None) or "utf-8").lower().startswith("utf")
+
     def print(self, *objects: Any, sep: str = " ", end: str = "\n", **kwargs: Any) -> None:
         """Strings: escaped (:func:`safe_text`) and written as one line; anything else: printed by :attr:`rich`."""
         if objects and not kwargs and sep == " " and end == "\n" and all(isinstance(o, str) for o in objects):
@@ -712,10 +718,8 @@ def print_table(con: Console | PlainConsole, title: str, columns: list[Col], row
         hidden.append(columns[worst].name)
     rich_con: Console | None = cast("Console", con)
     if isinstance(con, PlainConsole):  # a pipe without colour: a table of plain cells that fits is written here
-        lines = _plain_table(title, [columns[i] for i in keep], [[r[i] for i in keep] for r in cells], width)
-        if lines is not None:
-            con.write_lines(lines)
-        rich_con = None if lines is not None else con.rich
+        written = _write_plain_table(con, title, [columns[i] for i in keep], [[r[i] for i in keep] for r in cells])
+        rich_con = None if written else con.rich
     if rich_con is not None:
         _print_rich_table(rich_con, title, columns, keep, widths, cells, need(keep, fit=False))
     named = [n for n in hidden if not any(c.below and c.name == n for c in columns)]
@@ -822,6 +826,16 @@ def _plain_table(title: str, columns: list[Col], rows: list[list[Any]], width: i
     lines += [line(r, "│", "│") for r in rows]
     lines.append(rule("└", "─", "┴", "┘"))
     return [ln.rstrip(" ") for ln in lines]
+
+
+def _write_plain_table(con: PlainConsole, title: str, columns: list[Col], rows: list[list[Any]]) -> bool:
+    """Write the table on ``con`` as :func:`_plain_table` lays it out; whether it did (else it is rich's to draw:
+    cells that are not plain, a table wider than ``con``, or a stream that cannot encode the frame's box
+    characters, which rich draws in ASCII)."""
+    lines = _plain_table(title, columns, rows, con.width) if con.unicode_frame else None
+    if lines is not None:
+        con.write_lines(lines)
+    return lines is not None
 
 
 def _print_at_least(con: Console, t: Table, minimum: int) -> None:

@@ -371,6 +371,41 @@ def test_a_stdout_that_cannot_encode_a_key_escapes_it(tmp_path: Path) -> None:
     assert proc.stderr == b""
 
 
+@pytest.mark.parametrize(
+    "encoding_env",
+    [{"PYTHONIOENCODING": "ascii"}, {"LC_ALL": "C", "LANG": "C", "PYTHONUTF8": "0", "PYTHONCOERCECLOCALE": "0"}],
+    ids=["ioencoding-ascii", "c-locale-no-utf8-mode"],
+)
+def test_a_stdout_that_cannot_encode_box_characters_gets_an_ascii_table(
+    encoding_env: dict[str, str], tmp_path: Path
+) -> None:
+    """A stdout whose encoding holds only ASCII: `inspect` into a pipe wrote its table frame as `\\u250f\\u2501...`
+    escapes under PYTHONIOENCODING=ascii (docs/cli.md: "tables are drawn in ASCII"), and under LC_ALL=C with
+    PYTHONUTF8=0 (stdout's error handler 'surrogateescape', not 'strict') it stopped with 'error: [E999]
+    internal error: UnicodeEncodeError' (exit 2). Both now draw the frame as rich does in ASCII, report whole."""
+    import subprocess
+    import sys
+
+    from tests.fixtures.builders import save_quiet
+
+    ckpt = tmp_path / "ck \u00e9"
+    save_quiet({"model": {"w.weight": torch.ones(2, 3), "b.bias": torch.ones(1)}}, ckpt)  # plain cells
+    env = {k: v for k, v in os.environ.items() if not k.startswith("LC_")}
+    env.update(encoding_env, COLUMNS="120")
+    proc = subprocess.run(
+        [sys.executable, "-m", "ckpttool", "inspect", str(ckpt)], capture_output=True, env=env, timeout=120
+    )
+    assert proc.returncode == 0, proc.stderr.decode(errors="replace")
+    out = proc.stdout.decode("ascii")
+    lines = out.splitlines()
+    assert lines[0].startswith("checkpoint  ") and "\\u25" not in out, out
+    head = lines.index("model tensors")
+    assert lines[head + 1].startswith("+---") and lines[head + 2].startswith("| key "), out
+    assert any(ln.startswith("| model.w.weight ") and "| 2x3 " in ln for ln in lines), out
+    assert "layout      none" in out, out
+    assert b"Traceback" not in proc.stderr and b"E999" not in proc.stderr
+
+
 @pytest.mark.parametrize("argv", [["--help"], ["-V"], ["inspect", "--help"], ["export", "-h"]])
 def test_closed_stdout_during_help_or_version_is_not_a_failure(argv: list[str]) -> None:
     """`ckpttool --help | ...` with the reader gone: click's own EPIPE handling exited 1 (no line) where a
