@@ -85,11 +85,36 @@ class _HelpWrapper(textwrap.TextWrapper):
             cur_line.append(reversed_chunks.pop())
 
 
-class _HelpFormatter(typer.Context.formatter_class):  # type: ignore[misc,valid-type]
+#: The narrowest help layout (click's own floor is 50 columns) and the narrowest description column beside an
+#: option's name: a narrower one puts each description below its name.
+_MIN_HELP_WIDTH = 30
+_MIN_DESCRIPTION = 20
+
+
+_BASE_FORMATTER = typer.Context.formatter_class
+
+
+class _HelpFormatter(_BASE_FORMATTER):  # type: ignore[misc,valid-type]
     """Help whose option descriptions never split a flag, path or choice name (``--source-layout``,
     ``torch-checkpointing``, ``docs/export.md``) inside a word, as click's wrapping does (at hyphens, and
     mid-word where a word does not fit): see :class:`_HelpWrapper`; a command's description paragraphs
-    wrap the same way (click's ``write_text`` parted ``--ep-`` / ``size`` and ``bit-`` / ``exact``)."""
+    wrap the same way (click's ``write_text`` parted ``--ep-`` / ``size`` and ``bit-`` / ``exact``).
+
+    A terminal narrower than click's floor of 50 columns gets its own width (every line of click's 50 wrapped
+    again on a 40-column terminal), and where an option's description would have under
+    :data:`_MIN_DESCRIPTION` columns beside its name it goes on the lines below it instead."""
+
+    def __init__(self, indent_increment: int = 2, width: int | None = None, max_width: int | None = None) -> None:
+        super().__init__(indent_increment, width, max_width)
+        if width is None and getattr(sys.modules[_BASE_FORMATTER.__module__], "FORCED_WIDTH", None) is None:
+            columns = shutil.get_terminal_size().columns  # click: max(min(columns, max_width) - 2, 50)
+            self.width: int = min(self.width, max(min(columns, max_width or 80) - 2, _MIN_HELP_WIDTH))
+
+    def write_usage(self, prog: str, args: str = "", prefix: str | None = None) -> None:
+        start = len(self.buffer)
+        super().write_usage(prog, args, prefix)
+        # click puts `Usage: ckpttool CMD ` on a line of its own where the arguments do not fit beside it
+        self.buffer[start:] = [re.sub(r" +\n", "\n", "".join(self.buffer[start:]))]
 
     def write_text(self, text: str) -> None:
         indent = " " * self.current_indent
@@ -119,11 +144,17 @@ class _HelpFormatter(typer.Context.formatter_class):  # type: ignore[misc,valid-
             if not second:
                 self.write("\n")
                 continue
-            if len(first) <= first_col - col_spacing:
+            width = self.width - first_col - 2
+            if width < _MIN_DESCRIPTION:  # a narrow terminal: the description below the name, indented
+                first_col, width = (
+                    self.indent_increment * 2,
+                    self.width - self.current_indent - self.indent_increment * 2,
+                )
+                self.write("\n" + " " * (first_col + self.current_indent))
+            elif len(first) <= first_col - col_spacing:
                 self.write(" " * (first_col - len(first)))
             else:
                 self.write("\n" + " " * (first_col + self.current_indent))
-            width = max(self.width - first_col - 2, 10)
             lines = [
                 line
                 for paragraph in second.split("\n\n")
