@@ -424,3 +424,20 @@ def test_import_for_fsdp_ranks_of_a_moe_says_how_to_keep_its_own_checks_clean(
     assert res.exit_code == 0, res.stdout  # the same values; the chunks are the same records
     res = runner.invoke(app, ["import", str(hf), str(tmp_path / "two"), "--world-size", "2", "--no-fsync"])
     assert res.exit_code == 0 and res.stderr == ""  # 2 blocks: no EP mesh of both sizes > 1 writes them
+
+
+def test_export_help_gives_quantize_no_default_it_does_not_have(sample_ckpt: Path, tmp_path: Path) -> None:
+    """`export --help` ended --quantize's description with `stay --save-dtype [default: bfloat16]`, click's
+    way of saying --quantize itself defaults to bfloat16 (it defaults to no quantization, and its choices are
+    fp8-block/fp8-channel). It now says what it meant: the tensors left unquantized are written in
+    --save-dtype, whose default `preserve` means bfloat16 with --quantize (as a real export shows)."""
+    text = " ".join(runner.invoke(app, ["export", "--help"], env={"COLUMNS": "200"}).stdout.split())
+    entry = text[text.index("--quantize <fp8-block|fp8-channel>") : text.index("--quantize-block")]
+    assert "[default:" not in entry and "stay unquantized, in --save-dtype (preserve: bfloat16 here)" in entry
+    res = runner.invoke(app, ["export", str(sample_ckpt), str(tmp_path / "q"), "--quantize", "fp8-block"])
+    assert res.exit_code == 0, res.stderr
+    from safetensors import safe_open
+
+    with safe_open(str(tmp_path / "q" / "model.safetensors"), "pt") as f:
+        assert f.get_slice("model.embed_tokens.weight").get_dtype() == "BF16"
+        assert f.get_slice("model.norm.weight").get_dtype() == "BF16"
