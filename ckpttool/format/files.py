@@ -35,7 +35,8 @@ __all__ = [
 def missing_path_hint(path: Path, what: str) -> str:
     """A hint for a path that does not exist: a symbolic link that leads nowhere said to be one; the directories
     beside it with a close name (a typo), else the nearest folder above it that exists and a few of its
-    subdirectories; ``pass {what}`` when neither helps."""
+    subdirectories; ``pass {what}`` when neither helps. A path that starts with a ``~`` the shell left as it
+    is (quoted, or after ``--option=``) is named with its expansion."""
     import difflib
 
     if os.path.islink(path):  # a link that leads nowhere: dangling, or a loop (a -> b -> a)
@@ -44,6 +45,10 @@ def missing_path_hint(path: Path, what: str) -> str:
         except OSError:
             target = "?"
         return f"{path} is a symbolic link to {target} that leads to nothing (dangling, or a loop): pass {what} itself"
+    head = path.parts[0] if path.parts else ""
+    home = Path(os.path.expanduser(path))
+    if head.startswith("~") and home != path:  # `'~/ckpt'`, `--model-assets=~/assets`: the shell expands neither
+        return f"the shell did not expand {head} (it does not inside quotes or after --option=): pass {home}"
     missing, parent, tail = path.name, path.parent, Path()
     while not parent.is_dir() and parent != parent.parent:
         missing, parent, tail = parent.name, parent.parent, Path(missing) / tail

@@ -441,3 +441,31 @@ def test_export_help_gives_quantize_no_default_it_does_not_have(sample_ckpt: Pat
     with safe_open(str(tmp_path / "q" / "model.safetensors"), "pt") as f:
         assert f.get_slice("model.embed_tokens.weight").get_dtype() == "BF16"
         assert f.get_slice("model.norm.weight").get_dtype() == "BF16"
+
+
+def test_a_tilde_the_shell_left_unexpanded_is_named_with_its_expansion(sample_ckpt: Path, tmp_path: Path) -> None:
+    """`ckpttool inspect '~/ckpt'` or `export ... --model-assets=~/assets` (bash expands `~` neither in quotes nor
+    after `--option=`): the hint listed the current directory's folders, and a missing --model-assets was
+    'is not a directory' with no hint of what to pass. The hint now names the `~` and the path it stands for."""
+    copy_checkpoint(sample_ckpt, tmp_path / "ck")
+    env = {"HOME": str(tmp_path)}
+    res = runner.invoke(app, ["inspect", "~/ck"], env=env)
+    assert res.exit_code == 2 and res.stderr.splitlines() == [
+        "error: [E100] ~/ck: no such directory",
+        f"hint: the shell did not expand ~ (it does not inside quotes or after --option=): pass {tmp_path / 'ck'}",
+    ], res.stderr
+    assert runner.invoke(app, ["inspect", str(tmp_path / "ck")], env=env).exit_code == 0  # the path named works
+    out = tmp_path / "hf"
+    res = runner.invoke(app, ["export", str(tmp_path / "ck"), str(out), "--model-assets=~/ck/model_assets"], env=env)
+    assert res.exit_code == 2 and res.stderr.splitlines() == [
+        "error: [E100] --model-assets ~/ck/model_assets: no such directory",
+        "hint: the shell did not expand ~ (it does not inside quotes or after --option=): "
+        f"pass {tmp_path / 'ck' / 'model_assets'}",
+    ], res.stderr
+    assert not out.exists()
+    res = runner.invoke(
+        app, ["export", str(tmp_path / "ck"), str(out), "--model-assets", str(tmp_path / "ck" / "assets")]
+    )
+    assert (
+        res.exit_code == 2 and res.stderr.splitlines()[1] == f"hint: did you mean {tmp_path / 'ck' / 'model_assets'}?"
+    )
