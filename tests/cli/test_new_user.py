@@ -463,6 +463,12 @@ def test_a_tilde_the_shell_left_unexpanded_is_named_with_its_expansion(sample_ck
         f"pass {tmp_path / 'ck' / 'model_assets'}",
     ], res.stderr
     assert not out.exists()
+    for args in (["validate", "--config=~/nowhere/config.json"], ["replay-step", "--grads=~/g.safetensors"]):
+        res = runner.invoke(app, [args[0], str(tmp_path / "ck"), *args[1:]], env=env)
+        assert res.exit_code == 2 and res.stderr.splitlines()[1] == (
+            "hint: the shell did not expand ~ (it does not inside quotes or after --option=); "
+            f"{tmp_path / args[1].split('~/')[1]} does not exist either"
+        ), res.stderr
     res = runner.invoke(
         app, ["export", str(tmp_path / "ck"), str(out), "--model-assets", str(tmp_path / "ck" / "assets")]
     )
