@@ -700,6 +700,23 @@ def _closed_stdout() -> NoReturn:
     raise typer.Exit(0)
 
 
+#: Options of ``ckpttool`` itself that no command takes (docs/cli.md: "before the command name only").
+_ROOT_ONLY = ("--max-metadata-size", "--max-object-size")
+
+
+def _usage_error(e: Any, ctx: Any) -> UsageError:
+    """Click's usage error ``e`` as ckpttool's E100; a root-only option given after the command name
+    (``ckpttool inspect DIR --max-object-size 1GiB``) is named as such, with where it goes."""
+    where = ctx.command_path if ctx is not None else "ckpttool"
+    option = getattr(e, "option_name", None)
+    if type(e).__name__ == "NoSuchOption" and option in _ROOT_ONLY and ctx is not None and ctx.parent is not None:
+        return UsageError(
+            f"{option} is an option of ckpttool itself, given after the command name",
+            hint=f"put it before the command: `ckpttool {option} SIZE {ctx.info_name} ...`",
+        )
+    return UsageError(_plain_type_names(e.format_message()), hint=f"see `{where} --help`")
+
+
 class CkptGroup(TyperGroup):
     """The root command group: usage errors follow ckpttool's error contract.
 
@@ -786,8 +803,7 @@ class CkptGroup(TyperGroup):
                 sys.stdout.write(ctx.get_help() + "\n")
                 code = 0
             else:
-                where = ctx.command_path if ctx is not None else "ckpttool"
-                print_error(UsageError(_plain_type_names(e.format_message()), hint=f"see `{where} --help`"))
+                print_error(_usage_error(e, ctx))
                 code = 2 if isinstance(e, _CLICK_USAGE_ERROR) else e.exit_code
         except typer.Abort:
             sys.stderr.write("error: interrupted\n")

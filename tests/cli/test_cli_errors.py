@@ -754,3 +754,21 @@ def test_a_checkpoint_path_that_is_a_link_to_nothing_says_so(command: str, kind:
     target = "b" if kind == "loop" else "gone"
     assert hint.startswith(f"hint: {tmp_path / 'a'} is a symbolic link to {target} that leads to nothing"), hint
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("argv", [["--max-object-size", "1GiB"], ["--max-metadata-size=2GiB"]])
+def test_a_read_cap_after_the_command_name_says_where_it_goes(argv: list[str], sample_ckpt: Path) -> None:
+    """`ckpttool inspect DIR --max-object-size 1GiB` (docs/cli.md: the caps go before the command name only)
+    said 'No such option: --max-object-size (Possible options: --ep-size)' and pointed to `inspect --help`,
+    which does not list it. It now names it as ckpttool's own option and shows where it goes."""
+    name = argv[0].split("=")[0]
+    res = runner.invoke(app, ["inspect", str(sample_ckpt), *argv])
+    assert res.exit_code == 2 and res.stdout == "", res.stdout
+    assert res.stderr.splitlines() == [
+        f"error: [E100] {name} is an option of ckpttool itself, given after the command name",
+        f"hint: put it before the command: `ckpttool {name} SIZE inspect ...`",
+    ], res.stderr
+    moved = runner.invoke(app, [*argv[0].split("="), *argv[1:], "inspect", str(sample_ckpt)])
+    assert moved.exit_code == 0 and moved.stdout.startswith(f"checkpoint  {sample_ckpt}\n"), moved.stderr
+    other = runner.invoke(app, ["inspect", str(sample_ckpt), "--bogus"])
+    assert other.exit_code == 2 and other.stderr.splitlines()[1] == "hint: see `ckpttool inspect --help`"
