@@ -687,6 +687,29 @@ def _rich_table(title: str, columns: list[Col], widths: list[int]) -> Table:
     return t
 
 
+def _encodable_table(
+    con: Console | PlainConsole, columns: list[Col], cells: list[list[Any]]
+) -> tuple[list[Col], list[list[Any]]]:
+    """``columns`` and ``cells`` with each character the console's stream cannot encode (``PYTHONIOENCODING=ascii``,
+    ``LC_ALL=C``) written as its escape (``\\xe9``) before the table is laid out: escaped by the stream on the way
+    out, a cell grew past its column (``caf\\xe9`` in 4 cells) and parted the rows from their frame."""
+    encoding = str(getattr(con.file, "encoding", None) or "utf-8")
+    if encoding.lower().startswith("utf"):
+        return columns, cells
+
+    def escaped(v: Any) -> Any:
+        text = v if isinstance(v, str) else getattr(v, "plain", None)
+        if not isinstance(text, str) or text.isascii():
+            return v
+        safe = text.encode(encoding, "backslashreplace").decode(encoding)
+        if safe == text or not (isinstance(v, str) or type(v) is _key_text_class()):
+            return v  # a styled text keeps its spans: left to the stream's escaping
+        return safe if isinstance(v, str) else _key_text_class()(safe)
+
+    heads = [Col(escaped(c.name), c.kind, drop=c.drop, hide_empty=c.hide_empty, below=c.below) for c in columns]
+    return heads, [[escaped(v) for v in r] for r in cells]
+
+
 def print_table(con: Console | PlainConsole, title: str, columns: list[Col], rows: list[list[Any]]) -> list[str]:
     """Print a table that fits ``con``'s width without ever wrapping a number or a code; the hidden columns.
 
@@ -696,7 +719,7 @@ def print_table(con: Console | PlainConsole, title: str, columns: list[Col], row
     wider than the terminal is printed wider (the terminal wraps the line) rather than truncated.
     On a :class:`PlainConsole` a table of plain cells that fits is written without rich (:func:`_plain_table`).
     """
-    cells = [[_cell(v) for v in r] for r in rows]
+    columns, cells = _encodable_table(con, columns, [[_cell(v) for v in r] for r in rows])
     keep = [
         i
         for i, c in enumerate(columns)

@@ -371,6 +371,33 @@ def test_a_stdout_that_cannot_encode_a_key_escapes_it(tmp_path: Path) -> None:
     assert proc.stderr == b""
 
 
+@pytest.mark.parametrize("argv", [["inspect"], ["validate", "--deep"]])
+def test_a_table_of_escaped_keys_keeps_its_columns(argv: list[str], tmp_path: Path) -> None:
+    """On a stdout that cannot encode a key's 'é' (PYTHONIOENCODING=ascii) the stream wrote it as `\\xe9` after
+    the table was laid out, so its row ran 3 columns past the frame (`| model.caf\\xe9.weight | 2     |` under a
+    `| key               |` header). The escape is now made before the layout: every row as wide as its frame."""
+    import subprocess
+    import sys
+
+    from tests.fixtures.builders import save_quiet
+
+    ckpt = tmp_path / "ck"
+    save_quiet({"model": {"caf\u00e9.weight": torch.tensor([float("nan"), 1.0]), "b.bias": torch.ones(1)}}, ckpt)
+    env = {**os.environ, "PYTHONIOENCODING": "ascii", "COLUMNS": "120"}
+    proc = subprocess.run(
+        [sys.executable, "-m", "ckpttool", argv[0], str(ckpt), *argv[1:]], capture_output=True, env=env, timeout=120
+    )
+    out = proc.stdout.decode("ascii")
+    assert proc.returncode == (0 if argv[0] == "inspect" else 1), proc.stderr.decode()
+    rows = [ln for ln in out.splitlines() if ln.startswith("|")]
+    assert any("model.caf\\xe9.weight" in ln for ln in rows), out
+    frames = [i for i, ln in enumerate(out.splitlines()) if ln.startswith("+-")]
+    assert len(frames) >= 2 and len(frames) % 2 == 0, out
+    lines = out.splitlines()
+    for top, bottom in zip(frames[::2], frames[1::2], strict=True):
+        assert {len(ln) for ln in lines[top : bottom + 1]} == {len(lines[top])}, "\n".join(lines[top : bottom + 1])
+
+
 @pytest.mark.parametrize(
     "encoding_env",
     [{"PYTHONIOENCODING": "ascii"}, {"LC_ALL": "C", "LANG": "C", "PYTHONUTF8": "0", "PYTHONCOERCECLOCALE": "0"}],
