@@ -85,11 +85,36 @@ class _HelpWrapper(textwrap.TextWrapper):
             cur_line.append(reversed_chunks.pop())
 
 
-class _HelpFormatter(typer.Context.formatter_class):  # type: ignore[misc,valid-type]
+#: The narrowest help layout (click's own floor is 50 columns) and the narrowest description column beside an
+#: option's name: a narrower one puts each description below its name.
+_MIN_HELP_WIDTH = 30
+_MIN_DESCRIPTION = 20
+
+
+_BASE_FORMATTER = typer.Context.formatter_class
+
+
+class _HelpFormatter(_BASE_FORMATTER):  # type: ignore[misc,valid-type]
     """Help whose option descriptions never split a flag, path or choice name (``--source-layout``,
     ``torch-checkpointing``, ``docs/export.md``) inside a word, as click's wrapping does (at hyphens, and
     mid-word where a word does not fit): see :class:`_HelpWrapper`; a command's description paragraphs
-    wrap the same way (click's ``write_text`` parted ``--ep-`` / ``size`` and ``bit-`` / ``exact``)."""
+    wrap the same way (click's ``write_text`` parted ``--ep-`` / ``size`` and ``bit-`` / ``exact``).
+
+    A terminal narrower than click's floor of 50 columns gets its own width (every line of click's 50 wrapped
+    again on a 40-column terminal), and where an option's description would have under
+    :data:`_MIN_DESCRIPTION` columns beside its name it goes on the lines below it instead."""
+
+    def __init__(self, indent_increment: int = 2, width: int | None = None, max_width: int | None = None) -> None:
+        super().__init__(indent_increment, width, max_width)
+        if width is None and getattr(sys.modules[_BASE_FORMATTER.__module__], "FORCED_WIDTH", None) is None:
+            columns = shutil.get_terminal_size().columns  # click: max(min(columns, max_width) - 2, 50)
+            self.width: int = min(self.width, max(min(columns, max_width or 80) - 2, _MIN_HELP_WIDTH))
+
+    def write_usage(self, prog: str, args: str = "", prefix: str | None = None) -> None:
+        start = len(self.buffer)
+        super().write_usage(prog, args, prefix)
+        # click puts `Usage: ckpttool CMD ` on a line of its own where the arguments do not fit beside it
+        self.buffer[start:] = [re.sub(r" +\n", "\n", "".join(self.buffer[start:]))]
 
     def write_text(self, text: str) -> None:
         indent = " " * self.current_indent
@@ -119,11 +144,17 @@ class _HelpFormatter(typer.Context.formatter_class):  # type: ignore[misc,valid-
             if not second:
                 self.write("\n")
                 continue
-            if len(first) <= first_col - col_spacing:
+            width = self.width - first_col - 2
+            if width < _MIN_DESCRIPTION:  # a narrow terminal: the description below the name, indented
+                first_col, width = (
+                    self.indent_increment * 2,
+                    self.width - self.current_indent - self.indent_increment * 2,
+                )
+                self.write("\n" + " " * (first_col + self.current_indent))
+            elif len(first) <= first_col - col_spacing:
                 self.write(" " * (first_col - len(first)))
             else:
                 self.write("\n" + " " * (first_col + self.current_indent))
-            width = max(self.width - first_col - 2, 10)
             lines = [
                 line
                 for paragraph in second.split("\n\n")
@@ -669,6 +700,23 @@ def _closed_stdout() -> NoReturn:
     raise typer.Exit(0)
 
 
+#: Options of ``ckpttool`` itself that no command takes (docs/cli.md: "before the command name only").
+_ROOT_ONLY = ("--max-metadata-size", "--max-object-size")
+
+
+def _usage_error(e: Any, ctx: Any) -> UsageError:
+    """Click's usage error ``e`` as ckpttool's E100; a root-only option given after the command name
+    (``ckpttool inspect DIR --max-object-size 1GiB``) is named as such, with where it goes."""
+    where = ctx.command_path if ctx is not None else "ckpttool"
+    option = getattr(e, "option_name", None)
+    if type(e).__name__ == "NoSuchOption" and option in _ROOT_ONLY and ctx is not None and ctx.parent is not None:
+        return UsageError(
+            f"{option} is an option of ckpttool itself, given after the command name",
+            hint=f"put it before the command: `ckpttool {option} SIZE {ctx.info_name} ...`",
+        )
+    return UsageError(_plain_type_names(e.format_message()), hint=f"see `{where} --help`")
+
+
 class CkptGroup(TyperGroup):
     """The root command group: usage errors follow ckpttool's error contract.
 
@@ -755,8 +803,7 @@ class CkptGroup(TyperGroup):
                 sys.stdout.write(ctx.get_help() + "\n")
                 code = 0
             else:
-                where = ctx.command_path if ctx is not None else "ckpttool"
-                print_error(UsageError(_plain_type_names(e.format_message()), hint=f"see `{where} --help`"))
+                print_error(_usage_error(e, ctx))
                 code = 2 if isinstance(e, _CLICK_USAGE_ERROR) else e.exit_code
         except typer.Abort:
             sys.stderr.write("error: interrupted\n")
@@ -894,6 +941,11 @@ def _refuse_removed_cwd() -> None:
         sys.exit(err.exit_code)
 
 
+#: Error handlers of a text stream that raise on a character its encoding cannot hold (``surrogateescape``,
+#: Python's for stdout and stderr in the C/POSIX locale, encodes only the surrogates it decoded itself).
+_RAISING_ERRORS = ("strict", "surrogateescape")
+
+
 def _open_closed_streams() -> None:
     """A program started with stdout or stderr closed (``ckpttool ... >&-``; Python sets ``sys.stdout`` to
     ``None``) writes that stream to ``/dev/null``: every print failed (E999, or exit 1 with no line),
@@ -904,9 +956,10 @@ def _open_closed_streams() -> None:
         stream = getattr(sys, name)
         if stream is None:
             setattr(sys, name, open(os.devnull, "w", encoding="utf-8"))  # kept until the exit
-        elif callable(getattr(stream, "reconfigure", None)) and getattr(stream, "errors", None) == "strict":
-            # a stream that cannot encode every character (PYTHONIOENCODING=ascii, a cp1252 console): a key's
-            # 'é' is written as \xe9, not an E999 after half of the output
+        elif callable(getattr(stream, "reconfigure", None)) and getattr(stream, "errors", None) in _RAISING_ERRORS:
+            # a stream that cannot encode every character (PYTHONIOENCODING=ascii, a cp1252 console, LC_ALL=C
+            # with PYTHONUTF8=0, whose 'surrogateescape' raises on any other character): a key's 'é' is written
+            # as \xe9, not an E999 after half of the output
             stream.reconfigure(errors="backslashreplace")
 
 

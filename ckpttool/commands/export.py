@@ -188,7 +188,7 @@ class ExportCLIOptions:
             metavar="<fp8-block|fp8-channel>",
             help="fp8-block: 2-D *.weight as float8_e4m3fn + a float32 scale per block (DeepSeek-V3, vLLM fp8); "
             "fp8-channel: a scale per output row (--quant-format compressed-tensors); embeddings, norms, lm_head, "
-            "router gates stay --save-dtype [default: bfloat16].",
+            "router gates stay unquantized, in --save-dtype (preserve: bfloat16 here).",
         ),
     ] = None
     quantize_block: Annotated[

@@ -32,10 +32,23 @@ __all__ = [
 ]
 
 
+def unexpanded_tilde_hint(path: Path | str) -> str | None:
+    """The hint for a missing path that starts with a ``~`` the shell left as it is (``'~/ckpt'`` in quotes,
+    ``--model-assets=~/assets`` after ``=``): the path it stands for; ``None`` for any other path."""
+    path = Path(path)
+    head = path.parts[0] if path.parts else ""
+    home = Path(os.path.expanduser(path))
+    if not head.startswith("~") or home == path or os.path.lexists(path):  # a folder named `~` is taken as given
+        return None
+    told = f"the shell did not expand {head} (it does not inside quotes or after --option=)"
+    return f"{told}: pass {home}" if home.exists() else f"{told}; {home} does not exist either"
+
+
 def missing_path_hint(path: Path, what: str) -> str:
     """A hint for a path that does not exist: a symbolic link that leads nowhere said to be one; the directories
     beside it with a close name (a typo), else the nearest folder above it that exists and a few of its
-    subdirectories; ``pass {what}`` when neither helps."""
+    subdirectories; ``pass {what}`` when neither helps. A path that starts with a ``~`` the shell left as it
+    is (quoted, or after ``--option=``) is named with its expansion."""
     import difflib
 
     if os.path.islink(path):  # a link that leads nowhere: dangling, or a loop (a -> b -> a)
@@ -44,6 +57,9 @@ def missing_path_hint(path: Path, what: str) -> str:
         except OSError:
             target = "?"
         return f"{path} is a symbolic link to {target} that leads to nothing (dangling, or a loop): pass {what} itself"
+    tilde = unexpanded_tilde_hint(path)
+    if tilde is not None:
+        return tilde
     missing, parent, tail = path.name, path.parent, Path()
     while not parent.is_dir() and parent != parent.parent:
         missing, parent, tail = parent.name, parent.parent, Path(missing) / tail

@@ -119,7 +119,7 @@ def read_hf_config(path: str | os.PathLike[str], *, param: str | None = "config"
         NotRegularFileError, SizeLimitError, JsonDepthError, IntegerRangeError: a FIFO or device,
             too large, nested too deeply, an impossible number.
     """
-    from ckpttool.format.files import hub_hint, read_regular, resolve_inside
+    from ckpttool.format.files import hub_hint, read_regular, resolve_inside, unexpanded_tilde_hint
     from ckpttool.format.jsonfile import parse_json
 
     p = Path(path)
@@ -145,7 +145,9 @@ def read_hf_config(path: str | os.PathLike[str], *, param: str | None = "config"
             f"{who}: cannot read ({e.strerror})",
             path=p,
             param=param,
-            hint=hub or ("pass the model's config.json (or the directory holding it)" if param is not None else fix),
+            hint=hub
+            or unexpanded_tilde_hint(p)
+            or ("pass the model's config.json (or the directory holding it)" if param is not None else fix),
         ) from e
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise UsageError(f"{who}: not valid JSON ({e})", path=p, param=param, hint=fix) from e

@@ -365,6 +365,12 @@ class PlainConsole:
             self._rich = _rich_console(self.file, self.width, color=False, tty=False)
         return self._rich
 
+    @property
+    def unicode_frame(self) -> bool:
+        """Whether the stream's encoding holds a table frame's box characters, as rich decides it: else rich
+        draws the frame in ASCII (``PYTHONIOENCODING=ascii``, ``LC_ALL=C`` with ``PYTHONUTF8=0``)."""
+        return str(getattr(self.file, "encoding", None) or "utf-8").lower().startswith("utf")
+
     def print(self, *objects: Any, sep: str = " ", end: str = "\n", **kwargs: Any) -> None:
         """Strings: escaped (:func:`safe_text`) and written as one line; anything else: printed by :attr:`rich`."""
         if objects and not kwargs and sep == " " and end == "\n" and all(isinstance(o, str) for o in objects):
@@ -681,6 +687,29 @@ def _rich_table(title: str, columns: list[Col], widths: list[int]) -> Table:
     return t
 
 
+def _encodable_table(
+    con: Console | PlainConsole, columns: list[Col], cells: list[list[Any]]
+) -> tuple[list[Col], list[list[Any]]]:
+    """``columns`` and ``cells`` with each character the console's stream cannot encode (``PYTHONIOENCODING=ascii``,
+    ``LC_ALL=C``) written as its escape (``\\xe9``) before the table is laid out: escaped by the stream on the way
+    out, a cell grew past its column (``caf\\xe9`` in 4 cells) and parted the rows from their frame."""
+    encoding = str(getattr(con.file, "encoding", None) or "utf-8")
+    if encoding.lower().startswith("utf"):
+        return columns, cells
+
+    def escaped(v: Any) -> Any:
+        text = v if isinstance(v, str) else getattr(v, "plain", None)
+        if not isinstance(text, str) or text.isascii():
+            return v
+        safe = text.encode(encoding, "backslashreplace").decode(encoding)
+        if safe == text or not (isinstance(v, str) or type(v) is _key_text_class()):
+            return v  # a styled text keeps its spans: left to the stream's escaping
+        return safe if isinstance(v, str) else _key_text_class()(safe)
+
+    heads = [Col(escaped(c.name), c.kind, drop=c.drop, hide_empty=c.hide_empty, below=c.below) for c in columns]
+    return heads, [[escaped(v) for v in r] for r in cells]
+
+
 def print_table(con: Console | PlainConsole, title: str, columns: list[Col], rows: list[list[Any]]) -> list[str]:
     """Print a table that fits ``con``'s width without ever wrapping a number or a code; the hidden columns.
 
@@ -690,7 +719,7 @@ def print_table(con: Console | PlainConsole, title: str, columns: list[Col], row
     wider than the terminal is printed wider (the terminal wraps the line) rather than truncated.
     On a :class:`PlainConsole` a table of plain cells that fits is written without rich (:func:`_plain_table`).
     """
-    cells = [[_cell(v) for v in r] for r in rows]
+    columns, cells = _encodable_table(con, columns, [[_cell(v) for v in r] for r in rows])
     keep = [
         i
         for i, c in enumerate(columns)
@@ -712,10 +741,8 @@ def print_table(con: Console | PlainConsole, title: str, columns: list[Col], row
         hidden.append(columns[worst].name)
     rich_con: Console | None = cast("Console", con)
     if isinstance(con, PlainConsole):  # a pipe without colour: a table of plain cells that fits is written here
-        lines = _plain_table(title, [columns[i] for i in keep], [[r[i] for i in keep] for r in cells], width)
-        if lines is not None:
-            con.write_lines(lines)
-        rich_con = None if lines is not None else con.rich
+        written = _write_plain_table(con, title, [columns[i] for i in keep], [[r[i] for i in keep] for r in cells])
+        rich_con = None if written else con.rich
     if rich_con is not None:
         _print_rich_table(rich_con, title, columns, keep, widths, cells, need(keep, fit=False))
     named = [n for n in hidden if not any(c.below and c.name == n for c in columns)]
@@ -822,6 +849,16 @@ def _plain_table(title: str, columns: list[Col], rows: list[list[Any]], width: i
     lines += [line(r, "│", "│") for r in rows]
     lines.append(rule("└", "─", "┴", "┘"))
     return [ln.rstrip(" ") for ln in lines]
+
+
+def _write_plain_table(con: PlainConsole, title: str, columns: list[Col], rows: list[list[Any]]) -> bool:
+    """Write the table on ``con`` as :func:`_plain_table` lays it out; whether it did (else it is rich's to draw:
+    cells that are not plain, a table wider than ``con``, or a stream that cannot encode the frame's box
+    characters, which rich draws in ASCII)."""
+    lines = _plain_table(title, columns, rows, con.width) if con.unicode_frame else None
+    if lines is not None:
+        con.write_lines(lines)
+    return lines is not None
 
 
 def _print_at_least(con: Console, t: Table, minimum: int) -> None:

@@ -371,6 +371,68 @@ def test_a_stdout_that_cannot_encode_a_key_escapes_it(tmp_path: Path) -> None:
     assert proc.stderr == b""
 
 
+@pytest.mark.parametrize("argv", [["inspect"], ["validate", "--deep"]])
+def test_a_table_of_escaped_keys_keeps_its_columns(argv: list[str], tmp_path: Path) -> None:
+    """On a stdout that cannot encode a key's 'é' (PYTHONIOENCODING=ascii) the stream wrote it as `\\xe9` after
+    the table was laid out, so its row ran 3 columns past the frame (`| model.caf\\xe9.weight | 2     |` under a
+    `| key               |` header). The escape is now made before the layout: every row as wide as its frame."""
+    import subprocess
+    import sys
+
+    from tests.fixtures.builders import save_quiet
+
+    ckpt = tmp_path / "ck"
+    save_quiet({"model": {"caf\u00e9.weight": torch.tensor([float("nan"), 1.0]), "b.bias": torch.ones(1)}}, ckpt)
+    env = {**os.environ, "PYTHONIOENCODING": "ascii", "COLUMNS": "120"}
+    proc = subprocess.run(
+        [sys.executable, "-m", "ckpttool", argv[0], str(ckpt), *argv[1:]], capture_output=True, env=env, timeout=120
+    )
+    out = proc.stdout.decode("ascii")
+    assert proc.returncode == (0 if argv[0] == "inspect" else 1), proc.stderr.decode()
+    rows = [ln for ln in out.splitlines() if ln.startswith("|")]
+    assert any("model.caf\\xe9.weight" in ln for ln in rows), out
+    frames = [i for i, ln in enumerate(out.splitlines()) if ln.startswith("+-")]
+    assert len(frames) >= 2 and len(frames) % 2 == 0, out
+    lines = out.splitlines()
+    for top, bottom in zip(frames[::2], frames[1::2], strict=True):
+        assert {len(ln) for ln in lines[top : bottom + 1]} == {len(lines[top])}, "\n".join(lines[top : bottom + 1])
+
+
+@pytest.mark.parametrize(
+    "encoding_env",
+    [{"PYTHONIOENCODING": "ascii"}, {"LC_ALL": "C", "LANG": "C", "PYTHONUTF8": "0", "PYTHONCOERCECLOCALE": "0"}],
+    ids=["ioencoding-ascii", "c-locale-no-utf8-mode"],
+)
+def test_a_stdout_that_cannot_encode_box_characters_gets_an_ascii_table(
+    encoding_env: dict[str, str], tmp_path: Path
+) -> None:
+    """A stdout whose encoding holds only ASCII: `inspect` into a pipe wrote its table frame as `\\u250f\\u2501...`
+    escapes under PYTHONIOENCODING=ascii (docs/cli.md: "tables are drawn in ASCII"), and under LC_ALL=C with
+    PYTHONUTF8=0 (stdout's error handler 'surrogateescape', not 'strict') it stopped with 'error: [E999]
+    internal error: UnicodeEncodeError' (exit 2). Both now draw the frame as rich does in ASCII, report whole."""
+    import subprocess
+    import sys
+
+    from tests.fixtures.builders import save_quiet
+
+    ckpt = tmp_path / "ck \u00e9"
+    save_quiet({"model": {"w.weight": torch.ones(2, 3), "b.bias": torch.ones(1)}}, ckpt)  # plain cells
+    env = {k: v for k, v in os.environ.items() if not k.startswith("LC_")}
+    env.update(encoding_env, COLUMNS="120")
+    proc = subprocess.run(
+        [sys.executable, "-m", "ckpttool", "inspect", str(ckpt)], capture_output=True, env=env, timeout=120
+    )
+    assert proc.returncode == 0, proc.stderr.decode(errors="replace")
+    out = proc.stdout.decode("ascii")
+    lines = out.splitlines()
+    assert lines[0].startswith("checkpoint  ") and "\\u25" not in out, out
+    head = lines.index("model tensors")
+    assert lines[head + 1].startswith("+---") and lines[head + 2].startswith("| key "), out
+    assert any(ln.startswith("| model.w.weight ") and "| 2x3 " in ln for ln in lines), out
+    assert "layout      none" in out, out
+    assert b"Traceback" not in proc.stderr and b"E999" not in proc.stderr
+
+
 @pytest.mark.parametrize("argv", [["--help"], ["-V"], ["inspect", "--help"], ["export", "-h"]])
 def test_closed_stdout_during_help_or_version_is_not_a_failure(argv: list[str]) -> None:
     """`ckpttool --help | ...` with the reader gone: click's own EPIPE handling exited 1 (no line) where a
@@ -719,3 +781,21 @@ def test_a_checkpoint_path_that_is_a_link_to_nothing_says_so(command: str, kind:
     target = "b" if kind == "loop" else "gone"
     assert hint.startswith(f"hint: {tmp_path / 'a'} is a symbolic link to {target} that leads to nothing"), hint
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("argv", [["--max-object-size", "1GiB"], ["--max-metadata-size=2GiB"]])
+def test_a_read_cap_after_the_command_name_says_where_it_goes(argv: list[str], sample_ckpt: Path) -> None:
+    """`ckpttool inspect DIR --max-object-size 1GiB` (docs/cli.md: the caps go before the command name only)
+    said 'No such option: --max-object-size (Possible options: --ep-size)' and pointed to `inspect --help`,
+    which does not list it. It now names it as ckpttool's own option and shows where it goes."""
+    name = argv[0].split("=")[0]
+    res = runner.invoke(app, ["inspect", str(sample_ckpt), *argv])
+    assert res.exit_code == 2 and res.stdout == "", res.stdout
+    assert res.stderr.splitlines() == [
+        f"error: [E100] {name} is an option of ckpttool itself, given after the command name",
+        f"hint: put it before the command: `ckpttool {name} SIZE inspect ...`",
+    ], res.stderr
+    moved = runner.invoke(app, [*argv[0].split("="), *argv[1:], "inspect", str(sample_ckpt)])
+    assert moved.exit_code == 0 and moved.stdout.startswith(f"checkpoint  {sample_ckpt}\n"), moved.stderr
+    other = runner.invoke(app, ["inspect", str(sample_ckpt), "--bogus"])
+    assert other.exit_code == 2 and other.stderr.splitlines()[1] == "hint: see `ckpttool inspect --help`"

@@ -91,6 +91,34 @@ def test_help_fits_a_narrow_terminal(name: str) -> None:
         assert "--schema <torchtune|" in runner.invoke(app, [name, "--help"], env=WIDE).stdout
 
 
+@pytest.mark.parametrize("name", ["", *COMMANDS])
+def test_help_fits_a_40_column_terminal(name: str) -> None:
+    """`COLUMNS=40 ckpttool validate --help`: click lays help out at 50 columns at least, and beside a 30-column
+    option name the descriptions were 16 columns wide: lines of up to 59 columns, each wrapped again by the
+    terminal. Now the help takes the terminal's width and puts a description below its option's name where
+    fewer than 20 columns are left beside it; no line ends in a space (the `Usage: ckpttool CMD` line alone)."""
+    args = [name, "--help"] if name else ["--help"]
+    out = runner.invoke(app, args, terminal_width=40).stdout  # CliRunner fixes COLUMNS' width at 80
+    lines = out.splitlines()
+    wide = [ln for ln in lines if len(ln) > 40 and not ln.startswith(("    ckpttool ", "  Docs: "))]
+    assert wide == [] and not [ln for ln in lines if ln.endswith(" ")], wide
+    if name == "validate":
+        strict = lines.index("  --strict")  # the description on the lines below the name
+        assert lines[strict + 1].startswith("      Warnings fail the run too;"), out
+        assert lines[0] == "Usage: ckpttool validate" and lines[1].strip() == "[OPTIONS] [CHECKPOINT]", out
+
+
+def test_help_takes_a_terminal_narrower_than_50_columns() -> None:
+    """`COLUMNS=40 ckpttool --help` (a real run: click lays help out at 50 columns at least, whatever the
+    terminal): every line fits 40 columns, the long URL of the epilog aside."""
+    env = {**os.environ, "COLUMNS": "40"}
+    proc = subprocess.run([sys.executable, "-m", "ckpttool", "--help"], capture_output=True, env=env, timeout=120)
+    assert proc.returncode == 0, proc.stderr.decode()
+    lines = proc.stdout.decode().splitlines()
+    assert [ln for ln in lines if len(ln) > 40 and not ln.startswith("  Docs: ")] == [], lines
+    assert "  --max-metadata-size SIZE" in lines and "  inspect      Show what a checkpoint" in lines, lines
+
+
 def test_optimizer_dir_and_optimizer_type_with_hidden_old_spellings(sample_ckpt: Path) -> None:
     replay = runner.invoke(app, ["replay-step", "--help"], env=WIDE).stdout
     sample = runner.invoke(app, ["sample", "--help"], env=WIDE).stdout

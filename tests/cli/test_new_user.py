@@ -424,3 +424,54 @@ def test_import_for_fsdp_ranks_of_a_moe_says_how_to_keep_its_own_checks_clean(
     assert res.exit_code == 0, res.stdout  # the same values; the chunks are the same records
     res = runner.invoke(app, ["import", str(hf), str(tmp_path / "two"), "--world-size", "2", "--no-fsync"])
     assert res.exit_code == 0 and res.stderr == ""  # 2 blocks: no EP mesh of both sizes > 1 writes them
+
+
+def test_export_help_gives_quantize_no_default_it_does_not_have(sample_ckpt: Path, tmp_path: Path) -> None:
+    """`export --help` ended --quantize's description with `stay --save-dtype [default: bfloat16]`, click's
+    way of saying --quantize itself defaults to bfloat16 (it defaults to no quantization, and its choices are
+    fp8-block/fp8-channel). It now says what it meant: the tensors left unquantized are written in
+    --save-dtype, whose default `preserve` means bfloat16 with --quantize (as a real export shows)."""
+    text = " ".join(runner.invoke(app, ["export", "--help"], env={"COLUMNS": "200"}).stdout.split())
+    entry = text[text.index("--quantize <fp8-block|fp8-channel>") : text.index("--quantize-block")]
+    assert "[default:" not in entry and "stay unquantized, in --save-dtype (preserve: bfloat16 here)" in entry
+    res = runner.invoke(app, ["export", str(sample_ckpt), str(tmp_path / "q"), "--quantize", "fp8-block"])
+    assert res.exit_code == 0, res.stderr
+    from safetensors import safe_open
+
+    with safe_open(str(tmp_path / "q" / "model.safetensors"), "pt") as f:
+        assert f.get_slice("model.embed_tokens.weight").get_dtype() == "BF16"
+        assert f.get_slice("model.norm.weight").get_dtype() == "BF16"
+
+
+def test_a_tilde_the_shell_left_unexpanded_is_named_with_its_expansion(sample_ckpt: Path, tmp_path: Path) -> None:
+    """`ckpttool inspect '~/ckpt'` or `export ... --model-assets=~/assets` (bash expands `~` neither in quotes nor
+    after `--option=`): the hint listed the current directory's folders, and a missing --model-assets was
+    'is not a directory' with no hint of what to pass. The hint now names the `~` and the path it stands for."""
+    copy_checkpoint(sample_ckpt, tmp_path / "ck")
+    env = {"HOME": str(tmp_path)}
+    res = runner.invoke(app, ["inspect", "~/ck"], env=env)
+    assert res.exit_code == 2 and res.stderr.splitlines() == [
+        "error: [E100] ~/ck: no such directory",
+        f"hint: the shell did not expand ~ (it does not inside quotes or after --option=): pass {tmp_path / 'ck'}",
+    ], res.stderr
+    assert runner.invoke(app, ["inspect", str(tmp_path / "ck")], env=env).exit_code == 0  # the path named works
+    out = tmp_path / "hf"
+    res = runner.invoke(app, ["export", str(tmp_path / "ck"), str(out), "--model-assets=~/ck/model_assets"], env=env)
+    assert res.exit_code == 2 and res.stderr.splitlines() == [
+        "error: [E100] --model-assets ~/ck/model_assets: no such directory",
+        "hint: the shell did not expand ~ (it does not inside quotes or after --option=): "
+        f"pass {tmp_path / 'ck' / 'model_assets'}",
+    ], res.stderr
+    assert not out.exists()
+    for args in (["validate", "--config=~/nowhere/config.json"], ["replay-step", "--grads=~/g.safetensors"]):
+        res = runner.invoke(app, [args[0], str(tmp_path / "ck"), *args[1:]], env=env)
+        assert res.exit_code == 2 and res.stderr.splitlines()[1] == (
+            "hint: the shell did not expand ~ (it does not inside quotes or after --option=); "
+            f"{tmp_path / args[1].split('~/')[1]} does not exist either"
+        ), res.stderr
+    res = runner.invoke(
+        app, ["export", str(tmp_path / "ck"), str(out), "--model-assets", str(tmp_path / "ck" / "assets")]
+    )
+    assert (
+        res.exit_code == 2 and res.stderr.splitlines()[1] == f"hint: did you mean {tmp_path / 'ck' / 'model_assets'}?"
+    )

@@ -37,7 +37,7 @@ from ckpttool.errors import (
 )
 from ckpttool.format import limits
 from ckpttool.format.atomic import signals_deferred
-from ckpttool.format.files import copy_regular, hub_hint, read_regular, resolve_inside
+from ckpttool.format.files import copy_regular, hub_hint, missing_path_hint, read_regular, resolve_inside
 from ckpttool.format.jsonview import JsonView, json_counted
 from ckpttool.format.metadata import DTYPE_ITEMSIZE, ChunkMeta, TensorMeta
 from ckpttool.format.outputs import check_target, output_location
@@ -221,11 +221,14 @@ def _read_model_config(assets: Path | None) -> dict[str, Any] | None:
     if assets is None:
         return None
     if not assets.is_dir():
+        what = "the directory holding config.json and the tokenizer files"
         raise UsageError(
-            f"{assets}: `model_assets` is not a directory",
+            f"{assets}: `model_assets` is not a directory"
+            if assets.exists()
+            else f"`model_assets` {assets}: no such directory",
             path=assets,
             param="model_assets",
-            hint="pass the directory holding config.json and the tokenizer files",
+            hint=f"pass {what}" if assets.exists() else missing_path_hint(assets, what),
         )
     if not (assets / "config.json").exists():
         hub = hub_hint(assets)

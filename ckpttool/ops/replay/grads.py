@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, cast
 
 from ckpttool.errors import GradientsError, UsageError
+from ckpttool.format.files import unexpanded_tilde_hint
 from ckpttool.model.schemas.base import canonical_model_key
 
 if TYPE_CHECKING:
@@ -98,7 +99,7 @@ class GradFile:
         if not self.path.is_file():
             raise self._error(
                 f": {'not a regular file' if os.path.lexists(self.path) else 'no such file'}",
-                hint="pass a safetensors file of gradients keyed by parameter fqn",
+                hint=unexpanded_tilde_hint(self.path) or "pass a safetensors file of gradients keyed by parameter fqn",
             )
         try:
             self._file = cast("_SafeOpen", safe_open(str(self.path), framework="pt", device="cpu"))

@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from ckpttool.errors import CkptError, PathEscapeError, UsageError
-from ckpttool.format.files import hub_hint, read_regular, resolve_inside
+from ckpttool.format.files import hub_hint, read_regular, resolve_inside, unexpanded_tilde_hint
 from ckpttool.format.jsonfile import DuplicateKeyError, json_error, parse_json
 from ckpttool.format.limits import current
 from ckpttool.format.safetensors import SAFETENSORS_TAGS, HeaderError, read_header
@@ -223,7 +223,7 @@ def _load(p: Path) -> Reference:
             str(p), tensors, resolve_inside(p, cfg.name, what="reference file") if cfg.exists() else None
         )
     if not p.exists():
-        raise _bad(p, "no such file or directory")
+        raise _bad(p, "no such file or directory", unexpanded_tilde_hint(p))
     if p.suffix == ".safetensors":
         tensors = _safetensors_header(p)
     else:
