@@ -40,7 +40,7 @@ def unexpanded_tilde_hint(path: Path | str) -> str | None:
     home = Path(os.path.expanduser(path))
     if not head.startswith("~") or home == path or os.path.lexists(path):  # a folder named `~` is taken as given
         return None
-    told = f"the shell did not expand {head} (it does not inside quotes or after --option=)"
+    told = f"the shell did not expand {head} (it does not inside quotes or after an option's =)"
     return f"{told}: pass {home}" if home.exists() else f"{told}; {home} does not exist either"
 
 

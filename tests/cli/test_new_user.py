@@ -452,21 +452,21 @@ def test_a_tilde_the_shell_left_unexpanded_is_named_with_its_expansion(sample_ck
     res = runner.invoke(app, ["inspect", "~/ck"], env=env)
     assert res.exit_code == 2 and res.stderr.splitlines() == [
         "error: [E100] ~/ck: no such directory",
-        f"hint: the shell did not expand ~ (it does not inside quotes or after --option=): pass {tmp_path / 'ck'}",
+        f"hint: the shell did not expand ~ (it does not inside quotes or after an option's =): pass {tmp_path / 'ck'}",
     ], res.stderr
     assert runner.invoke(app, ["inspect", str(tmp_path / "ck")], env=env).exit_code == 0  # the path named works
     out = tmp_path / "hf"
     res = runner.invoke(app, ["export", str(tmp_path / "ck"), str(out), "--model-assets=~/ck/model_assets"], env=env)
     assert res.exit_code == 2 and res.stderr.splitlines() == [
         "error: [E100] --model-assets ~/ck/model_assets: no such directory",
-        "hint: the shell did not expand ~ (it does not inside quotes or after --option=): "
+        "hint: the shell did not expand ~ (it does not inside quotes or after an option's =): "
         f"pass {tmp_path / 'ck' / 'model_assets'}",
     ], res.stderr
     assert not out.exists()
     for args in (["validate", "--config=~/nowhere/config.json"], ["replay-step", "--grads=~/g.safetensors"]):
         res = runner.invoke(app, [args[0], str(tmp_path / "ck"), *args[1:]], env=env)
         assert res.exit_code == 2 and res.stderr.splitlines()[1] == (
-            "hint: the shell did not expand ~ (it does not inside quotes or after --option=); "
+            "hint: the shell did not expand ~ (it does not inside quotes or after an option's =); "
             f"{tmp_path / args[1].split('~/')[1]} does not exist either"
         ), res.stderr
     res = runner.invoke(
