@@ -42,7 +42,7 @@ def torch_state(ckpt: Path, tmp: Path) -> dict[str, Any]:
     return torch.load(tmp / "state.pt", weights_only=False)
 
 
-@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("kind", [*KINDS, "hsdp_local"])
 def test_strict_deep_validate_is_clean(suite: Path, kind: str) -> None:
     res = invoke("validate", suite / kind, "--strict", "--deep", "--json")
     assert res.exit_code == 0, res.stdout + res.stderr
@@ -59,12 +59,13 @@ def test_strided_shards_and_the_zero_size_chunk_are_listed_as_torch_saved_them(s
     assert sorted(k["chunk_sizes"]) == [[0, 10], [1, 10], [1, 10], [1, 10]]
 
 
-@pytest.mark.parametrize("kind", ["fsdp_tp", "hsdp", "hsdp_tied"])
+@pytest.mark.parametrize("kind", ["fsdp_tp", "fsdp_tp_master", "hsdp", "hsdp_tied", "hsdp_local"])
 def test_export_equals_torch_dcp_load_bitwise(suite: Path, kind: str, tmp_path: Path) -> None:
     out = tmp_path / "hf"
     res = invoke("export", suite / kind, out)
     assert res.exit_code == 0, res.stdout + res.stderr
-    model = torch_state(suite / kind, tmp_path)["model"]
+    # torch's one-process reader of a rank-local save reads __0.metadata alone: the collective save is the reference
+    model = torch_state(suite / kind.removesuffix("_local"), tmp_path)["model"]
     got: dict[str, torch.Tensor] = {}
     for f in sorted(out.glob("*.safetensors")):
         got.update(load_file(f))
@@ -118,3 +119,29 @@ def test_manifest_round_trip(suite: Path, tmp_path: Path) -> None:
     assert invoke("manifest", ck).exit_code == 0
     res = invoke("validate", ck, "--manifest", ck / "manifest.json")
     assert res.exit_code == 0, res.stdout + res.stderr
+
+
+def test_export_master_weights_are_the_fp32_masters_torch_loads(suite: Path, tmp_path: Path) -> None:
+    out = tmp_path / "hf"
+    res = invoke("export", suite / "fsdp_tp_master", out, "--weights", "master")
+    assert res.exit_code == 0, res.stdout + res.stderr
+    state = torch_state(suite / "fsdp_tp_master", tmp_path)
+    got = load_file(out / "model.safetensors")
+    assert sorted(got) == sorted(state["model"])
+    for name, t in got.items():
+        want = state["optimizer"]["state"][name]["master_weight"]
+        assert t.dtype == torch.float32 and torch.equal(t, want), name
+
+
+def test_rank_local_saves_of_one_state_diff_equal_with_no_note(suite: Path) -> None:
+    """Two ``use_collectives=False`` saves of one state: their ``__R.metadata`` (each with its own ``save_id``)
+    are the metadata compared item by item, not files beside the checkpoint that differ."""
+    res = invoke("diff", suite / "hsdp_local", suite / "hsdp_local2", "--what", "all", "--json")
+    assert res.exit_code == 0, res.stdout + res.stderr
+    doc = json.loads(res.stdout)
+    assert doc["equal"] is True and doc["notes"] == []
+    # against the collective save: equal, and only the second replica group's data files are named beside
+    res = invoke("diff", suite / "hsdp", suite / "hsdp_local", "--what", "all", "--json")
+    assert res.exit_code == 0, res.stdout + res.stderr
+    (note,) = json.loads(res.stdout)["notes"]
+    assert "only in B (__2_0.distcp, __3_0.distcp)" in note and ".metadata" not in note
