@@ -7,6 +7,8 @@ formula; the saves are :mod:`tests.fixtures.mesh2d` (one 4-rank gloo run, cached
 from __future__ import annotations
 
 import json
+import pickle
+import struct
 from pathlib import Path
 from typing import Any
 
@@ -42,7 +44,7 @@ def torch_state(ckpt: Path, tmp: Path) -> dict[str, Any]:
     return torch.load(tmp / "state.pt", weights_only=False)
 
 
-@pytest.mark.parametrize("kind", [*KINDS, "hsdp_local"])
+@pytest.mark.parametrize("kind", [*KINDS, "hsdp_local", "fsdp_tp_st_local"])
 def test_strict_deep_validate_is_clean(suite: Path, kind: str) -> None:
     res = invoke("validate", suite / kind, "--strict", "--deep", "--json")
     assert res.exit_code == 0, res.stdout + res.stderr
@@ -59,13 +61,13 @@ def test_strided_shards_and_the_zero_size_chunk_are_listed_as_torch_saved_them(s
     assert sorted(k["chunk_sizes"]) == [[0, 10], [1, 10], [1, 10], [1, 10]]
 
 
-@pytest.mark.parametrize("kind", ["fsdp_tp", "fsdp_tp_master", "hsdp", "hsdp_tied", "hsdp_local"])
+@pytest.mark.parametrize("kind", ["fsdp_tp", "fsdp_tp_master", "hsdp", "hsdp_tied", "hsdp_local", "fsdp_tp_st_local"])
 def test_export_equals_torch_dcp_load_bitwise(suite: Path, kind: str, tmp_path: Path) -> None:
     out = tmp_path / "hf"
     res = invoke("export", suite / kind, out)
     assert res.exit_code == 0, res.stdout + res.stderr
     # torch's one-process reader of a rank-local save reads __0.metadata alone: the collective save is the reference
-    model = torch_state(suite / kind.removesuffix("_local"), tmp_path)["model"]
+    model = torch_state(suite / kind.removesuffix("_local").removesuffix("_st"), tmp_path)["model"]
     got: dict[str, torch.Tensor] = {}
     for f in sorted(out.glob("*.safetensors")):
         got.update(load_file(f))
@@ -145,3 +147,35 @@ def test_rank_local_saves_of_one_state_diff_equal_with_no_note(suite: Path) -> N
     assert res.exit_code == 0, res.stdout + res.stderr
     (note,) = json.loads(res.stdout)["notes"]
     assert "only in B (__2_0.distcp, __3_0.distcp)" in note and ".metadata" not in note
+
+
+def _blob_window(ckpt: Path, rank: int, key: str) -> tuple[Path, int]:
+    """File and start of ``key``'s values in rank ``rank``'s safetensors blob, from torch's own ``__R.metadata``
+    (plain pickle: our fixture) and the blob's JSON header."""
+    md = pickle.loads((ckpt / f"__{rank}.metadata").read_bytes())
+    (info,) = [v for k, v in md.storage_data.items() if k.fqn == key]
+    path = ckpt / info.relative_path
+    with open(path, "rb") as f:
+        f.seek(info.offset)
+        (n,) = struct.unpack("<Q", f.read(8))
+        begin, _ = json.loads(f.read(n))[key]["data_offsets"]
+    return path, info.offset + 8 + n + begin
+
+
+def test_replicas_of_a_safetensors_serialized_rank_local_save_are_read_from_their_blob(
+    suite: Path, tmp_path: Path
+) -> None:
+    """The tp ranks' two copies of a norm (ranks 0 and 1: dp 0) are each read at its own value window: equal
+    copies are no ``D014`` (rank 1's was read at its blob's start, as garbage), and a copy changed on disk is."""
+    key = "model.model.norm.weight"
+    ck = copy_checkpoint(suite / "fsdp_tp_st_local", tmp_path / "ck")
+    res = invoke("validate", ck, "--strict", "--deep", "--json")
+    assert res.exit_code == 0 and json.loads(res.stdout)["findings"] == [], res.stdout[:2000]
+    path, start = _blob_window(ck, 1, key)
+    data = bytearray(path.read_bytes())
+    data[start : start + 4] = struct.pack("<f", 123.0)
+    path.write_bytes(bytes(data))
+    res = invoke("validate", ck, "--deep", "--json")
+    assert res.exit_code == 1
+    (d,) = [f for f in json.loads(res.stdout)["findings"] if f["code"] == "D014"]
+    assert d["key"] == key and "__1_0.distcp" in d["message"] and "123" in d["message"], d["message"]
