@@ -44,7 +44,7 @@ def torch_state(ckpt: Path, tmp: Path) -> dict[str, Any]:
     return torch.load(tmp / "state.pt", weights_only=False)
 
 
-@pytest.mark.parametrize("kind", [*KINDS, "hsdp_local", "fsdp_tp_st_local"])
+@pytest.mark.parametrize("kind", [*KINDS, "hsdp_local", "fsdp_tp_st_local", "hsdp_st_local"])
 def test_strict_deep_validate_is_clean(suite: Path, kind: str) -> None:
     res = invoke("validate", suite / kind, "--strict", "--deep", "--json")
     assert res.exit_code == 0, res.stdout + res.stderr
@@ -179,3 +179,17 @@ def test_replicas_of_a_safetensors_serialized_rank_local_save_are_read_from_thei
     assert res.exit_code == 1
     (d,) = [f for f in json.loads(res.stdout)["findings"] if f["code"] == "D014"]
     assert d["key"] == key and "__1_0.distcp" in d["message"] and "123" in d["message"], d["message"]
+
+
+def test_a_file_of_copies_only_cut_short_is_s003_in_a_safetensors_serialized_rank_local_save(
+    suite: Path, tmp_path: Path
+) -> None:
+    """HSDP saved rank-locally in torch's safetensors serialization: rank 3 writes only copies (its replica group's
+    peer, rank 1, wrote the ones read); its file cut short is the S003 rank 3's resume would fail on."""
+    ck = copy_checkpoint(suite / "hsdp_st_local", tmp_path / "ck")
+    f = ck / "__3_0.distcp"
+    f.write_bytes(f.read_bytes()[:-300])
+    res = invoke("validate", ck, "--json")
+    assert res.exit_code == 1, res.stdout[:2000]
+    (d,) = [x for x in json.loads(res.stdout)["findings"] if x["code"] == "S003"]
+    assert d["key"] == "__3_0.distcp"
