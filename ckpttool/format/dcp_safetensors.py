@@ -159,7 +159,16 @@ def resolve_safetensors_windows(ckpt: CheckpointDir, md: CheckpointMetadata) -> 
             info = md.storage.get((key, c.offsets))
             if info is not None:
                 per_file.setdefault(info.relative_path, []).append((key, meta, info, c.offsets))
+    for key, offsets, info in md.replicas:  # a use_collectives=False save: the higher ranks' copies, in their blobs
+        replicated = md.entries.get(key)
+        if isinstance(replicated, TensorMeta) and offsets is not None:
+            per_file.setdefault(info.relative_path, []).append((key, replicated, info, offsets))
+    windows = {rel: _file_windows(ckpt, rel, keys) for rel, keys in per_file.items()}
     storage = dict(md.storage)
-    for rel, keys in per_file.items():
-        storage.update(_file_windows(ckpt, rel, keys))
-    return dataclasses.replace(md, storage=storage, serialization=DCP_SAFETENSORS)
+    for k, info in storage.items():
+        storage[k] = windows.get(info.relative_path, {}).get(k, info)
+    replicas = tuple(
+        (key, offsets, windows.get(info.relative_path, {}).get((key, offsets), info))
+        for key, offsets, info in md.replicas
+    )
+    return dataclasses.replace(md, storage=storage, replicas=replicas, serialization=DCP_SAFETENSORS)

@@ -132,6 +132,8 @@ class CheckpointDir:
         self.metadata: CheckpointMetadata
         # (algorithm, hex digest, size) of the .metadata bytes parsed (the last ones read, see metadata_file_digest)
         self._metadata_digest: tuple[str, str, int] | None = None
+        # the __R.metadata files read as this checkpoint's metadata (a use_collectives=False save), by rank
+        self.rank_metadata_files: tuple[str, ...] = ()
         if is_url(path):
             self._open_remote(path, metadata)
             return
@@ -206,6 +208,7 @@ class CheckpointDir:
             blobs.append(data)
             parts.append((rank, parse_metadata_taken([data], str(shown), reread(name))))
         joined = b"".join(blobs)
+        self.rank_metadata_files = tuple(name for _, name in ranks)
         self._metadata_digest = (DEFAULT_ALGORITHM, digest_bytes(joined, DEFAULT_ALGORITHM), len(joined))
         log.info(
             "%s: %d rank-local metadata files (use_collectives=False) read as one checkpoint", self.path, len(parts)

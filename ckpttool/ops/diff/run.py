@@ -1444,6 +1444,7 @@ def _files_beside(side: Side) -> dict[str, str] | None:
         return None
     md = side.ckpt.metadata
     skip = {".metadata", MANIFEST_NAME, "layout.json", *(info.relative_path for info in md.storage.values())}
+    skip |= set(getattr(reader, "rank_metadata_files", ()))  # __R.metadata: the metadata, compared as items
     skip.add("model.safetensors.index.json")  # how the files are cut, not what they hold
     skip -= set(getattr(getattr(reader, "assembled", None), "partial", ()))  # rank files of state in no item
     if reader.parts:

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import cast
 
 from ckpttool.errors import ChecksumError, DataFileError, HyperparameterError, PathEscapeError, TrustRequiredError
+from ckpttool.format.dcp_safetensors import DCP_SAFETENSORS
 from ckpttool.format.metadata import StorageInfo, TensorMeta
 from ckpttool.format.tiling import tiling_problem
 from ckpttool.ops.validate.base import RULES, Finding, Severity, rule
@@ -112,9 +113,10 @@ def _any_past_eof(ctx: Context) -> bool:
 
 def _bounded_replicas(ctx: Context) -> list[tuple[str, tuple[int, ...] | None, StorageInfo]]:
     """The higher ranks' copies of a ``use_collectives=False`` save (each rank's ``dcp.load`` reads its own) whose
-    windows are known from the metadata (``torch.save`` chunks: a safetensors-serialized save's come from headers)."""
+    windows are known: ``torch.save`` chunks from the metadata, a safetensors-serialized save's from each file's blob
+    header (``format.dcp_safetensors`` resolves the copies' windows as the chunks' own)."""
     md = ctx.reader.metadata
-    return list(md.replicas) if md.serialization == "torch_save" else []
+    return list(md.replicas) if md.serialization in ("torch_save", DCP_SAFETENSORS) else []
 
 
 @rule("S004")
