@@ -594,6 +594,22 @@ def test_an_object_cut_short_after_the_listing_is_a_data_file_error(sample_ckpt:
     assert requests == 3  # the listing, .metadata, one range request: not retried
 
 
+def test_overwrite_of_a_prefix_holding_only_sub_prefixes_names_them(sample_ckpt: Path, s3_server: Any) -> None:
+    """export --overwrite onto a prefix whose objects all lie below sub-prefixes (a run root: step folders, logs)
+    is E606 naming its folders, as the local refusal names a directory's entries (it said 'it holds nothing');
+    nothing below it is touched."""
+    src = upload(s3_server, sample_ckpt)
+    bucket, prefix = "ckpts", f"t-{uuid.uuid4().hex[:8]}"
+    c = s3_server.client()
+    before = {f"{prefix}/logs/run.txt": b"log", f"{prefix}/step-1/.metadata": b"md"}
+    for key, body in before.items():
+        c.put_object(Bucket=bucket, Key=key, Body=body)
+    r = cli(s3_server, "export", "--overwrite", src, f"s3://{bucket}/{prefix}")
+    assert r.exit_code == 2, r.output
+    assert f"[E606] s3://{bucket}/{prefix}: --overwrite refused: it holds 2 entries (logs, step-1)," in r.output
+    assert s3_server.keys(bucket, prefix + "/") == sorted(before)
+
+
 def test_an_object_replaced_by_one_of_the_same_size_after_the_listing_is_said_to_have_changed(
     s3_server: Any, tmp_path: Path
 ) -> None:
