@@ -711,6 +711,30 @@ def test_manifest_of_a_remote_checkpoint_is_written_beside_its_metadata_and_veri
     assert s3_server.client().get_object(Bucket="ckpts", Key=f"{prefix}/manifest.json")["Body"].read() == b'{"mine": 1}'
 
 
+def test_a_remote_data_object_grown_since_the_manifest_is_changed_as_its_local_copy(
+    sample_ckpt: Path, s3_server: Any, tmp_path: Path
+) -> None:
+    """Bytes appended to a data object after its last window (a botched copy) are in no entry: the local verify names
+    the grown file, the remote one said 'matches' (and `validate --manifest` OK), since a remote manifest recorded no
+    data_files and a remote verify skipped them. The listing's sizes are now recorded and checked."""
+    local = copy_checkpoint(sample_ckpt, tmp_path / "local")
+    sizes = [{"file": p.name, "size": p.stat().st_size} for p in sorted(local.glob("*.distcp"))]
+    made = tmp_path / "remote.json"
+    assert cli(s3_server, "manifest", upload(s3_server, local), "-o", str(made)).exit_code == 0
+    assert json.loads(made.read_text())["data_files"] == sizes
+    with open(local / "__0_0.distcp", "ab") as f:
+        f.write(b"appended")
+    url = upload(s3_server, local)
+    want = runner.invoke(app, ["manifest", str(local), "--verify", "-o", str(made)])
+    assert want.exit_code == 1, want.output
+    got = cli(s3_server, "manifest", url, "--verify", "-o", str(made))
+    assert got.exit_code == 1, got.output
+    assert got.stdout.splitlines()[:-1] == want.stdout.splitlines()[:-1]
+    assert got.stdout.splitlines()[0].startswith("changed  __0_0.distcp: 8 byte(s) after the data")
+    v = cli(s3_server, "validate", "--manifest", str(made), url)
+    assert v.exit_code == 1, v.output
+
+
 def test_validate_of_a_remote_incomplete_save_names_the_url(sample_ckpt: Path, s3_server: Any) -> None:
     """Data objects without .metadata: S001/E202 keyed by the URL, as a local directory is by its path (the key
     was 's3:/ckpts/...', the scheme's slash lost, and the error line said 's3:/ckpts/x: s3://ckpts/x: ...')."""
