@@ -365,7 +365,7 @@ def bounded_options(scheme: str, options: Mapping[str, Any], timeout_s: int) -> 
     """``options`` with a connect and read timeout and no backend retries, unless the user set them.
 
     s3 (s3fs/botocore): ``config_kwargs`` ``connect_timeout``/``read_timeout`` and
-    ``retries.max_attempts`` 1; http(s) (aiohttp): ``client_kwargs.timeout``. Other backends are
+    ``retries.total_max_attempts`` 1 (the request alone: botocore's ``max_attempts`` counts the retries); http(s) (aiohttp): ``client_kwargs.timeout``. Other backends are
     passed as given (their timeouts are theirs to set with ``--storage-option``).
     """
     out = dict(options)
@@ -373,7 +373,7 @@ def bounded_options(scheme: str, options: Mapping[str, Any], timeout_s: int) -> 
         conf = dict(out.get("config_kwargs") or {})
         conf.setdefault("connect_timeout", timeout_s)
         conf.setdefault("read_timeout", timeout_s)
-        conf.setdefault("retries", {"max_attempts": 1, "mode": "standard"})
+        conf.setdefault("retries", {"total_max_attempts": 1, "mode": "standard"})  # max_attempts counts retries
         out["config_kwargs"] = conf
     elif scheme in ("http", "https"):
         client = dict(out.get("client_kwargs") or {})

@@ -95,6 +95,26 @@ def test_storage_options_nest_and_convert_and_are_redacted() -> None:
         parse_storage_options(["novalue"])
 
 
+def test_botocore_makes_one_request_per_attempt() -> None:
+    """--remote-retries is the only retry budget (docs/storage.md): botocore's `retries.max_attempts` 1 counts the
+    retries, so every attempt was two requests (a silent endpoint took twice --remote-retries x --remote-timeout,
+    and --remote-retries 1 still retried); the client ckpttool builds now has `total_max_attempts` 1, and a
+    retries setting of the user's is kept."""
+    if s3fx.missing():
+        pytest.skip(s3fx.missing())
+    from ckpttool.format.storage import RemoteStore
+
+    endpoint = {"client_kwargs": {"endpoint_url": "http://127.0.0.1:9"}, "key": "k", "secret": "s"}
+    for options, attempts in (
+        (endpoint, 1),
+        ({**endpoint, "config_kwargs": {"retries": {"total_max_attempts": 3}}}, 3),
+    ):
+        with storage_config(options=options):
+            fs = RemoteStore("s3://bkt/ck").fs
+            fs.connect()  # builds the botocore client; no request
+            assert fs.s3.meta.config.retries["total_max_attempts"] == attempts
+
+
 # ------------------------------------------------------------------ reads
 def test_inspect_reads_only_metadata_and_shown_items(sample_ckpt: Path, s3_server: Any) -> None:
     url = upload(s3_server, sample_ckpt)
