@@ -213,6 +213,33 @@ def test_reshard_s3_to_s3_is_bitwise_the_local_reshard(sample_ckpt: Path, s3_ser
 
 
 # ------------------------------------------------------------------ failures
+def test_diff_of_a_remote_checkpoint_is_the_diff_of_its_local_copy(s3_server: Any, tmp_path: Path) -> None:
+    """diff s3://... (was E610 'diff compares local checkpoints only'): a remote checkpoint against its local copy
+    is equal, against another save it names the tensors that differ, as diff of the two local folders does."""
+    import torch
+    import torch.distributed.checkpoint as dcp
+
+    for name, seed in (("a", 0), ("b", 1)):
+        g = torch.Generator().manual_seed(seed)
+        state = {"model": {"w": torch.randn(16, 8, generator=g), "bias": torch.zeros(8)}}
+        dcp.save(state, checkpoint_id=tmp_path / name, no_dist=True)
+    url = upload(s3_server, tmp_path / "a")
+
+    def verdict(*args: str) -> dict[str, Any]:
+        r = cli(s3_server, "--json", "diff", *args) if any("://" in a for a in args) else None
+        r = r or runner.invoke(app, ["--json", "diff", *args])
+        assert r.exit_code in (0, 1), r.output
+        doc = json.loads(r.stdout)
+        return {"exit": r.exit_code, "equal": doc["equal"], "counts": doc["counts"], "tensors": doc["tensors"]}
+
+    same = verdict(url, str(tmp_path / "a"))
+    assert same == verdict(str(tmp_path / "a"), str(tmp_path / "a")) and same["exit"] == 0 and same["equal"]
+    other = verdict(url, str(tmp_path / "b"))
+    assert other == verdict(str(tmp_path / "a"), str(tmp_path / "b")) and other["exit"] == 1
+    assert other["counts"]["different"] == 1  # model.w; the zero bias is equal
+    assert verdict(str(tmp_path / "b"), url) == verdict(str(tmp_path / "b"), str(tmp_path / "a"))
+
+
 def test_dropped_connections_are_retried(sample_ckpt: Path, s3_server: Any, tmp_path: Path) -> None:
     url = upload(s3_server, sample_ckpt)
     proxy = s3fx.DroppingProxy(s3_server.port)

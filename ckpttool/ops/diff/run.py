@@ -39,7 +39,7 @@ from ckpttool.format.locator import ChunkLocation
 from ckpttool.format.metadata import TensorMeta
 from ckpttool.format.perrank import PerRankReader
 from ckpttool.format.perrank_formats import detect_layout
-from ckpttool.format.storage import is_url, local_path
+from ckpttool.format.storage import UrlPath, is_url, local_path, url_path
 from ckpttool.layouts.permute import legacy_to_canonical_perm
 from ckpttool.layouts.record import LAYOUT_KEY
 from ckpttool.model.catalog import TensorEntry, match_filter
@@ -95,7 +95,14 @@ class Side:
     """
 
     def __init__(
-        self, label: str, path: Path, ckpt: Checkpoint, kind: str, only_file: str | None, *, owned: bool = True
+        self,
+        label: str,
+        path: Path | UrlPath,
+        ckpt: Checkpoint,
+        kind: str,
+        only_file: str | None,
+        *,
+        owned: bool = True,
     ) -> None:
         self.label = label
         self.owned = owned  # opened here (closed by close()), not the caller's opened Checkpoint
@@ -237,11 +244,14 @@ def _open_side(
     if isinstance(path, Checkpoint):  # the caller's, opened already: used as it is and left open
         with open_source(path, opening) as ckpt:
             return Side(label, Path(ckpt.path), ckpt, _side_kind(ckpt), None, owned=False)
-    if is_url(path):  # Path() would fold 's3://b/k' into the local path 's3:/b/k'
-        raise DiffError(
-            f"{path}: a URL; diff compares local checkpoints only",
-            hint="copy the checkpoint to a local directory and compare that",
-        )
+    if is_url(path):  # a DCP checkpoint's prefix, read as every command reads one (Path() would fold it to 's3:/b/k')
+        try:
+            ckpt = open_checkpoint(
+                path, declaration=opening.declaration, trust_pickle=opening.trust_pickle, selection=opening.selection
+            )
+        except LayoutError as e:
+            raise _of_side(label, url_path(path), e) from None
+        return Side(label, url_path(path), ckpt, _side_kind(ckpt), None)
     p = Path(local_path(path))
     only_file = None
     where = p
@@ -347,7 +357,7 @@ def _perm_of(side: Side, key: str, shape: tuple[int, ...]) -> list[int] | None:
     return legacy_to_canonical_perm(shape[0], lay.ep_size, lay.ep_fsdp_size)
 
 
-def _of_side(label: str, path: Path, e: LayoutError) -> LayoutError:
+def _of_side(label: str, path: Path | UrlPath, e: LayoutError) -> LayoutError:
     """``e`` naming its side and path; for B the hint says that B's declaration is ``opening_b``'s, and ``param`` is
     ``opening_b``: the declaration parameters it names (``source_layout``, ...) otherwise read as A's, which declare
     the other checkpoint (the CLI names B's options instead: :data:`SIDE_B_DECLARED`)."""
