@@ -240,6 +240,26 @@ def test_diff_of_a_remote_checkpoint_is_the_diff_of_its_local_copy(s3_server: An
     assert verdict(str(tmp_path / "b"), url) == verdict(str(tmp_path / "b"), str(tmp_path / "a"))
 
 
+def test_diff_of_a_remote_checkpoint_holds_one_tensor_in_the_spool(s3_server: Any, tmp_path: Path) -> None:
+    """diff of a remote side fetched each window as it was read and kept every one until the end (the spool in
+    $TMPDIR grew to the bytes of all compared tensors); it now holds one tensor's windows at a time."""
+    import torch
+    import torch.distributed.checkpoint as dcp
+
+    from ckpttool.model.checkpoint import open_checkpoint
+    from ckpttool.ops.diff import diff_checkpoints
+
+    g = torch.Generator().manual_seed(0)
+    dcp.save({f"w{i}": torch.randn(64, 64, generator=g) for i in range(4)}, checkpoint_id=tmp_path / "a", no_dist=True)
+    url = upload(s3_server, tmp_path / "a")
+    with storage_config(options=s3_server.options()):
+        with open_checkpoint(url) as remote:
+            windows = [i.length for i in remote.reader.metadata.storage.values()]
+            assert diff_checkpoints(remote, tmp_path / "a").equal
+            peak = remote.reader.spool_peak()
+    assert peak is not None and max(windows) <= peak <= max(windows) + 4096 < sum(windows)
+
+
 def test_dropped_connections_are_retried(sample_ckpt: Path, s3_server: Any, tmp_path: Path) -> None:
     url = upload(s3_server, sample_ckpt)
     proxy = s3fx.DroppingProxy(s3_server.port)

@@ -113,6 +113,7 @@ class Side:
         self.only_file = only_file
         self._cached: tuple[str, Any] | None = None
         self._buf: Any = None  # one reusable byte buffer: no page faults on every tensor
+        self._held: tuple[str, ...] = ()  # a remote side: the keys whose windows the spool holds
         self.adapter: str | None = None  # the model adapter that named this side (export naming)
         self.quant_atol = 0.0  # the default atol of the last dequantized weight (ops/diff/quantized.py)
         self.quant_atol_at: Any = None  # its per-element atol where it is block FP8 (ops/diff/quantized.py)
@@ -197,6 +198,24 @@ class Side:
 
     def drop_cache(self) -> None:
         self._cached = None
+
+    def hold(self, item: Item) -> None:
+        """A remote side: evict the chunk windows of the item compared before and fetch those of ``item``
+        (``--remote-workers`` range requests at once), so the spool holds one item's tensors, not every one
+        compared (docs/storage.md); byte items stay (small, capped). A local side: nothing."""
+        reader = self.reader
+        if getattr(reader, "spool", None) is None:
+            return
+        keys = tuple(dict.fromkeys([item.key, *(e.key for e, _ in item.runs or ())]))
+        if keys == self._held:
+            return
+        tensors = reader.metadata.entries
+        for k in self._held:
+            meta = tensors.get(k)
+            if isinstance(meta, TensorMeta):
+                reader.evict(reader.storage_info(k, c) for c in meta.chunks if c.numel)
+        self._held = keys
+        reader.prefetch_keys(k for k in keys if isinstance(tensors.get(k), TensorMeta))
 
     def close(self) -> None:
         self._cached = self._buf = None
@@ -1580,6 +1599,8 @@ def _compare_pairs(
         if last_b is not None and last_b != ib.key:
             b.drop_cache()
         last_a, last_b = ia.key, ib.key
+        a.hold(ia)
+        b.hold(ib)
         tally.pair(*_compare_pair(ia.name, a, ia, b, ib, opts, say))
         done += _item_bytes(a, ia) + _item_bytes(b, ib)
         if progress is not None:
