@@ -260,6 +260,32 @@ def test_diff_of_a_remote_checkpoint_holds_one_tensor_in_the_spool(s3_server: An
     assert peak is not None and max(windows) <= peak <= max(windows) + 4096 < sum(windows)
 
 
+def test_stats_of_a_remote_checkpoint_gives_each_measured_chunk_back_to_the_spool(
+    s3_server: Any, tmp_path: Path
+) -> None:
+    """stats of a remote checkpoint kept every chunk window it measured in the $TMPDIR spool until it ended (the
+    whole checkpoint's tensor bytes on local disk); each window is evicted once measured, and the figures are
+    those of the local copy."""
+    import torch
+    import torch.distributed.checkpoint as dcp
+
+    from ckpttool.model.checkpoint import open_checkpoint
+    from ckpttool.ops.stats import StatsOptions, collect_stats
+
+    g = torch.Generator().manual_seed(0)
+    dcp.save({f"w{i}": torch.randn(64, 64, generator=g) for i in range(4)}, checkpoint_id=tmp_path / "a", no_dist=True)
+    url = upload(s3_server, tmp_path / "a")
+    opts = StatsOptions(workers=1)
+    with storage_config(options=s3_server.options()):
+        with open_checkpoint(url) as remote:
+            windows = [i.length for i in remote.reader.metadata.storage.values()]
+            got = collect_stats(remote, opts).to_dict()
+            peak = remote.reader.spool_peak()
+    assert peak is not None and max(windows) <= peak < sum(windows)
+    want = collect_stats(tmp_path / "a", opts).to_dict()
+    assert got["checkpoints"][0]["tensors"] == want["checkpoints"][0]["tensors"]
+
+
 def test_dropped_connections_are_retried(sample_ckpt: Path, s3_server: Any, tmp_path: Path) -> None:
     url = upload(s3_server, sample_ckpt)
     proxy = s3fx.DroppingProxy(s3_server.port)
