@@ -416,6 +416,13 @@ def _hash_entry(
     return "window", _hash_range(reader, info.relative_path, info.offset, info.length, key, algorithm, loc)
 
 
+def _release(reader: CheckpointReader, key: str, chunk: ChunkMeta | None) -> None:
+    """A remote checkpoint: give a chunk's window back to the spool once digested, so it holds the entries being
+    hashed, not every one (docs/storage.md); byte items stay (small, capped). A local one: nothing."""
+    if chunk is not None and chunk.numel and getattr(reader, "spool", None) is not None:
+        reader.evict([reader.storage_info(key, chunk)])
+
+
 def _items(reader: CheckpointReader) -> list[tuple[str, ChunkMeta | None]]:
     out: list[tuple[str, ChunkMeta | None]] = []
     for key, meta in reader.metadata.entries.items():
@@ -573,6 +580,7 @@ def build_manifest(
             meta = reader.metadata.entries[key]
             if isinstance(meta, TensorMeta) and view == canonical_view(meta.dtype.name, chunk.sizes):
                 view = None
+        _release(reader, key, chunk)
         return ManifestEntry(
             key,
             chunk.offsets if chunk is not None else None,
@@ -1482,6 +1490,7 @@ def verify_manifest(
             )
             continue
         problem = _stored_entry_problem(reader, e, stored[e.ident], manifest.algorithm, strict)
+        _release(reader, e.key, stored[e.ident])
         if problem is not None:
             problems.append(problem)
     for ident in stored:

@@ -286,6 +286,35 @@ def test_stats_of_a_remote_checkpoint_gives_each_measured_chunk_back_to_the_spoo
     assert got["checkpoints"][0]["tensors"] == want["checkpoints"][0]["tensors"]
 
 
+def test_manifest_of_a_remote_checkpoint_gives_each_hashed_window_back_to_the_spool(
+    s3_server: Any, tmp_path: Path
+) -> None:
+    """manifest (and --verify) of a remote checkpoint kept every chunk window it hashed in the $TMPDIR spool until
+    it ended; each is evicted once digested, and the entries are those of the local copy's manifest."""
+    import torch
+    import torch.distributed.checkpoint as dcp
+
+    from ckpttool.model.checkpoint import open_checkpoint
+    from ckpttool.ops.manifest import _WORKERS, build_manifest, verify_manifest
+
+    g = torch.Generator().manual_seed(0)
+    n = _WORKERS + 4
+    dcp.save({f"w{i}": torch.randn(64, 64, generator=g) for i in range(n)}, checkpoint_id=tmp_path / "a", no_dist=True)
+    url = upload(s3_server, tmp_path / "a")
+    with open_checkpoint(tmp_path / "a") as local:
+        want = build_manifest(local.reader).to_dict()["entries"]
+    with storage_config(options=s3_server.options()):
+        for check in (False, True):
+            with open_checkpoint(url) as remote:
+                windows = [i.length for i in remote.reader.metadata.storage.values()]
+                man = build_manifest(remote.reader)
+                assert man.to_dict()["entries"] == want
+                if check:
+                    assert verify_manifest(remote.reader, man) == []
+                peak = remote.reader.spool_peak()
+            assert peak is not None and max(windows) <= peak <= _WORKERS * max(windows) < sum(windows)
+
+
 def test_dropped_connections_are_retried(sample_ckpt: Path, s3_server: Any, tmp_path: Path) -> None:
     url = upload(s3_server, sample_ckpt)
     proxy = s3fx.DroppingProxy(s3_server.port)
