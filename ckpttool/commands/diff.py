@@ -6,14 +6,14 @@ import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
 from enum import Enum
-from pathlib import Path
+from pathlib import Path, PurePath
 from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 
 from ckpttool.model.adapters import adapter_metavar
 from ckpttool.ui import options as opt
-from ckpttool.ui.options import declaration, examples, parse_dtype, selection
+from ckpttool.ui.options import declaration, examples, location, parse_dtype, selection
 from ckpttool.ui.output import Output, command_boundary
 from ckpttool.ui.render import PhaseProgress
 
@@ -34,10 +34,13 @@ class Weights(str, Enum):
 
 _SIDE_HELP = (
     "A DCP checkpoint directory (or a directory above one), a safetensors directory or file, "
-    "or a PEFT adapter directory."
+    "a PEFT adapter directory, or the URL of a DCP checkpoint's prefix (s3://bucket/run/step-100)."
 )
-SideA = Annotated[str, typer.Argument(metavar="A", help=_SIDE_HELP, show_default=False)]
-SideB = Annotated[str, typer.Argument(metavar="B", help="The other side (same kinds as A).", show_default=False)]
+SideA = Annotated[PurePath, typer.Argument(metavar="A", help=_SIDE_HELP, show_default=False, parser=location)]
+SideB = Annotated[
+    PurePath,
+    typer.Argument(metavar="B", help="The other side (same kinds as A).", show_default=False, parser=location),
+]
 
 
 WhatOpt = Annotated[
@@ -183,7 +186,7 @@ def diff_command(
     if plot is not None:
         from ckpttool.ui.plot import check_plot_target
 
-        check_plot_target(plot, tuple(Path(c) for c in (a, b)))
+        check_plot_target(plot, tuple(c for c in (a, b) if isinstance(c, Path)))  # a URL holds no local file
     with (
         _side_b_options(),
         PhaseProgress.on_stderr("diff", not json_output and sys.stderr.isatty(), bar_text="comparing") as shown,

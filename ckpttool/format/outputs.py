@@ -104,7 +104,8 @@ def _remote_ownership(store: RemoteStore, existing: dict[str, int]) -> marker.Ow
         doc = marker.parse_marker(store.read_whole(marker.MARKER_NAME, marker.MAX_MARKER_BYTES, what="marker"))
     sizes = {k: v for k, v in existing.items() if k != marker.MARKER_NAME}
     why = marker.listing_disagreement(doc, sizes, store.read_range)
-    found = marker.describe_names(n for n in existing if "/" not in n)
+    # the top-level names, as a directory's entries: an object below a sub-prefix names its folder
+    found = marker.describe_names({n.split("/", 1)[0] for n in existing})
     return marker.Ownership(not why, found, why)
 
 

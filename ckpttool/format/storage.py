@@ -319,6 +319,9 @@ def _classify(e: BaseException) -> str:
     # it changed since; s3fs raises it as an OSError (EINVAL), which a retry cannot mend
     if "range is not satisfiable" in text or "invalidrange" in text or " 416" in text:
         return "changed"
+    # a read pinned to the listed ETag (If-Match) of an object rewritten since, whatever its new size: HTTP 412
+    if "pre-conditions you specified did not hold" in text or "preconditionfailed" in text or " 412" in text:
+        return "replaced"
     if isinstance(e, (ConnectionError, TimeoutError, OSError, EOFError)):
         return "transient"
     name = type(e).__name__
@@ -346,6 +349,13 @@ def _error_for(
             path=where,
             hint="a save or copy may still be writing this checkpoint: run again once it is finished and unchanged",
         )
+    if kind == "replaced":
+        return DataFileError(
+            f"{where}: the object was replaced since it was listed (its ETag differs): it changed while being read "
+            f"({detail})",
+            path=where,
+            hint="a save or copy may still be writing this checkpoint: run again once it is finished and unchanged",
+        )
     if kind == "transient":
         return RemoteTransientError(f"{where}: failed after {attempts} attempt(s) ({detail})", path=where)
     return RemoteStorageError(f"{where}: storage request failed ({detail})", path=where)
@@ -355,7 +365,7 @@ def bounded_options(scheme: str, options: Mapping[str, Any], timeout_s: int) -> 
     """``options`` with a connect and read timeout and no backend retries, unless the user set them.
 
     s3 (s3fs/botocore): ``config_kwargs`` ``connect_timeout``/``read_timeout`` and
-    ``retries.max_attempts`` 1; http(s) (aiohttp): ``client_kwargs.timeout``. Other backends are
+    ``retries.total_max_attempts`` 1 (the request alone: botocore's ``max_attempts`` counts the retries); http(s) (aiohttp): ``client_kwargs.timeout``. Other backends are
     passed as given (their timeouts are theirs to set with ``--storage-option``).
     """
     out = dict(options)
@@ -363,7 +373,7 @@ def bounded_options(scheme: str, options: Mapping[str, Any], timeout_s: int) -> 
         conf = dict(out.get("config_kwargs") or {})
         conf.setdefault("connect_timeout", timeout_s)
         conf.setdefault("read_timeout", timeout_s)
-        conf.setdefault("retries", {"max_attempts": 1, "mode": "standard"})
+        conf.setdefault("retries", {"total_max_attempts": 1, "mode": "standard"})  # max_attempts counts retries
         out["config_kwargs"] = conf
     elif scheme in ("http", "https"):
         client = dict(out.get("client_kwargs") or {})
@@ -442,6 +452,7 @@ class RemoteStore:
         self.bytes_requested = 0
         self._lock = threading.Lock()
         self._sizes: dict[str, int] | None = None
+        self._etags: dict[str, str] = {}  # relative path -> the listing's ETag (s3): every read is pinned to it
 
     # ---------------------------------------------------------------- requests
     def _count(self, nbytes: int = 0) -> None:
@@ -502,10 +513,14 @@ class RemoteStore:
             self._count()
             prefix = self.root.rstrip("/") + "/"
             sizes: dict[str, int] = {}
+            etags: dict[str, str] = {}
             for name, info in found.items():
                 name = name.lstrip("/") if not self.root.startswith("/") else name
                 if name.startswith(prefix) and info.get("type", "file") == "file":
                     sizes[name[len(prefix) :]] = int(info.get("size") or 0)
+                    if isinstance(info.get("ETag"), str) and info["ETag"]:
+                        etags[name[len(prefix) :]] = info["ETag"]
+            self._etags = etags
             self._sizes = sizes
         return self._sizes
 
@@ -542,13 +557,41 @@ class RemoteStore:
         """
         key = self.key(relative)
         where = str(self.path / relative)
-        data = self.call(where, self.fs.cat_file, key, start=start, end=end)
+        data = self.call(where, self._get, relative, key, start, end)
         self._count(len(data))
         if len(data) != end - start:
             raise DataFileError(
                 f"{where}: asked bytes [{start}, {end}), got {len(data)} (the object changed?)", path=relative
             )
         return bytes(data)
+
+    def _get(self, relative: str, key: str, start: int, end: int) -> bytes:
+        """Bytes ``[start, end)`` of ``key``; for s3 pinned to the ETag the listing gave (``If-Match``).
+
+        An object rewritten since the listing with the same size would otherwise be read as the listed one: its
+        chunks at the offsets of the old ``.metadata``, tensors of another save. The pinned request fails (HTTP
+        412, classified ``replaced``) instead. Other backends read with ``cat_file`` (unpinned).
+        """
+        if end <= start:
+            return b""
+        etag = self._etags.get(relative) if self._sizes is not None else None
+        call_s3 = getattr(self.fs, "_call_s3", None)
+        if etag is None or call_s3 is None:
+            return bytes(self.fs.cat_file(key, start=start, end=end))
+        from fsspec.asyn import sync
+
+        bucket, object_key, _ = self.fs.split_path(key)
+
+        async def get() -> bytes:
+            resp = await call_s3(
+                "get_object", Bucket=bucket, Key=object_key, Range=f"bytes={start}-{end - 1}", IfMatch=etag
+            )
+            try:
+                return bytes(await resp["Body"].read())
+            finally:
+                resp["Body"].close()
+
+        return bytes(sync(self.fs.loop, get))
 
     def read_whole(self, relative: str, cap: int, *, what: str = "file") -> bytes:
         """A whole object, refused before the request when the listing says it is over ``cap``.
@@ -570,7 +613,7 @@ class RemoteStore:
         # one byte past the listed size: an object rewritten since the listing (longer, or shorter) is told by
         # its length, not parsed as a cut-off copy of the new one
         key = self.key(relative)
-        data = self.call(str(where), self.fs.cat_file, key, start=0, end=size + 1)
+        data = self.call(str(where), self._get, relative, key, 0, size + 1)
         self._count(len(data))
         if len(data) != size:
             raise DataFileError(
@@ -614,6 +657,7 @@ class RemoteStore:
     def forget_listing(self) -> None:
         """Drop the cached listing (after writes)."""
         self._sizes = None
+        self._etags = {}
         self._invalidate()
 
 

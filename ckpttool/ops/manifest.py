@@ -416,6 +416,13 @@ def _hash_entry(
     return "window", _hash_range(reader, info.relative_path, info.offset, info.length, key, algorithm, loc)
 
 
+def _release(reader: CheckpointReader, key: str, chunk: ChunkMeta | None) -> None:
+    """A remote checkpoint: give a chunk's window back to the spool once digested, so it holds the entries being
+    hashed, not every one (docs/storage.md); byte items stay (small, capped). A local one: nothing."""
+    if chunk is not None and chunk.numel and getattr(reader, "spool", None) is not None:
+        reader.evict([reader.storage_info(key, chunk)])
+
+
 def _items(reader: CheckpointReader) -> list[tuple[str, ChunkMeta | None]]:
     out: list[tuple[str, ChunkMeta | None]] = []
     for key, meta in reader.metadata.entries.items():
@@ -573,6 +580,7 @@ def build_manifest(
             meta = reader.metadata.entries[key]
             if isinstance(meta, TensorMeta) and view == canonical_view(meta.dtype.name, chunk.sizes):
                 view = None
+        _release(reader, key, chunk)
         return ManifestEntry(
             key,
             chunk.offsets if chunk is not None else None,
@@ -615,10 +623,10 @@ def _files_beside(
     exclude: tuple[str, ...],
     beside_of: Path | None,
 ) -> dict[str, Any]:
-    """The :class:`Manifest` fields on the files of a local checkpoint (none of a remote one): ``sidecars``,
-    ``training_state`` and ``data_files``."""
+    """The :class:`Manifest` fields on the files of a local checkpoint: ``sidecars``, ``training_state`` and
+    ``data_files``; of a remote one ``data_files`` alone (the sizes its listing gave)."""
     if reader.remote is not None:
-        return {}
+        return {"data_files": tuple(_data_file_sizes_of(reader, (e.file for e in entries)))}
     sidecars = None
     if _parts_below(reader):
         skip = {METADATA_NAME, MANIFEST_NAME, *(e.file for e in entries), *(exclude or ())}
@@ -644,6 +652,15 @@ def data_file_sizes(root: Path, files: Iterable[str]) -> list[dict[str, Any]]:
         if stat.S_ISREG(st.st_mode):
             out.append({"file": name, "size": st.st_size})
     return out
+
+
+def _data_file_sizes_of(reader: CheckpointReader, files: Iterable[str]) -> list[dict[str, Any]]:
+    """:func:`data_file_sizes` of ``reader``'s checkpoint: of a remote one, the objects' sizes from its listing."""
+    store = reader.remote
+    if store is None:
+        return data_file_sizes(Path(reader.path), files)
+    sizes = ((name, store.size(name)) for name in sorted(set(files)))
+    return [{"file": name, "size": size} for name, size in sizes if size is not None]
 
 
 def training_state_digests(model_dir: Path, algorithm: str) -> list[dict[str, Any]]:
@@ -1473,6 +1490,7 @@ def verify_manifest(
             )
             continue
         problem = _stored_entry_problem(reader, e, stored[e.ident], manifest.algorithm, strict)
+        _release(reader, e.key, stored[e.ident])
         if problem is not None:
             problems.append(problem)
     for ident in stored:
@@ -1494,27 +1512,35 @@ def verify_manifest(
 def _grown_data_files(reader: CheckpointReader, manifest: Manifest) -> list[ManifestProblem]:
     """Data files longer than when the manifest was made (bytes appended after the last window, in no entry):
     ``changed``. A file cut short is named by the entries whose windows it no longer holds."""
-    if manifest.data_files is None or reader.remote is not None:
+    if manifest.data_files is None:
         return []
-    return _grown_files(Path(reader.path), manifest.data_files)
+    if reader.remote is None:
+        return _grown_files(Path(reader.path), manifest.data_files)
+    now = {f["file"]: f["size"] for f in _data_file_sizes_of(reader, (f["file"] for f in manifest.data_files))}
+    return _grown_sizes(manifest.data_files, now)
 
 
 def _grown_files(root: Path, data_files: tuple[dict[str, Any], ...]) -> list[ManifestProblem]:
     """:func:`_grown_data_files` of the files ``data_files`` lists below ``root``."""
+    return _grown_sizes(
+        data_files, {f["file"]: f["size"] for f in data_file_sizes(root, (f["file"] for f in data_files))}
+    )
+
+
+def _grown_sizes(data_files: tuple[dict[str, Any], ...], now: dict[str, int]) -> list[ManifestProblem]:
+    """The files of ``data_files`` whose size ``now`` (a regular file's, a listed object's; absent: missing, its
+    entries say so) is larger than recorded."""
     out = []
     for f in data_files:
-        try:
-            st = os.lstat(root / f["file"])
-        except OSError:
-            continue  # a missing data file: its entries are missing
-        if stat.S_ISREG(st.st_mode) and st.st_size > f["size"]:
+        size = now.get(f["file"])
+        if size is not None and size > f["size"]:
             out.append(
                 ManifestProblem(
                     "changed",
                     f["file"],
                     None,
-                    f"{f['file']}: {st.st_size - f['size']:,} byte(s) after the data the manifest was made of (the file "
-                    f"has {st.st_size:,} bytes, the manifest recorded {f['size']:,}); no entry covers them",
+                    f"{f['file']}: {size - f['size']:,} byte(s) after the data the manifest was made of (the file "
+                    f"has {size:,} bytes, the manifest recorded {f['size']:,}); no entry covers them",
                 )
             )
     return out

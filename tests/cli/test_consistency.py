@@ -174,7 +174,18 @@ def test_command_summaries_are_not_cut() -> None:
 def test_remote_storage_options_only_on_commands_that_take_a_url(name: str) -> None:
     out = runner.invoke(app, [name, "--help"], env=WIDE).stdout
     remote = ("--storage-option", "--remote-workers", "--remote-retries", "--remote-spool-size")
-    urls = name in ("inspect", "validate", "export", "reshard", "stamp", "replay-step", "manifest", "import", "stats")
+    urls = name in (
+        "inspect",
+        "validate",
+        "export",
+        "reshard",
+        "stamp",
+        "replay-step",
+        "manifest",
+        "import",
+        "stats",
+        "diff",
+    )
     assert all((flag in out) == urls for flag in remote), (name, out)
     assert "--no-progress" in out and "--wide" in out  # the other global options are everywhere
 

@@ -95,6 +95,26 @@ def test_storage_options_nest_and_convert_and_are_redacted() -> None:
         parse_storage_options(["novalue"])
 
 
+def test_botocore_makes_one_request_per_attempt() -> None:
+    """--remote-retries is the only retry budget (docs/storage.md): botocore's `retries.max_attempts` 1 counts the
+    retries, so every attempt was two requests (a silent endpoint took twice --remote-retries x --remote-timeout,
+    and --remote-retries 1 still retried); the client ckpttool builds now has `total_max_attempts` 1, and a
+    retries setting of the user's is kept."""
+    if s3fx.missing():
+        pytest.skip(s3fx.missing())
+    from ckpttool.format.storage import RemoteStore
+
+    endpoint = {"client_kwargs": {"endpoint_url": "http://127.0.0.1:9"}, "key": "k", "secret": "s"}
+    for options, attempts in (
+        (endpoint, 1),
+        ({**endpoint, "config_kwargs": {"retries": {"total_max_attempts": 3}}}, 3),
+    ):
+        with storage_config(options=options):
+            fs = RemoteStore("s3://bkt/ck").fs
+            fs.connect()  # builds the botocore client; no request
+            assert fs.s3.meta.config.retries["total_max_attempts"] == attempts
+
+
 # ------------------------------------------------------------------ reads
 def test_inspect_reads_only_metadata_and_shown_items(sample_ckpt: Path, s3_server: Any) -> None:
     url = upload(s3_server, sample_ckpt)
@@ -193,6 +213,108 @@ def test_reshard_s3_to_s3_is_bitwise_the_local_reshard(sample_ckpt: Path, s3_ser
 
 
 # ------------------------------------------------------------------ failures
+def test_diff_of_a_remote_checkpoint_is_the_diff_of_its_local_copy(s3_server: Any, tmp_path: Path) -> None:
+    """diff s3://... (was E610 'diff compares local checkpoints only'): a remote checkpoint against its local copy
+    is equal, against another save it names the tensors that differ, as diff of the two local folders does."""
+    import torch
+    import torch.distributed.checkpoint as dcp
+
+    for name, seed in (("a", 0), ("b", 1)):
+        g = torch.Generator().manual_seed(seed)
+        state = {"model": {"w": torch.randn(16, 8, generator=g), "bias": torch.zeros(8)}}
+        dcp.save(state, checkpoint_id=tmp_path / name, no_dist=True)
+    url = upload(s3_server, tmp_path / "a")
+
+    def verdict(*args: str) -> dict[str, Any]:
+        r = cli(s3_server, "--json", "diff", *args) if any("://" in a for a in args) else None
+        r = r or runner.invoke(app, ["--json", "diff", *args])
+        assert r.exit_code in (0, 1), r.output
+        doc = json.loads(r.stdout)
+        return {"exit": r.exit_code, "equal": doc["equal"], "counts": doc["counts"], "tensors": doc["tensors"]}
+
+    same = verdict(url, str(tmp_path / "a"))
+    assert same == verdict(str(tmp_path / "a"), str(tmp_path / "a")) and same["exit"] == 0 and same["equal"]
+    other = verdict(url, str(tmp_path / "b"))
+    assert other == verdict(str(tmp_path / "a"), str(tmp_path / "b")) and other["exit"] == 1
+    assert other["counts"]["different"] == 1  # model.w; the zero bias is equal
+    assert verdict(str(tmp_path / "b"), url) == verdict(str(tmp_path / "b"), str(tmp_path / "a"))
+
+
+def test_diff_of_a_remote_checkpoint_holds_one_tensor_in_the_spool(s3_server: Any, tmp_path: Path) -> None:
+    """diff of a remote side fetched each window as it was read and kept every one until the end (the spool in
+    $TMPDIR grew to the bytes of all compared tensors); it now holds one tensor's windows at a time."""
+    import torch
+    import torch.distributed.checkpoint as dcp
+
+    from ckpttool.model.checkpoint import open_checkpoint
+    from ckpttool.ops.diff import diff_checkpoints
+
+    g = torch.Generator().manual_seed(0)
+    dcp.save({f"w{i}": torch.randn(64, 64, generator=g) for i in range(4)}, checkpoint_id=tmp_path / "a", no_dist=True)
+    url = upload(s3_server, tmp_path / "a")
+    with storage_config(options=s3_server.options()):
+        with open_checkpoint(url) as remote:
+            windows = [i.length for i in remote.reader.metadata.storage.values()]
+            assert diff_checkpoints(remote, tmp_path / "a").equal
+            peak = remote.reader.spool_peak()
+    assert peak is not None and max(windows) <= peak <= max(windows) + 4096 < sum(windows)
+
+
+def test_stats_of_a_remote_checkpoint_gives_each_measured_chunk_back_to_the_spool(
+    s3_server: Any, tmp_path: Path
+) -> None:
+    """stats of a remote checkpoint kept every chunk window it measured in the $TMPDIR spool until it ended (the
+    whole checkpoint's tensor bytes on local disk); each window is evicted once measured, and the figures are
+    those of the local copy."""
+    import torch
+    import torch.distributed.checkpoint as dcp
+
+    from ckpttool.model.checkpoint import open_checkpoint
+    from ckpttool.ops.stats import StatsOptions, collect_stats
+
+    g = torch.Generator().manual_seed(0)
+    dcp.save({f"w{i}": torch.randn(64, 64, generator=g) for i in range(4)}, checkpoint_id=tmp_path / "a", no_dist=True)
+    url = upload(s3_server, tmp_path / "a")
+    opts = StatsOptions(workers=1)
+    with storage_config(options=s3_server.options()):
+        with open_checkpoint(url) as remote:
+            windows = [i.length for i in remote.reader.metadata.storage.values()]
+            got = collect_stats(remote, opts).to_dict()
+            peak = remote.reader.spool_peak()
+    assert peak is not None and max(windows) <= peak < sum(windows)
+    want = collect_stats(tmp_path / "a", opts).to_dict()
+    assert got["checkpoints"][0]["tensors"] == want["checkpoints"][0]["tensors"]
+
+
+def test_manifest_of_a_remote_checkpoint_gives_each_hashed_window_back_to_the_spool(
+    s3_server: Any, tmp_path: Path
+) -> None:
+    """manifest (and --verify) of a remote checkpoint kept every chunk window it hashed in the $TMPDIR spool until
+    it ended; each is evicted once digested, and the entries are those of the local copy's manifest."""
+    import torch
+    import torch.distributed.checkpoint as dcp
+
+    from ckpttool.model.checkpoint import open_checkpoint
+    from ckpttool.ops.manifest import _WORKERS, build_manifest, verify_manifest
+
+    g = torch.Generator().manual_seed(0)
+    n = _WORKERS + 4
+    dcp.save({f"w{i}": torch.randn(64, 64, generator=g) for i in range(n)}, checkpoint_id=tmp_path / "a", no_dist=True)
+    url = upload(s3_server, tmp_path / "a")
+    with open_checkpoint(tmp_path / "a") as local:
+        want = build_manifest(local.reader).to_dict()["entries"]
+    with storage_config(options=s3_server.options()):
+        for check in (False, True):
+            with open_checkpoint(url) as remote:
+                windows = [i.length for i in remote.reader.metadata.storage.values()]
+                man = build_manifest(remote.reader)
+                assert man.to_dict()["entries"] == want
+                if check:
+                    assert verify_manifest(remote.reader, man) == []
+                peak = remote.reader.spool_peak()
+            assert peak is not None and max(windows) <= peak <= _WORKERS * max(windows) < sum(windows)
+
+
 def test_dropped_connections_are_retried(sample_ckpt: Path, s3_server: Any, tmp_path: Path) -> None:
     url = upload(s3_server, sample_ckpt)
     proxy = s3fx.DroppingProxy(s3_server.port)
@@ -588,9 +710,62 @@ def test_an_object_cut_short_after_the_listing_is_a_data_file_error(sample_ckpt:
             with pytest.raises(DataFileError) as got:
                 ckpt.reader.read_tensor(fqn)
             requests = ckpt.reader.remote.requests
-    assert f"{url}/__0_0.distcp" in got.value.message and "shorter than when it was listed" in got.value.message
+    # the read is pinned to the listed ETag: the shorter object is told as replaced (E300 either way)
+    assert f"{url}/__0_0.distcp" in got.value.message and "changed while being read" in got.value.message
     assert "run again once it is finished" in got.value.hint
     assert requests == 3  # the listing, .metadata, one range request: not retried
+
+
+def test_overwrite_of_a_prefix_holding_only_sub_prefixes_names_them(sample_ckpt: Path, s3_server: Any) -> None:
+    """export --overwrite onto a prefix whose objects all lie below sub-prefixes (a run root: step folders, logs)
+    is E606 naming its folders, as the local refusal names a directory's entries (it said 'it holds nothing');
+    nothing below it is touched."""
+    src = upload(s3_server, sample_ckpt)
+    bucket, prefix = "ckpts", f"t-{uuid.uuid4().hex[:8]}"
+    c = s3_server.client()
+    before = {f"{prefix}/logs/run.txt": b"log", f"{prefix}/step-1/.metadata": b"md"}
+    for key, body in before.items():
+        c.put_object(Bucket=bucket, Key=key, Body=body)
+    r = cli(s3_server, "export", "--overwrite", src, f"s3://{bucket}/{prefix}")
+    assert r.exit_code == 2, r.output
+    assert f"[E606] s3://{bucket}/{prefix}: --overwrite refused: it holds 2 entries (logs, step-1)," in r.output
+    assert s3_server.keys(bucket, prefix + "/") == sorted(before)
+
+
+def test_an_object_replaced_by_one_of_the_same_size_after_the_listing_is_said_to_have_changed(
+    s3_server: Any, tmp_path: Path
+) -> None:
+    """The data object overwritten by another save of the same shapes (same size) between the listing and the
+    chunk reads (a run saving into the same prefix again): E300 'replaced since it was listed' (the
+    tensor of the other save was returned, read at the offsets of the first save's .metadata). Every s3 read is
+    pinned to the listing's ETag (If-Match)."""
+    import torch
+    import torch.distributed.checkpoint as dcp
+
+    from ckpttool.errors import DataFileError
+    from ckpttool.format.storage import RemoteStore
+    from ckpttool.model.checkpoint import open_checkpoint
+
+    for name, seed in (("a", 0), ("b", 1)):
+        w = torch.randn(16, 8, generator=torch.Generator().manual_seed(seed))
+        dcp.save({"w": w}, checkpoint_id=tmp_path / name, no_dist=True)
+    a, b = ((tmp_path / n / "__0_0.distcp").read_bytes() for n in ("a", "b"))
+    assert len(a) == len(b) and a != b
+    url = upload(s3_server, tmp_path / "a")
+    bucket, prefix = url[len("s3://") :].split("/", 1)
+    with storage_config(options=s3_server.options(), retries=3, backoff_s=5.0):
+        with open_checkpoint(url) as ckpt:  # the listing and .metadata read
+            s3_server.client().put_object(Bucket=bucket, Key=f"{prefix}/__0_0.distcp", Body=b)
+            with pytest.raises(DataFileError) as got:
+                ckpt.reader.read_tensor("w")
+        assert f"{url}/__0_0.distcp" in got.value.message and "replaced since it was listed" in got.value.message
+        assert "run again once it is finished" in got.value.hint
+        store = RemoteStore(url)  # a whole-object read is pinned too
+        assert store.read_whole("__0_0.distcp", 1 << 30) == b  # unchanged since its listing: its bytes
+        s3_server.client().put_object(Bucket=bucket, Key=f"{prefix}/__0_0.distcp", Body=a)
+        with pytest.raises(DataFileError) as got:
+            store.read_whole("__0_0.distcp", 1 << 30)
+        assert "replaced since it was listed" in got.value.message
 
 
 def test_an_object_rewritten_after_the_listing_is_said_to_have_changed(sample_ckpt: Path, s3_server: Any) -> None:
@@ -614,7 +789,7 @@ def test_an_object_rewritten_after_the_listing_is_said_to_have_changed(sample_ck
             assert (
                 got.value.message.startswith(f"{url}/.metadata: ") and "changed while being read" in got.value.message
             )
-            assert f"the listing said {len(md)}" in got.value.message
+            assert "replaced since it was listed" in got.value.message  # its ETag, before its length
 
 
 def test_manifest_of_a_remote_checkpoint_is_written_beside_its_metadata_and_verifies(
@@ -656,6 +831,30 @@ def test_manifest_of_a_remote_checkpoint_is_written_beside_its_metadata_and_veri
     assert r.exit_code == 2 and "[E600]" in r.output and f"{url}/manifest.json" in r.output, r.output
     assert "Traceback" not in r.output
     assert s3_server.client().get_object(Bucket="ckpts", Key=f"{prefix}/manifest.json")["Body"].read() == b'{"mine": 1}'
+
+
+def test_a_remote_data_object_grown_since_the_manifest_is_changed_as_its_local_copy(
+    sample_ckpt: Path, s3_server: Any, tmp_path: Path
+) -> None:
+    """Bytes appended to a data object after its last window (a botched copy) are in no entry: the local verify names
+    the grown file, the remote one said 'matches' (and `validate --manifest` OK), since a remote manifest recorded no
+    data_files and a remote verify skipped them. The listing's sizes are now recorded and checked."""
+    local = copy_checkpoint(sample_ckpt, tmp_path / "local")
+    sizes = [{"file": p.name, "size": p.stat().st_size} for p in sorted(local.glob("*.distcp"))]
+    made = tmp_path / "remote.json"
+    assert cli(s3_server, "manifest", upload(s3_server, local), "-o", str(made)).exit_code == 0
+    assert json.loads(made.read_text())["data_files"] == sizes
+    with open(local / "__0_0.distcp", "ab") as f:
+        f.write(b"appended")
+    url = upload(s3_server, local)
+    want = runner.invoke(app, ["manifest", str(local), "--verify", "-o", str(made)])
+    assert want.exit_code == 1, want.output
+    got = cli(s3_server, "manifest", url, "--verify", "-o", str(made))
+    assert got.exit_code == 1, got.output
+    assert got.stdout.splitlines()[:-1] == want.stdout.splitlines()[:-1]
+    assert got.stdout.splitlines()[0].startswith("changed  __0_0.distcp: 8 byte(s) after the data")
+    v = cli(s3_server, "validate", "--manifest", str(made), url)
+    assert v.exit_code == 1, v.output
 
 
 def test_validate_of_a_remote_incomplete_save_names_the_url(sample_ckpt: Path, s3_server: Any) -> None:

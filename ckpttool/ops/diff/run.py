@@ -39,7 +39,7 @@ from ckpttool.format.locator import ChunkLocation
 from ckpttool.format.metadata import TensorMeta
 from ckpttool.format.perrank import PerRankReader
 from ckpttool.format.perrank_formats import detect_layout
-from ckpttool.format.storage import is_url, local_path
+from ckpttool.format.storage import UrlPath, is_url, local_path, url_path
 from ckpttool.layouts.permute import legacy_to_canonical_perm
 from ckpttool.layouts.record import LAYOUT_KEY
 from ckpttool.model.catalog import TensorEntry, match_filter, saved_by_counts
@@ -96,7 +96,14 @@ class Side:
     """
 
     def __init__(
-        self, label: str, path: Path, ckpt: Checkpoint, kind: str, only_file: str | None, *, owned: bool = True
+        self,
+        label: str,
+        path: Path | UrlPath,
+        ckpt: Checkpoint,
+        kind: str,
+        only_file: str | None,
+        *,
+        owned: bool = True,
     ) -> None:
         self.label = label
         self.owned = owned  # opened here (closed by close()), not the caller's opened Checkpoint
@@ -107,6 +114,7 @@ class Side:
         self.only_file = only_file
         self._cached: tuple[str, Any] | None = None
         self._buf: Any = None  # one reusable byte buffer: no page faults on every tensor
+        self._held: tuple[str, ...] = ()  # a remote side: the keys whose windows the spool holds
         self.adapter: str | None = None  # the model adapter that named this side (export naming)
         self.quant_atol = 0.0  # the default atol of the last dequantized weight (ops/diff/quantized.py)
         self.quant_atol_at: Any = None  # its per-element atol where it is block FP8 (ops/diff/quantized.py)
@@ -192,6 +200,24 @@ class Side:
     def drop_cache(self) -> None:
         self._cached = None
 
+    def hold(self, item: Item) -> None:
+        """A remote side: evict the chunk windows of the item compared before and fetch those of ``item``
+        (``--remote-workers`` range requests at once), so the spool holds one item's tensors, not every one
+        compared (docs/storage.md); byte items stay (small, capped). A local side: nothing."""
+        reader = self.reader
+        if getattr(reader, "spool", None) is None:
+            return
+        keys = tuple(dict.fromkeys([item.key, *(e.key for e, _ in item.runs or ())]))
+        if keys == self._held:
+            return
+        tensors = reader.metadata.entries
+        for k in self._held:
+            meta = tensors.get(k)
+            if isinstance(meta, TensorMeta):
+                reader.evict(reader.storage_info(k, c) for c in meta.chunks if c.numel)
+        self._held = keys
+        reader.prefetch_keys(k for k in keys if isinstance(tensors.get(k), TensorMeta))
+
     def close(self) -> None:
         self._cached = self._buf = None
         if self.owned:
@@ -238,11 +264,14 @@ def _open_side(
     if isinstance(path, Checkpoint):  # the caller's, opened already: used as it is and left open
         with open_source(path, opening) as ckpt:
             return Side(label, Path(ckpt.path), ckpt, _side_kind(ckpt), None, owned=False)
-    if is_url(path):  # Path() would fold 's3://b/k' into the local path 's3:/b/k'
-        raise DiffError(
-            f"{path}: a URL; diff compares local checkpoints only",
-            hint="copy the checkpoint to a local directory and compare that",
-        )
+    if is_url(path):  # a DCP checkpoint's prefix, read as every command reads one (Path() would fold it to 's3:/b/k')
+        try:
+            ckpt = open_checkpoint(
+                path, declaration=opening.declaration, trust_pickle=opening.trust_pickle, selection=opening.selection
+            )
+        except LayoutError as e:
+            raise _of_side(label, url_path(path), e) from None
+        return Side(label, url_path(path), ckpt, _side_kind(ckpt), None)
     p = Path(local_path(path))
     only_file = None
     where = p
@@ -348,7 +377,7 @@ def _perm_of(side: Side, key: str, shape: tuple[int, ...]) -> list[int] | None:
     return legacy_to_canonical_perm(shape[0], lay.ep_size, lay.ep_fsdp_size)
 
 
-def _of_side(label: str, path: Path, e: LayoutError) -> LayoutError:
+def _of_side(label: str, path: Path | UrlPath, e: LayoutError) -> LayoutError:
     """``e`` naming its side and path; for B the hint says that B's declaration is ``opening_b``'s, and ``param`` is
     ``opening_b``: the declaration parameters it names (``source_layout``, ...) otherwise read as A's, which declare
     the other checkpoint (the CLI names B's options instead: :data:`SIDE_B_DECLARED`)."""
@@ -1596,6 +1625,8 @@ def _compare_pairs(
         if last_b is not None and last_b != ib.key:
             b.drop_cache()
         last_a, last_b = ia.key, ib.key
+        a.hold(ia)
+        b.hold(ib)
         tally.pair(*_compare_pair(ia.name, a, ia, b, ib, opts, say))
         done += _item_bytes(a, ia) + _item_bytes(b, ib)
         if progress is not None:

@@ -6,6 +6,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from ckpttool.errors import UsageError
+from ckpttool.format.storage import is_url, local_path
 from ckpttool.model.checkpoint import Checkpoint, CheckpointOrPath, OpenOptions
 from ckpttool.model.discovery import CheckpointSelection, is_checkpoint_dir
 from ckpttool.ops.diff.result import DiffOptions
@@ -20,8 +21,8 @@ def _is_run_root(path: Path | None) -> bool:
 
 
 def _path_of(side: CheckpointOrPath) -> Path | None:
-    """The side's path, ``None`` for an opened :class:`Checkpoint`."""
-    return None if isinstance(side, Checkpoint) else Path(side)
+    """The side's local path, ``None`` for an opened :class:`Checkpoint` or a URL (no local look-alike is read)."""
+    return None if isinstance(side, Checkpoint) or is_url(side) else Path(local_path(side))
 
 
 def side_openings(
@@ -39,7 +40,13 @@ def side_openings(
             neither side is a run's checkpoint root; a step that is neither an integer >= 0 nor ``latest``.
     """
     pa, pb = _path_of(a), _path_of(b)
-    for side, path, own in (("a", pa, opts.a_step), ("b", pb, opts.b_step)):
+    for side, given, path, own in (("a", a, pa, opts.a_step), ("b", b, pb, opts.b_step)):
+        if own is not None and not isinstance(given, Checkpoint) and is_url(given):
+            raise UsageError(
+                f"`{side}_step` {own} given, but {given} is a URL: steps are picked below local directories only",
+                param=f"{side}_step",
+                hint=f"pass the URL of the step's own prefix (the one holding .metadata), or drop `{side}_step`",
+            )
         if own is not None and (path is None or (path.is_dir() and not _is_run_root(path))):
             where = "the opened Checkpoint" if path is None else path
             raise UsageError(

@@ -168,6 +168,18 @@ def _run_work(ckpt: Checkpoint, w: _Work) -> tuple[ValueSums, ValueSums | None, 
     return sums, second, (upd if w.hyper is not None else None)
 
 
+def _evict_work(ckpt: Checkpoint, w: _Work) -> None:
+    """A remote checkpoint: give the windows of the chunk (and its moment's) back to the spool once measured, so
+    it holds the chunks being measured, not every one (docs/storage.md); a local one: nothing."""
+    reader = ckpt.reader
+    if getattr(reader, "spool", None) is None:
+        return
+    done = [(w.key, w.entry.chunks[w.chunk_index])]
+    if w.moment_key is not None:
+        done.append((w.moment_key, ckpt.catalog.tensors[w.moment_key].chunks[w.chunk_index]))
+    reader.evict(reader.storage_info(k, c) for k, c in done if c.numel)
+
+
 def _selected(fqn: str, key: str, filters: tuple[str, ...]) -> bool:
     return not filters or any(match_filter(fqn, f, None) or match_filter(key, f, None) for f in filters)
 
@@ -568,6 +580,7 @@ def _stats_one(ckpt: Checkpoint, opts: StatsOptions, progress: Progress) -> Chec
 
     def one(w: _Work) -> tuple[ValueSums, ValueSums | None, Moments | None]:
         r = _run_work(ckpt, w)
+        _evict_work(ckpt, w)
         done[0] += _work_bytes(w)
         if progress is not None:
             progress(done[0], total)

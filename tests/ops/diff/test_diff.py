@@ -362,16 +362,20 @@ def test_a_directory_that_is_neither_or_holds_a_damaged_safetensors_file(tmp_pat
     )
 
 
-@pytest.mark.parametrize("url", ["s3://bucket/run/step-100", "memory://ckpt"])
-def test_a_url_side_is_refused_by_its_url(dense_ckpt: Path, url: str) -> None:
-    """diff reads local paths only (docs/storage.md): a URL was folded into a local path ('s3:/bucket/...')
-    and refused as a missing directory (E100) with a hint listing the working directory."""
+def test_a_url_side_is_read_at_its_prefix_and_named_by_its_url(dense_ckpt: Path) -> None:
+    """diff reads a URL side as every command reads one (docs/storage.md): a prefix without objects is E141 naming
+    the URL (was E610 'diff compares local checkpoints only'; before that a URL was folded into the local path
+    's3:/bucket/...'); a step below a URL is refused, as step discovery is for local directories."""
+    url = "memory://ckpttool-diff-empty/ckpt"
     for args in ((url, dense_ckpt), (dense_ckpt, url)):
         res = cli(*args)
         assert res.exit_code == 2 and res.stdout == "", res.output
         err, hint = res.stderr.splitlines()
-        assert err == f"error: [E610] {url}: a URL; diff compares local checkpoints only", err
-        assert hint == "hint: copy the checkpoint to a local directory and compare that", hint
+        assert err == f"error: [E141] {url}: no object below this prefix", err
+    res = cli(url, dense_ckpt, "--a-step", "3")
+    assert res.exit_code == 2 and res.stderr.startswith(f"error: [E100] --a-step 3 given, but {url} is a URL"), (
+        res.output
+    )
 
 
 def test_a_file_url_side_is_its_local_path(dense_ckpt: Path) -> None:
