@@ -831,6 +831,40 @@ def test_R002_counts_a_sequential_scheduler_by_its_own_last_epoch_not_its_phases
     assert rc == 1 and "R002" not in codes(doc)
 
 
+def test_R002_a_cosine_warm_restarts_scheduler_whose_step_count_torch_leaves_at_0_is_clean(tmp_path: Path) -> None:
+    """torch's CosineAnnealingWarmRestarts overrides step() and never counts `_step_count` (saved 0 at every step):
+    a clean run saved at step 6 failed `validate --deep` with R002 'lr_scheduler._step_count = 0 but
+    lr_scheduler.last_epoch = 6 (expected last_epoch + 1)'. A `_step_count` another scheduler saved out of step with
+    its `last_epoch` is still R002."""
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+    from torch.optim import lr_scheduler as lrs
+
+    from tests.fixtures.builders import save_quiet, train_steps
+
+    saves = {}
+    for name, make in (
+        ("cawr", lambda o: lrs.CosineAnnealingWarmRestarts(o, T_0=4, T_mult=2)),
+        ("lambda", lambda o: lrs.LambdaLR(o, lambda k: 1.0)),
+    ):
+        torch.manual_seed(0)
+        model = torch.nn.Linear(4, 2)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        sched = make(opt)
+        train_steps(model, opt, 6, sched=sched)
+        msd, osd = get_state_dict(model, opt)
+        saves[name] = {"model": msd, "optimizer": osd, "lr_scheduler": sched.state_dict(), "train_state": {"step": 6}}
+    assert saves["cawr"]["lr_scheduler"]["_step_count"] == 0 and saves["cawr"]["lr_scheduler"]["last_epoch"] == 6
+    save_quiet(saves["cawr"], tmp_path / "cawr")
+    rc, doc, _ = run(tmp_path / "cawr", "--deep", "--strict")
+    assert rc == 0 and [f["code"] for f in doc["findings"]] == ["P002"], doc["findings"]  # info: the lr moved
+    saves["lambda"]["lr_scheduler"]["_step_count"] = 9
+    save_quiet(saves["lambda"], tmp_path / "off")
+    doc = only(tmp_path / "off", "R002", "--deep")
+    assert [f["message"] for f in doc["findings"]] == [
+        "LR scheduler lr_scheduler._step_count = 9 but lr_scheduler.last_epoch = 6 (expected last_epoch + 1)"
+    ]
+
+
 def test_R004_a_scheduler_stepped_per_epoch_in_a_plain_save_is_a_warning_not_R002(tmp_path: Path) -> None:
     """torch's classic loop steps StepLR once per epoch: after 3 epochs of 10 steps `last_epoch` is 3 while the
     optimizer's step is 30. `validate --deep` failed it with R002 (error, exit 1 without --strict) though nothing is
