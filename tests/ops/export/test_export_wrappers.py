@@ -88,3 +88,46 @@ def test_a_schema_given_above_the_detected_model_prefix_warns_naming_the_keys(wr
     assert res.exit_code == 0 and json.loads(res.stdout)["warnings"] == [], res.stderr
     res = runner.invoke(app, ["export", str(src), str(tmp_path / "same"), "-q", "--json", "--schema", "torch-native"])
     assert res.exit_code == 0 and json.loads(res.stdout)["warnings"] == [], res.stderr
+
+
+def test_a_compiled_model_saved_beside_its_optimizer_is_the_plain_model(tmp_path: Path) -> None:
+    """`dcp.save({"model": compiled.state_dict(), "optimizer": get_optimizer_state_dict(compiled, opt)})` keys the
+    model `model._orig_mod.<fqn>` while the optimizer names the parameters `<fqn>` (so does a DDP model's:
+    `model.module.<fqn>`), as torch's resume loads them. `validate --deep` failed the clean checkpoint with O003
+    'is not a model tensor' for every parameter, `diff` against the plain save found no name in common (E611) and
+    `replay-step` found no parameter (E514). The wrapper segments leading the model keys are now part of the model
+    prefix: validate is clean, diff says equal, replay-step passes, and the export equals the plain one's."""
+    import torch
+    from safetensors.torch import load_file
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, get_state_dict
+    from typer.testing import CliRunner
+
+    from ckpttool.cli.app import app
+    from tests.fixtures.builders import save_quiet, train_steps
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.LayerNorm(8), torch.nn.Linear(8, 2))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    train_steps(model, opt, 3, loss="square")
+    msd, osd = get_state_dict(model, opt)
+    save_quiet({"model": msd, "optimizer": osd, "train_state": {"step": 3}}, tmp_path / "plain")
+    compiled = torch.compile(model)
+    wsd, wosd = compiled.state_dict(), get_optimizer_state_dict(compiled, opt)
+    assert all(k.startswith("_orig_mod.") for k in wsd) and sorted(wosd["state"]) == sorted(msd), (list(wsd), wosd)
+    save_quiet({"model": wsd, "optimizer": wosd, "train_state": {"step": 3}}, tmp_path / "compiled")
+    runner = CliRunner()
+    for name in ("plain", "compiled"):
+        res = runner.invoke(app, ["validate", str(tmp_path / name), "--deep", "--strict", "--json"])
+        assert res.exit_code == 0 and json.loads(res.stdout)["findings"] == [], res.output
+        res = runner.invoke(app, ["replay-step", str(tmp_path / name), "--device", "cpu", "--json"])
+        assert res.exit_code == 0 and json.loads(res.stdout)["problems"] == [], res.output
+        res = runner.invoke(app, ["export", str(tmp_path / name), str(tmp_path / f"hf_{name}"), "--json"])
+        assert res.exit_code == 0, res.output
+    ref = load_file(tmp_path / "hf_plain" / "model.safetensors")
+    got = load_file(tmp_path / "hf_compiled" / "model.safetensors")
+    assert sorted(ref) == ["0.bias", "0.weight", "1.bias", "1.weight", "2.bias", "2.weight"]
+    assert sorted(got) == sorted(ref) and all(torch.equal(got[k], ref[k]) for k in ref)
+    res = runner.invoke(app, ["diff", str(tmp_path / "plain"), str(tmp_path / "compiled"), "--json"])
+    assert res.exit_code == 0, res.output
+    doc = json.loads(res.stdout)
+    assert doc["equal"] is True and doc["counts"]["compared"] == 6 == doc["counts"]["equal"], doc
