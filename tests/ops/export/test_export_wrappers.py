@@ -131,3 +131,41 @@ def test_a_compiled_model_saved_beside_its_optimizer_is_the_plain_model(tmp_path
     assert res.exit_code == 0, res.output
     doc = json.loads(res.stdout)
     assert doc["equal"] is True and doc["counts"]["compared"] == 6 == doc["counts"]["equal"], doc
+
+
+def test_diff_compares_a_data_parallel_models_save_with_the_plain_one(tmp_path: Path) -> None:
+    """`dcp.save({"model": dp.state_dict(), "optimizer": get_optimizer_state_dict(dp, opt)})` of a DataParallel model
+    names model and state `module.<fqn>`; `diff` against the plain model's save found no name in common (E611, with a
+    hint to pass --rules or --adapter). It now compares names as export writes them (wrapper segments removed, said in
+    a note): equal, tensors, state and param groups alike; a changed weight is still a difference."""
+    import torch
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, get_state_dict
+    from typer.testing import CliRunner
+
+    from ckpttool.cli.app import app
+    from tests.fixtures.builders import save_quiet, train_steps
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.LayerNorm(8), torch.nn.Linear(8, 2))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    train_steps(model, opt, 3, loss="square")
+    msd, osd = get_state_dict(model, opt)
+    save_quiet({"model": msd, "optimizer": osd}, tmp_path / "plain")
+    dp = torch.nn.DataParallel(model)
+    dsd, dosd = dp.state_dict(), get_optimizer_state_dict(dp, opt)
+    assert all(k.startswith("module.") for k in [*dsd, *dosd["state"]]), (list(dsd), list(dosd["state"]))
+    save_quiet({"model": dsd, "optimizer": dosd}, tmp_path / "dp")
+    changed = {**dsd, "module.2.bias": dsd["module.2.bias"] + 1}
+    save_quiet({"model": changed, "optimizer": dosd}, tmp_path / "changed")
+    runner = CliRunner()
+    res = runner.invoke(app, ["diff", str(tmp_path / "plain"), str(tmp_path / "dp"), "--what", "all", "--json"])
+    assert res.exit_code == 0, res.output
+    doc = json.loads(res.stdout)
+    assert doc["equal"] is True and doc["counts"]["compared"] == 90 == doc["counts"]["equal"], doc["counts"]
+    assert doc["notes"] == [
+        "B: wrapper segment(s) module removed from 24 name(s), as export names them (a compiled, DDP or "
+        "activation-checkpointed model's state_dict)"
+    ]
+    res = runner.invoke(app, ["diff", str(tmp_path / "plain"), str(tmp_path / "changed"), "--json"])
+    doc = json.loads(res.stdout)
+    assert res.exit_code == 1 and [d["name"] for d in doc["differences"]] == ["model.2.bias"], doc["differences"]
