@@ -576,6 +576,7 @@ def _membership(
     if other_orphans:
         notes.append(
             f"{len(other_orphans)} param-group parameter(s) are not model tensors and are skipped, e.g. {other_orphans[0]}"
+            " (validate: O003)"
         )
     params = params_in_model + list(fused)
     group_of = {f: g for f in params if (g := cat.group_of(f)) is not None}
