@@ -1011,6 +1011,42 @@ def test_a_scheduler_ahead_of_an_optimizer_whose_steps_a_grad_scaler_skipped_is_
     ], doc["findings"]
 
 
+def test_R002_state_torch_made_up_for_a_rebuilt_optimizer_beside_steps_taken(tmp_path: Path) -> None:
+    """A model trained 4 steps saved with `get_state_dict(model, fresh_optimizer)` (an optimizer rebuilt before the
+    save: torch's `_init_optim_state` makes up step 1 and all-zero moments) beside `train_state.step` 4 and the LR
+    scheduler's `last_epoch` 4 passed `validate --deep` with only the D005 warning (exit 0): R002 skipped every
+    synthesized state as a save before the first step, though the moments of 4 steps were lost, which it reports
+    for an optimizer with no state at all. Now R002; a step-0 save, and one beside a GradScaler (which may have
+    skipped every step so far), are not."""
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    from tests.fixtures.builders import save_quiet, train_steps
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 2)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda k: 1.0)
+    train_steps(model, opt, 4, sched=sched)
+    model.zero_grad(set_to_none=True)
+    msd, osd = get_state_dict(model, torch.optim.AdamW(model.parameters(), lr=1e-3))
+    assert float(osd["state"]["weight"]["step"]) == 1 and not osd["state"]["weight"]["exp_avg"].any()
+    scaler = torch.amp.GradScaler("cpu").state_dict()
+    base = {"model": msd, "optimizer": osd, "lr_scheduler": sched.state_dict()}
+    save_quiet({**base, "train_state": {"step": 4}}, tmp_path / "rebuilt")
+    save_quiet({**base, "lr_scheduler": {**sched.state_dict(), "last_epoch": 0, "_step_count": 1}}, tmp_path / "s0")
+    save_quiet({**base, "scaler": scaler, "train_state": {"step": 4}}, tmp_path / "amp")
+    rc, doc, _ = run(tmp_path / "rebuilt", "--deep")
+    assert rc == 1 and sorted(f["code"] for f in doc["findings"]) == ["D005", "R002"], doc["findings"]
+    assert [f["message"] for f in doc["findings"] if f["code"] == "R002"] == [
+        "the optimizer state of all 2 parameter(s) is what torch makes up for an optimizer that never stepped (step 1, "
+        "all-zero moments: D005) but train_state.step = 4: the moments of 4 step(s) were not saved (an optimizer "
+        "rebuilt before the save)"
+    ]
+    for name in ("s0", "amp"):
+        rc, doc, _ = run(tmp_path / name, "--deep")
+        assert rc == 0 and [f["code"] for f in doc["findings"]] == ["D005"], doc["findings"]
+
+
 def test_an_optimizer_one_step_ahead_after_a_step_0_save_says_why(tmp_path: Path) -> None:
     """A run that saved at step 0 (``get_state_dict`` before any ``optimizer.step()``) and again at step 3: torch's
     ``_init_optim_state`` took a zero-lr step to create the state, and the live optimizer kept it, so step 3's save
