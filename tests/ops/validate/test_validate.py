@@ -1016,7 +1016,7 @@ def test_R002_state_torch_made_up_for_a_rebuilt_optimizer_beside_steps_taken(tmp
     save: torch's `_init_optim_state` makes up step 1 and all-zero moments) beside `train_state.step` 4 and the LR
     scheduler's `last_epoch` 4 passed `validate --deep` with only the D005 warning (exit 0): R002 skipped every
     synthesized state as a save before the first step, though the moments of 4 steps were lost, which it reports
-    for an optimizer with no state at all. Now R002; a step-0 save, and one beside a GradScaler (which may have
+    for an optimizer with no state at all, and replay-step said OK. Now R002 and a replay problem; a step-0 save, and one beside a GradScaler (which may have
     skipped every step so far), are not."""
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
@@ -1037,14 +1037,19 @@ def test_R002_state_torch_made_up_for_a_rebuilt_optimizer_beside_steps_taken(tmp
     save_quiet({**base, "scaler": scaler, "train_state": {"step": 4}}, tmp_path / "amp")
     rc, doc, _ = run(tmp_path / "rebuilt", "--deep")
     assert rc == 1 and sorted(f["code"] for f in doc["findings"]) == ["D005", "R002"], doc["findings"]
-    assert [f["message"] for f in doc["findings"] if f["code"] == "R002"] == [
+    lost = (
         "the optimizer state of all 2 parameter(s) is what torch makes up for an optimizer that never stepped (step 1, "
         "all-zero moments: D005) but train_state.step = 4: the moments of 4 step(s) were not saved (an optimizer "
         "rebuilt before the save)"
-    ]
+    )
+    assert [f["message"] for f in doc["findings"] if f["code"] == "R002"] == [lost]
     for name in ("s0", "amp"):
         rc, doc, _ = run(tmp_path / name, "--deep")
         assert rc == 0 and [f["code"] for f in doc["findings"]] == ["D005"], doc["findings"]
+    # replay-step said OK on the rebuilt one: it now names the same problem
+    for name, problems in (("rebuilt", [lost + " (`ckpttool validate --deep` reports R002)"]), ("s0", []), ("amp", [])):
+        res = runner.invoke(app, ["replay-step", str(tmp_path / name), "--device", "cpu", "--json"])
+        assert json.loads(res.stdout)["problems"] == problems and res.exit_code == (1 if problems else 0), res.output
 
 
 def test_an_optimizer_one_step_ahead_after_a_step_0_save_says_why(tmp_path: Path) -> None:

@@ -23,6 +23,7 @@ from ckpttool.model.counters import (
     scheduler_per_step,
     several_optimizer_steps,
     skips_optimizer_steps,
+    synthesized_state_lost,
     trainer_steps,
 )
 from ckpttool.ops.validate.base import rule
@@ -78,7 +79,9 @@ def train_step_mismatch(ctx: Context) -> Iterator[tuple[str, str]]:
         return  # common.pt alone (``shallow`` in rules.json): the other counters are the deep pass's
     synthesized = synthesized_from_stats(ctx)
     if synthesized:  # saved before the first optimizer step (D005): the counters of no step to compare
-        yield from _synthesized_after_steps(ctx, len(synthesized))
+        lost = synthesized_state_lost(ctx.ckpt, len(synthesized))
+        if lost is not None:
+            yield lost
         return
     # verl: the optimizer steps once per PPO mini-batch, the scheduler and the directory count training steps
     opt = None if several_optimizer_steps(ctx.ckpt) else _optimizer_step(ctx)
@@ -122,25 +125,6 @@ def scheduler_behind_step(ctx: Context) -> Iterator[tuple[str, str]]:
                 f"LR scheduler {c.key} = {c.value} but {ref.key} = {ref.value}: a scheduler stepped once per epoch, "
                 "or one restored from an older step",
             )
-
-
-def _synthesized_after_steps(ctx: Context, n: int) -> Iterator[tuple[str, str]]:
-    """Every parameter's state is the one torch makes up for an optimizer that never stepped (``D005``: step 1,
-    all-zero moments) while the trainer's step or an LR scheduler's ``last_epoch`` counts steps taken: an optimizer
-    rebuilt before the save (``get_state_dict`` of a fresh one), whose moments of those steps were lost, as with no
-    state at all (:func:`~ckpttool.model.counters.lost_optimizer_state`)."""
-    if n < sum(1 for ps in ctx.cat.optimizer_state.values() if ps.fields):
-        return  # real state beside it: parameters that got no gradient yet
-    if skips_optimizer_steps(ctx.ckpt):
-        return  # a loss scaler may have skipped every step so far (fp16 overflows at the first scales)
-    top = max([*trainer_steps(ctx.ckpt), *scheduler_counters(ctx.ckpt)[0]], key=lambda c: c.value, default=None)
-    if top is not None and top.value > 0:
-        yield (
-            f"{ctx.cat.schema.optimizer_prefix or ''}state",
-            f"the optimizer state of all {n} parameter(s) is what torch makes up for an optimizer that never stepped "
-            f"(step 1, all-zero moments: D005) but {top.key} = {top.value}: the moments of {top.value} step(s) were "
-            "not saved (an optimizer rebuilt before the save)",
-        )
 
 
 def _no_optimizer_state(ctx: Context, counters: list[Counter]) -> Iterator[tuple[str, str]]:
