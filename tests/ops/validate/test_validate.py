@@ -1128,3 +1128,17 @@ def test_a_float64_step_of_a_float64_default_dtype_run_is_adamws_own(tmp_path: P
         infer_optimizer_type(
             {"step": "float64", "master_weight": "float32", "exp_avg": "float32", "exp_avg_sq": "float32"}
         )
+
+
+def test_inspect_reads_a_saved_grad_scaler_as_training_state(tmp_path: Path) -> None:
+    """torch's AMP recipe saves `scaler.state_dict()` beside model and optimizer; `inspect` listed its five entries as
+    'other keys' beside the other byte items, as if ckpttool did not know them. They are now a training-state item,
+    as `lr_scheduler` is."""
+    base, scaler, _ = _amp_run()
+    _save_each(tmp_path, {"amp": {**base, "scaler": scaler}})
+    res = runner.invoke(app, ["inspect", str(tmp_path / "amp"), "--json"])
+    doc = json.loads(res.stdout)
+    assert res.exit_code == 0 and sorted(doc["training_state"]) == ["lr_scheduler", "scaler"], doc["training_state"]
+    assert sorted(doc["training_state"]["scaler"]) == [f"scaler.{k}" for k in sorted(scaler)]
+    text = runner.invoke(app, ["inspect", str(tmp_path / "amp")], env={"COLUMNS": "200"}).stdout
+    assert "other keys" not in text and "scaler: 5 keys" in text, text
