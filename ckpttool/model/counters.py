@@ -158,6 +158,26 @@ def lost_optimizer_state(ckpt: Checkpoint, counters: list[Counter] | None = None
     )
 
 
+def synthesized_state_lost(ckpt: Checkpoint, n: int) -> tuple[str, str] | None:
+    """``(key, message)`` when the ``n`` parameters whose state is the one torch makes up for an optimizer that never
+    stepped (step 1, all-zero moments: ``validate``'s ``D005``) are every parameter with state, while the trainer's
+    step or an LR scheduler's ``last_epoch`` counts 2 or more steps taken: an optimizer rebuilt before the save
+    (``get_state_dict`` of a fresh one), whose moments of those steps were lost, as with no state at all
+    (:func:`lost_optimizer_state`). ``None`` otherwise, and where a loss scaler may have skipped every step so far
+    (:func:`skips_optimizer_steps`: fp16 overflows at the first scales)."""
+    if not n or n < sum(1 for ps in ckpt.catalog.optimizer_state.values() if ps.fields) or skips_optimizer_steps(ckpt):
+        return None
+    top = max([*trainer_steps(ckpt), *scheduler_counters(ckpt)[0]], key=lambda c: c.value, default=None)
+    if top is None or top.value < 2:  # 1: a loop that counts its first step before the optimizer takes it
+        return None
+    return (
+        f"{ckpt.catalog.schema.optimizer_prefix or ''}state",
+        f"the optimizer state of all {n} parameter(s) is what torch makes up for an optimizer that never stepped "
+        f"(step 1, all-zero moments: D005) but {top.key} = {top.value}: the moments of {top.value} step(s) were "
+        "not saved (an optimizer rebuilt before the save)",
+    )
+
+
 #: The entries of a saved ``torch.amp.GradScaler`` (``state_dict()``: ``scale``, ``growth_factor``, ``backoff_factor``,
 #: ``growth_interval``, ``_growth_tracker``), as the last components of its flattened keys.
 _GRAD_SCALER_KEYS = ("scale", "backoff_factor", "_growth_tracker")

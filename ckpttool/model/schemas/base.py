@@ -73,6 +73,8 @@ GENERIC_TRAINING_STATE_ITEMS: tuple[str, ...] = (
     "epoch",
     "iteration",
     "ntokens_seen",
+    "scaler",  # torch.amp.GradScaler's state_dict(), as torch's AMP recipe saves it
+    "grad_scaler",
 )
 
 

@@ -20,7 +20,7 @@ from __future__ import annotations
 import re
 from collections import Counter
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from itertools import islice, repeat
 from typing import Any, cast
 
@@ -31,6 +31,7 @@ from ckpttool.model.schemas import registry
 from ckpttool.model.schemas.base import Detected
 from ckpttool.model.schemas.keyschema import KeySchema, SchemaOverride, model_head
 from ckpttool.model.schemas.registry import Derived
+from ckpttool.model.wrappers import WRAPPER_SEGMENTS, strip_wrapper_segments
 
 __all__ = ["detect_schema", "fused_parts", "model_naming", "planner_paths"]
 
@@ -387,6 +388,26 @@ def _prefix_options(tensors: list[str], known: Derived) -> list[str]:
     return [*known.fixed_prefixes, *sorted(p for p in seen if p.partition(".")[0] not in fixed_heads)]
 
 
+_WRAPPER_HEADS = tuple(f"{seg}." for seg in WRAPPER_SEGMENTS)
+
+
+def _wrapped_prefixes(tensors: list[str], options: list[str]) -> list[str]:
+    """Each option followed by the wrapper segments that lead the keys below it (``model._orig_mod.``,
+    ``model.module.``: ``dcp.save({"model": compiled_or_ddp.state_dict(), "optimizer": get_optimizer_state_dict(...)})``,
+    whose optimizer names the parameters without them)."""
+    found: set[str] = set()
+    for k in tensors:
+        for p in options:
+            if not k.startswith(p) or not k.startswith(_WRAPPER_HEADS, len(p)):
+                continue
+            parts = k[len(p) :].split(".")
+            n = 0
+            while n < len(parts) - 1 and parts[n] in WRAPPER_SEGMENTS:
+                n += 1
+            found.update(p + ".".join(parts[:i]) + "." for i in range(1, n + 1))
+    return sorted(found - set(options))
+
+
 def _optimizer_fqns_rule(
     scan: _Scan, state: list[tuple[str, _Path]], state_prefix: str, model_prefix: str | None, reasons: list[str]
 ) -> str | None:
@@ -405,6 +426,10 @@ def _optimizer_fqns_rule(
 
     options = _prefix_options(loose, registry.derived())
     scores = {p: matches(p) for p in options}
+    if max(scores.values(), default=0) < len(heads):  # fqns no prefix names: a wrapped model's keys?
+        wrapped = _wrapped_prefixes(loose, options)
+        options += wrapped
+        scores.update((p, matches(p)) for p in wrapped)
     best = max(options, key=lambda p: (scores[p], p == model_prefix))
     current = scores.get(model_prefix, 0) if model_prefix is not None else 0
     if scores[best] <= current:
@@ -539,7 +564,9 @@ def detect_schema(md: CheckpointMetadata, override: SchemaOverride | None = None
         tuple(fqns),
         bool(planner),
     )
-    sid = _schema_id(found)
+    # a prefix ending in wrapper segments (model._orig_mod.) is its trainer's prefix with a wrapped model's keys
+    unwrapped = strip_wrapper_segments(model_prefix + "x")[0][:-1] if model_prefix else model_prefix
+    sid = _schema_id(found if unwrapped == model_prefix else replace(found, model_prefix=unwrapped))
     reasons += _closing_reasons(md, bool(planner), found, (n_model, use_paths), keying, fqns)
     return KeySchema(
         sid,

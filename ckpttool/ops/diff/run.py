@@ -53,6 +53,7 @@ from ckpttool.model.checkpoint import (
 )
 from ckpttool.model.discovery import CheckpointSelection
 from ckpttool.model.schemas.base import canonical_group_key, canonical_state_key
+from ckpttool.model.wrappers import strip_wrapper_segments
 from ckpttool.ops.diff.compare import (
     BLOCK_ELEMENTS,
     Metrics,
@@ -423,7 +424,30 @@ def dcp_items(side: Side, what: str) -> tuple[list[Item], list[Excluded], list[s
             if cat.category(key) == "optimizer_state":
                 continue  # a state field saved as a byte item: listed above
             items.append(Item(key, key, (), "bytes", cat.category(key)))
-    return items, excluded, []
+    items, notes = _unwrapped(side, items)
+    return items, excluded, notes
+
+
+def _unwrapped(side: Side, items: list[Item]) -> tuple[list[Item], list[str]]:
+    """``items`` with the wrapper segments (``module.``, ``_orig_mod.``, ...: :mod:`ckpttool.model.wrappers`) removed
+    from the names of model tensors and their state, as ``export`` names them: a DDP model's ``state_dict()`` saved
+    whole compares with the plain model's. Unchanged where two names would become one."""
+    renamed: list[Item] = []
+    removed: set[str] = set()
+    for it in items:
+        if it.category in ("model", "optimizer_state"):
+            name, segs = strip_wrapper_segments(it.name)
+            if segs:
+                removed.update(segs)
+                it = replace(it, name=name)
+        renamed.append(it)
+    if not removed or len({i.name for i in renamed}) != len(items):
+        return items, []
+    n = sum(a.name != b.name for a, b in zip(items, renamed))
+    return renamed, [
+        f"{side.label}: wrapper segment(s) {', '.join(sorted(removed))} removed from {n} name(s), as export names "
+        "them (a compiled, DDP or activation-checkpointed model's state_dict)"
+    ]
 
 
 def side_adapter(side: Side, opts: DiffOptions, fmt: str, config: dict[str, Any] | None) -> Any:
@@ -633,9 +657,9 @@ def _stored_items(side: Side) -> list[Item]:
 def _pair_names(a: Side, b: Side, opts: DiffOptions) -> tuple[list[Item], list[Item], list[Excluded], list[str], str]:
     """Items of both sides in one namespace (see the module docstring)."""
     if a.kind == "dcp" and b.kind == "dcp":
-        ia, ea, _ = dcp_items(a, opts.what)
-        ib, eb, _ = dcp_items(b, opts.what)
-        notes = []
+        ia, ea, notes = dcp_items(a, opts.what)
+        ib, eb, notes_b = dcp_items(b, opts.what)
+        notes += notes_b
         if opts.adapter is not None:
             notes.append(
                 f"`adapter` {opts.adapter} not used: two DCP checkpoints are matched by torch-native keys, "
@@ -1168,10 +1192,13 @@ def _group_values(side: Side) -> dict[str, dict[str, Any]]:
     fqns = [cat.fqn_of(key) for key in cat.model]
     if not fqns:  # an optimizer-only save: its parameters are those of its state (an index-keyed one: by group)
         fqns = [f for f in cat.optimizer_state if not f.isdigit()]
-    for fqn in fqns:
-        g = cat.group_of(fqn)
+    names = [strip_wrapper_segments(f)[0] for f in fqns]  # as the tensors are named (_unwrapped)
+    if len(set(names)) != len(names):
+        names = fqns
+    for fqn, name in zip(fqns, names):
+        g = cat.group_of(fqn) or cat.group_of(name)  # a group listing the fqn without the wrapper
         if g is not None:
-            out[canonical_group_key(fqn)] = g.leaf_values
+            out[canonical_group_key(name)] = g.leaf_values
             reached.add(id(g))
     for g in cat.param_groups:
         if id(g) not in reached and g.flavor == "nested":

@@ -600,6 +600,7 @@ def _membership(
     if other_orphans:
         notes.append(
             f"{len(other_orphans)} param-group parameter(s) are not model tensors and are skipped, e.g. {other_orphans[0]}"
+            " (validate: O003)"
         )
     params = params_in_model + list(fused)
     group_of = {f: g for f in params if (g := cat.group_of(f)) is not None}
@@ -719,6 +720,13 @@ def _select(
         and (filter_glob is None or match_filter(canonical_model_key(f), filter_glob))  # the canonical key
     ]
     if not params_in_model:
+        if members.grouped and all(f.isdigit() for f in members.grouped):  # params [0, 1, ...]
+            raise HyperparameterError(
+                f"{cat.path}: the param groups list their {len(members.grouped)} parameter(s) by index (a plain "
+                "optimizer.state_dict()), which no command can match to the model tensors; nothing to replay",
+                hint="re-save the optimizer with torch.distributed.checkpoint.state_dict.get_optimizer_state_dict"
+                "(model, optimizer), which names each parameter by its fqn",
+            )
         raise HyperparameterError(
             f"{cat.path}: none of the {len(members.grouped)} parameter(s) of the param groups is a model tensor "
             "of the checkpoint; nothing to replay",

@@ -37,6 +37,7 @@ from ckpttool.model.counters import (
     scheduler_disagrees,
     several_optimizer_steps,
     skips_optimizer_steps,
+    synthesized_state_lost,
     trainer_steps,
 )
 from ckpttool.ops.fields import PhaseFn, ProgressFn, options_of, same_named
@@ -482,7 +483,7 @@ class _Prepared:
     notes: list[str]
     grad_file: Any
     ambiguous: set[str]
-    synthesized: bool = False
+    synthesized: int = 0  # parameters whose state is synthesized (step 1, all-zero moments: D005)
 
 
 def _prepare(ckpt: Checkpoint, opts: ReplayOptions) -> _Prepared:
@@ -536,7 +537,7 @@ def _prepare(ckpt: Checkpoint, opts: ReplayOptions) -> _Prepared:
         )
     if layout.version == 1 and any(layout.is_permuted(p.key) for p in plan.params):
         notes.append("legacy (version 1) EP tensors are replayed in true expert order (block permutation undone)")
-    return _Prepared(layout, plan, notes, grad_file, ambiguous, bool(synth))
+    return _Prepared(layout, plan, notes, grad_file, ambiguous, len(synth))
 
 
 def _constant_lr_note(ckpt: Checkpoint, steps: int) -> list[str]:
@@ -835,6 +836,9 @@ def _state_problems(
     if lost is not None:
         return (f"{lost[1]}; every parameter replayed from fresh state (`ckpttool validate --deep` reports R002)",)
     loaded = [r for r in results if r.state != "fresh"]
+    lost = synthesized_state_lost(ckpt, prep.synthesized) if complete else None
+    if lost is not None:  # made-up state of an optimizer rebuilt after steps were taken
+        return (f"{lost[1]} (`ckpttool validate --deep` reports R002)",)
     if not loaded or prep.synthesized:
         return ()  # nothing loaded to compare; or saved before the first step (D005), as R002 skips it
     top = max(loaded, key=lambda r: r.step_before)

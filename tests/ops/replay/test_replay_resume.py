@@ -166,3 +166,22 @@ def test_fused_parameter_without_head_dim_is_a_skip(titan_root: Path) -> None:
     wqkv = [f"layers.{i}.attention.qkv_linear.wqkv.weight" for i in (0, 1)]
     assert rc == 1 and not doc["ok"] and doc["params_failed"] == 0 and doc["params_skipped"] == wqkv
     assert any("pass `head_dim`" in n for n in doc["notes"]) and "not replayed" in err
+
+
+def test_a_step_0_save_of_a_plain_optimizer_state_dict_says_its_groups_list_indices(tmp_path: Path) -> None:
+    """`dcp.save({"model": model.state_dict(), "optimizer": opt.state_dict()})` before the first step (no state, param
+    groups listing parameters 0, 1, ...): replay-step said 'none of the 2 parameter(s) of the param groups is a model
+    tensor' and hinted at optimizer state naming other tensors. It now says the groups list indices, which nothing can
+    match to the model, and how to save them by fqn."""
+    from tests.fixtures.builders import save_quiet
+
+    model = torch.nn.Linear(4, 2)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    save_quiet({"model": model.state_dict(), "optimizer": opt.state_dict()}, tmp_path / "s0")
+    res = runner.invoke(app, ["replay-step", str(tmp_path / "s0"), "--device", "cpu"])
+    assert res.exit_code == 2 and res.output.splitlines() == [
+        f"error: [E514] {tmp_path / 's0'}: the param groups list their 2 parameter(s) by index (a plain "
+        "optimizer.state_dict()), which no command can match to the model tensors; nothing to replay",
+        "hint: re-save the optimizer with torch.distributed.checkpoint.state_dict.get_optimizer_state_dict(model, "
+        "optimizer), which names each parameter by its fqn",
+    ], res.output

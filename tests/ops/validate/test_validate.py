@@ -832,6 +832,40 @@ def test_R002_counts_a_sequential_scheduler_by_its_own_last_epoch_not_its_phases
     assert rc == 1 and "R002" not in codes(doc)
 
 
+def test_R002_a_cosine_warm_restarts_scheduler_whose_step_count_torch_leaves_at_0_is_clean(tmp_path: Path) -> None:
+    """torch's CosineAnnealingWarmRestarts overrides step() and never counts `_step_count` (saved 0 at every step):
+    a clean run saved at step 6 failed `validate --deep` with R002 'lr_scheduler._step_count = 0 but
+    lr_scheduler.last_epoch = 6 (expected last_epoch + 1)'. A `_step_count` another scheduler saved out of step with
+    its `last_epoch` is still R002."""
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+    from torch.optim import lr_scheduler as lrs
+
+    from tests.fixtures.builders import save_quiet, train_steps
+
+    saves = {}
+    for name, make in (
+        ("cawr", lambda o: lrs.CosineAnnealingWarmRestarts(o, T_0=4, T_mult=2)),
+        ("lambda", lambda o: lrs.LambdaLR(o, lambda k: 1.0)),
+    ):
+        torch.manual_seed(0)
+        model = torch.nn.Linear(4, 2)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        sched = make(opt)
+        train_steps(model, opt, 6, sched=sched)
+        msd, osd = get_state_dict(model, opt)
+        saves[name] = {"model": msd, "optimizer": osd, "lr_scheduler": sched.state_dict(), "train_state": {"step": 6}}
+    assert saves["cawr"]["lr_scheduler"]["_step_count"] == 0 and saves["cawr"]["lr_scheduler"]["last_epoch"] == 6
+    save_quiet(saves["cawr"], tmp_path / "cawr")
+    rc, doc, _ = run(tmp_path / "cawr", "--deep", "--strict")
+    assert rc == 0 and [f["code"] for f in doc["findings"]] == ["P002"], doc["findings"]  # info: the lr moved
+    saves["lambda"]["lr_scheduler"]["_step_count"] = 9
+    save_quiet(saves["lambda"], tmp_path / "off")
+    doc = only(tmp_path / "off", "R002", "--deep")
+    assert [f["message"] for f in doc["findings"]] == [
+        "LR scheduler lr_scheduler._step_count = 9 but lr_scheduler.last_epoch = 6 (expected last_epoch + 1)"
+    ]
+
+
 def test_R004_a_scheduler_stepped_per_epoch_in_a_plain_save_is_a_warning_not_R002(tmp_path: Path) -> None:
     """torch's classic loop steps StepLR once per epoch: after 3 epochs of 10 steps `last_epoch` is 3 while the
     optimizer's step is 30. `validate --deep` failed it with R002 (error, exit 1 without --strict) though nothing is
@@ -978,6 +1012,47 @@ def test_a_scheduler_ahead_of_an_optimizer_whose_steps_a_grad_scaler_skipped_is_
     ], doc["findings"]
 
 
+def test_R002_state_torch_made_up_for_a_rebuilt_optimizer_beside_steps_taken(tmp_path: Path) -> None:
+    """A model trained 4 steps saved with `get_state_dict(model, fresh_optimizer)` (an optimizer rebuilt before the
+    save: torch's `_init_optim_state` makes up step 1 and all-zero moments) beside `train_state.step` 4 and the LR
+    scheduler's `last_epoch` 4 passed `validate --deep` with only the D005 warning (exit 0): R002 skipped every
+    synthesized state as a save before the first step, though the moments of 4 steps were lost, which it reports
+    for an optimizer with no state at all, and replay-step said OK. Now R002 and a replay problem; a step-0 save, and one beside a GradScaler (which may have
+    skipped every step so far), are not."""
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    from tests.fixtures.builders import save_quiet, train_steps
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 2)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda k: 1.0)
+    train_steps(model, opt, 4, sched=sched)
+    model.zero_grad(set_to_none=True)
+    msd, osd = get_state_dict(model, torch.optim.AdamW(model.parameters(), lr=1e-3))
+    assert float(osd["state"]["weight"]["step"]) == 1 and not osd["state"]["weight"]["exp_avg"].any()
+    scaler = torch.amp.GradScaler("cpu").state_dict()
+    base = {"model": msd, "optimizer": osd, "lr_scheduler": sched.state_dict()}
+    save_quiet({**base, "train_state": {"step": 4}}, tmp_path / "rebuilt")
+    save_quiet({**base, "lr_scheduler": {**sched.state_dict(), "last_epoch": 0, "_step_count": 1}}, tmp_path / "s0")
+    save_quiet({**base, "scaler": scaler, "train_state": {"step": 4}}, tmp_path / "amp")
+    rc, doc, _ = run(tmp_path / "rebuilt", "--deep")
+    assert rc == 1 and sorted(f["code"] for f in doc["findings"]) == ["D005", "R002"], doc["findings"]
+    lost = (
+        "the optimizer state of all 2 parameter(s) is what torch makes up for an optimizer that never stepped (step 1, "
+        "all-zero moments: D005) but train_state.step = 4: the moments of 4 step(s) were not saved (an optimizer "
+        "rebuilt before the save)"
+    )
+    assert [f["message"] for f in doc["findings"] if f["code"] == "R002"] == [lost]
+    for name in ("s0", "amp"):
+        rc, doc, _ = run(tmp_path / name, "--deep")
+        assert rc == 0 and [f["code"] for f in doc["findings"]] == ["D005"], doc["findings"]
+    # replay-step said OK on the rebuilt one: it now names the same problem
+    for name, problems in (("rebuilt", [lost + " (`ckpttool validate --deep` reports R002)"]), ("s0", []), ("amp", [])):
+        res = runner.invoke(app, ["replay-step", str(tmp_path / name), "--device", "cpu", "--json"])
+        assert json.loads(res.stdout)["problems"] == problems and res.exit_code == (1 if problems else 0), res.output
+
+
 def test_an_optimizer_one_step_ahead_after_a_step_0_save_says_why(tmp_path: Path) -> None:
     """A run that saved at step 0 (``get_state_dict`` before any ``optimizer.step()``) and again at step 3: torch's
     ``_init_optim_state`` took a zero-lr step to create the state, and the live optimizer kept it, so step 3's save
@@ -1054,3 +1129,17 @@ def test_a_float64_step_of_a_float64_default_dtype_run_is_adamws_own(tmp_path: P
         infer_optimizer_type(
             {"step": "float64", "master_weight": "float32", "exp_avg": "float32", "exp_avg_sq": "float32"}
         )
+
+
+def test_inspect_reads_a_saved_grad_scaler_as_training_state(tmp_path: Path) -> None:
+    """torch's AMP recipe saves `scaler.state_dict()` beside model and optimizer; `inspect` listed its five entries as
+    'other keys' beside the other byte items, as if ckpttool did not know them. They are now a training-state item,
+    as `lr_scheduler` is."""
+    base, scaler, _ = _amp_run()
+    _save_each(tmp_path, {"amp": {**base, "scaler": scaler}})
+    res = runner.invoke(app, ["inspect", str(tmp_path / "amp"), "--json"])
+    doc = json.loads(res.stdout)
+    assert res.exit_code == 0 and sorted(doc["training_state"]) == ["lr_scheduler", "scaler"], doc["training_state"]
+    assert sorted(doc["training_state"]["scaler"]) == [f"scaler.{k}" for k in sorted(scaler)]
+    text = runner.invoke(app, ["inspect", str(tmp_path / "amp")], env={"COLUMNS": "200"}).stdout
+    assert "other keys" not in text and "scaler: 5 keys" in text, text

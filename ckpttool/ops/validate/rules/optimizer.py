@@ -19,6 +19,7 @@ from typing import Any
 from ckpttool.errors import CkptError
 from ckpttool.format.metadata import FLOAT8_DTYPES, dtype_name
 from ckpttool.model.catalog import TensorEntry, dtype_refuted_by, listed_twice, lost_state
+from ckpttool.model.wrappers import strip_wrapper_segments
 from ckpttool.ops.validate.base import rule
 from ckpttool.ops.validate.context import Context
 from ckpttool.optim_state.known import (
@@ -173,11 +174,23 @@ def orphan_state(ctx: Context) -> Iterator[tuple[str, str]]:
     cat = ctx.cat
     if not cat.model or cat.schema.optimizer_keying == "index":
         return  # K004 / K003: one finding, not one per parameter
+    wrapped: dict[str, str] | None = None
     for fqn, ps in cat.optimizer_state.items():
         if not ps.in_model and not ps.stored_as:
+            if wrapped is None:  # model keys by their name without wrapper segments (_orig_mod., ...), once
+                wrapped = {n: k for k in cat.model if (n := strip_wrapper_segments(k)[0]) != k}
+            stored = wrapped.get(cat.model_key(fqn))
             yield (
                 fqn,
-                f"{cat.state_key(fqn, '*')}: {fqn!r} is not a model tensor (fields {', '.join(sorted(ps.fields))})",
+                f"{cat.state_key(fqn, '*')}: {fqn!r} is not a model tensor (fields {', '.join(sorted(ps.fields))})"
+                + (
+                    ""
+                    if stored is None
+                    else f"; the model stores it as {stored!r}, with wrapper segments the optimizer's names leave out "
+                    "(a compiled or checkpoint-wrapped block's state_dict() saved beside get_optimizer_state_dict): "
+                    "ckpttool pairs them only where the wrappers lead every model key; save the model with "
+                    "get_model_state_dict, which removes them"
+                ),
             )
 
 

@@ -23,6 +23,7 @@ from ckpttool.model.counters import (
     scheduler_per_step,
     several_optimizer_steps,
     skips_optimizer_steps,
+    synthesized_state_lost,
     trainer_steps,
 )
 from ckpttool.ops.validate.base import rule
@@ -76,8 +77,12 @@ def train_step_mismatch(ctx: Context) -> Iterator[tuple[str, str]]:
     yield from _common_state_iteration(ctx)
     if not ctx.deep:
         return  # common.pt alone (``shallow`` in rules.json): the other counters are the deep pass's
-    if synthesized_from_stats(ctx):
-        return  # saved before the first optimizer step (D005): the counters of no step to compare
+    synthesized = synthesized_from_stats(ctx)
+    if synthesized:  # saved before the first optimizer step (D005): the counters of no step to compare
+        lost = synthesized_state_lost(ctx.ckpt, len(synthesized))
+        if lost is not None:
+            yield lost
+        return
     # verl: the optimizer steps once per PPO mini-batch, the scheduler and the directory count training steps
     opt = None if several_optimizer_steps(ctx.ckpt) else _optimizer_step(ctx)
     trains = trainer_steps(ctx.ckpt)
@@ -100,7 +105,9 @@ def train_step_mismatch(ctx: Context) -> Iterator[tuple[str, str]]:
     by_item = {e.key.rsplit(".", 1)[0]: e for e in epochs}
     for c in counts:
         e = by_item.get(c.key.rsplit(".", 1)[0])
-        if e is not None and c.value != e.value + 1:
+        # 0: a scheduler whose own step() never goes through LRScheduler.step, which alone counts it (torch's
+        # CosineAnnealingWarmRestarts: 0 however many steps it took); the constructor's initial step counts 1
+        if e is not None and c.value != 0 and c.value != e.value + 1:
             yield c.key, f"LR scheduler {c.key} = {c.value} but {e.key} = {e.value} (expected last_epoch + 1)"
 
 
