@@ -1534,19 +1534,21 @@ def _model_only_note(a: Side, b: Side, opts: DiffOptions) -> list[str]:
     what was left out (state fields, param groups), so that "equal" is not read as "the same training state"."""
     if opts.what != "model" or a.kind != "dcp" or b.kind != "dcp":
         return []
-    held = []
+    counts = []
     for side in (a, b):
         cat = side.ckpt.catalog
-        fields = sum(len(ps.fields) for ps in cat.optimizer_state.values())
-        if fields or cat.param_groups:
-            groups = len(cat.param_groups)
-            held.append(
-                f"{side.label} holds {fields:,} state field{'s' * (fields != 1)} in {groups:,} "
-                f"param group{'s' * (groups != 1)}"
-            )
-    if not held:
-        return []
-    return [f"{MODEL_ONLY_NOTE} ({'; '.join(held)}): --what all compares them"]
+        counts.append((sum(len(ps.fields) for ps in cat.optimizer_state.values()), len(cat.param_groups)))
+
+    def held(fields: int, groups: int) -> str:
+        return f"{fields:,} state field{'s' * (fields != 1)} in {groups:,} param group{'s' * (groups != 1)}"
+
+    if counts[0] == counts[1]:
+        if counts[0] == (0, 0):
+            return []
+        told = f"A and B each hold {held(*counts[0])}"
+    else:
+        told = "; ".join(f"{side.label} holds {held(*n)}" for side, n in zip((a, b), counts, strict=True) if any(n))
+    return [f"{MODEL_ONLY_NOTE} ({told}): --what all compares them"]
 
 
 def _one_file(side: Side) -> str | None:

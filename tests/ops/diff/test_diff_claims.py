@@ -138,8 +138,8 @@ def test_equal_models_of_two_training_states_do_not_read_as_the_same_state(tmp_p
     res = invoke("diff", tmp_path / "a", tmp_path / "b")
     assert res.exit_code == 0, res.output
     note = (
-        "optimizer state and param groups not compared (A holds 6 state fields in 1 param group; B holds 6 state "
-        "fields in 1 param group): --what all compares them"
+        "optimizer state and param groups not compared (A and B each hold 6 state fields in 1 param group): "
+        "--what all compares them"
     )
     assert f"  note: {note}" in res.stdout.splitlines(), res.stdout
     assert res.stdout.splitlines()[-1].startswith("equal as models; optimizer state not compared (note above) (")
@@ -149,3 +149,13 @@ def test_equal_models_of_two_training_states_do_not_read_as_the_same_state(tmp_p
     full = invoke("diff", tmp_path / "a", tmp_path / "b", "--what", "all")
     assert full.exit_code == 1 and "optimizer.param_groups.weight.lr: 0.001 in A, 0.0005 in B" in full.stdout
     assert "not compared (" not in full.stdout
+    bare = tmp_path / "bare"  # B without optimizer state: the note names A's alone
+    dcp.save({"model": get_state_dict(model, opt)[0]}, checkpoint_id=str(bare), no_dist=True)
+    doc = json.loads(invoke("diff", tmp_path / "a", bare, "--json").stdout)
+    assert doc["notes"] == [
+        "optimizer state and param groups not compared (A holds 6 state fields in 1 param group): "
+        "--what all compares them"
+    ]
+    copy = tmp_path / "bare-copy"  # neither side holds optimizer state: nothing was left out, no note
+    dcp.save({"model": get_state_dict(model, opt)[0]}, checkpoint_id=str(copy), no_dist=True)
+    assert json.loads(invoke("diff", bare, copy, "--json").stdout)["notes"] == []
