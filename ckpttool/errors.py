@@ -164,7 +164,7 @@ _HINTS: dict[str, str] = {
     "E121": "use --device auto or --device cpu",
     "E130": "raise --max-memory, or leave the parameter out with --filter",
     "E140": "check the URL and --storage-option (docs/storage.md)",
-    "E141": "check the URL: the bucket and prefix of the checkpoint directory",
+    "E141": "check the URL: its bucket and prefix (the checkpoint read, or the output written)",
     "E142": "check the credentials (environment, config files, --storage-option) and the bucket policy",
     "E143": "retry later, or lower --remote-workers",
     "E144": "check the network and the endpoint, then run again (--remote-retries raises the attempts)",
