@@ -529,8 +529,6 @@ def export_items(
         )
         if opts.weights == "master":
             notes.extend(_tied_master(side, selected, rules, items))
-    if opts.what != "model" and cat.optimizer_state:
-        notes.append(f"{_other(side)} has no optimizer state: {side.label}'s optimizer state is not compared")
     return items, excluded, notes, "lora" if fmt == "lora" else "export"
 
 
@@ -1530,15 +1528,17 @@ def _self_note(a: Side, b: Side) -> list[str]:
 
 
 def _model_only_note(a: Side, b: Side, opts: DiffOptions) -> list[str]:
-    """With ``what`` model of two DCP sides of which one holds optimizer state or param groups: a note counting
-    what was left out (state fields, param groups), so that "equal" is not read as "the same training state"."""
-    if opts.what != "model" or a.kind != "dcp" or b.kind != "dcp":
+    """A note counting the optimizer state fields and param groups of a DCP side that were left out, so that "equal"
+    is not read as "the same training state": with ``what`` model (either side's), and with ``what`` all where the
+    other side is a safetensors or PEFT input, which holds none to pair them with."""
+    mixed = a.kind != b.kind  # one DCP side beside a safetensors / LoRA one (two of those hold no state)
+    if opts.what == "optimizer" or (opts.what == "all" and not mixed):
         return []
     held = []
     for side in (a, b):
         cat = side.ckpt.catalog
-        fields = sum(len(ps.fields) for ps in cat.optimizer_state.values())
-        if fields or cat.param_groups:
+        fields = sum(len(ps.fields) for ps in cat.optimizer_state.values()) if side.kind == "dcp" else 0
+        if side.kind == "dcp" and (fields or cat.param_groups):
             groups = len(cat.param_groups)
             held.append(
                 f"{side.label} holds {fields:,} state field{'s' * (fields != 1)} in {groups:,} "
@@ -1546,7 +1546,14 @@ def _model_only_note(a: Side, b: Side, opts: DiffOptions) -> list[str]:
             )
     if not held:
         return []
-    return [f"{MODEL_ONLY_NOTE} ({'; '.join(held)}): --what all compares them"]
+    if not mixed:
+        return [f"{MODEL_ONLY_NOTE} ({'; '.join(held)}): --what all compares them"]
+    st = a if a.kind != "dcp" else b
+    kind = "PEFT adapter" if st.kind == "lora" else "safetensors input"
+    return [
+        f"{MODEL_ONLY_NOTE} ({'; '.join(held)}): {st.label} is a {kind}, which holds none; --what all against "
+        "another DCP checkpoint compares them"
+    ]
 
 
 def _one_file(side: Side) -> str | None:
