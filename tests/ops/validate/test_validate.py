@@ -1041,7 +1041,9 @@ def test_R002_state_torch_made_up_for_a_rebuilt_optimizer_beside_steps_taken(tmp
     lost = (
         "the optimizer state of all 2 parameter(s) is what torch makes up for an optimizer that never stepped (step 1, "
         "all-zero moments: D005) but train_state.step = 4: the moments of 4 step(s) were not saved (an optimizer "
-        "rebuilt before the save)"
+        "rebuilt before the save): resume from an earlier save whose optimizer state was saved; where it was reset on "
+        "purpose (these weights fine-tuned with a new optimizer), a resume restarts the moments from zero, as that "
+        "reset did"
     )
     assert [f["message"] for f in doc["findings"] if f["code"] == "R002"] == [lost]
     for name in ("s0", "amp"):
