@@ -53,7 +53,7 @@ from ckpttool.model.checkpoint import (
 )
 from ckpttool.model.discovery import CheckpointSelection
 from ckpttool.model.schemas.base import canonical_group_key, canonical_state_key
-from ckpttool.model.wrappers import strip_wrapper_segments
+from ckpttool.model.wrappers import strip_wrapper_segments, wrapper_segments_of
 from ckpttool.ops.diff.compare import (
     BLOCK_ELEMENTS,
     Metrics,
@@ -434,9 +434,10 @@ def _unwrapped(side: Side, items: list[Item]) -> tuple[list[Item], list[str]]:
     whole compares with the plain model's. Unchanged where two names would become one."""
     renamed: list[Item] = []
     removed: set[str] = set()
+    wrappers = wrapper_segments_of(side.ckpt.catalog.optimizer_state)  # a "module" the optimizer names is real
     for it in items:
         if it.category in ("model", "optimizer_state"):
-            name, segs = strip_wrapper_segments(it.name)
+            name, segs = strip_wrapper_segments(it.name, wrappers)
             if segs:
                 removed.update(segs)
                 it = replace(it, name=name)
@@ -1190,7 +1191,8 @@ def _group_values(side: Side) -> dict[str, dict[str, Any]]:
     fqns = [cat.fqn_of(key) for key in cat.model]
     if not fqns:  # an optimizer-only save: its parameters are those of its state (an index-keyed one: by group)
         fqns = [f for f in cat.optimizer_state if not f.isdigit()]
-    names = [strip_wrapper_segments(f)[0] for f in fqns]  # as the tensors are named (_unwrapped)
+    wrappers = wrapper_segments_of(cat.optimizer_state)
+    names = [strip_wrapper_segments(f, wrappers)[0] for f in fqns]  # as the tensors are named (_unwrapped)
     if len(set(names)) != len(names):
         names = fqns
     for fqn, name in zip(fqns, names):
