@@ -387,10 +387,12 @@ class Catalog:
 
     def missing_hyperparameters(self, group: ParamGroup) -> list[str]:
         """The hyperparameters ``group`` lacks (:func:`~ckpttool.optim_state.schema.missing_hyperparameters`), told
-        from its saved state fields where it has ``betas`` and no ``eps`` (Lion's group: ``lion_group``): those of its
-        members, or of every parameter while a nested group's ``params`` are not loaded."""
-        if "eps" in group.keys or "betas" not in group.keys:
-            return missing_hyperparameters(group.keys)
+        from its saved state fields where it lacks ``betas`` or ``eps`` (Lion's group, ``lion_group``; a group of
+        another optimizer that lost every key, told by its state: Rprop's, Adafactor's, ...): those of its members,
+        or of every parameter while a nested group's ``params`` are not loaded."""
+        missing = missing_hyperparameters(group.keys)
+        if not missing or ("eps" in group.keys and "betas" in group.keys):
+            return missing
         members = group.params or list(self.optimizer_state)
         states = filter(None, map(self.optimizer_state.get, members))
         return missing_hyperparameters(group.keys, {f for ps in states for f in ps.fields})

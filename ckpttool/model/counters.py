@@ -174,7 +174,9 @@ def synthesized_state_lost(ckpt: Checkpoint, n: int) -> tuple[str, str] | None:
         f"{ckpt.catalog.schema.optimizer_prefix or ''}state",
         f"the optimizer state of all {n} parameter(s) is what torch makes up for an optimizer that never stepped "
         f"(step 1, all-zero moments: D005) but {top.key} = {top.value}: the moments of {top.value} step(s) were "
-        "not saved (an optimizer rebuilt before the save)",
+        "not saved (an optimizer rebuilt before the save): resume from an earlier save whose optimizer state was "
+        "saved; where it was reset on purpose (these weights fine-tuned with a new optimizer), a resume restarts the "
+        "moments from zero, as that reset did",
     )
 
 

@@ -12,14 +12,16 @@ segment (torch's own ``consume_prefix_in_state_dict_if_present`` handles a leadi
 
 from __future__ import annotations
 
-__all__ = ["WRAPPER_SEGMENTS", "strip_wrapper_segments"]
+from collections.abc import Iterable
+
+__all__ = ["WRAPPER_SEGMENTS", "strip_wrapper_segments", "wrapper_segments_of"]
 
 #: Key segments inserted by wrappers (whole dotted components).
 WRAPPER_SEGMENTS = ("_orig_mod", "_checkpoint_wrapped_module", "_fsdp_wrapped_module", "module")
 
 
-def strip_wrapper_segments(key: str) -> tuple[str, tuple[str, ...]]:
-    """``key`` without wrapper segments, and the segments removed (in order).
+def strip_wrapper_segments(key: str, segments: tuple[str, ...] = WRAPPER_SEGMENTS) -> tuple[str, tuple[str, ...]]:
+    """``key`` without wrapper ``segments``, and the segments removed (in order).
 
     The last component (the tensor's own name, e.g. a parameter called ``module``) is never
     removed. Example: ``model.layers.0._checkpoint_wrapped_module.mlp.weight`` ->
@@ -28,8 +30,28 @@ def strip_wrapper_segments(key: str) -> tuple[str, tuple[str, ...]]:
     if "module" not in key and "_orig_mod" not in key:  # no segment can be a component (10^6 keys: one C scan each)
         return key, ()
     parts = key.split(".")
-    kept = [p for p in parts[:-1] if p not in WRAPPER_SEGMENTS]
+    kept = [p for p in parts[:-1] if p not in segments]
     if len(kept) == len(parts) - 1:
         return key, ()
-    removed = tuple(p for p in parts[:-1] if p in WRAPPER_SEGMENTS)
+    removed = tuple(p for p in parts[:-1] if p in segments)
     return ".".join([*kept, parts[-1]]), removed
+
+
+def wrapper_segments_of(state_fqns: Iterable[str]) -> tuple[str, ...]:
+    """The :data:`WRAPPER_SEGMENTS` that are wrappers in a checkpoint whose optimizer state names its parameters
+    ``state_fqns``: without ``module`` where one of them holds it as a component that is not a wrapper of the whole
+    model (inside the fqn, or leading some fqns but not all). torch's ``get_optimizer_state_dict`` names a parameter
+    without DDP's ``module.`` (and ``_orig_mod.``, ...), and ``DataParallel``'s leads every fqn; so such a ``module``
+    is a submodule the model names so (``self.module = nn.Linear(...)``), which export and diff keep."""
+    leading = every = 0
+    for fqn in state_fqns:
+        every += 1
+        if "module" not in fqn:
+            continue
+        parts = fqn.split(".")[:-1]
+        if "module" in parts[1:]:
+            return tuple(s for s in WRAPPER_SEGMENTS if s != "module")
+        leading += bool(parts) and parts[0] == "module"
+    if 0 < leading < every:
+        return tuple(s for s in WRAPPER_SEGMENTS if s != "module")
+    return WRAPPER_SEGMENTS

@@ -49,6 +49,8 @@ HYPERPARAMETERS: tuple[str, ...] = ("lr", "betas", "eps", "weight_decay")
 
 #: Param-group keys of torch's Rprop and LBFGS, which have no ``weight_decay``.
 _NO_WEIGHT_DECAY_KEYS = frozenset(("etas", "step_sizes", "max_iter", "history_size", "line_search_fn"))
+#: State fields of torch's Rprop (no ``weight_decay`` in its group).
+_NO_WEIGHT_DECAY_FIELDS = frozenset(("prev", "step_size"))
 #: Param-group keys of torch's non-Adam optimizers (SGD, RMSprop, Adagrad, Adadelta, ASGD, Adafactor, Rprop,
 #: LBFGS); no Adam-family group has them.
 _OTHER_OPTIMIZER_KEYS = _NO_WEIGHT_DECAY_KEYS | frozenset(
@@ -79,7 +81,8 @@ def missing_hyperparameters(keys: Iterable[str], state_fields: Iterable[str] = (
 
     A group of another torch optimizer (SGD, RMSprop, Adagrad, ...: one of its own keys saved) has no
     ``betas``/``eps`` to lack, and Rprop's and LBFGS's no ``weight_decay``: only ``lr`` (and
-    ``weight_decay``) are asked of those. Lion (:func:`lion_group`, told by the group's ``state_fields``) has
+    ``weight_decay``) are asked of those, and of a group that lost every key beside ``state_fields`` no Adam-family
+    optimizer saves (``exp_avg`` absent: Rprop's ``prev``, Adafactor's ``row_var``, ...). Lion (:func:`lion_group`, told by the group's ``state_fields``) has
     no ``eps``, SparseAdam (:func:`sparse_adam_group`) no ``weight_decay``.
     """
     have = set(keys)
@@ -88,8 +91,13 @@ def missing_hyperparameters(keys: Iterable[str], state_fields: Iterable[str] = (
         return [h for h in missing if h != "eps"]
     if sparse_adam_group(have):
         return [h for h in missing if h != "weight_decay"]
-    if "betas" in missing and not _OTHER_OPTIMIZER_KEYS.isdisjoint(have):
-        asked = ("lr",) if not _NO_WEIGHT_DECAY_KEYS.isdisjoint(have) else ("lr", "weight_decay")
+    fields = set(state_fields)
+    # a group that names no optimizer (every hyperparameter gone) of state no Adam-family optimizer saves
+    # (Rprop's prev, Adafactor's row_var, SGD's momentum_buffer, ...): that optimizer's, not AdamW's, are asked
+    by_state = bool(fields) and "exp_avg" not in fields
+    if "betas" in missing and (by_state or not _OTHER_OPTIMIZER_KEYS.isdisjoint(have)):
+        no_decay = not _NO_WEIGHT_DECAY_KEYS.isdisjoint(have) or not _NO_WEIGHT_DECAY_FIELDS.isdisjoint(fields)
+        asked = ("lr",) if no_decay else ("lr", "weight_decay")
         missing = [h for h in missing if h in asked]
     return missing
 

@@ -53,7 +53,7 @@ from ckpttool.model.checkpoint import (
 )
 from ckpttool.model.discovery import CheckpointSelection
 from ckpttool.model.schemas.base import canonical_group_key, canonical_state_key
-from ckpttool.model.wrappers import strip_wrapper_segments
+from ckpttool.model.wrappers import strip_wrapper_segments, wrapper_segments_of
 from ckpttool.ops.diff.compare import (
     BLOCK_ELEMENTS,
     Metrics,
@@ -434,9 +434,10 @@ def _unwrapped(side: Side, items: list[Item]) -> tuple[list[Item], list[str]]:
     whole compares with the plain model's. Unchanged where two names would become one."""
     renamed: list[Item] = []
     removed: set[str] = set()
+    wrappers = wrapper_segments_of(side.ckpt.catalog.optimizer_state)  # a "module" the optimizer names is real
     for it in items:
         if it.category in ("model", "optimizer_state"):
-            name, segs = strip_wrapper_segments(it.name)
+            name, segs = strip_wrapper_segments(it.name, wrappers)
             if segs:
                 removed.update(segs)
                 it = replace(it, name=name)
@@ -529,8 +530,6 @@ def export_items(
         )
         if opts.weights == "master":
             notes.extend(_tied_master(side, selected, rules, items))
-    if opts.what != "model" and cat.optimizer_state:
-        notes.append(f"{_other(side)} has no optimizer state: {side.label}'s optimizer state is not compared")
     return items, excluded, notes, "lora" if fmt == "lora" else "export"
 
 
@@ -1192,7 +1191,8 @@ def _group_values(side: Side) -> dict[str, dict[str, Any]]:
     fqns = [cat.fqn_of(key) for key in cat.model]
     if not fqns:  # an optimizer-only save: its parameters are those of its state (an index-keyed one: by group)
         fqns = [f for f in cat.optimizer_state if not f.isdigit()]
-    names = [strip_wrapper_segments(f)[0] for f in fqns]  # as the tensors are named (_unwrapped)
+    wrappers = wrapper_segments_of(cat.optimizer_state)
+    names = [strip_wrapper_segments(f, wrappers)[0] for f in fqns]  # as the tensors are named (_unwrapped)
     if len(set(names)) != len(names):
         names = fqns
     for fqn, name in zip(fqns, names):
@@ -1530,14 +1530,22 @@ def _self_note(a: Side, b: Side) -> list[str]:
 
 
 def _model_only_note(a: Side, b: Side, opts: DiffOptions) -> list[str]:
-    """With ``what`` model of two DCP sides of which one holds optimizer state or param groups: a note counting
-    what was left out (state fields, param groups), so that "equal" is not read as "the same training state"."""
-    if opts.what != "model" or a.kind != "dcp" or b.kind != "dcp":
+    """A note counting the optimizer state fields and param groups of a DCP side that were left out, so that "equal"
+    is not read as "the same training state": with ``what`` model (either side's), and with ``what`` all where the
+    other side is a safetensors or PEFT input, which holds none to pair them with."""
+    mixed = a.kind != b.kind  # one DCP side beside a safetensors / LoRA one (two of those hold no state)
+    if opts.what == "optimizer" or (opts.what == "all" and not mixed):
         return []
     counts = []
     for side in (a, b):
         cat = side.ckpt.catalog
-        counts.append((sum(len(ps.fields) for ps in cat.optimizer_state.values()), len(cat.param_groups)))
+        dcp = side.kind == "dcp"
+        counts.append(
+            (
+                sum(len(ps.fields) for ps in cat.optimizer_state.values()) if dcp else 0,
+                len(cat.param_groups) if dcp else 0,
+            )
+        )
 
     def held(fields: int, groups: int) -> str:
         return f"{fields:,} state field{'s' * (fields != 1)} in {groups:,} param group{'s' * (groups != 1)}"
@@ -1548,7 +1556,14 @@ def _model_only_note(a: Side, b: Side, opts: DiffOptions) -> list[str]:
         told = f"A and B each hold {held(*counts[0])}"
     else:
         told = "; ".join(f"{side.label} holds {held(*n)}" for side, n in zip((a, b), counts, strict=True) if any(n))
-    return [f"{MODEL_ONLY_NOTE} ({told}): --what all compares them"]
+    if not mixed:
+        return [f"{MODEL_ONLY_NOTE} ({told}): --what all compares them"]
+    st = a if a.kind != "dcp" else b
+    kind = "PEFT adapter" if st.kind == "lora" else "safetensors input"
+    return [
+        f"{MODEL_ONLY_NOTE} ({told}): {st.label} is a {kind}, which holds none; --what all against "
+        "another DCP checkpoint compares them"
+    ]
 
 
 def _one_file(side: Side) -> str | None:

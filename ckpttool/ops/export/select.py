@@ -16,7 +16,7 @@ from ckpttool.errors import ExportError, ExportNamingError
 from ckpttool.model.adapters import AdapterConfig, HFTensor, ModelAdapter, Skip
 from ckpttool.model.catalog import Catalog, TensorEntry
 from ckpttool.model.schemas.base import CANONICAL_MODEL_PREFIX
-from ckpttool.model.wrappers import strip_wrapper_segments
+from ckpttool.model.wrappers import strip_wrapper_segments, wrapper_segments_of
 from ckpttool.ops.export.plan import (
     SKIP_OUTSIDE_SCHEMA,
     SKIP_TRAINING_STATE,
@@ -233,17 +233,18 @@ def select_model(cat: Catalog, keys: KeyMap, *, weights: str, filter_glob: str |
     master = weights == "master"
     add = selected.append
     map_one = keys.__call__  # a bound method: the fast call path, 10^6 times
+    wrappers = wrapper_segments_of(cat.optimizer_state)  # a "module" the optimizer names a parameter by is real
     # 10^6 keys: the fqns come from the catalog's shared list (KeySchema.fqn_of of every model key, in order)
     for (key, entry), param_fqn in zip(cat.model.items(), cat.param_fqns):
         fqn = param_fqn
         canonical = CANONICAL_MODEL_PREFIX + fqn  # canonical_model_key: rules match the torch-native model.<fqn>
         # "module" / "_orig_mod" cannot straddle "model." and the fqn: the test strip_wrapper_segments starts with
         if "module" in fqn or "_orig_mod" in fqn:
-            canonical, removed = strip_wrapper_segments(canonical)  # _orig_mod., module., ... anywhere
+            canonical, removed = strip_wrapper_segments(canonical, wrappers)  # _orig_mod., module., ... anywhere
             if removed:
                 unwrapped.append(key)
                 segments.update(removed)
-                fqn = strip_wrapper_segments(fqn)[0]
+                fqn = strip_wrapper_segments(fqn, wrappers)[0]
         mapped = map_one(key, fqn, canonical, entry)
         if mapped is None:
             continue

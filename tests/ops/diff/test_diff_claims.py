@@ -159,3 +159,37 @@ def test_equal_models_of_two_training_states_do_not_read_as_the_same_state(tmp_p
     copy = tmp_path / "bare-copy"  # neither side holds optimizer state: nothing was left out, no note
     dcp.save({"model": get_state_dict(model, opt)[0]}, checkpoint_id=str(copy), no_dist=True)
     assert json.loads(invoke("diff", bare, copy, "--json").stdout)["notes"] == []
+
+
+def test_a_training_state_against_its_safetensors_export_says_the_state_was_not_compared(tmp_path: Path) -> None:
+    """A DCP save with AdamW state (and a step-0 save with param groups only) against the model's safetensors: a
+    plain "equal", with ``--what model`` saying nothing of the state and ``--what all`` nothing of the param groups.
+    The note counts what was left out, names the side that holds none, and the verdict says so as for two DCP sides."""
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 3)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    msd, osd = get_state_dict(model, opt)  # step 0: torch makes up the state (6 fields)
+    dcp.save({"model": msd, "optim": osd}, checkpoint_id=str(tmp_path / "state"), no_dist=True)
+    plain = {"state": {}, "param_groups": osd["param_groups"]}
+    dcp.save({"model": msd, "optim": plain}, checkpoint_id=str(tmp_path / "groups"), no_dist=True)
+    save_file({k: v.contiguous() for k, v in model.state_dict().items()}, str(tmp_path / "m.safetensors"))
+    for dcp_side, what, held in (
+        ("state", "model", "6 state fields"),
+        ("state", "all", "6 state fields"),
+        ("groups", "all", "0 state fields"),
+    ):
+        for a, b in ((dcp_side, "m.safetensors"), ("m.safetensors", dcp_side)):
+            res = invoke("diff", tmp_path / a, tmp_path / b, "--what", what, "--json")
+            assert res.exit_code == 0, res.output
+            doc = json.loads(res.stdout)
+            label, st = ("A", "B") if a == dcp_side else ("B", "A")
+            note = (
+                f"optimizer state and param groups not compared ({label} holds {held} in 1 param group): {st} is a "
+                "safetensors input, which holds none; --what all against another DCP checkpoint compares them"
+            )
+            assert doc["equal"] is True and note in doc["notes"], doc["notes"]
+            jsonschema.validate(doc, load_schema("diff"))
+        text = invoke("diff", tmp_path / dcp_side, tmp_path / "m.safetensors", "--what", what).stdout
+        assert text.splitlines()[-1].startswith("equal as models; optimizer state not compared (note above) ("), text

@@ -207,3 +207,46 @@ def test_O003_names_the_wrapped_key_of_a_compiled_blocks_state(tmp_path: Path) -
         + wrapped.format("weight"),
         "optimizer.state.2.bias.*: '2.bias' is not a model tensor (fields exp_avg, exp_avg_sq, step)",
     ], msgs
+
+
+def test_a_submodule_named_module_is_kept_by_export_and_diff(tmp_path: Path) -> None:
+    """A model whose submodule is named ``module`` (``self.module = nn.Linear(...)``), saved plain and under DDP's
+    ``module.`` with ``get_optimizer_state_dict`` (which names it ``module.weight``): export wrote ``weight``/``bias``,
+    names the model does not load, and diff stripped the real name as a wrapper. The optimizer's names keep it, so it
+    is a real name: export writes the model's own keys (loaded strictly, equal to torch's), diff notes no removal."""
+    import torch
+    from safetensors.torch import load_file
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+    from typer.testing import CliRunner
+
+    from ckpttool.cli.app import app
+    from tests.fixtures.builders import save_quiet, train_steps
+
+    class Inner(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.module, self.head = torch.nn.Linear(4, 4), torch.nn.Linear(4, 2)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.head(self.module(x))
+
+    torch.manual_seed(0)
+    model = Inner()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    train_steps(model, opt, 2, loss="square")
+    osd = get_optimizer_state_dict(model, opt)
+    assert "module.weight" in osd["state"]
+    save_quiet({"model": model.state_dict(), "optimizer": osd}, tmp_path / "plain")
+    ddp_keys = {f"module.{k}": v for k, v in model.state_dict().items()}  # DistributedDataParallel(model).state_dict()
+    save_quiet({"model": ddp_keys, "optimizer": osd}, tmp_path / "ddp")
+    runner = CliRunner()
+    for name in ("plain", "ddp"):
+        res = runner.invoke(app, ["export", str(tmp_path / name), str(tmp_path / f"hf-{name}")])
+        assert res.exit_code == 0, res.output
+        out = load_file(str(tmp_path / f"hf-{name}" / "model.safetensors"))
+        fresh = Inner()
+        fresh.load_state_dict(out, strict=True)
+        assert all(torch.equal(out[k], v) for k, v in model.state_dict().items())
+    res = runner.invoke(app, ["diff", str(tmp_path / "ddp"), str(tmp_path / "plain"), "--what", "all", "--json"])
+    doc = json.loads(res.stdout)
+    assert res.exit_code == 0 and doc["equal"] and not any("wrapper" in n for n in doc["notes"]), doc["notes"]

@@ -641,6 +641,33 @@ def test_P001_other_torch_optimizers_need_no_betas(tmp_path: Path, name: str) ->
     assert rc == 1 and len(p001) == 1 and p001[0].startswith("param group 0: missing lr (has "), p001
 
 
+@pytest.mark.parametrize(("name", "asked"), [("Adafactor", "lr, weight_decay"), ("Rprop", "lr"), ("AdamW", None)])
+def test_P001_a_group_that_lost_every_key_asks_its_optimizers_hyperparameters(
+    tmp_path: Path, name: str, asked: str | None
+) -> None:
+    """A param group saved with only its params (every hyperparameter dropped) beside torch's Rprop or Adafactor
+    state: P001 said 'missing lr, betas, eps, weight_decay', AdamW's, which Rprop's group never has; the state tells
+    the optimizer (as inspect's saved_by does), so it now asks that one's (AdamW's state: still all four)."""
+    import warnings
+
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 2)
+    opt = getattr(torch.optim, name)(model.parameters(), lr=0.01)
+    model(torch.randn(3, 4)).sum().backward()
+    opt.step()
+    msd, osd = get_state_dict(model, opt)
+    osd["param_groups"] = [{"params": g["params"]} for g in osd["param_groups"]]
+    with warnings.catch_warnings():  # torch: no process group, saving in one process
+        warnings.simplefilter("ignore")
+        dcp.save({"model": msd, "optimizer": osd}, checkpoint_id=str(tmp_path / "ck"))
+    rc, doc, _ = run(tmp_path / "ck")
+    p001 = [f["message"] for f in doc["findings"] if f["code"] == "P001"]
+    assert rc == 1 and p001 == [f"param group 0: missing {asked or 'lr, betas, eps, weight_decay'} (has params)"]
+
+
 def test_R002_plain_sgd_keeps_no_state(tmp_path: Path) -> None:
     """torch's SGD with momentum 0 steps without any per-parameter state: its empty optimizer.state beside
     train_state.step 3 and a scheduler's last_epoch 3 is not lost state (R002 failed a correct checkpoint).
@@ -1041,7 +1068,9 @@ def test_R002_state_torch_made_up_for_a_rebuilt_optimizer_beside_steps_taken(tmp
     lost = (
         "the optimizer state of all 2 parameter(s) is what torch makes up for an optimizer that never stepped (step 1, "
         "all-zero moments: D005) but train_state.step = 4: the moments of 4 step(s) were not saved (an optimizer "
-        "rebuilt before the save)"
+        "rebuilt before the save): resume from an earlier save whose optimizer state was saved; where it was reset on "
+        "purpose (these weights fine-tuned with a new optimizer), a resume restarts the moments from zero, as that "
+        "reset did"
     )
     assert [f["message"] for f in doc["findings"] if f["code"] == "R002"] == [lost]
     for name in ("s0", "amp"):
