@@ -1,0 +1,154 @@
+"""A model whose blocks were compiled in place (torchtitan-style ``model.layers[i] = torch.compile(block)``) saved with
+``model.state_dict()`` (keys ``layers.0._orig_mod.attn.q.weight``) beside ``get_optimizer_state_dict`` (state keyed by
+the clean fqn ``layers.0.attn.q.weight``: torch's ``_get_fqns`` drops the wrapper segments). torch resumes it; so every
+command pairs the state with its wrapped model key (``Catalog.wrapped``)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+
+def _model() -> Any:
+    import torch
+    from torch import nn
+
+    class Attn(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.q, self.k = nn.Linear(8, 8), nn.Linear(8, 8)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.q(x) + self.k(x)
+
+    class Block(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.attn, self.mlp, self.norm = Attn(), nn.Linear(8, 8), nn.LayerNorm(8)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.norm(self.mlp(self.attn(x)))
+
+    class Model(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.emb, self.layers, self.out = nn.Linear(8, 8), nn.ModuleList([Block(), Block()]), nn.Linear(8, 8)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            x = self.emb(x)
+            for layer in self.layers:
+                x = layer(x)
+            return self.out(x)
+
+    return Model()
+
+
+@pytest.fixture(scope="module")
+def compiled_blocks(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """2 AdamW steps, then each block compiled in place; saved with ``dcp.save({"model", "optimizer"})``."""
+    import torch
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+    from tests.fixtures.builders import save_quiet, train_steps
+
+    out = tmp_path_factory.mktemp("wrapped") / "ckpt"
+    torch.manual_seed(0)
+    model = _model()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+    train_steps(model, opt, 2, loss="square")
+    for i in range(2):
+        model.layers[i] = torch.compile(model.layers[i])
+    msd, osd = model.state_dict(), get_optimizer_state_dict(model, opt)
+    assert "layers.0._orig_mod.attn.q.weight" in msd and "layers.0.attn.q.weight" in osd["state"]
+    save_quiet({"model": msd, "optimizer": osd}, out)
+    return out
+
+
+def _resumed(ckpt: Path) -> tuple[Any, Any]:
+    """The checkpoint loaded the way torch resumes it: into the same wrapped model, the optimizer through
+    ``set_optimizer_state_dict``."""
+    import torch
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
+
+    torch.manual_seed(1)
+    model = _model()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+    for p in model.parameters():
+        p.grad = torch.zeros_like(p)
+    opt.step()  # state to load into
+    for i in range(2):
+        model.layers[i] = torch.compile(model.layers[i])
+    sd = {"model": model.state_dict(), "optimizer": get_optimizer_state_dict(model, opt)}
+    dcp.load(sd, checkpoint_id=str(ckpt))
+    model.load_state_dict(sd["model"])
+    set_optimizer_state_dict(model, opt, sd["optimizer"])
+    return model, opt
+
+
+def _cli(*args: str) -> tuple[int, dict[str, Any]]:
+    from typer.testing import CliRunner
+
+    from ckpttool.cli.app import app
+
+    res = CliRunner().invoke(app, [*args, "--json"])
+    return res.exit_code, json.loads(res.stdout)
+
+
+def test_pair_wrapped_drops_only_wrapper_segments() -> None:
+    from ckpttool.model.wrappers import pair_wrapped
+
+    stored = ["layers.0._orig_mod.attn.w", "module.enc.module.w", "blk.module.x.w", "a.w", "dup._orig_mod.w"]
+    orphans = ["layers.0.attn.w", "enc.module.w", "blk.x.w", "dup.w", "nothing.w"]
+    assert pair_wrapped([*stored, "dup.module.w"], orphans) == {
+        "layers.0.attn.w": "layers.0._orig_mod.attn.w",
+        "enc.module.w": "module.enc.module.w",  # the real submodule named module is kept
+        "blk.x.w": "blk.module.x.w",  # the optimizer's names prove this module is a wrapper
+    }  # dup.w: two model tensors of that name, not paired
+    assert pair_wrapped(["enc.module.w"], ["enc.other.w"]) == {}
+
+
+def test_validate_is_clean_on_a_resumable_compiled_blocks_checkpoint(compiled_blocks: Path) -> None:
+    model, opt = _resumed(compiled_blocks)  # torch resumes it: every parameter has its state
+    assert len(opt.state) == 20 and all("exp_avg" in opt.state[p] for p in model.parameters())
+    rc, doc = _cli("validate", str(compiled_blocks))
+    assert rc == 0 and doc["findings"] == [], doc["findings"]
+
+
+def test_replay_step_replays_every_wrapped_parameter_as_torch_adamw(compiled_blocks: Path, tmp_path: Path) -> None:
+    import torch
+    from safetensors.torch import save_file
+
+    model, opt = _resumed(compiled_blocks)
+    names = {p: n for n, p in model.named_parameters()}
+    torch.manual_seed(2)
+    grads = {}
+    for p in model.parameters():
+        p.grad = torch.randn_like(p)
+        grads[names[p].replace("._orig_mod", "")] = p.grad.clone()
+    save_file(grads, str(tmp_path / "grads.safetensors"))
+    rc, doc = _cli("replay-step", str(compiled_blocks), "--grads", str(tmp_path / "grads.safetensors"))
+    assert rc == 0 and doc["ok"] is True, doc
+    assert doc["params_total"] == 20 and doc["params_failed"] == 0 and doc["params_skipped"] == [], doc
+    rc, doc = _cli(
+        "replay-step", str(compiled_blocks), "--grads", str(tmp_path / "grads.safetensors"), "--reference", "torch"
+    )
+    assert rc == 0 and doc["ok"] is True and doc["params_total"] == 20, doc
+
+
+def test_stats_update_size_of_the_wrapped_parameters(compiled_blocks: Path) -> None:
+    import torch
+
+    model, opt = _resumed(compiled_blocks)
+    rc, doc = _cli("stats", str(compiled_blocks))
+    updates = {u["fqn"]: u for u in doc["checkpoints"][0]["updates"]}
+    assert rc == 0 and len(updates) == 20, sorted(updates)
+    for name, p in model.named_parameters():
+        u = updates[name.replace("._orig_mod", "")]
+        assert u["relative"] is not None, u
+        assert u["relative"] == pytest.approx(
+            u["rms"] * p.numel() ** 0.5 / float(torch.linalg.vector_norm(p)), rel=1e-4
+        )
