@@ -152,3 +152,23 @@ def test_stats_update_size_of_the_wrapped_parameters(compiled_blocks: Path) -> N
         assert u["relative"] == pytest.approx(
             u["rms"] * p.numel() ** 0.5 / float(torch.linalg.vector_norm(p)), rel=1e-4
         )
+
+
+def test_replay_step_reads_gradients_keyed_by_the_compiled_models_own_names(
+    compiled_blocks: Path, tmp_path: Path
+) -> None:
+    """``{n: p.grad for n, p in model.named_parameters()}`` of the compiled model keys the gradients
+    ``layers.0._orig_mod.attn.q.weight``; each is the gradient of the parameter the optimizer names
+    ``layers.0.attn.q.weight``, as torch.optim.AdamW steps it."""
+    import torch
+    from safetensors.torch import save_file
+
+    model, _ = _resumed(compiled_blocks)
+    torch.manual_seed(3)
+    grads = {n: torch.randn_like(p) for n, p in model.named_parameters()}
+    assert "layers.1._orig_mod.norm.weight" in grads
+    save_file(grads, str(tmp_path / "grads.safetensors"))
+    rc, doc = _cli(
+        "replay-step", str(compiled_blocks), "--grads", str(tmp_path / "grads.safetensors"), "--reference", "torch"
+    )
+    assert rc == 0 and doc["ok"] is True and doc["params_total"] == 20 and doc["params_failed"] == 0, doc
