@@ -172,3 +172,35 @@ def test_replay_step_reads_gradients_keyed_by_the_compiled_models_own_names(
         "replay-step", str(compiled_blocks), "--grads", str(tmp_path / "grads.safetensors"), "--reference", "torch"
     )
     assert rc == 0 and doc["ok"] is True and doc["params_total"] == 20 and doc["params_failed"] == 0, doc
+
+
+def test_export_weights_master_takes_the_master_weight_of_the_wrapped_parameters(tmp_path: Path) -> None:
+    """An FP32 ``master_weight`` in the state of each parameter (keyed by the optimizer's clean fqn) is exported for
+    the compiled blocks' parameters too: it took their stored weights ("16 from stored parameters (no master)")."""
+    import torch
+    from safetensors.torch import load_file
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+    from tests.fixtures.builders import save_quiet
+
+    torch.manual_seed(0)
+    model = _model()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    for p in model.parameters():
+        p.grad = torch.randn_like(p)
+    opt.step()
+    for i in range(2):
+        model.layers[i] = torch.compile(model.layers[i])
+    msd, osd = model.state_dict(), get_optimizer_state_dict(model, opt)
+    for name, p in model.named_parameters():
+        osd["state"][name.replace("._orig_mod", "")]["master_weight"] = p.detach().float() + 1
+    save_quiet({"model": msd, "optimizer": osd}, tmp_path / "ckpt")
+    rc, doc = _cli("export", str(tmp_path / "ckpt"), str(tmp_path / "out"), "--weights", "master")
+    assert rc == 0, doc
+    dcp_to_torch_save(str(tmp_path / "ckpt"), str(tmp_path / "ref.pt"))
+    state = torch.load(tmp_path / "ref.pt", weights_only=True)["optimizer"]["state"]
+    out = load_file(str(tmp_path / "out" / "model.safetensors"))
+    assert sorted(out) == sorted(state) and len(out) == 20
+    for fqn, t in out.items():
+        assert torch.equal(t, state[fqn]["master_weight"]), fqn
