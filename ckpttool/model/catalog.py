@@ -860,7 +860,7 @@ def build_catalog(
         flavors = {"nested"} if groups else set()
     if sch.spec is not None and sch.spec.index_state_by_param_order and sch.optimizer_keying == "index":
         sch, rest.optimizer_state = _index_mapped(sch, model, rest.optimizer_state, len(groups))
-    wrapped = _wrapped(sch, model, rest.optimizer_state, planner)
+    sch, wrapped = _wrapped(sch, model, rest.optimizer_state, planner)
     return Catalog(
         path=cd.path,
         dcp_version=md.version,
@@ -891,20 +891,28 @@ def _wrapped(
     model: dict[str, TensorEntry],
     state: dict[str, ParamState],
     paths: dict[str, tuple[Any, ...]] | None,
-) -> dict[str, str]:
+) -> tuple[KeySchema, dict[str, str]]:
     """Optimizer fqns that name no model tensor paired with the model fqn that holds the same name plus wrapper
     segments (:func:`~ckpttool.model.wrappers.pair_wrapped`: a block compiled or wrapped in place, saved with
-    ``model.state_dict()`` beside ``get_optimizer_state_dict``); each paired state is marked ``in_model``."""
+    ``model.state_dict()`` beside ``get_optimizer_state_dict``); each paired state is marked ``in_model``, and the
+    schema's reasons (inspect's key schema) say how many were paired."""
     if sch.optimizer_keying == "index":
-        return {}
+        return sch, {}
     orphans = [f for f, ps in state.items() if not ps.in_model and not ps.stored_as]
     if not orphans:
-        return {}
+        return sch, {}
     fqns = (f for f in _fqns_of(model, sch.model_prefix or "", paths) if f not in state)
     pairs = pair_wrapped(fqns, orphans)
+    if not pairs:
+        return sch, {}
     for fqn in pairs:
         state[fqn].in_model = True
-    return pairs
+    fqn, stored = next(iter(pairs.items()))
+    why = (
+        f"{len(pairs)} optimizer fqn(s) paired with the model key that adds wrapper segments to it "
+        f"({fqn} -> {sch.model_key(stored)}: a block compiled or wrapped in place)"
+    )
+    return replace(sch, reasons=(*sch.reasons, why)), pairs
 
 
 def _folder(where: str | os.PathLike[str]) -> PurePath:

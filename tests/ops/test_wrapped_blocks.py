@@ -204,3 +204,14 @@ def test_export_weights_master_takes_the_master_weight_of_the_wrapped_parameters
     assert sorted(out) == sorted(state) and len(out) == 20
     for fqn, t in out.items():
         assert torch.equal(t, state[fqn]["master_weight"]), fqn
+
+
+def test_inspect_says_the_state_is_paired_with_wrapped_keys(compiled_blocks: Path) -> None:
+    rc, doc = _cli("inspect", str(compiled_blocks))
+    assert rc == 0 and doc["key_schema"]["reasons"][-1] == (
+        "16 optimizer fqn(s) paired with the model key that adds wrapper segments to it (layers.0.attn.q.weight -> "
+        "model.layers.0._orig_mod.attn.q.weight: a block compiled or wrapped in place)"
+    ), doc["key_schema"]
+    opt = doc["optimizer"]
+    assert opt["orphan_state"] == [] and opt["params_without_state"] == [] and opt["params_with_state"] == 20, opt
+    assert "model.layers.1._orig_mod.norm.bias" in {t["key"] for t in doc["model"]}  # the stored keys, as saved
