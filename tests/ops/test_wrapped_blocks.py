@@ -215,3 +215,11 @@ def test_inspect_says_the_state_is_paired_with_wrapped_keys(compiled_blocks: Pat
     opt = doc["optimizer"]
     assert opt["orphan_state"] == [] and opt["params_without_state"] == [] and opt["params_with_state"] == 20, opt
     assert "model.layers.1._orig_mod.norm.bias" in {t["key"] for t in doc["model"]}  # the stored keys, as saved
+
+
+def test_replay_step_filter_matches_the_stored_wrapped_key(compiled_blocks: Path) -> None:
+    """``--filter`` matches checkpoint keys: ``model.layers.0._orig_mod.*`` is the first block's parameters (E100
+    "matches none of the 20 parameter(s)" before), as its clean name ``model.layers.0.*`` is."""
+    for glob in ("model.layers.0._orig_mod.*", "layers.0.*"):
+        rc, doc = _cli("replay-step", str(compiled_blocks), "--filter", glob, "--reference", "torch")
+        assert rc == 0 and doc["ok"] is True and doc["params_total"] == 8, (glob, doc)
