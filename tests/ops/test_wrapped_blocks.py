@@ -146,6 +146,8 @@ def test_stats_update_size_of_the_wrapped_parameters(compiled_blocks: Path) -> N
     rc, doc = _cli("stats", str(compiled_blocks))
     updates = {u["fqn"]: u for u in doc["checkpoints"][0]["updates"]}
     assert rc == 0 and len(updates) == 20, sorted(updates)
+    tensor = next(t for t in doc["checkpoints"][0]["tensors"] if t["key"] == "model.layers.1._orig_mod.mlp.weight")
+    assert tensor["fqn"] == "layers.1.mlp.weight" and tensor["module"] == "layers.*.mlp.weight", tensor
     for name, p in model.named_parameters():
         u = updates[name.replace("._orig_mod", "")]
         assert u["relative"] is not None, u
