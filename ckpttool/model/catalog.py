@@ -41,6 +41,7 @@ from ckpttool.model.schemas import registry
 from ckpttool.model.schemas.base import CANONICAL_MODEL_PREFIX, CommonState
 from ckpttool.model.schemas.detect import detect_schema, fused_parts, planner_paths
 from ckpttool.model.schemas.keyschema import KeySchema, SchemaOverride
+from ckpttool.model.wrappers import pair_wrapped
 from ckpttool.optim_state.known import saved_by
 from ckpttool.optim_state.schema import infer_optimizer_type, missing_hyperparameters
 
@@ -232,9 +233,11 @@ class Catalog:
     training_state: dict[str, list[str]] = field(default_factory=dict)
     frozen: frozenset[str] = frozenset()  # fqns its format knows were never stepped (per-rank: Assembled.frozen)
     group_tensors: dict[str, TensorEntry] = field(default_factory=dict)
+    wrapped: dict[str, str] = field(default_factory=dict)  # optimizer fqn -> its model fqn with wrapper segments
+    _unwrapped: dict[str, str] = field(default_factory=dict, repr=False, compare=False)  # the reverse of wrapped
     _group_index: dict[str, ParamGroup] | None = field(default=None, repr=False, compare=False)
     _group_index_size: int = field(default=-1, repr=False, compare=False)
-    _fqns: tuple[tuple[int, int, str | None], list[str]] | None = field(default=None, repr=False, compare=False)
+    _fqns: tuple[tuple[int, int, str | None, int], list[str]] | None = field(default=None, repr=False, compare=False)
     _paths: dict[str, tuple[Any, ...]] | None = field(default=None, repr=False, compare=False)  # planner_paths
     _common: dict[tuple[str, PurePath], tuple[CommonState | None, CkptError | None]] = field(
         default_factory=dict, repr=False, compare=False
@@ -259,24 +262,27 @@ class Catalog:
         Built once and again only when ``model`` or the schema changed; the fqn strings of the
         planner paths when every model key has one (10^6 keys: no new strings).
         """
-        sig = (id(self.model), len(self.model), self.schema.model_prefix)
+        sig = (id(self.model), len(self.model), self.schema.model_prefix, len(self.wrapped))
         if self._fqns is not None and self._fqns[0] == sig:
             return self._fqns[1]
         fqns = _fqns_of(self.model, self.schema.model_prefix or "", self._paths)
+        if self.wrapped:  # the optimizer's names of a wrapped block's parameters (:attr:`wrapped`)
+            fqns = [self._unwrapped.get(f, f) for f in fqns]
         self._fqns = (sig, fqns)
         return fqns
 
     def fqn_of(self, key: str) -> str:
-        """The parameter fqn of model key ``key``."""
-        return self.schema.fqn_of(key)
+        """The parameter fqn of model key ``key`` (the optimizer's name of a wrapped parameter: :attr:`wrapped`)."""
+        fqn = self.schema.fqn_of(key)
+        return self._unwrapped.get(fqn, fqn) if self._unwrapped else fqn
 
     def model_key(self, fqn: str) -> str:
-        """The checkpoint key of parameter ``fqn``."""
-        return self.schema.model_key(fqn)
+        """The checkpoint key of parameter ``fqn`` (with the wrapper segments of a wrapped one: :attr:`wrapped`)."""
+        return self.schema.model_key(self.wrapped.get(fqn, fqn) if self.wrapped else fqn)
 
     def model_entry(self, fqn: str) -> TensorEntry | None:
         """The model tensor of parameter ``fqn``, or ``None``."""
-        return self.model.get(self.schema.model_key(fqn))
+        return self.model.get(self.model_key(fqn))
 
     def state_key(self, fqn: str, field_name: str) -> str:
         """The checkpoint key of state field ``field_name`` of parameter ``fqn``."""
@@ -856,6 +862,7 @@ def build_catalog(
         flavors = {"nested"} if groups else set()
     if sch.spec is not None and sch.spec.index_state_by_param_order and sch.optimizer_keying == "index":
         sch, rest.optimizer_state = _index_mapped(sch, model, rest.optimizer_state, len(groups))
+    sch, wrapped = _wrapped(sch, model, rest.optimizer_state, planner)
     return Catalog(
         path=cd.path,
         dcp_version=md.version,
@@ -873,10 +880,41 @@ def build_catalog(
         schema=sch,
         training_state=rest.training,
         group_tensors=rest.group_tensors,
+        wrapped=wrapped,
+        _unwrapped={v: k for k, v in wrapped.items()},
         _paths=planner,
         _common=common,
         _remote=remote,
     )
+
+
+def _wrapped(
+    sch: KeySchema,
+    model: dict[str, TensorEntry],
+    state: dict[str, ParamState],
+    paths: dict[str, tuple[Any, ...]] | None,
+) -> tuple[KeySchema, dict[str, str]]:
+    """Optimizer fqns that name no model tensor paired with the model fqn that holds the same name plus wrapper
+    segments (:func:`~ckpttool.model.wrappers.pair_wrapped`: a block compiled or wrapped in place, saved with
+    ``model.state_dict()`` beside ``get_optimizer_state_dict``); each paired state is marked ``in_model``, and the
+    schema's reasons (inspect's key schema) say how many were paired."""
+    if sch.optimizer_keying == "index":
+        return sch, {}
+    orphans = [f for f, ps in state.items() if not ps.in_model and not ps.stored_as]
+    if not orphans:
+        return sch, {}
+    fqns = (f for f in _fqns_of(model, sch.model_prefix or "", paths) if f not in state)
+    pairs = pair_wrapped(fqns, orphans)
+    if not pairs:
+        return sch, {}
+    for fqn in pairs:
+        state[fqn].in_model = True
+    fqn, stored = next(iter(pairs.items()))
+    why = (
+        f"{len(pairs)} optimizer fqn(s) paired with the model key that adds wrapper segments to it "
+        f"({fqn} -> {sch.model_key(stored)}: a block compiled or wrapped in place)"
+    )
+    return replace(sch, reasons=(*sch.reasons, why)), pairs
 
 
 def _folder(where: str | os.PathLike[str]) -> PurePath:

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-__all__ = ["WRAPPER_SEGMENTS", "strip_wrapper_segments", "wrapper_segments_of"]
+__all__ = ["WRAPPER_SEGMENTS", "pair_wrapped", "strip_wrapper_segments", "wrapper_segments_of"]
 
 #: Key segments inserted by wrappers (whole dotted components).
 WRAPPER_SEGMENTS = ("_orig_mod", "_checkpoint_wrapped_module", "_fsdp_wrapped_module", "module")
@@ -55,3 +55,48 @@ def wrapper_segments_of(state_fqns: Iterable[str]) -> tuple[str, ...]:
     if 0 < leading < every:
         return tuple(s for s in WRAPPER_SEGMENTS if s != "module")
     return WRAPPER_SEGMENTS
+
+
+def _only_wrappers_between(stored: str, fqn: str) -> bool:
+    """``fqn`` is ``stored`` with some of its wrapper segments left out (the last component kept): a real
+    component named ``module`` that ``fqn`` keeps is matched, not dropped."""
+    have, want = stored.split("."), fqn.split(".")
+    if have[-1] != want[-1]:
+        return False
+    i = 0
+    for part in have[:-1]:
+        if i < len(want) - 1 and part == want[i]:
+            i += 1
+        elif part not in WRAPPER_SEGMENTS:
+            return False
+    return i == len(want) - 1
+
+
+def pair_wrapped(model_fqns: Iterable[str], orphans: Iterable[str]) -> dict[str, str]:
+    """The model fqn each of ``orphans`` (optimizer fqns that name no model tensor) is stored as, where the
+    model's name holds wrapper segments the optimizer's leaves out.
+
+    torch's ``get_optimizer_state_dict`` names parameters by their clean fqn (``_get_fqns`` in
+    ``torch/distributed/checkpoint/state_dict.py`` drops ``_orig_mod``, ``_checkpoint_wrapped_module``,
+    ``_fsdp_wrapped_module`` and ``module``), while a model whose blocks were compiled or wrapped in place
+    saves ``model.state_dict()`` as ``layers.0._orig_mod.attn.q.weight``. An orphan is paired with the one
+    model fqn that equals it once only wrapper segments are left out of the model's name; none or several:
+    not paired. A segment the optimizer's fqn keeps is a real submodule, never dropped. O(n).
+    """
+    wanted: dict[str, str | None] = {}
+    for f in orphans:
+        clean = strip_wrapper_segments(f)[0]
+        wanted[clean] = None if clean in wanted else f  # two orphans of one clean name: ambiguous
+    if not wanted:
+        return {}
+    found: dict[str, str | None] = {}
+    for stored in model_fqns:
+        clean, removed = strip_wrapper_segments(stored)
+        if removed and clean in wanted:
+            found[clean] = None if clean in found else stored  # two model tensors of one name: ambiguous
+    pairs: dict[str, str] = {}
+    for clean, model_fqn in found.items():
+        fqn = wanted[clean]
+        if model_fqn is not None and fqn is not None and _only_wrappers_between(model_fqn, fqn):
+            pairs[fqn] = model_fqn
+    return pairs

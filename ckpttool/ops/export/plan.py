@@ -290,7 +290,7 @@ def check_trainable_dtypes(root: str, cat: Catalog, selected: list[Selected]) ->
     states: dict[str, Mapping[str, TensorEntry | None]] = {}
     for fqn, ps in cat.optimizer_state.items():
         if ps.in_model and ps.fields:
-            for key in ps.stored_as or (cat.schema.model_key(fqn),):
+            for key in ps.stored_as or (cat.model_key(fqn),):
                 states[key] = ps.fields
     for s in selected:
         src = s.source

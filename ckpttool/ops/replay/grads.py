@@ -13,6 +13,7 @@ from __future__ import annotations
 import math
 import os
 import zlib
+from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, cast
 
@@ -87,15 +88,19 @@ class GradFile:
 
     Args:
         path: the ``.safetensors`` file.
+        wrapped: the catalog's :attr:`~ckpttool.model.catalog.Catalog.wrapped` (optimizer fqn -> model fqn with
+            wrapper segments): a parameter's gradient may be keyed by either name (``named_parameters()`` of a
+            model whose blocks were compiled in place gives ``layers.0._orig_mod.attn.q.weight``).
 
     Raises:
         UsageError (E120): missing or unreadable file.
     """
 
-    def __init__(self, path: str | os.PathLike[str]) -> None:
+    def __init__(self, path: str | os.PathLike[str], wrapped: Mapping[str, str] | None = None) -> None:
         from safetensors import SafetensorError, safe_open
 
         self.path = Path(path)
+        self._wrapped = wrapped or {}
         if not self.path.is_file():
             raise self._error(
                 f": {'not a regular file' if os.path.lexists(self.path) else 'no such file'}",
@@ -117,6 +122,11 @@ class GradFile:
         for k in (fqn, canonical_model_key(fqn)):
             if k in self._keys:
                 return k
+        stored = self._wrapped.get(fqn)
+        if stored is not None:
+            for k in (stored, canonical_model_key(stored)):
+                if k in self._keys:
+                    return k
         return None
 
     def has(self, fqn: str) -> bool:

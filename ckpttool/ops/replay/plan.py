@@ -704,6 +704,15 @@ def _stackable_parts(cat: Catalog, fqn: str) -> tuple[str, ...]:
     return tuple(ps.stored_as)
 
 
+def _glob_matches(cat: Catalog, fqn: str, filter_glob: str) -> bool:
+    """``filter_glob`` matches the canonical key of ``fqn``, or of the name the model stores it under where that
+    adds wrapper segments (``model.layers.0._orig_mod.attn.q.weight``: ``Catalog.wrapped``)."""
+    if match_filter(canonical_model_key(fqn), filter_glob):
+        return True
+    stored = cat.wrapped.get(fqn)
+    return stored is not None and match_filter(canonical_model_key(stored), filter_glob)
+
+
 def _select(
     cat: Catalog,
     members: _Membership,
@@ -717,7 +726,7 @@ def _select(
         f
         for f in params_in_model
         if (rx is None or rx.search(f))
-        and (filter_glob is None or match_filter(canonical_model_key(f), filter_glob))  # the canonical key
+        and (filter_glob is None or _glob_matches(cat, f, filter_glob))  # the canonical key
     ]
     if not params_in_model:
         if members.grouped and all(f.isdigit() for f in members.grouped):  # params [0, 1, ...]
@@ -1010,9 +1019,7 @@ def plan_replay(
     notes: list[str] = []
 
     def wanted(f: str) -> bool:  # the selection: select's regex and filter_glob over the canonical key
-        return (rx is None or rx.search(f) is not None) and (
-            filter_glob is None or match_filter(canonical_model_key(f), filter_glob)
-        )
+        return (rx is None or rx.search(f) is not None) and (filter_glob is None or _glob_matches(cat, f, filter_glob))
 
     members = _membership(cat, notes, head_dim, wanted)
     lost = lost_state(cat)  # the one check behind validate's O009

@@ -522,7 +522,7 @@ def _prepare(ckpt: Checkpoint, opts: ReplayOptions) -> _Prepared:
                 "torch.optim.AdamW does not keep) are compared with the formula reference only, e.g. "
                 f"{masters[0].fqn}"
             )
-    grad_file = GradFile(opts.grads) if opts.grads is not None else None
+    grad_file = GradFile(opts.grads, cat.wrapped) if opts.grads is not None else None
     if grad_file is not None:
         for p in plan.params:
             if not grad_file.has(p.fqn):

@@ -171,12 +171,12 @@ def test_diff_compares_a_data_parallel_models_save_with_the_plain_one(tmp_path: 
     assert res.exit_code == 1 and [d["name"] for d in doc["differences"]] == ["model.2.bias"], doc["differences"]
 
 
-def test_O003_names_the_wrapped_key_of_a_compiled_blocks_state(tmp_path: Path) -> None:
+def test_O003_pairs_a_compiled_blocks_state_and_names_an_ambiguous_wrapped_key(tmp_path: Path) -> None:
     """A model whose block is compiled in place (`model[0] = torch.compile(model[0])`, as per-block compile does)
     saved with `model.state_dict()` keys the block `0._orig_mod.weight`, while `get_optimizer_state_dict` names it
-    `0.weight`. O003 said only "'0.weight' is not a model tensor" with a hint of renamed or removed parameters; it now
-    names the stored key and the wrapper, and how to save it. State of a parameter the model lacks keeps the plain
-    message."""
+    `0.weight`. O003 called that state orphaned; it is paired with its wrapped key now (torch resumes it). Where two
+    model keys share the name without their wrappers, nothing is paired: O003 names the stored key and how to save
+    it. State of a parameter the model lacks keeps the plain message."""
     import torch
     from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
     from typer.testing import CliRunner
@@ -192,19 +192,16 @@ def test_O003_names_the_wrapped_key_of_a_compiled_blocks_state(tmp_path: Path) -
     msd, osd = model.state_dict(), get_optimizer_state_dict(model, opt)
     assert "0._orig_mod.weight" in msd and "0.weight" in osd["state"], (list(msd), list(osd["state"]))
     del msd["2.bias"]  # a parameter the model lacks: state of another model
+    msd["0._checkpoint_wrapped_module.bias"] = msd["0._orig_mod.bias"].clone()  # 0.bias: which of the two?
     save_quiet({"model": msd, "optimizer": osd}, tmp_path / "ckpt")
     res = CliRunner().invoke(app, ["validate", str(tmp_path / "ckpt"), "--json"])
     msgs = sorted(f["message"] for f in json.loads(res.stdout)["findings"] if f["code"] == "O003")
-    wrapped = (
-        "; the model stores it as 'model.0._orig_mod.{}', with wrapper segments the optimizer's names leave out (a "
-        "compiled or checkpoint-wrapped block's state_dict() saved beside get_optimizer_state_dict): ckpttool pairs "
-        "them only where the wrappers lead every model key; save the model with get_model_state_dict, which removes them"
-    )
     assert res.exit_code == 1 and msgs == [
-        "optimizer.state.0.bias.*: '0.bias' is not a model tensor (fields exp_avg, exp_avg_sq, step)"
-        + wrapped.format("bias"),
-        "optimizer.state.0.weight.*: '0.weight' is not a model tensor (fields exp_avg, exp_avg_sq, step)"
-        + wrapped.format("weight"),
+        "optimizer.state.0.bias.*: '0.bias' is not a model tensor (fields exp_avg, exp_avg_sq, step); the model "
+        "stores it as 'model.0._checkpoint_wrapped_module.bias', with wrapper segments the optimizer's names leave out "
+        "(a compiled or checkpoint-wrapped block's state_dict() saved beside get_optimizer_state_dict), but another "
+        "model key or optimizer fqn has that name without them too, so ckpttool cannot pair them; save the model "
+        "with get_model_state_dict, which removes them",
         "optimizer.state.2.bias.*: '2.bias' is not a model tensor (fields exp_avg, exp_avg_sq, step)",
     ], msgs
 

@@ -187,9 +187,9 @@ def orphan_state(ctx: Context) -> Iterator[tuple[str, str]]:
                     ""
                     if stored is None
                     else f"; the model stores it as {stored!r}, with wrapper segments the optimizer's names leave out "
-                    "(a compiled or checkpoint-wrapped block's state_dict() saved beside get_optimizer_state_dict): "
-                    "ckpttool pairs them only where the wrappers lead every model key; save the model with "
-                    "get_model_state_dict, which removes them"
+                    "(a compiled or checkpoint-wrapped block's state_dict() saved beside get_optimizer_state_dict), "
+                    "but another model key or optimizer fqn has that name without them too, so ckpttool cannot pair "
+                    "them; save the model with get_model_state_dict, which removes them"
                 ),
             )
 
