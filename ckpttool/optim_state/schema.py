@@ -10,6 +10,7 @@ readers and the optimizers share it.
 
 from __future__ import annotations
 
+import math
 import re
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
@@ -22,6 +23,7 @@ __all__ = [
     "STATE_FIELDS",
     "HYPERPARAMETERS",
     "expected_state_dtypes",
+    "hyperparameter_problems",
     "infer_optimizer_type",
     "lion_group",
     "missing_hyperparameters",
@@ -178,6 +180,60 @@ def expected_state_dtypes(
         f"unknown optimizer type {type_name!r}",
         hint=f"use one of {', '.join(OPTIMIZER_TYPES)}",
     )
+
+
+def _number(v: Any) -> float | None:
+    """A hyperparameter's value as a float: a Python int/float (not a bool) or a one-element tensor (torch takes
+    ``lr`` and ``betas`` as tensors); ``None`` for anything else."""
+    if isinstance(v, bool):
+        return None
+    if isinstance(v, (int, float)):
+        return float(v)
+    numel, item = getattr(v, "numel", None), getattr(v, "item", None)
+    if callable(numel) and callable(item):
+        try:
+            return float(item()) if numel() == 1 else None
+        except (TypeError, ValueError, RuntimeError):
+            return None
+    return None
+
+
+def hyperparameter_problems(group: Mapping[str, Any]) -> list[tuple[str, str]]:
+    """``(name, problem)`` for each of a param group's saved ``lr``, ``eps``, ``weight_decay`` and ``betas`` that the
+    optimizer cannot step with: not a number (a string, a list, ``None``; a one-element tensor is a number), not
+    finite, or outside the domain ``torch.optim``'s constructors enforce (``lr``, ``eps``, ``weight_decay`` >= 0;
+    ``betas`` two numbers in [0, 1), in [0, 1] for a group without ``eps``, Lion's). ``eps`` as a pair (Adafactor's
+    ``(None, 1e-3)``) is checked element by element, ``None`` allowed. Hyperparameters not saved are not named
+    (:func:`missing_hyperparameters` does). Source: the ``ValueError`` checks of ``torch/optim/adamw.py``,
+    ``sgd.py``, ``_adafactor.py``."""
+    problems: list[tuple[str, str]] = []
+
+    def check(name: str, v: Any, low: float = 0.0, below_one: bool | None = None) -> None:
+        x = _number(v)
+        if x is None:
+            problems.append((name, f"{name} is {v!r:.40}, not a number"))
+        elif not math.isfinite(x) or x < low or (below_one is not None and (x >= 1.0 if below_one else x > 1.0)):
+            domain = f"{name} >= {low:g}" if below_one is None else f"{low:g} <= {name} {'<' if below_one else '<='} 1"
+            problems.append((name, f"{name} is {x!r}; the optimizer needs {domain}"))
+
+    for name in ("lr", "weight_decay"):
+        if name in group:
+            check(name, group[name])
+    eps = group.get("eps")
+    if isinstance(eps, (list, tuple)):  # Adafactor's (eps1, eps2), eps1 None: derived from the dtype
+        for i, e in enumerate(eps):
+            if e is not None:
+                check(f"eps[{i}]", e)
+    elif "eps" in group:
+        check("eps", eps)
+    if "betas" in group:
+        betas = group["betas"]
+        if not isinstance(betas, (list, tuple)) or len(betas) != 2:
+            problems.append(("betas", f"betas is {betas!r:.40}, not two numbers"))
+        else:
+            for i, b in enumerate(betas):
+                check(f"betas[{i}]", b, below_one="eps" in group)
+    return problems
 
 
 def other_adam_family(group: Mapping[str, Any]) -> str | None:

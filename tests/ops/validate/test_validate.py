@@ -351,8 +351,11 @@ def test_S011_byte_item_needing_trust_pickle(dense_ckpt: Path, copy_of) -> None:
     damage.set_byte_item(ck, "optimizer.param_groups.0.lr", datetime.date(2020, 1, 1))
     doc = only(ck, "S011")
     assert "--trust-pickle" in doc["findings"][0]["hint"] and doc["findings"][0]["error_code"] == "E304"
-    rc, doc, _ = run(ck, "--strict", "--trust-pickle")
-    assert rc == 0 and codes(doc) == set()
+    rc, doc, _ = run(ck, "--strict", "--trust-pickle")  # read when trusted: a date is no lr to step with (P006)
+    assert rc == 1 and codes(doc) == {"P006"}
+    assert [f["message"] for f in doc["findings"] if f["code"] == "P006"] == [
+        "param group 0: lr is datetime.date(2020, 1, 1), not a number"
+    ]
 
 
 def test_S012_chunk_larger_than_its_record(dense_ckpt: Path, copy_of) -> None:

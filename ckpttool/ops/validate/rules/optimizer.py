@@ -34,6 +34,7 @@ from ckpttool.optim_state.schema import (
     OPTIMIZER_TYPES,
     STATE_FIELDS,
     expected_state_dtypes,
+    hyperparameter_problems,
     infer_optimizer_type,
     step_dtype_ok,
 )
@@ -490,6 +491,17 @@ def param_listed_twice(ctx: Context) -> Iterator[tuple[str, str]]:
     if not _membership_known(ctx):
         return  # S011 reports why
     yield from listed_twice(ctx.cat)
+
+
+@rule("P006")
+def group_hyperparameter_invalid(ctx: Context) -> Iterator[tuple[str, str]]:
+    seen: dict[tuple[str, str], list[str]] = defaultdict(list)
+    for g in ctx.cat.param_groups:
+        for name, problem in hyperparameter_problems(g.values):
+            seen[(name, problem)].append(str(g.group_id))
+    for (_, problem), ids in seen.items():
+        more = f" and {len(ids) - 1} more" if len(ids) > 1 else ""
+        yield ctx.cat.group_key(ids[0]), f"param group {ids[0]}{more}: {problem}"
 
 
 @rule("O009")
