@@ -1514,8 +1514,6 @@ def _grown_data_files(reader: CheckpointReader, manifest: Manifest) -> list[Mani
     ``changed``. A file cut short is named by the entries whose windows it no longer holds."""
     if manifest.data_files is None:
         return []
-    if reader.remote is None:
-        return _grown_files(Path(reader.path), manifest.data_files)
     now = {f["file"]: f["size"] for f in _data_file_sizes_of(reader, (f["file"] for f in manifest.data_files))}
     return _grown_sizes(manifest.data_files, now)
 

@@ -24,6 +24,7 @@ __all__ = [
     "HYPERPARAMETERS",
     "expected_state_dtypes",
     "hyperparameter_problems",
+    "hyperparameter_value",
     "infer_optimizer_type",
     "lion_group",
     "missing_hyperparameters",
@@ -182,7 +183,7 @@ def expected_state_dtypes(
     )
 
 
-def _number(v: Any) -> float | None:
+def hyperparameter_value(v: Any) -> float | None:
     """A hyperparameter's value as a float: a Python int/float (not a bool) or a one-element tensor (torch takes
     ``lr`` and ``betas`` as tensors); ``None`` for anything else."""
     if isinstance(v, bool):
@@ -193,7 +194,7 @@ def _number(v: Any) -> float | None:
     if callable(numel) and callable(item):
         try:
             return float(item()) if numel() == 1 else None
-        except (TypeError, ValueError, RuntimeError):
+        except Exception:  # an object of the checkpoint's whose numel/item are no tensor's
             return None
     return None
 
@@ -209,7 +210,7 @@ def hyperparameter_problems(group: Mapping[str, Any]) -> list[tuple[str, str]]:
     problems: list[tuple[str, str]] = []
 
     def check(name: str, v: Any, low: float = 0.0, below_one: bool | None = None) -> None:
-        x = _number(v)
+        x = hyperparameter_value(v)
         if x is None:
             problems.append((name, f"{name} is {v!r:.40}, not a number"))
         elif not math.isfinite(x) or x < low or (below_one is not None and (x >= 1.0 if below_one else x > 1.0)):

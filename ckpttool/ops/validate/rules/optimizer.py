@@ -35,6 +35,7 @@ from ckpttool.optim_state.schema import (
     STATE_FIELDS,
     expected_state_dtypes,
     hyperparameter_problems,
+    hyperparameter_value,
     infer_optimizer_type,
     step_dtype_ok,
 )
@@ -431,20 +432,7 @@ def group_missing_hyperparameter(ctx: Context) -> Iterator[tuple[str, str]]:
 
 def _same_lr(a: object, b: object) -> bool:
     """``lr == initial_lr`` for numbers and 0-d tensors (a scheduler that has not moved the LR yet)."""
-
-    def num(v: object) -> float | None:
-        if isinstance(v, bool):
-            return None
-        if isinstance(v, (int, float)):
-            return float(v)
-        try:  # a 0-d tensor LR (torch allows Tensor lr)
-            if getattr(v, "numel", lambda: 0)() == 1:
-                return float(v.item())  # type: ignore[attr-defined]
-        except Exception:
-            return None
-        return None
-
-    x, y = num(a), num(b)
+    x, y = hyperparameter_value(a), hyperparameter_value(b)
     if x is not None and y is not None:
         return x == y
     return repr(a) == repr(b)
