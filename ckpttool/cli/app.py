@@ -700,19 +700,23 @@ def _closed_stdout() -> NoReturn:
     raise typer.Exit(0)
 
 
-#: Options of ``ckpttool`` itself that no command takes (docs/cli.md: "before the command name only").
-_ROOT_ONLY = ("--max-metadata-size", "--max-object-size")
+#: Options of ``ckpttool`` itself that no command takes (docs/cli.md: "before the command name only"), with
+#: their value's metavar ("" for a flag).
+_ROOT_ONLY = {"--max-metadata-size": " SIZE", "--max-object-size": " SIZE", "-V": "", "--version": ""}
 
 
 def _usage_error(e: Any, ctx: Any) -> UsageError:
     """Click's usage error ``e`` as ckpttool's E100; a root-only option given after the command name
-    (``ckpttool inspect DIR --max-object-size 1GiB``) is named as such, with where it goes."""
+    (``ckpttool inspect DIR --max-object-size 1GiB``, ``ckpttool validate DIR -V``) is named as such, with where
+    it goes."""
     where = ctx.command_path if ctx is not None else "ckpttool"
     option = getattr(e, "option_name", None)
     if type(e).__name__ == "NoSuchOption" and option in _ROOT_ONLY and ctx is not None and ctx.parent is not None:
         return UsageError(
             f"{option} is an option of ckpttool itself, given after the command name",
-            hint=f"put it before the command: `ckpttool {option} SIZE {ctx.info_name} ...`",
+            hint=f"put it before the command: `ckpttool {option}{_ROOT_ONLY[option]} {ctx.info_name} ...`"
+            if _ROOT_ONLY[option]
+            else f"put it before the command: `ckpttool {option}` (it prints the versions and exits)",
         )
     return UsageError(_plain_type_names(e.format_message()), hint=f"see `{where} --help`")
 

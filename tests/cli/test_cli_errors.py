@@ -799,3 +799,17 @@ def test_a_read_cap_after_the_command_name_says_where_it_goes(argv: list[str], s
     assert moved.exit_code == 0 and moved.stdout.startswith(f"checkpoint  {sample_ckpt}\n"), moved.stderr
     other = runner.invoke(app, ["inspect", str(sample_ckpt), "--bogus"])
     assert other.exit_code == 2 and other.stderr.splitlines()[1] == "hint: see `ckpttool inspect --help`"
+
+
+@pytest.mark.parametrize("flag", ["-V", "--version"])
+def test_the_version_flag_after_the_command_name_says_where_it_goes(flag: str, sample_ckpt: Path) -> None:
+    """`ckpttool validate DIR --json -V` said 'No such option: -V' and pointed to `validate --help`, which does not
+    list it (`-V` is the root's, docs/cli.md). It now names it as ckpttool's own flag and shows where it goes."""
+    res = runner.invoke(app, ["validate", str(sample_ckpt), "--json", flag])
+    assert res.exit_code == 2 and res.stdout == "", res.stdout
+    assert res.stderr.splitlines() == [
+        f"error: [E100] {flag} is an option of ckpttool itself, given after the command name",
+        f"hint: put it before the command: `ckpttool {flag}` (it prints the versions and exits)",
+    ], res.stderr
+    moved = runner.invoke(app, [flag])
+    assert moved.exit_code == 0 and moved.stdout.startswith("ckpttool "), moved.stdout
