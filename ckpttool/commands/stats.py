@@ -211,11 +211,12 @@ def _table(con: Console, c: CheckpointStats, by: StatsView) -> None:
         return
     groups = c.layers if by is StatsView.layer else c.modules
     roles = [r for r in ("weight", "master_weight", "exp_avg", "exp_avg_sq") if any(r in g.norms for g in groups)]
-    # narrow terminals: abs max, then the norms of the second moments and of the masters give way (named below)
-    cols = [Col(by.value, "key"), Col("params", "num")]
-    cols += [Col(f"‖{r}‖", "num", drop=int(r in ("master_weight", "exp_avg_sq"))) for r in roles]
+    # narrow terminals: abs max and the norms of the second moments and of the masters give way, then the
+    # parameter count, then ‖exp_avg‖ (named below); the layer, ‖weight‖ and the update size stay
+    cols = [Col(by.value, "key"), Col("params", "num", drop=2)]
+    cols += [Col(f"‖{r}‖", "num", drop={"master_weight": 4, "exp_avg_sq": 4, "exp_avg": 1}.get(r, 0)) for r in roles]
     cols += [
-        Col("abs max", "num", drop=1, hide_empty=True),
+        Col("abs max", "num", drop=4, hide_empty=True),
         Col("update rms", "num", hide_empty=True),
         Col("NaN/Inf", "num", hide_empty=True),
     ]

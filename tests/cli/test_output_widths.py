@@ -114,6 +114,22 @@ def test_export_and_rules(width: int, sample_ckpt: Path, tmp_path: Path) -> None
     assert len(column(tables(rules)["rules"], "code")) > 30
 
 
+@pytest.mark.parametrize("width", WIDTHS)
+def test_stats(width: int, sample_ckpt: Path) -> None:
+    """`stats`'s per-layer table kept the parameter count and ‖exp_avg‖ at any width: 65 columns wide at 60 (the
+    terminal wrapped every row). Now they give way, named below, and the layer, ‖weight‖ and update size stay."""
+    out = invoke(["stats", str(sample_ckpt)], width).stdout
+    check_layout(out, width)
+    layers = tables(out)["per layer"]
+    assert column(layers, "layer")[0] == "model.embed_tokens", column(layers, "layer")
+    assert all(NUMBER.fullmatch(v) for v in column(layers, "‖weight‖") + column(layers, "update rms"))
+    shown = set(layers[0])
+    assert ("params" in shown) == (width >= 80) and "‖exp_avg‖" in shown, shown
+    if "not shown" in out:
+        hidden = out.split(f"(not shown at {width} columns: ")[1].split(";")[0].split(", ")
+        assert not shown & set(hidden) and {"layer", "‖weight‖", "update rms"} <= shown, (shown, hidden)
+
+
 def test_piped_output_uses_a_fixed_default_width(sample_ckpt: Path) -> None:
     out = invoke(["inspect", str(sample_ckpt)], None).stdout
     check_layout(out, PIPE_WIDTH)
