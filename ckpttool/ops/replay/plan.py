@@ -174,7 +174,8 @@ def _number(value: Any, what: str, fqn: str) -> float:
     float: a number, or a one-element tensor.
 
     Raises:
-        HyperparameterError (E514): ``eps`` saved as a pair (Adafactor's ``(None, 1e-3)``), which AdamW cannot take.
+        HyperparameterError (E514): no number; unreached where ``hyperparameter_problems`` named none, kept so that a
+            value it lets through never reaches the optimizer as something else.
     """
     x = hyperparameter_value(value)
     if x is None:
