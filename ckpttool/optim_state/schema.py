@@ -199,42 +199,107 @@ def hyperparameter_value(v: Any) -> float | None:
     return None
 
 
+#: Param-group numbers ``torch.optim``'s constructors bound, name -> ``(low, high)``, both inclusive (``inf``:
+#: unbounded): ``lr``, ``eps``, ``weight_decay`` of every optimizer; ``momentum`` (SGD, RMSprop, Muon), ``alpha``
+#: (RMSprop; ASGD's power), ``lr_decay`` and ``initial_accumulator_value`` (Adagrad), ``momentum_decay`` (NAdam),
+#: ``rho`` (Adadelta), ``d`` and ``beta2_decay`` (Adafactor); SGD's ``dampening`` and ASGD's ``lambd``/``t0`` are
+#: any finite number.
+_NUMBERS: dict[str, tuple[float, float]] = {
+    **dict.fromkeys(("lr", "eps", "weight_decay", "momentum", "alpha", "lr_decay"), (0.0, math.inf)),
+    **dict.fromkeys(("initial_accumulator_value", "momentum_decay"), (0.0, math.inf)),
+    "rho": (0.0, 1.0),
+    "d": (1.0, math.inf),
+    "beta2_decay": (-math.inf, 0.0),
+    **dict.fromkeys(("dampening", "lambd", "t0"), (-math.inf, math.inf)),
+}
+#: Param-group switches ``torch.optim`` reads by truth value (``if group["amsgrad"]:``: a string ``"False"`` steps as
+#: ``True``) or passes to kernels that take a bool; ``None`` reads as ``False`` (``foreach``/``fused``: torch picks).
+_SWITCHES = frozenset(
+    ("amsgrad", "maximize", "nesterov", "centered", "capturable", "differentiable", "decoupled_weight_decay")
+    + ("foreach", "fused")
+)
+
+
+def _domain(name: str, low: float, high: float, below: bool) -> str:
+    """``lr >= 0``, ``0 <= rho <= 1``, ``0 <= betas[0] < 1`` (``below``: ``high`` excluded), ``d >= 1``, ..."""
+    if math.isinf(low) and math.isinf(high):
+        return f"a finite {name}"
+    if math.isinf(high):
+        return f"{name} >= {low:g}"
+    if math.isinf(low):
+        return f"{name} <= {high:g}"
+    return f"{low:g} <= {name} {'<' if below else '<='} {high:g}"
+
+
 def hyperparameter_problems(group: Mapping[str, Any]) -> list[tuple[str, str]]:
-    """``(name, problem)`` for each of a param group's saved ``lr``, ``eps``, ``weight_decay`` and ``betas`` that the
-    optimizer cannot step with: not a number (a string, a list, ``None``; a one-element tensor is a number), not
-    finite, or outside the domain ``torch.optim``'s constructors enforce (``lr``, ``eps``, ``weight_decay`` >= 0;
-    ``betas`` two numbers in [0, 1), in [0, 1] for a group without ``eps``, Lion's). ``eps`` as a pair (Adafactor's
-    ``(None, 1e-3)``) is checked element by element, ``None`` allowed. Hyperparameters not saved are not named
-    (:func:`missing_hyperparameters` does). Source: the ``ValueError`` checks of ``torch/optim/adamw.py``,
-    ``sgd.py``, ``_adafactor.py``."""
-    problems: list[tuple[str, str]] = []
+    """``(name, problem)`` for each of a param group's saved hyperparameters that the optimizer cannot step with, or
+    steps with as another value, in saved order: a number of :data:`_NUMBERS` (``lr``, ``eps``, ``weight_decay``,
+    ``momentum``, ``rho``, ...) that is no number (a string, a list, ``None``, a complex; a one-element tensor is a
+    number), not finite, or outside the domain ``torch.optim``'s constructors enforce (``lr``, ``eps``,
+    ``weight_decay``, ``momentum`` >= 0; ``rho`` in [0, 1]; ...); ``betas`` not two numbers in [0, 1) (in [0, 1] for
+    a group without ``eps``, Lion's); Rprop's ``etas`` not two numbers with ``0 < etas[0] < 1 < etas[1]``, its
+    ``step_sizes`` not two finite numbers; SGD's ``nesterov`` without ``momentum > 0`` and ``dampening == 0``; a
+    switch (``amsgrad``, ``maximize``, ``nesterov``, ``centered``, ``foreach``, ...) not ``True``, ``False`` or
+    ``None``. ``eps`` as a pair in a group without ``betas`` (Adafactor's ``(None, 1e-3)``) is checked element by
+    element, ``None`` allowed; ``lr`` ``None`` where ``relative_step`` is true (transformers' Adafactor computes
+    it). Hyperparameters not saved are not named (:func:`missing_hyperparameters` does). The one answer of ``validate`` (``P006``) and
+    ``replay-step`` (``E514``). Source: the ``ValueError`` checks of the ``torch/optim/<name>.py`` constructors
+    (torch 2.x), which ``load_state_dict`` does not repeat."""
+    problems = [p for name, v in group.items() for p in _problems_of(name, v, group)]
+    return problems + _nesterov_problem(group)
 
-    def check(name: str, v: Any, low: float = 0.0, below_one: bool | None = None) -> None:
-        x = hyperparameter_value(v)
-        if x is None:
-            problems.append((name, f"{name} is {v!r:.40}, not a number"))
-        elif not math.isfinite(x) or x < low or (below_one is not None and (x >= 1.0 if below_one else x > 1.0)):
-            domain = f"{name} >= {low:g}" if below_one is None else f"{low:g} <= {name} {'<' if below_one else '<='} 1"
-            problems.append((name, f"{name} is {x!r}; the optimizer needs {domain}"))
 
-    for name in ("lr", "weight_decay"):
-        if name in group:
-            check(name, group[name])
-    eps = group.get("eps")
-    if isinstance(eps, (list, tuple)):  # Adafactor's (eps1, eps2), eps1 None: derived from the dtype
-        for i, e in enumerate(eps):
-            if e is not None:
-                check(f"eps[{i}]", e)
-    elif "eps" in group:
-        check("eps", eps)
-    if "betas" in group:
-        betas = group["betas"]
-        if not isinstance(betas, (list, tuple)) or len(betas) != 2:
-            problems.append(("betas", f"betas is {betas!r:.40}, not two numbers"))
-        else:
-            for i, b in enumerate(betas):
-                check(f"betas[{i}]", b, below_one="eps" in group)
-    return problems
+def _problems_of(name: str, v: Any, group: Mapping[str, Any]) -> list[tuple[str, str]]:
+    """:func:`hyperparameter_problems` of the saved value ``v`` of ``name`` in ``group``."""
+    if name == "eps" and isinstance(v, (list, tuple)) and "betas" not in group:  # Adafactor's (eps1, eps2)
+        if len(v) != 2:
+            return [(name, f"eps is {v!r:.40}, not a number or a pair")]
+        return [p for i, e in enumerate(v) if e is not None for p in _number_problem(f"eps[{i}]", e)]
+    if name in _NUMBERS:
+        relative = name == "lr" and v is None and group.get("relative_step") is True  # transformers' Adafactor
+        return [] if relative else _number_problem(name, v, *_NUMBERS[name])
+    if name in _SWITCHES:
+        return [] if isinstance(v, (bool, type(None))) else [(name, f"{name} is {v!r:.40}, not True, False or None")]
+    if name not in ("betas", "etas", "step_sizes"):
+        return []
+    if not isinstance(v, (list, tuple)) or len(v) != 2:
+        return [(name, f"{name} is {v!r:.40}, not two numbers")]
+    if name == "etas":  # Rprop's (etaminus, etaplus)
+        low, high = (hyperparameter_value(e) for e in v)
+        if low is None or high is None or not 0.0 < low < 1.0 < high:
+            return [(name, f"etas is {v!r:.40}; the optimizer needs 0 < etas[0] < 1 < etas[1]")]
+        return []
+    bounds = (0.0, 1.0, "eps" in group) if name == "betas" else (-math.inf, math.inf, False)
+    return [p for i, x in enumerate(v) for p in _number_problem(f"{name}[{i}]", x, *bounds)]
+
+
+def _number_problem(
+    name: str, v: Any, low: float = 0.0, high: float = math.inf, below: bool = False
+) -> list[tuple[str, str]]:
+    """``[(name, problem)]`` where ``v`` is no finite number in ``[low, high]`` (``[low, high)`` where ``below``)."""
+    x = hyperparameter_value(v)
+    if x is None:
+        return [(name, f"{name} is {v!r:.40}, not a number")]
+    if not math.isfinite(x) or x < low or x > high or (below and x >= high):
+        return [(name, f"{name} is {x!r}; the optimizer needs {_domain(name, low, high, below)}")]
+    return []
+
+
+def _nesterov_problem(group: Mapping[str, Any]) -> list[tuple[str, str]]:
+    """SGD's ``nesterov=True`` with ``momentum <= 0`` or ``dampening != 0``, which its constructor refuses
+    (``torch/optim/sgd.py``); numbers that are none are named by :func:`hyperparameter_problems` itself."""
+    if group.get("nesterov") is not True or "dampening" not in group:
+        return []
+    momentum, dampening = hyperparameter_value(group.get("momentum")), hyperparameter_value(group["dampening"])
+    if momentum is None or dampening is None or (momentum > 0 and dampening == 0):
+        return []
+    return [
+        (
+            "nesterov",
+            f"nesterov is True with momentum {momentum:g} and dampening {dampening:g}; "
+            "the optimizer needs momentum > 0 and dampening 0",
+        )
+    ]
 
 
 def other_adam_family(group: Mapping[str, Any]) -> str | None:

@@ -53,11 +53,11 @@ def test_saved_step_that_is_not_a_count_is_named_not_an_internal_error(
 @pytest.mark.parametrize(
     "entry, value, needle",
     [
-        ("lr", -1.0, "lr is -1.0; AdamW needs lr >= 0"),
-        ("betas", (1.5, 0.9), "betas[0] is 1.5; AdamW needs 0 <= betas[0] < 1"),
-        ("betas", (0.9, 1.0), "betas[1] is 1.0; AdamW needs 0 <= betas[1] < 1"),
-        ("eps", -1e-8, "eps is -1e-08; AdamW needs eps >= 0"),
-        ("weight_decay", -0.1, "weight_decay is -0.1; AdamW needs weight_decay >= 0"),
+        ("lr", -1.0, "lr is -1.0; the optimizer needs lr >= 0"),
+        ("betas", (1.5, 0.9), "betas[0] is 1.5; the optimizer needs 0 <= betas[0] < 1"),
+        ("betas", (0.9, 1.0), "betas[1] is 1.0; the optimizer needs 0 <= betas[1] < 1"),
+        ("eps", -1e-8, "eps is -1e-08; the optimizer needs eps >= 0"),
+        ("weight_decay", -0.1, "weight_decay is -0.1; the optimizer needs weight_decay >= 0"),
     ],
 )
 def test_hyperparameter_outside_adamw_domain_names_the_param_group(

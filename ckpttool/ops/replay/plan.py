@@ -11,7 +11,6 @@ nested param group, or equal saved hyperparameters in the flattened flavor) has 
 
 from __future__ import annotations
 
-import math
 import re
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -46,6 +45,8 @@ from ckpttool.optim_state.schema import (
     OPTIMIZER_TYPES,
     STATE_FIELDS,
     expected_state_dtypes,
+    hyperparameter_problems,
+    hyperparameter_value,
     infer_optimizer_type,
     lion_group,
     other_adam_family,
@@ -168,34 +169,34 @@ class ReplayPlan:
 
 
 # ----------------------------------------------------------------------------- helpers
-def _float(value: Any, what: str, fqn: str) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
+def _number(value: Any, what: str, fqn: str) -> float:
+    """A hyperparameter :func:`~ckpttool.optim_state.schema.hyperparameter_problems` found no problem with, as a
+    float: a number, or a one-element tensor.
+
+    Raises:
+        HyperparameterError (E514): no number; unreached where ``hyperparameter_problems`` named none, kept so that a
+            value it lets through never reaches the optimizer as something else.
+    """
+    x = hyperparameter_value(value)
+    if x is None:
         raise HyperparameterError(
             f"param group of {fqn}: {what} is {value!r:.40}, expected a number",
             fqn=fqn,
-            hint="replay-step replays AdamW with Python-number hyperparameters",
+            hint="replay-step replays AdamW, which takes one number for each of lr, betas[0], betas[1], eps and "
+            "weight_decay",
         )
-    out = float(value)
-    if not math.isfinite(out):
-        raise HyperparameterError(f"param group of {fqn}: {what} is {out}", fqn=fqn)
-    return out
+    return x
 
 
-def _betas(betas: Any, fqn: str) -> tuple[tuple[Any, Any], str | None]:
-    """The saved ``betas`` as two values, and their dtype where torch saved them as one-element tensors
+def _betas_dtype(betas: Sequence[Any]) -> str | None:
+    """The dtype of the saved ``betas`` where torch saved them as one-element tensors of one dtype
     (``torch.optim.AdamW`` accepts ``betas`` as two tensors and keeps them so: ``dcp.save`` stores the pair as a
-    byte item of two tensors), else ``None``.
-
-    Raises:
-        HyperparameterError (E514): not a pair.
-    """
-    if not isinstance(betas, (list, tuple)) or len(betas) != 2:
-        raise HyperparameterError(f"param group of {fqn}: betas is {betas!r:.40}, expected two numbers", fqn=fqn)
+    byte item of two tensors), else ``None``."""
     if all(callable(getattr(b, "numel", None)) and callable(getattr(b, "item", None)) for b in betas):
         dtypes = {str(b.dtype).removeprefix("torch.") for b in betas}
         if len(dtypes) == 1 and all(b.numel() == 1 for b in betas):
-            return (betas[0].item(), betas[1].item()), dtypes.pop()
-    return (betas[0], betas[1]), None
+            return dtypes.pop()
+    return None
 
 
 _ANY_OPTIMIZER = (
@@ -259,7 +260,14 @@ def _hyper(
             fqn=fqn,
             hint="the checkpoint must save lr, betas, eps and weight_decay for every param group",
         )
-    betas, betas_dtype = _betas(values["betas"], fqn)
+    problems = hyperparameter_problems(values)  # validate's P006: the one place of the domain checks
+    if problems:
+        raise HyperparameterError(
+            f"param group of {fqn}: {problems[0][1]}",
+            fqn=fqn,
+            hint="run `ckpttool validate --strict` on the checkpoint to see every problem (P006)",
+        )
+    betas = values["betas"]
     for switch in _UNSUPPORTED_SWITCHES:
         if values.get(switch):
             raise HyperparameterError(
@@ -289,32 +297,17 @@ def _hyper(
             and isinstance(v, (bool, int, float, str, type(None)))
         )
     )
-    hyper = Hyper(
+    return Hyper(
         group_id,
-        _float(values["lr"], "lr", fqn),
-        _float(betas[0], "betas[0]", fqn),
-        _float(betas[1], "betas[1]", fqn),
-        _float(values["eps"], "eps", fqn),
-        _float(values["weight_decay"], "weight_decay", fqn),
+        _number(values["lr"], "lr", fqn),
+        _number(betas[0], "betas[0]", fqn),
+        _number(betas[1], "betas[1]", fqn),
+        _number(values["eps"], "eps", fqn),
+        _number(values["weight_decay"], "weight_decay", fqn),
         extra,
         lr_dtype,
-        betas_dtype,
+        _betas_dtype(betas),
     )
-    # AdamW's own domain (torch.optim.AdamW refuses the same values): named here, not as a bare option error
-    for what, value, ok, domain in (
-        ("lr", hyper.lr, hyper.lr >= 0.0, "lr >= 0"),
-        ("betas[0]", hyper.beta1, 0.0 <= hyper.beta1 < 1.0, "0 <= betas[0] < 1"),
-        ("betas[1]", hyper.beta2, 0.0 <= hyper.beta2 < 1.0, "0 <= betas[1] < 1"),
-        ("eps", hyper.eps, hyper.eps >= 0.0, "eps >= 0"),
-        ("weight_decay", hyper.weight_decay, hyper.weight_decay >= 0.0, "weight_decay >= 0"),
-    ):
-        if not ok:
-            raise HyperparameterError(
-                f"param group of {fqn}: {what} is {value!r}; AdamW needs {domain}",
-                fqn=fqn,
-                hint="run `ckpttool validate --strict` on the checkpoint to see every problem",
-            )
-    return hyper
 
 
 def _shared_step(group: Any) -> float | None:

@@ -51,7 +51,7 @@ from ckpttool.ops.stats.result import (
     TensorValueStats,
     UpdateStats,
 )
-from ckpttool.optim_state.schema import other_adam_family
+from ckpttool.optim_state.schema import hyperparameter_problems, other_adam_family
 
 __all__ = ["MAX_CHECKPOINTS", "StatsOptions", "collect_stats", "layer_of", "module_of", "note_line"]
 
@@ -187,6 +187,9 @@ def _selected(fqn: str, key: str, filters: tuple[str, ...]) -> bool:
 #: A group whose next step is not AdamW's: saved with amsgrad (the denominator is max_exp_avg_sq), or by torch's
 #: RAdam or NAdam (``decoupled_weight_decay`` without ``amsgrad``, which Adam's and AdamW's groups always hold).
 NOT_ADAMW_NOTE = "not an AdamW param group (amsgrad, RAdam or NAdam: another step)"
+#: A group with a value torch.optim cannot step with, or steps with as another (``validate``'s ``P006``: a string
+#: ``lr``, a beta of 1, a negative ``lr``, a switch saved as a string, ...).
+P006_NOTE = "hyperparameters torch.optim cannot step with (validate: P006)"
 
 
 def _hyper(ckpt: Checkpoint, fqn: str, notes: dict[str, list[str]]) -> AdamHyper | None:
@@ -218,8 +221,8 @@ def _hyper(ckpt: Checkpoint, fqn: str, notes: dict[str, list[str]]) -> AdamHyper
     if not all(math.isfinite(x) for x in (lr, b1, b2, eps, step)):  # no update size (and none JSON can hold)
         notes.setdefault("hyperparameters or step not finite (NaN, infinity)", []).append(fqn)
         return None
-    if not (lr >= 0.0 and 0.0 <= b1 < 1.0 and 0.0 <= b2 < 1.0 and eps >= 0.0):  # beta1 1: no bias correction
-        notes.setdefault("hyperparameters outside AdamW's domain (lr, eps >= 0; 0 <= betas < 1)", []).append(fqn)
+    if hyperparameter_problems(v):  # a string lr float() reads, a beta of 1 (no bias correction), a negative lr, ...
+        notes.setdefault(P006_NOTE, []).append(fqn)  # as replay-step refuses them (E514)
         return None
     return AdamHyper(lr=lr, beta1=b1, beta2=b2, eps=eps, step=step)
 

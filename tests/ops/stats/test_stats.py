@@ -738,11 +738,16 @@ def test_no_update_size_for_a_group_whose_step_is_not_adamw(tmp_path: Path, opti
     ]
 
 
-@pytest.mark.parametrize("edit", [{"betas": (1.0, 0.999)}, {"betas": (0.9, 1.0)}, {"lr": -1e-3}, {"eps": -1e-8}])
+@pytest.mark.parametrize(
+    "edit",
+    [{"betas": (1.0, 0.999)}, {"betas": (0.9, 1.0)}, {"lr": -1e-3}, {"eps": -1e-8}, {"lr": "0.01"}, {"maximize": "no"}],
+)
 def test_no_update_size_from_hyperparameters_outside_adamws_domain(tmp_path: Path, edit: dict[str, Any]) -> None:
     """A param group saved with betas[0] 1.0 (edited, merged wrongly: torch.optim.AdamW refuses to build one) made
     stats stop with 'error: [E999] internal error: ZeroDivisionError' (its bias correction 1 - 1^step is 0). As
-    replay-step refuses such a group (E514), stats leaves the update out with a note and measures the rest."""
+    replay-step refuses such a group (E514), stats leaves the update out with a note and measures the rest. stats
+    kept its own copy of the domain checks: an lr saved as the string '0.01' (torch's resume raises TypeError) or
+    maximize as 'no' (torch steps uphill) got an update size. The note now comes from validate's P006 check."""
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
     from tests.fixtures.builders import save_quiet, train_steps
@@ -759,7 +764,7 @@ def test_no_update_size_from_hyperparameters_outside_adamws_domain(tmp_path: Pat
     (doc,) = json.loads(res.stdout)["checkpoints"]
     assert doc["updates"] == [] and len(doc["tensors"]) == 6
     assert doc["notes"] == [
-        "hyperparameters outside AdamW's domain (lr, eps >= 0; 0 <= betas < 1): 2 parameter(s), e.g. weight"
+        "hyperparameters torch.optim cannot step with (validate: P006): 2 parameter(s), e.g. weight"
     ]
 
 

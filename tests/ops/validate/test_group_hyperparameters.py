@@ -96,9 +96,135 @@ def test_torch_fails_the_first_step_after_resuming_such_a_group(tmp_path: Path) 
         ),
         pytest.param(lambda p: torch.optim.Adafactor(p, lr=1e-2), id="adafactor-eps-pair"),
         pytest.param(lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9, weight_decay=0), id="sgd-int-decay"),
+        pytest.param(lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9, nesterov=True), id="sgd-nesterov"),
+        pytest.param(lambda p: torch.optim.RMSprop(p, lr=0.01, momentum=0.9, centered=True), id="rmsprop"),
+        pytest.param(lambda p: torch.optim.Rprop(p, lr=0.01), id="rprop-etas-step-sizes"),
+        pytest.param(lambda p: torch.optim.ASGD(p, lr=0.01), id="asgd"),
+        pytest.param(lambda p: torch.optim.Adagrad(p, lr=0.01), id="adagrad"),
+        pytest.param(lambda p: torch.optim.Adadelta(p), id="adadelta"),
+        pytest.param(lambda p: torch.optim.NAdam(p), id="nadam"),
+        pytest.param(lambda p: torch.optim.AdamW(p, lr=1e-3, amsgrad=True, foreach=True), id="adamw-amsgrad-foreach"),
+        pytest.param(
+            lambda p: __import__("transformers").optimization.Adafactor(p, lr=None, relative_step=True),
+            id="transformers-adafactor-relative-step-lr-none",
+        ),
     ],
 )
 def test_values_torch_steps_with_are_no_finding(tmp_path: Path, make: Any) -> None:
     _save(tmp_path / "ck", make)
     code, found = _p006(tmp_path / "ck")
     assert found == []
+
+
+def _resume_step(path: Path, make: Any) -> None:
+    """torch's own resume: a fresh optimizer, ``dcp.load`` + ``set_state_dict``, one step."""
+    model = _model()
+    opt = make(model.parameters())
+    msd, osd = get_state_dict(model, opt)
+    state = {"model": msd, "optim": osd}
+    dcp.load(state, checkpoint_id=str(path), no_dist=True)
+    set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    model(torch.randn(5, 4)).sum().backward()
+    opt.step()
+
+
+OPT = torch.optim
+
+
+@pytest.mark.parametrize(
+    ("cls", "kwargs", "hyper", "value", "said"),
+    [
+        (OPT.SGD, {"momentum": 0.9}, "momentum", "0.9", "momentum is '0.9', not a number"),
+        (OPT.SGD, {"momentum": 0.9}, "dampening", "0", "dampening is '0', not a number"),
+        (OPT.AdamW, {}, "amsgrad", "no", "amsgrad is 'no', not True, False or None"),
+        (OPT.AdamW, {}, "eps", (None, 1e-3), "eps is (None, 0.001), not a number"),
+        (OPT.RMSprop, {}, "alpha", "0.99", "alpha is '0.99', not a number"),
+        (OPT.RMSprop, {}, "centered", "False", "centered is 'False', not True, False or None"),
+        (OPT.Adagrad, {}, "lr_decay", "0", "lr_decay is '0', not a number"),
+        (OPT.NAdam, {}, "momentum_decay", [4e-3], "momentum_decay is [0.004], not a number"),
+        (OPT.Adadelta, {}, "rho", "0.9", "rho is '0.9', not a number"),
+        (OPT.Adafactor, {}, "eps", (None, 1e-3, 1.0), "eps is (None, 0.001, 1.0), not a number or a pair"),
+        (OPT.Adafactor, {}, "d", "1.0", "d is '1.0', not a number"),
+        (OPT.ASGD, {}, "lambd", "1e-4", "lambd is '1e-4', not a number"),
+        (OPT.Rprop, {}, "etas", "0.5,1.2", "etas is '0.5,1.2', not two numbers"),
+    ],
+    ids=lambda v: v.__name__ if isinstance(v, type) else None,
+)
+def test_a_hyperparameter_of_any_optimizer_its_resume_raises_on_is_p006(
+    tmp_path: Path, cls: Any, kwargs: dict[str, Any], hyper: str, value: Any, said: str
+) -> None:
+    """Only lr, eps, weight_decay and betas were checked: SGD's momentum as a string, AdamW's amsgrad as a string
+    (torch reads it as True and looks for max_exp_avg_sq), RMSprop's alpha, Adadelta's rho, Adafactor's eps of three
+    numbers, Rprop's etas as a string, ... passed validate --strict and torch's first step after the resume raised."""
+    make = lambda p: cls(p, lr=1e-2, **kwargs)  # noqa: E731
+    _save(tmp_path / "ck", make, lambda g: g.__setitem__(hyper, value))
+    with pytest.raises((TypeError, ValueError, KeyError, RuntimeError)):
+        _resume_step(tmp_path / "ck", make)
+    code, found = _p006(tmp_path / "ck")
+    assert code == 1 and [f["message"] for f in found] == [f"param group 0: {said}"], found
+
+
+@pytest.mark.parametrize(
+    ("cls", "kwargs", "hyper", "value", "said"),
+    [
+        (OPT.SGD, {"momentum": 0.9}, "momentum", -0.5, "momentum is -0.5; the optimizer needs momentum >= 0"),
+        (
+            OPT.SGD,
+            {"momentum": 0.9, "nesterov": True},
+            "dampening",
+            0.1,
+            "nesterov is True with momentum 0.9 and dampening 0.1; the optimizer needs momentum > 0 and dampening 0",
+        ),
+        (OPT.RMSprop, {"momentum": 0.9}, "alpha", -1.0, "alpha is -1.0; the optimizer needs alpha >= 0"),
+        (
+            OPT.Adagrad,
+            {},
+            "initial_accumulator_value",
+            -1.0,
+            "initial_accumulator_value is -1.0; the optimizer needs initial_accumulator_value >= 0",
+        ),
+        (OPT.NAdam, {}, "momentum_decay", -1.0, "momentum_decay is -1.0; the optimizer needs momentum_decay >= 0"),
+        (OPT.Adadelta, {}, "rho", 2.0, "rho is 2.0; the optimizer needs 0 <= rho <= 1"),
+        (OPT.Adafactor, {}, "beta2_decay", 0.5, "beta2_decay is 0.5; the optimizer needs beta2_decay <= 0"),
+        (OPT.Adafactor, {}, "d", 0.5, "d is 0.5; the optimizer needs d >= 1"),
+        (OPT.Rprop, {}, "etas", (1.5, 1.2), "etas is (1.5, 1.2); the optimizer needs 0 < etas[0] < 1 < etas[1]"),
+    ],
+    ids=lambda v: v.__name__ if isinstance(v, type) else None,
+)
+def test_a_hyperparameter_torchs_constructor_refuses_is_p006(
+    tmp_path: Path, cls: Any, kwargs: dict[str, Any], hyper: str, value: Any, said: str
+) -> None:
+    """A negative momentum, nesterov with dampening, Adadelta's rho of 2, Rprop's etas the wrong way round: torch's
+    constructor refuses each (the reference here), load_state_dict does not check and the resume steps with it
+    (uphill, or growing); validate --strict said OK."""
+    with pytest.raises(ValueError):
+        cls(_model().parameters(), lr=1e-2, **{**kwargs, hyper: value})
+    make = lambda p: cls(p, lr=1e-2, **kwargs)  # noqa: E731
+    _save(tmp_path / "ck", make, lambda g: g.__setitem__(hyper, value))
+    _resume_step(tmp_path / "ck", make)  # no word from torch on the resume
+    code, found = _p006(tmp_path / "ck")
+    assert code == 1 and [f["message"] for f in found] == [f"param group 0: {said}"], found
+
+
+def test_a_string_maximize_steps_uphill_on_resume_and_is_p006(tmp_path: Path) -> None:
+    """maximize saved as the string 'False' is true to torch: the resumed AdamW steps as maximize=True, uphill."""
+    make = lambda p: torch.optim.AdamW(p, lr=1e-2)  # noqa: E731
+    _save(tmp_path / "ck", make, lambda g: g.__setitem__("maximize", "False"))
+    _save(tmp_path / "up", make, lambda g: g.__setitem__("maximize", True))
+    after = []
+    for ck in ("ck", "up"):
+        torch.manual_seed(1)
+        model = _model()
+        opt = make(model.parameters())
+        msd, osd = get_state_dict(model, opt)
+        state = {"model": msd, "optim": osd}
+        dcp.load(state, checkpoint_id=str(tmp_path / ck), no_dist=True)
+        set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
+        model(torch.ones(5, 4)).sum().backward()
+        opt.step()
+        after.append([p.detach().clone() for p in model.parameters()])
+    assert all(torch.equal(a, b) for a, b in zip(*after, strict=True))  # stepped as maximize=True
+    code, found = _p006(tmp_path / "ck")
+    assert code == 1 and [f["message"] for f in found] == [
+        "param group 0: maximize is 'False', not True, False or None"
+    ]

@@ -158,3 +158,24 @@ def test_a_saved_step_is_judged_by_one_check_in_validate_and_replay_step(tmp_pat
             (f["code"], f["message"]) for f in findings
         }, findings
         assert res.exit_code == 2 and res.stderr.startswith(f"error: [E511] optimizer state weight.step {says}\n")
+
+
+def test_a_param_group_value_is_judged_by_one_check_in_validate_and_replay_step(tmp_path: Path) -> None:
+    """replay-step checked lr, betas, eps and weight_decay with its own copy of P006's domain checks, in other words,
+    and not the switches: amsgrad saved as the string 'no' (torch reads it as True and its resume raises KeyError
+    max_exp_avg_sq) passed validate --strict while replay-step said 'saved with amsgrad=True'. Both now take
+    hyperparameter_problems' answer: replay-step's E514 line is validate's P006 message."""
+
+    def setter(name: str, value: Any) -> Any:
+        return lambda osd: osd["param_groups"][0].__setitem__(name, value)
+
+    for name, value in (("amsgrad", "no"), ("lr", "0.01"), ("betas", (float("nan"), 0.999)), ("foreach", "yes")):
+        ck, grads, _, _ = _adamw_linear_with(tmp_path / name, setter(name, value))
+        code, findings = validate(ck)
+        p006 = [f["message"] for f in findings if f["code"] == "P006"]
+        assert code == 1 and len(p006) == 1, findings
+        problem = p006[0].removeprefix("param group 0: ")
+        res = replay(ck, grads)
+        assert res.exit_code == 2 and res.stdout == "", res.output
+        assert res.stderr.splitlines()[0] == f"error: [E514] param group of weight: {problem}", res.stderr
+        assert "Traceback" not in res.output
