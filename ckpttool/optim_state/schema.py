@@ -220,6 +220,46 @@ _SWITCHES = frozenset(
 )
 
 
+#: The param-group keys of each ``torch.optim`` optimizer (its constructor's defaults, torch 2.13; earlier torch
+#: versions saved subsets): Adadelta, Adafactor, Adagrad, Adam/AdamW, SparseAdam, Adamax, ASGD, LBFGS, NAdam, RAdam,
+#: RMSprop, Rprop, SGD, Muon. A group holding no key outside one of these (beside :data:`_GROUP_EXTRAS`) is that
+#: optimizer's, and its constructor's bounds apply; a group of another optimizer (Prodigy's ``d`` below 1, SAM's
+#: ``rho`` of 2, AdEMAMix's three ``betas``, CAME's ``eps`` pair) is checked for what every optimizer needs only.
+_TORCH_GROUP_KEYS: tuple[frozenset[str], ...] = tuple(
+    frozenset(keys.split())
+    for keys in (
+        "lr rho eps weight_decay foreach capturable maximize differentiable",
+        "lr beta2_decay eps d weight_decay foreach maximize",
+        "lr lr_decay weight_decay initial_accumulator_value eps foreach maximize differentiable fused",
+        "lr betas eps weight_decay amsgrad decoupled_weight_decay foreach maximize capturable differentiable fused",
+        "lr betas eps maximize",
+        "lr betas eps weight_decay foreach maximize differentiable capturable",
+        "lr lambd alpha t0 weight_decay foreach maximize differentiable capturable",
+        "lr max_iter max_eval tolerance_grad tolerance_change history_size line_search_fn",
+        "lr betas eps weight_decay momentum_decay decoupled_weight_decay foreach maximize capturable differentiable",
+        "lr betas eps weight_decay decoupled_weight_decay foreach maximize capturable differentiable",
+        "lr alpha eps weight_decay momentum centered capturable foreach maximize differentiable",
+        "lr etas step_sizes capturable foreach maximize differentiable",
+        "lr momentum dampening weight_decay nesterov maximize foreach differentiable fused",
+        "lr weight_decay momentum nesterov ns_coefficients eps ns_steps adjust_lr_fn",
+    )
+)
+#: Group items that are no optimizer's hyperparameter: the members (``params``, torch 2.6+'s ``param_names``) and
+#: what ``torch.optim.lr_scheduler`` adds (``initial_lr``; OneCycleLR's and CyclicLR's ``max_lr``, ``min_lr``,
+#: ``max_momentum``, ``base_momentum``).
+_GROUP_EXTRAS = frozenset(("params", "param_names", "initial_lr", "max_lr", "min_lr", "max_momentum", "base_momentum"))
+#: Numbers every optimizer's group means the same by (a step size, an epsilon, a decay: finite, >= 0).
+_COMMON_NUMBERS = frozenset(("lr", "eps", "weight_decay"))
+
+
+def torch_optimizers_group(group: Mapping[str, Any]) -> bool:
+    """Whether ``group`` (param-group key -> saved value) holds no key outside one ``torch.optim`` optimizer's
+    (:data:`_TORCH_GROUP_KEYS`, beside the members and LR schedulers' keys): the group of a torch optimizer, whose
+    constructor's bounds apply to its values."""
+    keys = group.keys() - _GROUP_EXTRAS
+    return any(keys <= known for known in _TORCH_GROUP_KEYS)
+
+
 def _domain(name: str, low: float, high: float, below: bool) -> str:
     """``lr >= 0``, ``0 <= rho <= 1``, ``0 <= betas[0] < 1`` (``below``: ``high`` excluded), ``d >= 1``, ..."""
     if math.isinf(low) and math.isinf(high):
@@ -242,26 +282,38 @@ def hyperparameter_problems(group: Mapping[str, Any]) -> list[tuple[str, str]]:
     switch (``amsgrad``, ``maximize``, ``nesterov``, ``centered``, ``foreach``, ...) not ``True``, ``False`` or
     ``None``. ``eps`` as a pair in a group without ``betas`` (Adafactor's ``(None, 1e-3)``) is checked element by
     element, ``None`` allowed; ``lr`` ``None`` where ``relative_step`` is true (transformers' Adafactor computes
-    it). Hyperparameters not saved are not named (:func:`missing_hyperparameters` does). The one answer of ``validate`` (``P006``) and
-    ``replay-step`` (``E514``). Source: the ``ValueError`` checks of the ``torch/optim/<name>.py`` constructors
+    it). The constructor's bounds (and the pairs, and ``nesterov``) apply to a group of a ``torch.optim``
+    optimizer (:func:`torch_optimizers_group`); another package's group is checked for ``lr``, ``eps`` and
+    ``weight_decay`` (finite, >= 0; an ``eps`` tuple element by element), ``betas`` (numbers in [0, 1]) and the
+    switches only. Hyperparameters not saved are not named (:func:`missing_hyperparameters` does). The one answer
+    of ``validate`` (``P006``) and ``replay-step`` (``E514``). Source: the ``ValueError`` checks of the ``torch/optim/<name>.py`` constructors
     (torch 2.x), which ``load_state_dict`` does not repeat."""
-    problems = [p for name, v in group.items() for p in _problems_of(name, v, group)]
-    return problems + _nesterov_problem(group)
+    torch = torch_optimizers_group(group)
+    problems = [p for name, v in group.items() for p in _problems_of(name, v, group, torch)]
+    return problems + (_nesterov_problem(group) if torch else [])
 
 
-def _problems_of(name: str, v: Any, group: Mapping[str, Any]) -> list[tuple[str, str]]:
-    """:func:`hyperparameter_problems` of the saved value ``v`` of ``name`` in ``group``."""
-    if name == "eps" and isinstance(v, (list, tuple)) and "betas" not in group:  # Adafactor's (eps1, eps2)
-        if len(v) != 2:
+def _problems_of(name: str, v: Any, group: Mapping[str, Any], torch: bool) -> list[tuple[str, str]]:
+    """:func:`hyperparameter_problems` of the saved value ``v`` of ``name`` in ``group``; ``torch``: the group is a
+    ``torch.optim`` optimizer's (:func:`torch_optimizers_group`), whose constructor's bounds apply."""
+    if name == "eps" and isinstance(v, (list, tuple)) and not (torch and "betas" in group):
+        if torch and len(v) != 2:  # Adafactor's (eps1, eps2); another optimizer's tuple (CAME's) of any length
             return [(name, f"eps is {v!r:.40}, not a number or a pair")]
         return [p for i, e in enumerate(v) if e is not None for p in _number_problem(f"eps[{i}]", e)]
-    if name in _NUMBERS:
+    if name in _NUMBERS and (torch or name in _COMMON_NUMBERS):
         relative = name == "lr" and v is None and group.get("relative_step") is True  # transformers' Adafactor
         return [] if relative else _number_problem(name, v, *_NUMBERS[name])
     if name in _SWITCHES:
         return [] if isinstance(v, (bool, type(None))) else [(name, f"{name} is {v!r:.40}, not True, False or None")]
-    if name not in ("betas", "etas", "step_sizes"):
-        return []
+    if name == "betas" and not torch:  # another optimizer's: numbers in [0, 1], as many as it takes (AdEMAMix 3)
+        if not isinstance(v, (list, tuple)) or not v:
+            return [(name, f"betas is {v!r:.40}, not numbers")]
+        return [p for i, x in enumerate(v) for p in _number_problem(f"betas[{i}]", x, 0.0, 1.0)]
+    return _pair_problems(name, v, group) if torch and name in ("betas", "etas", "step_sizes") else []
+
+
+def _pair_problems(name: str, v: Any, group: Mapping[str, Any]) -> list[tuple[str, str]]:
+    """:func:`hyperparameter_problems` of a torch optimizer's pair ``betas``, Rprop's ``etas`` or ``step_sizes``."""
     if not isinstance(v, (list, tuple)) or len(v) != 2:
         return [(name, f"{name} is {v!r:.40}, not two numbers")]
     if name == "etas":  # Rprop's (etaminus, etaplus)

@@ -228,3 +228,38 @@ def test_a_string_maximize_steps_uphill_on_resume_and_is_p006(tmp_path: Path) ->
     assert code == 1 and [f["message"] for f in found] == [
         "param group 0: maximize is 'False', not True, False or None"
     ]
+
+
+def _prodigy(p: Any) -> Any:
+    return pytest.importorskip("prodigyopt").Prodigy(p, lr=1.0)
+
+
+def _came(p: Any) -> Any:
+    return pytest.importorskip("came_pytorch").CAME(p, lr=2e-4)
+
+
+@pytest.mark.parametrize("make", [_prodigy, _came], ids=["prodigy-d-below-1", "came-eps-pair-three-betas"])
+def test_another_optimizers_own_hyperparameters_are_no_finding(tmp_path: Path, make: Any) -> None:
+    """Prodigy (its D estimate ``d`` starts at 1e-6) and CAME (``eps`` a pair beside three ``betas``), saved by their
+    own packages: P006 took their keys for torch's Adafactor ``d`` (>= 1), an AdamW ``eps`` and ``betas`` of two, and
+    failed validate --strict with 'the optimizer needs d >= 1' on a healthy run. A value no optimizer steps with (an
+    lr saved as a string) is still P006 for them."""
+    _save(tmp_path / "ck", make)
+    assert _p006(tmp_path / "ck")[1] == []
+    _save(tmp_path / "bad", make, lambda g: g.__setitem__("lr", "1.0"))
+    code, found = _p006(tmp_path / "bad")
+    assert code == 1 and [f["message"] for f in found] == ["param group 0: lr is '1.0', not a number"], found
+
+
+def test_a_torch_group_an_lr_scheduler_added_keys_to_keeps_torchs_bounds(tmp_path: Path) -> None:
+    """OneCycleLR adds initial_lr, max_lr, min_lr, max_momentum and base_momentum to AdamW's group: it is still
+    torch's AdamW, whose constructor refuses one beta (and the resume raises)."""
+
+    def make(p: Any) -> Any:
+        opt = torch.optim.AdamW(p, lr=1e-3)
+        torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=1e-2, total_steps=10)
+        return opt
+
+    _save(tmp_path / "ck", make, lambda g: g.__setitem__("betas", (0.9,)))
+    code, found = _p006(tmp_path / "ck")
+    assert code == 1 and [f["message"] for f in found] == ["param group 0: betas is (0.9,), not two numbers"], found
