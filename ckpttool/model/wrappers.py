@@ -37,12 +37,14 @@ def strip_wrapper_segments(key: str, segments: tuple[str, ...] = WRAPPER_SEGMENT
     return ".".join([*kept, parts[-1]]), removed
 
 
-def wrapper_segments_of(state_fqns: Iterable[str]) -> tuple[str, ...]:
+def wrapper_segments_of(state_fqns: Iterable[str], model_fqns: Iterable[str] = ()) -> tuple[str, ...]:
     """The :data:`WRAPPER_SEGMENTS` that are wrappers in a checkpoint whose optimizer state names its parameters
-    ``state_fqns``: without ``module`` where one of them holds it as a component that is not a wrapper of the whole
-    model (inside the fqn, or leading some fqns but not all). torch's ``get_optimizer_state_dict`` names a parameter
-    without DDP's ``module.`` (and ``_orig_mod.``, ...), and ``DataParallel``'s leads every fqn; so such a ``module``
-    is a submodule the model names so (``self.module = nn.Linear(...)``), which export and diff keep."""
+    ``state_fqns`` and whose model tensors are ``model_fqns``: without ``module`` where one of them holds it as a
+    component that is not a wrapper of the whole model: inside an optimizer fqn or leading some of them but not
+    all, or inside a model fqn after the wrapper segments it starts with. torch's ``get_optimizer_state_dict`` names
+    a parameter without DDP's ``module.`` (and ``_orig_mod.``, ...), and ``DataParallel``'s leads every fqn; so such
+    a ``module`` is a submodule the model names so (``self.module = nn.Linear(...)``; ``self.enc.module``, frozen,
+    which the optimizer names nothing of), which export and diff keep."""
     leading = every = 0
     for fqn in state_fqns:
         every += 1
@@ -50,11 +52,23 @@ def wrapper_segments_of(state_fqns: Iterable[str]) -> tuple[str, ...]:
             continue
         parts = fqn.split(".")[:-1]
         if "module" in parts[1:]:
-            return tuple(s for s in WRAPPER_SEGMENTS if s != "module")
+            return _WITHOUT_MODULE
         leading += bool(parts) and parts[0] == "module"
     if 0 < leading < every:
-        return tuple(s for s in WRAPPER_SEGMENTS if s != "module")
+        return _WITHOUT_MODULE
+    for fqn in model_fqns:
+        if "module" not in fqn:
+            continue
+        parts = fqn.split(".")[:-1]
+        n = 0
+        while n < len(parts) and parts[n] in WRAPPER_SEGMENTS:
+            n += 1
+        if "module" in parts[n:]:
+            return _WITHOUT_MODULE
     return WRAPPER_SEGMENTS
+
+
+_WITHOUT_MODULE = tuple(s for s in WRAPPER_SEGMENTS if s != "module")
 
 
 def _only_wrappers_between(stored: str, fqn: str) -> bool:

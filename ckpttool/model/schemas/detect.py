@@ -389,12 +389,15 @@ def _prefix_options(tensors: list[str], known: Derived) -> list[str]:
 
 
 _WRAPPER_HEADS = tuple(f"{seg}." for seg in WRAPPER_SEGMENTS)
+#: Most leading wrapper segments taken into a model prefix (DDP of a compiled, checkpoint-wrapped FSDP1 model has
+#: 4): each prefix is a string as long as its segments, so 10^5 segments in one key would cost ~10^10 bytes.
+_MAX_WRAPPER_DEPTH = 8
 
 
 def _wrapped_prefixes(tensors: list[str], options: list[str]) -> list[str]:
     """Each option followed by the wrapper segments that lead the keys below it (``model._orig_mod.``,
     ``model.module.``: ``dcp.save({"model": compiled_or_ddp.state_dict(), "optimizer": get_optimizer_state_dict(...)})``,
-    whose optimizer names the parameters without them)."""
+    whose optimizer names the parameters without them); at most ``_MAX_WRAPPER_DEPTH`` segments."""
     found: set[str] = set()
     for k in tensors:
         for p in options:
@@ -402,7 +405,7 @@ def _wrapped_prefixes(tensors: list[str], options: list[str]) -> list[str]:
                 continue
             parts = k[len(p) :].split(".")
             n = 0
-            while n < len(parts) - 1 and parts[n] in WRAPPER_SEGMENTS:
+            while n < min(len(parts) - 1, _MAX_WRAPPER_DEPTH) and parts[n] in WRAPPER_SEGMENTS:
                 n += 1
             found.update(p + ".".join(parts[:i]) + "." for i in range(1, n + 1))
     return sorted(found - set(options))

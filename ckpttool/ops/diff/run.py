@@ -434,7 +434,8 @@ def _unwrapped(side: Side, items: list[Item]) -> tuple[list[Item], list[str]]:
     whole compares with the plain model's. Unchanged where two names would become one."""
     renamed: list[Item] = []
     removed: set[str] = set()
-    wrappers = wrapper_segments_of(side.ckpt.catalog.optimizer_state)  # a "module" the optimizer names is real
+    cat = side.ckpt.catalog
+    wrappers = wrapper_segments_of(cat.optimizer_state, cat.param_fqns)  # a "module" the names keep is real
     for it in items:
         if it.category in ("model", "optimizer_state"):
             name, segs = strip_wrapper_segments(it.name, wrappers)
@@ -1191,7 +1192,7 @@ def _group_values(side: Side) -> dict[str, dict[str, Any]]:
     fqns = [cat.fqn_of(key) for key in cat.model]
     if not fqns:  # an optimizer-only save: its parameters are those of its state (an index-keyed one: by group)
         fqns = [f for f in cat.optimizer_state if not f.isdigit()]
-    wrappers = wrapper_segments_of(cat.optimizer_state)
+    wrappers = wrapper_segments_of(cat.optimizer_state, cat.param_fqns)
     names = [strip_wrapper_segments(f, wrappers)[0] for f in fqns]  # as the tensors are named (_unwrapped)
     if len(set(names)) != len(names):
         names = fqns

@@ -233,7 +233,7 @@ def select_model(cat: Catalog, keys: KeyMap, *, weights: str, filter_glob: str |
     master = weights == "master"
     add = selected.append
     map_one = keys.__call__  # a bound method: the fast call path, 10^6 times
-    wrappers = wrapper_segments_of(cat.optimizer_state)  # a "module" the optimizer names a parameter by is real
+    wrappers = wrapper_segments_of(cat.optimizer_state, cat.param_fqns)  # a "module" the names keep is real
     # 10^6 keys: the fqns come from the catalog's shared list (KeySchema.fqn_of of every model key, in order)
     for (key, entry), param_fqn in zip(cat.model.items(), cat.param_fqns):
         fqn = param_fqn

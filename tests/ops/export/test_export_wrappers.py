@@ -247,3 +247,44 @@ def test_a_submodule_named_module_is_kept_by_export_and_diff(tmp_path: Path) -> 
     res = runner.invoke(app, ["diff", str(tmp_path / "ddp"), str(tmp_path / "plain"), "--what", "all", "--json"])
     doc = json.loads(res.stdout)
     assert res.exit_code == 0 and doc["equal"] and not any("wrapper" in n for n in doc["notes"]), doc["notes"]
+
+
+def test_a_frozen_submodule_named_module_is_kept_by_export_and_diff(tmp_path: Path) -> None:
+    """A submodule named ``module`` inside the model (``self.enc.module``) is frozen (``requires_grad_(False)``): the
+    optimizer's state names none of its parameters, so only the model's keys tell that ``module`` is no wrapper (it
+    follows ``enc``; DDP's leads the key). export wrote ``enc.weight``/``enc.bias`` for ``enc.module.weight``/
+    ``enc.module.bias`` (keys the model does not load) and diff noted them as wrapper segments removed; both now keep
+    the model's own keys (loaded strictly, equal to torch's)."""
+    import torch
+    from safetensors.torch import load_file
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+    from typer.testing import CliRunner
+
+    from ckpttool.cli.app import app
+    from tests.fixtures.builders import save_quiet, train_steps
+
+    class Inner(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.enc, self.head = torch.nn.Module(), torch.nn.Linear(4, 2)
+            self.enc.module = torch.nn.Linear(4, 4).requires_grad_(False)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.head(self.enc.module(x))
+
+    torch.manual_seed(0)
+    model = Inner()
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3)
+    train_steps(model, opt, 2, loss="square")
+    osd = get_optimizer_state_dict(model, opt)
+    assert set(osd["state"]) == {"head.weight", "head.bias"}
+    save_quiet({"model": model.state_dict(), "optimizer": osd}, tmp_path / "plain")
+    runner = CliRunner()
+    res = runner.invoke(app, ["export", str(tmp_path / "plain"), str(tmp_path / "hf")])
+    assert res.exit_code == 0, res.output
+    out = load_file(str(tmp_path / "hf" / "model.safetensors"))
+    Inner().load_state_dict(out, strict=True)
+    assert all(torch.equal(out[k], v) for k, v in model.state_dict().items())
+    res = runner.invoke(app, ["diff", str(tmp_path / "plain"), str(tmp_path / "hf"), "--json"])
+    doc = json.loads(res.stdout)
+    assert res.exit_code == 0 and doc["equal"] and not any("wrapper" in n for n in doc["notes"]), doc["notes"]

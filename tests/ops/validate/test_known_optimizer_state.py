@@ -135,6 +135,42 @@ def test_known_fields_no_one_optimizer_saves_together_are_unknown_state(tmp_path
     ]
 
 
+@pytest.mark.parametrize(("other", "field"), [("Adamax", "exp_inf"), ("SGD-momentum", "momentum_buffer")])
+def test_one_param_group_holding_two_optimizers_state_is_O008(tmp_path: Path, other: str, field: str) -> None:
+    """AdamW state for one weight and Adamax's (or SGD's) for the other weight of the same param group (state merged
+    from another run's optimizer): each parameter's fields are a known optimizer's, and validate --strict passed,
+    but torch's AdamW, resuming, raises KeyError on the other's state at its first step."""
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    torch.manual_seed(1)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8, bias=False), torch.nn.Linear(8, 2, bias=False))
+    stepper = OPTIMIZERS[other][0]([model[1].weight])
+    model(torch.randn(3, 4)).pow(2).mean().backward()
+    stepper.step()
+    foreign = stepper.state_dict()["state"][0]
+    assert field in foreign  # what torch's own optimizer saved
+
+    def merge(state: dict[str, Any]) -> None:
+        state["1.weight"] = foreign
+
+    _save(tmp_path / "ck", "AdamW-amsgrad", change=merge)
+    rc, findings = _validate(tmp_path / "ck")
+    two = [f for f in findings if f["code"] == "O008"]
+    assert rc == 1 and len(two) == 1 and two[0]["key"] == "1.weight", findings
+    assert "param group 0: 1.weight's state" in two[0]["message"] and "0.weight's" in two[0]["message"], two
+    assert "torch.optim.AdamW" in two[0]["message"]
+
+    # torch's own resume of such state raises on the state the other optimizer saved (loading or stepping it)
+    resumed = torch.optim.AdamW(model.parameters(), lr=0.01, amsgrad=True)
+    model(torch.randn(3, 4)).pow(2).mean().backward()
+    resumed.step()
+    msd, osd = get_state_dict(model, resumed)
+    osd["state"]["1.weight"] = foreign
+    with pytest.raises(KeyError):
+        set_state_dict(model, resumed, model_state_dict=msd, optim_state_dict=osd)
+        resumed.step()
+
+
 @pytest.mark.parametrize(
     ("name", "field", "message"),
     [

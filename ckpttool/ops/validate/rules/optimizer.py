@@ -24,10 +24,12 @@ from ckpttool.ops.validate.base import rule
 from ckpttool.ops.validate.context import Context
 from ckpttool.optim_state.known import (
     ADAMW,
+    KNOWN_OPTIMIZERS,
     SCALAR_FIELDS,
     field_shape,
     known_optimizers_of,
     known_state_fields,
+    saved_by,
     saved_by_adamw,
 )
 from ckpttool.optim_state.schema import (
@@ -414,6 +416,51 @@ def unrecognized_state(ctx: Context) -> Iterator[tuple[str, str]]:
             f"{len(fqns)} parameter(s) have state fields {', '.join(names)}, which no known optimizer saves together "
             f"(e.g. {fqns[0]})",
         )
+    yield from _groups_of_two_optimizers(ctx)
+
+
+def _groups_of_two_optimizers(ctx: Context) -> Iterator[tuple[str, str]]:
+    """Param groups whose parameters hold the state of different known optimizers (AdamW's ``exp_avg_sq`` beside
+    Adamax's ``exp_inf`` or SGD's lone ``momentum_buffer``): one ``torch.optim`` optimizer steps every parameter of
+    its group by one algorithm, and its resume raises ``KeyError`` on the state the other saved. Parameters whose
+    fields no known optimizer saves are the per-parameter findings above. One answer per group and field set."""
+    if not ctx.cat.param_groups or not _membership_known(ctx):
+        return
+    index = ctx.cat.group_index()
+    fit: dict[tuple[int, tuple[str, ...]], frozenset[str]] = {}
+    first: dict[int, tuple[str, frozenset[str], dict[str, TensorEntry | None]]] = {}
+    reported: set[int] = set()
+    for fqn, fields, _ in _states(ctx):
+        g = index.get(fqn)
+        if g is None or id(g) in reported:
+            continue
+        k = (id(g), tuple(fields))
+        names = fit.get(k)
+        if names is None:
+            view = _group_view(ctx, fqn)  # classes, not entries: Adafactor's factored and 1-D state are one's
+            names = fit[k] = frozenset(o.saved_by for o in KNOWN_OPTIMIZERS if o.saves(fields, view))
+        if not names:
+            continue  # no known optimizer's: the per-parameter findings
+        if id(g) not in first:
+            first[id(g)] = (fqn, names, fields)
+            continue
+        other, common, other_fields = first[id(g)]
+        if common & names:
+            first[id(g)] = (other, common & names, other_fields)
+            continue
+        reported.add(id(g))
+        yield (
+            fqn,
+            f"param group {g.group_id}: {fqn}'s state ({', '.join(sorted(fields))}) was saved by "
+            f"{_saved_by(ctx, fqn, fields)}, {other}'s ({', '.join(sorted(other_fields))}) by "
+            f"{_saved_by(ctx, other, other_fields)}: one optimizer steps every parameter of a group by one algorithm, "
+            "so its resume raises KeyError on the other's state",
+        )
+
+
+def _saved_by(ctx: Context, fqn: str, fields: dict[str, TensorEntry | None]) -> str:
+    g = ctx.cat.group_of(fqn)
+    return saved_by(fields, None if g is None else g.keys, None if g is None else g.values).removeprefix("ambiguous: ")
 
 
 # ------------------------------------------------------------------------------------------ param groups
