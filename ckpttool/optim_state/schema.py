@@ -332,7 +332,9 @@ def _number_problem(
     x = hyperparameter_value(v)
     if x is None:
         return [(name, f"{name} is {v!r:.40}, not a number")]
-    if not math.isfinite(x) or x < low or x > high or (below and x >= high):
+    if not math.isfinite(x):
+        return [(name, f"{name} is {x!r}, not a finite number")]
+    if x < low or x > high or (below and x >= high):
         return [(name, f"{name} is {x!r}; the optimizer needs {_domain(name, low, high, below)}")]
     return []
 

@@ -55,7 +55,8 @@ def _p006(path: Path) -> tuple[int, list[dict[str, Any]]]:
         ("betas", [0.9], "betas is [0.9], not two numbers"),
         ("lr", -1e-3, "lr is -0.001; the optimizer needs lr >= 0"),
         ("betas", (0.9, 1.0), "betas[1] is 1.0; the optimizer needs 0 <= betas[1] < 1"),
-        ("eps", float("nan"), "eps is nan; the optimizer needs eps >= 0"),
+        ("eps", float("nan"), "eps is nan, not a finite number"),
+        ("eps", float("inf"), "eps is inf, not a finite number"),
     ],
 )
 def test_a_group_torch_cannot_step_with_is_p006(tmp_path: Path, hyper: str, value: Any, said: str) -> None:
