@@ -359,3 +359,34 @@ def test_frozen_upcycled_experts_in_a_trained_save_are_not_copies(tmp_path: Path
     dcp.save({"model": msd, "optim": osd}, checkpoint_id=str(tmp_path / "step-3"))
     rc, doc = run(tmp_path / "step-3", "--deep", "--strict")
     assert rc == 0 and not findings(doc, "D009"), doc["findings"]
+
+
+def test_unused_mask_token_of_a_fine_tuned_dinov2_is_not_an_all_zero_weight(tmp_path: Path) -> None:
+    """transformers' DINOv2 always builds ``embeddings.mask_token`` [1, hidden] and zeroes it at init; only masked
+    pretraining uses it, so three AdamW steps of a classification fine-tune leave it zero (no gradient). D011 called
+    it a tensor never materialised; it is silent now, and still names a weight the save zeroed."""
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+    from transformers import Dinov2Config, Dinov2ForImageClassification
+
+    torch.manual_seed(0)
+    cfg = Dinov2Config(
+        hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64, image_size=28, patch_size=14
+    )
+    model = Dinov2ForImageClassification(cfg)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    for _ in range(3):
+        model(pixel_values=torch.randn(4, 3, 28, 28), labels=torch.tensor([0, 1, 0, 1])).loss.backward()
+        opt.step()
+        opt.zero_grad()
+    assert model.dinov2.embeddings.mask_token.abs().max() == 0
+    dcp.save(model.state_dict(), checkpoint_id=str(tmp_path / "step-3"))  # a model-only save of a trained model
+    rc, doc = run(tmp_path / "step-3", "--deep", "--strict")
+    assert rc == 0 and not doc["findings"], doc["findings"]
+    msd, osd = get_state_dict(model, opt)
+    dcp.save({"model": msd, "optimizer": osd}, checkpoint_id=str(tmp_path / "full" / "step-3"))
+    rc, doc = run(tmp_path / "full" / "step-3", "--deep")
+    assert not findings(doc, "D011"), doc["findings"]
+    key = "model.dinov2.encoder.layer.1.mlp.fc1.weight"
+    damage.rewrite_tensor(tmp_path / "full" / "step-3", key, torch.zeros_like)  # a weight the save left zero
+    rc, doc = run(tmp_path / "full" / "step-3", "--deep")
+    assert [f["key"] for f in findings(doc, "D011")] == [key], doc["findings"]

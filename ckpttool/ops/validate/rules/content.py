@@ -333,9 +333,12 @@ def _separate_parameters(ctx: Context, by_index: dict[int, dict[str, _Member]], 
 #: Model tensors whose own initialisation is zero (``D011`` leaves them alone), matched on the key's
 #: last two components: biases, LoRA's B (PEFT ``lora_B``; zero at init by design, Hu et al. 2021),
 #: router / expert-balance biases (DeepSeek-V3 ``e_score_correction_bias``, torchtitan ``expert_bias``),
-#: and anything named ``zero``.
+#: masked-image-modeling mask tokens (transformers' DINOv2, BEiT, Swin, ViT ``embeddings.mask_token``
+#: ``[1, (1,) hidden]``: zeroed by ``_init_weights``, used only by masked pretraining, so a fine-tune never
+#: gives them a gradient), and anything named ``zero``.
 ZERO_INIT_NAMES = re.compile(
-    r"(^|[._])(bias|lora_b|lora_B|lora_embedding_B|e_score_correction_bias|expert_bias\w*|\w*zero\w*)([._]|$)"
+    r"(^|[._])(bias|lora_b|lora_B|lora_embedding_B|e_score_correction_bias|expert_bias\w*|mask_token|\w*zero\w*)"
+    r"([._]|$)"
 )
 
 
