@@ -390,3 +390,44 @@ def test_unused_mask_token_of_a_fine_tuned_dinov2_is_not_an_all_zero_weight(tmp_
     damage.rewrite_tensor(tmp_path / "full" / "step-3", key, torch.zeros_like)  # a weight the save left zero
     rc, doc = run(tmp_path / "full" / "step-3", "--deep")
     assert [f["key"] for f in findings(doc, "D011")] == [key], doc["findings"]
+
+
+def test_frozen_layers_copied_by_depth_up_scaling_are_not_copied_layers(tmp_path: Path) -> None:
+    """Depth up-scaling duplicates layers at step 0; a fine-tune that freezes them (the optimizer built over the
+    trainable parameters) leaves them bitwise copies, with no optimizer state, while the rest trains. D010 called
+    them a layer written for another on a clean save (D009 already leaves frozen experts alone); it is silent now,
+    and still reports trained layers that are copies."""
+    import copy
+
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    def save(freeze: bool, out: Path) -> None:
+        torch.manual_seed(0)
+        block = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU())
+        layers = torch.nn.ModuleList([block, copy.deepcopy(block), torch.nn.Sequential(torch.nn.Linear(8, 8))])
+        model = torch.nn.ModuleDict({"layers": layers, "head": torch.nn.Linear(8, 4)})
+        if freeze:
+            layers[:2].requires_grad_(False)
+        opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+        gen = torch.Generator().manual_seed(1)
+        for _ in range(3):
+            h = torch.randn(5, 8, generator=gen)
+            for layer in layers:
+                h = layer(h)
+            model["head"](h).square().mean().backward()
+            opt.step()
+            opt.zero_grad()
+        if not freeze:  # a save that wrote layer 0 for layer 1, optimizer state included
+            with torch.no_grad():
+                layers[1].load_state_dict(layers[0].state_dict())
+            for p0, p1 in zip(layers[0].parameters(), layers[1].parameters()):
+                opt.state[p1] = copy.deepcopy(opt.state[p0])
+        msd, osd = get_state_dict(model, opt)
+        dcp.save({"model": msd, "optimizer": osd}, checkpoint_id=str(out))
+
+    save(True, tmp_path / "frozen" / "step-3")
+    rc, doc = run(tmp_path / "frozen" / "step-3", "--deep", "--strict")
+    assert rc == 0 and not doc["findings"], doc["findings"]
+    save(False, tmp_path / "copied" / "step-3")
+    rc, doc = run(tmp_path / "copied" / "step-3", "--deep", "--strict")
+    assert [f["key"] for f in findings(doc, "D010")] == ["model.layers.1"], doc["findings"]

@@ -318,15 +318,17 @@ def _separate_parameters(ctx: Context, by_index: dict[int, dict[str, _Member]], 
     One module used at several depths (ALBERT-style sharing, ``nn.ModuleList([block] * n)``) is one set of
     parameters under several names: ``state_dict`` keeps every name, ``named_parameters`` (hence the optimizer
     state) only the first. Identical layers of which only one has optimizer state are that, not a copy; layers
-    that each have their own state are separate parameters that should have diverged."""
+    that each have their own state are separate parameters that should have diverged. Layers none of which has
+    state while other parameters have some are frozen (:func:`_frozen`): they keep the values they started with,
+    copies where depth up-scaling made them."""
     state = ctx.cat.optimizer_state
 
     def stepped(i: int) -> bool:
         return any((ps := state.get(ctx.cat.fqn_of(k))) is not None and ps.fields for k, _ in by_index[i].values())
 
     own = [i for i in group if stepped(i)]
-    if not own:
-        return group  # no optimizer state to tell aliases from copies (a model-only save)
+    if not own:  # a model-only save has no optimizer state to tell aliases or frozen layers from copies
+        return None if _any_state(ctx) else group
     return own if len(own) > 1 else None
 
 
