@@ -431,3 +431,35 @@ def test_frozen_layers_copied_by_depth_up_scaling_are_not_copied_layers(tmp_path
     save(False, tmp_path / "copied" / "step-3")
     rc, doc = run(tmp_path / "copied" / "step-3", "--deep", "--strict")
     assert [f["key"] for f in findings(doc, "D010")] == ["model.layers.1"], doc["findings"]
+
+
+def test_upcycled_experts_never_routed_keep_copies_in_their_fp32_masters(tmp_path: Path) -> None:
+    """Mixed precision keeps FP32 masters beside BF16 parameters (Megatron's ``fp32_param``, saved as
+    ``master_weight``). An upcycled MoE a few steps in whose experts 2 and 3 got no token: their parameter slices and
+    moments were left alone, but D009 called their master slices copies on a clean save. Silent now; experts written
+    as copies are still reported."""
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    model = torch.nn.ModuleDict({"layers": torch.nn.ModuleList([torch.nn.ModuleDict({"mlp": _Top1Moe(True)})])})
+    moe = model["layers"][0]["mlp"]
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    gen = torch.Generator().manual_seed(1)
+    for _ in range(3):
+        moe(torch.randn(16, 6, generator=gen).abs()).square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+    assert torch.equal(moe.weight(2), moe.weight(3)) and not torch.equal(moe.weight(0), moe.weight(1))
+    msd, osd = get_state_dict(model, opt)
+    for fqn, st in osd["state"].items():  # the FP32 masters; the model is saved in BF16, their rounding
+        st["master_weight"] = msd[fqn].clone()
+    msd = {k: v.to(torch.bfloat16) for k, v in msd.items()}
+    dcp.save({"model": msd, "optim": osd}, checkpoint_id=str(tmp_path / "step-3"))
+    rc, doc = run(tmp_path / "step-3", "--deep", "--strict")
+    assert rc == 0 and not doc["findings"], doc["findings"]
+    ck = copy_checkpoint(tmp_path / "step-3", tmp_path / "ck" / "step-3")
+    key = "optim.state.layers.0.mlp.experts.master_weight"  # expert 0's master written for expert 1
+    damage.rewrite_tensor(ck, key, lambda t: torch.cat([t[:1], t[:1], t[2:]]))
+    rc, doc = run(ck, "--deep")
+    assert [f["message"] for f in findings(doc, "D009")] == [
+        f"{key}: 2 of 4 expert slices are bitwise copies of another: experts 0, 1"
+    ], doc["findings"]

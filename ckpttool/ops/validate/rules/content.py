@@ -170,8 +170,11 @@ def _fused_expert_copies(ctx: Context) -> Iterator[tuple[str, str]]:
         for layer in range(layers):  # the experts of one layer (stacked layers ``[L, E, ...]``: each layer's)
             base = layer * e * pe
             digests = {true(i): _slice_digest(st.digests, base + i * pe, pe) for i in range(e)}
-            if key in moments:  # experts that never got a gradient keep their initial values: upcycled copies
-                for i in _never_stepped_experts(ctx, moments[key], e, layer, layers):
+            # experts that never got a gradient keep their initial values (upcycled copies), in the parameter and
+            # in its master_weight: the parameter's all-zero moment slices name them
+            owner = state[key] if key in state else key
+            if owner is not None and owner in moments:
+                for i in _never_stepped_experts(ctx, moments[owner], e, layer, layers):
                     digests.pop(i, None)
             if key in state:  # experts that never got a gradient have all-zero moments: not copies
                 item = DTYPE_ITEMSIZE[meta.dtype.name]
