@@ -6,7 +6,10 @@ zero gradients and ``lr = 0`` (``_init_optim_state`` in ``torch/distributed/chec
 state_dict.py``) so that the state exists: every parameter then has ``step = 1`` and all-zero
 ``exp_avg`` / ``exp_avg_sq`` (checked on torch 2.13). A resume continues at step 2 and
 bias-corrects as if a real step had run. A genuine first step leaves non-zero moments unless
-every gradient was exactly zero.
+every gradient was exactly zero. torch synthesizes the state of every parameter at once (only an optimizer with
+no state at all); a parameter with zero moments at step 1 beside one whose moments are not zero (or whose step is
+past 1) got zero gradients in a real step (a ReZero gate or adaLN-Zero modulation at 0 stops every gradient of
+its branch in the first step): :func:`synthesized`.
 """
 
 from __future__ import annotations
@@ -20,7 +23,15 @@ from ckpttool.model.catalog import Catalog, TensorEntry
 if TYPE_CHECKING:
     from ckpttool.format.reader import CheckpointReader
 
-__all__ = ["FLOAT32_COUNT_LIMIT", "MOMENTS", "exp_avg_lost", "is_synthesized", "step_not_count", "synthesized_params"]
+__all__ = [
+    "FLOAT32_COUNT_LIMIT",
+    "MOMENTS",
+    "exp_avg_lost",
+    "is_synthesized",
+    "step_not_count",
+    "synthesized",
+    "synthesized_params",
+]
 
 MOMENTS = ("exp_avg", "exp_avg_sq")
 
@@ -29,6 +40,19 @@ def is_synthesized(step: float | None, moments_zero: Iterable[bool | None]) -> b
     """The one predicate: ``step == 1`` and every moment known to be all zero."""
     zeros = list(moments_zero)
     return step == 1.0 and len(zeros) == len(MOMENTS) and all(z is True for z in zeros)
+
+
+def synthesized(states: Iterable[tuple[str, float | None, list[bool | None]]]) -> list[str]:
+    """The parameters whose state torch synthesized, of ``(fqn, step, [exp_avg all zero, exp_avg_sq all zero])``
+    (``None``: not known): those :func:`is_synthesized` holds for, unless another parameter shows a real step (a
+    moment known not to be all zero, or a step past 1), as torch synthesizes every parameter's state or none."""
+    out, stepped = [], False
+    for fqn, step, zeros in states:
+        if is_synthesized(step, zeros):
+            out.append(fqn)
+        elif any(z is False for z in zeros) or (step is not None and step > 1):
+            stepped = True
+    return [] if stepped else out
 
 
 #: The last whole number a float32 ``step`` reaches by adding 1.0 (``torch.optim``'s counter): 2^24.
@@ -73,7 +97,7 @@ def synthesized_params(reader: CheckpointReader, cat: Catalog, fqns: Iterable[st
     Raises:
         CkptError: a chunk cannot be read.
     """
-    out = []
+    states: list[tuple[str, float | None, list[bool | None]]] = []
     for fqn in fqns:
         ps = cat.optimizer_state.get(fqn)
         if ps is None:
@@ -82,9 +106,9 @@ def synthesized_params(reader: CheckpointReader, cat: Catalog, fqns: Iterable[st
         moments = [ps.fields.get(m) for m in MOMENTS]
         if not isinstance(step, TensorEntry) or step.numel != 1 or not all(isinstance(m, TensorEntry) for m in moments):
             continue
-        if float(reader.read_tensor(step.key).reshape(-1)[0]) != 1.0:
-            continue
-        zeros = [not bool(reader.read_tensor(m.key).any()) for m in moments if m is not None]
-        if is_synthesized(1.0, zeros):
-            out.append(fqn)
-    return out
+        value = float(reader.read_tensor(step.key).reshape(-1)[0])
+        zeros: list[bool | None] = [None, None]
+        if value == 1.0:
+            zeros = [not bool(reader.read_tensor(m.key).any()) for m in moments if m is not None]
+        states.append((fqn, value, zeros))
+    return synthesized(states)

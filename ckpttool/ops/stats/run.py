@@ -28,6 +28,7 @@ from ckpttool.model.catalog import Catalog, TensorEntry, match_filter, saved_by_
 from ckpttool.model.checkpoint import Checkpoint, CheckpointOrPath, OpenOptions, open_source
 from ckpttool.model.discovery import EPOCH_DIR, NEWER_INCOMPLETE, Located, step_of
 from ckpttool.ops.fields import PhaseFn, options_of, same_named
+from ckpttool.ops.state_checks import synthesized
 from ckpttool.ops.stats.compute import (
     AdamHyper,
     Moments,
@@ -670,14 +671,16 @@ def _judge_moments(
         moments[fqn] = Moments(moments[fqn].numel, math.nan, math.nan)
     if below:
         notes[NEGATIVE_MOMENTS_NOTE] = below
-    made_up = [fqn for fqn in moments if hypers[fqn].step == 1 and _zero_moments(of.get(fqn, []))]
+    made_up = synthesized((fqn, hypers[fqn].step, _zero_moments(of.get(fqn, []))) for fqn in moments)
     if made_up:  # get_state_dict's zero-lr step before the first real one
         notes[SYNTHESIZED_NOTE] = made_up
 
 
-def _zero_moments(found: list[TensorValueStats]) -> bool:
-    """A parameter's ``exp_avg`` and ``exp_avg_sq`` rows (``found``) were both measured and are all zero."""
-    return len(found) == 2 and all(r.numel and r.zero_fraction == 1.0 for r in found)
+def _zero_moments(found: list[TensorValueStats]) -> list[bool | None]:
+    """Whether each of a parameter's ``exp_avg`` and ``exp_avg_sq`` rows (``found``) is all zero (``None``: a moment
+    not measured, or empty), as :func:`~ckpttool.ops.state_checks.synthesized` takes them."""
+    zeros: list[bool | None] = [r.zero_fraction == 1.0 if r.numel else None for r in found]
+    return zeros if len(zeros) == 2 else [None, None]
 
 
 #: A run root's newer step whose save did not finish (validate's ``R001``): ``--step latest`` measured an older one.

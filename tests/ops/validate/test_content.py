@@ -359,3 +359,107 @@ def test_frozen_upcycled_experts_in_a_trained_save_are_not_copies(tmp_path: Path
     dcp.save({"model": msd, "optim": osd}, checkpoint_id=str(tmp_path / "step-3"))
     rc, doc = run(tmp_path / "step-3", "--deep", "--strict")
     assert rc == 0 and not findings(doc, "D009"), doc["findings"]
+
+
+def test_unused_mask_token_of_a_fine_tuned_dinov2_is_not_an_all_zero_weight(tmp_path: Path) -> None:
+    """transformers' DINOv2 always builds ``embeddings.mask_token`` [1, hidden] and zeroes it at init; only masked
+    pretraining uses it, so three AdamW steps of a classification fine-tune leave it zero (no gradient). D011 called
+    it a tensor never materialised; it is silent now, and still names a weight the save zeroed."""
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+    from transformers import Dinov2Config, Dinov2ForImageClassification
+
+    torch.manual_seed(0)
+    cfg = Dinov2Config(
+        hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64, image_size=28, patch_size=14
+    )
+    model = Dinov2ForImageClassification(cfg)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    for _ in range(3):
+        model(pixel_values=torch.randn(4, 3, 28, 28), labels=torch.tensor([0, 1, 0, 1])).loss.backward()
+        opt.step()
+        opt.zero_grad()
+    assert model.dinov2.embeddings.mask_token.abs().max() == 0
+    dcp.save(model.state_dict(), checkpoint_id=str(tmp_path / "step-3"))  # a model-only save of a trained model
+    rc, doc = run(tmp_path / "step-3", "--deep", "--strict")
+    assert rc == 0 and not doc["findings"], doc["findings"]
+    msd, osd = get_state_dict(model, opt)
+    dcp.save({"model": msd, "optimizer": osd}, checkpoint_id=str(tmp_path / "full" / "step-3"))
+    rc, doc = run(tmp_path / "full" / "step-3", "--deep")
+    assert not findings(doc, "D011"), doc["findings"]
+    key = "model.dinov2.encoder.layer.1.mlp.fc1.weight"
+    damage.rewrite_tensor(tmp_path / "full" / "step-3", key, torch.zeros_like)  # a weight the save left zero
+    rc, doc = run(tmp_path / "full" / "step-3", "--deep")
+    assert [f["key"] for f in findings(doc, "D011")] == [key], doc["findings"]
+
+
+def test_frozen_layers_copied_by_depth_up_scaling_are_not_copied_layers(tmp_path: Path) -> None:
+    """Depth up-scaling duplicates layers at step 0; a fine-tune that freezes them (the optimizer built over the
+    trainable parameters) leaves them bitwise copies, with no optimizer state, while the rest trains. D010 called
+    them a layer written for another on a clean save (D009 already leaves frozen experts alone); it is silent now,
+    and still reports trained layers that are copies."""
+    import copy
+
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    def save(freeze: bool, out: Path) -> None:
+        torch.manual_seed(0)
+        block = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU())
+        layers = torch.nn.ModuleList([block, copy.deepcopy(block), torch.nn.Sequential(torch.nn.Linear(8, 8))])
+        model = torch.nn.ModuleDict({"layers": layers, "head": torch.nn.Linear(8, 4)})
+        if freeze:
+            layers[:2].requires_grad_(False)
+        opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+        gen = torch.Generator().manual_seed(1)
+        for _ in range(3):
+            h = torch.randn(5, 8, generator=gen)
+            for layer in layers:
+                h = layer(h)
+            model["head"](h).square().mean().backward()
+            opt.step()
+            opt.zero_grad()
+        if not freeze:  # a save that wrote layer 0 for layer 1, optimizer state included
+            with torch.no_grad():
+                layers[1].load_state_dict(layers[0].state_dict())
+            for p0, p1 in zip(layers[0].parameters(), layers[1].parameters()):
+                opt.state[p1] = copy.deepcopy(opt.state[p0])
+        msd, osd = get_state_dict(model, opt)
+        dcp.save({"model": msd, "optimizer": osd}, checkpoint_id=str(out))
+
+    save(True, tmp_path / "frozen" / "step-3")
+    rc, doc = run(tmp_path / "frozen" / "step-3", "--deep", "--strict")
+    assert rc == 0 and not doc["findings"], doc["findings"]
+    save(False, tmp_path / "copied" / "step-3")
+    rc, doc = run(tmp_path / "copied" / "step-3", "--deep", "--strict")
+    assert [f["key"] for f in findings(doc, "D010")] == ["model.layers.1"], doc["findings"]
+
+
+def test_upcycled_experts_never_routed_keep_copies_in_their_fp32_masters(tmp_path: Path) -> None:
+    """Mixed precision keeps FP32 masters beside BF16 parameters (Megatron's ``fp32_param``, saved as
+    ``master_weight``). An upcycled MoE a few steps in whose experts 2 and 3 got no token: their parameter slices and
+    moments were left alone, but D009 called their master slices copies on a clean save. Silent now; experts written
+    as copies are still reported."""
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    model = torch.nn.ModuleDict({"layers": torch.nn.ModuleList([torch.nn.ModuleDict({"mlp": _Top1Moe(True)})])})
+    moe = model["layers"][0]["mlp"]
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    gen = torch.Generator().manual_seed(1)
+    for _ in range(3):
+        moe(torch.randn(16, 6, generator=gen).abs()).square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+    assert torch.equal(moe.weight(2), moe.weight(3)) and not torch.equal(moe.weight(0), moe.weight(1))
+    msd, osd = get_state_dict(model, opt)
+    for fqn, st in osd["state"].items():  # the FP32 masters; the model is saved in BF16, their rounding
+        st["master_weight"] = msd[fqn].clone()
+    msd = {k: v.to(torch.bfloat16) for k, v in msd.items()}
+    dcp.save({"model": msd, "optim": osd}, checkpoint_id=str(tmp_path / "step-3"))
+    rc, doc = run(tmp_path / "step-3", "--deep", "--strict")
+    assert rc == 0 and not doc["findings"], doc["findings"]
+    ck = copy_checkpoint(tmp_path / "step-3", tmp_path / "ck" / "step-3")
+    key = "optim.state.layers.0.mlp.experts.master_weight"  # expert 0's master written for expert 1
+    damage.rewrite_tensor(ck, key, lambda t: torch.cat([t[:1], t[:1], t[2:]]))
+    rc, doc = run(ck, "--deep")
+    assert [f["message"] for f in findings(doc, "D009")] == [
+        f"{key}: 2 of 4 expert slices are bitwise copies of another: experts 0, 1"
+    ], doc["findings"]

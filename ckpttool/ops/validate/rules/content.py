@@ -170,8 +170,11 @@ def _fused_expert_copies(ctx: Context) -> Iterator[tuple[str, str]]:
         for layer in range(layers):  # the experts of one layer (stacked layers ``[L, E, ...]``: each layer's)
             base = layer * e * pe
             digests = {true(i): _slice_digest(st.digests, base + i * pe, pe) for i in range(e)}
-            if key in moments:  # experts that never got a gradient keep their initial values: upcycled copies
-                for i in _never_stepped_experts(ctx, moments[key], e, layer, layers):
+            # experts that never got a gradient keep their initial values (upcycled copies), in the parameter and
+            # in its master_weight: the parameter's all-zero moment slices name them
+            owner = state[key] if key in state else key
+            if owner is not None and owner in moments:
+                for i in _never_stepped_experts(ctx, moments[owner], e, layer, layers):
                     digests.pop(i, None)
             if key in state:  # experts that never got a gradient have all-zero moments: not copies
                 item = DTYPE_ITEMSIZE[meta.dtype.name]
@@ -318,24 +321,29 @@ def _separate_parameters(ctx: Context, by_index: dict[int, dict[str, _Member]], 
     One module used at several depths (ALBERT-style sharing, ``nn.ModuleList([block] * n)``) is one set of
     parameters under several names: ``state_dict`` keeps every name, ``named_parameters`` (hence the optimizer
     state) only the first. Identical layers of which only one has optimizer state are that, not a copy; layers
-    that each have their own state are separate parameters that should have diverged."""
+    that each have their own state are separate parameters that should have diverged. Layers none of which has
+    state while other parameters have some are frozen (:func:`_frozen`): they keep the values they started with,
+    copies where depth up-scaling made them."""
     state = ctx.cat.optimizer_state
 
     def stepped(i: int) -> bool:
         return any((ps := state.get(ctx.cat.fqn_of(k))) is not None and ps.fields for k, _ in by_index[i].values())
 
     own = [i for i in group if stepped(i)]
-    if not own:
-        return group  # no optimizer state to tell aliases from copies (a model-only save)
+    if not own:  # a model-only save has no optimizer state to tell aliases or frozen layers from copies
+        return None if _any_state(ctx) else group
     return own if len(own) > 1 else None
 
 
 #: Model tensors whose own initialisation is zero (``D011`` leaves them alone), matched on the key's
 #: last two components: biases, LoRA's B (PEFT ``lora_B``; zero at init by design, Hu et al. 2021),
 #: router / expert-balance biases (DeepSeek-V3 ``e_score_correction_bias``, torchtitan ``expert_bias``),
-#: and anything named ``zero``.
+#: masked-image-modeling mask tokens (transformers' DINOv2, BEiT, Swin, ViT ``embeddings.mask_token``
+#: ``[1, (1,) hidden]``: zeroed by ``_init_weights``, used only by masked pretraining, so a fine-tune never
+#: gives them a gradient), and anything named ``zero``.
 ZERO_INIT_NAMES = re.compile(
-    r"(^|[._])(bias|lora_b|lora_B|lora_embedding_B|e_score_correction_bias|expert_bias\w*|\w*zero\w*)([._]|$)"
+    r"(^|[._])(bias|lora_b|lora_B|lora_embedding_B|e_score_correction_bias|expert_bias\w*|mask_token|\w*zero\w*)"
+    r"([._]|$)"
 )
 
 

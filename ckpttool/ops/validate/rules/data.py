@@ -9,7 +9,7 @@ from collections.abc import Iterator
 from ckpttool.errors import CkptError
 from ckpttool.format.metadata import TensorMeta
 from ckpttool.model.catalog import TensorEntry
-from ckpttool.ops.state_checks import MOMENTS, exp_avg_lost, is_synthesized
+from ckpttool.ops.state_checks import MOMENTS, exp_avg_lost, synthesized
 from ckpttool.ops.state_checks import step_not_count as why_not_count
 from ckpttool.ops.validate.base import rule
 from ckpttool.ops.validate.context import Context
@@ -142,22 +142,21 @@ def synthesized_from_stats(ctx: Context) -> list[str]:
     cat, deep = ctx.cat, ctx.deep_result
     if deep is None:
         return []
-    out = []
+    states: list[tuple[str, float | None, list[bool | None]]] = []
     for fqn, ps in cat.optimizer_state.items():
         step = ps.fields.get("step")
         if not isinstance(step, TensorEntry) or not all(isinstance(ps.fields.get(m), TensorEntry) for m in MOMENTS):
             continue
         st = deep.stats.get(step.key)
         value = st.values[0] if st is not None and len(st.values) == 1 else None
-        zeros = []
+        zeros: list[bool | None] = []
         for m in MOMENTS:
             entry = ps.fields[m]
             assert entry is not None
             ms = deep.stats.get(entry.key)
             zeros.append(ms.zero if ms is not None and ms.numel == entry.numel else None)
-        if is_synthesized(value, zeros):
-            out.append(fqn)
-    return out
+        states.append((fqn, value, zeros))
+    return synthesized(states)
 
 
 def _moment_pairs(ctx: Context) -> dict[str, PairStats]:
