@@ -299,10 +299,9 @@ class _Top1Moe(torch.nn.Module):
         return torch.stack([probs[i, e] * (x[i] @ self.weight(int(e)).T) for i, e in enumerate(idx)])
 
 
-@pytest.mark.parametrize("fused", [True, False])
-def test_upcycled_moe_whose_unrouted_experts_are_still_copies(tmp_path: Path, fused: bool) -> None:
-    """An upcycled MoE a few steps in, two experts never routed to: their weights are still the step-0 copies and
-    their moments all zero (no gradient). That is not a bad save; experts copied with their state still are."""
+def _upcycled_moe_after_three_steps(fused: bool) -> tuple[dict[str, Any], dict[str, Any]]:
+    """``get_state_dict`` of an upcycled top-1 MoE after three AdamW steps whose experts 2 and 3 got no token (still
+    the step-0 copies, moments all zero) while experts 0 and 1 trained apart."""
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
     model = torch.nn.ModuleDict({"layers": torch.nn.ModuleList([torch.nn.ModuleDict({"mlp": _Top1Moe(fused)})])})
@@ -314,7 +313,14 @@ def test_upcycled_moe_whose_unrouted_experts_are_still_copies(tmp_path: Path, fu
         opt.step()
         opt.zero_grad()
     assert torch.equal(moe.weight(2), moe.weight(3)) and not torch.equal(moe.weight(0), moe.weight(1))
-    msd, osd = get_state_dict(model, opt)
+    return get_state_dict(model, opt)
+
+
+@pytest.mark.parametrize("fused", [True, False])
+def test_upcycled_moe_whose_unrouted_experts_are_still_copies(tmp_path: Path, fused: bool) -> None:
+    """An upcycled MoE a few steps in, two experts never routed to: their weights are still the step-0 copies and
+    their moments all zero (no gradient). That is not a bad save; experts copied with their state still are."""
+    msd, osd = _upcycled_moe_after_three_steps(fused)
     dcp.save({"model": msd, "optim": osd}, checkpoint_id=str(tmp_path / "step-3"))
     rc, doc = run(tmp_path / "step-3", "--deep", "--strict")
     if fused:
@@ -438,18 +444,7 @@ def test_upcycled_experts_never_routed_keep_copies_in_their_fp32_masters(tmp_pat
     ``master_weight``). An upcycled MoE a few steps in whose experts 2 and 3 got no token: their parameter slices and
     moments were left alone, but D009 called their master slices copies on a clean save. Silent now; experts written
     as copies are still reported."""
-    from torch.distributed.checkpoint.state_dict import get_state_dict
-
-    model = torch.nn.ModuleDict({"layers": torch.nn.ModuleList([torch.nn.ModuleDict({"mlp": _Top1Moe(True)})])})
-    moe = model["layers"][0]["mlp"]
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    gen = torch.Generator().manual_seed(1)
-    for _ in range(3):
-        moe(torch.randn(16, 6, generator=gen).abs()).square().mean().backward()
-        opt.step()
-        opt.zero_grad()
-    assert torch.equal(moe.weight(2), moe.weight(3)) and not torch.equal(moe.weight(0), moe.weight(1))
-    msd, osd = get_state_dict(model, opt)
+    msd, osd = _upcycled_moe_after_three_steps(True)
     for fqn, st in osd["state"].items():  # the FP32 masters; the model is saved in BF16, their rounding
         st["master_weight"] = msd[fqn].clone()
     msd = {k: v.to(torch.bfloat16) for k, v in msd.items()}
