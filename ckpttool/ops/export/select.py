@@ -333,10 +333,16 @@ def _check_unique(selected: list[Selected]) -> None:
     for s in selected:
         ident = s.out_key if s.hf is None or s.hf.nparts == 1 else f"{s.out_key} (part {s.hf.part})"
         if ident in seen:
+            wrapped = strip_wrapper_segments(seen[ident])[0] == strip_wrapper_segments(s.model_key)[0]
             raise ExportError(
                 f"{seen[ident]} and {s.model_key} both map to the output key {ident!r}",
                 fqn=s.model_key,
-                hint="fix the key rules (`rules`) so every output key is unique",
+                hint=(
+                    "the checkpoint holds one parameter under a wrapped and an unwrapped name (a model saved with and "
+                    "without its wrapper): keep one with `filter_glob`, or map one to another output key with `rules`"
+                    if wrapped
+                    else "fix the key rules (`rules`) so every output key is unique"
+                ),
             )
         seen[ident] = s.model_key
     fused: dict[str, set[int]] = {}

@@ -288,3 +288,23 @@ def test_a_frozen_submodule_named_module_is_kept_by_export_and_diff(tmp_path: Pa
     res = runner.invoke(app, ["diff", str(tmp_path / "plain"), str(tmp_path / "hf"), "--json"])
     doc = json.loads(res.stdout)
     assert res.exit_code == 0 and doc["equal"] and not any("wrapper" in n for n in doc["notes"]), doc["notes"]
+
+
+def test_a_parameter_saved_wrapped_and_unwrapped_is_refused_with_a_hint_for_that(tmp_path: Path) -> None:
+    """A state dict holding ``module.w`` beside ``w`` (a model saved with and without its DDP wrapper): export refuses
+    the two sources of one output key. Its hint spoke of fixing key rules the user never gave; it now says what
+    the two names are and how to keep one."""
+    import torch
+    import torch.distributed.checkpoint as dcp
+    from typer.testing import CliRunner
+
+    from ckpttool.cli.app import app
+
+    dcp.save({"model": {"module.w": torch.ones(2, 2), "w": torch.zeros(2, 2)}}, checkpoint_id=str(tmp_path / "ck"))
+    res = CliRunner().invoke(app, ["export", str(tmp_path / "ck"), str(tmp_path / "out")])
+    assert res.exit_code == 2 and res.stderr.splitlines() == [
+        "error: [E601] model.module.w and model.w both map to the output key 'w'",
+        "hint: the checkpoint holds one parameter under a wrapped and an unwrapped name (a model saved with and "
+        "without its wrapper): keep one with --filter, or map one to another output key with --rules",
+    ], res.stderr
+    assert not (tmp_path / "out").exists()
