@@ -295,6 +295,27 @@ def test_quantize_skip_matching_nothing_warns(master_ckpt: Path, tmp_path: Path)
     assert res.exit_code == 0 and "warning: --quantize-skip 'x*' matches no output tensor" in res.stderr, res.stderr
 
 
+def test_a_quantized_export_that_quantizes_nothing_says_so_and_writes_no_quantization_config(
+    master_ckpt: Path, tmp_path: Path
+) -> None:
+    """--quantize with a --filter that selects only tensors kept unquantized by default (the embedding, lm_head):
+    the export said nothing but "quantized 0 weight(s)", and its config.json edits listed a quantization_config
+    "-> null" the model assets never had; now a warning says no weight was quantized, and the config is not
+    given one. The folder holds no FP8 tensor and transformers loads it as the plain model."""
+    assets = master_ckpt / "model_assets"
+    for method, fmt in (("fp8-block", "fp8"), ("fp8-channel", "compressed-tensors")):
+        out = tmp_path / method
+        args = ["--quantize", method, "--quant-format", fmt, "--filter", "model.embed_tokens.*"]
+        res = runner.invoke(app, ["export", str(master_ckpt), str(out), "--json", *args, "--model-assets", str(assets)])
+        assert res.exit_code == 0, res.stderr
+        r = json.loads(res.stdout)
+        assert r["quantization"]["quantized"] == 0
+        assert any(f"`quantize` {method}: none of the 1 tensor(s) written is quantized" in w for w in r["warnings"])
+        assert "quantization_config" not in r["config_edits"], r["config_edits"]
+        assert "quantization_config" not in json.loads((out / "config.json").read_text())
+        assert {t.dtype for t in _file_tensors(out).values()} == {torch.bfloat16}
+
+
 def test_quantize_with_lora_format_is_usage_error(master_ckpt: Path, tmp_path: Path) -> None:
     res = runner.invoke(
         app, ["export", str(master_ckpt), str(tmp_path / "o"), "--format", "lora", "--quantize", "fp8-block"]
