@@ -316,6 +316,24 @@ def test_a_quantized_export_that_quantizes_nothing_says_so_and_writes_no_quantiz
         assert {t.dtype for t in _file_tensors(out).values()} == {torch.bfloat16}
 
 
+def test_a_dry_run_does_not_report_a_quantization_error_it_never_measured(master_ckpt: Path, tmp_path: Path) -> None:
+    """--dry-run --quantize quantizes nothing, yet its summary said "max error 0 of the block amax" and its --json
+    ``max_rel_error`` 0.0: a measured, perfect result for weights never quantized. Now ``max_rel_error`` is null
+    and the summary says the error was not measured; the export itself measures it."""
+    r = _export(master_ckpt, tmp_path / "dry", "--dry-run")
+    assert r["dry_run"] and r["quantization"]["quantized"] == 14
+    assert r["quantization"]["max_rel_error"] is None and r["quantization"]["tensors"] == {}
+    assert not (tmp_path / "dry").exists()
+    res = runner.invoke(
+        app, ["export", str(master_ckpt), str(tmp_path / "dry"), "--quantize", "fp8-block", "--dry-run"]
+    )
+    assert res.exit_code == 0, res.stderr
+    (line,) = [ln for ln in res.stdout.splitlines() if ln.startswith("quantized")]
+    assert "max error" not in line and "error not measured (dry run)" in line, line
+    r = _export(master_ckpt, tmp_path / "done")
+    assert 0 < r["quantization"]["max_rel_error"] <= r["quantization"]["max_rel_error_bound"]
+
+
 def test_quantize_with_lora_format_is_usage_error(master_ckpt: Path, tmp_path: Path) -> None:
     res = runner.invoke(
         app, ["export", str(master_ckpt), str(tmp_path / "o"), "--format", "lora", "--quantize", "fp8-block"]
