@@ -682,13 +682,16 @@ class QuantizedFormat(OutputFormat):
 
 def recount_casts(plan: ExportPlan, save_dtype: str, quantized: dict[str, QuantTask] | None = None) -> None:
     """Count each quantized weight once as ``src->float8_e4m3fn`` in ``plan.casts`` / ``plan.narrowing``
-    instead of twice (weight and scale) as ``src->save_dtype``."""
+    instead of twice (weight and scale) as ``src->save_dtype``; with ``quantized``, list no scale in
+    ``plan.origins`` (the weights taken from the parameters or their masters: a scale is none of them)."""
+    scales: set[str] = set()
     for t in plan.tasks:
         p = t.pieces
         if quantized is not None:
             if t.source_key not in quantized:
                 continue
             n = quantized[t.source_key].weights  # 0: a later source of a fused piece (its owner counts it)
+            scales.update(q.name for q in p if q.dtype != FP8_DTYPE)  # a quantized task: (FP8 weight, scale) pairs
         elif len(p) != 2 or p[0].dtype != FP8_DTYPE or p[1].dtype != "float32":
             continue
         else:
@@ -705,6 +708,9 @@ def recount_casts(plan: ExportPlan, save_dtype: str, quantized: dict[str, QuantT
                         del d[tag]
         for d in (plan.casts, plan.narrowing):
             d[f"{src}->{FP8_DTYPE}"] = d.get(f"{src}->{FP8_DTYPE}", 0) + n
+    if scales:
+        for origin, keys in plan.origins.items():
+            plan.origins[origin] = [k for k in keys if k not in scales]
 
 
 @dataclass(frozen=True)

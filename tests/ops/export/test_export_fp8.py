@@ -334,6 +334,22 @@ def test_a_dry_run_does_not_report_a_quantization_error_it_never_measured(master
     assert 0 < r["quantization"]["max_rel_error"] <= r["quantization"]["max_rel_error_bound"]
 
 
+def test_weights_from_masters_are_counted_without_their_scales(master_ckpt: Path, tmp_path: Path) -> None:
+    """An FP8 export from FP32 masters said "weights 34 from FP32 master_weight" for a model of 21 parameters, 20
+    with a master: each quantized weight's scale was counted (and listed in --json ``origins``) as a weight taken
+    from a master. Now the origins are the weights: 20 from masters, the frozen norm from its parameter."""
+    for method, fmt in (("fp8-block", "fp8"), ("fp8-channel", "compressed-tensors")):
+        args = ["--quantize", method, "--quant-format", fmt]
+        res = runner.invoke(app, ["export", str(master_ckpt), str(tmp_path / method), *args, "--json"])
+        assert res.exit_code == 0, res.stderr
+        r = json.loads(res.stdout)
+        assert r["quantization"]["quantized"] == 14
+        assert r["origins"]["master"]["count"] == 20 and r["origins"]["params"]["keys"] == ["model.norm.weight"]
+        assert not [k for k in r["origins"]["master"]["keys"] if "scale" in k]
+        human = runner.invoke(app, ["export", str(master_ckpt), str(tmp_path / f"{method}-h"), *args])
+        assert "weights     20 from FP32 master_weight, 1 from stored parameters" in human.stdout, human.stdout
+
+
 def test_quantize_with_lora_format_is_usage_error(master_ckpt: Path, tmp_path: Path) -> None:
     res = runner.invoke(
         app, ["export", str(master_ckpt), str(tmp_path / "o"), "--format", "lora", "--quantize", "fp8-block"]
