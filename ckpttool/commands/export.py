@@ -409,8 +409,12 @@ def _source_lines(r: ExportResult) -> list[str]:
             + (f"({q['block_size']}x{q['block_size']} blocks) " if q["method"] == "fp8-block" else "(per output row) ")
             + f"as {q['format']} from "
             + ("FP32 master weights" if q["source"] == "master" else "the stored parameters")
-            + f"; max error {q['max_rel_error']:.4g} of the {'block' if q['method'] == 'fp8-block' else 'row'} amax "
-            f"(bound {q['max_rel_error_bound']:.4g})"
+            + (
+                f"; max error {q['max_rel_error']:.4g} of the {'block' if q['method'] == 'fp8-block' else 'row'} amax "
+                if q["max_rel_error"] is not None
+                else "; error not measured (dry run) "
+            )
+            + f"(bound {q['max_rel_error_bound']:.4g})"
         )
     if r.experts == "per-expert" or r.layout.get("unpermuted"):
         un = r.layout.get("unpermuted") or []

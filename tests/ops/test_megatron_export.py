@@ -123,6 +123,32 @@ def test_per_expert_is_refused_not_ignored(tmp_path: Path) -> None:
     assert not out.exists()
 
 
+def test_quantized_fused_experts_warning_gives_advice_that_works(tmp_path: Path) -> None:
+    """``--quantize`` of megatron's stacked experts writes fused FP8 experts (the adapter has no per-expert split);
+    the warning that vLLM refuses them told the user to export with ``--experts per-expert``, which this adapter
+    refuses (E601 "fused expert tensors only"). It now names ``--quantize-skip '*.experts.*'``, which exports
+    the experts unquantized, with no warning, and lists their modules in ``modules_to_not_convert``."""
+    from safetensors import safe_open
+
+    doc = json.loads((DATA / "moe_ep2" / "model.json").read_text())
+    assets = _assets(tmp_path, True, doc)
+    args = ["--model-assets", str(assets), "--quantize", "fp8-block", "--json"]
+    r = runner.invoke(app, ["export", str(DATA / "moe_ep2"), str(tmp_path / "fp8"), *args])
+    assert r.exit_code == 0, r.output
+    (w,) = [w for w in json.loads(r.stdout)["warnings"] if "fused expert tensor(s) quantized" in w]
+    assert "`experts` per-expert (the default" not in w and "`quantize_skip` '*.experts.*'" in w, w
+    r = runner.invoke(
+        app, ["export", str(DATA / "moe_ep2"), str(tmp_path / "skip"), *args, "--quantize-skip", "*.experts.*"]
+    )
+    assert r.exit_code == 0, r.output
+    assert json.loads(r.stdout)["warnings"] == []
+    with safe_open(str(tmp_path / "skip" / "model.safetensors"), "pt") as f:
+        experts = {k: f.get_tensor(k).dtype for k in f.keys() if ".experts." in k}
+    assert experts and set(experts.values()) == {torch.bfloat16}, experts
+    qc = json.loads((tmp_path / "skip" / "config.json").read_text())["quantization_config"]
+    assert {f"model.layers.{n}.mlp.experts" for n in range(doc["model"]["layers"])} <= set(qc["modules_to_not_convert"])
+
+
 @pytest.mark.heavy  # CI time: the same band path runs in test_export_quant_experts
 def test_fused_experts_quantized_from_stacked_layers(tmp_path: Path) -> None:
     """``--quantize fp8-block``: the stacked ``linear_fc1 [L, E, 2I, H]`` becomes each layer's fused

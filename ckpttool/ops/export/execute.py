@@ -1461,7 +1461,8 @@ def _check_fp8_modules(plan: ExportPlan, config: dict[str, Any]) -> None:
 
 
 def _quantization(opts: ExportOptions, prep: _Prepared) -> dict[str, Any] | None:
-    """``--json`` ``quantization``: the method, block, source, bound and each quantized tensor's error (this process's)."""
+    """``--json`` ``quantization``: the method, block, source, bound and each quantized tensor's error (this process's;
+    a `dry_run` quantizes nothing: its ``max_rel_error`` is ``None``, its ``tensors`` empty)."""
     q = prep.quantizer
     if q is None:
         return None
@@ -1475,7 +1476,7 @@ def _quantization(opts: ExportOptions, prep: _Prepared) -> dict[str, Any] | None
         "source": opts.weights,
         "max_rel_error_bound": MAX_BLOCK_REL_ERROR,
         "quantized": q.count,
-        "max_rel_error": max((t["max_rel_error"] for t in tensors.values()), default=0.0),
+        "max_rel_error": None if opts.dry_run else max((t["max_rel_error"] for t in tensors.values()), default=0.0),
         "tensors": tensors,
     }
 

@@ -420,6 +420,7 @@ class QuantizedFormat(OutputFormat):
         self._shared: dict[str, _Shared] = {}  # fused piece written by several sources -> its plan so far
         self._experts: tuple[list[str], list[str]] = ([], [])  # (kept, quantized) fused expert tensors
         self._names: set[str] = set()  # every output tensor planned (what the `quantize_skip` globs are matched to)
+        self._fused_only = False  # a model adapter writes fused expert tensors only (megatron's stacked experts)
 
     # delegated hooks
     def check_options(self, experts: str) -> None:
@@ -477,6 +478,8 @@ class QuantizedFormat(OutputFormat):
         def fp8_pieces(s: Selected, dtype: str, ctx: PieceContext) -> SourcePieces:
             pieces, runs, order, counted = base_fn(s, dtype, ctx)
             self._names.update(p.name for p in pieces)
+            if s.hf is not None and s.hf.fused_experts:
+                self._fused_only = True
             if len(pieces) == 1 and pieces[0].shared:
                 return self._shared_piece(s, pieces[0], runs, counted)
             key = s.source.key
@@ -632,26 +635,38 @@ class QuantizedFormat(OutputFormat):
     def warnings(self) -> list[str]:
         """Plan warnings: a `quantize_skip` glob that matches no output tensor (a typo, or a checkpoint key's
         spelling: it quantized what was meant to be kept), fused expert tensors quantized (the layout vLLM and
-        torch's reader do not read)."""
+        torch's reader do not read), no weight quantized at all (the export holds no FP8 tensor)."""
         out = [
             f"`quantize_skip` {g!r} matches no output tensor, so it kept nothing unquantized (the globs match output "
             f"keys as written, e.g. {min(self._names, key=lambda n: ('.layers.' not in n, n))!r})"
             for g in self.spec.skip
             if self._names and not any(fnmatch.fnmatchcase(n, g) for n in self._names)
         ]
+        if self._names and not self.quantized:
+            out.append(
+                f"`quantize` {self.spec.method}: none of the {len(self._names)} tensor(s) written is quantized "
+                "(embeddings, norms, lm_head, router gates, 1-D and `quantize_skip` tensors stay unquantized): the "
+                "export holds no FP8 weight, and its config.json no quantization_config"
+            )
         if not self._experts[1]:
             return out
+        remedy = (
+            "this model adapter writes fused expert tensors only (`experts` per-expert is refused): leave them "
+            "unquantized with `quantize_skip` '*.experts.*'"
+            if self._fused_only
+            else "export with `experts` per-expert (the default with `quantize`) for them"
+        )
         return out + [
             f"{len(self._experts[1])} fused expert tensor(s) quantized as [E, out, in] FP8 with "
             "[E, ceil(out/B), ceil(in/B)] scales (transformers' FP8Experts layout, loaded on a GPU only); vLLM and "
             "torch's QuantizedHuggingFaceStorageReader refuse them and transformers without a GPU loads their FP8 values "
-            "without the scales (wrong weights): export with `experts` per-expert (the default with `quantize`) for them"
+            f"without the scales (wrong weights): {remedy}"
         ]
 
     def edited_assets(self, model_config: dict[str, Any] | None) -> dict[str, bytes]:
         """The base format's edits, and ``config.json`` with the quant format's ``quantization_config``."""
         edited = dict(self.base.edited_assets(model_config))
-        if model_config is not None:
+        if model_config is not None and self.quantized:  # nothing quantized: no quantization_config to write
             doc = json.loads(edited["config.json"]) if "config.json" in edited else dict(model_config)
             kept = set(self.kept)
             names = self._names
@@ -667,13 +682,16 @@ class QuantizedFormat(OutputFormat):
 
 def recount_casts(plan: ExportPlan, save_dtype: str, quantized: dict[str, QuantTask] | None = None) -> None:
     """Count each quantized weight once as ``src->float8_e4m3fn`` in ``plan.casts`` / ``plan.narrowing``
-    instead of twice (weight and scale) as ``src->save_dtype``."""
+    instead of twice (weight and scale) as ``src->save_dtype``; with ``quantized``, list no scale in
+    ``plan.origins`` (the weights taken from the parameters or their masters: a scale is none of them)."""
+    scales: set[str] = set()
     for t in plan.tasks:
         p = t.pieces
         if quantized is not None:
             if t.source_key not in quantized:
                 continue
             n = quantized[t.source_key].weights  # 0: a later source of a fused piece (its owner counts it)
+            scales.update(q.name for q in p if q.dtype != FP8_DTYPE)  # a quantized task: (FP8 weight, scale) pairs
         elif len(p) != 2 or p[0].dtype != FP8_DTYPE or p[1].dtype != "float32":
             continue
         else:
@@ -690,6 +708,9 @@ def recount_casts(plan: ExportPlan, save_dtype: str, quantized: dict[str, QuantT
                         del d[tag]
         for d in (plan.casts, plan.narrowing):
             d[f"{src}->{FP8_DTYPE}"] = d.get(f"{src}->{FP8_DTYPE}", 0) + n
+    if scales:
+        for origin, keys in plan.origins.items():
+            plan.origins[origin] = [k for k in keys if k not in scales]
 
 
 @dataclass(frozen=True)

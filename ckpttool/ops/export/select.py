@@ -267,7 +267,7 @@ def select_model(cat: Catalog, keys: KeyMap, *, weights: str, filter_glob: str |
                 source, origin = mw, "master"
                 masters_found += 1
         add(Selected(key, out_key, source, origin, hf))
-    if master and masters_found == 0:
+    if master and masters_found == 0 and selected:  # none selected: the caller's "matched none" error
         if filter_glob and selected and any("master_weight" in ps.fields for ps in cat.optimizer_state.values()):
             raise ExportError(
                 f"{cat.path}: `weights` master but none of the {len(selected)} tensor(s) `filter_glob` "

@@ -428,6 +428,19 @@ def test_weights_master_with_a_filter_that_selects_no_master_says_so(fixture_roo
     no_leftovers(tmp_path, "o")
 
 
+def test_weights_master_with_a_filter_that_matches_nothing_names_the_filter(fixture_root: Path, tmp_path: Path) -> None:
+    """--weights master with a --filter that selects no tensor at all (the glob 'layers.0.*', which misses the HF
+    names model.layers.0.*): the error said the checkpoint's optimizer keeps no FP32 masters ('e.g. torch AdamW'),
+    though it keeps one for every trained parameter; it is now the "matched none" error of the filter."""
+    built = cached_build(fixture_root, "export_master_tied", hf_models.build_master_tied)
+    res = export_cli(str(built), str(tmp_path / "o"), "--weights", "master", "--filter", "layers.0.*")
+    assert_clean_failure(res, "E601", "--filter 'layers.0.*' matched none")
+    assert "torch AdamW" not in res.stderr and "master_weight" not in res.stderr
+    assert not (tmp_path / "o").exists()
+    res = export_cli(str(built), str(tmp_path / "o"), "--weights", "master", "--filter", "model.layers.0.*")
+    assert res.exit_code == 0, res.stderr  # the glob with the HF prefix selects the layer, every tensor from its master
+
+
 # ------------------------------------------------------------------------------------------ experts
 
 

@@ -295,6 +295,61 @@ def test_quantize_skip_matching_nothing_warns(master_ckpt: Path, tmp_path: Path)
     assert res.exit_code == 0 and "warning: --quantize-skip 'x*' matches no output tensor" in res.stderr, res.stderr
 
 
+def test_a_quantized_export_that_quantizes_nothing_says_so_and_writes_no_quantization_config(
+    master_ckpt: Path, tmp_path: Path
+) -> None:
+    """--quantize with a --filter that selects only tensors kept unquantized by default (the embedding, lm_head):
+    the export said nothing but "quantized 0 weight(s)", and its config.json edits listed a quantization_config
+    "-> null" the model assets never had; now a warning says no weight was quantized, and the config is not
+    given one. The folder holds no FP8 tensor and transformers loads it as the plain model."""
+    assets = master_ckpt / "model_assets"
+    for method, fmt in (("fp8-block", "fp8"), ("fp8-channel", "compressed-tensors")):
+        out = tmp_path / method
+        args = ["--quantize", method, "--quant-format", fmt, "--filter", "model.embed_tokens.*"]
+        res = runner.invoke(app, ["export", str(master_ckpt), str(out), "--json", *args, "--model-assets", str(assets)])
+        assert res.exit_code == 0, res.stderr
+        r = json.loads(res.stdout)
+        assert r["quantization"]["quantized"] == 0
+        assert any(f"`quantize` {method}: none of the 1 tensor(s) written is quantized" in w for w in r["warnings"])
+        assert "quantization_config" not in r["config_edits"], r["config_edits"]
+        assert "quantization_config" not in json.loads((out / "config.json").read_text())
+        assert {t.dtype for t in _file_tensors(out).values()} == {torch.bfloat16}
+
+
+def test_a_dry_run_does_not_report_a_quantization_error_it_never_measured(master_ckpt: Path, tmp_path: Path) -> None:
+    """--dry-run --quantize quantizes nothing, yet its summary said "max error 0 of the block amax" and its --json
+    ``max_rel_error`` 0.0: a measured, perfect result for weights never quantized. Now ``max_rel_error`` is null
+    and the summary says the error was not measured; the export itself measures it."""
+    r = _export(master_ckpt, tmp_path / "dry", "--dry-run")
+    assert r["dry_run"] and r["quantization"]["quantized"] == 14
+    assert r["quantization"]["max_rel_error"] is None and r["quantization"]["tensors"] == {}
+    assert not (tmp_path / "dry").exists()
+    res = runner.invoke(
+        app, ["export", str(master_ckpt), str(tmp_path / "dry"), "--quantize", "fp8-block", "--dry-run"]
+    )
+    assert res.exit_code == 0, res.stderr
+    (line,) = [ln for ln in res.stdout.splitlines() if ln.startswith("quantized")]
+    assert "max error" not in line and "error not measured (dry run)" in line, line
+    r = _export(master_ckpt, tmp_path / "done")
+    assert 0 < r["quantization"]["max_rel_error"] <= r["quantization"]["max_rel_error_bound"]
+
+
+def test_weights_from_masters_are_counted_without_their_scales(master_ckpt: Path, tmp_path: Path) -> None:
+    """An FP8 export from FP32 masters said "weights 34 from FP32 master_weight" for a model of 21 parameters, 20
+    with a master: each quantized weight's scale was counted (and listed in --json ``origins``) as a weight taken
+    from a master. Now the origins are the weights: 20 from masters, the frozen norm from its parameter."""
+    for method, fmt in (("fp8-block", "fp8"), ("fp8-channel", "compressed-tensors")):
+        args = ["--quantize", method, "--quant-format", fmt]
+        res = runner.invoke(app, ["export", str(master_ckpt), str(tmp_path / method), *args, "--json"])
+        assert res.exit_code == 0, res.stderr
+        r = json.loads(res.stdout)
+        assert r["quantization"]["quantized"] == 14
+        assert r["origins"]["master"]["count"] == 20 and r["origins"]["params"]["keys"] == ["model.norm.weight"]
+        assert not [k for k in r["origins"]["master"]["keys"] if "scale" in k]
+        human = runner.invoke(app, ["export", str(master_ckpt), str(tmp_path / f"{method}-h"), *args])
+        assert "weights     20 from FP32 master_weight, 1 from stored parameters" in human.stdout, human.stdout
+
+
 def test_quantize_with_lora_format_is_usage_error(master_ckpt: Path, tmp_path: Path) -> None:
     res = runner.invoke(
         app, ["export", str(master_ckpt), str(tmp_path / "o"), "--format", "lora", "--quantize", "fp8-block"]
