@@ -58,8 +58,9 @@ class SampleConfig:
     rms_norm_eps: float = 1e-6
     tie_word_embeddings: bool = False
 
-    def hf_config(self) -> dict[str, Any]:
-        """A ``Dots1ForCausalLM`` ``config.json`` dict for these sizes (every layer MoE)."""
+    def hf_config(self, dtype: str = "float32") -> dict[str, Any]:
+        """A ``Dots1ForCausalLM`` ``config.json`` dict for these sizes (every layer MoE); ``torch_dtype``: ``dtype``,
+        the dtype the model's tensors are saved in (HF convention)."""
         cfg = asdict(self)
         cfg["n_routed_experts"] = cfg.pop("num_experts")
         cfg.update(
@@ -72,7 +73,7 @@ class SampleConfig:
             norm_topk_prob=True,
             routed_scaling_factor=1.0,
             max_position_embeddings=256,
-            torch_dtype="float32",
+            torch_dtype=dtype,
         )
         return cfg
 
@@ -498,4 +499,5 @@ def _train_and_save(tmp: Path, final: Path, *, steps: int, seed: int, config: Sa
     )
     assets = tmp / "model_assets"
     assets.mkdir()
-    (assets / "config.json").write_text(json.dumps(c.hf_config(), indent=2) + "\n")
+    dtype = "float32" if optimizer == "adamw" else "bfloat16"  # the parameters as saved (model.to above)
+    (assets / "config.json").write_text(json.dumps(c.hf_config(dtype), indent=2) + "\n")

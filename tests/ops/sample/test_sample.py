@@ -227,3 +227,23 @@ def test_exported_sample_loads_in_transformers_without_a_warning(sample_ckpt: Pa
     bias = "model.layers.1.mlp.gate.e_score_correction_bias"
     assert torch.equal(model.state_dict()[bias], saved[bias]) and saved[bias].abs().sum() > 0
     assert set(model.state_dict()) == set(saved)
+
+
+def test_a_bf16_sample_says_bfloat16_in_its_config_and_exports_with_it(tmp_path: Path) -> None:
+    """`sample --optimizer-type master_fp32_adamw` saves BF16 parameters (beside FP32 masters), but its
+    model_assets/config.json said torch_dtype float32: the README's export with `--model-assets` of that sample
+    failed E605 (every tensor bfloat16, config float32). The config names the saved dtype now."""
+    import json
+
+    from safetensors import safe_open
+
+    ck = tmp_path / "ck"
+    res = runner.invoke(app, ["sample", str(ck), "--optimizer-type", "master_fp32_adamw"])
+    assert res.exit_code == 0, res.stderr
+    assert json.loads((ck / "model_assets" / "config.json").read_text())["torch_dtype"] == "bfloat16"
+    out = tmp_path / "hf"
+    res = runner.invoke(app, ["export", str(ck), str(out), "--model-assets", str(ck / "model_assets")])
+    assert res.exit_code == 0, res.stderr
+    with safe_open(str(out / "model.safetensors"), "pt") as f:
+        assert {str(f.get_slice(k).get_dtype()) for k in f.keys()} == {"BF16"}
+    assert json.loads((out / "config.json").read_text())["torch_dtype"] == "bfloat16"
