@@ -108,7 +108,8 @@ def check_output_target(target: Path, *, overwrite: bool, source: Path | None = 
     (:func:`ckpttool.format.marker.ownership`).
 
     Raises:
-        OutputError: target is a file, non-empty without overwrite, or inside/equal to ``source``.
+        OutputError: target is a file, non-empty without overwrite, or inside/equal to ``source`` or holding it
+            (also through a symbolic link or a bind mount: compared by device and inode too).
         ForeignOutputError: (E606) ``overwrite`` and a non-empty target that is not provably ours.
     """
     target = absolute_path(target)
@@ -121,7 +122,8 @@ def check_output_target(target: Path, *, overwrite: bool, source: Path | None = 
     t = target.resolve()
     if source is not None:
         s = source.resolve()
-        if t == s or s in t.parents or t in s.parents:
+        # by path, and by device and inode: a bind mount of the source (or of a folder above it) hides no overlap
+        if t == s or s in t.parents or t in s.parents or _inside_any(t, (s,)) or _inside_any(s, (t,)):
             raise OutputError(
                 f"{target}: output overlaps the source checkpoint {source}",
                 path=target,
