@@ -551,3 +551,21 @@ def test_a_manifest_interrupted_while_written_leaves_nothing_in_the_checkpoint(
     assert tree() == before  # no manifest.json, no temporary file beside it
     again = invoke("reshard", ep_suite / "p4f1", out, "--to", "canonical", "--overwrite")
     assert again.exit_code == 0, again.stderr
+
+
+def test_a_manifest_interrupted_while_written_leaves_no_folder_it_made(dense_ckpt: Path, tmp_path: Path) -> None:
+    """``--output`` in folders that do not exist yet: Ctrl-C while the file was written left them behind."""
+    import os
+    import subprocess
+    import sys
+
+    ck = copy_checkpoint(dense_ckpt, tmp_path / "ck")
+    res = subprocess.run(
+        [sys.executable, "-c", INTERRUPTED, "SIGINT", "manifest", str(ck), "-o", str(tmp_path / "new/a/m.json")],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[3])},
+    )
+    assert (res.returncode, res.stderr.strip()) == (130, "error: interrupted"), (res.returncode, res.stderr)
+    assert sorted(os.listdir(tmp_path)) == ["ck"]
