@@ -108,7 +108,8 @@ def check_output_target(target: Path, *, overwrite: bool, source: Path | None = 
     (:func:`ckpttool.format.marker.ownership`).
 
     Raises:
-        OutputError: target is a file, non-empty without overwrite, or inside/equal to ``source``.
+        OutputError: target is a file, non-empty without overwrite, or inside/equal to ``source`` or holding it
+            (also through a symbolic link or a bind mount: compared by device and inode too).
         ForeignOutputError: (E606) ``overwrite`` and a non-empty target that is not provably ours.
     """
     target = absolute_path(target)
@@ -121,7 +122,8 @@ def check_output_target(target: Path, *, overwrite: bool, source: Path | None = 
     t = target.resolve()
     if source is not None:
         s = source.resolve()
-        if t == s or s in t.parents or t in s.parents:
+        # by path, and by device and inode: a bind mount of the source (or of a folder above it) hides no overlap
+        if t == s or s in t.parents or t in s.parents or _inside_any(t, (s,)) or _inside_any(s, (t,)):
             raise OutputError(
                 f"{target}: output overlaps the source checkpoint {source}",
                 path=target,
@@ -715,11 +717,21 @@ def atomic_write_bytes(path: str | os.PathLike[str], data: bytes, *, fsync: bool
     """Write a small file whole: a new file of a random name beside ``path`` (``O_EXCL | O_NOFOLLOW``: never
     through a link planted there), ``fsync`` ed unless told not, renamed over ``path``. A regular file it
     replaces keeps its permission bits (a ``0600`` picture stays ``0600``); a new one is ``0644`` less the umask.
+    Interrupted (Ctrl-C; SIGTERM or SIGHUP, which raise :class:`Terminated` meanwhile) before the rename, the
+    temporary file is removed: nothing is left beside ``path`` (often in a checkpoint: ``manifest``, ``stamp``).
 
     Raises:
         OutputError: the directory is not writable or the write failed (the temporary file is removed).
+        KeyboardInterrupt: (or :class:`Terminated`) a signal arrived before the rename (the temporary file is removed).
     """
-    p = Path(path)
+    old = stop_signals()
+    try:
+        _write_replace(Path(path), data, fsync)
+    finally:
+        restore_signals(old)
+
+
+def _write_replace(p: Path, data: bytes, fsync: bool) -> None:
     tmp = p.parent / f".{p.name}.ckpttool-tmp-{os.getpid()}-{os.urandom(4).hex()}"
     try:
         try:
@@ -736,9 +748,11 @@ def atomic_write_bytes(path: str | os.PathLike[str], data: bytes, *, fsync: bool
             if fsync:
                 os.fsync(f.fileno())
         os.replace(tmp, p)
-    except OSError as e:
-        with contextlib.suppress(OSError):
+    except BaseException as e:
+        with signals_deferred(), contextlib.suppress(OSError):  # a second signal must not leave it
             tmp.unlink()
+        if not isinstance(e, OSError):
+            raise
         # Not E600's "another output directory or --overwrite": the place is the caller's (stamp's layout.json).
         hint = (
             f"{p} is a directory; move it away and run again"

@@ -167,6 +167,18 @@ class DCPWriter:
     def file_name(rank: int) -> str:
         return f"__{rank}_0.distcp"
 
+    def write_error(self, name: str, key: str | None, e: OSError) -> OutputError:
+        """The one-line error of a write to the output's file ``name`` (a data file, ``.metadata``) that found no
+        room, named as it will be (not by its temporary directory), with the key being written."""
+        path = self.checkpoint_id / name
+        what = f"cannot write {key!r}" if key is not None else "cannot write"
+        return OutputError(
+            f"{path}: {what} ({e.strerror})",
+            path=path,
+            fqn=key,
+            hint="free space on the output's filesystem (or raise its file-size limit, `ulimit -f`), then rerun",
+        )
+
     def _file(self, rank: int) -> BinaryIO:
         f = self._files.get(rank)
         with self._lock:
@@ -193,9 +205,14 @@ class DCPWriter:
         """Flush and ``fsync`` the data file of ``rank`` (done before ``.metadata`` is written)."""
         f = self._files.get(rank)
         if f is not None:
-            f.flush()
-            if self.fsync:
-                os.fsync(f.fileno())
+            try:
+                f.flush()
+                if self.fsync:
+                    os.fsync(f.fileno())
+            except OSError as e:
+                if e.errno not in _FULL:
+                    raise
+                raise self.write_error(self.file_name(rank), None, e) from None
             with self._lock:
                 self._dirty.discard(rank)
 
@@ -205,15 +222,36 @@ class DCPWriter:
             self._file(r)
 
     def close(self) -> None:
-        for f in self._files.values():
-            f.close()
+        """Close every data file (each one, even after one fails).
+
+        Raises:
+            OutputError (E600): a file's last buffered bytes found no room (disk full, ``ulimit -f``); it is named.
+            OSError: another failure to close a file.
+        """
+        failed = self._close_all()
+        if failed is not None:
+            rank, e = failed
+            raise self.write_error(self.file_name(rank), None, e) if e.errno in _FULL else e
+
+    def _close_all(self) -> tuple[int, OSError] | None:
+        """Close every data file; the rank and error of the first that failed (its buffered bytes not written)."""
+        failed = None
+        for rank, f in self._files.items():
+            try:
+                f.close()
+            except OSError as e:
+                failed = failed or (rank, e)
         self._files.clear()
+        return failed
 
     def __enter__(self) -> DCPWriter:
         return self
 
-    def __exit__(self, *exc: object) -> None:
-        self.close()
+    def __exit__(self, exc_type: type[BaseException] | None, *exc: object) -> None:
+        if exc_type is None:
+            self.close()
+        else:  # the error in flight is the one to tell (a close that fails as well would hide it)
+            self._close_all()
 
     # ------------------------------------------------------------------ items
     def declare_tensor(
@@ -308,6 +346,10 @@ class DCPWriter:
             crc = copy_range(src_fd, f.fileno(), info.offset, start, info.length, crc_span=span, sink=sink)
             if verify is not None and crc is not None:
                 verify.check_crc(crc)
+        except OSError as e:
+            if e.errno not in _FULL:  # a read error of the source: its own message
+                raise
+            raise self.write_error(self.file_name(rank), key, e) from None
         except EOFError as e:
             raise DataFileError(
                 f"{info.relative_path}: short read of {key!r} ({e}); the source changed while being read",
@@ -353,13 +395,7 @@ class DCPWriter:
         except OSError as e:
             if e.errno is None:  # a short read: the source changed under us
                 raise
-            path = self.checkpoint_id / self.file_name(rank)  # the name it will have (written under a temporary one)
-            raise OutputError(
-                f"{path}: cannot write {key!r} ({e.strerror})",
-                path=path,
-                fqn=key,
-                hint="free space on the output's filesystem (or raise its file-size limit, `ulimit -f`), then rerun",
-            ) from None
+            raise self.write_error(self.file_name(rank), key, e) from None
         end = f.tell()
         self._count(end - start)
         self._record_chunk(key, chunk, rank, start, end - start)
@@ -524,6 +560,8 @@ class DCPWriter:
                 if self.fsync:
                     os.fsync(f.fileno())
         except OSError as e:
+            if e.errno in _FULL:
+                raise self.write_error(".metadata", None, e) from None
             raise OutputError(f"{path}: cannot write ({e.strerror})", path=path) from e
 
 
@@ -536,6 +574,9 @@ class DCPWriter:
 # torch to build those objects costs seconds, more than copying gigabytes, so the opcodes are
 # written here directly with the same globals; torch's `pickle.load` and ckpttool's allow-list
 # unpickler read them back (tests compare with torch's own objects).
+#: The errnos of a write that found no room: disk full, over the file-size limit (``ulimit -f``), over quota.
+_FULL = (errno.ENOSPC, errno.EFBIG, errno.EDQUOT)
+
 _MD = "torch.distributed.checkpoint.metadata"
 _FS = "torch.distributed.checkpoint.filesystem"
 _CLASS_MODULE = {

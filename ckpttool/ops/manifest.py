@@ -1087,10 +1087,11 @@ def _check_writable(target: Path) -> None:
 def _replace_file(target: Path, data: bytes) -> None:
     """Write ``data`` to a temporary name beside ``target``, ``fsync`` it, rename it into place.
 
-    Parents of ``target`` this call creates are removed again when it fails.
+    Parents of ``target`` this call creates are removed again when it fails or is interrupted.
 
     Raises:
         OutputError: the file cannot be written.
+        KeyboardInterrupt: (or ``Terminated``: SIGTERM, SIGHUP) a signal arrived before the file was in place.
     """
     created: list[Path] = []  # parents of `out` this run made: removed again if it fails
     try:
@@ -1099,12 +1100,14 @@ def _replace_file(target: Path, data: bytes) -> None:
             p.mkdir()
             created.append(p)
         atomic_write_bytes(target, data)
-    except (OSError, OutputError) as e:
+    except BaseException as e:  # interrupted too (Ctrl-C, SIGTERM): no folder of this run is left
         for p in reversed(created):
             try:
                 p.rmdir()
             except OSError:
                 pass
+        if not isinstance(e, (OSError, OutputError)):
+            raise
         cause = e if isinstance(e, OSError) else e.__cause__
         why = cause.strerror if isinstance(cause, OSError) else str(e)
         raise OutputError(f"{target}: cannot write the manifest ({why})", path=target, hint=UNWRITABLE_HINT) from e

@@ -273,3 +273,24 @@ def test_export_below_a_read_only_folder_is_refused_and_dry_run_says_so(
         "hint: choose a writable output location",
     ]
     assert list(ro.iterdir()) == [] and sorted(p.name for p in tmp_path.iterdir()) == ["ro"]
+
+
+@pytest.mark.parametrize("command", ["export", "reshard"])
+def test_an_output_inside_a_bind_mount_of_the_source_is_refused(command: str, ep_suite: Path, tmp_path: Path) -> None:
+    """The same volume mounted at two paths (a container's /data and /mnt/data): ``OUT`` under the second
+    path lies inside the checkpoint. It was taken for another place: export wrote its output into the
+    checkpoint, reshard copied its own temporary directory into itself until a name grew too long (E100)."""
+    ck = copy_checkpoint(ep_suite / "p4f1", tmp_path / "ck")
+    alias = tmp_path / "alias"
+    alias.mkdir()
+    before = _tree(ck)
+    args = f'export "{ck}" "{alias}/out"' if command == "export" else f'reshard "{ck}" "{alias}/out" --to canonical'
+    res = _in_mount_namespace(
+        f'mount --bind "{ck}" "{alias}"; exec "{sys.executable}" -m ckpttool --no-progress {args}'
+    )
+    assert res.returncode == 2, res.stderr
+    assert res.stderr.splitlines() == [
+        f"error: [E600] {alias}/out: output overlaps the source checkpoint {ck}",
+        "hint: write the output to a directory outside the checkpoint",
+    ]
+    assert _tree(ck) == before and sorted(os.listdir(ck)) == sorted(before)

@@ -507,3 +507,65 @@ def test_verify_names_a_rank_local_dcp_save_dcp_not_safetensors(ep_suite: Path, 
     res = invoke("manifest", ck, "--verify")
     assert res.exit_code == 0, res.stderr
     assert res.stdout.strip().splitlines()[-1].startswith(f"{ck} (dcp) matches its manifest"), res.stdout
+
+
+# ------------------------------------------------------------------------ interrupted while the manifest is written
+INTERRUPTED = r"""
+import os, runpy, signal, sys
+sig = getattr(signal, sys.argv.pop(1))
+real_fsync = os.fsync
+def fsync(fd):
+    os.kill(os.getpid(), sig)  # arrives while manifest.json's temporary file is synced, before its rename
+    real_fsync(fd)
+os.fsync = fsync
+runpy.run_module("ckpttool", run_name="__main__")
+"""
+
+
+@pytest.mark.parametrize("signum", ["SIGINT", "SIGTERM"])
+def test_a_manifest_interrupted_while_written_leaves_nothing_in_the_checkpoint(
+    signum: str, ep_suite: Path, tmp_path: Path
+) -> None:
+    """Ctrl-C or SIGTERM while manifest.json was written left its temporary file in the checkpoint (SIGTERM:
+    killed, exit 143): a reshard output holding it was no longer provably ckpttool's (`--overwrite`: E606)."""
+    import hashlib
+    import os
+    import subprocess
+    import sys
+
+    out = tmp_path / "out"
+    assert invoke("reshard", ep_suite / "p4f1", out, "--to", "canonical").exit_code == 0
+
+    def tree() -> dict[str, str]:
+        return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(out.iterdir())}
+
+    before = tree()
+    res = subprocess.run(
+        [sys.executable, "-c", INTERRUPTED, signum, "manifest", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[3])},
+    )
+    assert (res.returncode, res.stderr.strip()) == (130, "error: interrupted"), (res.returncode, res.stderr)
+    assert tree() == before  # no manifest.json, no temporary file beside it
+    again = invoke("reshard", ep_suite / "p4f1", out, "--to", "canonical", "--overwrite")
+    assert again.exit_code == 0, again.stderr
+
+
+def test_a_manifest_interrupted_while_written_leaves_no_folder_it_made(dense_ckpt: Path, tmp_path: Path) -> None:
+    """``--output`` in folders that do not exist yet: Ctrl-C while the file was written left them behind."""
+    import os
+    import subprocess
+    import sys
+
+    ck = copy_checkpoint(dense_ckpt, tmp_path / "ck")
+    res = subprocess.run(
+        [sys.executable, "-c", INTERRUPTED, "SIGINT", "manifest", str(ck), "-o", str(tmp_path / "new/a/m.json")],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[3])},
+    )
+    assert (res.returncode, res.stderr.strip()) == (130, "error: interrupted"), (res.returncode, res.stderr)
+    assert sorted(os.listdir(tmp_path)) == ["ck"]

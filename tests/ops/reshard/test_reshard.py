@@ -601,6 +601,43 @@ def test_out_of_space_while_copying_model_assets_is_e600(sample_ckpt: Path, tmp_
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ck"]
 
 
+def test_out_of_space_while_copying_chunks_names_the_data_file_and_key(ep_suite: Path, tmp_path: Path) -> None:
+    """Chunks copied verbatim into a data file over the file-size limit (as on a full disk): the error named
+    only OUT ("write failed (File too large)"), not the data file and key as a re-encoded chunk's does."""
+    import os
+    import re
+    import resource
+    import signal
+    import subprocess
+    import sys
+
+    def cap() -> None:
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # the write fails with EFBIG instead of killing the run
+        resource.setrlimit(resource.RLIMIT_FSIZE, (3000, 3000))
+
+    out = tmp_path / "out"
+    declared = ["--source-layout", "canonical", "--ep-size", "2", "--ep-fsdp-size", "2"]
+    res = subprocess.run(
+        [sys.executable, "-m", "ckpttool", "reshard", str(ep_suite / "canonical"), str(out), "--to", "legacy"]
+        + ["--with-optimizer", *declared],
+        capture_output=True,
+        text=True,
+        preexec_fn=cap,
+        timeout=300,
+        env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[3])},
+    )
+    assert res.returncode == 2, res.stderr
+    first, hint = res.stderr.splitlines()
+    with CheckpointReader(ep_suite / "canonical") as r:
+        keys = set(r.metadata.entries)
+    m = re.fullmatch(
+        rf"error: \[E600\] {re.escape(str(out))}/__[0-3]_0\.distcp: cannot write '(.+)' \(File too large\)", first
+    )
+    assert m is not None and m.group(1) in keys, first
+    assert hint.startswith("hint: free space on the output's filesystem"), hint
+    assert not out.exists() and not any(".ckpttool-tmp-" in p.name for p in tmp_path.iterdir())
+
+
 # ------------------------------------------------------------------------------------------ proofs: diff and replay
 def _diff_all(src: Path, out: Path, *extra: str) -> dict:
     res = runner.invoke(app, ["diff", str(src), str(out), "--what", "all", "--json", *extra])
