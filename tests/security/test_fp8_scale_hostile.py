@@ -184,28 +184,29 @@ def test_a_config_symlinked_out_of_the_folder_is_not_read(tmp_path: Path) -> Non
     assert "resolves outside" in found[0][2], found
 
 
-def test_serving_config_drops_an_fp8_quantization_config_without_fp8_weights() -> None:
-    """An FP8 base model's config given as --model-assets: without float8 tensors written its quantization_config
-    goes (vLLM and transformers would read BF16 weights as FP8 ones); with them it stays."""
+def test_serving_config_drops_a_quantization_config_without_quantized_weights() -> None:
+    """A quantized base model's config given as --model-assets: without quantized tensors written (float8, or packed
+    integers) its quantization_config goes, whatever the method (vLLM and transformers would read BF16 weights as
+    FP8 ones, or as AWQ/bitsandbytes packed ones, and transformers refuses to load without that method's kernels);
+    with them it stays; a quantization_config naming no method is left as given."""
     from ckpttool.ops.export.serving import serving_config
 
-    qc = {"quant_method": "fp8", "weight_block_size": [64, 64]}
-    data = json.dumps(
-        {"model_type": "llama", "torch_dtype": "bfloat16", "tie_word_embeddings": False, "quantization_config": qc}
-    ).encode()
-    out, edits = serving_config(
-        data, "config.json", dtype="bfloat16", lm_head_written=True, embedding_written=True, fp8_written=False
-    )
-    assert edits == {"quantization_config": [qc, None]} and "quantization_config" not in json.loads(out)
-    assert serving_config(data, "config.json", dtype="bfloat16", lm_head_written=True, embedding_written=True) == (
-        data,
-        {},
-    )
-    other = data.replace(b'"fp8"', b'"bitsandbytes"')  # not FP8: left as given
-    assert (
-        serving_config(other, "c", dtype="bfloat16", lm_head_written=True, embedding_written=True, fp8_written=False)[1]
-        == {}
-    )
+    for method in ("fp8", "bitsandbytes", "awq"):
+        qc = {"quant_method": method, "weight_block_size": [64, 64]}
+        data = json.dumps(
+            {"model_type": "llama", "torch_dtype": "bfloat16", "tie_word_embeddings": False, "quantization_config": qc}
+        ).encode()
+        out, edits = serving_config(
+            data, "config.json", dtype="bfloat16", lm_head_written=True, embedding_written=True, quantized_written=False
+        )
+        assert edits == {"quantization_config": [qc, None]} and "quantization_config" not in json.loads(out)
+        kept = serving_config(data, "config.json", dtype="bfloat16", lm_head_written=True, embedding_written=True)
+        assert kept == (data, {})
+    unnamed = json.dumps({"torch_dtype": "bfloat16", "quantization_config": {"one": "per-tensor"}}).encode()
+    edits = serving_config(
+        unnamed, "c", dtype="bfloat16", lm_head_written=True, embedding_written=True, quantized_written=False
+    )[1]
+    assert edits == {"tie_word_embeddings": [None, False]}
 
 
 def test_an_e5m2_weight_with_a_scale_is_named_by_inspect_and_diff(tmp_path: Path) -> None:

@@ -1047,7 +1047,13 @@ def _serving_assets(
     assets, for a model format (``hf``, ``hf-merged``) given ``--model-assets`` (``check``: the model class
     check, whose class a config without ``architectures`` gets, also where ``--allow-mismatch`` let findings
     through: that is the class the export was accepted for)."""
-    from ckpttool.ops.export.serving import dominant_dtype, rounded_on_load, serving_config, tokenizer_note
+    from ckpttool.ops.export.serving import (
+        PACKED_DTYPES,
+        dominant_dtype,
+        rounded_on_load,
+        serving_config,
+        tokenizer_note,
+    )
 
     if opts.model_assets is None or not out_format.ties_embeddings:
         return None, ()
@@ -1070,7 +1076,9 @@ def _serving_assets(
         lm_head_written=lm_head is not None and lm_head.out_key in names,
         embedding_written=embed is not None and embed.out_key in names,
         architecture=check.model_class if check is not None and check.checked else None,
-        fp8_written=any(e.dtype.startswith("float8_") for entries in plan.entries for e in entries),
+        quantized_written=any(
+            e.dtype.startswith("float8_") or e.dtype in PACKED_DTYPES for entries in plan.entries for e in entries
+        ),
     )
     return config, notes
 

@@ -30,7 +30,11 @@ from ckpttool.format.jsonfile import parse_json
 from ckpttool.format.metadata import DTYPE_ITEMSIZE
 from ckpttool.format.safetensors import is_narrowing
 
-__all__ = ["TOKENIZER_FILES", "dominant_dtype", "rounded_on_load", "serving_config", "tokenizer_note"]
+__all__ = ["PACKED_DTYPES", "TOKENIZER_FILES", "dominant_dtype", "rounded_on_load", "serving_config", "tokenizer_note"]
+
+#: Integer dtypes quantized weights are packed in (AWQ/GPTQ ``qweight``/``qzeros`` int32, bitsandbytes 4-bit and
+#: MXFP4 blocks uint8, LLM.int8() int8); ``int64`` is left out (``position_ids`` buffers).
+PACKED_DTYPES = frozenset(("int8", "uint8", "int16", "uint16", "int32", "uint32"))
 
 #: Files a tokenizer is loaded from (``AutoTokenizer``: a fast tokenizer's JSON, or a slow one's vocabulary).
 TOKENIZER_FILES = (
@@ -100,7 +104,7 @@ def serving_config(
     lm_head_written: bool,
     embedding_written: bool,
     architecture: str | None = None,
-    fp8_written: bool = True,
+    quantized_written: bool = True,
 ) -> tuple[bytes, dict[str, list[Any]]]:
     """``config.json`` bytes as they should be beside the written weights, and what was changed.
 
@@ -112,9 +116,12 @@ def serving_config(
         embedding_written: it wrote the input embedding.
         architecture: the model class the tensors were checked against (``None``: not checked), written as
             ``architectures`` when the config names none.
-        fp8_written: the export wrote float8 tensors; without them an FP8 ``quantization_config`` (``quant_method``
-            ``fp8`` or ``compressed-tensors``, e.g. an FP8 base model's config given as ``--model-assets``) is
-            removed: vLLM and transformers would read the written BF16/FP32 weights as FP8 ones and their scales.
+        quantized_written: the export wrote quantized tensors (float8, or packed integers: AWQ/GPTQ ``qweight``
+            int32, bitsandbytes/MXFP4 uint8, :data:`PACKED_DTYPES`); without them a ``quantization_config`` of any
+            ``quant_method`` (``fp8``, ``compressed-tensors``, ``awq``, ``gptq``, ``bitsandbytes``, ...: a quantized
+            base model's config given as ``--model-assets``, a QLoRA run's) is removed: vLLM and transformers would
+            read the written BF16/FP32 weights as that method's packed weights and scales (transformers refuses to
+            load without the method's kernels installed).
 
     Returns:
         ``(bytes, edits)``: ``data`` itself when nothing changes (``edits`` ``{}``), else the edited
@@ -143,7 +150,7 @@ def serving_config(
                 if key in text:
                     put(text, key, dtype, "text_config.")
     qc = doc.get("quantization_config")
-    if not fp8_written and isinstance(qc, dict) and qc.get("quant_method") in ("fp8", "compressed-tensors"):
+    if not quantized_written and isinstance(qc, dict) and isinstance(qc.get("quant_method"), str):
         edits["quantization_config"] = [qc, None]
         del doc["quantization_config"]
     if architecture is not None and not doc.get("architectures"):

@@ -888,3 +888,35 @@ def test_a_source_cut_short_while_it_is_quantized_is_one_coded_line_nothing_publ
         os.close(fd)
     assert failed
     assert data_file.read_bytes() == data
+
+
+@pytest.mark.parametrize(
+    "qc",
+    [
+        {"quant_method": "awq", "bits": 4, "group_size": 128, "zero_point": True, "version": "gemm"},
+        {"quant_method": "bitsandbytes", "load_in_4bit": True, "bnb_4bit_quant_type": "nf4"},
+    ],
+    ids=["awq", "bitsandbytes"],
+)
+def test_export_drops_any_quantization_config_it_writes_no_quantized_weight_for(
+    sample_ckpt: Path, tmp_path: Path, qc: dict[str, Any]
+) -> None:
+    """The config of a quantized base model (AWQ; bitsandbytes, as a QLoRA run's) given as --model-assets was kept
+    beside the BF16 export: transformers took the weights for packed AWQ / 4-bit ones and refused to load without
+    that method's kernels (vLLM would read them as such). Only FP8 configs were dropped; now any is, where the
+    export writes no quantized tensor. The export then loads with from_pretrained."""
+    import shutil
+
+    from transformers import AutoModelForCausalLM
+
+    assets = tmp_path / "assets"
+    shutil.copytree(sample_ckpt / "model_assets", assets)
+    cfg = json.loads((assets / "config.json").read_text())
+    (assets / "config.json").write_text(json.dumps({**cfg, "quantization_config": qc}))
+    out = tmp_path / "hf"
+    res = runner.invoke(app, ["export", str(sample_ckpt), str(out), "--model-assets", str(assets), "--json"])
+    assert res.exit_code == 0, res.stderr
+    assert json.loads(res.stdout)["config_edits"]["quantization_config"] == [qc, None]
+    assert "quantization_config" not in json.loads((out / "config.json").read_text())
+    model = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)
+    assert type(model).__name__ == "Dots1ForCausalLM"
