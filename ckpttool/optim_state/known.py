@@ -15,7 +15,13 @@ from dataclasses import dataclass
 from functools import lru_cache
 from typing import Any
 
-from ckpttool.optim_state.schema import STATE_FIELDS, lion_group, other_adam_family, sparse_adam_group
+from ckpttool.optim_state.schema import (
+    STATE_FIELDS,
+    hyperparameter_value,
+    lion_group,
+    other_adam_family,
+    sparse_adam_group,
+)
 
 __all__ = [
     "ADAMW",
@@ -50,7 +56,15 @@ _GROUP_TESTS: dict[str, Callable[[Mapping[str, Any], frozenset[str]], bool]] = {
     "SparseAdam's": lambda group, _fields: sparse_adam_group(group),
     "dampening": lambda group, _fields: "dampening" in group,
     "ns_steps or use_muon": lambda group, _fields: "ns_steps" in group or "use_muon" in group,
+    "momentum > 0": lambda group, _fields: _positive(group.get("momentum")),
+    "centered=True": lambda group, _fields: group.get("centered") is True,
 }
+
+
+def _positive(v: Any) -> bool:
+    """A saved number above zero (a one-element tensor too; anything else is not)."""
+    x = hyperparameter_value(v)
+    return x is not None and x > 0
 
 
 @dataclass(frozen=True)
@@ -73,6 +87,16 @@ class KnownOptimizer:
     told_by: str | None = None
     scalars: frozenset[str] = frozenset(("step",))
     reduced: tuple[tuple[str, int], ...] = ()
+    needed_when: tuple[tuple[str, str], ...] = ()
+
+    def lacks(self, fields: Iterable[str], group: Mapping[str, Any] | None) -> list[tuple[str, str]]:
+        """``(field, condition)`` of each optional field its step reads (``state["..."]``: ``KeyError`` where
+        missing) that the param group ``group`` asks for and ``fields`` lack (RMSprop's ``momentum_buffer`` where
+        ``momentum > 0``, ``grad_avg`` where ``centered``); ``[]`` where ``group`` is unread."""
+        have = frozenset(fields)
+        if group is None:
+            return []
+        return [(f, when) for f, when in self.needed_when if f not in have and _GROUP_TESTS[when](group, have)]
 
     def saves(self, fields: Iterable[str], group: Mapping[str, Any] | None = None) -> bool:
         """Whether this optimizer saves exactly ``fields`` for one parameter of the param group ``group``
@@ -108,6 +132,7 @@ def _k(
     told_by: str | None = None,
     scalars: str = "step",
     reduced: tuple[tuple[str, int], ...] = (),
+    needed_when: tuple[tuple[str, str], ...] = (),
 ) -> KnownOptimizer:
     return KnownOptimizer(
         name,
@@ -118,6 +143,7 @@ def _k(
         told_by,
         frozenset(scalars.split()),
         reduced,
+        needed_when,
     )
 
 
@@ -146,7 +172,13 @@ KNOWN_OPTIMIZERS: tuple[KnownOptimizer, ...] = (
     ),
     _k("SGD", _T + "SGD", "momentum_buffer", told_by="dampening"),  # momentum > 0; momentum 0 saves no state
     _k("Adagrad", _T + "Adagrad", "step sum"),
-    _k("RMSprop", _T + "RMSprop", "step square_avg", "momentum_buffer grad_avg"),  # momentum > 0; centered
+    _k(
+        "RMSprop",
+        _T + "RMSprop",
+        "step square_avg",
+        "momentum_buffer grad_avg",
+        needed_when=(("momentum_buffer", "momentum > 0"), ("grad_avg", "centered=True")),  # torch/optim/rmsprop.py
+    ),
     _k("Adamax", _T + "Adamax", "step exp_avg exp_inf"),
     _k("NAdam", _T + "NAdam", "step mu_product exp_avg exp_avg_sq", scalars="step mu_product"),
     _k("RAdam", _T + "RAdam", _ADAMW, group="RAdam's"),

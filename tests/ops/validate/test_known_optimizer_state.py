@@ -291,3 +291,40 @@ def test_a_factored_adafactor_moment_of_a_one_dimensional_parameter_is_O004(tmp_
         ("O004", f"optimizer.state.bias.{f}: {f} of shape [8], which torch saves for no parameter of shape [8]")
         for f in ("col_var", "row_var")
     ], findings
+
+
+@pytest.mark.parametrize(("field", "when"), [("momentum_buffer", "momentum > 0"), ("grad_avg", "centered=True")])
+def test_rmsprop_state_lacking_a_field_its_group_needs_is_O001(tmp_path: Path, field: str, when: str) -> None:
+    """RMSprop with momentum (or centered) saves momentum_buffer (grad_avg) for every stepped parameter and its step
+    reads them as ``state["momentum_buffer"]``. A save that lost one passed validate --strict (the other fields are a
+    known RMSprop's); torch's own resume fails on it (the references here): ``dcp.load`` into
+    ``get_state_dict``'s keys misses the key, and ``load_state_dict`` of the saved state raises KeyError at the
+    first step."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    def lose(state: dict[str, Any]) -> None:
+        del state["1.weight"][field]
+
+    _save(tmp_path / "ck", "RMSprop-centered-momentum", change=lose)
+    rc, findings = _validate(tmp_path / "ck")
+    assert rc == 1 and [(f["code"], f["key"]) for f in findings if f["severity"] != "info"] == [("O001", "1.weight")]
+    has = ", ".join(sorted({"step", "square_avg", "momentum_buffer", "grad_avg"} - {field}))
+    assert findings[0]["message"] == (
+        f"1.weight: optimizer state lacks {field}, which torch.optim.RMSprop reads in a param group with {when} "
+        f"(has {has}): a resume fails on it (dcp.load: missing key; load_state_dict: KeyError at the first step)"
+    ), findings
+
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8, bias=False), torch.nn.Linear(8, 2, bias=False))
+    resumed = OPTIMIZERS["RMSprop-centered-momentum"][0](model.parameters())
+    msd, osd = get_state_dict(model, resumed)
+    with warnings.catch_warnings(), pytest.raises(BaseException, match=f"Missing key .*1.weight.{field}"):
+        warnings.simplefilter("ignore")
+        dcp.load({"model": msd, "optimizer": osd}, checkpoint_id=str(tmp_path / "ck"))
+    model(torch.randn(3, 4)).pow(2).mean().backward()
+    resumed.step()
+    saved = resumed.state_dict()
+    del saved["state"][1][field]  # the state as this checkpoint holds it, through torch's own load_state_dict
+    resumed.load_state_dict(saved)
+    with pytest.raises(KeyError, match=field):
+        resumed.step()

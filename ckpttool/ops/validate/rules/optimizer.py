@@ -144,12 +144,29 @@ def _declared(ctx: Context) -> tuple[str | None, dict[str, Any]]:
 def partial_state(ctx: Context) -> Iterator[tuple[str, str]]:
     for fqn, fields, _ in _states(ctx):
         if set(fields) - set(STATE_FIELDS) or _other_optimizer(ctx, fqn, fields):
-            continue  # not an AdamW family state: O008
+            yield from _lacking_fields(ctx, fqn, fields)  # another optimizer's (unknown ones: O008)
+            continue
         missing = [f for f in _CORE if f not in fields]
         if missing:
             yield fqn, f"{fqn}: optimizer state lacks {', '.join(missing)} (has {', '.join(sorted(fields))})"
         else:
             yield from _amsgrad_problems(ctx, fqn, "present")
+
+
+def _lacking_fields(ctx: Context, fqn: str, fields: dict[str, TensorEntry | None]) -> Iterator[tuple[str, str]]:
+    """The fields the known optimizer whose state ``fields`` are reads in the step its param group configures
+    and the state lacks (RMSprop's ``momentum_buffer`` where ``momentum > 0``: :meth:`KnownOptimizer.lacks`)."""
+    group = _group_view(ctx, fqn)
+    for k in KNOWN_OPTIMIZERS:
+        if k.needed_when and k.saves(fields, group):
+            for name, when in k.lacks(fields, group):
+                yield (
+                    fqn,
+                    f"{fqn}: optimizer state lacks {name}, which {k.saved_by} reads in a param group with {when} "
+                    f"(has {', '.join(sorted(fields))}): a resume fails on it (dcp.load: missing key; "
+                    "load_state_dict: KeyError at the first step)",
+                )
+            return
 
 
 @rule("O002")
