@@ -65,6 +65,9 @@ _NORMALISERS: list[tuple[re.Pattern[str], str]] = [
     (re.compile(r'("[A-Za-z_]*gbps"\s*:\s*)(-?[\d.eE+-]+)'), r"\1<RATE>"),
     (re.compile(r'("max_memory"\s*:\s*)(\d+)'), r"\1<MEM>"),
     (re.compile(r"(batch(?:es)? under )[\d.]+ ?[KMGT]i?B"), r"\1<MEM>"),
+    # an output's ownership marker (.ckpttool-output.json): the writing process and this boot, new every run
+    (re.compile(r'("(?:pid|pid_start)"\s*:\s*)\d+'), r"\1<PID>"),
+    (re.compile(r'("(?:token|boot_id|host)"\s*:\s*)"[^"]*"'), r'\1"<RUN>"'),
 ]
 # DCP files: torch.save archives carry a random serialization id and DOS timestamps, `.metadata`
 # a random save_id and the checkpoint's path; zeroed before hashing, with every member's CRC-32
@@ -166,7 +169,7 @@ def _hash_entry(ctx: Context, p: Path, rel: str) -> str:
         else:
             normed = ctx.norm(text)
             if normed != text:
-                return f"{rel} text-normalised {hashlib.sha256(normed.encode()).hexdigest()} {len(data)}"
+                return f"{rel} text-normalised {hashlib.sha256(normed.encode()).hexdigest()} {len(normed)}"
     return f"{rel} sha256 {hashlib.sha256(data).hexdigest()} {len(data)}"
 
 
