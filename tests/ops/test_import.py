@@ -970,12 +970,9 @@ def test_a_write_that_finds_no_room_names_the_output_file(hf_dirs: Path, tmp_pat
     """Over the file-size limit (as on a full disk): the error named only OUT ("write failed (File too large)"),
     as closing the other data files failed again and hid the first error; a too-large .metadata was named by
     the temporary directory (``.out.ckpttool-tmp-*/.metadata``) with a hint to pass --overwrite."""
-    import os
     import re
-    import resource
-    import signal
-    import subprocess
-    import sys
+
+    from tests.fixtures.file_size_limit import run_capped
 
     args = ["import", str(hf_dirs / "llama"), "--world-size", "64"]
     assert runner.invoke(app, [*args[:2], str(tmp_path / "ref"), *args[2:]]).exit_code == 0
@@ -984,19 +981,8 @@ def test_a_write_that_finds_no_room_names_the_output_file(hf_dirs: Path, tmp_pat
     limit = max(data) // 2 if full == "data file" else max(data) + 1
     assert limit < sizes[".metadata"]
 
-    def cap() -> None:
-        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # the write fails with EFBIG instead of killing the run
-        resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
-
     out = tmp_path / "out"
-    res = subprocess.run(
-        [sys.executable, "-m", "ckpttool", *args[:2], str(out), *args[2:]],
-        capture_output=True,
-        text=True,
-        preexec_fn=cap,
-        timeout=300,
-        env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])},
-    )
+    res = run_capped([*args[:2], str(out), *args[2:]], limit)
     assert res.returncode == 2, res.stderr
     first, hint = res.stderr.splitlines()
     name = r"__\d+_0\.distcp: cannot write '[^']+'" if full == "data file" else r"\.metadata: cannot write"

@@ -567,33 +567,15 @@ def test_ctrl_c_stops_the_copy_within_a_chunk(tmp_path: Path, monkeypatch: pytes
 
 def test_out_of_space_while_copying_model_assets_is_e600(sample_ckpt: Path, tmp_path: Path) -> None:
     """copytree reports a failed file as shutil.Error (no errno): still E600 with the cause, not E999."""
-    import resource
     import shutil
-    import subprocess
+
+    from tests.fixtures.file_size_limit import run_capped
 
     src = tmp_path / "ck"
     shutil.copytree(sample_ckpt, src)
     (src / "model_assets" / "tokenizer.json").write_bytes(b"t" * (3 << 20))
     limit = 2 << 20  # the data files (< 1 MiB) fit, the asset does not
-
-    def cap() -> None:
-        resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
-
-    res = subprocess.run(
-        [
-            shutil.which("ckpttool") or "ckpttool",
-            "reshard",
-            str(src),
-            str(tmp_path / "out"),
-            "--to",
-            "legacy",
-            "--with-optimizer",
-        ],
-        capture_output=True,
-        text=True,
-        preexec_fn=cap,
-        timeout=300,
-    )
+    res = run_capped(["reshard", str(src), str(tmp_path / "out"), "--to", "legacy", "--with-optimizer"], limit)
     assert res.returncode == 2, res.stderr
     assert res.stderr.startswith("error: [E600]") and "File too large" in res.stderr, res.stderr
     assert ".ckpttool-tmp-" not in res.stderr and str(tmp_path / "out") in res.stderr, res.stderr
@@ -604,27 +586,14 @@ def test_out_of_space_while_copying_model_assets_is_e600(sample_ckpt: Path, tmp_
 def test_out_of_space_while_copying_chunks_names_the_data_file_and_key(ep_suite: Path, tmp_path: Path) -> None:
     """Chunks copied verbatim into a data file over the file-size limit (as on a full disk): the error named
     only OUT ("write failed (File too large)"), not the data file and key as a re-encoded chunk's does."""
-    import os
     import re
-    import resource
-    import signal
-    import subprocess
-    import sys
 
-    def cap() -> None:
-        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # the write fails with EFBIG instead of killing the run
-        resource.setrlimit(resource.RLIMIT_FSIZE, (3000, 3000))
+    from tests.fixtures.file_size_limit import run_capped
 
     out = tmp_path / "out"
     declared = ["--source-layout", "canonical", "--ep-size", "2", "--ep-fsdp-size", "2"]
-    res = subprocess.run(
-        [sys.executable, "-m", "ckpttool", "reshard", str(ep_suite / "canonical"), str(out), "--to", "legacy"]
-        + ["--with-optimizer", *declared],
-        capture_output=True,
-        text=True,
-        preexec_fn=cap,
-        timeout=300,
-        env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[3])},
+    res = run_capped(
+        ["reshard", str(ep_suite / "canonical"), str(out), "--to", "legacy", "--with-optimizer", *declared], 3000
     )
     assert res.returncode == 2, res.stderr
     first, hint = res.stderr.splitlines()

@@ -170,20 +170,9 @@ def test_interrupted_leaves_nothing(sig: str, tmp_path: Path) -> None:
 
 def test_sample_on_a_full_disk_is_e600_without_traceback(tmp_path: Path) -> None:
     """torch's CheckpointException is a BaseException: the failure inside it (EFBIG here) is what the user sees."""
-    import resource
-    import shutil
-    import subprocess
+    from tests.fixtures.file_size_limit import run_capped
 
-    def cap() -> None:
-        resource.setrlimit(resource.RLIMIT_FSIZE, (100_000, 100_000))
-
-    res = subprocess.run(
-        [shutil.which("ckpttool") or "ckpttool", "sample", str(tmp_path / "s")],
-        capture_output=True,
-        text=True,
-        preexec_fn=cap,
-        timeout=300,
-    )
+    res = run_capped(["sample", str(tmp_path / "s")], 100_000)
     assert res.returncode == 2, res.stderr[-2000:]
     assert res.stderr.startswith("error: [E600]") and "Traceback" not in res.stderr, res.stderr[-2000:]
     assert os.listdir(tmp_path) == []
