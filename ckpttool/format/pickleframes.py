@@ -22,7 +22,7 @@ import pickle
 from functools import cache
 from typing import Any
 
-__all__ = ["FramedInput", "CROSSING", "MemoIndexError", "check_memo", "pickle_input"]
+__all__ = ["FramedInput", "CROSSING", "CountedLengthError", "MemoIndexError", "check_memo", "pickle_input"]
 
 #: The refusal's text (the pure-Python unpickler's words for it).
 CROSSING = "pickle exhausted before end of frame"
@@ -200,6 +200,22 @@ class MemoIndexError(pickle.UnpicklingError):
     """A memo index far beyond the memo slots a pickle wrote before it (:func:`check_memo`)."""
 
 
+class CountedLengthError(MemoIndexError):
+    """An 8-byte length (``BINUNICODE8``, ``BINBYTES8``, ``BYTEARRAY8``) past the end of the stream
+    (:func:`check_memo`): CPython's C unpickler allocates that many bytes before it reads them (``MemoryError``, and
+    for ``BYTEARRAY8`` a ``SystemError`` it prints to stderr)."""
+
+
+def walked(data: bytes) -> bool:
+    """Whether :func:`check_memo` walks ``data``: it holds a byte of ``LONG_BINPUT``/``PUT`` (BINPUT's one-byte
+    index and ``MEMOIZE`` are harmless) or of an 8-byte length's opcode."""
+    return any(b in data for b in (b"r", b"p", b"\x8d", b"\x8e", b"\x96"))
+
+
+def _length_error(size: int, at: int, n: int) -> CountedLengthError:
+    return CountedLengthError(f"a length of {size} bytes at byte {at}, past the {n}-byte stream's end")
+
+
 def check_memo(data: bytes) -> None:
     """Refuse a ``PUT``/``LONG_BINPUT`` that names a memo slot far beyond the slots written before it.
 
@@ -211,11 +227,15 @@ def check_memo(data: bytes) -> None:
     through); a stream that holds no ``p``/``r`` byte is not walked. Stops where the stream does not
     parse (the unpickler then refuses it).
 
+    Also refuses an 8-byte length (``BINUNICODE8``, ``BINBYTES8``, ``BYTEARRAY8``) past the end of the stream: the
+    C unpickler allocates it before reading.
+
     Raises:
         MemoIndexError: a memo index beyond the bound (its value and position named).
+        CountedLengthError: such a length (its value and position named).
     """
-    if b"r" not in data and b"p" not in data:
-        return  # BINPUT's one-byte index and MEMOIZE are harmless
+    if not walked(data):
+        return
     if _native_check(data):
         return
     table = _reads()
@@ -258,6 +278,8 @@ def check_memo(data: bytes) -> None:
                 size = int.from_bytes(data[x : x + width], "little", signed=width == 4 and op in (0x54, 0x8B))
                 if size < 0:
                     return
+                if width == 8 and x + 8 <= n and size > n - x - 8:
+                    raise _length_error(size, x - 1, n)
                 x += width + size
 
 
@@ -293,6 +315,8 @@ def _native_check(data: bytes) -> bool:
         return False
     bad, before = ctypes.c_int64(), ctypes.c_int64()
     x = fn(bytes(data), len(data), _native_table(), MEMO_SLACK, ctypes.byref(bad), ctypes.byref(before))
+    if x == -3:
+        raise _length_error(bad.value, before.value, len(data))
     if x >= 0:
         raise MemoIndexError(f"memo index {bad.value} at byte {x} after {before.value} memo writes (a memory bomb)")
     return bool(x == -1)

@@ -15,8 +15,10 @@ static uint64_t le(const uint8_t *p, int64_t avail, int w) {
 }
 
 /* Returns -1: no index beyond `puts + slack` (or the walk stopped where the stream does not parse: an unknown
- * opcode, STOP, a line without its end, a negative length); -2: a text PUT (the caller's walk decides); else the
- * position after the first such index, with *bad its value and *puts_before the memo writes before it. */
+ * opcode, STOP, a line without its end, a negative length); -2: a text PUT (the caller's walk decides); -3: an
+ * 8-byte length (BINUNICODE8, BINBYTES8, BYTEARRAY8) past the stream's end, with *bad the length and *puts_before
+ * the position of its opcode (CPython's unpickler allocates that much before it reads); else the position after the
+ * first index beyond the bound, with *bad its value and *puts_before the memo writes before it. */
 int64_t ckpt_pickle_memo_check(const uint8_t *d, int64_t n, const int8_t *table, int64_t slack, int64_t *bad,
                                int64_t *puts_before) {
     int64_t x = 0, puts = 0;
@@ -53,6 +55,11 @@ int64_t ckpt_pickle_memo_check(const uint8_t *d, int64_t n, const int8_t *table,
                 int w = -r;
                 uint64_t size = le(d + x, n - x, w);
                 if (w == 4 && (op == 0x54 || op == 0x8B) && (size & 0x80000000u) && n - x >= 4) return -1;
+                if (w == 8 && n - x >= 8 && size > (uint64_t)(n - x - 8)) {
+                    *bad = size > (uint64_t)INT64_MAX ? INT64_MAX : (int64_t)size;
+                    *puts_before = x - 1;
+                    return -3;
+                }
                 if (size > (uint64_t)(n - x)) return -1; /* past the end: the walk ends there */
                 x += w + (int64_t)size;
             }
