@@ -31,6 +31,7 @@ __all__ = [
     "other_adam_family",
     "sparse_adam_group",
     "step_dtype_ok",
+    "torch_optimizers_group",
 ]
 
 
