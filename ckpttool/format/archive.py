@@ -27,7 +27,7 @@ from ckpttool.engine.io import ShortReadError, read_exact
 from ckpttool.errors import SizeLimitError, StorageTupleError, UnsafePickleError
 from ckpttool.format import limits
 from ckpttool.format.metadata import DTYPE_ITEMSIZE
-from ckpttool.format.pickleframes import MemoIndexError, pickle_input
+from ckpttool.format.pickleframes import PickleBombError, pickle_input
 
 __all__ = [
     "Archive",
@@ -759,7 +759,7 @@ def _tensor_spec(pkl: bytes) -> tuple[Any, Any, Any, Any, Any]:
         spec = _TensorPickle(pickle_input(pkl)).load()
     except (UnsafePickleError, StorageTupleError):
         raise
-    except MemoIndexError as e:
+    except PickleBombError as e:
         raise ArchiveError(f"data.pkl {e}") from e
     except Exception as e:
         raise ArchiveError(f"data.pkl unreadable: {type(e).__name__}") from e

@@ -47,7 +47,7 @@ from ckpttool.format.archive import (
 from ckpttool.format.files import open_regular, resolve_inside
 from ckpttool.format.metadata import BytesMeta, CheckpointMetadata, ChunkMeta, DType, StorageInfo, TensorMeta
 from ckpttool.format.perrank_pickle import DTensorRec, LocalTensor, Opaque, Placement, Record, unpickle_rank
-from ckpttool.format.pickleframes import MemoIndexError
+from ckpttool.format.pickleframes import PickleBombError
 from ckpttool.format.reader import CheckpointReader
 from ckpttool.format.unpickler import UNREADABLE_PICKLE, check_object_graph
 
@@ -718,7 +718,7 @@ def checked_pickle(load: Callable[[], Any], where: Any, member: str = "") -> Any
         return check_object_graph(load(), str(where))
     except CkptError:
         raise
-    except MemoIndexError as e:
+    except PickleBombError as e:
         raise PerRankError(f"{where}: {member}{e}", path=where) from e
     except UNREADABLE_PICKLE as e:
         what = f"{member}is not" if member else "not"

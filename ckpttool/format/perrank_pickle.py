@@ -253,7 +253,8 @@ def unpickle_rank(pkl: bytes, source: str) -> Any:
 
     Raises:
         UnsafePickleError: a global off the allow-list.
-        MemoIndexError: a memo bomb (:func:`~ckpttool.format.pickleframes.check_memo`), before unpickling.
+        PickleBombError: a memo bomb or an 8-byte length past the end
+            (:func:`~ckpttool.format.pickleframes.check_memo`), before unpickling.
         UNREADABLE_PICKLE (``ckpttool.format.unpickler``): any other unreadable pickle.
     """
     return RankUnpickler(pickle_input(pkl), source=source).load()

@@ -22,7 +22,15 @@ import pickle
 from functools import cache
 from typing import Any
 
-__all__ = ["FramedInput", "CROSSING", "CountedLengthError", "MemoIndexError", "check_memo", "pickle_input"]
+__all__ = [
+    "FramedInput",
+    "CROSSING",
+    "CountedLengthError",
+    "MemoIndexError",
+    "PickleBombError",
+    "check_memo",
+    "pickle_input",
+]
 
 #: The refusal's text (the pure-Python unpickler's words for it).
 CROSSING = "pickle exhausted before end of frame"
@@ -196,11 +204,16 @@ def pickle_input(data: bytes) -> Any:
 MEMO_SLACK = 256
 
 
-class MemoIndexError(pickle.UnpicklingError):
+class PickleBombError(pickle.UnpicklingError):
+    """A pickle refused before any unpickler runs (:func:`check_memo`): it would make CPython's C unpickler allocate
+    far more than the pickle's own size."""
+
+
+class MemoIndexError(PickleBombError):
     """A memo index far beyond the memo slots a pickle wrote before it (:func:`check_memo`)."""
 
 
-class CountedLengthError(MemoIndexError):
+class CountedLengthError(PickleBombError):
     """An 8-byte length (``BINUNICODE8``, ``BINBYTES8``, ``BYTEARRAY8``) past the end of the stream
     (:func:`check_memo`): CPython's C unpickler allocates that many bytes before it reads them (``MemoryError``, and
     for ``BYTEARRAY8`` a ``SystemError`` it prints to stderr)."""

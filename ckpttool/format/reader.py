@@ -57,7 +57,7 @@ from ckpttool.format.directory import CheckpointDir
 from ckpttool.format.locator import ChunkLocation, decode_transforms, locate_chunk, tensor_meta
 from ckpttool.format.mdstorage import storage_infos
 from ckpttool.format.metadata import BytesMeta, CheckpointMetadata, ChunkMeta, StorageInfo, TensorMeta
-from ckpttool.format.pickleframes import MemoIndexError, pickle_input
+from ckpttool.format.pickleframes import PickleBombError, pickle_input
 from ckpttool.format.tiling import tiling_problem
 from ckpttool.format.unpickler import UNREADABLE_PICKLE, PrimitiveUnpickler, check_object_graph
 
@@ -756,7 +756,7 @@ def load_saved_object(
         pass  # needs torch's weights_only unpickler (tensors, ...)
     except CkptError:
         raise
-    except MemoIndexError as e:
+    except PickleBombError as e:
         raise ChunkError(f"{where}: data.pkl {e}", fqn=fqn) from e  # before torch.load would run it
     except UNREADABLE_PICKLE as e:
         raise ChunkError(f"{where}: data.pkl is not a readable pickle ({type(e).__name__})", fqn=fqn) from e
