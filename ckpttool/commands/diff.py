@@ -305,6 +305,8 @@ def render_diff(res: DiffResult, *, max_rows: int = _ROWS) -> None:
     within = sum(t.status == "within_tolerance" for t in res.tensors)
     if res.equal and within:  # not bitwise: "equal" alone would claim more than was found
         verdict = f"equal within tolerance: {_plural(within, 'tensor')} not bitwise equal"
+        if res.options.as_dtype and res.options.rtol is None and res.options.atol is None:
+            verdict = f"equal as {res.options.as_dtype}: {_plural(within, 'tensor')} not bitwise equal as stored"
     from ckpttool.ops.diff.result import BESIDE_NOTE, MODEL_ONLY_NOTE, SELF_NOTE
 
     if res.equal and any(n.startswith(BESIDE_NOTE) for n in res.notes):
@@ -323,13 +325,16 @@ def _plural(n: int, word: str) -> str:
 
 
 def _header(con: Any, res: DiffResult) -> None:
+    from ckpttool.ops.diff.result import DEQUANTIZED_NOTE
+
     o = res.options
     how = "bitwise"
     if o.rtol is not None or o.atol is not None:
         how = f"within rtol {o.rtol or 0:g}, atol {o.atol or 0:g}"
     if o.as_dtype:
         how += f" after casting to {o.as_dtype}"
-    if o.rtol is None and o.atol is None and any(t.status == "within_tolerance" for t in res.tensors):
+    quantized = any(n.startswith(DEQUANTIZED_NOTE) for n in res.notes)  # else --as-dtype made them within
+    if o.rtol is None and o.atol is None and quantized and any(t.status == "within_tolerance" for t in res.tensors):
         how += "; quantized weights against unquantized ones within their quantization step (note below)"
     for name, side in (("A", res.a), ("B", res.b)):
         opened = f": opened {side.opened}" if side.opened else ""

@@ -93,8 +93,9 @@ class ValueDiff:
         metrics: :class:`Metrics` of the whole tensors (``None``: booleans).
         rows: ``(sum (a-b)^2, sum b^2)`` of each block of ``rows`` elements along the flat values (a tensor of
             stacked layers ``[L, ...]``: each layer's), when asked for and the values were decoded; else ``()``.
-        not_bitwise: values of one dtype, not cast, whose bits differ where every element is within the tolerance
-            and no sum tells (``-0.0`` against ``0.0``, NaNs of other payloads: ``|a-b|`` 0 there).
+        not_bitwise: values of one stored dtype whose stored bits differ where every element is within the
+            tolerance and no sum tells (``-0.0`` against ``0.0``, NaNs of other payloads: ``|a-b|`` 0 there), or is
+            equal only after the ``as_dtype`` cast (float32 step counters 1001 and 1002 are both 1000 as bfloat16).
     """
 
     mismatched: int
@@ -281,7 +282,8 @@ class ValueCompare:
 
         self.as_dtype = how.as_dtype
         self.same_dtype = a_dtype == b_dtype
-        self.same_bytes = True  # every block so far bitwise equal (no cast)
+        self.same_bytes = True  # every block so far bitwise equal (as compared: after the cast)
+        self.stored_same = True  # every block so far bitwise equal as stored (one dtype; else never read)
         self.tolerant = how.tolerant
         self.rt, self.at = how.rtol or 0.0, how.atol or 0.0
         # bool, and packed FP4 (which torch converts to nothing): compared by value codes, no float metrics
@@ -295,10 +297,13 @@ class ValueCompare:
     def add(self, xa: Any, xb: Any, start: int) -> None:
         """Fold one block: ``xa``, ``xb`` the 1-d elements ``[start, start + len)`` of each side."""
         if self.as_dtype is not None:
+            if self.same_dtype and self.stored_same:  # the cast can make stored values that differ equal
+                self.stored_same = same_bytes(xa, xb)
             xa, xb = xa.to(self.as_dtype), xb.to(self.as_dtype)
         at = self.at if not callable(self.at) else (lambda i: self.at(i + start))  # type: ignore[operator]
         cnt, ne = _block_mismatch(xa, xb, self.tolerant, self.rt, at, self.numeric, self.sums, start)
         self.same_bytes = self.same_bytes and ne is None
+        self.stored_same = self.stored_same and (self.as_dtype is not None or ne is None)
         if cnt:
             if self.first is None:
                 i = int(ne.nonzero()[0, 0])
@@ -313,8 +318,9 @@ class ValueCompare:
             return ValueDiff(0, None)  # as compare_tensors' first check: the bytes are equal
         met = sums.metrics() if numeric else None
         rows = sums.row_sums() if numeric else ()
+        not_bitwise = self.same_dtype and not self.stored_same
         if self.mismatched == 0 and not self.tolerant:
-            return ValueDiff(0, None, metrics=met, rows=rows)
+            return ValueDiff(0, None, metrics=met, rows=rows, not_bitwise=not_bitwise)
         return ValueDiff(
             self.mismatched,
             self.first,
@@ -323,7 +329,7 @@ class ValueCompare:
             *self.values,
             met,
             rows,
-            self.same_dtype and self.as_dtype is None and not self.same_bytes,
+            not_bitwise,
         )
 
 

@@ -28,6 +28,7 @@ from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 from ckpttool.model.quantized import scale_grid, scaled_pairs
+from ckpttool.ops.diff.result import DEQUANTIZED_NOTE
 
 if TYPE_CHECKING:
     from ckpttool.ops.diff.result import Item
@@ -192,7 +193,7 @@ def note(counts: tuple[int, int]) -> str | None:
         return None
     sides = ", ".join(f"{n} in {s}" for n, s in zip(counts, "AB") if n)
     return (
-        f"quantized weights compared dequantized ({sides}; scales not compared on their own); against an "
+        f"{DEQUANTIZED_NOTE} ({sides}; scales not compared on their own); against an "
         f"unquantized side within rtol {FP8_RTOL} (FP8) / {MXFP4_RTOL} (MXFP4) and atol one subnormal step times "
         "each element's block scale (FP8) / the tensor's largest group scale (MXFP4), unless `rtol` / `atol` are given"
     )

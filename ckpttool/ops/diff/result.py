@@ -49,6 +49,10 @@ SELF_NOTE = "A and B are one checkpoint"
 #: state or param groups: "equal" then speaks of the model tensors only; the verdict says so.
 MODEL_ONLY_NOTE = "optimizer state and param groups not compared"
 
+#: How the note on quantized weights compared dequantized begins: against an unquantized side they are compared
+#: within their quantization step without ``rtol``/``atol``; the header says so.
+DEQUANTIZED_NOTE = "quantized weights compared dequantized"
+
 
 @dataclass(frozen=True)
 class DiffOptions:

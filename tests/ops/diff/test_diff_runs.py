@@ -396,6 +396,43 @@ def test_signed_zeros_and_nan_payloads_within_a_tolerance_are_not_called_bitwise
     assert {d["name"] for d in doc["differences"]} == {"model.z", "model.n"}
 
 
+def test_values_of_one_dtype_equal_only_after_as_dtype_are_not_called_bitwise_equal(tmp_path: Path) -> None:
+    """Two AdamW saves 1001 and 1002 steps in (lr 0 and no gradient: only the float32 ``step`` counters differ).
+    ``--as-dtype bfloat16`` rounds both counters to 1000: the verdict was a plain "equal" (which says bitwise
+    equal) over stored values that torch reads as different; they are equal as cast, not as stored."""
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    saved = []
+    for steps in (1001, 1002):
+        torch.manual_seed(0)
+        model = torch.nn.Linear(4, 3)
+        optim = torch.optim.AdamW(model.parameters(), lr=0.0)
+        for _ in range(steps):
+            for p in model.parameters():
+                p.grad = torch.zeros_like(p)
+            optim.step()
+        msd, osd = get_state_dict(model, optim)
+        saved.append(_save({"model": msd, "optim": osd}, tmp_path / f"s{steps}"))
+    loaded = []
+    for path in saved:  # torch's own reader: the counters differ as stored, equal as bfloat16
+        sd = {"optim": {"state": {n: {"step": torch.tensor(0.0)} for n in ("weight", "bias")}}}
+        dcp.load(sd, checkpoint_id=str(path), no_dist=True)
+        loaded.append(sd["optim"]["state"]["weight"]["step"])
+    assert not torch.equal(*loaded) and torch.equal(*(t.to(torch.bfloat16) for t in loaded))
+    doc = diff_json(*saved, "--what", "all", "--as-dtype", "bfloat16", code=0)
+    status = {t["name"]: t["status"] for t in doc["tensors"] if t["status"] != "equal"}
+    assert status == {
+        "optimizer.state.weight.step": "within_tolerance",
+        "optimizer.state.bias.step": "within_tolerance",
+    }
+    res = cli(*saved, "--what", "all", "--as-dtype", "bfloat16")
+    lines = res.stdout.splitlines()
+    assert lines[-1].startswith("equal as bfloat16: 2 tensors not bitwise equal as stored ("), res.stdout
+    assert "bitwise after casting to bfloat16\n" in res.stdout  # no quantized weights named in the header
+    doc = diff_json(*saved, "--what", "all", code=1)  # bitwise: the counters differ
+    assert {d["name"] for d in doc["differences"]} == set(status)
+
+
 # ------------------------------------------------------------------------------------------ fail closed
 
 
