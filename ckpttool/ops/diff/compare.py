@@ -66,14 +66,16 @@ class Metrics:
 
     @property
     def cosine(self) -> float | None:
-        """``a.b / (||a|| ||b||)``: 1 when every element is equal; ``None`` when one side is all zero and they differ."""
+        """``a.b / (||a|| ||b||)`` in ``[-1, 1]``: 1 when every element is equal; ``None`` when one side is all zero
+        and they differ. The float64 sums of two nearly equal tensors can give ``1 + 2^-52``: that is 1."""
         if self.sum_dd == 0:
             return 1.0
         if self.sum_aa is None or self.sum_bb is None or self.sum_ab is None:
             return None
         if self.sum_aa == 0 or self.sum_bb == 0:
             return None
-        return self.sum_ab / (math.sqrt(self.sum_aa) * math.sqrt(self.sum_bb))
+        cos = self.sum_ab / (math.sqrt(self.sum_aa) * math.sqrt(self.sum_bb))
+        return cos if math.isnan(cos) else min(1.0, max(-1.0, cos))
 
 
 #: The metrics of two identical tensors (no element read).

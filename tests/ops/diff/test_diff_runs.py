@@ -286,6 +286,21 @@ def test_metric_edge_cases_and_blocks() -> None:
     assert compare.compare_tensors(flags, ~flags).metrics is None
 
 
+def test_a_cosine_rounded_past_one_is_one_not_printed_as_1_minus_a_negative(tmp_path: Path) -> None:
+    """One element one ulp apart: the float64 sums give a cosine of 1 + 2^-52, which the table printed as
+    ``1--2.2e-16`` and ``--json`` gave as more than 1; a cosine is at most 1 (torch's cosine_similarity)."""
+    a = torch.randn(64, generator=torch.Generator().manual_seed(8))
+    b = a.clone()
+    b[3] = torch.nextafter(b[3], torch.tensor(10.0))
+    pa, pb = _save({"model": {"w": a}}, tmp_path / "a"), _save({"model": {"w": b}}, tmp_path / "b")
+    ref = float(torch.nn.functional.cosine_similarity(a.double(), b.double(), dim=0))
+    doc = diff_json(pa, pb, code=1)
+    (t,) = doc["tensors"]
+    assert t["status"] == "differ" and -1.0 <= t["cosine"] <= 1.0 and t["cosine"] == pytest.approx(ref, abs=1e-15)
+    res = cli(pa, pb)
+    assert res.exit_code == 1 and "--" not in res.stdout.replace("--json", ""), res.stdout
+
+
 @pytest.mark.parametrize("tol", [("--atol", "1e-3"), ("--rtol", "1e-3"), ("--rtol", "1e-3", "--atol", "1e-3")])
 def test_tolerance_counts_infinities_as_torch_isclose(tmp_path: Path, tol: tuple[str, ...]) -> None:
     """An infinity is within the tolerance only against the same infinity: ``atol + rtol * |inf|`` (inf, or NaN
