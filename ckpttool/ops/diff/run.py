@@ -1929,12 +1929,22 @@ def _no_common_name_hint(a: Side, b: Side, kept: tuple[int, int], opts: DiffOpti
             f"filter, or check that {none.label} holds those tensors (an export written with a filter holds only its "
             "part)"
         )
-    return (
+    names = (
         "A's names look like "
         + ", ".join(repr(n) for n in _examples(a))
         + ", B's like "
         + ", ".join(repr(n) for n in _examples(b))
-        + "; for an export with other names pass its rules (`map_rules`) or a model adapter (`adapter`)"
+    )
+    if "dcp" in (a.kind, b.kind) and a.kind != b.kind:
+        return names + "; for an export with other names pass its rules (`map_rules`) or a model adapter (`adapter`)"
+    # the mapping names a DCP checkpoint's keys as a safetensors side's: between two sides of one kind it is unused
+    unused = "(`map_rules` and `adapter` name a DCP checkpoint's keys as a safetensors side's)"
+    if a.kind != "dcp":
+        kinds = f"two {a.kind}" if a.kind == b.kind else f"{a.kind} and {b.kind}"
+        return f"{names}: {kinds} inputs are compared by their own names {unused}"
+    return (
+        f"{names}: two DCP checkpoints are compared by their own keys {unused}; to compare across namings, export one "
+        "(`ckpttool export`) and compare the other against that export, naming it with `adapter` or `map_rules`"
     )
 
 

@@ -530,6 +530,39 @@ def test_no_common_name_and_nothing_matching_are_errors(runs: Path, tmp_path: Pa
     )
 
 
+def test_no_common_name_of_two_dcp_or_two_safetensors_sides_hints_no_unused_mapping(tmp_path: Path) -> None:
+    """Two DCP checkpoints (or two safetensors folders) naming their tensors differently: the E611 hint said "pass
+    its rules (--rules) or a model adapter (--adapter)", which map a DCP checkpoint to a safetensors side's names
+    only (between two DCP sides diff itself warns that they are unused). The hint says how they are compared."""
+    from safetensors.torch import save_file
+
+    torch.manual_seed(0)
+    seq = torch.nn.Sequential(torch.nn.Linear(4, 3))
+    named = torch.nn.ModuleDict({"proj": torch.nn.Linear(4, 3)})
+    a = _save({"model": seq.state_dict()}, tmp_path / "a")
+    b = _save({"model": named.state_dict()}, tmp_path / "b")
+    res = cli(a, b)
+    assert res.exit_code == 2 and res.stdout == "", res.output
+    err = res.stderr.splitlines()
+    assert err[0].startswith("error: [E611] nothing compared, so no verdict: no name in common (2 in A, 2 in B)"), err
+    assert err[1] == (
+        "hint: A's names look like 'model.0.bias', 'model.0.weight', B's like 'model.proj.bias', "
+        "'model.proj.weight': two DCP checkpoints are compared by their own keys (--rules and --adapter name a DCP "
+        "checkpoint's keys as a safetensors side's); to compare across namings, export one (`ckpttool export`) and "
+        "compare the other against that export, naming it with --adapter or --rules"
+    ), err
+    for side, sd in (("x", seq.state_dict()), ("y", named.state_dict())):
+        (tmp_path / side).mkdir()
+        save_file(sd, tmp_path / side / "model.safetensors")
+    res = cli(tmp_path / "x", tmp_path / "y")
+    assert res.exit_code == 2 and res.stdout == "", res.output
+    assert res.stderr.splitlines()[1] == (
+        "hint: A's names look like '0.bias', '0.weight', B's like 'proj.bias', 'proj.weight': two safetensors "
+        "inputs are compared by their own names (--rules and --adapter name a DCP checkpoint's keys as a "
+        "safetensors side's)"
+    ), res.stderr
+
+
 def test_a_filter_matching_one_side_only_says_so(tmp_path: Path) -> None:
     """A checkpoint against an export written with --filter: a diff --filter that matches only the checkpoint's
     names is E611 with a hint naming the filter, not a naming mismatch (--rules / --adapter)."""
