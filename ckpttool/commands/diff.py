@@ -14,7 +14,7 @@ import typer
 from ckpttool.model.adapters import adapter_metavar
 from ckpttool.ui import options as opt
 from ckpttool.ui.options import declaration, examples, location, parse_dtype, selection
-from ckpttool.ui.output import Output, command_boundary
+from ckpttool.ui.output import Output, command_boundary, with_flags
 from ckpttool.ui.render import PhaseProgress
 
 if TYPE_CHECKING:
@@ -344,8 +344,8 @@ def _header(con: Any, res: DiffResult) -> None:
     adapter = f", model adapter {res.model_adapter}" if res.model_adapter else ""
     only = f"; --filter {' '.join(o.filters)} left out {res.filtered_out:,} of both sides' keys" if o.filters else ""
     con.print(f"compared {o.what} ({res.naming} names{adapter}), {how}{only}")
-    for n in res.notes:
-        con.print(f"  note: {n}")
+    for n in res.notes:  # the library's parameter names (`adapter`) as diff's options (--adapter)
+        con.print(f"  note: {with_flags(n)}")
     if res.excluded:
         reasons: dict[str, int] = {}
         for e in res.excluded:

@@ -151,8 +151,13 @@ def flag_names() -> dict[str, str]:
 
 #: Parameter names of the library (in its messages) -> the CLI parameter that sets them. ``model_assets`` (the
 #: model adapters' hints: where the model's config.json comes from) is export's ``--model-assets`` folder and, in a
-#: command without it, its ``--config`` file (import, validate).
-_LIBRARY_NAMES = {"algorithm": "hash_name", "storage_options": "storage_option", "model_assets": "config"}
+#: command without it, its ``--config`` file (import, validate); export's ``rules`` is diff's ``--rules`` (``map_rules``).
+_LIBRARY_NAMES = {
+    "algorithm": "hash_name",
+    "storage_options": "storage_option",
+    "model_assets": "config",
+    "rules": "map_rules",
+}
 
 
 def with_flags(text: str) -> str:

@@ -490,6 +490,7 @@ def export_items(
     from ckpttool.model.adapters import AdapterConfig
     from ckpttool.ops.export.plan import select_sources
     from ckpttool.ops.export.rules import load_rules
+    from ckpttool.ops.export.select import CONFIG_TO_CHECK
 
     cat = side.ckpt.catalog
     mt = config.get("model_type") if config is not None else None
@@ -509,7 +510,8 @@ def export_items(
     side.adapter = adapter.name if adapter is not None and any(s.hf is not None for s in selected) else None
     fused, split_tasks = _export_plans(side, selected, rules, fmt)
     items, n_split = _task_items(fused.tasks, split_tasks, other)
-    notes: list[str] = list(warnings)
+    # export's warnings; diff's config.json is the one in the safetensors folder, not export's `model_assets`
+    notes = [w.replace(CONFIG_TO_CHECK, "put the model's config.json in the safetensors folder") for w in warnings]
     if n_split:
         notes.append(f"{n_split} fused expert tensor(s) of {side.label} compared per expert with {_other(side)}")
     excluded = [Excluded(side.label, k, reason) for reason, keys in skipped.items() for k in keys]

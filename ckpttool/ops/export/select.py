@@ -27,7 +27,20 @@ from ckpttool.ops.export.plan import (
 )
 from ckpttool.ops.export.rules import ExportRules
 
-__all__ = ["KeyMap", "RuleKeys", "AdapterKeys", "LoraKeys", "select_model", "skip_other_tensors", "shown"]
+__all__ = [
+    "CONFIG_TO_CHECK",
+    "KeyMap",
+    "RuleKeys",
+    "AdapterKeys",
+    "LoraKeys",
+    "select_model",
+    "skip_other_tensors",
+    "shown",
+]
+
+#: Where the warning on keys outside the HF naming says the model's config.json comes from (``diff``, which reads
+#: the one in the safetensors folder, says that instead).
+CONFIG_TO_CHECK = "pass the config with `model_assets`"
 
 #: torchtitan's LoRA adapter tensors (``torchtitan/components/lora.py``: ``<linear>.lora_a`` / ``.lora_b``).
 _TITAN_LORA_RE = re.compile(r"\.lora_[ab]\.weight$")
@@ -96,8 +109,8 @@ class RuleKeys:
                 warnings.append(
                     f"{len(outside)} key(s) outside the model.* / lm_head.* naming were exported as their fqn, not "
                     f"checked against a model class (no config.json, or transformers cannot build its class): {pairs}; "
-                    f"transformers and vLLM load only its names (GPT-2's transformer.h.N... are): pass the config with "
-                    f"`model_assets` to check them, or {fix}"
+                    f"transformers and vLLM load only its names (GPT-2's transformer.h.N... are): {CONFIG_TO_CHECK} "
+                    f"to check them, or {fix}"
                 )
 
     def outside_the_model_class(self, tensors: int) -> tuple[list[tuple[str, str]], str | None]:

@@ -630,3 +630,18 @@ def test_a_layout_item_of_the_trainers_own_is_compared(tmp_path: Path) -> None:
     ]
     res = runner.invoke(app, ["diff", str(tmp_path / "a"), str(tmp_path / "c"), "--what", "all"])
     assert res.exit_code == 0, res.stdout
+
+
+def test_notes_name_diffs_own_options_not_the_librarys_parameters(tmp_path: Path) -> None:
+    """A DCP checkpoint of a model outside the HF naming against its export: the note on its fqn-named keys printed
+    the library's parameter names (`` `rules` ``, `` `adapter` ``) and export's `` `model_assets` ``, which diff
+    has no option for (its config.json is the one in the safetensors folder)."""
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(4, 3))
+    dcp.save({"model": net.state_dict()}, checkpoint_id=str(tmp_path / "ckpt"), no_dist=True)
+    export_checkpoint(tmp_path / "ckpt", tmp_path / "hf", ExportOptions())
+    res = cli(tmp_path / "ckpt", tmp_path / "hf")
+    assert res.exit_code == 0, res.output
+    (note,) = [line for line in res.stdout.splitlines() if "exported as their fqn" in line]
+    assert "--rules" in note and "--adapter" in note and "config.json in the safetensors folder" in note, note
+    assert not re.search(r"`[a-z_]+`", note), note
