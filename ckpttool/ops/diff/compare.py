@@ -4,7 +4,8 @@ Bitwise equality compares bit patterns (``-0.0 != 0.0``, a NaN equals the same N
 ``torch.equal`` on integer views of the bytes. With ``as_dtype`` both sides are cast first
 (``Tensor.to``: round to nearest even, as ckpttool's export and ``torch`` cast). With a
 tolerance an element is *outside* when ``|a - b| > atol + rtol * |b|`` (``numpy.isclose``
-with B the reference; NaN equals NaN, an infinity equals the same infinity only).
+with B the reference; NaN equals NaN, an infinity equals the same infinity only; int64 values exactly, not as
+float64 rounds them).
 
 Besides the verdict, :class:`Metrics` (``max |a-b|``, relative L2 ``||a-b|| / ||b||``,
 cosine) come from float64 sums (``sum (a-b)^2``, ``sum a^2``, ``sum b^2``, ``sum a*b``)
@@ -208,6 +209,9 @@ def _errors(a: Any, b: Any) -> tuple[Any, Any, Any, Any]:
     a64, b64 = a.to(torch.float64), b.to(torch.float64)
     diff = (a64 - b64).abs()
     same = a64 == b64  # equal infinities
+    if a.dtype == b.dtype == torch.int64:  # float64 holds 53 bits: 2**60 + 1 and 2**60 would be 0 apart
+        exact = (a - b).abs().to(torch.float64)  # no int64 overflow where the float64 difference is below 2**62
+        diff, same = torch.where(diff < 2.0**62, exact, diff), a == b
     both_nan = a64.isnan() & b64.isnan()
     diff = torch.where(same | both_nan, torch.zeros_like(diff), diff)
     return a64, b64, diff, both_nan

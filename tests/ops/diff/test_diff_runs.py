@@ -301,6 +301,22 @@ def test_a_cosine_rounded_past_one_is_one_not_printed_as_1_minus_a_negative(tmp_
     assert res.exit_code == 1 and "--" not in res.stdout.replace("--json", ""), res.stdout
 
 
+def test_int64_values_past_float64_precision_are_compared_exactly_within_a_tolerance(tmp_path: Path) -> None:
+    """A training state's int64 seed 2**60 + 1 against 2**60: with ``--atol 0`` the float64 ``|a-b|`` is 0 and
+    the tensor was "within tolerance" (exit 0); torch.isclose on the int64 values says they are not close."""
+    seed_a = torch.tensor([2**60 + 1, 7, -(2**62)], dtype=torch.int64)
+    seed_b = torch.tensor([2**60, 7, 2**62], dtype=torch.int64)
+    pa = _save({"model": {"w": torch.ones(2)}, "train": {"seed": seed_a}}, tmp_path / "a")
+    pb = _save({"model": {"w": torch.ones(2)}, "train": {"seed": seed_b}}, tmp_path / "b")
+    for atol in ("0", "1"):  # 2 elements, then 1, outside
+        ref = ~torch.isclose(seed_a, seed_b, rtol=0.0, atol=float(atol))
+        doc = diff_json(pa, pb, "--what", "all", "--atol", atol, code=1)
+        mismatched = {d["name"]: d["mismatched"] for d in doc["differences"]}
+        assert mismatched.get("train.seed", 0) == int(ref.sum()), (atol, doc["differences"])
+    (d,) = diff_json(pa, pb, "--what", "all", "--atol", "0", code=1)["differences"]
+    assert (d["index"], d["a_value"], d["b_value"]) == ([0], 2**60 + 1, 2**60)
+
+
 @pytest.mark.parametrize("tol", [("--atol", "1e-3"), ("--rtol", "1e-3"), ("--rtol", "1e-3", "--atol", "1e-3")])
 def test_tolerance_counts_infinities_as_torch_isclose(tmp_path: Path, tol: tuple[str, ...]) -> None:
     """An infinity is within the tolerance only against the same infinity: ``atol + rtol * |inf|`` (inf, or NaN
