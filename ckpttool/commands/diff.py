@@ -306,7 +306,7 @@ def render_diff(res: DiffResult, *, max_rows: int = _ROWS) -> None:
     if res.equal and within:  # not bitwise: "equal" alone would claim more than was found
         verdict = f"equal within tolerance: {_plural(within, 'tensor')} not bitwise equal"
         if res.options.as_dtype and res.options.rtol is None and res.options.atol is None:
-            verdict = f"equal as {res.options.as_dtype}: {_plural(within, 'tensor')} not bitwise equal as stored"
+            verdict = f"equal as {res.options.as_dtype} ({_plural(within, 'tensor')} not bitwise equal as stored)"
     from ckpttool.ops.diff.result import BESIDE_NOTE, MODEL_ONLY_NOTE, SELF_NOTE
 
     if res.equal and any(n.startswith(BESIDE_NOTE) for n in res.notes):

@@ -458,7 +458,7 @@ def test_values_of_one_dtype_equal_only_after_as_dtype_are_not_called_bitwise_eq
     }
     res = cli(*saved, "--what", "all", "--as-dtype", "bfloat16")
     lines = res.stdout.splitlines()
-    assert lines[-1].startswith("equal as bfloat16: 2 tensors not bitwise equal as stored ("), res.stdout
+    assert lines[-1].startswith("equal as bfloat16 (2 tensors not bitwise equal as stored) ("), res.stdout
     assert "bitwise after casting to bfloat16\n" in res.stdout  # no quantized weights named in the header
     doc = diff_json(*saved, "--what", "all", code=1)  # bitwise: the counters differ
     assert {d["name"] for d in doc["differences"]} == set(status)
