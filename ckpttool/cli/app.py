@@ -27,7 +27,7 @@ from typer.core import TyperGroup, TyperOption
 
 from ckpttool.cli.completion import add_completions
 from ckpttool.errors import CkptError, UsageError
-from ckpttool.ui.output import configure_logging, interrupted, print_error
+from ckpttool.ui.output import configure_logging, interrupted, print_error, stdout_write_error
 from ckpttool.ui.render import UI
 
 __all__ = ["app", "main", "entry", "version_text", "GLOBAL_OPTIONS"]
@@ -691,6 +691,22 @@ def _plain_type_names(message: str) -> str:
     )
 
 
+def _print_help(text: str) -> int:
+    """Print ``text`` (the help ``ckpttool`` alone shows) and return the exit code: 0, also when the reader of
+    stdout went away; 2 with :func:`~ckpttool.ui.output.stdout_write_error`'s line when stdout could not be written."""
+    from ckpttool.ui.output import _silence_stdout
+
+    try:
+        sys.stdout.write(text + "\n")
+        sys.stdout.flush()
+    except BrokenPipeError:
+        _silence_stdout()
+    except OSError as e:
+        print_error(stdout_write_error(e))
+        return 2
+    return 0
+
+
 def _closed_stdout() -> NoReturn:
     """The reader of stdout went away while help or the version was printed: stop quietly with 0, as a
     command's output does (docs/errors.md); click's own handling exits 1."""
@@ -804,14 +820,18 @@ class CkptGroup(TyperGroup):
         except _CLICK_EXCEPTION as e:
             ctx = getattr(e, "ctx", None)
             if type(e).__name__ == "NoArgsIsHelpError" and ctx is not None:
-                sys.stdout.write(ctx.get_help() + "\n")
-                code = 0
+                code = _print_help(ctx.get_help())
             else:
                 print_error(_usage_error(e, ctx))
                 code = 2 if isinstance(e, _CLICK_USAGE_ERROR) else e.exit_code
         except typer.Abort:
             sys.stderr.write("error: interrupted\n")
             code = 130
+        except OSError as e:
+            if e.filename is not None:  # not a write to stdout
+                raise
+            print_error(stdout_write_error(e))  # help or the version printed to a full stdout (`> /dev/full`)
+            code = 2
         except _Interrupted:
             raise KeyboardInterrupt from None  # the caller's Ctrl-C handling (:func:`_run`: its line, exit 130)
         if standalone_mode:

@@ -9,7 +9,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from ckpttool.ui.options import JsonOpt, examples
-from ckpttool.ui.output import command_boundary, emit_json
+from ckpttool.ui.output import command_boundary, emit_json, writing_stdout
 
 RULES_SCHEMA = "ckpttool.rules/1"
 
@@ -38,24 +38,25 @@ def rules_document(select: Sequence[str] = (), ignore: Sequence[str] = ()) -> di
 
 def print_rules(json_output: bool, select: Sequence[str] = (), ignore: Sequence[str] = ()) -> None:
     """Print the rules (those ``select``/``ignore`` name) as a table, or the ``ckpttool.rules/1`` JSON document."""
-    doc = rules_document(select, ignore)
-    if json_output:
-        emit_json(doc)
-        return
-    from ckpttool.ui.render import Col, print_table, stdout_console
+    with writing_stdout():
+        doc = rules_document(select, ignore)
+        if json_output:
+            emit_json(doc)
+            return
+        from ckpttool.ui.render import Col, print_table, stdout_console
 
-    print_table(
-        stdout_console(),
-        "rules",
-        [
-            Col("code", "code"),
-            Col("name", "code", drop=2),
-            Col("severity", "code"),
-            Col("needs", "code", drop=1),
-            Col("checks", "text"),
-        ],
-        [[r["code"], r["name"], r["severity"], ",".join(r["needs"]) or "-", r["summary"]] for r in doc["rules"]],
-    )
+        print_table(
+            stdout_console(),
+            "rules",
+            [
+                Col("code", "code"),
+                Col("name", "code", drop=2),
+                Col("severity", "code"),
+                Col("needs", "code", drop=1),
+                Col("checks", "text"),
+            ],
+            [[r["code"], r["name"], r["severity"], ",".join(r["needs"]) or "-", r["summary"]] for r in doc["rules"]],
+        )
 
 
 @command_boundary

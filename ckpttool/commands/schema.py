@@ -16,7 +16,7 @@ from typing import Annotated, Any
 import typer
 
 from ckpttool.ui.options import examples
-from ckpttool.ui.output import command_boundary
+from ckpttool.ui.output import command_boundary, writing_stdout
 
 __all__ = ["SCHEMA_NAMES", "load_schema", "schema_command"]
 
@@ -94,16 +94,19 @@ def schema_command(
                 "or list them without JSON output",
             )
 
-        print_table(
-            stdout_console(),
-            "JSON schemas (ckpttool schema NAME)",
-            [Col("name", "code"), Col("document", "code"), Col("printed by", "text")],
-            [[n, doc, _PRINTED_BY[n]] for n, doc in SCHEMA_NAMES.items()],
-        )
+        with writing_stdout():
+            print_table(
+                stdout_console(),
+                "JSON schemas (ckpttool schema NAME)",
+                [Col("name", "code"), Col("document", "code"), Col("printed by", "text")],
+                [[n, doc, _PRINTED_BY[n]] for n, doc in SCHEMA_NAMES.items()],
+            )
         return
     # one write per line: the output sink escapes line breaks inside a write (forged lines)
-    for line in json.dumps(load_schema(name.value), indent=2).splitlines():
-        sys.stdout.write(line + "\n")
+    with writing_stdout():
+        for line in json.dumps(load_schema(name.value), indent=2).splitlines():
+            sys.stdout.write(line + "\n")
+        sys.stdout.flush()
 
 
 EPILOG = examples(

@@ -19,12 +19,13 @@ import logging
 import os
 import re
 import sys
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
 from typing import Any, Protocol, TextIO, TypeVar
 
 import typer
 
-from ckpttool.errors import CkptError, UsageError
+from ckpttool.errors import CkptError, OutputError, UsageError
 from ckpttool.ui.render import safe_text
 
 __all__ = [
@@ -39,7 +40,9 @@ __all__ = [
     "note",
     "print_error",
     "sanitized",
+    "stdout_write_error",
     "warn",
+    "writing_stdout",
     "with_flags",
 ]
 
@@ -83,6 +86,34 @@ class SanitizedStream(io.TextIOBase):
 def sanitized(stream: TextIO) -> TextIO:
     """``stream`` behind a :class:`SanitizedStream` (itself when it is one already)."""
     return stream if isinstance(stream, SanitizedStream) else SanitizedStream(stream)  # type: ignore[return-value]
+
+
+def stdout_write_error(e: OSError) -> OutputError:
+    """The ``E600`` of a failed write to stdout (``> /dev/full``, a full disk or quota: ``ENOSPC``, ``EIO``, ...).
+
+    Points stdout at ``/dev/null`` first, so what is still buffered does not fail again at exit.
+    """
+    _silence_stdout()
+    return OutputError(
+        f"stdout: write failed ({e.strerror or e}); the command ran but its output was not printed in full",
+        hint="free space where stdout is redirected, or redirect it to another file",
+    )
+
+
+@contextmanager
+def writing_stdout() -> Iterator[None]:
+    """Around a command's printing: a failed write to stdout is :func:`stdout_write_error`, not an internal
+    error; a closed stdout (``BrokenPipeError``) passes through (the callers end quietly on it).
+
+    Raises:
+        OutputError: ``E600``, stdout could not be written.
+    """
+    try:
+        yield
+    except BrokenPipeError:
+        raise
+    except OSError as e:
+        raise stdout_write_error(e) from None
 
 
 class _HasDict(Protocol):
@@ -333,7 +364,8 @@ class Output:
         from ckpttool.ops.entry import deliver
 
         try:
-            deliver(result, render if not self.json else _write_json)
+            with writing_stdout():
+                deliver(result, render if not self.json else _write_json)
         except BrokenPipeError:
             # The reader of stdout went away (`| head -1`): the command goes on to its exit code, so
             # a verdict already known (diff: different, manifest --verify: changed) is not lost.
