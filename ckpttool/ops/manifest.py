@@ -629,7 +629,12 @@ def _files_beside(
         return {"data_files": tuple(_data_file_sizes_of(reader, (e.file for e in entries)))}
     sidecars = None
     if _parts_below(reader):
-        skip = {METADATA_NAME, MANIFEST_NAME, *(e.file for e in entries), *(exclude or ())}
+        skip = {
+            METADATA_NAME,
+            *_own_manifest(Path(reader.path), placed=exclude),
+            *(e.file for e in entries),
+            *(exclude or ()),
+        }
         skip -= set(_partial_files(reader))  # state in no entry (verl's RNG): the whole file is digested
         sidecars = tuple(sidecar_digests(Path(reader.path), skip, algorithm))
     training = tuple(training_state_digests(beside_of, algorithm)) if beside_of else ()
@@ -777,7 +782,13 @@ def unchecked_beside(reader: CheckpointReader, manifest: Manifest) -> list[str]:
         return []
     root = Path(reader.path)
     held = {reader.storage_info(k, c).relative_path for k, c in _items(reader) if _has_storage(reader, k, c)}
-    skip = {METADATA_NAME, MANIFEST_NAME, *held, *(e.file for e in manifest.entries), *_inside(root, manifest.path)}
+    skip = {
+        METADATA_NAME,
+        *_own_manifest(root, manifest),
+        *held,
+        *(e.file for e in manifest.entries),
+        *_inside(root, manifest.path),
+    }
     return [rel for _, rel in islice(_files_below(root, skip), 1000)]
 
 
@@ -976,6 +987,33 @@ def _inside(root: Path, target: Path | str | None) -> tuple[str, ...]:
     except ValueError:
         return ()
     return () if rel.startswith("..") else (rel.replace(os.sep, "/"),)
+
+
+def _own_manifest(root: Path, checked: Manifest | None = None, placed: tuple[str, ...] = ()) -> tuple[str, ...]:
+    """``(manifest.json,)`` when ``root/manifest.json`` is left out of the files beside the data: the manifest
+    written or ``checked`` itself (``placed``, its path), or a manifest ckpttool reads (the checkpoint's own, which
+    ``manifest`` rewrites: no file of the checkpoint) that ``checked`` does not list (it lists what was there
+    when it was made: compared then). ``()`` for anything else under that name: a file added there is ``extra``,
+    not skipped unread beside a manifest kept outside the checkpoint (``--output``)."""
+    if MANIFEST_NAME in placed or (checked is not None and MANIFEST_NAME in _inside(root, checked.path)):
+        return (MANIFEST_NAME,)
+    if checked is not None and any(f["file"] == MANIFEST_NAME for f in checked.sidecars or ()):
+        return ()
+    here = root / MANIFEST_NAME
+    if not os.path.lexists(here) or (checked is not None and _same_file(here, checked.path)):
+        return (MANIFEST_NAME,)  # nothing there, or the manifest checked itself (a link to the one named)
+    try:
+        load_manifest(own_manifest(here))
+    except CkptError:
+        return ()
+    return (MANIFEST_NAME,)
+
+
+def _same_file(a: Path, b: str | None) -> bool:
+    try:
+        return b is not None and os.path.samefile(a, b)
+    except OSError:
+        return False
 
 
 def _below(path: Path, folder: Path) -> bool:
@@ -1562,7 +1600,7 @@ def _beside_problems(
     # An entry's own ``file`` is trusted only for a chunk the checkpoint no longer stores (reported as missing):
     # a stored chunk's file is the one the checkpoint names, so a manifest cannot hide a file by naming it.
     unheld = (e.file for e in manifest.entries if e.ident not in held)
-    skip = {METADATA_NAME, MANIFEST_NAME, *unheld, *held.values(), *_inside(root, manifest.path)}
+    skip = {METADATA_NAME, *_own_manifest(root, manifest), *unheld, *held.values(), *_inside(root, manifest.path)}
     listed_files = {f["file"] for f in manifest.sidecars}
     skip -= {f for f in _partial_files(reader) if f in listed_files}  # an older manifest did not list them
     return _sidecar_problems(root, manifest.sidecars, skip, manifest.algorithm)
@@ -1812,7 +1850,7 @@ def verify_safetensors_manifest(
                 problems.append(trailing)
         finally:
             os.close(fd)
-    skip = {MANIFEST_NAME, *(f["file"] for f in manifest.files), *_inside(root, manifest.path)}
+    skip = {*_own_manifest(root, manifest), *(f["file"] for f in manifest.files), *_inside(root, manifest.path)}
     problems.extend(_sidecar_problems(root, manifest.sidecars, skip, manifest.algorithm))
     return problems
 
@@ -2248,7 +2286,7 @@ def _verify_refused_folder(
                 "metadata", HEADERS_NAME, None, f"{HEADERS_NAME} differ from the ones the manifest was made of"
             )
         )
-    skip = {METADATA_NAME, MANIFEST_NAME, *names, *(e.file for e in man.entries), *_inside(root, man.path)}
+    skip = {METADATA_NAME, *_own_manifest(root, man), *names, *(e.file for e in man.entries), *_inside(root, man.path)}
     problems.extend(_sidecar_problems(root, man.sidecars, skip, man.algorithm))
     return problems
 
