@@ -69,6 +69,7 @@ __all__ = [
     "ManifestCheck",
     "check_against_manifest",
     "check_manifest_kind",
+    "unchecked_sizes",
     "write_output_manifest",
     "safetensors_source_identity",
 ]
@@ -790,6 +791,16 @@ def unchecked_beside(reader: CheckpointReader, manifest: Manifest) -> list[str]:
         *_inside(root, manifest.path),
     }
     return [rel for _, rel in islice(_files_below(root, skip), 1000)]
+
+
+def unchecked_sizes(reader: CheckpointReader, manifest: Manifest) -> list[str]:
+    """Data files of a checkpoint whose size ``manifest`` cannot vouch for because it has no ``data_files`` list
+    (written by an older ckpttool, or edited): bytes appended after their last chunk, which no entry covers, are
+    not checked (at most 1,000 names, in name order)."""
+    if manifest.kind != "dcp" or manifest.data_files is not None:
+        return []
+    held = {reader.storage_info(k, c).relative_path for k, c in _items(reader) if _has_storage(reader, k, c)}
+    return sorted(held)[:1000]
 
 
 def unchecked_training_state(reader: CheckpointReader, manifest: Manifest, model_dir: Path) -> list[str]:
@@ -2191,6 +2202,7 @@ def check_against_manifest(
     folder: str | None = None
     unchecked: list[str] = []
     untracked: list[str] = []
+    unsized: list[str] = []
     if man.kind == "safetensors":
         step(0)
         problems = verify_safetensors_manifest(directory, man, on_entry=step)
@@ -2207,22 +2219,12 @@ def check_against_manifest(
                 shown = str(ckpt.path)
                 folder = _folder_kind(ckpt.reader)
                 unchecked = unchecked_beside(ckpt.reader, man)
+                unsized = unchecked_sizes(ckpt.reader, man)
                 untracked = unchecked_training_state(ckpt.reader, man, Path(ckpt.located.model))
         except MetadataError as e:  # a safetensors file the reader refuses (bytes appended): checked byte by byte
             problems = _verify_refused_folder(directory, man, e, step)
             shown, folder = str(directory), "safetensors"
-    warnings = []
-    for files, what in (
-        (unchecked if man.kind == "dcp" else [], "files beside the checkpoint's data"),
-        (untracked, "training_state (the trainer's files beside the checkpoint)"),
-    ):
-        if files:
-            more = ", ..." if len(files) > 5 else ""
-            warnings.append(
-                f"{target} lists no {what} (written by an older ckpttool, or edited): "
-                f"{_plural_files(len(files))} there not checked ({', '.join(files[:5])}{more}); "
-                "it cannot vouch for them"
-            )
+    warnings = _unchecked_warnings(target, unchecked if man.kind == "dcp" else [], untracked, unsized)
     return ManifestCheck(
         shown,
         str(target),
@@ -2234,6 +2236,31 @@ def check_against_manifest(
         folder=folder,
         warnings=warnings,
     )
+
+
+def _unchecked_warnings(target: Path, unchecked: list[str], untracked: list[str], unsized: list[str]) -> list[str]:
+    """The ``warning:`` lines of what a manifest cannot vouch for: files beside the data it lists no ``sidecars`` of,
+    a trainer's files without ``training_state``, data files without ``data_files`` sizes."""
+    warnings = []
+    for files, what in (
+        (unchecked, "files beside the checkpoint's data"),
+        (untracked, "training_state (the trainer's files beside the checkpoint)"),
+    ):
+        if files:
+            more = ", ..." if len(files) > 5 else ""
+            warnings.append(
+                f"{target} lists no {what} (written by an older ckpttool, or edited): "
+                f"{_plural_files(len(files))} there not checked ({', '.join(files[:5])}{more}); "
+                "it cannot vouch for them"
+            )
+    if unsized:
+        more = ", ..." if len(unsized) > 5 else ""
+        warnings.append(
+            f"{target} records no data file sizes (written by an older ckpttool, or edited): bytes after the last "
+            f"chunk of {_plural_files(len(unsized))} not checked ({', '.join(unsized[:5])}{more}); "
+            "it cannot vouch for them"
+        )
+    return warnings
 
 
 def _verify_refused_folder(

@@ -476,6 +476,31 @@ def test_validate_manifest_without_sidecars_warns_S016(fsdp_ckpt: Path, tmp_path
     assert invoke("validate", ck, "--manifest", "--strict").exit_code == 1
 
 
+def test_a_manifest_without_data_file_sizes_names_the_bytes_it_did_not_check(fsdp_ckpt: Path, tmp_path: Path) -> None:
+    """A manifest without ``data_files`` (an older ckpttool's, or the list cut out) cannot see bytes appended to a
+    data file after its last chunk: --verify and `validate --manifest` said "matches"/OK in silence, unlike a
+    manifest without ``sidecars``. Both now say which data files' sizes were not checked (a warning, exit 0)."""
+    ck = copy_checkpoint(fsdp_ckpt, tmp_path / "c")
+    assert invoke("manifest", ck).exit_code == 0
+    doc = json.loads((ck / "manifest.json").read_text())
+    files = [f["file"] for f in doc.pop("data_files")]
+    (ck / "manifest.json").write_text(json.dumps(doc))
+    with open(ck / files[0], "ab") as f:
+        f.write(b"appended after the last chunk")
+    res = invoke("manifest", ck, "--verify")
+    assert res.exit_code == 0, res.stderr  # every chunk matches; the bytes after them are unknown, not "changed"
+    warning = [line for line in res.stderr.splitlines() if line.startswith("warning:")]
+    assert len(warning) == 1 and "records no data file sizes" in warning[0] and files[0] in warning[0], res.stderr
+    assert "matches" in res.stdout and "not checked" in res.stdout
+    res = invoke("validate", ck, "--manifest", "--json")
+    s016 = [f for f in json.loads(res.stdout)["findings"] if f["code"] == "S016"]
+    assert len(s016) == 1 and "records no data file sizes" in s016[0]["message"], res.stdout
+    assert files[0] in s016[0]["message"]
+    assert invoke("manifest", ck).exit_code == 0  # a manifest of this ckpttool records them: no warning
+    res = invoke("manifest", ck, "--verify", "--json")
+    assert res.exit_code == 0 and json.loads(res.stdout)["warnings"] == [] and "warning" not in res.stderr
+
+
 def test_verify_with_a_manifest_whose_metadata_digest_is_cut_out_does_not_pass(fsdp_ckpt: Path, tmp_path: Path) -> None:
     """``"metadata": null`` (a model/optimizer pair's) in the manifest of a checkpoint with a ``.metadata``:
     --verify said "matches" over a dtype changed in .metadata (every window intact, the values reinterpreted)."""
