@@ -237,7 +237,11 @@ _MANIFEST_VIEW = JsonView(
 
 @dataclass(frozen=True)
 class ManifestResult:
-    """What ``ckpttool manifest`` wrote (``--json``: schema ``ckpttool.manifest/1``)."""
+    """What ``ckpttool manifest`` wrote (``--json``: schema ``ckpttool.manifest/1``).
+
+    ``bytes_hashed``: every byte digested, the entries' windows and the files beside the data (``sidecars``,
+    ``training_state``) alike; ``hash_seconds``: the time of that hashing; ``seconds``: the whole run.
+    """
 
     checkpoint: str
     path: str
@@ -966,6 +970,7 @@ def write_manifest(
             beside_of=Path(ckpt.located.model),
         )
         hash_seconds = time.perf_counter() - t_hash
+        hashed = done[0] + _bytes_read(man.sidecars) + _bytes_read(man.training_state)  # digested whole too
         say(f"writing {target}")
         data = man.to_bytes()
         if remote is not None:
@@ -974,19 +979,24 @@ def write_manifest(
             with recording(target.parent, target.name):  # an output of ckpttool: its marker lists the manifest
                 _replace_file(target, data)
         seconds = time.perf_counter() - t0
-        log.info("manifest: %d entries, %d bytes hashed in %.3f s (%s)", len(man.entries), done[0], seconds, algorithm)
+        log.info("manifest: %d entries, %d bytes hashed in %.3f s (%s)", len(man.entries), hashed, seconds, algorithm)
         return ManifestResult(
             str(ckpt.path),
             str(target),
             algorithm,
             len(man.entries),
-            done[0],
+            hashed,
             seconds,
             manifest_digest(data, algorithm),
             man.metadata_digest,
             covers=covers,
             hash_seconds=hash_seconds,
         )
+
+
+def _bytes_read(files: tuple[dict[str, Any], ...] | None) -> int:
+    """Bytes of the regular files of a ``sidecars`` or ``training_state`` list (a symlink or special file is not read)."""
+    return sum(f["size"] for f in files or () if not str(f["digest"]).startswith((_LINK, "special")))
 
 
 def _inside(root: Path, target: Path | str | None) -> tuple[str, ...]:

@@ -501,6 +501,22 @@ def test_a_manifest_without_data_file_sizes_names_the_bytes_it_did_not_check(fsd
     assert res.exit_code == 0 and json.loads(res.stdout)["warnings"] == [] and "warning" not in res.stderr
 
 
+def test_bytes_hashed_counts_the_files_beside_the_data(fsdp_ckpt: Path, tmp_path: Path) -> None:
+    """The files beside the data (an optimizer ``.pt``, ``trainer_state.json``) are digested whole, yet
+    ``bytes_hashed`` counted the chunks alone: a 2 GiB ``optim.pt`` beside 15 KiB of chunks printed "15.2 KiB
+    hashed ... 1.93 kB/s" after hashing for seconds. It now counts every byte digested."""
+    ck = copy_checkpoint(fsdp_ckpt, tmp_path / "c")
+    (ck / "optim.pt").write_bytes(bytes(range(256)) * 4096)  # 1 MiB
+    (ck / "trainer_state.json").write_text('{"global_step": 7}\n')
+    res = invoke("manifest", ck, "--json")
+    assert res.exit_code == 0, res.stderr
+    doc = json.loads((ck / "manifest.json").read_text())
+    chunks = sum(e["length"] for e in doc["entries"])
+    beside = sum(f["size"] for f in doc["sidecars"])
+    assert beside == (1 << 20) + len('{"global_step": 7}\n')
+    assert json.loads(res.stdout)["bytes_hashed"] == chunks + beside
+
+
 def test_verify_with_a_manifest_whose_metadata_digest_is_cut_out_does_not_pass(fsdp_ckpt: Path, tmp_path: Path) -> None:
     """``"metadata": null`` (a model/optimizer pair's) in the manifest of a checkpoint with a ``.metadata``:
     --verify said "matches" over a dtype changed in .metadata (every window intact, the values reinterpreted)."""
