@@ -29,7 +29,7 @@ from ckpttool.format import limits
 from ckpttool.format.atomic import atomic_write_bytes, check_file_target, nearest_unwritable
 from ckpttool.format.digest import ALGORITHMS, DEFAULT_ALGORITHM, digest_bytes, new_hasher
 from ckpttool.format.files import read_regular
-from ckpttool.format.jsonfile import check_json_graph, json_error
+from ckpttool.format.jsonfile import DuplicateKeyError, check_json_graph, json_error, unique_pairs
 from ckpttool.format.jsonview import JsonView
 from ckpttool.format.locator import ChunkLocation
 from ckpttool.format.manifest_file import MANIFEST_FORMAT, MANIFEST_NAME, is_manifest_head
@@ -1259,14 +1259,17 @@ def _is_hex(s: str) -> bool:
 
 
 def _read_doc(p: Path, shown: str, data: bytes | None = None) -> dict[str, Any]:
-    """The manifest file's JSON object (``data``: its bytes, already read), capped and bounded; its ``format`` checked."""
+    """The manifest file's JSON object (``data``: its bytes, already read), capped and bounded (a key given twice in
+    one object refused); its ``format`` checked."""
     if data is None:
         try:
             data = read_regular(p, limits.current().max_object_bytes, what="manifest")
         except OSError as e:
             raise ManifestError(f"{p}: cannot read the manifest ({e.strerror})", path=p) from e
     try:
-        doc = json.loads(data.decode("utf-8"), parse_int=_bounded_int)
+        doc = json.loads(data.decode("utf-8"), parse_int=_bounded_int, object_pairs_hook=unique_pairs)
+    except DuplicateKeyError as e:  # never last-one-wins: another reader would take the first
+        raise _bad(shown, str(e)) from None
     except (ValueError, RecursionError) as e:  # not JSON / UTF-8, nested past the recursion limit, a long number
         mapped = json_error(e, shown)
         if mapped is not None:

@@ -177,6 +177,19 @@ def test_hostile_manifests_are_refused_with_one_error(
     assert "Traceback" not in res.stderr
 
 
+def test_a_manifest_naming_a_key_twice_is_refused(dense_ckpt: Path, tmp_path: Path) -> None:
+    """``{"sidecars": [...], ..., "sidecars": []}``: json.loads kept the last, so the manifest said two things and
+    --verify checked the one another reader (first key wins) would not; a key given twice is now E260."""
+    man = tmp_path / "m.json"
+    assert invoke("manifest", dense_ckpt, "--output", man).exit_code == 0
+    text = man.read_text()
+    assert '"sidecars":[]' in text
+    man.write_text(text.replace("{", '{"sidecars":[{"file":"notes.txt","size":1,"digest":"00"}],', 1))
+    res = invoke("manifest", dense_ckpt, "--verify", "--output", man)
+    assert res.exit_code == 2 and res.stdout == "", res.stdout + res.stderr
+    assert res.stderr.startswith(f"error: [E260] {man}: not a ckpttool manifest (duplicate key 'sidecars')"), res.stderr
+
+
 def test_oversized_manifest_is_refused_before_reading(dense_ckpt: Path, tmp_path: Path) -> None:
     bad = tmp_path / "manifest.json"
     with open(bad, "wb") as f:
