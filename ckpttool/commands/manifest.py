@@ -120,7 +120,7 @@ def _render_check(res: ManifestCheck) -> None:
     verdict = "matches" if not res.problems else "differs from"
     problems = f": {plural(len(res.problems), 'problem')}" if res.problems else ""
     if res.warnings:  # what "matches" does not cover: said on stdout too, beside the stderr warning
-        problems += "; files beside the data not checked (see the warning)"
+        problems += "; files beside the data or bytes after it not checked (see the warning)"
     con.print(
         f"{res.path} ({res.folder or res.kind}) {verdict} its manifest {res.manifest} "
         f"({plural(res.entries, 'entry', 'entries')}){problems}"

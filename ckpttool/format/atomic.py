@@ -713,25 +713,29 @@ def _inside_any(directory: Path, roots: tuple[str | os.PathLike[str], ...]) -> P
     return None
 
 
-def atomic_write_bytes(path: str | os.PathLike[str], data: bytes, *, fsync: bool = True) -> None:
+def atomic_write_bytes(path: str | os.PathLike[str], data: bytes, *, fsync: bool = True, replace: bool = True) -> None:
     """Write a small file whole: a new file of a random name beside ``path`` (``O_EXCL | O_NOFOLLOW``: never
     through a link planted there), ``fsync`` ed unless told not, renamed over ``path``. A regular file it
     replaces keeps its permission bits (a ``0600`` picture stays ``0600``); a new one is ``0644`` less the umask.
     Interrupted (Ctrl-C; SIGTERM or SIGHUP, which raise :class:`Terminated` meanwhile) before the rename, the
     temporary file is removed: nothing is left beside ``path`` (often in a checkpoint: ``manifest``, ``stamp``).
 
+    ``replace=False``: published only where nothing is (a hard link of the finished file, which fails on any name
+    there, even one made after the caller looked; a file system without hard links: renamed when nothing is there).
+
     Raises:
+        FileExistsError: ``replace=False`` and ``path`` exists (it is kept; the temporary file is removed).
         OutputError: the directory is not writable or the write failed (the temporary file is removed).
         KeyboardInterrupt: (or :class:`Terminated`) a signal arrived before the rename (the temporary file is removed).
     """
     old = stop_signals()
     try:
-        _write_replace(Path(path), data, fsync)
+        _write_replace(Path(path), data, fsync, replace)
     finally:
         restore_signals(old)
 
 
-def _write_replace(p: Path, data: bytes, fsync: bool) -> None:
+def _write_replace(p: Path, data: bytes, fsync: bool, replace: bool = True) -> None:
     tmp = p.parent / f".{p.name}.ckpttool-tmp-{os.getpid()}-{os.urandom(4).hex()}"
     try:
         try:
@@ -747,11 +751,16 @@ def _write_replace(p: Path, data: bytes, fsync: bool) -> None:
             f.flush()
             if fsync:
                 os.fsync(f.fileno())
-        os.replace(tmp, p)
+        if replace:
+            os.replace(tmp, p)
+        else:
+            _publish_new(tmp, p)
+            with contextlib.suppress(FileNotFoundError):
+                tmp.unlink()  # the name `p` holds the file now
     except BaseException as e:
         with signals_deferred(), contextlib.suppress(OSError):  # a second signal must not leave it
             tmp.unlink()
-        if not isinstance(e, OSError):
+        if not isinstance(e, OSError) or (isinstance(e, FileExistsError) and not replace):
             raise
         # Not E600's "another output directory or --overwrite": the place is the caller's (stamp's layout.json).
         hint = (
@@ -762,10 +771,28 @@ def _write_replace(p: Path, data: bytes, fsync: bool) -> None:
         raise OutputError(f"{p}: cannot write ({e.strerror})", path=p, hint=hint) from e
 
 
-def atomic_write_text(path: str | os.PathLike[str], text: str) -> None:
-    """:func:`atomic_write_bytes` of ``text`` in UTF-8.
+def _publish_new(tmp: Path, p: Path) -> None:
+    """Give the finished ``tmp`` the name ``p`` only where nothing has that name (``FileExistsError`` else;
+    ``IsADirectoryError`` where a directory has it)."""
+    try:
+        os.link(tmp, p, follow_symlinks=False)
+    except FileExistsError:
+        if os.path.isdir(p) and not os.path.islink(p):  # as a rename over it would say
+            raise IsADirectoryError(errno.EISDIR, os.strerror(errno.EISDIR), str(p)) from None
+        raise
+    except OSError as e:
+        if e.errno not in (errno.EPERM, errno.ENOTSUP, errno.EOPNOTSUPP, errno.EXDEV, errno.EMLINK):
+            raise
+        if os.path.lexists(p):  # no hard links here: the rename is refused where a name is seen
+            raise FileExistsError(errno.EEXIST, os.strerror(errno.EEXIST), str(p)) from None
+        os.rename(tmp, p)
+        return
+
+
+def atomic_write_text(path: str | os.PathLike[str], text: str, *, replace: bool = True) -> None:
+    """:func:`atomic_write_bytes` of ``text`` in UTF-8 (``replace=False``: only where nothing is).
 
     Raises:
-        OutputError: the directory is not writable.
+        FileExistsError: ``replace=False`` and ``path`` exists; OutputError: the directory is not writable.
     """
-    atomic_write_bytes(path, text.encode("utf-8"))
+    atomic_write_bytes(path, text.encode("utf-8"), replace=replace)

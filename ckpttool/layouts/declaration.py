@@ -55,6 +55,7 @@ __all__ = [
     "detect_ep_tensors",
     "load_layout_record",
     "read_layout_records",
+    "check_declaration_against_record",
     "LayoutRecords",
     "EP_NAME_RE",
     "LAYOUT_VERSIONS",
@@ -352,7 +353,13 @@ def _check_record_lists_ep_tensors(cat: Catalog, rec: LayoutRecord, where: str) 
         )
 
 
-def _check_declaration_against_record(decl: LayoutDeclaration, rec: LayoutRecord, where: str) -> None:
+def check_declaration_against_record(decl: LayoutDeclaration, rec: LayoutRecord, where: str) -> None:
+    """Refuse a declaration that the layout record ``rec`` (read from ``where``) contradicts.
+
+    Raises:
+        LayoutContradictionError (E404): another layout name, ``ep_size`` or ``ep_fsdp_size``; ``no_ep`` over a
+            record of ``ep_size`` > 1.
+    """
     diffs = []
     if decl.no_ep:
         if (rec.ep_size or 1) != 1:
@@ -482,7 +489,7 @@ def resolve_layout(
     mp, sp = cat.schema.model_prefix or "", cat.schema.state_prefix
     if rec is not None:
         if declaration is not None:
-            _check_declaration_against_record(declaration, rec, where)
+            check_declaration_against_record(declaration, rec, where)
         source = "embedded" if recs.embedded is not None else "sidecar"
         _check_record_lists_ep_tensors(
             cat, rec, f"{where}: byte item 'layout'" if source == "embedded" else str(cat.path / SIDECAR_NAME)

@@ -29,7 +29,7 @@ from ckpttool.format import limits
 from ckpttool.format.atomic import atomic_write_bytes, check_file_target, nearest_unwritable
 from ckpttool.format.digest import ALGORITHMS, DEFAULT_ALGORITHM, digest_bytes, new_hasher
 from ckpttool.format.files import read_regular
-from ckpttool.format.jsonfile import check_json_graph, json_error
+from ckpttool.format.jsonfile import DuplicateKeyError, check_json_graph, json_error, unique_pairs
 from ckpttool.format.jsonview import JsonView
 from ckpttool.format.locator import ChunkLocation
 from ckpttool.format.manifest_file import MANIFEST_FORMAT, MANIFEST_NAME, is_manifest_head
@@ -69,6 +69,7 @@ __all__ = [
     "ManifestCheck",
     "check_against_manifest",
     "check_manifest_kind",
+    "unchecked_sizes",
     "write_output_manifest",
     "safetensors_source_identity",
 ]
@@ -236,7 +237,11 @@ _MANIFEST_VIEW = JsonView(
 
 @dataclass(frozen=True)
 class ManifestResult:
-    """What ``ckpttool manifest`` wrote (``--json``: schema ``ckpttool.manifest/1``)."""
+    """What ``ckpttool manifest`` wrote (``--json``: schema ``ckpttool.manifest/1``).
+
+    ``bytes_hashed``: every byte digested, the entries' windows and the files beside the data (``sidecars``,
+    ``training_state``) alike; ``hash_seconds``: the time of that hashing; ``seconds``: the whole run.
+    """
 
     checkpoint: str
     path: str
@@ -629,7 +634,12 @@ def _files_beside(
         return {"data_files": tuple(_data_file_sizes_of(reader, (e.file for e in entries)))}
     sidecars = None
     if _parts_below(reader):
-        skip = {METADATA_NAME, MANIFEST_NAME, *(e.file for e in entries), *(exclude or ())}
+        skip = {
+            METADATA_NAME,
+            *_own_manifest(Path(reader.path), placed=exclude),
+            *(e.file for e in entries),
+            *(exclude or ()),
+        }
         skip -= set(_partial_files(reader))  # state in no entry (verl's RNG): the whole file is digested
         sidecars = tuple(sidecar_digests(Path(reader.path), skip, algorithm))
     training = tuple(training_state_digests(beside_of, algorithm)) if beside_of else ()
@@ -777,8 +787,24 @@ def unchecked_beside(reader: CheckpointReader, manifest: Manifest) -> list[str]:
         return []
     root = Path(reader.path)
     held = {reader.storage_info(k, c).relative_path for k, c in _items(reader) if _has_storage(reader, k, c)}
-    skip = {METADATA_NAME, MANIFEST_NAME, *held, *(e.file for e in manifest.entries), *_inside(root, manifest.path)}
+    skip = {
+        METADATA_NAME,
+        *_own_manifest(root, manifest),
+        *held,
+        *(e.file for e in manifest.entries),
+        *_inside(root, manifest.path),
+    }
     return [rel for _, rel in islice(_files_below(root, skip), 1000)]
+
+
+def unchecked_sizes(reader: CheckpointReader, manifest: Manifest) -> list[str]:
+    """Data files of a checkpoint whose size ``manifest`` cannot vouch for because it has no ``data_files`` list
+    (written by an older ckpttool, or edited): bytes appended after their last chunk, which no entry covers, are
+    not checked (at most 1,000 names, in name order)."""
+    if manifest.kind != "dcp" or manifest.data_files is not None:
+        return []
+    held = {reader.storage_info(k, c).relative_path for k, c in _items(reader) if _has_storage(reader, k, c)}
+    return sorted(held)[:1000]
 
 
 def unchecked_training_state(reader: CheckpointReader, manifest: Manifest, model_dir: Path) -> list[str]:
@@ -944,6 +970,7 @@ def write_manifest(
             beside_of=Path(ckpt.located.model),
         )
         hash_seconds = time.perf_counter() - t_hash
+        hashed = done[0] + _bytes_read(man.sidecars) + _bytes_read(man.training_state)  # digested whole too
         say(f"writing {target}")
         data = man.to_bytes()
         if remote is not None:
@@ -952,19 +979,24 @@ def write_manifest(
             with recording(target.parent, target.name):  # an output of ckpttool: its marker lists the manifest
                 _replace_file(target, data)
         seconds = time.perf_counter() - t0
-        log.info("manifest: %d entries, %d bytes hashed in %.3f s (%s)", len(man.entries), done[0], seconds, algorithm)
+        log.info("manifest: %d entries, %d bytes hashed in %.3f s (%s)", len(man.entries), hashed, seconds, algorithm)
         return ManifestResult(
             str(ckpt.path),
             str(target),
             algorithm,
             len(man.entries),
-            done[0],
+            hashed,
             seconds,
             manifest_digest(data, algorithm),
             man.metadata_digest,
             covers=covers,
             hash_seconds=hash_seconds,
         )
+
+
+def _bytes_read(files: tuple[dict[str, Any], ...] | None) -> int:
+    """Bytes of the regular files of a ``sidecars`` or ``training_state`` list (a symlink or special file is not read)."""
+    return sum(f["size"] for f in files or () if not str(f["digest"]).startswith((_LINK, "special")))
 
 
 def _inside(root: Path, target: Path | str | None) -> tuple[str, ...]:
@@ -976,6 +1008,33 @@ def _inside(root: Path, target: Path | str | None) -> tuple[str, ...]:
     except ValueError:
         return ()
     return () if rel.startswith("..") else (rel.replace(os.sep, "/"),)
+
+
+def _own_manifest(root: Path, checked: Manifest | None = None, placed: tuple[str, ...] = ()) -> tuple[str, ...]:
+    """``(manifest.json,)`` when ``root/manifest.json`` is left out of the files beside the data: the manifest
+    written or ``checked`` itself (``placed``, its path), or a manifest ckpttool reads (the checkpoint's own, which
+    ``manifest`` rewrites: no file of the checkpoint) that ``checked`` does not list (it lists what was there
+    when it was made: compared then). ``()`` for anything else under that name: a file added there is ``extra``,
+    not skipped unread beside a manifest kept outside the checkpoint (``--output``)."""
+    if MANIFEST_NAME in placed or (checked is not None and MANIFEST_NAME in _inside(root, checked.path)):
+        return (MANIFEST_NAME,)
+    if checked is not None and any(f["file"] == MANIFEST_NAME for f in checked.sidecars or ()):
+        return ()
+    here = root / MANIFEST_NAME
+    if not os.path.lexists(here) or (checked is not None and _same_file(here, checked.path)):
+        return (MANIFEST_NAME,)  # nothing there, or the manifest checked itself (a link to the one named)
+    try:
+        load_manifest(own_manifest(here))
+    except CkptError:
+        return ()
+    return (MANIFEST_NAME,)
+
+
+def _same_file(a: Path, b: str | None) -> bool:
+    try:
+        return b is not None and os.path.samefile(a, b)
+    except OSError:
+        return False
 
 
 def _below(path: Path, folder: Path) -> bool:
@@ -1200,14 +1259,17 @@ def _is_hex(s: str) -> bool:
 
 
 def _read_doc(p: Path, shown: str, data: bytes | None = None) -> dict[str, Any]:
-    """The manifest file's JSON object (``data``: its bytes, already read), capped and bounded; its ``format`` checked."""
+    """The manifest file's JSON object (``data``: its bytes, already read), capped and bounded (a key given twice in
+    one object refused); its ``format`` checked."""
     if data is None:
         try:
             data = read_regular(p, limits.current().max_object_bytes, what="manifest")
         except OSError as e:
             raise ManifestError(f"{p}: cannot read the manifest ({e.strerror})", path=p) from e
     try:
-        doc = json.loads(data.decode("utf-8"), parse_int=_bounded_int)
+        doc = json.loads(data.decode("utf-8"), parse_int=_bounded_int, object_pairs_hook=unique_pairs)
+    except DuplicateKeyError as e:  # never last-one-wins: another reader would take the first
+        raise _bad(shown, str(e)) from None
     except (ValueError, RecursionError) as e:  # not JSON / UTF-8, nested past the recursion limit, a long number
         mapped = json_error(e, shown)
         if mapped is not None:
@@ -1562,7 +1624,7 @@ def _beside_problems(
     # An entry's own ``file`` is trusted only for a chunk the checkpoint no longer stores (reported as missing):
     # a stored chunk's file is the one the checkpoint names, so a manifest cannot hide a file by naming it.
     unheld = (e.file for e in manifest.entries if e.ident not in held)
-    skip = {METADATA_NAME, MANIFEST_NAME, *unheld, *held.values(), *_inside(root, manifest.path)}
+    skip = {METADATA_NAME, *_own_manifest(root, manifest), *unheld, *held.values(), *_inside(root, manifest.path)}
     listed_files = {f["file"] for f in manifest.sidecars}
     skip -= {f for f in _partial_files(reader) if f in listed_files}  # an older manifest did not list them
     return _sidecar_problems(root, manifest.sidecars, skip, manifest.algorithm)
@@ -1812,7 +1874,7 @@ def verify_safetensors_manifest(
                 problems.append(trailing)
         finally:
             os.close(fd)
-    skip = {MANIFEST_NAME, *(f["file"] for f in manifest.files), *_inside(root, manifest.path)}
+    skip = {*_own_manifest(root, manifest), *(f["file"] for f in manifest.files), *_inside(root, manifest.path)}
     problems.extend(_sidecar_problems(root, manifest.sidecars, skip, manifest.algorithm))
     return problems
 
@@ -2153,6 +2215,7 @@ def check_against_manifest(
     folder: str | None = None
     unchecked: list[str] = []
     untracked: list[str] = []
+    unsized: list[str] = []
     if man.kind == "safetensors":
         step(0)
         problems = verify_safetensors_manifest(directory, man, on_entry=step)
@@ -2169,22 +2232,12 @@ def check_against_manifest(
                 shown = str(ckpt.path)
                 folder = _folder_kind(ckpt.reader)
                 unchecked = unchecked_beside(ckpt.reader, man)
+                unsized = unchecked_sizes(ckpt.reader, man)
                 untracked = unchecked_training_state(ckpt.reader, man, Path(ckpt.located.model))
         except MetadataError as e:  # a safetensors file the reader refuses (bytes appended): checked byte by byte
             problems = _verify_refused_folder(directory, man, e, step)
             shown, folder = str(directory), "safetensors"
-    warnings = []
-    for files, what in (
-        (unchecked if man.kind == "dcp" else [], "files beside the checkpoint's data"),
-        (untracked, "training_state (the trainer's files beside the checkpoint)"),
-    ):
-        if files:
-            more = ", ..." if len(files) > 5 else ""
-            warnings.append(
-                f"{target} lists no {what} (written by an older ckpttool, or edited): "
-                f"{_plural_files(len(files))} there not checked ({', '.join(files[:5])}{more}); "
-                "it cannot vouch for them"
-            )
+    warnings = _unchecked_warnings(target, unchecked if man.kind == "dcp" else [], untracked, unsized)
     return ManifestCheck(
         shown,
         str(target),
@@ -2196,6 +2249,31 @@ def check_against_manifest(
         folder=folder,
         warnings=warnings,
     )
+
+
+def _unchecked_warnings(target: Path, unchecked: list[str], untracked: list[str], unsized: list[str]) -> list[str]:
+    """The ``warning:`` lines of what a manifest cannot vouch for: files beside the data it lists no ``sidecars`` of,
+    a trainer's files without ``training_state``, data files without ``data_files`` sizes."""
+    warnings = []
+    for files, what in (
+        (unchecked, "files beside the checkpoint's data"),
+        (untracked, "training_state (the trainer's files beside the checkpoint)"),
+    ):
+        if files:
+            more = ", ..." if len(files) > 5 else ""
+            warnings.append(
+                f"{target} lists no {what} (written by an older ckpttool, or edited): "
+                f"{_plural_files(len(files))} there not checked ({', '.join(files[:5])}{more}); "
+                "it cannot vouch for them"
+            )
+    if unsized:
+        more = ", ..." if len(unsized) > 5 else ""
+        warnings.append(
+            f"{target} records no data file sizes (written by an older ckpttool, or edited): bytes after the last "
+            f"chunk of {_plural_files(len(unsized))} not checked ({', '.join(unsized[:5])}{more}); "
+            "it cannot vouch for them"
+        )
+    return warnings
 
 
 def _verify_refused_folder(
@@ -2248,7 +2326,7 @@ def _verify_refused_folder(
                 "metadata", HEADERS_NAME, None, f"{HEADERS_NAME} differ from the ones the manifest was made of"
             )
         )
-    skip = {METADATA_NAME, MANIFEST_NAME, *names, *(e.file for e in man.entries), *_inside(root, man.path)}
+    skip = {METADATA_NAME, *_own_manifest(root, man), *names, *(e.file for e in man.entries), *_inside(root, man.path)}
     problems.extend(_sidecar_problems(root, man.sidecars, skip, man.algorithm))
     return problems
 

@@ -3,8 +3,10 @@
 For checkpoints saved without a layout record: the declaration (layout name, ``ep_size``,
 ``ep_fsdp_size``) is checked against the chunk geometry of every EP tensor
 (:func:`~ckpttool.layouts.declaration.resolve_layout`), then written atomically
-(temp file + rename) as ``layout.json`` beside ``.metadata``. Only that file is
-added; nothing of the checkpoint itself changes.
+(temp file, then linked) as ``layout.json`` beside ``.metadata``, only where none is:
+a record another stamp wrote after this one opened the checkpoint is checked like one
+found at open, never replaced. Only that file is added; nothing of the checkpoint
+itself changes.
 
 Refusals: a record (embedded, or an earlier sidecar) that the declaration
 contradicts (``E404``; a wrong sidecar must be removed by hand first), a
@@ -23,10 +25,16 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ckpttool.errors import CkptError, LayoutContradictionError, LayoutError, OutputError, UsageError
+from ckpttool.errors import CkptError, DataFileError, LayoutContradictionError, LayoutError, OutputError, UsageError
+from ckpttool.format import limits
 from ckpttool.format.atomic import atomic_write_text, unwritable_reason
 from ckpttool.format.marker import recording
-from ckpttool.layouts.declaration import LayoutDeclaration, LayoutRecords, read_layout_records
+from ckpttool.layouts.declaration import (
+    LayoutDeclaration,
+    LayoutRecords,
+    check_declaration_against_record,
+    read_layout_records,
+)
 from ckpttool.layouts.geometry import EPGeometry, dim_intervals
 from ckpttool.layouts.record import SIDECAR_NAME, parse_layout_record
 from ckpttool.model.catalog import Catalog
@@ -166,13 +174,39 @@ def _stamp(ckpt: Checkpoint, declaration: LayoutDeclaration | None) -> StampResu
             )
         try:
             with recording(sidecar.parent, sidecar.name):  # an output of ckpttool: its marker lists the sidecar
-                atomic_write_text(sidecar, text)
+                atomic_write_text(sidecar, text, replace=False)  # never over a record written since the open
+        except FileExistsError:
+            return _found_meanwhile(ckpt, sidecar, declaration, len(layout.ep_tensors), same)
         except OutputError as e:
             cause = e.__cause__
             if isinstance(cause, OSError) and cause.errno in (errno.EROFS, errno.EACCES, errno.EPERM):
                 e.hint = _declare_instead(declaration)
             raise
     return StampResult(str(sidecar), True, record, len(layout.ep_tensors), same)
+
+
+def _found_meanwhile(
+    ckpt: Checkpoint, sidecar: Path, decl: LayoutDeclaration, ep_tensors: int, same: int
+) -> StampResult:
+    """The ``layout.json`` another run (a second ``stamp``) wrote after this one opened the checkpoint: checked
+    as a record found at open is. The same declaration is "already recorded"; another is refused and kept.
+
+    Raises:
+        LayoutContradictionError (E404): it records another layout or mesh; LayoutError (E400-E402): it is not a
+            valid layout record, or not a regular file inside the checkpoint.
+    """
+    where = f"{sidecar} (written meanwhile, by another run)"
+    try:
+        text = ckpt.reader.read_file(SIDECAR_NAME, limits.current().max_object_bytes, what="layout record")
+    except DataFileError as e:
+        raise LayoutError(e.message, path=sidecar) from e
+    rec = parse_layout_record(text, where)
+    try:
+        check_declaration_against_record(decl, rec, where)
+    except LayoutContradictionError as e:
+        e.hint = f"it is kept; if that record is wrong, delete {sidecar} and stamp again with the right declaration"
+        raise
+    return StampResult(str(sidecar), False, rec.raw, ep_tensors, same, "sidecar")
 
 
 def _declare_instead(decl: LayoutDeclaration) -> str:

@@ -437,3 +437,22 @@ def test_a_huge_key_or_file_name_in_a_manifest_is_shortened_in_its_problem_lines
     assert max(len(ln) for ln in lines) < 400, max(len(ln) for ln in lines)
     res = runner.invoke(app, ["manifest", str(sample_ckpt), "--verify", "-o", str(m), "--json"])
     assert "k" * 5_000_000 in [p["key"] for p in json.loads(res.stdout)["problems"]]
+
+
+def test_a_file_added_as_manifest_json_is_found_by_a_manifest_kept_outside(sample_ckpt: Path, tmp_path: Path) -> None:
+    """A manifest kept outside the checkpoint (``--output``) said "matches" after any bytes were added under the name
+    ``manifest.json`` (skipped as the checkpoint's own manifest, unread). Only a manifest ckpttool can read is
+    skipped there; anything else is a file like any other: ``extra``. A real manifest written there is not."""
+    d, outside = tmp_path / "d", tmp_path / "kept.json"
+    shutil.copytree(sample_ckpt, d)
+    _ok("manifest", str(d), "--output", str(outside))
+    (d / "manifest.json").write_bytes(b'{"format":"ckpttool.manifest",' + bytes(range(256)) * 64)
+    res = runner.invoke(app, ["manifest", str(d), "--verify", "--output", str(outside)])
+    assert res.exit_code == 1, res.stdout + res.stderr
+    assert "extra    manifest.json: a file the manifest does not list (added)" in res.stdout, res.stdout
+    res = runner.invoke(app, ["validate", str(d), "--manifest", str(outside)])
+    assert res.exit_code != 0 and "manifest.json" in res.stdout, res.stdout + res.stderr
+    (d / "manifest.json").unlink()
+    _ok("manifest", str(d))  # the checkpoint's own manifest beside the one kept outside: no change to the data
+    _ok("manifest", str(d), "--verify", "--output", str(outside))
+    _ok("manifest", str(d), "--verify")

@@ -177,6 +177,19 @@ def test_hostile_manifests_are_refused_with_one_error(
     assert "Traceback" not in res.stderr
 
 
+def test_a_manifest_naming_a_key_twice_is_refused(dense_ckpt: Path, tmp_path: Path) -> None:
+    """``{"sidecars": [...], ..., "sidecars": []}``: json.loads kept the last, so the manifest said two things and
+    --verify checked the one another reader (first key wins) would not; a key given twice is now E260."""
+    man = tmp_path / "m.json"
+    assert invoke("manifest", dense_ckpt, "--output", man).exit_code == 0
+    text = man.read_text()
+    assert '"sidecars":[]' in text
+    man.write_text(text.replace("{", '{"sidecars":[{"file":"notes.txt","size":1,"digest":"00"}],', 1))
+    res = invoke("manifest", dense_ckpt, "--verify", "--output", man)
+    assert res.exit_code == 2 and res.stdout == "", res.stdout + res.stderr
+    assert res.stderr.startswith(f"error: [E260] {man}: not a ckpttool manifest (duplicate key 'sidecars')"), res.stderr
+
+
 def test_oversized_manifest_is_refused_before_reading(dense_ckpt: Path, tmp_path: Path) -> None:
     bad = tmp_path / "manifest.json"
     with open(bad, "wb") as f:
@@ -474,6 +487,47 @@ def test_validate_manifest_without_sidecars_warns_S016(fsdp_ckpt: Path, tmp_path
     assert res.exit_code == 0 and len(s016) == 1 and s016[0]["severity"] == "warning", res.stdout
     assert s016[0]["message"].endswith("lists no files beside the data; 1 there not checked: notes.txt")
     assert invoke("validate", ck, "--manifest", "--strict").exit_code == 1
+
+
+def test_a_manifest_without_data_file_sizes_names_the_bytes_it_did_not_check(fsdp_ckpt: Path, tmp_path: Path) -> None:
+    """A manifest without ``data_files`` (an older ckpttool's, or the list cut out) cannot see bytes appended to a
+    data file after its last chunk: --verify and `validate --manifest` said "matches"/OK in silence, unlike a
+    manifest without ``sidecars``. Both now say which data files' sizes were not checked (a warning, exit 0)."""
+    ck = copy_checkpoint(fsdp_ckpt, tmp_path / "c")
+    assert invoke("manifest", ck).exit_code == 0
+    doc = json.loads((ck / "manifest.json").read_text())
+    files = [f["file"] for f in doc.pop("data_files")]
+    (ck / "manifest.json").write_text(json.dumps(doc))
+    with open(ck / files[0], "ab") as f:
+        f.write(b"appended after the last chunk")
+    res = invoke("manifest", ck, "--verify")
+    assert res.exit_code == 0, res.stderr  # every chunk matches; the bytes after them are unknown, not "changed"
+    warning = [line for line in res.stderr.splitlines() if line.startswith("warning:")]
+    assert len(warning) == 1 and "records no data file sizes" in warning[0] and files[0] in warning[0], res.stderr
+    assert "matches" in res.stdout and "not checked" in res.stdout
+    res = invoke("validate", ck, "--manifest", "--json")
+    s016 = [f for f in json.loads(res.stdout)["findings"] if f["code"] == "S016"]
+    assert len(s016) == 1 and "records no data file sizes" in s016[0]["message"], res.stdout
+    assert files[0] in s016[0]["message"]
+    assert invoke("manifest", ck).exit_code == 0  # a manifest of this ckpttool records them: no warning
+    res = invoke("manifest", ck, "--verify", "--json")
+    assert res.exit_code == 0 and json.loads(res.stdout)["warnings"] == [] and "warning" not in res.stderr
+
+
+def test_bytes_hashed_counts_the_files_beside_the_data(fsdp_ckpt: Path, tmp_path: Path) -> None:
+    """The files beside the data (an optimizer ``.pt``, ``trainer_state.json``) are digested whole, yet
+    ``bytes_hashed`` counted the chunks alone: a 2 GiB ``optim.pt`` beside 15 KiB of chunks printed "15.2 KiB
+    hashed ... 1.93 kB/s" after hashing for seconds. It now counts every byte digested."""
+    ck = copy_checkpoint(fsdp_ckpt, tmp_path / "c")
+    (ck / "optim.pt").write_bytes(bytes(range(256)) * 4096)  # 1 MiB
+    (ck / "trainer_state.json").write_text('{"global_step": 7}\n')
+    res = invoke("manifest", ck, "--json")
+    assert res.exit_code == 0, res.stderr
+    doc = json.loads((ck / "manifest.json").read_text())
+    chunks = sum(e["length"] for e in doc["entries"])
+    beside = sum(f["size"] for f in doc["sidecars"])
+    assert beside == (1 << 20) + len('{"global_step": 7}\n')
+    assert json.loads(res.stdout)["bytes_hashed"] == chunks + beside
 
 
 def test_verify_with_a_manifest_whose_metadata_digest_is_cut_out_does_not_pass(fsdp_ckpt: Path, tmp_path: Path) -> None:

@@ -293,3 +293,29 @@ def test_stamp_over_a_layout_json_directory_hints_at_the_directory(legacy_copy: 
     assert lines[1] == f"hint: {legacy_copy / 'layout.json'} is a directory; move it away and run again"
     assert "--overwrite" not in res.stderr and (legacy_copy / "layout.json").is_dir()
     assert sorted(p.name for p in legacy_copy.iterdir() if p.name.startswith(".")) == [".metadata"]  # no temp files
+
+
+def test_a_layout_json_written_by_another_stamp_meanwhile_is_never_replaced(legacy_copy: Path) -> None:
+    """Two stamps of one checkpoint at once: each opened it before either wrote, so neither saw a record, and the
+    later rename replaced the earlier one's layout.json (told "wrote ... canonical") by a contradicting record. The
+    sidecar is now published only where none is: the later stamp checks the record it finds, as on a second run."""
+    from ckpttool.errors import LayoutContradictionError
+    from ckpttool.model.checkpoint import OpenOptions, open_source
+    from ckpttool.ops.stamp import StampOptions, stamp
+    from ckpttool.ui.options import declaration
+
+    legacy, canonical = declaration("legacy", 2, 2), declaration("canonical", 4, 1)
+    with open_source(legacy_copy, OpenOptions(declaration=legacy), record_problems=True) as opened:
+        assert stamp(legacy_copy, StampOptions(canonical)).written  # the other run, between open and write
+        theirs = (legacy_copy / "layout.json").read_bytes()
+        with pytest.raises(LayoutContradictionError) as err:
+            stamp(opened, StampOptions(legacy))
+    assert err.value.code == "E404" and "written meanwhile" in err.value.message
+    assert "ep_size 4" in err.value.message and (legacy_copy / "layout.json").read_bytes() == theirs
+    assert sorted(p.name for p in legacy_copy.iterdir() if ".ckpttool-tmp" in p.name) == []  # no temporary file left
+    # the same declaration found written meanwhile: nothing written, the record named where it is
+    (legacy_copy / "layout.json").unlink()
+    with open_source(legacy_copy, OpenOptions(declaration=canonical), record_problems=True) as opened:
+        assert stamp(legacy_copy, StampOptions(canonical)).written
+        again = stamp(opened, StampOptions(canonical))
+    assert (again.written, again.recorded_in, again.record["version"]) == (False, "sidecar", 2)

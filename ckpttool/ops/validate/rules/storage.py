@@ -330,7 +330,7 @@ def manifest_mismatch(ctx: Context) -> Iterator[tuple[str, str]]:
 
 @rule("S016")
 def manifest_beside_unchecked(ctx: Context) -> Iterator[tuple[str | None, str]]:
-    from ckpttool.ops.manifest import unchecked_beside, unchecked_training_state
+    from ckpttool.ops.manifest import unchecked_beside, unchecked_sizes, unchecked_training_state
 
     if ctx.manifest.kind == "safetensors":  # an export's manifest lists its files itself
         return
@@ -342,3 +342,10 @@ def manifest_beside_unchecked(ctx: Context) -> Iterator[tuple[str | None, str]]:
         if names:
             shown = ", ".join(names[:5]) + (f" (+{len(names) - 5} more)" if len(names) > 5 else "")
             yield None, f"{where}: lists no {what}; {len(names)} there not checked: {shown}"
+    unsized = unchecked_sizes(ctx.reader, ctx.manifest)
+    if unsized:
+        shown = ", ".join(unsized[:5]) + (f" (+{len(unsized) - 5} more)" if len(unsized) > 5 else "")
+        yield (
+            None,
+            f"{where}: records no data file sizes; bytes after the last chunk of {len(unsized)} not checked: {shown}",
+        )
