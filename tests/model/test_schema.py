@@ -246,3 +246,67 @@ def test_planner_paths_that_do_not_flatten_to_their_key_are_ignored(tmp_path: Pa
     cat = build_catalog(CheckpointDir(tmp_path, metadata=odd))
     assert set(cat.optimizer_state) == {"weight", "bias"}
     assert cat.optimizer_state["weight"].in_model and set(cat.optimizer_state["weight"].fields) >= {"exp_avg"}
+
+
+@pytest.mark.parametrize("saved", ["optimizer_only", "beside_model"])
+def test_a_flattened_optimizer_at_the_top_level_is_not_model_weights(saved: str, tmp_path: Path) -> None:
+    """``dcp.save(get_optimizer_state_dict(model, optim, options=StateDictOptions(flatten_optimizer_state_dict=True)))``
+    (alone, or merged into the model's state dict at the top level) puts torch's optimizer state dict at the top level:
+    ``state.<fqn>.<field>`` tensors beside ``param_groups.<fqn>.<hyper>`` items, each a top-level key of its own in
+    planner_data. The top-level schema counted every ``state.`` tensor as a model weight (inspect: 'model tensors'
+    listing exp_avg and step, validate --strict OK as 'model weights only', export wrote them as weights). They are
+    optimizer state no schema reads there: 'other', reported (inspect's warning, validate K002)."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+    from typer.testing import CliRunner
+
+    from ckpttool.cli.app import app
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Embedding(16, 8), torch.nn.Linear(8, 16))
+    optim = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    model(torch.randint(0, 16, (2, 4))).pow(2).mean().backward()
+    optim.step()
+    msd, osd = get_state_dict(model, optim, options=StateDictOptions(flatten_optimizer_state_dict=True))
+    dcp.save(osd if saved == "optimizer_only" else {**msd, **osd}, checkpoint_id=str(tmp_path))
+    state = sorted(k for k, v in osd.items() if k.startswith("state.") and isinstance(v, torch.Tensor))
+    assert len(state) == 9  # 3 parameters x (step, exp_avg, exp_avg_sq)
+    cat = build_catalog(tmp_path)
+    assert sorted(cat.model) == ([] if saved == "optimizer_only" else sorted(msd))
+    assert sorted(cat.uncategorized_tensors()) == state
+    res = CliRunner().invoke(app, ["inspect", str(tmp_path), "--json"])
+    assert res.exit_code == 0, res.output
+    doc = json.loads(res.stdout)
+    assert doc["summary"]["model_tensor_count"] == (0 if saved == "optimizer_only" else 3)
+    res = CliRunner().invoke(app, ["validate", "--strict", str(tmp_path), "--json"])
+    codes = {f["code"] for f in json.loads(res.stdout)["findings"]}
+    assert ("K002" if saved == "beside_model" else "K001") in codes and res.exit_code != 0
+
+
+def test_model_and_optimizer_both_at_the_top_level_read_by_prefixes(tmp_path: Path) -> None:
+    """``dcp.save(get_model_state_dict(m), "model/")`` and ``dcp.save(get_optimizer_state_dict(m, o), "optimizer/")``:
+    the pair opens as one checkpoint with both at the top level, read with ``--model-prefix '' --optimizer-prefix ''``.
+    The model claimed the optimizer's ``state.`` tensors too (inspect: 'state for 0/2 params', its exp_avg listed as
+    model tensors), so no command could read that pair's optimizer."""
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+    from typer.testing import CliRunner
+
+    from ckpttool.cli.app import app
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(8, 4)
+    optim = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    model(torch.randn(2, 8)).pow(2).mean().backward()
+    optim.step()
+    msd, osd = get_state_dict(model, optim)
+    dcp.save(msd, checkpoint_id=str(tmp_path / "model"))
+    dcp.save(osd, checkpoint_id=str(tmp_path / "optimizer"))
+    sel = CheckpointSelection(schema=SchemaOverride(model_prefix="", optimizer_prefix=""))
+    cat = open_checkpoint(tmp_path, selection=sel).catalog
+    assert sorted(cat.model) == ["bias", "weight"] and not cat.uncategorized_tensors()
+    assert sorted(cat.optimizer_state) == ["bias", "weight"]
+    assert {f: sorted(ps.fields) for f, ps in cat.optimizer_state.items()} == {
+        f: ["exp_avg", "exp_avg_sq", "step"] for f in ("bias", "weight")
+    }
+    res = CliRunner().invoke(app, ["inspect", str(tmp_path), "--model-prefix", "", "--optimizer-prefix", ""])
+    assert res.exit_code == 0, res.output
+    assert "model top level, optimizer top level by fqn" in res.stdout and "state for 2/2 params" in res.stdout

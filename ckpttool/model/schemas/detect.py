@@ -455,6 +455,13 @@ def _keying(sch: KeySchema, tensors: list[str], state: list[tuple[str, _Path]], 
     return "index" if index else "fqn"
 
 
+def _optimizer_at_top(md: CheckpointMetadata, tensors: list[str]) -> bool:
+    """torch's optimizer state dict saved at the top level: ``state.`` tensors beside ``param_groups.`` keys
+    (``dcp.save(get_optimizer_state_dict(...))``, alone or merged into the model's state dict), which the top-level
+    model then does not claim (:class:`KeySchema`)."""
+    return any(k.startswith("state.") for k in tensors) and any(k.startswith("param_groups.") for k in md.entries)
+
+
 def _schema_id(found: Detected) -> str:
     """``unrecognized``, or the name of the first registered spec that claims ``found`` (``custom``: none)."""
     if found.model_prefix is None and found.optimizer_prefix is None:
@@ -541,11 +548,13 @@ def detect_schema(md: CheckpointMetadata, override: SchemaOverride | None = None
     best = _optimizer_fqns_rule(scan, state, state_prefix, model_prefix, reasons) if state else None
     if best is not None:
         model_prefix, use_paths = best, False
+    at_top = model_prefix == "" and _optimizer_at_top(md, scan.tensors)
+    head = model_head(model_prefix or "")
     sch = KeySchema(
-        "unrecognized", model_prefix, opt_prefix, _model_head=model_head(model_prefix or ""), _use_paths=use_paths
+        "unrecognized", model_prefix, opt_prefix, _model_head=head, _use_paths=use_paths, _optimizer_at_top=at_top
     )
     test = sch.model_test()
-    if use_paths and model_prefix is not None:
+    if use_paths and model_prefix is not None and not at_top:
         # planner paths: the votes counted exactly the keys is_model_candidate accepts
         n_model = scan.model_votes[model_prefix]
         sample = list(islice((k for k in scan.tensors if test(k, get(k))), 4096))
@@ -571,17 +580,16 @@ def detect_schema(md: CheckpointMetadata, override: SchemaOverride | None = None
     unwrapped = strip_wrapper_segments(model_prefix + "x")[0][:-1] if model_prefix else model_prefix
     sid = _schema_id(found if unwrapped == model_prefix else replace(found, model_prefix=unwrapped))
     reasons += _closing_reasons(md, bool(planner), found, (n_model, use_paths), keying, fqns)
-    return KeySchema(
-        sid,
-        model_prefix,
-        opt_prefix,
-        keying,
-        found.naming,
-        "detected",
-        tuple(reasons),
-        training,
-        model_head(model_prefix or ""),
-        use_paths,
+    head = model_head(model_prefix or "")
+    return replace(
+        sch,
+        id=sid,
+        model_prefix=model_prefix,
+        optimizer_keying=keying,
+        naming=found.naming,
+        reasons=tuple(reasons),
+        training_state=training,
+        _model_head=head,
     )
 
 

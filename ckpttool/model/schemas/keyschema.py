@@ -9,7 +9,7 @@ is built through it (which keys are model tensors: :meth:`KeySchema.model_test`,
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from itertools import repeat
 from operator import and_, eq, itemgetter, ne, not_
 from typing import Any
@@ -22,6 +22,9 @@ from ckpttool.model.schemas.base import SchemaSpec, canonical_model_key
 __all__ = ["KeySchema", "SchemaOverride", "model_head"]
 
 _BUT_LAST = itemgetter(slice(None, -1))
+
+#: The top-level parts of torch's optimizer state dict (``Optimizer.state_dict()``, ``get_optimizer_state_dict``).
+TOP_OPTIMIZER_PARTS = frozenset(("state", "param_groups"))
 
 
 @dataclass(frozen=True)
@@ -84,6 +87,10 @@ class KeySchema:
             per-rank checkpoint format).
         reasons: why this schema (one line each, for ``inspect``).
         training_state: top-level training-state items present (``lr_scheduler``, ``train_state``, ...).
+
+    A top-level model (``model_prefix ""``) never claims the ``state.`` and ``param_groups.`` keys of torch's
+    optimizer state dict saved at the top level too (``dcp.save(get_optimizer_state_dict(...))``, alone or merged
+    into the model's): where detection saw them beside each other, or the optimizer prefix is ``""``.
     """
 
     id: str
@@ -96,6 +103,7 @@ class KeySchema:
     training_state: tuple[str, ...] = ()
     _model_head: tuple[str, ...] = field(default=(), repr=False, compare=False)
     _use_paths: bool = field(default=True, repr=False, compare=False)
+    _optimizer_at_top: bool = field(default=False, repr=False, compare=False)
 
     @property
     def recognised(self) -> bool:
@@ -147,6 +155,12 @@ class KeySchema:
         """Whether tensor ``key`` (planner path ``path``) is a model tensor under this schema."""
         return self.model_test()(key, path)
 
+    @property
+    def _beside_top_optimizer(self) -> bool:
+        """Torch's optimizer state dict is at the top level beside this top-level model (detected, or the optimizer
+        prefix is ``""``): its ``state.`` / ``param_groups.`` keys are not model keys."""
+        return self._optimizer_at_top or self.optimizer_prefix == ""
+
     def model_test(self) -> Callable[[str, tuple[Any, ...] | None], bool]:
         """:meth:`is_model_candidate` as a function specialised for this schema (10^6 calls per catalog)."""
         p, op = self.model_prefix, self.optimizer_prefix or None
@@ -162,6 +176,9 @@ class KeySchema:
             return head not in items and head not in heads and key != "layout"
 
         if p == "":
+            if self._beside_top_optimizer:
+                inner = replace(self, optimizer_prefix=None, _optimizer_at_top=False).model_test()
+                return lambda key, path: key.partition(".")[0] not in TOP_OPTIMIZER_PARTS and inner(key, path)
             if use_paths:
                 return lambda key, path: (
                     (len(path) == 1 if path is not None else loose(key)) and not (op is not None and key.startswith(op))
