@@ -248,14 +248,15 @@ def test_planner_paths_that_do_not_flatten_to_their_key_are_ignored(tmp_path: Pa
     assert cat.optimizer_state["weight"].in_model and set(cat.optimizer_state["weight"].fields) >= {"exp_avg"}
 
 
-@pytest.mark.parametrize("saved", ["optimizer_only", "beside_model"])
-def test_a_flattened_optimizer_at_the_top_level_is_not_model_weights(saved: str, tmp_path: Path) -> None:
-    """``dcp.save(get_optimizer_state_dict(model, optim, options=StateDictOptions(flatten_optimizer_state_dict=True)))``
-    (alone, or merged into the model's state dict at the top level) puts torch's optimizer state dict at the top level:
-    ``state.<fqn>.<field>`` tensors beside ``param_groups.<fqn>.<hyper>`` items, each a top-level key of its own in
-    planner_data. The top-level schema counted every ``state.`` tensor as a model weight (inspect: 'model tensors'
-    listing exp_avg and step, validate --strict OK as 'model weights only', export wrote them as weights). They are
-    optimizer state no schema reads there: 'other', reported (inspect's warning, validate K002)."""
+@pytest.mark.parametrize("saved", ["optimizer_only", "beside_model", "pair"])
+@pytest.mark.parametrize("flatten", [True, False], ids=["flattened", "nested"])
+def test_an_optimizer_state_dict_at_the_top_level_is_optimizer_state(saved: str, flatten: bool, tmp_path: Path) -> None:
+    """``dcp.save(get_optimizer_state_dict(model, optim))`` puts torch's optimizer state dict at the top level:
+    ``state.<fqn>.<field>`` tensors beside ``param_groups.*`` items; saved alone, merged into the model's state dict
+    (``{**msd, **osd}``), or as the ``optimizer/`` folder beside a top-level ``model/``. The top-level schema counted
+    every flattened ``state.`` tensor as a model weight (inspect listed exp_avg and step under 'model tensors',
+    validate --strict said OK as 'model weights only', export wrote them as weights); the nested ones were 'other'
+    (K002). Both are the optimizer's state at the top level (prefix ''), checked against the state dict torch saved."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
     from typer.testing import CliRunner
 
@@ -266,20 +267,31 @@ def test_a_flattened_optimizer_at_the_top_level_is_not_model_weights(saved: str,
     optim = torch.optim.AdamW(model.parameters(), lr=1e-3)
     model(torch.randint(0, 16, (2, 4))).pow(2).mean().backward()
     optim.step()
-    msd, osd = get_state_dict(model, optim, options=StateDictOptions(flatten_optimizer_state_dict=True))
-    dcp.save(osd if saved == "optimizer_only" else {**msd, **osd}, checkpoint_id=str(tmp_path))
-    state = sorted(k for k, v in osd.items() if k.startswith("state.") and isinstance(v, torch.Tensor))
-    assert len(state) == 9  # 3 parameters x (step, exp_avg, exp_avg_sq)
-    cat = build_catalog(tmp_path)
+    msd, osd = get_state_dict(model, optim, options=StateDictOptions(flatten_optimizer_state_dict=flatten))
+    if saved == "pair":
+        dcp.save(msd, checkpoint_id=str(tmp_path / "model"))
+        dcp.save(osd, checkpoint_id=str(tmp_path / "optimizer"))
+    else:
+        dcp.save(osd if saved == "optimizer_only" else {**msd, **osd}, checkpoint_id=str(tmp_path))
+    nested = osd if flatten else {f"state.{fqn}.{k}": v for fqn, s in osd["state"].items() for k, v in s.items()}
+    want = {k: tuple(v.shape) for k, v in nested.items() if k.startswith("state.") and isinstance(v, torch.Tensor)}
+    assert len(want) == 9  # 3 parameters x (step, exp_avg, exp_avg_sq)
+    cat = open_checkpoint(tmp_path).catalog
+    assert (cat.schema.id, cat.schema.optimizer_prefix, cat.schema.optimizer_keying) == ("top-level", "", "fqn")
     assert sorted(cat.model) == ([] if saved == "optimizer_only" else sorted(msd))
-    assert sorted(cat.uncategorized_tensors()) == state
+    assert not cat.uncategorized_tensors()
+    got = {t.key: t.shape for ps in cat.optimizer_state.values() for t in ps.fields.values() if t is not None}
+    assert got == want
     res = CliRunner().invoke(app, ["inspect", str(tmp_path), "--json"])
     assert res.exit_code == 0, res.output
-    doc = json.loads(res.stdout)
-    assert doc["summary"]["model_tensor_count"] == (0 if saved == "optimizer_only" else 3)
-    res = CliRunner().invoke(app, ["validate", "--strict", str(tmp_path), "--json"])
-    codes = {f["code"] for f in json.loads(res.stdout)["findings"]}
-    assert ("K002" if saved == "beside_model" else "K001") in codes and res.exit_code != 0
+    summary = json.loads(res.stdout)["summary"]
+    assert summary["model_tensor_count"] == (0 if saved == "optimizer_only" else 3)
+    assert summary["bytes_by_category"]["optimizer_state"] == sum(
+        v.numel() * v.element_size() for k, v in nested.items() if k in want
+    )
+    if saved != "optimizer_only":
+        res = CliRunner().invoke(app, ["validate", "--strict", str(tmp_path), "--json"])
+        assert res.exit_code == 0 and not json.loads(res.stdout)["findings"], res.output
 
 
 def test_model_and_optimizer_both_at_the_top_level_read_by_prefixes(tmp_path: Path) -> None:

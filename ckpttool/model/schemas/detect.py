@@ -281,6 +281,8 @@ def _index_keyed(state: list[tuple[str, _Path]], state_prefix: str, model_fqns: 
         seen = True
         if path is not None and len(path) >= 4 and isinstance(path[-2], int):
             continue
+        if path is not None and isinstance(path[-1], str) and path[-1].startswith("state."):
+            return False  # flattened by get_optimizer_state_dict (flatten_optimizer_state_dict=True), which keys by fqn
         if path is not None and "state" in (above := path[:-2]):
             param = path[len(above) - above[::-1].index("state")]  # after the optimizer's own (last) "state"
             if isinstance(param, str) and not param.isdigit():
@@ -457,9 +459,23 @@ def _keying(sch: KeySchema, tensors: list[str], state: list[tuple[str, _Path]], 
 
 def _optimizer_at_top(md: CheckpointMetadata, tensors: list[str]) -> bool:
     """torch's optimizer state dict saved at the top level: ``state.`` tensors beside ``param_groups.`` keys
-    (``dcp.save(get_optimizer_state_dict(...))``, alone or merged into the model's state dict), which the top-level
-    model then does not claim (:class:`KeySchema`)."""
+    (``dcp.save(get_optimizer_state_dict(...))``, alone, merged into the model's state dict, or in the optimizer
+    folder of a model/optimizer pair): the optimizer prefix is then ``""``, and a top-level model does not claim
+    those keys (:meth:`KeySchema.model_test`)."""
     return any(k.startswith("state.") for k in tensors) and any(k.startswith("param_groups.") for k in md.entries)
+
+
+def _optimizer_keys(md: CheckpointMetadata, scan: _Scan, get: Any) -> tuple[str | None, str, list[tuple[str, _Path]]]:
+    """The optimizer prefix (``None``: no optimizer), its state prefix and its state keys with their planner paths."""
+    opt_prefix = scan.opt_votes.most_common(1)[0][0] if scan.opt_votes else None
+    if opt_prefix is None and _optimizer_at_top(md, scan.tensors):
+        return "", "state.", [(k, get(k)) for k in scan.tensors if k.startswith("state.")]
+    state_prefix = f"{opt_prefix}state."
+    return (
+        opt_prefix,
+        state_prefix,
+        [(k, p) for pre, k, p in scan.opt_keys if pre == opt_prefix and k.startswith(state_prefix)],
+    )
 
 
 def _schema_id(found: Detected) -> str:
@@ -506,7 +522,10 @@ def _closing_reasons(
                 f"optimizer state under {opt_prefix!r} is keyed by parameter index (a plain optimizer.state_dict())"
             )
         else:
-            reasons.append(f"optimizer state under {opt_prefix!r}, keyed by parameter fqn")
+            where = (
+                f"under {opt_prefix!r}" if opt_prefix else "at the top level (torch's optimizer state dict as it is)"
+            )
+            reasons.append(f"optimizer state {where}, keyed by parameter fqn")
     if naming != "unknown":
         reasons.append(f"model fqns follow {naming} naming (e.g. {fqns[0]!r})" if fqns else f"{naming} naming")
     if found.training_state:
@@ -537,9 +556,7 @@ def detect_schema(md: CheckpointMetadata, override: SchemaOverride | None = None
     get = planner.get
     scan = _scan(md, get, known)
     reasons: list[str] = []
-    opt_prefix = scan.opt_votes.most_common(1)[0][0] if scan.opt_votes else None
-    state_prefix = f"{opt_prefix}state."
-    state = [(k, p) for pre, k, p in scan.opt_keys if pre == opt_prefix and k.startswith(state_prefix)]
+    opt_prefix, state_prefix, state = _optimizer_keys(md, scan, get)
     model_prefix = _choose_model_prefix(scan.model_votes, bool(planner), md, reasons)
     for spec in registry.specs():
         if spec.prefix_notes is not None:
@@ -548,14 +565,13 @@ def detect_schema(md: CheckpointMetadata, override: SchemaOverride | None = None
     best = _optimizer_fqns_rule(scan, state, state_prefix, model_prefix, reasons) if state else None
     if best is not None:
         model_prefix, use_paths = best, False
-    at_top = model_prefix == "" and _optimizer_at_top(md, scan.tensors)
-    head = model_head(model_prefix or "")
     sch = KeySchema(
-        "unrecognized", model_prefix, opt_prefix, _model_head=head, _use_paths=use_paths, _optimizer_at_top=at_top
+        "unrecognized", model_prefix, opt_prefix, _model_head=model_head(model_prefix or ""), _use_paths=use_paths
     )
     test = sch.model_test()
-    if use_paths and model_prefix is not None and not at_top:
-        # planner paths: the votes counted exactly the keys is_model_candidate accepts
+    if use_paths and model_prefix is not None and opt_prefix != "":
+        # planner paths: the votes counted exactly the keys is_model_candidate accepts (an optimizer at the top
+        # level: they counted its flattened state. keys too)
         n_model = scan.model_votes[model_prefix]
         sample = list(islice((k for k in scan.tensors if test(k, get(k))), 4096))
     else:

@@ -79,7 +79,7 @@ class KeySchema:
         id: ``torch-native``, ``app-state``, ``torchtitan``, ``top-level``, ``custom`` (prefixes
             given by the user) or ``unrecognized`` (neither model tensors nor optimizer state found).
         model_prefix: prefix of the model keys (``""``: top level; ``None``: no model tensors).
-        optimizer_prefix: prefix of the optimizer keys (``None``: no optimizer state).
+        optimizer_prefix: prefix of the optimizer keys (``""``: top level; ``None``: no optimizer state).
         optimizer_keying: ``"fqn"`` (state keyed by parameter name), ``"index"`` (a plain
             ``optimizer.state_dict()``: integer ids) or ``None`` (no optimizer state).
         naming: naming convention of the model fqns: ``"hf"``, ``"torchtitan"`` or ``"unknown"``.
@@ -88,9 +88,9 @@ class KeySchema:
         reasons: why this schema (one line each, for ``inspect``).
         training_state: top-level training-state items present (``lr_scheduler``, ``train_state``, ...).
 
-    A top-level model (``model_prefix ""``) never claims the ``state.`` and ``param_groups.`` keys of torch's
-    optimizer state dict saved at the top level too (``dcp.save(get_optimizer_state_dict(...))``, alone or merged
-    into the model's): where detection saw them beside each other, or the optimizer prefix is ``""``.
+    With ``optimizer_prefix ""`` (torch's optimizer state dict saved at the top level: ``dcp.save(
+    get_optimizer_state_dict(...))``, alone or merged into the model's state dict) a top-level model does not claim
+    its ``state.`` and ``param_groups.`` keys.
     """
 
     id: str
@@ -103,7 +103,6 @@ class KeySchema:
     training_state: tuple[str, ...] = ()
     _model_head: tuple[str, ...] = field(default=(), repr=False, compare=False)
     _use_paths: bool = field(default=True, repr=False, compare=False)
-    _optimizer_at_top: bool = field(default=False, repr=False, compare=False)
 
     @property
     def recognised(self) -> bool:
@@ -155,12 +154,6 @@ class KeySchema:
         """Whether tensor ``key`` (planner path ``path``) is a model tensor under this schema."""
         return self.model_test()(key, path)
 
-    @property
-    def _beside_top_optimizer(self) -> bool:
-        """Torch's optimizer state dict is at the top level beside this top-level model (detected, or the optimizer
-        prefix is ``""``): its ``state.`` / ``param_groups.`` keys are not model keys."""
-        return self._optimizer_at_top or self.optimizer_prefix == ""
-
     def model_test(self) -> Callable[[str, tuple[Any, ...] | None], bool]:
         """:meth:`is_model_candidate` as a function specialised for this schema (10^6 calls per catalog)."""
         p, op = self.model_prefix, self.optimizer_prefix or None
@@ -176,8 +169,8 @@ class KeySchema:
             return head not in items and head not in heads and key != "layout"
 
         if p == "":
-            if self._beside_top_optimizer:
-                inner = replace(self, optimizer_prefix=None, _optimizer_at_top=False).model_test()
+            if self.optimizer_prefix == "":  # torch's optimizer state dict at the top level too: not model keys
+                inner = replace(self, optimizer_prefix=None).model_test()
                 return lambda key, path: key.partition(".")[0] not in TOP_OPTIMIZER_PARTS and inner(key, path)
             if use_paths:
                 return lambda key, path: (
