@@ -278,6 +278,9 @@ def test_an_optimizer_state_dict_at_the_top_level_is_optimizer_state(saved: str,
     assert len(want) == 9  # 3 parameters x (step, exp_avg, exp_avg_sq)
     cat = open_checkpoint(tmp_path).catalog
     assert (cat.schema.id, cat.schema.optimizer_prefix, cat.schema.optimizer_keying) == ("top-level", "", "fqn")
+    assert "optimizer state at the top level (torch's optimizer state dict as it is), keyed by parameter fqn" in (
+        cat.schema.reasons
+    )
     assert sorted(cat.model) == ([] if saved == "optimizer_only" else sorted(msd))
     assert not cat.uncategorized_tensors()
     got = {t.key: t.shape for ps in cat.optimizer_state.values() for t in ps.fields.values() if t is not None}

@@ -517,14 +517,10 @@ def _closing_reasons(
     elif opt_prefix is not None:
         reasons.append("no model tensors: optimizer state only (pair it with its model checkpoint)")
     if opt_prefix is not None:
+        where = f"under {opt_prefix!r}" if opt_prefix else "at the top level (torch's optimizer state dict as it is)"
         if keying == "index":
-            reasons.append(
-                f"optimizer state under {opt_prefix!r} is keyed by parameter index (a plain optimizer.state_dict())"
-            )
+            reasons.append(f"optimizer state {where} is keyed by parameter index (a plain optimizer.state_dict())")
         else:
-            where = (
-                f"under {opt_prefix!r}" if opt_prefix else "at the top level (torch's optimizer state dict as it is)"
-            )
             reasons.append(f"optimizer state {where}, keyed by parameter fqn")
     if naming != "unknown":
         reasons.append(f"model fqns follow {naming} naming (e.g. {fqns[0]!r})" if fqns else f"{naming} naming")
