@@ -325,3 +325,30 @@ def test_model_and_optimizer_both_at_the_top_level_read_by_prefixes(tmp_path: Pa
     res = CliRunner().invoke(app, ["inspect", str(tmp_path), "--model-prefix", "", "--optimizer-prefix", ""])
     assert res.exit_code == 0, res.output
     assert "model top level, optimizer top level by fqn" in res.stdout and "state for 2/2 params" in res.stdout
+
+
+def test_a_top_level_training_item_tensor_is_not_a_model_tensor(tmp_path: Path) -> None:
+    """``dcp.save({**model.state_dict(), "rng_state": torch.get_rng_state(), "step": torch.tensor(5)})``: a loop's
+    training state saved as loose top-level tensors (planner path ``("step",)``, like a parameter's). The top-level
+    schema counted them as model tensors (inspect: 6 model tensors, a uint8 [5056] 'rng_state' among the weights,
+    while its reasons listed them as training-state items; export wrote them into model.safetensors). They are the
+    training state they are named for."""
+    from typer.testing import CliRunner
+
+    from ckpttool.cli.app import app
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 4))
+    rng = torch.get_rng_state()
+    dcp.save({**model.state_dict(), "rng_state": rng, "step": torch.tensor(5)}, checkpoint_id=str(tmp_path))
+    cat = build_catalog(tmp_path)
+    assert (cat.schema.id, cat.schema.training_state) == ("top-level", ("rng_state", "step"))
+    assert sorted(cat.model) == sorted(model.state_dict())
+    assert "4 model tensor(s) at the top level of the saved dict" in cat.schema.reasons[0]
+    res = CliRunner().invoke(app, ["inspect", str(tmp_path), "--json"])
+    assert res.exit_code == 0, res.output
+    doc = json.loads(res.stdout)
+    assert doc["summary"]["model_tensor_count"] == 4
+    assert doc["summary"]["bytes_by_category"]["model"] == sum(v.nbytes for v in model.state_dict().values())
+    assert doc["training_state"] == {"rng_state": ["rng_state"], "step": ["step"]}
+    assert not doc["uncategorized_tensors"]

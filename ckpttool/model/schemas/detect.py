@@ -248,8 +248,8 @@ def _candidate_test(known: Derived) -> Callable[[str, _Path], str | None]:
     def candidate(key: str, path: _Path) -> str | None:
         if path is not None:
             n = len(path)
-            if n == 1:
-                return ""
+            if n == 1:  # a top-level tensor: the model's, unless a training-state item ("step", "rng_state")
+                return "" if key not in items else None
             for container in containers:
                 if n == len(container) + 1 and _in_container(container, path, None):
                     return ".".join(path[:-1]) + "."

@@ -159,26 +159,10 @@ class KeySchema:
         p, op = self.model_prefix, self.optimizer_prefix or None
         if p is None:
             return lambda key, path: False
-        use_paths = self._use_paths
-
-        known = registry.derived()
-        items, heads = known.training_state_items, known.optimizer_heads
-
-        def loose(key: str) -> bool:
-            head = key.partition(".")[0]
-            return head not in items and head not in heads and key != "layout"
-
         if p == "":
-            if self.optimizer_prefix == "":  # torch's optimizer state dict at the top level too: not model keys
-                inner = replace(self, optimizer_prefix=None).model_test()
-                return lambda key, path: key.partition(".")[0] not in TOP_OPTIMIZER_PARTS and inner(key, path)
-            if use_paths:
-                return lambda key, path: (
-                    (len(path) == 1 if path is not None else loose(key)) and not (op is not None and key.startswith(op))
-                )
-            return lambda key, path: loose(key) and not (op is not None and key.startswith(op))
+            return self._top_level_test()
         n, head, np_ = len(self._model_head), self._model_head, len(p)
-        if use_paths and head:
+        if self._use_paths and head:
             return lambda key, path: (
                 key.startswith(p)
                 and len(key) > np_
@@ -186,6 +170,28 @@ class KeySchema:
                 and not (op is not None and key.startswith(op))
             )
         return lambda key, path: key.startswith(p) and len(key) > np_ and not (op is not None and key.startswith(op))
+
+    def _top_level_test(self) -> Callable[[str, tuple[Any, ...] | None], bool]:
+        """:meth:`model_test` of a model at the top level: a tensor whose planner path is its key alone, or (no
+        planner_data) whose first component names no training-state item or optimizer; neither a training-state
+        item's own name (``step``, ``rng_state``) nor the optimizer's keys."""
+        op = self.optimizer_prefix or None
+        if self.optimizer_prefix == "":  # torch's optimizer state dict at the top level too: not model keys
+            inner = replace(self, optimizer_prefix=None)._top_level_test()
+            return lambda key, path: key.partition(".")[0] not in TOP_OPTIMIZER_PARTS and inner(key, path)
+        known = registry.derived()
+        items, heads = known.training_state_items, known.optimizer_heads
+
+        def loose(key: str) -> bool:
+            head = key.partition(".")[0]
+            return head not in items and head not in heads and key != "layout"
+
+        if self._use_paths:
+            return lambda key, path: (
+                (len(path) == 1 and key not in items if path is not None else loose(key))
+                and not (op is not None and key.startswith(op))
+            )
+        return lambda key, path: loose(key) and not (op is not None and key.startswith(op))
 
     def model_mask(self, keys: Mapping[str, Any], paths: Mapping[str, tuple[Any, ...]]) -> Iterator[bool]:
         """``map(self.model_test(), keys, map(paths.get, keys))``, column-wise in C for prefixed model keys.
