@@ -1150,7 +1150,11 @@ def _overview_header(con: Console, ov: InspectResult, flags: Callable[[str], str
     if ov.schema is not None:
         sch = ov.schema
         mp = ABSENT if sch.model_prefix is None else (repr(sch.model_prefix) if sch.model_prefix else "top level")
-        op = repr(sch.optimizer_prefix) if sch.optimizer_prefix else ABSENT  # quoted as the model's prefix
+        op = (
+            ABSENT
+            if sch.optimizer_prefix is None
+            else (repr(sch.optimizer_prefix) if sch.optimizer_prefix else "top level")
+        )
         con.print(
             f"key schema  {sch.id} ({sch.source}): model {mp}, optimizer {op}"
             + (f" by {sch.optimizer_keying}" if sch.optimizer_keying else "")

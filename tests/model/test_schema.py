@@ -246,3 +246,109 @@ def test_planner_paths_that_do_not_flatten_to_their_key_are_ignored(tmp_path: Pa
     cat = build_catalog(CheckpointDir(tmp_path, metadata=odd))
     assert set(cat.optimizer_state) == {"weight", "bias"}
     assert cat.optimizer_state["weight"].in_model and set(cat.optimizer_state["weight"].fields) >= {"exp_avg"}
+
+
+@pytest.mark.parametrize("saved", ["optimizer_only", "beside_model", "pair"])
+@pytest.mark.parametrize("flatten", [True, False], ids=["flattened", "nested"])
+def test_an_optimizer_state_dict_at_the_top_level_is_optimizer_state(saved: str, flatten: bool, tmp_path: Path) -> None:
+    """``dcp.save(get_optimizer_state_dict(model, optim))`` puts torch's optimizer state dict at the top level:
+    ``state.<fqn>.<field>`` tensors beside ``param_groups.*`` items; saved alone, merged into the model's state dict
+    (``{**msd, **osd}``), or as the ``optimizer/`` folder beside a top-level ``model/``. The top-level schema counted
+    every flattened ``state.`` tensor as a model weight (inspect listed exp_avg and step under 'model tensors',
+    validate --strict said OK as 'model weights only', export wrote them as weights); the nested ones were 'other'
+    (K002). Both are the optimizer's state at the top level (prefix ''), checked against the state dict torch saved."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+    from typer.testing import CliRunner
+
+    from ckpttool.cli.app import app
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Embedding(16, 8), torch.nn.Linear(8, 16))
+    optim = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    model(torch.randint(0, 16, (2, 4))).pow(2).mean().backward()
+    optim.step()
+    msd, osd = get_state_dict(model, optim, options=StateDictOptions(flatten_optimizer_state_dict=flatten))
+    if saved == "pair":
+        dcp.save(msd, checkpoint_id=str(tmp_path / "model"))
+        dcp.save(osd, checkpoint_id=str(tmp_path / "optimizer"))
+    else:
+        dcp.save(osd if saved == "optimizer_only" else {**msd, **osd}, checkpoint_id=str(tmp_path))
+    nested = osd if flatten else {f"state.{fqn}.{k}": v for fqn, s in osd["state"].items() for k, v in s.items()}
+    want = {k: tuple(v.shape) for k, v in nested.items() if k.startswith("state.") and isinstance(v, torch.Tensor)}
+    assert len(want) == 9  # 3 parameters x (step, exp_avg, exp_avg_sq)
+    cat = open_checkpoint(tmp_path).catalog
+    assert (cat.schema.id, cat.schema.optimizer_prefix, cat.schema.optimizer_keying) == ("top-level", "", "fqn")
+    assert "optimizer state at the top level (torch's optimizer state dict as it is), keyed by parameter fqn" in (
+        cat.schema.reasons
+    )
+    assert sorted(cat.model) == ([] if saved == "optimizer_only" else sorted(msd))
+    assert not cat.uncategorized_tensors()
+    got = {t.key: t.shape for ps in cat.optimizer_state.values() for t in ps.fields.values() if t is not None}
+    assert got == want
+    res = CliRunner().invoke(app, ["inspect", str(tmp_path), "--json"])
+    assert res.exit_code == 0, res.output
+    summary = json.loads(res.stdout)["summary"]
+    assert summary["model_tensor_count"] == (0 if saved == "optimizer_only" else 3)
+    assert summary["bytes_by_category"]["optimizer_state"] == sum(
+        v.numel() * v.element_size() for k, v in nested.items() if k in want
+    )
+    if saved != "optimizer_only":
+        res = CliRunner().invoke(app, ["validate", "--strict", str(tmp_path), "--json"])
+        assert res.exit_code == 0 and not json.loads(res.stdout)["findings"], res.output
+
+
+def test_model_and_optimizer_both_at_the_top_level_read_by_prefixes(tmp_path: Path) -> None:
+    """``dcp.save(get_model_state_dict(m), "model/")`` and ``dcp.save(get_optimizer_state_dict(m, o), "optimizer/")``:
+    the pair opens as one checkpoint with both at the top level, read with ``--model-prefix '' --optimizer-prefix ''``.
+    The model claimed the optimizer's ``state.`` tensors too (inspect: 'state for 0/2 params', its exp_avg listed as
+    model tensors), so no command could read that pair's optimizer."""
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+    from typer.testing import CliRunner
+
+    from ckpttool.cli.app import app
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(8, 4)
+    optim = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    model(torch.randn(2, 8)).pow(2).mean().backward()
+    optim.step()
+    msd, osd = get_state_dict(model, optim)
+    dcp.save(msd, checkpoint_id=str(tmp_path / "model"))
+    dcp.save(osd, checkpoint_id=str(tmp_path / "optimizer"))
+    sel = CheckpointSelection(schema=SchemaOverride(model_prefix="", optimizer_prefix=""))
+    cat = open_checkpoint(tmp_path, selection=sel).catalog
+    assert sorted(cat.model) == ["bias", "weight"] and not cat.uncategorized_tensors()
+    assert sorted(cat.optimizer_state) == ["bias", "weight"]
+    assert {f: sorted(ps.fields) for f, ps in cat.optimizer_state.items()} == {
+        f: ["exp_avg", "exp_avg_sq", "step"] for f in ("bias", "weight")
+    }
+    res = CliRunner().invoke(app, ["inspect", str(tmp_path), "--model-prefix", "", "--optimizer-prefix", ""])
+    assert res.exit_code == 0, res.output
+    assert "model top level, optimizer top level by fqn" in res.stdout and "state for 2/2 params" in res.stdout
+
+
+def test_a_top_level_training_item_tensor_is_not_a_model_tensor(tmp_path: Path) -> None:
+    """``dcp.save({**model.state_dict(), "rng_state": torch.get_rng_state(), "step": torch.tensor(5)})``: a loop's
+    training state saved as loose top-level tensors (planner path ``("step",)``, like a parameter's). The top-level
+    schema counted them as model tensors (inspect: 6 model tensors, a uint8 [5056] 'rng_state' among the weights,
+    while its reasons listed them as training-state items; export wrote them into model.safetensors). They are the
+    training state they are named for."""
+    from typer.testing import CliRunner
+
+    from ckpttool.cli.app import app
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 4))
+    rng = torch.get_rng_state()
+    dcp.save({**model.state_dict(), "rng_state": rng, "step": torch.tensor(5)}, checkpoint_id=str(tmp_path))
+    cat = build_catalog(tmp_path)
+    assert (cat.schema.id, cat.schema.training_state) == ("top-level", ("rng_state", "step"))
+    assert sorted(cat.model) == sorted(model.state_dict())
+    assert "4 model tensor(s) at the top level of the saved dict" in cat.schema.reasons[0]
+    res = CliRunner().invoke(app, ["inspect", str(tmp_path), "--json"])
+    assert res.exit_code == 0, res.output
+    doc = json.loads(res.stdout)
+    assert doc["summary"]["model_tensor_count"] == 4
+    assert doc["summary"]["bytes_by_category"]["model"] == sum(v.nbytes for v in model.state_dict().values())
+    assert doc["training_state"] == {"rng_state": ["rng_state"], "step": ["step"]}
+    assert not doc["uncategorized_tensors"]

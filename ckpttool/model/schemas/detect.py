@@ -248,8 +248,8 @@ def _candidate_test(known: Derived) -> Callable[[str, _Path], str | None]:
     def candidate(key: str, path: _Path) -> str | None:
         if path is not None:
             n = len(path)
-            if n == 1:
-                return ""
+            if n == 1:  # a top-level tensor: the model's, unless a training-state item ("step", "rng_state")
+                return "" if key not in items else None
             for container in containers:
                 if n == len(container) + 1 and _in_container(container, path, None):
                     return ".".join(path[:-1]) + "."
@@ -281,6 +281,8 @@ def _index_keyed(state: list[tuple[str, _Path]], state_prefix: str, model_fqns: 
         seen = True
         if path is not None and len(path) >= 4 and isinstance(path[-2], int):
             continue
+        if path is not None and isinstance(path[-1], str) and path[-1].startswith("state."):
+            return False  # flattened by get_optimizer_state_dict (flatten_optimizer_state_dict=True), which keys by fqn
         if path is not None and "state" in (above := path[:-2]):
             param = path[len(above) - above[::-1].index("state")]  # after the optimizer's own (last) "state"
             if isinstance(param, str) and not param.isdigit():
@@ -455,6 +457,27 @@ def _keying(sch: KeySchema, tensors: list[str], state: list[tuple[str, _Path]], 
     return "index" if index else "fqn"
 
 
+def _optimizer_at_top(md: CheckpointMetadata, tensors: list[str]) -> bool:
+    """torch's optimizer state dict saved at the top level: ``state.`` tensors beside ``param_groups.`` keys
+    (``dcp.save(get_optimizer_state_dict(...))``, alone, merged into the model's state dict, or in the optimizer
+    folder of a model/optimizer pair): the optimizer prefix is then ``""``, and a top-level model does not claim
+    those keys (:meth:`KeySchema.model_test`)."""
+    return any(k.startswith("state.") for k in tensors) and any(k.startswith("param_groups.") for k in md.entries)
+
+
+def _optimizer_keys(md: CheckpointMetadata, scan: _Scan, get: Any) -> tuple[str | None, str, list[tuple[str, _Path]]]:
+    """The optimizer prefix (``None``: no optimizer), its state prefix and its state keys with their planner paths."""
+    opt_prefix = scan.opt_votes.most_common(1)[0][0] if scan.opt_votes else None
+    if opt_prefix is None and _optimizer_at_top(md, scan.tensors):
+        return "", "state.", [(k, get(k)) for k in scan.tensors if k.startswith("state.")]
+    state_prefix = f"{opt_prefix}state."
+    return (
+        opt_prefix,
+        state_prefix,
+        [(k, p) for pre, k, p in scan.opt_keys if pre == opt_prefix and k.startswith(state_prefix)],
+    )
+
+
 def _schema_id(found: Detected) -> str:
     """``unrecognized``, or the name of the first registered spec that claims ``found`` (``custom``: none)."""
     if found.model_prefix is None and found.optimizer_prefix is None:
@@ -494,12 +517,11 @@ def _closing_reasons(
     elif opt_prefix is not None:
         reasons.append("no model tensors: optimizer state only (pair it with its model checkpoint)")
     if opt_prefix is not None:
+        where = f"under {opt_prefix!r}" if opt_prefix else "at the top level (torch's optimizer state dict as it is)"
         if keying == "index":
-            reasons.append(
-                f"optimizer state under {opt_prefix!r} is keyed by parameter index (a plain optimizer.state_dict())"
-            )
+            reasons.append(f"optimizer state {where} is keyed by parameter index (a plain optimizer.state_dict())")
         else:
-            reasons.append(f"optimizer state under {opt_prefix!r}, keyed by parameter fqn")
+            reasons.append(f"optimizer state {where}, keyed by parameter fqn")
     if naming != "unknown":
         reasons.append(f"model fqns follow {naming} naming (e.g. {fqns[0]!r})" if fqns else f"{naming} naming")
     if found.training_state:
@@ -530,9 +552,7 @@ def detect_schema(md: CheckpointMetadata, override: SchemaOverride | None = None
     get = planner.get
     scan = _scan(md, get, known)
     reasons: list[str] = []
-    opt_prefix = scan.opt_votes.most_common(1)[0][0] if scan.opt_votes else None
-    state_prefix = f"{opt_prefix}state."
-    state = [(k, p) for pre, k, p in scan.opt_keys if pre == opt_prefix and k.startswith(state_prefix)]
+    opt_prefix, state_prefix, state = _optimizer_keys(md, scan, get)
     model_prefix = _choose_model_prefix(scan.model_votes, bool(planner), md, reasons)
     for spec in registry.specs():
         if spec.prefix_notes is not None:
@@ -545,8 +565,9 @@ def detect_schema(md: CheckpointMetadata, override: SchemaOverride | None = None
         "unrecognized", model_prefix, opt_prefix, _model_head=model_head(model_prefix or ""), _use_paths=use_paths
     )
     test = sch.model_test()
-    if use_paths and model_prefix is not None:
-        # planner paths: the votes counted exactly the keys is_model_candidate accepts
+    if use_paths and model_prefix is not None and opt_prefix != "":
+        # planner paths: the votes counted exactly the keys is_model_candidate accepts (an optimizer at the top
+        # level: they counted its flattened state. keys too)
         n_model = scan.model_votes[model_prefix]
         sample = list(islice((k for k in scan.tensors if test(k, get(k))), 4096))
     else:
@@ -571,17 +592,16 @@ def detect_schema(md: CheckpointMetadata, override: SchemaOverride | None = None
     unwrapped = strip_wrapper_segments(model_prefix + "x")[0][:-1] if model_prefix else model_prefix
     sid = _schema_id(found if unwrapped == model_prefix else replace(found, model_prefix=unwrapped))
     reasons += _closing_reasons(md, bool(planner), found, (n_model, use_paths), keying, fqns)
-    return KeySchema(
-        sid,
-        model_prefix,
-        opt_prefix,
-        keying,
-        found.naming,
-        "detected",
-        tuple(reasons),
-        training,
-        model_head(model_prefix or ""),
-        use_paths,
+    head = model_head(model_prefix or "")
+    return replace(
+        sch,
+        id=sid,
+        model_prefix=model_prefix,
+        optimizer_keying=keying,
+        naming=found.naming,
+        reasons=tuple(reasons),
+        training_state=training,
+        _model_head=head,
     )
 
 

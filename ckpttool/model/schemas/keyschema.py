@@ -9,7 +9,7 @@ is built through it (which keys are model tensors: :meth:`KeySchema.model_test`,
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from itertools import repeat
 from operator import and_, eq, itemgetter, ne, not_
 from typing import Any
@@ -22,6 +22,9 @@ from ckpttool.model.schemas.base import SchemaSpec, canonical_model_key
 __all__ = ["KeySchema", "SchemaOverride", "model_head"]
 
 _BUT_LAST = itemgetter(slice(None, -1))
+
+#: The top-level parts of torch's optimizer state dict (``Optimizer.state_dict()``, ``get_optimizer_state_dict``).
+TOP_OPTIMIZER_PARTS = frozenset(("state", "param_groups"))
 
 
 @dataclass(frozen=True)
@@ -76,7 +79,7 @@ class KeySchema:
         id: ``torch-native``, ``app-state``, ``torchtitan``, ``top-level``, ``custom`` (prefixes
             given by the user) or ``unrecognized`` (neither model tensors nor optimizer state found).
         model_prefix: prefix of the model keys (``""``: top level; ``None``: no model tensors).
-        optimizer_prefix: prefix of the optimizer keys (``None``: no optimizer state).
+        optimizer_prefix: prefix of the optimizer keys (``""``: top level; ``None``: no optimizer state).
         optimizer_keying: ``"fqn"`` (state keyed by parameter name), ``"index"`` (a plain
             ``optimizer.state_dict()``: integer ids) or ``None`` (no optimizer state).
         naming: naming convention of the model fqns: ``"hf"``, ``"torchtitan"`` or ``"unknown"``.
@@ -84,6 +87,10 @@ class KeySchema:
             per-rank checkpoint format).
         reasons: why this schema (one line each, for ``inspect``).
         training_state: top-level training-state items present (``lr_scheduler``, ``train_state``, ...).
+
+    With ``optimizer_prefix ""`` (torch's optimizer state dict saved at the top level: ``dcp.save(
+    get_optimizer_state_dict(...))``, alone or merged into the model's state dict) a top-level model does not claim
+    its ``state.`` and ``param_groups.`` keys.
     """
 
     id: str
@@ -152,23 +159,10 @@ class KeySchema:
         p, op = self.model_prefix, self.optimizer_prefix or None
         if p is None:
             return lambda key, path: False
-        use_paths = self._use_paths
-
-        known = registry.derived()
-        items, heads = known.training_state_items, known.optimizer_heads
-
-        def loose(key: str) -> bool:
-            head = key.partition(".")[0]
-            return head not in items and head not in heads and key != "layout"
-
         if p == "":
-            if use_paths:
-                return lambda key, path: (
-                    (len(path) == 1 if path is not None else loose(key)) and not (op is not None and key.startswith(op))
-                )
-            return lambda key, path: loose(key) and not (op is not None and key.startswith(op))
+            return self._top_level_test()
         n, head, np_ = len(self._model_head), self._model_head, len(p)
-        if use_paths and head:
+        if self._use_paths and head:
             return lambda key, path: (
                 key.startswith(p)
                 and len(key) > np_
@@ -176,6 +170,28 @@ class KeySchema:
                 and not (op is not None and key.startswith(op))
             )
         return lambda key, path: key.startswith(p) and len(key) > np_ and not (op is not None and key.startswith(op))
+
+    def _top_level_test(self) -> Callable[[str, tuple[Any, ...] | None], bool]:
+        """:meth:`model_test` of a model at the top level: a tensor whose planner path is its key alone, or (no
+        planner_data) whose first component names no training-state item or optimizer; neither a training-state
+        item's own name (``step``, ``rng_state``) nor the optimizer's keys."""
+        op = self.optimizer_prefix or None
+        if self.optimizer_prefix == "":  # torch's optimizer state dict at the top level too: not model keys
+            inner = replace(self, optimizer_prefix=None)._top_level_test()
+            return lambda key, path: key.partition(".")[0] not in TOP_OPTIMIZER_PARTS and inner(key, path)
+        known = registry.derived()
+        items, heads = known.training_state_items, known.optimizer_heads
+
+        def loose(key: str) -> bool:
+            head = key.partition(".")[0]
+            return head not in items and head not in heads and key != "layout"
+
+        if self._use_paths:
+            return lambda key, path: (
+                (len(path) == 1 and key not in items if path is not None else loose(key))
+                and not (op is not None and key.startswith(op))
+            )
+        return lambda key, path: loose(key) and not (op is not None and key.startswith(op))
 
     def model_mask(self, keys: Mapping[str, Any], paths: Mapping[str, tuple[Any, ...]]) -> Iterator[bool]:
         """``map(self.model_test(), keys, map(paths.get, keys))``, column-wise in C for prefixed model keys.

@@ -1175,3 +1175,25 @@ def test_inspect_reads_a_saved_grad_scaler_as_training_state(tmp_path: Path) -> 
     assert sorted(doc["training_state"]["scaler"]) == [f"scaler.{k}" for k in sorted(scaler)]
     text = runner.invoke(app, ["inspect", str(tmp_path / "amp")], env={"COLUMNS": "200"}).stdout
     assert "other keys" not in text and "scaler: 5 keys" in text, text
+
+
+def test_a_frozen_parameter_in_a_stepped_group_says_how_to_tell_it_from_lost_state(tmp_path: Path) -> None:
+    """An embedding frozen (requires_grad=False) after AdamW was built over ``model.parameters()`` never gets state
+    while its group steps: O009 (metadata alone cannot tell it from lost state). The hint only said 'use an earlier
+    checkpoint', which no earlier checkpoint of that run helps; it now names the frozen case and what to do."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Embedding(16, 8), torch.nn.Linear(8, 16))
+    optim = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    model[0].weight.requires_grad_(False)
+    model(torch.randint(0, 16, (2, 4))).pow(2).mean().backward()
+    optim.step()
+    msd, osd = get_state_dict(model, optim)
+    assert sorted(osd["state"]) == ["1.bias", "1.weight"]  # torch gave the frozen weight no state
+    dcp.save({"model": msd, "optimizer": osd}, checkpoint_id=str(tmp_path))
+    res = CliRunner().invoke(app, ["validate", str(tmp_path), "--json"])
+    (f,) = json.loads(res.stdout)["findings"]
+    assert (res.exit_code, f["code"], f["key"]) == (1, "O009", "0.weight")
+    assert "requires_grad=False" in f["hint"] and "--ignore O009" in f["hint"]
