@@ -443,7 +443,8 @@ class QuantizationError(ExportError, code="E607"):
 
 
 class QuantizedSourceError(ExportError, code="E612"):
-    """A quantized checkpoint read (``import``) whose scales do not fit or hold bad values (block FP8, MXFP4)."""
+    """A quantized checkpoint read (``import``) whose scales do not fit or hold bad values (block FP8, MXFP4), or whose
+    weights are integer-packed codes it does not dequantize (AWQ/GPTQ, bitsandbytes, compressed-tensors packed)."""
 
 
 class ReshardError(CkptError, code="E602"):

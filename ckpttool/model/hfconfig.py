@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Container, Iterable
+from collections.abc import Collection, Container, Iterable
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +20,7 @@ __all__ = [
     "config_value",
     "tie_word_embeddings",
     "tied_embedding_key",
+    "untied_embedding_key",
     "TIE_DEFAULTS",
     "TIED_EMBEDDING_KEYS",
 ]
@@ -43,6 +44,22 @@ def tied_embedding_key(names: Container[str], candidates: Iterable[str] = TIED_E
     head is tied to is then not known)."""
     found = [k for k in candidates if k in names]
     return found[0] if len(found) == 1 else None
+
+
+def untied_embedding_key(names: Collection[str], candidates: Iterable[str] = TIED_EMBEDDING_KEYS) -> str | None:
+    """The embedding a tied ``lm_head.weight`` stands for in a folder that stores the head and none of ``candidates``
+    (safetensors' ``save_model`` keeps the first name of shared tensors in sorted order: ``lm_head.weight``): the
+    candidate whose module (its key less the last two names: ``model.decoder.`` of OPT's) holds keys of ``names``,
+    the deepest (OPT's ``model.decoder.`` before Llama's ``model.``); ``None`` where none does or several at one depth
+    (GPT-2's ``transformer.wte`` beside BLOOM's ``transformer.word_embeddings``)."""
+    hits = [
+        c for c in candidates if any(n.startswith(c.rsplit(".", 2)[0] + ".") for n in names if n != "lm_head.weight")
+    ]
+    if not hits:
+        return None
+    depth = max(c.count(".") for c in hits)
+    deepest = [c for c in hits if c.count(".") == depth]
+    return deepest[0] if len(deepest) == 1 else None
 
 
 #: The ``tie_word_embeddings`` default of transformers' config class for each ``model_type`` (what

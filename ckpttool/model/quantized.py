@@ -35,6 +35,7 @@ __all__ = [
     "compressed_tensors_fp8",
     "find_quantized",
     "fused_experts",
+    "packed_integer_weights",
     "per_tensor_fp8",
     "scale_grid",
     "scaled_pairs",
@@ -447,3 +448,41 @@ def unclaimed_scales(
             )
         problems.append((skey, f"{skey}: {why}"))
     return both + problems
+
+
+#: Integer dtypes quantized weights are packed in (safetensors' names as torch dtype names).
+_INT_DTYPES = frozenset(("int8", "uint8", "int16", "uint16", "int32", "uint32", "int64"))
+
+
+def packed_integer_weights(tensors: Mapping[str, tuple[str, tuple[int, ...]]]) -> list[tuple[str, str]]:
+    """``(weight key, method)`` of each integer-packed quantized weight among ``tensors`` (key -> ``(dtype name,
+    shape)``): conventions whose weights are codes in integer words that none of :func:`scaled_pairs`' readers
+    dequantizes, found by the names their writers give the pieces.
+
+    - AWQ / GPTQ (AutoAWQ, GPTQModel ``QuantLinear``): ``x.qweight`` int32 (eight 4-bit codes a word) beside
+      ``x.qzeros``, ``x.scales`` (GPTQ: ``x.g_idx``); method ``AWQ/GPTQ``.
+    - bitsandbytes 4-bit (transformers' ``Bnb4BitHfQuantizer.serialized_names``): ``x.weight`` uint8 ``[n/2, 1]``
+      beside ``x.weight.absmax``, ``x.weight.quant_map``, ``x.weight.quant_state.bitsandbytes__nf4`` / ``__fp4``.
+    - bitsandbytes 8-bit (LLM.int8, ``Bnb8BitHfQuantizer``): ``x.weight`` int8 beside ``x.SCB`` (one float scale a
+      row).
+    - compressed-tensors packed formats (``pack-quantized``, NVFP4, MXFP4): ``x.weight_packed`` beside
+      ``x.weight_scale``.
+    - an integer ``x.weight`` beside an ``x.weight_scale`` (compressed-tensors ``int-quantized``, W8A8 int8).
+
+    Each weight once, in key order; the caller refuses them (read as stored they are codes, not values).
+    """
+    found: dict[str, str] = {}
+    for k, (dt, _) in tensors.items():
+        if k.endswith(".qweight") and dt in _INT_DTYPES:
+            found.setdefault(k, "AWQ/GPTQ (x.qweight, x.qzeros, x.scales)")
+        elif k.endswith((".weight.absmax", ".weight.quant_map")) or ".weight.quant_state.bitsandbytes__" in k:
+            found.setdefault(
+                k[: k.index(".weight.") + len(".weight")], "bitsandbytes 4-bit (x.weight.absmax, quant_state)"
+            )
+        elif k.endswith(".SCB"):
+            found.setdefault(k.removesuffix("SCB") + "weight", "bitsandbytes 8-bit (LLM.int8: x.weight int8, x.SCB)")
+        elif k.endswith(".weight_packed"):
+            found.setdefault(k, "compressed-tensors packed (x.weight_packed, x.weight_scale)")
+        elif k.endswith(".weight") and dt in _INT_DTYPES and k + CT_SCALE_SUFFIX in tensors:
+            found.setdefault(k, "integer (x.weight int, x.weight_scale: compressed-tensors int-quantized)")
+    return sorted(found.items())

@@ -50,7 +50,13 @@ from ckpttool.model.adapters import (
 )
 from ckpttool.model.beside import hf_config_beside
 from ckpttool.model.hf_forms import FORMS, ExpertForm, forms_for
-from ckpttool.model.hfconfig import config_value, read_hf_config, tie_word_embeddings, tied_embedding_key
+from ckpttool.model.hfconfig import (
+    config_value,
+    read_hf_config,
+    tie_word_embeddings,
+    tied_embedding_key,
+    untied_embedding_key,
+)
 from ckpttool.model.schemas import registry
 from ckpttool.model.schemas.base import SchemaSpec, canonical_model_key
 from ckpttool.ops import distributed
@@ -724,8 +730,22 @@ def _first(lines: list[str], n: int = 3) -> str:
 
 def _tie_lm_head(sources: dict[str, _Source], config: Any, warnings: list[str]) -> None:
     """Under ``tie_word_embeddings``, a ``lm_head.weight`` the folder does not store is written from the embedding
-    (``save_pretrained`` leaves the tied copy out; the model's ``state_dict()`` has it)."""
-    if tie_word_embeddings(config) is not True or "lm_head.weight" in sources:
+    (``save_pretrained`` leaves the tied copy out; the model's ``state_dict()`` has it), and an embedding it does not
+    store from a stored ``lm_head.weight`` (safetensors' ``save_model`` keeps that name of the shared pair:
+    :func:`~ckpttool.model.hfconfig.untied_embedding_key`), as ``from_pretrained`` ties either way."""
+    if tie_word_embeddings(config) is not True:
+        return
+    head = sources.get("lm_head.weight")
+    if head is not None:
+        emb = untied_embedding_key(sources) if tied_embedding_key(sources) is None else None
+        # an embedding of the head's shape stored under a name of its own (InternLM2's tok_embeddings): never a second
+        if emb is not None and not any(
+            k != head.key and "emb" in k and v.shape == head.shape for k, v in sources.items()
+        ):
+            sources[emb] = _Source(emb, head.file, head.offset, head.dtype, head.shape)
+            warnings.append(
+                f"tied {emb} written from lm_head.weight (tie_word_embeddings; the folder stores the head only)"
+            )
         return
     found = tied_embedding_key(sources)  # the class's _tied_weights_keys embedding
     if found is not None:

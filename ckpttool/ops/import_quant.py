@@ -42,6 +42,7 @@ from ckpttool.model.quantized import (
     QuantKind,
     QuantPair,
     block_size_problem,
+    packed_integer_weights,
     scale_grid,
     scaled_pairs,
 )
@@ -103,11 +104,13 @@ def plan_dequantize(
     Raises:
         UsageError: ``dtype`` not one of :data:`DEQUANT_DTYPES`.
         QuantizedSourceError (E612): a key that looks quantized but does not fit (see the module docstring).
+            Integer-packed weights of conventions not dequantized here (:func:`_refuse_packed`).
     """
     out_dtype = dtype or "bfloat16"
     if out_dtype not in DEQUANT_DTYPES:
         raise UsageError(f"`dtype` {dtype!r} is not one of {', '.join(DEQUANT_DTYPES)}", param="dtype")
     tensors = {k: (s.dtype, tuple(s.shape)) for k, s in sources.items()}
+    _refuse_packed(tensors)
     why = block_size_problem(config)
     scale = next((k for k in sorted(tensors) if k.endswith(FP8_SCALE_SUFFIX)), None)
     if why is not None and scale is not None:  # the block grid is unknown: never the default in its place
@@ -131,6 +134,27 @@ def plan_dequantize(
         if p.weight != p.name:
             consumed.append(p.weight)
     return plans, consumed
+
+
+def _refuse_packed(tensors: dict[str, tuple[str, tuple[int, ...]]]) -> None:
+    """Integer-packed quantized weights (:func:`~ckpttool.model.quantized.packed_integer_weights`: AWQ/GPTQ,
+    bitsandbytes, compressed-tensors packed or int) are refused: imported as stored, their integer codes would load
+    into the model's weights as values (``dcp.load`` casts), with or without a config to compare with.
+
+    Raises:
+        QuantizedSourceError (E612): naming the first such weight and its method.
+    """
+    packed = packed_integer_weights(tensors)
+    if packed:
+        key, method = packed[0]
+        more = f" (+{len(packed) - 1} more)" if len(packed) > 1 else ""
+        raise _bad(
+            f"{key}{more}: an integer-packed {method} quantized weight: import dequantizes block FP8, FP8 with a "
+            "weight_scale and MXFP4 only, and its packed codes are not the model's weights",
+            key,
+            hint="load the model with transformers and its quantization library, dequantize it (model.dequantize()) "
+            "and save_pretrained it, then import that folder",
+        )
 
 
 class StagedFds(dict[str, int]):

@@ -564,3 +564,88 @@ def test_mixed_per_expert_folder_imports_in_float32(tmp_path: Path) -> None:
     assert torch.equal(gate_up[0], want) and torch.equal(down[0], t[e0 + "down_proj.weight"].float())
     for name in ("gate_up_proj", "down_proj"):
         assert torch.equal(_bits(f32[p + name].to(torch.bfloat16)), _bits(bf16[p + name])), name
+
+
+def _packed(method: str) -> tuple[dict[str, torch.Tensor], dict[str, Any], str]:
+    """A tiny Llama's ``save_pretrained`` tensors with its linear weights packed as ``method`` stores them (the names
+    and dtypes of the AutoAWQ / GPTQModel ``QuantLinear`` buffers and of transformers' bitsandbytes quantizers'
+    ``serialized_names``; the codes are random), its config with that ``quantization_config``, and the
+    first packed weight's key in key order."""
+    import transformers
+
+    hf_models._quiet()
+    model = transformers.LlamaForCausalLM(hf_models.llama_config())
+    g = torch.Generator().manual_seed(11)
+    qc: dict[str, Any] = {
+        "awq": {"quant_method": "awq", "bits": 4, "group_size": 16, "zero_point": True, "version": "gemm"},
+        "gptq": {"quant_method": "gptq", "bits": 4, "group_size": 16, "desc_act": False},
+        "bnb-4bit": {"quant_method": "bitsandbytes", "load_in_4bit": True, "bnb_4bit_quant_type": "nf4"},
+        "bnb-8bit": {"quant_method": "bitsandbytes", "load_in_8bit": True},
+        "ct-pack": {"quant_method": "compressed-tensors", "format": "pack-quantized"},
+        "ct-int8": {"quant_method": "compressed-tensors", "format": "int-quantized"},
+    }[method]
+    out: dict[str, torch.Tensor] = {}
+    packed: list[str] = []
+    for k, v in model.state_dict().items():
+        if ".layers." not in k or not k.endswith("_proj.weight"):
+            out[k] = v.contiguous()
+            continue
+        p, (rows, cols) = k.removesuffix(".weight"), v.shape
+        i32 = {"dtype": torch.int32, "generator": g}
+        if method in ("awq", "gptq"):
+            out[p + ".qweight"] = torch.randint(
+                -(2**31), 2**31 - 1, (cols, rows // 8) if method == "awq" else (cols // 8, rows), **i32
+            )
+            out[p + ".qzeros"] = torch.randint(-(2**31), 2**31 - 1, (cols // 16, rows // 8), **i32)
+            out[p + ".scales"] = torch.rand(cols // 16, rows, generator=g).half()
+            if method == "gptq":
+                out[p + ".g_idx"] = torch.arange(cols, dtype=torch.int32) // 16
+            packed.append(p + ".qweight")
+        elif method == "bnb-4bit":
+            out[k] = torch.randint(0, 256, (rows * cols // 2, 1), dtype=torch.uint8, generator=g)
+            out[k + ".absmax"] = torch.rand(rows * cols // 64, generator=g)
+            out[k + ".quant_map"] = torch.rand(16, generator=g)
+            out[k + ".quant_state.bitsandbytes__nf4"] = torch.randint(0, 256, (64,), dtype=torch.uint8, generator=g)
+            packed.append(k)
+        elif method == "ct-pack":  # compressed-tensors pack-quantized: eight 4-bit codes an int32, row-major
+            out[p + ".weight_packed"] = torch.randint(-(2**31), 2**31 - 1, (rows, cols // 8), **i32)
+            out[p + ".weight_scale"] = torch.rand(rows, cols // 16, generator=g).half()
+            out[p + ".weight_shape"] = torch.tensor([rows, cols])
+            packed.append(p + ".weight_packed")
+        elif method == "ct-int8":  # compressed-tensors int-quantized (W8A8): int8 codes, a scale a row
+            out[k] = torch.randint(-127, 128, (rows, cols), dtype=torch.int8, generator=g)
+            out[p + ".weight_scale"] = torch.rand(rows, 1, generator=g)
+            packed.append(k)
+        else:
+            out[k] = torch.randint(-127, 128, (rows, cols), dtype=torch.int8, generator=g)
+            out[p + ".SCB"] = torch.rand(rows, generator=g) * 10
+            out[p + ".weight_format"] = torch.tensor(0, dtype=torch.uint8)
+            packed.append(k)
+    config = {**model.config.to_dict(), "quantization_config": qc}
+    return out, config, min(packed)
+
+
+@pytest.mark.parametrize("config", ["config", "no-config"])
+@pytest.mark.parametrize("method", ["awq", "gptq", "bnb-4bit", "bnb-8bit", "ct-pack", "ct-int8"])
+def test_integer_packed_weights_are_refused_not_imported_as_weights(tmp_path: Path, method: str, config: str) -> None:
+    """AWQ / GPTQ ``qweight`` + ``qzeros`` + ``scales``, bitsandbytes 4-bit / 8-bit weights, compressed-tensors
+    ``pack-quantized`` / ``int-quantized`` weights: import dequantizes none of them. Without a config (no model check) every packed tensor was imported as stored, exit 0, no word;
+    with ``allow_mismatch`` (or bitsandbytes 8-bit, whose int8 ``x.weight`` has the model's shape) the same, with at
+    most a warning about keys the model lacks: ``dcp.load`` then cast the int8 codes into the model's weights.
+    Now E612 naming the first packed weight and its method (the first in key order), nothing written."""
+    tensors, cfg, first = _packed(method)
+    src = _write_folder(tmp_path / "src", tensors, cfg)
+    if config == "no-config":
+        (src / "config.json").unlink()
+    before = sorted(p.name for p in tmp_path.iterdir())
+    err = _import(src, tmp_path / "dcp", code=2)
+    name = {
+        "awq": "AWQ/GPTQ",
+        "gptq": "AWQ/GPTQ",
+        "bnb-4bit": "bitsandbytes 4-bit",
+        "bnb-8bit": "bitsandbytes 8-bit",
+        "ct-pack": "compressed-tensors packed",
+        "ct-int8": "compressed-tensors int-quantized",
+    }
+    assert "[E612]" in err and first in err and name[method] in err and "Traceback" not in err, err
+    assert sorted(p.name for p in tmp_path.iterdir()) == before

@@ -318,3 +318,36 @@ def test_a_quantized_export_refuses_fp8_weights_of_gpt2s_conv1d_modules(tmp_path
     with safe_open(str(tmp_path / "q/model.safetensors"), "pt") as f:
         got = f.get_tensor("transformer.h.0.attn.c_attn.weight")
     assert got.dtype == torch.bfloat16 and torch.equal(got, model.transformer.h[0].attn.c_attn.weight.bfloat16())
+
+
+@pytest.mark.parametrize(
+    ("family", "embedding"), [("llama", "model.embed_tokens.weight"), ("opt", "model.decoder.embed_tokens.weight")]
+)
+def test_a_tied_folder_that_stores_only_the_head_imports_its_embedding_from_it(
+    tmp_path: Path, family: str, embedding: str
+) -> None:
+    """safetensors' own ``save_model`` keeps one name of shared tensors, the first in sorted order: ``lm_head.weight``,
+    the embedding left out. transformers' ``from_pretrained`` loads such a folder (the embedding tied from the head);
+    import refused it (E605, the embedding missing). Now the embedding is written from the head, with a warning,
+    and ``dcp.load`` into the model gives ``from_pretrained``'s tensors bit for bit."""
+    from safetensors.torch import save_model
+    from transformers import AutoModelForCausalLM, LlamaForCausalLM
+
+    hf_models._quiet()
+    torch.manual_seed(5)
+    if family == "llama":
+        model = LlamaForCausalLM(hf_models.llama_config(tied=True))
+    else:
+        model = hf_models.tiny_tied_model(family)
+    (tmp_path / "hf").mkdir()
+    save_model(model, str(tmp_path / "hf" / "model.safetensors"))
+    model.config.save_pretrained(tmp_path / "hf")
+    assert "lm_head.weight" in _keys(tmp_path / "hf") and embedding not in _keys(tmp_path / "hf")
+    r = _cli("import", str(tmp_path / "hf"), str(tmp_path / "dcp"))
+    assert any(embedding in w and "lm_head.weight" in w for w in r["warnings"]), r["warnings"]
+    ref = AutoModelForCausalLM.from_pretrained(tmp_path / "hf").state_dict()
+    sd = {k: torch.full_like(v, float("nan")) for k, v in ref.items()}
+    dcp.load({"model": sd}, checkpoint_id=str(tmp_path / "dcp"), no_dist=True)
+    assert sd.keys() == ref.keys()
+    for k, v in ref.items():
+        assert torch.equal(sd[k], v), k
