@@ -987,9 +987,31 @@ def _open_closed_streams() -> None:
             stream.reconfigure(errors="backslashreplace")
 
 
+class _NumpyBeforeTorch:
+    """A ``sys.meta_path`` finder that imports numpy just before the first ``import torch``, then leaves.
+
+    torch's extension imports numpy as it loads and drops any exception that import raises (numpy is
+    optional to torch): a Ctrl-C landing there was lost, the command ran on and ended with exit 0, or
+    with E999 (``cannot load module more than once per process``) where it imported numpy itself. numpy
+    imported first gets the interrupt to the command (exit 130); torch imports numpy anyway, so this
+    costs nothing, and a command that imports no torch imports no numpy."""
+
+    def find_spec(self, name: str, path: Any = None, target: Any = None) -> None:
+        if name == "torch":
+            if self in sys.meta_path:
+                sys.meta_path.remove(self)
+            try:
+                import numpy  # noqa: F401
+            except ImportError:  # torch without numpy: its own concern
+                pass
+        return None
+
+
 def main() -> None:
     """Console-script entry point (also ``python -m ckpttool``; under torchrun, one rank of a distributed run)."""
     sys.unraisablehook = _unraisable
+    if "torch" not in sys.modules and not any(isinstance(f, _NumpyBeforeTorch) for f in sys.meta_path):
+        sys.meta_path.insert(0, _NumpyBeforeTorch())
     _open_closed_streams()
     _refuse_removed_cwd()
     group = _join_distributed()

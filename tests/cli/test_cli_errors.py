@@ -562,6 +562,41 @@ def test_ctrl_c_before_the_command_runs_says_interrupted(tmp_path: Path, script:
     assert proc.stderr == "error: interrupted\n"
 
 
+_INTERRUPT_WHILE_TORCH_IMPORTS_NUMPY = """
+import sys
+
+class Finder:
+    def find_spec(self, name, path=None, target=None):
+        if name == "numpy.linalg":  # numpy half imported, as `import torch` imports it
+            sys.meta_path.remove(self)
+            raise KeyboardInterrupt  # Ctrl-C while the command's first `import torch` runs
+        return None
+
+sys.meta_path.insert(0, Finder())
+sys.argv = ["ckpttool", "replay-step", sys.argv[1], "--filter", "*norm*"]
+from ckpttool.cli import entry
+entry()
+"""
+
+
+def test_ctrl_c_while_torch_imports_numpy_is_not_swallowed(sample_ckpt: Path) -> None:
+    """torch's extension imports numpy and drops any exception that import raises: a Ctrl-C landing there was
+    lost, and ``replay-step`` went on to print its full report with exit 0 (or, once it imported numpy
+    itself, ``E999 internal error: ImportError: cannot load module more than once per process``). The program
+    imports numpy before torch, so the interrupt ends the run: ``error: interrupted``, exit 130
+    (docs/errors.md)."""
+    import subprocess
+    import sys
+
+    proc = subprocess.run(
+        [sys.executable, "-c", _INTERRUPT_WHILE_TORCH_IMPORTS_NUMPY, str(sample_ckpt)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert (proc.returncode, proc.stdout, proc.stderr) == (130, "", "error: interrupted\n")
+
+
 @pytest.mark.parametrize("closed", [">&-", "2>&-", ">&- 2>&-"], ids=["stdout", "stderr", "both"])
 def test_a_closed_stdout_or_stderr_keeps_the_verdict(sample_ckpt: Path, tmp_path: Path, closed: str) -> None:
     """Started with stdout or stderr closed (Python's ``sys.stdout`` is ``None``): every command failed with
