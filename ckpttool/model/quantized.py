@@ -27,6 +27,7 @@ from typing import Any, Literal
 
 __all__ = [
     "FP8_SCALE_SUFFIX",
+    "PACKED_DTYPES",
     "QuantKind",
     "QuantPair",
     "block_size",
@@ -433,6 +434,8 @@ def unclaimed_scales(
         key = skey[: -len(CT_SCALE_SUFFIX)]
         weight = tensors.get(key)
         if weight is None:
+            if key + "_packed" in tensors:
+                continue  # compressed-tensors packed: the scale of x.weight_packed (packed_integer_weights')
             if qm in ("fp8", "compressed-tensors"):
                 problems.append((skey, f"{skey}: an FP8 weight scale for a missing weight {key!r}"))
             continue
@@ -450,8 +453,10 @@ def unclaimed_scales(
     return both + problems
 
 
-#: Integer dtypes quantized weights are packed in (safetensors' names as torch dtype names).
-_INT_DTYPES = frozenset(("int8", "uint8", "int16", "uint16", "int32", "uint32", "int64"))
+#: Integer dtypes quantized weights are packed in (safetensors' names as torch dtype names); a checkpoint with none
+#: of them holds no :func:`packed_integer_weights`.
+PACKED_DTYPES = frozenset(("int8", "uint8", "int16", "uint16", "int32", "uint32", "int64"))
+_INT_DTYPES = PACKED_DTYPES
 
 
 def packed_integer_weights(tensors: Mapping[str, tuple[str, tuple[int, ...]]]) -> list[tuple[str, str]]:
@@ -469,7 +474,8 @@ def packed_integer_weights(tensors: Mapping[str, tuple[str, tuple[int, ...]]]) -
       ``x.weight_scale``.
     - an integer ``x.weight`` beside an ``x.weight_scale`` (compressed-tensors ``int-quantized``, W8A8 int8).
 
-    Each weight once, in key order; the caller refuses them (read as stored they are codes, not values).
+    Each weight once, in key order; ``import`` refuses them, ``inspect`` lists them, ``validate`` warns (``M026``)
+    and ``diff`` notes that it compares them as stored (read as stored they are codes, not values).
     """
     found: dict[str, str] = {}
     for k, (dt, _) in tensors.items():

@@ -829,12 +829,26 @@ def _common_state(ckpt: Checkpoint) -> tuple[TrainerState, ...]:
 
 def _quantized(ckpt: Checkpoint, cat: Catalog) -> dict[str, Any] | None:
     """Quantized model weights and their scales (every convention :func:`ckpttool.model.quantized.scaled_pairs`
-    pairs), ``None`` when there are none; the block size from a ``config.json`` beside the checkpoint, else 128."""
-    from ckpttool.model.quantized import block_size, compressed_tensors_block, scaled_pairs, scheme_name
+    pairs), ``None`` when there are none; the block size from a ``config.json`` beside the checkpoint, else 128.
+    ``packed`` (only when there are some): ``{"weight", "method"}`` of each integer-packed weight
+    (:func:`~ckpttool.model.quantized.packed_integer_weights`: AWQ/GPTQ, bitsandbytes, compressed-tensors packed or
+    int), whose stored integers are codes, not values."""
+    from ckpttool.model.quantized import (
+        PACKED_DTYPES,
+        block_size,
+        compressed_tensors_block,
+        packed_integer_weights,
+        scaled_pairs,
+        scheme_name,
+    )
 
-    if {*map(_dtype, cat.model.values())}.isdisjoint(("float8_e4m3fn", "float8_e5m2", "uint8", "float8_e8m0fnu")):
+    dtypes = {*map(_dtype, cat.model.values())}
+    if dtypes.isdisjoint(("float8_e4m3fn", "float8_e5m2", "float8_e8m0fnu", *PACKED_DTYPES)):
         return None  # the dtypes first, in C: no row per tensor for a checkpoint without quantized weights
     tensors = {k: (t.dtype, tuple(t.shape)) for k, t in cat.model.items()}
+    packed = [{"weight": k, "method": m} for k, m in packed_integer_weights(tensors)]
+    if not packed and dtypes.isdisjoint(("float8_e4m3fn", "float8_e5m2", "uint8", "float8_e8m0fnu")):
+        return None  # integer tensors that are no packed weights (position ids, counters): no config read for them
     config = None
     cfg = os.path.join(ckpt.located.model, "config.json")
     if os.path.isfile(cfg):
@@ -844,9 +858,9 @@ def _quantized(ckpt: Checkpoint, cat: Catalog) -> dict[str, Any] | None:
         config = read_hf_config(ckpt.located.model, param=None)
     block = block_size(config)
     pairs, problems = scaled_pairs(tensors, config)
-    if not pairs and not problems:
+    if not pairs and not problems and not packed:
         return None
-    extra: dict[str, Any] = {}
+    extra: dict[str, Any] = {"packed": packed} if packed else {}
     ct = compressed_tensors_block(config)
     if ct is not None:
         extra["compressed_tensors"] = scheme_name(ct)

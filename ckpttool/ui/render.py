@@ -1313,10 +1313,26 @@ def _overview_layout(con: Console, ov: InspectResult) -> None:
         con.print("layout      none (unversioned)")
 
 
+def _packed_line(con: Console, packed: list[dict[str, str]]) -> None:
+    """Integer-packed quantized weights: how many, by method, the first of each named (inspect's ``quantized.packed``)."""
+    first: dict[str, str] = {}
+    count: dict[str, int] = {}
+    for p in packed:
+        first.setdefault(p["method"], p["weight"])
+        count[p["method"]] = count.get(p["method"], 0) + 1
+    what = "; ".join(f"{count[m]} {m}, e.g. {w}" for m, w in first.items())
+    con.print(
+        f"packed      {len(packed)} integer-packed quantized weight(s), stored as integer codes, not values "
+        f"(ckpttool dequantizes none; import refuses them, validate M026): {what}"
+    )
+
+
 def _overview_provenance(con: Console, ov: InspectResult) -> None:
     """The checkpoint this one was made from, the extra_state files, and quantized weights."""
     q = ov.quantized
-    if q is not None:
+    if q is not None and q.get("packed"):
+        _packed_line(con, q["packed"])
+    if q is not None and (q["pairs"] or q["problems"]):
         kinds: dict[str, int] = {}
         for p in q["pairs"]:
             kinds[p["kind"]] = kinds.get(p["kind"], 0) + 1

@@ -27,14 +27,23 @@ from collections.abc import Callable
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
-from ckpttool.model.quantized import scale_grid, scaled_pairs
+from ckpttool.model.quantized import PACKED_DTYPES, packed_integer_weights, scale_grid, scaled_pairs
 from ckpttool.ops.diff.result import DEQUANTIZED_NOTE
 
 if TYPE_CHECKING:
     from ckpttool.ops.diff.result import Item
     from ckpttool.ops.diff.run import Side
 
-__all__ = ["FP8_RTOL", "MXFP4_RTOL", "dequantize_items", "fp8_decoder", "load_dequantized", "note", "quant_tolerance"]
+__all__ = [
+    "FP8_RTOL",
+    "MXFP4_RTOL",
+    "dequantize_items",
+    "fp8_decoder",
+    "load_dequantized",
+    "note",
+    "packed_note",
+    "quant_tolerance",
+]
 
 #: Default relative tolerance of a block-FP8 weight against an unquantized side: one e4m3 step (3 mantissa bits).
 FP8_RTOL = 2.0**-3
@@ -53,10 +62,12 @@ def dequantize_items(side: Side, items: list[Item], notes: list[str] | None = No
 
     Only items that are stored tensors as they are (:attr:`Item.direct`) pair up. Returns the
     items and the number of weights dequantized; scales that do not fit their weights (then
-    compared as stored) are said in ``notes``.
+    compared as stored) and integer-packed weights (:func:`packed_note`) are said in ``notes``.
     """
     direct = {i.name: i for i in items if i.direct and i.dtype != "bytes"}
     tensors = {n: (i.dtype, tuple(i.shape)) for n, i in direct.items()}
+    if notes is not None:
+        notes.extend(packed_note(side, tensors))
     if not any(d in ("float8_e4m3fn", "float8_e5m2", "uint8") for d, _ in tensors.values()):
         return items, 0
     pairs, problems = scaled_pairs(tensors, _side_config(side))
@@ -82,6 +93,24 @@ def dequantize_items(side: Side, items: list[Item], notes: list[str] | None = No
             replace(i, name=p.name, shape=p.shape, dtype="float32", dequant=(p.kind, direct[p.scale].key, p.block))
         )
     return out, len(pairs)
+
+
+def packed_note(side: Side, tensors: dict[str, tuple[str, tuple[int, ...]]]) -> list[str]:
+    """The note on ``side``'s integer-packed quantized weights (:func:`~ckpttool.model.quantized.packed_integer_weights`:
+    AWQ/GPTQ, bitsandbytes, compressed-tensors packed or int), compared as their stored integer codes; ``[]`` if none.
+    ``tensors``: name -> ``(dtype name, shape)`` of the side's stored tensors."""
+    if all(d not in PACKED_DTYPES for d, _ in tensors.values()):
+        return []
+    packed = packed_integer_weights(tensors)
+    if not packed:
+        return []
+    methods = sorted({m for _, m in packed})
+    return [
+        f"{side.label}: {len(packed)} integer-packed quantized weight(s) ({'; '.join(methods)}; e.g. {packed[0][0]}) "
+        "compared as their stored integer codes, not as values (ckpttool dequantizes none of these methods): their "
+        "differences, rel L2 and cosine are of the packed words, and their scales and zero points are compared on "
+        "their own as stored"
+    ]
 
 
 def load_dequantized(side: Side, item: Item) -> Any:

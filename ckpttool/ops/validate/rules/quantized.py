@@ -16,7 +16,9 @@ weights). ``M023``: MXFP4 ``x_blocks`` / ``x_scales`` pairs (gpt-oss) that do no
 FP8 ``x.weight_scale`` (under its ``quantization_config``) is checked as ``import`` checks it: ``M020`` its
 shape and scheme (:func:`~ckpttool.model.quantized.compressed_tensors_fp8`), ``M021`` its values; so is
 vLLM's per-tensor FP8 ``x.weight_scale`` (one float32 a weight under ``quant_method`` ``fp8`` without
-``weight_block_size``: :func:`~ckpttool.model.quantized.per_tensor_fp8`).
+``weight_block_size``: :func:`~ckpttool.model.quantized.per_tensor_fp8`). ``M026``: integer-packed quantized weights
+(AWQ/GPTQ, bitsandbytes, compressed-tensors packed or int: :func:`~ckpttool.model.quantized.packed_integer_weights`),
+whose codes no rule reads as values.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ from ckpttool.model.quantized import (
     block_size_problem,
     compressed_tensors_fp8,
     fused_experts,
+    packed_integer_weights,
     per_tensor_fp8,
     scale_grid,
     scaled_pairs,
@@ -224,6 +227,22 @@ def fp8_scales_unconfigured(ctx: Context) -> Iterator[tuple[str, str]]:
     where = "no config.json in the folder, no --config" if cfg is None else "the config has none"
     tensors = {k: (t.dtype, tuple(t.shape)) for k, t in ctx.cat.model.items()}
     yield from _one_finding(_float8_weight_scales(tensors), f"{where}; the weights were read as their stored FP8 codes")
+
+
+@rule("M026")
+def packed_integer(ctx: Context) -> Iterator[tuple[str, str]]:
+    """One finding a method of integer-packed quantized weights (:func:`~ckpttool.model.quantized.packed_integer_weights`),
+    naming its first weight in key order and counting the others: their values are codes no rule can judge."""
+    found: dict[str, list[str]] = {}
+    for key, method in packed_integer_weights({k: (t.dtype, tuple(t.shape)) for k, t in ctx.cat.model.items()}):
+        found.setdefault(method, []).append(key)
+    for method, keys in found.items():
+        more = f" (and {len(keys) - 1} more)" if len(keys) > 1 else ""
+        yield (
+            keys[0],
+            f"{keys[0]}{more}: an integer-packed {method} quantized weight: its stored integers are codes, not "
+            "values, and were not checked as weights (ckpttool dequantizes none of these; import refuses them, E612)",
+        )
 
 
 @rule("M022")
