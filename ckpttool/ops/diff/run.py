@@ -1878,13 +1878,22 @@ def _no_common_name(
 
 def _optimizer_changed(a: Side, b: Side) -> str | None:
     """Where the two DCP sides' optimizer state was saved by different optimizers (``inspect``'s ``saved_by``: the
-    state fields and param groups then differ by design, not by damage): the line that says so; else ``None``."""
+    state fields and param groups then differ by design, not by damage): the line that says so; else ``None``.
+
+    Only the optimizers a side's state is told to be saved by count: a parameter whose fields fit no known
+    optimizer (``unknown``: a moment missing, a foreign field) is a difference of its own, never a second
+    optimizer that would excuse it (AdamW on both sides with one ``exp_avg`` missing in B gets no such line)."""
     said = {s.label: saved_by_counts(s.ckpt.catalog) for s in (a, b)}
-    if not said["A"] or not said["B"] or said["A"].keys() == said["B"].keys():
+    known = {k: {n: c for n, c in v.items() if n != "unknown"} for k, v in said.items()}
+    if not known["A"] or not known["B"] or known["A"].keys() == known["B"].keys():
         return None
+    stray = [
+        f"{said[k]['unknown']} parameter{'s' * (said[k]['unknown'] != 1)} of {k}" for k in "AB" if "unknown" in said[k]
+    ]
     return (
-        f"A's optimizer state was saved by {_optimizers(said['A'])}, B's by {_optimizers(said['B'])}: their state "
+        f"A's optimizer state was saved by {_optimizers(known['A'])}, B's by {_optimizers(known['B'])}: their state "
         "fields and param groups differ by design"
+        + (f" (the state of {' and '.join(stray)} fits no known optimizer: not by design)" if stray else "")
     )
 
 
