@@ -1203,9 +1203,11 @@ def _group_values(side: Side) -> dict[str, dict[str, Any]]:
         if g is not None:
             out[canonical_group_key(name)] = g.leaf_values
             reached.add(id(g))
-    for g in cat.param_groups:
-        if id(g) not in reached and g.flavor == "nested":
-            out.setdefault(canonical_group_key(str(g.group_id)), g.leaf_values)
+    for g in cat.param_groups:  # a flattened group by its fqn: a model key renamed on its own leaves the group
+        if id(g) not in reached:
+            gid = str(g.group_id)
+            name = gid if g.flavor == "nested" or names is fqns else strip_wrapper_segments(gid, wrappers)[0]
+            out.setdefault(canonical_group_key(name), g.leaf_values)
     return out
 
 
@@ -1532,6 +1534,17 @@ def _self_note(a: Side, b: Side) -> list[str]:
     return [f"{SELF_NOTE} ({shown}): compared with itself, which shows only that it reads alike twice; {how}"]
 
 
+def _group_count(side: Side) -> int:
+    """The param groups of a DCP side: a nested group each; in the flattened flavor (a group entry per parameter) the
+    parameters with equal hyperparameters count as one group (:meth:`Catalog.leaves`: the save does not say which
+    group a parameter was in, so two groups with equal hyperparameters count once)."""
+    cat = side.ckpt.catalog
+    if all(g.flavor == "nested" for g in cat.param_groups):
+        return len(cat.param_groups)
+    side.ckpt.param_groups()
+    return len(cat.leaves())
+
+
 def _model_only_note(a: Side, b: Side, opts: DiffOptions) -> list[str]:
     """A note counting the optimizer state fields and param groups of a DCP side that were left out, so that "equal"
     is not read as "the same training state": with ``what`` model (either side's), and with ``what`` all where the
@@ -1546,7 +1559,7 @@ def _model_only_note(a: Side, b: Side, opts: DiffOptions) -> list[str]:
         counts.append(
             (
                 sum(len(ps.fields) for ps in cat.optimizer_state.values()) if dcp else 0,
-                len(cat.param_groups) if dcp else 0,
+                _group_count(side) if dcp else 0,
             )
         )
 

@@ -1,7 +1,8 @@
 """`diff --what optimizer` of two saves of one model stepped by different torch optimizers listed dozens of
 `only_a`/`only_b` state fields and hyperparameters without saying why: it names the optimizer of each side
 (``inspect``'s ``saved_by``) in a note now, and says nothing where both sides were saved by the same one (a parameter whose ``exp_avg`` is missing is a
-difference, not a second optimizer)."""
+difference, not a second optimizer). A flattened save's param groups are counted as the optimizer had them, not one
+per parameter, and the group of a model key renamed alone is still found."""
 
 from __future__ import annotations
 
@@ -87,3 +88,29 @@ def test_missing_moment_beside_another_optimizer_is_not_excused(tmp_path: Path) 
     rc, notes, human = _notes(tmp_path / "a", tmp_path / "b")
     assert rc == 1 and note in notes
     assert f"note: {note}" in " ".join(human.split())
+
+
+def test_flattened_param_groups_are_counted_as_the_optimizer_had_them(tmp_path: Path) -> None:
+    _two_group_adamw(tmp_path / "a", flatten=True)
+    _two_group_adamw(tmp_path / "b", flatten=True)
+    note = (
+        "optimizer state and param groups not compared (A and B each hold 12 state fields in 2 param groups): "
+        "--what all compares them"
+    )
+    args = ["diff", str(tmp_path / "a"), str(tmp_path / "b"), "--what", "model"]
+    res = runner.invoke(app, [*args, "--json"])
+    human = runner.invoke(app, args, env={"COLUMNS": "250"}).stdout
+    assert res.exit_code == 0 and json.loads(res.stdout)["notes"] == [note]
+    assert f"note: {note}" in " ".join(human.split())
+
+
+def test_flattened_group_of_a_renamed_model_key_is_still_found(tmp_path: Path) -> None:
+    _two_group_adamw(tmp_path / "a", flatten=True)
+    _two_group_adamw(tmp_path / "b", flatten=True, rename="1.weight")
+    args = ["diff", str(tmp_path / "a"), str(tmp_path / "b"), "--what", "optimizer"]
+    res = runner.invoke(app, [*args, "--json"])
+    human = runner.invoke(app, args, env={"COLUMNS": "250"}).stdout
+    out = json.loads(res.stdout)
+    assert res.exit_code == 0 and out["equal"] and out["differences"] == [], out["differences"]
+    assert "no param group" not in human
+    assert "optimizer.param_groups.1.weight.lr" not in human
