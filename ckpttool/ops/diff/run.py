@@ -1203,9 +1203,11 @@ def _group_values(side: Side) -> dict[str, dict[str, Any]]:
         if g is not None:
             out[canonical_group_key(name)] = g.leaf_values
             reached.add(id(g))
-    for g in cat.param_groups:
-        if id(g) not in reached and g.flavor == "nested":
-            out.setdefault(canonical_group_key(str(g.group_id)), g.leaf_values)
+    for g in cat.param_groups:  # a flattened group by its fqn: a model key renamed on its own leaves the group
+        if id(g) not in reached:
+            gid = str(g.group_id)
+            name = gid if g.flavor == "nested" or names is fqns else strip_wrapper_segments(gid, wrappers)[0]
+            out.setdefault(canonical_group_key(name), g.leaf_values)
     return out
 
 
@@ -1532,6 +1534,17 @@ def _self_note(a: Side, b: Side) -> list[str]:
     return [f"{SELF_NOTE} ({shown}): compared with itself, which shows only that it reads alike twice; {how}"]
 
 
+def _group_count(side: Side) -> int:
+    """The param groups of a DCP side: a nested group each; in the flattened flavor (a group entry per parameter) the
+    parameters with equal hyperparameters count as one group (:meth:`Catalog.leaves`: the save does not say which
+    group a parameter was in, so two groups with equal hyperparameters count once)."""
+    cat = side.ckpt.catalog
+    if all(g.flavor == "nested" for g in cat.param_groups):
+        return len(cat.param_groups)
+    side.ckpt.param_groups()
+    return len(cat.leaves())
+
+
 def _model_only_note(a: Side, b: Side, opts: DiffOptions) -> list[str]:
     """A note counting the optimizer state fields and param groups of a DCP side that were left out, so that "equal"
     is not read as "the same training state": with ``what`` model (either side's), and with ``what`` all where the
@@ -1546,7 +1559,7 @@ def _model_only_note(a: Side, b: Side, opts: DiffOptions) -> list[str]:
         counts.append(
             (
                 sum(len(ps.fields) for ps in cat.optimizer_state.values()) if dcp else 0,
-                len(cat.param_groups) if dcp else 0,
+                _group_count(side) if dcp else 0,
             )
         )
 
@@ -1878,13 +1891,22 @@ def _no_common_name(
 
 def _optimizer_changed(a: Side, b: Side) -> str | None:
     """Where the two DCP sides' optimizer state was saved by different optimizers (``inspect``'s ``saved_by``: the
-    state fields and param groups then differ by design, not by damage): the line that says so; else ``None``."""
+    state fields and param groups then differ by design, not by damage): the line that says so; else ``None``.
+
+    Only the optimizers a side's state is told to be saved by count: a parameter whose fields fit no known
+    optimizer (``unknown``: a moment missing, a foreign field) is a difference of its own, never a second
+    optimizer that would excuse it (AdamW on both sides with one ``exp_avg`` missing in B gets no such line)."""
     said = {s.label: saved_by_counts(s.ckpt.catalog) for s in (a, b)}
-    if not said["A"] or not said["B"] or said["A"].keys() == said["B"].keys():
+    known = {k: {n: c for n, c in v.items() if n != "unknown"} for k, v in said.items()}
+    if not known["A"] or not known["B"] or known["A"].keys() == known["B"].keys():
         return None
+    stray = [
+        f"{said[k]['unknown']} parameter{'s' * (said[k]['unknown'] != 1)} of {k}" for k in "AB" if "unknown" in said[k]
+    ]
     return (
-        f"A's optimizer state was saved by {_optimizers(said['A'])}, B's by {_optimizers(said['B'])}: their state "
+        f"A's optimizer state was saved by {_optimizers(known['A'])}, B's by {_optimizers(known['B'])}: their state "
         "fields and param groups differ by design"
+        + (f" (the state of {' and '.join(stray)} fits no known optimizer: not by design)" if stray else "")
     )
 
 
