@@ -2255,24 +2255,17 @@ def _unchecked_warnings(target: Path, unchecked: list[str], untracked: list[str]
     """The ``warning:`` lines of what a manifest cannot vouch for: files beside the data it lists no ``sidecars`` of,
     a trainer's files without ``training_state``, data files without ``data_files`` sizes."""
     warnings = []
-    for files, what in (
-        (unchecked, "files beside the checkpoint's data"),
-        (untracked, "training_state (the trainer's files beside the checkpoint)"),
+    for files, lacks, what in (
+        (unchecked, "lists no files beside the checkpoint's data", "there not checked"),
+        (untracked, "lists no training_state (the trainer's files beside the checkpoint)", "there not checked"),
+        (unsized, "records no data file sizes", "not checked after their last chunk"),
     ):
         if files:
             more = ", ..." if len(files) > 5 else ""
             warnings.append(
-                f"{target} lists no {what} (written by an older ckpttool, or edited): "
-                f"{_plural_files(len(files))} there not checked ({', '.join(files[:5])}{more}); "
-                "it cannot vouch for them"
+                f"{target} {lacks} (written by an older ckpttool, or edited): "
+                f"{_plural_files(len(files))} {what} ({', '.join(files[:5])}{more}); it cannot vouch for them"
             )
-    if unsized:
-        more = ", ..." if len(unsized) > 5 else ""
-        warnings.append(
-            f"{target} records no data file sizes (written by an older ckpttool, or edited): bytes after the last "
-            f"chunk of {_plural_files(len(unsized))} not checked ({', '.join(unsized[:5])}{more}); "
-            "it cannot vouch for them"
-        )
     return warnings
 
 

@@ -625,8 +625,19 @@ def _packed(method: str) -> tuple[dict[str, torch.Tensor], dict[str, Any], str]:
     return out, config, min(packed)
 
 
+#: How each packed-integer method of :func:`_packed` is named (import's E612, inspect, validate M026, diff's note).
+PACKED_NAMES = {
+    "awq": "AWQ/GPTQ",
+    "gptq": "AWQ/GPTQ",
+    "bnb-4bit": "bitsandbytes 4-bit",
+    "bnb-8bit": "bitsandbytes 8-bit",
+    "ct-pack": "compressed-tensors packed",
+    "ct-int8": "compressed-tensors int-quantized",
+}
+
+
 @pytest.mark.parametrize("config", ["config", "no-config"])
-@pytest.mark.parametrize("method", ["awq", "gptq", "bnb-4bit", "bnb-8bit", "ct-pack", "ct-int8"])
+@pytest.mark.parametrize("method", list(PACKED_NAMES))
 def test_integer_packed_weights_are_refused_not_imported_as_weights(tmp_path: Path, method: str, config: str) -> None:
     """AWQ / GPTQ ``qweight`` + ``qzeros`` + ``scales``, bitsandbytes 4-bit / 8-bit weights, compressed-tensors
     ``pack-quantized`` / ``int-quantized`` weights: import dequantizes none of them. Without a config (no model check) every packed tensor was imported as stored, exit 0, no word;
@@ -639,13 +650,5 @@ def test_integer_packed_weights_are_refused_not_imported_as_weights(tmp_path: Pa
         (src / "config.json").unlink()
     before = sorted(p.name for p in tmp_path.iterdir())
     err = _import(src, tmp_path / "dcp", code=2)
-    name = {
-        "awq": "AWQ/GPTQ",
-        "gptq": "AWQ/GPTQ",
-        "bnb-4bit": "bitsandbytes 4-bit",
-        "bnb-8bit": "bitsandbytes 8-bit",
-        "ct-pack": "compressed-tensors packed",
-        "ct-int8": "compressed-tensors int-quantized",
-    }
-    assert "[E612]" in err and first in err and name[method] in err and "Traceback" not in err, err
+    assert "[E612]" in err and first in err and PACKED_NAMES[method] in err and "Traceback" not in err, err
     assert sorted(p.name for p in tmp_path.iterdir()) == before

@@ -16,20 +16,12 @@ import pytest
 from typer.testing import CliRunner
 
 from ckpttool.cli.app import app
-from tests.ops.test_import_quantized import _packed, _write_folder
+from tests.ops.test_import_quantized import PACKED_NAMES, _packed, _write_folder
 
 runner = CliRunner()
 
-METHODS = ["awq", "gptq", "bnb-4bit", "bnb-8bit", "ct-pack", "ct-int8"]
-#: How the method is named (as ``import``'s E612 names it).
-NAME = {
-    "awq": "AWQ/GPTQ",
-    "gptq": "AWQ/GPTQ",
-    "bnb-4bit": "bitsandbytes 4-bit",
-    "bnb-8bit": "bitsandbytes 8-bit",
-    "ct-pack": "compressed-tensors packed",
-    "ct-int8": "compressed-tensors int-quantized",
-}
+METHODS = list(PACKED_NAMES)
+NAME = PACKED_NAMES
 
 
 def _folder(tmp_path: Path, method: str, name: str = "src") -> tuple[Path, dict[str, Any], str]:
