@@ -43,7 +43,10 @@ def stamp_command(
     decl = declaration(source_layout, ep_size, ep_fsdp_size)
     sel = selection(step, None, schema, model_prefix, optimizer_prefix)
     res = stamp(checkpoint, StampOptions(decl), opening=OpenOptions(trust_pickle=trust_pickle, selection=sel))
-    Output(json_output).result(res, _render)
+    out = Output(json_output)
+    for w in res.warnings:
+        out.warning(w)
+    out.result(res, _render)
 
 
 def _render(res: StampResult) -> None:

@@ -28,6 +28,7 @@ from typing import Any
 from ckpttool.errors import CkptError, DataFileError, LayoutContradictionError, LayoutError, OutputError, UsageError
 from ckpttool.format import limits
 from ckpttool.format.atomic import atomic_write_text, unwritable_reason
+from ckpttool.format.manifest_file import MANIFEST_NAME, is_manifest_head
 from ckpttool.format.marker import recording
 from ckpttool.layouts.declaration import (
     LayoutDeclaration,
@@ -68,6 +69,8 @@ class StampResult:
         ep_tensors: EP tensors it names; same_dim: those sharded by EP and FSDP on one dim.
         recorded_in: ``"sidecar"`` (``layout.json``, written now or before) or ``"embedded"`` (the
             ``layout`` byte item of the checkpoint).
+        warnings: what the new ``layout.json`` leaves out of date: a ckpttool ``manifest.json`` in the checkpoint,
+            made before it (its ``--verify`` reports the record as an extra file until it is made again).
     """
 
     path: str
@@ -76,10 +79,11 @@ class StampResult:
     ep_tensors: int
     same_dim: int
     recorded_in: str = "sidecar"
+    warnings: tuple[str, ...] = ()
 
     def to_dict(self) -> dict[str, Any]:
         """JSON view (``--json``), schema ``ckpttool.stamp/1``."""
-        return {"schema": "ckpttool.stamp/1", **self.__dict__}
+        return {"schema": "ckpttool.stamp/1", **self.__dict__, "warnings": list(self.warnings)}
 
 
 def stamp(
@@ -182,7 +186,24 @@ def _stamp(ckpt: Checkpoint, declaration: LayoutDeclaration | None) -> StampResu
             if isinstance(cause, OSError) and cause.errno in (errno.EROFS, errno.EACCES, errno.EPERM):
                 e.hint = _declare_instead(declaration)
             raise
-    return StampResult(str(sidecar), True, record, len(layout.ep_tensors), same)
+    stale = _stale_manifest(p) if ckpt.reader.remote is None else ()  # object storage: not looked for
+    return StampResult(str(sidecar), True, record, len(layout.ep_tensors), same, warnings=stale)
+
+
+def _stale_manifest(p: Path) -> tuple[str, ...]:
+    """The warning of a ckpttool ``manifest.json`` in the local checkpoint ``p``, made before the ``layout.json``
+    just written (it cannot list it), or ``()``."""
+    try:
+        with open(p / MANIFEST_NAME, "rb") as f:  # the first bytes say whose it is (format/manifest_file.py)
+            head = f.read(256)
+    except OSError:  # none there (or unreadable: not ours to judge)
+        return ()
+    if not is_manifest_head(head):
+        return ()
+    return (
+        f"{p / MANIFEST_NAME} was made before {SIDECAR_NAME}: its --verify reports {SIDECAR_NAME} as an extra file; "
+        f"make it again (`ckpttool manifest {p}`) to cover the record",
+    )
 
 
 def _found_meanwhile(

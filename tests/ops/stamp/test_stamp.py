@@ -319,3 +319,23 @@ def test_a_layout_json_written_by_another_stamp_meanwhile_is_never_replaced(lega
         assert stamp(legacy_copy, StampOptions(canonical)).written
         again = stamp(opened, StampOptions(canonical))
     assert (again.written, again.recorded_in, again.record["version"]) == (False, "sidecar", 2)
+
+
+def test_stamp_says_when_it_leaves_the_checkpoints_manifest_out_of_date(legacy_copy: Path) -> None:
+    """A manifest made before the stamp does not list ``layout.json``: its ``--verify`` then fails (an extra file).
+    stamp said nothing of it; it now warns (stderr and ``warnings`` in --json), and the advice it gives works."""
+    assert runner.invoke(app, ["manifest", str(legacy_copy)]).exit_code == 0
+    res = runner.invoke(app, ["stamp", str(legacy_copy), *LEGACY, "--json"])
+    assert res.exit_code == 0, res.stderr
+    warning = (
+        f"warning: {legacy_copy / 'manifest.json'} was made before layout.json: its --verify reports layout.json as "
+        f"an extra file; make it again (`ckpttool manifest {legacy_copy}`) to cover the record"
+    )
+    assert res.stderr.splitlines() == [warning]
+    assert json.loads(res.stdout)["warnings"] == [warning.removeprefix("warning: ")]
+    stale = runner.invoke(app, ["manifest", str(legacy_copy), "--verify"])  # what the warning says
+    assert stale.exit_code == 1 and "layout.json" in stale.stdout, stale.stdout
+    assert runner.invoke(app, ["manifest", str(legacy_copy)]).exit_code == 0  # what it advises
+    assert runner.invoke(app, ["manifest", str(legacy_copy), "--verify"]).exit_code == 0
+    again = runner.invoke(app, ["stamp", str(legacy_copy), *LEGACY])  # already recorded: nothing made stale
+    assert again.exit_code == 0 and again.stderr == "", again.stderr
