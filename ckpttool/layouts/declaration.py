@@ -430,18 +430,20 @@ def read_layout_records(cat: Catalog, reader: CheckpointReader) -> LayoutRecords
     sidecar = None
     if cat.has_layout_sidecar:
         p = cat.path / SIDECAR_NAME
+        # the declaration alone does not help while the file is there: it is read first (stamp's own too)
+        hint = (
+            f"fix or delete {SIDECAR_NAME}, then declare the layout (--source-layout legacy|canonical "
+            "--ep-size P --ep-fsdp-size F) or record it again with `ckpttool stamp`"
+        )
         try:
             text = reader.read_file(SIDECAR_NAME, limits.current().max_object_bytes, what="layout record")
-        except DataFileError as e:
-            raise LayoutError(e.message, path=p) from e
+        except DataFileError as e:  # unreadable: a symbolic link to a missing file, no permission
+            raise LayoutError(e.message, path=p, hint=hint) from e
         try:
             sidecar = parse_layout_record(text, str(p))
         except LayoutError as e:
             if e.code == "E400":
-                e.hint = (
-                    f"fix or delete {SIDECAR_NAME}, then declare the layout (--source-layout legacy|canonical "
-                    "--ep-size P --ep-fsdp-size F) or record it again with `ckpttool stamp`"
-                )
+                e.hint = hint
             raise
     if embedded is not None and sidecar is not None and embedded.raw != sidecar.raw:
         raise LayoutConflictError(

@@ -339,3 +339,19 @@ def test_stamp_says_when_it_leaves_the_checkpoints_manifest_out_of_date(legacy_c
     assert runner.invoke(app, ["manifest", str(legacy_copy), "--verify"]).exit_code == 0
     again = runner.invoke(app, ["stamp", str(legacy_copy), *LEGACY])  # already recorded: nothing made stale
     assert again.exit_code == 0 and again.stderr == "", again.stderr
+
+
+def test_an_unreadable_layout_json_is_named_with_a_hint_that_helps(legacy_copy: Path) -> None:
+    """A ``layout.json`` that is a symbolic link to a missing file (inside the checkpoint) cannot be read: E400.
+    Its hint said to declare the layout, which stamp had just been given; it now says to fix or delete the file,
+    and stamp then records the layout."""
+    (legacy_copy / "layout.json").symlink_to("layout-v2.json")  # the target was moved away
+    res = runner.invoke(app, ["stamp", str(legacy_copy), *LEGACY])
+    assert res.exit_code == 2 and res.stdout == "", res.output
+    assert res.stderr.splitlines() == [
+        f"error: [E400] {legacy_copy / 'layout.json'}: cannot read (No such file or directory)",
+        "hint: fix or delete layout.json, then declare the layout (--source-layout legacy|canonical --ep-size P "
+        "--ep-fsdp-size F) or record it again with `ckpttool stamp`",
+    ]
+    (legacy_copy / "layout.json").unlink()  # as the hint says
+    assert runner.invoke(app, ["stamp", str(legacy_copy), *LEGACY]).exit_code == 0
