@@ -453,10 +453,10 @@ def unclaimed_scales(
     return both + problems
 
 
-#: Integer dtypes quantized weights are packed in (safetensors' names as torch dtype names); a checkpoint with none
-#: of them holds no :func:`packed_integer_weights`.
-PACKED_DTYPES = frozenset(("int8", "uint8", "int16", "uint16", "int32", "uint32", "int64"))
-_INT_DTYPES = PACKED_DTYPES
+#: Integer dtypes quantized weights are packed in (AWQ/GPTQ ``qweight``/``qzeros`` int32, bitsandbytes 4-bit and
+#: MXFP4 blocks uint8, LLM.int8() int8; torch dtype names); ``int64`` is left out (``position_ids`` buffers). A
+#: checkpoint with none of them holds no :func:`packed_integer_weights`; an export that writes none is unquantized.
+PACKED_DTYPES = frozenset(("int8", "uint8", "int16", "uint16", "int32", "uint32"))
 
 
 def packed_integer_weights(tensors: Mapping[str, tuple[str, tuple[int, ...]]]) -> list[tuple[str, str]]:
@@ -479,7 +479,7 @@ def packed_integer_weights(tensors: Mapping[str, tuple[str, tuple[int, ...]]]) -
     """
     found: dict[str, str] = {}
     for k, (dt, _) in tensors.items():
-        if k.endswith(".qweight") and dt in _INT_DTYPES:
+        if k.endswith(".qweight") and dt in PACKED_DTYPES:
             found.setdefault(k, "AWQ/GPTQ (x.qweight, x.qzeros, x.scales)")
         elif k.endswith((".weight.absmax", ".weight.quant_map")) or ".weight.quant_state.bitsandbytes__" in k:
             found.setdefault(
@@ -489,6 +489,6 @@ def packed_integer_weights(tensors: Mapping[str, tuple[str, tuple[int, ...]]]) -
             found.setdefault(k.removesuffix("SCB") + "weight", "bitsandbytes 8-bit (LLM.int8: x.weight int8, x.SCB)")
         elif k.endswith(".weight_packed"):
             found.setdefault(k, "compressed-tensors packed (x.weight_packed, x.weight_scale)")
-        elif k.endswith(".weight") and dt in _INT_DTYPES and k + CT_SCALE_SUFFIX in tensors:
+        elif k.endswith(".weight") and dt in PACKED_DTYPES and k + CT_SCALE_SUFFIX in tensors:
             found.setdefault(k, "integer (x.weight int, x.weight_scale: compressed-tensors int-quantized)")
     return sorted(found.items())

@@ -29,12 +29,9 @@ from typing import Any
 from ckpttool.format.jsonfile import parse_json
 from ckpttool.format.metadata import DTYPE_ITEMSIZE
 from ckpttool.format.safetensors import is_narrowing
+from ckpttool.model.quantized import PACKED_DTYPES
 
 __all__ = ["PACKED_DTYPES", "TOKENIZER_FILES", "dominant_dtype", "rounded_on_load", "serving_config", "tokenizer_note"]
-
-#: Integer dtypes quantized weights are packed in (AWQ/GPTQ ``qweight``/``qzeros`` int32, bitsandbytes 4-bit and
-#: MXFP4 blocks uint8, LLM.int8() int8); ``int64`` is left out (``position_ids`` buffers).
-PACKED_DTYPES = frozenset(("int8", "uint8", "int16", "uint16", "int32", "uint32"))
 
 #: Files a tokenizer is loaded from (``AutoTokenizer``: a fast tokenizer's JSON, or a slow one's vocabulary).
 TOKENIZER_FILES = (

@@ -45,6 +45,15 @@ from ckpttool.ops.validate.context import Context
 _SUFFIX = "_scale_inv"
 
 
+def _tensors(ctx: Context) -> dict[str, tuple[str, tuple[int, ...]]]:
+    """The model tensors as ``key -> (dtype name, shape)``, the view the :mod:`~ckpttool.model.quantized` readers
+    take; built once per validation for the rules below (one entry per tensor)."""
+    built: dict[str, tuple[str, tuple[int, ...]]] = ctx.once(
+        "quantized.tensors", lambda: {k: (t.dtype, tuple(t.shape)) for k, t in ctx.cat.model.items()}
+    )
+    return built
+
+
 def _scale_problem(ctx: Context, key: str) -> str | None:
     """What is wrong with scale ``key`` and its weight, or ``None``."""
     scale = ctx.cat.model[key]
@@ -66,7 +75,7 @@ def _scale_problem(ctx: Context, key: str) -> str | None:
 
 @rule("M020")
 def fp8_scale_mismatch(ctx: Context) -> Iterator[tuple[str, str]]:
-    tensors = {k: (t.dtype, tuple(t.shape)) for k, t in ctx.cat.model.items()}
+    tensors = _tensors(ctx)
     why = block_size_problem(ctx.quant_config)
     if why is not None:
         scale = next((k for k in sorted(ctx.cat.model) if k.endswith(_SUFFIX)), None)
@@ -123,7 +132,7 @@ def _one_finding(scales: list[str], why: str) -> Iterator[tuple[str, str]]:
 
 def _pairs(ctx: Context) -> tuple[list[QuantPair], list[tuple[str, str]]]:
     """Every scaled pair import dequantizes (:func:`~ckpttool.model.quantized.scaled_pairs`)."""
-    return scaled_pairs({k: (t.dtype, tuple(t.shape)) for k, t in ctx.cat.model.items()}, ctx.quant_config)
+    return scaled_pairs(_tensors(ctx), ctx.quant_config)
 
 
 def _read(ctx: Context, key: str) -> Any | None:
@@ -225,7 +234,7 @@ def fp8_scales_unconfigured(ctx: Context) -> Iterator[tuple[str, str]]:
     if ctx.own_config_error is not None or (isinstance(cfg, dict) and cfg.get("quantization_config") is not None):
         return  # read under its quantization_config (M020 / M021), or the unreadable config is M020's finding
     where = "no config.json in the folder, no --config" if cfg is None else "the config has none"
-    tensors = {k: (t.dtype, tuple(t.shape)) for k, t in ctx.cat.model.items()}
+    tensors = _tensors(ctx)
     yield from _one_finding(_float8_weight_scales(tensors), f"{where}; the weights were read as their stored FP8 codes")
 
 
@@ -234,7 +243,7 @@ def packed_integer(ctx: Context) -> Iterator[tuple[str, str]]:
     """One finding a method of integer-packed quantized weights (:func:`~ckpttool.model.quantized.packed_integer_weights`),
     naming its first weight in key order and counting the others: their values are codes no rule can judge."""
     found: dict[str, list[str]] = {}
-    for key, method in packed_integer_weights({k: (t.dtype, tuple(t.shape)) for k, t in ctx.cat.model.items()}):
+    for key, method in packed_integer_weights(_tensors(ctx)):
         found.setdefault(method, []).append(key)
     for method, keys in found.items():
         more = f" (and {len(keys) - 1} more)" if len(keys) > 1 else ""
