@@ -133,16 +133,26 @@ def overlap(fn: Callable[..., R], *args: Any) -> Future[R]:
 
 
 class _Run:
-    """One :func:`map_ordered` call: at most ``workers`` items running, the next launched as one ends."""
+    """One :func:`map_ordered` call: at most ``workers`` items running, the next launched as one ends.
+
+    A slot is marked running by the worker that runs it, never by the thread that submits it: a
+    signal's exception raised in the main thread between the two (at the entry of
+    ``ThreadPoolExecutor.submit``) then leaves a pending slot that :meth:`close` cancels, not a
+    running one that no thread will ever finish.
+    """
 
     def __init__(self, fn: Callable[[Any], Any], items: Sequence[Any], workers: int) -> None:
-        self.fn, self.items = fn, items
+        self.fn, self.items, self.workers = fn, items, workers
         self.slots: list[Future[Any]] = [Future() for _ in items]
         self.next = 0
         self.closed = False
         self.lock = threading.Lock()
         self.executor = _shared(workers)
-        for _ in range(workers):
+
+    def start(self) -> None:
+        """Launch the first ``workers`` items (called inside the caller's ``try``: an interruption here
+        is cleaned up like one while waiting)."""
+        for _ in range(self.workers):
             self._launch()
 
     def _launch(self) -> None:
@@ -151,14 +161,16 @@ class _Run:
                 return
             i = self.next
             self.next += 1
-            self.slots[i].set_running_or_notify_cancel()
         try:
             self.executor.submit(self._task, i)
         except RuntimeError as e:  # the interpreter is shutting down: the item fails instead of hanging
-            self.slots[i].set_exception(e)
+            if self.slots[i].set_running_or_notify_cancel():
+                self.slots[i].set_exception(e)
 
     def _task(self, i: int) -> None:
         slot = self.slots[i]
+        if not slot.set_running_or_notify_cancel():
+            return  # cancelled by close() before it started
         try:
             result = self.fn(self.items[i])
         except BaseException as e:
@@ -169,13 +181,13 @@ class _Run:
             self._launch()
 
     def close(self) -> list[Future[Any]]:
-        """Launch nothing more; cancel the items not started; return the started ones."""
+        """Launch nothing more; cancel the items not running yet; return the running (or finished) ones."""
         with self.lock:
             self.closed = True
-            started = self.slots[: self.next]
-            for slot in self.slots[self.next :]:
-                slot.cancel()
-        return started
+            launched = self.next
+        for slot in self.slots[launched:]:
+            slot.cancel()
+        return [slot for slot in self.slots[:launched] if not slot.cancel()]
 
 
 _POLL_S = 0.05
@@ -249,6 +261,7 @@ def map_ordered(
         return _inline(fn, seq, finish_all)
     run = _Run(fn, seq, max(1, min(workers, len(seq))))
     try:
+        run.start()
         if finish_all:
             errors = [wait_exception(slot) for slot in run.slots]
             first = next((e for e in errors if e is not None), None)
@@ -283,6 +296,7 @@ def imap_ordered(fn: Callable[[T], R], items: Iterable[T], *, workers: int) -> I
         return
     run = _Run(fn, seq, max(1, min(workers, len(seq))))
     try:
+        run.start()
         for slot in run.slots:
             yield _result(slot)
     except BaseException:
@@ -295,14 +309,17 @@ class Lane:
     """A bounded share of the pool for open-ended submission: at most ``workers`` of its tasks run at once.
 
     The rest wait in the lane's own queue (first in, first out); :meth:`submit` returns a plain
-    ``concurrent.futures.Future`` (``wait``, ``cancel`` and ``result`` work as usual). A task
-    submitted from a pool thread runs inline (nested work never deadlocks).
+    ``concurrent.futures.Future`` (``wait``, ``cancel`` and ``result`` work as usual: a task handed to
+    a thread but not started yet can still be cancelled). A task submitted from a pool thread runs
+    inline (nested work never deadlocks). As in :func:`map_ordered`, a future is marked running by the
+    thread that runs it: a signal's exception raised in the submitting thread before the hand-over
+    leaves a pending future, which :meth:`shutdown` cancels instead of waiting for it forever.
     """
 
     def __init__(self, workers: int) -> None:
         self.workers = max(1, workers)
         self._queue: deque[tuple[Future[Any], Callable[..., Any], tuple[Any, ...]]] = deque()
-        self._started: set[Future[Any]] = set()
+        self._handed: set[Future[Any]] = set()  # taken from the queue for a thread, and not ended
         self._running = 0
         self._closed = False
         self._lock = threading.Lock()
@@ -332,15 +349,16 @@ class Lane:
                 if self._running >= self.workers or not self._queue:
                     return
                 fut, fn, args = self._queue.popleft()
-                if not fut.set_running_or_notify_cancel():
+                if fut.cancelled():
                     continue  # cancelled while queued
                 self._running += 1
-                self._started.add(fut)
+                self._handed.add(fut)
             try:
                 self._executor.submit(self._task, fut, fn, args)
             except RuntimeError as e:  # the interpreter is shutting down
                 self._done(fut)
-                fut.set_exception(e)
+                if fut.set_running_or_notify_cancel():
+                    fut.set_exception(e)
 
     @staticmethod
     def _run(fut: Future[Any], fn: Callable[..., Any], args: tuple[Any, ...]) -> None:
@@ -353,31 +371,32 @@ class Lane:
 
     def _done(self, fut: Future[Any]) -> None:
         with self._lock:
-            self._running -= 1
-            self._started.discard(fut)
+            if fut in self._handed:
+                self._running -= 1
+                self._handed.discard(fut)
 
     def _task(self, fut: Future[Any], fn: Callable[..., Any], args: tuple[Any, ...]) -> None:
         try:
-            self._run(fut, fn, args)
+            if fut.set_running_or_notify_cancel():  # False: cancelled before it started
+                self._run(fut, fn, args)
         finally:
             self._done(fut)
             self._pump()
 
-    def shutdown(self, *, cancel: bool = True) -> None:
-        """Accept no more tasks; cancel the queued ones (``cancel``); wait for the running ones."""
+    def shutdown(self) -> None:
+        """Accept no more tasks; cancel the queued ones and those not started; wait for the running ones."""
         with self._lock:
             self._closed = True
-            queued = list(self._queue) if cancel else []
-            if cancel:
-                self._queue.clear()
+            queued = list(self._queue)
+            self._queue.clear()
         for fut, _, _ in queued:
             fut.cancel()
         while True:
             with self._lock:
-                running = list(self._started)
-                idle = not running and not self._queue
-            if idle:
+                live = [f for f in self._handed if not f.done()]
+            if not live:
                 return
-            for fut in running:
-                fut.exception()
+            for fut in live:
+                if not fut.cancel():  # a pending one (not started, or never handed over) ends here
+                    fut.exception()
             time.sleep(0.001)  # a task ended and its successor is being started: look again

@@ -4,10 +4,12 @@ order) re-raised after the rest are cancelled, nested calls run inline instead o
 from __future__ import annotations
 
 import random
+import sys
 import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
+from typing import Any
 
 import pytest
 
@@ -189,6 +191,10 @@ def test_lane_bounds_concurrency_and_cancels_the_queue_on_shutdown() -> None:
     lane2 = Lane(1)
     first = lane2.submit(block.wait, 60)
     queued = [lane2.submit(g.run, i) for i in range(5)]
+    for _ in range(60_000):  # marked running by its thread, once it runs (shutdown cancels it before that)
+        if first.running():
+            break
+        time.sleep(0.001)
 
     def release() -> None:  # once shutdown has cancelled the queue (not after a delay: the main thread may lag)
         for _ in range(60_000):
@@ -198,7 +204,7 @@ def test_lane_bounds_concurrency_and_cancels_the_queue_on_shutdown() -> None:
         block.set()
 
     threading.Thread(target=release, daemon=True).start()
-    lane2.shutdown(cancel=True)
+    lane2.shutdown()
     assert first.result() is True
     assert all(f.cancelled() for f in queued)
     with pytest.raises(RuntimeError):
@@ -244,3 +250,68 @@ def test_shutdown_ends_every_idle_worker_and_a_later_call_starts_a_new_pool() ->
         t.join(timeout=30)
     assert not any(t.is_alive() for t in workers), "an idle pool thread would hold up the interpreter's exit"
     assert pool.map_ordered(lambda x: x + 1, range(3), workers=2) == [1, 2, 3]
+
+
+class _InterruptAtSubmit:
+    """Raise ``KeyboardInterrupt`` in the main thread at the entry of its ``nth`` ``ThreadPoolExecutor.submit``:
+    where a signal handler's exception lands when the signal arrives as a task is handed to a thread."""
+
+    def __init__(self, nth: int) -> None:
+        import concurrent.futures.thread as cft
+
+        self.code, self.nth, self.seen = cft.ThreadPoolExecutor.submit.__code__, nth, 0
+
+    def __call__(self, frame: Any, event: str, arg: Any) -> None:
+        if event == "call" and frame.f_code is self.code:
+            self.seen += 1
+            if self.seen == self.nth:
+                sys.settrace(None)
+                raise KeyboardInterrupt
+        return None
+
+    def __enter__(self) -> None:
+        sys.settrace(self)
+
+    def __exit__(self, *exc: object) -> None:
+        sys.settrace(None)
+
+
+def test_lane_shutdown_after_an_interrupt_as_a_task_is_handed_over_ends() -> None:
+    # The third task was taken from the lane's queue and the signal's exception came before the executor got
+    # it: no thread will run it. Shutdown cancelled the queue, then waited for it forever (export hung on SIGTERM).
+    gate = threading.Event()
+    lane = Lane(4)
+    futs: list[Any] = []
+    with pytest.raises(KeyboardInterrupt), _InterruptAtSubmit(3):
+        for _ in range(10):
+            futs.append(lane.submit(gate.wait, 0.2))  # a list, to keep what came before the raise
+    assert len(futs) == 2
+    done = threading.Thread(target=lane.shutdown, daemon=True)
+    done.start()
+    done.join(120)  # a hang guard, not a timing
+    assert not done.is_alive(), "Lane.shutdown waited for a task no thread will run"
+    assert all(f.done() for f in futs)
+    with pytest.raises(RuntimeError):
+        lane.submit(int)
+
+
+def test_map_ordered_interrupted_as_it_launches_stops_every_item() -> None:
+    # Interrupted while launching its workers: the call raised at once and the items it had launched kept
+    # launching the rest behind the caller's back (writing into an output already being removed).
+    ran: list[int] = []
+
+    def fn(i: int) -> int:
+        ran.append(i)
+        time.sleep(0.05)
+        return i
+
+    with pytest.raises(KeyboardInterrupt), _InterruptAtSubmit(3):
+        map_ordered(fn, range(12), workers=4)
+    at_return = sorted(ran)
+    assert set(at_return) <= {0, 1}  # the two launched items ended (or were cancelled unstarted) before it raised
+    time.sleep(0.5)  # room for the launched items to launch others, as they did
+    workers = [t for t in threading.enumerate() if t.name.startswith("ckpttool")]
+    pool.shutdown()
+    for t in workers:
+        t.join(timeout=60)
+    assert sorted(ran) == at_return

@@ -346,3 +346,40 @@ def test_command_existing_out_replaced_only_with_overwrite(name: str, big_ckpt: 
     assert res.returncode == 0, res.stderr[-2000:]
     assert not (out / "OLD_OUTPUT.txt").exists() and tmp_siblings(out) == []
     assert any(p.suffix in (".safetensors", ".distcp") for p in out.iterdir())
+
+
+# SIGTERM arriving as export/reshard hands a copy to a worker thread: ckpttool's own handler is called at the entry
+# of the main thread's nth ThreadPoolExecutor.submit, where the interpreter runs a signal's handler.
+SIGNAL_AT_SUBMIT = r"""
+import signal, sys, threading
+import concurrent.futures.thread as cft
+from ckpttool.cli import entry
+
+nth, seen = int(sys.argv[1]), 0
+
+def trace(frame, event, arg):
+    global seen
+    if event == "call" and frame.f_code is cft.ThreadPoolExecutor.submit.__code__:
+        handler = signal.getsignal(signal.SIGTERM)
+        if getattr(handler, "__module__", "") == "ckpttool.format.atomic":  # the output is open
+            seen += 1
+            if seen == nth:
+                sys.settrace(None)
+                handler(signal.SIGTERM, frame)
+    return None
+
+sys.argv = ["ckpttool", *sys.argv[2:]]
+sys.settrace(trace)
+entry()
+"""
+
+
+@pytest.mark.parametrize(("name", "nth"), [("export", 1), ("export", 2), ("reshard", 1)])  # reshard: one file, one
+def test_command_terminated_as_a_copy_is_handed_to_a_thread(
+    name: str, nth: int, big_ckpt: Path, tmp_path: Path
+) -> None:
+    _have(name)
+    out = tmp_path / "out"
+    argv = [sys.executable, "-c", SIGNAL_AT_SUBMIT, str(nth), *command(name, big_ckpt, out)[1:]]
+    res = subprocess.run(argv, capture_output=True, text=True, timeout=180)  # hung before: waited for the copy
+    assert_interrupted(res, out, None)

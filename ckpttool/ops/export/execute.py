@@ -675,7 +675,7 @@ class _Executor:
                 fut.cancel()
             # Deferred: a second Ctrl-C must not close the output files under a running copy.
             with signals_deferred():
-                pool.shutdown(cancel=True)
+                pool.shutdown()
             self.pending.clear()
 
 
