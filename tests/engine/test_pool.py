@@ -260,12 +260,14 @@ class _InterruptAtSubmit:
         import concurrent.futures.thread as cft
 
         self.code, self.nth, self.seen = cft.ThreadPoolExecutor.submit.__code__, nth, 0
+        self.raised = threading.Event()  # set as the interrupt is raised
 
     def __call__(self, frame: Any, event: str, arg: Any) -> None:
         if event == "call" and frame.f_code is self.code:
             self.seen += 1
             if self.seen == self.nth:
                 sys.settrace(None)
+                self.raised.set()
                 raise KeyboardInterrupt
         return None
 
@@ -299,13 +301,16 @@ def test_map_ordered_interrupted_as_it_launches_stops_every_item() -> None:
     # Interrupted while launching its workers: the call raised at once and the items it had launched kept
     # launching the rest behind the caller's back (writing into an output already being removed).
     ran: list[int] = []
+    interrupt = _InterruptAtSubmit(3)
 
+    # No timing: a launched item holds its worker until the interrupt is raised (a hang guard), so it cannot end
+    # and launch the next item before the main thread's third submit, however late the main thread runs.
     def fn(i: int) -> int:
         ran.append(i)
-        time.sleep(0.05)
+        assert interrupt.raised.wait(60)
         return i
 
-    with pytest.raises(KeyboardInterrupt), _InterruptAtSubmit(3):
+    with pytest.raises(KeyboardInterrupt), interrupt:
         map_ordered(fn, range(12), workers=4)
     at_return = sorted(ran)
     assert set(at_return) <= {0, 1}  # the two launched items ended (or were cancelled unstarted) before it raised
