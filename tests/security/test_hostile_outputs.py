@@ -103,16 +103,29 @@ def run_writer(mode: str, out: Path, overwrite: bool = False, **kw) -> subproces
     )
 
 
-def signal_midway(argv: list[str], out: Path, sig: int, attempts: int = 3) -> subprocess.CompletedProcess[str]:
-    """Run ``argv``; once its temporary output directory holds a file, freeze it, check that the output is
-    still unfinished, deliver ``sig`` and let it continue. Retries when the run finished first."""
+def signal_midway(
+    argv: list[str], out: Path, sig: int, with_old: bool, attempts: int = 3
+) -> tuple[subprocess.CompletedProcess[str], dict[str, str] | None]:
+    """Run ``argv`` (``with_old``: over an existing output made first, whose digest is returned); once its
+    temporary output directory holds a file, freeze it, check that the output is still unfinished, deliver
+    ``sig`` and let it continue. Retries, on a new OUT, when the run finished first (a busy machine)."""
+    prefix = TMP_PREFIX.format(name=out.name)
     for _ in range(attempts):
+        if out.exists():
+            shutil.rmtree(out)  # what the attempt before wrote, having finished before it could be interrupted
+        for t in tmp_siblings(out):  # and what it left, signalled as it ended (not the attempt checked)
+            shutil.rmtree(out.parent / t)
+        old = existing_out(out) if with_old else None  # an existing output, again: the run replaced it
         proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         caught = False
         deadline = time.monotonic() + 120
         while proc.poll() is None and time.monotonic() < deadline:
-            try:
-                busy = [t for t in tmp_siblings(out) if any(e.name != MARKER for e in os.scandir(out.parent / t))]
+            try:  # the temporary directory only: the previous output renamed aside is the final swap, not mid-way
+                busy = [
+                    t
+                    for t in os.listdir(out.parent)
+                    if t.startswith(prefix) and any(e.name != MARKER for e in os.scandir(out.parent / t))
+                ]
             except FileNotFoundError:  # renamed while we looked
                 busy = []
             if busy:
@@ -124,9 +137,7 @@ def signal_midway(argv: list[str], out: Path, sig: int, attempts: int = 3) -> su
             time.sleep(0.0005)
         stdout, stderr = proc.communicate(timeout=120)
         if caught:
-            return subprocess.CompletedProcess(argv, proc.returncode, stdout, stderr)
-        if out.exists() and not (out / "OLD_OUTPUT.txt").exists():
-            shutil.rmtree(out)  # finished before we could interrupt it: try again
+            return subprocess.CompletedProcess(argv, proc.returncode, stdout, stderr), old
     pytest.fail(f"could not interrupt {argv[:2]} mid-way in {attempts} attempts")
 
 
@@ -295,8 +306,7 @@ def test_command_interrupted(name: str, sig: int, with_old: bool, big_ckpt: Path
     _have(name)
     src = tree_digest(big_ckpt)
     out = tmp_path / "out"
-    old = existing_out(out) if with_old else None
-    res = signal_midway(command(name, big_ckpt, out, *(["--overwrite"] if with_old else [])), out, sig)
+    res, old = signal_midway(command(name, big_ckpt, out, *(["--overwrite"] if with_old else [])), out, sig, with_old)
     assert_interrupted(res, out, old)
     assert tree_digest(big_ckpt) == src
 
