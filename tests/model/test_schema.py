@@ -354,6 +354,43 @@ def test_a_model_submodule_called_state_is_the_models(saved: str, flatten: bool,
     assert all(torch.equal(exported[k], v) for k, v in msd.items())
 
 
+@pytest.mark.parametrize("saved", ["beside_model", "pair"])
+@pytest.mark.parametrize("flatten", [True, False], ids=["flattened", "nested"])
+def test_a_stateless_optimizer_at_the_top_level_is_an_optimizer(saved: str, flatten: bool, tmp_path: Path) -> None:
+    """SGD with momentum 0 keeps no state: ``get_optimizer_state_dict`` holds its param groups alone. Saved at the
+    top level (``{**msd, **osd}`` or a model/optimizer pair) it was not read as an optimizer: validate --strict
+    said OK, 'no optimizer state (model weights only)', on a group whose lr is NaN (a scheduler's), the optimizer
+    rules skipped. The groups are the optimizer's, as under ``optimizer.``: P006 names the NaN lr."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+    from typer.testing import CliRunner
+
+    from ckpttool.cli.app import app
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 4))
+    optim = torch.optim.SGD(model.parameters(), lr=0.1)
+    model(torch.randn(2, 8)).pow(2).mean().backward()
+    optim.step()
+    optim.param_groups[0]["lr"] = float("nan")
+    msd, osd = get_state_dict(model, optim, options=StateDictOptions(flatten_optimizer_state_dict=flatten))
+    assert not osd["state"] if not flatten else not any(k.startswith("state.") for k in osd)
+    if saved == "pair":
+        dcp.save(msd, checkpoint_id=str(tmp_path / "model"))
+        dcp.save(osd, checkpoint_id=str(tmp_path / "optimizer"))
+    else:
+        dcp.save({**msd, **osd}, checkpoint_id=str(tmp_path))
+    cat = open_checkpoint(tmp_path).catalog
+    assert (cat.schema.model_prefix, cat.schema.optimizer_prefix) == ("", "")
+    assert sorted(cat.model) == sorted(msd) and not cat.optimizer_state
+    res = CliRunner().invoke(app, ["validate", "--strict", str(tmp_path), "--json"])
+    doc = json.loads(res.stdout)
+    assert res.exit_code == 1, res.output
+    group = "0.bias and 3 more" if flatten else "0"  # a flattened group is named by its parameters
+    assert [(f["code"], f["message"]) for f in doc["findings"]] == [
+        ("P006", f"param group {group}: lr is nan, not a finite number")
+    ]
+
+
 def test_model_and_optimizer_both_at_the_top_level_read_by_prefixes(tmp_path: Path) -> None:
     """``dcp.save(get_model_state_dict(m), "model/")`` and ``dcp.save(get_optimizer_state_dict(m, o), "optimizer/")``:
     the pair opens as one checkpoint with both at the top level, read with ``--model-prefix '' --optimizer-prefix ''``.

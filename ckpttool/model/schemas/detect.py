@@ -475,12 +475,12 @@ def top_group_fqns(md: CheckpointMetadata, planner: dict[str, tuple[Any, ...]]) 
 def _optimizer_at_top(md: CheckpointMetadata, state: list[str]) -> bool:
     """torch's optimizer state dict saved at the top level: ``state.`` tensors beside ``param_groups.`` items that
     are not tensors (``params``, ``lr`` of each group: ``dcp.save(get_optimizer_state_dict(...))``, alone, merged
-    into the model's state dict, or in the optimizer folder of a model/optimizer pair): the optimizer prefix is then
-    ``""``, and a top-level model does not claim those keys (:meth:`KeySchema.model_test`). A model with submodules
-    called ``state`` and ``param_groups`` has tensors alone there."""
-    return bool(state) and any(
-        k.startswith("param_groups.") and type(m) is not TensorMeta for k, m in md.entries.items()
-    )
+    into the model's state dict, or in the optimizer folder of a model/optimizer pair), or groups' ``lr`` items
+    alone (an optimizer that keeps no state: SGD with momentum 0, or one not stepped yet): the optimizer prefix is
+    then ``""``, and a top-level model does not claim those keys (:meth:`KeySchema.model_test`). A model with
+    submodules called ``state`` and ``param_groups`` has tensors alone there."""
+    groups = [k for k, m in md.entries.items() if k.startswith("param_groups.") and type(m) is not TensorMeta]
+    return bool(groups) and (bool(state) or any(k.endswith(".lr") for k in groups))
 
 
 def _optimizer_keys(
