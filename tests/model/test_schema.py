@@ -354,13 +354,18 @@ def test_a_model_submodule_called_state_is_the_models(saved: str, flatten: bool,
     assert all(torch.equal(exported[k], v) for k, v in msd.items())
 
 
+@pytest.mark.parametrize("lr", ["float", "tensor"])
 @pytest.mark.parametrize("saved", ["beside_model", "pair"])
 @pytest.mark.parametrize("flatten", [True, False], ids=["flattened", "nested"])
-def test_a_stateless_optimizer_at_the_top_level_is_an_optimizer(saved: str, flatten: bool, tmp_path: Path) -> None:
+def test_a_stateless_optimizer_at_the_top_level_is_an_optimizer(
+    saved: str, flatten: bool, lr: str, tmp_path: Path
+) -> None:
     """SGD with momentum 0 keeps no state: ``get_optimizer_state_dict`` holds its param groups alone. Saved at the
     top level (``{**msd, **osd}`` or a model/optimizer pair) it was not read as an optimizer: validate --strict
     said OK, 'no optimizer state (model weights only)', on a group whose lr is NaN (a scheduler's), the optimizer
-    rules skipped. The groups are the optimizer's, as under ``optimizer.``: P006 names the NaN lr."""
+    rules skipped; an lr given as a tensor (``SGD(params, lr=torch.tensor(0.1))``) was a model tensor, flattened
+    (``param_groups.0.weight.lr`` among the weights), or K002, nested. The groups are the optimizer's, as under
+    ``optimizer.``: P006 names the NaN lr."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
     from typer.testing import CliRunner
 
@@ -368,10 +373,10 @@ def test_a_stateless_optimizer_at_the_top_level_is_an_optimizer(saved: str, flat
 
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 4))
-    optim = torch.optim.SGD(model.parameters(), lr=0.1)
+    optim = torch.optim.SGD(model.parameters(), lr=0.1 if lr == "float" else torch.tensor(0.1))
     model(torch.randn(2, 8)).pow(2).mean().backward()
     optim.step()
-    optim.param_groups[0]["lr"] = float("nan")
+    optim.param_groups[0]["lr"] = float("nan") if lr == "float" else torch.tensor(float("nan"))
     msd, osd = get_state_dict(model, optim, options=StateDictOptions(flatten_optimizer_state_dict=flatten))
     assert not osd["state"] if not flatten else not any(k.startswith("state.") for k in osd)
     if saved == "pair":

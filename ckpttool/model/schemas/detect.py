@@ -479,8 +479,9 @@ def _optimizer_at_top(md: CheckpointMetadata, state: list[str]) -> bool:
     alone (an optimizer that keeps no state: SGD with momentum 0, or one not stepped yet): the optimizer prefix is
     then ``""``, and a top-level model does not claim those keys (:meth:`KeySchema.model_test`). A model with
     submodules called ``state`` and ``param_groups`` has tensors alone there."""
-    groups = [k for k, m in md.entries.items() if k.startswith("param_groups.") and type(m) is not TensorMeta]
-    return bool(groups) and (bool(state) or any(k.endswith(".lr") for k in groups))
+    groups = [(k, type(m) is TensorMeta) for k, m in md.entries.items() if k.startswith("param_groups.")]
+    # an lr is a tensor where the optimizer was given one (SGD(params, lr=torch.tensor(0.1)))
+    return not all(t for _, t in groups) and (bool(state) or any(k.endswith(".lr") for k, _ in groups))
 
 
 def _optimizer_keys(
