@@ -577,7 +577,7 @@ def detect_schema(md: CheckpointMetadata, override: SchemaOverride | None = None
     get = planner.get
     scan = _scan(md, get, known)
     reasons: list[str] = []
-    groups = top_group_fqns(md, planner)
+    groups = None if scan.opt_votes else top_group_fqns(md, planner)  # an optimizer under a prefix: not needed
     opt_prefix, state_prefix, state = _optimizer_keys(md, scan, get, groups)
     model_prefix = _choose_model_prefix(scan.model_votes, bool(planner), md, reasons)
     for spec in registry.specs():
