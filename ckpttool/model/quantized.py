@@ -473,6 +473,9 @@ def packed_integer_weights(tensors: Mapping[str, tuple[str, tuple[int, ...]]]) -
     - compressed-tensors packed formats (``pack-quantized``, NVFP4, MXFP4): ``x.weight_packed`` beside
       ``x.weight_scale``.
     - an integer ``x.weight`` beside an ``x.weight_scale`` (compressed-tensors ``int-quantized``, W8A8 int8).
+    - optimum-quanto (``quantize(model, weights=qint8 | qint4); freeze(model)``): ``x.weight._data`` int8 (qint4:
+      ``x.weight._data._data`` uint8, two 4-bit codes a byte, beside ``x.weight._shift``) beside
+      ``x.weight._scale``.
 
     Each weight once, in key order; ``import`` refuses them, ``inspect`` lists them, ``validate`` warns (``M026``)
     and ``diff`` notes that it compares them as stored (read as stored they are codes, not values).
@@ -491,4 +494,7 @@ def packed_integer_weights(tensors: Mapping[str, tuple[str, tuple[int, ...]]]) -
             found.setdefault(k, "compressed-tensors packed (x.weight_packed, x.weight_scale)")
         elif k.endswith(".weight") and dt in PACKED_DTYPES and k + CT_SCALE_SUFFIX in tensors:
             found.setdefault(k, "integer (x.weight int, x.weight_scale: compressed-tensors int-quantized)")
+        elif dt in PACKED_DTYPES and k.endswith("._data") and ".weight._data" in k:
+            if k[: k.index(".weight._data")] + ".weight._scale" in tensors:  # qint4's x.weight._data._data too
+                found.setdefault(k, "optimum-quanto (x.weight._data, x.weight._scale)")
     return sorted(found.items())

@@ -297,6 +297,105 @@ def test_an_optimizer_state_dict_at_the_top_level_is_optimizer_state(saved: str,
         assert res.exit_code == 0 and not json.loads(res.stdout)["findings"], res.output
 
 
+class _StateNamed(torch.nn.Module):
+    """A model whose submodules are called ``state`` and ``param_groups``, as torch's optimizer state dict's parts."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.state = torch.nn.Linear(8, 8)
+        self.param_groups = torch.nn.Linear(8, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.param_groups(self.state(x))
+
+
+@pytest.mark.parametrize("saved", ["model_only", "beside_model", "pair"])
+@pytest.mark.parametrize("flatten", [True, False], ids=["flattened", "nested"])
+def test_a_model_submodule_called_state_is_the_models(saved: str, flatten: bool, tmp_path: Path) -> None:
+    """A model with submodules called ``state`` and ``param_groups`` (model keys ``state.weight``,
+    ``param_groups.bias``), saved alone, merged with ``get_optimizer_state_dict`` (``{**msd, **osd}``) or as a
+    model/optimizer pair. Its weights were read as torch's optimizer state dict at the top level: alone, 'optimizer
+    state only' (export E601, no model tensors); beside the optimizer, the model lost them (export wrote 2 of 4
+    weights with exit 0, validate O003 on an fqn ''). They are the model's: every weight exported, torch's
+    load_state_dict of the export strict, validate --strict clean."""
+    from safetensors.torch import load_file
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+    from typer.testing import CliRunner
+
+    from ckpttool.cli.app import app
+
+    torch.manual_seed(0)
+    model = _StateNamed()
+    optim = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    model(torch.randn(2, 8)).pow(2).mean().backward()
+    optim.step()
+    msd, osd = get_state_dict(model, optim, options=StateDictOptions(flatten_optimizer_state_dict=flatten))
+    src = tmp_path / "ckpt"
+    if saved == "pair":
+        dcp.save(msd, checkpoint_id=str(src / "model"))
+        dcp.save(osd, checkpoint_id=str(src / "optimizer"))
+    else:
+        dcp.save(msd if saved == "model_only" else {**msd, **osd}, checkpoint_id=str(src))
+    cat = open_checkpoint(src).catalog
+    assert cat.schema.model_prefix == "" and sorted(cat.model) == sorted(msd)
+    assert not cat.uncategorized_tensors()
+    if saved == "model_only":
+        assert cat.schema.optimizer_prefix is None and not cat.optimizer_state
+    else:
+        assert cat.schema.optimizer_prefix == "" and sorted(cat.optimizer_state) == sorted(msd)
+        assert all(ps.in_model for ps in cat.optimizer_state.values())
+    res = CliRunner().invoke(app, ["validate", "--strict", str(src), "--json"])
+    assert res.exit_code == 0 and not json.loads(res.stdout)["findings"], res.output
+    res = CliRunner().invoke(app, ["export", str(src), str(tmp_path / "out")])
+    assert res.exit_code == 0, res.output
+    exported = load_file(tmp_path / "out" / "model.safetensors")
+    fresh = _StateNamed()
+    fresh.load_state_dict(exported, strict=True)
+    assert all(torch.equal(exported[k], v) for k, v in msd.items())
+
+
+@pytest.mark.parametrize("lr", ["float", "tensor"])
+@pytest.mark.parametrize("saved", ["beside_model", "pair"])
+@pytest.mark.parametrize("flatten", [True, False], ids=["flattened", "nested"])
+def test_a_stateless_optimizer_at_the_top_level_is_an_optimizer(
+    saved: str, flatten: bool, lr: str, tmp_path: Path
+) -> None:
+    """SGD with momentum 0 keeps no state: ``get_optimizer_state_dict`` holds its param groups alone. Saved at the
+    top level (``{**msd, **osd}`` or a model/optimizer pair) it was not read as an optimizer: validate --strict
+    said OK, 'no optimizer state (model weights only)', on a group whose lr is NaN (a scheduler's), the optimizer
+    rules skipped; an lr given as a tensor (``SGD(params, lr=torch.tensor(0.1))``) was a model tensor, flattened
+    (``param_groups.0.weight.lr`` among the weights), or K002, nested. The groups are the optimizer's, as under
+    ``optimizer.``: P006 names the NaN lr."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+    from typer.testing import CliRunner
+
+    from ckpttool.cli.app import app
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 4))
+    optim = torch.optim.SGD(model.parameters(), lr=0.1 if lr == "float" else torch.tensor(0.1))
+    model(torch.randn(2, 8)).pow(2).mean().backward()
+    optim.step()
+    optim.param_groups[0]["lr"] = float("nan") if lr == "float" else torch.tensor(float("nan"))
+    msd, osd = get_state_dict(model, optim, options=StateDictOptions(flatten_optimizer_state_dict=flatten))
+    assert not osd["state"] if not flatten else not any(k.startswith("state.") for k in osd)
+    if saved == "pair":
+        dcp.save(msd, checkpoint_id=str(tmp_path / "model"))
+        dcp.save(osd, checkpoint_id=str(tmp_path / "optimizer"))
+    else:
+        dcp.save({**msd, **osd}, checkpoint_id=str(tmp_path))
+    cat = open_checkpoint(tmp_path).catalog
+    assert (cat.schema.model_prefix, cat.schema.optimizer_prefix) == ("", "")
+    assert sorted(cat.model) == sorted(msd) and not cat.optimizer_state
+    res = CliRunner().invoke(app, ["validate", "--strict", str(tmp_path), "--json"])
+    doc = json.loads(res.stdout)
+    assert res.exit_code == 1, res.output
+    group = "0.bias and 3 more" if flatten else "0"  # a flattened group is named by its parameters
+    assert [(f["code"], f["message"]) for f in doc["findings"]] == [
+        ("P006", f"param group {group}: lr is nan, not a finite number")
+    ]
+
+
 def test_model_and_optimizer_both_at_the_top_level_read_by_prefixes(tmp_path: Path) -> None:
     """``dcp.save(get_model_state_dict(m), "model/")`` and ``dcp.save(get_optimizer_state_dict(m, o), "optimizer/")``:
     the pair opens as one checkpoint with both at the top level, read with ``--model-prefix '' --optimizer-prefix ''``.

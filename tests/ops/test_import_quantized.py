@@ -652,3 +652,35 @@ def test_integer_packed_weights_are_refused_not_imported_as_weights(tmp_path: Pa
     err = _import(src, tmp_path / "dcp", code=2)
     assert "[E612]" in err and first in err and PACKED_NAMES[method] in err and "Traceback" not in err, err
     assert sorted(p.name for p in tmp_path.iterdir()) == before
+
+
+@pytest.mark.parametrize("weights", ["qint8", "qint4"])
+def test_optimum_quanto_weights_are_refused_and_warned(tmp_path: Path, weights: str) -> None:
+    """optimum-quanto's own ``quantize(model, weights=qint8 | qint4); freeze(model)`` state dict stores each linear
+    weight as ``x.weight._data`` int8 (qint4: ``x.weight._data._data`` uint8, two codes a byte) beside
+    ``x.weight._scale``. import wrote those codes as stored (exit 0, no word) and validate --strict said OK: none of
+    the packed-integer conventions named quanto's. Now import refuses them (E612, nothing written) and validate
+    warns M026 on the DCP save of the same state dict."""
+    quanto = pytest.importorskip("optimum.quanto")
+    import transformers
+
+    hf_models._quiet()
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(hf_models.llama_config())
+    quanto.quantize(model.model.layers, weights=getattr(quanto, weights))
+    quanto.freeze(model)
+    sd = {k: v.contiguous() for k, v in model.state_dict().items()}
+    data = ".weight._data" if weights == "qint8" else ".weight._data._data"
+    first = min(k for k in sd if k.endswith(data))
+    assert sd[first].dtype == (torch.int8 if weights == "qint8" else torch.uint8)
+    cfg = {**model.config.to_dict(), "quantization_config": {"quant_method": "quanto", "weights": weights[1:]}}
+    src = _write_folder(tmp_path / "src", sd, cfg)
+    before = sorted(p.name for p in tmp_path.iterdir())
+    err = _import(src, tmp_path / "dcp", code=2)
+    assert "[E612]" in err and first in err and "optimum-quanto" in err and "Traceback" not in err, err
+    assert sorted(p.name for p in tmp_path.iterdir()) == before
+    dcp.save(sd, checkpoint_id=str(tmp_path / "ckpt"), no_dist=True)
+    res = runner.invoke(app, ["validate", "--strict", str(tmp_path / "ckpt"), "--json"])
+    assert res.exit_code == 1, res.output
+    found = [(f["code"], f["key"]) for f in json.loads(res.stdout)["findings"]]
+    assert found == [("M026", first)], found

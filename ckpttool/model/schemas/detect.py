@@ -457,19 +457,44 @@ def _keying(sch: KeySchema, tensors: list[str], state: list[tuple[str, _Path]], 
     return "index" if index else "fqn"
 
 
-def _optimizer_at_top(md: CheckpointMetadata, tensors: list[str]) -> bool:
-    """torch's optimizer state dict saved at the top level: ``state.`` tensors beside ``param_groups.`` keys
-    (``dcp.save(get_optimizer_state_dict(...))``, alone, merged into the model's state dict, or in the optimizer
-    folder of a model/optimizer pair): the optimizer prefix is then ``""``, and a top-level model does not claim
-    those keys (:meth:`KeySchema.model_test`)."""
-    return any(k.startswith("state.") for k in tensors) and any(k.startswith("param_groups.") for k in md.entries)
+def top_group_fqns(md: CheckpointMetadata, planner: dict[str, tuple[Any, ...]]) -> frozenset[str] | None:
+    """The parameter fqns a flattened optimizer state dict at the top level names in its param groups (``lr`` of
+    ``param_groups.<fqn>.lr``: ``get_optimizer_state_dict(..., flatten_optimizer_state_dict=True)``, one planner
+    path part), for :meth:`KeySchema.top_optimizer_test`; empty for nested groups (``param_groups.0.lr``, the path
+    nests them); ``None`` without planner_data (the paths cannot tell)."""
+    if not planner:
+        return None
+    n = len("param_groups.")
+    return frozenset(
+        k[n:].rpartition(".")[0]
+        for k, m in md.entries.items()
+        if k.startswith("param_groups.") and type(m) is not TensorMeta and len(planner.get(k) or ((),)) == 1
+    )
 
 
-def _optimizer_keys(md: CheckpointMetadata, scan: _Scan, get: Any) -> tuple[str | None, str, list[tuple[str, _Path]]]:
-    """The optimizer prefix (``None``: no optimizer), its state prefix and its state keys with their planner paths."""
+def _optimizer_at_top(md: CheckpointMetadata, state: list[str]) -> bool:
+    """torch's optimizer state dict saved at the top level: ``state.`` tensors beside ``param_groups.`` items that
+    are not tensors (``params``, ``lr`` of each group: ``dcp.save(get_optimizer_state_dict(...))``, alone, merged
+    into the model's state dict, or in the optimizer folder of a model/optimizer pair), or groups' ``lr`` items
+    alone (an optimizer that keeps no state: SGD with momentum 0, or one not stepped yet): the optimizer prefix is
+    then ``""``, and a top-level model does not claim those keys (:meth:`KeySchema.model_test`). A model with
+    submodules called ``state`` and ``param_groups`` has tensors alone there."""
+    groups = [(k, type(m) is TensorMeta) for k, m in md.entries.items() if k.startswith("param_groups.")]
+    # an lr is a tensor where the optimizer was given one (SGD(params, lr=torch.tensor(0.1)))
+    return not all(t for _, t in groups) and (bool(state) or any(k.endswith(".lr") for k, _ in groups))
+
+
+def _optimizer_keys(
+    md: CheckpointMetadata, scan: _Scan, get: Any, groups: frozenset[str] | None
+) -> tuple[str | None, str, list[tuple[str, _Path]]]:
+    """The optimizer prefix (``None``: no optimizer), its state prefix and its state keys with their planner paths
+    (``groups``: :func:`top_group_fqns`)."""
     opt_prefix = scan.opt_votes.most_common(1)[0][0] if scan.opt_votes else None
-    if opt_prefix is None and _optimizer_at_top(md, scan.tensors):
-        return "", "state.", [(k, get(k)) for k in scan.tensors if k.startswith("state.")]
+    if opt_prefix is None:
+        mine = KeySchema("unrecognized", None, "", _group_fqns=groups).top_optimizer_test()
+        top = [(k, get(k)) for k in scan.tensors if k.startswith("state.") and mine(k, get(k))]
+        if _optimizer_at_top(md, [k for k, _ in top]):
+            return "", "state.", top
     state_prefix = f"{opt_prefix}state."
     return (
         opt_prefix,
@@ -552,7 +577,8 @@ def detect_schema(md: CheckpointMetadata, override: SchemaOverride | None = None
     get = planner.get
     scan = _scan(md, get, known)
     reasons: list[str] = []
-    opt_prefix, state_prefix, state = _optimizer_keys(md, scan, get)
+    groups = None if scan.opt_votes else top_group_fqns(md, planner)  # an optimizer under a prefix: not needed
+    opt_prefix, state_prefix, state = _optimizer_keys(md, scan, get, groups)
     model_prefix = _choose_model_prefix(scan.model_votes, bool(planner), md, reasons)
     for spec in registry.specs():
         if spec.prefix_notes is not None:
@@ -562,7 +588,12 @@ def detect_schema(md: CheckpointMetadata, override: SchemaOverride | None = None
     if best is not None:
         model_prefix, use_paths = best, False
     sch = KeySchema(
-        "unrecognized", model_prefix, opt_prefix, _model_head=model_head(model_prefix or ""), _use_paths=use_paths
+        "unrecognized",
+        model_prefix,
+        opt_prefix,
+        _model_head=model_head(model_prefix or ""),
+        _use_paths=use_paths,
+        _group_fqns=groups,
     )
     test = sch.model_test()
     if use_paths and model_prefix is not None and opt_prefix != "":
@@ -637,8 +668,10 @@ def _overridden(md: CheckpointMetadata, ov: SchemaOverride, tensors: list[str]) 
     sid = ov.schema if ov.schema and ov.model_prefix is None and ov.optimizer_prefix is None else "custom"
     if model_prefix is None and opt_prefix is None:
         model_prefix = ""
-    probe = KeySchema(sid, model_prefix, opt_prefix, _use_paths=False)
-    model_keys = [k for k in tensors if probe.is_model_candidate(k, None)]
+    paths = planner_paths(md)
+    groups = top_group_fqns(md, paths)
+    probe = KeySchema(sid, model_prefix, opt_prefix, _use_paths=False, _group_fqns=groups)
+    model_keys = [k for k in tensors if probe.is_model_candidate(k, paths.get(k))]
     _check_override(md, ov, probe, tensors, len(model_keys))
     if opt_prefix and not any(k.startswith(opt_prefix) for k in md.entries):
         opt_prefix = None
@@ -646,7 +679,6 @@ def _overridden(md: CheckpointMetadata, ov: SchemaOverride, tensors: list[str]) 
     keying = None
     if opt_prefix is not None:
         sp = f"{opt_prefix}state."
-        paths = planner_paths(md)
         state = [(k, paths.get(k)) for k in md.entries if k.startswith(sp)]
         keying = "index" if _index_keyed(state, sp, set(fqns)) else "fqn"
     given = ", ".join(
@@ -673,4 +705,5 @@ def _overridden(md: CheckpointMetadata, ov: SchemaOverride, tensors: list[str]) 
         training,
         (),
         False,
+        groups,
     )

@@ -90,7 +90,8 @@ class KeySchema:
 
     With ``optimizer_prefix ""`` (torch's optimizer state dict saved at the top level: ``dcp.save(
     get_optimizer_state_dict(...))``, alone or merged into the model's state dict) a top-level model does not claim
-    its ``state.`` and ``param_groups.`` keys.
+    its ``state.`` and ``param_groups.`` keys (:meth:`top_optimizer_test`); a model's own parameters named so
+    (a submodule called ``state``: ``state.weight``) stay the model's.
     """
 
     id: str
@@ -103,6 +104,7 @@ class KeySchema:
     training_state: tuple[str, ...] = ()
     _model_head: tuple[str, ...] = field(default=(), repr=False, compare=False)
     _use_paths: bool = field(default=True, repr=False, compare=False)
+    _group_fqns: frozenset[str] | None = field(default=None, repr=False, compare=False)
 
     @property
     def recognised(self) -> bool:
@@ -178,7 +180,8 @@ class KeySchema:
         op = self.optimizer_prefix or None
         if self.optimizer_prefix == "":  # torch's optimizer state dict at the top level too: not model keys
             inner = replace(self, optimizer_prefix=None)._top_level_test()
-            return lambda key, path: key.partition(".")[0] not in TOP_OPTIMIZER_PARTS and inner(key, path)
+            optimizer = self.top_optimizer_test()
+            return lambda key, path: not optimizer(key, path) and inner(key, path)
         known = registry.derived()
         items, heads = known.training_state_items, known.optimizer_heads
 
@@ -192,6 +195,26 @@ class KeySchema:
                 and not (op is not None and key.startswith(op))
             )
         return lambda key, path: loose(key) and not (op is not None and key.startswith(op))
+
+    def top_optimizer_test(self) -> Callable[[str, tuple[Any, ...] | None], bool]:
+        """Whether a key (planner path) is the optimizer's, torch's optimizer state dict being at the top level.
+
+        A ``state.`` or ``param_groups.`` key is the optimizer's where its planner path nests it there (``("state",
+        fqn, field)``: ``get_optimizer_state_dict``'s default) or, flattened (``flatten_optimizer_state_dict=True``:
+        one path part), where its parameter is one the flattened param groups name (``param_groups.<fqn>.lr``); a
+        model's parameter ``state.weight`` (a submodule called ``state``) is neither. Without planner_data or
+        flattened groups to tell (``_group_fqns`` ``None``) every such key is the optimizer's."""
+        fqns = self._group_fqns
+
+        def test(key: str, path: tuple[Any, ...] | None) -> bool:
+            part, _, rest = key.partition(".")
+            if part not in TOP_OPTIMIZER_PARTS:
+                return False
+            if path is not None and len(path) > 1:
+                return bool(path[0] == part)
+            return fqns is None or rest.rpartition(".")[0] in fqns
+
+        return test
 
     def model_mask(self, keys: Mapping[str, Any], paths: Mapping[str, tuple[Any, ...]]) -> Iterator[bool]:
         """``map(self.model_test(), keys, map(paths.get, keys))``, column-wise in C for prefixed model keys.
