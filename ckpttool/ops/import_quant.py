@@ -152,9 +152,25 @@ def _refuse_packed(tensors: dict[str, tuple[str, tuple[int, ...]]]) -> None:
             f"{key}{more}: an integer-packed {method} quantized weight: import dequantizes block FP8, FP8 with a "
             "weight_scale and MXFP4 only, and its packed codes are not the model's weights",
             key,
-            hint="load the model with transformers and its quantization library, dequantize it (model.dequantize()) "
-            "and save_pretrained it, then import that folder",
+            hint=f"dequantize it with {_dequantizer(method)} and save the plain weights (save_pretrained), then "
+            "import that folder; or import the unquantized model it was made from",
         )
+
+
+#: who dequantizes each packed-integer method (by the start of its name in ``packed_integer_weights``): only
+#: bitsandbytes has transformers' ``model.dequantize()`` (its quantizers' ``_dequantize``)
+_DEQUANTIZERS = (
+    ("bitsandbytes", "transformers (model.dequantize(), bitsandbytes installed)"),
+    ("optimum-quanto", "optimum-quanto (each quantized weight's .dequantize())"),
+    ("AWQ/GPTQ", "the library that quantized it (AutoAWQ, GPTQModel)"),
+    ("compressed-tensors", "compressed-tensors (ModelCompressor.decompress_model)"),
+    ("integer", "compressed-tensors (ModelCompressor.decompress_model)"),
+)
+
+
+def _dequantizer(method: str) -> str:
+    """Who can dequantize weights of ``method`` (a name from ``packed_integer_weights``), for E612's hint."""
+    return next((who for start, who in _DEQUANTIZERS if method.startswith(start)), "its quantization library")
 
 
 class StagedFds(dict[str, int]):

@@ -635,6 +635,16 @@ PACKED_NAMES = {
     "ct-int8": "compressed-tensors int-quantized",
 }
 
+#: Who E612's hint sends each method to (transformers' model.dequantize() exists for bitsandbytes only).
+DEQUANTIZERS = {
+    "awq": "the library that quantized it (AutoAWQ, GPTQModel)",
+    "gptq": "the library that quantized it (AutoAWQ, GPTQModel)",
+    "bnb-4bit": "transformers (model.dequantize(), bitsandbytes installed)",
+    "bnb-8bit": "transformers (model.dequantize(), bitsandbytes installed)",
+    "ct-pack": "compressed-tensors (ModelCompressor.decompress_model)",
+    "ct-int8": "compressed-tensors (ModelCompressor.decompress_model)",
+}
+
 
 @pytest.mark.parametrize("config", ["config", "no-config"])
 @pytest.mark.parametrize("method", list(PACKED_NAMES))
@@ -651,6 +661,7 @@ def test_integer_packed_weights_are_refused_not_imported_as_weights(tmp_path: Pa
     before = sorted(p.name for p in tmp_path.iterdir())
     err = _import(src, tmp_path / "dcp", code=2)
     assert "[E612]" in err and first in err and PACKED_NAMES[method] in err and "Traceback" not in err, err
+    assert f"hint: dequantize it with {DEQUANTIZERS[method]}" in err, err  # model.dequantize() is bitsandbytes' only
     assert sorted(p.name for p in tmp_path.iterdir()) == before
 
 
@@ -678,6 +689,7 @@ def test_optimum_quanto_weights_are_refused_and_warned(tmp_path: Path, weights: 
     before = sorted(p.name for p in tmp_path.iterdir())
     err = _import(src, tmp_path / "dcp", code=2)
     assert "[E612]" in err and first in err and "optimum-quanto" in err and "Traceback" not in err, err
+    assert "hint: dequantize it with optimum-quanto (each quantized weight's .dequantize())" in err, err
     assert sorted(p.name for p in tmp_path.iterdir()) == before
     dcp.save(sd, checkpoint_id=str(tmp_path / "ckpt"), no_dist=True)
     res = runner.invoke(app, ["validate", "--strict", str(tmp_path / "ckpt"), "--json"])
