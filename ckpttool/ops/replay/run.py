@@ -35,6 +35,7 @@ from ckpttool.model.counters import (
     optimizer_step_disagrees,
     scheduler_counters,
     scheduler_disagrees,
+    scheduler_lr_disagrees,
     several_optimizer_steps,
     skips_optimizer_steps,
     synthesized_state_lost,
@@ -858,9 +859,21 @@ def _state_problems(
         lags = not complete or skips_optimizer_steps(ckpt)
         bad = next(iter(scheduler_disagrees(ckpt, opt, scheduler_counters(ckpt)[0], ref_may_lag=lags)), None)
         why = "the optimizer state and the LR scheduler are of different saves: a resume pairs the moments of one step with the lr of another"
-    if bad is None:
-        return ()
-    return (f"{bad[1]}: {why} (`ckpttool validate --deep` reports R002)",)
+    out = () if bad is None else (f"{bad[1]}: {why} (`ckpttool validate --deep` reports R002)",)
+    return out + _scheduler_lr_problems(ckpt, loaded)
+
+
+def _scheduler_lr_problems(ckpt: Checkpoint, loaded: list[ParamResult]) -> tuple[str, ...]:
+    """A replayed parameter's group whose saved ``lr`` is not the one the saved LR scheduler set in it
+    (:func:`~ckpttool.model.counters.scheduler_lr_disagrees`): the replay steps with the saved ``lr``, which the
+    uninterrupted run did not take its next step with."""
+    groups = ckpt.param_groups()
+    bad = scheduler_lr_disagrees(ckpt, groups, {r.group_id for r in loaded})
+    return tuple(
+        f"{msg}: the LR scheduler moved the lr and the param groups were saved without it, so the replay and a "
+        "resume step with an lr the run did not take its next step with (`ckpttool validate` reports R006)"
+        for _, msg in bad
+    )
 
 
 #: Elements per reference/comparison slab: a few dozen float64 temporaries of this size per worker.

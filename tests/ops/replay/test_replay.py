@@ -1242,3 +1242,64 @@ def test_sparse_adam_checkpoint_is_named_not_called_damaged(tmp_path: Path) -> N
         "hint: replay-step replays AdamW steps only; `ckpttool validate` checks the torch.optim.SparseAdam state's "
         "fields and shapes, `ckpttool inspect` shows them",
     ], res.stderr
+
+
+def test_a_param_group_lr_the_scheduler_moved_after_the_snapshot_is_not_ok(tmp_path: Path) -> None:
+    """The optimizer state taken (get_state_dict) before the LR scheduler's step, the scheduler saved after it: the
+    param group holds the lr of the step before, the scheduler's _last_lr the lr the run takes next, and every counter
+    agrees (step 4, last_epoch 4). replay-step said 'OK: 2 of 2' though the step it replays (with the saved lr, as a
+    resume takes it) is not the uninterrupted run's next step (torch.optim.AdamW after the scheduler stepped). It now
+    fails naming the group and both lrs (exit 1), and validate reports R006; saved after the scheduler, both pass."""
+    from safetensors.torch import save_file
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    from tests.fixtures.builders import save_quiet, train_steps
+
+    def build(name: str, *, scheduler_after_snapshot: bool) -> tuple[Path, Path, dict[str, torch.Tensor]]:
+        torch.manual_seed(0)
+        model = torch.nn.Linear(8, 4)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 0.5**s)
+        train_steps(model, opt, 3, loss="square", sched=sched)
+        train_steps(model, opt, 1, loss="square")  # step 4; its scheduler step below
+        if not scheduler_after_snapshot:
+            sched.step()
+        msd, osd = get_state_dict(model, opt)
+        if scheduler_after_snapshot:
+            sched.step()
+        save_quiet({"model": msd, "optimizer": osd, "lr_scheduler": sched.state_dict()}, tmp_path / name)
+        gen = torch.Generator().manual_seed(7)
+        grads = {n: torch.randn(p.shape, generator=gen) * 1e-2 for n, p in model.named_parameters()}
+        save_file(grads, str(tmp_path / f"{name}.safetensors"))
+        for n, p in model.named_parameters():
+            p.grad = grads[n].clone()
+        opt.step()  # the uninterrupted run's next step, with the lr its scheduler set
+        return tmp_path / name, tmp_path / f"{name}.safetensors", {n: p.detach() for n, p in model.named_parameters()}
+
+    ck, grads, run_next = build("clean", scheduler_after_snapshot=False)
+    res, got = replay_collect(ck, grads=str(grads))
+    assert res.ok and not res.problems, res.problems
+    assert all(torch.equal(got[n]["param"], want) for n, want in run_next.items())
+    assert runner.invoke(app, ["validate", str(ck)]).exit_code == 0
+
+    ck, grads, run_next = build("late", scheduler_after_snapshot=True)
+    res, got = replay_collect(ck, grads=str(grads))
+    assert not any(torch.equal(got[n]["param"], want) for n, want in run_next.items())  # not the run's next step
+    assert not res.ok and res.problems == (
+        "param group 0 saved lr 0.00125 but lr_scheduler._last_lr[0] = 0.000625: the LR scheduler moved the lr and "
+        "the param groups were saved without it, so the replay and a resume step with an lr the run did not take its "
+        "next step with (`ckpttool validate` reports R006)",
+    ), res.problems
+    cli = run(ck, "--device", "cpu", "--grads", grads)
+    assert cli.exit_code == 1 and "param group 0 saved lr 0.00125 but lr_scheduler._last_lr[0] = 0.000625" in cli.stdout
+    assert_no_traceback(cli)
+    res = runner.invoke(app, ["validate", str(ck), "--json"])
+    assert res.exit_code == 1
+    findings = json.loads(res.stdout)["findings"]
+    assert [(f["code"], f["key"], f["message"]) for f in findings if f["severity"] != "info"] == [
+        (
+            "R006",
+            "optimizer.param_groups.0.lr",
+            "param group 0 saved lr 0.00125 but lr_scheduler._last_lr[0] = 0.000625",
+        )
+    ]
