@@ -1303,3 +1303,45 @@ def test_a_param_group_lr_the_scheduler_moved_after_the_snapshot_is_not_ok(tmp_p
             "param group 0 saved lr 0.00125 but lr_scheduler._last_lr[0] = 0.000625",
         )
     ]
+
+
+def test_a_step_counter_reset_to_0_beside_real_moments_is_not_ok(tmp_path: Path) -> None:
+    """torch.optim.AdamW after one step saves step 1 with its moments; the same state with every step reset to 0
+    (validate --deep: D007, 'non-zero at step 0') replayed 'OK: 2 of 2': the update of the first step it replays stayed
+    within the update-size bound's slack (direction 1.1 against 1). A resume bias-corrects those moments as a first
+    step; each parameter now fails naming the reset (exit 1), and the state as torch saved it still passes."""
+    from safetensors.torch import save_file
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    from tests.fixtures.builders import save_quiet, train_steps
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(8, 4)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+    train_steps(model, opt, 1, loss="square")
+    msd, osd = get_state_dict(model, opt)
+    assert all(float(st["step"]) == 1 for st in osd["state"].values())
+    save_quiet({"model": msd, "optimizer": osd}, tmp_path / "saved")
+    for st in osd["state"].values():
+        st["step"] = torch.zeros_like(st["step"])
+    save_quiet({"model": msd, "optimizer": osd}, tmp_path / "reset")
+    gen = torch.Generator().manual_seed(7)
+    save_file({n: torch.randn(p.shape, generator=gen) * 1e-2 for n, p in model.named_parameters()}, str(tmp_path / "g"))
+    assert run(tmp_path / "saved", "--device", "cpu", "--grads", tmp_path / "g").exit_code == 0
+    res = run(tmp_path / "reset", "--device", "cpu", "--grads", tmp_path / "g", "--json")
+    assert res.exit_code == 1, res.output
+    doc = json.loads(res.stdout)
+    assert doc["params_failed"] == 2
+    for p in doc["params"]:
+        assert p["problems"][0] == (
+            "saved step 0 with non-zero exp_avg and exp_avg_sq [D007]: the moments start at zero and change only in a "
+            "step, which torch.optim counts at once, so the step counter was reset beside the moments of a real run "
+            "(a resume bias-corrects them as a first step)"
+        ), p["problems"]
+    assert res.stderr.startswith("error: [E700] 2 of 2 parameter(s) do not reproduce the reference step; worst ")
+    assert_no_traceback(res)
+    found = json.loads(runner.invoke(app, ["validate", str(tmp_path / "reset"), "--deep", "--json"]).stdout)
+    assert {(f["code"], f["key"]) for f in found["findings"] if f["code"] == "D007"} == {
+        ("D007", "optimizer.state.weight.exp_avg_sq"),
+        ("D007", "optimizer.state.bias.exp_avg_sq"),
+    }
