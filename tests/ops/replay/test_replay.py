@@ -1345,3 +1345,41 @@ def test_a_step_counter_reset_to_0_beside_real_moments_is_not_ok(tmp_path: Path)
         ("D007", "optimizer.state.weight.exp_avg_sq"),
         ("D007", "optimizer.state.bias.exp_avg_sq"),
     }
+
+
+def test_flattened_param_groups_saved_without_the_schedulers_lr_are_named(tmp_path: Path) -> None:
+    """The flattened flavor (torchtitan's: one group entry per parameter, no group order) with a SequentialLR (warmup,
+    then cosine) saved after both stepped passes; with the groups' lr put back to initial_lr (groups rebuilt from the
+    config) each parameter's group is R006 and the replay fails (it said OK before)."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+
+    from tests.fixtures.builders import save_quiet, train_steps
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(8, 4)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    warmup = torch.optim.lr_scheduler.LinearLR(opt, 0.1, 1.0, 2)
+    sched = torch.optim.lr_scheduler.SequentialLR(
+        opt, [warmup, torch.optim.lr_scheduler.CosineAnnealingLR(opt, 10)], [2]
+    )
+    train_steps(model, opt, 5, loss="square", sched=sched)
+    msd, osd = get_state_dict(model, opt, options=StateDictOptions(flatten_optimizer_state_dict=True))
+    save_quiet({"model": msd, "optimizer": osd, "lr_scheduler": sched.state_dict()}, tmp_path / "clean")
+    assert run(tmp_path / "clean", "--device", "cpu").exit_code == 0
+    assert runner.invoke(app, ["validate", str(tmp_path / "clean")]).exit_code == 0
+    rebuilt = {k: (osd[k.removesuffix(".lr") + ".initial_lr"] if k.endswith(".lr") else v) for k, v in osd.items()}
+    save_quiet({"model": msd, "optimizer": rebuilt, "lr_scheduler": sched.state_dict()}, tmp_path / "rebuilt")
+    res = run(tmp_path / "rebuilt", "--device", "cpu", "--json")
+    assert res.exit_code == 1, res.output
+    last = f"{sched.get_last_lr()[0]:g}"
+    assert json.loads(res.stdout)["problems"] == [
+        f"param group {fqn} saved lr 0.01 but lr_scheduler._last_lr = [{last}]: the LR scheduler moved the lr and the "
+        "param groups were saved without it, so the replay and a resume step with an lr the run did not take its next "
+        "step with (`ckpttool validate` reports R006)"
+        for fqn in ("bias", "weight")  # the catalog's order of the flattened groups
+    ]
+    found = json.loads(runner.invoke(app, ["validate", str(tmp_path / "rebuilt"), "--json"]).stdout)["findings"]
+    assert sorted(f["key"] for f in found if f["code"] == "R006") == [
+        "optimizer.param_groups.bias.lr",
+        "optimizer.param_groups.weight.lr",
+    ]
