@@ -9,6 +9,7 @@ and ``replay-step``; ``docs/rules.md``, R002.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -120,6 +121,65 @@ def scheduler_counters(ckpt: Checkpoint) -> tuple[list[Counter], list[Counter]]:
         elif key.endswith("._step_count") and (v := _int_item(ckpt, key)) is not None:
             counts.append(Counter(key, v))
     return epochs, counts
+
+
+def _number(v: object) -> float | None:
+    """``v`` as a float when it is a real number or a one-element tensor of one (an ``lr`` saved as a tensor)."""
+    if type(v) in (int, float):
+        return float(v)  # type: ignore[arg-type]
+    numel = getattr(v, "numel", None)
+    if callable(numel) and numel() == 1 and not getattr(v, "is_complex", lambda: False)():
+        return float(v.item())  # type: ignore[attr-defined]
+    return None
+
+
+def _last_lrs(ckpt: Checkpoint) -> list[tuple[str, list[float]]]:
+    """``(key, values)`` of each saved LR scheduler's ``_last_lr`` (torch's ``LRScheduler.state_dict()``: the ``lr``
+    its last ``step()`` set in each param group, in group order), not those of a ``SequentialLR``'s or
+    ``ChainedScheduler``'s children (the parent's is the run's); an item that cannot be read or holds anything but a
+    list of numbers is left out (never raises)."""
+    out = []
+    root = ckpt.catalog.schema.state_root
+    for key, meta in ckpt.reader.metadata.entries.items():
+        if not isinstance(meta, BytesMeta) or not key.endswith("._last_lr") or "._schedulers." in key:
+            continue
+        if key[len(root) if key.startswith(root) else 0 :].split(".", 1)[0] not in SCHEDULER_ITEMS:
+            continue
+        try:
+            ckpt.reader.storage_info(key)
+            v = ckpt.reader.read_object(key)
+        except CkptError:
+            continue
+        values = [_number(x) for x in v] if isinstance(v, (list, tuple)) else []
+        if values and all(x is not None for x in values):
+            out.append((key, [x for x in values if x is not None]))
+    return out
+
+
+def scheduler_lr_disagrees(
+    ckpt: Checkpoint, groups: list[ParamGroup], selected: set[int | str] | None = None
+) -> list[tuple[str, str]]:
+    """``(key, message)`` of each param group (of ``selected`` group ids, default all) whose saved ``lr`` is not the
+    ``lr`` the saved LR scheduler set in it (its ``_last_lr``): the scheduler moved the ``lr`` and the param groups
+    were saved without it (an optimizer state taken before the scheduler stepped, or its groups rebuilt from the
+    config), so a resume takes its next step with an ``lr`` the run never had. ``groups`` are every param group,
+    loaded (:meth:`~ckpttool.model.checkpoint.Checkpoint.param_groups`): nested groups are matched by index where
+    the scheduler saved one ``lr`` per group; otherwise (flattened groups, whose order is not saved; a scheduler of
+    several optimizers' groups) a group whose ``lr`` is none of the scheduler's is one. Groups without a numeric
+    ``lr`` are left out (``validate``'s ``P006``)."""
+    out: list[tuple[str, str]] = []
+    for key, last in _last_lrs(ckpt):
+        by_index = len(last) == len(groups) and all(g.flavor == "nested" for g in groups)
+        for i, g in enumerate(groups):
+            lr = _number(g.values.get("lr"))
+            if lr is None or (selected is not None and g.group_id not in selected):
+                continue
+            want = [last[i]] if by_index else last
+            if any(math.isclose(lr, w, rel_tol=1e-6, abs_tol=0.0) for w in want):
+                continue
+            where = f"{key}[{i}] = {last[i]:g}" if by_index else f"{key} = [{', '.join(f'{w:g}' for w in last)}]"
+            out.append((g.keys.get("lr", key), f"param group {g.group_id} saved lr {lr:g} but {where}"))
+    return out
 
 
 def keeps_no_state(group: ParamGroup) -> bool:

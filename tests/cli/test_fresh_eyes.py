@@ -162,10 +162,10 @@ def test_replay_step_help_names_every_cause_of_exit_1(tmp_path: Path) -> None:
 
     text = " ".join(runner.invoke(app, ["replay-step", "--help"], env={"COLUMNS": "100"}).stdout.split())
     assert (
-        "1: a mismatch beyond tolerance, an update beyond its bound or a saved lr of 0 (R003), a parameter's state "
-        "reset to step 0 in a group that stepped (O007), a stepped parameter that could not be replayed, steps "
-        "counted with no optimizer state saved, or an optimizer step that is not the trainer's or the LR "
-        "scheduler's (R002)"
+        "1: a mismatch beyond tolerance, an update beyond its bound or a saved lr of 0 (R003), a parameter's step "
+        "reset to 0 (O007, D007), a stepped parameter that could not be replayed, steps counted with no optimizer "
+        "state saved, an optimizer step that is not the trainer's or the LR scheduler's (R002), or a group lr not "
+        "the LR scheduler's (R006)"
     ) in text
     torch.manual_seed(0)
     model = torch.nn.Linear(8, 4)

@@ -35,6 +35,7 @@ from ckpttool.model.counters import (
     optimizer_step_disagrees,
     scheduler_counters,
     scheduler_disagrees,
+    scheduler_lr_disagrees,
     several_optimizer_steps,
     skips_optimizer_steps,
     synthesized_state_lost,
@@ -157,6 +158,7 @@ class ParamResult:
     torch_unequal: dict[str, int] | None = None
     moments_zero: bool = False  # saved exp_avg and exp_avg_sq all zero at step >= 2 (a note, validate's D008)
     exp_avg_zero: bool = False  # saved exp_avg all zero, exp_avg_sq not, at step >= 2 (a note, validate's D015)
+    moments_at_step0: tuple[str, ...] = ()  # saved moments non-zero at step 0 (a problem, validate's D007)
 
     @property
     def ok(self) -> bool:
@@ -623,7 +625,8 @@ def _zero_state_notes(results: list[ParamResult], notes: list[str]) -> None:
 
 def _reset_step_problems(results: list[ParamResult], cat: Catalog) -> None:
     """Fail each loaded parameter saved at ``step`` 0 in a leaf whose other parameters stepped (``validate --deep``'s
-    ``O007`` finds the counters apart). ``torch.optim`` creates a parameter's state in its first step and counts it
+    ``O007`` finds the counters apart), or saved at ``step`` 0 with non-zero moments (``validate --deep``'s ``D007``:
+    a counter reset beside the moments of a real run, which the update-size bound may not catch). ``torch.optim`` creates a parameter's state in its first step and counts it
     at once, so a saved step 0 is state made up after the fact: its moments and bias correction restart at a resume
     while the group's go on, as for state lost (``E513``), which the replay of that made-up state cannot tell.
     Leaves as :meth:`~ckpttool.model.catalog.Catalog.leaves` (flattened groups with equal hyperparameters are one)."""
@@ -644,6 +647,13 @@ def _reset_step_problems(results: list[ParamResult], cat: Catalog) -> None:
                 f"saved step 0 while {t.fqn} of its param group is at step {t.step_before:g} [O007]: torch.optim "
                 "counts a parameter's first step as it creates its state, so this state was reset or made up after "
                 "the run stepped (a resume restarts its moments and bias correction while its group's go on)",
+            )
+        elif r.state == "loaded" and r.moments_at_step0:
+            r.problems.insert(
+                0,
+                f"saved step 0 with non-zero {' and '.join(r.moments_at_step0)} [D007]: the moments start at zero and "
+                "change only in a step, which torch.optim counts at once, so the step counter was reset beside the "
+                "moments of a real run (a resume bias-corrects them as a first step)",
             )
 
 
@@ -858,9 +868,21 @@ def _state_problems(
         lags = not complete or skips_optimizer_steps(ckpt)
         bad = next(iter(scheduler_disagrees(ckpt, opt, scheduler_counters(ckpt)[0], ref_may_lag=lags)), None)
         why = "the optimizer state and the LR scheduler are of different saves: a resume pairs the moments of one step with the lr of another"
-    if bad is None:
-        return ()
-    return (f"{bad[1]}: {why} (`ckpttool validate --deep` reports R002)",)
+    out = () if bad is None else (f"{bad[1]}: {why} (`ckpttool validate --deep` reports R002)",)
+    return out + _scheduler_lr_problems(ckpt, loaded)
+
+
+def _scheduler_lr_problems(ckpt: Checkpoint, loaded: list[ParamResult]) -> tuple[str, ...]:
+    """A replayed parameter's group whose saved ``lr`` is not the one the saved LR scheduler set in it
+    (:func:`~ckpttool.model.counters.scheduler_lr_disagrees`): the replay steps with the saved ``lr``, which the
+    uninterrupted run did not take its next step with."""
+    groups = ckpt.param_groups()
+    bad = scheduler_lr_disagrees(ckpt, groups, {r.group_id for r in loaded})
+    return tuple(
+        f"{msg}: the LR scheduler moved the lr and the param groups were saved without it, so the replay and a "
+        "resume step with an lr the run did not take its next step with (`ckpttool validate` reports R006)"
+        for _, msg in bad
+    )
 
 
 #: Elements per reference/comparison slab: a few dozen float64 temporaries of this size per worker.
@@ -955,6 +977,8 @@ def _load_batch(
         r.moments_zero = step_before >= 2 and all(f in t and not bool(t[f].any()) for f in MOMENTS)
         zero = [not bool(t[f].any()) if f in t else None for f in MOMENTS]
         r.exp_avg_zero = exp_avg_lost(step_before, p.hyper.beta1, *zero)
+        if step_before == 0 and not p.fresh:
+            r.moments_at_step0 = tuple(f for f, z in zip(MOMENTS, zero, strict=True) if z is False)
         results[p.fqn] = r
     timing["load_seconds"] += time.perf_counter() - t0
     return loaded, results

@@ -1242,3 +1242,144 @@ def test_sparse_adam_checkpoint_is_named_not_called_damaged(tmp_path: Path) -> N
         "hint: replay-step replays AdamW steps only; `ckpttool validate` checks the torch.optim.SparseAdam state's "
         "fields and shapes, `ckpttool inspect` shows them",
     ], res.stderr
+
+
+def test_a_param_group_lr_the_scheduler_moved_after_the_snapshot_is_not_ok(tmp_path: Path) -> None:
+    """The optimizer state taken (get_state_dict) before the LR scheduler's step, the scheduler saved after it: the
+    param group holds the lr of the step before, the scheduler's _last_lr the lr the run takes next, and every counter
+    agrees (step 4, last_epoch 4). replay-step said 'OK: 2 of 2' though the step it replays (with the saved lr, as a
+    resume takes it) is not the uninterrupted run's next step (torch.optim.AdamW after the scheduler stepped). It now
+    fails naming the group and both lrs (exit 1), and validate reports R006; saved after the scheduler, both pass."""
+    from safetensors.torch import save_file
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    from tests.fixtures.builders import save_quiet, train_steps
+
+    def build(name: str, *, scheduler_after_snapshot: bool) -> tuple[Path, Path, dict[str, torch.Tensor]]:
+        torch.manual_seed(0)
+        model = torch.nn.Linear(8, 4)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 0.5**s)
+        train_steps(model, opt, 3, loss="square", sched=sched)
+        train_steps(model, opt, 1, loss="square")  # step 4; its scheduler step below
+        if not scheduler_after_snapshot:
+            sched.step()
+        msd, osd = get_state_dict(model, opt)
+        if scheduler_after_snapshot:
+            sched.step()
+        save_quiet({"model": msd, "optimizer": osd, "lr_scheduler": sched.state_dict()}, tmp_path / name)
+        gen = torch.Generator().manual_seed(7)
+        grads = {n: torch.randn(p.shape, generator=gen) * 1e-2 for n, p in model.named_parameters()}
+        save_file(grads, str(tmp_path / f"{name}.safetensors"))
+        for n, p in model.named_parameters():
+            p.grad = grads[n].clone()
+        opt.step()  # the uninterrupted run's next step, with the lr its scheduler set
+        return tmp_path / name, tmp_path / f"{name}.safetensors", {n: p.detach() for n, p in model.named_parameters()}
+
+    ck, grads, run_next = build("clean", scheduler_after_snapshot=False)
+    res, got = replay_collect(ck, grads=str(grads))
+    assert res.ok and not res.problems, res.problems
+    assert all(torch.equal(got[n]["param"], want) for n, want in run_next.items())
+    assert runner.invoke(app, ["validate", str(ck)]).exit_code == 0
+
+    ck, grads, run_next = build("late", scheduler_after_snapshot=True)
+    res, got = replay_collect(ck, grads=str(grads))
+    assert not any(torch.equal(got[n]["param"], want) for n, want in run_next.items())  # not the run's next step
+    assert not res.ok and res.problems == (
+        "param group 0 saved lr 0.00125 but lr_scheduler._last_lr[0] = 0.000625: the LR scheduler moved the lr and "
+        "the param groups were saved without it, so the replay and a resume step with an lr the run did not take its "
+        "next step with (`ckpttool validate` reports R006)",
+    ), res.problems
+    cli = run(ck, "--device", "cpu", "--grads", grads)
+    assert cli.exit_code == 1 and "param group 0 saved lr 0.00125 but lr_scheduler._last_lr[0] = 0.000625" in cli.stdout
+    assert_no_traceback(cli)
+    res = runner.invoke(app, ["validate", str(ck), "--json"])
+    assert res.exit_code == 1
+    findings = json.loads(res.stdout)["findings"]
+    assert [(f["code"], f["key"], f["message"]) for f in findings if f["severity"] != "info"] == [
+        (
+            "R006",
+            "optimizer.param_groups.0.lr",
+            "param group 0 saved lr 0.00125 but lr_scheduler._last_lr[0] = 0.000625",
+        )
+    ]
+
+
+def test_a_step_counter_reset_to_0_beside_real_moments_is_not_ok(tmp_path: Path) -> None:
+    """torch.optim.AdamW after one step saves step 1 with its moments; the same state with every step reset to 0
+    (validate --deep: D007, 'non-zero at step 0') replayed 'OK: 2 of 2': the update of the first step it replays stayed
+    within the update-size bound's slack (direction 1.1 against 1). A resume bias-corrects those moments as a first
+    step; each parameter now fails naming the reset (exit 1), and the state as torch saved it still passes."""
+    from safetensors.torch import save_file
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    from tests.fixtures.builders import save_quiet, train_steps
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(8, 4)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+    train_steps(model, opt, 1, loss="square")
+    msd, osd = get_state_dict(model, opt)
+    assert all(float(st["step"]) == 1 for st in osd["state"].values())
+    save_quiet({"model": msd, "optimizer": osd}, tmp_path / "saved")
+    for st in osd["state"].values():
+        st["step"] = torch.zeros_like(st["step"])
+    save_quiet({"model": msd, "optimizer": osd}, tmp_path / "reset")
+    gen = torch.Generator().manual_seed(7)
+    save_file({n: torch.randn(p.shape, generator=gen) * 1e-2 for n, p in model.named_parameters()}, str(tmp_path / "g"))
+    assert run(tmp_path / "saved", "--device", "cpu", "--grads", tmp_path / "g").exit_code == 0
+    res = run(tmp_path / "reset", "--device", "cpu", "--grads", tmp_path / "g", "--json")
+    assert res.exit_code == 1, res.output
+    doc = json.loads(res.stdout)
+    assert doc["params_failed"] == 2
+    for p in doc["params"]:
+        assert p["problems"][0] == (
+            "saved step 0 with non-zero exp_avg and exp_avg_sq [D007]: the moments start at zero and change only in a "
+            "step, which torch.optim counts at once, so the step counter was reset beside the moments of a real run "
+            "(a resume bias-corrects them as a first step)"
+        ), p["problems"]
+    assert res.stderr.startswith("error: [E700] 2 of 2 parameter(s) do not reproduce the reference step; worst ")
+    assert_no_traceback(res)
+    found = json.loads(runner.invoke(app, ["validate", str(tmp_path / "reset"), "--deep", "--json"]).stdout)
+    assert {(f["code"], f["key"]) for f in found["findings"] if f["code"] == "D007"} == {
+        ("D007", "optimizer.state.weight.exp_avg_sq"),
+        ("D007", "optimizer.state.bias.exp_avg_sq"),
+    }
+
+
+def test_flattened_param_groups_saved_without_the_schedulers_lr_are_named(tmp_path: Path) -> None:
+    """The flattened flavor (torchtitan's: one group entry per parameter, no group order) with a SequentialLR (warmup,
+    then cosine) saved after both stepped passes; with the groups' lr put back to initial_lr (groups rebuilt from the
+    config) each parameter's group is R006 and the replay fails (it said OK before)."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+
+    from tests.fixtures.builders import save_quiet, train_steps
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(8, 4)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    warmup = torch.optim.lr_scheduler.LinearLR(opt, 0.1, 1.0, 2)
+    sched = torch.optim.lr_scheduler.SequentialLR(
+        opt, [warmup, torch.optim.lr_scheduler.CosineAnnealingLR(opt, 10)], [2]
+    )
+    train_steps(model, opt, 5, loss="square", sched=sched)
+    msd, osd = get_state_dict(model, opt, options=StateDictOptions(flatten_optimizer_state_dict=True))
+    save_quiet({"model": msd, "optimizer": osd, "lr_scheduler": sched.state_dict()}, tmp_path / "clean")
+    assert run(tmp_path / "clean", "--device", "cpu").exit_code == 0
+    assert runner.invoke(app, ["validate", str(tmp_path / "clean")]).exit_code == 0
+    rebuilt = {k: (osd[k.removesuffix(".lr") + ".initial_lr"] if k.endswith(".lr") else v) for k, v in osd.items()}
+    save_quiet({"model": msd, "optimizer": rebuilt, "lr_scheduler": sched.state_dict()}, tmp_path / "rebuilt")
+    res = run(tmp_path / "rebuilt", "--device", "cpu", "--json")
+    assert res.exit_code == 1, res.output
+    last = f"{sched.get_last_lr()[0]:g}"
+    assert json.loads(res.stdout)["problems"] == [
+        f"param group {fqn} saved lr 0.01 but lr_scheduler._last_lr = [{last}]: the LR scheduler moved the lr and the "
+        "param groups were saved without it, so the replay and a resume step with an lr the run did not take its next "
+        "step with (`ckpttool validate` reports R006)"
+        for fqn in ("bias", "weight")  # the catalog's order of the flattened groups
+    ]
+    found = json.loads(runner.invoke(app, ["validate", str(tmp_path / "rebuilt"), "--json"]).stdout)["findings"]
+    assert sorted(f["key"] for f in found if f["code"] == "R006") == [
+        "optimizer.param_groups.bias.lr",
+        "optimizer.param_groups.weight.lr",
+    ]

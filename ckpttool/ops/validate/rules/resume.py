@@ -3,7 +3,8 @@
 ``R001`` looks at the run root the checkpoint was chosen from (:mod:`ckpttool.model.discovery`);
 ``R002`` compares the step counters that the optimizer, the trainer and the LR scheduler saved
 (values from the ``--deep`` pass and the small training-state byte items); ``R004`` names a scheduler behind
-them where the trainer's convention is not known (per-epoch or stale). ``docs/rules.md``.
+them where the trainer's convention is not known (per-epoch or stale); ``R006`` a param group's ``lr`` that is not
+the one the saved LR scheduler set. ``docs/rules.md``.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from ckpttool.model.counters import (
     optimizer_step_disagrees,
     scheduler_counters,
     scheduler_disagrees,
+    scheduler_lr_disagrees,
     scheduler_per_step,
     several_optimizer_steps,
     skips_optimizer_steps,
@@ -109,6 +111,17 @@ def train_step_mismatch(ctx: Context) -> Iterator[tuple[str, str]]:
         # CosineAnnealingWarmRestarts: 0 however many steps it took); the constructor's initial step counts 1
         if e is not None and c.value != 0 and c.value != e.value + 1:
             yield c.key, f"LR scheduler {c.key} = {c.value} but {e.key} = {e.value} (expected last_epoch + 1)"
+
+
+@rule("R006")
+def scheduler_lr_unsaved(ctx: Context) -> Iterator[tuple[str, str]]:
+    """A param group whose saved ``lr`` is not the one the saved LR scheduler set in it
+    (:func:`~ckpttool.model.counters.scheduler_lr_disagrees`)."""
+    try:
+        groups = ctx.ckpt.param_groups()
+    except CkptError:
+        return  # an unreadable group item is the storage checks' finding
+    yield from scheduler_lr_disagrees(ctx.ckpt, groups)
 
 
 @rule("R004")
