@@ -134,8 +134,17 @@ class RemoteOutputDir(OutputTarget):
 
     def __enter__(self) -> Path:
         self.check()
-        self.staging = Path(tempfile.mkdtemp(prefix="ckpttool-out-"))
-        self._old_handlers = stop_signals()  # SIGTERM too stops by an exception: the cleanup below runs
+        # handlers first (SIGTERM too stops by an exception: __exit__'s cleanup runs), then the staging directory,
+        # deferred: a Ctrl-C as it is made must not leave it in $TMPDIR with no __exit__ to remove it
+        self._old_handlers = stop_signals()
+        try:
+            with signals_deferred():
+                self.staging = Path(tempfile.mkdtemp(prefix="ckpttool-out-"))
+        except BaseException:
+            if self.staging is not None:
+                shutil.rmtree(self.staging, ignore_errors=True)
+            restore_signals(self._old_handlers)
+            raise
         return self.staging
 
     def check(self) -> None:

@@ -461,3 +461,21 @@ def test_interrupted_while_the_output_is_prepared_leaves_no_parent(small_ckpt: P
     assert res.returncode == 130 and res.stderr == "error: interrupted\n", res.stderr[-2000:]
     assert os.listdir(tmp_path) == []
 
+
+
+def test_remote_export_interrupted_as_its_staging_directory_is_made(
+    small_ckpt: Path, s3_server: object, tmp_path: Path
+) -> None:
+    """Ctrl-C as export to a URL has made its local staging directory (as mkdtemp returns): the directory was left
+    in $TMPDIR (the output's cleanup was not armed yet)."""
+    from tests.fixtures.s3 import S3Server
+
+    assert isinstance(s3_server, S3Server)
+    s3_server.bucket("interrupts")
+    tmpdir = tmp_path / "tmpdir"
+    tmpdir.mkdir()
+    env = {**os.environ, **s3_server.env(), "TMPDIR": str(tmpdir)}
+    argv = ["export", str(small_ckpt), "s3://interrupts/run/out", *s3_server.cli_options()]
+    res = signal_at_call("mkdtemp", "SIGINT", argv, when="return", env=env)
+    assert res.returncode == 130 and res.stderr == "error: interrupted\n", res.stderr[-2000:]
+    assert os.listdir(tmpdir) == [] and s3_server.keys("interrupts") == []
