@@ -462,7 +462,6 @@ def test_interrupted_while_the_output_is_prepared_leaves_no_parent(small_ckpt: P
     assert os.listdir(tmp_path) == []
 
 
-
 def test_remote_export_interrupted_as_its_staging_directory_is_made(
     small_ckpt: Path, s3_server: object, tmp_path: Path
 ) -> None:
@@ -479,3 +478,25 @@ def test_remote_export_interrupted_as_its_staging_directory_is_made(
     res = signal_at_call("mkdtemp", "SIGINT", argv, when="return", env=env)
     assert res.returncode == 130 and res.stderr == "error: interrupted\n", res.stderr[-2000:]
     assert os.listdir(tmpdir) == [] and s3_server.keys("interrupts") == []
+
+
+def test_remote_export_interrupted_while_publishing_a_new_output(
+    small_ckpt: Path, s3_server: object, tmp_path: Path
+) -> None:
+    """Ctrl-C after the data objects were copied to a new output prefix, before its markers: they were left there,
+    and the next run was refused (E600 'pass --overwrite', then E606: no marker). The prefix is left empty."""
+    from tests.fixtures.s3 import S3Server
+
+    assert isinstance(s3_server, S3Server)
+    s3_server.bucket("interrupts")
+    env = {**os.environ, **s3_server.env()}
+    argv = ["export", str(small_ckpt), "s3://interrupts/publish/out", "--shard-size", "1MiB", *s3_server.cli_options()]
+    # RemoteOutputDir's third transfer step: the markers' copies (after the uploads, then the data objects' copies)
+    res = signal_at_call("RemoteOutputDir._pool", "SIGINT", argv, nth=3, env=env)
+    assert res.returncode == 130 and res.stderr == "error: interrupted\n", res.stderr[-2000:]
+    assert s3_server.keys("interrupts", "publish/") == []
+    res = subprocess.run(
+        [sys.executable, "-m", "ckpttool", *argv], capture_output=True, text=True, timeout=120, env=env
+    )
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert "publish/out/model.safetensors.index.json" in s3_server.keys("interrupts", "publish/")
