@@ -410,11 +410,15 @@ class AtomicOutputDir(OutputTarget):
             raise OutputError(
                 f"{self.target}: cannot write there ({why})", path=self.target, hint="choose a writable output location"
             ) from e
-        self._clean_stale()
-        # handlers first: a signal while the temporary directory and its marker are made is deferred,
-        # then raised here, and the directory removed (never a leftover without a marker)
-        self._old_handlers = stop_signals(self._on_signal)
-        try:
+        except BaseException:  # Ctrl-C while the parents are made: none of them is left
+            self._created = [a for a in missing if a.is_dir()]
+            self._remove_created_parents()
+            raise
+        try:  # interrupted from here on (Ctrl-C, or SIGTERM once the handlers are in): no parent of this run is left
+            self._clean_stale()
+            # handlers first: a signal while the temporary directory and its marker are made is deferred,
+            # then raised here, and the directory removed (never a leftover without a marker)
+            self._old_handlers = stop_signals(self._on_signal)
             with signals_deferred():
                 self.tmp = self._make_tmp(parent)
         except BaseException:
@@ -556,6 +560,8 @@ class AtomicOutputDir(OutputTarget):
                     placed = True
             else:
                 backup = target.parent / f".{target.name}.ckpttool-old-{os.urandom(4).hex()}"
+                # one deferred step from the first rename to the old copy's removal: a signal in between
+                # would leave the whole previous output behind as `.OUT.ckpttool-old-*`
                 with signals_deferred():
                     os.rename(target, backup)
                     try:
@@ -572,6 +578,8 @@ class AtomicOutputDir(OutputTarget):
                             backup = None
                         raise
                     placed = True
+                    self._remove_superseded(backup)
+                    backup = None
         except BaseException as e:
             if not placed:
                 self._remove_tmp()  # deferred: a second signal must not cut it short
@@ -589,12 +597,9 @@ class AtomicOutputDir(OutputTarget):
                 ) from e
             raise
         finally:
-            if placed:
-                if backup is not None:
-                    self._remove_superseded(backup)
-                if was_cwd:
-                    with contextlib.suppress(OSError):
-                        os.chdir(target)  # the old directory is gone: follow the new output
+            if placed and was_cwd:
+                with contextlib.suppress(OSError):
+                    os.chdir(target)  # the old directory is gone: follow the new output
 
 
 #: Bytes of an existing file that :func:`check_file_target`'s ``owned`` sees.

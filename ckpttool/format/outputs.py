@@ -131,11 +131,23 @@ class RemoteOutputDir(OutputTarget):
         self.staging: Path | None = None
         self.tmp_store: RemoteStore | None = None
         self.uploaded: list[str] = []
+        # copied into a target prefix that held nothing before, while the output is not complete yet: removed again
+        # when the run fails or is interrupted (left there, they made the prefix one that --overwrite refuses)
+        self.published: list[str] = []
 
     def __enter__(self) -> Path:
         self.check()
-        self.staging = Path(tempfile.mkdtemp(prefix="ckpttool-out-"))
-        self._old_handlers = stop_signals()  # SIGTERM too stops by an exception: the cleanup below runs
+        # handlers first (SIGTERM too stops by an exception: __exit__'s cleanup runs), then the staging directory,
+        # deferred: a Ctrl-C as it is made must not leave it in $TMPDIR with no __exit__ to remove it
+        self._old_handlers = stop_signals()
+        try:
+            with signals_deferred():
+                self.staging = Path(tempfile.mkdtemp(prefix="ckpttool-out-"))
+        except BaseException:
+            if self.staging is not None:
+                shutil.rmtree(self.staging, ignore_errors=True)
+            restore_signals(self._old_handlers)
+            raise
         return self.staging
 
     def check(self) -> None:
@@ -178,6 +190,7 @@ class RemoteOutputDir(OutputTarget):
                 self._commit()
         except BaseException:
             with signals_deferred():  # a second Ctrl-C must not cut the cleanup short
+                self._remove_published()
                 self._remove_tmp()
             raise
         finally:
@@ -220,19 +233,32 @@ class RemoteOutputDir(OutputTarget):
         markers = [f for f in files if f in MARKERS]
         body = [f for f in files if f not in MARKERS and f != marker.MARKER_NAME]
         store = self.store
+        fresh = not old
 
         def publish(rel: str) -> None:
             tmp_store.copy(rel, store, rel)
+            if fresh:
+                self.published.append(rel)
 
         self._pool(publish, body)
         self._pool(publish, markers)  # last: the output looks complete only now
         self._pool(publish, [marker.MARKER_NAME])  # and is provably ckpttool's only now
+        self.published = []  # complete: kept whatever happens next
         stale = sorted(old - new)
         if stale:
             self.store.remove(stale)
         self._remove_tmp()
         self.store.forget_listing()
         log.info("published %d object(s) to %s (%d stale removed)", len(files), t, len(stale))
+
+    def _remove_published(self) -> None:
+        """Delete what this run copied into a target prefix that was empty before, the output not complete yet."""
+        if self.store is not None and self.published:
+            try:
+                self.store.remove(list(self.published))
+            except Exception as e:  # best effort: without its markers the prefix never looks complete
+                log.warning("could not remove the objects published to %s (%s)", self.target, type(e).__name__)
+            self.published = []
 
     def _remove_tmp(self) -> None:
         if self.tmp_store is not None and self.uploaded:

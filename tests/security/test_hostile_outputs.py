@@ -393,3 +393,120 @@ def test_command_terminated_as_a_copy_is_handed_to_a_thread(
     argv = [sys.executable, "-c", SIGNAL_AT_SUBMIT, str(nth), *command(name, big_ckpt, out)[1:]]
     res = subprocess.run(argv, capture_output=True, text=True, timeout=180)  # hung before: waited for the copy
     assert_interrupted(res, out, None)
+
+
+# A signal arriving in the main thread at the entry (or the return) of the nth call of a chosen function: the handler
+# in force then (ckpttool's own once an output is open; for SIGINT before that, Python's, which raises
+# KeyboardInterrupt) is called there, as the interpreter would call it between two bytecodes.
+SIGNAL_AT_CALL = r"""
+import signal, sys, threading
+from ckpttool.cli import entry
+
+qualname, when, signame, nth = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4])
+signum, seen = getattr(signal, signame), 0
+
+def land(frame, event, arg):
+    global seen
+    if event == when and callable(handler := signal.getsignal(signum)):
+        seen += 1
+        if seen == nth:
+            sys.settrace(None)
+            frame.f_trace = None
+            handler(signum, frame)
+    return land if event == "call" else None
+
+def trace(frame, event, arg):
+    if frame.f_code.co_qualname == qualname and threading.current_thread() is threading.main_thread():
+        return land(frame, event, arg)
+    return None
+
+sys.argv = ["ckpttool", *sys.argv[5:]]
+sys.settrace(trace)
+entry()
+"""
+
+
+@pytest.fixture(scope="module")
+def small_ckpt(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A real dcp.save of eight 1 MiB float32 tensors: exported as several shards in about a second."""
+    code = (
+        "import sys, warnings, torch, torch.distributed.checkpoint as dcp\n"
+        "warnings.simplefilter('ignore')\n"
+        "g = torch.Generator().manual_seed(0)\n"
+        "sd = {'model': {f'model.layers.{i}.mlp.down_proj.weight': torch.randn(512, 512, generator=g) for i in range(8)}}\n"
+        "dcp.save(sd, checkpoint_id=sys.argv[1])\n"
+    )
+    path = tmp_path_factory.mktemp("small") / "ckpt"
+    subprocess.run([sys.executable, "-c", code, str(path)], check=True, timeout=300)
+    return path
+
+
+def signal_at_call(
+    qualname: str, sig: str, argv: list[str], *, when: str = "call", nth: int = 1, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess[str]:
+    """Run ``ckpttool ARGV`` with ``sig`` arriving at the entry (``when="return"``: the return) of the ``nth`` call
+    of ``qualname`` (see above)."""
+    cmd = [sys.executable, "-c", SIGNAL_AT_CALL, qualname, when, sig, str(nth), *argv]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=env)  # timeout: a hang guard
+
+
+def test_overwrite_terminated_as_the_previous_output_is_removed(small_ckpt: Path, tmp_path: Path) -> None:
+    """SIGTERM right after the new output took the old one's place: the old copy, renamed aside, was left behind
+    for good as `.out.ckpttool-old-*` (no later run removes it); it is removed before the signal is answered."""
+    out = tmp_path / "out"
+    existing_out(out)
+    argv = ["export", str(small_ckpt), str(out), "--shard-size", "1MiB", "--overwrite"]
+    res = signal_at_call("AtomicOutputDir._remove_superseded", "SIGTERM", argv)
+    assert res.returncode == 130 and res.stderr == "error: interrupted\n", res.stderr[-2000:]
+    assert tmp_siblings(out) == [] and sorted(os.listdir(tmp_path)) == ["out"]
+    names = os.listdir(out)  # the new output, complete (the signal came after the swap)
+    assert "OLD_OUTPUT.txt" not in names and "model.safetensors.index.json" in names and MARKER in names
+
+
+def test_interrupted_while_the_output_is_prepared_leaves_no_parent(small_ckpt: Path, tmp_path: Path) -> None:
+    """Ctrl-C while export looks for stale temporary outputs beside OUT (after making OUT's missing parents):
+    the parents it made were left."""
+    out = tmp_path / "a" / "b" / "out"
+    res = signal_at_call("AtomicOutputDir._clean_stale", "SIGINT", ["export", str(small_ckpt), str(out)])
+    assert res.returncode == 130 and res.stderr == "error: interrupted\n", res.stderr[-2000:]
+    assert os.listdir(tmp_path) == []
+
+
+def test_remote_export_interrupted_as_its_staging_directory_is_made(
+    small_ckpt: Path, s3_server: object, tmp_path: Path
+) -> None:
+    """Ctrl-C as export to a URL has made its local staging directory (as mkdtemp returns): the directory was left
+    in $TMPDIR (the output's cleanup was not armed yet)."""
+    from tests.fixtures.s3 import S3Server
+
+    assert isinstance(s3_server, S3Server)
+    s3_server.bucket("interrupts")
+    tmpdir = tmp_path / "tmpdir"
+    tmpdir.mkdir()
+    env = {**os.environ, **s3_server.env(), "TMPDIR": str(tmpdir)}
+    argv = ["export", str(small_ckpt), "s3://interrupts/run/out", *s3_server.cli_options()]
+    res = signal_at_call("mkdtemp", "SIGINT", argv, when="return", env=env)
+    assert res.returncode == 130 and res.stderr == "error: interrupted\n", res.stderr[-2000:]
+    assert os.listdir(tmpdir) == [] and s3_server.keys("interrupts") == []
+
+
+def test_remote_export_interrupted_while_publishing_a_new_output(
+    small_ckpt: Path, s3_server: object, tmp_path: Path
+) -> None:
+    """Ctrl-C after the data objects were copied to a new output prefix, before its markers: they were left there,
+    and the next run was refused (E600 'pass --overwrite', then E606: no marker). The prefix is left empty."""
+    from tests.fixtures.s3 import S3Server
+
+    assert isinstance(s3_server, S3Server)
+    s3_server.bucket("interrupts")
+    env = {**os.environ, **s3_server.env()}
+    argv = ["export", str(small_ckpt), "s3://interrupts/publish/out", "--shard-size", "1MiB", *s3_server.cli_options()]
+    # RemoteOutputDir's third transfer step: the markers' copies (after the uploads, then the data objects' copies)
+    res = signal_at_call("RemoteOutputDir._pool", "SIGINT", argv, nth=3, env=env)
+    assert res.returncode == 130 and res.stderr == "error: interrupted\n", res.stderr[-2000:]
+    assert s3_server.keys("interrupts", "publish/") == []
+    res = subprocess.run(
+        [sys.executable, "-m", "ckpttool", *argv], capture_output=True, text=True, timeout=120, env=env
+    )
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert "publish/out/model.safetensors.index.json" in s3_server.keys("interrupts", "publish/")
