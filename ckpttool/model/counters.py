@@ -163,22 +163,29 @@ def scheduler_lr_disagrees(
     ``lr`` the saved LR scheduler set in it (its ``_last_lr``): the scheduler moved the ``lr`` and the param groups
     were saved without it (an optimizer state taken before the scheduler stepped, or its groups rebuilt from the
     config), so a resume takes its next step with an ``lr`` the run never had. ``groups`` are every param group,
-    loaded (:meth:`~ckpttool.model.checkpoint.Checkpoint.param_groups`): nested groups are matched by index where
-    the scheduler saved one ``lr`` per group; otherwise (flattened groups, whose order is not saved; a scheduler of
-    several optimizers' groups) a group whose ``lr`` is none of the scheduler's is one. Groups without a numeric
-    ``lr`` are left out (``validate``'s ``P006``)."""
+    loaded (:meth:`~ckpttool.model.checkpoint.Checkpoint.param_groups`). Only groups a scheduler governs are
+    checked: torch's ``LRScheduler`` puts an ``initial_lr`` in each group of its optimizer, so a group without one
+    (an optimizer no scheduler drives, beside one that has) is left out. One scheduler whose ``_last_lr`` has one
+    value per nested group is matched by index; otherwise (flattened groups, whose order is not saved; several
+    optimizers and schedulers, which group belongs to which not saved) a group whose ``lr`` is none of the
+    schedulers' values is one. Groups without a numeric ``lr`` are left out (``validate``'s ``P006``)."""
+    lasts = _last_lrs(ckpt)
+    if not lasts:
+        return []
+    key0, last0 = lasts[0]
+    by_index = len(lasts) == 1 and len(last0) == len(groups) and all(g.flavor == "nested" for g in groups)
+    every = [w for _, last in lasts for w in last]
+    names = ", ".join(f"{k} = [{', '.join(f'{w:g}' for w in last)}]" for k, last in lasts)
     out: list[tuple[str, str]] = []
-    for key, last in _last_lrs(ckpt):
-        by_index = len(last) == len(groups) and all(g.flavor == "nested" for g in groups)
-        for i, g in enumerate(groups):
-            lr = _number(g.values.get("lr"))
-            if lr is None or (selected is not None and g.group_id not in selected):
-                continue
-            want = [last[i]] if by_index else last
-            if any(math.isclose(lr, w, rel_tol=1e-6, abs_tol=0.0) for w in want):
-                continue
-            where = f"{key}[{i}] = {last[i]:g}" if by_index else f"{key} = [{', '.join(f'{w:g}' for w in last)}]"
-            out.append((g.keys.get("lr", key), f"param group {g.group_id} saved lr {lr:g} but {where}"))
+    for i, g in enumerate(groups):
+        lr = _number(g.values.get("lr"))
+        if lr is None or "initial_lr" not in g.values or (selected is not None and g.group_id not in selected):
+            continue
+        want = [last0[i]] if by_index else every
+        if any(math.isclose(lr, w, rel_tol=1e-6, abs_tol=0.0) for w in want):
+            continue
+        where = f"{key0}[{i}] = {last0[i]:g}" if by_index else names
+        out.append((g.keys.get("lr", key0), f"param group {g.group_id} saved lr {lr:g} but {where}"))
     return out
 
 

@@ -1383,3 +1383,46 @@ def test_flattened_param_groups_saved_without_the_schedulers_lr_are_named(tmp_pa
         "optimizer.param_groups.bias.lr",
         "optimizer.param_groups.weight.lr",
     ]
+
+
+@pytest.mark.parametrize("flat", [False, True], ids=["nested", "flattened"])
+@pytest.mark.parametrize("schedulers", [1, 2])
+def test_r006_takes_each_optimizers_groups_to_their_own_scheduler(tmp_path: Path, flat: bool, schedulers: int) -> None:
+    """Two AdamW optimizers of one model (lr 1e-3 and 0.02, as a Muon + AdamW pair keeps them), each with its own LR
+    scheduler or only the first with one, saved after every step (get_state_dict of both, the schedulers as a list):
+    R006 compared each group with a scheduler of the other optimizer and said every group's lr was unsaved (4 errors
+    flattened, 2 nested). Saved as trained: no R006. The first optimizer's groups put back to their initial_lr: R006
+    on those groups only."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+
+    from tests.fixtures.builders import save_quiet
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2))
+    opts = [torch.optim.AdamW(model[0].parameters(), lr=1e-3), torch.optim.AdamW(model[1].parameters(), lr=0.02)]
+    scheds = [torch.optim.lr_scheduler.StepLR(opts[0], 1, gamma=0.5)]
+    if schedulers == 2:
+        scheds.append(torch.optim.lr_scheduler.LambdaLR(opts[1], lambda s: 1.0 / (s + 1)))
+    for _ in range(3):
+        model(torch.randn(2, 4)).square().sum().backward()
+        for o in opts:
+            o.step()
+            o.zero_grad()
+        for s in scheds:
+            s.step()
+    msd, osd = get_state_dict(model, opts, options=StateDictOptions(flatten_optimizer_state_dict=flat))
+    lr_scheduler = [s.state_dict() for s in scheds]
+    save_quiet({"model": msd, "optimizer": osd, "lr_scheduler": lr_scheduler}, tmp_path / "saved")
+    res = runner.invoke(app, ["validate", str(tmp_path / "saved"), "--json"])
+    assert [f["code"] for f in json.loads(res.stdout)["findings"] if f["code"] == "R006"] == [], res.stdout
+    if flat:
+        first = [k for k in osd if k.startswith("param_groups.0.") and k.endswith(".lr")]
+        rebuilt = {k: (osd[k.removesuffix(".lr") + ".initial_lr"] if k in first else v) for k, v in osd.items()}
+        want = sorted(f"optimizer.{k}" for k in first)
+    else:
+        rebuilt = {**osd, "param_groups": [{**g} for g in osd["param_groups"]]}
+        rebuilt["param_groups"][0]["lr"] = rebuilt["param_groups"][0]["initial_lr"]
+        want = ["optimizer.param_groups.0.lr"]
+    save_quiet({"model": msd, "optimizer": rebuilt, "lr_scheduler": lr_scheduler}, tmp_path / "rebuilt")
+    found = json.loads(runner.invoke(app, ["validate", str(tmp_path / "rebuilt"), "--json"]).stdout)["findings"]
+    assert sorted(f["key"] for f in found if f["code"] == "R006") == want, found
