@@ -253,22 +253,30 @@ def test_atomic_dir_existing_out_needs_overwrite(tmp_path: Path) -> None:
 
 
 # --------------------------------------------------------------------------- export / reshard
-@pytest.fixture(scope="module")
-def big_ckpt(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A real dcp.save of 4 x 64 MiB float32 tensors (and one small expert tensor: reshard refuses a dense model): long
-    enough to interrupt an export/reshard mid-way."""
+def dcp_saved(path: Path, count: int, side: int, *, expert: bool = False) -> Path:
+    """``path``: a real dcp.save (in a subprocess) of ``count`` float32 ``[side, side]`` weights under ``model``, and
+    one small expert tensor with ``expert`` (reshard refuses a dense model)."""
     code = (
         "import sys, warnings, torch, torch.distributed.checkpoint as dcp\n"
         "warnings.simplefilter('ignore')\n"
         "g = torch.Generator().manual_seed(0)\n"
-        "sd = {'model': {f'model.layers.{i}.mlp.down_proj.weight': torch.randn(4096, 4096, generator=g)"
-        " for i in range(4)}}\n"
-        "sd['model']['model.layers.0.mlp.experts.down_proj'] = torch.randn(4, 8, 8, generator=g)  # MoE: reshard runs\n"
-        "dcp.save(sd, checkpoint_id=sys.argv[1])\n"
+        f"sd = {{'model': {{f'model.layers.{{i}}.mlp.down_proj.weight': torch.randn({side}, {side}, generator=g)"
+        f" for i in range({count})}}}}\n"
+        + (
+            "sd['model']['model.layers.0.mlp.experts.down_proj'] = torch.randn(4, 8, 8, generator=g)\n"
+            if expert
+            else ""
+        )
+        + "dcp.save(sd, checkpoint_id=sys.argv[1])\n"
     )
-    path = tmp_path_factory.mktemp("big") / "ckpt"
     subprocess.run([sys.executable, "-c", code, str(path)], check=True, timeout=300)
     return path
+
+
+@pytest.fixture(scope="module")
+def big_ckpt(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """4 x 64 MiB float32 tensors and one small expert tensor: long enough to interrupt an export/reshard mid-way."""
+    return dcp_saved(tmp_path_factory.mktemp("big") / "ckpt", 4, 4096, expert=True)
 
 
 def command(name: str, src: Path, out: Path, *extra: str) -> list[str]:
@@ -428,17 +436,8 @@ entry()
 
 @pytest.fixture(scope="module")
 def small_ckpt(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A real dcp.save of eight 1 MiB float32 tensors: exported as several shards in about a second."""
-    code = (
-        "import sys, warnings, torch, torch.distributed.checkpoint as dcp\n"
-        "warnings.simplefilter('ignore')\n"
-        "g = torch.Generator().manual_seed(0)\n"
-        "sd = {'model': {f'model.layers.{i}.mlp.down_proj.weight': torch.randn(512, 512, generator=g) for i in range(8)}}\n"
-        "dcp.save(sd, checkpoint_id=sys.argv[1])\n"
-    )
-    path = tmp_path_factory.mktemp("small") / "ckpt"
-    subprocess.run([sys.executable, "-c", code, str(path)], check=True, timeout=300)
-    return path
+    """Eight 1 MiB float32 tensors: exported as several shards in about a second."""
+    return dcp_saved(tmp_path_factory.mktemp("small") / "ckpt", 8, 512)
 
 
 def signal_at_call(
