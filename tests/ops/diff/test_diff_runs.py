@@ -35,6 +35,13 @@ def cli(*args: object, env: dict[str, str] | None = None) -> Any:
     return runner.invoke(app, ["diff", *map(str, args)], env=env)
 
 
+def refused(*args: object) -> tuple[Any, list[str]]:
+    """``cli(*args)`` that must end in exit 2 with nothing on stdout; the result and its stderr lines."""
+    res = cli(*args)
+    assert res.exit_code == 2 and res.stdout == "", res.output
+    return res, res.stderr.splitlines()
+
+
 def _save(state: dict[str, Any], out: Path, **kw: Any) -> Path:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -557,9 +564,7 @@ def test_no_common_name_of_two_dcp_or_two_safetensors_sides_hints_no_unused_mapp
     named = torch.nn.ModuleDict({"proj": torch.nn.Linear(4, 3)})
     a = _save({"model": seq.state_dict()}, tmp_path / "a")
     b = _save({"model": named.state_dict()}, tmp_path / "b")
-    res = cli(a, b)
-    assert res.exit_code == 2 and res.stdout == "", res.output
-    err = res.stderr.splitlines()
+    res, err = refused(a, b)
     assert err[0].startswith("error: [E611] nothing compared, so no verdict: no name in common (2 in A, 2 in B)"), err
     assert err[1] == (
         "hint: A's names look like 'model.0.bias', 'model.0.weight', B's like 'model.proj.bias', "
@@ -570,8 +575,7 @@ def test_no_common_name_of_two_dcp_or_two_safetensors_sides_hints_no_unused_mapp
     for side, sd in (("x", seq.state_dict()), ("y", named.state_dict())):
         (tmp_path / side).mkdir()
         save_file(sd, tmp_path / side / "model.safetensors")
-    res = cli(tmp_path / "x", tmp_path / "y")
-    assert res.exit_code == 2 and res.stdout == "", res.output
+    res, err = refused(tmp_path / "x", tmp_path / "y")
     assert res.stderr.splitlines()[1] == (
         "hint: A's names look like '0.bias', '0.weight', B's like 'proj.bias', 'proj.weight': two safetensors "
         "inputs are compared by their own names (--rules and --adapter name a DCP checkpoint's keys as a "
@@ -615,9 +619,7 @@ def test_a_filter_matching_optimizer_names_names_what(tmp_path: Path) -> None:
     msd, osd = get_state_dict(model, optim)
     a = _save({"model": msd, "optimizer": osd}, tmp_path / "a")
     for glob in ("*exp_avg*", "optimizer.*"):
-        res = cli(a, a, "--filter", glob)
-        assert res.exit_code == 2 and res.stdout == "", res.output
-        err = res.stderr.splitlines()
+        res, err = refused(a, a, "--filter", glob)
         assert err[0].startswith(f"error: [E611] nothing compared, so no verdict: --filter {glob} matched none"), err
         assert err[1].startswith(f"hint: --filter {glob} matches names of the optimizer state (e.g. 'optimizer."), err
         assert err[1].endswith("of A), which --what model leaves out: pass --what optimizer (or --what all)"), err
@@ -654,9 +656,7 @@ def test_training_state_only_against_safetensors_says_what_diff_found(tmp_path: 
         (opt_only, tmp_path / "hf", "A", opt_only),
         (tmp_path / "hf", train_only, "B", train_only),
     ):
-        res = cli(a, b)
-        assert res.exit_code == 2 and res.stdout == "", res.output
-        err = res.stderr.splitlines()
+        res, err = refused(a, b)
         assert len(err) == 2 and "export" not in res.stderr and "Traceback" not in res.stderr, err
         assert err[0].startswith(
             f"error: [E611] nothing compared, so no verdict: {side} ({path}) holds no model tensors to compare with "
@@ -682,8 +682,7 @@ def test_two_optimizer_only_checkpoints_under_what_model_name_what_optimizer(tmp
     optim.step()
     osd = get_state_dict(model, optim)[1]
     a, b = _save({"optimizer": osd}, tmp_path / "a"), _save({"optimizer": osd}, tmp_path / "b")
-    res = cli(a, b)
-    assert res.exit_code == 2 and res.stdout == "", res.output
+    res, err = refused(a, b)
     assert res.stderr.splitlines()[1] == (
         "hint: A and B hold optimizer state only, which --what model leaves out: compare it with --what optimizer "
         "(or --what all)"
@@ -734,9 +733,7 @@ def test_an_optimizer_only_side_against_a_model_names_the_side(tmp_path: Path) -
     though A holds no model tensor at all. The hint now says so, for whichever side it is."""
     model, optim, opt_only, full = _optimizer_alone_and_beside_its_model(tmp_path)
     for a, b, side in ((opt_only, full, "A"), (full, opt_only, "B")):
-        res = cli(a, b)
-        assert res.exit_code == 2 and res.stdout == "", res.output
-        err = res.stderr.splitlines()
+        res, err = refused(a, b)
         assert err[0].startswith("error: [E611] nothing compared, so no verdict: no name in common"), err
         assert err[1] == (
             f"hint: {side} holds optimizer state and no model tensor, which --what model compares: pass the "
@@ -995,9 +992,7 @@ def test_an_index_keyed_optimizer_against_a_name_keyed_one_is_no_verdict_over_no
     on one side only: nothing compared is E611, its hint naming the keying; `--what all` compares the model tensors
     (equal, torch's own) and says why the optimizer state pairs up with nothing."""
     plain, gsd = _plain_and_get_state_dict_saves(tmp_path)
-    res = cli(plain, gsd, "--what", "optimizer")
-    assert res.exit_code == 2 and res.stdout == "", res.output
-    err = res.stderr.splitlines()
+    res, err = refused(plain, gsd, "--what", "optimizer")
     assert err[0].startswith("error: [E611] nothing compared, so no verdict: no name in common"), err
     assert err[1] == (
         "hint: A's optimizer state is keyed by parameter index (a plain optimizer.state_dict()), B's by parameter "
