@@ -2,7 +2,8 @@
 
 The Cauchy-Schwarz bound is attained by the gradients ``g_i = (b1 / b2)^(t-i)``: torch's AdamW fed them
 from zero state reaches it. Where ``beta1^2 > beta2`` the bound grows as ``(beta1^2 / beta2)^(t/2)``: past the
-float range it is ``inf`` (not an OverflowError), and both commands that use it report it.
+float range it is ``inf`` (not an OverflowError), and both commands that use it report it. Where an LR scheduler
+cycles ``betas[0]`` (torch's ``OneCycleLR``, ``CyclicLR``), the bound takes the range it moved in.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from torch.distributed.checkpoint.state_dict import get_state_dict
 from typer.testing import CliRunner
 
 from ckpttool.cli.app import app
-from ckpttool.optim_state.bounds import adam_ratio_bound
+from ckpttool.optim_state.bounds import adam_ratio_bound, beta1_span
 
 runner = CliRunner()
 
@@ -73,3 +74,81 @@ def test_commands_take_a_step_beyond_the_bounds_range(tmp_path: Path) -> None:
     assert res.exit_code == 0, res.stderr
     doc = json.loads(res.stdout)
     assert doc["ok"] and [p["update"]["direction_bound"] for p in doc["params"]] == ["inf", "inf"]
+
+
+def _cycled(kind: str, opt: torch.optim.Optimizer) -> torch.optim.lr_scheduler.LRScheduler:
+    """The scheduler as users build it, ``cycle_momentum`` left at its default (on)."""
+    if kind == "OneCycleLR":
+        return torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=0.02, total_steps=20)
+    return torch.optim.lr_scheduler.CyclicLR(opt, 1e-3, 1e-2, step_size_up=3)
+
+
+@pytest.mark.parametrize(("kind", "t"), [("OneCycleLR", 14), ("OneCycleLR", 19), ("CyclicLR", 6)])
+def test_bound_holds_for_the_betas_a_scheduler_cycles(kind: str, t: int) -> None:
+    """OneCycleLR and CyclicLR move betas[0] between the group's base_momentum and max_momentum at every step. The
+    gradients that attain the Cauchy-Schwarz bound of that run (g_i = c_i / w_i, c_i the weight of g_i in exp_avg,
+    w_i in exp_avg_sq) give torch's AdamW moments beyond the bound of the saved betas alone, within the bound of the
+    cycled range."""
+    p = torch.zeros(1, dtype=torch.float64, requires_grad=True)
+    opt = torch.optim.AdamW([p], lr=1e-2, eps=0.0, weight_decay=0.0)
+    sched = _cycled(kind, opt)
+    b1s = []
+    for _ in range(t):  # the beta1 of each step, as the scheduler sets it
+        b1s.append(float(opt.param_groups[0]["betas"][0]))
+        sched.step()
+    b2 = float(opt.param_groups[0]["betas"][1])
+    c = [(1 - b1s[i]) * math.prod(b1s[i + 1 :]) for i in range(t)]
+    w = [(1 - b2) * b2 ** (t - 1 - i) for i in range(t)]
+    p2 = torch.zeros(1, dtype=torch.float64, requires_grad=True)
+    opt2 = torch.optim.AdamW([p2], lr=1e-2, eps=0.0, weight_decay=0.0)
+    sched2 = _cycled(kind, opt2)
+    for i in range(t):
+        p2.grad = torch.tensor([c[i] / w[i]], dtype=torch.float64)
+        opt2.step()
+        sched2.step()
+    st = opt2.state[p2]
+    ratio = float((st["exp_avg"].abs() / st["exp_avg_sq"].sqrt())[0])
+    assert ratio == pytest.approx(math.sqrt(sum(ci * ci / wi for ci, wi in zip(c, w, strict=True))), rel=1e-9)
+    span = beta1_span(opt2.param_groups[0])
+    assert span is not None and span[0] <= min(b1s) and max(b1s) <= span[1]
+    saved_b1 = float(opt2.param_groups[0]["betas"][0])
+    assert ratio > adam_ratio_bound(t, saved_b1, b2, bias_corrected=False)
+    assert ratio <= adam_ratio_bound(t, saved_b1, b2, bias_corrected=False, span=span)
+
+
+@pytest.mark.parametrize(("kind", "t"), [("OneCycleLR", 14), ("CyclicLR", 6)])
+def test_a_run_whose_scheduler_cycled_beta1_is_not_beyond_the_bound(tmp_path: Path, kind: str, t: int) -> None:
+    """AdamW under OneCycleLR (step 14 of 20, past the lr peak) or CyclicLR (step 6, the lr back at its base), their
+    default cycle_momentum on, saved with its scheduler by dcp.save: betas[0] is now higher than it was a few steps
+    before, and validate --deep reported D007 on every parameter and replay-step failed them with R003 (exit 1),
+    judging moments by the saved beta1 alone. Both pass now; the same run's exp_avg_sq scaled down 100x (stale) is
+    still D007, naming the cycled range."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 3)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    sched = _cycled(kind, opt)
+    x = torch.randn(3, 4)
+    for _ in range(t):
+        opt.zero_grad()
+        model(x).sum().backward()
+        opt.step()
+        sched.step()
+    msd, osd = get_state_dict(model, opt)
+    state = {"model": msd, "optimizer": osd, "lr_scheduler": sched.state_dict(), "train_state": {"step": t}}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dcp.save(state, checkpoint_id=str(tmp_path / "ck"), no_dist=True)
+    res = runner.invoke(app, ["validate", str(tmp_path / "ck"), "--strict", "--deep", "--json"])
+    found = [f for f in json.loads(res.stdout)["findings"] if f["severity"] != "info"]
+    assert res.exit_code == 0 and found == [], found
+    res = runner.invoke(app, ["replay-step", str(tmp_path / "ck"), "--device", "cpu", "--json"])
+    assert res.exit_code == 0 and json.loads(res.stdout)["ok"], res.stdout
+    for st in osd["state"].values():
+        st["exp_avg_sq"] = st["exp_avg_sq"] / 100
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dcp.save(state, checkpoint_id=str(tmp_path / "stale"), no_dist=True)
+    res = runner.invoke(app, ["validate", str(tmp_path / "stale"), "--deep", "--json"])
+    d007 = [f["message"] for f in json.loads(res.stdout)["findings"] if f["code"] == "D007"]
+    lo, hi = beta1_span(opt.param_groups[0]) or (0, 0)
+    assert len(d007) == 2 and all(f"betas[0] cycled within [{lo:g}, {hi:g}]" in m for m in d007), d007

@@ -55,7 +55,7 @@ from ckpttool.ops.replay.plan import ITEMSIZE, Hyper, ParamPlan, make_batches, p
 from ckpttool.ops.replay.slabs import StackedSlabs, TensorSlabs
 from ckpttool.ops.state_checks import MOMENTS, exp_avg_lost, step_not_count, synthesized_params
 from ckpttool.ops.tensors import to_canonical
-from ckpttool.optim_state.bounds import adam_ratio_bound
+from ckpttool.optim_state.bounds import adam_ratio_bound, beta1_span
 
 # the public names are re-exported (and listed in ``__all__``) by ``ckpttool.ops.replay``
 
@@ -1655,7 +1655,7 @@ class _SlabContext:
             return
         d, pmax, u = (max(x[i] for x in ups) for i in range(3))
         t = r.step_before + self.steps
-        bound = adam_ratio_bound(t, p.hyper.beta1, p.hyper.beta2)
+        bound = adam_ratio_bound(t, p.hyper.beta1, p.hyper.beta2, span=beta1_span(dict(p.hyper.extra)))
         # A tensor no larger than the distance its saved steps can have moved it from zero (each step moves an
         # element by at most lr * bound, with the slack) may have started at zero (biases, norm biases, LoRA B):
         # its size is the updates' own, so it is no scale to judge the next update by (as an all-zero tensor).

@@ -14,7 +14,7 @@ from ckpttool.ops.state_checks import step_not_count as why_not_count
 from ckpttool.ops.validate.base import rule
 from ckpttool.ops.validate.context import Context
 from ckpttool.ops.validate.stats import PairStats, TensorStats
-from ckpttool.optim_state.bounds import adam_ratio_bound
+from ckpttool.optim_state.bounds import adam_ratio_bound, beta1_span
 
 
 @rule("D001")
@@ -217,12 +217,14 @@ def moments_beyond_adam_bound(ctx: Context) -> Iterator[tuple[str, str]]:
             b1, b2 = float(betas[0]), float(betas[1])
         except (TypeError, ValueError):
             continue
-        bound = adam_ratio_bound(step, b1, b2, bias_corrected=False)
+        span = beta1_span(group.values) if group is not None else None
+        bound = adam_ratio_bound(step, b1, b2, bias_corrected=False, span=span)
         if p.max_diff > bound * RATIO_SLACK:
+            cycled = f", betas[0] cycled within [{span[0]:g}, {span[1]:g}]" if span is not None else ""
             yield (
                 p.b,
                 f"{fqn}: max |exp_avg|/sqrt(exp_avg_sq) is {p.max_diff:.4g}, beyond {bound:.4g}, the most Adam "
-                f"allows after step {step:g} with betas ({b1:g}, {b2:g})",
+                f"allows after step {step:g} with betas ({b1:g}, {b2:g}){cycled}",
             )
 
 
