@@ -156,6 +156,12 @@ def _last_lrs(ckpt: Checkpoint) -> list[tuple[str, list[float]]]:
     return out
 
 
+def _plateau(ckpt: Checkpoint, last_lr_key: str) -> bool:
+    """The scheduler whose ``_last_lr`` is ``last_lr_key`` is torch's ``ReduceLROnPlateau``: its ``state_dict()`` saves
+    ``min_lrs`` (one per param group) beside it, and it puts no ``initial_lr`` into its optimizer's groups."""
+    return last_lr_key.removesuffix("_last_lr") + "min_lrs" in ckpt.reader.metadata.entries
+
+
 def scheduler_lr_disagrees(
     ckpt: Checkpoint, groups: list[ParamGroup], selected: set[int | str] | None = None
 ) -> list[tuple[str, str]]:
@@ -165,21 +171,45 @@ def scheduler_lr_disagrees(
     config), so a resume takes its next step with an ``lr`` the run never had. ``groups`` are every param group,
     loaded (:meth:`~ckpttool.model.checkpoint.Checkpoint.param_groups`). Only groups a scheduler governs are
     checked: torch's ``LRScheduler`` puts an ``initial_lr`` in each group of its optimizer, so a group without one
-    (an optimizer no scheduler drives, beside one that has) is left out. One scheduler whose ``_last_lr`` has one
-    value per nested group is matched by index; otherwise (flattened groups, whose order is not saved; several
-    optimizers and schedulers, which group belongs to which not saved) a group whose ``lr`` is none of the
-    schedulers' values is one. Groups without a numeric ``lr`` are left out (``validate``'s ``P006``)."""
+    (an optimizer no scheduler drives, beside one that has) is compared with those schedulers only. A group without
+    one is compared with the saved ``ReduceLROnPlateau`` schedulers (:func:`_plateau`, which put none), where they
+    tell it is theirs: nested groups without one as many as their ``lr`` values, or flattened groups beside a
+    ``ReduceLROnPlateau`` as the only scheduler. One scheduler whose ``_last_lr`` has one value per compared nested
+    group is matched by index; otherwise (flattened groups, whose order is not saved; several optimizers and
+    schedulers, which group belongs to which not saved) a group whose ``lr`` is none of the schedulers' values is one.
+    Groups without a numeric ``lr`` are left out (``validate``'s ``P006``)."""
     lasts = _last_lrs(ckpt)
-    if not lasts:
-        return []
+    plateaus = [(k, last) for k, last in lasts if _plateau(ckpt, k)]
+    others = [(k, last) for k, last in lasts if not _plateau(ckpt, k)]
+    nested = all(g.flavor == "nested" for g in groups)
+    bare = [g for g in groups if "initial_lr" not in g.values]
+    if nested:
+        plateau_governs = len(bare) == sum(len(last) for _, last in plateaus)
+    else:
+        plateau_governs = len(lasts) == 1 and len(bare) == len(groups)
+    drivers = [(others, [g for g in groups if "initial_lr" in g.values])]
+    if plateaus and plateau_governs:
+        drivers.append((plateaus, bare))
+    out: list[tuple[str, str]] = []
+    for scheds, governed in drivers:
+        if scheds and governed:
+            out += _lr_not_the_schedulers(scheds, governed, selected, by_index=nested)
+    return out
+
+
+def _lr_not_the_schedulers(
+    lasts: list[tuple[str, list[float]]], groups: list[ParamGroup], selected: set[int | str] | None, *, by_index: bool
+) -> list[tuple[str, str]]:
+    """The findings of :func:`scheduler_lr_disagrees` for ``groups``, governed by the schedulers of ``lasts``: by index
+    where ``by_index`` (nested groups) and one scheduler saved one ``lr`` per group, else by membership."""
     key0, last0 = lasts[0]
-    by_index = len(lasts) == 1 and len(last0) == len(groups) and all(g.flavor == "nested" for g in groups)
+    by_index = by_index and len(lasts) == 1 and len(last0) == len(groups)
     every = [w for _, last in lasts for w in last]
     names = ", ".join(f"{k} = [{', '.join(f'{w:g}' for w in last)}]" for k, last in lasts)
     out: list[tuple[str, str]] = []
     for i, g in enumerate(groups):
         lr = _number(g.values.get("lr"))
-        if lr is None or "initial_lr" not in g.values or (selected is not None and g.group_id not in selected):
+        if lr is None or (selected is not None and g.group_id not in selected):
             continue
         want = [last0[i]] if by_index else every
         if any(math.isclose(lr, w, rel_tol=1e-6, abs_tol=0.0) for w in want):

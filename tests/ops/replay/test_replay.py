@@ -1426,3 +1426,46 @@ def test_r006_takes_each_optimizers_groups_to_their_own_scheduler(tmp_path: Path
     save_quiet({"model": msd, "optimizer": rebuilt, "lr_scheduler": lr_scheduler}, tmp_path / "rebuilt")
     found = json.loads(runner.invoke(app, ["validate", str(tmp_path / "rebuilt"), "--json"]).stdout)["findings"]
     assert sorted(f["key"] for f in found if f["code"] == "R006") == want, found
+
+
+@pytest.mark.parametrize("flat", [False, True], ids=["nested", "flattened"])
+def test_r006_reads_reduce_lr_on_plateau(tmp_path: Path, flat: bool) -> None:
+    """torch's ReduceLROnPlateau puts no initial_lr into its optimizer's groups, so R006 left every group of it out:
+    AdamW whose plateau scheduler halved the lr at each of 7 steps (1e-2 to 1.5625e-4), saved with the groups' lr put
+    back to the config's 1e-2 (groups rebuilt from the config), passed validate and replay-step, and a resume would
+    step at 64 times the run's lr. Now R006 and a replay problem name each group; saved as trained, both pass."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+
+    from tests.fixtures.builders import save_quiet
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 2)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    sched = torch.optim.lr_scheduler.ReduceLROnPlateau(opt, patience=0, factor=0.5)
+    for _ in range(7):
+        opt.zero_grad()
+        model(torch.randn(3, 4)).square().sum().backward()
+        opt.step()
+        sched.step(1.0)  # a validation loss that never improves
+    assert sched.get_last_lr() == [1e-2 / 64] and "initial_lr" not in opt.param_groups[0]
+    msd, osd = get_state_dict(model, opt, options=StateDictOptions(flatten_optimizer_state_dict=flat))
+    state = {"model": msd, "optimizer": osd, "lr_scheduler": sched.state_dict(), "train_state": {"step": 7}}
+    save_quiet(state, tmp_path / "saved")
+    assert run(tmp_path / "saved", "--device", "cpu").exit_code == 0
+    res = runner.invoke(app, ["validate", str(tmp_path / "saved"), "--strict", "--deep", "--json"])
+    assert res.exit_code == 0, res.stdout
+    if flat:
+        rebuilt = {k: (1e-2 if k.endswith(".lr") else v) for k, v in osd.items()}
+        want = ["optimizer.param_groups.bias.lr", "optimizer.param_groups.weight.lr"]
+    else:
+        rebuilt = {**osd, "param_groups": [{**g, "lr": 1e-2} for g in osd["param_groups"]]}
+        want = ["optimizer.param_groups.0.lr"]
+    save_quiet({**state, "optimizer": rebuilt}, tmp_path / "rebuilt")
+    res = run(tmp_path / "rebuilt", "--device", "cpu", "--json")
+    assert res.exit_code == 1, res.output
+    assert all(
+        "saved lr 0.01 but lr_scheduler._last_lr" in p and "0.00015625" in p and "R006" in p
+        for p in json.loads(res.stdout)["problems"]
+    ), res.stdout
+    found = json.loads(runner.invoke(app, ["validate", str(tmp_path / "rebuilt"), "--json"]).stdout)["findings"]
+    assert sorted(f["key"] for f in found if f["code"] == "R006") == want, found
