@@ -46,22 +46,26 @@ class Counter:
     value: int
 
 
-def _int_item(ckpt: Checkpoint, key: str) -> int | None:
-    """Byte item ``key`` when it is stored and holds an ``int``, or tensor ``key`` of one element of an integer
-    dtype (torchtitan's older ``TrainState`` saved ``step`` as ``torch.tensor(step, dtype=torch.int32)``; read from
-    its stored bytes, :meth:`~ckpttool.format.reader.CheckpointReader.read_scalar`); ``None`` otherwise (never
-    raises: a damaged or missing item is the storage checks' finding)."""
+def _small_item(ckpt: Checkpoint, key: str) -> object:
+    """Byte item ``key``'s object, or tensor ``key``'s one element (torchtitan's older ``TrainState`` saved ``step`` as
+    ``torch.tensor(step, dtype=torch.int32)``; read from its stored bytes,
+    :meth:`~ckpttool.format.reader.CheckpointReader.read_scalar`); ``None`` where it is not stored or cannot be read
+    (never raises: a damaged item is the storage checks' finding)."""
     meta = ckpt.reader.metadata.entries.get(key)
     if meta is None:
         return None
     try:
         if isinstance(meta, BytesMeta):
             ckpt.reader.storage_info(key)
-            v = ckpt.reader.read_object(key)
-        else:
-            v = ckpt.reader.read_scalar(key)
+            return ckpt.reader.read_object(key)
+        return ckpt.reader.read_scalar(key)
     except CkptError:
         return None
+
+
+def _int_item(ckpt: Checkpoint, key: str) -> int | None:
+    """Item ``key`` (:func:`_small_item`) when it holds an ``int`` (an integer tensor's element included)."""
+    v = _small_item(ckpt, key)
     return v if type(v) is int else None
 
 
@@ -162,6 +166,96 @@ def _plateau(ckpt: Checkpoint, last_lr_key: str) -> bool:
     return last_lr_key.removesuffix("_last_lr") + "min_lrs" in ckpt.reader.metadata.entries
 
 
+#: The entries of a Megatron-style ``OptimizerParamScheduler.state_dict()`` (megatron-core's, NeMo Automodel's copy)
+#: that fix the lr it sets past its warmup. ``init_lr`` (the warmup's start) and WSD's ``wsd_decay_steps`` are not
+#: saved.
+PARAM_SCHEDULER_KEYS = ("max_lr", "min_lr", "num_steps", "lr_warmup_steps", "lr_decay_steps", "lr_decay_style")
+
+
+def param_scheduler_states(ckpt: Checkpoint) -> list[tuple[str, dict[str, object]]]:
+    """``(where, state)`` of each saved Megatron-style LR scheduler (:data:`PARAM_SCHEDULER_KEYS`): byte items below
+    an item of :data:`SCHEDULER_ITEMS` or ``opt_param_scheduler`` (a loop's ``dcp.save``; NeMo Automodel's ``sched``),
+    and the ``opt_param_scheduler`` of the trainer's common state (Megatron-LM's ``common.pt``). Never raises."""
+    out: list[tuple[str, dict[str, object]]] = []
+    entries = ckpt.reader.metadata.entries
+    for key in entries:
+        if not key.endswith(".num_steps"):
+            continue
+        item = key.removesuffix(".num_steps")
+        top = item[len(ckpt.catalog.schema.state_root) :] if item.startswith(ckpt.catalog.schema.state_root) else item
+        if top.split(".", 1)[0] not in (*SCHEDULER_ITEMS, "opt_param_scheduler"):
+            continue
+        if all(f"{item}.{k}" in entries for k in PARAM_SCHEDULER_KEYS):
+            out.append((item, {k: _small_item(ckpt, f"{item}.{k}") for k in PARAM_SCHEDULER_KEYS}))
+    if ckpt.common_state_file is not None:
+        try:
+            common = ckpt.common_state()
+        except CkptError:
+            common = None  # named by the rules that read it
+        if common is not None and all(k in common.scheduler for k in PARAM_SCHEDULER_KEYS):
+            out.append((f"{ckpt.common_state_file} {common.scheduler_item}", dict(common.scheduler)))
+    return out
+
+
+def param_scheduler_lr(state: Mapping[str, object], group: Mapping[str, object]) -> float | None:
+    """The lr a Megatron-style ``OptimizerParamScheduler`` (``state``: its saved entries) sets in param group ``group``
+    (its ``max_lr``/``min_lr`` where it saves them, else the scheduler's), as its ``get_lr`` computes it
+    (``megatron/core/optimizer_param_scheduler.py``): ``max_lr`` for ``constant``, ``min_lr`` past ``lr_decay_steps``,
+    else ``linear``, ``cosine`` or ``inverse-square-root`` decay from ``max_lr`` to ``min_lr``. ``None`` where it cannot
+    be told: within the warmup (its start, ``init_lr``, is not saved), ``WSD`` (``wsd_decay_steps`` not saved), another
+    style, entries that are not numbers."""
+    nums = [_number(group.get(k, state.get(k))) for k in ("max_lr", "min_lr")]
+    steps = [state.get(k) for k in ("num_steps", "lr_warmup_steps", "lr_decay_steps")]
+    if any(v is None for v in nums) or not all(type(v) is int for v in steps):
+        return None
+    hi, lo = nums[0] or 0.0, nums[1] or 0.0
+    n, warm, decay = (int(v) for v in steps)  # type: ignore[call-overload]
+    style = state.get("lr_decay_style")
+    if warm > 0 and n <= warm:
+        return None
+    if style == "constant":
+        return hi
+    if n > decay:
+        return lo
+    if style == "inverse-square-root":
+        return max(lo, hi * math.sqrt(max(warm, 1)) / math.sqrt(max(n, 1)))
+    if decay <= warm or style not in ("linear", "cosine"):
+        return None
+    ratio = (n - warm) / (decay - warm)
+    coeff = 1.0 - ratio if style == "linear" else 0.5 * (math.cos(math.pi * ratio) + 1.0)
+    return lo + coeff * (hi - lo)
+
+
+def _lr_not_the_param_scheduler(
+    ckpt: Checkpoint, groups: list[ParamGroup], selected: set[int | str] | None
+) -> list[tuple[str, str]]:
+    """The findings of :func:`scheduler_lr_disagrees` for a saved Megatron-style scheduler (one only: with several,
+    which groups are whose is not saved), over the groups without ``initial_lr`` (torch's schedulers' groups): a
+    group's ``lr`` is neither the one its state sets nor that times the group's ``lr_mult`` (NeMo Automodel's
+    copy multiplies it in)."""
+    states = param_scheduler_states(ckpt)
+    if len(states) != 1:
+        return []
+    where, state = states[0]
+    out: list[tuple[str, str]] = []
+    for g in groups:
+        lr = _number(g.values.get("lr"))
+        if lr is None or "initial_lr" in g.values or (selected is not None and g.group_id not in selected):
+            continue
+        want = param_scheduler_lr(state, g.values)
+        mult = _number(g.values.get("lr_mult"))
+        if want is None or any(math.isclose(lr, w, rel_tol=1e-6) for w in (want, want * (mult or 1.0))):
+            continue
+        out.append(
+            (
+                g.keys.get("lr", where),
+                f"param group {g.group_id} saved lr {lr:g} but {where} sets {want:g} at num_steps = "
+                f"{state['num_steps']} (lr_decay_style {state['lr_decay_style']})",
+            )
+        )
+    return out
+
+
 def scheduler_lr_disagrees(
     ckpt: Checkpoint, groups: list[ParamGroup], selected: set[int | str] | None = None
 ) -> list[tuple[str, str]]:
@@ -179,6 +273,8 @@ def scheduler_lr_disagrees(
     schedulers, which group belongs to which not saved) a group whose ``lr`` is none of the schedulers' values is one.
     Groups without a numeric ``lr`` are left out (``validate``'s ``P006``)."""
     lasts = _last_lrs(ckpt)
+    if not lasts:
+        return _lr_not_the_param_scheduler(ckpt, groups, selected)
     plateaus = [(k, last) for k, last in lasts if _plateau(ckpt, k)]
     others = [(k, last) for k, last in lasts if not _plateau(ckpt, k)]
     nested = all(g.flavor == "nested" for g in groups)

@@ -1469,3 +1469,82 @@ def test_r006_reads_reduce_lr_on_plateau(tmp_path: Path, flat: bool) -> None:
     ), res.stdout
     found = json.loads(runner.invoke(app, ["validate", str(tmp_path / "rebuilt"), "--json"]).stdout)["findings"]
     assert sorted(f["key"] for f in found if f["code"] == "R006") == want, found
+
+
+def _megatron_scheduler(opt: Any, style: str = "cosine") -> Any:
+    """megatron-core's own OptimizerParamScheduler over a torch optimizer (warmup 2 steps from 0, decay to step 10)."""
+    sched = pytest.importorskip("megatron.core.optimizer_param_scheduler")
+    return sched.OptimizerParamScheduler(
+        opt,
+        init_lr=0.0,
+        max_lr=1e-2,
+        min_lr=1e-4,
+        lr_warmup_steps=2,
+        lr_decay_steps=10,
+        lr_decay_style=style,
+        start_wd=0.1,
+        end_wd=0.1,
+        wd_incr_steps=10,
+        wd_incr_style="constant",
+    )
+
+
+@pytest.mark.parametrize("style", ["linear", "cosine", "inverse-square-root", "constant"])
+def test_param_scheduler_lr_is_megatrons_own(style: str) -> None:
+    """counters.param_scheduler_lr, from the saved state alone, is the lr megatron-core's OptimizerParamScheduler sets
+    at each step past its warmup and beyond its decay (a group's own max_lr/min_lr included); None in the warmup,
+    whose start (init_lr) is not saved."""
+    from ckpttool.model.counters import param_scheduler_lr
+
+    p = torch.nn.Parameter(torch.zeros(1))
+    opt = torch.optim.AdamW([{"params": [p]}, {"params": [], "max_lr": 3e-3, "min_lr": 0.0}], lr=1e-2)
+    sched = _megatron_scheduler(opt, style)
+    for n in range(1, 13):
+        sched.step(1)
+        state = sched.state_dict()
+        for g in opt.param_groups:
+            got = param_scheduler_lr(state, g)
+            assert (got is None) if n <= 2 else got == pytest.approx(g["lr"], rel=1e-12, abs=0), (n, got, g)
+
+
+def test_r006_reads_a_megatron_style_param_scheduler(tmp_path: Path) -> None:
+    """A loop with megatron-core's OptimizerParamScheduler (its state: max_lr, num_steps, lr_decay_style, ...; no
+    _last_lr, no initial_lr in the groups) over AdamW, saved with dcp.save after 7 steps, passes validate --strict
+    --deep and replay-step. Its scheduler state of step 5 beside the rest of step 7 (the lr a resume continues from is
+    step 5's), or the groups' lr put back to the config's, passed both; each is R006 now, and a replay problem."""
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    from tests.fixtures.builders import save_quiet, train_steps
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 2)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+    sched = _megatron_scheduler(opt)
+    states = {}
+    for n in range(1, 8):
+        train_steps(model, opt, 1, loss="square")
+        sched.step(1)
+        states[n] = sched.state_dict()
+    msd, osd = get_state_dict(model, opt)
+    saved = {"model": msd, "optimizer": osd, "lr_scheduler": states[7], "train_state": {"step": 7}}
+    save_quiet(saved, tmp_path / "saved")
+    res = runner.invoke(app, ["validate", str(tmp_path / "saved"), "--strict", "--deep", "--json"])
+    assert res.exit_code == 0, res.stdout
+    assert run(tmp_path / "saved", "--device", "cpu").exit_code == 0
+    lr7 = f"{opt.param_groups[0]['lr']:g}"
+    rebuilt = {**osd, "param_groups": [{**g, "lr": 1e-2} for g in osd["param_groups"]]}
+    for name, state, msg in [
+        (
+            "stale",
+            {**saved, "lr_scheduler": states[5]},
+            f"saved lr {lr7} but lr_scheduler sets 0.00694428 at num_steps = 5",
+        ),
+        ("rebuilt", {**saved, "optimizer": rebuilt}, f"saved lr 0.01 but lr_scheduler sets {lr7} at num_steps = 7"),
+    ]:
+        save_quiet(state, tmp_path / name)
+        found = json.loads(runner.invoke(app, ["validate", str(tmp_path / name), "--json"]).stdout)["findings"]
+        assert [(f["code"], f["key"], f["message"]) for f in found if f["code"] == "R006"] == [
+            ("R006", "optimizer.param_groups.0.lr", f"param group 0 {msg} (lr_decay_style cosine)")
+        ], found
+        res = run(tmp_path / name, "--device", "cpu", "--json")
+        assert res.exit_code == 1 and msg in json.loads(res.stdout)["problems"][0], res.output
