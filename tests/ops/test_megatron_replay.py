@@ -320,3 +320,48 @@ def test_several_steps_say_the_lr_is_held() -> None:
     assert "(common.pt opt_param_scheduler)" in note
     r = runner.invoke(app, ["replay-step", "--device", "cpu", "--json", str(DATA / "dense1")])
     assert not [n for n in json.loads(r.stdout)["notes"] if "constant lr" in n]
+
+
+def test_common_pt_scheduler_of_another_step_is_r006(tmp_path: Path) -> None:
+    """megatron-core's OptimizerParamScheduler state in common.pt (num_steps, max_lr, cosine decay; no _last_lr) of
+    another step beside the param groups it set at step 3 (what iteration 5's save holds: a scheduler file of another
+    save) passed validate --strict --deep and replay-step: the resume continues the schedule from step 5. R006 now
+    names each group with the lr the scheduler state sets (megatron's own get_lr at num_steps 5), and replay-step
+    fails; the real save passes both."""
+    import shutil
+
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+    assert runner.invoke(app, ["replay-step", "--device", "cpu", str(DATA / "dense1")]).exit_code == 0
+    run = shutil.copytree(DATA / "dense1", tmp_path / "run")
+    common = run / "iter_0000003" / "common.pt"
+    obj = torch.load(common, weights_only=False)
+    assert obj["opt_param_scheduler"]["num_steps"] == 3
+    obj["opt_param_scheduler"]["num_steps"] = 5
+    torch.save(obj, common)
+    s = obj["opt_param_scheduler"]
+    ref = OptimizerParamScheduler(
+        torch.optim.AdamW([torch.nn.Parameter(torch.zeros(1))], lr=s["max_lr"]),
+        init_lr=0.0,
+        max_lr=s["max_lr"],
+        min_lr=s["min_lr"],
+        lr_warmup_steps=s["lr_warmup_steps"],
+        lr_decay_steps=s["lr_decay_steps"],
+        lr_decay_style=s["lr_decay_style"],
+        start_wd=s["start_wd"],
+        end_wd=s["end_wd"],
+        wd_incr_steps=s["wd_incr_steps"],
+        wd_incr_style=s["wd_incr_style"],
+    )
+    ref.step(5)
+    opt = obj["optimizer"] if "param_groups" in obj["optimizer"] else obj["optimizer"]["optimizer"]
+    want, saved = ref.optimizer.param_groups[0]["lr"], opt["param_groups"][0]["lr"]
+    r = runner.invoke(app, ["validate", "--strict", "--deep", "--json", str(run)])
+    found = [f for f in json.loads(r.stdout)["findings"] if f["code"] == "R006"]
+    assert r.exit_code == 1 and [f["message"] for f in found] == [
+        f"param group {i} saved lr {saved:g} but common.pt opt_param_scheduler sets {want:g} at num_steps = 5 "
+        "(lr_decay_style cosine)"
+        for i in (0, 1)
+    ], r.stdout
+    r = runner.invoke(app, ["replay-step", "--device", "cpu", str(run)])
+    assert r.exit_code == 1 and f"sets {want:g} at num_steps = 5" in r.stdout, r.output
