@@ -268,7 +268,8 @@ def scheduler_lr_disagrees(
     (an optimizer no scheduler drives, beside one that has) is compared with those schedulers only. A group without
     one is compared with the saved ``ReduceLROnPlateau`` schedulers (:func:`_plateau`, which put none), where they
     tell it is theirs: nested groups without one as many as their ``lr`` values, or flattened groups beside a
-    ``ReduceLROnPlateau`` as the only scheduler. One scheduler whose ``_last_lr`` has one value per compared nested
+    ``ReduceLROnPlateau`` as the only scheduler, with no more sets of hyperparameters than its ``lr`` values (one
+    per group of its optimizer; more: groups of another optimizer, which no scheduler drives). One scheduler whose ``_last_lr`` has one value per compared nested
     group is matched by index; otherwise (flattened groups, whose order is not saved; several optimizers and
     schedulers, which group belongs to which not saved) a group whose ``lr`` is none of the schedulers' values is one.
     Groups without a numeric ``lr`` are left out (``validate``'s ``P006``)."""
@@ -281,8 +282,11 @@ def scheduler_lr_disagrees(
     bare = [g for g in groups if "initial_lr" not in g.values]
     if nested:
         plateau_governs = len(bare) == sum(len(last) for _, last in plateaus)
-    else:
-        plateau_governs = len(lasts) == 1 and len(bare) == len(groups)
+    else:  # one hyperparameter set per group of its optimizer: more are another optimizer's groups
+        leaves = {
+            tuple(sorted((k, repr(v)) for k, v in g.values.items() if k not in ("params", "param_names"))) for g in bare
+        }
+        plateau_governs = len(lasts) == 1 and len(bare) == len(groups) and len(leaves) <= len(lasts[0][1])
     drivers = [(others, [g for g in groups if "initial_lr" in g.values])]
     if plateaus and plateau_governs:
         drivers.append((plateaus, bare))

@@ -1471,6 +1471,36 @@ def test_r006_reads_reduce_lr_on_plateau(tmp_path: Path, flat: bool) -> None:
     assert sorted(f["key"] for f in found if f["code"] == "R006") == want, found
 
 
+@pytest.mark.parametrize("flat", [False, True], ids=["nested", "flattened"])
+def test_r006_leaves_an_undriven_optimizer_beside_reduce_lr_on_plateau(tmp_path: Path, flat: bool) -> None:
+    """Two AdamW optimizers (lr 1e-2 for the matrices, 1e-3 for the rest, as a Muon + AdamW split keeps them), a
+    ReduceLROnPlateau on the first only, saved as trained: the flattened save's groups of the second optimizer
+    (no scheduler, no initial_lr) were taken for the plateau scheduler's and each was R006 (saved lr 0.001 but
+    _last_lr = [1e-05]). No R006 now, nested or flattened."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+
+    from tests.fixtures.builders import save_quiet
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.LayerNorm(4), torch.nn.Linear(4, 2))
+    matrices = [p for p in model.parameters() if p.ndim == 2]
+    opts = [
+        torch.optim.AdamW(matrices, lr=1e-2),
+        torch.optim.AdamW([p for p in model.parameters() if p.ndim != 2], lr=1e-3),
+    ]
+    sched = torch.optim.lr_scheduler.ReduceLROnPlateau(opts[0], patience=0)
+    for _ in range(4):
+        model(torch.randn(3, 4)).square().sum().backward()
+        for o in opts:
+            o.step()
+            o.zero_grad()
+        sched.step(1.0)
+    msd, osd = get_state_dict(model, opts, options=StateDictOptions(flatten_optimizer_state_dict=flat))
+    save_quiet({"model": msd, "optimizer": osd, "lr_scheduler": sched.state_dict()}, tmp_path / "saved")
+    res = runner.invoke(app, ["validate", str(tmp_path / "saved"), "--json"])
+    assert [f["key"] for f in json.loads(res.stdout)["findings"] if f["code"] == "R006"] == [], res.stdout
+
+
 def _megatron_scheduler(opt: Any, style: str = "cosine") -> Any:
     """megatron-core's own OptimizerParamScheduler over a torch optimizer (warmup 2 steps from 0, decay to step 10)."""
     sched = pytest.importorskip("megatron.core.optimizer_param_scheduler")
