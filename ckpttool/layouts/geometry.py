@@ -193,7 +193,10 @@ def _owners(entry: TensorEntry, dim: int) -> dict[tuple[int, int], set[int | Non
 
 def ep_split_candidates(entry: TensorEntry, spec: EPTensorSpec) -> list[tuple[int, int]]:
     """Saving meshes ``(ep_size, ep_fsdp_size)``, both > 1, whose EP and EP-FSDP sharding of the
-    expert dim produce exactly the stored chunk intervals (metadata only).
+    expert dim produce exactly the stored chunk intervals (metadata only), in either mesh order:
+    canonical (EP outer) or legacy (EP-FSDP outer). The two orders give the same intervals when
+    ``P*F`` divides the expert count, and different ones otherwise (10 experts over ``P=2, F=3``:
+    canonical ``2, 2, 1, 2, 2, 1``, legacy ``2, 2, 2, 2, 1, 1``).
 
     Empty for a tensor whose expert dim is not split by both (e.g. plain FSDP2 ``Shard(0)`` over a
     prime number of ranks): its stored order is the true order whatever the mesh order was.
@@ -210,9 +213,11 @@ def ep_split_candidates(entry: TensorEntry, spec: EPTensorSpec) -> list[tuple[in
         f = blocks // p
         if f < 2 or spec.num_experts % p:
             continue
-        want = {iv for iv in nested_shard_intervals(n, (p, f)) if iv[1]}
-        if want == got and not _one_block_per_rank(entry, spec.ep_dim, want):  # p*f ranks wrote the p*f blocks
-            out.append((p, f))
+        for order in ((p, f), (f, p)):  # canonical mesh (EP, EP-FSDP), legacy mesh (EP-FSDP, EP)
+            want = {iv for iv in nested_shard_intervals(n, order) if iv[1]}
+            if want == got and not _one_block_per_rank(entry, spec.ep_dim, want):  # p*f ranks wrote p*f blocks
+                out.append((p, f))
+                break
     return out
 
 

@@ -257,3 +257,36 @@ def test_record_of_a_huge_mesh_is_checked_without_one_entry_per_rank(ep_suite: P
     assert res.stderr.startswith("error: [E404] model.model.layers.0.mlp.experts.gate_up_proj: the chunk geometry")
     assert "ep_size 2 x ep_fsdp_size 1000000000000 gives 8" in res.stderr
     assert not (tmp_path / "o").exists()
+
+
+def test_uneven_legacy_save_is_ambiguous_not_exported_in_its_stored_order(
+    ep_uneven_legacy: Path, tmp_path: Path
+) -> None:
+    """10 experts saved by a legacy (ep_fsdp=3, ep=2) mesh of 6 ranks, no layout record: DTensor stores the pieces
+    2, 2, 2, 2, 1, 1 block-transposed. Only the canonical nesting of the chunk intervals was tried (2, 2, 1, 2, 2, 1),
+    so the checkpoint passed as stored in true order: validate --strict said OK and export wrote the experts
+    permuted (exit 0). The legacy nesting is a candidate too: E405 with the mesh that fits; a legacy declaration
+    of that mesh is refused (E404), not permuted with equal slabs."""
+    import torch.distributed.checkpoint as dcp
+    from typer.testing import CliRunner
+
+    from ckpttool.cli.app import app
+    from tests.fixtures.moe_ep import uneven_true_experts
+
+    key = "model.layers.0.mlp.experts.gate_up_proj"
+    stored = {key: torch.zeros(10, 2, 3, dtype=torch.bfloat16)}
+    dcp.load({"model": stored}, checkpoint_id=str(ep_uneven_legacy))  # torch's own reader, one process
+    order = [int(x) for x in stored[key][:, 0, 0].tolist()]
+    assert order == [0, 1, 5, 6, 2, 3, 7, 8, 4, 9] and not torch.equal(stored[key], uneven_true_experts())
+
+    runner = CliRunner()
+    res = runner.invoke(app, ["validate", "--strict", str(ep_uneven_legacy)])
+    assert res.exit_code == 1 and "L003" in res.stdout and "ep_size 2 x ep_fsdp_size 3" in res.stdout, res.stdout
+    out = tmp_path / "hf"
+    res = runner.invoke(app, ["export", str(ep_uneven_legacy), str(out)])
+    assert res.exit_code == 2 and res.stdout == "" and not out.exists(), res.stdout
+    assert res.stderr.startswith(f"error: [E405] model.{key}"), res.stderr
+    assert "ep_size 2 x ep_fsdp_size 3" in res.stderr
+    decl = ["--source-layout", "legacy", "--ep-size", "2", "--ep-fsdp-size", "3"]
+    res = runner.invoke(app, ["export", str(ep_uneven_legacy), str(out), *decl])
+    assert res.exit_code == 2 and res.stderr.startswith("error: [E404] ") and not out.exists(), res.stderr
