@@ -72,7 +72,7 @@ def ep_suite(fixture_root: Path) -> Path:
 
 @pytest.fixture(scope="session")
 def ep_uneven_legacy(fixture_root: Path) -> Path:
-    """Unversioned legacy save of 10 experts over ep_size 2 x ep_fsdp_size 3 (6 ranks; chunks 2, 2, 2, 2, 1, 1)."""
+    """Legacy saves of 6 ranks whose experts do not split evenly (:data:`tests.fixtures.moe_ep.UNEVEN`)."""
     from tests.fixtures.moe_ep import build_uneven_legacy
 
     return cached_build(fixture_root, "moe_ep_uneven_legacy", build_uneven_legacy)
