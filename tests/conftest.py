@@ -71,6 +71,14 @@ def ep_suite(fixture_root: Path) -> Path:
 
 
 @pytest.fixture(scope="session")
+def ep_uneven_legacy(fixture_root: Path) -> Path:
+    """Legacy saves of 6 ranks whose experts do not split evenly (:data:`tests.fixtures.moe_ep.UNEVEN`)."""
+    from tests.fixtures.moe_ep import build_uneven_legacy
+
+    return cached_build(fixture_root, "moe_ep_uneven_legacy", build_uneven_legacy)
+
+
+@pytest.fixture(scope="session")
 def per_expert_ckpt(fixture_root: Path) -> Path:
     """Per-expert MoE keys where EP rank 0 saved only its local experts 0..3 (of 8) under local names."""
     return cached_build(fixture_root, "validate_per_expert", builders.build_per_expert)

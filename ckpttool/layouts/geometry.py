@@ -193,7 +193,10 @@ def _owners(entry: TensorEntry, dim: int) -> dict[tuple[int, int], set[int | Non
 
 def ep_split_candidates(entry: TensorEntry, spec: EPTensorSpec) -> list[tuple[int, int]]:
     """Saving meshes ``(ep_size, ep_fsdp_size)``, both > 1, whose EP and EP-FSDP sharding of the
-    expert dim produce exactly the stored chunk intervals (metadata only).
+    expert dim produce exactly the stored chunk intervals (metadata only), in either mesh order:
+    canonical (EP outer) or legacy (EP-FSDP outer). The two orders give the same intervals when
+    ``P*F`` divides the expert count, and different ones otherwise (10 experts over ``P=2, F=3``:
+    canonical ``2, 2, 1, 2, 2, 1``, legacy ``2, 2, 2, 2, 1, 1``).
 
     Empty for a tensor whose expert dim is not split by both (e.g. plain FSDP2 ``Shard(0)`` over a
     prime number of ranks): its stored order is the true order whatever the mesh order was.
@@ -210,9 +213,11 @@ def ep_split_candidates(entry: TensorEntry, spec: EPTensorSpec) -> list[tuple[in
         f = blocks // p
         if f < 2 or spec.num_experts % p:
             continue
-        want = {iv for iv in nested_shard_intervals(n, (p, f)) if iv[1]}
-        if want == got and not _one_block_per_rank(entry, spec.ep_dim, want):  # p*f ranks wrote the p*f blocks
-            out.append((p, f))
+        for order in ((p, f), (f, p)):  # canonical mesh (EP, EP-FSDP), legacy mesh (EP-FSDP, EP)
+            want = {iv for iv in nested_shard_intervals(n, order) if iv[1]}
+            if want == got and not _one_block_per_rank(entry, spec.ep_dim, want):  # p*f ranks wrote p*f blocks
+                out.append((p, f))
+                break
     return out
 
 
@@ -279,28 +284,35 @@ def tensor_geometry(entry: TensorEntry | None, key: str, spec: EPTensorSpec, lay
     if ep_size is not None and spec.num_experts % ep_size:
         problems.append(f"num_experts {spec.num_experts} is not divisible by ep_size {ep_size}")
     if version is not None and ep_size is not None and ep_fsdp_size is not None and not problems:
-        if version == 1 and same_dim and spec.num_experts % (ep_size * ep_fsdp_size):
-            problems.append(
-                f"legacy layout with FSDP on the expert dim needs num_experts {spec.num_experts} divisible by "
-                f"ep_size*ep_fsdp_size = {ep_size * ep_fsdp_size}"
-            )
-        else:
-            expected = expected_ep_intervals(spec, shape, version, ep_size, ep_fsdp_size)
-            for d in range(ndim):
-                want = expected.get(d, {(0, shape[d])} if shape[d] else set())
-                got = set(dim_intervals(entry, d))
-                if entry.numel and not refines(got, want, _owners(entry, d)):
-                    problems.append(
-                        f"dim {d} is split into {len(got)} chunk interval(s) {sorted(got)[:4]}, "
-                        f"ep_size {ep_size} x ep_fsdp_size {ep_fsdp_size} gives {len(want)} {sorted(want)[:4]}"
-                    )
-            if not problems:
-                problems.extend(_one_block_per_rank(entry, spec.ep_dim, expected.get(spec.ep_dim, set())))
+        problems.extend(_mesh_problems(entry, spec, version, ep_size, ep_fsdp_size))
     elif spec.fsdp_dim is None and any(b > 1 for d, b in enumerate(blocks) if d != spec.ep_dim):
         problems.append("chunks split a dim other than ep_dim but the layout names no fsdp_dim")
     return EPGeometry(
         key, shape, spec.ep_dim, spec.fsdp_dim, spec.num_experts, blocks, entry.ranks, same_dim, tuple(problems)
     )
+
+
+def _mesh_problems(entry: TensorEntry, spec: EPTensorSpec, version: int, ep_size: int, ep_fsdp_size: int) -> list[str]:
+    """What contradicts a save by mesh ``ep_size`` x ``ep_fsdp_size`` of layout ``version`` in ``entry``'s chunks."""
+    shape = entry.shape
+    # block-transposed (legacy, both sizes above 1, FSDP on the expert dim): equal slabs; else stored in true order
+    permuted = version == 1 and spec.fsdp_dim == spec.ep_dim and ep_size > 1 and ep_fsdp_size > 1
+    if permuted and spec.num_experts % (ep_size * ep_fsdp_size):
+        return [
+            f"legacy layout with FSDP on the expert dim needs num_experts {spec.num_experts} divisible by "
+            f"ep_size*ep_fsdp_size = {ep_size * ep_fsdp_size}"
+        ]
+    problems = []
+    expected = expected_ep_intervals(spec, shape, version, ep_size, ep_fsdp_size)
+    for d in range(len(shape)):
+        want = expected.get(d, {(0, shape[d])} if shape[d] else set())
+        got = set(dim_intervals(entry, d))
+        if entry.numel and not refines(got, want, _owners(entry, d)):
+            problems.append(
+                f"dim {d} is split into {len(got)} chunk interval(s) {sorted(got)[:4]}, "
+                f"ep_size {ep_size} x ep_fsdp_size {ep_fsdp_size} gives {len(want)} {sorted(want)[:4]}"
+            )
+    return problems or _one_block_per_rank(entry, spec.ep_dim, expected.get(spec.ep_dim, set()))
 
 
 def _one_block_per_rank(entry: TensorEntry, ep_dim: int, want: set[tuple[int, int]]) -> list[str]:

@@ -257,3 +257,75 @@ def test_record_of_a_huge_mesh_is_checked_without_one_entry_per_rank(ep_suite: P
     assert res.stderr.startswith("error: [E404] model.model.layers.0.mlp.experts.gate_up_proj: the chunk geometry")
     assert "ep_size 2 x ep_fsdp_size 1000000000000 gives 8" in res.stderr
     assert not (tmp_path / "o").exists()
+
+
+def test_uneven_legacy_save_is_ambiguous_not_exported_in_its_stored_order(
+    ep_uneven_legacy: Path, tmp_path: Path
+) -> None:
+    """10 experts saved by a legacy (ep_fsdp=3, ep=2) mesh of 6 ranks, no layout record: DTensor stores the pieces
+    2, 2, 2, 2, 1, 1 block-transposed. Only the canonical nesting of the chunk intervals was tried (2, 2, 1, 2, 2, 1),
+    so the checkpoint passed as stored in true order: validate --strict said OK and export wrote the experts
+    permuted (exit 0). The legacy nesting is a candidate too: E405 with the mesh that fits; a legacy declaration
+    of that mesh is refused (E404), not permuted with equal slabs."""
+    import torch.distributed.checkpoint as dcp
+    from typer.testing import CliRunner
+
+    from ckpttool.cli.app import app
+    from tests.fixtures.moe_ep import UNEVEN_KEY as key
+    from tests.fixtures.moe_ep import uneven_true_experts
+
+    ck = ep_uneven_legacy / "p2f3"
+    stored = {key: torch.zeros(10, 2, 3, dtype=torch.bfloat16)}
+    dcp.load({"model": stored}, checkpoint_id=str(ck))  # torch's own reader, one process
+    order = [int(x) for x in stored[key][:, 0, 0].tolist()]
+    assert order == [0, 1, 5, 6, 2, 3, 7, 8, 4, 9] and not torch.equal(stored[key], uneven_true_experts(10))
+
+    runner = CliRunner()
+    res = runner.invoke(app, ["validate", "--strict", str(ck)])
+    assert res.exit_code == 1 and "L003" in res.stdout and "ep_size 2 x ep_fsdp_size 3" in res.stdout, res.stdout
+    out = tmp_path / "hf"
+    res = runner.invoke(app, ["export", str(ck), str(out)])
+    assert res.exit_code == 2 and res.stdout == "" and not out.exists(), res.stdout
+    assert res.stderr.startswith(f"error: [E405] model.{key}"), res.stderr
+    assert "ep_size 2 x ep_fsdp_size 3" in res.stderr
+    decl = ["--source-layout", "legacy", "--ep-size", "2", "--ep-fsdp-size", "3"]
+    res = runner.invoke(app, ["export", str(ck), str(out), *decl])
+    assert res.exit_code == 2 and res.stderr.startswith("error: [E404] ") and not out.exists(), res.stderr
+
+
+def test_legacy_record_without_ep_and_uneven_experts_is_read_in_stored_order(
+    ep_uneven_legacy: Path, tmp_path: Path
+) -> None:
+    """5 experts saved by a legacy (ep_fsdp=6, ep=1) mesh (EP off, the last rank holds none) with a version-1 record:
+    with one EP rank the legacy order is the true order, but the record was held to "num_experts divisible by
+    ep_size*ep_fsdp_size": validate --strict failed (L005 on a clean save), export and reshard refused (E404), and a
+    reshard to a legacy 1 x 3 target was refused (E406). Only a permuted layout (both sizes above 1) needs equal
+    slabs now; every output holds the experts torch's own reader returns."""
+    import torch.distributed.checkpoint as dcp
+    from safetensors.torch import load_file
+    from typer.testing import CliRunner
+
+    from ckpttool.cli.app import app
+    from tests.fixtures.moe_ep import UNEVEN_KEY as key
+    from tests.fixtures.moe_ep import uneven_true_experts
+
+    def torch_read(path: Path) -> torch.Tensor:
+        got = {key: torch.zeros(5, 2, 3, dtype=torch.bfloat16)}
+        dcp.load({"model": got}, checkpoint_id=str(path))  # torch's own reader, one process
+        return got[key]
+
+    ck = ep_uneven_legacy / "p1f6"
+    truth = uneven_true_experts(5)
+    assert torch.equal(torch_read(ck), truth)
+    runner = CliRunner()
+    res = runner.invoke(app, ["validate", "--strict", "--deep", str(ck)])
+    assert res.exit_code == 0 and res.stderr == "" and "OK: 0 errors, 0 warnings" in res.stdout, res.stdout
+    res = runner.invoke(app, ["export", str(ck), str(tmp_path / "hf")])
+    assert res.exit_code == 0, res.stderr
+    assert torch.equal(load_file(tmp_path / "hf" / "model.safetensors")[key], truth)
+    for to, p, f in (("canonical", 5, 1), ("legacy", 1, 3)):
+        out = tmp_path / f"{to}_{p}x{f}"
+        args = ["reshard", str(ck), str(out), "--to", to, "--target-ep-size", str(p), "--target-ep-fsdp-size", str(f)]
+        res = runner.invoke(app, args)
+        assert res.exit_code == 0, res.stderr
+        assert torch.equal(torch_read(out), truth), (to, p, f)

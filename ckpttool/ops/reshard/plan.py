@@ -431,7 +431,7 @@ def _target_mesh(
                 fqn=key,
                 hint="choose a `target_ep_size` that divides the expert count",
             )
-        if spec.fsdp_dim == spec.ep_dim and to_version == 1 and e % (p2 * f2):
+        if spec.fsdp_dim == spec.ep_dim and to_version == 1 and p2 > 1 and f2 > 1 and e % (p2 * f2):
             raise LayoutSizeError(
                 f"{key}: the legacy layout needs {e} experts to split into ep_size*ep_fsdp_size = {p2 * f2} equal slabs",
                 fqn=key,
