@@ -494,3 +494,22 @@ def test_stamp_of_a_safetensors_model_folder_says_it_has_no_ranks(sample_ckpt: P
         "__R_N.distcp files)",
     ], res.stderr
     assert sorted(p.name for p in hf.iterdir()) == before
+
+
+def test_a_folder_inside_a_checkpoint_given_as_dot_names_the_checkpoint(
+    sample_ckpt: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`cd ckpt/model_assets && ckpttool inspect .`: `inspect ckpt/model_assets` hinted `pass the checkpoint
+    directory ckpt`, but `.` (whose parent as given is `.` again) got only the generic hint about config
+    folders and dcp.save. The checkpoint is now looked for above the absolute path and named relative to
+    where the user is: `..`."""
+    ck = copy_checkpoint(sample_ckpt, tmp_path / "ck")
+    monkeypatch.chdir(ck / "model_assets")
+    for command in ("inspect", "validate", "stats"):
+        res = runner.invoke(app, [command, "."])
+        assert res.exit_code == 2, res.output
+        assert res.stderr.splitlines()[-2:] == [
+            "error: [E200] .: no .metadata, and no DCP checkpoint in the 3 directory levels below it",
+            "hint: pass the checkpoint directory .. (model_assets/ is a folder inside it)",
+        ], res.stderr
+    assert runner.invoke(app, ["inspect", ".."]).exit_code == 0
