@@ -71,13 +71,16 @@ _CLICK_EXCEPTION = next(
 
 class _HelpWrapper(textwrap.TextWrapper):
     """Wraps at spaces; a word longer than the whole column (``torch.load(weights_only=False)`` at 60
-    columns) is split after a ``.``, ``/``, ``(`` or ``=`` (else after a ``_``), never inside a name; one
-    with no such place runs past the column."""
+    columns) is split after a ``.``, ``/``, ``(`` or ``=`` (else after a ``_``), never inside a name, and never
+    so that only punctuation is left at the end of a line (``prefix (`` above ``s3://...``: the word starts
+    the next line instead); one with no such place runs past the column."""
 
     def _handle_long_word(self, reversed_chunks: list[str], cur_line: list[str], cur_len: int, width: int) -> None:
         chunk = reversed_chunks[-1]
         room = max(width - cur_len, 1)
         cut = max(chunk.rfind(c, 0, room) for c in "./(=") + 1 or chunk.rfind("_", 0, room) + 1
+        if cut > 0 and not any(ch.isalnum() for ch in chunk[:cut]):  # a lone `(`: the word goes below instead
+            cut = 0
         if cut > 0:
             cur_line.append(chunk[:cut])
             reversed_chunks[-1] = chunk[cut:]

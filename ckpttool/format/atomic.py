@@ -30,6 +30,7 @@ from typing import Any
 
 from ckpttool.errors import ForeignOutputError, OutputError
 from ckpttool.format import marker
+from ckpttool.format.files import refuse_unexpanded_tilde_output
 
 __all__ = [
     "AtomicOutputDir",
@@ -109,9 +110,11 @@ def check_output_target(target: Path, *, overwrite: bool, source: Path | None = 
 
     Raises:
         OutputError: target is a file, non-empty without overwrite, or inside/equal to ``source`` or holding it
-            (also through a symbolic link or a bind mount: compared by device and inode too).
+            (also through a symbolic link or a bind mount: compared by device and inode too), or starting with
+            a ``~`` the shell did not expand (:func:`~ckpttool.format.files.refuse_unexpanded_tilde_output`).
         ForeignOutputError: (E606) ``overwrite`` and a non-empty target that is not provably ours.
     """
+    refuse_unexpanded_tilde_output(target)
     target = absolute_path(target)
     if target.name == "":
         raise OutputError(
@@ -360,6 +363,7 @@ class AtomicOutputDir(OutputTarget):
     """
 
     def _place(self, target: str | os.PathLike[str], source: str | os.PathLike[str] | None) -> None:
+        refuse_unexpanded_tilde_output(target)  # before absolute_path hides the `~` the user typed
         self.target = absolute_path(target)
         self.source = absolute_path(source) if source is not None else None
         self.tmp: Path | None = None
@@ -634,6 +638,7 @@ def check_file_target(
     """
     import stat
 
+    refuse_unexpanded_tilde_output(path, option)
     p = Path(path)
     try:
         st = os.lstat(p)

@@ -29,6 +29,8 @@ __all__ = [
     "read_regular",
     "copy_regular",
     "missing_path_hint",
+    "unexpanded_tilde_hint",
+    "refuse_unexpanded_tilde_output",
 ]
 
 
@@ -42,6 +44,35 @@ def unexpanded_tilde_hint(path: Path | str) -> str | None:
         return None
     told = f"the shell did not expand {head} (it does not inside quotes or after an option's =)"
     return f"{told}: pass {home}" if home.exists() else f"{told}; {home} does not exist either"
+
+
+def refuse_unexpanded_tilde_output(path: str | os.PathLike[str], option: str = "") -> None:
+    """Refuse an output path that starts with a ``~`` the shell left as it is (``'~/hf'`` in quotes,
+    ``--junit=~/r.xml`` after ``=``): written as given, the output would go into a folder literally named ``~``
+    in the current directory, made for it. A folder ``~`` that exists there already is taken as given.
+
+    Args:
+        path: the output as the user gave it (before it is made absolute); option: the flag that named it, or
+            ``""`` for a positional OUT.
+
+    Raises:
+        OutputError (E600): naming the path and, as the hint, the path it stands for.
+    """
+    from ckpttool.errors import OutputError
+
+    text = os.fspath(path)
+    parts = Path(text).parts
+    head = parts[0] if parts else ""
+    home = os.path.expanduser(text)
+    if not head.startswith("~") or home == text or os.path.lexists(head):
+        return
+    shown = f"{option} {text}" if option else text
+    raise OutputError(
+        f"{shown}: the shell did not expand {head} (it does not inside quotes or after an option's =); "
+        f"as given, it names a folder {head} in the current directory, not the home folder",
+        path=Path(text),
+        hint=f"pass {home}",
+    )
 
 
 def missing_path_hint(path: Path, what: str) -> str:

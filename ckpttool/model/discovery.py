@@ -709,8 +709,12 @@ def _nothing_below(root: Path, opt: Path | None) -> Located:
         partial = True
     if partial:
         return Located(root, root, opt)
-    # a folder inside a checkpoint (its model_assets/, extra_state/): the checkpoint is the directory to pass
-    above = next((p for p in (root.parent, root.parent.parent) if p != root and is_checkpoint_dir(p)), None)
+    # a folder inside a checkpoint (its model_assets/, extra_state/): the checkpoint is the directory to pass,
+    # looked for above the absolute path (`inspect .` run inside model_assets/ has no parent as given), named as given
+    here = Path(os.path.abspath(root))
+    found = next((p for p in (here.parent, here.parent.parent) if p != here and is_checkpoint_dir(p)), None)
+    above = found if found is None or root.is_absolute() else Path(os.path.relpath(found))
+    inside = here.relative_to(found) if found is not None else None
     if above is None and step_of(root.name) is not None and _holds_no_file(root):
         raise MetadataError(
             f"{root}: an empty directory (no .metadata, no data files, in it or below it)",
@@ -722,7 +726,7 @@ def _nothing_below(root: Path, opt: Path | None) -> Located:
     raise MetadataError(
         f"{root}: no .metadata, and no DCP checkpoint in the {MAX_DEPTH} directory levels below it",
         path=root,
-        hint=f"pass the checkpoint directory {above} ({root.relative_to(above)}/ is a folder inside it)"
+        hint=f"pass the checkpoint directory {above} ({inside}/ is a folder inside it)"
         if above is not None
         else _model_folder_hint(root)
         or "pass the directory that dcp.save wrote (it holds .metadata and __R_N.distcp files), "

@@ -28,7 +28,7 @@ from ckpttool.errors import CkptError, DataFileError, ManifestError, MetadataErr
 from ckpttool.format import limits
 from ckpttool.format.atomic import atomic_write_bytes, check_file_target, nearest_unwritable
 from ckpttool.format.digest import ALGORITHMS, DEFAULT_ALGORITHM, digest_bytes, new_hasher
-from ckpttool.format.files import read_regular
+from ckpttool.format.files import read_regular, unexpanded_tilde_hint
 from ckpttool.format.jsonfile import DuplicateKeyError, check_json_graph, json_error, unique_pairs
 from ckpttool.format.jsonview import JsonView
 from ckpttool.format.locator import ChunkLocation
@@ -1391,7 +1391,10 @@ def load_manifest(path: str | os.PathLike[str], data: bytes | None = None) -> Ma
     shown = str(p)
     if data is None and not p.exists():
         raise UsageError(
-            f"{p}: no such manifest file", path=p, param="manifest", hint="write one with `ckpttool manifest DIR`"
+            f"{p}: no such manifest file",
+            path=p,
+            param="manifest",
+            hint=unexpanded_tilde_hint(p) or "write one with `ckpttool manifest DIR`",
         )
     doc = _read_doc(p, shown, data)
     version = doc.get("version")

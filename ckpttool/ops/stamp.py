@@ -246,8 +246,9 @@ def _require_verifiable(p: Path, cat: Catalog, geo: list[EPGeometry], decl: Layo
     """Refuse a declaration that no chunk of the checkpoint can confirm (E400): stamp records only checked facts.
 
     Raises:
-        LayoutError (E400): no EP tensors, only empty ones, or EP tensors written by fewer ranks than
-            ``ep_size * ep_fsdp_size`` (a mesh of that size saves every EP tensor from all its ranks).
+        LayoutError (E400): no EP tensors, only empty ones, EP tensors of no rank (a safetensors model folder), or
+            written by fewer ranks than ``ep_size * ep_fsdp_size`` (a mesh of that size saves every EP tensor from
+            all its ranks).
     """
     assert decl.ep_size is not None and decl.ep_fsdp_size is not None
     world = decl.ep_size * decl.ep_fsdp_size
@@ -269,6 +270,14 @@ def _require_verifiable(p: Path, cat: Catalog, geo: list[EPGeometry], decl: Layo
             hint=f"{no_write}; stamp a checkpoint whose expert tensors hold data",
         )
     ranks = sorted({r for g in present for r in g.ranks})
+    if not ranks:  # a safetensors model folder: whole tensors, no rank files (not "written by 0 rank(s) []")
+        raise LayoutError(
+            f"{nothing}: its EP tensors name no saving rank (a safetensors model folder stores each tensor whole, "
+            "in files of no rank), so no chunk can confirm the declared sizes",
+            path=p,
+            hint=f"{no_write}; stamp the DCP checkpoint the job saved (the directory holding .metadata and "
+            "__R_N.distcp files)",
+        )
     if len(ranks) < world:
         raise LayoutError(
             f"{nothing}: its EP tensors were written by {len(ranks)} rank(s) {ranks[:16]}, but a mesh of ep_size "

@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any
 
 from ckpttool.errors import OutputError, UsageError
 from ckpttool.format.atomic import atomic_write_bytes, check_file_target
+from ckpttool.format.files import refuse_unexpanded_tilde_output
 
 if TYPE_CHECKING:
     from ckpttool.ops.diff import DiffResult
@@ -76,6 +77,7 @@ def _check_plot_target(path: Path, sources: tuple[Path, ...]) -> None:
         raise UsageError(
             f"--plot {path}: unknown picture format {path.suffix or '(none)'}", hint="use .png, .svg or .html"
         )
+    refuse_unexpanded_tilde_output(path, "--plot")
     if not path.parent.is_dir():
         if _URL_AS_PATH.match(str(path)):  # s3://b/x.png reached here as the Path s3:/b/x.png
             url = _URL_AS_PATH.sub(r"\1://", str(path), count=1)

@@ -96,12 +96,14 @@ def test_help_fits_a_40_column_terminal(name: str) -> None:
     """`COLUMNS=40 ckpttool validate --help`: click lays help out at 50 columns at least, and beside a 30-column
     option name the descriptions were 16 columns wide: lines of up to 59 columns, each wrapped again by the
     terminal. Now the help takes the terminal's width and puts a description below its option's name where
-    fewer than 20 columns are left beside it; no line ends in a space (the `Usage: ckpttool CMD` line alone)."""
+    fewer than 20 columns are left beside it; no line ends in a space (the `Usage: ckpttool CMD` line alone)
+    or in an opening bracket."""
     args = [name, "--help"] if name else ["--help"]
     out = runner.invoke(app, args, terminal_width=40).stdout  # CliRunner fixes COLUMNS' width at 80
     lines = out.splitlines()
     wide = [ln for ln in lines if len(ln) > 40 and not ln.startswith(("    ckpttool ", "  Docs: "))]
     assert wide == [] and not [ln for ln in lines if ln.endswith(" ")], wide
+    assert [ln for ln in lines if ln.endswith(("(", "["))] == [], out
     if name == "validate":
         strict = lines.index("  --strict")  # the description on the lines below the name
         assert lines[strict + 1].startswith("      Warnings fail the run too;"), out
@@ -117,6 +119,21 @@ def test_help_takes_a_terminal_narrower_than_50_columns() -> None:
     lines = proc.stdout.decode().splitlines()
     assert [ln for ln in lines if len(ln) > 40 and not ln.startswith("  Docs: ")] == [], lines
     assert "  --max-metadata-size SIZE" in lines and "  inspect      Show what a checkpoint" in lines, lines
+
+
+def test_a_long_word_is_not_split_after_its_opening_bracket_alone() -> None:
+    """`COLUMNS=40 ckpttool inspect --help` (a real run): the CHECKPOINT argument read `a checkpoint prefix (`
+    above `s3://bucket/run/`: a word longer than the column was split after its leading `(`, leaving the
+    bracket alone at the end of a line. The word now starts the next line (split after a `/` as before)."""
+    env = {**os.environ, "COLUMNS": "40"}
+    proc = subprocess.run(
+        [sys.executable, "-m", "ckpttool", "inspect", "--help"], capture_output=True, env=env, timeout=120
+    )
+    assert proc.returncode == 0, proc.stderr.decode()
+    lines = proc.stdout.decode().splitlines()
+    assert [ln for ln in lines if ln.rstrip().endswith(("(", "["))] == [], lines
+    at = [ln.strip() for ln in lines].index("(s3://bucket/run/")
+    assert lines[at - 1].strip().endswith("a checkpoint prefix") and lines[at + 1].strip().startswith("step-100,")
 
 
 def test_optimizer_dir_and_optimizer_type_with_hidden_old_spellings(sample_ckpt: Path) -> None:

@@ -475,3 +475,41 @@ def test_a_tilde_the_shell_left_unexpanded_is_named_with_its_expansion(sample_ck
     assert (
         res.exit_code == 2 and res.stderr.splitlines()[1] == f"hint: did you mean {tmp_path / 'ck' / 'model_assets'}?"
     )
+
+
+def test_stamp_of_a_safetensors_model_folder_says_it_has_no_ranks(sample_ckpt: Path, tmp_path: Path) -> None:
+    """`ckpttool stamp hf/ --source-layout legacy --ep-size 1 --ep-fsdp-size 1` on an HF export said its EP
+    tensors 'were written by 0 rank(s) []' and told to declare the mesh of '0 rank(s)'. It now says a
+    safetensors folder names no saving rank and points to the DCP checkpoint; nothing is written."""
+    hf = tmp_path / "hf"
+    assert runner.invoke(app, ["export", str(sample_ckpt), str(hf)]).exit_code == 0
+    before = sorted(p.name for p in hf.iterdir())
+    res = runner.invoke(app, ["stamp", str(hf), "--source-layout", "legacy", "--ep-size", "1", "--ep-fsdp-size", "1"])
+    assert res.exit_code == 2 and res.stdout == ""
+    assert res.stderr.splitlines() == [
+        f"error: [E400] {hf}: nothing to stamp: --source-layout legacy --ep-size 1 --ep-fsdp-size 1 cannot be "
+        "verified: its EP tensors name no saving rank (a safetensors model folder stores each tensor whole, in "
+        "files of no rank), so no chunk can confirm the declared sizes",
+        "hint: nothing was written; stamp the DCP checkpoint the job saved (the directory holding .metadata and "
+        "__R_N.distcp files)",
+    ], res.stderr
+    assert sorted(p.name for p in hf.iterdir()) == before
+
+
+def test_a_folder_inside_a_checkpoint_given_as_dot_names_the_checkpoint(
+    sample_ckpt: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`cd ckpt/model_assets && ckpttool inspect .`: `inspect ckpt/model_assets` hinted `pass the checkpoint
+    directory ckpt`, but `.` (whose parent as given is `.` again) got only the generic hint about config
+    folders and dcp.save. The checkpoint is now looked for above the absolute path and named relative to
+    where the user is: `..`."""
+    ck = copy_checkpoint(sample_ckpt, tmp_path / "ck")
+    monkeypatch.chdir(ck / "model_assets")
+    for command in ("inspect", "validate", "stats"):
+        res = runner.invoke(app, [command, "."])
+        assert res.exit_code == 2, res.output
+        assert res.stderr.splitlines()[-2:] == [
+            "error: [E200] .: no .metadata, and no DCP checkpoint in the 3 directory levels below it",
+            "hint: pass the checkpoint directory .. (model_assets/ is a folder inside it)",
+        ], res.stderr
+    assert runner.invoke(app, ["inspect", ".."]).exit_code == 0

@@ -294,3 +294,69 @@ def test_an_output_inside_a_bind_mount_of_the_source_is_refused(command: str, ep
         "hint: write the output to a directory outside the checkpoint",
     ]
     assert _tree(ck) == before and sorted(os.listdir(ck)) == sorted(before)
+
+
+@pytest.mark.parametrize(
+    ("args", "given"),
+    [
+        (["export", "{ck}", "~/hf"], "~/hf"),
+        (["export", "{ck}", "~/hf", "--dry-run"], "~/hf"),
+        (["reshard", "{ck}", "~/rs", "--to", "legacy", "--with-optimizer"], "~/rs"),
+        (["sample", "~/smp"], "~/smp"),
+        (["manifest", "{ck}", "--output=~/m.json"], "manifest ~/m.json"),
+        (["validate", "{ck}", "--junit=~/r.xml"], "--junit ~/r.xml"),
+        (["stats", "{ck}", "--plot=~/p.png"], "--plot ~/p.png"),
+    ],
+)
+def test_an_output_starting_with_an_unexpanded_tilde_is_refused_with_the_path_meant(
+    args: list[str], given: str, sample_ckpt: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`export ck '~/hf'`, `stats ck --plot=~/p.png` (bash expands `~` neither in quotes nor after `--option=`):
+    the output was written into a new folder literally named `~` in the current directory (`ls` shows `~`, and
+    `rm -rf ~` to remove it is the home folder), and `--plot`/`--junit` said `directory ~ does not exist`, hint
+    `create it first`. Now each is refused on one line before any work, the hint naming the path meant; nothing
+    is written in the current directory or the home folder."""
+    ck = copy_checkpoint(sample_ckpt, tmp_path / "ck")
+    home, work = tmp_path / "home", tmp_path / "work"
+    home.mkdir()
+    work.mkdir()
+    monkeypatch.chdir(work)
+    res = runner.invoke(app, [a.format(ck=ck) for a in args], env={"HOME": str(home)})
+    meant = home / given.split("~/")[1]
+    assert res.exit_code == 2, res.output
+    assert res.stdout == ""
+    assert res.stderr.splitlines() == [
+        f"error: [E600] {given}: the shell did not expand ~ (it does not inside quotes or after an option's =); "
+        "as given, it names a folder ~ in the current directory, not the home folder",
+        f"hint: pass {meant}",
+    ], res.stderr
+    assert list(work.iterdir()) == [] and list(home.iterdir()) == []
+
+
+def test_a_folder_named_tilde_that_exists_is_taken_as_given(
+    sample_ckpt: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A folder literally named `~` that the user made is an ordinary output location."""
+    ck = copy_checkpoint(sample_ckpt, tmp_path / "ck")
+    (tmp_path / "~").mkdir()
+    monkeypatch.chdir(tmp_path)
+    res = runner.invoke(app, ["export", str(ck), "~/hf"], env={"HOME": str(tmp_path / "home")})
+    assert res.exit_code == 0, res.output
+    assert (tmp_path / "~" / "hf" / "model.safetensors").is_file() and not (tmp_path / "home").exists()
+
+
+def test_a_manifest_given_with_an_unexpanded_tilde_is_named_with_its_expansion(
+    sample_ckpt: Path, tmp_path: Path
+) -> None:
+    """`validate ck --manifest=~/ck/manifest.json` (no expansion after `=`): the hint said `write one with
+    ckpttool manifest DIR` beside a manifest that exists; it now names the path meant."""
+    ck = copy_checkpoint(sample_ckpt, tmp_path / "ck")
+    assert runner.invoke(app, ["manifest", str(ck)]).exit_code == 0
+    res = runner.invoke(app, ["validate", str(ck), "--manifest=~/ck/manifest.json"], env={"HOME": str(tmp_path)})
+    assert res.exit_code == 2 and res.stdout == ""
+    assert res.stderr.splitlines() == [
+        "error: [E100] ~/ck/manifest.json: no such manifest file",
+        "hint: the shell did not expand ~ (it does not inside quotes or after an option's =): "
+        f"pass {ck / 'manifest.json'}",
+    ], res.stderr
+    assert runner.invoke(app, ["validate", str(ck), f"--manifest={ck / 'manifest.json'}"]).exit_code == 0
