@@ -319,7 +319,8 @@ def _ranks(plan: ExportPlan, cat: Catalog) -> tuple[dict[str, int], bool]:
 
     Every module's factors are checked as PEFT would need them: both ``A`` and ``B`` (PEFT loads a missing one
     freshly initialised, with at most a warning), 2-D, ``B [out, r]`` and ``A [r, in]`` of one rank, and, where
-    the checkpoint holds the module's ``base_layer.weight``, ``[out, in]`` its shape.
+    the checkpoint holds the module's ``base_layer.weight``, ``[out, in]`` its shape (or ``[in, out]``: a Conv1D weight,
+    which PEFT adapts with ``fan_in_fan_out``).
 
     Raises:
         ExportError: no ``lora_A`` / ``lora_embedding_A`` tensor, an incomplete pair, or factor shapes that do not fit.
@@ -353,8 +354,9 @@ def _ranks(plan: ExportPlan, cat: Catalog) -> tuple[dict[str, int], bool]:
                 hint="export a checkpoint that holds both LoRA factors of every module (check `filter_glob`)",
             )
         base = bases.get(module)
-        want = None if base is None else (base if kind == "lora_" else base[::-1])  # an embedding is [in, out]
-        if len(a) != 2 or len(b) != 2 or b[1] != a[0] or (want is not None and (b[0], a[1]) != want):
+        # an embedding is [in, out]; so is a Conv1D weight (GPT-2's), whose LoRA PEFT runs with fan_in_fan_out
+        wants = () if base is None else ((base, base[::-1]) if kind == "lora_" else (base[::-1],))
+        if len(a) != 2 or len(b) != 2 or b[1] != a[0] or (wants and (b[0], a[1]) not in wants):
             raise ExportError(
                 f"{module}: {kind}B {list(b)} and {kind}A {list(a)} do not form a LoRA pair B [out, r] @ A [r, in]"
                 + ("" if base is None else f" of its base weight {list(base)}"),

@@ -8,7 +8,8 @@ slab of ``W`` (``[out, in]``): for the columns ``c0..c1`` of row ``i``,
 ``--save-dtype``), rounded once. ``A`` ``[r, in]`` and ``B`` ``[out, r]`` are read once, in FP32.
 
 Not implemented, refused by name: DoRA (``use_dora``, ``lora_magnitude_vector``), rsLoRA
-(``use_rslora``: scaling ``alpha / sqrt(r)``), LoRA on embeddings, ``fan_in_fan_out`` (Conv1D).
+(``use_rslora``: scaling ``alpha / sqrt(r)``), LoRA on embeddings. A ``Conv1D`` weight (``[in, out]``, PEFT's
+``fan_in_fan_out``) is given the factors transposed (``A.T``, ``B.T``): ``W + s * (B @ A).T``.
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ def lora_scaling(module: str, r: int, config: dict[str, Any] | None, lora_alpha:
     """``alpha / r`` for ``module`` (``alpha_pattern`` first, then ``lora_alpha``; ``lora_alpha`` arg overrides).
 
     Raises:
-        ExportError: alpha unknown, rsLoRA or DoRA in the config, or ``fan_in_fan_out``.
+        ExportError: alpha unknown, rsLoRA or DoRA in the config.
     """
     cfg = config or {}
     for flag, what in (("use_dora", "DoRA"), ("use_rslora", "rsLoRA (alpha / sqrt(r) scaling)")):
@@ -40,12 +41,6 @@ def lora_scaling(module: str, r: int, config: dict[str, Any] | None, lora_alpha:
                 param="adapter_config",
                 hint="merge with PEFT's merge_and_unload(), or export the adapter with `fmt` lora",
             )
-    if cfg.get("fan_in_fan_out"):
-        raise ExportError(
-            "the adapter config sets fan_in_fan_out (Conv1D weights): the merge is not implemented",
-            param="adapter_config",
-            hint="merge with PEFT's merge_and_unload()",
-        )
     alpha: Any = lora_alpha
     alpha_pattern = cfg.get("alpha_pattern") or {}
     if alpha is None and (key := pattern_key(alpha_pattern, module)) is not None:

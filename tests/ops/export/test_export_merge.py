@@ -129,3 +129,69 @@ def test_filtered_merge_reports_unmerged_factors_as_filtered(lora_ckpt: Path, tm
     merged = skipped["LoRA factor merged into its base weight"]["keys"]
     assert merged and all(".layers.0." in k for k in merged)
     assert any(".layers.1." in k and ".lora_A." in k for k in skipped["excluded by `filter_glob`"]["keys"])
+
+
+def test_a_gpt2_conv1d_lora_exports_and_merges_as_peft_does(tmp_path: Path) -> None:
+    """GPT-2's attention and MLP are Conv1D (weights stored [in, out]); PEFT adapts them with fan_in_fan_out (set by
+    the module's type) and merges the delta transposed. Before, `--format lora` refused PEFT's own adapter (E601
+    "do not form a LoRA pair ... of its base weight [32, 96]") and so did the merge, which refused fan_in_fan_out by
+    name. Now the adapter holds PEFT's keys and bytes and loads with the trained logits; the merge equals
+    `merge_and_unload()`'s weights, the square attn.c_proj (which the shapes cannot tell from a Linear) included,
+    told by config.json's model class or the adapter config; with neither, it is refused (E601), not guessed."""
+    import torch.distributed.checkpoint as dcp
+    from peft import LoraConfig, PeftModel, get_peft_model
+    from safetensors.torch import load_file
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    hf_models._quiet()
+    torch.manual_seed(21)
+    cfg = GPT2Config(vocab_size=64, n_embd=32, n_layer=2, n_head=4, n_positions=64, bos_token_id=0, eos_token_id=0)
+    GPT2LMHeadModel(cfg).save_pretrained(tmp_path / "base")
+    lcfg = LoraConfig(r=4, lora_alpha=8, target_modules=["c_attn", "c_proj"], fan_in_fan_out=True)
+    model = get_peft_model(load_hf(tmp_path / "base", GPT2LMHeadModel), lcfg)
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+    ids = torch.randint(0, 64, (2, 12), generator=torch.Generator().manual_seed(21))
+    for _ in range(2):
+        model(ids, labels=ids).loss.backward()
+        opt.step()
+        opt.zero_grad()
+    model.eval()
+    with torch.no_grad():
+        want = model(ids).logits
+    dcp.save({"model": dict(model.state_dict())}, checkpoint_id=str(tmp_path / "ckpt"))
+    model.save_pretrained(tmp_path / "peft")
+    ck, given = str(tmp_path / "ckpt"), str(tmp_path / "peft" / "adapter_config.json")
+
+    res = export_cli(ck, str(tmp_path / "o"), "--format", "lora", "--adapter-config", given)
+    assert res.exit_code == 0, res.stderr
+    ours, peft = (
+        load_file(tmp_path / "o" / "adapter_model.safetensors"),
+        load_file(tmp_path / "peft" / "adapter_model.safetensors"),
+    )
+    assert sorted(ours) == sorted(peft) and all(torch.equal(ours[k], peft[k]) for k in peft)
+    loaded = PeftModel.from_pretrained(load_hf(tmp_path / "base", GPT2LMHeadModel), tmp_path / "o").eval()
+    with torch.no_grad():
+        assert torch.equal(loaded(ids).logits, want)
+
+    ref = PeftModel.from_pretrained(load_hf(tmp_path / "base", GPT2LMHeadModel), tmp_path / "peft").merge_and_unload()
+    ref_sd = ref.state_dict()
+    for name, args in [
+        ("m1", ("--model-assets", str(tmp_path / "base"), "--lora-alpha", "8")),
+        ("m2", ("--adapter-config", given)),
+    ]:
+        res = export_cli(ck, str(tmp_path / name), "--format", "hf-merged", *args)
+        assert res.exit_code == 0, res.stderr
+        got = load_file(tmp_path / name / "model.safetensors")
+        for k in (
+            "transformer.h.0.attn.c_attn.weight",
+            "transformer.h.0.attn.c_proj.weight",
+            "transformer.h.1.mlp.c_proj.weight",
+        ):
+            torch.testing.assert_close(got[k], ref_sd[k], rtol=0, atol=1e-6)
+            assert not torch.equal(got[k], load_file(tmp_path / "base" / "model.safetensors")[k])
+    merged = load_hf(tmp_path / "m1", GPT2LMHeadModel).eval()
+    with torch.no_grad():
+        torch.testing.assert_close(merged(ids).logits, want, rtol=0, atol=1e-5)
+    res = export_cli(ck, str(tmp_path / "m3"), "--format", "hf-merged", "--lora-alpha", "8")
+    assert_clean_failure(res, "E601", "attn.c_proj.base_layer.weight", "cannot be told")
+    assert not (tmp_path / "m3").exists()
