@@ -195,3 +195,52 @@ def test_a_gpt2_conv1d_lora_exports_and_merges_as_peft_does(tmp_path: Path) -> N
     res = export_cli(ck, str(tmp_path / "m3"), "--format", "hf-merged", "--lora-alpha", "8")
     assert_clean_failure(res, "E601", "attn.c_proj.base_layer.weight", "cannot be told")
     assert not (tmp_path / "m3").exists()
+
+
+def test_a_sequence_classifier_merges_as_peft_does(tmp_path: Path) -> None:
+    """A LoRA classifier (LlamaForSequenceClassification, task_type SEQ_CLS: PEFT trains the `score` head in full as a
+    modules_to_save copy). Before, `hf-merged` with the base model's config.json (architectures
+    LlamaForSequenceClassification) was refused E605 "does not fit LlamaForCausalLM ... missing lm_head.weight |
+    unexpected score.weight": the model check always built the causal LM. Now it builds the class the config names
+    and the merged model's logits equal `merge_and_unload()`'s, the trained score head included."""
+    import torch.distributed.checkpoint as dcp
+    from peft import LoraConfig, PeftModel, get_peft_model
+    from transformers import LlamaForSequenceClassification
+
+    hf_models._quiet()
+    torch.manual_seed(22)
+    cfg = hf_models.llama_config()
+    cfg.pad_token_id, cfg.num_labels = 0, 3
+    LlamaForSequenceClassification(cfg).save_pretrained(tmp_path / "base")
+    lcfg = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], task_type="SEQ_CLS")
+    model = get_peft_model(load_hf(tmp_path / "base", LlamaForSequenceClassification), lcfg)
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+    ids = torch.randint(1, cfg.vocab_size, (2, 12), generator=torch.Generator().manual_seed(22))
+    for _ in range(2):
+        model(ids, labels=torch.tensor([0, 2])).loss.backward()
+        opt.step()
+        opt.zero_grad()
+    model.eval()
+    with torch.no_grad():
+        want = model(ids).logits
+    dcp.save({"model": dict(model.state_dict())}, checkpoint_id=str(tmp_path / "ckpt"))
+    model.save_pretrained(tmp_path / "peft")
+
+    res = export_cli(
+        str(tmp_path / "ckpt"),
+        str(tmp_path / "m"),
+        "--format",
+        "hf-merged",
+        "--model-assets",
+        str(tmp_path / "base"),
+        "--adapter-config",
+        str(tmp_path / "peft" / "adapter_config.json"),
+    )
+    assert res.exit_code == 0, res.stderr
+    base = load_hf(tmp_path / "base", LlamaForSequenceClassification)
+    ref = PeftModel.from_pretrained(base, tmp_path / "peft").merge_and_unload().eval()
+    merged = load_hf(tmp_path / "m", LlamaForSequenceClassification).eval()
+    with torch.no_grad():
+        got = merged(ids).logits
+        torch.testing.assert_close(got, ref(ids).logits, rtol=0, atol=1e-6)
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-5)
