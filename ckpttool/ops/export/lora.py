@@ -500,7 +500,10 @@ def peft_target_matches(module: str, config: dict[str, Any] | None) -> bool:
     a ``target_modules`` string is a regex matched against the whole path (``"all-linear"``: every module but
     ``lm_head``); a list matches a path equal to an entry, or ending with ``"." + entry`` and, with
     ``layers_to_transform``, whose layer index (after ``layers_pattern``, else the first numbered segment) is listed.
-    ``None`` (no config, or no ``target_modules``) matches everything (PEFT fills it per model).
+    ``None`` (no config, or no ``target_modules``) matches everything (PEFT fills it per model). A module whose
+    ``weight`` ``target_parameters`` names (``"gate.weight"``: PEFT's ``ParamWrapper``, which PEFT also makes of a
+    ``target_modules`` entry naming a module that is no layer it knows, such as Qwen3-MoE's router) is matched too:
+    as ``_inject_parameters``, the ``<module>.<parameter>`` path equal to an entry or ending with ``"." + entry``.
     """
     cfg = config or {}
     exclude = cfg.get("exclude_modules")
@@ -510,9 +513,12 @@ def peft_target_matches(module: str, config: dict[str, Any] | None) -> bool:
         return False
     if any(isinstance(m, str) and re.match(rf"(^|.*\.){m}($|\..*)", module) for m in cfg.get("modules_to_save") or []):
         return False
+    params = cfg.get("target_parameters")
+    if isinstance(params, list) and _in_list(f"{module}.weight", params):
+        return True  # a ParamWrapper on a module's own 2-D `weight` (a router's): its factors are a Linear's
     target = cfg.get("target_modules")
     if target is None:
-        return not cfg.get("target_parameters")
+        return not params
     if isinstance(target, str):
         if target == "all-linear":
             return module.rsplit(".", 1)[-1] != "lm_head"
