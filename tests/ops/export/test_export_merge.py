@@ -57,20 +57,64 @@ def test_merge_without_alpha_is_refused(lora_ckpt: Path, tmp_path: Path) -> None
     assert_clean_failure(res, "E601", "lora_alpha is unknown")
 
 
-@pytest.mark.parametrize("flag", ["use_dora", "use_rslora"])
-def test_dora_and_rslora_are_refused_by_name(lora_ckpt: Path, tmp_path: Path, flag: str) -> None:  # noqa: F811
+def test_dora_is_refused_by_name(lora_ckpt: Path, tmp_path: Path) -> None:  # noqa: F811
     cfg = {
         "peft_type": "LORA",
         "r": hf_models.LORA_R,
         "lora_alpha": 8,
         "target_modules": ["q_proj", "v_proj"],
-        flag: True,
+        "use_dora": True,
     }
     (tmp_path / "adapter_config.json").write_text(json.dumps(cfg))
     res = export_cli(
         str(lora_ckpt), str(tmp_path / "o"), "--merge-lora", "--adapter-config", str(tmp_path / "adapter_config.json")
     )
-    assert_clean_failure(res, "E601", "DoRA" if flag == "use_dora" else "rsLoRA")
+    assert_clean_failure(res, "E601", "DoRA")
+
+
+def test_an_rslora_merge_scales_as_peft_does(tmp_path: Path) -> None:
+    """LoraConfig(use_rslora=True) scales the delta by alpha / sqrt(r), not alpha / r. Before, every rsLoRA merge
+    was refused (E601 "the rsLoRA ... merge is not implemented"); now, with the run's adapter config (its
+    rank_pattern and alpha_pattern too), the merged weights equal `merge_and_unload()`'s and give the trained logits."""
+    from peft import LoraConfig, PeftModel
+    from safetensors.torch import load_file
+    from transformers import LlamaForCausalLM
+
+    from tests.ops.export.test_export_lora_inputs import _trained_peft
+
+    lcfg = LoraConfig(
+        r=4,
+        lora_alpha=8,
+        target_modules=["q_proj", "v_proj", "down_proj"],
+        use_rslora=True,
+        rank_pattern={"v_proj": 2},
+        alpha_pattern={"down_proj": 32},
+        task_type="CAUSAL_LM",
+    )
+    ids, want = _trained_peft(tmp_path, 16, lcfg)
+    given = str(tmp_path / "peft" / "adapter_config.json")
+    res = export_cli(
+        str(tmp_path / "ckpt"),
+        str(tmp_path / "m"),
+        "--format",
+        "hf-merged",
+        "--adapter-config",
+        given,
+        "--model-assets",
+        str(tmp_path / "base"),
+    )
+    assert res.exit_code == 0, res.stderr
+    ref = PeftModel.from_pretrained(load_hf(tmp_path / "base", LlamaForCausalLM), tmp_path / "peft")
+    ref_sd = ref.merge_and_unload().state_dict()
+    got = load_file(tmp_path / "m" / "model.safetensors")
+    for k in ("q_proj", "v_proj"):
+        key = f"model.layers.0.self_attn.{k}.weight"
+        torch.testing.assert_close(got[key], ref_sd[key], rtol=0, atol=1e-6)
+    key = "model.layers.1.mlp.down_proj.weight"
+    torch.testing.assert_close(got[key], ref_sd[key], rtol=0, atol=1e-6)
+    merged = load_hf(tmp_path / "m", LlamaForCausalLM).eval()
+    with torch.no_grad():
+        torch.testing.assert_close(merged(ids).logits, want, rtol=0, atol=1e-5)
 
 
 def test_merge_that_changes_nothing_is_refused(lora_ckpt: Path, tmp_path: Path) -> None:  # noqa: F811
