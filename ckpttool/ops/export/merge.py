@@ -9,7 +9,8 @@ slab of ``W`` (``[out, in]``): for the columns ``c0..c1`` of row ``i``,
 
 rsLoRA (``use_rslora``) scales by ``alpha / sqrt(r)``, as PEFT does. A ``Conv1D`` weight (``[in, out]``, PEFT's
 ``fan_in_fan_out``) is given the factors transposed (``A.T``, ``B.T``): ``W + s * (B @ A).T``.
-Not implemented, refused by name: DoRA (``use_dora``, ``lora_magnitude_vector``), LoRA on embeddings.
+So is an embedding's ``lora_embedding_A`` / ``lora_embedding_B`` (PEFT's ``Embedding``: ``(B @ A).T``).
+Not implemented, refused by name: DoRA (``use_dora``, ``lora_magnitude_vector``).
 """
 
 from __future__ import annotations

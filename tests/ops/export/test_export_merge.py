@@ -288,3 +288,35 @@ def test_a_sequence_classifier_merges_as_peft_does(tmp_path: Path) -> None:
         got = merged(ids).logits
         torch.testing.assert_close(got, ref(ids).logits, rtol=0, atol=1e-6)
     torch.testing.assert_close(got, want, rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_lora_on_the_embedding_merges_as_peft_does(tmp_path: Path, tied: bool) -> None:
+    """LoRA on `embed_tokens` (PEFT's Embedding: lora_embedding_A [r, vocab], lora_embedding_B [dim, r], delta
+    (B @ A).T). Before, every such merge was refused (E601 "LoRA on an embedding; its merge is not implemented").
+    Now the merged embedding equals `merge_and_unload()`'s and the merged model gives the trained logits; with tied
+    embeddings (the merged embedding would be the head too, the trained head is the unmerged one) it is E601."""
+    from peft import LoraConfig, PeftModel
+    from safetensors.torch import load_file
+    from transformers import LlamaForCausalLM
+
+    from tests.ops.export.test_export_lora_inputs import _trained_peft
+
+    lcfg = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "embed_tokens"], task_type="CAUSAL_LM")
+    ids, want = _trained_peft(tmp_path, 17, lcfg, tied=tied)
+    given = str(tmp_path / "peft" / "adapter_config.json")
+    args = ("--format", "hf-merged", "--adapter-config", given, "--model-assets", str(tmp_path / "base"))
+    res = export_cli(str(tmp_path / "ckpt"), str(tmp_path / "m"), *args)
+    if tied:
+        assert_clean_failure(res, "E601", "embed_tokens", "tie_word_embeddings: true")
+        assert not (tmp_path / "m").exists()
+        return
+    assert res.exit_code == 0, res.stderr
+    ref = PeftModel.from_pretrained(load_hf(tmp_path / "base", LlamaForCausalLM), tmp_path / "peft")
+    key = "model.embed_tokens.weight"
+    got = load_file(tmp_path / "m" / "model.safetensors")[key]
+    torch.testing.assert_close(got, ref.merge_and_unload().state_dict()[key], rtol=0, atol=1e-6)
+    assert not torch.equal(got, load_file(tmp_path / "base" / "model.safetensors")[key])
+    merged = load_hf(tmp_path / "m", LlamaForCausalLM).eval()
+    with torch.no_grad():
+        torch.testing.assert_close(merged(ids).logits, want, rtol=0, atol=1e-5)

@@ -143,7 +143,7 @@ def _lora_pairs(cat: Catalog) -> tuple[dict[str, dict[str, str]], str]:
     """Module path -> ``{"lora_A": key, "lora_B": key}``, and the one adapter's name.
 
     Raises:
-        ExportError: DoRA, LoRA on an embedding, a lora_B bias, trainable tokens, no LoRA tensor, several adapters.
+        ExportError: DoRA, a lora_B bias, trainable tokens, no LoRA tensor, several adapters.
     """
     pairs: dict[str, dict[str, str]] = {}
     names: set[str] = set()
@@ -172,14 +172,9 @@ def _lora_pairs(cat: Catalog) -> tuple[dict[str, dict[str, str]], str]:
                 fqn=key,
                 hint="merge with PEFT's merge_and_unload(), or export the adapter with `fmt` lora",
             )
-        if part.startswith("lora_embedding"):
-            raise ExportError(
-                f"{key}: LoRA on an embedding; its merge is not implemented",
-                fqn=key,
-                hint="export the adapter with `fmt` lora",
-            )
         names.add(m["adapter"])
-        pairs.setdefault(m["module"], {})[part] = key
+        # an embedding's lora_embedding_A [r, num] / lora_embedding_B [dim, r]: merged transposed (_conv1d_weights)
+        pairs.setdefault(m["module"], {})[part.replace("embedding_", "")] = key
     if not pairs:
         raise ExportError(
             f"{cat.path}: no LoRA tensor (lora_A / lora_B) to merge",
@@ -276,7 +271,8 @@ def lora_merges(
 
 def _conv1d_weights(read: list[Any], config: dict[str, Any] | None, model_config: dict[str, Any] | None) -> set[str]:
     """Source keys of the base weights stored ``[in, out]``, as a ``Conv1D`` stores them (PEFT sets
-    ``fan_in_fan_out`` by the module's type, whatever the config says), which take the delta transposed.
+    ``fan_in_fan_out`` by the module's type, whatever the config says), and of the embeddings (``lora_embedding_A``
+    ``[r, num_embeddings]``, ``lora_embedding_B`` ``[embedding_dim, r]``), which take the delta transposed.
 
     ``read``: ``(task, pair, A, B)``. A non-square weight tells by its shape; a square one by the ``model_config``
     class (its module is no ``nn.Linear``), else by the adapter config's ``fan_in_fan_out``.
@@ -287,8 +283,11 @@ def _conv1d_weights(read: list[Any], config: dict[str, Any] | None, model_config
     from ckpttool.ops.export.expected import not_linear_weights
 
     flipped, square = set(), []
-    for t, _, a, b in read:
+    for t, pair, a, b in read:
         w, delta = t.selected.source, (b.shape[0], a.shape[1]) if a.ndim == 2 and b.ndim == 2 else None
+        if ".lora_embedding_A." in pair.a_key:  # PEFT's Embedding: delta (B @ A).T, whatever the shapes
+            flipped.add(w.key)
+            continue
         if delta is None or tuple(w.shape) != delta[::-1]:
             continue
         if tuple(w.shape) != delta:
