@@ -320,3 +320,11 @@ def test_lora_on_the_embedding_merges_as_peft_does(tmp_path: Path, tied: bool) -
     merged = load_hf(tmp_path / "m", LlamaForCausalLM).eval()
     with torch.no_grad():
         torch.testing.assert_close(merged(ids).logits, want, rtol=0, atol=1e-5)
+    # no config.json and no adapter config: the square q_proj beside the embedding is merged as a Linear
+    res = export_cli(str(tmp_path / "ckpt"), str(tmp_path / "m2"), "--format", "hf-merged", "--lora-alpha", "8")
+    assert res.exit_code == 0, res.stderr
+    assert torch.equal(load_file(tmp_path / "m2" / "model.safetensors")[key], got)
+    q = "model.layers.0.self_attn.q_proj.weight"
+    assert torch.equal(
+        load_file(tmp_path / "m2" / "model.safetensors")[q], load_file(tmp_path / "m" / "model.safetensors")[q]
+    )

@@ -55,7 +55,7 @@ class HFMergedFormat(HFFormat):
         ``original_module.`` (as ``merge_and_unload``); the LoRA factors are read, not written.
 
         Raises:
-            ExportError: DoRA (``lora_magnitude_vector``), LoRA on embeddings, several adapters, a
+            ExportError: DoRA (``lora_magnitude_vector``), several adapters, a
                 ``lora_A`` without its ``lora_B`` / base weight, no LoRA tensor at all, ``weights`` master.
         """
         from ckpttool.ops.export.plan import LoraPair, Selected
@@ -282,11 +282,11 @@ def _conv1d_weights(read: list[Any], config: dict[str, Any] | None, model_config
     """
     from ckpttool.ops.export.expected import not_linear_weights
 
-    flipped, square = set(), []
+    flipped, square, embeddings = set(), [], set()
     for t, pair, a, b in read:
         w, delta = t.selected.source, (b.shape[0], a.shape[1]) if a.ndim == 2 and b.ndim == 2 else None
         if ".lora_embedding_A." in pair.a_key:  # PEFT's Embedding: delta (B @ A).T, whatever the shapes
-            flipped.add(w.key)
+            embeddings.add(w.key)
             continue
         if delta is None or tuple(w.shape) != delta[::-1]:
             continue
@@ -295,10 +295,10 @@ def _conv1d_weights(read: list[Any], config: dict[str, Any] | None, model_config
         else:
             square.append((w.key, t.pieces[0].name))
     if not square:
-        return flipped
+        return flipped | embeddings
     got = not_linear_weights(model_config, [n for _, n in square]) if model_config else None
     if got is not None:
-        return flipped | {k for k, n in square if n in got[1]}
+        return flipped | embeddings | {k for k, n in square if n in got[1]}
     if config is None and flipped:
         raise ExportError(
             f"{square[0][0]}: a square weight beside LoRA-adapted Conv1D ([in, out]) weights such as "
@@ -306,7 +306,7 @@ def _conv1d_weights(read: list[Any], config: dict[str, Any] | None, model_config
             fqn=square[0][0],
             hint="pass `model_assets` with the model's config.json, or the run's adapter_config.json",
         )
-    return flipped | ({k for k, _ in square} if (config or {}).get("fan_in_fan_out") else set())
+    return flipped | embeddings | ({k for k, _ in square} if (config or {}).get("fan_in_fan_out") else set())
 
 
 register_format(HFMergedFormat())
