@@ -1184,6 +1184,15 @@ def _tied(
             hint="set tie_word_embeddings to false in the `model_assets` config.json to write the merged lm_head "
             "beside the embedding (the trained model's logits), or export the adapter with `fmt` lora",
         )
+    if tie and embed is not None and embed.merge is not None:
+        # the trained model's head is the unmerged embedding; the merged one, tied, would be the head as well
+        raise ExportError(
+            f"{embed.model_key}: a LoRA adapter is merged into the embedding but config.json says "
+            "tie_word_embeddings: true, so the output head would be the merged embedding (the trained model's is the "
+            "unmerged one)",
+            fqn=embed.model_key,
+            hint="export the adapter with `fmt` lora",
+        )
     if tie:
         if lm_head is None:
             tied = "absent"

@@ -35,7 +35,10 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 _FOLDER = "model-shapes-v1"
-_ENTRY_FORMAT = 2  # 2: ``not_linear`` (entries of format 1 are ignored and rebuilt)
+_ENTRY_FORMAT = 3  # 2: ``not_linear``; 3: task-head classes (entries of older formats are ignored and rebuilt)
+#: ``architectures`` classes built as named, not as the causal LM: their head (``score``, ``classifier``,
+#: ``qa_outputs``) replaces ``lm_head``
+HEAD_SUFFIXES = ("ForSequenceClassification", "ForTokenClassification", "ForQuestionAnswering")
 _MAX_ENTRY_BYTES = 64 << 20
 _MAX_DIM = 1 << 62
 _MAX_NDIM = 64
@@ -206,7 +209,9 @@ def expected_state_dict(config: dict[str, Any]) -> Expected | str:
 
 
 def _meta_model(config: dict[str, Any], mt: str) -> tuple[Any, Any] | str:
-    """``(model, its config)``: the causal LM transformers builds from ``config`` on the meta device, or why not."""
+    """``(model, its config)``: the model transformers builds from ``config`` on the meta device, or why not: the
+    causal LM, or the class ``architectures[0]`` names when that is a task head (:data:`HEAD_SUFFIXES`: a
+    ``LlamaForSequenceClassification`` has ``score``, no ``lm_head``)."""
     try:
         import torch
         from transformers import AutoConfig, AutoModelForCausalLM
@@ -220,9 +225,26 @@ def _meta_model(config: dict[str, Any], mt: str) -> tuple[Any, Any] | str:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             with torch.device("meta"):
+                head = _head_class(config)
+                if head is not None:
+                    return head(cfg), cfg
                 return AutoModelForCausalLM.from_config(cfg), cfg  # type: ignore[no-untyped-call]
     except Exception as e:  # a model_type transformers does not know, a config its class rejects
         return f"transformers cannot build a causal LM from this config ({type(e).__name__}: {str(e)[:160]})"
+
+
+def _head_class(config: dict[str, Any]) -> Any:
+    """The transformers class ``architectures[0]`` names when it is a task head (:data:`HEAD_SUFFIXES`), else None."""
+    arch = config.get("architectures")
+    name = arch[0] if isinstance(arch, list) and arch else None
+    if not isinstance(name, str) or not name.endswith(HEAD_SUFFIXES):
+        return None
+    import transformers
+
+    try:
+        return getattr(transformers, name)
+    except (AttributeError, ImportError):  # a class this transformers does not have: the causal LM is checked
+        return None
 
 
 def not_linear_weights(config: dict[str, Any], names: list[str]) -> tuple[str, list[str]] | None:

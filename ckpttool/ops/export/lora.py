@@ -319,7 +319,8 @@ def _ranks(plan: ExportPlan, cat: Catalog) -> tuple[dict[str, int], bool]:
 
     Every module's factors are checked as PEFT would need them: both ``A`` and ``B`` (PEFT loads a missing one
     freshly initialised, with at most a warning), 2-D, ``B [out, r]`` and ``A [r, in]`` of one rank, and, where
-    the checkpoint holds the module's ``base_layer.weight``, ``[out, in]`` its shape.
+    the checkpoint holds the module's ``base_layer.weight``, ``[out, in]`` its shape (or ``[in, out]``: a Conv1D weight,
+    which PEFT adapts with ``fan_in_fan_out``).
 
     Raises:
         ExportError: no ``lora_A`` / ``lora_embedding_A`` tensor, an incomplete pair, or factor shapes that do not fit.
@@ -353,8 +354,9 @@ def _ranks(plan: ExportPlan, cat: Catalog) -> tuple[dict[str, int], bool]:
                 hint="export a checkpoint that holds both LoRA factors of every module (check `filter_glob`)",
             )
         base = bases.get(module)
-        want = None if base is None else (base if kind == "lora_" else base[::-1])  # an embedding is [in, out]
-        if len(a) != 2 or len(b) != 2 or b[1] != a[0] or (want is not None and (b[0], a[1]) != want):
+        # an embedding is [in, out]; so is a Conv1D weight (GPT-2's), whose LoRA PEFT runs with fan_in_fan_out
+        wants = () if base is None else ((base, base[::-1]) if kind == "lora_" else (base[::-1],))
+        if len(a) != 2 or len(b) != 2 or b[1] != a[0] or (wants and (b[0], a[1]) not in wants):
             raise ExportError(
                 f"{module}: {kind}B {list(b)} and {kind}A {list(a)} do not form a LoRA pair B [out, r] @ A [r, in]"
                 + ("" if base is None else f" of its base weight {list(base)}"),
@@ -498,7 +500,10 @@ def peft_target_matches(module: str, config: dict[str, Any] | None) -> bool:
     a ``target_modules`` string is a regex matched against the whole path (``"all-linear"``: every module but
     ``lm_head``); a list matches a path equal to an entry, or ending with ``"." + entry`` and, with
     ``layers_to_transform``, whose layer index (after ``layers_pattern``, else the first numbered segment) is listed.
-    ``None`` (no config, or no ``target_modules``) matches everything (PEFT fills it per model).
+    ``None`` (no config, or no ``target_modules``) matches everything (PEFT fills it per model). A module whose
+    ``weight`` ``target_parameters`` names (``"gate.weight"``: PEFT's ``ParamWrapper``, which PEFT also makes of a
+    ``target_modules`` entry naming a module that is no layer it knows, such as Qwen3-MoE's router) is matched too:
+    as ``_inject_parameters``, the ``<module>.<parameter>`` path equal to an entry or ending with ``"." + entry``.
     """
     cfg = config or {}
     exclude = cfg.get("exclude_modules")
@@ -508,9 +513,12 @@ def peft_target_matches(module: str, config: dict[str, Any] | None) -> bool:
         return False
     if any(isinstance(m, str) and re.match(rf"(^|.*\.){m}($|\..*)", module) for m in cfg.get("modules_to_save") or []):
         return False
+    params = cfg.get("target_parameters")
+    if isinstance(params, list) and _in_list(f"{module}.weight", params):
+        return True  # a ParamWrapper on a module's own 2-D `weight` (a router's): its factors are a Linear's
     target = cfg.get("target_modules")
     if target is None:
-        return not cfg.get("target_parameters")
+        return not params
     if isinstance(target, str):
         if target == "all-linear":
             return module.rsplit(".", 1)[-1] != "lm_head"

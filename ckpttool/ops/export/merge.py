@@ -7,12 +7,15 @@ slab of ``W`` (``[out, in]``): for the columns ``c0..c1`` of row ``i``,
 ``W[i, c0:c1] + s * (B[i] @ A[:, c0:c1])``; the result is written in ``W``'s stored dtype (or
 ``--save-dtype``), rounded once. ``A`` ``[r, in]`` and ``B`` ``[out, r]`` are read once, in FP32.
 
-Not implemented, refused by name: DoRA (``use_dora``, ``lora_magnitude_vector``), rsLoRA
-(``use_rslora``: scaling ``alpha / sqrt(r)``), LoRA on embeddings, ``fan_in_fan_out`` (Conv1D).
+rsLoRA (``use_rslora``) scales by ``alpha / sqrt(r)``, as PEFT does. A ``Conv1D`` weight (``[in, out]``, PEFT's
+``fan_in_fan_out``) is given the factors transposed (``A.T``, ``B.T``): ``W + s * (B @ A).T``.
+So is an embedding's ``lora_embedding_A`` / ``lora_embedding_B`` (PEFT's ``Embedding``: ``(B @ A).T``).
+Not implemented, refused by name: DoRA (``use_dora``, ``lora_magnitude_vector``).
 """
 
 from __future__ import annotations
 
+import math
 from typing import TYPE_CHECKING, Any
 
 from ckpttool.errors import ExportError
@@ -27,24 +30,18 @@ __all__ = ["LoraMerge", "lora_scaling"]
 
 
 def lora_scaling(module: str, r: int, config: dict[str, Any] | None, lora_alpha: float | None) -> float:
-    """``alpha / r`` for ``module`` (``alpha_pattern`` first, then ``lora_alpha``; ``lora_alpha`` arg overrides).
+    """``alpha / r`` for ``module`` (``alpha_pattern`` first, then ``lora_alpha``; ``lora_alpha`` arg overrides);
+    ``alpha / sqrt(r)`` when the config sets ``use_rslora`` (rsLoRA, Kalajdzievski 2023, as PEFT scales it).
 
     Raises:
-        ExportError: alpha unknown, rsLoRA or DoRA in the config, or ``fan_in_fan_out``.
+        ExportError: alpha unknown, DoRA in the config, ``r`` / ``rank_pattern`` not the factors' rank.
     """
     cfg = config or {}
-    for flag, what in (("use_dora", "DoRA"), ("use_rslora", "rsLoRA (alpha / sqrt(r) scaling)")):
-        if cfg.get(flag):
-            raise ExportError(
-                f"the adapter config sets {flag}: the {what} merge is not implemented",
-                param="adapter_config",
-                hint="merge with PEFT's merge_and_unload(), or export the adapter with `fmt` lora",
-            )
-    if cfg.get("fan_in_fan_out"):
+    if cfg.get("use_dora"):
         raise ExportError(
-            "the adapter config sets fan_in_fan_out (Conv1D weights): the merge is not implemented",
+            "the adapter config sets use_dora: the DoRA merge is not implemented",
             param="adapter_config",
-            hint="merge with PEFT's merge_and_unload()",
+            hint="merge with PEFT's merge_and_unload(), or export the adapter with `fmt` lora",
         )
     alpha: Any = lora_alpha
     alpha_pattern = cfg.get("alpha_pattern") or {}
@@ -68,7 +65,7 @@ def lora_scaling(module: str, r: int, config: dict[str, Any] | None, lora_alpha:
             fqn=module,
             hint="pass the adapter_config.json that belongs to this checkpoint",
         )
-    return float(alpha) / r
+    return float(alpha) / (math.sqrt(r) if cfg.get("use_rslora") else r)  # PEFT's update_layer
 
 
 class LoraMerge:

@@ -57,20 +57,64 @@ def test_merge_without_alpha_is_refused(lora_ckpt: Path, tmp_path: Path) -> None
     assert_clean_failure(res, "E601", "lora_alpha is unknown")
 
 
-@pytest.mark.parametrize("flag", ["use_dora", "use_rslora"])
-def test_dora_and_rslora_are_refused_by_name(lora_ckpt: Path, tmp_path: Path, flag: str) -> None:  # noqa: F811
+def test_dora_is_refused_by_name(lora_ckpt: Path, tmp_path: Path) -> None:  # noqa: F811
     cfg = {
         "peft_type": "LORA",
         "r": hf_models.LORA_R,
         "lora_alpha": 8,
         "target_modules": ["q_proj", "v_proj"],
-        flag: True,
+        "use_dora": True,
     }
     (tmp_path / "adapter_config.json").write_text(json.dumps(cfg))
     res = export_cli(
         str(lora_ckpt), str(tmp_path / "o"), "--merge-lora", "--adapter-config", str(tmp_path / "adapter_config.json")
     )
-    assert_clean_failure(res, "E601", "DoRA" if flag == "use_dora" else "rsLoRA")
+    assert_clean_failure(res, "E601", "DoRA")
+
+
+def test_an_rslora_merge_scales_as_peft_does(tmp_path: Path) -> None:
+    """LoraConfig(use_rslora=True) scales the delta by alpha / sqrt(r), not alpha / r. Before, every rsLoRA merge
+    was refused (E601 "the rsLoRA ... merge is not implemented"); now, with the run's adapter config (its
+    rank_pattern and alpha_pattern too), the merged weights equal `merge_and_unload()`'s and give the trained logits."""
+    from peft import LoraConfig, PeftModel
+    from safetensors.torch import load_file
+    from transformers import LlamaForCausalLM
+
+    from tests.ops.export.test_export_lora_inputs import _trained_peft
+
+    lcfg = LoraConfig(
+        r=4,
+        lora_alpha=8,
+        target_modules=["q_proj", "v_proj", "down_proj"],
+        use_rslora=True,
+        rank_pattern={"v_proj": 2},
+        alpha_pattern={"down_proj": 32},
+        task_type="CAUSAL_LM",
+    )
+    ids, want = _trained_peft(tmp_path, 16, lcfg)
+    given = str(tmp_path / "peft" / "adapter_config.json")
+    res = export_cli(
+        str(tmp_path / "ckpt"),
+        str(tmp_path / "m"),
+        "--format",
+        "hf-merged",
+        "--adapter-config",
+        given,
+        "--model-assets",
+        str(tmp_path / "base"),
+    )
+    assert res.exit_code == 0, res.stderr
+    ref = PeftModel.from_pretrained(load_hf(tmp_path / "base", LlamaForCausalLM), tmp_path / "peft")
+    ref_sd = ref.merge_and_unload().state_dict()
+    got = load_file(tmp_path / "m" / "model.safetensors")
+    for k in ("q_proj", "v_proj"):
+        key = f"model.layers.0.self_attn.{k}.weight"
+        torch.testing.assert_close(got[key], ref_sd[key], rtol=0, atol=1e-6)
+    key = "model.layers.1.mlp.down_proj.weight"
+    torch.testing.assert_close(got[key], ref_sd[key], rtol=0, atol=1e-6)
+    merged = load_hf(tmp_path / "m", LlamaForCausalLM).eval()
+    with torch.no_grad():
+        torch.testing.assert_close(merged(ids).logits, want, rtol=0, atol=1e-5)
 
 
 def test_merge_that_changes_nothing_is_refused(lora_ckpt: Path, tmp_path: Path) -> None:  # noqa: F811
@@ -129,3 +173,158 @@ def test_filtered_merge_reports_unmerged_factors_as_filtered(lora_ckpt: Path, tm
     merged = skipped["LoRA factor merged into its base weight"]["keys"]
     assert merged and all(".layers.0." in k for k in merged)
     assert any(".layers.1." in k and ".lora_A." in k for k in skipped["excluded by `filter_glob`"]["keys"])
+
+
+def test_a_gpt2_conv1d_lora_exports_and_merges_as_peft_does(tmp_path: Path) -> None:
+    """GPT-2's attention and MLP are Conv1D (weights stored [in, out]); PEFT adapts them with fan_in_fan_out (set by
+    the module's type) and merges the delta transposed. Before, `--format lora` refused PEFT's own adapter (E601
+    "do not form a LoRA pair ... of its base weight [32, 96]") and so did the merge, which refused fan_in_fan_out by
+    name. Now the adapter holds PEFT's keys and bytes and loads with the trained logits; the merge equals
+    `merge_and_unload()`'s weights, the square attn.c_proj (which the shapes cannot tell from a Linear) included,
+    told by config.json's model class or the adapter config; with neither, it is refused (E601), not guessed."""
+    import torch.distributed.checkpoint as dcp
+    from peft import LoraConfig, PeftModel, get_peft_model
+    from safetensors.torch import load_file
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    hf_models._quiet()
+    torch.manual_seed(21)
+    cfg = GPT2Config(vocab_size=64, n_embd=32, n_layer=2, n_head=4, n_positions=64, bos_token_id=0, eos_token_id=0)
+    GPT2LMHeadModel(cfg).save_pretrained(tmp_path / "base")
+    lcfg = LoraConfig(r=4, lora_alpha=8, target_modules=["c_attn", "c_proj"], fan_in_fan_out=True)
+    model = get_peft_model(load_hf(tmp_path / "base", GPT2LMHeadModel), lcfg)
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+    ids = torch.randint(0, 64, (2, 12), generator=torch.Generator().manual_seed(21))
+    for _ in range(2):
+        model(ids, labels=ids).loss.backward()
+        opt.step()
+        opt.zero_grad()
+    model.eval()
+    with torch.no_grad():
+        want = model(ids).logits
+    dcp.save({"model": dict(model.state_dict())}, checkpoint_id=str(tmp_path / "ckpt"))
+    model.save_pretrained(tmp_path / "peft")
+    ck, given = str(tmp_path / "ckpt"), str(tmp_path / "peft" / "adapter_config.json")
+
+    res = export_cli(ck, str(tmp_path / "o"), "--format", "lora", "--adapter-config", given)
+    assert res.exit_code == 0, res.stderr
+    ours, peft = (
+        load_file(tmp_path / "o" / "adapter_model.safetensors"),
+        load_file(tmp_path / "peft" / "adapter_model.safetensors"),
+    )
+    assert sorted(ours) == sorted(peft) and all(torch.equal(ours[k], peft[k]) for k in peft)
+    loaded = PeftModel.from_pretrained(load_hf(tmp_path / "base", GPT2LMHeadModel), tmp_path / "o").eval()
+    with torch.no_grad():
+        assert torch.equal(loaded(ids).logits, want)
+
+    ref = PeftModel.from_pretrained(load_hf(tmp_path / "base", GPT2LMHeadModel), tmp_path / "peft").merge_and_unload()
+    ref_sd = ref.state_dict()
+    for name, args in [
+        ("m1", ("--model-assets", str(tmp_path / "base"), "--lora-alpha", "8")),
+        ("m2", ("--adapter-config", given)),
+    ]:
+        res = export_cli(ck, str(tmp_path / name), "--format", "hf-merged", *args)
+        assert res.exit_code == 0, res.stderr
+        got = load_file(tmp_path / name / "model.safetensors")
+        for k in (
+            "transformer.h.0.attn.c_attn.weight",
+            "transformer.h.0.attn.c_proj.weight",
+            "transformer.h.1.mlp.c_proj.weight",
+        ):
+            torch.testing.assert_close(got[k], ref_sd[k], rtol=0, atol=1e-6)
+            assert not torch.equal(got[k], load_file(tmp_path / "base" / "model.safetensors")[k])
+    merged = load_hf(tmp_path / "m1", GPT2LMHeadModel).eval()
+    with torch.no_grad():
+        torch.testing.assert_close(merged(ids).logits, want, rtol=0, atol=1e-5)
+    res = export_cli(ck, str(tmp_path / "m3"), "--format", "hf-merged", "--lora-alpha", "8")
+    assert_clean_failure(res, "E601", "attn.c_proj.base_layer.weight", "cannot be told")
+    assert not (tmp_path / "m3").exists()
+
+
+def test_a_sequence_classifier_merges_as_peft_does(tmp_path: Path) -> None:
+    """A LoRA classifier (LlamaForSequenceClassification, task_type SEQ_CLS: PEFT trains the `score` head in full as a
+    modules_to_save copy). Before, `hf-merged` with the base model's config.json (architectures
+    LlamaForSequenceClassification) was refused E605 "does not fit LlamaForCausalLM ... missing lm_head.weight |
+    unexpected score.weight": the model check always built the causal LM. Now it builds the class the config names
+    and the merged model's logits equal `merge_and_unload()`'s, the trained score head included."""
+    import torch.distributed.checkpoint as dcp
+    from peft import LoraConfig, PeftModel, get_peft_model
+    from transformers import LlamaForSequenceClassification
+
+    hf_models._quiet()
+    torch.manual_seed(22)
+    cfg = hf_models.llama_config()
+    cfg.pad_token_id, cfg.num_labels = 0, 3
+    LlamaForSequenceClassification(cfg).save_pretrained(tmp_path / "base")
+    lcfg = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], task_type="SEQ_CLS")
+    model = get_peft_model(load_hf(tmp_path / "base", LlamaForSequenceClassification), lcfg)
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+    ids = torch.randint(1, cfg.vocab_size, (2, 12), generator=torch.Generator().manual_seed(22))
+    for _ in range(2):
+        model(ids, labels=torch.tensor([0, 2])).loss.backward()
+        opt.step()
+        opt.zero_grad()
+    model.eval()
+    with torch.no_grad():
+        want = model(ids).logits
+    dcp.save({"model": dict(model.state_dict())}, checkpoint_id=str(tmp_path / "ckpt"))
+    model.save_pretrained(tmp_path / "peft")
+
+    res = export_cli(
+        str(tmp_path / "ckpt"),
+        str(tmp_path / "m"),
+        "--format",
+        "hf-merged",
+        "--model-assets",
+        str(tmp_path / "base"),
+        "--adapter-config",
+        str(tmp_path / "peft" / "adapter_config.json"),
+    )
+    assert res.exit_code == 0, res.stderr
+    base = load_hf(tmp_path / "base", LlamaForSequenceClassification)
+    ref = PeftModel.from_pretrained(base, tmp_path / "peft").merge_and_unload().eval()
+    merged = load_hf(tmp_path / "m", LlamaForSequenceClassification).eval()
+    with torch.no_grad():
+        got = merged(ids).logits
+        torch.testing.assert_close(got, ref(ids).logits, rtol=0, atol=1e-6)
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_lora_on_the_embedding_merges_as_peft_does(tmp_path: Path, tied: bool) -> None:
+    """LoRA on `embed_tokens` (PEFT's Embedding: lora_embedding_A [r, vocab], lora_embedding_B [dim, r], delta
+    (B @ A).T). Before, every such merge was refused (E601 "LoRA on an embedding; its merge is not implemented").
+    Now the merged embedding equals `merge_and_unload()`'s and the merged model gives the trained logits; with tied
+    embeddings (the merged embedding would be the head too, the trained head is the unmerged one) it is E601."""
+    from peft import LoraConfig, PeftModel
+    from safetensors.torch import load_file
+    from transformers import LlamaForCausalLM
+
+    from tests.ops.export.test_export_lora_inputs import _trained_peft
+
+    lcfg = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "embed_tokens"], task_type="CAUSAL_LM")
+    ids, want = _trained_peft(tmp_path, 17, lcfg, tied=tied)
+    given = str(tmp_path / "peft" / "adapter_config.json")
+    args = ("--format", "hf-merged", "--adapter-config", given, "--model-assets", str(tmp_path / "base"))
+    res = export_cli(str(tmp_path / "ckpt"), str(tmp_path / "m"), *args)
+    if tied:
+        assert_clean_failure(res, "E601", "embed_tokens", "tie_word_embeddings: true")
+        assert not (tmp_path / "m").exists()
+        return
+    assert res.exit_code == 0, res.stderr
+    ref = PeftModel.from_pretrained(load_hf(tmp_path / "base", LlamaForCausalLM), tmp_path / "peft")
+    key = "model.embed_tokens.weight"
+    got = load_file(tmp_path / "m" / "model.safetensors")[key]
+    torch.testing.assert_close(got, ref.merge_and_unload().state_dict()[key], rtol=0, atol=1e-6)
+    assert not torch.equal(got, load_file(tmp_path / "base" / "model.safetensors")[key])
+    merged = load_hf(tmp_path / "m", LlamaForCausalLM).eval()
+    with torch.no_grad():
+        torch.testing.assert_close(merged(ids).logits, want, rtol=0, atol=1e-5)
+    # no config.json and no adapter config: the square q_proj beside the embedding is merged as a Linear
+    res = export_cli(str(tmp_path / "ckpt"), str(tmp_path / "m2"), "--format", "hf-merged", "--lora-alpha", "8")
+    assert res.exit_code == 0, res.stderr
+    assert torch.equal(load_file(tmp_path / "m2" / "model.safetensors")[key], got)
+    q = "model.layers.0.self_attn.q_proj.weight"
+    assert torch.equal(
+        load_file(tmp_path / "m2" / "model.safetensors")[q], load_file(tmp_path / "m" / "model.safetensors")[q]
+    )

@@ -55,7 +55,7 @@ class HFMergedFormat(HFFormat):
         ``original_module.`` (as ``merge_and_unload``); the LoRA factors are read, not written.
 
         Raises:
-            ExportError: DoRA (``lora_magnitude_vector``), LoRA on embeddings, several adapters, a
+            ExportError: DoRA (``lora_magnitude_vector``), several adapters, a
                 ``lora_A`` without its ``lora_B`` / base weight, no LoRA tensor at all, ``weights`` master.
         """
         from ckpttool.ops.export.plan import LoraPair, Selected
@@ -115,7 +115,7 @@ class HFMergedFormat(HFFormat):
         return selected, [], skipped, {}
 
     def transforms(self, req: PrepareRequest) -> dict[str, SlabTransform]:
-        return lora_merges(req.reader, req.plan, req.given, req.lora_alpha)
+        return lora_merges(req.reader, req.plan, req.given, req.lora_alpha, req.model_config)
 
     def check_written(self, transforms: dict[str, SlabTransform], plan: ExportPlan) -> None:
         """Refuse a merged export that equals the base weights bitwise while the adapters are non-zero.
@@ -143,7 +143,7 @@ def _lora_pairs(cat: Catalog) -> tuple[dict[str, dict[str, str]], str]:
     """Module path -> ``{"lora_A": key, "lora_B": key}``, and the one adapter's name.
 
     Raises:
-        ExportError: DoRA, LoRA on an embedding, a lora_B bias, trainable tokens, no LoRA tensor, several adapters.
+        ExportError: DoRA, a lora_B bias, trainable tokens, no LoRA tensor, several adapters.
     """
     pairs: dict[str, dict[str, str]] = {}
     names: set[str] = set()
@@ -172,14 +172,9 @@ def _lora_pairs(cat: Catalog) -> tuple[dict[str, dict[str, str]], str]:
                 fqn=key,
                 hint="merge with PEFT's merge_and_unload(), or export the adapter with `fmt` lora",
             )
-        if part.startswith("lora_embedding"):
-            raise ExportError(
-                f"{key}: LoRA on an embedding; its merge is not implemented",
-                fqn=key,
-                hint="export the adapter with `fmt` lora",
-            )
         names.add(m["adapter"])
-        pairs.setdefault(m["module"], {})[part] = key
+        # an embedding's lora_embedding_A [r, num] / lora_embedding_B [dim, r]: merged transposed (_conv1d_weights)
+        pairs.setdefault(m["module"], {})[part.replace("embedding_", "")] = key
     if not pairs:
         raise ExportError(
             f"{cat.path}: no LoRA tensor (lora_A / lora_B) to merge",
@@ -224,13 +219,23 @@ def _merged_key(
 
 
 def lora_merges(
-    reader: CheckpointReader, plan: ExportPlan, config: dict[str, Any] | None, lora_alpha: float | None
+    reader: CheckpointReader,
+    plan: ExportPlan,
+    config: dict[str, Any] | None,
+    lora_alpha: float | None,
+    model_config: dict[str, Any] | None = None,
 ) -> dict[str, SlabTransform]:
     """Source key -> :class:`~ckpttool.ops.export.merge.LoraMerge` for every base weight with a LoRA pair.
 
+    A base weight stored ``[in, out]`` (GPT-2's ``Conv1D``, which PEFT adapts with ``fan_in_fan_out``) gets the
+    transposed delta ``s * (B @ A).T``, as PEFT's ``get_delta_weight`` gives it (:func:`_conv1d_weights`).
+
     Raises:
-        ExportError: unknown alpha, DoRA / rsLoRA, factor shapes that do not fit the weight.
+        ExportError: unknown alpha, DoRA / rsLoRA, factor shapes that do not fit the weight, a square Conv1D-or-Linear
+            weight nothing tells.
     """
+    import numpy as np
+
     from ckpttool.ops.export.execute import _read_whole
     from ckpttool.ops.export.lora import INFERRED_SCALING
     from ckpttool.ops.export.merge import LoraMerge, lora_scaling
@@ -238,22 +243,22 @@ def lora_merges(
     out: dict[str, SlabTransform] = {}
     if config is None and any(t.selected.merge is not None for t in plan.tasks):
         plan.warnings.append(INFERRED_SCALING)
+    read = []
     for t in plan.tasks:
         pair = t.selected.merge
-        if pair is None:
-            continue
+        if pair is not None:
+            a = _read_whole(reader, pair.a_key).float().numpy()
+            read.append((t, pair, a, _read_whole(reader, pair.b_key).float().numpy()))
+    conv = _conv1d_weights(read, config, model_config)
+    for t, pair, a, b in read:
         w = t.selected.source
-        a = _read_whole(reader, pair.a_key).float().numpy()
-        b = _read_whole(reader, pair.b_key).float().numpy()
-        if (
-            len(w.shape) != 2
-            or a.ndim != 2
-            or b.ndim != 2
-            or b.shape[1] != a.shape[0]
-            or (b.shape[0], a.shape[1]) != w.shape
-        ):
+        fits = len(w.shape) == 2 and a.ndim == 2 and b.ndim == 2 and b.shape[1] == a.shape[0]
+        if fits and w.key in conv:
+            a, b = np.ascontiguousarray(b.T), np.ascontiguousarray(a.T)  # (B @ A).T = A.T @ B.T
+        if not fits or (b.shape[0], a.shape[1]) != w.shape:
             raise ExportError(
-                f"{w.key}: LoRA factors B {list(b.shape)} @ A {list(a.shape)} do not give the weight's shape {list(w.shape)}",
+                f"{w.key}: LoRA factors B {list(b.shape)} @ A {list(a.shape)} do not give the weight's shape "
+                f"{list(w.shape)} (nor its transpose)",
                 fqn=w.key,
                 hint="the lora_A / lora_B tensors do not belong to this base weight",
             )
@@ -262,6 +267,46 @@ def lora_merges(
         m.nonzero = bool(a.any() and b.any())  # type: ignore[attr-defined]
         out[w.key] = m
     return out
+
+
+def _conv1d_weights(read: list[Any], config: dict[str, Any] | None, model_config: dict[str, Any] | None) -> set[str]:
+    """Source keys of the base weights stored ``[in, out]``, as a ``Conv1D`` stores them (PEFT sets
+    ``fan_in_fan_out`` by the module's type, whatever the config says), and of the embeddings (``lora_embedding_A``
+    ``[r, num_embeddings]``, ``lora_embedding_B`` ``[embedding_dim, r]``), which take the delta transposed.
+
+    ``read``: ``(task, pair, A, B)``. A non-square weight tells by its shape; a square one by the ``model_config``
+    class (its module is no ``nn.Linear``), else by the adapter config's ``fan_in_fan_out``.
+
+    Raises:
+        ExportError: a square weight beside ``[in, out]`` ones with neither the class nor an adapter config to tell.
+    """
+    from ckpttool.ops.export.expected import not_linear_weights
+
+    flipped, square, embeddings = set(), [], set()
+    for t, pair, a, b in read:
+        w, delta = t.selected.source, (b.shape[0], a.shape[1]) if a.ndim == 2 and b.ndim == 2 else None
+        if ".lora_embedding_A." in pair.a_key:  # PEFT's Embedding: delta (B @ A).T, whatever the shapes
+            embeddings.add(w.key)
+            continue
+        if delta is None or tuple(w.shape) != delta[::-1]:
+            continue
+        if tuple(w.shape) != delta:
+            flipped.add(w.key)
+        else:
+            square.append((w.key, t.pieces[0].name))
+    if not square:
+        return flipped | embeddings
+    got = not_linear_weights(model_config, [n for _, n in square]) if model_config else None
+    if got is not None:
+        return flipped | embeddings | {k for k, n in square if n in got[1]}
+    if config is None and flipped:
+        raise ExportError(
+            f"{square[0][0]}: a square weight beside LoRA-adapted Conv1D ([in, out]) weights such as "
+            f"{sorted(flipped)[0]}: whether its delta is transposed (PEFT's fan_in_fan_out) cannot be told",
+            fqn=square[0][0],
+            hint="pass `model_assets` with the model's config.json, or the run's adapter_config.json",
+        )
+    return flipped | embeddings | ({k for k, _ in square} if (config or {}).get("fan_in_fan_out") else set())
 
 
 register_format(HFMergedFormat())
