@@ -170,7 +170,10 @@ class ExportCLIOptions:
     ] = None
     merge_lora: Annotated[
         bool,
-        typer.Option("--merge-lora", help="Same as --format hf-merged: W + (alpha/r)·B@A in FP32, stored dtype."),
+        typer.Option(
+            "--merge-lora",
+            help="Same as --format hf-merged: W + s·B@A in FP32 (s = alpha/r, alpha/sqrt(r) with rsLoRA), stored dtype.",
+        ),
     ] = False
     allow_mismatch: Annotated[
         str | None,
