@@ -118,9 +118,9 @@ def _check_junit_path(
         The directories read (checked again just before the report is written).
 
     Raises:
-        OutputError (E600): a ``~`` the shell did not expand; a missing parent directory; a symbolic link, a directory or non-regular file; a path
-        inside the directory given, the checkpoint it resolves to (model and optimizer folders) or ``--against``;
-        an existing file that is not a JUnit report of ``ckpttool validate``
+        OutputError (E600): a ``~`` the shell did not expand; a missing parent directory; a symbolic link, a
+        directory or non-regular file; a path inside the directory given, the checkpoint it resolves to (model and
+        optimizer folders) or ``--against``; an existing file that is not a JUnit report of ``ckpttool validate``
         (:func:`~ckpttool.format.atomic.check_file_target`).
     """
     from ckpttool.errors import CkptError, OutputError
