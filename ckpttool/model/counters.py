@@ -244,7 +244,9 @@ def _lr_not_the_param_scheduler(
             continue
         want = param_scheduler_lr(state, g.values)
         mult = _number(g.values.get("lr_mult"))
-        if want is None or any(math.isclose(lr, w, rel_tol=1e-6) for w in (want, want * (mult or 1.0))):
+        if want is None or any(
+            math.isclose(lr, w, rel_tol=1e-6) for w in (want, want * (1.0 if mult is None else mult))
+        ):
             continue
         out.append(
             (

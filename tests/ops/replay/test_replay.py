@@ -1622,3 +1622,45 @@ def test_r006_takes_a_warmup_then_plateau_on_one_optimizer(tmp_path: Path, flat:
     assert run(tmp_path / "late", "--device", "cpu").exit_code == 1
     found = json.loads(runner.invoke(app, ["validate", str(tmp_path / "late"), "--json"]).stdout)["findings"]
     assert sorted(f["key"] for f in found if f["code"] == "R006") == want, found
+
+
+def test_r006_takes_a_frozen_group_of_nemo_automodels_param_scheduler(tmp_path: Path) -> None:
+    """NeMo Automodel's OptimizerParamScheduler sets each group's lr to its schedule times the group's lr_mult, which
+    it takes as the group's constructed lr over group 0's: a group built with lr 0 (frozen) has lr_mult 0 and keeps lr
+    0. That clean save was R006 'param group 1 saved lr 0 but lr_scheduler sets 0.00315572' (an lr_mult of 0 was read
+    as none); it passes validate --strict --deep. Group 0's lr put back to the config's is still R006."""
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    from tests.fixtures.builders import save_quiet, train_steps
+
+    scheduler = pytest.importorskip("nemo_automodel.components.optim.scheduler")
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 2)
+    groups = [{"params": [model.weight], "lr": 1e-2}, {"params": [model.bias], "lr": 0.0}]
+    opt = torch.optim.AdamW(groups, lr=1e-2, weight_decay=0.1)
+    sched = scheduler.OptimizerParamScheduler(
+        opt,
+        init_lr=0.0,
+        max_lr=1e-2,
+        min_lr=1e-4,
+        lr_warmup_steps=2,
+        lr_decay_steps=10,
+        lr_decay_style="cosine",
+        start_wd=0.1,
+        end_wd=0.1,
+        wd_incr_steps=10,
+        wd_incr_style="constant",
+    )
+    for _ in range(7):
+        train_steps(model, opt, 1, loss="square")
+        sched.step(1)
+    assert opt.param_groups[1]["lr"] == 0.0 and opt.param_groups[1]["lr_mult"] == 0.0
+    msd, osd = get_state_dict(model, opt)
+    saved = {"model": msd, "optimizer": osd, "lr_scheduler": sched.state_dict(), "train_state": {"step": 7}}
+    save_quiet(saved, tmp_path / "saved")
+    res = runner.invoke(app, ["validate", str(tmp_path / "saved"), "--strict", "--deep", "--json"])
+    assert res.exit_code == 0, res.stdout
+    rebuilt = {**osd, "param_groups": [{**osd["param_groups"][0], "lr": 1e-2}, osd["param_groups"][1]]}
+    save_quiet({**saved, "optimizer": rebuilt}, tmp_path / "rebuilt")
+    found = json.loads(runner.invoke(app, ["validate", str(tmp_path / "rebuilt"), "--json"]).stdout)["findings"]
+    assert [f["key"] for f in found if f["code"] == "R006"] == ["optimizer.param_groups.0.lr"], found
