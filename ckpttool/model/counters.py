@@ -244,7 +244,9 @@ def _lr_not_the_param_scheduler(
             continue
         want = param_scheduler_lr(state, g.values)
         mult = _number(g.values.get("lr_mult"))
-        if want is None or any(math.isclose(lr, w, rel_tol=1e-6) for w in (want, want * (mult or 1.0))):
+        if want is None or any(
+            math.isclose(lr, w, rel_tol=1e-6) for w in (want, want * (1.0 if mult is None else mult))
+        ):
             continue
         out.append(
             (
@@ -272,6 +274,8 @@ def scheduler_lr_disagrees(
     per group of its optimizer; more: groups of another optimizer, which no scheduler drives). One scheduler whose ``_last_lr`` has one value per compared nested
     group is matched by index; otherwise (flattened groups, whose order is not saved; several optimizers and
     schedulers, which group belongs to which not saved) a group whose ``lr`` is none of the schedulers' values is one.
+    A ``ReduceLROnPlateau`` that does not govern the groups without ``initial_lr`` drives groups with one (a warmup
+    scheduler's, stepped until the plateau takes over), so those are compared with every scheduler's values.
     Groups without a numeric ``lr`` are left out (``validate``'s ``P006``)."""
     lasts = _last_lrs(ckpt)
     if not lasts:
@@ -287,7 +291,9 @@ def scheduler_lr_disagrees(
             tuple(sorted((k, repr(v)) for k, v in g.values.items() if k not in ("params", "param_names"))) for g in bare
         }
         plateau_governs = len(lasts) == 1 and len(bare) == len(groups) and len(leaves) <= len(lasts[0][1])
-    drivers = [(others, [g for g in groups if "initial_lr" in g.values])]
+    # a plateau scheduler that is not the bare groups' shares an optimizer with a warmup (LinearLR, then
+    # ReduceLROnPlateau): once the warmup stops stepping, the groups hold the plateau's lr, not its _last_lr
+    drivers = [(others if plateau_governs else lasts, [g for g in groups if "initial_lr" in g.values])]
     if plateaus and plateau_governs:
         drivers.append((plateaus, bare))
     out: list[tuple[str, str]] = []

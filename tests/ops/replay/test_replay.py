@@ -1578,3 +1578,89 @@ def test_r006_reads_a_megatron_style_param_scheduler(tmp_path: Path) -> None:
         ], found
         res = run(tmp_path / name, "--device", "cpu", "--json")
         assert res.exit_code == 1 and msg in json.loads(res.stdout)["problems"][0], res.output
+
+
+@pytest.mark.parametrize("flat", [False, True], ids=["nested", "flattened"])
+def test_r006_takes_a_warmup_then_plateau_on_one_optimizer(tmp_path: Path, flat: bool) -> None:
+    """A LinearLR warmup for 3 steps, then ReduceLROnPlateau on the same AdamW (halving the lr at each of 5 steps,
+    1e-2 to 6.25e-4), both saved: the groups carry the warmup's initial_lr and the plateau's lr, and the warmup's
+    _last_lr stays at 1e-2. The clean save was R006 'saved lr 0.000625 but lr_schedulers.warmup._last_lr[0] = 0.01'
+    and a replay problem; it passes both. The groups saved before the plateau's last step (lr 0.00125) are R006."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+
+    from tests.fixtures.builders import save_quiet
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 2)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    warmup = torch.optim.lr_scheduler.LinearLR(opt, start_factor=0.25, total_iters=3)
+    plateau = torch.optim.lr_scheduler.ReduceLROnPlateau(opt, patience=0, factor=0.5)
+    for i in range(8):
+        opt.zero_grad()
+        model(torch.randn(3, 4)).square().sum().backward()
+        opt.step()
+        if i < 3:
+            warmup.step()
+        else:
+            plateau.step(1.0)  # a validation loss that never improves
+    assert plateau.get_last_lr() == pytest.approx([1e-2 / 16]) and warmup.get_last_lr() == pytest.approx([1e-2])
+    msd, osd = get_state_dict(model, opt, options=StateDictOptions(flatten_optimizer_state_dict=flat))
+    schedulers = {"warmup": warmup.state_dict(), "plateau": plateau.state_dict()}
+    state = {"model": msd, "optimizer": osd, "lr_schedulers": schedulers, "train_state": {"step": 8}}
+    save_quiet(state, tmp_path / "saved")
+    res = run(tmp_path / "saved", "--device", "cpu")
+    assert res.exit_code == 0, res.output
+    found = json.loads(runner.invoke(app, ["validate", str(tmp_path / "saved"), "--deep", "--json"]).stdout)["findings"]
+    assert not [f for f in found if f["code"] == "R006"], found
+    if flat:
+        late = {k: (2e-2 / 16 if k.endswith(".lr") else v) for k, v in osd.items()}
+        want = ["optimizer.param_groups.bias.lr", "optimizer.param_groups.weight.lr"]
+    else:
+        late = {**osd, "param_groups": [{**g, "lr": 2e-2 / 16} for g in osd["param_groups"]]}
+        want = ["optimizer.param_groups.0.lr"]
+    save_quiet({**state, "optimizer": late}, tmp_path / "late")
+    assert run(tmp_path / "late", "--device", "cpu").exit_code == 1
+    found = json.loads(runner.invoke(app, ["validate", str(tmp_path / "late"), "--json"]).stdout)["findings"]
+    assert sorted(f["key"] for f in found if f["code"] == "R006") == want, found
+
+
+def test_r006_takes_a_frozen_group_of_nemo_automodels_param_scheduler(tmp_path: Path) -> None:
+    """NeMo Automodel's OptimizerParamScheduler sets each group's lr to its schedule times the group's lr_mult, which
+    it takes as the group's constructed lr over group 0's: a group built with lr 0 (frozen) has lr_mult 0 and keeps lr
+    0. That clean save was R006 'param group 1 saved lr 0 but lr_scheduler sets 0.00315572' (an lr_mult of 0 was read
+    as none); it passes validate --strict --deep. Group 0's lr put back to the config's is still R006."""
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    from tests.fixtures.builders import save_quiet, train_steps
+
+    scheduler = pytest.importorskip("nemo_automodel.components.optim.scheduler")
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 2)
+    groups = [{"params": [model.weight], "lr": 1e-2}, {"params": [model.bias], "lr": 0.0}]
+    opt = torch.optim.AdamW(groups, lr=1e-2, weight_decay=0.1)
+    sched = scheduler.OptimizerParamScheduler(
+        opt,
+        init_lr=0.0,
+        max_lr=1e-2,
+        min_lr=1e-4,
+        lr_warmup_steps=2,
+        lr_decay_steps=10,
+        lr_decay_style="cosine",
+        start_wd=0.1,
+        end_wd=0.1,
+        wd_incr_steps=10,
+        wd_incr_style="constant",
+    )
+    for _ in range(7):
+        train_steps(model, opt, 1, loss="square")
+        sched.step(1)
+    assert opt.param_groups[1]["lr"] == 0.0 and opt.param_groups[1]["lr_mult"] == 0.0
+    msd, osd = get_state_dict(model, opt)
+    saved = {"model": msd, "optimizer": osd, "lr_scheduler": sched.state_dict(), "train_state": {"step": 7}}
+    save_quiet(saved, tmp_path / "saved")
+    res = runner.invoke(app, ["validate", str(tmp_path / "saved"), "--strict", "--deep", "--json"])
+    assert res.exit_code == 0, res.stdout
+    rebuilt = {**osd, "param_groups": [{**osd["param_groups"][0], "lr": 1e-2}, osd["param_groups"][1]]}
+    save_quiet({**saved, "optimizer": rebuilt}, tmp_path / "rebuilt")
+    found = json.loads(runner.invoke(app, ["validate", str(tmp_path / "rebuilt"), "--json"]).stdout)["findings"]
+    assert [f["key"] for f in found if f["code"] == "R006"] == ["optimizer.param_groups.0.lr"], found
