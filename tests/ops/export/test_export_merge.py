@@ -328,3 +328,35 @@ def test_lora_on_the_embedding_merges_as_peft_does(tmp_path: Path, tied: bool) -
     assert torch.equal(
         load_file(tmp_path / "m2" / "model.safetensors")[q], load_file(tmp_path / "m" / "model.safetensors")[q]
     )
+
+
+@pytest.mark.parametrize("variant", ["alora", "kasa"])
+def test_lora_variants_that_merge_to_another_model_are_refused(tmp_path: Path, variant: str) -> None:
+    """aLoRA (alora_invocation_tokens: the adapter acts only from the invocation tokens on; PEFT's merge raises) and
+    KaSA (kasa_config: B @ A scaled by a trained lora_diag, the base weight truncated) keep PEFT's lora_A / lora_B
+    names. Before, `hf-merged` with the run's adapter config wrote W + s * B @ A and exited 0 (KaSA without config.json
+    also wrote its lora_diag tensors as model keys); now each is E601 naming the variant, and no output is written."""
+    from peft import LoraConfig, PeftModel
+    from transformers import LlamaForCausalLM
+
+    from tests.ops.export.test_export_lora_inputs import _trained_peft
+
+    extra: dict[str, object] = {"alora_invocation_tokens": [3, 4]}
+    if variant == "kasa":
+        from peft.tuners.lora.config import KasaConfig
+
+        extra = {"kasa_config": KasaConfig()}
+    lcfg = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM", **extra)
+    _trained_peft(tmp_path, 18, lcfg)
+    if variant == "alora":  # the reference: PEFT itself does not merge it
+        ref = PeftModel.from_pretrained(load_hf(tmp_path / "base", LlamaForCausalLM), tmp_path / "peft")
+        with pytest.raises(NotImplementedError, match="aLoRA"):
+            ref.merge_and_unload()
+    given = str(tmp_path / "peft" / "adapter_config.json")
+    res = export_cli(str(tmp_path / "ckpt"), str(tmp_path / "m"), "--format", "hf-merged", "--adapter-config", given)
+    assert_clean_failure(res, "E601", next(iter(extra)))
+    assert not (tmp_path / "m").exists()
+    if variant == "kasa":  # no adapter config: its lora_diag tensors tell
+        res = export_cli(str(tmp_path / "ckpt"), str(tmp_path / "m2"), "--format", "hf-merged", "--lora-alpha", "8")
+        assert_clean_failure(res, "E601", "lora_diag")
+        assert not (tmp_path / "m2").exists()

@@ -33,6 +33,7 @@ _PEFT_RE = re.compile(
 )
 _PEFT_BASE = canonical_model_key("base_model.model.")
 _LORA_BIAS_RE = re.compile(r"\.lora_B\.[^.]+\.bias$")
+_KASA_DIAG_RE = re.compile(r"\.lora_diag\.[^.]+$")  # KaSA's lora_diag ParameterDict: ``<module>.lora_diag.<adapter>``
 
 
 class HFMergedFormat(HFFormat):
@@ -143,7 +144,7 @@ def _lora_pairs(cat: Catalog) -> tuple[dict[str, dict[str, str]], str]:
     """Module path -> ``{"lora_A": key, "lora_B": key}``, and the one adapter's name.
 
     Raises:
-        ExportError: DoRA, a lora_B bias, trainable tokens, no LoRA tensor, several adapters.
+        ExportError: DoRA, KaSA's ``lora_diag``, a lora_B bias, trainable tokens, no LoRA tensor, several adapters.
     """
     pairs: dict[str, dict[str, str]] = {}
     names: set[str] = set()
@@ -157,6 +158,12 @@ def _lora_pairs(cat: Catalog) -> tuple[dict[str, dict[str, str]], str]:
                     fqn=key,
                     hint="merge with PEFT's merge_and_unload(), or export the adapter with `fmt` lora and the run's "
                     "adapter_config.json",
+                )
+            if _KASA_DIAG_RE.search(canonical):
+                raise ExportError(
+                    f"{key}: KaSA's singular values (LoraConfig kasa_config); its merge is not implemented",
+                    fqn=key,
+                    hint="export the adapter with `fmt` lora and load it with PEFT over the base model",
                 )
             if _LORA_BIAS_RE.search(canonical):
                 raise ExportError(
