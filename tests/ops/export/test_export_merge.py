@@ -360,3 +360,36 @@ def test_lora_variants_that_merge_to_another_model_are_refused(tmp_path: Path, v
         res = export_cli(str(tmp_path / "ckpt"), str(tmp_path / "m2"), "--format", "hf-merged", "--lora-alpha", "8")
         assert_clean_failure(res, "E601", "lora_diag")
         assert not (tmp_path / "m2").exists()
+
+
+def test_a_velora_run_merges_as_peft_does(tmp_path: Path) -> None:
+    """VeloRA (LoraConfig velora_config) trains plain LoRA factors beside a `lora_velora_embed.<adapter>` projection
+    of its own, which PEFT's merge leaves out. Before, `hf-merged` with config.json was refused E605 ("unexpected
+    ...q_proj.lora_velora_embed.default"), and without config.json wrote those tensors as model keys; now they are
+    skipped as the variant's training state and the merged weights equal `merge_and_unload()`'s."""
+    from peft import LoraConfig, PeftModel
+    from peft.tuners.lora.config import VeloraConfig
+    from safetensors.torch import load_file
+    from transformers import LlamaForCausalLM
+
+    from tests.ops.export.test_export_lora_inputs import _trained_peft
+
+    lcfg = LoraConfig(
+        r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM", velora_config=VeloraConfig()
+    )
+    ids, want = _trained_peft(tmp_path, 19, lcfg)
+    given = str(tmp_path / "peft" / "adapter_config.json")
+    ref = PeftModel.from_pretrained(load_hf(tmp_path / "base", LlamaForCausalLM), tmp_path / "peft")
+    ref_sd = ref.merge_and_unload().state_dict()
+    for name, args in [("m", ("--model-assets", str(tmp_path / "base"))), ("m2", ())]:
+        res = export_cli(
+            str(tmp_path / "ckpt"), str(tmp_path / name), "--format", "hf-merged", "--adapter-config", given, *args
+        )
+        assert res.exit_code == 0, res.stderr
+        got = load_file(tmp_path / name / "model.safetensors")
+        assert sorted(got) == sorted(ref_sd)
+        for k in ("model.layers.0.self_attn.q_proj.weight", "model.layers.1.self_attn.v_proj.weight"):
+            torch.testing.assert_close(got[k], ref_sd[k], rtol=0, atol=1e-6)
+    merged = load_hf(tmp_path / "m", LlamaForCausalLM).eval()
+    with torch.no_grad():
+        torch.testing.assert_close(merged(ids).logits, want, rtol=0, atol=1e-5)

@@ -138,6 +138,10 @@ class HFMergedFormat(HFFormat):
 
 
 _MERGED = "LoRA factor merged into its base weight"
+_VARIANT_STATE = "training state of a LoRA variant (VeloRA, MonteCLoRA), no part of the merged model"
+#: VeloRA's ``lora_velora_embed.<adapter>`` (its gradient projection) and MonteCLoRA's
+#: ``lora_monteclora_sampler.<adapter>.*`` (its sampling priors): PEFT merges both as plain LoRA, without them
+_VARIANT_STATE_RE = re.compile(r"\.lora_(?:velora_embed|monteclora_sampler)\.")
 
 
 def _lora_pairs(cat: Catalog) -> tuple[dict[str, dict[str, str]], str]:
@@ -202,6 +206,9 @@ def _merged_key(
     canonical = strip_wrapper_segments(cat.schema.canonical_key(key))[0]
     if _PEFT_RE.match(canonical):
         skipped.setdefault(_MERGED, []).append(key)
+        return None
+    if _VARIANT_STATE_RE.search(canonical):
+        skipped.setdefault(_VARIANT_STATE, []).append(key)
         return None
     plain = canonical_model_key(canonical[len(_PEFT_BASE) :]) if canonical.startswith(_PEFT_BASE) else canonical
     if ".original_module." in plain:
