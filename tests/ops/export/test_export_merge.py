@@ -393,3 +393,35 @@ def test_a_velora_run_merges_as_peft_does(tmp_path: Path) -> None:
     merged = load_hf(tmp_path / "m", LlamaForCausalLM).eval()
     with torch.no_grad():
         torch.testing.assert_close(merged(ids).logits, want, rtol=0, atol=1e-5)
+
+
+def test_a_square_conv1d_lora_merged_without_config_is_warned_about(tmp_path: Path) -> None:
+    """GPT-2 LoRA on attn.c_proj only: every adapted weight is a square Conv1D ([in, out]), so no shape tells it from
+    an nn.Linear. Before, `hf-merged --lora-alpha` alone merged it as a Linear (delta not transposed: weights far from
+    `merge_and_unload()`'s) and exited 0 with no word of it; now it says so and names what tells, and with
+    `--model-assets` the merged weight equals PEFT's, with no such warning."""
+    import torch.distributed.checkpoint as dcp
+    from peft import LoraConfig, PeftModel, get_peft_model
+    from safetensors.torch import load_file
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    hf_models._quiet()
+    torch.manual_seed(23)
+    cfg = GPT2Config(vocab_size=64, n_embd=32, n_layer=2, n_head=4, n_positions=64, bos_token_id=0, eos_token_id=0)
+    GPT2LMHeadModel(cfg).save_pretrained(tmp_path / "base")
+    lcfg = LoraConfig(r=4, lora_alpha=8, target_modules=["attn.c_proj"], init_lora_weights=False)
+    model = get_peft_model(load_hf(tmp_path / "base", GPT2LMHeadModel), lcfg)
+    dcp.save({"model": dict(model.state_dict())}, checkpoint_id=str(tmp_path / "ckpt"))
+    model.save_pretrained(tmp_path / "peft")
+    ref = PeftModel.from_pretrained(load_hf(tmp_path / "base", GPT2LMHeadModel), tmp_path / "peft").merge_and_unload()
+    key = "transformer.h.0.attn.c_proj.weight"
+
+    res = export_cli(str(tmp_path / "ckpt"), str(tmp_path / "m"), "--format", "hf-merged", "--lora-alpha", "8")
+    assert res.exit_code == 0, res.stderr
+    assert "merged as nn.Linear" in res.stderr and "--model-assets" in res.stderr, res.stderr
+    args = ("--format", "hf-merged", "--lora-alpha", "8", "--model-assets", str(tmp_path / "base"))
+    res = export_cli(str(tmp_path / "ckpt"), str(tmp_path / "m2"), *args)
+    assert res.exit_code == 0, res.stderr
+    assert "merged as nn.Linear" not in res.stderr
+    got = load_file(tmp_path / "m2" / "model.safetensors")[key]
+    torch.testing.assert_close(got, ref.state_dict()[key], rtol=0, atol=1e-6)

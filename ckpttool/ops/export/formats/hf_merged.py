@@ -263,7 +263,7 @@ def lora_merges(
         if pair is not None:
             a = _read_whole(reader, pair.a_key).float().numpy()
             read.append((t, pair, a, _read_whole(reader, pair.b_key).float().numpy()))
-    conv = _conv1d_weights(read, config, model_config)
+    conv = _conv1d_weights(read, config, model_config, plan.warnings)
     for t, pair, a, b in read:
         w = t.selected.source
         fits = len(w.shape) == 2 and a.ndim == 2 and b.ndim == 2 and b.shape[1] == a.shape[0]
@@ -283,13 +283,17 @@ def lora_merges(
     return out
 
 
-def _conv1d_weights(read: list[Any], config: dict[str, Any] | None, model_config: dict[str, Any] | None) -> set[str]:
+def _conv1d_weights(
+    read: list[Any], config: dict[str, Any] | None, model_config: dict[str, Any] | None, warnings: list[str]
+) -> set[str]:
     """Source keys of the base weights stored ``[in, out]``, as a ``Conv1D`` stores them (PEFT sets
     ``fan_in_fan_out`` by the module's type, whatever the config says), and of the embeddings (``lora_embedding_A``
     ``[r, num_embeddings]``, ``lora_embedding_B`` ``[embedding_dim, r]``), which take the delta transposed.
 
     ``read``: ``(task, pair, A, B)``. A non-square weight tells by its shape; a square one by the ``model_config``
     class (its module is no ``nn.Linear``), else by the adapter config's ``fan_in_fan_out``.
+
+    With neither (and no ``[in, out]`` weight beside), square weights merge as ``nn.Linear`` ones, said in ``warnings``.
 
     Raises:
         ExportError: a square weight beside ``[in, out]`` ones with neither the class nor an adapter config to tell.
@@ -319,6 +323,13 @@ def _conv1d_weights(read: list[Any], config: dict[str, Any] | None, model_config
             f"{sorted(flipped)[0]}: whether its delta is transposed (PEFT's fan_in_fan_out) cannot be told",
             fqn=square[0][0],
             hint="pass `model_assets` with the model's config.json, or the run's adapter_config.json",
+        )
+    if config is None:
+        warnings.append(
+            f"{len(square)} square LoRA-adapted weight(s) such as {square[0][0]} merged as nn.Linear ([out, in]) "
+            "weights: without the model's config.json or the run's adapter_config.json a Conv1D (GPT-2's, [in, out], "
+            "PEFT's fan_in_fan_out) cannot be told apart and would be merged wrongly; pass `model_assets` or "
+            "`adapter_config`"
         )
     return flipped | embeddings | ({k for k, _ in square} if (config or {}).get("fan_in_fan_out") else set())
 
