@@ -10,7 +10,8 @@ slab of ``W`` (``[out, in]``): for the columns ``c0..c1`` of row ``i``,
 rsLoRA (``use_rslora``) scales by ``alpha / sqrt(r)``, as PEFT does. A ``Conv1D`` weight (``[in, out]``, PEFT's
 ``fan_in_fan_out``) is given the factors transposed (``A.T``, ``B.T``): ``W + s * (B @ A).T``.
 So is an embedding's ``lora_embedding_A`` / ``lora_embedding_B`` (PEFT's ``Embedding``: ``(B @ A).T``).
-Not implemented, refused by name: DoRA (``use_dora``, ``lora_magnitude_vector``).
+Not implemented, refused by name: DoRA (``use_dora``, ``lora_magnitude_vector``), and the LoRA variants whose
+model is not ``W + s * B @ A`` (:data:`UNMERGED_VARIANTS`: aLoRA, Arrow, KaSA).
 """
 
 from __future__ import annotations
@@ -26,7 +27,16 @@ from ckpttool.ops.export.transform import Cast, SlabWhere
 if TYPE_CHECKING:
     import numpy as np
 
-__all__ = ["LoraMerge", "lora_scaling"]
+__all__ = ["LoraMerge", "UNMERGED_VARIANTS", "lora_scaling"]
+
+#: ``LoraConfig`` fields of the LoRA variants whose trained model is not ``W + s * B @ A`` (PEFT's
+#: ``tuners/lora/variants.py``): the field -> why the merge would not be that model.
+UNMERGED_VARIANTS = {
+    "alora_invocation_tokens": "aLoRA (alora_invocation_tokens) applies the adapter only from its invocation "
+    "tokens on, which no merged weight does (PEFT's merge raises 'aLoRA does not support merging')",
+    "arrow_config": "Arrow (arrow_config) routes each token among several adapters (PEFT's merge raises)",
+    "kasa_config": "KaSA (kasa_config) scales B @ A by its lora_diag and truncates the base weight",
+}
 
 
 def lora_scaling(module: str, r: int, config: dict[str, Any] | None, lora_alpha: float | None) -> float:
@@ -34,7 +44,7 @@ def lora_scaling(module: str, r: int, config: dict[str, Any] | None, lora_alpha:
     ``alpha / sqrt(r)`` when the config sets ``use_rslora`` (rsLoRA, Kalajdzievski 2023, as PEFT scales it).
 
     Raises:
-        ExportError: alpha unknown, DoRA in the config, ``r`` / ``rank_pattern`` not the factors' rank.
+        ExportError: alpha unknown, DoRA or a variant of :data:`UNMERGED_VARIANTS` in the config, ``r`` / ``rank_pattern`` not the factors' rank.
     """
     cfg = config or {}
     if cfg.get("use_dora"):
@@ -43,6 +53,13 @@ def lora_scaling(module: str, r: int, config: dict[str, Any] | None, lora_alpha:
             param="adapter_config",
             hint="merge with PEFT's merge_and_unload(), or export the adapter with `fmt` lora",
         )
+    for name, why in UNMERGED_VARIANTS.items():
+        if cfg.get(name):
+            raise ExportError(
+                f"the adapter config sets {name}: {why}; its merge is not implemented",
+                param="adapter_config",
+                hint="export the adapter with `fmt` lora and load it with PEFT over the base model",
+            )
     alpha: Any = lora_alpha
     alpha_pattern = cfg.get("alpha_pattern") or {}
     if alpha is None and (key := pattern_key(alpha_pattern, module)) is not None:

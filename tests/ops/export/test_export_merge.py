@@ -328,3 +328,100 @@ def test_lora_on_the_embedding_merges_as_peft_does(tmp_path: Path, tied: bool) -
     assert torch.equal(
         load_file(tmp_path / "m2" / "model.safetensors")[q], load_file(tmp_path / "m" / "model.safetensors")[q]
     )
+
+
+@pytest.mark.parametrize("variant", ["alora", "kasa"])
+def test_lora_variants_that_merge_to_another_model_are_refused(tmp_path: Path, variant: str) -> None:
+    """aLoRA (alora_invocation_tokens: the adapter acts only from the invocation tokens on; PEFT's merge raises) and
+    KaSA (kasa_config: B @ A scaled by a trained lora_diag, the base weight truncated) keep PEFT's lora_A / lora_B
+    names. Before, `hf-merged` with the run's adapter config wrote W + s * B @ A and exited 0 (KaSA without config.json
+    also wrote its lora_diag tensors as model keys); now each is E601 naming the variant, and no output is written."""
+    from peft import LoraConfig, PeftModel
+    from transformers import LlamaForCausalLM
+
+    from tests.ops.export.test_export_lora_inputs import _trained_peft
+
+    extra: dict[str, object] = {"alora_invocation_tokens": [3, 4]}
+    if variant == "kasa":
+        from peft.tuners.lora.config import KasaConfig
+
+        extra = {"kasa_config": KasaConfig()}
+    lcfg = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM", **extra)
+    _trained_peft(tmp_path, 18, lcfg)
+    if variant == "alora":  # the reference: PEFT itself does not merge it
+        ref = PeftModel.from_pretrained(load_hf(tmp_path / "base", LlamaForCausalLM), tmp_path / "peft")
+        with pytest.raises(NotImplementedError, match="aLoRA"):
+            ref.merge_and_unload()
+    given = str(tmp_path / "peft" / "adapter_config.json")
+    res = export_cli(str(tmp_path / "ckpt"), str(tmp_path / "m"), "--format", "hf-merged", "--adapter-config", given)
+    assert_clean_failure(res, "E601", next(iter(extra)))
+    assert not (tmp_path / "m").exists()
+    if variant == "kasa":  # no adapter config: its lora_diag tensors tell
+        res = export_cli(str(tmp_path / "ckpt"), str(tmp_path / "m2"), "--format", "hf-merged", "--lora-alpha", "8")
+        assert_clean_failure(res, "E601", "lora_diag")
+        assert not (tmp_path / "m2").exists()
+
+
+def test_a_velora_run_merges_as_peft_does(tmp_path: Path) -> None:
+    """VeloRA (LoraConfig velora_config) trains plain LoRA factors beside a `lora_velora_embed.<adapter>` projection
+    of its own, which PEFT's merge leaves out. Before, `hf-merged` with config.json was refused E605 ("unexpected
+    ...q_proj.lora_velora_embed.default"), and without config.json wrote those tensors as model keys; now they are
+    skipped as the variant's training state and the merged weights equal `merge_and_unload()`'s."""
+    from peft import LoraConfig, PeftModel
+    from peft.tuners.lora.config import VeloraConfig
+    from safetensors.torch import load_file
+    from transformers import LlamaForCausalLM
+
+    from tests.ops.export.test_export_lora_inputs import _trained_peft
+
+    lcfg = LoraConfig(
+        r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM", velora_config=VeloraConfig()
+    )
+    ids, want = _trained_peft(tmp_path, 19, lcfg)
+    given = str(tmp_path / "peft" / "adapter_config.json")
+    ref = PeftModel.from_pretrained(load_hf(tmp_path / "base", LlamaForCausalLM), tmp_path / "peft")
+    ref_sd = ref.merge_and_unload().state_dict()
+    for name, args in [("m", ("--model-assets", str(tmp_path / "base"))), ("m2", ())]:
+        res = export_cli(
+            str(tmp_path / "ckpt"), str(tmp_path / name), "--format", "hf-merged", "--adapter-config", given, *args
+        )
+        assert res.exit_code == 0, res.stderr
+        got = load_file(tmp_path / name / "model.safetensors")
+        assert sorted(got) == sorted(ref_sd)
+        for k in ("model.layers.0.self_attn.q_proj.weight", "model.layers.1.self_attn.v_proj.weight"):
+            torch.testing.assert_close(got[k], ref_sd[k], rtol=0, atol=1e-6)
+    merged = load_hf(tmp_path / "m", LlamaForCausalLM).eval()
+    with torch.no_grad():
+        torch.testing.assert_close(merged(ids).logits, want, rtol=0, atol=1e-5)
+
+
+def test_a_square_conv1d_lora_merged_without_config_is_warned_about(tmp_path: Path) -> None:
+    """GPT-2 LoRA on attn.c_proj only: every adapted weight is a square Conv1D ([in, out]), so no shape tells it from
+    an nn.Linear. Before, `hf-merged --lora-alpha` alone merged it as a Linear (delta not transposed: weights far from
+    `merge_and_unload()`'s) and exited 0 with no word of it; now it says so and names what tells, and with
+    `--model-assets` the merged weight equals PEFT's, with no such warning."""
+    import torch.distributed.checkpoint as dcp
+    from peft import LoraConfig, PeftModel, get_peft_model
+    from safetensors.torch import load_file
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    hf_models._quiet()
+    torch.manual_seed(23)
+    cfg = GPT2Config(vocab_size=64, n_embd=32, n_layer=2, n_head=4, n_positions=64, bos_token_id=0, eos_token_id=0)
+    GPT2LMHeadModel(cfg).save_pretrained(tmp_path / "base")
+    lcfg = LoraConfig(r=4, lora_alpha=8, target_modules=["attn.c_proj"], init_lora_weights=False)
+    model = get_peft_model(load_hf(tmp_path / "base", GPT2LMHeadModel), lcfg)
+    dcp.save({"model": dict(model.state_dict())}, checkpoint_id=str(tmp_path / "ckpt"))
+    model.save_pretrained(tmp_path / "peft")
+    ref = PeftModel.from_pretrained(load_hf(tmp_path / "base", GPT2LMHeadModel), tmp_path / "peft").merge_and_unload()
+    key = "transformer.h.0.attn.c_proj.weight"
+
+    res = export_cli(str(tmp_path / "ckpt"), str(tmp_path / "m"), "--format", "hf-merged", "--lora-alpha", "8")
+    assert res.exit_code == 0, res.stderr
+    assert "merged as nn.Linear" in res.stderr and "--model-assets" in res.stderr, res.stderr
+    args = ("--format", "hf-merged", "--lora-alpha", "8", "--model-assets", str(tmp_path / "base"))
+    res = export_cli(str(tmp_path / "ckpt"), str(tmp_path / "m2"), *args)
+    assert res.exit_code == 0, res.stderr
+    assert "merged as nn.Linear" not in res.stderr
+    got = load_file(tmp_path / "m2" / "model.safetensors")[key]
+    torch.testing.assert_close(got, ref.state_dict()[key], rtol=0, atol=1e-6)

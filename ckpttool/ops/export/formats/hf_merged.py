@@ -33,6 +33,7 @@ _PEFT_RE = re.compile(
 )
 _PEFT_BASE = canonical_model_key("base_model.model.")
 _LORA_BIAS_RE = re.compile(r"\.lora_B\.[^.]+\.bias$")
+_KASA_DIAG_RE = re.compile(r"\.lora_diag\.[^.]+$")  # KaSA's lora_diag ParameterDict: ``<module>.lora_diag.<adapter>``
 
 
 class HFMergedFormat(HFFormat):
@@ -137,13 +138,17 @@ class HFMergedFormat(HFFormat):
 
 
 _MERGED = "LoRA factor merged into its base weight"
+_VARIANT_STATE = "training state of a LoRA variant (VeloRA, MonteCLoRA), no part of the merged model"
+#: VeloRA's ``lora_velora_embed.<adapter>`` (its gradient projection) and MonteCLoRA's
+#: ``lora_monteclora_sampler.<adapter>.*`` (its sampling priors): PEFT merges both as plain LoRA, without them
+_VARIANT_STATE_RE = re.compile(r"\.lora_(?:velora_embed|monteclora_sampler)\.")
 
 
 def _lora_pairs(cat: Catalog) -> tuple[dict[str, dict[str, str]], str]:
     """Module path -> ``{"lora_A": key, "lora_B": key}``, and the one adapter's name.
 
     Raises:
-        ExportError: DoRA, a lora_B bias, trainable tokens, no LoRA tensor, several adapters.
+        ExportError: DoRA, KaSA's ``lora_diag``, a lora_B bias, trainable tokens, no LoRA tensor, several adapters.
     """
     pairs: dict[str, dict[str, str]] = {}
     names: set[str] = set()
@@ -157,6 +162,12 @@ def _lora_pairs(cat: Catalog) -> tuple[dict[str, dict[str, str]], str]:
                     fqn=key,
                     hint="merge with PEFT's merge_and_unload(), or export the adapter with `fmt` lora and the run's "
                     "adapter_config.json",
+                )
+            if _KASA_DIAG_RE.search(canonical):
+                raise ExportError(
+                    f"{key}: KaSA's singular values (LoraConfig kasa_config); its merge is not implemented",
+                    fqn=key,
+                    hint="export the adapter with `fmt` lora and load it with PEFT over the base model",
                 )
             if _LORA_BIAS_RE.search(canonical):
                 raise ExportError(
@@ -195,6 +206,9 @@ def _merged_key(
     canonical = strip_wrapper_segments(cat.schema.canonical_key(key))[0]
     if _PEFT_RE.match(canonical):
         skipped.setdefault(_MERGED, []).append(key)
+        return None
+    if _VARIANT_STATE_RE.search(canonical):
+        skipped.setdefault(_VARIANT_STATE, []).append(key)
         return None
     plain = canonical_model_key(canonical[len(_PEFT_BASE) :]) if canonical.startswith(_PEFT_BASE) else canonical
     if ".original_module." in plain:
@@ -249,7 +263,7 @@ def lora_merges(
         if pair is not None:
             a = _read_whole(reader, pair.a_key).float().numpy()
             read.append((t, pair, a, _read_whole(reader, pair.b_key).float().numpy()))
-    conv = _conv1d_weights(read, config, model_config)
+    conv = _conv1d_weights(read, config, model_config, plan.warnings)
     for t, pair, a, b in read:
         w = t.selected.source
         fits = len(w.shape) == 2 and a.ndim == 2 and b.ndim == 2 and b.shape[1] == a.shape[0]
@@ -269,13 +283,17 @@ def lora_merges(
     return out
 
 
-def _conv1d_weights(read: list[Any], config: dict[str, Any] | None, model_config: dict[str, Any] | None) -> set[str]:
+def _conv1d_weights(
+    read: list[Any], config: dict[str, Any] | None, model_config: dict[str, Any] | None, warnings: list[str]
+) -> set[str]:
     """Source keys of the base weights stored ``[in, out]``, as a ``Conv1D`` stores them (PEFT sets
     ``fan_in_fan_out`` by the module's type, whatever the config says), and of the embeddings (``lora_embedding_A``
     ``[r, num_embeddings]``, ``lora_embedding_B`` ``[embedding_dim, r]``), which take the delta transposed.
 
     ``read``: ``(task, pair, A, B)``. A non-square weight tells by its shape; a square one by the ``model_config``
     class (its module is no ``nn.Linear``), else by the adapter config's ``fan_in_fan_out``.
+
+    With neither (and no ``[in, out]`` weight beside), square weights merge as ``nn.Linear`` ones, said in ``warnings``.
 
     Raises:
         ExportError: a square weight beside ``[in, out]`` ones with neither the class nor an adapter config to tell.
@@ -305,6 +323,13 @@ def _conv1d_weights(read: list[Any], config: dict[str, Any] | None, model_config
             f"{sorted(flipped)[0]}: whether its delta is transposed (PEFT's fan_in_fan_out) cannot be told",
             fqn=square[0][0],
             hint="pass `model_assets` with the model's config.json, or the run's adapter_config.json",
+        )
+    if config is None:
+        warnings.append(
+            f"{len(square)} square LoRA-adapted weight(s) such as {square[0][0]} merged as nn.Linear ([out, in]) "
+            "weights: without the model's config.json or the run's adapter_config.json a Conv1D (GPT-2's, [in, out], "
+            "PEFT's fan_in_fan_out) cannot be told apart and would be merged wrongly; pass `model_assets` or "
+            "`adapter_config`"
         )
     return flipped | embeddings | ({k for k, _ in square} if (config or {}).get("fan_in_fan_out") else set())
 
