@@ -265,7 +265,6 @@ def _trained_peft(
     by PEFT with ``lcfg``, trained 2
     AdamW steps, saved with ``dcp.save`` into ``ckpt/`` and by PEFT's own ``save_pretrained`` into ``peft/``:
     ``(input ids, its logits)``."""
-    import torch.distributed.checkpoint as dcp
     from peft import get_peft_model
     from transformers import LlamaForCausalLM
 
@@ -275,17 +274,8 @@ def _trained_peft(
     cfg.attention_bias = attention_bias
     LlamaForCausalLM(cfg).save_pretrained(tmp_path / "base")
     model = get_peft_model(LlamaForCausalLM.from_pretrained(tmp_path / "base"), lcfg, adapter_name=adapter_name)
-    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
     ids = torch.randint(0, cfg.vocab_size, (2, 12), generator=torch.Generator().manual_seed(seed))
-    for _ in range(2):
-        model(ids, labels=ids).loss.backward()
-        opt.step()
-        opt.zero_grad()
-    model.eval()
-    with torch.no_grad():
-        want = model(ids).logits
-    dcp.save({"model": dict(model.state_dict())}, checkpoint_id=str(tmp_path / "ckpt"))
-    model.save_pretrained(tmp_path / "peft")  # the reference
+    want = hf_models.train_peft(model, ids, ids, tmp_path)
     return ids, want
 
 
@@ -458,7 +448,6 @@ def test_lora_on_a_moe_router_weight_exports_with_peft_s_own_config(tmp_path: Pa
     export with an inferred config loads. Now the module a `target_parameters` entry names the weight of is matched:
     the adapter holds PEFT's keys and bytes and loads with the trained logits, and the merge equals
     `merge_and_unload()`."""
-    import torch.distributed.checkpoint as dcp
     from peft import LoraConfig, PeftModel, get_peft_model
     from safetensors.torch import load_file
     from transformers import Qwen3MoeForCausalLM
@@ -468,17 +457,8 @@ def test_lora_on_a_moe_router_weight_exports_with_peft_s_own_config(tmp_path: Pa
     Qwen3MoeForCausalLM(hf_models.qwen_moe_config()).save_pretrained(tmp_path / "base")
     lcfg = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "gate"], task_type="CAUSAL_LM")
     model = get_peft_model(load_hf(tmp_path / "base", Qwen3MoeForCausalLM), lcfg)
-    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
     ids = torch.randint(0, 64, (2, 12), generator=torch.Generator().manual_seed(15))
-    for _ in range(2):
-        model(ids, labels=ids).loss.backward()
-        opt.step()
-        opt.zero_grad()
-    model.eval()
-    with torch.no_grad():
-        want = model(ids).logits
-    dcp.save({"model": dict(model.state_dict())}, checkpoint_id=str(tmp_path / "ckpt"))
-    model.save_pretrained(tmp_path / "peft")
+    want = hf_models.train_peft(model, ids, ids, tmp_path)
     given = tmp_path / "peft" / "adapter_config.json"
     assert json.loads(given.read_text())["target_parameters"] == ["gate.weight"]
 

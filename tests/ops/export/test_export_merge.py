@@ -182,7 +182,6 @@ def test_a_gpt2_conv1d_lora_exports_and_merges_as_peft_does(tmp_path: Path) -> N
     name. Now the adapter holds PEFT's keys and bytes and loads with the trained logits; the merge equals
     `merge_and_unload()`'s weights, the square attn.c_proj (which the shapes cannot tell from a Linear) included,
     told by config.json's model class or the adapter config; with neither, it is refused (E601), not guessed."""
-    import torch.distributed.checkpoint as dcp
     from peft import LoraConfig, PeftModel, get_peft_model
     from safetensors.torch import load_file
     from transformers import GPT2Config, GPT2LMHeadModel
@@ -193,17 +192,8 @@ def test_a_gpt2_conv1d_lora_exports_and_merges_as_peft_does(tmp_path: Path) -> N
     GPT2LMHeadModel(cfg).save_pretrained(tmp_path / "base")
     lcfg = LoraConfig(r=4, lora_alpha=8, target_modules=["c_attn", "c_proj"], fan_in_fan_out=True)
     model = get_peft_model(load_hf(tmp_path / "base", GPT2LMHeadModel), lcfg)
-    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
     ids = torch.randint(0, 64, (2, 12), generator=torch.Generator().manual_seed(21))
-    for _ in range(2):
-        model(ids, labels=ids).loss.backward()
-        opt.step()
-        opt.zero_grad()
-    model.eval()
-    with torch.no_grad():
-        want = model(ids).logits
-    dcp.save({"model": dict(model.state_dict())}, checkpoint_id=str(tmp_path / "ckpt"))
-    model.save_pretrained(tmp_path / "peft")
+    want = hf_models.train_peft(model, ids, ids, tmp_path)
     ck, given = str(tmp_path / "ckpt"), str(tmp_path / "peft" / "adapter_config.json")
 
     res = export_cli(ck, str(tmp_path / "o"), "--format", "lora", "--adapter-config", given)
@@ -247,7 +237,6 @@ def test_a_sequence_classifier_merges_as_peft_does(tmp_path: Path) -> None:
     LlamaForSequenceClassification) was refused E605 "does not fit LlamaForCausalLM ... missing lm_head.weight |
     unexpected score.weight": the model check always built the causal LM. Now it builds the class the config names
     and the merged model's logits equal `merge_and_unload()`'s, the trained score head included."""
-    import torch.distributed.checkpoint as dcp
     from peft import LoraConfig, PeftModel, get_peft_model
     from transformers import LlamaForSequenceClassification
 
@@ -258,17 +247,8 @@ def test_a_sequence_classifier_merges_as_peft_does(tmp_path: Path) -> None:
     LlamaForSequenceClassification(cfg).save_pretrained(tmp_path / "base")
     lcfg = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], task_type="SEQ_CLS")
     model = get_peft_model(load_hf(tmp_path / "base", LlamaForSequenceClassification), lcfg)
-    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
     ids = torch.randint(1, cfg.vocab_size, (2, 12), generator=torch.Generator().manual_seed(22))
-    for _ in range(2):
-        model(ids, labels=torch.tensor([0, 2])).loss.backward()
-        opt.step()
-        opt.zero_grad()
-    model.eval()
-    with torch.no_grad():
-        want = model(ids).logits
-    dcp.save({"model": dict(model.state_dict())}, checkpoint_id=str(tmp_path / "ckpt"))
-    model.save_pretrained(tmp_path / "peft")
+    want = hf_models.train_peft(model, ids, torch.tensor([0, 2]), tmp_path)
 
     res = export_cli(
         str(tmp_path / "ckpt"),
