@@ -1501,22 +1501,25 @@ def test_r006_leaves_an_undriven_optimizer_beside_reduce_lr_on_plateau(tmp_path:
     assert [f["key"] for f in json.loads(res.stdout)["findings"] if f["code"] == "R006"] == [], res.stdout
 
 
+#: An OptimizerParamScheduler's arguments (megatron-core's and NeMo Automodel's copy take the same): warmup 2 steps
+#: from 0, decay to step 10, constant weight decay.
+_PARAM_SCHEDULER_ARGS: dict[str, Any] = {
+    "init_lr": 0.0,
+    "max_lr": 1e-2,
+    "min_lr": 1e-4,
+    "lr_warmup_steps": 2,
+    "lr_decay_steps": 10,
+    "start_wd": 0.1,
+    "end_wd": 0.1,
+    "wd_incr_steps": 10,
+    "wd_incr_style": "constant",
+}
+
+
 def _megatron_scheduler(opt: Any, style: str = "cosine") -> Any:
-    """megatron-core's own OptimizerParamScheduler over a torch optimizer (warmup 2 steps from 0, decay to step 10)."""
+    """megatron-core's own OptimizerParamScheduler over a torch optimizer (:data:`_PARAM_SCHEDULER_ARGS`)."""
     sched = pytest.importorskip("megatron.core.optimizer_param_scheduler")
-    return sched.OptimizerParamScheduler(
-        opt,
-        init_lr=0.0,
-        max_lr=1e-2,
-        min_lr=1e-4,
-        lr_warmup_steps=2,
-        lr_decay_steps=10,
-        lr_decay_style=style,
-        start_wd=0.1,
-        end_wd=0.1,
-        wd_incr_steps=10,
-        wd_incr_style="constant",
-    )
+    return sched.OptimizerParamScheduler(opt, lr_decay_style=style, **_PARAM_SCHEDULER_ARGS)
 
 
 @pytest.mark.parametrize("style", ["linear", "cosine", "inverse-square-root", "constant"])
@@ -1638,19 +1641,7 @@ def test_r006_takes_a_frozen_group_of_nemo_automodels_param_scheduler(tmp_path: 
     model = torch.nn.Linear(4, 2)
     groups = [{"params": [model.weight], "lr": 1e-2}, {"params": [model.bias], "lr": 0.0}]
     opt = torch.optim.AdamW(groups, lr=1e-2, weight_decay=0.1)
-    sched = scheduler.OptimizerParamScheduler(
-        opt,
-        init_lr=0.0,
-        max_lr=1e-2,
-        min_lr=1e-4,
-        lr_warmup_steps=2,
-        lr_decay_steps=10,
-        lr_decay_style="cosine",
-        start_wd=0.1,
-        end_wd=0.1,
-        wd_incr_steps=10,
-        wd_incr_style="constant",
-    )
+    sched = scheduler.OptimizerParamScheduler(opt, lr_decay_style="cosine", **_PARAM_SCHEDULER_ARGS)
     for _ in range(7):
         train_steps(model, opt, 1, loss="square")
         sched.step(1)
