@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 __all__ = [
+    "CT_SCALE_DTYPES",
     "FP8_SCALE_SUFFIX",
     "PACKED_DTYPES",
     "QuantKind",
@@ -209,6 +210,9 @@ def _pairs_2d(
 
 
 CT_SCALE_SUFFIX = "_scale"
+#: dtypes of a compressed-tensors ``x.weight_scale``: llm-compressor computes the scales in the weight's dtype
+#: (``calculate_qparams``), so a BF16 (FP16) model's are stored BF16 (FP16); its decompression multiplies in that dtype.
+CT_SCALE_DTYPES = ("float32", "bfloat16", "float16")
 #: The column block of a per-channel (one scale per output row) weight: wider than any row; a block of
 #: ``WHOLE_ROW`` x ``WHOLE_ROW`` is the whole weight (one scale per tensor).
 WHOLE_ROW = 1 << 62
@@ -231,9 +235,10 @@ def scheme_name(block: tuple[int, int]) -> str:
     return "channel" if block[1] == WHOLE_ROW else f"block {block[0]}x{block[1]}"
 
 
-def _one_scale(dtype: str, shape: tuple[int, ...]) -> bool:
-    """A single float32 scale, stored as ``[]`` or ``[1]`` (vLLM's and compressed-tensors' per-tensor scales)."""
-    return dtype == "float32" and len(shape) <= 1 and all(d == 1 for d in shape)
+def _one_scale(dtype: str, shape: tuple[int, ...], dtypes: tuple[str, ...] = ("float32",)) -> bool:
+    """A single scale of one of ``dtypes``, stored as ``[]`` or ``[1]`` (vLLM's and compressed-tensors' per-tensor
+    scales)."""
+    return dtype in dtypes and len(shape) <= 1 and all(d == 1 for d in shape)
 
 
 def compressed_tensors_block(config: Mapping[str, Any] | None) -> tuple[int, int] | None:
@@ -275,7 +280,8 @@ def compressed_tensors_fp8(
     Only under a config whose ``quantization_config.quant_method`` is ``compressed-tensors``; every
     ``float8_e4m3fn`` ``x.weight`` with an ``x.weight_scale`` (and no ``x.weight_scale_inv``) is one: a format
     other than ``float-quantized``, config groups that do not give one block, channel or tensor FP8 scheme
-    (:func:`compressed_tensors_block`), a weight that is not 2-D, a scale that is not float32 of the shape that scheme gives, or an
+    (:func:`compressed_tensors_block`), a weight that is not 2-D, a scale that is not float32 (or bfloat16 / float16: :data:`CT_SCALE_DTYPES`) of the shape
+    that scheme gives, or an
     ``x.weight_zero_point`` (asymmetric) is a problem (never a weight imported as its raw FP8 bytes).
     """
     qc = (config or {}).get("quantization_config")
@@ -312,11 +318,17 @@ def compressed_tensors_fp8(
             problems.append(
                 (skey, f"{skey}: {key}_zero_point is stored (asymmetric), which import does not dequantize")
             )
-        elif not (sd == "float32" and list(ss) == want) and not (block == _PER_TENSOR and _one_scale(sd, tuple(ss))):
+        elif not (sd in CT_SCALE_DTYPES and list(ss) == want) and not (
+            block == _PER_TENSOR and _one_scale(sd, tuple(ss), CT_SCALE_DTYPES)
+        ):
             need = "one float32" if block == _PER_TENSOR else f"float32 {want}"
             scheme = f"{block[0]}x{block[1]} block" if block[1] != WHOLE_ROW else scheme_name(block)
             problems.append(
-                (skey, f"{skey}: {sd} {list(ss)}, but weight {list(ws)} with the config's {scheme} scheme needs {need}")
+                (
+                    skey,
+                    f"{skey}: {sd} {list(ss)}, but weight {list(ws)} with the config's {scheme} scheme needs {need}"
+                    " (or bfloat16 / float16)",
+                )
             )
         else:
             pairs.append(QuantPair("fp8-compressed-tensors", key, skey, key, tuple(ws), tuple(ws), block))

@@ -18,9 +18,9 @@ the references, bit for bit:
 The scales are not imported. Each dequantized tensor is staged in an anonymous in-memory file
 (``memfd``) when the import first reads it and dropped after the tensor is written, so the
 import's memory is bounded by the largest dequantized tensor. Refused (E612, nothing
-published): a scale that does not fit its weight (missing weight, not float32, shape other
-than ``ceil(out / B0) x ceil(in / B1)``), a NaN / infinite / negative scale, a zero scale of
-a block that is not all zero, NaN bytes in an FP8 weight, an MXFP4 exponent ``0xFF``, finite pieces
+published): a scale that does not fit its weight (missing weight, not float32 (compressed-tensors' scales:
+also bfloat16 / float16, as llm-compressor stores a BF16 / FP16 model's), shape other than
+``ceil(out / B0) x ceil(in / B1)``), a NaN / infinite / negative scale, a zero scale of a block that is not all zero, NaN bytes in an FP8 weight, an MXFP4 exponent ``0xFF``, finite pieces
 whose product is beyond the range of ``--dtype`` (torch's reader would load infinity there).
 ``docs/import.md``, "Quantized checkpoints".
 """
@@ -273,7 +273,7 @@ def _overflow_check(encoded: Any, dtype: str, p: QuantPair, where: str, first: i
 
 
 def read_scales(fds: StagedFds, plan: Dequantized) -> Any:
-    """The whole scale tensor, checked: float32 finite and >= 0 (FP8), exponents other than ``0xFF`` (MXFP4).
+    """The whole scale tensor, checked: finite and >= 0 (FP8; as float32), exponents other than ``0xFF`` (MXFP4).
 
     Raises:
         QuantizedSourceError (E612): a NaN, infinite or negative scale; an E8M0 ``0xFF`` (NaN) exponent.
@@ -292,7 +292,8 @@ def read_scales(fds: StagedFds, plan: Dequantized) -> Any:
                 f"{p.scale}: {bad.size} E8M0 exponent(s) are 0xFF (NaN), e.g. at flat index {int(bad[0])}", p.scale
             )
         return e
-    s = _read(fds, plan.scale_at, 0, 4 * n).view(np.float32).reshape(_scale_shape(p))
+    s = _scales_f32(_read(fds, plan.scale_at, 0, _SCALE_ITEMSIZE[plan.scale_dtype] * n), plan.scale_dtype)
+    s = s.reshape(_scale_shape(p))
     where = np.argwhere(~np.isfinite(s) | (s < 0))
     if where.size:
         at = tuple(int(x) for x in where[0])
@@ -302,6 +303,20 @@ def read_scales(fds: StagedFds, plan: Dequantized) -> Any:
             p.scale,
         )
     return s
+
+
+#: bytes of a stored FP8 scale by dtype (bfloat16 / float16: compressed-tensors' scales of a BF16 / FP16 model).
+_SCALE_ITEMSIZE = {"float32": 4, "bfloat16": 2, "float16": 2}
+
+
+def _scales_f32(raw: Any, dtype: str) -> Any:
+    """The stored scale bytes ``raw`` (``uint8``) of ``dtype`` as float32 values (exact: every bfloat16 / float16 is a
+    float32), so ``float32(q) * scale`` is the product compressed-tensors' decompression rounds to its dtype."""
+    import numpy as np
+
+    if dtype == "bfloat16":
+        return (raw.view(np.uint16).astype(np.uint32) << 16).view(np.float32)
+    return raw.view(np.float16 if dtype == "float16" else np.float32).astype(np.float32)
 
 
 def _scale_shape(p: QuantPair) -> tuple[int, ...]:

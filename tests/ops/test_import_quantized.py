@@ -432,6 +432,92 @@ def test_compressed_tensors_export_imports_dequantized(fixture_root: Path, tmp_p
         assert set(ref) == set(ours) and all(torch.equal(_bits(ours[k]), _bits(ref[k])) for k in ref)
 
 
+def _llm_compressor_folder(d: Path, method: str, dtype: torch.dtype) -> tuple[Path, dict[str, torch.Tensor]]:
+    """A compressed-tensors FP8 folder as llm-compressor writes one for a ``dtype`` model: scales from
+    compressed-tensors' ``calculate_qparams`` (in the weight's dtype: BF16 / FP16 scales), weights from its
+    ``FloatQuantizationCompressor.compress``; uneven ``[40, 24]`` and ``[24, 40]`` weights (16x16 blocks)."""
+    from compressed_tensors.compressors.naive_quantized import FloatQuantizationCompressor
+    from compressed_tensors.quantization import preset_name_to_scheme
+    from compressed_tensors.quantization.utils import calculate_qparams
+
+    from tests.ops.export.test_export_quant_ct import _ct_reference_config
+
+    scheme = preset_name_to_scheme("FP8_BLOCK" if method == "fp8-block" else "FP8_DYNAMIC", ["Linear"])
+    if method == "fp8-block":
+        scheme.weights.block_structure = [16, 16]
+    g = torch.Generator().manual_seed(11)
+    t: dict[str, torch.Tensor] = {"model.norm.weight": torch.randn(24, generator=g).to(dtype)}
+    for name, shape in {"model.layers.0.mlp.down_proj": (40, 24), "model.layers.0.mlp.up_proj": (24, 40)}.items():
+        w = torch.randn(*shape, generator=g).to(dtype)
+        if method == "fp8-block":  # per 16x16 block, the weight zero-padded to whole blocks (as compress pads it)
+            r, c = -(-shape[0] // 16), -(-shape[1] // 16)
+            pad = torch.zeros(r * 16, c * 16, dtype=dtype)
+            pad[: shape[0], : shape[1]] = w
+            blocks = pad.reshape(r, 16, c, 16)
+            lo, hi = blocks.amin(dim=(1, 3)), blocks.amax(dim=(1, 3))
+        else:
+            lo, hi = w.amin(1, keepdim=True), w.amax(1, keepdim=True)
+        zero = torch.zeros((), dtype=dtype)
+        scale, _ = calculate_qparams(torch.minimum(lo, zero), torch.maximum(hi, zero), scheme.weights)
+        assert scale.dtype == dtype
+        q = FloatQuantizationCompressor.compress({"weight": w, "weight_scale": scale}, scheme)["weight"]
+        t[name + ".weight"], t[name + ".weight_scale"] = (
+            q.contiguous(),
+            scale.contiguous(),
+        )  # compress slices padding off
+    config = {"model_type": "llama", "quantization_config": _ct_reference_config(method, 16, ["lm_head"])}
+    return _write_folder(d, t, config), t
+
+
+@pytest.mark.parametrize(
+    ("method", "dtype"), [("fp8-block", "bfloat16"), ("fp8-channel", "bfloat16"), ("fp8-channel", "float16")]
+)
+def test_compressed_tensors_scales_in_the_models_dtype_import_as_its_decompression(
+    tmp_path: Path, method: str, dtype: str
+) -> None:
+    """llm-compressor stores a BF16 (FP16) model's ``weight_scale`` in BF16 (FP16): its scales are computed in the
+    weight's dtype. import refused such a folder (E612 "bfloat16 [40, 1] ... needs float32") and validate --deep
+    called it M020. Now ``--dtype float32`` gives ``float32(q) * float32(scale)`` (exact; transformers' load-time
+    ``CompressedTensorsDequantize``), which rounded once to the scale's dtype is compressed-tensors' own decompression
+    bit for bit, and ``--dtype bfloat16`` that product rounded once; validate --deep finds nothing; diff of folder
+    and import: bitwise equal. A NaN among such scales is still E612 / M021."""
+    from compressed_tensors.compressors.naive_quantized import FloatQuantizationCompressor
+    from compressed_tensors.quantization import QuantizationConfig
+
+    src, t = _llm_compressor_folder(tmp_path / "ct", method, getattr(torch, dtype))
+    scheme = QuantizationConfig.model_validate(json.loads((src / "config.json").read_text())["quantization_config"])
+    scheme_0 = scheme.config_groups["group_0"]
+    r = _import(src, tmp_path / "bf16", "--dtype", "bfloat16")
+    assert r["dequantized"]["kinds"] == {"fp8-compressed-tensors": 2}
+    _import(src, tmp_path / "f32", "--dtype", "float32")
+    bf16, f32 = _torch_load(tmp_path / "bf16"), _torch_load(tmp_path / "f32")
+    for name in r["dequantized"]["tensors"]:
+        q, s = t[name], t[name + "_scale"]
+        ref = FloatQuantizationCompressor.decompress({"weight": q, "weight_scale": s}, scheme_0)["weight"]
+        assert ref.dtype == s.dtype  # compressed-tensors multiplies in the scale's dtype, rounding once
+        full = s.float()
+        if method == "fp8-block":
+            full = full.repeat_interleave(16, 0)[: q.shape[0]].repeat_interleave(16, 1)[:, : q.shape[1]]
+        got = f32["model." + name]
+        assert torch.equal(_bits(got), _bits(q.float() * full)), name  # exact: no product of these rounds in float32
+        assert torch.equal(_bits(got.to(ref.dtype)), _bits(ref)), name
+        assert torch.equal(_bits(bf16["model." + name]), _bits(got.to(torch.bfloat16))), name
+    res = runner.invoke(app, ["validate", "--deep", str(src)])
+    assert res.exit_code == 0 and "M020" not in res.stdout, res.stdout + res.stderr
+    res = runner.invoke(app, ["diff", str(tmp_path / "f32"), str(src), "--json"])
+    assert res.exit_code == 0, res.stdout + res.stderr
+    summary = json.loads(res.stdout)["summary"]
+    assert summary["equal"] == summary["tensors"] == 3 and summary["differ"] == 0
+    t["model.layers.0.mlp.up_proj.weight_scale"][1, 0] = float("nan")
+    bad = _write_folder(tmp_path / "bad", t, json.loads((src / "config.json").read_text()))
+    err = _import(bad, tmp_path / "nan", code=2)
+    assert (
+        "[E612] model.layers.0.mlp.up_proj.weight_scale: 1 scale(s) are NaN" in err and not (tmp_path / "nan").exists()
+    )
+    res = runner.invoke(app, ["validate", "--deep", str(bad)])
+    assert res.exit_code == 1 and "M021" in res.stdout, res.stdout + res.stderr
+
+
 def test_compressed_tensors_weights_it_cannot_dequantize_are_refused(tmp_path: Path) -> None:
     """A compressed-tensors FP8 weight whose scale does not fit the config's scheme, or of a format other than
     float-quantized: E612, never the raw FP8 bytes imported as the weight."""

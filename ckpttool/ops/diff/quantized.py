@@ -123,6 +123,8 @@ def load_dequantized(side: Side, item: Item) -> Any:
     assert item.dequant is not None
     kind, scale_key, block = item.dequant
     scale = side.tensor(scale_key).clone()  # side.tensor reuses one buffer: the weight is read next
+    if kind != "mxfp4":  # FP8 scales as float32 (compressed-tensors' of a BF16 model are stored bfloat16)
+        scale = scale.float()
     q = side.tensor(item.key).reshape(-1).view(torch.uint8).numpy()
     if kind != "mxfp4":
         decode = fp8_decoder(side, item, scale.numpy())
@@ -154,7 +156,7 @@ def fp8_decoder(side: Side, item: Item, scale: Any = None) -> Callable[[memoryvi
 
     assert item.dequant is not None
     _, scale_key, block = item.dequant
-    s = scale if scale is not None else side.tensor(scale_key).numpy().copy()
+    s = scale if scale is not None else side.tensor(scale_key).float().numpy().copy()
     s = s.reshape(scale_grid(item.shape, block))  # one scale per tensor ([] or [1]): a grid of one block
     finite = s[np.isfinite(s)]  # an infinite scale (damaged) would make every element of the tensor "within"
     side.quant_atol = _FP8_ATOL_STEPS * (float(finite.max()) if finite.size else 0.0)

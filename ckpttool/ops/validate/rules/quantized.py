@@ -145,6 +145,8 @@ def _read(ctx: Context, key: str) -> Any | None:
         return None
     import torch
 
+    if t.dtype in (torch.bfloat16, torch.float16):  # compressed-tensors' scales of a BF16 / FP16 model: as float32
+        return t.float().numpy()
     return t.view(torch.uint8).numpy() if t.dtype in (torch.float8_e4m3fn, torch.float8_e8m0fnu) else t.numpy()
 
 
