@@ -4,11 +4,11 @@ The conventions, as the readers that load them pair the keys:
 
 - block FP8 (DeepSeek-V3; torch's ``QuantizedHuggingFaceStorageReader``, transformers'
   ``FineGrainedFP8``): ``x.weight`` ``float8_e4m3fn`` ``[out, in]`` and ``x.weight_scale_inv``
-  ``float32`` ``[ceil(out / B0), ceil(in / B1)]``, ``(B0, B1)`` the config's
+  ``float32`` (or bfloat16 / float16: :data:`SCALE_DTYPES`) ``[ceil(out / B0), ceil(in / B1)]``, ``(B0, B1)`` the config's
   ``quantization_config.weight_block_size`` (default ``128 x 128``); ``q * scale`` dequantizes.
 - fused block-FP8 experts (transformers' ``FP8Experts``; what ``export --quantize`` writes for
-  fused experts): ``x`` ``float8_e4m3fn`` ``[E, out, in]`` and ``x_scale_inv`` float32
-  ``[E, ceil(out / B0), ceil(in / B1)]``, each expert on its own block grid (kind ``fp8-experts``).
+  fused experts): ``x`` ``float8_e4m3fn`` ``[E, out, in]`` and ``x_scale_inv`` float32 (or
+  bfloat16 / float16) ``[E, ceil(out / B0), ceil(in / B1)]``, each expert on its own block grid (kind ``fp8-experts``).
 - MXFP4 (gpt-oss; transformers' ``integrations/mxfp4.py``): ``x_blocks`` ``uint8``
   ``[E, N, G, B]`` (two FP4 values a byte) and ``x_scales`` ``uint8`` (or ``float8_e8m0fnu``)
   E8M0 exponents ``[E, N, G]``; dequantized ``x`` is ``[E, G * B * 2, N]`` (transformers'
@@ -26,11 +26,11 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 __all__ = [
-    "CT_SCALE_DTYPES",
     "FP8_SCALE_SUFFIX",
     "PACKED_DTYPES",
     "QuantKind",
     "QuantPair",
+    "SCALE_DTYPES",
     "block_size",
     "block_size_problem",
     "compressed_tensors_block",
@@ -46,6 +46,12 @@ __all__ = [
 ]
 
 FP8_SCALE_SUFFIX = "_scale_inv"
+#: dtypes of an FP8 block / channel scale (``x.weight_scale_inv``, fused ``x_scale_inv``, compressed-tensors'
+#: ``x.weight_scale``): float32, as DeepSeek-V3 and torch's quantizers store them, or the weight's dtype, as
+#: llm-compressor computes them (``calculate_qparams``); every such scale is a float32 value, and ``float32(q) * scale``
+#: is exact (torch's ``QuantizedHuggingFaceStorageReader`` multiplies so; compressed-tensors in the scale's dtype,
+#: rounding that product once).
+SCALE_DTYPES = ("float32", "bfloat16", "float16")
 #: A :class:`QuantPair`'s convention (the module docstring; ``fp8-compressed-tensors``: :func:`compressed_tensors_fp8`).
 QuantKind = Literal["fp8-block", "fp8-experts", "mxfp4", "fp8-compressed-tensors", "fp8-tensor"]
 _MX_BLOCKS, _MX_SCALES = "_blocks", "_scales"
@@ -103,8 +109,8 @@ def _fp8_problem(
     if weight is None:
         return f"{key}: a block scale for a missing weight {wkey!r}"
     (sd, ss), (wd, ws) = scale, weight
-    if sd != "float32":
-        return f"{key}: scales are {sd}, not float32 (block FP8 stores float32 weight_scale_inv)"
+    if sd not in SCALE_DTYPES:
+        return f"{key}: scales are {sd}, not float32 (block FP8 stores float32 weight_scale_inv; or bfloat16 / float16)"
     if wd != "float8_e4m3fn":
         return f"{key}: its weight {wkey!r} is {wd}, not float8_e4m3fn"
     if len(ws) != 2 or len(ss) != 2:
@@ -133,7 +139,7 @@ def fused_experts(
     tensors: Mapping[str, tuple[str, tuple[int, ...]]], block: tuple[int, int]
 ) -> tuple[list[QuantPair], list[tuple[str, str]]]:
     """Fused block-FP8 experts (kind ``fp8-experts``; the module docstring) and ``(scale key, why)`` for a scale of
-    such a weight that does not fit it (not float32, not ``[E, ceil(out/B0), ceil(in/B1)]``)."""
+    such a weight that does not fit it (not one of :data:`SCALE_DTYPES`, not ``[E, ceil(out/B0), ceil(in/B1)]``)."""
     pairs: list[QuantPair] = []
     problems: list[tuple[str, str]] = []
     for key, (dt, shape) in sorted(tensors.items()):
@@ -141,12 +147,12 @@ def fused_experts(
         if dt != "float8_e4m3fn" or len(shape) != 3 or scale is None:
             continue
         want = [shape[0], -(-shape[1] // block[0]), -(-shape[2] // block[1])]
-        if scale[0] != "float32" or list(scale[1]) != want:
+        if scale[0] not in SCALE_DTYPES or list(scale[1]) != want:
             problems.append(
                 (
                     key + FP8_SCALE_SUFFIX,
                     f"{key}{FP8_SCALE_SUFFIX}: {scale[0]} {list(scale[1])}, but fused experts {list(shape)} in "
-                    f"{block[0]}x{block[1]} blocks need float32 {want}",
+                    f"{block[0]}x{block[1]} blocks need float32 {want} (or bfloat16 / float16)",
                 )
             )
             continue
@@ -161,7 +167,7 @@ def find_quantized(
 
     Returns:
         ``(pairs, problems)``: pairs sorted by weight key; ``(key, why)`` for a scale of a missing
-        weight, a scale that is not float32 (e.g. ``F8_E8M0``) where float32 is expected, a
+        weight, a scale that is not float32, bfloat16 or float16 (e.g. ``F8_E8M0``) where a float scale is expected, a
         weight of another dtype, shapes other than ``ceil(out / B0) x ceil(in / B1)``, a
         ``float8_e4m3fn`` ``*.weight`` without its scale, MXFP4 blocks without scales or with
         shapes that do not fit; fused experts (``fp8-experts``) after the others, with their problems
@@ -210,9 +216,6 @@ def _pairs_2d(
 
 
 CT_SCALE_SUFFIX = "_scale"
-#: dtypes of a compressed-tensors ``x.weight_scale``: llm-compressor computes the scales in the weight's dtype
-#: (``calculate_qparams``), so a BF16 (FP16) model's are stored BF16 (FP16); its decompression multiplies in that dtype.
-CT_SCALE_DTYPES = ("float32", "bfloat16", "float16")
 #: The column block of a per-channel (one scale per output row) weight: wider than any row; a block of
 #: ``WHOLE_ROW`` x ``WHOLE_ROW`` is the whole weight (one scale per tensor).
 WHOLE_ROW = 1 << 62
@@ -280,7 +283,7 @@ def compressed_tensors_fp8(
     Only under a config whose ``quantization_config.quant_method`` is ``compressed-tensors``; every
     ``float8_e4m3fn`` ``x.weight`` with an ``x.weight_scale`` (and no ``x.weight_scale_inv``) is one: a format
     other than ``float-quantized``, config groups that do not give one block, channel or tensor FP8 scheme
-    (:func:`compressed_tensors_block`), a weight that is not 2-D, a scale that is not float32 (or bfloat16 / float16: :data:`CT_SCALE_DTYPES`) of the shape
+    (:func:`compressed_tensors_block`), a weight that is not 2-D, a scale that is not float32 (or bfloat16 / float16: :data:`SCALE_DTYPES`) of the shape
     that scheme gives, or an
     ``x.weight_zero_point`` (asymmetric) is a problem (never a weight imported as its raw FP8 bytes).
     """
@@ -318,8 +321,8 @@ def compressed_tensors_fp8(
             problems.append(
                 (skey, f"{skey}: {key}_zero_point is stored (asymmetric), which import does not dequantize")
             )
-        elif not (sd in CT_SCALE_DTYPES and list(ss) == want) and not (
-            block == _PER_TENSOR and _one_scale(sd, tuple(ss), CT_SCALE_DTYPES)
+        elif not (sd in SCALE_DTYPES and list(ss) == want) and not (
+            block == _PER_TENSOR and _one_scale(sd, tuple(ss), SCALE_DTYPES)
         ):
             need = "one float32" if block == _PER_TENSOR else f"float32 {want}"
             scheme = f"{block[0]}x{block[1]} block" if block[1] != WHOLE_ROW else scheme_name(block)

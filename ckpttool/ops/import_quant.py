@@ -18,10 +18,10 @@ the references, bit for bit:
 The scales are not imported. Each dequantized tensor is staged in an anonymous in-memory file
 (``memfd``) when the import first reads it and dropped after the tensor is written, so the
 import's memory is bounded by the largest dequantized tensor. Refused (E612, nothing
-published): a scale that does not fit its weight (missing weight, not float32 (compressed-tensors' scales:
-also bfloat16 / float16, as llm-compressor stores a BF16 / FP16 model's), shape other than
-``ceil(out / B0) x ceil(in / B1)``), a NaN / infinite / negative scale, a zero scale of a block that is not all zero, NaN bytes in an FP8 weight, an MXFP4 exponent ``0xFF``, finite pieces
-whose product is beyond the range of ``--dtype`` (torch's reader would load infinity there).
+published): a scale that does not fit its weight (missing weight, not float32, bfloat16 or float16
+(:data:`~ckpttool.model.quantized.SCALE_DTYPES`), shape other than
+``ceil(out / B0) x ceil(in / B1)``), a NaN / infinite / negative scale, a zero scale of a block that is not all
+zero, NaN bytes in an FP8 weight, an MXFP4 exponent ``0xFF``, finite pieces whose product is beyond the range of ``--dtype`` (torch's reader would load infinity there).
 ``docs/import.md``, "Quantized checkpoints".
 """
 

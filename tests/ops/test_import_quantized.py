@@ -134,6 +134,28 @@ def test_deepseek_convention_equals_torch_reader(deepseek_dir: Path, tmp_path: P
     assert not any(k.endswith("_scale_inv") for k in ours)
 
 
+@pytest.mark.parametrize("scale_dtype", ["bfloat16", "float16"])
+def test_block_scales_stored_bf16_equal_torch_reader(tmp_path: Path, scale_dtype: str) -> None:
+    """``weight_scale_inv`` stored BF16 / FP16 (not DeepSeek's float32): torch's reader multiplies the float32 weight
+    by them (each a float32 value); import refused the folder (E612 "scales are bfloat16, not float32") and
+    validate --deep called it M020. Now import equals the reader bit for bit in BF16 and FP32 (2 ranks), validate
+    --deep finds nothing, and diff of folder and FP32 import finds every tensor equal."""
+    t = _deepseek_tensors(16)
+    for k in [k for k in t if k.endswith("_scale_inv")]:
+        t[k] = t[k].to(getattr(torch, scale_dtype))
+    src = _write_folder(tmp_path / "fp8", t, _DS_CONFIG)
+    for dtype, ranks in (("bfloat16", "1"), ("float32", "2")):
+        r = _import(src, tmp_path / dtype, "--dtype", dtype, "--world-size", ranks)
+        assert r["dequantized"]["kinds"] == {"fp8-block": 2}
+        assert _check_against_reader(src, tmp_path / dtype, getattr(torch, dtype), 16) == 2
+    res = runner.invoke(app, ["validate", "--deep", str(src)])
+    assert res.exit_code == 0 and "M020" not in res.stdout, res.stdout + res.stderr
+    res = runner.invoke(app, ["diff", str(tmp_path / "float32"), str(src), "--json"])
+    assert res.exit_code == 0, res.stdout + res.stderr
+    summary = json.loads(res.stdout)["summary"]
+    assert summary["equal"] == summary["tensors"] == 3 and summary["differ"] == 0
+
+
 @pytest.fixture(scope="module")
 def fp8_export(fixture_root: Path, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
     master = cached_build(fixture_root, "export_master", hf_models.build_master)

@@ -28,6 +28,7 @@ from typing import Any
 
 from ckpttool.errors import CkptError
 from ckpttool.model.quantized import (
+    SCALE_DTYPES,
     QuantPair,
     block_size,
     block_size_problem,
@@ -60,8 +61,8 @@ def _scale_problem(ctx: Context, key: str) -> str | None:
     weight = ctx.cat.model.get(key[: -len(_SUFFIX)])
     if weight is None:
         return f"{key}: a block scale for a missing weight {key[: -len(_SUFFIX)]!r}"
-    if scale.dtype != "float32":
-        return f"{key}: scales are {scale.dtype}, not float32 (DeepSeek block FP8 stores float32 scales)"
+    if scale.dtype not in SCALE_DTYPES:
+        return f"{key}: scales are {scale.dtype}, not float32 (DeepSeek block FP8 stores float32 scales; or bfloat16 / float16)"
     if weight.dtype != "float8_e4m3fn":
         return f"{key}: its weight is {weight.dtype}, not float8_e4m3fn"
     if len(weight.shape) != 2 or len(scale.shape) != 2:
