@@ -405,6 +405,30 @@ def test_a_model_parameter_called_step_is_the_models(saved: str, flatten: bool, 
     assert all(torch.equal(exported[k], v) for k, v in msd.items())
 
 
+def test_a_model_only_save_with_a_parameter_called_step_keeps_it(tmp_path: Path) -> None:
+    """A model-only save (torchtitan's last save, an export source) of a model with top-level parameters called
+    ``step`` and ``epoch``, beside a real counter (``global_step``, one element) and ``torch.get_rng_state()``: no
+    optimizer names the parameters, but no counter holds more than one element. They were training state (export
+    wrote ``lin`` alone, exit 0); they are the model's, the counter and the RNG state stay training state."""
+    from safetensors.torch import load_file
+    from typer.testing import CliRunner
+
+    from ckpttool.cli.app import app
+
+    torch.manual_seed(0)
+    msd = _CounterNamed().state_dict()
+    src = tmp_path / "ckpt"
+    dcp.save({**msd, "global_step": torch.tensor(7), "rng_state": torch.get_rng_state()}, checkpoint_id=str(src))
+    cat = open_checkpoint(src).catalog
+    assert sorted(cat.model) == sorted(msd) and sorted(cat.training_state) == ["global_step", "rng_state"]
+    assert f"- {len(msd)} model tensor(s) at the top level" in "\n".join(f"- {r}" for r in cat.schema.reasons)
+    res = CliRunner().invoke(app, ["export", str(src), str(tmp_path / "out")])
+    assert res.exit_code == 0, res.output
+    exported = load_file(tmp_path / "out" / "model.safetensors")
+    _CounterNamed().load_state_dict(exported, strict=True)
+    assert all(torch.equal(exported[k], v) for k, v in msd.items())
+
+
 @pytest.mark.parametrize("lr", ["float", "tensor"])
 @pytest.mark.parametrize("saved", ["beside_model", "pair"])
 @pytest.mark.parametrize("flatten", [True, False], ids=["flattened", "nested"])

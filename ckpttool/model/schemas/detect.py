@@ -28,7 +28,7 @@ from ckpttool.errors import SchemaError
 from ckpttool.format.metadata import CheckpointMetadata, TensorMeta
 from ckpttool.model.nested_state import describe_nested, nested_state_items
 from ckpttool.model.schemas import registry
-from ckpttool.model.schemas.base import Detected
+from ckpttool.model.schemas.base import COUNTER_ITEMS, Detected
 from ckpttool.model.schemas.keyschema import KeySchema, SchemaOverride, model_head
 from ckpttool.model.schemas.registry import Derived
 from ckpttool.model.wrappers import WRAPPER_SEGMENTS, strip_wrapper_segments
@@ -472,15 +472,17 @@ def top_group_fqns(md: CheckpointMetadata, planner: dict[str, tuple[Any, ...]]) 
     )
 
 
-def top_param_fqns(md: CheckpointMetadata, planner: dict[str, tuple[Any, ...]]) -> frozenset[str]:
-    """The parameter fqns an optimizer state dict at the top level is keyed by: its flattened param groups'
-    (:func:`top_group_fqns`) and its state's (planner path ``("state", fqn, field)``, nested); empty without
-    planner_data. A top-level tensor they name is a parameter even where its name is a training-state item's
-    (a model's parameter called ``step``: :meth:`KeySchema.model_test`)."""
-    if not planner:
-        return frozenset()
+def top_param_fqns(md: CheckpointMetadata, planner: dict[str, tuple[Any, ...]], optimizer: bool) -> frozenset[str]:
+    """The top-level tensors that are parameters though their names are training-state items' (a model's parameter
+    called ``step``: :meth:`KeySchema.model_test`): a counter's name (:data:`COUNTER_ITEMS`) on a tensor of other
+    than one element, which no counter is; with an optimizer state dict at the top level (``optimizer``), the fqns
+    it is keyed by, its flattened param groups' (:func:`top_group_fqns`) and its state's (planner path ``("state",
+    fqn, field)``, nested; none without planner_data)."""
+    sized = {k for k in COUNTER_ITEMS if type(m := md.entries.get(k)) is TensorMeta and m.numel != 1}
+    if not planner or not optimizer:
+        return frozenset(sized)
     nested = (p[1] for k, p in planner.items() if len(p) == 3 and p[0] == "state" and type(p[1]) is str)
-    return (top_group_fqns(md, planner) or frozenset()).union(nested)
+    return (top_group_fqns(md, planner) or frozenset()).union(nested, sized)
 
 
 def _optimizer_at_top(md: CheckpointMetadata, state: list[str]) -> bool:
@@ -605,10 +607,12 @@ def detect_schema(md: CheckpointMetadata, override: SchemaOverride | None = None
         _model_head=model_head(model_prefix or ""),
         _use_paths=use_paths,
         _group_fqns=groups,
-        _param_fqns=top_param_fqns(md, planner) if opt_prefix == "" else frozenset(),
+        _param_fqns=(params := top_param_fqns(md, planner, opt_prefix == "")),
     )
     test = sch.model_test()
-    n_model, sample = _model_sample(scan, test, get, model_prefix if use_paths and opt_prefix != "" else None)
+    # the votes left out the parameters named as counters (params): counted with the test then
+    voted = use_paths and opt_prefix != "" and not params
+    n_model, sample = _model_sample(scan, test, get, model_prefix if voted else None)
     if model_prefix is not None and not n_model:
         model_prefix = None
     fqns = [sch.fqn_of(k) for k in sample]
@@ -687,7 +691,7 @@ def _overridden(md: CheckpointMetadata, ov: SchemaOverride, tensors: list[str]) 
         model_prefix = ""
     paths = planner_paths(md)
     groups = top_group_fqns(md, paths)
-    params = top_param_fqns(md, paths) if opt_prefix == "" else frozenset()
+    params = top_param_fqns(md, paths, opt_prefix == "")
     probe = KeySchema(sid, model_prefix, opt_prefix, _use_paths=False, _group_fqns=groups, _param_fqns=params)
     model_keys = [k for k in tensors if probe.is_model_candidate(k, paths.get(k))]
     _check_override(md, ov, probe, tensors, len(model_keys))
