@@ -814,6 +814,9 @@ class CkptGroup(TyperGroup):
         cache = sys.modules.get("ckpttool.format.cache")  # --no-cache of an earlier invocation is not this one's
         if cache is not None:
             cache.set_cache_enabled(None)
+        atomic = sys.modules.get("ckpttool.format.atomic")  # an interrupt names this invocation's outputs only
+        if atomic is not None:
+            atomic.forget_published()
         configure_logging(0)
         try:
             rv = super().main(

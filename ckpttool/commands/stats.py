@@ -198,9 +198,8 @@ def _table(con: Console, c: CheckpointStats, by: StatsView) -> None:
                 t.role,
                 t.dtype,
                 fmt_count(t.numel),
-                _g(t.mean),
-                _g(t.std),
-                _g(t.abs_max),
+                # a tensor of no element has no value to measure: '-', as its zeros (`nan` is for NaN/Inf values)
+                *((_g(t.mean), _g(t.std), _g(t.abs_max)) if t.numel else (None, None, None)),
                 _g(t.l2),
                 f"{t.zero_fraction:.1%}" if t.numel else "-",
                 t.nonfinite or None,

@@ -44,6 +44,8 @@ __all__ = [
     "atomic_write_bytes",
     "atomic_write_text",
     "check_file_target",
+    "forget_published",
+    "published",
     "signal_received",
     "signals_deferred",
     "stop_signals",
@@ -54,6 +56,7 @@ log = logging.getLogger(__name__)
 _defer_depth = 0  # signals_deferred() nesting (main thread only)
 _deferred_signal: int | None = None
 _signal_received = False  # set by AtomicOutputDir's handler, never cleared: the process is stopping
+_published: list[Path] = []  # outputs moved into place by this process, in order (published())
 
 
 class Terminated(KeyboardInterrupt):
@@ -246,6 +249,17 @@ def signals_deferred() -> Iterator[None]:
         if _defer_depth == 0 and _deferred_signal is not None:
             signum, _deferred_signal = _deferred_signal, None
             _raise_for(signum)
+
+
+def published() -> tuple[Path, ...]:
+    """The outputs this process has moved into place, complete (an :class:`AtomicOutputDir` committed, an
+    :func:`atomic_write_bytes` file renamed over its path), in order: an interrupt after them leaves them written."""
+    return tuple(_published)
+
+
+def forget_published() -> None:
+    """Start :func:`published` afresh (the CLI, at each invocation: several run in one process under test)."""
+    _published.clear()
 
 
 def signal_received() -> bool:
@@ -562,6 +576,7 @@ class AtomicOutputDir(OutputTarget):
                 with signals_deferred():
                     os.rename(tmp, target)
                     placed = True
+                    _published.append(target)
             else:
                 backup = target.parent / f".{target.name}.ckpttool-old-{os.urandom(4).hex()}"
                 # one deferred step from the first rename to the old copy's removal: a signal in between
@@ -582,6 +597,7 @@ class AtomicOutputDir(OutputTarget):
                             backup = None
                         raise
                     placed = True
+                    _published.append(target)
                     self._remove_superseded(backup)
                     backup = None
         except BaseException as e:
@@ -765,6 +781,8 @@ def _write_replace(p: Path, data: bytes, fsync: bool, replace: bool = True) -> N
             os.replace(tmp, p)
         else:
             _publish_new(tmp, p)
+        _published.append(p)
+        if not replace:
             with contextlib.suppress(FileNotFoundError):
                 tmp.unlink()  # the name `p` holds the file now
     except BaseException as e:

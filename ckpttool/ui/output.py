@@ -288,8 +288,19 @@ def interrupted() -> int:
         return lost.exit_code
     if distributed.current().note is not None:
         return 0
-    _stderr().write(_line("error", "interrupted"))
+    _stderr().write(_line("error", "interrupted" + _published_note()))
     return 130
+
+
+def _published_note() -> str:
+    """`` after OUT was written: it is complete ...`` where the interrupt came once an output was in place (a
+    signal deferred through the commit's renames, or one during the printing of the result), else ``""``."""
+    atomic = sys.modules.get("ckpttool.format.atomic")  # loaded by every command that writes an output
+    done = atomic.published() if atomic is not None else ()
+    if not done:
+        return ""
+    names = ", ".join(str(p) for p in dict.fromkeys(done))
+    return f" after {names} was written: it is complete"
 
 
 def warn(text: str) -> None:

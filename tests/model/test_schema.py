@@ -354,6 +354,81 @@ def test_a_model_submodule_called_state_is_the_models(saved: str, flatten: bool,
     assert all(torch.equal(exported[k], v) for k, v in msd.items())
 
 
+class _CounterNamed(torch.nn.Module):
+    """A model whose top-level parameters are called ``step`` and ``epoch``, as a trainer's counters."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(8, 4)
+        self.step = torch.nn.Parameter(torch.randn(4))
+        self.epoch = torch.nn.Parameter(torch.randn(4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lin(x) * self.step + self.epoch
+
+
+@pytest.mark.parametrize("saved", ["beside_model", "pair"])
+@pytest.mark.parametrize("flatten", [True, False], ids=["flattened", "nested"])
+def test_a_model_parameter_called_step_is_the_models(saved: str, flatten: bool, tmp_path: Path) -> None:
+    """A model with top-level parameters called ``step`` and ``epoch`` saved with its AdamW state at the top level
+    (torchtitan's layout, ``{**msd, **osd}``) or as a model/optimizer pair: the parameters were read as the trainer's
+    step and epoch counters (inspect 'training step: 1 key', validate O003 'state.step.*: step is not a model tensor',
+    export wrote 1 of 3 weights with exit 0). The optimizer keys them as parameters: they are the model's; a real
+    counter beside them (``global_step``) stays training state."""
+    from safetensors.torch import load_file
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+    from typer.testing import CliRunner
+
+    from ckpttool.cli.app import app
+
+    torch.manual_seed(0)
+    model = _CounterNamed()
+    optim = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    model(torch.randn(2, 8)).pow(2).mean().backward()
+    optim.step()
+    msd, osd = get_state_dict(model, optim, options=StateDictOptions(flatten_optimizer_state_dict=flatten))
+    src = tmp_path / "ckpt"
+    if saved == "pair":
+        dcp.save({**msd, "global_step": torch.tensor(1)}, checkpoint_id=str(src / "model"))
+        dcp.save(osd, checkpoint_id=str(src / "optimizer"))
+    else:
+        dcp.save({**msd, **osd, "global_step": torch.tensor(1)}, checkpoint_id=str(src))
+    cat = open_checkpoint(src).catalog
+    assert sorted(cat.model) == sorted(msd) and list(cat.training_state) == ["global_step"], cat.training_state
+    assert sorted(cat.optimizer_state) == sorted(msd) and all(ps.in_model for ps in cat.optimizer_state.values())
+    res = CliRunner().invoke(app, ["validate", "--deep", str(src), "--json"])
+    assert res.exit_code == 0 and not json.loads(res.stdout)["findings"], res.output
+    res = CliRunner().invoke(app, ["export", str(src), str(tmp_path / "out")])
+    assert res.exit_code == 0, res.output
+    exported = load_file(tmp_path / "out" / "model.safetensors")
+    _CounterNamed().load_state_dict(exported, strict=True)
+    assert all(torch.equal(exported[k], v) for k, v in msd.items())
+
+
+def test_a_model_only_save_with_a_parameter_called_step_keeps_it(tmp_path: Path) -> None:
+    """A model-only save (torchtitan's last save, an export source) of a model with top-level parameters called
+    ``step`` and ``epoch``, beside a real counter (``global_step``, one element) and ``torch.get_rng_state()``: no
+    optimizer names the parameters, but no counter holds more than one element. They were training state (export
+    wrote ``lin`` alone, exit 0); they are the model's, the counter and the RNG state stay training state."""
+    from safetensors.torch import load_file
+    from typer.testing import CliRunner
+
+    from ckpttool.cli.app import app
+
+    torch.manual_seed(0)
+    msd = _CounterNamed().state_dict()
+    src = tmp_path / "ckpt"
+    dcp.save({**msd, "global_step": torch.tensor(7), "rng_state": torch.get_rng_state()}, checkpoint_id=str(src))
+    cat = open_checkpoint(src).catalog
+    assert sorted(cat.model) == sorted(msd) and sorted(cat.training_state) == ["global_step", "rng_state"]
+    assert f"- {len(msd)} model tensor(s) at the top level" in "\n".join(f"- {r}" for r in cat.schema.reasons)
+    res = CliRunner().invoke(app, ["export", str(src), str(tmp_path / "out")])
+    assert res.exit_code == 0, res.output
+    exported = load_file(tmp_path / "out" / "model.safetensors")
+    _CounterNamed().load_state_dict(exported, strict=True)
+    assert all(torch.equal(exported[k], v) for k, v in msd.items())
+
+
 @pytest.mark.parametrize("lr", ["float", "tensor"])
 @pytest.mark.parametrize("saved", ["beside_model", "pair"])
 @pytest.mark.parametrize("flatten", [True, False], ids=["flattened", "nested"])

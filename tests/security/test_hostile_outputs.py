@@ -451,12 +451,14 @@ def signal_at_call(
 
 def test_overwrite_terminated_as_the_previous_output_is_removed(small_ckpt: Path, tmp_path: Path) -> None:
     """SIGTERM right after the new output took the old one's place: the old copy, renamed aside, was left behind
-    for good as `.out.ckpttool-old-*` (no later run removes it); it is removed before the signal is answered."""
+    for good as `.out.ckpttool-old-*` (no later run removes it); it is removed before the signal is answered, whose
+    line says the new output is in place and complete."""
     out = tmp_path / "out"
     existing_out(out)
     argv = ["export", str(small_ckpt), str(out), "--shard-size", "1MiB", "--overwrite"]
     res = signal_at_call("AtomicOutputDir._remove_superseded", "SIGTERM", argv)
-    assert res.returncode == 130 and res.stderr == "error: interrupted\n", res.stderr[-2000:]
+    want = f"error: interrupted after {out} was written: it is complete\n"
+    assert res.returncode == 130 and res.stderr == want, res.stderr[-2000:]
     assert tmp_siblings(out) == [] and sorted(os.listdir(tmp_path)) == ["out"]
     names = os.listdir(out)  # the new output, complete (the signal came after the swap)
     assert "OLD_OUTPUT.txt" not in names and "model.safetensors.index.json" in names and MARKER in names

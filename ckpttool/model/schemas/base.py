@@ -18,6 +18,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "CANONICAL_MODEL_PREFIX",
+    "COUNTER_ITEMS",
     "canonical_group_key",
     "canonical_state_key",
     "GENERIC_DISCOVERY",
@@ -76,6 +77,11 @@ GENERIC_TRAINING_STATE_ITEMS: tuple[str, ...] = (
     "scaler",  # torch.amp.GradScaler's state_dict(), as torch's AMP recipe saves it
     "grad_scaler",
 )
+
+
+#: Training-state items that count (steps, epochs, tokens): saved as a number, or as a tensor of one element
+#: (``ckpttool.model.counters`` reads no other). A top-level tensor of another size so named is a model's.
+COUNTER_ITEMS: tuple[str, ...] = ("step", "global_step", "epoch", "iteration", "ntokens_seen")
 
 
 @dataclass(frozen=True)

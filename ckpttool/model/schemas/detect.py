@@ -28,7 +28,7 @@ from ckpttool.errors import SchemaError
 from ckpttool.format.metadata import CheckpointMetadata, TensorMeta
 from ckpttool.model.nested_state import describe_nested, nested_state_items
 from ckpttool.model.schemas import registry
-from ckpttool.model.schemas.base import Detected
+from ckpttool.model.schemas.base import COUNTER_ITEMS, Detected
 from ckpttool.model.schemas.keyschema import KeySchema, SchemaOverride, model_head
 from ckpttool.model.schemas.registry import Derived
 from ckpttool.model.wrappers import WRAPPER_SEGMENTS, strip_wrapper_segments
@@ -472,6 +472,19 @@ def top_group_fqns(md: CheckpointMetadata, planner: dict[str, tuple[Any, ...]]) 
     )
 
 
+def top_param_fqns(md: CheckpointMetadata, planner: dict[str, tuple[Any, ...]], optimizer: bool) -> frozenset[str]:
+    """The top-level tensors that are parameters though their names are training-state items' (a model's parameter
+    called ``step``: :meth:`KeySchema.model_test`): a counter's name (:data:`COUNTER_ITEMS`) on a tensor of other
+    than one element, which no counter is; with an optimizer state dict at the top level (``optimizer``), the fqns
+    it is keyed by, its flattened param groups' (:func:`top_group_fqns`) and its state's (planner path ``("state",
+    fqn, field)``, nested; none without planner_data)."""
+    sized = {k for k in COUNTER_ITEMS if type(m := md.entries.get(k)) is TensorMeta and m.numel != 1}
+    if not planner or not optimizer:
+        return frozenset(sized)
+    nested = (p[1] for k, p in planner.items() if len(p) == 3 and p[0] == "state" and type(p[1]) is str)
+    return (top_group_fqns(md, planner) or frozenset()).union(nested, sized)
+
+
 def _optimizer_at_top(md: CheckpointMetadata, state: list[str]) -> bool:
     """torch's optimizer state dict saved at the top level: ``state.`` tensors beside ``param_groups.`` items that
     are not tensors (``params``, ``lr`` of each group: ``dcp.save(get_optimizer_state_dict(...))``, alone, merged
@@ -594,20 +607,17 @@ def detect_schema(md: CheckpointMetadata, override: SchemaOverride | None = None
         _model_head=model_head(model_prefix or ""),
         _use_paths=use_paths,
         _group_fqns=groups,
+        _param_fqns=(params := top_param_fqns(md, planner, opt_prefix == "")),
     )
     test = sch.model_test()
-    if use_paths and model_prefix is not None and opt_prefix != "":
-        # planner paths: the votes counted exactly the keys is_model_candidate accepts (an optimizer at the top
-        # level: they counted its flattened state. keys too)
-        n_model = scan.model_votes[model_prefix]
-        sample = list(islice((k for k in scan.tensors if test(k, get(k))), 4096))
-    else:
-        model_keys = [k for k in scan.tensors if test(k, get(k))]
-        n_model, sample = len(model_keys), model_keys[:4096]
+    # the votes left out the parameters named as counters (params): counted with the test then
+    voted = use_paths and opt_prefix != "" and not params
+    n_model, sample = _model_sample(scan, test, get, model_prefix if voted else None)
     if model_prefix is not None and not n_model:
         model_prefix = None
     fqns = [sch.fqn_of(k) for k in sample]
-    training = tuple(sorted(t for t in scan.tops if t in known.training_state_items))
+    # a top-level name that is the model's own tensor (a parameter called `step`) is no training-state item
+    training = tuple(sorted(t for t in scan.tops if t in known.training_state_items and not test(t, get(t))))
     keying = None if opt_prefix is None else _keying(sch, scan.tensors, state, state_prefix, get)
     found = Detected(
         model_prefix,
@@ -634,6 +644,17 @@ def detect_schema(md: CheckpointMetadata, override: SchemaOverride | None = None
         training_state=training,
         _model_head=head,
     )
+
+
+def _model_sample(scan: _Scan, test: Any, get: Any, voted: str | None) -> tuple[int, list[str]]:
+    """``(number of model keys, the first 4096 of them)`` of the scanned tensors ``test`` accepts; ``voted``: the
+    model prefix whose votes counted them already (planner paths, no optimizer at the top level: the votes counted
+    exactly the keys :meth:`KeySchema.is_model_candidate` accepts; one there would have counted its flattened
+    ``state.`` keys too)."""
+    if voted is not None:
+        return scan.model_votes[voted], list(islice((k for k in scan.tensors if test(k, get(k))), 4096))
+    model_keys = [k for k in scan.tensors if test(k, get(k))]
+    return len(model_keys), model_keys[:4096]
 
 
 def _check_override(
@@ -670,7 +691,8 @@ def _overridden(md: CheckpointMetadata, ov: SchemaOverride, tensors: list[str]) 
         model_prefix = ""
     paths = planner_paths(md)
     groups = top_group_fqns(md, paths)
-    probe = KeySchema(sid, model_prefix, opt_prefix, _use_paths=False, _group_fqns=groups)
+    params = top_param_fqns(md, paths, opt_prefix == "")
+    probe = KeySchema(sid, model_prefix, opt_prefix, _use_paths=False, _group_fqns=groups, _param_fqns=params)
     model_keys = [k for k in tensors if probe.is_model_candidate(k, paths.get(k))]
     _check_override(md, ov, probe, tensors, len(model_keys))
     if opt_prefix and not any(k.startswith(opt_prefix) for k in md.entries):

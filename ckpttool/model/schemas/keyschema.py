@@ -105,6 +105,7 @@ class KeySchema:
     _model_head: tuple[str, ...] = field(default=(), repr=False, compare=False)
     _use_paths: bool = field(default=True, repr=False, compare=False)
     _group_fqns: frozenset[str] | None = field(default=None, repr=False, compare=False)
+    _param_fqns: frozenset[str] = field(default=frozenset(), repr=False, compare=False)
 
     @property
     def recognised(self) -> bool:
@@ -183,11 +184,14 @@ class KeySchema:
             optimizer = self.top_optimizer_test()
             return lambda key, path: not optimizer(key, path) and inner(key, path)
         known = registry.derived()
-        items, heads = known.training_state_items, known.optimizer_heads
+        # a parameter the optimizer names (param_groups.step.lr, state.step.exp_avg) is the model's whatever its
+        # name: a model's own parameter called `step` or `epoch` is no training counter
+        params = self._param_fqns
+        items, heads = known.training_state_items.difference(params), known.optimizer_heads
 
         def loose(key: str) -> bool:
             head = key.partition(".")[0]
-            return head not in items and head not in heads and key != "layout"
+            return (head not in items or key in params) and head not in heads and key != "layout"
 
         if self._use_paths:
             return lambda key, path: (

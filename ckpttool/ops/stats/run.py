@@ -498,7 +498,8 @@ def _updates(
         w = weight_rms.get(fqn)
         h = hypers[fqn]
         layer = layers.get(fqn, layer_of(fqn))
-        out.append(UpdateStats(fqn, layer, h.step, h.lr, u.numel, rms, u.max, (rms / w) if w else None))
+        big = u.max if u.numel else math.nan  # no element, no largest update (JSON null, as its rms)
+        out.append(UpdateStats(fqn, layer, h.step, h.lr, u.numel, rms, big, (rms / w) if w else None))
     return out
 
 

@@ -657,6 +657,51 @@ def test_interrupted_export_leaves_nothing(large_ckpt: Path, tmp_path: Path, sig
     assert sorted(p.name for p in tmp_path.iterdir()) == []
 
 
+_CTRL_C_WHILE_THE_OLD_OUTPUT_IS_DELETED = """
+import os, shutil, signal, sys
+from ckpttool.format import atomic
+
+real_rmtree = shutil.rmtree
+
+def rmtree(path, *args, **kwargs):
+    if ".ckpttool-old-" in str(path):  # the new output is in place, the previous one renamed aside
+        os.kill(os.getpid(), signal.SIGINT)  # Ctrl-C while it is deleted (a large one takes seconds)
+    real_rmtree(path, *args, **kwargs)
+
+atomic.shutil.rmtree = rmtree
+sys.argv = ["ckpttool", *sys.argv[1:]]
+from ckpttool.cli import entry
+entry()
+"""
+
+
+def test_ctrl_c_after_an_overwrite_was_published_says_the_output_is_complete(sample_ckpt: Path, tmp_path: Path) -> None:
+    """export --overwrite, Ctrl-C while the previous output (already replaced) is deleted: the signal waits for the
+    deletion and the run ends with exit 130, as documented; its line said only 'error: interrupted', which
+    docs/security.md gives to an overwrite that left the old output intact, while the new one is in place. The line
+    now says the output was written and is complete; it is the export of the source, and nothing else is left."""
+    from safetensors.torch import load_file
+
+    out = tmp_path / "o"
+    first = subprocess.run(
+        [sys.executable, "-m", "ckpttool", "export", str(sample_ckpt), str(out), "--save-dtype", "bf16", "-q"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert first.returncode == 0, first.stderr
+    cmd = [sys.executable, "-c", _CTRL_C_WHILE_THE_OLD_OUTPUT_IS_DELETED, "export", str(sample_ckpt), str(out)]
+    proc = subprocess.run([*cmd, "--overwrite", "-q"], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 130, proc.stderr
+    assert proc.stderr.splitlines()[-1] == f"error: interrupted after {out} was written: it is complete", proc.stderr
+    assert "Traceback" not in proc.stderr and proc.stdout == ""
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["o"]
+    again = tmp_path / "again"
+    subprocess.run([sys.executable, "-m", "ckpttool", "export", str(sample_ckpt), str(again), "-q"], check=True)
+    new, want = load_file(out / "model.safetensors"), load_file(again / "model.safetensors")
+    assert new.keys() == want.keys() and all(torch.equal(new[k], want[k]) for k in want)  # float32, not the bf16
+
+
 def test_killed_export_leaves_no_stray_temp_after_next_run(large_ckpt: Path, tmp_path: Path) -> None:
     out = tmp_path / "o"
     cmd = [

@@ -1305,6 +1305,50 @@ def test_a_param_group_lr_the_scheduler_moved_after_the_snapshot_is_not_ok(tmp_p
     ]
 
 
+def test_an_lr_set_by_hand_is_the_runs_own_without_a_scheduler_and_named_in_r006s_hint_with_one(tmp_path: Path) -> None:
+    """A manual decay (``group['lr'] *= 0.5`` after each step). Without an LR scheduler the saved lr is the one the run
+    steps with next: no R006, and replay-step reproduces torch's next step bitwise. On top of a StepLR the saved lr is
+    not the scheduler's ``_last_lr`` and R006 reports it, as for groups saved before the scheduler's step (the saved
+    numbers cannot tell the two apart); its hint said only to re-save: it now names the manual decay and
+    ``--ignore R006``, with which validate passes."""
+    from safetensors.torch import save_file
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    from tests.fixtures.builders import save_quiet, train_steps
+
+    def build(name: str, scheduler: bool) -> tuple[Path, Path, dict[str, torch.Tensor]]:
+        torch.manual_seed(0)
+        model = torch.nn.Linear(8, 4)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        sched = torch.optim.lr_scheduler.StepLR(opt, 1, gamma=0.9) if scheduler else None
+        for _ in range(3):
+            train_steps(model, opt, 1, loss="square", sched=sched)
+            for g in opt.param_groups:
+                g["lr"] *= 0.5
+        msd, osd = get_state_dict(model, opt)
+        extra = {"lr_scheduler": sched.state_dict()} if sched is not None else {}
+        save_quiet({"model": msd, "optimizer": osd, **extra}, tmp_path / name)
+        grads = {n: torch.randn(p.shape) * 1e-2 for n, p in model.named_parameters()}
+        save_file(grads, str(tmp_path / f"{name}.safetensors"))
+        for n, p in model.named_parameters():
+            p.grad = grads[n].clone()
+        opt.step()  # the run's next step, with the lr set by hand
+        return tmp_path / name, tmp_path / f"{name}.safetensors", {n: p.detach() for n, p in model.named_parameters()}
+
+    ck, grads, run_next = build("manual", scheduler=False)
+    res, got = replay_collect(ck, grads=str(grads))
+    assert res.ok and not res.problems, res.problems
+    assert all(torch.equal(got[n]["param"], want) for n, want in run_next.items())
+    assert runner.invoke(app, ["validate", str(ck)]).exit_code == 0
+
+    ck, _, _ = build("manual_on_scheduler", scheduler=True)
+    res = runner.invoke(app, ["validate", str(ck), "--json"])
+    assert res.exit_code == 1
+    (r006,) = [f for f in json.loads(res.stdout)["findings"] if f["code"] == "R006"]
+    assert "sets the lr by hand after the scheduler's step" in r006["hint"] and "--ignore R006" in r006["hint"], r006
+    assert runner.invoke(app, ["validate", str(ck), "--ignore", "R006"]).exit_code == 0
+
+
 def test_a_step_counter_reset_to_0_beside_real_moments_is_not_ok(tmp_path: Path) -> None:
     """torch.optim.AdamW after one step saves step 1 with its moments; the same state with every step reset to 0
     (validate --deep: D007, 'non-zero at step 0') replayed 'OK: 2 of 2': the update of the first step it replays stayed

@@ -840,6 +840,54 @@ def test_an_empty_tensor_has_no_share_of_zeros_and_int_tensors_match_torch(tmp_p
     assert re.search(r"│ model\.empty .*│ +- │\n", table), table
 
 
+def test_a_parameter_of_no_element_has_no_figure_in_the_table_or_json(tmp_path: Path) -> None:
+    """A parameter of no element (a [0, 4] weight, stepped by AdamW: torch keeps its moments) said `nan` for its mean,
+    std and abs max in the table, as an all-NaN tensor's, beside `-` for its zeros and NaN/Inf; its update's max was
+    JSON 0.0 beside a null rms. No element: `-` in the table, null in JSON, for every figure but its L2 (a sum, 0)."""
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    from tests.fixtures.builders import save_quiet
+
+    class Net(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = torch.nn.Linear(4, 2)
+            self.empty = torch.nn.Parameter(torch.zeros(0, 4))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.lin(x).sum() + (self.empty @ x.T).sum()
+
+    torch.manual_seed(0)
+    m = Net()
+    opt = torch.optim.AdamW(m.parameters(), lr=1e-2)
+    m(torch.randn(3, 4)).backward()
+    opt.step()
+    assert opt.state[m.empty]["exp_avg"].shape == (0, 4)  # torch keeps state of no element
+    msd, osd = get_state_dict(m, opt)
+    save_quiet({"model": msd, "optim": osd}, tmp_path / "c")
+    doc = json.loads(runner.invoke(app, ["stats", "--json", str(tmp_path / "c")]).stdout)
+    jsonschema.validate(doc, load_schema("stats"))
+    c = doc["checkpoints"][0]
+    empty = {t["key"]: t for t in c["tensors"] if t["fqn"] == "empty"}
+    assert set(empty) == {"model.empty", "optim.state.empty.exp_avg", "optim.state.empty.exp_avg_sq"}, empty
+    for t in empty.values():
+        assert [t[k] for k in ("numel", "mean", "std", "abs_max", "l2", "zero_fraction")] == [
+            0,
+            None,
+            None,
+            None,
+            0.0,
+            None,
+        ]
+    (u,) = [u for u in c["updates"] if u["fqn"] == "empty"]
+    assert (u["numel"], u["rms"], u["max"]) == (0, None, None), u
+    table = runner.invoke(app, ["stats", "--wide", "--by", "tensor", str(tmp_path / "c")]).stdout
+    for key in empty:
+        # key, role, dtype, numel 0, mean, std, abs max: -, L2 0, zeros -
+        assert re.search(rf"│ {re.escape(key)} +│ \w+ +│ float32 │ +0 │ +- │ +- │ +- │ +0 │ +- │", table), table
+    assert "nan" not in table, table
+
+
 def test_change_of_a_layer_all_zero_in_the_earlier_checkpoint_is_inf_or_0(tmp_path: Path) -> None:
     """A zero-initialised layer (a LoRA B, an AdaLN-Zero gate) has ||W_a|| = 0: its change was None, a blank `-` in
     the table, as if not computed, whether it moved or not; now `inf` where it moved (JSON null), 0 where it stayed."""
