@@ -73,3 +73,12 @@ def test_lora_export_of_nemo_peft_save_loads_in_peft(peft_root: Path, tmp_path: 
     assert all(loaded[k].equal(v) for k, v in want.items())
     cfg = json.loads((out / "adapter_config.json").read_text())
     assert cfg["r"] == 4 and cfg["lora_alpha"] == 8
+
+
+def test_lora_export_without_alpha_names_the_adapter_config_nemo_saved(peft_root: Path, tmp_path: Path) -> None:
+    res = runner.invoke(app, ["export", str(peft_root / "run"), str(tmp_path / "lora"), "--format", "lora"])
+    assert res.exit_code == 2, res.output
+    assert "[E601]" in res.stderr and "lora_alpha cannot be inferred" in res.stderr
+    given = peft_root / "run" / "epoch_0_step_2" / "model" / "adapter_config.json"
+    assert f"--adapter-config {given} " in res.stderr
+    assert not (tmp_path / "lora").exists()
