@@ -82,3 +82,19 @@ def test_lora_export_without_alpha_names_the_adapter_config_nemo_saved(peft_root
     given = peft_root / "run" / "epoch_0_step_2" / "model" / "adapter_config.json"
     assert f"--adapter-config {given} " in res.stderr
     assert not (tmp_path / "lora").exists()
+
+
+def test_peft_save_is_nemo_automodel_under_peft_prefix(peft_root: Path) -> None:
+    doc = json.loads(cli("inspect", str(peft_root / "run"), "--json"))
+    ks = doc["key_schema"]
+    assert (
+        ks["id"] == "nemo-automodel"
+        and ks["model_prefix"] == "base_model.model."
+        and ks["optimizer_prefix"] == "optim."
+    )
+    assert not any("do not share" in r for r in ks["reasons"])
+    assert doc["summary"]["model_tensor_count"] == 8
+    doc = json.loads(cli("validate", str(peft_root / "run"), "--strict", "--deep", "--json"))
+    assert doc["ok"] and doc["counts"]["error"] == doc["counts"]["warning"] == 0
+    doc = json.loads(cli("replay-step", str(peft_root / "run"), "--device", "cpu", "--json"))
+    assert doc["ok"] and len(doc["params"]) == 8 and all(p["step_before"] == 2 for p in doc["params"])
