@@ -41,6 +41,7 @@ __all__ = [
     "MegatronCommon",
     "SPEC",
     "config_problem",
+    "is_distopt_bucket",
     "is_megatron_dir",
     "no_weight_decay",
     "parse_common",
@@ -60,6 +61,22 @@ STACKED_PREFIX = "decoder.layers."
 #: ``fully_sharded_model_space`` save), ``param`` the ``DistributedOptimizer``'s main (FP32) parameter in its
 #: ``fully_reshardable`` save (``_get_main_param_and_optimizer_states``).
 FIELD_NAMES = {"fp32_param": "master_weight", "param": "master_weight"}
+
+
+#: A bucket buffer of the ``DistributedOptimizer``'s ``dp_reshardable`` save (Megatron-LM's default with
+#: ``--use-distributed-optimizer``; ``sharded_param_state_dp_reshardable``):
+#: ``optimizer.distributed.dp_group_idx_<i>.gbuf_idx_<j>.dtype_(...).bucket_idx_<k>.<field>``, the flat
+#: ``param`` / ``exp_avg`` / ``exp_avg_sq`` of a gradient bucket, whose intra-parameter padding megatron saves
+#: as allocated (``torch.empty``: any bits). Not mapped to parameters.
+_DISTOPT_BUCKET_RE = re.compile(
+    r"^(?:chained_\d+\.)?optimizer\.distributed\.dp_group_idx_\d+\.gbuf_idx_\d+\..+\.bucket_idx_\d+\.\w+$", re.DOTALL
+)
+
+
+def is_distopt_bucket(key: str) -> bool:
+    """Whether ``key`` is a ``dp_reshardable`` bucket buffer (:data:`_DISTOPT_BUCKET_RE`): its values include
+    padding megatron never wrote, so no value check applies to it as a whole."""
+    return _DISTOPT_BUCKET_RE.match(key) is not None
 
 
 def split_state_key(key: str) -> tuple[str, str] | None:
