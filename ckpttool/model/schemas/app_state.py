@@ -10,8 +10,12 @@ from ckpttool.model.schemas.base import Detected, SchemaSpec
 __all__ = ["SPEC"]
 
 
+#: PEFT's saved adapter names (``base_model.model.<fqn>``), which no AppState writes: NeMo Automodel's PEFT save
+PEFT_PREFIX = "base_model.model."
+
+
 def _claims_prefix(model_prefix: str) -> bool:
-    return model_prefix != "" and model_prefix.endswith(".model.")
+    return model_prefix not in ("", PEFT_PREFIX) and model_prefix.endswith(".model.")
 
 
 def _claims(d: Detected) -> bool:

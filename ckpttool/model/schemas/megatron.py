@@ -10,7 +10,8 @@ What megatron-core 0.16 writes (``megatron/core/dist_checkpointing/strategies/to
   ``decoder.layers.mlp.experts.experts.linear_fc1.weight [L, E, out, in]``); ``_extra_state``
   byte items ``<key>._extra_state/shard_<offsets>_<shape>``.
 - Optimizer state **field first**: ``optimizer.state.<field>.<key>`` (``exp_avg``,
-  ``exp_avg_sq``; ``fp32_param`` the FP32 masters of a bf16/fp16 model), under
+  ``exp_avg_sq``; ``fp32_param`` the FP32 masters of a bf16/fp16 model, ``param`` those of the
+  ``DistributedOptimizer``'s ``fully_reshardable`` save), under
   ``chained_<i>.`` when a ``ChainedOptimizer`` holds several (dense / expert parameters).
 - ``common.pt`` (``torch.save``): ``optimizer`` (param groups without ``params``, the shared
   step ``state.common_step``; one per chained optimizer), ``opt_param_scheduler``,
@@ -40,6 +41,7 @@ __all__ = [
     "MegatronCommon",
     "SPEC",
     "config_problem",
+    "is_distopt_bucket",
     "is_megatron_dir",
     "no_weight_decay",
     "parse_common",
@@ -55,8 +57,26 @@ STACKED_PREFIX = "decoder.layers."
 
 
 #: Megatron's state field names that have a ckpttool name: ``fp32_param`` is the FP32 master
-#: weight of a bf16/fp16 parameter (``Float16OptimizerWithFloat16Params``).
-FIELD_NAMES = {"fp32_param": "master_weight"}
+#: weight of a bf16/fp16 parameter (``Float16OptimizerWithFloat16Params``; the ``DistributedOptimizer``'s
+#: ``fully_sharded_model_space`` save), ``param`` the ``DistributedOptimizer``'s main (FP32) parameter in its
+#: ``fully_reshardable`` save (``_get_main_param_and_optimizer_states``).
+FIELD_NAMES = {"fp32_param": "master_weight", "param": "master_weight"}
+
+
+#: A bucket buffer of the ``DistributedOptimizer``'s ``dp_reshardable`` save (Megatron-LM's default with
+#: ``--use-distributed-optimizer``; ``sharded_param_state_dp_reshardable``):
+#: ``optimizer.distributed.dp_group_idx_<i>.gbuf_idx_<j>.dtype_(...).bucket_idx_<k>.<field>``, the flat
+#: ``param`` / ``exp_avg`` / ``exp_avg_sq`` of a gradient bucket, whose intra-parameter padding megatron saves
+#: as allocated (``torch.empty``: any bits). Not mapped to parameters.
+_DISTOPT_BUCKET_RE = re.compile(
+    r"^(?:chained_\d+\.)?optimizer\.distributed\.dp_group_idx_\d+\.gbuf_idx_\d+\..+\.bucket_idx_\d+\.\w+$", re.DOTALL
+)
+
+
+def is_distopt_bucket(key: str) -> bool:
+    """Whether ``key`` is a ``dp_reshardable`` bucket buffer (:data:`_DISTOPT_BUCKET_RE`): its values include
+    padding megatron never wrote, so no value check applies to it as a whole."""
+    return _DISTOPT_BUCKET_RE.match(key) is not None
 
 
 def split_state_key(key: str) -> tuple[str, str] | None:

@@ -12,6 +12,9 @@ raw, the optimizer's ``.distcp`` archives as archives). Model keys are HF names 
 + index + config), consolidated from the shards: validate ``--deep`` compares it with them (D012
 ``hf-copy-differs``), ``inspect`` names it. ``.hf_metadata/`` holds the HF ``config.json`` (the model
 assets export uses). Step directories are ``epoch_<E>_step_<S>`` (ordered by step, then epoch);
+With ``is_peft`` (LoRA), ``model/`` holds PEFT's files instead (``adapter_model.safetensors`` with PEFT's saved names
+``base_model.model.<hf fqn>.lora_A.weight``, ``adapter_config.json``): the model prefix is ``base_model.model.``, so
+that the model fqns are the optimizer's.
 ``LATEST`` (a relative symlink, or ``LATEST.txt``) names the last published one and ``.incomplete``
 marks a save that has not finished (``nemo_automodel/components/checkpoint/utils.py``).
 """
@@ -57,8 +60,17 @@ def hf_copies(root: Path, model_dir: Path | None) -> list[str]:
 ITEMS = ("sched",)
 
 
+#: The model prefix of its PEFT save: ``model/adapter_model.safetensors`` holds PEFT's saved names
+#: (``base_model.model.<hf fqn>.lora_A.weight``) while ``optim/`` names the parameters ``<hf fqn>``.
+PEFT_MODEL_PREFIX = "base_model.model."
+
+
 def _claims(d: Detected) -> bool:
-    return d.optimizer_prefix == "optim." and (d.model_prefix in ("", None)) and "sched" in d.training_state
+    return (
+        d.optimizer_prefix == "optim."
+        and d.model_prefix in ("", None, PEFT_MODEL_PREFIX)
+        and "sched" in d.training_state
+    )
 
 
 SPEC = SchemaSpec(
@@ -81,7 +93,7 @@ SPEC = SchemaSpec(
     # the speculative-decoding recipes (train_eagle*, train_dflash) name it by runtime.global_step, N: N or N + 1
     step_dir_is_trainer_step=True,
     step_dir_range=(0, 1),
-    doc_model="`<hf fqn>` (top level; `model/` safetensors)",
+    doc_model="`<hf fqn>` (top level; `model/` safetensors; a PEFT save: `base_model.model.<hf fqn>`)",
     doc_optimizer="`optim.state.<hf fqn>.<field>` (flattened; `optim/` DCP)",
     doc_written_by="NeMo Automodel's `Checkpointer` (`epoch_E_step_S/model/` + `optim/`, `sched`)",
 )

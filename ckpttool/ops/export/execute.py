@@ -1235,9 +1235,7 @@ def _prepare(
         out_format=out_format,
     )
     quantizer = _quantizer(reader, plan, opts, out_format, warnings, model_config)
-    plan.warnings = warnings
-    plan.skipped = skipped
-    plan.tied = tied
+    plan.warnings, plan.skipped, plan.tied = warnings, skipped, tied
     missing = unaccounted_tensors(cat, plan, {s.model_key for s in selected if s.out_key in drop} if drop else set())
     if missing:
         raise ExportAccountingError(
@@ -1247,7 +1245,8 @@ def _prepare(
         )
     if log.isEnabledFor(logging.INFO):  # the totals walk every task: only when shown
         _log_plan(plan, opts, orders, tied, skipped)
-    request = PrepareRequest(plan, cat, reader, given.adapter, opts.lora_alpha, model_config)
+    beside = _adapter_config_beside(ckpt, out_format, given.adapter)  # named by the E601 asking for lora_alpha
+    request = PrepareRequest(plan, cat, reader, given.adapter, opts.lora_alpha, model_config, beside)
     adapter = out_format.prepare(request)
     assets = _asset_files(Path(opts.model_assets), out_format) if opts.model_assets is not None else []
     check = None
@@ -1308,6 +1307,16 @@ def _expert_orders(cat: Catalog, layout: ResolvedLayout, selected: list[Selected
     if layout.source != "none":
         layout.require_geometry(cat, _LAYOUT_HINT)
     return expert_orders(selected, layout)
+
+
+def _adapter_config_beside(ckpt: Checkpoint, out_format: OutputFormat, given: dict[str, Any] | None) -> Path | None:
+    """:attr:`PrepareRequest.config_beside`: the ``adapter_config.json`` in the checkpoint's (model) folder, for a
+    format that reads one and no ``given`` config; ``None`` for none or a URL."""
+    folder = ckpt.local_folder
+    if not out_format.reads_adapter_config or given is not None or folder is None:
+        return None
+    path = folder / "adapter_config.json"
+    return path if path.is_file() else None
 
 
 def _config_beside(ckpt: Checkpoint, opts: ExportOptions, out_format: OutputFormat) -> str | None:

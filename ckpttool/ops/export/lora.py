@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import math
 import re
+import shlex
 from collections import Counter
 from pathlib import Path
 from typing import Any
@@ -189,6 +190,7 @@ def adapter_config(
     given: dict[str, Any] | None,
     lora_alpha: float | None,
     model_config: dict[str, Any] | None,
+    beside: Path | None = None,
 ) -> dict[str, Any]:
     """The ``adapter_config.json`` content for a LoRA export.
 
@@ -199,6 +201,7 @@ def adapter_config(
             rank check; ``None`` to infer one.
         lora_alpha: ``--lora-alpha`` (overrides ``given``'s).
         model_config: the base model's ``config.json`` (``task_type``, ``base_model_name_or_path``).
+        beside: an ``adapter_config.json`` saved with the checkpoint, which the error without ``lora_alpha`` names.
 
     Raises:
         ExportError: no ``lora_alpha`` anywhere, or ``given["r"]`` disagreeing with the tensors.
@@ -228,10 +231,7 @@ def adapter_config(
             )
         return _checked_given(given, ranks, lora_alpha, saved)
     if lora_alpha is None:
-        raise ExportError(
-            f"{cat.path}: lora_alpha cannot be inferred from the adapter weights",
-            hint="pass `lora_alpha` A (the LoraConfig lora_alpha used in training) or `adapter_config` FILE",
-        )
+        raise _alpha_unknown(cat, beside)
     _warn_inferred(plan, cat)
     common_r = Counter(ranks.values()).most_common(1)[0][0]
     modules = sorted(ranks)
@@ -261,6 +261,17 @@ def adapter_config(
         "init_lora_weights": True,
         "inference_mode": True,
     }
+
+
+def _alpha_unknown(cat: Catalog, beside: Path | None) -> ExportError:
+    """E601: no ``lora_alpha`` given; the hint names the adapter config saved with the checkpoint, if any."""
+    return ExportError(
+        f"{cat.path}: lora_alpha cannot be inferred from the adapter weights",
+        hint=f"pass `adapter_config` {shlex.quote(str(beside))} (the adapter config saved with the checkpoint) or "
+        "`lora_alpha` A"
+        if beside is not None
+        else "pass `lora_alpha` A (the LoraConfig lora_alpha used in training) or `adapter_config` FILE",
+    )
 
 
 def _warn_inferred(plan: ExportPlan, cat: Catalog) -> None:

@@ -22,6 +22,8 @@ from typing import TYPE_CHECKING, Any
 from ckpttool.errors import UsageError
 
 if TYPE_CHECKING:
+    from pathlib import Path
+
     from ckpttool.format.reader import CheckpointReader
     from ckpttool.model.adapters import AdapterConfig, ModelAdapter
     from ckpttool.model.catalog import Catalog
@@ -110,6 +112,9 @@ class PrepareRequest:
         given: the ``adapter_config.json`` given (``--adapter-config`` / ``--model-assets``), or ``None``.
         lora_alpha: ``--lora-alpha``, or ``None``.
         model_config: the ``--model-assets`` ``config.json``, or ``None``.
+        config_beside: the ``adapter_config.json`` saved in the checkpoint's (model) folder (NeMo Automodel's PEFT
+            save writes one beside ``adapter_model.safetensors``), named by the error that asks for ``lora_alpha``;
+            ``None`` when there is none or one is given.
     """
 
     plan: ExportPlan
@@ -118,6 +123,7 @@ class PrepareRequest:
     given: dict[str, Any] | None
     lora_alpha: float | None
     model_config: dict[str, Any] | None
+    config_beside: Path | None = None
 
 
 class OutputFormat:

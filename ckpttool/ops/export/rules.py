@@ -192,16 +192,20 @@ class ExportRules:
                 return value
         return None
 
-    def lora_output_key(self, key: str) -> tuple[str, str] | None:
+    def lora_output_key(self, key: str) -> tuple[str, str | None] | None:
         """``(adapter output key, adapter name)`` for a LoRA checkpoint key, else ``None``.
 
         The adapter name component is removed the way ``peft.get_peft_model_state_dict``
-        removes it (``...q_proj.lora_A.default.weight`` -> ``...q_proj.lora_A.weight``).
+        removes it (``...q_proj.lora_A.default.weight`` -> ``...q_proj.lora_A.weight``). A key the
+        pattern matches without an adapter name (PEFT's saved names, ``...q_proj.lora_A.weight``, as
+        NeMo Automodel's PEFT save stores them) is its own output key, with the name ``None``.
         """
         m = self.lora_pattern.fullmatch(key)
         if m is None:
             return None
         inner = m.group("key")
+        if m.group("adapter_name") is None:
+            return inner, None
         start, end = m.span("adapter_name")
         base = m.start("key")
         out = inner[: start - base - 1] + inner[end - base :]

@@ -184,6 +184,9 @@ _MODULES_TO_SAVE_RE = re.compile(
 _TRAINABLE_TOKENS_RE = re.compile(
     r"^model\.(?P<module>base_model\.model\..+\.token_adapter\.trainable_tokens_delta)\.(?P<adapter>[^.]+)$"
 )
+#: PEFT's saved adapter names (``peft.get_peft_model_state_dict``): ``base_model.model.<module>.lora_A.weight``.
+_PEFT_PREFIX = "base_model.model."
+_CANONICAL_PEFT_PREFIX = CANONICAL_MODEL_PREFIX + _PEFT_PREFIX
 #: DoRA's magnitude (``lora_magnitude_vector.<adapter>.weight`` in the model, a ``DoraLayer``): PEFT's save keeps the
 #: checkpoint format of before that refactor, ``<module>.lora_magnitude_vector`` (``LoraModel._get_adapter_state_dict``).
 _DORA_MODULE_WEIGHT = ".lora_magnitude_vector.weight"
@@ -202,6 +205,10 @@ class LoraKeys:
         self.bias_suffix = _PEFT_BIAS_SUFFIX.get(bias)
 
     def __call__(self, key: str, fqn: str, canonical: str, entry: TensorEntry) -> Mapped | None:
+        if key.startswith(_PEFT_PREFIX) and not canonical.startswith(_CANONICAL_PEFT_PREFIX):
+            # PEFT's saved names at the top level (NeMo Automodel's adapter_model.safetensors), read under a model
+            # prefix inside `base_model.model.` so that the fqns are the optimizer's: the module path is PEFT's again
+            canonical = _CANONICAL_PEFT_PREFIX + canonical[len(CANONICAL_MODEL_PREFIX) :]
         hit = self.lora_output_key(canonical)
         if hit is None and ".modules_to_save." in canonical:
             m = _MODULES_TO_SAVE_RE.fullmatch(canonical)

@@ -95,7 +95,12 @@ class LoraFormat(ModelFormat):
         from ckpttool.ops.export.lora import adapter_config
 
         return adapter_config(
-            req.plan, req.cat, given=req.given, lora_alpha=req.lora_alpha, model_config=req.model_config
+            req.plan,
+            req.cat,
+            given=req.given,
+            lora_alpha=req.lora_alpha,
+            model_config=req.model_config,
+            beside=req.config_beside,
         )
 
     def documents(self, plan: ExportPlan, prepared: dict[str, Any] | None) -> dict[str, bytes]:
