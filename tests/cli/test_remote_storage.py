@@ -996,6 +996,21 @@ def test_a_remote_run_root_names_the_checkpoints_below_it(sample_ckpt: Path, s3_
     ]
 
 
+def test_import_of_a_url_names_the_url_and_reads_nothing(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`import s3://bucket/model OUT`: the Hugging Face folder is read from a local directory; the URL was taken as
+    the local path 's3:/bucket/model' ('no such directory', with a hint listing the current directory's entries).
+    It is E100 naming the URL as given, before anything is read or written."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "unrelated-run").mkdir()
+    r = runner.invoke(app, ["import", "s3://ckpts/hf-model", str(tmp_path / "out")])
+    assert r.exit_code == 2, r.output
+    assert r.stderr.splitlines()[0] == (
+        "error: [E100] s3://ckpts/hf-model: a URL; import reads the Hugging Face model from a local directory"
+    ), r.stderr
+    assert "unrelated-run" not in r.stderr and "Traceback" not in r.output
+    assert os.listdir(tmp_path) == ["unrelated-run"]
+
+
 def test_inspect_of_a_url_reads_no_local_file_named_like_it(
     sample_ckpt: Path, s3_server: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
