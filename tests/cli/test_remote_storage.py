@@ -996,6 +996,48 @@ def test_a_remote_run_root_names_the_checkpoints_below_it(sample_ckpt: Path, s3_
     ]
 
 
+def test_step_on_a_remote_run_root_names_its_complete_checkpoints(sample_ckpt: Path, s3_server: Any) -> None:
+    """`--step latest` / `--step N` on a URL run root (step-1/, step-2/ complete; the newest, step-3/, a save that did
+    not finish: a data object, no .metadata): step discovery is for local directories, so E100 — its hint named no
+    prefix ('pass the URL of the checkpoint prefix itself'); it now names the complete checkpoints below, the newest
+    last, and not the incomplete step-3, as the E200 of the run root without --step does."""
+    run = f"run-{uuid.uuid4().hex[:8]}"
+    for step in ("step-1", "step-2"):
+        s3_server.upload_dir(sample_ckpt, "ckpts", f"{run}/{step}")
+    s3_server.client().upload_file(str(sample_ckpt / "__0_0.distcp"), "ckpts", f"{run}/step-3/__0_0.distcp")
+    url = f"s3://ckpts/{run}"
+    for args in (
+        ["validate", url, "--step", "latest"],
+        ["inspect", url, "--step", "2"],
+        ["stats", url, "--step", "latest"],
+    ):
+        r = cli(s3_server, *args)
+        assert r.exit_code == 2, r.output
+        assert r.stderr.splitlines() == [
+            f"error: [E100] {url}: --step is not supported for a URL (step discovery and model/optimizer pairs are "
+            "for local directories)",
+            f"hint: checkpoints below it: {url}/step-1, {url}/step-2 (pass one of them)",
+        ], r.stderr
+    assert s3_server.keys("ckpts", f"{run}/step-3/") == [f"{run}/step-3/__0_0.distcp"]  # nothing written
+
+
+def test_diff_step_on_a_remote_run_root_names_its_checkpoints(sample_ckpt: Path, s3_server: Any) -> None:
+    """`diff LOCAL s3://.../run --step latest`: the URL side is a run root, but steps are picked below local
+    directories only; the error said that neither side 'is a directory of several checkpoints' (the URL one is).
+    It names the URL side and, in its hint, the complete checkpoints below it (not the unfinished step-3)."""
+    run = f"run-{uuid.uuid4().hex[:8]}"
+    for step in ("step-1", "step-2"):
+        s3_server.upload_dir(sample_ckpt, "ckpts", f"{run}/{step}")
+    s3_server.client().upload_file(str(sample_ckpt / "__0_0.distcp"), "ckpts", f"{run}/step-3/__0_0.distcp")
+    url = f"s3://ckpts/{run}"
+    r = cli(s3_server, "diff", str(sample_ckpt), url, "--step", "latest")
+    assert r.exit_code == 2, r.output
+    assert r.stderr.splitlines() == [
+        f"error: [E100] --step latest given, but {url} is a URL: steps are picked below local directories only",
+        f"hint: checkpoints below it: {url}/step-1, {url}/step-2 (pass one of them)",
+    ], r.stderr
+
+
 def test_import_of_a_url_names_the_url_and_reads_nothing(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """`import s3://bucket/model OUT`: the Hugging Face folder is read from a local directory; the URL was taken as
     the local path 's3:/bucket/model' ('no such directory', with a hint listing the current directory's entries).
