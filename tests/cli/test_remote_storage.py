@@ -1038,6 +1038,32 @@ def test_diff_step_on_a_remote_run_root_names_its_checkpoints(sample_ckpt: Path,
     ], r.stderr
 
 
+def test_a_dcp_output_written_to_a_url_records_its_url_as_checkpoint_id(
+    sample_ckpt: Path, s3_server: Any, tmp_path: Path
+) -> None:
+    """`import HF s3://b/out` and `reshard CKPT s3://b/out`: `.metadata`'s `storage_meta.checkpoint_id` was
+    '/b/out' (the URL made a local Path, its scheme dropped: a path that names nothing); it is the URL, as torch's
+    FsspecWriter records it (and the local path for a local output, as FileSystemWriter does). Read back with
+    torch's own FileSystemReader from the downloaded objects."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    hf = tmp_path / "hf"
+    assets = sample_ckpt / "model_assets"
+    assert runner.invoke(app, ["export", str(sample_ckpt), str(hf), "--model-assets", str(assets)]).exit_code == 0
+    url = upload(s3_server, sample_ckpt)
+    for args, out in (
+        (["import", str(hf)], f"{url}-imp"),
+        (["reshard", url, "--to", "canonical", "--with-optimizer"], f"{url}-rs"),
+    ):
+        r = cli(s3_server, *args[:2], out, *args[2:])
+        assert r.exit_code == 0, r.output
+        local = tmp_path / out.rsplit("/", 1)[1]
+        s3_server.download_dir("ckpts", out.split("/", 3)[3], local)
+        assert FileSystemReader(local).read_metadata().storage_meta.checkpoint_id == out
+    assert runner.invoke(app, ["import", str(hf), str(tmp_path / "here")]).exit_code == 0
+    assert FileSystemReader(tmp_path / "here").read_metadata().storage_meta.checkpoint_id == str(tmp_path / "here")
+
+
 def test_import_of_a_url_names_the_url_and_reads_nothing(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """`import s3://bucket/model OUT`: the Hugging Face folder is read from a local directory; the URL was taken as
     the local path 's3:/bucket/model' ('no such directory', with a hint listing the current directory's entries).
