@@ -498,7 +498,10 @@ class RemoteStore:
         return confine_key(self.root, relative, shown=self.path)
 
     def sizes(self) -> dict[str, int]:
-        """relative path -> size of every object below the prefix (one listing, cached).
+        """relative path -> size of every object below the prefix (one listing, cached). A zero-byte object
+        whose key ends in ``/`` (a folder marker, as S3 consoles write for "Create folder"; the prefix's own
+        ``prefix/`` included) is a directory, not listed: an empty folder made so is an empty output prefix, and a
+        marker inside a checkpoint is not a storage path ``a/`` (E101).
 
         Raises:
             as :meth:`call`.
@@ -517,9 +520,12 @@ class RemoteStore:
             for name, info in found.items():
                 name = name.lstrip("/") if not self.root.startswith("/") else name
                 if name.startswith(prefix) and info.get("type", "file") == "file":
-                    sizes[name[len(prefix) :]] = int(info.get("size") or 0)
+                    rel, size = name[len(prefix) :], int(info.get("size") or 0)
+                    if (rel == "" or rel.endswith("/")) and size == 0:
+                        continue  # a folder marker ("Create folder" in a console): a directory, not a file
+                    sizes[rel] = size
                     if isinstance(info.get("ETag"), str) and info["ETag"]:
-                        etags[name[len(prefix) :]] = info["ETag"]
+                        etags[rel] = info["ETag"]
             self._etags = etags
             self._sizes = sizes
         return self._sizes

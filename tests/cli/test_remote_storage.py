@@ -1064,6 +1064,34 @@ def test_a_dcp_output_written_to_a_url_records_its_url_as_checkpoint_id(
     assert FileSystemReader(tmp_path / "here").read_metadata().storage_meta.checkpoint_id == str(tmp_path / "here")
 
 
+def test_folder_markers_are_directories_not_objects(sample_ckpt: Path, s3_server: Any, tmp_path: Path) -> None:
+    """Zero-byte objects whose key ends in '/' (what an S3 console's "Create folder" writes): inside a checkpoint,
+    `extra_state/` was read as the storage path 'extra_state/' ('has an empty component: it could leave the
+    checkpoint prefix', S013 E101: validate failed a good checkpoint); an output prefix holding only its own marker
+    (an empty folder) was 'already holds 1 object(s)' (E600), with --overwrite 'holds 1 entry ()' (E606), where an
+    empty local directory is a valid output. Both are read as the folders they stand for."""
+    url = upload(s3_server, sample_ckpt)
+    c = s3_server.client()
+    prefix = url.split("/", 3)[3]
+    for key in (f"{prefix}/", f"{prefix}/extra_state/"):
+        c.put_object(Bucket="ckpts", Key=key, Body=b"")
+
+    def findings(*args: str) -> list[dict[str, Any]]:
+        r = cli(s3_server, "validate", "--json", "--strict", "--deep", *args)
+        assert r.exit_code == 0, r.output
+        return [{k: f[k] for k in ("code", "key", "severity")} for f in json.loads(r.stdout)["findings"]]
+
+    assert findings(url) == findings(str(sample_ckpt))
+    assert runner.invoke(app, ["export", str(sample_ckpt), str(tmp_path / "local")]).exit_code == 0
+    for name, extra in (("empty", []), ("empty-ow", ["--overwrite"])):
+        c.put_object(Bucket="ckpts", Key=f"{prefix}-{name}/", Body=b"")
+        r = cli(s3_server, "export", url, f"{url}-{name}", *extra)
+        assert r.exit_code == 0, r.output
+        assert f"{prefix}-{name}/" in s3_server.keys("ckpts", f"{prefix}-{name}/")  # the folder stays a folder
+        c.delete_object(Bucket="ckpts", Key=f"{prefix}-{name}/")  # (download_dir writes files only)
+        assert download(s3_server, "ckpts", f"{prefix}-{name}", tmp_path / name) == files_of(tmp_path / "local")
+
+
 def test_import_of_a_url_names_the_url_and_reads_nothing(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """`import s3://bucket/model OUT`: the Hugging Face folder is read from a local directory; the URL was taken as
     the local path 's3:/bucket/model' ('no such directory', with a hint listing the current directory's entries).
