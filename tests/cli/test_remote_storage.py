@@ -1092,6 +1092,35 @@ def test_folder_markers_are_directories_not_objects(sample_ckpt: Path, s3_server
         assert download(s3_server, "ckpts", f"{prefix}-{name}", tmp_path / name) == files_of(tmp_path / "local")
 
 
+def test_an_output_prefix_with_glob_characters_is_written_and_replaced_as_named(
+    sample_ckpt: Path, s3_server: Any, tmp_path: Path
+) -> None:
+    """An output prefix `s3://b/run/exp[v2]`: fsspec's copy and rm read '[v2]' in a key as a pattern. `--overwrite`
+    of a previous output there (copied in with boto3, as `aws s3 sync` would) deleted what the pattern matched
+    instead of its markers: `run/expv/model.safetensors.index.json`, an object ckpttool did not write; then the
+    publish failed (E141 naming the temporary object) and left the temporary objects. A new output there failed the
+    same way. Each key is now copied and deleted as it is named."""
+    url = upload(s3_server, sample_ckpt)
+    run = f"run-{uuid.uuid4().hex[:8]}"
+    c = s3_server.client()
+    c.put_object(Bucket="ckpts", Key=f"{run}/expv/model.safetensors.index.json", Body=b'{"theirs": true}')
+    c.put_object(Bucket="ckpts", Key=f"{run}/exp2/.ckpttool-output.json", Body=b"theirs")
+    theirs = s3_server.keys("ckpts", f"{run}/exp")
+    r = cli(s3_server, "export", url, f"s3://ckpts/{run}/plain", "--shard-size", "100KB")
+    assert r.exit_code == 0, r.output
+    for key in s3_server.keys("ckpts", f"{run}/plain/"):
+        c.copy_object(
+            Bucket="ckpts", Key=key.replace("/plain/", "/exp[v2]/"), CopySource={"Bucket": "ckpts", "Key": key}
+        )
+    assert runner.invoke(app, ["export", str(sample_ckpt), str(tmp_path / "local")]).exit_code == 0
+    for name, extra in (("exp[v2]", ["--overwrite"]), ("new[1]", [])):
+        r = cli(s3_server, "export", url, f"s3://ckpts/{run}/{name}", *extra)
+        assert [k for k in s3_server.keys("ckpts", f"{run}/exp") if "[v2]" not in k] == theirs
+        assert r.exit_code == 0, r.output
+        assert download(s3_server, "ckpts", f"{run}/{name}", tmp_path / name) == files_of(tmp_path / "local")
+        assert not [k for k in s3_server.keys("ckpts") if "ckpttool-tmp" in k]
+
+
 def test_import_of_a_url_names_the_url_and_reads_nothing(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """`import s3://bucket/model OUT`: the Hugging Face folder is read from a local directory; the URL was taken as
     the local path 's3:/bucket/model' ('no such directory', with a hint listing the current directory's entries).
