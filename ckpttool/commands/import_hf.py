@@ -20,6 +20,7 @@ from ckpttool.ui.options import (
     OverwriteOpt,
     examples,
     given_path,
+    location,
     parse_dtype,
 )
 from ckpttool.ui.output import Output, command_boundary
@@ -30,11 +31,12 @@ if TYPE_CHECKING:
 
 
 HfDirArg = Annotated[
-    Path,
+    PurePath,
     typer.Argument(
         help="Hugging Face model directory: model*.safetensors (+ index) and config.json.",
         show_default=False,
         metavar="HF_DIR",
+        parser=location,
     ),
 ]
 SchemaOpt = Annotated[ImportSchemaChoice, typer.Option("--schema", help=IMPORT_SCHEMA_HELP)]
@@ -159,7 +161,7 @@ def import_command(
     sink.result(res, _render)
 
 
-def _run(hf_dir: Path, out: PurePath, shown: PhaseProgress | None, options: ImportOptions) -> ImportResult:
+def _run(hf_dir: PurePath, out: PurePath, shown: PhaseProgress | None, options: ImportOptions) -> ImportResult:
     """``import_hf`` with its phases and bytes shown on ``shown`` (a ``PhaseProgress``, or ``None``)."""
     from ckpttool.ops.import_hf import import_hf
 

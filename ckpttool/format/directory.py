@@ -95,6 +95,18 @@ def _checkpoints_below(url: object, sizes: dict[str, int], shown: int = 6) -> st
     return f"checkpoints below it: {names}{more} (pass one of them)"
 
 
+def checkpoints_below_url(url: str | os.PathLike[str]) -> str | None:
+    """A hint naming the checkpoints (prefixes holding a ``.metadata``) below the URL prefix ``url``, in natural
+    order (the newest step last), from one listing; ``None`` when there is none.
+
+    Raises:
+        RemoteStorageError and its subclasses (E140-E144): the listing failed; RemoteNotFoundError (E141) is not
+            raised for an empty prefix (``None`` is returned).
+    """
+    store = RemoteStore(url)
+    return _checkpoints_below(store.path, store.sizes())
+
+
 class CheckpointDir:
     """A DCP checkpoint directory with its validated metadata (torch-free).
 

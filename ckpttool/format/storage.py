@@ -201,6 +201,10 @@ def local_path(path: str | os.PathLike[str]) -> str | os.PathLike[str]:
     return path
 
 
+#: The characters fsspec's ``rm``/``copy``/``expand_path`` read as a glob pattern in a path.
+_GLOB_CHARS = re.compile(r"[*?\[]")
+
+
 class UrlPath(PurePosixPath):
     """A pure path that prints as its URL: ``UrlPath.of("s3://b/run") / "x"`` is ``s3://b/run/x``.
 
@@ -498,7 +502,10 @@ class RemoteStore:
         return confine_key(self.root, relative, shown=self.path)
 
     def sizes(self) -> dict[str, int]:
-        """relative path -> size of every object below the prefix (one listing, cached).
+        """relative path -> size of every object below the prefix (one listing, cached). A zero-byte object
+        whose key ends in ``/`` (a folder marker, as S3 consoles write for "Create folder"; the prefix's own
+        ``prefix/`` included) is a directory, not listed: an empty folder made so is an empty output prefix, and a
+        marker inside a checkpoint is not a storage path ``a/`` (E101).
 
         Raises:
             as :meth:`call`.
@@ -517,9 +524,12 @@ class RemoteStore:
             for name, info in found.items():
                 name = name.lstrip("/") if not self.root.startswith("/") else name
                 if name.startswith(prefix) and info.get("type", "file") == "file":
-                    sizes[name[len(prefix) :]] = int(info.get("size") or 0)
+                    rel, size = name[len(prefix) :], int(info.get("size") or 0)
+                    if (rel == "" or rel.endswith("/")) and size == 0:
+                        continue  # a folder marker ("Create folder" in a console): a directory, not a file
+                    sizes[rel] = size
                     if isinstance(info.get("ETag"), str) and info["ETag"]:
-                        etags[name[len(prefix) :]] = info["ETag"]
+                        etags[rel] = info["ETag"]
             self._etags = etags
             self._sizes = sizes
         return self._sizes
@@ -639,16 +649,22 @@ class RemoteStore:
         self.forget_listing()
 
     def copy(self, src_relative: str, dst: RemoteStore, dst_relative: str) -> None:
-        """Server-side copy of one object to another prefix of the same store."""
-        self.call(str(dst.path / dst_relative), self.fs.copy, self.key(src_relative), dst.key(dst_relative))
+        """Server-side copy of one object to another prefix of the same store (``cp_file``: the key as it is;
+        fsspec's ``copy`` reads ``*``, ``?`` and ``[`` in a key, ``s3://b/exp[v2]/``, as a pattern)."""
+        self.call(str(dst.path / dst_relative), self.fs.cp_file, self.key(src_relative), dst.key(dst_relative))
         self._count()
 
     def remove(self, relatives: Iterable[str]) -> None:
-        """Delete objects (missing ones are ignored)."""
+        """Delete exactly these objects (missing ones are ignored): a key holding ``*``, ``?`` or ``[`` is deleted
+        by itself (``rm_file``), never given to fsspec's ``rm``, which reads it as a pattern and deletes the
+        objects it matches instead (``exp[v2]/x`` matches ``expv/x``: an object ckpttool did not write)."""
         keys = [self.key(r) for r in relatives]
-        if keys:
+        literal = [k for k in keys if not _GLOB_CHARS.search(k)]
+        batches: list[tuple[Any, Any]] = [(self.fs.rm, literal)] if literal else []
+        batches += [(self.fs.rm_file, k) for k in keys if _GLOB_CHARS.search(k)]
+        for fn, arg in batches:
             try:
-                self.call(f"{self.path}: delete", self.fs.rm, keys)
+                self.call(f"{self.path}: delete", fn, arg)
             except RemoteNotFoundError:
                 pass
             self._count()

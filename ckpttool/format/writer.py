@@ -26,7 +26,7 @@ import uuid
 import zipfile
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from pathlib import Path
+from pathlib import Path, PurePath
 from typing import TYPE_CHECKING, Any, BinaryIO
 
 from ckpttool.engine.execute import can_split, run_item, run_split
@@ -36,6 +36,7 @@ from ckpttool.errors import DataFileError, OutputError
 from ckpttool.format.archive import STORAGE_DTYPES
 from ckpttool.format.copy import copy_range
 from ckpttool.format.metadata import FLOAT8_DTYPES, ChunkMeta, DType, StorageInfo
+from ckpttool.format.storage import is_url
 
 if TYPE_CHECKING:
     import torch
@@ -134,7 +135,8 @@ class DCPWriter:
 
     Args:
         directory: an existing, empty directory (the temporary output directory).
-        checkpoint_id: the final path recorded in ``storage_meta.checkpoint_id``.
+        checkpoint_id: the final path recorded in ``storage_meta.checkpoint_id``; for a URL output its URL
+            (``s3://bucket/out``, as torch's ``FsspecWriter`` records it).
         fsync: ``fsync`` every file before :meth:`finish` returns (as torch's
             ``FileSystemWriter(sync_files=True)``), so a renamed output survives a power loss.
         digest: a digest algorithm (:mod:`ckpttool.format.digest`): digest every chunk's raw
@@ -145,7 +147,9 @@ class DCPWriter:
     file is written by one thread at a time (the per-rank worker model of ``reshard``).
     """
 
-    def __init__(self, directory: Path, checkpoint_id: Path, *, fsync: bool = True, digest: str | None = None) -> None:
+    def __init__(
+        self, directory: Path, checkpoint_id: PurePath, *, fsync: bool = True, digest: str | None = None
+    ) -> None:
         self.fsync = fsync
         self.digest = digest
         _resource_module()  # loaded now: see _create
@@ -154,7 +158,8 @@ class DCPWriter:
         self.digests: dict[tuple[str, tuple[int, ...] | None], tuple[str, str, str | None]] = {}
         self.metadata_digest: tuple[str, int] | None = None
         self.directory = Path(directory)
-        self.checkpoint_id = Path(checkpoint_id)
+        # a URL output's UrlPath is kept: Path() of it dropped the scheme ('/bucket/out' for s3://bucket/out)
+        self.checkpoint_id = checkpoint_id if is_url(checkpoint_id) else Path(checkpoint_id)
         self._files: dict[int, BinaryIO] = {}
         self._items: dict[str, WrittenItem] = {}
         self._planner: dict[str, tuple[Any, ...]] = {}

@@ -29,6 +29,7 @@ from ckpttool.errors import (
     check_field_types,
 )
 from ckpttool.format import limits
+from ckpttool.format.directory import checkpoints_below_url
 from ckpttool.format.mdstorage import referenced_paths
 from ckpttool.format.metadata import CheckpointMetadata, TensorMeta
 from ckpttool.format.perrank import PerRankError, PerRankReader
@@ -288,10 +289,14 @@ def _locate(path: str | os.PathLike[str], selection: CheckpointSelection | None)
         return locate(path, selection)
     sel = selection or CheckpointSelection()
     if sel.step is not None or sel.optimizer_dir is not None:
+        # a run root's steps are named (one listing), so that `--step latest` on one says which prefix to pass
+        param = "step" if sel.step is not None else "optimizer_dir"
+        below = checkpoints_below_url(path) if param == "step" else None
         raise UsageError(
-            f"{path}: `step` and `optimizer_dir` are not supported for a URL",
-            param="step" if sel.step is not None else "optimizer_dir",
-            hint="pass the URL of the checkpoint prefix itself (the one holding .metadata)",
+            f"{path}: `{param}` is not supported for a URL (step discovery and model/optimizer pairs are for "
+            "local directories)",
+            param=param,
+            hint=below or "pass the URL of the checkpoint prefix itself (the one holding .metadata)",
         )
     p = url_path(path)
     return Located(cast(Path, p), cast(Path, p), None)

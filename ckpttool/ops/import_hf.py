@@ -490,17 +490,35 @@ def import_hf(
 
     Raises:
         UsageError: bad options, no config where the adapter needs one; ``hf_dir`` a DCP checkpoint
-            (``.metadata`` in it or below it, no ``*.safetensors``: E100, naming ``export``).
+            (``.metadata`` in it or below it, no ``*.safetensors``: E100, naming ``export``); ``hf_dir`` a URL
+            (``s3://...``: E100, the model is read from a local directory; ``out`` may be a URL).
         MetadataError: unreadable or malformed safetensors headers; an index naming tensors the files lack.
         ExportError (E601): keys the adapter does not know, per-expert tensors that do not cover the experts.
         OutputError: ``out`` exists (no ``overwrite``) or cannot be written.
     """
+    _refuse_url_source(hf_dir)
     _refuse_dcp_source(Path(hf_dir))
     opts = options_of(options, ImportOptions)
     report = _Report(progress or _no_progress, phase or _no_phase)
     if opts.ep_size is None and opts.ep_fsdp_size is None:
         return _import_plain(hf_dir, out, opts, report=report)
     return _import_ep(hf_dir, out, opts, report)
+
+
+def _refuse_url_source(hf_dir: str | os.PathLike[str]) -> None:
+    """A URL given as ``hf_dir`` is named as given: the Hugging Face folder is read from a local directory (as a
+    ``Path``, ``s3://b/m`` was the local ``s3:/b/m``: "no such directory", with a hint listing the current directory).
+
+    Raises:
+        UsageError (E100): ``hf_dir`` is a URL other than ``file://``.
+    """
+    if is_url(hf_dir):
+        raise UsageError(
+            f"{hf_dir}: a URL; import reads the Hugging Face model from a local directory",
+            param="hf_dir",
+            hint="copy the folder here first (its *.safetensors, index and config.json), then import it; "
+            "the output may be a URL (docs/storage.md)",
+        )
 
 
 def _refuse_dcp_source(hf_dir: Path) -> None:

@@ -996,6 +996,146 @@ def test_a_remote_run_root_names_the_checkpoints_below_it(sample_ckpt: Path, s3_
     ]
 
 
+def test_step_on_a_remote_run_root_names_its_complete_checkpoints(sample_ckpt: Path, s3_server: Any) -> None:
+    """`--step latest` / `--step N` on a URL run root (step-1/, step-2/ complete; the newest, step-3/, a save that did
+    not finish: a data object, no .metadata): step discovery is for local directories, so E100 — its hint named no
+    prefix ('pass the URL of the checkpoint prefix itself'); it now names the complete checkpoints below, the newest
+    last, and not the incomplete step-3, as the E200 of the run root without --step does."""
+    run = f"run-{uuid.uuid4().hex[:8]}"
+    for step in ("step-1", "step-2"):
+        s3_server.upload_dir(sample_ckpt, "ckpts", f"{run}/{step}")
+    s3_server.client().upload_file(str(sample_ckpt / "__0_0.distcp"), "ckpts", f"{run}/step-3/__0_0.distcp")
+    url = f"s3://ckpts/{run}"
+    for args in (
+        ["validate", url, "--step", "latest"],
+        ["inspect", url, "--step", "2"],
+        ["stats", url, "--step", "latest"],
+    ):
+        r = cli(s3_server, *args)
+        assert r.exit_code == 2, r.output
+        assert r.stderr.splitlines() == [
+            f"error: [E100] {url}: --step is not supported for a URL (step discovery and model/optimizer pairs are "
+            "for local directories)",
+            f"hint: checkpoints below it: {url}/step-1, {url}/step-2 (pass one of them)",
+        ], r.stderr
+    assert s3_server.keys("ckpts", f"{run}/step-3/") == [f"{run}/step-3/__0_0.distcp"]  # nothing written
+
+
+def test_diff_step_on_a_remote_run_root_names_its_checkpoints(sample_ckpt: Path, s3_server: Any) -> None:
+    """`diff LOCAL s3://.../run --step latest`: the URL side is a run root, but steps are picked below local
+    directories only; the error said that neither side 'is a directory of several checkpoints' (the URL one is).
+    It names the URL side and, in its hint, the complete checkpoints below it (not the unfinished step-3)."""
+    run = f"run-{uuid.uuid4().hex[:8]}"
+    for step in ("step-1", "step-2"):
+        s3_server.upload_dir(sample_ckpt, "ckpts", f"{run}/{step}")
+    s3_server.client().upload_file(str(sample_ckpt / "__0_0.distcp"), "ckpts", f"{run}/step-3/__0_0.distcp")
+    url = f"s3://ckpts/{run}"
+    r = cli(s3_server, "diff", str(sample_ckpt), url, "--step", "latest")
+    assert r.exit_code == 2, r.output
+    assert r.stderr.splitlines() == [
+        f"error: [E100] --step latest given, but {url} is a URL: steps are picked below local directories only",
+        f"hint: checkpoints below it: {url}/step-1, {url}/step-2 (pass one of them)",
+    ], r.stderr
+
+
+def test_a_dcp_output_written_to_a_url_records_its_url_as_checkpoint_id(
+    sample_ckpt: Path, s3_server: Any, tmp_path: Path
+) -> None:
+    """`import HF s3://b/out` and `reshard CKPT s3://b/out`: `.metadata`'s `storage_meta.checkpoint_id` was
+    '/b/out' (the URL made a local Path, its scheme dropped: a path that names nothing); it is the URL, as torch's
+    FsspecWriter records it (and the local path for a local output, as FileSystemWriter does). Read back with
+    torch's own FileSystemReader from the downloaded objects."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    hf = tmp_path / "hf"
+    assets = sample_ckpt / "model_assets"
+    assert runner.invoke(app, ["export", str(sample_ckpt), str(hf), "--model-assets", str(assets)]).exit_code == 0
+    url = upload(s3_server, sample_ckpt)
+    for args, out in (
+        (["import", str(hf)], f"{url}-imp"),
+        (["reshard", url, "--to", "canonical", "--with-optimizer"], f"{url}-rs"),
+    ):
+        r = cli(s3_server, *args[:2], out, *args[2:])
+        assert r.exit_code == 0, r.output
+        local = tmp_path / out.rsplit("/", 1)[1]
+        s3_server.download_dir("ckpts", out.split("/", 3)[3], local)
+        assert FileSystemReader(local).read_metadata().storage_meta.checkpoint_id == out
+    assert runner.invoke(app, ["import", str(hf), str(tmp_path / "here")]).exit_code == 0
+    assert FileSystemReader(tmp_path / "here").read_metadata().storage_meta.checkpoint_id == str(tmp_path / "here")
+
+
+def test_folder_markers_are_directories_not_objects(sample_ckpt: Path, s3_server: Any, tmp_path: Path) -> None:
+    """Zero-byte objects whose key ends in '/' (what an S3 console's "Create folder" writes): inside a checkpoint,
+    `extra_state/` was read as the storage path 'extra_state/' ('has an empty component: it could leave the
+    checkpoint prefix', S013 E101: validate failed a good checkpoint); an output prefix holding only its own marker
+    (an empty folder) was 'already holds 1 object(s)' (E600), with --overwrite 'holds 1 entry ()' (E606), where an
+    empty local directory is a valid output. Both are read as the folders they stand for."""
+    url = upload(s3_server, sample_ckpt)
+    c = s3_server.client()
+    prefix = url.split("/", 3)[3]
+    for key in (f"{prefix}/", f"{prefix}/extra_state/"):
+        c.put_object(Bucket="ckpts", Key=key, Body=b"")
+
+    def findings(*args: str) -> list[dict[str, Any]]:
+        r = cli(s3_server, "validate", "--json", "--strict", "--deep", *args)
+        assert r.exit_code == 0, r.output
+        return [{k: f[k] for k in ("code", "key", "severity")} for f in json.loads(r.stdout)["findings"]]
+
+    assert findings(url) == findings(str(sample_ckpt))
+    assert runner.invoke(app, ["export", str(sample_ckpt), str(tmp_path / "local")]).exit_code == 0
+    for name, extra in (("empty", []), ("empty-ow", ["--overwrite"])):
+        c.put_object(Bucket="ckpts", Key=f"{prefix}-{name}/", Body=b"")
+        r = cli(s3_server, "export", url, f"{url}-{name}", *extra)
+        assert r.exit_code == 0, r.output
+        assert f"{prefix}-{name}/" in s3_server.keys("ckpts", f"{prefix}-{name}/")  # the folder stays a folder
+        c.delete_object(Bucket="ckpts", Key=f"{prefix}-{name}/")  # (download_dir writes files only)
+        assert download(s3_server, "ckpts", f"{prefix}-{name}", tmp_path / name) == files_of(tmp_path / "local")
+
+
+def test_an_output_prefix_with_glob_characters_is_written_and_replaced_as_named(
+    sample_ckpt: Path, s3_server: Any, tmp_path: Path
+) -> None:
+    """An output prefix `s3://b/run/exp[v2]`: fsspec's copy and rm read '[v2]' in a key as a pattern. `--overwrite`
+    of a previous output there (copied in with boto3, as `aws s3 sync` would) deleted what the pattern matched
+    instead of its markers: `run/expv/model.safetensors.index.json`, an object ckpttool did not write; then the
+    publish failed (E141 naming the temporary object) and left the temporary objects. A new output there failed the
+    same way. Each key is now copied and deleted as it is named."""
+    url = upload(s3_server, sample_ckpt)
+    run = f"run-{uuid.uuid4().hex[:8]}"
+    c = s3_server.client()
+    c.put_object(Bucket="ckpts", Key=f"{run}/expv/model.safetensors.index.json", Body=b'{"theirs": true}')
+    c.put_object(Bucket="ckpts", Key=f"{run}/exp2/.ckpttool-output.json", Body=b"theirs")
+    theirs = s3_server.keys("ckpts", f"{run}/exp")
+    r = cli(s3_server, "export", url, f"s3://ckpts/{run}/plain", "--shard-size", "100KB")
+    assert r.exit_code == 0, r.output
+    for key in s3_server.keys("ckpts", f"{run}/plain/"):
+        c.copy_object(
+            Bucket="ckpts", Key=key.replace("/plain/", "/exp[v2]/"), CopySource={"Bucket": "ckpts", "Key": key}
+        )
+    assert runner.invoke(app, ["export", str(sample_ckpt), str(tmp_path / "local")]).exit_code == 0
+    for name, extra in (("exp[v2]", ["--overwrite"]), ("new[1]", [])):
+        r = cli(s3_server, "export", url, f"s3://ckpts/{run}/{name}", *extra)
+        assert [k for k in s3_server.keys("ckpts", f"{run}/exp") if "[v2]" not in k] == theirs
+        assert r.exit_code == 0, r.output
+        assert download(s3_server, "ckpts", f"{run}/{name}", tmp_path / name) == files_of(tmp_path / "local")
+        assert not [k for k in s3_server.keys("ckpts") if "ckpttool-tmp" in k]
+
+
+def test_import_of_a_url_names_the_url_and_reads_nothing(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`import s3://bucket/model OUT`: the Hugging Face folder is read from a local directory; the URL was taken as
+    the local path 's3:/bucket/model' ('no such directory', with a hint listing the current directory's entries).
+    It is E100 naming the URL as given, before anything is read or written."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "unrelated-run").mkdir()
+    r = runner.invoke(app, ["import", "s3://ckpts/hf-model", str(tmp_path / "out")])
+    assert r.exit_code == 2, r.output
+    assert r.stderr.splitlines()[0] == (
+        "error: [E100] s3://ckpts/hf-model: a URL; import reads the Hugging Face model from a local directory"
+    ), r.stderr
+    assert "unrelated-run" not in r.stderr and "Traceback" not in r.output
+    assert os.listdir(tmp_path) == ["unrelated-run"]
+
+
 def test_inspect_of_a_url_reads_no_local_file_named_like_it(
     sample_ckpt: Path, s3_server: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -6,6 +6,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from ckpttool.errors import UsageError
+from ckpttool.format.directory import checkpoints_below_url
 from ckpttool.format.storage import is_url, local_path
 from ckpttool.model.checkpoint import Checkpoint, CheckpointOrPath, OpenOptions
 from ckpttool.model.discovery import CheckpointSelection, is_checkpoint_dir
@@ -37,7 +38,8 @@ def side_openings(
 
     Raises:
         UsageError (E100): ``a_step``/``b_step`` given for a side that is a checkpoint itself; ``step`` given but
-            neither side is a run's checkpoint root; a step that is neither an integer >= 0 nor ``latest``.
+            neither side is a run's checkpoint root (a URL side named, with the checkpoints below it); a step that
+            is neither an integer >= 0 nor ``latest``.
     """
     pa, pb = _path_of(a), _path_of(b)
     for side, given, path, own in (("a", a, pa, opts.a_step), ("b", b, pb, opts.b_step)):
@@ -57,6 +59,13 @@ def side_openings(
     sa = opts.a_step if opts.a_step is not None else (opts.step if _is_run_root(pa) else None)
     sb = opts.b_step if opts.b_step is not None else (opts.step if _is_run_root(pb) else None)
     if opts.step is not None and opts.a_step is None and opts.b_step is None and sa is None and sb is None:
+        for given in (a, b):
+            if not isinstance(given, Checkpoint) and is_url(given):  # a remote run root: its steps are named
+                raise UsageError(
+                    f"`step` {opts.step} given, but {given} is a URL: steps are picked below local directories only",
+                    param="step",
+                    hint=checkpoints_below_url(given) or "pass the URL of the step's own prefix, or drop `step`",
+                )
         raise UsageError(
             f"`step` {opts.step} given, but neither {_shown(a)} nor {_shown(b)} is a directory of several checkpoints",
             param="step",
