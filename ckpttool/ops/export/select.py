@@ -33,6 +33,7 @@ __all__ = [
     "RuleKeys",
     "AdapterKeys",
     "LoraKeys",
+    "peft_saved_form",
     "select_model",
     "skip_other_tensors",
     "shown",
@@ -197,12 +198,17 @@ _PEFT_BIAS_SUFFIX = {"all": ".bias", "lora_only": ".base_layer.bias"}
 
 class LoraKeys:
     """PEFT LoRA adapter keys (the rules' ``lora`` pattern), ``modules_to_save`` copies and trainable tokens, tagged
-    with their adapter name, and the biases PEFT saves with ``bias`` ``"all"`` / ``"lora_only"`` (kept under their own name)."""
+    with their adapter name, and the biases PEFT saves with ``bias`` ``"all"`` / ``"lora_only"`` (kept under their own name).
 
-    def __init__(self, rules: ExportRules, bias: str = "none") -> None:
+    A checkpoint of PEFT's saved names (:func:`peft_saved_form`) holds the adapter alone: its other tensors under
+    ``base_model.model.`` (``modules_to_save`` copies, trainable tokens, saved without their adapter name) are the
+    adapter's too and keep their names."""
+
+    def __init__(self, rules: ExportRules, bias: str = "none", *, saved_form: bool = False) -> None:
         self.lora_output_key = rules.lora_output_key
         self.skipped: dict[str, list[str]] = {}
         self.bias_suffix = _PEFT_BIAS_SUFFIX.get(bias)
+        self.saved_form = saved_form
 
     def __call__(self, key: str, fqn: str, canonical: str, entry: TensorEntry) -> Mapped | None:
         if key.startswith(_PEFT_PREFIX) and not canonical.startswith(_CANONICAL_PEFT_PREFIX):
@@ -222,6 +228,9 @@ class LoraKeys:
             out = canonical[len(CANONICAL_MODEL_PREFIX) :]
             if out.startswith("base_model.model.") and ".original_module." not in out:
                 return out
+        if hit is None and self.saved_form and canonical.startswith(_CANONICAL_PEFT_PREFIX):
+            # PEFT's saved adapter alone: e.g. its modules_to_save copy base_model.model.lm_head.weight
+            return canonical[len(CANONICAL_MODEL_PREFIX) :]
         if hit is None:
             self.skipped.setdefault("not a LoRA adapter tensor", []).append(key)
             return None
@@ -232,6 +241,22 @@ class LoraKeys:
 
     def finish(self, cat: Catalog, filter_glob: str | None, warnings: list[str]) -> None:
         pass
+
+
+def peft_saved_form(cat: Catalog, rules: ExportRules) -> bool:
+    """Whether the model tensors are PEFT's saved adapter (``peft.get_peft_model_state_dict``; NeMo Automodel's PEFT
+    save): LoRA factors without an adapter name, and no ``base_layer`` / ``original_module`` / ``modules_to_save``
+    tensor of a whole ``PeftModel`` state dict."""
+    named = False
+    for fqn in cat.param_fqns:
+        if ".base_layer." in fqn or ".original_module." in fqn or ".modules_to_save." in fqn:
+            return False
+        hit = rules.lora_output_key(CANONICAL_MODEL_PREFIX + fqn)
+        if hit is not None:
+            if hit[1] is not None:
+                return False
+            named = True
+    return named
 
 
 def select_model(cat: Catalog, keys: KeyMap, *, weights: str, filter_glob: str | None) -> SelectResult:

@@ -759,3 +759,52 @@ def test_an_rslora_run_exported_with_lora_alpha_alone_is_warned_about(tmp_path: 
     res = export_cli(str(tmp_path / "ckpt"), str(tmp_path / "cfg"), "--format", fmt, "--adapter-config", given, *assets)
     assert res.exit_code == 0 and "no adapter config given" not in res.stderr, res.stderr
     torch.testing.assert_close(logits(tmp_path / "cfg"), want, rtol=0, atol=1e-5)
+
+
+# ------------------------------------------------------------------------------------------ PEFT's saved names
+
+
+@pytest.mark.parametrize("adapter", ["default", "mine"])
+def test_an_adapter_saved_with_peft_names_keeps_its_modules_to_save_copy(tmp_path: Path, adapter: str) -> None:
+    """A training loop that saves the adapter alone, as PEFT names it (``get_peft_model_state_dict``: no adapter name,
+    ``modules_to_save`` copies as ``base_model.model.lm_head.weight``), beside its optimizer. Before, `--format lora`
+    wrote the LoRA factors but left the trained lm_head copy out ('not a LoRA adapter tensor'), exit 0: PEFT loaded
+    the base lm_head in its place and computed other logits. Reference: PEFT's own ``from_pretrained`` of the export
+    gives the trained model's logits and its ``modules_to_save`` weight."""
+    import torch.distributed.checkpoint as dcp
+    from peft import LoraConfig, PeftModel, get_peft_model, get_peft_model_state_dict
+    from safetensors.torch import load_file
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+    from transformers import LlamaForCausalLM
+
+    hf_models._quiet()
+    torch.manual_seed(7)
+    cfg = hf_models.llama_config()
+    LlamaForCausalLM(cfg).save_pretrained(tmp_path / "base")
+    lcfg = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], modules_to_save=["lm_head"])
+    model = get_peft_model(load_hf(tmp_path / "base", LlamaForCausalLM), lcfg, adapter_name=adapter)
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+    ids = torch.randint(0, cfg.vocab_size, (2, 12), generator=torch.Generator().manual_seed(1))
+    for _ in range(2):
+        model(ids, labels=ids).loss.backward()
+        opt.step()
+        opt.zero_grad()
+    model.eval()
+    with torch.no_grad():
+        want = model(ids).logits
+    saved = get_peft_model_state_dict(model, adapter_name=adapter)
+    assert "base_model.model.lm_head.weight" in saved  # PEFT's name of the modules_to_save copy
+    dcp.save({"model": saved, "optim": get_optimizer_state_dict(model, opt)}, checkpoint_id=str(tmp_path / "ckpt"))
+
+    res = export_cli(str(tmp_path / "ckpt"), str(tmp_path / "o"), "--format", "lora", "--lora-alpha", "8")
+    assert res.exit_code == 0, res.stderr
+    got = load_file(str(tmp_path / "o" / "adapter_model.safetensors"))
+    assert set(got) == set(saved)
+    for k, v in saved.items():
+        assert torch.equal(got[k], v), k
+    loaded = PeftModel.from_pretrained(
+        load_hf(tmp_path / "base", LlamaForCausalLM), tmp_path / "o", adapter_name=adapter
+    )
+    loaded.eval()
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(ids).logits, want, rtol=0, atol=1e-5)

@@ -68,10 +68,11 @@ class LoraFormat(ModelFormat):
 
     def select(self, req: SelectRequest) -> SelectResult:
         """The LoRA adapter tensors, tagged with their adapter names, and the biases a given config's ``bias`` trains."""
-        from ckpttool.ops.export.select import LoraKeys, select_model
+        from ckpttool.ops.export.select import LoraKeys, peft_saved_form, select_model
 
         bias = (req.peft_config or {}).get("bias", "none")
-        keys = LoraKeys(req.rules, bias=bias if isinstance(bias, str) else "none")
+        saved = peft_saved_form(req.cat, req.rules)
+        keys = LoraKeys(req.rules, bias=bias if isinstance(bias, str) else "none", saved_form=saved)
         return select_model(req.cat, keys, weights=req.weights, filter_glob=req.filter_glob)
 
     def check_selection(self, cat: Catalog, tags: dict[str, str], warnings: list[str]) -> None:
