@@ -57,6 +57,7 @@ _defer_depth = 0  # signals_deferred() nesting (main thread only)
 _deferred_signal: int | None = None
 _signal_received = False  # set by AtomicOutputDir's handler, never cleared: the process is stopping
 _published: list[Path] = []  # outputs moved into place by this process, in order (published())
+_writing: set[Path] = set()  # temporary directories of open AtomicOutputDirs: a file written there is not published
 
 
 class Terminated(KeyboardInterrupt):
@@ -439,8 +440,10 @@ class AtomicOutputDir(OutputTarget):
             self._old_handlers = stop_signals(self._on_signal)
             with signals_deferred():
                 self.tmp = self._make_tmp(parent)
+                _writing.add(self.tmp)
         except BaseException:
             if self.tmp is not None:
+                _writing.discard(self.tmp)
                 self._remove_tmp()
             else:
                 self._remove_created_parents()
@@ -526,6 +529,8 @@ class AtomicOutputDir(OutputTarget):
             self._seal()
             self._commit()
         finally:
+            if self.tmp is not None:
+                _writing.discard(self.tmp)
             self._restore_signal()
 
     def _seal(self) -> None:
@@ -781,7 +786,8 @@ def _write_replace(p: Path, data: bytes, fsync: bool, replace: bool = True) -> N
             os.replace(tmp, p)
         else:
             _publish_new(tmp, p)
-        _published.append(p)
+        if not _writing.intersection(Path(os.path.abspath(p)).parents):  # not a file of an output still written
+            _published.append(p)
         if not replace:
             with contextlib.suppress(FileNotFoundError):
                 tmp.unlink()  # the name `p` holds the file now

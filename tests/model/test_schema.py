@@ -429,6 +429,59 @@ def test_a_model_only_save_with_a_parameter_called_step_keeps_it(tmp_path: Path)
     assert all(torch.equal(exported[k], v) for k, v in msd.items())
 
 
+class _ScalarCounterNamed(torch.nn.Module):
+    """A model whose top-level parameters ``step`` (0-d) and ``epoch`` (``[1]``) are shaped as counters are saved."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(8, 4)
+        self.norm = torch.nn.BatchNorm1d(4)  # its buffer num_batches_tracked: a 0-d int64 counter of the model's
+        self.step = torch.nn.Parameter(torch.tensor(0.5))
+        self.epoch = torch.nn.Parameter(torch.tensor([2.0]))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.norm(self.lin(x)) * self.step + self.epoch
+
+
+@pytest.mark.parametrize("flatten", [True, False], ids=["flattened", "nested"])
+def test_a_one_element_parameter_called_step_beside_an_optimizer_under_a_prefix_is_the_models(
+    flatten: bool, tmp_path: Path
+) -> None:
+    """torchtitan's layout: the model at the top level, the optimizer under ``optimizer.`` and the trainer's step in
+    ``train_state``. A model parameter called ``step`` (0-d) or ``epoch`` (``[1]``) was read as a trainer's counter
+    though ``optimizer.state.step.*`` keys it: validate failed the clean save with O003 ('step' is not a model
+    tensor) and export left both weights out (counted as training state). They are the model's; the real counter
+    ``train_state.step`` stays training state and is read."""
+    from safetensors.torch import load_file
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+    from typer.testing import CliRunner
+
+    from ckpttool.cli.app import app
+
+    torch.manual_seed(0)
+    model = _ScalarCounterNamed()
+    optim = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    for _ in range(3):
+        model(torch.randn(5, 8)).pow(2).mean().backward()
+        optim.step()
+    msd, osd = get_state_dict(model, optim, options=StateDictOptions(flatten_optimizer_state_dict=flatten))
+    src = tmp_path / "ckpt"
+    dcp.save({**msd, "optimizer": osd, "train_state": {"step": torch.tensor(3)}}, checkpoint_id=str(src))
+    cat = open_checkpoint(src).catalog
+    assert sorted(cat.model) == sorted(msd) and list(cat.training_state) == ["train_state"], cat.training_state
+    params = dict(model.named_parameters())
+    assert sorted(cat.optimizer_state) == sorted(params) and all(ps.in_model for ps in cat.optimizer_state.values())
+    res = CliRunner().invoke(app, ["validate", "--deep", str(src), "--json"])
+    assert res.exit_code == 0 and not json.loads(res.stdout)["findings"], res.output
+    res = CliRunner().invoke(app, ["inspect", str(src), "--json"])
+    assert json.loads(res.stdout)["training_values"] == {"train_state.step": 3}, res.stdout
+    res = CliRunner().invoke(app, ["export", str(src), str(tmp_path / "out")])
+    assert res.exit_code == 0, res.output
+    exported = load_file(tmp_path / "out" / "model.safetensors")
+    _ScalarCounterNamed().load_state_dict(exported, strict=True)
+    assert all(torch.equal(exported[k], v) for k, v in msd.items())
+
+
 @pytest.mark.parametrize("lr", ["float", "tensor"])
 @pytest.mark.parametrize("saved", ["beside_model", "pair"])
 @pytest.mark.parametrize("flatten", [True, False], ids=["flattened", "nested"])

@@ -472,17 +472,39 @@ def top_group_fqns(md: CheckpointMetadata, planner: dict[str, tuple[Any, ...]]) 
     )
 
 
-def top_param_fqns(md: CheckpointMetadata, planner: dict[str, tuple[Any, ...]], optimizer: bool) -> frozenset[str]:
+def top_param_fqns(
+    md: CheckpointMetadata, planner: dict[str, tuple[Any, ...]], opt_prefix: str | None
+) -> frozenset[str]:
     """The top-level tensors that are parameters though their names are training-state items' (a model's parameter
     called ``step``: :meth:`KeySchema.model_test`): a counter's name (:data:`COUNTER_ITEMS`) on a tensor of other
-    than one element, which no counter is; with an optimizer state dict at the top level (``optimizer``), the fqns
-    it is keyed by, its flattened param groups' (:func:`top_group_fqns`) and its state's (planner path ``("state",
-    fqn, field)``, nested; none without planner_data)."""
+    than one element, which no counter is; with an optimizer state dict at the top level (``opt_prefix`` ``""``),
+    the fqns it is keyed by, its flattened param groups' (:func:`top_group_fqns`) and its state's (planner path
+    ``("state", fqn, field)``, nested; none without planner_data); with one under a prefix (torchtitan's
+    ``optimizer.``), such a top-level tensor whose fqn keys its state or its flattened param group
+    (``optimizer.state.step.exp_avg``, ``optimizer.param_groups.step.lr``)."""
     sized = {k for k in COUNTER_ITEMS if type(m := md.entries.get(k)) is TensorMeta and m.numel != 1}
-    if not planner or not optimizer:
+    if opt_prefix:
+        return frozenset(sized).union(_keyed_by_optimizer(md, opt_prefix))
+    if not planner or opt_prefix is None:
         return frozenset(sized)
     nested = (p[1] for k, p in planner.items() if len(p) == 3 and p[0] == "state" and type(p[1]) is str)
     return (top_group_fqns(md, planner) or frozenset()).union(nested, sized)
+
+
+def _keyed_by_optimizer(md: CheckpointMetadata, opt_prefix: str) -> set[str]:
+    """The top-level tensors named as training-state items (``step``) that the optimizer under ``opt_prefix`` keys
+    as parameters: ``<opt_prefix>state.<name>.<field>`` or ``<opt_prefix>param_groups.<name>.<hyper>``."""
+    entries = md.entries
+    named = [t for t in registry.derived().training_state_items if type(entries.get(t)) is TensorMeta]
+    if not named:
+        return set()
+    heads = {f"{opt_prefix}{part}.{t}.": t for t in named for part in ("state", "param_groups")}
+    found = set()
+    for key in entries:
+        head, dot, last = key.rpartition(".")
+        if dot and head + "." in heads and last:
+            found.add(heads[head + "."])
+    return found
 
 
 def _optimizer_at_top(md: CheckpointMetadata, state: list[str]) -> bool:
@@ -607,7 +629,7 @@ def detect_schema(md: CheckpointMetadata, override: SchemaOverride | None = None
         _model_head=model_head(model_prefix or ""),
         _use_paths=use_paths,
         _group_fqns=groups,
-        _param_fqns=(params := top_param_fqns(md, planner, opt_prefix == "")),
+        _param_fqns=(params := top_param_fqns(md, planner, opt_prefix)),
     )
     test = sch.model_test()
     # the votes left out the parameters named as counters (params): counted with the test then
@@ -691,7 +713,7 @@ def _overridden(md: CheckpointMetadata, ov: SchemaOverride, tensors: list[str]) 
         model_prefix = ""
     paths = planner_paths(md)
     groups = top_group_fqns(md, paths)
-    params = top_param_fqns(md, paths, opt_prefix == "")
+    params = top_param_fqns(md, paths, opt_prefix)
     probe = KeySchema(sid, model_prefix, opt_prefix, _use_paths=False, _group_fqns=groups, _param_fqns=params)
     model_keys = [k for k in tensors if probe.is_model_candidate(k, paths.get(k))]
     _check_override(md, ov, probe, tensors, len(model_keys))

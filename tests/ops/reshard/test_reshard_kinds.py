@@ -207,6 +207,48 @@ def test_a_layout_item_of_the_trainers_own_is_an_item_not_a_record(tmp_path: Pat
     assert json.loads(res.stdout)["layout"]["source"] == "sidecar"
 
 
+_CTRL_C_AS_THE_MANIFEST_IS_WRITTEN = """
+import os, signal, sys
+from ckpttool.ops.reshard import execute
+
+real = execute._write_output_manifest
+
+def write_output_manifest(*args, **kwargs):
+    os.kill(os.getpid(), signal.SIGINT)  # Ctrl-C once layout.json is written in the temporary directory
+    return real(*args, **kwargs)
+
+execute._write_output_manifest = write_output_manifest
+sys.argv = ["ckpttool", *sys.argv[1:]]
+from ckpttool.cli import entry
+entry()
+"""
+
+
+def test_ctrl_c_after_the_record_is_written_in_the_unfinished_output_says_only_interrupted(tmp_path: Path) -> None:
+    """reshard of a checkpoint with a trainer's own ``layout`` item writes its record to ``layout.json`` in the
+    temporary directory; Ctrl-C then (as ``--manifest`` is written) ended with 'error: interrupted after
+    <OUT's temporary directory>/layout.json was written: it is complete', while the temporary directory was removed
+    and no output is left. The line is the bare 'error: interrupted' (exit 130) and nothing is on disk."""
+    import subprocess
+    import sys
+
+    import torch.distributed.checkpoint as dcp
+
+    src = tmp_path / "src"
+    model = {"layers.0.mlp.experts.down_proj": torch.randn(8, 4, 5), "layers.0.w": torch.randn(3, 3)}
+    dcp.save({"model": model, "layout": "bshd"}, checkpoint_id=src, no_dist=True)
+    stamp = ["stamp", str(src), "--source-layout", "canonical", "--ep-size", "1", "--ep-fsdp-size", "1"]
+    assert runner.invoke(app, stamp).exit_code == 0
+    out = tmp_path / "out"
+    target = ["--to", "canonical", "--target-ep-size", "2", "--target-ep-fsdp-size", "1", "--manifest", "-q"]
+    cmd = [sys.executable, "-c", _CTRL_C_AS_THE_MANIFEST_IS_WRITTEN, "reshard", str(src), str(out), *target]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 130, proc.stderr
+    assert proc.stderr.splitlines()[-1] == "error: interrupted", proc.stderr
+    assert "Traceback" not in proc.stderr and proc.stdout == ""
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["src"]
+
+
 @dataclass
 class TrainerLayout:
     """A trainer's own object saved under the name ``layout`` (not in torch's safe globals)."""
