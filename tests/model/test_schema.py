@@ -297,6 +297,32 @@ def test_an_optimizer_state_dict_at_the_top_level_is_optimizer_state(saved: str,
         assert res.exit_code == 0 and not json.loads(res.stdout)["findings"], res.output
 
 
+def _stepped(model: torch.nn.Module, flatten: bool, steps: int = 1, batch: int = 2) -> tuple[dict, dict]:
+    """``get_state_dict(model, AdamW)`` after ``steps`` AdamW steps on random ``[batch, 8]`` inputs."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+
+    optim = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    for _ in range(steps):
+        model(torch.randn(batch, 8)).pow(2).mean().backward()
+        optim.step()
+    return get_state_dict(model, optim, options=StateDictOptions(flatten_optimizer_state_dict=flatten))
+
+
+def _exported_loads(src: Path, out: Path, fresh: torch.nn.Module, msd: dict) -> None:
+    """``ckpttool export SRC OUT`` exits 0 and its ``model.safetensors`` loads strictly into ``fresh`` with
+    ``msd``'s values, bit for bit."""
+    from safetensors.torch import load_file
+    from typer.testing import CliRunner
+
+    from ckpttool.cli.app import app
+
+    res = CliRunner().invoke(app, ["export", str(src), str(out)])
+    assert res.exit_code == 0, res.output
+    exported = load_file(out / "model.safetensors")
+    fresh.load_state_dict(exported, strict=True)
+    assert all(torch.equal(exported[k], v) for k, v in msd.items())
+
+
 class _StateNamed(torch.nn.Module):
     """A model whose submodules are called ``state`` and ``param_groups``, as torch's optimizer state dict's parts."""
 
@@ -318,18 +344,12 @@ def test_a_model_submodule_called_state_is_the_models(saved: str, flatten: bool,
     state only' (export E601, no model tensors); beside the optimizer, the model lost them (export wrote 2 of 4
     weights with exit 0, validate O003 on an fqn ''). They are the model's: every weight exported, torch's
     load_state_dict of the export strict, validate --strict clean."""
-    from safetensors.torch import load_file
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
     from typer.testing import CliRunner
 
     from ckpttool.cli.app import app
 
     torch.manual_seed(0)
-    model = _StateNamed()
-    optim = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    model(torch.randn(2, 8)).pow(2).mean().backward()
-    optim.step()
-    msd, osd = get_state_dict(model, optim, options=StateDictOptions(flatten_optimizer_state_dict=flatten))
+    msd, osd = _stepped(_StateNamed(), flatten)
     src = tmp_path / "ckpt"
     if saved == "pair":
         dcp.save(msd, checkpoint_id=str(src / "model"))
@@ -346,12 +366,7 @@ def test_a_model_submodule_called_state_is_the_models(saved: str, flatten: bool,
         assert all(ps.in_model for ps in cat.optimizer_state.values())
     res = CliRunner().invoke(app, ["validate", "--strict", str(src), "--json"])
     assert res.exit_code == 0 and not json.loads(res.stdout)["findings"], res.output
-    res = CliRunner().invoke(app, ["export", str(src), str(tmp_path / "out")])
-    assert res.exit_code == 0, res.output
-    exported = load_file(tmp_path / "out" / "model.safetensors")
-    fresh = _StateNamed()
-    fresh.load_state_dict(exported, strict=True)
-    assert all(torch.equal(exported[k], v) for k, v in msd.items())
+    _exported_loads(src, tmp_path / "out", _StateNamed(), msd)
 
 
 class _CounterNamed(torch.nn.Module):
@@ -375,18 +390,12 @@ def test_a_model_parameter_called_step_is_the_models(saved: str, flatten: bool, 
     step and epoch counters (inspect 'training step: 1 key', validate O003 'state.step.*: step is not a model tensor',
     export wrote 1 of 3 weights with exit 0). The optimizer keys them as parameters: they are the model's; a real
     counter beside them (``global_step``) stays training state."""
-    from safetensors.torch import load_file
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
     from typer.testing import CliRunner
 
     from ckpttool.cli.app import app
 
     torch.manual_seed(0)
-    model = _CounterNamed()
-    optim = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    model(torch.randn(2, 8)).pow(2).mean().backward()
-    optim.step()
-    msd, osd = get_state_dict(model, optim, options=StateDictOptions(flatten_optimizer_state_dict=flatten))
+    msd, osd = _stepped(_CounterNamed(), flatten)
     src = tmp_path / "ckpt"
     if saved == "pair":
         dcp.save({**msd, "global_step": torch.tensor(1)}, checkpoint_id=str(src / "model"))
@@ -398,11 +407,7 @@ def test_a_model_parameter_called_step_is_the_models(saved: str, flatten: bool, 
     assert sorted(cat.optimizer_state) == sorted(msd) and all(ps.in_model for ps in cat.optimizer_state.values())
     res = CliRunner().invoke(app, ["validate", "--deep", str(src), "--json"])
     assert res.exit_code == 0 and not json.loads(res.stdout)["findings"], res.output
-    res = CliRunner().invoke(app, ["export", str(src), str(tmp_path / "out")])
-    assert res.exit_code == 0, res.output
-    exported = load_file(tmp_path / "out" / "model.safetensors")
-    _CounterNamed().load_state_dict(exported, strict=True)
-    assert all(torch.equal(exported[k], v) for k, v in msd.items())
+    _exported_loads(src, tmp_path / "out", _CounterNamed(), msd)
 
 
 def test_a_model_only_save_with_a_parameter_called_step_keeps_it(tmp_path: Path) -> None:
@@ -410,10 +415,6 @@ def test_a_model_only_save_with_a_parameter_called_step_keeps_it(tmp_path: Path)
     ``step`` and ``epoch``, beside a real counter (``global_step``, one element) and ``torch.get_rng_state()``: no
     optimizer names the parameters, but no counter holds more than one element. They were training state (export
     wrote ``lin`` alone, exit 0); they are the model's, the counter and the RNG state stay training state."""
-    from safetensors.torch import load_file
-    from typer.testing import CliRunner
-
-    from ckpttool.cli.app import app
 
     torch.manual_seed(0)
     msd = _CounterNamed().state_dict()
@@ -422,11 +423,7 @@ def test_a_model_only_save_with_a_parameter_called_step_keeps_it(tmp_path: Path)
     cat = open_checkpoint(src).catalog
     assert sorted(cat.model) == sorted(msd) and sorted(cat.training_state) == ["global_step", "rng_state"]
     assert f"- {len(msd)} model tensor(s) at the top level" in "\n".join(f"- {r}" for r in cat.schema.reasons)
-    res = CliRunner().invoke(app, ["export", str(src), str(tmp_path / "out")])
-    assert res.exit_code == 0, res.output
-    exported = load_file(tmp_path / "out" / "model.safetensors")
-    _CounterNamed().load_state_dict(exported, strict=True)
-    assert all(torch.equal(exported[k], v) for k, v in msd.items())
+    _exported_loads(src, tmp_path / "out", _CounterNamed(), msd)
 
 
 class _ScalarCounterNamed(torch.nn.Module):
@@ -452,19 +449,13 @@ def test_a_one_element_parameter_called_step_beside_an_optimizer_under_a_prefix_
     though ``optimizer.state.step.*`` keys it: validate failed the clean save with O003 ('step' is not a model
     tensor) and export left both weights out (counted as training state). They are the model's; the real counter
     ``train_state.step`` stays training state and is read."""
-    from safetensors.torch import load_file
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
     from typer.testing import CliRunner
 
     from ckpttool.cli.app import app
 
     torch.manual_seed(0)
     model = _ScalarCounterNamed()
-    optim = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    for _ in range(3):
-        model(torch.randn(5, 8)).pow(2).mean().backward()
-        optim.step()
-    msd, osd = get_state_dict(model, optim, options=StateDictOptions(flatten_optimizer_state_dict=flatten))
+    msd, osd = _stepped(model, flatten, steps=3, batch=5)
     src = tmp_path / "ckpt"
     dcp.save({**msd, "optimizer": osd, "train_state": {"step": torch.tensor(3)}}, checkpoint_id=str(src))
     cat = open_checkpoint(src).catalog
@@ -475,11 +466,7 @@ def test_a_one_element_parameter_called_step_beside_an_optimizer_under_a_prefix_
     assert res.exit_code == 0 and not json.loads(res.stdout)["findings"], res.output
     res = CliRunner().invoke(app, ["inspect", str(src), "--json"])
     assert json.loads(res.stdout)["training_values"] == {"train_state.step": 3}, res.stdout
-    res = CliRunner().invoke(app, ["export", str(src), str(tmp_path / "out")])
-    assert res.exit_code == 0, res.output
-    exported = load_file(tmp_path / "out" / "model.safetensors")
-    _ScalarCounterNamed().load_state_dict(exported, strict=True)
-    assert all(torch.equal(exported[k], v) for k, v in msd.items())
+    _exported_loads(src, tmp_path / "out", _ScalarCounterNamed(), msd)
 
 
 @pytest.mark.parametrize("lr", ["float", "tensor"])
