@@ -210,6 +210,7 @@ def adapter_config(
     _refuse_parameter_targets(cat, ranks)
     saved = _modules_to_save(plan, ranks)
     biased = sorted(p.name for t in plan.tasks for p in t.pieces if _BIAS_RE.search(p.name))
+    bias = _trained_bias(plan, saved)
     _check_trainable_tokens(plan, given)
     if given is not None:
         if bool(given.get("use_dora")) != dora:
@@ -229,10 +230,11 @@ def adapter_config(
                 hint="pass the adapter_config.json that belongs to this checkpoint, or leave `adapter_config` out "
                 "to infer one",
             )
+        _check_given_bias(given, bias)
         return _checked_given(given, ranks, lora_alpha, saved)
     if lora_alpha is None:
         raise _alpha_unknown(cat, beside)
-    _warn_inferred(plan, cat)
+    _warn_inferred(plan, cat, bias[0])
     common_r = Counter(ranks.values()).most_common(1)[0][0]
     modules = sorted(ranks)
     _check_peft_matches(modules, None)
@@ -250,7 +252,7 @@ def adapter_config(
         "lora_alpha": lora_alpha,
         "lora_dropout": 0.0,
         "target_modules": _target_modules(cat, rel),
-        "bias": "none",
+        "bias": bias[0],
         "fan_in_fan_out": False,
         "use_rslora": False,
         "use_dora": dora,
@@ -274,12 +276,47 @@ def _alpha_unknown(cat: Catalog, beside: Path | None) -> ExportError:
     )
 
 
-def _warn_inferred(plan: ExportPlan, cat: Catalog) -> None:
+def _trained_bias(plan: ExportPlan, saved: list[str]) -> tuple[str, str | None]:
+    """The ``bias`` option the written biases stand for, and one such bias: ``("all", key)`` where a bias of a layer
+    without an adapter is written (``...k_proj.bias``), ``("lora_only", key)`` where only adapted layers' are
+    (``...q_proj.base_layer.bias``), else ``("none", None)``. A ``lora_B`` bias (``lora_bias``) and a bias of a
+    ``modules_to_save`` copy are not such biases. They are written where a given config's ``bias`` selects them, or
+    where the checkpoint is PEFT's saved adapter (:func:`~ckpttool.ops.export.select.peft_saved_form`), which holds
+    only what training saved: ``get_peft_model_state_dict`` with that ``bias``."""
+    copies = {_PEFT_PREFIX + m for m in saved}
+    found: str | None = None
+    for task in plan.tasks:
+        for p in task.pieces:
+            if not p.name.endswith(".bias") or _BIAS_RE.search(p.name) or p.name.rsplit(".", 1)[0] in copies:
+                continue
+            if not p.name.endswith(".base_layer.bias"):
+                return "all", p.name
+            found = found or p.name
+    return ("lora_only", found) if found is not None else ("none", None)
+
+
+def _check_given_bias(given: dict[str, Any], bias: tuple[str, str | None]) -> None:
+    """Raises ExportError: the written biases need a ``bias`` option the given config does not set (``none``, or
+    ``lora_only`` beside the bias of a layer without an adapter): the adapter would say it trained no such bias."""
+    want, key = bias
+    have = given.get("bias", "none")
+    if key is None or have == "all" or (have == "lora_only" and want == "lora_only"):
+        return
+    raise ExportError(
+        f"{key}: the checkpoint holds the biases PEFT saves with LoraConfig bias {want!r} but the adapter config sets "
+        f"bias {have!r}: the adapter would not say which biases it trained",
+        fqn=key,
+        hint="pass the adapter_config.json that belongs to this checkpoint, or leave `adapter_config` out to infer one",
+    )
+
+
+def _warn_inferred(plan: ExportPlan, cat: Catalog, bias: str) -> None:
     """The warnings of an inferred adapter config: the scaling it assumes, and the biases it leaves out (the tensors
-    cannot tell a bias trained with PEFT's ``bias`` ``all`` / ``lora_only`` from the base model's)."""
+    of a whole model's state dict cannot tell a bias trained with PEFT's ``bias`` ``all`` / ``lora_only`` from the
+    base model's; PEFT's saved adapter holds only trained ones, written with their ``bias``)."""
     plan.warnings.append(INFERRED_SCALING)
     adapted_bias = next((k for k in cat.model if k.endswith(".base_layer.bias")), None)
-    if adapted_bias is not None:
+    if adapted_bias is not None and bias == "none":
         plan.warnings.append(
             f"the adapted layers have biases ({adapted_bias}, ...): an inferred config has bias 'none' and writes "
             "none of them; if training used LoraConfig bias 'all' or 'lora_only', pass that run's adapter_config.json "
@@ -389,7 +426,7 @@ def _refuse_parameter_targets(cat: Catalog, ranks: dict[str, int]) -> None:
         if (
             not canonical.startswith(prefix)
             or ".base_layer." not in canonical
-            or canonical.endswith(".base_layer.weight")
+            or canonical.endswith((".base_layer.weight", ".base_layer.bias"))  # a layer's (a bias PEFT's `bias` saves)
         ):
             continue
         parts = canonical[len(prefix) :].split(".base_layer.")

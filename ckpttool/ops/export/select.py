@@ -191,6 +191,8 @@ _CANONICAL_PEFT_PREFIX = CANONICAL_MODEL_PREFIX + _PEFT_PREFIX
 #: DoRA's magnitude (``lora_magnitude_vector.<adapter>.weight`` in the model, a ``DoraLayer``): PEFT's save keeps the
 #: checkpoint format of before that refactor, ``<module>.lora_magnitude_vector`` (``LoraModel._get_adapter_state_dict``).
 _DORA_MODULE_WEIGHT = ".lora_magnitude_vector.weight"
+#: The wrapped-module segments of a whole ``PeftModel`` state dict (absent from PEFT's saved adapter, bar biases).
+_WHOLE_MODEL_RE = re.compile(r"\.(?:base_layer|original_module|modules_to_save)\.")
 #: The biases PEFT trains and saves beside the adapter (``LoraConfig(bias=...)``, ``BaseTuner._get_learnable_bias_state_dict``):
 #: ``"all"`` every bias of the model, ``"lora_only"`` those of the adapted layers (``<module>.base_layer.bias``).
 _PEFT_BIAS_SUFFIX = {"all": ".bias", "lora_only": ".base_layer.bias"}
@@ -246,10 +248,11 @@ class LoraKeys:
 def peft_saved_form(cat: Catalog, rules: ExportRules) -> bool:
     """Whether the model tensors are PEFT's saved adapter (``peft.get_peft_model_state_dict``; NeMo Automodel's PEFT
     save): LoRA factors without an adapter name, and no ``base_layer`` / ``original_module`` / ``modules_to_save``
-    tensor of a whole ``PeftModel`` state dict."""
+    weight of a whole ``PeftModel`` state dict (their biases are ones PEFT saves with LoraConfig ``bias`` ``"all"`` /
+    ``"lora_only"``: ``<module>.base_layer.bias``, and a ``modules_to_save`` module's ``original_module.bias``)."""
     named = False
     for fqn in cat.param_fqns:
-        if ".base_layer." in fqn or ".original_module." in fqn or ".modules_to_save." in fqn:
+        if _WHOLE_MODEL_RE.search(fqn) and not fqn.endswith(".bias"):  # a bias: one PEFT's `bias` option saves
             return False
         hit = rules.lora_output_key(CANONICAL_MODEL_PREFIX + fqn)
         if hit is not None:

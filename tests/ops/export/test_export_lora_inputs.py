@@ -808,3 +808,79 @@ def test_an_adapter_saved_with_peft_names_keeps_its_modules_to_save_copy(tmp_pat
     loaded.eval()
     with torch.no_grad():
         torch.testing.assert_close(loaded(ids).logits, want, rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize(
+    ("bias", "top_level", "copy"), [("all", False, False), ("lora_only", False, False), ("all", True, True)]
+)
+def test_an_adapter_saved_with_peft_names_keeps_the_biases_its_bias_option_trained(
+    tmp_path: Path, bias: str, top_level: bool, copy: bool
+) -> None:
+    """A training loop that saves the adapter alone, as PEFT names it (``get_peft_model_state_dict``, under
+    ``model`` beside the optimizer or at the top level), with LoraConfig(bias="all" | "lora_only") on layers with
+    biases: the trained biases are in it (``q_proj.base_layer.bias``, with "all" also ``k_proj.bias``). Before,
+    `--format lora` refused it with a misleading E601 "LoRA on a parameter (LoraConfig target_parameters...)", with
+    or without the run's adapter_config.json; with a ``modules_to_save`` copy of a layer with a bias (PEFT saves
+    ``o_proj.weight`` beside ``o_proj.original_module.bias``) it dropped the trained copy ('not a LoRA adapter
+    tensor'), and PEFT loaded the base o_proj in its place. Now the adapter holds PEFT's own save_pretrained keys and bytes, its
+    config the run's ``bias`` (inferred from the biases when no config is given), and PEFT's ``from_pretrained``
+    gives the trained logits."""
+    import torch.distributed.checkpoint as dcp
+    from peft import LoraConfig, PeftModel, get_peft_model, get_peft_model_state_dict
+    from safetensors.torch import load_file
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+    from transformers import LlamaForCausalLM
+
+    hf_models._quiet()
+    torch.manual_seed(17)
+    cfg = hf_models.llama_config()
+    cfg.attention_bias = True
+    LlamaForCausalLM(cfg).save_pretrained(tmp_path / "base")
+    lcfg = LoraConfig(
+        r=4,
+        lora_alpha=8,
+        target_modules=["q_proj", "v_proj"],
+        bias=bias,
+        modules_to_save=["o_proj"] if copy else None,
+        task_type="CAUSAL_LM",
+    )
+    model = get_peft_model(load_hf(tmp_path / "base", LlamaForCausalLM), lcfg)
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+    ids = torch.randint(0, cfg.vocab_size, (2, 12), generator=torch.Generator().manual_seed(17))
+    for _ in range(2):
+        model(ids, labels=ids).loss.backward()
+        opt.step()
+        opt.zero_grad()
+    model.eval()
+    with torch.no_grad():
+        want = model(ids).logits
+    saved = get_peft_model_state_dict(model)
+    assert any(k.endswith(".base_layer.bias") for k in saved)
+    assert any(k.endswith("k_proj.bias") for k in saved) == (bias == "all")
+    assert any(k.endswith("o_proj.original_module.bias") for k in saved) == copy
+    state = saved if top_level else {"model": saved, "optim": get_optimizer_state_dict(model, opt)}
+    dcp.save(state, checkpoint_id=str(tmp_path / "ckpt"))
+    model.save_pretrained(tmp_path / "peft")
+    peft = load_file(tmp_path / "peft" / "adapter_model.safetensors")
+
+    given = str(tmp_path / "peft" / "adapter_config.json")
+    for out, opts in (("o", ("--adapter-config", given)), ("o2", ("--lora-alpha", "8"))):
+        res = export_cli(str(tmp_path / "ckpt"), str(tmp_path / out), "--format", "lora", *opts)
+        assert res.exit_code == 0, res.stderr
+        ours = load_file(tmp_path / out / "adapter_model.safetensors")
+        assert sorted(ours) == sorted(peft) and all(torch.equal(ours[k], peft[k]) for k in peft)
+        written = json.loads((tmp_path / out / "adapter_config.json").read_text())
+        assert written["bias"] == bias and bool(written.get("modules_to_save")) == copy, written
+        loaded = PeftModel.from_pretrained(load_hf(tmp_path / "base", LlamaForCausalLM), tmp_path / out).eval()
+        with torch.no_grad():
+            torch.testing.assert_close(loaded(ids).logits, want, rtol=0, atol=1e-5)
+
+    # a config that does not say these biases were trained (bias 'none'; 'lora_only' beside k_proj.bias) is refused
+    key = next(k for k in sorted(peft) if k.endswith("k_proj.bias" if bias == "all" else ".base_layer.bias"))
+    odd = {"all": "lora_only", "lora_only": "none"}[bias]
+    (tmp_path / "odd.json").write_text(json.dumps({**json.loads(Path(given).read_text()), "bias": odd}))
+    res = export_cli(
+        str(tmp_path / "ckpt"), str(tmp_path / "o3"), "--format", "lora", "--adapter-config", str(tmp_path / "odd.json")
+    )
+    assert_clean_failure(res, "E601", key, f"sets bias {odd!r}")
+    assert not (tmp_path / "o3").exists()
