@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import shlex
 from enum import Enum
-from pathlib import Path
+from pathlib import PurePath
 from typing import Annotated
 
 import typer
 
 from ckpttool.optim_state.schema import OPTIMIZER_TYPES
-from ckpttool.ui.options import OverwriteOpt, examples
+from ckpttool.ui.options import OverwriteOpt, examples, local_output_location
 from ckpttool.ui.output import command_boundary, deprecated, note
 
 #: ``SampleOptions.optimizer`` choices: the optimizer-state schema's types (:data:`ckpttool.ops.sample.SAMPLE_OPTIMIZERS`)
@@ -20,12 +20,13 @@ SampleOptimizer = Enum("SampleOptimizer", {name: name for name in OPTIMIZER_TYPE
 @command_boundary
 def sample_command(
     directory: Annotated[
-        Path,
+        PurePath,  # not Path: typer's Path(value) turned s3://b/k into the local folder s3:/b/k
         typer.Argument(
-            help="Where to write the sample checkpoint (must not exist or be empty, unless --overwrite; "
-            "written atomically).",
+            help="Local directory to write the sample checkpoint to (must not exist or be empty, unless "
+            "--overwrite; written atomically; a URL is refused: export or reshard the sample to it).",
             show_default=False,
             metavar="DIR",
+            parser=local_output_location,
         ),
     ],
     train_steps: Annotated[

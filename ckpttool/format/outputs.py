@@ -86,7 +86,8 @@ def check_target(
     """What entering :func:`output_dir` would refuse, checked without creating anything (``--dry-run``).
 
     Raises:
-        OutputError: ``target`` exists non-empty without ``overwrite``, overlaps ``source``, is a file.
+        OutputError: ``target`` exists non-empty without ``overwrite``, overlaps ``source``, is a file (a URL: an
+            object).
         ForeignOutputError: (E606) ``overwrite`` of a directory (or prefix) ckpttool did not write.
     """
     if is_url(target):
@@ -119,7 +120,8 @@ class RemoteOutputDir(OutputTarget):
         kind: the command writing it, recorded in the marker.
 
     Raises:
-        OutputError: on entry, a non-empty target without ``overwrite``, or one that overlaps ``source``.
+        OutputError: on entry, a non-empty target without ``overwrite``, one that overlaps ``source``, the bucket
+            itself, or a URL that names an existing object (with ``overwrite`` too: an object is never replaced).
         ForeignOutputError: (E606) ``overwrite`` of a prefix that is not provably a ckpttool output.
         RemoteStorageError (E14x): a request failed after its retries (nothing published).
     """
@@ -170,6 +172,12 @@ class RemoteOutputDir(OutputTarget):
                 f"{t}: name a prefix inside the bucket, not the bucket itself", path=t, hint="e.g. s3://bucket/out"
             )
         self.store = RemoteStore(t)
+        if self.store.names_object():  # as a local OUT that is a file: ckpttool writes no output below a user's object
+            raise OutputError(
+                f"{t} is an object, not a prefix: ckpttool writes the output as objects below a prefix",
+                path=t,
+                hint="choose a new or empty output prefix (OUT names a prefix; the object is left as it is)",
+            )
         existing = dict(self.store.sizes())
         if existing and not self.overwrite:
             raise OutputError(

@@ -546,6 +546,7 @@ class RemoteStore:
         """
         from ckpttool.errors import RemoteNotFoundError
 
+        self._invalidate()  # a listing cached by the backend may predate the object
         try:
             found = bool(self.call(f"{self.path}: info", self.fs.isfile, self.root))
         except RemoteNotFoundError:

@@ -422,18 +422,25 @@ def write_sample(path: str | os.PathLike[str], options: SampleOptions | None = N
     Raises:
         OutputError: ``path`` exists and is not empty (without ``overwrite``), or cannot be written.
         ForeignOutputError: (E606) ``overwrite`` of a directory ckpttool did not write.
-        UsageError: unknown ``optimizer``, ``seed`` out of range.
+        UsageError: unknown ``optimizer``, ``seed`` out of range, ``path`` a URL (``file://`` is its local path).
     """
     from ckpttool.errors import UsageError
     from ckpttool.format.atomic import AtomicOutputDir, absolute_path
+    from ckpttool.format.storage import is_url, local_path
 
+    if is_url(path):  # Path() of it was the local folder ./s3:/bucket/...
+        raise UsageError(
+            f"{path}: a URL; sample writes a local directory",
+            path=path,
+            hint="write the sample to a local directory, then export or reshard it to the URL",
+        )
     opts = options_of(options, SampleOptions)
     steps, seed, optimizer = opts.steps, opts.seed, opts.optimizer
     if optimizer not in SAMPLE_OPTIMIZERS:
         raise UsageError(f"unknown sample optimizer {optimizer!r}", hint=f"use one of {', '.join(SAMPLE_OPTIMIZERS)}")
     if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < SEED_LIMIT:
         raise UsageError(f"seed {seed!r} is out of range", hint=f"use an integer seed from 0 to {SEED_LIMIT - 1}")
-    out = Path(path)
+    out = Path(local_path(path))  # file:///a/b is /a/b
     with AtomicOutputDir(out, overwrite=opts.overwrite, kind="sample") as tmp:
         _train_and_save(
             tmp,

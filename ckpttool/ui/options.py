@@ -126,6 +126,17 @@ def output_location(value: str | PurePath) -> PurePath:
     return location(value)
 
 
+def local_output_location(value: str | PurePath) -> PurePath:
+    """An output directory that is local only (``sample DIR``): :func:`output_location`, whose URL (kept whole: typer's
+    ``Path(value)`` made ``s3://b/k`` the local folder ``s3:/b/k``) the command refuses. Not one of the parsers that
+    give a command the remote storage options (``ckpttool.cli.app``).
+
+    Raises:
+        typer.BadParameter (E100): an empty string.
+    """
+    return output_location(value)
+
+
 def manifest_file(value: str | PurePath) -> Path:
     """``manifest --output FILE`` (the manifest written, or read with ``--verify``): an empty string is refused
     (``Path("")`` is the current directory, which was then named as the manifest: "manifest .: is a directory").

@@ -886,6 +886,45 @@ def test_export_into_the_remote_source_prefix_is_refused(sample_ckpt: Path, s3_s
     assert not [k for k in s3_server.keys("ckpts", "") if ".ckpttool-tmp-" in k and k.startswith(prefix)]
 
 
+def test_an_output_url_naming_an_existing_object_is_refused_as_a_local_file_is(
+    sample_ckpt: Path, s3_server: Any, tmp_path: Path
+) -> None:
+    """export/reshard/import to s3://b/single, where `single` is an object a user uploaded, wrote the output below
+    it as single/... (with --overwrite too); a local OUT that is a regular file is E600. The URL is E600 as well, one
+    line naming it and a hint, before anything is uploaded: the object keeps its bytes, nothing lands below it."""
+    url = upload(s3_server, sample_ckpt)
+    prefix = url.split("/", 3)[3]
+    s3_server.client().put_object(Bucket="ckpts", Key=f"{prefix}-single", Body=b"user data\n")
+    obj = f"{url}-single"
+    hf = tmp_path / "hf"
+    assert runner.invoke(app, ["export", str(sample_ckpt), str(hf)]).exit_code == 0
+    local_file = tmp_path / "single"
+    local_file.write_bytes(b"user data\n")
+    local = runner.invoke(app, ["export", str(sample_ckpt), str(local_file)])
+    assert local.exit_code == 2 and local.stderr.startswith(f"error: [E600] {local_file} exists and is not a dir")
+    rs = ["--to", "canonical", "--with-optimizer"]
+    for args in (
+        ["export", url, obj],
+        ["export", url, obj + "/"],
+        ["export", url, obj, "--overwrite"],
+        ["export", url, obj, "--dry-run"],
+        ["reshard", url, obj, *rs],
+        ["reshard", url, obj, *rs, "--overwrite"],
+        ["import", str(hf), obj],
+        ["import", str(hf), obj, "--overwrite"],
+    ):
+        r = cli(s3_server, *args)
+        assert r.exit_code == local.exit_code, (args, r.output)
+        assert r.stderr.splitlines() == [
+            f"error: [E600] {obj} is an object, not a prefix: ckpttool writes the output as objects below a prefix",
+            "hint: choose a new or empty output prefix (OUT names a prefix; the object is left as it is)",
+        ], args
+    assert [k for k in s3_server.keys("ckpts", f"{prefix}-") if not k.startswith(f"{prefix}/")] == [f"{prefix}-single"]
+    got = s3_server.client().get_object(Bucket="ckpts", Key=f"{prefix}-single")["Body"].read()
+    assert got == b"user data\n"
+    assert not [k for k in s3_server.keys("ckpts") if "ckpttool-tmp" in k]
+
+
 @pytest.mark.parametrize("name", ["extra/../../../escaped.txt", "/abs/escaped.txt"])
 def test_reshard_of_a_prefix_holding_an_object_named_to_escape_names_that_object(
     name: str, sample_ckpt: Path, s3_server: Any, tmp_path: Path

@@ -58,6 +58,26 @@ def test_unwritable_location() -> None:
     ]
 
 
+def test_a_url_is_refused_not_written_as_a_local_s3_folder(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`sample s3://b/x` trained and wrote the local folder ./s3:/b/x (typer's Path() of the URL) and said 'wrote
+    sample checkpoint to s3:/b/x'; `sample file:///a/b` wrote ./file:/a/b. A URL is E100 before anything is trained
+    or written; file://PATH is the local PATH, as for every other command."""
+    from ckpttool.errors import UsageError
+    from ckpttool.ops.sample import write_sample
+
+    monkeypatch.chdir(tmp_path)
+    for url in ("s3://ckpts/sample", "gs://b/run/sample"):
+        res = sample(url)
+        assert_error(res, "E100", f"{url}: a URL; sample writes a local directory")
+        with pytest.raises(UsageError):
+            write_sample(url)
+    assert os.listdir(tmp_path) == []
+    res = sample(f"file://{tmp_path}/local")
+    assert res.exit_code == 0, res.output
+    assert os.listdir(tmp_path) == ["local"] and (tmp_path / "local" / ".metadata").is_file()
+    assert f"wrote sample checkpoint to {tmp_path}/local\n" in res.stderr
+
+
 @pytest.mark.parametrize("seed", ["99999999999999999999999", str(2**63), "-1"])
 def test_seed_out_of_range(seed: str, tmp_path: Path) -> None:
     res = runner.invoke(app, ["sample", str(tmp_path / "s"), "--seed", seed])
