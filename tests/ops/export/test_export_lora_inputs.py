@@ -783,15 +783,8 @@ def test_an_adapter_saved_with_peft_names_keeps_its_modules_to_save_copy(tmp_pat
     LlamaForCausalLM(cfg).save_pretrained(tmp_path / "base")
     lcfg = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], modules_to_save=["lm_head"])
     model = get_peft_model(load_hf(tmp_path / "base", LlamaForCausalLM), lcfg, adapter_name=adapter)
-    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
     ids = torch.randint(0, cfg.vocab_size, (2, 12), generator=torch.Generator().manual_seed(1))
-    for _ in range(2):
-        model(ids, labels=ids).loss.backward()
-        opt.step()
-        opt.zero_grad()
-    model.eval()
-    with torch.no_grad():
-        want = model(ids).logits
+    opt, want = hf_models.train_two_steps(model, ids, ids)
     saved = get_peft_model_state_dict(model, adapter_name=adapter)
     assert "base_model.model.lm_head.weight" in saved  # PEFT's name of the modules_to_save copy
     dcp.save({"model": saved, "optim": get_optimizer_state_dict(model, opt)}, checkpoint_id=str(tmp_path / "ckpt"))
@@ -845,15 +838,8 @@ def test_an_adapter_saved_with_peft_names_keeps_the_biases_its_bias_option_train
         task_type="CAUSAL_LM",
     )
     model = get_peft_model(load_hf(tmp_path / "base", LlamaForCausalLM), lcfg)
-    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
     ids = torch.randint(0, cfg.vocab_size, (2, 12), generator=torch.Generator().manual_seed(17))
-    for _ in range(2):
-        model(ids, labels=ids).loss.backward()
-        opt.step()
-        opt.zero_grad()
-    model.eval()
-    with torch.no_grad():
-        want = model(ids).logits
+    opt, want = hf_models.train_two_steps(model, ids, ids)
     saved = get_peft_model_state_dict(model)
     assert any(k.endswith(".base_layer.bias") for k in saved)
     assert any(k.endswith("k_proj.bias") for k in saved) == (bias == "all")
