@@ -3,7 +3,8 @@
 A side is a DCP checkpoint, an HF safetensors directory or file, or a PEFT LoRA adapter.
 Names are matched in one namespace: torch-native keys between two DCP checkpoints; the export
 mapping (:mod:`ckpttool.ops.export.plan`) for a DCP side against safetensors; stored names
-between two safetensors sides. A :class:`Namer` maps an opened DCP side to its :class:`Item`
+between two safetensors sides, fused experts cut per expert where the other side holds them so
+(:mod:`ckpttool.ops.diff.experts`). A :class:`Namer` maps an opened DCP side to its :class:`Item`
 s. Values are compared tensor by tensor in canonical global order, at most one global tensor
 per side (:mod:`ckpttool.ops.diff.compare`); equal chunking, dtype and raw records are compared
 byte for byte without decoding. ``docs/diff.md``.
@@ -675,7 +676,8 @@ def _pair_names(a: Side, b: Side, opts: DiffOptions) -> tuple[list[Item], list[I
                 param="what",
                 hint="safetensors files hold model weights only; compare with `what` model",
             )
-        return _stored_items(a), _stored_items(b), [], [], "stored"
+        ia, ib, notes = _stored_pair(a, b)
+        return ia, ib, [], notes, "stored"
     dcp, st = (a, b) if a.kind == "dcp" else (b, a)
     if opts.what == "optimizer":
         raise DiffError(
@@ -697,6 +699,40 @@ def _pair_names(a: Side, b: Side, opts: DiffOptions) -> tuple[list[Item], list[I
     if a is dcp:
         return d_items, st_items, excluded, notes, naming
     return st_items, d_items, excluded, notes, naming
+
+
+def _stored_pair(a: Side, b: Side) -> tuple[list[Item], list[Item], list[str]]:
+    """Two safetensors (or PEFT) sides by their stored names, a fused expert tensor on one side cut per expert
+    where the other holds its experts one by one (:mod:`ckpttool.ops.diff.experts`)."""
+    from ckpttool.ops.diff.experts import split_fused_experts
+
+    ia, ib = _stored_items(a), _stored_items(b)
+    names_a, names_b = {i.name for i in ia}, {i.name for i in ib}
+    mt = _model_type(a, b)
+    ia, cut_a = split_fused_experts(ia, names_b, mt)
+    ib, cut_b = split_fused_experts(ib, names_a, mt)
+    if cut_b:  # A's per-expert tensors in the order of B's pieces: each fused tensor of B is read once, not per piece
+        at = {i.name: n for n, i in enumerate(ib)}
+        ia = sorted(ia, key=lambda i: at.get(i.name, -1))
+    notes = [
+        f"{n} fused expert tensor(s) of {side.label} compared per expert with {_other(side)}"
+        for side, n in ((a, cut_a), (b, cut_b))
+        if n
+    ]
+    return ia, ib, notes
+
+
+def _model_type(*sides: Side) -> str | None:
+    """The ``model_type`` of the first side's ``config.json`` that gives one (the family's per-expert form)."""
+    from ckpttool.model.hfconfig import read_hf_config
+
+    for side in sides:
+        cfg_file = Path(side.ckpt.located.model) / "config.json"
+        if cfg_file.is_file():
+            mt = read_hf_config(cfg_file, param=None).get("model_type")
+            if isinstance(mt, str):
+                return mt
+    return None
 
 
 def _require_model(dcp: Side, st: Side) -> None:

@@ -1,0 +1,90 @@
+"""Fused MoE experts against per-expert ones between two safetensors sides (``docs/diff.md``, "Name matching").
+
+transformers v5 models and ``export --experts fused`` store routed experts fused (``<p>.experts.gate_up_proj``
+``[E, 2I, H]``, gate rows first, ``<p>.experts.down_proj`` ``[E, H, I]``); ``save_pretrained`` and
+``export --experts per-expert`` store them per expert (``<p>.experts.<j>.gate_proj.weight`` ``[I, H]``, or a
+family's own form: Mixtral's ``block_sparse_moe.experts.<j>.w1.weight``). A side's fused tensor that the other
+side holds per expert is cut into those pieces by the export's own split (the export rules' expert rules,
+:func:`~ckpttool.ops.export.plan.per_expert_pieces`, and the family form's ``save_pretrained`` names), so both
+sides pair up name by name and their values are compared. Torch-free (names and shapes only).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ckpttool.ops.diff.result import Item
+
+__all__ = ["split_fused_experts"]
+
+#: Stored dtypes of quantized weights: a fused quantized expert tensor is compared through its scale
+#: (``ops/diff/quantized.py``) as a whole, never cut into pieces of codes.
+_QUANTIZED = frozenset({"float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz", "uint8", "int8"})
+
+
+def split_fused_experts(items: list[Item], other: set[str], model_type: str | None) -> tuple[list[Item], int]:
+    """``items`` of one safetensors side with each fused expert tensor the other side holds per expert cut into its
+    per-expert pieces, named as the other side names them.
+
+    Args:
+        items: the side's stored tensors (:attr:`Item.direct`), named as stored.
+        other: the other side's tensor names.
+        model_type: the ``config.json`` ``model_type`` of either side: a family with its own per-expert form
+            (Mixtral's ``w1`` / ``w3`` / ``w2`` under ``block_sparse_moe``, :mod:`ckpttool.model.hf_forms`) is
+            named by it; ``None``: the generic ``gate_proj`` / ``up_proj`` / ``down_proj`` form only.
+
+    Returns:
+        ``(items, fused tensors cut)``. A piece is an :class:`Item` with ``piece`` ``(expert, part, nparts)``
+        (``[j, part*A/n:(part+1)*A/n]`` of the stored ``[E, A, B]``); where the family's form renames the model's
+        other keys too (Mixtral's router ``mlp.gate.weight`` -> ``block_sparse_moe.gate.weight``), a tensor the
+        other side holds only under that name is named so. Items the other side holds by their own name, and
+        quantized weights, are kept as they are.
+    """
+    from ckpttool.ops.export.rules import load_rules
+
+    rules = load_rules(None, model_type)
+    if not any(rules.expert_rule(i.name) for i in items if i.name not in other):
+        return items, 0
+    out: list[Item] = []
+    n_split = 0
+    for item in items:
+        pieces = None if item.name in other else _pieces(item, other, rules)
+        if pieces is not None:
+            out.extend(pieces)
+            n_split += 1
+            continue
+        saved = rules.saved_name(item.name) if rules.saved_name is not None and item.name not in other else None
+        out.append(
+            Item(saved, item.key, item.shape, item.dtype, item.category, entry=item.entry) if saved in other else item
+        )
+    return out, n_split
+
+
+def _pieces(item: Item, other: set[str], rules: Any) -> list[Item] | None:
+    """The per-expert pieces of fused ``item`` named as ``other`` holds them, or ``None`` (not fused, not held so)."""
+    from ckpttool.ops.export.plan import Selected, per_expert_pieces
+
+    shape = item.shape
+    if not item.direct or item.entry is None or item.dtype in _QUANTIZED or len(shape) != 3 or not shape[0]:
+        return None
+    for rule in rules.experts:
+        if not rule.pattern.fullmatch(item.name) or shape[1] % len(rule.parts):
+            continue
+        cut = per_expert_pieces(Selected(item.key, item.name, item.entry, "params"), rule, item.dtype)
+        for name in (lambda n: n, rules.saved_name):
+            if name is None or not any(name(p.name) in other for p in cut):
+                continue
+            return [
+                Item(
+                    name(p.name),
+                    item.key,
+                    p.shape,
+                    item.dtype,
+                    item.category,
+                    None,
+                    (p.expert or 0, p.part, p.nparts),  # per_expert_pieces numbers every piece's expert
+                    item.entry,
+                )
+                for p in cut
+            ]
+    return None

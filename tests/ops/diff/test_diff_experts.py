@@ -1,0 +1,73 @@
+"""`diff` of two HF folders of one MoE model, one with fused experts and one per expert.
+
+Fixtures: tiny Qwen3-MoE and Mixtral models, each written by transformers' ``save_pretrained`` (per-expert names:
+``experts.<j>.gate_proj.weight``, Mixtral's ``block_sparse_moe.experts.<j>.w1.weight``) and as the model's own
+``state_dict()`` (fused ``experts.gate_up_proj [E, 2I, H]``, which transformers v5 loads as is); the reference is
+transformers' own loading of both folders (equal state dicts).
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+from typing import Any
+
+import jsonschema
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+from typer.testing import CliRunner
+
+from ckpttool.cli.app import app
+from ckpttool.commands.schema import load_schema
+from tests.fixtures import hf_models
+from tests.fixtures.cache import cached_build
+
+runner = CliRunner()
+
+
+def _diff(*args: object, code: int) -> dict[str, Any]:
+    res = runner.invoke(app, ["diff", *map(str, args), "--json"])
+    assert res.exit_code == code, res.stderr + res.stdout
+    doc = json.loads(res.stdout)
+    jsonschema.validate(doc, load_schema("diff"))
+    return doc
+
+
+@pytest.fixture(scope="module")
+def forms(fixture_root: Path) -> Path:
+    return cached_build(fixture_root, "moe_expert_forms", hf_models.build_moe_expert_forms)
+
+
+@pytest.mark.parametrize("family", ["qwen_moe", "mixtral"])
+def test_fused_and_per_expert_folders_of_one_model_pair_up_and_are_equal(forms: Path, family: str) -> None:
+    from transformers import AutoModelForCausalLM
+
+    fused, per = forms / family / "fused", forms / family / "per_expert"
+    # the reference: transformers' own loading (its conversion of the per-expert names) gives one model
+    loaded = [AutoModelForCausalLM.from_pretrained(d).state_dict() for d in (fused, per)]
+    assert loaded[0].keys() == loaded[1].keys() and all(torch.equal(loaded[0][k], loaded[1][k]) for k in loaded[0])
+    n_per = len(load_file(per / "model.safetensors"))
+    for a, b, cut in ((fused, per, "A"), (per, fused, "B")):
+        doc = _diff(a, b, code=0)
+        assert doc["equal"] and doc["differences"] == []
+        # every tensor of the per-expert folder was paired and its values compared: none only in one side
+        assert doc["counts"]["compared"] == n_per == doc["counts"]["equal"]
+        assert (
+            f"4 fused expert tensor(s) of {cut} compared per expert with {'B' if cut == 'A' else 'A'}" in doc["notes"]
+        )
+
+
+def test_a_changed_expert_element_is_named_by_its_piece_and_fused_index(forms: Path, tmp_path: Path) -> None:
+    src = forms / "mixtral" / "fused"
+    changed = shutil.copytree(src, tmp_path / "fused")
+    sd = load_file(changed / "model.safetensors")
+    key = "model.layers.1.mlp.experts.gate_up_proj"
+    i = sd[key].shape[1] // 2  # up rows (w3) follow the gate rows (w1)
+    sd[key][2, i + 3, 5] += 1
+    save_file(sd, str(changed / "model.safetensors"), metadata={"format": "pt"})
+    doc = _diff(forms / "mixtral" / "per_expert", changed, code=1)
+    (d,) = doc["differences"]
+    assert d["name"] == "model.layers.1.block_sparse_moe.experts.2.w3.weight" and d["index"] == [3, 5]
+    assert d["stored"] == {"side": "B", "key": key, "index": [2, i + 3, 5]} and d["mismatched"] == 1
