@@ -149,6 +149,26 @@ def test_quantized_fused_experts_warning_gives_advice_that_works(tmp_path: Path)
     assert {f"model.layers.{n}.mlp.experts" for n in range(doc["model"]["layers"])} <= set(qc["modules_to_not_convert"])
 
 
+def test_compressed_tensors_refusal_of_fused_experts_gives_advice_that_works(tmp_path: Path) -> None:
+    """``--quant-format compressed-tensors`` has no fused-expert layout, and megatron's stacked experts export fused
+    only: the refusal's hint named ``--experts per-expert``, which this adapter refuses in turn. It names what works
+    here: ``--quant-format fp8`` or ``--quantize-skip '*.experts.*'`` (followed, the export is written)."""
+    doc = json.loads((DATA / "moe_ep2" / "model.json").read_text())
+    assets = _assets(tmp_path, True, doc)
+    args = ["--model-assets", str(assets), "--quantize", "fp8-block", "--quant-format", "compressed-tensors"]
+    r = runner.invoke(app, ["export", str(DATA / "moe_ep2"), str(tmp_path / "ct"), *args])
+    assert r.exit_code == 2 and not (tmp_path / "ct").exists(), r.output
+    err, hint = r.stderr.splitlines()[:2]
+    assert err.startswith("error: [E601]") and "no fused-expert layout" in err, err
+    assert hint == "hint: export with --quant-format fp8, or leave the experts unquantized with --quantize-skip " + (
+        "'*.experts.*'"
+    ), hint
+    r = runner.invoke(
+        app, ["export", str(DATA / "moe_ep2"), str(tmp_path / "skip"), *args, "--quantize-skip", "*.experts.*"]
+    )
+    assert r.exit_code == 0, r.output
+
+
 @pytest.mark.heavy  # CI time: the same band path runs in test_export_quant_experts
 def test_fused_experts_quantized_from_stacked_layers(tmp_path: Path) -> None:
     """``--quantize fp8-block``: the stacked ``linear_fc1 [L, E, 2I, H]`` becomes each layer's fused

@@ -560,14 +560,16 @@ class QuantizedFormat(OutputFormat):
         """Raises ExportError: fused expert tensors to quantize in a quant format with no fused layout."""
         fused = next((p.name for p in pieces if fused_experts(p.name, p.shape)), None)
         if fused is not None and self.spec.fmt != "fp8":
+            # a model adapter that writes fused experts only (megatron's stacked experts) refuses `experts` per-expert
+            per_expert = "" if s.hf is not None and s.hf.fused_experts else "`experts` per-expert (or "
             raise ExportError(
                 f"{s.model_key}: fused expert tensor {fused} [E, out, in]: `quant_format` {self.spec.fmt} has no "
                 "fused-expert layout its consumers load (it quantizes Linear modules; transformers and vLLM read "
                 "its experts per expert)",
                 fqn=s.model_key,
                 param="quant_format",
-                hint="export with `experts` per-expert (or `quant_format` fp8), or leave the experts unquantized with "
-                "`quantize_skip` '*.experts.*'",
+                hint=f"export with {per_expert}`quant_format` fp8{')' if per_expert else ''}, or leave the experts "
+                "unquantized with `quantize_skip` '*.experts.*'",
             )
 
     def _shared_piece(self, s: Selected, p: Piece, runs: tuple[Run, ...] | None, counted: list[str]) -> SourcePieces:
