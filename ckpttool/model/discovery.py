@@ -17,7 +17,7 @@ import re
 import shlex
 from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
+from pathlib import Path, PurePath
 from typing import Any
 
 from ckpttool.errors import (
@@ -48,6 +48,7 @@ __all__ = [
     "find_incomplete",
     "is_checkpoint_dir",
     "locate",
+    "named_step",
     "step_of",
     "unpublished",
 ]
@@ -212,6 +213,24 @@ def step_of(name: str) -> int | None:
         if m:
             return int(m.group("step"))
     return None
+
+
+def named_step(located: Located) -> tuple[int | None, bool]:
+    """``(step, named by an epoch)`` of the nearest step-named directory from the checkpoint up to the directory
+    given (its parent when the checkpoint folder of a step directory is given itself: verl's ``actor/``)."""
+    given, q = PurePath(located.given), PurePath(located.model)
+    d = registry.derived()
+    if given == q and (
+        any(folder == q.name for folder, _ in d.step_folders) or any(p.model.match(q.name) for p in d.folder_pairs)
+    ):
+        given = q.parent
+    while q.is_relative_to(given):
+        if (s := step_of(q.name)) is not None:
+            return (None, True) if EPOCH_DIR.match(q.name) else (s, False)
+        if q == given or q == q.parent:
+            break
+        q = q.parent
+    return None, False
 
 
 def _epoch_of(name: str) -> int:

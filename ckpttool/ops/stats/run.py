@@ -17,7 +17,6 @@ import time
 from collections.abc import Callable, Iterable, Sequence
 from contextlib import ExitStack
 from dataclasses import dataclass, replace
-from pathlib import PurePath
 from typing import Any
 
 from ckpttool.engine.kernels import IEEE_BITS, float_values
@@ -26,7 +25,7 @@ from ckpttool.engine.stats import SlabStats
 from ckpttool.errors import CkptError, UsageError
 from ckpttool.model.catalog import Catalog, TensorEntry, match_filter, saved_by_counts
 from ckpttool.model.checkpoint import Checkpoint, CheckpointOrPath, OpenOptions, open_source
-from ckpttool.model.discovery import EPOCH_DIR, NEWER_INCOMPLETE, Located, step_of
+from ckpttool.model.discovery import NEWER_INCOMPLETE, Located, named_step
 from ckpttool.ops.fields import PhaseFn, options_of, same_named
 from ckpttool.ops.state_checks import synthesized
 from ckpttool.ops.stats.compute import (
@@ -236,33 +235,13 @@ def _saved_step(ckpt: Checkpoint, located: Located) -> int | None:
     A directory named by an epoch (torchtune's ``dist_epoch_N``) names no step, with ``--step`` too."""
     from ckpttool.model.counters import trainer_steps
 
-    named, epoch = _named_step(located)
+    named, epoch = named_step(located)
     if located.step is not None and not epoch:
         return located.step
     values = {c.value for c in trainer_steps(ckpt)}
     if values:
         return values.pop() if len(values) == 1 else None
     return named
-
-
-def _named_step(located: Located) -> tuple[int | None, bool]:
-    """``(step, named by an epoch)`` of the nearest step-named directory from the checkpoint up to the directory
-    given (its parent when the checkpoint folder of a step directory is given itself: verl's ``actor/``)."""
-    from ckpttool.model.schemas import registry
-
-    given, q = PurePath(located.given), PurePath(located.model)
-    d = registry.derived()
-    if given == q and (
-        any(folder == q.name for folder, _ in d.step_folders) or any(p.model.match(q.name) for p in d.folder_pairs)
-    ):
-        given = q.parent
-    while q.is_relative_to(given):
-        if (s := step_of(q.name)) is not None:
-            return (None, True) if EPOCH_DIR.match(q.name) else (s, False)
-        if q == given or q == q.parent:
-            break
-        q = q.parent
-    return None, False
 
 
 def _step_value(ckpt: Checkpoint, key: str, entry: TensorEntry | None) -> float:

@@ -458,3 +458,32 @@ def test_upcycled_experts_never_routed_keep_copies_in_their_fp32_masters(tmp_pat
     assert [f["message"] for f in findings(doc, "D009")] == [
         f"{key}: 2 of 4 expert slices are bitwise copies of another: experts 0, 1"
     ], doc["findings"]
+
+
+@pytest.mark.parametrize("form", ["fused", "per_expert"])
+def test_hf_step_folder_given_itself_is_trained_by_its_name(fixture_root: Path, tmp_path: Path, form: str) -> None:
+    """An HF MoE folder holds no optimizer step: only its step directory's name (``checkpoint-100``) shows training.
+    Given the run root, D009 named one EP rank's experts written for all; given the step folder itself (the usual
+    call), the name was not read and validate --deep --strict said OK. Both name them now; the clean folder stays
+    silent."""
+    from safetensors.torch import load_file, save_file
+
+    from tests.fixtures import hf_models
+    from tests.fixtures.cache import cached_build
+
+    src = cached_build(fixture_root, "moe_expert_forms", hf_models.build_moe_expert_forms) / "mixtral" / form
+    clean = copy_checkpoint(src, tmp_path / "clean" / "checkpoint-100")
+    rc, doc = run(clean, "--deep", "--strict")
+    assert rc == 0 and not findings(doc, "D009"), doc["findings"]
+    step = copy_checkpoint(src, tmp_path / "run" / "checkpoint-100")
+    sd = load_file(step / "model.safetensors")
+    for key in [k for k in sd if k.startswith("model.layers.0.") and ".experts." in k]:
+        if form == "fused":  # EP 2 over 4 experts: rank 0's block of 2 experts written for rank 1 too
+            sd[key] = torch.cat([sd[key][:2]] * 2)
+        elif ".experts.2." in key or ".experts.3." in key:
+            sd[key] = sd[key.replace(".experts.2.", ".experts.0.").replace(".experts.3.", ".experts.1.")].clone()
+    save_file(sd, str(step / "model.safetensors"), metadata={"format": "pt"})
+    for given in (step, step.parent):
+        rc, doc = run(given, "--deep", "--strict")
+        got = findings(doc, "D009")
+        assert rc == 1 and got and all("layers.0." in f["key"] for f in got), (given, doc["findings"])

@@ -21,6 +21,7 @@ from typing import Any, cast
 from ckpttool.errors import CkptError
 from ckpttool.format.metadata import DTYPE_ITEMSIZE, TensorMeta
 from ckpttool.model.catalog import TensorEntry
+from ckpttool.model.discovery import named_step
 from ckpttool.model.schemas.base import SchemaSpec
 from ckpttool.ops.state_checks import MOMENTS
 from ckpttool.ops.validate.base import rule
@@ -40,7 +41,8 @@ def _trained(ctx: Context) -> bool:
     steps = step_values(ctx)
     if steps and max(steps.values()) >= 1 and not synthesized_from_stats(ctx):
         return True
-    return (ctx.ckpt.located.step or 0) >= 1
+    located = ctx.ckpt.located
+    return (located.step or named_step(located)[0] or 0) >= 1  # a step directory given itself: its name's step
 
 
 def _slice_digest(runs: list[tuple[int, int, int]], start: int, length: int) -> Digest | None:
