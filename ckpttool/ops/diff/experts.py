@@ -22,7 +22,9 @@ __all__ = ["split_fused_experts"]
 _QUANTIZED = frozenset({"float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz", "uint8", "int8"})
 
 
-def split_fused_experts(items: list[Item], other: set[str], model_type: str | None) -> tuple[list[Item], int]:
+def split_fused_experts(
+    items: list[Item], other: set[str], model_type: str | None
+) -> tuple[list[Item], int, list[str]]:
     """``items`` of one safetensors side with each fused expert tensor the other side holds per expert cut into its
     per-expert pieces, named as the other side names them.
 
@@ -34,21 +36,26 @@ def split_fused_experts(items: list[Item], other: set[str], model_type: str | No
             named by it; ``None``: the generic ``gate_proj`` / ``up_proj`` / ``down_proj`` form only.
 
     Returns:
-        ``(items, fused tensors cut)``. A piece is an :class:`Item` with ``piece`` ``(expert, part, nparts)``
+        ``(items, fused tensors cut, quantized fused tensors not cut)``. A piece is an :class:`Item` with ``piece`` ``(expert, part, nparts)``
         (``[j, part*A/n:(part+1)*A/n]`` of the stored ``[E, A, B]``); where the family's form renames the model's
         other keys too (Mixtral's router ``mlp.gate.weight`` -> ``block_sparse_moe.gate.weight``), a tensor the
-        other side holds only under that name is named so. Items the other side holds by their own name, and
-        quantized weights, are kept as they are.
+        other side holds only under that name is named so. Items the other side holds by their own name are kept
+        as they are, and so are quantized fused experts (FP8 codes on the ``[E, out, in]`` block grids of
+        transformers' ``FP8Experts``, which a per-expert weight's grid does not share): their names are returned.
     """
     from ckpttool.ops.export.rules import load_rules
 
     rules = load_rules(None, model_type)
     if not any(rules.expert_rule(i.name) for i in items if i.name not in other):
-        return items, 0
+        return items, 0, []
     out: list[Item] = []
     n_split = 0
+    quantized: list[str] = []
     for item in items:
         pieces = None if item.name in other else _pieces(item, other, rules)
+        if pieces is not None and item.dtype in _QUANTIZED:
+            quantized.append(item.name)
+            pieces = None
         if pieces is not None:
             out.extend(pieces)
             n_split += 1
@@ -57,7 +64,7 @@ def split_fused_experts(items: list[Item], other: set[str], model_type: str | No
         out.append(
             Item(saved, item.key, item.shape, item.dtype, item.category, entry=item.entry) if saved in other else item
         )
-    return out, n_split
+    return out, n_split, quantized
 
 
 def _pieces(item: Item, other: set[str], rules: Any) -> list[Item] | None:
@@ -65,7 +72,7 @@ def _pieces(item: Item, other: set[str], rules: Any) -> list[Item] | None:
     from ckpttool.ops.export.plan import Selected, per_expert_pieces
 
     shape = item.shape
-    if not item.direct or item.entry is None or item.dtype in _QUANTIZED or len(shape) != 3 or not shape[0]:
+    if not item.direct or item.entry is None or len(shape) != 3 or not shape[0]:
         return None
     for rule in rules.experts:
         if not rule.pattern.fullmatch(item.name) or shape[1] % len(rule.parts):

@@ -709,8 +709,8 @@ def _stored_pair(a: Side, b: Side) -> tuple[list[Item], list[Item], list[str]]:
     ia, ib = _stored_items(a), _stored_items(b)
     names_a, names_b = {i.name for i in ia}, {i.name for i in ib}
     mt = _model_type(a, b)
-    ia, cut_a = split_fused_experts(ia, names_b, mt)
-    ib, cut_b = split_fused_experts(ib, names_a, mt)
+    ia, cut_a, quant_a = split_fused_experts(ia, names_b, mt)
+    ib, cut_b, quant_b = split_fused_experts(ib, names_a, mt)
     if cut_b:  # A's per-expert tensors in the order of B's pieces: each fused tensor of B is read once, not per piece
         at = {i.name: n for n, i in enumerate(ib)}
         ia = sorted(ia, key=lambda i: at.get(i.name, -1))
@@ -718,6 +718,14 @@ def _stored_pair(a: Side, b: Side) -> tuple[list[Item], list[Item], list[str]]:
         f"{n} fused expert tensor(s) of {side.label} compared per expert with {_other(side)}"
         for side, n in ((a, cut_a), (b, cut_b))
         if n
+    ]
+    notes += [
+        f"{len(q)} quantized fused expert tensor(s) of {side.label} ({q[0]}, ...) not cut per expert (FP8 codes "
+        f"scaled on the fused [E, out, in] block grid of transformers' FP8Experts), so not compared with "
+        f"{_other(side)}'s per-expert tensors (listed as only in A / only in B): compare exports written in one "
+        "expert layout (`export --experts`)"
+        for side, q in ((a, quant_a), (b, quant_b))
+        if q
     ]
     return ia, ib, notes
 

@@ -71,3 +71,20 @@ def test_a_changed_expert_element_is_named_by_its_piece_and_fused_index(forms: P
     (d,) = doc["differences"]
     assert d["name"] == "model.layers.1.block_sparse_moe.experts.2.w3.weight" and d["index"] == [3, 5]
     assert d["stored"] == {"side": "B", "key": key, "index": [2, i + 3, 5]} and d["mismatched"] == 1
+
+
+def test_fp8_fused_experts_against_per_expert_ones_are_named_not_silently_unpaired(
+    fixture_root: Path, tmp_path: Path
+) -> None:
+    """Fused FP8 experts (``[E, out, in]`` codes on transformers' ``FP8Experts`` block grid) are not cut per expert:
+    a note names them and why, beside their only-in-A / only-in-B entries, and the verdict is not equal."""
+    src = cached_build(fixture_root, "export_qwen_moe", hf_models.build_qwen_moe)
+    args = ["--model-assets", str(src / "model_assets"), "--quantize", "fp8-block", "--quantize-block", "8"]
+    for name, experts in (("fused", "fused"), ("per", "per-expert")):
+        res = runner.invoke(app, ["export", str(src), str(tmp_path / name), *args, "--experts", experts])
+        assert res.exit_code == 0, res.output
+    doc = _diff(tmp_path / "fused", tmp_path / "per", code=1)
+    (note,) = [n for n in doc["notes"] if "quantized fused expert" in n]
+    assert note.startswith("4 quantized fused expert tensor(s) of A (model.layers.0.mlp.experts.gate_up_proj, ...) not")
+    only_a = {d["name"] for d in doc["differences"] if d["kind"] == "only_a"}
+    assert only_a == {f"model.layers.{n}.mlp.experts.{p}" for n in range(2) for p in ("gate_up_proj", "down_proj")}
