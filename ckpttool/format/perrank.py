@@ -678,6 +678,21 @@ class PerRankReader(CheckpointReader):
             return data
         return super().raw_bytes(fqn, chunk)
 
+    def item_value(self, fqn: str) -> bytes | None:
+        """The pickle (protocol 2) of byte item ``fqn``'s value as read from its rank file (a JSON or raw item, an
+        LR scheduler's state, a param group's hyperparameter): the same bytes for an equal value, so a manifest
+        digests it for an item whose storage window is empty. ``None`` for a key not read as such a value.
+
+        Raises:
+            PerRankError: the value is not plain Python data.
+        """
+        if fqn not in self.assembled.objects:
+            return None
+        try:
+            return pickle.dumps(self.assembled.objects[fqn], protocol=2)
+        except (pickle.PicklingError, TypeError, AttributeError, RecursionError) as e:
+            raise PerRankError(f"{self.path}: {fqn!r}: not a plain value ({type(e).__name__})", fqn=fqn) from e
+
     def check_replicas(self) -> list[str]:
         """Compare every replicated shard with its first copy, byte for byte, on the engine.
 

@@ -498,7 +498,14 @@ def _read_item(path: Path, f: RankFile, kind: str | None = None) -> RankObject:
     except OSError as e:
         raise DataFileError(f"{p}: cannot read ({e.strerror})", path=p) from e
     if kind == "json":
-        return RankObject(f, parse_json(data, str(p)), {})
+        try:
+            return RankObject(f, parse_json(data, str(p)), {})
+        except ValueError as e:  # not JSON (a damaged or edited item file); too deep or too long: its own error
+            raise PerRankError(
+                f"{p}: not readable JSON ({type(e).__name__}), but the save's metadata says a JSON item",
+                path=p,
+                hint="the item file changed after the save: restore it from a good copy of the checkpoint",
+            ) from e
     return RankObject(f, bytes(data), {})  # RawSerialization: the item's bytes as they are
 
 

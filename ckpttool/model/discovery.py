@@ -630,6 +630,7 @@ def locate(path: str | os.PathLike[str], selection: CheckpointSelection | None =
     if not found:
         if incomplete:  # the only saves below did not finish: said so, not "no checkpoint"
             raise _incomplete_error(root, incomplete[-1], sel.step)
+        _refuse_unfinished_below(root)
         return _nothing_below(root, opt)
     units = _units(root, found)
     units, incomplete = _lone_models(root, units, incomplete)
@@ -714,6 +715,35 @@ def _latest_epoch(units: list[_Unit]) -> list[_Unit]:
     """Of the units of one step, those of the highest epoch (NeMo Automodel: ``epoch_E_step_S``)."""
     top = max((u.epoch for u in units), default=-1)
     return [u for u in units if u.epoch == top]
+
+
+def _refuse_unfinished_below(root: Path) -> None:
+    """Refuse ``root`` when a checkpoint folder below it holds a save that did not finish (a per-rank save missing a
+    rank's file, a trainer's unpublished save) where no step-named directory places it (:func:`find_incomplete`
+    names steps): a step directory copied under another name, which is no step but still no "no checkpoint".
+
+    Raises:
+        IncompleteCheckpointError (E202): naming the folder and what is missing.
+    """
+    hit: list[tuple[Path, str]] = []
+
+    def visit(p: Path) -> bool:
+        if hit:
+            return False
+        if is_checkpoint_dir(p):
+            why = _unpublished(p) or unfinished_layout(p)
+            if why is not None:
+                hit.append((p, why))
+            return False
+        return True
+
+    _walk(root, MAX_DEPTH, visit)
+    if hit:  # a step directory copied under another name: no step to name, still E202
+        raise IncompleteCheckpointError(
+            f"{root}: {hit[0][0]} has {hit[0][1]} (a save that did not finish, or an async save still running)",
+            path=hit[0][0],
+            hint="wait for the save to finish, or use an earlier step or a complete copy of this one",
+        )
 
 
 def _nothing_below(root: Path, opt: Path | None) -> Located:

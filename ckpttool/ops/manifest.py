@@ -76,6 +76,9 @@ __all__ = [
 
 MANIFEST_VERSION = 2
 COVERS = ("window", "record")
+#: ``covers`` of a per-rank save's byte item read as a value (JSON, raw, a pickled object in a rank file): its
+#: storage window is empty, so the entry digests the value (:meth:`PerRankReader.item_value`).
+VALUE = "value"
 #: safetensors ``__metadata__`` key holding the source identity (a JSON string) of an export.
 SOURCE_METADATA_KEY = "ckpttool.source"
 METADATA_NAME = ".metadata"
@@ -413,6 +416,11 @@ def _hash_entry(
     """``(covers, digest)`` of one entry; ``record`` falls back to ``window`` where a chunk has no stored record.
     ``loc``: the chunk's location when it lies in its data file as is (its record's CRC-32 checked on the read)."""
     info = reader.storage_info(key, chunk)
+    if covers == VALUE:
+        value = reader.item_value(key) if isinstance(reader, PerRankReader) and chunk is None else None
+        if value is not None:
+            reader.count_read(len(value))
+            return VALUE, digest_bytes(value, algorithm)
     reader.fetch(info)  # a remote checkpoint: its window into the spool (read unfetched, it is zeros); local: nothing
     if covers == "record" and chunk is not None:
         span = record_span(reader, key, chunk)
@@ -578,7 +586,8 @@ def build_manifest(
                 crc = f"{loc.record.crc32:08x}"
             if not loc.in_file:
                 loc = None  # behind a stream transform: the locator checked the decoded record
-        kind, digest = _hash_entry(reader, key, chunk, covers, algorithm, loc)
+        as_value = chunk is None and not info.length and isinstance(reader, PerRankReader)
+        kind, digest = _hash_entry(reader, key, chunk, VALUE if as_value else covers, algorithm, loc)
         view = None
         if kind == "record" and chunk is not None:  # recorded when not the view ckpttool writes (checked then)
             view = record_view(reader, key, chunk)
@@ -1241,8 +1250,12 @@ def _covers_problem(covers: Any, kind: str, offsets: Any, sizes: Any) -> str | N
     if kind == "safetensors":
         if covers != "extent" or offsets is None or sizes is None or len(offsets) != 1:
             return "a safetensors manifest lists extents (covers 'extent')"
-    elif covers not in COVERS or (covers == "record" and offsets is None):
-        return "covers must be 'window' or (for a chunk) 'record'"
+    elif (
+        covers not in (*COVERS, VALUE)
+        or (covers == "record" and offsets is None)
+        or (covers == VALUE and offsets is not None)
+    ):
+        return "covers must be 'window', (for a chunk) 'record' or (for a byte item) 'value'"
     return None
 
 
@@ -1674,8 +1687,8 @@ def _stored_entry_problem(
             "changed",
             e.key,
             e.offsets,
-            f"{e.where()} in {info.relative_path}: stored bytes differ from the manifest "
-            f"({algorithm} {digest[:16]}..., manifest {e.digest[:16]}...)",
+            f"{e.where()} in {info.relative_path}: {'its value' if kind == VALUE else 'stored bytes'} differ"
+            f"{'s' if kind == VALUE else ''} from the manifest ({algorithm} {digest[:16]}..., manifest {e.digest[:16]}...)",
         )
     if kind == "record" and chunk is not None:
         view = _view_problem(reader, e, chunk)

@@ -331,6 +331,45 @@ def test_manifest_then_validate_names_a_changed_shard(tc_root: Path, tmp_path: P
     assert res.exit_code != 0 and "model.model.norm.weight" in res.output
 
 
+def test_manifest_names_a_changed_json_or_raw_item(tc_root: Path, tmp_path: Path) -> None:
+    """w2x's JSON item (``config_R.json``) and raw item (``blob_R.bin``) are read as values, with an empty storage
+    window: the manifest digested that empty window, so an edited seed or one flipped byte of the blob verified OK.
+    Each is now a ``value`` entry, and the edit a ``changed`` one naming the item; the unedited copy still matches."""
+    d = shutil.copytree(tc_root / "w2x" / "step-2", tmp_path / "step-2")
+    assert runner.invoke(app, ["manifest", str(d)]).exit_code == 0
+    assert runner.invoke(app, ["manifest", "--verify", str(d)]).exit_code == 0
+    cfg = json.loads((d / "config_1.json").read_text())
+    (d / "config_1.json").write_text(json.dumps({**cfg, "seed": cfg["seed"] + 1}))
+    blob = bytearray((d / "blob_0.bin").read_bytes())
+    blob[len(blob) // 2] ^= 1
+    (d / "blob_0.bin").write_bytes(bytes(blob))
+    res = runner.invoke(app, ["manifest", "--verify", "--json", str(d)])
+    assert res.exit_code == 1, res.output
+    problems = json.loads(res.stdout)["problems"]
+    assert sorted((p["kind"], p["key"]) for p in problems) == [
+        ("changed", "blob.rank_0"),
+        ("changed", "config.rank_1.seed"),
+    ]
+    assert "its value differs from the manifest" in problems[0]["message"]
+    by_key = {e["key"]: e for e in json.loads((d / "manifest.json").read_text())["entries"]}
+    assert by_key["blob.rank_0"]["covers"] == by_key["config.rank_1.seed"]["covers"] == "value"
+
+
+def test_an_item_file_that_is_no_longer_json_is_named(tc_root: Path, tmp_path: Path) -> None:
+    """A damaged ``config_R.json`` (metadata.pkl says a JSON item) was E999 "internal error: JSONDecodeError"."""
+    d = shutil.copytree(tc_root / "w2x" / "step-2", tmp_path / "step-2")
+    (d / "config_0.json").write_text('{"name": "llama-tiny", "seed": ')
+    for cmd in (["inspect"], ["manifest"]):
+        res = runner.invoke(app, [*cmd, str(d)])
+        assert res.exit_code == 2 and res.stdout == "", res.output
+        assert res.stderr.splitlines() == [
+            f"error: [E280] {d / 'config_0.json'}: not readable JSON (JSONDecodeError), but the save's metadata "
+            "says a JSON item",
+            "hint: the item file changed after the save: restore it from a good copy of the checkpoint",
+        ]
+    assert not (d / "manifest.json").exists()
+
+
 def test_manifest_written_beside_the_rank_files_is_not_a_file_left_unread(tc_root: Path, tmp_path: Path) -> None:
     """`ckpttool manifest DIR` writes DIR/manifest.json; `validate --strict --manifest DIR/manifest.json` then
     failed on K020 '1 file(s) not read: manifest.json' (the walk for files no item names took the tool's own

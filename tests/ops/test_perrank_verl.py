@@ -604,6 +604,23 @@ def test_a_newer_step_missing_a_rank_file_is_passed_over(verl_root: Path, tmp_pa
         assert res.stderr.startswith("error: [E202] ") and f"{run / 'global_step_4' / 'actor'} has {why}" in res.stderr
 
 
+def test_a_copied_step_missing_a_rank_file_is_incomplete_not_no_checkpoint(verl_root: Path, tmp_path: Path) -> None:
+    """global_step_2/ copied under another name (``cp -r run/global_step_2 backup``), then a rank file lost: no
+    step-named directory says which step it is, and every command said E200 'no DCP checkpoint in the 3 directory
+    levels below it'. It is E202 naming actor/ and the missing rank, as in the step directory."""
+    backup = shutil.copytree(_actor(verl_root, 2).parent, tmp_path / "backup")
+    (backup / "actor" / "model_world_size_2_rank_1.pt").unlink()
+    for cmd in (["inspect"], ["manifest"], ["diff", str(_actor(verl_root, 2))]):
+        res = runner.invoke(app, [cmd[0], str(backup), *cmd[1:]])
+        assert res.exit_code == 2 and res.stdout == "", res.output
+        assert res.stderr.splitlines() == [
+            f"error: [E202] {backup}: {backup / 'actor'} has model files of ranks [1] missing for world size 2 (a "
+            "save that did not finish, or an async save still running)",
+            "hint: wait for the save to finish, or use an earlier step or a complete copy of this one",
+        ]
+    assert not (backup / "actor" / "manifest.json").exists()
+
+
 @pytest.mark.parametrize("where", ["step", "actor"])
 def test_stats_names_the_step_of_global_step_n(verl_root: Path, where: str) -> None:
     """stats of global_step_2/ (or its actor/) had step null: verl saves no step counter, only the directory name."""

@@ -20,6 +20,7 @@ from __future__ import annotations
 # the built-in adapters register themselves on import, in the order ``--adapter`` lists them
 from ckpttool.model.adapters import llama3, qwen3, megatron, torchtune_llama, olmo_core, identity  # noqa: F401  # isort: skip
 from ckpttool.model.adapters.base import (
+    CONFIG_HINT,
     AdapterConfig,
     HFTensor,
     KeyMap,
@@ -41,6 +42,7 @@ from ckpttool.model.adapters.registry import (
 )
 
 __all__ = [
+    "CONFIG_HINT",
     "ADAPTERS",
     "AdapterConfig",
     "Evidence",

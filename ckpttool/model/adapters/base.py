@@ -21,6 +21,7 @@ from ckpttool.errors import ExportError
 from ckpttool.model.hfconfig import config_value, tie_word_embeddings
 
 __all__ = [
+    "CONFIG_HINT",
     "AdapterConfig",
     "HFTensor",
     "NativeTensor",
@@ -33,6 +34,11 @@ __all__ = [
     "rope_to_hf_rows",
     "rope_from_hf_rows",
 ]
+
+
+#: The hint of an adapter that lacks a dimension of the model's ``config.json`` (export's ``model_assets`` folder
+#: holds it); ``diff``, which reads the config.json of the safetensors folder, words it its own way.
+CONFIG_HINT = "pass the model's config.json with `model_assets`"
 
 
 @dataclass(frozen=True)
@@ -199,7 +205,7 @@ def _check_rope(key: str, shape: tuple[int, ...], heads: int | None, head_dim: i
             f"{key}: the RoPE row permutation needs `num_attention_heads`, `num_key_value_heads` and `head_dim` "
             "(or `hidden_size`) from the model's config.json",
             fqn=key,
-            hint="pass the model's config.json with `model_assets`",
+            hint=CONFIG_HINT,
         )
     if len(shape) != 2 or shape[0] != heads * head_dim or head_dim % 2:
         raise ExportError(

@@ -31,7 +31,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ckpttool.errors import ExportError
-from ckpttool.model.adapters.base import AdapterConfig, HFTensor, ModelAdapter, NativeTensor, Skip
+from ckpttool.model.adapters.base import CONFIG_HINT, AdapterConfig, HFTensor, ModelAdapter, NativeTensor, Skip
 from ckpttool.model.adapters.registry import register_adapter
 
 __all__ = ["MegatronGPT", "MegatronImport", "StackedNative", "megatron_from_hf"]
@@ -94,9 +94,7 @@ def _heads(cfg: AdapterConfig, fqn: str, task: str, source: str, hint: str) -> t
 
 
 def _qkv(fqn: str, shape: tuple[int, ...], cfg: AdapterConfig) -> HFTensor:
-    nq, nkv, hd = _heads(
-        cfg, fqn, "splitting linear_qkv", "the model's config.json", "pass the model's config.json with `model_assets`"
-    )
+    nq, nkv, hd = _heads(cfg, fqn, "splitting linear_qkv", "the model's config.json", CONFIG_HINT)
     per = nq // nkv
     bias = fqn.endswith(".bias")
     if len(shape) != (2 if bias else 3) or shape[1] != nkv * (per + 2) * hd:

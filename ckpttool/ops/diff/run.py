@@ -474,6 +474,10 @@ def side_adapter(side: Side, opts: DiffOptions, fmt: str, config: dict[str, Any]
     return detect_adapter(cat.schema.naming, [cat.fqn_of(k) for k in cat.model], config)
 
 
+#: Where diff reads the model's config.json (:func:`_hf_config`), in place of export's ``model_assets`` in its hints.
+_CONFIG_HERE = "put the model's config.json in the safetensors folder"
+
+
 def export_items(
     side: Side,
     other: set[str],
@@ -488,7 +492,7 @@ def export_items(
     RoPE head counts) names torchtitan keys; its tensors are then compared in HF order through
     the export plan's element runs (:attr:`Item.runs`), so the values are the ones export writes.
     """
-    from ckpttool.model.adapters import AdapterConfig
+    from ckpttool.model.adapters import CONFIG_HINT, AdapterConfig
     from ckpttool.ops.export.plan import select_sources
     from ckpttool.ops.export.rules import load_rules
     from ckpttool.ops.export.select import CONFIG_TO_CHECK
@@ -499,20 +503,24 @@ def export_items(
         Path(opts.map_rules) if opts.map_rules is not None else None, mt if isinstance(mt, str) else None
     )
     adapter = side_adapter(side, opts, fmt, config)
-    selected, warnings, skipped, _ = select_sources(
-        cat,
-        rules,
-        fmt=fmt,
-        weights=opts.weights,
-        adapter=adapter,
-        adapter_config=AdapterConfig.from_hf_config(config),
-        model_config=config,
-    )
+    try:
+        selected, warnings, skipped, _ = select_sources(
+            cat,
+            rules,
+            fmt=fmt,
+            weights=opts.weights,
+            adapter=adapter,
+            adapter_config=AdapterConfig.from_hf_config(config),
+            model_config=config,
+        )
+    except CkptError as e:  # an adapter missing a dimension of config.json: diff has no `model_assets` to pass it
+        e.hint = e.hint.replace(CONFIG_HINT, _CONFIG_HERE)
+        raise
     side.adapter = adapter.name if adapter is not None and any(s.hf is not None for s in selected) else None
     fused, split_tasks = _export_plans(side, selected, rules, fmt)
     items, n_split = _task_items(fused.tasks, split_tasks, other)
     # export's warnings; diff's config.json is the one in the safetensors folder, not export's `model_assets`
-    notes = [w.replace(CONFIG_TO_CHECK, "put the model's config.json in the safetensors folder") for w in warnings]
+    notes = [w.replace(CONFIG_TO_CHECK, _CONFIG_HERE) for w in warnings]
     if n_split:
         notes.append(f"{n_split} fused expert tensor(s) of {side.label} compared per expert with {_other(side)}")
     excluded = [Excluded(side.label, k, reason) for reason, keys in skipped.items() for k in keys]
@@ -1923,6 +1931,14 @@ def _no_common_name(
             why,
             f"{side.label} holds optimizer state and no model tensor, which `what` model compares: pass the checkpoint "
             f"that holds the model as {side.label}, or compare the optimizer state with `what` optimizer",
+        )
+    pickled = next((s for s in (a, b) if s.kind == "dcp" and not s.tensor_keys() and _byte_items(s)), None)
+    if pickled is not None:
+        return (
+            why,
+            f"{pickled.label} holds no tensor, its state pickled into byte items (as "
+            "DefaultSavePlanner(flatten_state_dict=False) saves), whose tensors are not compared value by value: "
+            "re-save it with the default planner",
         )
     keying = _keying_mismatch(a, b)
     if keying is not None and opts.what != "model":

@@ -119,6 +119,28 @@ def test_torchtitan_llama3_save_equals_its_export_and_names_a_changed_q_row(tita
     assert f"A's {d['stored']['key']}[{2 * hd + 2}, {col}]" in d["message"]
 
 
+def test_torchtitan_hf_save_without_config_names_where_diff_reads_it(titan_root: Path, tmp_path: Path) -> None:
+    """torchtitan's own ``last_save_in_hf`` save (no config.json) against the DCP save of the same step: the RoPE
+    rows need the head counts. The hint named export's ``model_assets``, an option diff does not have; it names
+    where diff reads the config.json, and the pair compares equal once it is there."""
+    import shutil
+
+    from typer.testing import CliRunner
+
+    from ckpttool.cli.app import app
+
+    dcp_step = titan_root / "llama3" / "checkpoint" / "step-1"
+    hf = shutil.copytree(titan_root / "llama3_hf" / "checkpoint" / "step-1", tmp_path / "hf")
+    res = CliRunner().invoke(app, ["diff", str(dcp_step), str(hf)])
+    assert res.exit_code == 2 and res.stdout == "", res.output
+    err = res.stderr.splitlines()
+    assert err[0].startswith("error: [E601] layers.0.attention.qkv_linear.wq.weight: the RoPE row permutation needs")
+    assert err[1:] == ["hint: put the model's config.json in the safetensors folder"]
+    shutil.copy(_llama_assets(tmp_path, dcp_step) / "config.json", hf / "config.json")
+    doc = diff_json(dcp_step, hf, code=0)
+    assert doc["model_adapter"] == "torchtitan-llama3" and doc["counts"]["compared"] == doc["b"]["tensors"] == 21
+
+
 def test_gqa_k_rows_compared_with_kv_heads_and_the_adapter_given(titan_named: Path, tmp_path: Path) -> None:
     src = titan_named / "llama_gqa"
     cfg = json.loads((src / "model_assets" / "config.json").read_text())

@@ -501,6 +501,23 @@ def test_pickled_states_that_differ_are_a_finding(pickled: Path) -> None:
     assert doc["counts"]["values"] == 0 and doc["counts"]["different"] == 1
 
 
+def test_a_pickled_state_against_a_flattened_one_names_the_pickled_side(runs: Path, pickled: Path) -> None:
+    """One side saved by the default planner, the other with ``flatten_state_dict=False``: no name in common, and
+    the hint says which side is pickled, never an empty list of its names nor an export across namings."""
+    hint = (
+        "hint: {} holds no tensor, its state pickled into byte items (as DefaultSavePlanner(flatten_state_dict=False) "
+        "saves), whose tensors are not compared value by value: re-save it with the default planner"
+    )
+    for args, side in (
+        ((runs / "run1" / "step-1", pickled / "a"), "B"),
+        ((pickled / "a", runs / "run1" / "step-1"), "A"),
+    ):
+        for what in ("model", "all"):
+            _, err = refused(*args, "--what", what)
+            assert err[0].startswith("error: [E611] nothing compared, so no verdict: no name in common"), err
+            assert err[1:] == [hint.format(side)]
+
+
 def test_a_name_on_one_side_beside_equal_byte_items_is_a_finding(tmp_path: Path) -> None:
     from torch.distributed.checkpoint import DefaultSavePlanner
 
