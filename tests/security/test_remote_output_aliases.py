@@ -14,9 +14,11 @@ import uuid
 from pathlib import Path
 from typing import Any
 
+import pytest
 from typer.testing import CliRunner
 
 from ckpttool.cli.app import app
+from ckpttool.format.storage import same_store, url_path
 
 runner = CliRunner()
 
@@ -38,3 +40,19 @@ def test_an_s3a_output_inside_or_over_the_s3_source_is_refused(sample_ckpt: Path
         k: s3_server.client().get_object(Bucket="ckpts", Key=k)["Body"].read() for k in s3_server.keys("ckpts", prefix)
     }
     assert after == before
+
+
+@pytest.mark.parametrize(
+    ("a", "b", "same"),
+    [
+        ("s3://b/k", "s3a://b/k", True),
+        ("gs://b/k", "gcs://b/k", True),
+        ("az://c/k", "abfs://c/k", True),
+        ("s3://b/k", "gs://b/k", False),
+        ("memory://b/k", "s3://b/k", False),
+        ("madeup://b/k", "othermadeup://b/k", False),
+    ],
+)
+def test_same_store_follows_fsspecs_filesystem_of_each_scheme(a: str, b: str, same: bool) -> None:
+    assert same_store(url_path(a), url_path(b)) is same
+    assert same_store(url_path(b), url_path(a)) is same
