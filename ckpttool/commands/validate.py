@@ -82,14 +82,19 @@ _JUNIT_HINT = (
 def _junit_file(junit: str) -> Path:
     """The ``--junit`` path; one ending in ``/`` names a directory, where a report file was meant to go.
 
+    ``file:///r/v.xml`` is the local file ``/r/v.xml`` (as a checkpoint's ``file://`` URL and ``--plot``'s are).
+
     Raises:
         OutputError (E600): an empty path (``Path("")`` is ``.``, reported as a directory); ``-`` (read as standard
             output, where the report of the run itself goes: it would have written a file named ``-``); a path ending
             in a separator (``--junit reports/`` would have written a file ``reports``).
+        UsageError (E100): a URL (``s3://b/v.xml`` was the local path ``s3:/b/v.xml``: 'directory s3:/b does not
+            exist'), as ``--plot`` and ``manifest --output`` refuse one.
     """
     import os
 
-    from ckpttool.errors import OutputError
+    from ckpttool.errors import OutputError, UsageError
+    from ckpttool.format.storage import is_url, local_path
 
     if not junit:
         raise OutputError("--junit '': the path is empty", path=junit, hint=f"name the report file: {_JUNIT_HINT}")
@@ -99,6 +104,12 @@ def _junit_file(junit: str) -> Path:
             "--junit takes the path of the report file",
             path=junit,
             hint="name the file, e.g. --junit validate.xml (a file named '-': --junit ./-)",
+        )
+    junit = os.fspath(local_path(junit))
+    if is_url(junit):
+        raise UsageError(
+            f"--junit {junit}: a URL; --junit writes a local file only",
+            hint="give a local file name and copy the report to object storage yourself",
         )
     if junit.endswith(("/", os.sep)):
         raise OutputError(

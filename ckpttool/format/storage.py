@@ -56,6 +56,7 @@ __all__ = [
     "url_path",
     "confine_key",
     "redact",
+    "same_store",
 ]
 
 log = logging.getLogger(__name__)
@@ -241,6 +242,20 @@ class UrlPath(PurePosixPath):
     def key(self) -> str:
         """``bucket/prefix`` without the scheme (what fsspec backends take)."""
         return super().__str__().lstrip("/")
+
+
+def same_store(a: UrlPath, b: UrlPath) -> bool:
+    """Whether ``a`` and ``b`` name objects of one store: the same scheme, or two schemes fsspec opens with one
+    filesystem class (its ``known_implementations``: ``s3``/``s3a``, ``gs``/``gcs``, ``az``/``abfs``), so that
+    ``s3a://b/k`` is the object ``s3://b/k``. Without fsspec only the same scheme is one store."""
+    if a.scheme == b.scheme:
+        return True
+    try:
+        from fsspec.registry import known_implementations
+    except ImportError:
+        return False
+    ca, cb = (known_implementations.get(s, {}).get("class") for s in (a.scheme, b.scheme))
+    return ca is not None and ca == cb
 
 
 def url_path(path: str | os.PathLike[str]) -> UrlPath:

@@ -217,3 +217,29 @@ def test_manifest_output_over_a_users_file_outside_the_checkpoint_hints_another_
     res = runner.invoke(app, ["manifest", str(ckpt), "-o", str(ckpt / ".metadata")])
     _refused(res, "which this command reads")
     assert "outside the checkpoint" in res.stderr.splitlines()[1]
+
+
+def test_junit_url_is_refused_as_a_url_and_a_file_url_is_the_local_file(
+    ckpt: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`--junit s3://b/v.xml` was the local path ./s3:/b/v.xml ('E600 directory s3:/b does not exist', the URL
+    mangled; with a folder s3:/b there, the report went into it) and `--junit file:///r/v.xml` was refused as the
+    missing directory file:/r, though a file:// URL is the local path everywhere else (`--plot`, `manifest
+    --output`, the checkpoint argument)."""
+    work = tmp_path / "cwd"
+    (work / "s3:" / "bkt").mkdir(parents=True)
+    monkeypatch.chdir(work)
+    res = runner.invoke(app, ["validate", str(ckpt), "--junit", "s3://bkt/v.xml"])
+    assert res.exit_code == 2, res.output
+    lines = res.stderr.splitlines()
+    assert lines[0] == "error: [E100] --junit s3://bkt/v.xml: a URL; --junit writes a local file only", res.stderr
+    assert lines[1].startswith("hint: ") and "Traceback" not in res.stderr
+    assert not any((work / "s3:" / "bkt").iterdir())
+
+    report = tmp_path / "v.xml"
+    res = runner.invoke(app, ["validate", str(ckpt), "--junit", f"file://{report}"])
+    assert res.exit_code == 0, res.output
+    assert report.read_text().startswith("<?xml") and "<testsuite" in report.read_text()
+    before = _digests(ckpt)
+    _refused(runner.invoke(app, ["validate", str(ckpt), "--junit", f"file://{ckpt}/v.xml"]), "which this command reads")
+    assert _digests(ckpt) == before

@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 
 from ckpttool.errors import ExportError
 from ckpttool.format.metadata import DTYPE_ITEMSIZE
+from ckpttool.format.tiling import unravel
 from ckpttool.ops.export.lora import pattern_key
 from ckpttool.ops.export.transform import Cast, SlabWhere
 
@@ -115,14 +116,15 @@ class LoraMerge:
             self.to32(src, w.view(np.uint8), where)
         before = w.copy()
         cols = where.shape[-1]
-        for off, g, length in where.ranges:
-            row, c0 = divmod(g, cols)
-            if c0 + length <= cols:
-                delta = (self.b[row] @ self.a[:, c0 : c0 + length]) * np.float32(self.scale)
-            else:
-                rows = length // cols
-                delta = ((self.b[row : row + rows] @ self.a) * np.float32(self.scale)).reshape(-1)
-            w[off : off + length] += delta
+        with np.errstate(over="ignore", invalid="ignore"):  # a non-finite merge is refused below, by name
+            for off, g, length in where.ranges:
+                row, c0 = divmod(g, cols)
+                if c0 + length <= cols:
+                    delta = (self.b[row] @ self.a[:, c0 : c0 + length]) * np.float32(self.scale)
+                else:
+                    rows = length // cols
+                    delta = ((self.b[row : row + rows] @ self.a) * np.float32(self.scale)).reshape(-1)
+                w[off : off + length] += delta
         if self.from32 is None:
             out.view(np.float32)[:] = w
             changed = not np.array_equal(w.view(np.uint32), before.view(np.uint32))
@@ -131,5 +133,36 @@ class LoraMerge:
             base = np.empty_like(out)
             self.from32(before.view(np.uint8), base, where)
             changed = not np.array_equal(out, base)
+        self._refuse_nonfinite(w, before, out, where)
         if changed:
             self.changed = True
+
+    def _refuse_nonfinite(self, w: np.ndarray, before: np.ndarray, out: np.ndarray, where: SlabWhere) -> None:
+        """Refuse merged values that are infinite or NaN where the base weight's value is finite: ``s * B @ A``
+        beyond float32's range (a huge ``lora_alpha``, factors of 1e38), an infinite or NaN factor, or a sum that
+        ``W``'s bfloat16 rounds to infinity (float16: :class:`~ckpttool.ops.export.transform.Cast` refuses it first).
+
+        Raises:
+            ExportError (E601): the tensor, the first such element and the scale; nothing is published.
+        """
+        import numpy as np
+
+        bad = ~np.isfinite(w)
+        if self.out_dtype in ("bfloat16", "float16"):
+            exp = 0x7F80 if self.out_dtype == "bfloat16" else 0x7C00
+            bad |= (out.view(np.uint16) & exp) == exp
+        bad &= np.isfinite(before)
+        hit = np.flatnonzero(bad)
+        if not hit.size:
+            return
+        i = int(hit[0])
+        flat = next((g + i - off for off, g, n in where.ranges if off <= i < off + n), None)
+        at = f" at {[int(x) for x in unravel(flat, where.shape)]}" if flat is not None else ""
+        raise ExportError(
+            f"{where.key}: the LoRA merge W + s * B @ A{at} is {float(w[i])!r} (float32) where W is "
+            f"{float(before[i])!r}, not finite as {self.out_dtype} ({hit.size} such value(s) in this slab; "
+            f"s = {self.scale:g})",
+            fqn=where.key,
+            hint="check the lora_alpha given (`lora_alpha` or the adapter config) and the lora_A / lora_B factors "
+            "(`ckpttool stats --filter '*lora_*'`); nothing was written",
+        )

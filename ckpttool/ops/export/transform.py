@@ -279,16 +279,28 @@ class Cast:
 
             src_t = torch.from_numpy(src).view(getattr(torch, s))
             torch.from_numpy(out).view(getattr(torch, o)).copy_(src_t)
-        if o == "float16" and s in ("float32", "bfloat16", "float64"):
-            _refuse_float16_overflow(src, out, s, where)
+        if s in _WIDER.get(o, ()):
+            _refuse_float16_overflow(src, out, s, where, o)
 
 
 #: Bit patterns of a non-finite value (infinity or NaN): exponent bits all ones.
 _NONFINITE = {"float16": (0x7C00, "uint16"), "bfloat16": (0x7F80, "uint16"), "float32": (0x7F800000, "uint32")}
+#: Cast target -> the source dtypes with values beyond its range (torch's ``to`` makes them infinite): float16's
+#: largest finite value is 65504, bfloat16's 3.39e38 and float32's 3.40e38, beyond which float64 values go.
+_WIDER = {
+    "float16": ("float32", "bfloat16", "float64"),
+    "bfloat16": ("float64",),
+    "float32": ("float64",),
+}
+#: The largest finite value of each cast target, for the message.
+_LARGEST = {"float16": "65504", "bfloat16": "3.39e38", "float32": "3.40e38"}
 
 
-def _refuse_float16_overflow(src: np.ndarray, out: np.ndarray, src_dtype: str, where: SlabWhere) -> None:
-    """Refuse a cast to float16 that made finite values infinite (beyond +-65504; torch's ``to`` gives infinity).
+def _refuse_float16_overflow(
+    src: np.ndarray, out: np.ndarray, src_dtype: str, where: SlabWhere, out_dtype: str = "float16"
+) -> None:
+    """Refuse a cast that made finite values infinite (to float16 beyond +-65504; a float64 value to bfloat16 or
+    float32 beyond their +-3.4e38; torch's ``to`` gives infinity).
 
     Raises:
         ExportError (E601): :func:`float16_overflow_error` of the slab's first such value.
@@ -301,7 +313,7 @@ def _refuse_float16_overflow(src: np.ndarray, out: np.ndarray, src_dtype: str, w
         mask, bits = _NONFINITE[dtype]
         return (raw.view(bits) & mask) == mask
 
-    bad = nonfinite(out, "float16")
+    bad = nonfinite(out, out_dtype)
     if not bad.any():
         return
     bad &= ~nonfinite(src, src_dtype)  # an infinity or NaN stored as such stays one
@@ -311,7 +323,7 @@ def _refuse_float16_overflow(src: np.ndarray, out: np.ndarray, src_dtype: str, w
     slab_at = int(hit[0])
     flat = next((g + slab_at - at for at, g, n in where.ranges if at <= slab_at < at + n), None)
     value = float(_as_float(src, src_dtype)[slab_at])
-    raise float16_overflow_error(where.key, src_dtype, value, where.shape, flat)
+    raise float16_overflow_error(where.key, src_dtype, value, where.shape, flat, out_dtype)
 
 
 def _as_float(raw: np.ndarray, dtype: str) -> Any:
@@ -324,16 +336,23 @@ def _as_float(raw: np.ndarray, dtype: str) -> Any:
 
 
 def float16_overflow_error(
-    key: str, src_dtype: str, value: float, shape: tuple[int, ...], flat: int | None
+    key: str, src_dtype: str, value: float, shape: tuple[int, ...], flat: int | None, out_dtype: str = "float16"
 ) -> ExportError:
     """E601 for a finite ``src_dtype`` ``value`` at global flat index ``flat`` of tensor ``key`` (``shape``)
-    that a cast to float16 (largest finite 65504) would write as infinity."""
+    that a cast to ``out_dtype`` (float16: largest finite 65504; bfloat16, float32: 3.4e38) would write as
+    infinity."""
     at = f" at {[int(i) for i in unravel(flat, shape)]}" if flat is not None and shape else ""
+    hint = (
+        "export with `save_dtype` bfloat16 (float32's range) or preserve; float16 holds values up to 65504"
+        if out_dtype == "float16"
+        else f"export with `save_dtype` preserve (the stored {src_dtype}); {out_dtype} holds values up to "
+        f"{_LARGEST[out_dtype]}"
+    )
     return ExportError(
-        f"{key}: finite {src_dtype} value(s) beyond float16's range (+-65504) would be written as infinity, "
-        f"e.g. {value:g}{at}",
+        f"{key}: finite {src_dtype} value(s) beyond {out_dtype}'s range (+-{_LARGEST[out_dtype]}) would be written "
+        f"as infinity, e.g. {value:g}{at}",
         fqn=key,
-        hint="export with `save_dtype` bfloat16 (float32's range) or preserve; float16 holds values up to 65504",
+        hint=hint,
     )
 
 

@@ -60,13 +60,16 @@ def test_cast_kernels_equal_torch_bitwise(src: str, dst: str) -> None:
     out = torch.empty_like(want)
     src_np, out_np = x.view(torch.uint8).numpy(), out.view(torch.uint8).numpy()
     where = SlabWhere("k", tuple(x.shape), ((0, 0, x.numel()),))
-    if dst == "float16":  # the edges hold finite values beyond 65504: Cast refuses them, the kernel casts as torch
+    if dst == "float16" or src == "float64":  # edges beyond 65504 (float64's: beyond 3.4e38): Cast refuses them
         from ckpttool.engine.kernels import cast as kernel_cast
         from ckpttool.errors import ExportError
 
-        with pytest.raises(ExportError, match=r"^\[E601\] k: finite \w+ value\(s\) beyond float16's range"):
+        with pytest.raises(ExportError, match=rf"^\[E601\] k: finite \w+ value\(s\) beyond {dst}'s range"):
             cast(src_np, out_np, where)
-        kernel_cast(src_np, out_np, src, dst)
+        if cast.fast:  # the kernel casts as torch
+            kernel_cast(src_np, out_np, src, dst)
+        else:
+            out.copy_(x)
     else:
         cast(src_np, out_np, where)
     nan = torch.isnan(want)
@@ -286,6 +289,33 @@ def test_float16_export_refuses_finite_values_beyond_its_range(
         with safe_open(str(out / "model.safetensors"), "pt") as f:
             got = f.get_tensor("model.embed_tokens.weight")
         assert torch.equal(_bits(got), _bits(ok.to(dtype).to(torch.float16)))
+
+
+@pytest.mark.parametrize("save_dtype", ["float32", "bfloat16"])
+def test_float64_export_refuses_finite_values_beyond_the_narrower_range(tmp_path: Path, save_dtype: str) -> None:
+    """``--save-dtype float32`` / ``bfloat16`` of an FP64 value beyond +-3.4e38 wrote infinity (torch's ``to``) with
+    exit 0, where ``float16`` refused its own range (E601); both are E601 too, and the FP64 values within range
+    export as torch casts them."""
+    from ckpttool.errors import ExportError
+
+    w = torch.tensor([[1.0, -2.5], [1e300, 3.0]], dtype=torch.float64)
+    src = tmp_path / "src"
+    dcp.save({"model": {"model.norm.weight": w}}, checkpoint_id=str(src), no_dist=True)
+    out = tmp_path / "out"
+    with pytest.raises(ExportError) as info:
+        export_checkpoint(src, out, ExportOptions(save_dtype=save_dtype))
+    largest = "3.40e38" if save_dtype == "float32" else "3.39e38"
+    assert info.value.message == (
+        f"model.model.norm.weight: finite float64 value(s) beyond {save_dtype}'s range (+-{largest}) would be "
+        "written as infinity, e.g. 1e+300 at [1, 0]"
+    )
+    assert not out.exists()
+    src2 = tmp_path / "src2"
+    dcp.save({"model": {"model.norm.weight": w.clamp(-1e30, 1e30)}}, checkpoint_id=str(src2), no_dist=True)
+    export_checkpoint(src2, out, ExportOptions(save_dtype=save_dtype))
+    with safe_open(str(out / "model.safetensors"), "pt") as f:
+        got = f.get_tensor("model.norm.weight")
+    assert torch.equal(got, w.clamp(-1e30, 1e30).to(getattr(torch, save_dtype)))
 
 
 @pytest.mark.parametrize("mover", [True, False])
