@@ -15,12 +15,13 @@ several threads.
 
 from __future__ import annotations
 
+import contextlib
 import io
 import math
 import os
 import struct
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from operator import itemgetter
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, NamedTuple
@@ -59,7 +60,7 @@ from ckpttool.format.mdstorage import storage_infos
 from ckpttool.format.metadata import BytesMeta, CheckpointMetadata, ChunkMeta, StorageInfo, TensorMeta
 from ckpttool.format.pickleframes import PickleBombError, pickle_input
 from ckpttool.format.tiling import tiling_problem
-from ckpttool.format.unpickler import UNREADABLE_PICKLE, PrimitiveUnpickler, check_object_graph
+from ckpttool.format.unpickler import UNREADABLE_PICKLE, PlainGlobalsUnpickler, PrimitiveUnpickler, check_object_graph
 
 if TYPE_CHECKING:
     import torch
@@ -699,7 +700,13 @@ class _StructureUnpickler(PrimitiveUnpickler):
 
 
 def load_saved_object(
-    data: bytes | bytearray, where: str, *, trust_pickle: bool = False, fqn: str | None = None, tensors: str = "load"
+    data: bytes | bytearray,
+    where: str,
+    *,
+    trust_pickle: bool = False,
+    fqn: str | None = None,
+    tensors: str = "load",
+    plain_globals: Mapping[tuple[str, str], Any] | None = None,
 ) -> Any:
     """Load ``torch.save`` bytes safely (see :meth:`CheckpointReader.read_object`).
 
@@ -719,6 +726,10 @@ def load_saved_object(
             saved the classic way (``_rebuild_tensor_v2`` of a typed storage) come back as
             :class:`SavedTensor` (dtype, shape) without importing torch; payloads with any other
             global still go to ``torch.load(weights_only=True)``.
+        plain_globals: ``(module, name)`` -> inert stand-in of the globals a trainer's own plain objects name
+            (Megatron's ``args``, an ``argparse.Namespace``: :class:`~ckpttool.format.unpickler.AttributeBag`),
+            resolved without ``trust_pickle`` by :class:`~ckpttool.format.unpickler.PlainGlobalsUnpickler` where the
+            payload holds no tensor; ``None``: plain values only.
 
     Raises:
         ChunkError: not a readable ``torch.save`` archive.
@@ -745,13 +756,7 @@ def load_saved_object(
     pkl = members["data.pkl"]
     assert pkl is not None
     try:
-        try:
-            obj = PrimitiveUnpickler(pickle_input(pkl), source=where).load()
-        except UnsafePickleError:
-            if tensors != "describe":
-                raise
-            obj = _StructureUnpickler(pickle_input(pkl), source=where).load()
-        return check_object_graph(obj, where)
+        return check_object_graph(_load_plain(pkl, where, tensors, plain_globals), where)
     except UnsafePickleError:
         pass  # needs torch's weights_only unpickler (tensors, ...)
     except CkptError:
@@ -760,10 +765,28 @@ def load_saved_object(
         raise ChunkError(f"{where}: data.pkl {e}", fqn=fqn) from e  # before torch.load would run it
     except UNREADABLE_PICKLE as e:
         raise ChunkError(f"{where}: data.pkl is not a readable pickle ({type(e).__name__})", fqn=fqn) from e
+    return _torch_load(data, pkl, where, fqn, trust_pickle, plain_globals)
+
+
+def _torch_load(
+    data: bytes | bytearray,
+    pkl: bytes,
+    where: str,
+    fqn: str | None,
+    trust_pickle: bool,
+    plain_globals: Mapping[tuple[str, str], Any] | None,
+) -> Any:
+    """``torch.load(weights_only=True)`` of a checked archive (:func:`load_saved_object`; ``plain_globals`` resolved
+    to their stand-ins), else with ``trust_pickle`` ``weights_only=False``.
+
+    Raises:
+        ChunkError: torch cannot read it; TrustRequiredError: needs ``trust_pickle``.
+    """
     import torch
 
     try:
-        return check_object_graph(torch.load(io.BytesIO(data), map_location="cpu", weights_only=True), where)
+        with _safe_globals(plain_globals):
+            return check_object_graph(torch.load(io.BytesIO(data), map_location="cpu", weights_only=True), where)
     except CkptError:
         raise
     except Exception as e:
@@ -778,6 +801,34 @@ def load_saved_object(
         return torch.load(io.BytesIO(data), map_location="cpu", weights_only=False)
     except Exception as e:
         raise ChunkError(f"{where} failed to load even with `trust_pickle` ({type(e).__name__})", fqn=fqn) from e
+
+
+def _load_plain(pkl: bytes, where: str, tensors: str, plain_globals: Mapping[tuple[str, str], Any] | None) -> Any:
+    """``data.pkl`` by ckpttool's own unpicklers (:func:`load_saved_object`): plain values (and the stand-ins of
+    ``plain_globals``), else with ``tensors="describe"`` plain values and tensors described.
+
+    Raises:
+        UnsafePickleError: it needs torch's weights-only unpickler.
+    """
+    try:
+        if plain_globals:
+            return PlainGlobalsUnpickler(pickle_input(pkl), source=where, allowed=plain_globals).load()
+        return PrimitiveUnpickler(pickle_input(pkl), source=where).load()
+    except UnsafePickleError:
+        if tensors != "describe":
+            raise
+        return _StructureUnpickler(pickle_input(pkl), source=where).load()
+
+
+def _safe_globals(plain_globals: Mapping[tuple[str, str], Any] | None) -> Any:
+    """``torch.serialization.safe_globals`` of the stand-ins of :func:`load_saved_object`'s ``plain_globals`` (each as
+    ``(stand-in, "module.name")``: torch's weights-only unpickler resolves the name to the stand-in, never imports the
+    class), for a payload that also holds tensors; a null context without any."""
+    import torch
+
+    if not plain_globals:
+        return contextlib.nullcontext()
+    return torch.serialization.safe_globals([(v, f"{m}.{n}") for (m, n), v in plain_globals.items()])
 
 
 def _refused_globals(pkl: bytes) -> str:

@@ -21,7 +21,7 @@ import gc
 import os
 import pickle
 import re
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -55,6 +55,11 @@ __all__ = [
     "parse_metadata_owned",
     "gc_paused",
     "PrimitiveUnpickler",
+    "PlainGlobalsUnpickler",
+    "AttributeBag",
+    "EnumValue",
+    "enum_stand_in",
+    "path_stand_in",
     "AllowListUnpickler",
     "MetadataUnpickler",
     "check_object_graph",
@@ -299,6 +304,55 @@ class MetadataUnpickler(AllowListUnpickler):
 
     def persistent_load(self, pid: Any) -> Any:
         raise UnsafePickleError(f"{self._source}: refused pickle persistent id", path=self._source)
+
+
+class AttributeBag(dict):  # type: ignore[type-arg]
+    """Stand-in of a plain attribute holder a trainer pickles (``argparse.Namespace``, ``types.SimpleNamespace``,
+    a config dataclass): built empty (``NEWOBJ``, or a call without arguments), its pickled ``__dict__`` becomes its
+    items, so it is walked and bounded as any dict (:func:`check_object_graph`) and nothing of the class is run."""
+
+    def __setstate__(self, state: Any) -> None:
+        if not isinstance(state, dict):
+            raise UnsafePickleError("an attribute holder was pickled with a state that is not a dict")
+        self.update(state)
+
+
+class EnumValue(str):
+    """Stand-in of an enum member a trainer pickles (``REDUCE(cls, (value,))``): ``"Class(value)"``, never the enum."""
+
+
+def enum_stand_in(name: str) -> Callable[[Any], EnumValue]:
+    """The stand-in of enum class ``name``: called with the member's value (a small int or a short string)."""
+
+    def build(value: Any = None) -> EnumValue:
+        if type(value) not in (int, str) or (type(value) is str and len(value) > 64):
+            raise UnsafePickleError(f"enum {name} rebuilt from {short_repr(value)}, expected an int or a short name")
+        return EnumValue(f"{name}({value!r})")
+
+    return build
+
+
+#: Stand-in of a pickled ``pathlib`` path: its parts joined, a string (nothing of the file system is touched).
+path_stand_in = _path
+
+
+class PlainGlobalsUnpickler(AllowListUnpickler):
+    """Plain values plus the globals of a table the caller gives (inert stand-ins: :class:`AttributeBag`,
+    :func:`enum_stand_in`, ...), torch's dtypes by name and ``OrderedDict`` as ``dict``; no tensor storage.
+
+    Raises:
+        UnsafePickleError: on any other global or on a persistent id (a tensor).
+    """
+
+    def __init__(self, file: Any, *, source: str, allowed: Mapping[tuple[str, str], Any]) -> None:
+        super().__init__(file, source=source)
+        self.allowed = {  # type: ignore[misc]
+            **torch_globals(size=_SIZE, layout=_get_layout, ordered_dict=dict, dtype=_DTypeStandIn),
+            **allowed,
+        }
+
+    def persistent_load(self, pid: Any) -> Any:
+        raise UnsafePickleError(f"{self._source}: pickle holds a tensor storage", path=self._source)
 
 
 class PrimitiveUnpickler(pickle.Unpickler):

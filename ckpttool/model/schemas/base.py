@@ -241,6 +241,10 @@ class SchemaSpec:
         scheduler_per_step: its trainer steps the LR scheduler once per optimizer step, so a saved
             ``last_epoch`` behind the step is a stale scheduler (``R002``); ``False`` where the trainer is not
             known (plain ``dcp.save``: a scheduler stepped once per epoch is as likely, ``R004``).
+        lr_set_before_step: how its trainer sets each param group's ``lr`` before the optimizer step, from a schedule
+            the checkpoint does not save (a clause; OLMo-core's train module): the saved ``lr`` is then the one of the
+            saved step, not the one its next step takes, and ``replay-step`` says so (``""``: its scheduler steps
+            after the optimizer, so the saved ``lr`` is the next step's).
         step_dir_is_trainer_step: its trainer names each step directory by the trainer step the save holds
             (torchtitan's ``step-N`` holds ``train_state.step`` N; OLMo-core's ``stepN/`` holds ``global_step`` N in
             ``train/rankR.pt``), so a directory that names another step holds another step's save (``R002``).
@@ -316,6 +320,7 @@ class SchemaSpec:
     split_state_key: Callable[[str], tuple[str, str] | None] | None = None
     files_read: tuple[str, ...] = ()
     scheduler_per_step: bool = True
+    lr_set_before_step: str = ""
     step_dir_is_trainer_step: bool = False
     step_dir_range: tuple[int | None, int | None] = (0, 0)
     several_optimizer_steps_per_step: bool = False

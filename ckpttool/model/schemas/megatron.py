@@ -200,19 +200,45 @@ def _one_optimizer(sd: Any) -> tuple[tuple[dict[str, Any], ...], float | None]:
     return groups, step
 
 
+def _common_globals() -> dict[tuple[str, str], Any]:
+    """Inert stand-ins of the classes Megatron-LM's ``common.pt`` names beside plain values: its ``args``
+    (``argparse.Namespace``, which ``generate_state_dict`` saves in every checkpoint) and what they hold (megatron-core's
+    enums, its ``OptimizerConfig``, paths), the set megatron-core itself loads ``common.pt`` with
+    (``megatron/core/safe_globals.py``, ``SAFE_GLOBALS``) less numpy's arrays and ``BytesIO``; nothing of megatron is
+    imported."""
+    from ckpttool.format.unpickler import AttributeBag, enum_stand_in, path_stand_in
+
+    enums = {
+        "megatron.core.enums": ("ModelType",),
+        "megatron.core.transformer.enums": ("AttnBackend", "CudaGraphScope", "ModelType", "AttnMaskType"),
+        "megatron.core.rerun_state_machine": ("RerunDiagnostic", "RerunMode", "RerunState"),
+        "signal": ("Signals",),
+    }
+    table: dict[tuple[str, str], Any] = {(m, n): enum_stand_in(n) for m, names in enums.items() for n in names}
+    for holder in (("argparse", "Namespace"), ("types", "SimpleNamespace"), _OPTIMIZER_CONFIG):
+        table[holder] = AttributeBag
+    table.update({("pathlib", n): path_stand_in for n in ("PosixPath", "PurePosixPath")})
+    return table
+
+
+#: megatron-core's ``OptimizerConfig`` (a dataclass), which Megatron-LM's args can hold
+_OPTIMIZER_CONFIG = ("megatron.core.optimizer.optimizer_config", "OptimizerConfig")
+
+
 def parse_common(data: bytes, shown: str) -> MegatronCommon:
     """What ``common.pt`` holds, from its bytes (``shown``: the file, as messages name it).
 
-    Loaded by :func:`ckpttool.format.reader.load_saved_object` (zip structure checked, plain values
-    by a no-globals unpickler, tensors through ``torch.load(weights_only=True)``); the bytes were read
-    confined and capped as every file of the checkpoint (``Catalog.common_state``).
+    Loaded by :func:`ckpttool.format.reader.load_saved_object` (zip structure checked, plain values and Megatron-LM's
+    ``args`` by an unpickler of inert stand-ins (:func:`_common_globals`), tensors through
+    ``torch.load(weights_only=True)``); the bytes were read confined and capped as every file of the checkpoint
+    (``Catalog.common_state``).
 
     Raises:
         CkptError: not a readable ``torch.save`` archive, or it needs ``--trust-pickle``.
     """
     from ckpttool.format.reader import load_saved_object
 
-    obj = load_saved_object(data, shown)
+    obj = load_saved_object(data, shown, plain_globals=_common_globals())
     if not isinstance(obj, dict):
         return MegatronCommon()
     opt = obj.get("optimizer")

@@ -55,6 +55,12 @@ SPEC = SchemaSpec(
         step_folders=(("model_and_optim", ("train",)),),
     ),
     step_dir_is_trainer_step=True,
+    # TransformerTrainModule.optim_step: scheduler.set_lr(group, trainer) for every group, then optim.step(); the
+    # Scheduler is config (its initial_lr kept in the group), the trainer's global_step counts the step in progress
+    lr_set_before_step=(
+        "OLMo-core's train module sets each param group's lr from its scheduler at the trainer's global_step right "
+        "before the optimizer step (the scheduler is config, not saved)"
+    ),
     # SkipStepAdamW's step counts the steps it took; the trainer's global_step the skipped ones too
     skip_step_groups=_skip_step_groups,
     # Checkpointer.load reads train/rank{R}.pt (else rank0.pt): without it no trainer state is restored

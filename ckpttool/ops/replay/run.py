@@ -504,6 +504,8 @@ def _prepare(ckpt: Checkpoint, opts: ReplayOptions) -> _Prepared:
         object_steps=_object_steps(ckpt),
     )
     notes = list(plan.notes)
+    spec = cat.schema.spec
+    notes.extend(_lr_before_step_note(spec.lr_set_before_step if spec is not None else "", plan.params))
     if opts.steps > 1:
         notes.extend(_constant_lr_note(ckpt, opts.steps))
     newer = ckpt.located.newer_incomplete_note("replayed")
@@ -540,6 +542,38 @@ def _prepare(ckpt: Checkpoint, opts: ReplayOptions) -> _Prepared:
     if layout.version == 1 and any(layout.is_permuted(p.key) for p in plan.params):
         notes.append("legacy (version 1) EP tensors are replayed in true expert order (block permutation undone)")
     return _Prepared(layout, plan, notes, grad_file, ambiguous, len(synth))
+
+
+def _lr_before_step_note(how: str, params: Sequence[ParamPlan]) -> list[str]:
+    """A ``warning:`` note where the trainer sets the ``lr`` before each optimizer step (``how``:
+    :attr:`~ckpttool.model.schemas.base.SchemaSpec.lr_set_before_step`): the saved ``lr`` is the saved step's, and its
+    next step takes the schedule's ``lr`` at the step after, which the checkpoint does not hold. The note names the
+    first replayed parameter whose ``lr`` differs from its group's ``initial_lr`` (the schedule moves it), else says
+    that the replay is the next step where the schedule is flat there."""
+    if not how or not params:
+        return []
+    moved = next(
+        (
+            (p, init)
+            for p in params
+            if isinstance(init := dict(p.hyper.extra).get("initial_lr"), (int, float))
+            and not isinstance(init, bool)
+            and init != p.hyper.lr
+        ),
+        None,
+    )
+    head = (
+        f"warning: the replay steps with the lr saved in each param group, the lr of the saved step: {how}, so the "
+        "step a resume takes next has the schedule's lr at the step after it, which the checkpoint does not hold"
+    )
+    if moved is None:
+        flat = "the saved lr equals the group's initial_lr: the replay is that step where the schedule is flat there"
+        return [f"{head}; {flat}"]
+    p, init = moved
+    return [
+        f"{head}; the schedule moves it ({p.fqn}: lr {p.hyper.lr:g}, initial_lr {init:g}), so the replayed parameters "
+        "are not the ones the trainer saves next (the moments and step are)"
+    ]
 
 
 def _constant_lr_note(ckpt: Checkpoint, steps: int) -> list[str]:
