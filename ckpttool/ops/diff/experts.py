@@ -15,7 +15,7 @@ from typing import Any
 
 from ckpttool.ops.diff.result import Item
 
-__all__ = ["split_fused_experts"]
+__all__ = ["fused_unpaired", "split_fused_experts"]
 
 #: Stored dtypes of quantized weights: a fused quantized expert tensor is compared through its scale
 #: (``ops/diff/quantized.py``) as a whole, never cut into pieces of codes.
@@ -40,35 +40,52 @@ def split_fused_experts(
         (``[j, part*A/n:(part+1)*A/n]`` of the stored ``[E, A, B]``); where the family's form renames the model's
         other keys too (Mixtral's router ``mlp.gate.weight`` -> ``block_sparse_moe.gate.weight``), a tensor the
         other side holds only under that name is named so. Items the other side holds by their own name are kept
-        as they are, and so are quantized fused experts (FP8 codes on the ``[E, out, in]`` block grids of
-        transformers' ``FP8Experts``, which a per-expert weight's grid does not share): their names are returned.
+        as they are, and so is a tensor whose other name (a piece's, the router's) this side holds already (a file
+        with both forms of one expert: cutting it would give two tensors one name, one of them never compared); so
+        are quantized fused experts (FP8 codes on the ``[E, out, in]`` block grids of transformers' ``FP8Experts``,
+        which a per-expert weight's grid does not share): their names are returned.
     """
     from ckpttool.ops.export.rules import load_rules
 
     rules = load_rules(None, model_type)
     if not any(rules.expert_rule(i.name) for i in items if i.name not in other):
         return items, 0, []
+    own = {i.name for i in items}
     out: list[Item] = []
     n_split = 0
     quantized: list[str] = []
     for item in items:
-        pieces = None if item.name in other else _pieces(item, other, rules)
+        pieces = None if item.name in other else _pieces(item, other, own, rules)
         if pieces is not None and item.dtype in _QUANTIZED:
             quantized.append(item.name)
             pieces = None
         if pieces is not None:
             out.extend(pieces)
+            own.update(p.name for p in pieces)
             n_split += 1
             continue
         saved = rules.saved_name(item.name) if rules.saved_name is not None and item.name not in other else None
-        out.append(
-            Item(saved, item.key, item.shape, item.dtype, item.category, entry=item.entry) if saved in other else item
-        )
+        if saved is not None and saved in other and saved not in own:
+            own.add(saved)
+            item = Item(saved, item.key, item.shape, item.dtype, item.category, entry=item.entry)
+        out.append(item)
     return out, n_split, quantized
 
 
-def _pieces(item: Item, other: set[str], rules: Any) -> list[Item] | None:
-    """The per-expert pieces of fused ``item`` named as ``other`` holds them, or ``None`` (not fused, not held so)."""
+def fused_unpaired(items: list[Item], other: set[str]) -> bool:
+    """Whether ``items`` hold a tensor named as a fused expert tensor (``<p>.experts.gate_up_proj`` /
+    ``<p>.experts.down_proj``, the export rules' expert rules; every family form's fused names are these) that the
+    other side, with tensor names ``other``, does not hold by that name: only then can :func:`split_fused_experts`
+    cut anything, and only then is a ``config.json``'s ``model_type`` needed."""
+    from ckpttool.ops.export.rules import load_rules
+
+    rules = load_rules(None, None)
+    return any(rules.expert_rule(i.name) for i in items if i.name not in other)
+
+
+def _pieces(item: Item, other: set[str], own: set[str], rules: Any) -> list[Item] | None:
+    """The per-expert pieces of fused ``item`` named as ``other`` holds them, or ``None`` (not fused, not held so, or
+    a piece's name is one of the side's ``own`` tensors)."""
     from ckpttool.ops.export.plan import Selected, per_expert_pieces
 
     shape = item.shape
@@ -81,6 +98,8 @@ def _pieces(item: Item, other: set[str], rules: Any) -> list[Item] | None:
         for name in (lambda n: n, rules.saved_name):
             if name is None or not any(name(p.name) in other for p in cut):
                 continue
+            if any(name(p.name) in own for p in cut):
+                return None
             return [
                 Item(
                     name(p.name),

@@ -712,11 +712,12 @@ def _pair_names(a: Side, b: Side, opts: DiffOptions) -> tuple[list[Item], list[I
 def _stored_pair(a: Side, b: Side) -> tuple[list[Item], list[Item], list[str]]:
     """Two safetensors (or PEFT) sides by their stored names, a fused expert tensor on one side cut per expert
     where the other holds its experts one by one (:mod:`ckpttool.ops.diff.experts`)."""
-    from ckpttool.ops.diff.experts import split_fused_experts
+    from ckpttool.ops.diff.experts import fused_unpaired, split_fused_experts
 
     ia, ib = _stored_items(a), _stored_items(b)
     names_a, names_b = {i.name for i in ia}, {i.name for i in ib}
-    mt = _model_type(a, b)
+    # config.json is read only where a fused expert tensor may be cut: two folders with nothing to pair need none
+    mt = _model_type(a, b) if fused_unpaired(ia, names_b) or fused_unpaired(ib, names_a) else None
     ia, cut_a, quant_a = split_fused_experts(ia, names_b, mt)
     ib, cut_b, quant_b = split_fused_experts(ib, names_a, mt)
     if cut_b:  # A's per-expert tensors in the order of B's pieces: each fused tensor of B is read once, not per piece
@@ -739,15 +740,16 @@ def _stored_pair(a: Side, b: Side) -> tuple[list[Item], list[Item], list[str]]:
 
 
 def _model_type(*sides: Side) -> str | None:
-    """The ``model_type`` of the first side's ``config.json`` that gives one (the family's per-expert form)."""
-    from ckpttool.model.hfconfig import read_hf_config
+    """The ``model_type`` of the first side's ``config.json`` that gives one (the family's per-expert form).
 
+    Raises:
+        PathEscapeError, UsageError, NotRegularFileError, SizeLimitError: a side's own ``config.json`` symlinked out
+            of its folder, not JSON, not a regular file, too large (:meth:`Checkpoint.own_hf_config`).
+    """
     for side in sides:
-        cfg_file = Path(side.ckpt.located.model) / "config.json"
-        if cfg_file.is_file():
-            mt = read_hf_config(cfg_file, param=None).get("model_type")
-            if isinstance(mt, str):
-                return mt
+        mt = (side.ckpt.own_hf_config() or {}).get("model_type")
+        if isinstance(mt, str):
+            return mt
     return None
 
 
@@ -810,12 +812,10 @@ def _hf_config(st: Side, dcp: Side) -> dict[str, Any] | None:
 
 def _tied_config(side: Side) -> bool:
     """The safetensors side's ``config.json`` says ``tie_word_embeddings`` (its ``lm_head`` is the embedding)."""
-    from ckpttool.model.hfconfig import read_hf_config, tie_word_embeddings
+    from ckpttool.model.hfconfig import tie_word_embeddings
 
-    cfg_file = Path(side.ckpt.located.model) / "config.json"
-    if not cfg_file.is_file():
-        return False
-    return tie_word_embeddings(read_hf_config(cfg_file, param=None)) is True
+    cfg = side.ckpt.own_hf_config()  # a config.json symlinked out of the folder is E101, as for every folder's own
+    return cfg is not None and tie_word_embeddings(cfg) is True
 
 
 # ---------------------------------------------------------------------------------------------- comparing

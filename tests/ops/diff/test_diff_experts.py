@@ -88,3 +88,46 @@ def test_fp8_fused_experts_against_per_expert_ones_are_named_not_silently_unpair
     assert note.startswith("4 quantized fused expert tensor(s) of A (model.layers.0.mlp.experts.gate_up_proj, ...) not")
     only_a = {d["name"] for d in doc["differences"] if d["kind"] == "only_a"}
     assert only_a == {f"model.layers.{n}.mlp.experts.{p}" for n in range(2) for p in ("gate_up_proj", "down_proj")}
+
+
+def test_a_config_json_symlinked_out_of_a_folder_is_refused_not_read_for_the_expert_names(
+    forms: Path, tmp_path: Path
+) -> None:
+    """The family's per-expert names come from a folder's own ``config.json``; one that is a symlink out of the folder
+    is E101 (``docs/errors.md``), not read: the same refusal as every other reading of a folder's own config."""
+    fused = shutil.copytree(forms / "mixtral" / "fused", tmp_path / "fused")
+    outside = tmp_path / "elsewhere.json"
+    (fused / "config.json").rename(outside)
+    (fused / "config.json").symlink_to(outside)
+    per = shutil.copytree(forms / "mixtral" / "per_expert", tmp_path / "per", ignore=shutil.ignore_patterns("*.json"))
+    res = runner.invoke(app, ["diff", str(fused), str(per), "--json"])
+    assert res.exit_code == 2, res.stdout
+    assert f"[E101] {fused}: config.json" in res.stderr and res.stdout == ""
+
+
+def test_a_damaged_config_json_is_not_read_where_no_fused_expert_is_left_to_pair(forms: Path, tmp_path: Path) -> None:
+    """Two folders that hold the same names (fused on both sides) have nothing to cut per expert: their
+    ``config.json`` is not needed, so a damaged one does not stop the comparison of their tensors."""
+    src = forms / "qwen_moe" / "fused"
+    other = shutil.copytree(src, tmp_path / "fused")
+    (other / "config.json").write_text("{not json")
+    doc = _diff(other, src, code=0)
+    assert doc["equal"] and doc["counts"]["compared"] == len(load_file(src / "model.safetensors"))
+
+
+def test_a_folder_holding_both_expert_forms_is_not_cut_onto_its_own_names(forms: Path, tmp_path: Path) -> None:
+    """A file that holds each expert both per expert and fused (the fused tensors here differ everywhere) against the
+    per-expert folder: its fused tensors are not cut into names it already holds (two tensors of one name, one never
+    compared), so they are only in B and the verdict is not equal, whichever side it is."""
+    per = forms / "qwen_moe" / "per_expert"
+    fused = load_file(forms / "qwen_moe" / "fused" / "model.safetensors")
+    both = shutil.copytree(per, tmp_path / "both")
+    sd = load_file(both / "model.safetensors")
+    extra = {k: v + 1 for k, v in fused.items() if k.endswith(("experts.gate_up_proj", "experts.down_proj"))}
+    assert len(extra) == 4 and not extra.keys() & sd.keys()
+    save_file(sd | extra, str(both / "model.safetensors"), metadata={"format": "pt"})
+    for a, b, side in ((per, both, "only_b"), (both, per, "only_a")):
+        doc = _diff(a, b, code=1)
+        assert not doc["equal"] and not [n for n in doc["notes"] if "compared per expert" in n]
+        assert sorted((d["kind"], d["name"]) for d in doc["differences"]) == sorted((side, k) for k in extra)
+        assert doc["counts"]["compared"] == doc["counts"]["equal"] == len(sd)

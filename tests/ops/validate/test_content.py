@@ -487,3 +487,31 @@ def test_hf_step_folder_given_itself_is_trained_by_its_name(fixture_root: Path, 
         rc, doc = run(given, "--deep", "--strict")
         got = findings(doc, "D009")
         assert rc == 1 and got and all("layers.0." in f["key"] for f in got), (given, doc["findings"])
+
+
+def test_hf_step_folder_given_as_dot_is_trained_by_its_name(
+    fixture_root: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``validate --deep --strict .`` run inside ``checkpoint-100/`` is the step folder given itself: its name's
+    step counts as for the folder's full path (the name of ``.`` is empty), so D009 names one EP rank's experts
+    written for all; the clean folder stays silent."""
+    from safetensors.torch import load_file, save_file
+
+    from tests.fixtures import hf_models
+    from tests.fixtures.cache import cached_build
+
+    src = cached_build(fixture_root, "moe_expert_forms", hf_models.build_moe_expert_forms) / "mixtral" / "fused"
+    clean = copy_checkpoint(src, tmp_path / "clean" / "checkpoint-100")
+    monkeypatch.chdir(clean)
+    rc, doc = run(".", "--deep", "--strict")
+    assert rc == 0 and not findings(doc, "D009"), doc["findings"]
+    step = copy_checkpoint(src, tmp_path / "run" / "checkpoint-100")
+    sd = load_file(step / "model.safetensors")
+    for key in [k for k in sd if k.startswith("model.layers.0.") and k.endswith(("gate_up_proj", "down_proj"))]:
+        sd[key] = torch.cat([sd[key][:2]] * 2)  # EP 2 over 4 experts: rank 0's block written for rank 1 too
+    save_file(sd, str(step / "model.safetensors"), metadata={"format": "pt"})
+    monkeypatch.chdir(step)
+    for given in (".", "./", "../checkpoint-100"):
+        rc, doc = run(given, "--deep", "--strict")
+        got = findings(doc, "D009")
+        assert rc == 1 and got and all("layers.0." in f["key"] for f in got), (given, doc["findings"])
