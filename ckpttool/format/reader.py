@@ -21,7 +21,8 @@ import math
 import os
 import struct
 import sys
-from collections.abc import Callable, Mapping
+import threading
+from collections.abc import Callable, Iterator, Mapping
 from operator import itemgetter
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, NamedTuple
@@ -820,15 +821,25 @@ def _load_plain(pkl: bytes, where: str, tensors: str, plain_globals: Mapping[tup
         return _StructureUnpickler(pickle_input(pkl), source=where).load()
 
 
-def _safe_globals(plain_globals: Mapping[tuple[str, str], Any] | None) -> Any:
+#: held around a ``torch.load`` with :func:`_safe_globals`: torch keeps its safe globals in one process-wide set that
+#: its context manager replaces by a union on entry and a difference on exit, so two readers' loads at once lost
+#: each other's stand-ins (a spurious ``E304``) or left them registered after the call
+_SAFE_GLOBALS_LOCK = threading.Lock()
+
+
+@contextlib.contextmanager
+def _safe_globals(plain_globals: Mapping[tuple[str, str], Any] | None) -> Iterator[None]:
     """``torch.serialization.safe_globals`` of the stand-ins of :func:`load_saved_object`'s ``plain_globals`` (each as
     ``(stand-in, "module.name")``: torch's weights-only unpickler resolves the name to the stand-in, never imports the
-    class), for a payload that also holds tensors; a null context without any."""
+    class), for a payload that also holds tensors, one such load at a time (:data:`_SAFE_GLOBALS_LOCK`); nothing
+    without any."""
     import torch
 
     if not plain_globals:
-        return contextlib.nullcontext()
-    return torch.serialization.safe_globals([(v, f"{m}.{n}") for (m, n), v in plain_globals.items()])
+        yield
+        return
+    with _SAFE_GLOBALS_LOCK, torch.serialization.safe_globals([(v, f"{m}.{n}") for (m, n), v in plain_globals.items()]):
+        yield
 
 
 def _refused_globals(pkl: bytes) -> str:

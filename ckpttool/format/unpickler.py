@@ -21,6 +21,7 @@ import gc
 import os
 import pickle
 import re
+import types
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any, ClassVar
@@ -112,7 +113,22 @@ def short_repr(v: Any, width: int = 60) -> str:
 
 
 # --------------------------------------------------------------------------- stand-ins
-class _Record:
+def _no_build(state: Any) -> None:
+    """``__setstate__`` of the stand-ins a pickle reaches as globals (:meth:`AllowListUnpickler.find_class`): a
+    ``BUILD`` on the global itself would otherwise set attributes of ckpttool's own function or class (``__name__``,
+    ``__defaults__``, a class attribute) for the rest of the process."""
+    raise UnsafePickleError("pickle BUILD on a global itself (it would change the global for the rest of the process)")
+
+
+class _Sealed(type):
+    """Metaclass of the record stand-ins: a ``BUILD`` on the class itself is refused (:func:`_no_build`); a ``BUILD``
+    on an instance still fills its ``__dict__`` (the class has no ``__setstate__``)."""
+
+    def __setstate__(cls, state: Any) -> None:
+        _no_build(state)
+
+
+class _Record(metaclass=_Sealed):
     """Attribute bag that a pickled dataclass is rebuilt into (NEWOBJ + BUILD).
 
     No ``__setstate__``: pickle's C BUILD fills ``__dict__`` from the dict state,
@@ -157,9 +173,11 @@ class _TensorProperties(_Record):
 class _DTypeStandIn(str):
     """A torch dtype global such as ``torch.bfloat16``, kept by name."""
 
+    __slots__ = ()  # no __dict__: a pickle's BUILD on a shared stand-in is refused
+
 
 class _Layout(str):
-    pass
+    __slots__ = ()
 
 
 def _get_layout(name: Any) -> _Layout:
@@ -262,9 +280,12 @@ class AllowListUnpickler(pickle.Unpickler):
 
     def find_class(self, module: str, name: str) -> Any:
         try:
-            return self.allowed[(module, name)]
+            found = self.allowed[(module, name)]
         except (KeyError, TypeError):
             raise self.refused(module, name) from None
+        if type(found) is types.FunctionType and found.__dict__.get("__setstate__") is not _no_build:
+            found.__setstate__ = _no_build  # type: ignore[attr-defined]  # pickle's BUILD calls it, not setattr
+        return found
 
     def refused(self, module: str, name: str) -> CkptError:
         """The error raised for global ``module.name``, which is not on the allow-list."""
@@ -319,6 +340,8 @@ class AttributeBag(dict):  # type: ignore[type-arg]
 
 class EnumValue(str):
     """Stand-in of an enum member a trainer pickles (``REDUCE(cls, (value,))``): ``"Class(value)"``, never the enum."""
+
+    __slots__ = ()
 
 
 def enum_stand_in(name: str) -> Callable[[Any], EnumValue]:

@@ -243,6 +243,7 @@ class Catalog:
         default_factory=dict, repr=False, compare=False
     )  # common_state, per (schema, folder)
     _remote: CheckpointDir | None = field(default=None, repr=False, compare=False)  # a URL checkpoint's own reader
+    _trust_pickle: bool = field(default=False, repr=False, compare=False)  # its reader's trust_pickle (common state)
 
     def common_state(self, where: str | os.PathLike[str] | None = None) -> CommonState | None:
         """The trainer's common state of the folder ``where`` (default: :attr:`path`), as its key schema's
@@ -250,10 +251,12 @@ class Catalog:
         ``None`` for a schema that declares none, or no such file.
 
         Raises:
-            CkptError: the file is unreadable, needs ``--trust-pickle``, or is over the caps (the same error each call).
+            CkptError: the file is unreadable, needs ``--trust-pickle`` (the catalog of a reader opened with
+                ``trust_pickle`` reads it with ``torch.load(weights_only=False)``), or is over the caps (the same error
+                each call).
         """
         folder = self.path if where is None else where if isinstance(where, PurePath) else _folder(where)
-        return _common_state(self.schema, folder, self._common, self._remote)
+        return _common_state(self.schema, folder, self._common, self._remote, self._trust_pickle)
 
     @property
     def param_fqns(self) -> list[str]:
@@ -856,9 +859,9 @@ def build_catalog(
     flavors = rest.flavors
     groups = sorted(rest.groups.values(), key=lambda g: (isinstance(g.group_id, str), g.group_id))
     common: dict[tuple[str, PurePath], tuple[CommonState | None, CkptError | None]] = {}
-    remote = cd if cd.remote is not None else None
+    remote, trust = (cd if cd.remote is not None else None), getattr(cd, "trust_pickle", False) is True  # a reader's
     if sch.spec is not None and sch.spec.group_members is not None:  # param groups in the trainer's common state
-        groups = _common_state_groups(sch, _common_state(sch, cd.path, common, remote), rest.optimizer_state)
+        groups = _common_state_groups(sch, _common_state(sch, cd.path, common, remote, trust), rest.optimizer_state)
         flavors = {"nested"} if groups else set()
     if sch.spec is not None and sch.spec.index_state_by_param_order and sch.optimizer_keying == "index":
         sch, rest.optimizer_state = _index_mapped(sch, model, rest.optimizer_state, len(groups))
@@ -883,6 +886,7 @@ def build_catalog(
         wrapped=wrapped,
         _unwrapped={v: k for k, v in wrapped.items()},
         _paths=planner,
+        _trust_pickle=trust,
         _common=common,
         _remote=remote,
     )
@@ -927,20 +931,23 @@ def _common_state(
     where: PurePath,
     cache: dict[tuple[str, PurePath], tuple[CommonState | None, CkptError | None]],
     remote: CheckpointDir | None = None,
+    trust_pickle: bool = False,
 ) -> CommonState | None:
     """:meth:`Catalog.common_state` of folder ``where`` under schema ``sch``, kept in ``cache``; ``remote``: the
-    reader of a URL checkpoint, whose own prefix's common state it fetches."""
+    reader of a URL checkpoint, whose own prefix's common state it fetches; ``trust_pickle``: the file may be read
+    with ``torch.load(weights_only=False)`` (the command's ``--trust-pickle``)."""
     spec = sch.spec
     if spec is None or spec.read_common_state is None or spec.common_state_file is None:
         return None
     if isinstance(where, UrlPath) and (remote is None or str(where) != str(remote.path)):
         return None  # another URL's common state is not fetched; no local file named like it is read either
     hit = cache.get((spec.name, where))
+    read = (trust_pickle and spec.read_trusted_common_state) or spec.read_common_state
     if hit is None:
         try:
             data = _common_state_bytes(where, spec.common_state_file, remote)
             shown = str(where / spec.common_state_file)
-            hit = (None if data is None else spec.read_common_state(data, shown), None)
+            hit = (None if data is None else read(data, shown), None)
         except CkptError as e:
             hit = (None, e)
         cache[(spec.name, where)] = hit

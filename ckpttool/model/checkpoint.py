@@ -320,8 +320,8 @@ def open_checkpoint(
         path: the checkpoint directory (or a directory above it).
         selection: ``step``, a separate ``optimizer`` directory, a key-schema override.
         declaration: an EP layout declared by the user (:meth:`LayoutDeclaration.from_options`).
-        trust_pickle: allow ``torch.load(weights_only=False)`` for byte items and ``extra_state``
-            files that need it (runs code from the checkpoint).
+        trust_pickle: allow ``torch.load(weights_only=False)`` for byte items, ``extra_state`` files and the
+            trainer's common state (Megatron's ``common.pt``) that need it (runs code from the checkpoint).
         record_problems: record layout and byte-item problems on the handle instead of raising.
 
     Returns:
@@ -516,7 +516,8 @@ class OpenOptions:
 
     Attributes:
         declaration: an EP layout declared by the user (:meth:`LayoutDeclaration.from_options`).
-        trust_pickle: allow ``torch.load(weights_only=False)`` for byte items and ``extra_state`` files.
+        trust_pickle: allow ``torch.load(weights_only=False)`` for byte items, ``extra_state`` files and the
+            trainer's common state (Megatron's ``common.pt``).
         selection: a step of a checkpoint root, a separate optimizer directory, a key-schema override.
     """
 

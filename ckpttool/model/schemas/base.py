@@ -266,6 +266,9 @@ class SchemaSpec:
             (``--max-object-size``) from a local folder or the checkpoint's object-store prefix alike, and gives
             ``None`` without asking where there is no such file. The iteration counts as a trainer step
             (``R002``), the file's numbers are a trainer-state row of ``inspect``.
+        read_trusted_common_state: :attr:`read_common_state` for a checkpoint opened with ``trust_pickle``
+            (``--trust-pickle``): it may read the file with ``torch.load(weights_only=False)``; ``None``: the file is
+            read by :attr:`read_common_state` all the same.
         common_state_required: why its trainer's load fails without :attr:`common_state_file` (``K014``; ``""``:
             the file is optional).
         common_state_problems: inconsistencies within the common state (``R002``): ``(key, message)`` pairs.
@@ -327,6 +330,7 @@ class SchemaSpec:
     stacked_layers: tuple[str, ...] = ()
     common_state_file: str | None = None
     read_common_state: Callable[[bytes, str], CommonState | None] | None = None
+    read_trusted_common_state: Callable[[bytes, str], CommonState | None] | None = None
     common_state_required: str = ""
     common_state_problems: Callable[[CommonState], Iterator[tuple[str, str]]] | None = None
     group_members: GroupMembers | None = None

@@ -23,6 +23,7 @@ them, from a local folder or an object-store prefix, confined and capped).
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import os
@@ -225,8 +226,10 @@ def _common_globals() -> dict[tuple[str, str], Any]:
 _OPTIMIZER_CONFIG = ("megatron.core.optimizer.optimizer_config", "OptimizerConfig")
 
 
-def parse_common(data: bytes, shown: str) -> MegatronCommon:
-    """What ``common.pt`` holds, from its bytes (``shown``: the file, as messages name it).
+def parse_common(data: bytes, shown: str, trust_pickle: bool = False) -> MegatronCommon:
+    """What ``common.pt`` holds, from its bytes (``shown``: the file, as messages name it; ``trust_pickle``: a file
+    naming other classes than :func:`_common_globals`' is read with ``torch.load(weights_only=False)``, the command's
+    ``--trust-pickle``).
 
     Loaded by :func:`ckpttool.format.reader.load_saved_object` (zip structure checked, plain values and Megatron-LM's
     ``args`` by an unpickler of inert stand-ins (:func:`_common_globals`), tensors through
@@ -238,7 +241,7 @@ def parse_common(data: bytes, shown: str) -> MegatronCommon:
     """
     from ckpttool.format.reader import load_saved_object
 
-    obj = load_saved_object(data, shown, plain_globals=_common_globals())
+    obj = load_saved_object(data, shown, trust_pickle=trust_pickle, plain_globals=_common_globals())
     if not isinstance(obj, dict):
         return MegatronCommon()
     opt = obj.get("optimizer")
@@ -369,6 +372,7 @@ SPEC = SchemaSpec(
     stacked_layers=(STACKED_PREFIX,),
     common_state_file=COMMON_FILE,
     read_common_state=parse_common,
+    read_trusted_common_state=functools.partial(parse_common, trust_pickle=True),
     common_state_required=(
         "megatron-core's dist_checkpointing.load reads the common state from it "
         "(the iteration, the optimizers' param groups and step, the run's args) and fails without it"
