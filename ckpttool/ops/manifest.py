@@ -2070,7 +2070,7 @@ LISTED_PROBLEMS = 1000
 #: The ``--json`` document of :class:`ManifestCheck`: its keys in order.
 _CHECK_VIEW = JsonView(
     "ckpttool.manifest-check/1",
-    "path manifest kind algorithm entries ok problems problems_omitted problem_counts source warnings",
+    "path manifest kind folder algorithm entries ok problems problems_omitted problem_counts source warnings",
 )
 
 
@@ -2085,7 +2085,7 @@ class ManifestCheck:
     entries: int
     problems: list[ManifestProblem]
     source: dict[str, Any] | None = None
-    #: What the directory is (the text output's label; not in ``--json``): ``dcp``, ``safetensors`` (a Hugging
+    #: What the directory is (the text output's label; ``--json`` ``folder``): ``dcp``, ``safetensors`` (a Hugging
     #: Face folder, or an export), a per-rank format's name (``verl-fsdp``), or a model/optimizer pair's parts
     #: (``safetensors + dcp``: NeMo's). ``None``: ``kind``.
     folder: str | None = None
@@ -2104,6 +2104,7 @@ class ManifestCheck:
                 {"kind": p.kind, "key": p.key, "offsets": list(p.offsets) if p.offsets else None, "message": p.message}
                 for p in self.problems[:LISTED_PROBLEMS]
             ],
+            folder=self.folder or self.kind,
             warnings=list(self.warnings),
             problems_omitted=max(0, len(self.problems) - LISTED_PROBLEMS),
             problem_counts=self.counts(),
