@@ -1506,7 +1506,7 @@ def _checkpoint_is(reader: CheckpointReader) -> tuple[str, str] | None:
     if isinstance(reader, PerRankReader):
         return "per-rank", f"a per-rank save ({reader.assembled.format})"
     if reader.parts:
-        return "pair", f"a model/optimizer pair ({_folder_kind(reader)})"
+        return "pair", f"a model/optimizer pair ({folder_kind(reader)})"
     if _metadata_file(reader) == METADATA_NAME:
         return "dcp", "a DCP checkpoint (with .metadata)"
     if reader.metadata.serialization == "torch_save":
@@ -2247,7 +2247,7 @@ def check_against_manifest(
                 step(0)
                 problems = verify_manifest(ckpt.reader, man, on_entry=step, beside_of=Path(ckpt.located.model))
                 shown = str(ckpt.path)
-                folder = _folder_kind(ckpt.reader)
+                folder = folder_kind(ckpt.reader)
                 unchecked = unchecked_beside(ckpt.reader, man)
                 unsized = unchecked_sizes(ckpt.reader, man)
                 untracked = unchecked_training_state(ckpt.reader, man, Path(ckpt.located.model))
@@ -2345,8 +2345,8 @@ def _plural_files(n: int) -> str:
     return f"{n:,} file" + ("" if n == 1 else "s") + (" or more" if n >= 1000 else "")
 
 
-def _folder_kind(reader: CheckpointReader) -> str:
-    """What the opened directory is: ``dcp`` (a ``.metadata``), ``safetensors`` (a Hugging Face folder: its
+def folder_kind(reader: CheckpointReader) -> str:
+    """What the opened directory is (the label of ``manifest --verify`` and ``diff``): ``dcp`` (a ``.metadata``), ``safetensors`` (a Hugging Face folder: its
     headers are its metadata), the per-rank format's name, or a model/optimizer pair's parts (``dcp`` for
     Accelerate's two DCP folders, ``safetensors + dcp`` for NeMo's safetensors model and DCP optimizer)."""
     if isinstance(reader, PerRankReader):
