@@ -339,7 +339,8 @@ def _header(con: Any, res: DiffResult) -> None:
     for name, side in (("A", res.a), ("B", res.b)):
         opened = f": opened {side.opened}" if side.opened else ""
         con.print(
-            f"{name}: {side.path}{opened} ({side.kind}, {side.schema}{', ' + side.layout if side.layout else ''})"
+            f"{name}: {side.path}{opened} ({side.folder or side.kind}, {side.schema}"
+            f"{', ' + side.layout if side.layout else ''})"
         )
     adapter = f", model adapter {res.model_adapter}" if res.model_adapter else ""
     only = f"; --filter {' '.join(o.filters)} left out {res.filtered_out:,} of both sides' keys" if o.filters else ""

@@ -115,6 +115,9 @@ def stats_command(
     disorder = _step_disorder(res)
     if disorder is not None:
         sink.warning(disorder)
+    for c in res.checkpoints:  # on stderr either way, as inspect's
+        for w in c.warnings:
+            sink.warning(f"{c.path}: {w}" if len(res.checkpoints) > 1 else w)
     if not json_output:  # --json: the notes are in the document
         for c in res.checkpoints:
             for n in c.notes:

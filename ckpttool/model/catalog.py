@@ -133,6 +133,21 @@ class TensorEntry(NamedTuple):
         return sum(1 for c in self.chunks if 0 in c.sizes)
 
 
+def alike_groups(found: Iterable[tuple[int | str, str, str]], sep: str = ": ") -> list[tuple[str, str]]:
+    """``(key, message)`` of param-group findings ``found`` (``(group_id, key, problem)`` each), one per distinct
+    ``problem`` in the order first found: the first group's ``key``, message ``param group <id>[ and N more]<sep>
+    <problem>``. One place for the grouping of ``validate``'s per-group findings (P002, P006, R006) and
+    ``replay-step``'s problems, so 21 groups with the same problem are one line with a count."""
+    seen: dict[str, list[tuple[int | str, str]]] = {}
+    for group_id, key, problem in found:
+        seen.setdefault(problem, []).append((group_id, key))
+    out: list[tuple[str, str]] = []
+    for problem, hits in seen.items():
+        more = f" and {len(hits) - 1} more" if len(hits) > 1 else ""
+        out.append((hits[0][1], f"param group {hits[0][0]}{more}{sep}{problem}"))
+    return out
+
+
 @dataclass
 class ParamState:
     """Optimizer state of one parameter: field name -> :class:`TensorEntry` (or ``None`` for a byte item).

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING
 from ckpttool.errors import CkptError
 from ckpttool.format.metadata import BytesMeta
 from ckpttool.model.beside import TRAINER_STEP_KEY, read_training_state_beside
+from ckpttool.model.catalog import alike_groups
 
 if TYPE_CHECKING:
     from ckpttool.model.catalog import ParamGroup
@@ -237,7 +238,7 @@ def _lr_not_the_param_scheduler(
     if len(states) != 1:
         return []
     where, state = states[0]
-    out: list[tuple[str, str]] = []
+    out: list[tuple[int | str, str, str]] = []
     for g in groups:
         lr = _number(g.values.get("lr"))
         if lr is None or "initial_lr" in g.values or (selected is not None and g.group_id not in selected):
@@ -250,12 +251,13 @@ def _lr_not_the_param_scheduler(
             continue
         out.append(
             (
+                g.group_id,
                 g.keys.get("lr", where),
-                f"param group {g.group_id} saved lr {lr:g} but {where} sets {want:g} at num_steps = "
+                f"saved lr {lr:g} but {where} sets {want:g} at num_steps = "
                 f"{state['num_steps']} (lr_decay_style {state['lr_decay_style']})",
             )
         )
-    return out
+    return alike_groups(out, " ")
 
 
 def scheduler_lr_disagrees(
@@ -276,7 +278,8 @@ def scheduler_lr_disagrees(
     schedulers, which group belongs to which not saved) a group whose ``lr`` is none of the schedulers' values is one.
     A ``ReduceLROnPlateau`` that does not govern the groups without ``initial_lr`` drives groups with one (a warmup
     scheduler's, stepped until the plateau takes over), so those are compared with every scheduler's values.
-    Groups without a numeric ``lr`` are left out (``validate``'s ``P006``)."""
+    Groups without a numeric ``lr`` are left out (``validate``'s ``P006``). Groups with the same finding are one,
+    ``param group <id> and N more saved lr ...`` (:func:`~ckpttool.model.catalog.alike_groups`)."""
     lasts = _last_lrs(ckpt)
     if not lasts:
         return _lr_not_the_param_scheduler(ckpt, groups, selected)
@@ -296,23 +299,24 @@ def scheduler_lr_disagrees(
     drivers = [(others if plateau_governs else lasts, [g for g in groups if "initial_lr" in g.values])]
     if plateaus and plateau_governs:
         drivers.append((plateaus, bare))
-    out: list[tuple[str, str]] = []
+    out: list[tuple[int | str, str, str]] = []
     for scheds, governed in drivers:
         if scheds and governed:
             out += _lr_not_the_schedulers(scheds, governed, selected, by_index=nested)
-    return out
+    return alike_groups(out, " ")
 
 
 def _lr_not_the_schedulers(
     lasts: list[tuple[str, list[float]]], groups: list[ParamGroup], selected: set[int | str] | None, *, by_index: bool
-) -> list[tuple[str, str]]:
-    """The findings of :func:`scheduler_lr_disagrees` for ``groups``, governed by the schedulers of ``lasts``: by index
-    where ``by_index`` (nested groups) and one scheduler saved one ``lr`` per group, else by membership."""
+) -> list[tuple[int | str, str, str]]:
+    """The findings of :func:`scheduler_lr_disagrees` for ``groups`` (``(group_id, key, problem)``, not yet grouped),
+    governed by the schedulers of ``lasts``: by index where ``by_index`` (nested groups) and one scheduler saved one
+    ``lr`` per group, else by membership."""
     key0, last0 = lasts[0]
     by_index = by_index and len(lasts) == 1 and len(last0) == len(groups)
     every = [w for _, last in lasts for w in last]
     names = ", ".join(f"{k} = [{', '.join(f'{w:g}' for w in last)}]" for k, last in lasts)
-    out: list[tuple[str, str]] = []
+    out: list[tuple[int | str, str, str]] = []
     for i, g in enumerate(groups):
         lr = _number(g.values.get("lr"))
         if lr is None or (selected is not None and g.group_id not in selected):
@@ -321,7 +325,7 @@ def _lr_not_the_schedulers(
         if any(math.isclose(lr, w, rel_tol=1e-6, abs_tol=0.0) for w in want):
             continue
         where = f"{key0}[{i}] = {last0[i]:g}" if by_index else names
-        out.append((g.keys.get("lr", key0), f"param group {g.group_id} saved lr {lr:g} but {where}"))
+        out.append((g.group_id, g.keys.get("lr", key0), f"saved lr {lr:g} but {where}"))
     return out
 
 

@@ -73,23 +73,11 @@ def run_inspect(
 
 
 def data_file_warnings(result: InspectResult) -> list[str]:
-    """Warning texts for data files that are missing, short or not referenced (``[]``: none).
+    """Warning texts for ``result``'s data files that are missing, short or not referenced (``[]``: none;
+    :func:`~ckpttool.ops.inspect.file_warnings`)."""
+    from ckpttool.ops.inspect import file_warnings
 
-    An empty unreferenced file is not warned about, as ``validate``'s S006 does not report it: torch's
-    ``dcp.save`` and ckpttool's ``import`` / ``reshard`` write one for each rank that gets no chunk (an import
-    for 2048 ranks of a small model printed a warning line for each of ~1000 such files)."""
-    what = {
-        "missing": "is missing",
-        "unreferenced": "is not referenced by .metadata",
-        "outside": "lies outside the checkpoint directory (never read: a damaged or hostile .metadata)",
-    }
-    bad = [
-        f"data file {f.path} "
-        + (what.get(f.status) or f"is shorter than its records need ({f.size} < {f.needed} bytes; truncated?)")
-        for f in result.files
-        if f.status != "ok" and not (f.status == "unreferenced" and f.size == 0)
-    ]
-    return [*bad, "run `ckpttool validate --strict` for the full list of problems"] if bad else []
+    return file_warnings(result.files)
 
 
 def split_param_group_items(

@@ -14,7 +14,7 @@ import logging
 import operator
 import os
 from collections import Counter, defaultdict
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from itertools import chain, compress, islice, repeat
 from json.encoder import encode_basestring_ascii as _enc  # what json.dumps uses for str (ensure_ascii)
@@ -760,6 +760,32 @@ def _file_rows(cat: Catalog, needed: dict[str, int]) -> tuple[FileRow, ...]:
         )
         for f in cat.data_files
     )
+
+
+def file_rows(ckpt: Checkpoint) -> tuple[FileRow, ...]:
+    """One :class:`FileRow` per data file of ``ckpt`` (metadata and file sizes only; no data read)."""
+    return _file_rows(ckpt.catalog, _needed_bytes(ckpt))
+
+
+def file_warnings(rows: Iterable[FileRow]) -> list[str]:
+    """Warning texts for data files that are missing, short or not referenced (``[]``: none): what ``inspect``
+    and ``stats`` say of ``rows`` (:func:`file_rows`), whichever records they read.
+
+    An empty unreferenced file is not warned about, as ``validate``'s S006 does not report it: torch's
+    ``dcp.save`` and ckpttool's ``import`` / ``reshard`` write one for each rank that gets no chunk (an import
+    for 2048 ranks of a small model printed a warning line for each of ~1000 such files)."""
+    what = {
+        "missing": "is missing",
+        "unreferenced": "is not referenced by .metadata",
+        "outside": "lies outside the checkpoint directory (never read: a damaged or hostile .metadata)",
+    }
+    bad = [
+        f"data file {f.path} "
+        + (what.get(f.status) or f"is shorter than its records need ({f.size} < {f.needed} bytes; truncated?)")
+        for f in rows
+        if f.status != "ok" and not (f.status == "unreferenced" and f.size == 0)
+    ]
+    return [*bad, "run `ckpttool validate --strict` for the full list of problems"] if bad else []
 
 
 def _build(ckpt: Checkpoint, opts: InspectOptions) -> InspectResult:

@@ -1506,7 +1506,7 @@ def _checkpoint_is(reader: CheckpointReader) -> tuple[str, str] | None:
     if isinstance(reader, PerRankReader):
         return "per-rank", f"a per-rank save ({reader.assembled.format})"
     if reader.parts:
-        return "pair", f"a model/optimizer pair ({_folder_kind(reader)})"
+        return "pair", f"a model/optimizer pair ({folder_kind(reader)})"
     if _metadata_file(reader) == METADATA_NAME:
         return "dcp", "a DCP checkpoint (with .metadata)"
     if reader.metadata.serialization == "torch_save":
@@ -2070,7 +2070,7 @@ LISTED_PROBLEMS = 1000
 #: The ``--json`` document of :class:`ManifestCheck`: its keys in order.
 _CHECK_VIEW = JsonView(
     "ckpttool.manifest-check/1",
-    "path manifest kind algorithm entries ok problems problems_omitted problem_counts source warnings",
+    "path manifest kind folder algorithm entries ok problems problems_omitted problem_counts source warnings",
 )
 
 
@@ -2085,7 +2085,7 @@ class ManifestCheck:
     entries: int
     problems: list[ManifestProblem]
     source: dict[str, Any] | None = None
-    #: What the directory is (the text output's label; not in ``--json``): ``dcp``, ``safetensors`` (a Hugging
+    #: What the directory is (the text output's label; ``--json`` ``folder``): ``dcp``, ``safetensors`` (a Hugging
     #: Face folder, or an export), a per-rank format's name (``verl-fsdp``), or a model/optimizer pair's parts
     #: (``safetensors + dcp``: NeMo's). ``None``: ``kind``.
     folder: str | None = None
@@ -2104,6 +2104,7 @@ class ManifestCheck:
                 {"kind": p.kind, "key": p.key, "offsets": list(p.offsets) if p.offsets else None, "message": p.message}
                 for p in self.problems[:LISTED_PROBLEMS]
             ],
+            folder=self.folder or self.kind,
             warnings=list(self.warnings),
             problems_omitted=max(0, len(self.problems) - LISTED_PROBLEMS),
             problem_counts=self.counts(),
@@ -2246,7 +2247,7 @@ def check_against_manifest(
                 step(0)
                 problems = verify_manifest(ckpt.reader, man, on_entry=step, beside_of=Path(ckpt.located.model))
                 shown = str(ckpt.path)
-                folder = _folder_kind(ckpt.reader)
+                folder = folder_kind(ckpt.reader)
                 unchecked = unchecked_beside(ckpt.reader, man)
                 unsized = unchecked_sizes(ckpt.reader, man)
                 untracked = unchecked_training_state(ckpt.reader, man, Path(ckpt.located.model))
@@ -2344,8 +2345,8 @@ def _plural_files(n: int) -> str:
     return f"{n:,} file" + ("" if n == 1 else "s") + (" or more" if n >= 1000 else "")
 
 
-def _folder_kind(reader: CheckpointReader) -> str:
-    """What the opened directory is: ``dcp`` (a ``.metadata``), ``safetensors`` (a Hugging Face folder: its
+def folder_kind(reader: CheckpointReader) -> str:
+    """What the opened directory is (the label of ``manifest --verify`` and ``diff``): ``dcp`` (a ``.metadata``), ``safetensors`` (a Hugging Face folder: its
     headers are its metadata), the per-rank format's name, or a model/optimizer pair's parts (``dcp`` for
     Accelerate's two DCP folders, ``safetensors + dcp`` for NeMo's safetensors model and DCP optimizer)."""
     if isinstance(reader, PerRankReader):

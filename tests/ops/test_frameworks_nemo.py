@@ -371,3 +371,20 @@ def test_a_save_in_another_steps_directory_fails_r002(nemo_root: Path, tmp_path:
         "step_scheduler.pt:step": "step_scheduler.pt:step = 2 but its directory is epoch_0_step_5 (step 5; a save "
         "there holds step 5 or 6)"
     }
+
+
+def test_diff_names_the_safetensors_model_folder_as_manifest_does(nemo_root: Path, tmp_path: Path) -> None:
+    """``diff`` of two NeMo steps labelled each side "(dcp, nemo-automodel)" though the ``model/`` folder it opened
+    is NeMo's safetensors (``model_save_format="safetensors"``) beside a DCP ``optim/``: the label is now the
+    pair's parts, as ``manifest --verify`` names them (``--json``: ``folder``; ``kind`` stays how it is compared)."""
+    a, b = nemo_root / "steps" / "run" / "epoch_0_step_2", nemo_root / "steps" / "run" / "epoch_1_step_4"
+    out = runner.invoke(app, ["diff", str(a), str(b)])
+    assert out.exit_code == 1, out.output
+    assert f"A: {a}: opened {a / 'model'} (safetensors + dcp, nemo-automodel)\n" in out.stdout, out.stdout
+    res = runner.invoke(app, ["diff", "--json", str(a), str(b)])
+    doc = json.loads(res.stdout)
+    assert (doc["a"]["kind"], doc["a"]["folder"], doc["b"]["folder"]) == (
+        "dcp",
+        "safetensors + dcp",
+        "safetensors + dcp",
+    )

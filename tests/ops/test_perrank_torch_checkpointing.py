@@ -663,3 +663,16 @@ def test_a_step_lost_on_one_rank_is_refused(tc_root: Path, tmp_path: Path) -> No
         "error: [E280] optimizer_1.pt: optimizer state of 'model.embed_tokens.weight' has field(s) exp_avg, "
         "exp_avg_sq, optimizer_0.pt has exp_avg, exp_avg_sq, step"
     )
+
+
+def test_manifest_verify_json_names_the_folder_as_the_text_does(tc_root: Path, tmp_path: Path) -> None:
+    """`manifest --verify` printed "(torch-checkpointing)" while its --json said only ``"kind": "dcp"`` (the
+    manifest's kind): the document now carries the text's label as ``folder``, ``kind`` keeps the manifest's."""
+    d = shutil.copytree(tc_root / "w2" / "step-2", tmp_path / "step-2")
+    assert runner.invoke(app, ["manifest", str(d)]).exit_code == 0
+    text = runner.invoke(app, ["manifest", "--verify", str(d)])
+    assert text.exit_code == 0 and f"{d} (torch-checkpointing) matches" in text.stdout, text.output
+    res = runner.invoke(app, ["manifest", "--verify", "--json", str(d)])
+    assert res.exit_code == 0, res.output
+    doc = json.loads(res.stdout)
+    assert (doc["kind"], doc["folder"]) == ("dcp", "torch-checkpointing")

@@ -681,3 +681,31 @@ def test_a_ppo_save_with_several_optimizer_steps_per_training_step_passes(tmp_pa
         "lr_scheduler.last_epoch",
         "lr_scheduler.last_epoch = 2 but its directory is global_step_1 (step 1; a save there holds step 1 or less)",
     )
+
+
+def test_r006_of_every_group_alike_is_one_finding(verl_root: Path, tmp_path: Path) -> None:
+    """verl saves one param group per parameter: an LR scheduler whose ``_last_lr`` is not the groups' lr was 21
+    identical R006 findings (and 21 replay-step problems), where P002 says it once with a count. R006 now groups the
+    same way: one finding, one problem, naming the first group and how many more."""
+    import torch
+
+    actor = shutil.copytree(verl_root / "w2" / "global_step_2", tmp_path / "global_step_2") / "actor"
+    for rank in (0, 1):
+        f = actor / f"extra_state_world_size_2_rank_{rank}.pt"
+        sd = torch.load(f, weights_only=False)
+        assert sd["lr_scheduler"]["_last_lr"] == [0.00075]
+        sd["lr_scheduler"]["_last_lr"] = [0.0015]
+        torch.save(sd, f)
+    res = runner.invoke(app, ["validate", "--json", str(actor)])
+    assert res.exit_code == 1, res.output
+    found = [f for f in json.loads(res.stdout)["findings"] if f["code"] == "R006"]
+    assert [(f["key"], f["message"]) for f in found] == [
+        (
+            "optimizer.param_groups.lm_head.weight.lr",
+            "param group lm_head.weight and 20 more saved lr 0.00075 but lr_scheduler._last_lr = [0.0015]",
+        )
+    ]
+    res = runner.invoke(app, ["replay-step", "--device", "cpu", "--json", str(actor)])
+    assert res.exit_code == 1, res.output
+    (problem,) = json.loads(res.stdout)["problems"]
+    assert problem.startswith("param group lm_head.weight and 20 more saved lr 0.00075 but lr_scheduler._last_lr")

@@ -278,6 +278,10 @@ class SideInfo:
     tensors: int
     #: the checkpoint directory opened where it is not ``path`` (a run root's step, a model/optimizer pair's model)
     opened: str | None = None
+    #: what the side is, as the text output names it (:func:`~ckpttool.ops.manifest.folder_kind`): ``dcp``,
+    #: ``safetensors``, a per-rank format's name, or a pair's parts (``safetensors + dcp``: NeMo Automodel's
+    #: safetensors ``model/`` beside its DCP ``optim/``); ``kind`` says how it is compared. ``None``: ``kind``.
+    folder: str | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return json_fields(self)

@@ -82,6 +82,7 @@ from ckpttool.ops.diff.result import (
 from ckpttool.ops.diff.sides import side_openings
 from ckpttool.ops.export.transform import Run
 from ckpttool.ops.fields import PhaseFn, ProgressFn, options_of
+from ckpttool.ops.manifest import folder_kind
 
 __all__ = ["Namer", "Side", "diff_checkpoints"]
 
@@ -136,6 +137,7 @@ class Side:
             lay.layout_name if lay is not None and lay.ep_tensors else None,
             len(self.tensor_keys()),
             opened,
+            folder_kind(self.ckpt.reader) if self.kind == "dcp" else self.kind,
         )
 
     def tensor_keys(self) -> list[str]:

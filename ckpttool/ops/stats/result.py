@@ -156,6 +156,9 @@ class CheckpointStats:
     """Data bytes read."""
     seconds: float
     """Wall time of the pass (seconds)."""
+    warnings: tuple[str, ...] = ()
+    """Data files missing, short (truncated) or not referenced, as ``inspect`` warns of them: said whichever
+    records the pass read or skipped (a truncated quantized scale it leaves out too)."""
 
     def to_dict(self) -> dict[str, Any]:
         return _json(

@@ -27,6 +27,7 @@ from ckpttool.model.catalog import Catalog, TensorEntry, match_filter, saved_by_
 from ckpttool.model.checkpoint import Checkpoint, CheckpointOrPath, OpenOptions, open_source
 from ckpttool.model.discovery import NEWER_INCOMPLETE, Located, named_step
 from ckpttool.ops.fields import PhaseFn, options_of, same_named
+from ckpttool.ops.inspect import file_rows, file_warnings
 from ckpttool.ops.state_checks import synthesized
 from ckpttool.ops.stats.compute import (
     AdamHyper,
@@ -617,6 +618,7 @@ def _stats_one(ckpt: Checkpoint, opts: StatsOptions, progress: Progress) -> Chec
         + _newer_incomplete(ckpt),
         bytes_read=read,
         seconds=time.perf_counter() - t0,
+        warnings=tuple(file_warnings(file_rows(ckpt))),
     )
 
 

@@ -1017,3 +1017,38 @@ def test_a_layer_without_model_tensors_has_no_abs_max_not_nan(dense_ckpt: Path, 
     cells = [c.strip() for c in row.strip("│").split("│")]
     head = next(ln for ln in res.stdout.splitlines() if ln.startswith("┃ layer"))
     assert cells[[c.strip() for c in head.strip("┃").split("┃")].index("abs max")] == "nan", (row, fqn)
+
+
+def test_a_truncated_scale_stats_skips_is_warned_of_as_inspect_does(tmp_path: Path) -> None:
+    """A DCP (torch's dcp.save) whose data file ends inside the last record, a block-FP8 weight's scale that stats
+    leaves out: inspect warned "shorter than its records need (truncated?)", stats exited 0 without a word. stats
+    now gives inspect's warning lines (stderr, and ``warnings`` in --json), still measuring what it can."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    torch.manual_seed(0)
+    sd = {
+        "model": {
+            "a.weight": torch.randn(16, 16),
+            "b.weight": torch.randn(16, 16).to(torch.float8_e4m3fn),
+            "b.weight_scale_inv": torch.rand(1, 1) + 1,
+        }
+    }
+    d = tmp_path / "ckpt"
+    dcp.save(sd, checkpoint_id=str(d), no_dist=True)
+    storage = FileSystemReader(str(d)).read_metadata().storage_data
+    last = max(storage.values(), key=lambda s: s.offset)
+    assert [k.fqn for k, s in storage.items() if s is last] == ["model.b.weight_scale_inv"]
+    data = d / last.relative_path
+    data.write_bytes(data.read_bytes()[: last.offset + last.length // 2])
+    inspected = runner.invoke(app, ["inspect", str(d)])
+    assert inspected.exit_code == 0, inspected.output
+    warned = [line for line in inspected.stderr.splitlines() if line.startswith("warning: ")]
+    assert warned and "truncated?" in warned[0], inspected.stderr
+    res = runner.invoke(app, ["stats", str(d)])
+    assert res.exit_code == 0, res.output
+    assert [line for line in res.stderr.splitlines() if line.startswith("warning: ")] == warned, res.stderr
+    doc = json.loads(runner.invoke(app, ["stats", "--json", str(d)]).stdout)
+    jsonschema.validate(doc, load_schema("stats"))
+    (c,) = doc["checkpoints"]
+    assert c["warnings"] == [w.removeprefix("warning: ") for w in warned]
+    assert [t["fqn"] for t in c["tensors"]] == ["a.weight"]

@@ -18,7 +18,7 @@ from typing import Any
 
 from ckpttool.errors import CkptError
 from ckpttool.format.metadata import FLOAT8_DTYPES, dtype_name
-from ckpttool.model.catalog import TensorEntry, dtype_refuted_by, listed_twice, lost_state
+from ckpttool.model.catalog import TensorEntry, alike_groups, dtype_refuted_by, listed_twice, lost_state
 from ckpttool.model.wrappers import strip_wrapper_segments
 from ckpttool.ops.validate.base import rule
 from ckpttool.ops.validate.context import Context
@@ -504,13 +504,15 @@ def _same_lr(a: object, b: object) -> bool:
 
 @rule("P002")
 def scheduler_initial_lr(ctx: Context) -> Iterator[tuple[str, str]]:
-    seen: dict[tuple[str, str], list[str]] = defaultdict(list)
-    for g in ctx.cat.param_groups:
-        if "initial_lr" in g.values and not _same_lr(g.values.get("initial_lr"), g.values.get("lr")):
-            seen[(repr(g.values.get("initial_lr")), repr(g.values.get("lr")))].append(str(g.group_id))
-    for (ilr, lr), ids in seen.items():
-        more = f" and {len(ids) - 1} more" if len(ids) > 1 else ""
-        yield ctx.cat.group_key(ids[0]), f"param group {ids[0]}{more}: initial_lr {ilr}, lr {lr}"
+    yield from alike_groups(
+        (
+            g.group_id,
+            ctx.cat.group_key(g.group_id),
+            f"initial_lr {g.values.get('initial_lr')!r}, lr {g.values.get('lr')!r}",
+        )
+        for g in ctx.cat.param_groups
+        if "initial_lr" in g.values and not _same_lr(g.values.get("initial_lr"), g.values.get("lr"))
+    )
 
 
 @rule("P003")
@@ -547,13 +549,11 @@ def param_listed_twice(ctx: Context) -> Iterator[tuple[str, str]]:
 
 @rule("P006")
 def group_hyperparameter_invalid(ctx: Context) -> Iterator[tuple[str, str]]:
-    seen: dict[tuple[str, str], list[str]] = defaultdict(list)
-    for g in ctx.cat.param_groups:
-        for name, problem in hyperparameter_problems(g.values):
-            seen[(name, problem)].append(str(g.group_id))
-    for (_, problem), ids in seen.items():
-        more = f" and {len(ids) - 1} more" if len(ids) > 1 else ""
-        yield ctx.cat.group_key(ids[0]), f"param group {ids[0]}{more}: {problem}"
+    yield from alike_groups(
+        (g.group_id, ctx.cat.group_key(g.group_id), problem)
+        for g in ctx.cat.param_groups
+        for _, problem in hyperparameter_problems(g.values)
+    )
 
 
 @rule("O009")
