@@ -338,10 +338,9 @@ def _header(con: Any, res: DiffResult) -> None:
         how += "; quantized weights against unquantized ones within their quantization step (note below)"
     for name, side in (("A", res.a), ("B", res.b)):
         opened = f": opened {side.opened}" if side.opened else ""
-        con.print(
-            f"{name}: {side.path}{opened} ({side.folder or side.kind}, {side.schema}"
-            f"{', ' + side.layout if side.layout else ''})"
-        )
+        what = side.folder or side.kind
+        said = [what] if what == side.schema else [what, side.schema]  # a per-rank format named as its schema: once
+        con.print(f"{name}: {side.path}{opened} ({', '.join([*said, *([side.layout] if side.layout else [])])})")
     adapter = f", model adapter {res.model_adapter}" if res.model_adapter else ""
     only = f"; --filter {' '.join(o.filters)} left out {res.filtered_out:,} of both sides' keys" if o.filters else ""
     con.print(f"compared {o.what} ({res.naming} names{adapter}), {how}{only}")
