@@ -832,14 +832,33 @@ def _safe_globals(plain_globals: Mapping[tuple[str, str], Any] | None) -> Iterat
     """``torch.serialization.safe_globals`` of the stand-ins of :func:`load_saved_object`'s ``plain_globals`` (each as
     ``(stand-in, "module.name")``: torch's weights-only unpickler resolves the name to the stand-in, never imports the
     class), for a payload that also holds tensors, one such load at a time (:data:`_SAFE_GLOBALS_LOCK`); nothing
-    without any."""
+    without any. A real class registered under one of those names (``import megatron.core`` registers
+    ``pathlib.PosixPath``, ...) is set aside for the load, so the stand-ins, not the class, are built; the process's
+    safe globals are restored exactly after it."""
     import torch
 
     if not plain_globals:
         yield
         return
-    with _SAFE_GLOBALS_LOCK, torch.serialization.safe_globals([(v, f"{m}.{n}") for (m, n), v in plain_globals.items()]):
-        yield
+    ours = [(v, f"{m}.{n}") for (m, n), v in plain_globals.items()]
+    names = {name for _, name in ours}
+    ser = torch.serialization
+    with _SAFE_GLOBALS_LOCK:
+        saved = ser.get_safe_globals()
+        ser.clear_safe_globals()
+        try:
+            ser.add_safe_globals([*(g for g in saved if _global_name(g) not in names), *ours])
+            yield
+        finally:
+            ser.clear_safe_globals()
+            ser.add_safe_globals(saved)
+
+
+def _global_name(g: Any) -> str:
+    """The ``module.name`` torch's weights-only unpickler resolves a safe-globals entry by (``(obj, name)`` or obj)."""
+    if isinstance(g, tuple) and len(g) == 2 and isinstance(g[1], str):
+        return g[1]
+    return f"{getattr(g, '__module__', '')}.{getattr(g, '__qualname__', '')}"
 
 
 def _refused_globals(pkl: bytes) -> str:

@@ -41,3 +41,21 @@ def test_common_pt_with_tensors_loads_in_threads_and_leaves_torchs_safe_globals(
     assert [g for g in got if not isinstance(g, dict)] == []
     assert all(g == {"lr": 0.1, "save": "/runs/a"} for g in got)
     assert set(map(repr, torch.serialization.get_safe_globals())) == before
+
+
+def test_the_args_stand_ins_are_built_where_the_real_classes_are_registered_too() -> None:
+    """``import megatron.core`` registers real classes (``pathlib.PosixPath``, ``argparse.Namespace``) as torch safe
+    globals for the whole process; a ``common.pt`` with tensors then still gives the inert stand-ins (a dict, a str),
+    and the process's registrations are left as they were."""
+    buf = io.BytesIO()
+    torch.save({"t": torch.ones(2), "args": argparse.Namespace(save=pathlib.PosixPath("/runs/a"))}, buf)
+    real = [pathlib.PosixPath, argparse.Namespace]
+    with torch.serialization.safe_globals(real):
+        before = set(torch.serialization.get_safe_globals())
+        assert before >= set(real)
+        for i in range(20):  # torch picks among same-named entries in set order, which more entries reshuffle
+            with torch.serialization.safe_globals([(len, f"unused.name{j}") for j in range(i * 3)]):
+                args = load_saved_object(buf.getvalue(), "common.pt", plain_globals=_common_globals())["args"]
+            assert type(args) is not argparse.Namespace and args == {"save": "/runs/a"}
+            assert type(args["save"]) is str
+        assert set(torch.serialization.get_safe_globals()) == before
