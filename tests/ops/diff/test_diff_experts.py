@@ -8,31 +8,20 @@ transformers' own loading of both folders (equal state dicts).
 
 from __future__ import annotations
 
-import json
 import shutil
 from pathlib import Path
-from typing import Any
 
-import jsonschema
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
 from typer.testing import CliRunner
 
 from ckpttool.cli.app import app
-from ckpttool.commands.schema import load_schema
 from tests.fixtures import hf_models
 from tests.fixtures.cache import cached_build
+from tests.ops.diff.test_diff import diff_json as _diff
 
 runner = CliRunner()
-
-
-def _diff(*args: object, code: int) -> dict[str, Any]:
-    res = runner.invoke(app, ["diff", *map(str, args), "--json"])
-    assert res.exit_code == code, res.stderr + res.stdout
-    doc = json.loads(res.stdout)
-    jsonschema.validate(doc, load_schema("diff"))
-    return doc
 
 
 @pytest.fixture(scope="module")
