@@ -807,7 +807,7 @@ def _hf_config(st: Side, dcp: Side) -> dict[str, Any] | None:
 
     for d in (Path(st.ckpt.located.model), Path(dcp.ckpt.located.model), Path(dcp.ckpt.located.model) / "model_assets"):
         if (d / "config.json").is_file():
-            cfg = read_hf_config(d / "config.json", param=None)
+            cfg = read_hf_config(d, param=None)  # the folder: a config.json symlinked out of it is E101
             return cfg if isinstance(cfg, dict) else None
     return None
 

@@ -147,6 +147,22 @@ def test_keys_on_one_side_and_shapes_are_differences(dense_ckpt: Path, tmp_path:
 # ------------------------------------------------------------------------------------------ DCP vs HF export
 
 
+def test_a_model_assets_config_json_symlinked_out_is_refused_not_read(llama_ckpt: Path, tmp_path: Path) -> None:
+    """Against a safetensors folder without a ``config.json``, diff reads the adapter's dimensions from the DCP
+    side's ``model_assets``; a ``config.json`` there that is a symlink out of its folder is E101, not followed, as
+    every other reading of a folder's own config (``docs/errors.md``)."""
+    import shutil
+
+    export_checkpoint(llama_ckpt, tmp_path / "hf", ExportOptions())
+    assert not (tmp_path / "hf" / "config.json").exists()
+    ck = shutil.copytree(llama_ckpt, tmp_path / "ck")
+    outside = (ck / "model_assets" / "config.json").rename(tmp_path / "elsewhere.json")
+    (ck / "model_assets" / "config.json").symlink_to(outside)
+    res = cli(ck, tmp_path / "hf", "--json")
+    assert res.exit_code == 2, res.stdout + res.stderr
+    assert "[E101]" in res.stderr and "config.json" in res.stderr and res.stdout == ""
+
+
 def test_sharded_hf_export_equals_its_checkpoint(llama_ckpt: Path, tmp_path: Path) -> None:
     export_checkpoint(llama_ckpt, tmp_path / "hf", ExportOptions(shard_size=20_000))
     assert (tmp_path / "hf" / "model.safetensors.index.json").is_file()
