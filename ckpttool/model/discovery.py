@@ -218,8 +218,17 @@ def step_of(name: str) -> int | None:
 def named_step(located: Located) -> tuple[int | None, bool]:
     """``(step, named by an epoch)`` of the nearest step-named directory from the checkpoint up to the directory
     given (its parent when the checkpoint folder of a step directory is given itself: verl's ``actor/``). Paths are
-    made absolute lexically first (links kept): ``.`` given inside ``checkpoint-100/`` is named by ``checkpoint-100``."""
-    given, q = (PurePath(os.path.abspath(p)) for p in (located.given, located.model))
+    made absolute lexically first (links kept): ``.`` given inside ``checkpoint-100/`` is named by ``checkpoint-100``;
+    where those names hold no step, the paths with links resolved (``run/latest`` -> ``checkpoint-100``)."""
+    for absolute in (os.path.abspath, os.path.realpath):
+        found = _step_named(*(PurePath(absolute(p)) for p in (located.given, located.model)))
+        if found != (None, False):
+            return found
+    return None, False
+
+
+def _step_named(given: PurePath, q: PurePath) -> tuple[int | None, bool]:
+    """:func:`named_step` of absolute paths ``given`` and checkpoint folder ``q``."""
     d = registry.derived()
     if given == q and (
         any(folder == q.name for folder, _ in d.step_folders) or any(p.model.match(q.name) for p in d.folder_pairs)

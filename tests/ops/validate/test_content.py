@@ -511,7 +511,8 @@ def test_hf_step_folder_given_as_dot_is_trained_by_its_name(
         sd[key] = torch.cat([sd[key][:2]] * 2)  # EP 2 over 4 experts: rank 0's block written for rank 1 too
     save_file(sd, str(step / "model.safetensors"), metadata={"format": "pt"})
     monkeypatch.chdir(step)
-    for given in (".", "./", "../checkpoint-100"):
+    (step.parent / "latest").symlink_to(step.name)  # a trainer's or a user's link to the newest step
+    for given in (".", "./", "../checkpoint-100", "../latest", str(step.parent / "latest")):
         rc, doc = run(given, "--deep", "--strict")
         got = findings(doc, "D009")
         assert rc == 1 and got and all("layers.0." in f["key"] for f in got), (given, doc["findings"])
