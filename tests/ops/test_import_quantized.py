@@ -64,6 +64,17 @@ def _import(src: Path, out: Path, *args: str, code: int = 0) -> Any:
     return json.loads(res.stdout) if code == 0 else res.stderr
 
 
+def _valid_and_equal_to_import(src: Path, imported: Path) -> None:
+    """``validate --deep`` passes the quantized folder ``src`` without M020, and ``diff`` finds its 3 tensors
+    (dequantized) equal to the float32 DCP ``imported`` from it."""
+    res = runner.invoke(app, ["validate", "--deep", str(src)])
+    assert res.exit_code == 0 and "M020" not in res.stdout, res.stdout + res.stderr
+    res = runner.invoke(app, ["diff", str(imported), str(src), "--json"])
+    assert res.exit_code == 0, res.stdout + res.stderr
+    summary = json.loads(res.stdout)["summary"]
+    assert summary["equal"] == summary["tensors"] == 3 and summary["differ"] == 0
+
+
 def _write_folder(d: Path, tensors: dict[str, torch.Tensor], config: dict[str, Any]) -> Path:
     d.mkdir(parents=True, exist_ok=True)
     save_file(tensors, str(d / "model.safetensors"))
@@ -148,12 +159,7 @@ def test_block_scales_stored_bf16_equal_torch_reader(tmp_path: Path, scale_dtype
         r = _import(src, tmp_path / dtype, "--dtype", dtype, "--world-size", ranks)
         assert r["dequantized"]["kinds"] == {"fp8-block": 2}
         assert _check_against_reader(src, tmp_path / dtype, getattr(torch, dtype), 16) == 2
-    res = runner.invoke(app, ["validate", "--deep", str(src)])
-    assert res.exit_code == 0 and "M020" not in res.stdout, res.stdout + res.stderr
-    res = runner.invoke(app, ["diff", str(tmp_path / "float32"), str(src), "--json"])
-    assert res.exit_code == 0, res.stdout + res.stderr
-    summary = json.loads(res.stdout)["summary"]
-    assert summary["equal"] == summary["tensors"] == 3 and summary["differ"] == 0
+    _valid_and_equal_to_import(src, tmp_path / "float32")
 
 
 @pytest.fixture(scope="module")
@@ -524,12 +530,7 @@ def test_compressed_tensors_scales_in_the_models_dtype_import_as_its_decompressi
         assert torch.equal(_bits(got), _bits(q.float() * full)), name  # exact: no product of these rounds in float32
         assert torch.equal(_bits(got.to(ref.dtype)), _bits(ref)), name
         assert torch.equal(_bits(bf16["model." + name]), _bits(got.to(torch.bfloat16))), name
-    res = runner.invoke(app, ["validate", "--deep", str(src)])
-    assert res.exit_code == 0 and "M020" not in res.stdout, res.stdout + res.stderr
-    res = runner.invoke(app, ["diff", str(tmp_path / "f32"), str(src), "--json"])
-    assert res.exit_code == 0, res.stdout + res.stderr
-    summary = json.loads(res.stdout)["summary"]
-    assert summary["equal"] == summary["tensors"] == 3 and summary["differ"] == 0
+    _valid_and_equal_to_import(src, tmp_path / "f32")
     t["model.layers.0.mlp.up_proj.weight_scale"][1, 0] = float("nan")
     bad = _write_folder(tmp_path / "bad", t, json.loads((src / "config.json").read_text()))
     err = _import(bad, tmp_path / "nan", code=2)

@@ -8,14 +8,13 @@ Reference: megatron-core's own ``dist_checkpointing.load_common_state_dict`` (wi
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-from tests.fixtures.cache import cached_build
+from tests.fixtures.megatron import megatron_run
 
 pytestmark = pytest.mark.slow  # megatron-core's training and save on a gloo rank
 
@@ -29,14 +28,7 @@ def cli(*args: str) -> tuple[int, str]:
 
 @pytest.fixture(scope="module")
 def lm_run() -> Path:
-    from tests.fixtures.megatron import build_megatron
-    from tests.fixtures.writers import missing
-
-    why = missing("megatron.core.dist_checkpointing")
-    if why:
-        pytest.skip(why)
-    root = Path(os.environ.get("CKPTTOOL_FIXTURE_CACHE", "/tmp/ckpttool-fixtures"))
-    return cached_build(root, "megatron-args", lambda d: build_megatron(d, ("dense1_args",))) / "dense1_args"
+    return megatron_run("megatron-args", "dense1_args")
 
 
 def test_common_pt_with_megatron_lms_args_is_read(lm_run: Path) -> None:

@@ -9,7 +9,6 @@ for the export, torch's AdamW step for ``replay-step``.
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
 import pytest
@@ -17,7 +16,7 @@ import torch
 from typer.testing import CliRunner
 
 from ckpttool.cli.app import app
-from tests.fixtures.cache import cached_build
+from tests.fixtures.megatron import megatron_run
 
 pytestmark = pytest.mark.heavy  # megatron-core's training and save on 2 gloo ranks: about 25 s
 
@@ -26,15 +25,7 @@ runner = CliRunner()
 
 @pytest.fixture(scope="module")
 def distopt() -> Path:
-    from tests.fixtures.megatron import build_megatron
-    from tests.fixtures.writers import missing
-
-    why = missing("megatron.core.dist_checkpointing")
-    if why:
-        pytest.skip(why)
-    root = Path(os.environ.get("CKPTTOOL_FIXTURE_CACHE", "/tmp/ckpttool-fixtures"))
-    name = "dense_dp2_distopt"
-    return cached_build(root, "megatron-distopt", lambda d: build_megatron(d, (name,))) / name
+    return megatron_run("megatron-distopt", "dense_dp2_distopt")
 
 
 def cli(*args: str, code: int = 0) -> str:
@@ -71,15 +62,7 @@ def test_export_of_params_and_masters_gives_megatrons_logits(distopt: Path, tmp_
 
 @pytest.fixture(scope="module")
 def distopt_dp() -> Path:
-    from tests.fixtures.megatron import build_megatron
-    from tests.fixtures.writers import missing
-
-    why = missing("megatron.core.dist_checkpointing")
-    if why:
-        pytest.skip(why)
-    root = Path(os.environ.get("CKPTTOOL_FIXTURE_CACHE", "/tmp/ckpttool-fixtures"))
-    name = "dense_dp2_distopt_dp"
-    return cached_build(root, "megatron-distopt-dp", lambda d: build_megatron(d, (name,))) / name
+    return megatron_run("megatron-distopt-dp", "dense_dp2_distopt_dp")
 
 
 def test_dp_reshardable_buckets_are_listed_not_called_corrupt(distopt_dp: Path) -> None:
