@@ -280,7 +280,7 @@ class Cast:
             src_t = torch.from_numpy(src).view(getattr(torch, s))
             torch.from_numpy(out).view(getattr(torch, o)).copy_(src_t)
         if s in _WIDER.get(o, ()):
-            _refuse_float16_overflow(src, out, s, where, o)
+            _refuse_cast_overflow(src, out, s, where, o)
 
 
 #: Bit patterns of a non-finite value (infinity or NaN): exponent bits all ones.
@@ -296,14 +296,12 @@ _WIDER = {
 _LARGEST = {"float16": "65504", "bfloat16": "3.39e38", "float32": "3.40e38"}
 
 
-def _refuse_float16_overflow(
-    src: np.ndarray, out: np.ndarray, src_dtype: str, where: SlabWhere, out_dtype: str = "float16"
-) -> None:
+def _refuse_cast_overflow(src: np.ndarray, out: np.ndarray, src_dtype: str, where: SlabWhere, out_dtype: str) -> None:
     """Refuse a cast that made finite values infinite (to float16 beyond +-65504; a float64 value to bfloat16 or
     float32 beyond their +-3.4e38; torch's ``to`` gives infinity).
 
     Raises:
-        ExportError (E601): :func:`float16_overflow_error` of the slab's first such value.
+        ExportError (E601): :func:`cast_overflow_error` of the slab's first such value.
     """
     import numpy as np
 
@@ -323,7 +321,7 @@ def _refuse_float16_overflow(
     slab_at = int(hit[0])
     flat = next((g + slab_at - at for at, g, n in where.ranges if at <= slab_at < at + n), None)
     value = float(_as_float(src, src_dtype)[slab_at])
-    raise float16_overflow_error(where.key, src_dtype, value, where.shape, flat, out_dtype)
+    raise cast_overflow_error(where.key, src_dtype, value, where.shape, flat, out_dtype)
 
 
 def _as_float(raw: np.ndarray, dtype: str) -> Any:
@@ -335,8 +333,8 @@ def _as_float(raw: np.ndarray, dtype: str) -> Any:
     return raw.view(np.float64 if dtype == "float64" else np.float32)
 
 
-def float16_overflow_error(
-    key: str, src_dtype: str, value: float, shape: tuple[int, ...], flat: int | None, out_dtype: str = "float16"
+def cast_overflow_error(
+    key: str, src_dtype: str, value: float, shape: tuple[int, ...], flat: int | None, out_dtype: str
 ) -> ExportError:
     """E601 for a finite ``src_dtype`` ``value`` at global flat index ``flat`` of tensor ``key`` (``shape``)
     that a cast to ``out_dtype`` (float16: largest finite 65504; bfloat16, float32: 3.4e38) would write as
@@ -570,9 +568,9 @@ def _move_chunk(
             local = (at - start) // item + sum(window[3 * j] for j in range(e.run)) + e.index
             seg, _, seg_start = chunk_segments(chunk, size)
             value = struct.unpack("<f", e.bits.to_bytes(4, "little"))[0]
-            raise float16_overflow_error(
-                loc.key, src_dtype, value, size, seg_start(local // seg) + local % seg
-            ) from None
+            raise cast_overflow_error(
+                loc.key, src_dtype, value, size, seg_start(local // seg) + local % seg, "float16"
+            ) from None  # the native mover checks float16 casts only
         except ShortReadError:
             raise DataFileError(
                 f"{reader.path / loc.info.relative_path}: short read of {loc.key!r}",
