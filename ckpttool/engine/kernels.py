@@ -34,6 +34,7 @@ __all__ = [
     "IEEE_BITS",
     "E4M3FN_MAX",
     "E4M3FN_VALUES",
+    "bf16_overflows",
     "bf16_to_f32",
     "cast",
     "f32_to_bf16",
@@ -111,7 +112,7 @@ def loaded_torch() -> Any:
 
 def f32_to_bf16(
     src_u32: np.ndarray, out_u16: np.ndarray, *, canonical_nan: bool = True, use_torch: bool | None = None
-) -> None:
+) -> bool:
     """Round float32 bit patterns to bfloat16, to nearest even (``c10::BFloat16``'s ``round_to_nearest_even``).
 
     The native one-pass kernel where built (``engine/native/cast.c``), else, when torch is
@@ -126,15 +127,21 @@ def f32_to_bf16(
             sign bit, another NaN): for callers that test NaNs themselves.
         use_torch: ``None``: the native kernel where built, else torch's when :func:`loaded_torch`;
             ``False``: numpy's; ``True``: torch's (``RuntimeError`` when torch is not imported).
+
+    Returns:
+        Whether a finite value rounded to infinity (a magnitude from ``0x7F7F8000``, 3.39618e38, up to
+        float32's largest): the native kernel's flag, ORed in its one pass; the others' test of the source.
     """
-    if use_torch is None and _native_cast("ckpt_f32_to_bf16", src_u32, out_u16, int(canonical_nan)):
-        return
+    if use_torch is None:
+        overflow = _native_cast("ckpt_f32_to_bf16", src_u32, out_u16, int(canonical_nan))
+        if overflow is not None:
+            return overflow
     torch = None if use_torch is False else loaded_torch()
     if use_torch and torch is None:
         raise RuntimeError("f32_to_bf16(use_torch=True): torch is not imported")
     if torch is not None:
         _f32_to_bf16_torch(torch, src_u32, out_u16, canonical_nan)
-        return
+        return bf16_overflows(src_u32)
     t = _scratch.get("round", np.uint32, src_u32.size)
     np.right_shift(src_u32, 16, out=t)
     np.bitwise_and(t, 1, out=t)
@@ -145,6 +152,16 @@ def f32_to_bf16(
         f = src_u32.view(np.float32)
         if np.isnan(f).any():  # the rounding above would carry a NaN's payload into inf or the sign bit
             out_u16[np.isnan(f)] = BF16_NAN
+    return bf16_overflows(src_u32)
+
+
+def bf16_overflows(src_u32: np.ndarray) -> bool:
+    """Whether float32 bit patterns hold a finite value that rounds to bfloat16 infinity (magnitude bits 15..30
+    ``0xFEFF``: ``0x7F7F8000`` up to float32's largest, ``0x7F7FFFFF``; infinity and NaN are above)."""
+    t = _scratch.get("overflow", np.uint32, src_u32.size)
+    np.bitwise_and(src_u32, 0x7FFFFFFF, out=t)
+    np.right_shift(t, 15, out=t)
+    return bool((t == 0xFEFF).any())
 
 
 def _f32_to_bf16_torch(torch: Any, src_u32: np.ndarray, out_u16: np.ndarray, canonical_nan: bool) -> None:
@@ -173,20 +190,24 @@ def _f32_to_bf16_torch(torch: Any, src_u32: np.ndarray, out_u16: np.ndarray, can
 
 @cache
 def _native_kernel(name: str) -> Any:
-    """A native cast ``(src, dst, n[, canonical_nan])``, or ``None`` where the native kernels are unavailable."""
-    extra = (ctypes.c_int32,) if name == "ckpt_f32_to_bf16" else ()
-    return native.function(name, None, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, *extra)
+    """A native cast ``(src, dst, n[, canonical_nan])``, or ``None`` where the native kernels are unavailable
+    (``ckpt_f32_to_bf16`` returns its overflow flag, ``ckpt_f32_to_f16`` nothing)."""
+    bf16 = name == "ckpt_f32_to_bf16"
+    extra = (ctypes.c_int32,) if bf16 else ()
+    return native.function(
+        name, ctypes.c_int32 if bf16 else None, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, *extra
+    )
 
 
-def _native_cast(name: str, src: np.ndarray, out: np.ndarray, *extra: int) -> bool:
-    """Run the native cast ``name`` over contiguous ``src`` into ``out``; ``False`` (nothing done) where it cannot."""
+def _native_cast(name: str, src: np.ndarray, out: np.ndarray, *extra: int) -> bool | None:
+    """Run the native cast ``name`` over contiguous ``src`` into ``out``: ``None`` (nothing done) where it cannot,
+    else whether it flagged a finite value rounded to infinity (``ckpt_f32_to_bf16``; ``False`` for the others)."""
     fn = _native_kernel(name)
     if fn is None or not (src.flags.c_contiguous and out.flags.c_contiguous) or src.size != out.size:
-        return False
+        return None
     if src.itemsize != 4 or out.itemsize != 2:  # the kernels read float32 patterns and write 16-bit ones
-        return False
-    fn(src.ctypes.data, out.ctypes.data, src.size, *extra)
-    return True
+        return None
+    return bool(fn(src.ctypes.data, out.ctypes.data, src.size, *extra))
 
 
 def bf16_to_f32(src_u16: np.ndarray, out_u32: np.ndarray) -> None:
@@ -201,18 +222,22 @@ def f32_to_f16(src_f32: np.ndarray, out_f16: np.ndarray, *, use_native: bool = T
     for every input (a NaN keeps its sign and the top 10 bits of its payload, ``0x7C01`` where
     those are zero).
     """
-    if use_native and _native_cast("ckpt_f32_to_f16", src_f32, out_f16):
+    if use_native and _native_cast("ckpt_f32_to_f16", src_f32, out_f16) is not None:
         return
     with np.errstate(over="ignore", invalid="ignore"):
         np.copyto(out_f16, src_f32, casting="unsafe")
 
 
-def cast(src: np.ndarray, out: np.ndarray, src_dtype: str, out_dtype: str) -> None:
+def cast(src: np.ndarray, out: np.ndarray, src_dtype: str, out_dtype: str) -> bool:
     """Cast the values in ``src`` to ``out_dtype`` into ``out`` (one pair of :data:`FAST_CASTS`).
 
     Args:
         src: ``uint8``, ``n * itemsize(src_dtype)`` bytes; ``out``: ``uint8``, ``n * itemsize(out_dtype)``.
         src_dtype, out_dtype: torch dtype names.
+
+    Returns:
+        float32 -> bfloat16: :func:`f32_to_bf16`'s flag (a finite value rounded to infinity); the other pairs
+        ``False`` (the callers test float16's narrower range themselves).
 
     Raises:
         KeyError: a pair not in :data:`FAST_CASTS`.
@@ -222,21 +247,21 @@ def cast(src: np.ndarray, out: np.ndarray, src_dtype: str, out_dtype: str) -> No
     if src_dtype == "bfloat16":
         if out_dtype == "float32":
             bf16_to_f32(src.view(np.uint16), out.view(np.uint32))
-            return
+            return False
         wide = _scratch.get("wide", np.uint32, src.size // 2)
         bf16_to_f32(src.view(np.uint16), wide)
         f32_to_f16(wide.view(np.float32), out.view(np.float16))
-        return
+        return False
     if out_dtype == "bfloat16":
         if src_dtype == "float32":
-            f32_to_bf16(src.view(np.uint32), out.view(np.uint16))
-            return
+            return f32_to_bf16(src.view(np.uint32), out.view(np.uint16))
         wide = _scratch.get("wide", np.uint32, src.size // 2)
         np.copyto(wide.view(np.float32), src.view(np.float16), casting="unsafe")
-        f32_to_bf16(wide, out.view(np.uint16))
-        return
+        f32_to_bf16(wide, out.view(np.uint16))  # float16's values are far inside bfloat16's range
+        return False
     with np.errstate(over="ignore"):
         np.copyto(out.view(_NUMPY_FLOAT[out_dtype]), src.view(_NUMPY_FLOAT[src_dtype]), casting="unsafe")
+    return False
 
 
 @dataclass(frozen=True)

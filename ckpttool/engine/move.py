@@ -22,7 +22,7 @@ from typing import Any
 from ckpttool.engine import native
 from ckpttool.engine.io import ShortReadError
 
-__all__ = ["MOVE_KINDS", "STAGE_BYTES", "Float16Overflow", "available", "move_runs"]
+__all__ = ["MOVE_KINDS", "STAGE_BYTES", "CastOverflow", "available", "move_runs"]
 
 #: ``(stored dtype, written dtype)`` -> the kernel's kind (same dtypes: 0, a copy).
 MOVE_KINDS = {("float32", "bfloat16"): 1, ("float32", "float16"): 2, ("bfloat16", "float32"): 3}
@@ -64,8 +64,9 @@ def available(src_dtype: str, out_dtype: str, *, crc: bool) -> bool:
     return src_dtype == out_dtype or (src_dtype, out_dtype) in MOVE_KINDS
 
 
-class Float16Overflow(ValueError):
-    """A float32 -> float16 move met a finite value beyond +-65504 (the cast made it infinite).
+class CastOverflow(ValueError):
+    """A float32 -> float16 / bfloat16 move met a finite value beyond the target's range (float16: +-65504;
+    bfloat16: from 3.39618e38), which the cast made infinite.
 
     Attributes:
         run: the run (index into ``parts``' triples) holding it.
@@ -74,7 +75,7 @@ class Float16Overflow(ValueError):
     """
 
     def __init__(self, run: int, index: int, bits: int) -> None:
-        super().__init__(f"float32 value beyond float16's range in run {run} at {index}")
+        super().__init__(f"float32 value beyond the cast's range in run {run} at {index}")
         self.run, self.index, self.bits = run, index, bits
 
 
@@ -105,8 +106,8 @@ def move_runs(
     Raises:
         ShortReadError: the source file ends inside the stretch.
         OSError: a read or a write failed (``ENOSPC``, ``EIO``, ...).
-        Float16Overflow: a float32 -> float16 move met a finite value float16 cannot hold (the output
-            of the stretch is then incomplete).
+        CastOverflow: a float32 -> float16 / bfloat16 move met a finite value the target cannot hold (the
+            output of the stretch is then incomplete).
         ValueError: a dtype pair :func:`available` refuses.
     """
     k = _kernel()
@@ -138,7 +139,7 @@ def move_runs(
     if rc == -2:
         raise OSError(s.err[0], os.strerror(s.err[0]))
     if rc == -4:
-        raise Float16Overflow(int(s.err[0]), int(s.err[1]), int(s.err[2]) & 0xFFFFFFFF)
+        raise CastOverflow(int(s.err[0]), int(s.err[1]), int(s.err[2]) & 0xFFFFFFFF)
     if rc != 0:
         raise ValueError(f"ckpt_stream_cast refused its arguments ({rc})")
     return s.crc.value if crc is not None else None

@@ -40,8 +40,10 @@ def _source(tmp_path: Path, n: int, big: float = 3.4e38) -> tuple[int, np.ndarra
     [("float32", "bfloat16"), ("float32", "float16"), ("float32", "float32"), ("bfloat16", "float32")],
 )
 def test_runs_equal_the_slab_cast_and_crc(tmp_path: Path, src_dtype: str, out_dtype: str) -> None:
-    # float16 holds no 3.4e38 (test_float16_overflow_is_refused): its source has an infinity there instead
-    fd, vals = _source(tmp_path, 700_001, np.inf if out_dtype == "float16" else 3.4e38)  # 2.8 MB: many pieces
+    # float16 and bfloat16 hold no 3.4e38 (test_cast_overflow_is_refused): float16's source has an infinity there
+    # instead, bfloat16's its largest finite value (float32 0x7F7F7FFF rounds to it)
+    big = {"float16": np.inf, "bfloat16": np.uint32(0x7F7F7FFF).view(np.float32)}.get(out_dtype, 3.4e38)
+    fd, vals = _source(tmp_path, 700_001, float(big))  # 2.8 MB: many pieces
     item, out_item = (4, 4 if out_dtype == "float32" else 2) if src_dtype == "float32" else (2, 4)
     n = vals.nbytes // item  # bfloat16: the same bytes as twice as many values
     want = np.empty(n * out_item, dtype=np.uint8)
@@ -103,15 +105,17 @@ def test_short_source_and_failed_write_raise(tmp_path: Path) -> None:
         os.close(ro)
 
 
-def test_float16_overflow_is_refused(tmp_path: Path) -> None:
-    """A finite float32 value beyond +-65504 (which the cast makes infinite) stops the move, naming its run, its
-    index in the run and its bits; an infinity stored as such is cast as it is (the test above)."""
-    fd, vals = _source(tmp_path, 700_001)
+@pytest.mark.parametrize(("out_dtype", "big"), [("float16", 7e4), ("float16", 3.4e38), ("bfloat16", 3.4e38)])
+def test_cast_overflow_is_refused(tmp_path: Path, out_dtype: str, big: float) -> None:
+    """A finite float32 value beyond the target's range (float16: +-65504; bfloat16: from 3.39618e38), which the
+    cast makes infinite, stops the move, naming its run, its index in the run and its bits; an infinity stored as
+    such is cast as it is (the test above)."""
+    fd, vals = _source(tmp_path, 700_001, big)
     fa = os.open(tmp_path / "a", os.O_RDWR | os.O_CREAT)
     parts = array("q", [1000, -1, 0, 300_000, fa, 0, 399_001, fa, 600_000])
     try:
-        with pytest.raises(move.Float16Overflow) as info:
-            move.move_runs(fd, _HEAD, parts, "float32", "float16", 4, 0)
+        with pytest.raises(move.CastOverflow) as info:
+            move.move_runs(fd, _HEAD, parts, "float32", out_dtype, 4, 0)
     finally:
         os.close(fd), os.close(fa)
     e = info.value

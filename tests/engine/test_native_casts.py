@@ -75,3 +75,32 @@ def test_strided_slabs_take_the_numpy_path() -> None:
     kernels.f32_to_bf16(strided, out)
     kernels.f32_to_bf16(np.ascontiguousarray(strided), ref, use_torch=False)
     np.testing.assert_array_equal(out, ref)
+
+
+@pytest.mark.parametrize("path", ["native", "portable", "numpy", "torch"])
+def test_bf16_overflow_flag_is_torchs_finite_to_infinity(path: str) -> None:
+    """The FP32 -> BF16 cast's flag (ORed in its one pass) is set exactly when torch's ``to`` turns a finite
+    value into infinity: each overflowing pattern (0x7F7F8000..0x7F7FFFFF, both signs) alone, at every lane of a
+    16-wide AVX2 step and in the scalar tail, among values that stay finite, infinities and NaNs."""
+    base = np.array([0x7F7F7FFF, 0xFF7F7FFF, 0x7F800000, 0xFF800000, 0x7FC00000, 0x7F800001, 0, 0x3F800000] * 5)
+    base = base.astype(np.uint32)[:37]  # two vector steps and a 5-value tail
+
+    def flag(u: np.ndarray) -> bool:
+        out = np.empty(u.size, np.uint16)
+        if path == "portable":
+            fn = native.function(
+                "ckpt_f32_to_bf16_portable", ctypes.c_int32, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64
+            )
+            return bool(fn(u.ctypes.data, out.ctypes.data, u.size, 1))
+        return kernels.f32_to_bf16(u, out, use_torch={"native": None, "numpy": False, "torch": True}[path])
+
+    def torchs(u: np.ndarray) -> bool:
+        f = torch.from_numpy(u.view(np.float32).copy())
+        return bool((torch.isfinite(f) & torch.isinf(f.to(torch.bfloat16))).any())
+
+    assert not flag(base) and not torchs(base)
+    for bits in (0x7F7F8000, 0x7F7FFFFF, 0xFF7F8000, 0xFF7FC000):
+        for at in range(base.size):
+            u = base.copy()
+            u[at] = bits
+            assert flag(u) and torchs(u), (hex(bits), at)

@@ -5,7 +5,8 @@
  *             NaN gives 0x7FC0 (c10::BFloat16's scalar conversion);
  *   float16:  beyond float16's range to infinity; a NaN keeps its sign and its payload's top 10
  *             bits, 0x7C01 where those are zero (numpy's npy_floatbits_to_halfbits).
- * One pass, 16 (BF16) or 8 (FP16) elements per AVX2 step where the CPU has it.
+ * One pass, 16 (BF16) or 8 (FP16) elements per AVX2 step where the CPU has it; the BF16 cast ORs, in the same
+ * pass, a flag of the finite values it rounded to infinity (its return value).
  *
  * ckpt_stream_cast moves one stored record of a transforming export in one call: pread pieces of
  * the record into a cache-sized buffer, the CRC-32 of each piece (ckpt_crc32 of crc.c finishing with the
@@ -22,6 +23,11 @@
 #ifdef CKPT_X86
 #include <immintrin.h>
 #endif
+
+/* A finite float32 magnitude that rounds to bfloat16 infinity lies in [0x7F7F8000, 0x7F7FFFFF] (3.39618e38 up to
+ * float32's largest): its magnitude's bits 15..30 are 0xFEFF; infinity and NaN give 0xFF00 and above. */
+#define BF16_OVERFLOW_HI 0xFEFFu
+static inline int bf16_overflows(uint32_t u) { return ((u & 0x7FFFFFFFu) >> 15) == BF16_OVERFLOW_HI; }
 
 static inline uint16_t bf16_bits(uint32_t u, int canonical_nan) {
     if (canonical_nan && f32_is_nan(u)) return 0x7FC0u;
@@ -43,14 +49,26 @@ __attribute__((target("avx2"))) static inline __m256i round_bf16x8(__m256i u, in
     return r;
 }
 
-__attribute__((target("avx2"))) static int64_t bf16_avx2(const uint32_t *src, uint16_t *dst, int64_t n, int canon) {
+/* lanes of u whose magnitude rounds to bfloat16 infinity from a finite value (bf16_overflows), as all-ones */
+__attribute__((target("avx2"))) static inline __m256i overflow_bf16x8(__m256i u) {
+    __m256i top = _mm256_srli_epi32(_mm256_and_si256(u, _mm256_set1_epi32(0x7FFFFFFF)), 15);
+    return _mm256_cmpeq_epi32(top, _mm256_set1_epi32((int)BF16_OVERFLOW_HI));
+}
+
+/* *overflow: set to 1 when a finite value rounded to infinity (an OR of the lanes' flags, tested once) */
+__attribute__((target("avx2"))) static int64_t bf16_avx2(const uint32_t *src, uint16_t *dst, int64_t n, int canon,
+                                                         int *overflow) {
     int64_t i = 0;
+    __m256i any = _mm256_setzero_si256();
     for (; i + 16 <= n; i += 16) {
-        __m256i a = round_bf16x8(_mm256_loadu_si256((const __m256i *)(src + i)), canon);
-        __m256i b = round_bf16x8(_mm256_loadu_si256((const __m256i *)(src + i + 8)), canon);
+        __m256i ua = _mm256_loadu_si256((const __m256i *)(src + i)), ub = _mm256_loadu_si256((const __m256i *)(src + i + 8));
+        any = _mm256_or_si256(any, _mm256_or_si256(overflow_bf16x8(ua), overflow_bf16x8(ub)));
+        __m256i a = round_bf16x8(ua, canon);
+        __m256i b = round_bf16x8(ub, canon);
         __m256i packed = _mm256_permute4x64_epi64(_mm256_packus_epi32(a, b), 0xD8);
         _mm256_storeu_si256((__m256i *)(dst + i), packed);
     }
+    *overflow = !_mm256_testz_si256(any, any);
     return i;
 }
 
@@ -70,13 +88,19 @@ __attribute__((target("avx2,f16c"))) static int64_t f16_avx2(const uint32_t *src
 }
 #endif
 
-/* src: float32 bit patterns [n]; dst: bfloat16 bits [n]; canonical_nan: 0/1 (see the file comment) */
-void ckpt_f32_to_bf16(const uint32_t *src, uint16_t *dst, int64_t n, int32_t canonical_nan) {
+/* src: float32 bit patterns [n]; dst: bfloat16 bits [n]; canonical_nan: 0/1 (see the file comment).
+ * Returns 1 when a finite value rounded to infinity (a magnitude from 0x7F7F8000 up: bf16_overflows), else 0. */
+int32_t ckpt_f32_to_bf16(const uint32_t *src, uint16_t *dst, int64_t n, int32_t canonical_nan) {
     int64_t i = 0;
+    int overflow = 0;
 #ifdef CKPT_X86
-    if (ckpt_have_avx2()) i = bf16_avx2(src, dst, n, canonical_nan != 0);
+    if (ckpt_have_avx2()) i = bf16_avx2(src, dst, n, canonical_nan != 0, &overflow);
 #endif
-    for (; i < n; i++) dst[i] = bf16_bits(src[i], canonical_nan != 0);
+    for (; i < n; i++) {
+        overflow |= bf16_overflows(src[i]);
+        dst[i] = bf16_bits(src[i], canonical_nan != 0);
+    }
+    return overflow;
 }
 
 /* src: float32 bit patterns [n]; dst: float16 bits [n] */
@@ -89,8 +113,13 @@ void ckpt_f32_to_f16(const uint32_t *src, uint16_t *dst, int64_t n) {
 }
 
 /* the portable loops alone (tests compare them with the AVX2 ones) */
-void ckpt_f32_to_bf16_portable(const uint32_t *src, uint16_t *dst, int64_t n, int32_t canonical_nan) {
-    for (int64_t i = 0; i < n; i++) dst[i] = bf16_bits(src[i], canonical_nan != 0);
+int32_t ckpt_f32_to_bf16_portable(const uint32_t *src, uint16_t *dst, int64_t n, int32_t canonical_nan) {
+    int overflow = 0;
+    for (int64_t i = 0; i < n; i++) {
+        overflow |= bf16_overflows(src[i]);
+        dst[i] = bf16_bits(src[i], canonical_nan != 0);
+    }
+    return overflow;
 }
 
 void ckpt_f32_to_f16_portable(const uint32_t *src, uint16_t *dst, int64_t n) {
@@ -110,6 +139,14 @@ static int64_t f16_first_overflow(const uint32_t *s, const uint16_t *h, int64_t 
     if (!any) return -1;
     for (int64_t i = 0; i < n; i++)
         if ((h[i] & 0x7FFF) == 0x7C00 && (s[i] & 0x7FFFFFFF) != 0x7F800000) return i;
+    return -1;
+}
+
+/* Index of the first float32 value of s[0, n) that rounds to bfloat16 infinity from a finite value, or -1
+ * (run only on a piece ckpt_f32_to_bf16 flagged). */
+static int64_t bf16_first_overflow(const uint32_t *s, int64_t n) {
+    for (int64_t i = 0; i < n; i++)
+        if (bf16_overflows(s[i])) return i;
     return -1;
 }
 
@@ -134,7 +171,8 @@ static int write_full(int fd, const uint8_t *p, int64_t n, int64_t at, int64_t *
  * the first MOVE_PIECE bytes and written when that stage is full or the run ends.
  * Returns 0; -1 a read failed or ended early (err: errno or 0 for the end of the file, the file offset, the
  * bytes missing); -2 a write failed (err: errno, the file offset, the bytes not written); -3 bad arguments;
- * -4 (MOVE_F16) a finite float32 value beyond float16's range, which the cast made infinite (err: the run j,
+ * -4 (MOVE_F16, MOVE_BF16) a finite float32 value beyond the target's range (float16: +-65504; bfloat16: from
+ * 3.39618e38), which the cast made infinite (err: the run j,
  * the value's index within run j, its float32 bits); nothing after that piece is written. */
 int32_t ckpt_stream_cast(int32_t src_fd, int64_t src_off, const int64_t *parts, int32_t nparts, int32_t kind,
                          int32_t item, ckpt_crc_fn crc, uint32_t *crc_io, uint8_t *buf, int64_t buf_bytes,
@@ -176,10 +214,15 @@ int32_t ckpt_stream_cast(int32_t src_fd, int64_t src_off, const int64_t *parts, 
             if (crc) c = ckpt_crc32(crc, c, dst, (uint64_t)k);
             pos += k, left -= k;
             if (fd < 0) continue;
-            if (kind == MOVE_BF16) ckpt_f32_to_bf16((const uint32_t *)dst, (uint16_t *)(stage + staged), k / 4, 1);
-            else if (kind == MOVE_F16) {
-                ckpt_f32_to_f16((const uint32_t *)dst, (uint16_t *)(stage + staged), k / 4);
-                int64_t bad = f16_first_overflow((const uint32_t *)dst, (const uint16_t *)(stage + staged), k / 4);
+            if (kind == MOVE_BF16 || kind == MOVE_F16) {
+                int64_t bad = -1;
+                if (kind == MOVE_BF16) {
+                    if (ckpt_f32_to_bf16((const uint32_t *)dst, (uint16_t *)(stage + staged), k / 4, 1))
+                        bad = bf16_first_overflow((const uint32_t *)dst, k / 4);
+                } else {
+                    ckpt_f32_to_f16((const uint32_t *)dst, (uint16_t *)(stage + staged), k / 4);
+                    bad = f16_first_overflow((const uint32_t *)dst, (const uint16_t *)(stage + staged), k / 4);
+                }
                 if (bad >= 0) {
                     err[0] = j, err[1] = run_at + bad, err[2] = ((const uint32_t *)dst)[bad];
                     return -4;

@@ -60,7 +60,8 @@ def test_cast_kernels_equal_torch_bitwise(src: str, dst: str) -> None:
     out = torch.empty_like(want)
     src_np, out_np = x.view(torch.uint8).numpy(), out.view(torch.uint8).numpy()
     where = SlabWhere("k", tuple(x.shape), ((0, 0, x.numel()),))
-    if dst == "float16" or src == "float64":  # edges beyond 65504 (float64's: beyond 3.4e38): Cast refuses them
+    # edges beyond 65504 (float64's: beyond 3.4e38; float32's to bfloat16: from 3.39618e38): Cast refuses them
+    if dst == "float16" or src in ("float64", "float32"):
         from ckpttool.engine.kernels import cast as kernel_cast
         from ckpttool.errors import ExportError
 
@@ -339,3 +340,55 @@ def test_float16_overflow_named_at_its_index_past_the_first_window(
         "written as infinity, e.g. -100000 at [4150, 5]"
     )
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("path", ["native mover", "native slab", "torch slab"])
+def test_float32_to_bfloat16_refuses_finite_values_that_round_to_infinity(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, path: str
+) -> None:
+    """FP32 values in [3.39618e38, 3.40282e38] (bit patterns 0x7F7F8000..0x7F7FFFFF) are finite and round to
+    bfloat16 infinity (torch's ``to``): ``--save-dtype bfloat16`` wrote infinity with exit 0, where float64 ->
+    bfloat16 refused its overflow. Now E601 on every path (the native mover, the native slab kernel, torch's
+    copy), the same message as the float64 case; the largest FP32 value that stays finite exports as torch casts
+    it, and infinity / NaN stored as such stay what they are."""
+    from ckpttool.engine import kernels
+    from ckpttool.errors import ExportError
+
+    if path != "native mover":
+        _slab_path_only(monkeypatch)
+    if path == "torch slab":
+        monkeypatch.setattr(kernels, "_native_cast", lambda *a, **k: None)  # not built: torch's copy_
+    edge = torch.tensor([0x7F7F8000, 0x7F7F7FFF, 0xFF7FFFFF], dtype=torch.int64).to(torch.int32).view(torch.float32)
+    big = torch.zeros(64, 1024)
+    big[5, 3] = edge[0]
+    ok = torch.randn(64, 1024)
+    ok[0, :5] = torch.tensor([float("inf"), float("-inf"), float("nan"), float(edge[1]), -float(edge[1])])
+    src = tmp_path / "src"
+    dcp.save(
+        {"model": {"model.norm.weight": big, "model.embed_tokens.weight": ok}}, checkpoint_id=str(src), no_dist=True
+    )
+    out = tmp_path / "out"
+    with pytest.raises(ExportError) as info:
+        export_checkpoint(src, out, ExportOptions(save_dtype="bfloat16"))
+    assert info.value.code == "E601"
+    assert info.value.message == (
+        "model.model.norm.weight: finite float32 value(s) beyond bfloat16's range (+-3.39e38) would be written as "
+        "infinity, e.g. 3.39618e+38 at [5, 3]"
+    )
+    assert "save_dtype` preserve" in str(info.value.hint)
+    assert not out.exists()
+    big[5, 3] = 0.0
+    big[63, 1023] = edge[2]  # the most negative FP32 value, the last element
+    src2 = tmp_path / "src2"
+    dcp.save({"model": {"model.norm.weight": big}}, checkpoint_id=str(src2), no_dist=True)
+    with pytest.raises(ExportError, match=r"e\.g\. -3\.40282e\+38 at \[63, 1023\]$"):
+        export_checkpoint(src2, out, ExportOptions(save_dtype="bfloat16"))
+    src3 = tmp_path / "src3"
+    dcp.save({"model": {"model.embed_tokens.weight": ok}}, checkpoint_id=str(src3), no_dist=True)
+    export_checkpoint(src3, out, ExportOptions(save_dtype="bfloat16"))
+    with safe_open(str(out / "model.safetensors"), "pt") as f:
+        got = f.get_tensor("model.embed_tokens.weight")
+    want = ok.to(torch.bfloat16)
+    assert torch.equal(torch.isnan(got), torch.isnan(want))
+    keep = ~torch.isnan(want)
+    assert torch.equal(_bits(got[keep]), _bits(want[keep]))
