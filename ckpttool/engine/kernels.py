@@ -129,8 +129,10 @@ def f32_to_bf16(
             ``False``: numpy's; ``True``: torch's (``RuntimeError`` when torch is not imported).
 
     Returns:
-        Whether a finite value rounded to infinity (a magnitude from ``0x7F7F8000``, 3.39618e38, up to
-        float32's largest): the native kernel's flag, ORed in its one pass; the others' test of the source.
+        Whether a finite value may have rounded to infinity (a magnitude from ``0x7F7F8000``, 3.39618e38, up to
+        float32's largest): the native kernel's flag, a running maximum in its one pass, is also raised by an
+        infinity or a NaN (the caller looks for a finite one then); the other paths test exactly
+        (:func:`bf16_overflows`).
     """
     if use_torch is None:
         overflow = _native_cast("ckpt_f32_to_bf16", src_u32, out_u16, int(canonical_nan))
@@ -191,7 +193,7 @@ def _f32_to_bf16_torch(torch: Any, src_u32: np.ndarray, out_u16: np.ndarray, can
 @cache
 def _native_kernel(name: str) -> Any:
     """A native cast ``(src, dst, n[, canonical_nan])``, or ``None`` where the native kernels are unavailable
-    (``ckpt_f32_to_bf16`` returns its overflow flag, ``ckpt_f32_to_f16`` nothing)."""
+    (``ckpt_f32_to_bf16`` returns its flag, :func:`f32_to_bf16`'s, ``ckpt_f32_to_f16`` nothing)."""
     bf16 = name == "ckpt_f32_to_bf16"
     extra = (ctypes.c_int32,) if bf16 else ()
     return native.function(
@@ -201,7 +203,7 @@ def _native_kernel(name: str) -> Any:
 
 def _native_cast(name: str, src: np.ndarray, out: np.ndarray, *extra: int) -> bool | None:
     """Run the native cast ``name`` over contiguous ``src`` into ``out``: ``None`` (nothing done) where it cannot,
-    else whether it flagged a finite value rounded to infinity (``ckpt_f32_to_bf16``; ``False`` for the others)."""
+    else its flag (``ckpt_f32_to_bf16``: a finite value may have rounded to infinity; ``False`` for the others)."""
     fn = _native_kernel(name)
     if fn is None or not (src.flags.c_contiguous and out.flags.c_contiguous) or src.size != out.size:
         return None
@@ -236,8 +238,8 @@ def cast(src: np.ndarray, out: np.ndarray, src_dtype: str, out_dtype: str) -> bo
         src_dtype, out_dtype: torch dtype names.
 
     Returns:
-        float32 -> bfloat16: :func:`f32_to_bf16`'s flag (a finite value rounded to infinity); the other pairs
-        ``False`` (the callers test float16's narrower range themselves).
+        float32 -> bfloat16: :func:`f32_to_bf16`'s flag (a finite value may have rounded to infinity); the other
+        pairs ``False`` (the callers test float16's narrower range themselves).
 
     Raises:
         KeyError: a pair not in :data:`FAST_CASTS`.

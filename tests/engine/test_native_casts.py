@@ -78,12 +78,13 @@ def test_strided_slabs_take_the_numpy_path() -> None:
 
 
 @pytest.mark.parametrize("path", ["native", "portable", "numpy", "torch"])
-def test_bf16_overflow_flag_is_torchs_finite_to_infinity(path: str) -> None:
-    """The FP32 -> BF16 cast's flag (ORed in its one pass) is set exactly when torch's ``to`` turns a finite
-    value into infinity: each overflowing pattern (0x7F7F8000..0x7F7FFFFF, both signs) alone, at every lane of a
-    16-wide AVX2 step and in the scalar tail, among values that stay finite, infinities and NaNs."""
-    base = np.array([0x7F7F7FFF, 0xFF7F7FFF, 0x7F800000, 0xFF800000, 0x7FC00000, 0x7F800001, 0, 0x3F800000] * 5)
-    base = base.astype(np.uint32)[:37]  # two vector steps and a 5-value tail
+def test_bf16_overflow_flag_is_raised_where_torch_makes_a_finite_value_infinite(path: str) -> None:
+    """The FP32 -> BF16 cast's flag is raised whenever torch's ``to`` turns a finite value into infinity: each
+    overflowing pattern (0x7F7F8000..0x7F7FFFFF, both signs) alone, at every lane of two 16-wide AVX2 steps and in
+    the scalar tail; never where every value stays finite (float32 0x7F7F7FFF rounds to bfloat16's largest). The
+    native flag (a running maximum) is also raised by a stored infinity or NaN, the exact paths are not; the
+    bytes are the cast's either way."""
+    finite = np.array([0x7F7F7FFF, 0xFF7F7FFF, 0, 0x80000000, 0x3F800000, 0x00000001, 0x7F000000] * 6, np.uint32)[:37]
 
     def flag(u: np.ndarray) -> bool:
         out = np.empty(u.size, np.uint16)
@@ -91,16 +92,25 @@ def test_bf16_overflow_flag_is_torchs_finite_to_infinity(path: str) -> None:
             fn = native.function(
                 "ckpt_f32_to_bf16_portable", ctypes.c_int32, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64
             )
-            return bool(fn(u.ctypes.data, out.ctypes.data, u.size, 1))
-        return kernels.f32_to_bf16(u, out, use_torch={"native": None, "numpy": False, "torch": True}[path])
+            got = bool(fn(u.ctypes.data, out.ctypes.data, u.size, 1))
+        else:
+            got = kernels.f32_to_bf16(u, out, use_torch={"native": None, "numpy": False, "torch": True}[path])
+        want = torch.from_numpy(u.view(np.float32).copy()).to(torch.bfloat16).view(torch.int16).numpy()
+        ok = ~np.isnan(u.view(np.float32))
+        np.testing.assert_array_equal(out[ok], want.view(np.uint16)[ok])
+        return got
 
     def torchs(u: np.ndarray) -> bool:
         f = torch.from_numpy(u.view(np.float32).copy())
         return bool((torch.isfinite(f) & torch.isinf(f.to(torch.bfloat16))).any())
 
-    assert not flag(base) and not torchs(base)
+    assert not flag(finite) and not torchs(finite)
+    for stored in (0x7F800000, 0xFF800000, 0x7FC00000, 0x7F800001):
+        u = finite.copy()
+        u[3] = stored
+        assert flag(u) == (path in ("native", "portable")) and not torchs(u), hex(stored)
     for bits in (0x7F7F8000, 0x7F7FFFFF, 0xFF7F8000, 0xFF7FC000):
-        for at in range(base.size):
-            u = base.copy()
+        for at in range(finite.size):
+            u = finite.copy()
             u[at] = bits
             assert flag(u) and torchs(u), (hex(bits), at)

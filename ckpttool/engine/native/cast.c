@@ -6,7 +6,7 @@
  *   float16:  beyond float16's range to infinity; a NaN keeps its sign and its payload's top 10
  *             bits, 0x7C01 where those are zero (numpy's npy_floatbits_to_halfbits).
  * One pass, 16 (BF16) or 8 (FP16) elements per AVX2 step where the CPU has it; the BF16 cast ORs, in the same
- * pass, a flag of the finite values it rounded to infinity (its return value).
+ * pass, a flag of the magnitudes that may have rounded to infinity (its return value).
  *
  * ckpt_stream_cast moves one stored record of a transforming export in one call: pread pieces of
  * the record into a cache-sized buffer, the CRC-32 of each piece (ckpt_crc32 of crc.c finishing with the
@@ -25,9 +25,13 @@
 #endif
 
 /* A finite float32 magnitude that rounds to bfloat16 infinity lies in [0x7F7F8000, 0x7F7FFFFF] (3.39618e38 up to
- * float32's largest): its magnitude's bits 15..30 are 0xFEFF; infinity and NaN give 0xFF00 and above. */
-#define BF16_OVERFLOW_HI 0xFEFFu
-static inline int bf16_overflows(uint32_t u) { return ((u & 0x7FFFFFFFu) >> 15) == BF16_OVERFLOW_HI; }
+ * float32's largest): its magnitude's bits 15..30 are 0xFEFF (infinity and NaN give 0xFF00 and above).
+ * The cast's flag is the cheaper test "a magnitude of 0x7F7F8000 or more" (such a value, an infinity or a NaN):
+ * one unsigned maximum per 8 values in the AVX2 loop; bf16_first_overflow then looks for a true one. The same
+ * maximum tells the AVX2 loop whether the slab holds a NaN to make canonical. */
+#define BF16_OVERFLOW_FROM 0x7F7F8000u
+static inline int bf16_overflows(uint32_t u) { return ((u & 0x7FFFFFFFu) >> 15) == 0xFEFFu; }
+static inline int bf16_may_overflow(uint32_t u) { return (u & 0x7FFFFFFFu) >= BF16_OVERFLOW_FROM; }
 
 static inline uint16_t bf16_bits(uint32_t u, int canonical_nan) {
     if (canonical_nan && f32_is_nan(u)) return 0x7FC0u;
@@ -37,38 +41,37 @@ static inline uint16_t bf16_bits(uint32_t u, int canonical_nan) {
 static inline uint16_t f16_bits(uint32_t u) { return f32_is_nan(u) ? f16_nan_numpy(u) : f32_f16_finite(u); }
 
 #ifdef CKPT_X86
-__attribute__((target("avx2"))) static inline __m256i round_bf16x8(__m256i u, int canonical_nan) {
+/* Rounds 8 float32 patterns to bfloat16 (in the low half of each lane), NaNs as the rounding carries them.
+ * *top: the running maximum of the magnitudes (one instruction per 8 values). */
+__attribute__((target("avx2"))) static inline __m256i round_bf16x8(__m256i u, __m256i *top) {
     __m256i r = _mm256_add_epi32(_mm256_add_epi32(u, _mm256_set1_epi32(0x7FFF)),
                                  _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1)));
-    r = _mm256_srli_epi32(r, 16);
-    if (canonical_nan) {
-        __m256i mag = _mm256_and_si256(u, _mm256_set1_epi32(0x7FFFFFFF));
-        __m256i nan = _mm256_cmpgt_epi32(mag, _mm256_set1_epi32(0x7F800000));
-        r = _mm256_blendv_epi8(r, _mm256_set1_epi32(0x7FC0), nan);
-    }
-    return r;
+    *top = _mm256_max_epu32(*top, _mm256_and_si256(u, _mm256_set1_epi32(0x7FFFFFFF)));
+    return _mm256_srli_epi32(r, 16);
 }
 
-/* lanes of u whose magnitude rounds to bfloat16 infinity from a finite value (bf16_overflows), as all-ones */
-__attribute__((target("avx2"))) static inline __m256i overflow_bf16x8(__m256i u) {
-    __m256i top = _mm256_srli_epi32(_mm256_and_si256(u, _mm256_set1_epi32(0x7FFFFFFF)), 15);
-    return _mm256_cmpeq_epi32(top, _mm256_set1_epi32((int)BF16_OVERFLOW_HI));
-}
-
-/* *overflow: set to 1 when a finite value rounded to infinity (an OR of the lanes' flags, tested once) */
+/* *overflow: set to 1 when a magnitude reached BF16_OVERFLOW_FROM (the running maximum, tested once). The NaNs
+ * (magnitudes above 0x7F800000, which the maximum shows) are made canonical in a second loop over the values done
+ * only then: a slab without NaN or infinity is one pass. */
 __attribute__((target("avx2"))) static int64_t bf16_avx2(const uint32_t *src, uint16_t *dst, int64_t n, int canon,
                                                          int *overflow) {
     int64_t i = 0;
-    __m256i any = _mm256_setzero_si256();
+    __m256i top = _mm256_setzero_si256(), top_b = top; /* two chains: no dependency between the halves */
     for (; i + 16 <= n; i += 16) {
-        __m256i ua = _mm256_loadu_si256((const __m256i *)(src + i)), ub = _mm256_loadu_si256((const __m256i *)(src + i + 8));
-        any = _mm256_or_si256(any, _mm256_or_si256(overflow_bf16x8(ua), overflow_bf16x8(ub)));
-        __m256i a = round_bf16x8(ua, canon);
-        __m256i b = round_bf16x8(ub, canon);
+        __m256i a = round_bf16x8(_mm256_loadu_si256((const __m256i *)(src + i)), &top);
+        __m256i b = round_bf16x8(_mm256_loadu_si256((const __m256i *)(src + i + 8)), &top_b);
         __m256i packed = _mm256_permute4x64_epi64(_mm256_packus_epi32(a, b), 0xD8);
         _mm256_storeu_si256((__m256i *)(dst + i), packed);
     }
-    *overflow = !_mm256_testz_si256(any, any);
+    top = _mm256_max_epu32(top, top_b);
+    __m256i hit = _mm256_cmpgt_epi32(top, _mm256_set1_epi32((int)(BF16_OVERFLOW_FROM - 1)));
+    *overflow = !_mm256_testz_si256(hit, hit);
+    if (canon && *overflow) {
+        __m256i nan = _mm256_cmpgt_epi32(top, _mm256_set1_epi32(0x7F800000));
+        if (!_mm256_testz_si256(nan, nan))
+            for (int64_t j = 0; j < i; j++)
+                if (f32_is_nan(src[j])) dst[j] = 0x7FC0u;
+    }
     return i;
 }
 
@@ -89,7 +92,8 @@ __attribute__((target("avx2,f16c"))) static int64_t f16_avx2(const uint32_t *src
 #endif
 
 /* src: float32 bit patterns [n]; dst: bfloat16 bits [n]; canonical_nan: 0/1 (see the file comment).
- * Returns 1 when a finite value rounded to infinity (a magnitude from 0x7F7F8000 up: bf16_overflows), else 0. */
+ * Returns 1 when a magnitude of 0x7F7F8000 or more was met (bf16_may_overflow: a finite value rounded to infinity,
+ * an infinity or a NaN), else 0: the callers look for a finite one only then. */
 int32_t ckpt_f32_to_bf16(const uint32_t *src, uint16_t *dst, int64_t n, int32_t canonical_nan) {
     int64_t i = 0;
     int overflow = 0;
@@ -97,7 +101,7 @@ int32_t ckpt_f32_to_bf16(const uint32_t *src, uint16_t *dst, int64_t n, int32_t 
     if (ckpt_have_avx2()) i = bf16_avx2(src, dst, n, canonical_nan != 0, &overflow);
 #endif
     for (; i < n; i++) {
-        overflow |= bf16_overflows(src[i]);
+        overflow |= bf16_may_overflow(src[i]);
         dst[i] = bf16_bits(src[i], canonical_nan != 0);
     }
     return overflow;
@@ -116,7 +120,7 @@ void ckpt_f32_to_f16(const uint32_t *src, uint16_t *dst, int64_t n) {
 int32_t ckpt_f32_to_bf16_portable(const uint32_t *src, uint16_t *dst, int64_t n, int32_t canonical_nan) {
     int overflow = 0;
     for (int64_t i = 0; i < n; i++) {
-        overflow |= bf16_overflows(src[i]);
+        overflow |= bf16_may_overflow(src[i]);
         dst[i] = bf16_bits(src[i], canonical_nan != 0);
     }
     return overflow;
@@ -143,7 +147,7 @@ static int64_t f16_first_overflow(const uint32_t *s, const uint16_t *h, int64_t 
 }
 
 /* Index of the first float32 value of s[0, n) that rounds to bfloat16 infinity from a finite value, or -1
- * (run only on a piece ckpt_f32_to_bf16 flagged). */
+ * (run only on a piece ckpt_f32_to_bf16 flagged: values stored as infinity or NaN also raise its flag). */
 static int64_t bf16_first_overflow(const uint32_t *s, int64_t n) {
     for (int64_t i = 0; i < n; i++)
         if (bf16_overflows(s[i])) return i;

@@ -274,7 +274,7 @@ class Cast:
         if self.fast:
             from ckpttool.engine.kernels import cast
 
-            overflow = cast(src, out, s, o)  # float32 -> bfloat16: the kernel's flag, no second pass
+            overflow = cast(src, out, s, o)  # float32 -> bfloat16: the kernel's flag (no second pass unless raised)
         else:
             import torch
 
