@@ -295,6 +295,8 @@ _WIDER = {
     "bfloat16": ("float64",),
     "float32": ("float64",),
 }
+#: The smallest float32 magnitude a cast to bfloat16 rounds to infinity (bit pattern ``0x7F7F8000``).
+_BF16_OVERFLOW_FROM = 3.39617752923046e38
 #: The largest finite value of each cast target, for the message.
 _LARGEST = {"float16": "65504", "bfloat16": "3.39e38", "float32": "3.40e38"}
 
@@ -343,12 +345,13 @@ def cast_overflow_error(
     that a cast to ``out_dtype`` (float16: largest finite 65504; bfloat16, float32: 3.4e38) would write as
     infinity."""
     at = f" at {[int(i) for i in unravel(flat, shape)]}" if flat is not None and shape else ""
-    hint = (
-        "export with `save_dtype` bfloat16 (float32's range) or preserve; float16 holds values up to 65504"
-        if out_dtype == "float16"
-        else f"export with `save_dtype` preserve (the stored {src_dtype}); {out_dtype} holds values up to "
-        f"{_LARGEST[out_dtype]}"
-    )
+    if out_dtype == "float16" and abs(value) < _BF16_OVERFLOW_FROM:
+        hint = "export with `save_dtype` bfloat16 (float32's exponents) or preserve; float16 holds values up to 65504"
+    else:  # bfloat16 would make this value infinite too
+        hint = (
+            f"export with `save_dtype` preserve (the stored {src_dtype}); {out_dtype} holds values up to "
+            f"{_LARGEST[out_dtype]}"
+        )
     return ExportError(
         f"{key}: finite {src_dtype} value(s) beyond {out_dtype}'s range (+-{_LARGEST[out_dtype]}) would be written "
         f"as infinity, e.g. {value:g}{at}",

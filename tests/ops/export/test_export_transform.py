@@ -392,3 +392,26 @@ def test_float32_to_bfloat16_refuses_finite_values_that_round_to_infinity(
     assert torch.equal(torch.isnan(got), torch.isnan(want))
     keep = ~torch.isnan(want)
     assert torch.equal(_bits(got[keep]), _bits(want[keep]))
+
+
+@pytest.mark.parametrize(("value", "suggested"), [(7e4, "bfloat16"), (3.4e38, "preserve")])
+def test_float16_overflow_hint_suggests_bfloat16_only_where_it_holds_the_value(
+    tmp_path: Path, value: float, suggested: str
+) -> None:
+    """The float16 refusal's hint named ``save_dtype`` bfloat16 ("float32's range") for every value, 3.4e38 too,
+    which bfloat16 also makes infinite (largest finite 3.39e38): that export would be refused again. The hint names
+    bfloat16 only for a value it holds, else preserve."""
+    from ckpttool.errors import ExportError
+
+    src = tmp_path / "src"
+    dcp.save({"model": {"model.norm.weight": torch.tensor([1.0, value])}}, checkpoint_id=str(src), no_dist=True)
+    with pytest.raises(ExportError) as info:
+        export_checkpoint(src, tmp_path / "out", ExportOptions(save_dtype="float16"))
+    hint = str(info.value.hint)
+    assert hint.startswith(f"export with `save_dtype` {suggested} "), hint
+    assert ("bfloat16" in hint) == (suggested == "bfloat16"), hint
+    if suggested == "bfloat16":  # the hint's export works
+        export_checkpoint(src, tmp_path / "out", ExportOptions(save_dtype="bfloat16"))
+    else:
+        with pytest.raises(ExportError, match="beyond bfloat16's range"):
+            export_checkpoint(src, tmp_path / "out", ExportOptions(save_dtype="bfloat16"))
