@@ -375,7 +375,11 @@ def _stage_mxfp4(fds: StagedFds, plan: Dequantized, fd: int) -> None:
 
 
 def _stage_cast(fds: StagedFds, plan: Cast, fd: int) -> None:
-    """Write the stored float tensor as ``plan.dtype`` (float32: exact; bfloat16: nearest even, as ``Tensor.to``)."""
+    """Write the stored float tensor as ``plan.dtype`` (float32: exact; bfloat16: nearest even, as ``Tensor.to``).
+
+    Raises:
+        QuantizedSourceError (E612): a finite float32 value that rounds to a bfloat16 infinity (from 3.39618e38).
+    """
     import numpy as np
 
     from ckpttool.engine.io import write_all
@@ -386,7 +390,18 @@ def _stage_cast(fds: StagedFds, plan: Cast, fd: int) -> None:
         vals = (raw.view(np.uint16).astype(np.uint32) << 16).view(np.float32)
     else:
         vals = raw.view(np.float16 if plan.src_dtype == "float16" else np.float32).astype(np.float32)
-    write_all(fd, _encode(vals, plan.dtype), 0)
+    encoded = _encode(vals, plan.dtype)
+    if plan.dtype == "bfloat16":
+        bad = np.flatnonzero(((encoded.view(np.uint16) & 0x7FFF) == 0x7F80) & np.isfinite(vals.reshape(-1)))
+        if bad.size:
+            at = [int(i) for i in np.unravel_index(int(bad[0]), plan.shape)]
+            raise _bad(
+                f"{plan.key}: {bad.size} finite {plan.src_dtype} value(s) beyond bfloat16's range (+-3.39e38) would "
+                f"be written as infinity, e.g. {float(vals.reshape(-1)[bad[0]]):g} at {at}",
+                plan.key,
+                hint="import with --dtype float32 (the stored values, exact)",
+            )
+    write_all(fd, encoded, 0)
 
 
 _STAGERS: dict[QuantKind, Callable[[StagedFds, Dequantized, int], None]] = {

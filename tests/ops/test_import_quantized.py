@@ -805,3 +805,53 @@ def test_optimum_quanto_weights_are_refused_and_warned(tmp_path: Path, weights: 
     assert res.exit_code == 1, res.output
     found = [(f["code"], f["key"]) for f in json.loads(res.stdout)["findings"]]
     assert found == [("M026", first)], found
+
+
+def test_an_unquantized_float32_expert_beyond_bfloat16_is_refused_not_written_as_infinity(tmp_path: Path) -> None:
+    """A per-expert FP8 export with expert 0 kept FP32 (no scales) holding 3.4e38: the default bfloat16 import cast
+    that part to bfloat16 infinity with exit 0. Now E612 naming the part and the element, nothing published;
+    ``--dtype float32`` (the hint) imports it exactly."""
+    from safetensors.torch import load_file
+
+    from tests.ops.export.test_export_quant_experts import _tiny_moe
+
+    src = _tiny_moe(tmp_path / "ckpt")
+    assets = tmp_path / "assets"
+    assets.mkdir()
+    (assets / "config.json").write_text(json.dumps({"hidden_size": 20}))
+    q = tmp_path / "q"
+    args = [
+        "export",
+        str(src),
+        str(q),
+        "--quantize",
+        "fp8-block",
+        "--quantize-block",
+        "8",
+        "--model-assets",
+        str(assets),
+    ]
+    assert runner.invoke(app, args).exit_code == 0
+    t = load_file(str(q / "model.safetensors"))
+    for k in [k for k in t if ".experts.0." in k]:
+        if k.endswith("_scale_inv"):
+            del t[k]
+        else:
+            t[k] = torch.ones(t[k].shape)
+    big = "model.layers.0.mlp.experts.0.up_proj.weight"
+    t[big][1, 2] = 3.4e38
+    save_file(t, str(q / "model.safetensors"), {"format": "pt"})
+    (q / "model.safetensors.index.json").write_text(
+        json.dumps({"metadata": {}, "weight_map": dict.fromkeys(t, "model.safetensors")})
+    )
+    res = runner.invoke(app, ["import", str(q), str(tmp_path / "bf16")])
+    assert res.exit_code != 0
+    assert (
+        f"[E612] {big}: 1 finite float32 value(s) beyond bfloat16's range (+-3.39e38) would be written as "
+        "infinity, e.g. 3.4e+38 at [1, 2]" in res.stderr
+    ), res.stderr
+    assert "Traceback" not in res.stderr and not (tmp_path / "bf16").exists()
+    res = runner.invoke(app, ["import", str(q), str(tmp_path / "f32"), "--dtype", "float32"])
+    assert res.exit_code == 0, res.stderr
+    gate_up = _torch_load(tmp_path / "f32")["model.model.layers.0.mlp.experts.gate_up_proj"]  # [E, 2 * 6, 20]
+    assert gate_up.dtype == torch.float32 and gate_up[0, 6 + 1, 2].item() == t[big][1, 2].item()
