@@ -139,8 +139,8 @@ class LoraMerge:
 
     def _refuse_nonfinite(self, w: np.ndarray, before: np.ndarray, out: np.ndarray, where: SlabWhere) -> None:
         """Refuse merged values that are infinite or NaN where the base weight's value is finite: ``s * B @ A``
-        beyond float32's range (a huge ``lora_alpha``, factors of 1e38), an infinite or NaN factor, or a sum that
-        ``W``'s bfloat16 rounds to infinity (float16: :class:`~ckpttool.ops.export.transform.Cast` refuses it first).
+        beyond float32's range (a huge ``lora_alpha``, factors of 1e38), an infinite or NaN factor (a finite float32 sum
+        that bfloat16 or float16 rounds to infinity: :class:`~ckpttool.ops.export.transform.Cast` refuses it first).
 
         Raises:
             ExportError (E601): the tensor, the first such element and the scale; nothing is published.

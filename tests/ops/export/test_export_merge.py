@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -405,3 +406,28 @@ def test_a_square_conv1d_lora_merged_without_config_is_warned_about(tmp_path: Pa
     assert "merged as nn.Linear" not in res.stderr
     got = load_file(tmp_path / "m2" / "model.safetensors")[key]
     torch.testing.assert_close(got, ref.state_dict()[key], rtol=0, atol=1e-6)
+
+
+def test_a_merge_that_rounds_to_a_bfloat16_infinity_is_refused_naming_the_value(
+    lora_ckpt: Path,  # noqa: F811
+    tmp_path: Path,
+) -> None:
+    """W + s * B @ A finite in float32 (3.398e38) but beyond bfloat16's largest (3.39e38), ``--save-dtype bfloat16``:
+    E601 from the cast itself (the message and hint of every float32 -> bfloat16 overflow, as float16's range in the
+    test above), naming the tensor, the merged value and its index; no output."""
+    import torch.distributed.checkpoint as dcp
+
+    md = dcp.FileSystemReader(str(lora_ckpt)).read_metadata()
+    sd = {k: torch.empty(v.size, dtype=v.properties.dtype) for k, v in md.state_dict_metadata.items()}
+    dcp.load(sd, checkpoint_id=str(lora_ckpt), no_dist=True)
+    b = next(k for k in sd if ".q_proj.lora_B." in k and ".layers.0." in k)
+    sd[b] = torch.zeros_like(sd[b])
+    sd[b][3, :] = 3.398e38 / 16  # row 3 of B @ A: x * r; scale alpha / r = 16 / r
+    sd[b.replace("lora_B", "lora_A")] = torch.ones_like(sd[b.replace("lora_B", "lora_A")])
+    src = tmp_path / "src"
+    dcp.save({"model": {k[len("model.") :]: v.float() for k, v in sd.items()}}, checkpoint_id=str(src))
+    out = tmp_path / "merged"
+    res = export_cli(str(src), str(out), "--merge-lora", "--lora-alpha", "16", "--save-dtype", "bfloat16")
+    assert_clean_failure(res, "E601", "q_proj.base_layer.weight: finite float32 value(s) beyond bfloat16's range")
+    assert re.search(r"e\.g\. 3\.39\d+e\+38 at \[3, 0\]$", res.stderr.splitlines()[-2]), res.stderr
+    assert not out.exists()
