@@ -5,8 +5,8 @@
  *             NaN gives 0x7FC0 (c10::BFloat16's scalar conversion);
  *   float16:  beyond float16's range to infinity; a NaN keeps its sign and its payload's top 10
  *             bits, 0x7C01 where those are zero (numpy's npy_floatbits_to_halfbits).
- * One pass, 16 (BF16) or 8 (FP16) elements per AVX2 step where the CPU has it; the BF16 cast ORs, in the same
- * pass, a flag of the magnitudes that may have rounded to infinity (its return value).
+ * One pass, 16 (BF16) or 8 (FP16) elements per AVX2 step where the CPU has it; the BF16 cast keeps, in the same
+ * pass, a running maximum of the magnitudes: its return value flags those that may have rounded to infinity.
  *
  * ckpt_stream_cast moves one stored record of a transforming export in one call: pread pieces of
  * the record into a cache-sized buffer, the CRC-32 of each piece (ckpt_crc32 of crc.c finishing with the
