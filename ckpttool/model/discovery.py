@@ -28,11 +28,12 @@ from ckpttool.errors import (
     StepNotFoundError,
     UsageError,
 )
-from ckpttool.format.directory import DATA_FILE_RE, METADATA_NAME
+from ckpttool.format.directory import DATA_FILE_RE, METADATA_NAME, data_file_ranks
 from ckpttool.format.files import hub_snapshot
 from ckpttool.format.hf_storage import hf_storage_files
 from ckpttool.format.metadata import CheckpointMetadata, StorageInfo
 from ckpttool.format.perrank_formats import detect_layout, staging_of, unfinished_layout
+from ckpttool.format.rank_local import rank_metadata_names, ranks_without_metadata
 from ckpttool.model.schemas import registry
 from ckpttool.model.schemas.keyschema import SchemaOverride
 
@@ -310,7 +311,7 @@ def find_checkpoints(root: Path, max_depth: int = MAX_DEPTH) -> list[Path]:
             return False
         if is_checkpoint_dir(p):
             # torch-checkpointing's tmp_ dir, a Megatron iter_N without metadata.json: find_incomplete's
-            if staging_of(p) is None and _unpublished(p) is None and unfinished_layout(p) is None:
+            if staging_of(p) is None and _unfinished_checkpoint(p) is None:
                 found.append(p)
             return False
         return True
@@ -346,6 +347,30 @@ def _unpublished(path: Path, names: list[str] | None = None) -> str | None:
         held = ", ".join(h + "/" if (path / h).is_dir() else h for h in present)
         return f"{held} but no {last} (the trainer writes it last, when the save is complete)"
     return None
+
+
+def _unfinished_checkpoint(path: Path) -> str | None:
+    """What shows that the checkpoint folder ``path`` (:func:`is_checkpoint_dir`) holds a save that did not finish:
+    its trainer has not published it (:func:`_unpublished`), a per-rank format's rank file is missing
+    (:func:`~ckpttool.format.perrank_formats.unfinished_layout`), or a ``dcp.save(use_collectives=False)`` rank
+    wrote data files (or ``__R.metadata.tmp``) but not yet its ``__R.metadata``; else ``None``."""
+    return _unpublished(path) or unfinished_layout(path) or _rank_local_unfinished(path)
+
+
+def _rank_local_unfinished(path: Path) -> str | None:
+    """The ranks of a rank-local save (``__R.metadata`` per rank, no ``.metadata``) that have not written their
+    ``__R.metadata`` yet (torch writes it last, through ``__R.metadata.tmp``), else ``None``."""
+    try:
+        names = os.listdir(path)
+    except OSError:
+        return None
+    if METADATA_NAME in names or not rank_metadata_names(names):
+        return None
+    lacking = ranks_without_metadata(names, data_file_ranks(names))
+    if not lacking:
+        return None
+    shown = ", ".join(f"__{r}.metadata" for r in lacking[:4]) + (", ..." if len(lacking) > 4 else "")
+    return f"no {shown} (a use_collectives=False save: each rank writes its own last)"
 
 
 def unpublished(path: Path) -> str | None:
@@ -438,7 +463,7 @@ def find_incomplete(root: Path, max_depth: int = MAX_DEPTH) -> list[IncompleteSt
             return False
         if is_checkpoint_dir(p):
             # a Megatron iter_N whose metadata.json was never written; verl's actor/ missing a rank's file
-            why = _unpublished(p) or unfinished_layout(p)
+            why = _unfinished_checkpoint(p)
             step = near(p)
             if why is not None and step is not None:
                 found.setdefault(step, IncompleteStep(step, p, why))
@@ -741,7 +766,7 @@ def _refuse_unfinished_below(root: Path) -> None:
         if hit:
             return False
         if is_checkpoint_dir(p):
-            why = _unpublished(p) or unfinished_layout(p)
+            why = _unfinished_checkpoint(p)
             if why is not None:
                 hit.append((p, why))
             return False
