@@ -549,13 +549,8 @@ def _units(root: Path, found: list[Path]) -> list[_Unit]:
 
 def _step_near(p: Path, root: Path) -> int | None:
     """The step of the nearest step-named directory from ``p`` up to (not including) ``root``."""
-    q = p
-    while q != root and q != q.parent:
-        s = step_of(q.name)
-        if s is not None:
-            return s
-        q = q.parent
-    return None
+    d = _step_dir(p, root)
+    return step_of(d.name) if d is not None else None
 
 
 def _epoch_near(p: Path, root: Path) -> int:
@@ -930,6 +925,7 @@ def _latest_of(
     want = pointer[0] if pointer is not None else None
     source = f"named by {pointer[1]}" if pointer is not None else ""
     if want is None:
+        _refuse_several_series(root, units, bad)
         steps = [u.step for u in units if u.step is not None] + list(bad)
         want = max(steps) if steps else None
         source = "the highest step"
@@ -949,6 +945,49 @@ def _latest_of(
             hint="pass one of the listed directories",
         )
     return want, f"`step` latest: step {want} ({source})"
+
+
+def _step_dir(p: Path, root: Path) -> Path | None:
+    """The nearest step-named directory from ``p`` up to (not including) ``root``, else ``None``."""
+    q = p
+    while q != root and q != q.parent:
+        if step_of(q.name) is not None:
+            return q
+        q = q.parent
+    return None
+
+
+def _series(step_dir: Path) -> tuple[Path, str]:
+    """The series a step directory belongs to: its parent and its name with each number as ``N`` (``step-N``,
+    ``iter_N``, ``epoch_N_step_N``): one trainer's saves of one run."""
+    return step_dir.parent, re.sub(r"\d+", "N", step_dir.name)
+
+
+def _refuse_several_series(root: Path, units: list[_Unit], bad: dict[int, IncompleteStep]) -> None:
+    """E204 when ``latest`` (no ``latest`` file) would compare the step numbers of several series of step directories
+    (two trainers' names, ``step-N`` beside ``checkpoint-N``, or two runs' folders below ``root``): their numbers do
+    not count the same training, so the highest of them is no run's newest step."""
+    newest: dict[tuple[Path, str], tuple[int, Path]] = {}
+    for step, path in [(u.step, u.model) for u in units] + [(i.step, i.path) for i in bad.values()]:
+        d = _step_dir(path, root) if step is not None else None
+        if step is None or d is None:
+            continue
+        key = _series(d)
+        if key not in newest or step > newest[key][0]:
+            newest[key] = (step, d)
+    if len(newest) < 2:
+        return
+    shown = sorted(newest.items(), key=lambda kv: (str(kv[0][0]), kv[0][1]))
+    listed = "; ".join(f"{_rel(parent / name, root)} (newest {_rel(d, root)})" for (parent, name), (_, d) in shown)
+    example = shlex.quote(str(shown[-1][1][1]))
+    raise AmbiguousCheckpointError(  # no ``steps``: they are no one run's, which stats would follow in order
+        f"{root}: `step` latest, but the step directories below it are of {len(newest)} series (other trainers' "
+        f"or runs' saves, whose step numbers do not compare): {listed}",
+        path=root,
+        param="step",
+        hint=f"pass the folder of the run you mean (or its newest step directory, e.g. {example}), or pick a step "
+        "with `step` N",
+    )
 
 
 def _release_units(root: Path, units: list[_Unit], pointer: str) -> tuple[list[_Unit], str]:

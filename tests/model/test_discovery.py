@@ -195,3 +195,30 @@ def test_step_folder_with_model_and_optimizer_folders(acc_root: Path, tmp_path: 
     assert (loc.model, loc.optimizer, loc.step) == (tmp_path / "step-6" / "model", tmp_path / "step-6" / "optimizer", 6)
     with open_checkpoint(tmp_path / "step-5") as ck:
         assert ck.located.optimizer == tmp_path / "step-5" / "optimizer" and len(ck.catalog.optimizer_state) == 21
+
+
+def test_latest_over_two_trainers_or_runs_is_ambiguous(titan_root: Path, acc_root: Path, tmp_path: Path) -> None:
+    """A folder holding torchtitan's ``step-N`` and Accelerate's ``checkpoint-N`` (or two runs' ``checkpoint/``
+    folders): `step` latest compared their numbers and opened the highest, another trainer's or run's save than
+    the one the user meant, named "the highest step". Their numbers do not count the same training: E204 lists
+    each series' newest step. A ``latest`` file the trainer wrote is still followed; `step` N still picks its step."""
+    mix = tmp_path / "mix"
+    for s in (1, 2, 3):
+        shutil.copytree(titan_root / "llama3" / "checkpoint" / f"step-{s}", mix / f"step-{s}")
+    shutil.copytree(acc_root / "accelerate" / "checkpoint-1", mix / "checkpoint-5")
+    with pytest.raises(AmbiguousCheckpointError) as ei:
+        locate(mix, CheckpointSelection(step="latest"))
+    e = ei.value
+    assert e.code == "E204" and "of 2 series" in e.message, e.message
+    assert "checkpoint-N (newest checkpoint-5); step-N (newest step-3)" in e.message
+    assert e.hint is not None and "`step` N" in e.hint
+    assert e.steps == ()  # no one run's steps (stats' hint would follow them in order)
+    assert locate(mix, CheckpointSelection(step=2)).model == mix / "step-2"
+    (mix / "latest").write_text("3\n")  # the trainer's own pointer: followed, as its resume does
+    assert locate(mix, CheckpointSelection(step="latest")).model == mix / "step-3"
+    # two runs of one trainer below one folder: the newest step of one is not the other's
+    with pytest.raises(AmbiguousCheckpointError, match="of 4 series"):
+        locate(titan_root, CheckpointSelection(step="latest"))
+    assert locate(titan_root / "llama3", CheckpointSelection(step="latest")).model == (
+        titan_root / "llama3" / "checkpoint" / "step-3"
+    )
