@@ -929,6 +929,12 @@ def _latest_of(
         steps = [u.step for u in units if u.step is not None] + list(bad)
         want = max(steps) if steps else None
         source = "the highest step"
+    newer = [u.step for u in units if isinstance(want, int) and u.step is not None and u.step > want]
+    if pointer is not None and newer and max(newer) not in bad:  # its save finished; the file was not written since
+        source += (
+            f"; step {max(newer)} below it is newer and complete, but the trainer's resume loads the step "
+            f"{pointer[1]} names"
+        )
     if isinstance(want, int) and want in bad:
         done = [u.step for u in units if u.step is not None and u.step < want and u.step not in bad]
         if not done:

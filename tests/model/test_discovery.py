@@ -73,7 +73,12 @@ def test_latest_file_wins(titan_root: Path, tmp_path: Path) -> None:
         shutil.copytree(src / f"step-{s}", tmp_path / f"global_step{s}")
     (tmp_path / "latest").write_text("global_step1\n")
     loc = locate(tmp_path, CheckpointSelection(step="latest"))
-    assert loc.model == tmp_path / "global_step1" and loc.how == "`step` latest: step 1 (named by latest)"
+    # the file names an older step than the newest complete one (a save whose pointer was never updated): the
+    # trainer's resume loads the one named, and so does `step` latest, saying that a newer step is there (it was not)
+    assert loc.model == tmp_path / "global_step1" and loc.how == (
+        "`step` latest: step 1 (named by latest; step 2 below it is newer and complete, but the trainer's resume "
+        "loads the step latest names)"
+    )
     # the file read is named as the trainer wrote it (was "the `latest` file" whatever its name)
     (tmp_path / "latest").unlink()
     (tmp_path / "latest_checkpointed_iteration.txt").write_text("2\n")
