@@ -618,10 +618,18 @@ def locate(path: str | os.PathLike[str], selection: CheckpointSelection | None =
         files, unless nothing was found: then ``model`` is ``path`` and opening it reports why).
 
     Raises:
-        UsageError: ``path`` is not a directory; ``optimizer_dir`` does not exist or is not a checkpoint directory.
+        UsageError: ``path`` is not a directory; ``optimizer_dir`` does not exist, is not a checkpoint directory,
+            or lies in another step directory than the model checkpoint.
         AmbiguousCheckpointError (E204): several checkpoints below ``path`` and no ``step`` that picks one.
         StepNotFoundError (E205): no checkpoint below ``path`` has ``step``.
     """
+    found = _locate(path, selection)
+    _refuse_other_step(found.model, selection.optimizer_dir if selection is not None else None)
+    return found
+
+
+def _locate(path: str | os.PathLike[str], selection: CheckpointSelection | None) -> Located:
+    """:func:`locate` but for the step of ``optimizer_dir``."""
     root = Path(path)
     sel = selection or CheckpointSelection()
     opt = sel.optimizer_dir
@@ -685,6 +693,45 @@ def locate(path: str | os.PathLike[str], selection: CheckpointSelection | None =
         how += ", model folder paired with its optimizer folder"
     newer = tuple(i for i in reversed(incomplete) if u.step is None or i.step > u.step)
     return Located(root, u.model, u.optimizer or opt, u.step, how, newer)
+
+
+def _step_of_path(p: Path) -> tuple[int, Path] | None:
+    """``(step, step directory)`` of the nearest step-named directory holding ``p`` (``p`` itself included), by its
+    absolute path, else with links resolved (``run/latest/optimizer_0``); ``None`` when none names a step."""
+    for absolute in (os.path.abspath, os.path.realpath):
+        q = Path(absolute(p))
+        d = _step_dir(q, Path(q.anchor))
+        s = step_of(d.name) if d is not None else None
+        if d is not None and s is not None:
+            return s, d
+    return None
+
+
+def _refuse_other_step(model: Path, opt: Path | None) -> None:
+    """UsageError when ``opt`` (`optimizer_dir`) lies in another step's directory than the model checkpoint
+    ``model`` (``checkpoint-1/pytorch_model_fsdp_0`` with ``checkpoint-0/optimizer_0``): the moments and steps of
+    one save beside the weights of another, which no save wrote and no resume loads."""
+    if opt is None:
+        return
+    a, b = _step_of_path(model), _step_of_path(opt)
+    if a is None or b is None or a[0] == b[0]:
+        return
+    partner = next(
+        (
+            a[1] / q.relative_to(b[1])
+            for q in [Path(os.path.abspath(opt))]
+            if q.is_relative_to(b[1]) and (a[1] / q.relative_to(b[1])).is_dir()
+        ),
+        None,
+    )
+    raise UsageError(
+        f"`optimizer_dir` {opt} is of step {b[0]} ({b[1].name}), the model {model} of step {a[0]} ({a[1].name}): "
+        "one save's optimizer state beside another's weights",
+        param="optimizer_dir",
+        hint=f"pass the optimizer folder saved with the model, {partner}"
+        if partner is not None
+        else "pass the optimizer folder of the model's own step",
+    )
 
 
 def _refuse_marked(root: Path) -> None:

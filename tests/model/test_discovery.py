@@ -13,7 +13,9 @@ from pathlib import Path
 
 import pytest
 import torch
+from typer.testing import CliRunner
 
+from ckpttool.cli.app import app
 from ckpttool.errors import (
     AmbiguousCheckpointError,
     MetadataError,
@@ -227,3 +229,27 @@ def test_latest_over_two_trainers_or_runs_is_ambiguous(titan_root: Path, acc_roo
     assert locate(titan_root / "llama3", CheckpointSelection(step="latest")).model == (
         titan_root / "llama3" / "checkpoint" / "step-3"
     )
+
+
+def test_optimizer_dir_of_another_step_is_refused(acc_root: Path, tmp_path: Path) -> None:
+    """The model folder of ``checkpoint-1`` with ``--optimizer-dir checkpoint-0/optimizer_0`` opened as one
+    checkpoint: step 0's moments and step counters beside step 1's weights, which no save wrote and no resume
+    loads, and validate passed it (OK). Refused now, the hint naming the optimizer folder saved with the model."""
+    run = tmp_path / "run"
+    for s in (0, 1):
+        shutil.copytree(acc_root / "accelerate" / f"checkpoint-{s}", run / f"checkpoint-{s}")
+    model = run / "checkpoint-1" / "pytorch_model_fsdp_0"
+    with pytest.raises(UsageError) as ei:
+        locate(model, CheckpointSelection(optimizer_dir=run / "checkpoint-0" / "optimizer_0"))
+    e = ei.value
+    assert e.code == "E100" and "of step 0 (checkpoint-0)" in e.message and "of step 1 (checkpoint-1)" in e.message
+    assert e.hint == f"pass the optimizer folder saved with the model, {run / 'checkpoint-1' / 'optimizer_0'}"
+    res = CliRunner().invoke(
+        app, ["validate", str(model), "--optimizer-dir", str(run / "checkpoint-0" / "optimizer_0")]
+    )
+    assert res.exit_code == 2 and "[E100]" in res.stderr and "another's weights" in res.stderr, res.output
+    # the same step's folder (and a folder in no step directory) pairs as before
+    loc = locate(model, CheckpointSelection(optimizer_dir=run / "checkpoint-1" / "optimizer_0"))
+    assert loc.optimizer == run / "checkpoint-1" / "optimizer_0"
+    shutil.copytree(run / "checkpoint-0" / "optimizer_0", tmp_path / "opt")
+    assert locate(model, CheckpointSelection(optimizer_dir=tmp_path / "opt")).optimizer == tmp_path / "opt"
