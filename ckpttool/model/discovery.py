@@ -580,10 +580,17 @@ def _latest_step(root: Path) -> tuple[int | str, str] | None:
         p = root / name
         try:
             if p.is_symlink():  # NeMo Automodel's LATEST: a relative symlink to the step directory
-                s = step_of(Path(os.readlink(p)).name)
+                target = os.readlink(p)
+                s = step_of(Path(target).name)
                 if s is not None:
                     return s, name
-                continue
+                raise StepNotFoundError(  # was passed over: the highest step chosen, the link never named
+                    f"{p}: links to {target!r}, which names no step directory (`step` latest cannot follow it)",
+                    path=p,
+                    param="step",
+                    hint=f"pass the directory {name} links to itself, or `step` N, or point {name} at a step "
+                    "directory (or remove it to make `step` latest the highest complete step)",
+                )
             if not p.is_file():
                 continue
             size = p.stat().st_size
@@ -979,8 +986,8 @@ def _latest_of(
     newer = [u.step for u in units if isinstance(want, int) and u.step is not None and u.step > want]
     if pointer is not None and newer and max(newer) not in bad:  # its save finished; the file was not written since
         source += (
-            f"; step {max(newer)} below it is newer and complete, but the trainer's resume loads the step "
-            f"{pointer[1]} names"
+            f"; step {max(newer)} below it is newer and complete, but {pointer[1]} names this one (a resume that "
+            f"follows {pointer[1]} loads it)"
         )
     if isinstance(want, int) and want in bad:
         done = [u.step for u in units if u.step is not None and u.step < want and u.step not in bad]

@@ -78,8 +78,8 @@ def test_latest_file_wins(titan_root: Path, tmp_path: Path) -> None:
     # the file names an older step than the newest complete one (a save whose pointer was never updated): the
     # trainer's resume loads the one named, and so does `step` latest, saying that a newer step is there (it was not)
     assert loc.model == tmp_path / "global_step1" and loc.how == (
-        "`step` latest: step 1 (named by latest; step 2 below it is newer and complete, but the trainer's resume "
-        "loads the step latest names)"
+        "`step` latest: step 1 (named by latest; step 2 below it is newer and complete, but latest names this one "
+        "(a resume that follows latest loads it))"
     )
     # the file read is named as the trainer wrote it (was "the `latest` file" whatever its name)
     (tmp_path / "latest").unlink()
@@ -253,3 +253,23 @@ def test_optimizer_dir_of_another_step_is_refused(acc_root: Path, tmp_path: Path
     assert loc.optimizer == run / "checkpoint-1" / "optimizer_0"
     shutil.copytree(run / "checkpoint-0" / "optimizer_0", tmp_path / "opt")
     assert locate(model, CheckpointSelection(optimizer_dir=tmp_path / "opt")).optimizer == tmp_path / "opt"
+
+
+def test_latest_link_to_a_folder_of_no_step_is_e205(titan_root: Path, tmp_path: Path) -> None:
+    """``run/latest -> final/`` (a link naming no step directory): `step` latest passed over it without a word and
+    opened the highest step, "the highest step", while the ``latest`` file naming no step is E205. Now E205 too,
+    the hint naming the linked directory; a link to a step directory is followed, as before."""
+    run = tmp_path / "run"
+    for s in (1, 2):
+        shutil.copytree(titan_root / "llama3" / "checkpoint" / f"step-{s}", run / f"step-{s}")
+    (run / "final").mkdir()
+    (run / "latest").symlink_to("final")
+    with pytest.raises(StepNotFoundError) as ei:
+        locate(run, CheckpointSelection(step="latest"))
+    e = ei.value
+    assert e.code == "E205" and e.path == str(run / "latest") and "links to 'final', which names no step" in e.message
+    assert e.hint is not None and "pass the directory latest links to itself" in e.hint
+    (run / "latest").unlink()
+    (run / "latest").symlink_to("step-1")
+    loc = locate(run, CheckpointSelection(step="latest"))
+    assert loc.model == run / "step-1" and "named by latest; step 2 below it is newer and complete" in loc.how
