@@ -669,7 +669,7 @@ def _locate(path: str | os.PathLike[str], selection: CheckpointSelection | None)
                 param="step",
                 hint="pass the directory that holds the step directories, or drop `step`",
             )
-        return Located(root, root, opt)
+        return Located(root, root, opt, how=_given_how(root))
     found = find_checkpoints(root)
     incomplete = find_incomplete(root)
     if not found:
@@ -739,6 +739,17 @@ def _refuse_other_step(model: Path, opt: Path | None) -> None:
         if partner is not None
         else "pass the optimizer folder of the model's own step",
     )
+
+
+def _given_how(root: Path) -> str:
+    """How the directory given itself was chosen: said of a link to a step directory (``run/latest`` ->
+    ``step-200``: the step it opens), else ``the directory given``."""
+    try:
+        target = os.readlink(root) if root.is_symlink() else None
+    except OSError:
+        target = None
+    s = step_of(Path(target).name) if target is not None else None
+    return f"the directory given, a link to {target} (step {s})" if s is not None else "the directory given"
 
 
 def _refuse_marked(root: Path) -> None:

@@ -273,3 +273,16 @@ def test_latest_link_to_a_folder_of_no_step_is_e205(titan_root: Path, tmp_path: 
     (run / "latest").symlink_to("step-1")
     loc = locate(run, CheckpointSelection(step="latest"))
     assert loc.model == run / "step-1" and "named by latest; step 2 below it is newer and complete" in loc.how
+
+
+def test_a_link_to_a_step_given_itself_names_the_step(titan_root: Path, tmp_path: Path) -> None:
+    """``inspect run/latest`` (a link to ``step-2``) showed ``checkpoint run/latest`` and nothing of which step it
+    opened; how it was chosen names the linked step now (inspect's ``opened`` line, ``location.how``)."""
+    run = tmp_path / "run"
+    for s in (1, 2):
+        shutil.copytree(titan_root / "llama3" / "checkpoint" / f"step-{s}", run / f"step-{s}")
+    (run / "latest").symlink_to("step-2")
+    assert locate(run / "latest").how == "the directory given, a link to step-2 (step 2)"
+    assert locate(run / "step-2").how == "the directory given"
+    res = CliRunner().invoke(app, ["inspect", str(run / "latest")])
+    assert res.exit_code == 0 and f"opened      {run / 'latest'} (the directory given, a link to step-2" in res.stdout
