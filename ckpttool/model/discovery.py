@@ -1088,7 +1088,8 @@ def _ambiguous(
     shown = "; ".join(u.label(root) for u in units[:10]) + (f" (+{len(units) - 10} more)" if len(units) > 10 else "")
     steps = sorted({u.step for u in units if u.step is not None})
     if len(steps) > 1 and step is None:
-        named = ", ".join(f"{s} (incomplete)" if s in incomplete else str(s) for s in steps[:10])
+        listed = sorted({*steps, *incomplete})  # a newer step whose save did not finish too: not a silent gap
+        named = ", ".join(f"{s} (incomplete)" if s in incomplete else str(s) for s in listed[:10])
         example = next((u for u in reversed(units) if u.step not in incomplete), units[-1])
         hint = (
             f"pick one with `step` N|latest (steps {named}), "

@@ -286,3 +286,17 @@ def test_a_link_to_a_step_given_itself_names_the_step(titan_root: Path, tmp_path
     assert locate(run / "step-2").how == "the directory given"
     res = CliRunner().invoke(app, ["inspect", str(run / "latest")])
     assert res.exit_code == 0 and f"opened      {run / 'latest'} (the directory given, a link to step-2" in res.stdout
+
+
+def test_run_root_without_step_lists_a_newer_unfinished_step(titan_root: Path, tmp_path: Path) -> None:
+    """E204 of a run root listed its complete steps only (``steps 1, 2``) while step 3's save had not finished: a
+    user reading it could not tell that the newest step is there and broken. It is listed, marked incomplete."""
+    run = tmp_path / "run"
+    for s in (1, 2, 3):
+        shutil.copytree(titan_root / "llama3" / "checkpoint" / f"step-{s}", run / f"step-{s}")
+    (run / "step-3" / ".metadata").unlink()  # the data files of a save whose coordinator never wrote .metadata
+    with pytest.raises(AmbiguousCheckpointError) as ei:
+        locate(run)
+    e = ei.value
+    assert e.hint is not None and "(steps 1, 2, 3 (incomplete))" in e.hint and str(run / "step-2") in e.hint, e.hint
+    assert e.steps == ((1, str(run / "step-1")), (2, str(run / "step-2")))
