@@ -101,7 +101,10 @@ def manifest_command(
             progress=shown.progress if shown is not None else None,
             phase=shown.phase if shown is not None else None,
         )
-    Output(json_output).result(res, _render)
+    out = Output(json_output)
+    for line in res.warnings:  # validate's R001: a newer step's save did not finish, an older step was digested
+        out.warning(line)
+    out.result(res, _render)
 
 
 #: Problems printed one by one; the rest are counted by kind.

@@ -47,13 +47,14 @@ from ckpttool.format.hf_storage import hf_storage_files, load_hf_storage_metadat
 from ckpttool.format.mdcache import parse_metadata_taken
 from ckpttool.format.mdstorage import referenced_paths
 from ckpttool.format.metadata import CheckpointMetadata, ChunkMeta, StorageInfo
-from ckpttool.format.rank_local import merge_rank_metadata, rank_metadata_names
+from ckpttool.format.rank_local import merge_rank_metadata, rank_metadata_names, ranks_without_metadata
 from ckpttool.format.storage import RemoteStore, Spool, is_url, local_path
 
 __all__ = [
     "DATA_FILE_RE",
     "METADATA_NAME",
     "CheckpointDir",
+    "data_file_ranks",
     "rank_of_file",
     "resolve_inside",
     "open_regular",
@@ -64,6 +65,11 @@ __all__ = [
 log = logging.getLogger(__name__)
 DATA_FILE_RE = re.compile(r"^__(\d+)_(\d+)\.distcp$")
 METADATA_NAME = ".metadata"
+
+
+def data_file_ranks(names: Iterable[str]) -> set[int]:
+    """The ranks that wrote ``__{rank}_{n}.distcp`` data files among the file ``names``."""
+    return {int(m.group(1)) for n in names if (m := DATA_FILE_RE.match(n))}
 
 
 def rank_of_file(relative_path: str) -> int | None:
@@ -195,13 +201,11 @@ class CheckpointDir:
             IncompleteCheckpointError: a rank wrote data files but no ``__{rank}.metadata``.
             MetadataError / UnsafePickleError: a rank's file is unusable, or the ranks disagree.
         """
-        have = {r for r, _ in ranks}
-        writers = sorted({int(m.group(1)) for n in names if (m := DATA_FILE_RE.match(n))})
-        lacking = [r for r in writers if r not in have]
+        lacking = ranks_without_metadata(names, data_file_ranks(names))
         if lacking:
             raise IncompleteCheckpointError(
                 f"{self.path}: rank-local metadata (use_collectives=False) but rank(s) {lacking} wrote data "
-                f"files and no __R.metadata (incomplete save)",
+                f"files or __R.metadata.tmp and no __R.metadata (incomplete save)",
                 path=self.path / f"__{lacking[0]}.metadata",
             )
         parts: list[tuple[int, CheckpointMetadata]] = []

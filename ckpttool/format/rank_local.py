@@ -13,19 +13,31 @@ checked to agree on dtype and global size across ranks. Torch-free.
 from __future__ import annotations
 
 import re
+from collections.abc import Collection, Iterable
 
 from ckpttool.errors import MetadataError
 from ckpttool.format.metadata import BytesMeta, CheckpointMetadata, ChunkMeta, StorageInfo, TensorMeta
 
-__all__ = ["RANK_METADATA_RE", "merge_rank_metadata", "rank_metadata_names"]
+__all__ = ["RANK_METADATA_RE", "merge_rank_metadata", "rank_metadata_names", "ranks_without_metadata"]
 
 RANK_METADATA_RE = re.compile(r"^__(\d+)\.metadata$")
+#: The name torch's ``_FileSystemWriter.finish`` writes a rank's metadata to before renaming it into place.
+_RANK_METADATA_TMP_RE = re.compile(r"^__(\d+)\.metadata\.tmp$")
 
 
-def rank_metadata_names(names: list[str] | set[str]) -> list[tuple[int, str]]:
+def rank_metadata_names(names: Collection[str]) -> list[tuple[int, str]]:
     """``(rank, name)`` of the ``__{rank}.metadata`` files among ``names``, by rank."""
     found = [(int(m.group(1)), n) for n in names if (m := RANK_METADATA_RE.match(n))]
     return sorted(found)
+
+
+def ranks_without_metadata(names: Collection[str], writers: Iterable[int]) -> list[int]:
+    """The ranks of a rank-local save whose save did not finish, by rank: ``writers`` (the ranks that wrote data
+    files, ``__R_N.distcp``) and the ranks with a ``__R.metadata.tmp`` among ``names``, less those whose
+    ``__R.metadata`` is there (each rank writes it last, after its data files)."""
+    have = {r for r, _ in rank_metadata_names(names)}
+    tmp = {int(m.group(1)) for n in names if (m := _RANK_METADATA_TMP_RE.match(n))}
+    return sorted({*writers, *tmp} - have)
 
 
 def merge_rank_metadata(parts: list[tuple[int, CheckpointMetadata]], where: str) -> CheckpointMetadata:

@@ -28,11 +28,12 @@ from ckpttool.errors import (
     StepNotFoundError,
     UsageError,
 )
-from ckpttool.format.directory import DATA_FILE_RE, METADATA_NAME
+from ckpttool.format.directory import DATA_FILE_RE, METADATA_NAME, data_file_ranks
 from ckpttool.format.files import hub_snapshot
 from ckpttool.format.hf_storage import hf_storage_files
 from ckpttool.format.metadata import CheckpointMetadata, StorageInfo
 from ckpttool.format.perrank_formats import detect_layout, staging_of, unfinished_layout
+from ckpttool.format.rank_local import rank_metadata_names, ranks_without_metadata
 from ckpttool.model.schemas import registry
 from ckpttool.model.schemas.keyschema import SchemaOverride
 
@@ -310,7 +311,7 @@ def find_checkpoints(root: Path, max_depth: int = MAX_DEPTH) -> list[Path]:
             return False
         if is_checkpoint_dir(p):
             # torch-checkpointing's tmp_ dir, a Megatron iter_N without metadata.json: find_incomplete's
-            if staging_of(p) is None and _unpublished(p) is None and unfinished_layout(p) is None:
+            if staging_of(p) is None and _unfinished_checkpoint(p) is None:
                 found.append(p)
             return False
         return True
@@ -346,6 +347,30 @@ def _unpublished(path: Path, names: list[str] | None = None) -> str | None:
         held = ", ".join(h + "/" if (path / h).is_dir() else h for h in present)
         return f"{held} but no {last} (the trainer writes it last, when the save is complete)"
     return None
+
+
+def _unfinished_checkpoint(path: Path) -> str | None:
+    """What shows that the checkpoint folder ``path`` (:func:`is_checkpoint_dir`) holds a save that did not finish:
+    its trainer has not published it (:func:`_unpublished`), a per-rank format's rank file is missing
+    (:func:`~ckpttool.format.perrank_formats.unfinished_layout`), or a ``dcp.save(use_collectives=False)`` rank
+    wrote data files (or ``__R.metadata.tmp``) but not yet its ``__R.metadata``; else ``None``."""
+    return _unpublished(path) or unfinished_layout(path) or _rank_local_unfinished(path)
+
+
+def _rank_local_unfinished(path: Path) -> str | None:
+    """The ranks of a rank-local save (``__R.metadata`` per rank, no ``.metadata``) that have not written their
+    ``__R.metadata`` yet (torch writes it last, through ``__R.metadata.tmp``), else ``None``."""
+    try:
+        names = os.listdir(path)
+    except OSError:
+        return None
+    if METADATA_NAME in names or not rank_metadata_names(names):
+        return None
+    lacking = ranks_without_metadata(names, data_file_ranks(names))
+    if not lacking:
+        return None
+    shown = ", ".join(f"__{r}.metadata" for r in lacking[:4]) + (", ..." if len(lacking) > 4 else "")
+    return f"no {shown} (a use_collectives=False save: each rank writes its own last)"
 
 
 def unpublished(path: Path) -> str | None:
@@ -438,7 +463,7 @@ def find_incomplete(root: Path, max_depth: int = MAX_DEPTH) -> list[IncompleteSt
             return False
         if is_checkpoint_dir(p):
             # a Megatron iter_N whose metadata.json was never written; verl's actor/ missing a rank's file
-            why = _unpublished(p) or unfinished_layout(p)
+            why = _unfinished_checkpoint(p)
             step = near(p)
             if why is not None and step is not None:
                 found.setdefault(step, IncompleteStep(step, p, why))
@@ -524,13 +549,8 @@ def _units(root: Path, found: list[Path]) -> list[_Unit]:
 
 def _step_near(p: Path, root: Path) -> int | None:
     """The step of the nearest step-named directory from ``p`` up to (not including) ``root``."""
-    q = p
-    while q != root and q != q.parent:
-        s = step_of(q.name)
-        if s is not None:
-            return s
-        q = q.parent
-    return None
+    d = _step_dir(p, root)
+    return step_of(d.name) if d is not None else None
 
 
 def _epoch_near(p: Path, root: Path) -> int:
@@ -560,10 +580,17 @@ def _latest_step(root: Path) -> tuple[int | str, str] | None:
         p = root / name
         try:
             if p.is_symlink():  # NeMo Automodel's LATEST: a relative symlink to the step directory
-                s = step_of(Path(os.readlink(p)).name)
+                target = os.readlink(p)
+                s = step_of(Path(target).name)
                 if s is not None:
                     return s, name
-                continue
+                raise StepNotFoundError(  # was passed over: the highest step chosen, the link never named
+                    f"{p}: links to {target!r}, which names no step directory (`step` latest cannot follow it)",
+                    path=p,
+                    param="step",
+                    hint=f"pass the directory {name} links to itself, or `step` N, or point {name} at a step "
+                    "directory (or remove it to make `step` latest the highest complete step)",
+                )
             if not p.is_file():
                 continue
             size = p.stat().st_size
@@ -598,10 +625,18 @@ def locate(path: str | os.PathLike[str], selection: CheckpointSelection | None =
         files, unless nothing was found: then ``model`` is ``path`` and opening it reports why).
 
     Raises:
-        UsageError: ``path`` is not a directory; ``optimizer_dir`` does not exist or is not a checkpoint directory.
+        UsageError: ``path`` is not a directory; ``optimizer_dir`` does not exist, is not a checkpoint directory,
+            or lies in another step directory than the model checkpoint.
         AmbiguousCheckpointError (E204): several checkpoints below ``path`` and no ``step`` that picks one.
         StepNotFoundError (E205): no checkpoint below ``path`` has ``step``.
     """
+    found = _locate(path, selection)
+    _refuse_other_step(found.model, selection.optimizer_dir if selection is not None else None)
+    return found
+
+
+def _locate(path: str | os.PathLike[str], selection: CheckpointSelection | None) -> Located:
+    """:func:`locate` but for the step of ``optimizer_dir``."""
     root = Path(path)
     sel = selection or CheckpointSelection()
     opt = sel.optimizer_dir
@@ -634,7 +669,7 @@ def locate(path: str | os.PathLike[str], selection: CheckpointSelection | None =
                 param="step",
                 hint="pass the directory that holds the step directories, or drop `step`",
             )
-        return Located(root, root, opt)
+        return Located(root, root, opt, how=_given_how(root))
     found = find_checkpoints(root)
     incomplete = find_incomplete(root)
     if not found:
@@ -665,6 +700,56 @@ def locate(path: str | os.PathLike[str], selection: CheckpointSelection | None =
         how += ", model folder paired with its optimizer folder"
     newer = tuple(i for i in reversed(incomplete) if u.step is None or i.step > u.step)
     return Located(root, u.model, u.optimizer or opt, u.step, how, newer)
+
+
+def _step_of_path(p: Path) -> tuple[int, Path] | None:
+    """``(step, step directory)`` of the nearest step-named directory holding ``p`` (``p`` itself included), by its
+    absolute path, else with links resolved (``run/latest/optimizer_0``); ``None`` when none names a step."""
+    for absolute in (os.path.abspath, os.path.realpath):
+        q = Path(absolute(p))
+        d = _step_dir(q, Path(q.anchor))
+        s = step_of(d.name) if d is not None else None
+        if d is not None and s is not None:
+            return s, d
+    return None
+
+
+def _refuse_other_step(model: Path, opt: Path | None) -> None:
+    """UsageError when ``opt`` (`optimizer_dir`) lies in another step's directory than the model checkpoint
+    ``model`` (``checkpoint-1/pytorch_model_fsdp_0`` with ``checkpoint-0/optimizer_0``): the moments and steps of
+    one save beside the weights of another, which no save wrote and no resume loads."""
+    if opt is None:
+        return
+    a, b = _step_of_path(model), _step_of_path(opt)
+    if a is None or b is None or a[0] == b[0]:
+        return
+    partner = next(
+        (
+            a[1] / q.relative_to(b[1])
+            for q in [Path(os.path.abspath(opt))]
+            if q.is_relative_to(b[1]) and (a[1] / q.relative_to(b[1])).is_dir()
+        ),
+        None,
+    )
+    raise UsageError(
+        f"`optimizer_dir` {opt} is of step {b[0]} ({b[1].name}), the model {model} of step {a[0]} ({a[1].name}): "
+        "one save's optimizer state beside another's weights",
+        param="optimizer_dir",
+        hint=f"pass the optimizer folder saved with the model, {partner}"
+        if partner is not None
+        else "pass the optimizer folder of the model's own step",
+    )
+
+
+def _given_how(root: Path) -> str:
+    """How the directory given itself was chosen: said of a link to a step directory (``run/latest`` ->
+    ``step-200``: the step it opens), else ``the directory given``."""
+    try:
+        target = os.readlink(root) if root.is_symlink() else None
+    except OSError:
+        target = None
+    s = step_of(Path(target).name) if target is not None else None
+    return f"the directory given, a link to {target} (step {s})" if s is not None else "the directory given"
 
 
 def _refuse_marked(root: Path) -> None:
@@ -741,7 +826,7 @@ def _refuse_unfinished_below(root: Path) -> None:
         if hit:
             return False
         if is_checkpoint_dir(p):
-            why = _unpublished(p) or unfinished_layout(p)
+            why = _unfinished_checkpoint(p)
             if why is not None:
                 hit.append((p, why))
             return False
@@ -905,9 +990,16 @@ def _latest_of(
     want = pointer[0] if pointer is not None else None
     source = f"named by {pointer[1]}" if pointer is not None else ""
     if want is None:
+        _refuse_several_series(root, units, bad)
         steps = [u.step for u in units if u.step is not None] + list(bad)
         want = max(steps) if steps else None
         source = "the highest step"
+    newer = [u.step for u in units if isinstance(want, int) and u.step is not None and u.step > want]
+    if pointer is not None and newer and max(newer) not in bad:  # its save finished; the file was not written since
+        source += (
+            f"; step {max(newer)} below it is newer and complete, but {pointer[1]} names this one (a resume that "
+            f"follows {pointer[1]} loads it)"
+        )
     if isinstance(want, int) and want in bad:
         done = [u.step for u in units if u.step is not None and u.step < want and u.step not in bad]
         if not done:
@@ -924,6 +1016,49 @@ def _latest_of(
             hint="pass one of the listed directories",
         )
     return want, f"`step` latest: step {want} ({source})"
+
+
+def _step_dir(p: Path, root: Path) -> Path | None:
+    """The nearest step-named directory from ``p`` up to (not including) ``root``, else ``None``."""
+    q = p
+    while q != root and q != q.parent:
+        if step_of(q.name) is not None:
+            return q
+        q = q.parent
+    return None
+
+
+def _series(step_dir: Path) -> tuple[Path, str]:
+    """The series a step directory belongs to: its parent and its name with each number as ``N`` (``step-N``,
+    ``iter_N``, ``epoch_N_step_N``): one trainer's saves of one run."""
+    return step_dir.parent, re.sub(r"\d+", "N", step_dir.name)
+
+
+def _refuse_several_series(root: Path, units: list[_Unit], bad: dict[int, IncompleteStep]) -> None:
+    """E204 when ``latest`` (no ``latest`` file) would compare the step numbers of several series of step directories
+    (two trainers' names, ``step-N`` beside ``checkpoint-N``, or two runs' folders below ``root``): their numbers do
+    not count the same training, so the highest of them is no run's newest step."""
+    newest: dict[tuple[Path, str], tuple[int, Path]] = {}
+    for step, path in [(u.step, u.model) for u in units] + [(i.step, i.path) for i in bad.values()]:
+        d = _step_dir(path, root) if step is not None else None
+        if step is None or d is None:
+            continue
+        key = _series(d)
+        if key not in newest or step > newest[key][0]:
+            newest[key] = (step, d)
+    if len(newest) < 2:
+        return
+    shown = sorted(newest.items(), key=lambda kv: (str(kv[0][0]), kv[0][1]))
+    listed = "; ".join(f"{_rel(parent / name, root)} (newest {_rel(d, root)})" for (parent, name), (_, d) in shown)
+    example = shlex.quote(str(shown[-1][1][1]))
+    raise AmbiguousCheckpointError(  # no ``steps``: they are no one run's, which stats would follow in order
+        f"{root}: `step` latest, but the step directories below it are of {len(newest)} series (other trainers' "
+        f"or runs' saves, whose step numbers do not compare): {listed}",
+        path=root,
+        param="step",
+        hint=f"pass the folder of the run you mean (or its newest step directory, e.g. {example}), or pick a step "
+        "with `step` N",
+    )
 
 
 def _release_units(root: Path, units: list[_Unit], pointer: str) -> tuple[list[_Unit], str]:
@@ -953,7 +1088,8 @@ def _ambiguous(
     shown = "; ".join(u.label(root) for u in units[:10]) + (f" (+{len(units) - 10} more)" if len(units) > 10 else "")
     steps = sorted({u.step for u in units if u.step is not None})
     if len(steps) > 1 and step is None:
-        named = ", ".join(f"{s} (incomplete)" if s in incomplete else str(s) for s in steps[:10])
+        listed = sorted({*steps, *incomplete})  # a newer step whose save did not finish too: not a silent gap
+        named = ", ".join(f"{s} (incomplete)" if s in incomplete else str(s) for s in listed[:10])
         example = next((u for u in reversed(units) if u.step not in incomplete), units[-1])
         hint = (
             f"pick one with `step` N|latest (steps {named}), "

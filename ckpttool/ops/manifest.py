@@ -243,7 +243,8 @@ class ManifestResult:
     """What ``ckpttool manifest`` wrote (``--json``: schema ``ckpttool.manifest/1``).
 
     ``bytes_hashed``: every byte digested, the entries' windows and the files beside the data (``sidecars``,
-    ``training_state``) alike; ``hash_seconds``: the time of that hashing; ``seconds``: the whole run.
+    ``training_state``) alike; ``hash_seconds``: the time of that hashing; ``seconds``: the whole run;
+    ``warnings``: a newer step below the run root whose save did not finish (validate's ``R001``).
     """
 
     checkpoint: str
@@ -998,6 +999,7 @@ def write_manifest(
             seconds,
             manifest_digest(data, algorithm),
             man.metadata_digest,
+            warnings=[n for n in [ckpt.located.newer_incomplete_note("digested")] if n],
             covers=covers,
             hash_seconds=hash_seconds,
         )

@@ -70,7 +70,8 @@ class StampResult:
         recorded_in: ``"sidecar"`` (``layout.json``, written now or before) or ``"embedded"`` (the
             ``layout`` byte item of the checkpoint).
         warnings: what the new ``layout.json`` leaves out of date: a ckpttool ``manifest.json`` in the checkpoint,
-            made before it (its ``--verify`` reports the record as an extra file until it is made again).
+            made before it (its ``--verify`` reports the record as an extra file until it is made again); a newer
+            step below the run root whose save did not finish (validate's ``R001``).
     """
 
     path: str
@@ -109,12 +110,19 @@ def stamp(
     declaration = options_of(options, StampOptions).declaration
     if isinstance(source, Checkpoint):
         with open_source(source, opening) as ckpt:
-            return _stamp(ckpt, declaration or ckpt.declaration)
+            return _newer_incomplete(ckpt, _stamp(ckpt, declaration or ckpt.declaration))
     o = opening or OpenOptions()
     if declaration is not None:
         o = dataclasses.replace(o, declaration=declaration)
     with open_source(source, o, record_problems=True) as ckpt:
-        return _stamp(ckpt, o.declaration)
+        return _newer_incomplete(ckpt, _stamp(ckpt, o.declaration))
+
+
+def _newer_incomplete(ckpt: Checkpoint, res: StampResult) -> StampResult:
+    """``res`` with validate's ``R001`` in its warnings where the step stamped was chosen below a run root whose
+    newer step's save did not finish (``--step latest`` passed over it)."""
+    newer = ckpt.located.newer_incomplete_note("stamped")
+    return dataclasses.replace(res, warnings=(*res.warnings, newer)) if newer else res
 
 
 def _stamp(ckpt: Checkpoint, declaration: LayoutDeclaration | None) -> StampResult:

@@ -13,7 +13,9 @@ from pathlib import Path
 
 import pytest
 import torch
+from typer.testing import CliRunner
 
+from ckpttool.cli.app import app
 from ckpttool.errors import (
     AmbiguousCheckpointError,
     MetadataError,
@@ -73,7 +75,12 @@ def test_latest_file_wins(titan_root: Path, tmp_path: Path) -> None:
         shutil.copytree(src / f"step-{s}", tmp_path / f"global_step{s}")
     (tmp_path / "latest").write_text("global_step1\n")
     loc = locate(tmp_path, CheckpointSelection(step="latest"))
-    assert loc.model == tmp_path / "global_step1" and loc.how == "`step` latest: step 1 (named by latest)"
+    # the file names an older step than the newest complete one (a save whose pointer was never updated): the
+    # trainer's resume loads the one named, and so does `step` latest, saying that a newer step is there (it was not)
+    assert loc.model == tmp_path / "global_step1" and loc.how == (
+        "`step` latest: step 1 (named by latest; step 2 below it is newer and complete, but latest names this one "
+        "(a resume that follows latest loads it))"
+    )
     # the file read is named as the trainer wrote it (was "the `latest` file" whatever its name)
     (tmp_path / "latest").unlink()
     (tmp_path / "latest_checkpointed_iteration.txt").write_text("2\n")
@@ -195,3 +202,101 @@ def test_step_folder_with_model_and_optimizer_folders(acc_root: Path, tmp_path: 
     assert (loc.model, loc.optimizer, loc.step) == (tmp_path / "step-6" / "model", tmp_path / "step-6" / "optimizer", 6)
     with open_checkpoint(tmp_path / "step-5") as ck:
         assert ck.located.optimizer == tmp_path / "step-5" / "optimizer" and len(ck.catalog.optimizer_state) == 21
+
+
+def test_latest_over_two_trainers_or_runs_is_ambiguous(titan_root: Path, acc_root: Path, tmp_path: Path) -> None:
+    """A folder holding torchtitan's ``step-N`` and Accelerate's ``checkpoint-N`` (or two runs' ``checkpoint/``
+    folders): `step` latest compared their numbers and opened the highest, another trainer's or run's save than
+    the one the user meant, named "the highest step". Their numbers do not count the same training: E204 lists
+    each series' newest step. A ``latest`` file the trainer wrote is still followed; `step` N still picks its step."""
+    mix = tmp_path / "mix"
+    for s in (1, 2, 3):
+        shutil.copytree(titan_root / "llama3" / "checkpoint" / f"step-{s}", mix / f"step-{s}")
+    shutil.copytree(acc_root / "accelerate" / "checkpoint-1", mix / "checkpoint-5")
+    with pytest.raises(AmbiguousCheckpointError) as ei:
+        locate(mix, CheckpointSelection(step="latest"))
+    e = ei.value
+    assert e.code == "E204" and "of 2 series" in e.message, e.message
+    assert "checkpoint-N (newest checkpoint-5); step-N (newest step-3)" in e.message
+    assert e.hint is not None and "`step` N" in e.hint
+    assert e.steps == ()  # no one run's steps (stats' hint would follow them in order)
+    assert locate(mix, CheckpointSelection(step=2)).model == mix / "step-2"
+    (mix / "latest").write_text("3\n")  # the trainer's own pointer: followed, as its resume does
+    assert locate(mix, CheckpointSelection(step="latest")).model == mix / "step-3"
+    # two runs of one trainer below one folder: the newest step of one is not the other's
+    with pytest.raises(AmbiguousCheckpointError, match="of 4 series"):
+        locate(titan_root, CheckpointSelection(step="latest"))
+    assert locate(titan_root / "llama3", CheckpointSelection(step="latest")).model == (
+        titan_root / "llama3" / "checkpoint" / "step-3"
+    )
+
+
+def test_optimizer_dir_of_another_step_is_refused(acc_root: Path, tmp_path: Path) -> None:
+    """The model folder of ``checkpoint-1`` with ``--optimizer-dir checkpoint-0/optimizer_0`` opened as one
+    checkpoint: step 0's moments and step counters beside step 1's weights, which no save wrote and no resume
+    loads, and validate passed it (OK). Refused now, the hint naming the optimizer folder saved with the model."""
+    run = tmp_path / "run"
+    for s in (0, 1):
+        shutil.copytree(acc_root / "accelerate" / f"checkpoint-{s}", run / f"checkpoint-{s}")
+    model = run / "checkpoint-1" / "pytorch_model_fsdp_0"
+    with pytest.raises(UsageError) as ei:
+        locate(model, CheckpointSelection(optimizer_dir=run / "checkpoint-0" / "optimizer_0"))
+    e = ei.value
+    assert e.code == "E100" and "of step 0 (checkpoint-0)" in e.message and "of step 1 (checkpoint-1)" in e.message
+    assert e.hint == f"pass the optimizer folder saved with the model, {run / 'checkpoint-1' / 'optimizer_0'}"
+    res = CliRunner().invoke(
+        app, ["validate", str(model), "--optimizer-dir", str(run / "checkpoint-0" / "optimizer_0")]
+    )
+    assert res.exit_code == 2 and "[E100]" in res.stderr and "another's weights" in res.stderr, res.output
+    # the same step's folder (and a folder in no step directory) pairs as before
+    loc = locate(model, CheckpointSelection(optimizer_dir=run / "checkpoint-1" / "optimizer_0"))
+    assert loc.optimizer == run / "checkpoint-1" / "optimizer_0"
+    shutil.copytree(run / "checkpoint-0" / "optimizer_0", tmp_path / "opt")
+    assert locate(model, CheckpointSelection(optimizer_dir=tmp_path / "opt")).optimizer == tmp_path / "opt"
+
+
+def test_latest_link_to_a_folder_of_no_step_is_e205(titan_root: Path, tmp_path: Path) -> None:
+    """``run/latest -> final/`` (a link naming no step directory): `step` latest passed over it without a word and
+    opened the highest step, "the highest step", while the ``latest`` file naming no step is E205. Now E205 too,
+    the hint naming the linked directory; a link to a step directory is followed, as before."""
+    run = tmp_path / "run"
+    for s in (1, 2):
+        shutil.copytree(titan_root / "llama3" / "checkpoint" / f"step-{s}", run / f"step-{s}")
+    (run / "final").mkdir()
+    (run / "latest").symlink_to("final")
+    with pytest.raises(StepNotFoundError) as ei:
+        locate(run, CheckpointSelection(step="latest"))
+    e = ei.value
+    assert e.code == "E205" and e.path == str(run / "latest") and "links to 'final', which names no step" in e.message
+    assert e.hint is not None and "pass the directory latest links to itself" in e.hint
+    (run / "latest").unlink()
+    (run / "latest").symlink_to("step-1")
+    loc = locate(run, CheckpointSelection(step="latest"))
+    assert loc.model == run / "step-1" and "named by latest; step 2 below it is newer and complete" in loc.how
+
+
+def test_a_link_to_a_step_given_itself_names_the_step(titan_root: Path, tmp_path: Path) -> None:
+    """``inspect run/latest`` (a link to ``step-2``) showed ``checkpoint run/latest`` and nothing of which step it
+    opened; how it was chosen names the linked step now (inspect's ``opened`` line, ``location.how``)."""
+    run = tmp_path / "run"
+    for s in (1, 2):
+        shutil.copytree(titan_root / "llama3" / "checkpoint" / f"step-{s}", run / f"step-{s}")
+    (run / "latest").symlink_to("step-2")
+    assert locate(run / "latest").how == "the directory given, a link to step-2 (step 2)"
+    assert locate(run / "step-2").how == "the directory given"
+    res = CliRunner().invoke(app, ["inspect", str(run / "latest")])
+    assert res.exit_code == 0 and f"opened      {run / 'latest'} (the directory given, a link to step-2" in res.stdout
+
+
+def test_run_root_without_step_lists_a_newer_unfinished_step(titan_root: Path, tmp_path: Path) -> None:
+    """E204 of a run root listed its complete steps only (``steps 1, 2``) while step 3's save had not finished: a
+    user reading it could not tell that the newest step is there and broken. It is listed, marked incomplete."""
+    run = tmp_path / "run"
+    for s in (1, 2, 3):
+        shutil.copytree(titan_root / "llama3" / "checkpoint" / f"step-{s}", run / f"step-{s}")
+    (run / "step-3" / ".metadata").unlink()  # the data files of a save whose coordinator never wrote .metadata
+    with pytest.raises(AmbiguousCheckpointError) as ei:
+        locate(run)
+    e = ei.value
+    assert e.hint is not None and "(steps 1, 2, 3 (incomplete))" in e.hint and str(run / "step-2") in e.hint, e.hint
+    assert e.steps == ((1, str(run / "step-1")), (2, str(run / "step-2")))

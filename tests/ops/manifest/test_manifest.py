@@ -623,3 +623,20 @@ def test_a_manifest_interrupted_while_written_leaves_no_folder_it_made(dense_ckp
     )
     assert (res.returncode, res.stderr.strip()) == (130, "error: interrupted"), (res.returncode, res.stderr)
     assert sorted(os.listdir(tmp_path)) == ["ck"]
+
+
+def test_manifest_of_a_run_root_names_a_newer_unfinished_save(dense_ckpt: Path, tmp_path: Path) -> None:
+    """`manifest RUN --step latest` digested step 1 while step 2's save had not finished, without a word (stats,
+    export, reshard and validate's R001 name it); a warning now does, on stderr and in the JSON warnings."""
+    copy_checkpoint(dense_ckpt, tmp_path / "run" / "step-1")
+    newer = copy_checkpoint(dense_ckpt, tmp_path / "run" / "step-2")
+    (newer / ".metadata").unlink()  # the data files of a save whose coordinator never wrote .metadata
+    res = runner.invoke(app, ["manifest", str(tmp_path / "run"), "--step", "latest"])
+    assert res.exit_code == 0, res.output
+    assert f"wrote {tmp_path / 'run' / 'step-1' / 'manifest.json'}" in res.stdout
+    assert "a newer step's save did not finish: step 2" in res.stderr and "digested step 1" in res.stderr
+    doc = json.loads(runner.invoke(app, ["manifest", str(tmp_path / "run"), "--step", "latest", "--json"]).stdout)
+    assert len(doc["warnings"]) == 1 and "step 2" in doc["warnings"][0] and "(R001)" in doc["warnings"][0]
+    assert not (newer / "manifest.json").exists()
+    clean = json.loads(runner.invoke(app, ["manifest", str(tmp_path / "run" / "step-1"), "--json"]).stdout)
+    assert clean["warnings"] == []

@@ -355,3 +355,18 @@ def test_an_unreadable_layout_json_is_named_with_a_hint_that_helps(legacy_copy: 
     ]
     (legacy_copy / "layout.json").unlink()  # as the hint says
     assert runner.invoke(app, ["stamp", str(legacy_copy), *LEGACY]).exit_code == 0
+
+
+def test_stamp_of_a_run_root_names_a_newer_unfinished_save(ep_suite: Path, tmp_path: Path) -> None:
+    """`stamp RUN --step latest` stamped step 1 while step 2's save had not finished, without a word (stats, export,
+    reshard and validate's R001 name it); a warning now does, on stderr and in the JSON warnings."""
+    copy_checkpoint(ep_suite / "legacy", tmp_path / "run" / "step-1")
+    newer = copy_checkpoint(ep_suite / "legacy", tmp_path / "run" / "step-2")
+    (newer / ".metadata").rename(newer / ".metadata.tmp")  # FileSystemWriter's name until every rank finished
+    res = runner.invoke(app, ["stamp", str(tmp_path / "run"), "--step", "latest", *LEGACY, "--json"])
+    assert res.exit_code == 0, res.output
+    doc = json.loads(res.stdout)
+    assert doc["path"] == str(tmp_path / "run" / "step-1" / "layout.json")
+    assert any("step 2" in w and ".metadata.tmp" in w and "(R001)" in w for w in doc["warnings"]), doc["warnings"]
+    assert "a newer step's save did not finish: step 2" in res.stderr and "stamped step 1" in res.stderr
+    assert not (newer / "layout.json").exists()

@@ -105,3 +105,32 @@ def test_a_higher_rank_file_missing_or_short_is_found(replicated: Path, tmp_path
         1,
         [("S002", "E300", "__1_0.distcp: data file missing; 28 chunks/byte items are stored in it")],
     )
+
+
+@pytest.mark.parametrize("rank1", ["tmp", "none"])
+def test_a_run_step_whose_rank_has_not_written_its_metadata_is_incomplete(
+    replicated: Path, tmp_path: Path, rank1: str
+) -> None:
+    """A run's newest step where rank 0 has written ``__0.metadata`` and rank 1 its data file but not yet its
+    ``__1.metadata`` (torch writes ``__1.metadata.tmp``, then renames it) was a checkpoint to discovery:
+    `--step latest` chose it and failed E202, the run root was "2 checkpoints" (E204, its example the unfinished
+    step), and validate of the complete step said nothing (R001). Now it is step 2 incomplete, as a save without
+    ``.metadata``."""
+    run = tmp_path / "run"
+    copy_checkpoint(replicated, run / "step-1")
+    newer = copy_checkpoint(replicated, run / "step-2")
+    if rank1 == "tmp":
+        (newer / "__1.metadata").rename(newer / "__1.metadata.tmp")
+    else:
+        (newer / "__1.metadata").unlink()
+    for given in (["--step", "latest"], []):
+        res = runner.invoke(app, ["validate", str(run), *given, "--json"])
+        doc = json.loads(res.stdout)
+        assert res.exit_code == 0 and doc["path"] == str(run / "step-1"), res.output
+        r001 = [f for f in doc["findings"] if f["code"] == "R001"]
+        assert len(r001) == 1 and "__1.metadata" in r001[0]["message"] and "step 2" in r001[0]["message"], r001
+    res = runner.invoke(app, ["inspect", str(run), "--step", "2"])
+    assert res.exit_code == 2 and "[E202]" in res.stderr and "step 2 is incomplete" in res.stderr, res.output
+    assert "no __1.metadata" in res.stderr
+    res = runner.invoke(app, ["inspect", str(run), "--step", "latest"])
+    assert res.exit_code == 0 and "step 1 (the highest complete step; step 2 is incomplete" in res.stdout, res.output
