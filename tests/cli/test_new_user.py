@@ -513,3 +513,29 @@ def test_a_folder_inside_a_checkpoint_given_as_dot_names_the_checkpoint(
             "hint: pass the checkpoint directory .. (model_assets/ is a folder inside it)",
         ], res.stderr
     assert runner.invoke(app, ["inspect", ".."]).exit_code == 0
+
+
+def test_an_optimizer_folder_opened_alone_names_its_model_folder(
+    acc_root: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Accelerate's ``optimizer_0/`` given alone (the optimizer half of ``checkpoint-1/``): `replay-step` said the
+    optimizer state "does not name this checkpoint's model tensors" and `export` "pass the model checkpoint", as
+    if the folder held some other model. Both now name the model folder beside it and the step directory to pass
+    instead (as the model folder opened alone names its optimizer folder), relative as the user named it: also
+    from inside the folder (``.``)."""
+    step = acc_root / "accelerate" / "checkpoint-1"
+    monkeypatch.chdir(step)
+    want = "hint: its model folder pytorch_model_fsdp_0/ lies beside it: pass the step directory ., which holds both"
+    for args in (["replay-step", "optimizer_0"], ["export", "optimizer_0", str(acc_root / "none")]):
+        res = runner.invoke(app, args)
+        assert res.exit_code == 2, res.output
+        assert res.stderr.splitlines()[-1] == want, res.stderr
+    monkeypatch.chdir(step / "optimizer_0")
+    res = runner.invoke(app, ["replay-step", "."])
+    assert res.exit_code == 2, res.output
+    assert res.stderr.splitlines()[-1] == (
+        "hint: its model folder ../pytorch_model_fsdp_0/ lies beside it: pass the step directory .., which holds both"
+    )
+    assert not (acc_root / "none").exists()
+    res = runner.invoke(app, ["replay-step", ".."])  # the step directory the hint names: both halves, one checkpoint
+    assert res.exit_code == 0, res.output
