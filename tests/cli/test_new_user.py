@@ -539,3 +539,30 @@ def test_an_optimizer_folder_opened_alone_names_its_model_folder(
     assert not (acc_root / "none").exists()
     res = runner.invoke(app, ["replay-step", ".."])  # the step directory the hint names: both halves, one checkpoint
     assert res.exit_code == 0, res.output
+
+
+def test_manifest_verify_of_a_file_in_the_checkpoint_names_its_folder(sample_ckpt: Path, tmp_path: Path) -> None:
+    """`manifest FILE --verify` with a file of the checkpoint (its ``.metadata``, a ``.distcp``, the
+    ``manifest.json`` itself, a ``.safetensors`` of an export) said ``FILE/manifest.json: no such manifest
+    file`` and hinted to write one, as if the folder held none; `manifest FILE` (writing) and every other
+    command say the file is not a directory and name the folder to pass. `--verify` now says the same."""
+    ckpt = copy_checkpoint(sample_ckpt, tmp_path / "ck")
+    assert runner.invoke(app, ["manifest", str(ckpt)]).exit_code == 0
+    hf = tmp_path / "hf"
+    assert runner.invoke(app, ["export", str(ckpt), str(hf), "-q"]).exit_code == 0
+    cases = [
+        (ckpt / ".metadata", ckpt, "the one holding .metadata"),
+        (ckpt / "__0_0.distcp", ckpt, "the one holding .metadata"),
+        (ckpt / "manifest.json", ckpt, "the one holding .metadata"),
+        (hf / "model.safetensors", hf, "the one holding the .safetensors files"),
+    ]
+    for given, folder, holding in cases:
+        want = [
+            f"error: [E100] {given} is not a directory",
+            f"hint: pass the checkpoint directory ({holding}), not a file in it: {folder}",
+        ]
+        for verify in ([], ["--verify"]):
+            res = runner.invoke(app, ["manifest", str(given), *verify])
+            assert (res.exit_code, res.stdout, res.stderr.splitlines()) == (2, "", want), (verify, res.stderr)
+    res = runner.invoke(app, ["manifest", str(ckpt), "--verify"])  # the folder the hint names
+    assert res.exit_code == 0, res.output
