@@ -566,3 +566,23 @@ def test_manifest_verify_of_a_file_in_the_checkpoint_names_its_folder(sample_ckp
             assert (res.exit_code, res.stdout, res.stderr.splitlines()) == (2, "", want), (verify, res.stderr)
     res = runner.invoke(app, ["manifest", str(ckpt), "--verify"])  # the folder the hint names
     assert res.exit_code == 0, res.output
+
+
+def test_optimizer_dir_naming_a_file_of_the_optimizer_checkpoint_names_its_folder(acc_root: Path) -> None:
+    """`--optimizer-dir checkpoint-1/optimizer_0/.metadata` (the file, not its folder) said "not a DCP checkpoint
+    directory (no .metadata)" about a .metadata file; it now says it is a file of a DCP checkpoint and names the
+    folder to pass, which the same command then accepts."""
+    step = acc_root / "accelerate" / "checkpoint-1"
+    model, opt = step / "pytorch_model_fsdp_0", step / "optimizer_0"
+    for given in (opt / ".metadata", next(opt.glob("*.distcp"))):
+        res = runner.invoke(app, ["replay-step", str(model), "--optimizer-dir", str(given)])
+        assert (res.exit_code, res.stdout, res.stderr.splitlines()) == (
+            2,
+            "",
+            [
+                f"error: [E100] --optimizer-dir {given}: a file of a DCP checkpoint, not its directory",
+                f"hint: pass the folder that holds it: {opt}",
+            ],
+        ), res.stderr
+    res = runner.invoke(app, ["replay-step", str(model), "--optimizer-dir", str(opt)])
+    assert res.exit_code == 0, res.output
