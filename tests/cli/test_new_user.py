@@ -586,3 +586,29 @@ def test_optimizer_dir_naming_a_file_of_the_optimizer_checkpoint_names_its_folde
         ), res.stderr
     res = runner.invoke(app, ["replay-step", str(model), "--optimizer-dir", str(opt)])
     assert res.exit_code == 0, res.output
+
+
+def test_a_directory_given_for_a_file_option_names_the_option(sample_ckpt: Path, tmp_path: Path) -> None:
+    """`--rules DIR` / `--adapter-config DIR` (the folder instead of the file in it) printed ``E102 DIR is a
+    directory, not a regular file`` with the special-file hint "replace the special file by the real data",
+    naming no option. It now names the option and what it expects, and nothing is written."""
+    out = tmp_path / "out"
+    cases = [
+        (["export", str(sample_ckpt), str(out), "--rules", str(tmp_path)], "--rules", "a YAML rules file"),
+        (
+            ["export", str(sample_ckpt), str(out), "--format", "lora", "--adapter-config", str(tmp_path)],
+            "--adapter-config",
+            "an adapter_config.json file",
+        ),
+    ]
+    for args, flag, what in cases:
+        res = runner.invoke(app, args)
+        assert (res.exit_code, res.stdout, res.stderr.splitlines()) == (
+            2,
+            "",
+            [
+                f"error: [E102] {flag} {tmp_path} is a directory, not {what}",
+                "hint: pass the file itself, not the folder holding it",
+            ],
+        ), res.stderr
+    assert not out.exists()
