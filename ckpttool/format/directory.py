@@ -14,6 +14,7 @@ from __future__ import annotations
 import logging
 import os
 import re
+import shlex
 import stat
 import threading
 from collections.abc import Callable, Iterable
@@ -88,7 +89,7 @@ def not_a_directory_error(p: Path) -> UsageError:
     return UsageError(
         f"{p} is not a directory",
         path=p,
-        hint=f"pass the checkpoint directory ({_holding(p.parent)}), not a file in it: {p.parent}",
+        hint=f"pass the checkpoint directory ({_holding(p.parent)}), not a file in it: {shlex.quote(str(p.parent))}",
     )
 
 

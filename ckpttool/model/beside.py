@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import os
 import re
+import shlex
 from collections.abc import Collection
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -204,7 +205,7 @@ def model_folder_hint(cat_path: object, default: str) -> str:
         model, step = os.path.relpath(model) + "/", os.path.relpath(here.parent)
     else:
         step = str(here.parent)
-    return f"its model folder {model} lies beside it: pass the step directory {step}, which holds both"
+    return f"its model folder {model} lies beside it: pass the step directory {shlex.quote(step)}, which holds both"
 
 
 def unread_in_listing(names: Collection[str], read: Collection[str] = ()) -> tuple[str, ...]:

@@ -609,7 +609,7 @@ def _check_optimizer_dir(opt: Path | None) -> None:
                 else "not a DCP checkpoint directory (no .metadata)"
             ),
             param="optimizer_dir",
-            hint=f"pass the folder that holds it: {opt.parent}"
+            hint=f"pass the folder that holds it: {shlex.quote(str(opt.parent))}"
             if in_folder
             else "pass the optimizer folder that dcp.save wrote (e.g. checkpoint-N/optimizer_0)",
         )

@@ -612,3 +612,28 @@ def test_a_directory_given_for_a_file_option_names_the_option(sample_ckpt: Path,
             ],
         ), res.stderr
     assert not out.exists()
+
+
+def test_the_folder_to_pass_instead_of_a_file_is_named_ready_to_paste(sample_ckpt: Path, tmp_path: Path) -> None:
+    """A file of a checkpoint given for the checkpoint (``.metadata``) whose folder has a space in its name:
+    the hint named the folder unquoted (``not a file in it: /x/my run/step-3``), which pasted as two arguments,
+    while the run-root hints quote theirs. Each command's hint now quotes it as a shell argument, and the
+    quoted folder opens."""
+    import shlex
+
+    ckpt = copy_checkpoint(sample_ckpt, tmp_path / "my run" / "step-3")
+    hf = tmp_path / "my hf"
+    assert runner.invoke(app, ["export", str(ckpt), str(hf), "-q"]).exit_code == 0
+    cases = [
+        (["inspect", str(ckpt / ".metadata")], ckpt),
+        (["manifest", str(ckpt / ".metadata"), "--verify"], ckpt),
+        (["diff", str(ckpt / ".metadata"), str(ckpt)], ckpt),
+        (["import", str(hf / "model.safetensors"), str(tmp_path / "out")], hf),
+    ]
+    for args, folder in cases:
+        res = runner.invoke(app, args)
+        assert res.exit_code == 2, res.output
+        hint = res.stderr.splitlines()[-1]
+        assert hint.endswith(f"not a file in it: {shlex.quote(str(folder))}"), hint
+        assert shlex.split(hint.rpartition(": ")[2]) == [str(folder)]
+    assert runner.invoke(app, ["inspect", *shlex.split(shlex.quote(str(ckpt)))]).exit_code == 0
