@@ -27,7 +27,7 @@ from typer.core import TyperGroup, TyperOption
 
 from ckpttool.cli.completion import add_completions
 from ckpttool.errors import CkptError, UsageError
-from ckpttool.ui.output import configure_logging, interrupted, print_error, stdout_write_error
+from ckpttool.ui.output import caused_by_interrupt, configure_logging, interrupted, print_error, stdout_write_error
 from ckpttool.ui.render import UI
 
 __all__ = ["app", "main", "entry", "version_text", "GLOBAL_OPTIONS"]
@@ -1131,6 +1131,12 @@ def _run() -> None:
         app(prog_name="ckpttool")
     except KeyboardInterrupt:
         sys.exit(interrupted())
+    except Exception as e:
+        if not caused_by_interrupt(e):
+            raise
+        sys.exit(
+            interrupted()
+        )  # a Ctrl-C wrapped in a RuntimeError while a module loaded (parsing, a command's import)
     finally:
         pool = sys.modules.get("ckpttool.engine.pool")  # loaded only by commands that used it
         if pool is not None:

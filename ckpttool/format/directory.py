@@ -14,6 +14,7 @@ from __future__ import annotations
 import logging
 import os
 import re
+import shlex
 import stat
 import threading
 from collections.abc import Callable, Iterable
@@ -88,6 +89,16 @@ def _holding(directory: Path) -> str:
     return "the one holding the .safetensors files" if safetensors else "the one holding .metadata"
 
 
+def not_a_directory_error(p: Path) -> UsageError:
+    """The ``E100`` of a checkpoint argument that names a file (a ``.distcp``, ``.metadata`` or ``.safetensors``
+    file of the checkpoint): the hint names its folder, the directory to pass."""
+    return UsageError(
+        f"{p} is not a directory",
+        path=p,
+        hint=f"pass the checkpoint directory ({_holding(p.parent)}), not a file in it: {shlex.quote(str(p.parent))}",
+    )
+
+
 def _checkpoints_below(url: object, sizes: dict[str, int], shown: int = 6) -> str | None:
     """A hint naming the prefixes below ``url`` that hold a ``.metadata`` (a run root's steps, in natural order:
     step-99 before step-100), or ``None`` when there are none."""
@@ -160,11 +171,7 @@ class CheckpointDir:
         if not p.exists():
             raise UsageError(f"{p}: no such directory", path=p, hint=missing_path_hint(p, "the checkpoint directory"))
         if not p.is_dir():
-            raise UsageError(
-                f"{p} is not a directory",
-                path=p,
-                hint=f"pass the checkpoint directory ({_holding(p.parent)}), not a file in it: {p.parent}",
-            )
+            raise not_a_directory_error(p)
         self.path = p
         self.root = p.resolve()
         self._part_roots = {k: v.resolve() for k, v in self.parts.items()}

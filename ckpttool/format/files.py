@@ -206,6 +206,23 @@ def _kind(mode: int) -> str:
     return "not a regular file"
 
 
+def refuse_directory(path: Path, param: str, what: str) -> None:
+    """Refuse a directory given where the user names a file (``--rules``, ``--adapter-config``): not the
+    special-file hint of :func:`open_regular`, which is about devices and FIFOs.
+
+    Raises:
+        NotRegularFileError (E102): ``path`` is a directory; ``param`` (the library parameter, shown as its flag)
+        and ``what`` (``a YAML rules file``) name what was expected.
+    """
+    if path.is_dir():
+        raise NotRegularFileError(
+            f"`{param}` {path} is a directory, not {what}",
+            path=path,
+            param=param,
+            hint="pass the file itself, not the folder holding it",
+        )
+
+
 def open_regular(path: Path, *, shown: str | os.PathLike[str] | None = None) -> int:
     """A read-only descriptor of ``path``, which must be a regular file (checked on the open descriptor).
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import os
 import re
+import shlex
 from collections.abc import Collection
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -159,6 +160,52 @@ def unpaired_optimizer(model_dir: Path, given: Path) -> str | None:
         if opt != model_dir and os.path.isfile(opt / _DCP_METADATA):
             return (os.path.relpath(opt, given) if opt.is_relative_to(given) else str(opt)) + "/"
     return None
+
+
+def unpaired_model(optimizer_dir: Path, given: Path) -> str | None:
+    """The model folder saved beside ``optimizer_dir`` when ``optimizer_dir`` is the optimizer folder of a
+    model/optimizer pair (Accelerate's ``optimizer_0/`` beside ``pytorch_model_fsdp_0/``, NeMo Automodel's
+    ``optim/`` beside ``model/``: the schemas' folder pairs) opened alone: a DCP checkpoint (``.metadata``)
+    whose name pairs with it. Named as :func:`unpaired_optimizer` names; ``None`` when there is none or the
+    parent cannot be listed."""
+    from ckpttool.model.schemas import registry
+
+    try:
+        with os.scandir(optimizer_dir.parent) as it:
+            names = sorted(e.name for e in it if e.is_dir(follow_symlinks=False))
+    except OSError:
+        return None
+    for pair in registry.derived().folder_pairs:
+        for name in names:
+            m = pair.model.fullmatch(name)
+            model = optimizer_dir.parent / name
+            if (
+                m is not None
+                and model != optimizer_dir
+                and pair.optimizer.format(*m.groups()) == optimizer_dir.name
+                and os.path.isfile(model / _DCP_METADATA)
+            ):
+                return (os.path.relpath(model, given) if model.is_relative_to(given) else str(model)) + "/"
+    return None
+
+
+def model_folder_hint(cat_path: object, default: str) -> str:
+    """The hint for a checkpoint without model tensors: where it is the optimizer folder of a model/optimizer
+    pair (:func:`unpaired_model`), the step directory to pass instead; else ``default``. A URL: ``default``."""
+    from ckpttool.format.storage import is_url
+
+    if is_url(str(cat_path)):
+        return default
+    given = Path(str(cat_path))
+    here = Path(os.path.abspath(given))  # `.` (the optimizer folder itself) has a name and a parent too
+    model = unpaired_model(here, here)
+    if model is None:
+        return default
+    if not given.is_absolute():  # named as the user named the checkpoint: relative to the current directory
+        model, step = os.path.relpath(model) + "/", os.path.relpath(here.parent)
+    else:
+        step = str(here.parent)
+    return f"its model folder {model} lies beside it: pass the step directory {shlex.quote(step)}, which holds both"
 
 
 def unread_in_listing(names: Collection[str], read: Collection[str] = ()) -> tuple[str, ...]:

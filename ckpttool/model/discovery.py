@@ -613,6 +613,35 @@ def _latest_step(root: Path) -> tuple[int | str, str] | None:
     return None
 
 
+def _check_optimizer_dir(opt: Path | None) -> None:
+    """Raises UsageError: ``optimizer_dir`` (when given) does not exist or is not a DCP checkpoint directory
+    (a file of one, its ``.metadata`` or a ``.distcp``, named with its folder)."""
+    if opt is None:
+        return
+    if not opt.exists():
+        from ckpttool.format.files import missing_path_hint
+
+        raise UsageError(
+            f"`optimizer_dir` {opt}: no such directory",
+            param="optimizer_dir",
+            hint=missing_path_hint(opt, "the optimizer folder that dcp.save wrote (e.g. checkpoint-N/optimizer_0)"),
+        )
+    if not is_checkpoint_dir(opt):
+        in_folder = not opt.is_dir() and is_checkpoint_dir(opt.parent)  # its .metadata or a .distcp file
+        raise UsageError(
+            f"`optimizer_dir` {opt}: "
+            + (
+                "a file of a DCP checkpoint, not its directory"
+                if in_folder
+                else "not a DCP checkpoint directory (no .metadata)"
+            ),
+            param="optimizer_dir",
+            hint=f"pass the folder that holds it: {shlex.quote(str(opt.parent))}"
+            if in_folder
+            else "pass the optimizer folder that dcp.save wrote (e.g. checkpoint-N/optimizer_0)",
+        )
+
+
 def locate(path: str | os.PathLike[str], selection: CheckpointSelection | None = None) -> Located:
     """The checkpoint to open for ``path`` (see the module docstring).
 
@@ -640,20 +669,7 @@ def _locate(path: str | os.PathLike[str], selection: CheckpointSelection | None)
     root = Path(path)
     sel = selection or CheckpointSelection()
     opt = sel.optimizer_dir
-    if opt is not None and not opt.exists():
-        from ckpttool.format.files import missing_path_hint
-
-        raise UsageError(
-            f"`optimizer_dir` {opt}: no such directory",
-            param="optimizer_dir",
-            hint=missing_path_hint(opt, "the optimizer folder that dcp.save wrote (e.g. checkpoint-N/optimizer_0)"),
-        )
-    if opt is not None and not is_checkpoint_dir(opt):
-        raise UsageError(
-            f"`optimizer_dir` {opt}: not a DCP checkpoint directory (no .metadata)",
-            param="optimizer_dir",
-            hint="pass the optimizer folder that dcp.save wrote (e.g. checkpoint-N/optimizer_0)",
-        )
+    _check_optimizer_dir(opt)
     _refuse_marked(root)
     if root.is_file() and not is_checkpoint_dir(root.parent):  # (a file inside a checkpoint: the reader names it)
         raise UsageError(

@@ -666,7 +666,7 @@ def _check_import_options(hf_dir: str | os.PathLike[str], opts: ImportOptions) -
             raise UsageError(
                 f"{src_dir}: not a directory",
                 path=src_dir,
-                hint=f"pass the Hugging Face model directory, not a file in it: {src_dir.parent}",
+                hint=f"pass the Hugging Face model directory, not a file in it: {shlex.quote(str(src_dir.parent))}",
             )
         raise UsageError(
             f"{src_dir}: no such directory",

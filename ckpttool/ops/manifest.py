@@ -2175,6 +2175,10 @@ def _default_manifest(directory: str | os.PathLike[str], opening: OpenOptions | 
             path=directory,
             hint=missing_path_hint(Path(directory), "the checkpoint directory"),
         )
+    if not is_url(directory) and not Path(directory).is_dir():  # not "FILE/manifest.json: no such manifest file"
+        from ckpttool.format.directory import not_a_directory_error
+
+        raise not_a_directory_error(Path(directory))
     from ckpttool.model.discovery import locate
 
     try:

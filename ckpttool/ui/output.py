@@ -292,6 +292,24 @@ def interrupted() -> int:
     return 130
 
 
+def caused_by_interrupt(exc: BaseException) -> bool:
+    """Whether ``exc`` is a Ctrl-C (``KeyboardInterrupt``) or an error raised from one (its ``__cause__`` chain).
+
+    Python 3.10 and 3.11 wrap an exception raised in a class's ``__set_name__`` in a ``RuntimeError``
+    (``Error calling __set_name__ on 'Field' instance ...``): a Ctrl-C landing while a module defines a
+    dataclass (the commands load their modules lazily) arrives as that ``RuntimeError``. It is an
+    interrupt (exit 130, ``error: interrupted``), not an internal error.
+    """
+    seen: set[int] = set()
+    cur: BaseException | None = exc
+    while cur is not None and id(cur) not in seen:
+        if isinstance(cur, KeyboardInterrupt):
+            return True
+        seen.add(id(cur))
+        cur = cur.__cause__
+    return False
+
+
 def _published_note() -> str:
     """`` after OUT was written: it is complete ...`` where the interrupt came once an output was in place (a
     signal deferred through the commit's renames, or one during the printing of the result), else ``""``."""
@@ -461,6 +479,8 @@ def command_boundary(func: F) -> F:
         raise typer.Exit(2) from None
 
     def _internal(e: Exception) -> Any:
+        if caused_by_interrupt(e):  # a Ctrl-C the interpreter wrapped (a module loading lazily)
+            raise typer.Exit(interrupted()) from None
         if os.environ.get("CKPTTOOL_DEBUG"):
             raise e
         msg = " ".join(str(e).split())[:200]

@@ -850,3 +850,52 @@ def test_the_version_flag_after_the_command_name_says_where_it_goes(flag: str, s
     ], res.stderr
     moved = runner.invoke(app, [flag])
     assert moved.exit_code == 0 and moved.stdout.startswith("ckpttool "), moved.stdout
+
+
+_INTERRUPT_WHILE_A_DATACLASS_IS_DEFINED = """
+import dataclasses
+import os
+import signal
+import sys
+
+set_name = dataclasses.Field.__set_name__
+module = sys.argv[1]
+
+def interrupted_set_name(self, owner, name):
+    if owner.__module__ == module:
+        dataclasses.Field.__set_name__ = set_name
+        os.kill(os.getpid(), signal.SIGINT)  # a real Ctrl-C, handled in this frame: inside __set_name__
+        sum(range(10))
+    return set_name(self, owner, name)
+
+dataclasses.Field.__set_name__ = interrupted_set_name
+sys.argv = ["ckpttool", "export", *sys.argv[2:]]
+from ckpttool.cli import entry
+entry()
+"""
+
+
+@pytest.mark.parametrize(
+    "module",
+    ["ckpttool.format.metadata", "ckpttool.model.catalog", "ckpttool.ops.export.plan", "ckpttool.ops.export.execute"],
+)
+def test_ctrl_c_while_a_module_defines_a_dataclass_says_interrupted(
+    sample_ckpt: Path, tmp_path: Path, module: str
+) -> None:
+    """Python 3.10 and 3.11 wrap an exception raised in a class's ``__set_name__`` in ``RuntimeError: Error
+    calling __set_name__ on 'Field' instance ...``: a Ctrl-C landing while a module defines a dataclass with a
+    ``field(...)`` (the modules load lazily, in the first second of every run) printed that traceback with
+    exit 1 (while the command line was being set up) or ``E999 internal error`` (in the command). It is an
+    interrupt: one ``error: interrupted`` line, exit 130, no output (docs/errors.md)."""
+    import subprocess
+    import sys
+
+    out = tmp_path / "hf"
+    proc = subprocess.run(
+        [sys.executable, "-c", _INTERRUPT_WHILE_A_DATACLASS_IS_DEFINED, module, str(sample_ckpt), str(out)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert (proc.returncode, proc.stdout, proc.stderr) == (130, "", "error: interrupted\n")
+    assert sorted(p.name for p in tmp_path.iterdir()) == []

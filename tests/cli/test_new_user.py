@@ -513,3 +513,127 @@ def test_a_folder_inside_a_checkpoint_given_as_dot_names_the_checkpoint(
             "hint: pass the checkpoint directory .. (model_assets/ is a folder inside it)",
         ], res.stderr
     assert runner.invoke(app, ["inspect", ".."]).exit_code == 0
+
+
+def test_an_optimizer_folder_opened_alone_names_its_model_folder(
+    acc_root: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Accelerate's ``optimizer_0/`` given alone (the optimizer half of ``checkpoint-1/``): `replay-step` said the
+    optimizer state "does not name this checkpoint's model tensors" and `export` "pass the model checkpoint", as
+    if the folder held some other model. Both now name the model folder beside it and the step directory to pass
+    instead (as the model folder opened alone names its optimizer folder), relative as the user named it: also
+    from inside the folder (``.``)."""
+    step = acc_root / "accelerate" / "checkpoint-1"
+    monkeypatch.chdir(step)
+    want = "hint: its model folder pytorch_model_fsdp_0/ lies beside it: pass the step directory ., which holds both"
+    for args in (["replay-step", "optimizer_0"], ["export", "optimizer_0", str(acc_root / "none")]):
+        res = runner.invoke(app, args)
+        assert res.exit_code == 2, res.output
+        assert res.stderr.splitlines()[-1] == want, res.stderr
+    monkeypatch.chdir(step / "optimizer_0")
+    res = runner.invoke(app, ["replay-step", "."])
+    assert res.exit_code == 2, res.output
+    assert res.stderr.splitlines()[-1] == (
+        "hint: its model folder ../pytorch_model_fsdp_0/ lies beside it: pass the step directory .., which holds both"
+    )
+    assert not (acc_root / "none").exists()
+    res = runner.invoke(app, ["replay-step", ".."])  # the step directory the hint names: both halves, one checkpoint
+    assert res.exit_code == 0, res.output
+
+
+def test_manifest_verify_of_a_file_in_the_checkpoint_names_its_folder(sample_ckpt: Path, tmp_path: Path) -> None:
+    """`manifest FILE --verify` with a file of the checkpoint (its ``.metadata``, a ``.distcp``, the
+    ``manifest.json`` itself, a ``.safetensors`` of an export) said ``FILE/manifest.json: no such manifest
+    file`` and hinted to write one, as if the folder held none; `manifest FILE` (writing) and every other
+    command say the file is not a directory and name the folder to pass. `--verify` now says the same."""
+    ckpt = copy_checkpoint(sample_ckpt, tmp_path / "ck")
+    assert runner.invoke(app, ["manifest", str(ckpt)]).exit_code == 0
+    hf = tmp_path / "hf"
+    assert runner.invoke(app, ["export", str(ckpt), str(hf), "-q"]).exit_code == 0
+    cases = [
+        (ckpt / ".metadata", ckpt, "the one holding .metadata"),
+        (ckpt / "__0_0.distcp", ckpt, "the one holding .metadata"),
+        (ckpt / "manifest.json", ckpt, "the one holding .metadata"),
+        (hf / "model.safetensors", hf, "the one holding the .safetensors files"),
+    ]
+    for given, folder, holding in cases:
+        want = [
+            f"error: [E100] {given} is not a directory",
+            f"hint: pass the checkpoint directory ({holding}), not a file in it: {folder}",
+        ]
+        for verify in ([], ["--verify"]):
+            res = runner.invoke(app, ["manifest", str(given), *verify])
+            assert (res.exit_code, res.stdout, res.stderr.splitlines()) == (2, "", want), (verify, res.stderr)
+    res = runner.invoke(app, ["manifest", str(ckpt), "--verify"])  # the folder the hint names
+    assert res.exit_code == 0, res.output
+
+
+def test_optimizer_dir_naming_a_file_of_the_optimizer_checkpoint_names_its_folder(acc_root: Path) -> None:
+    """`--optimizer-dir checkpoint-1/optimizer_0/.metadata` (the file, not its folder) said "not a DCP checkpoint
+    directory (no .metadata)" about a .metadata file; it now says it is a file of a DCP checkpoint and names the
+    folder to pass, which the same command then accepts."""
+    step = acc_root / "accelerate" / "checkpoint-1"
+    model, opt = step / "pytorch_model_fsdp_0", step / "optimizer_0"
+    for given in (opt / ".metadata", next(opt.glob("*.distcp"))):
+        res = runner.invoke(app, ["replay-step", str(model), "--optimizer-dir", str(given)])
+        assert (res.exit_code, res.stdout, res.stderr.splitlines()) == (
+            2,
+            "",
+            [
+                f"error: [E100] --optimizer-dir {given}: a file of a DCP checkpoint, not its directory",
+                f"hint: pass the folder that holds it: {opt}",
+            ],
+        ), res.stderr
+    res = runner.invoke(app, ["replay-step", str(model), "--optimizer-dir", str(opt)])
+    assert res.exit_code == 0, res.output
+
+
+def test_a_directory_given_for_a_file_option_names_the_option(sample_ckpt: Path, tmp_path: Path) -> None:
+    """`--rules DIR` / `--adapter-config DIR` (the folder instead of the file in it) printed ``E102 DIR is a
+    directory, not a regular file`` with the special-file hint "replace the special file by the real data",
+    naming no option. It now names the option and what it expects, and nothing is written."""
+    out = tmp_path / "out"
+    cases = [
+        (["export", str(sample_ckpt), str(out), "--rules", str(tmp_path)], "--rules", "a YAML rules file"),
+        (
+            ["export", str(sample_ckpt), str(out), "--format", "lora", "--adapter-config", str(tmp_path)],
+            "--adapter-config",
+            "an adapter_config.json file",
+        ),
+    ]
+    for args, flag, what in cases:
+        res = runner.invoke(app, args)
+        assert (res.exit_code, res.stdout, res.stderr.splitlines()) == (
+            2,
+            "",
+            [
+                f"error: [E102] {flag} {tmp_path} is a directory, not {what}",
+                "hint: pass the file itself, not the folder holding it",
+            ],
+        ), res.stderr
+    assert not out.exists()
+
+
+def test_the_folder_to_pass_instead_of_a_file_is_named_ready_to_paste(sample_ckpt: Path, tmp_path: Path) -> None:
+    """A file of a checkpoint given for the checkpoint (``.metadata``) whose folder has a space in its name:
+    the hint named the folder unquoted (``not a file in it: /x/my run/step-3``), which pasted as two arguments,
+    while the run-root hints quote theirs. Each command's hint now quotes it as a shell argument, and the
+    quoted folder opens."""
+    import shlex
+
+    ckpt = copy_checkpoint(sample_ckpt, tmp_path / "my run" / "step-3")
+    hf = tmp_path / "my hf"
+    assert runner.invoke(app, ["export", str(ckpt), str(hf), "-q"]).exit_code == 0
+    cases = [
+        (["inspect", str(ckpt / ".metadata")], ckpt),
+        (["manifest", str(ckpt / ".metadata"), "--verify"], ckpt),
+        (["diff", str(ckpt / ".metadata"), str(ckpt)], ckpt),
+        (["import", str(hf / "model.safetensors"), str(tmp_path / "out")], hf),
+    ]
+    for args, folder in cases:
+        res = runner.invoke(app, args)
+        assert res.exit_code == 2, res.output
+        hint = res.stderr.splitlines()[-1]
+        assert hint.endswith(f"not a file in it: {shlex.quote(str(folder))}"), hint
+        assert shlex.split(hint.rpartition(": ")[2]) == [str(folder)]
+    assert runner.invoke(app, ["inspect", *shlex.split(shlex.quote(str(ckpt)))]).exit_code == 0

@@ -5,6 +5,7 @@ that names an option the command has, before any work is done, and nothing of th
 from __future__ import annotations
 
 import os
+import shlex
 import shutil
 import subprocess
 import sys
@@ -126,7 +127,8 @@ def test_a_safetensors_file_given_for_a_directory_hints_its_folder_by_its_safete
         assert res.stdout == ""
         assert res.stderr.splitlines() == [
             f"error: [E100] {f} is not a directory",
-            f"hint: pass the checkpoint directory (the one holding the .safetensors files), not a file in it: {hf}",
+            "hint: pass the checkpoint directory (the one holding the .safetensors files), not a file in it: "
+            f"{shlex.quote(str(hf))}",  # quoted: the folder's name has a space, pasted as one argument
         ]  # not "(the one holding .metadata)": this folder has none
     res = runner.invoke(app, ["inspect", str(sample_ckpt / ".metadata")])
     assert res.exit_code == 2

@@ -49,10 +49,11 @@ def read_adapter_config(path: Path) -> dict[str, Any]:
     Raises:
         UsageError: unreadable, not a JSON object, or not a LoRA config.
     """
-    from ckpttool.format.files import read_regular
+    from ckpttool.format.files import read_regular, refuse_directory
     from ckpttool.format.jsonfile import parse_json
     from ckpttool.format.limits import current
 
+    refuse_directory(path, "adapter_config", "an adapter_config.json file")
     try:
         data = parse_json(read_regular(path, current().max_object_bytes, what="adapter config"), str(path))
     except OSError as e:

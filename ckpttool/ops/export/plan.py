@@ -265,11 +265,16 @@ def check_exportable_names(cat: Catalog, fmt: str, adapter: ModelAdapter | None 
 def require_model_tensors(cat: Catalog) -> None:
     """Raises ExportError (E601): the catalog has no model tensor (nothing recognised, or optimizer state only)."""
     if not cat.model:
+        from ckpttool.model.beside import model_folder_hint
+
         why = "; ".join(cat.schema.reasons[:2])
         raise ExportError(
             f"{cat.path}: no model tensors to export ({why})",
-            hint="pass the model checkpoint (or the folder holding model and optimizer); `ckpttool inspect` "
-            "shows the keys, `model_prefix` says where the weights are",
+            hint=model_folder_hint(
+                cat.path,
+                "pass the model checkpoint (or the folder holding model and optimizer); `ckpttool inspect` "
+                "shows the keys, `model_prefix` says where the weights are",
+            ),
         )
 
 

@@ -28,7 +28,7 @@ from typing import Any
 
 from ckpttool.errors import UsageError
 from ckpttool.format import limits
-from ckpttool.format.files import read_regular
+from ckpttool.format.files import read_regular, refuse_directory
 from ckpttool.format.unpickler import short_repr
 
 __all__ = [
@@ -465,6 +465,7 @@ def load_rules(user_file: str | Path | None = None, model_type: str | None = Non
     sources = ["default_rules.yaml"]
     if user_file is not None:
         p = Path(user_file)
+        refuse_directory(p, "rules", "a YAML rules file")
         try:
             text = read_regular(p, limits.current().max_object_bytes, what="rules file").decode("utf-8")
         except OSError as e:

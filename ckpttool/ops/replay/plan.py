@@ -729,10 +729,16 @@ def _select(
                 hint="re-save the optimizer with torch.distributed.checkpoint.state_dict.get_optimizer_state_dict"
                 "(model, optimizer), which names each parameter by its fqn",
             )
+        from ckpttool.model.beside import model_folder_hint
+
         raise HyperparameterError(
             f"{cat.path}: none of the {len(members.grouped)} parameter(s) of the param groups is a model tensor "
             "of the checkpoint; nothing to replay",
-            hint="the optimizer state does not name this checkpoint's model tensors (`ckpttool inspect` shows both)",
+            hint="the optimizer state does not name this checkpoint's model tensors (`ckpttool inspect` shows both)"
+            if cat.model
+            else model_folder_hint(
+                cat.path, "it holds optimizer state only: pass the folder holding model and optimizer"
+            ),
         )
     if not selected:
         example = params_in_model[0]
