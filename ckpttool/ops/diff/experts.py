@@ -15,7 +15,7 @@ from typing import Any
 
 from ckpttool.ops.diff.result import Item
 
-__all__ = ["fused_unpaired", "split_fused_experts"]
+__all__ = ["fused_unpaired", "split_dequantized_experts", "split_fused_experts"]
 
 #: Stored dtypes of quantized weights: a fused quantized expert tensor is compared through its scale
 #: (``ops/diff/quantized.py``) as a whole, never cut into pieces of codes.
@@ -42,8 +42,8 @@ def split_fused_experts(
         other side holds only under that name is named so. Items the other side holds by their own name are kept
         as they are, and so is a tensor whose other name (a piece's, the router's) this side holds already (a file
         with both forms of one expert: cutting it would give two tensors one name, one of them never compared); so
-        are quantized fused experts (FP8 codes on the ``[E, out, in]`` block grids of transformers' ``FP8Experts``,
-        which a per-expert weight's grid does not share): their names are returned.
+        are quantized fused experts (FP8 codes, cut only once dequantized: :func:`split_dequantized_experts`):
+        their names are returned.
     """
     from ckpttool.ops.export.rules import load_rules
 
@@ -72,6 +72,41 @@ def split_fused_experts(
     return out, n_split, quantized
 
 
+def split_dequantized_experts(
+    items: list[Item], other: set[str], model_type: str | None
+) -> tuple[list[Item], int, list[str]]:
+    """``items`` with each dequantized fused FP8 expert tensor (kind ``fp8-experts``,
+    :func:`~ckpttool.ops.diff.quantized.dequantize_items`) that ``other`` holds per expert cut into its per-expert
+    pieces, each dequantized with its own expert's scale rows (``weight_scale_inv`` ``[E, ceil(out/B0), ceil(in/B1)]``,
+    DeepSeek-V3's and transformers' ``FP8Experts`` grid: one per expert, as ``export --quantize fp8-block`` writes it).
+
+    Returns ``(items, tensors cut, names of quantized fused expert tensors the other side does not hold that could
+    not be cut)`` (their scale did not pair, or the other side holds no piece of theirs): those are not compared.
+    """
+    from ckpttool.ops.export.rules import load_rules
+
+    rules = load_rules(None, model_type)
+    own = {i.name for i in items}
+    out: list[Item] = []
+    n_split = 0
+    uncut: list[str] = []
+    for item in items:
+        fused = item.name not in other and rules.expert_rule(item.name) is not None
+        quantized = item.dtype in _QUANTIZED or (item.dequant is not None and item.dequant[0] == "fp8-experts")
+        if not (fused and quantized):
+            out.append(item)
+            continue
+        pieces = _pieces(item, other, own, rules) if item.dequant is not None else None
+        if pieces is None:
+            uncut.append(item.name)
+            out.append(item)
+            continue
+        out.extend(pieces)
+        own.update(p.name for p in pieces)
+        n_split += 1
+    return out, n_split, uncut
+
+
 def fused_unpaired(items: list[Item], other: set[str]) -> bool:
     """Whether ``items`` hold a tensor named as a fused expert tensor (``<p>.experts.gate_up_proj`` /
     ``<p>.experts.down_proj``, the export rules' expert rules; every family form's fused names are these) that the
@@ -89,7 +124,8 @@ def _pieces(item: Item, other: set[str], own: set[str], rules: Any) -> list[Item
     from ckpttool.ops.export.plan import Selected, per_expert_pieces
 
     shape = item.shape
-    if not item.direct or item.entry is None or len(shape) != 3 or not shape[0]:
+    dequantized = item.dequant is not None and item.dequant[0] == "fp8-experts" and item.piece is None
+    if not (item.direct or dequantized) or item.entry is None or len(shape) != 3 or not shape[0]:
         return None
     for rule in rules.experts:
         if not rule.pattern.fullmatch(item.name) or shape[1] % len(rule.parts):
@@ -110,6 +146,7 @@ def _pieces(item: Item, other: set[str], own: set[str], rules: Any) -> list[Item
                     None,
                     (p.expert or 0, p.part, p.nparts),  # per_expert_pieces numbers every piece's expert
                     item.entry,
+                    dequant=item.dequant,  # a dequantized fused FP8 tensor: each piece on its expert's scale rows
                 )
                 for p in cut
             ]

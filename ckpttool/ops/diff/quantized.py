@@ -23,6 +23,7 @@ Two quantized sides are compared dequantized, bitwise unless a tolerance is give
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
@@ -43,6 +44,7 @@ __all__ = [
     "note",
     "packed_note",
     "quant_tolerance",
+    "tolerance_used",
 ]
 
 #: Default relative tolerance of a block-FP8 weight against an unquantized side: one e4m3 step (3 mantissa bits).
@@ -128,7 +130,8 @@ def load_dequantized(side: Side, item: Item) -> Any:
     q = side.tensor(item.key).reshape(-1).view(torch.uint8).numpy()
     if kind != "mxfp4":
         decode = fp8_decoder(side, item, scale.numpy())
-        return decode(memoryview(q), 0).reshape(item.shape)
+        first = _piece_offset(item)  # a per-expert piece: its own rows of the fused codes only
+        return decode(memoryview(q[first : first + math.prod(item.shape)]), 0).reshape(item.shape)
     e = scale.view(torch.uint8).numpy().reshape(-1)
     experts, rows, n = item.shape
     if not q.size:  # no element (an empty dim): nothing to dequantize, and no group size to reshape by
@@ -156,18 +159,22 @@ def fp8_decoder(side: Side, item: Item, scale: Any = None) -> Callable[[memoryvi
 
     assert item.dequant is not None
     _, scale_key, block = item.dequant
+    shape = _stored_shape(item)
     s = scale if scale is not None else side.tensor(scale_key).float().numpy().copy()
-    s = s.reshape(scale_grid(item.shape, block))  # one scale per tensor ([] or [1]): a grid of one block
-    finite = s[np.isfinite(s)]  # an infinite scale (damaged) would make every element of the tensor "within"
-    side.quant_atol = _FP8_ATOL_STEPS * (float(finite.max()) if finite.size else 0.0)
-    *_, rows, cols = item.shape
+    s = s.reshape(scale_grid(shape, block))  # one scale per tensor ([] or [1]): a grid of one block
+    *_, rows, cols = shape
     # one scale grid per expert (one for a 2-D weight); counted, as -1 cannot be inferred for an empty grid
     grids = s.reshape(int(np.prod(s.shape[:-2])), *s.shape[-2:])
-    side.quant_atol_at = _fp8_atol_at(grids, rows, cols, block)
+    own = grids[item.piece[0]] if item.piece is not None else s  # a piece: its expert's scales
+    finite = own[np.isfinite(own)]  # an infinite scale (damaged) would make every element of the tensor "within"
+    side.quant_atol = _FP8_ATOL_STEPS * (float(finite.max()) if finite.size else 0.0)
+    offset = _piece_offset(item)  # a piece's element k is the fused tensor's element offset + k
+    side.quant_atol_at = _fp8_atol_at(grids, rows, cols, block, offset)
 
     def decode(raw: memoryview, first: int) -> Any:
         q = np.frombuffer(raw, np.uint8)
         out = np.empty(q.size, np.float32)
+        first += offset
         pos = 0
         while pos < q.size:
             e, r = divmod((first + pos) // cols, rows)
@@ -189,9 +196,25 @@ def fp8_decoder(side: Side, item: Item, scale: Any = None) -> Callable[[memoryvi
     return decode
 
 
-def _fp8_atol_at(grids: Any, rows: int, cols: int, block: tuple[int, int]) -> Callable[[Any], Any]:
+def _stored_shape(item: Item) -> tuple[int, ...]:
+    """The shape of the stored weight of ``item`` (a per-expert piece's: the fused ``[E, out, in]``)."""
+    return tuple(item.entry.shape) if item.piece is not None and item.entry is not None else tuple(item.shape)
+
+
+def _piece_offset(item: Item) -> int:
+    """The stored flat element of a per-expert piece's first element (``piece`` ``(expert, part, parts)`` of the
+    fused ``[E, out, in]``: rows ``part * out/parts`` on of expert ``expert``); 0 for a whole weight."""
+    if item.piece is None:
+        return 0
+    j, p, n = item.piece
+    _, out, cols = _stored_shape(item)
+    return (j * out + p * (out // n)) * cols
+
+
+def _fp8_atol_at(grids: Any, rows: int, cols: int, block: tuple[int, int], offset: int = 0) -> Callable[[Any], Any]:
     """``atol(flat positions)`` of a block-FP8 weight ``[E, rows, cols]``: ``2^-9`` times the scale of each
-    element's own block (an infinite scale counts 0: its block dequantizes to infinities, outside anyway)."""
+    element's own block (an infinite scale counts 0: its block dequantizes to infinities, outside anyway);
+    ``offset``: the stored flat element of position 0 (a per-expert piece's)."""
     import numpy as np
     import torch
 
@@ -199,6 +222,7 @@ def _fp8_atol_at(grids: Any, rows: int, cols: int, block: tuple[int, int]) -> Ca
     br, bc = block
 
     def at(pos: Any) -> Any:
+        pos = pos + offset
         e, rem = pos // (rows * cols), pos % (rows * cols)
         return g[e, (rem // cols) // br, (rem % cols) // bc]
 
@@ -216,6 +240,17 @@ def quant_tolerance(ia: Item, ib: Item, a: Side, b: Side) -> tuple[float, Any] |
     if it.dequant[0] == "mxfp4":
         return MXFP4_RTOL, side.quant_atol
     return FP8_RTOL, side.quant_atol_at if side.quant_atol_at is not None else side.quant_atol
+
+
+def tolerance_used(ia: Item, ib: Item, a: Side, b: Side) -> tuple[str, float, float] | None:
+    """``(scheme, rtol, largest atol)`` of the default tolerance :func:`quant_tolerance` gave the pair just compared
+    (the :attr:`~ckpttool.ops.diff.result.TensorStat.tolerance` of ``--json``), else ``None``."""
+    used = quant_tolerance(ia, ib, a, b)
+    if used is None:
+        return None
+    side, it = (a, ia) if ia.dequant is not None else (b, ib)
+    assert it.dequant is not None
+    return it.dequant[0], used[0], float(side.quant_atol)
 
 
 def note(counts: tuple[int, int]) -> str | None:

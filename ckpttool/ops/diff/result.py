@@ -218,6 +218,11 @@ class TensorStat:
             ``decoder.layers.<module> [L, ...]``, :attr:`~ckpttool.model.schemas.base.SchemaSpec.stacked_layers`),
             ``(layer, ||a-b||, ||b||)`` of each dim-0 slice, named as an unstacked layer
             (``model.decoder.layers.3``); ``()`` otherwise, or when the values were not decoded (equal records).
+        tolerance: ``(scheme, rtol, atol_max)`` where a quantized weight (scheme ``fp8-block``, ``fp8-experts``,
+            ``fp8-compressed-tensors``, ``fp8-tensor``, ``mxfp4``) was compared dequantized against an unquantized
+            side without ``rtol``/``atol``: its quantization step's default tolerance
+            (:func:`~ckpttool.ops.diff.quantized.quant_tolerance`), ``atol_max`` the largest element's atol; ``None``:
+            the options' comparison (bitwise, the cast, or ``rtol``/``atol``).
     """
 
     name: str
@@ -236,11 +241,15 @@ class TensorStat:
     diff_l2: float | None = None
     b_l2: float | None = None
     layers: tuple[tuple[str, float, float], ...] = ()
+    tolerance: tuple[str, float, float] | None = None
 
     def to_dict(self) -> dict[str, Any]:
-        d = {k: _num(v) for k, v in json_fields(self).items() if k != "layers"}
+        d = {k: _num(v) for k, v in json_fields(self).items() if k not in ("layers", "tolerance")}
         if self.layers:
             d["layers"] = [{"layer": n, "diff_l2": _num(x), "b_l2": _num(y)} for n, x, y in self.layers]
+        if self.tolerance is not None:
+            scheme, rtol, atol = self.tolerance
+            d["tolerance"] = {"source": "quantization", "scheme": scheme, "rtol": _num(rtol), "atol_max": _num(atol)}
         return d
 
     @property
@@ -346,6 +355,24 @@ class DiffResult:
             out[f"{label}_name"] = name
         return out
 
+    def comparison(self) -> dict[str, Any]:
+        """``--json`` ``comparison``: ``mode`` ``tolerance`` (``rtol``/``atol`` given), ``bitwise``, or ``quantization``
+        (none given, and ``quantized_tensors`` > 0 of ``tensors`` compared within their quantization step, each
+        with its :attr:`TensorStat.tolerance`; the others bitwise or after the cast)."""
+        o = self.options
+        quantized = sum(1 for t in self.tensors if t.tolerance is not None)
+        mode = "tolerance" if (o.rtol is not None or o.atol is not None) else "quantization" if quantized else "bitwise"
+        out: dict[str, Any] = {
+            "mode": mode,
+            "rtol": o.rtol,
+            "atol": o.atol,
+            "as_dtype": o.as_dtype,
+            "filters": list(o.filters),
+        }
+        if quantized:
+            out["quantized_tensors"] = quantized
+        return out
+
     def to_dict(self) -> dict[str, Any]:
         o = self.options
         return {
@@ -353,13 +380,7 @@ class DiffResult:
             "a": self.a.to_dict(),
             "b": self.b.to_dict(),
             "what": o.what,
-            "comparison": {
-                "mode": "tolerance" if (o.rtol is not None or o.atol is not None) else "bitwise",
-                "rtol": o.rtol,
-                "atol": o.atol,
-                "as_dtype": o.as_dtype,
-                "filters": list(o.filters),
-            },
+            "comparison": self.comparison(),
             "naming": self.naming,
             "model_adapter": self.model_adapter,
             "equal": self.equal,

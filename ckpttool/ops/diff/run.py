@@ -721,8 +721,10 @@ def _stored_pair(a: Side, b: Side) -> tuple[list[Item], list[Item], list[str]]:
     names_a, names_b = {i.name for i in ia}, {i.name for i in ib}
     # config.json is read only where a fused expert tensor may be cut: two folders with nothing to pair need none
     mt = _model_type(a, b) if fused_unpaired(ia, names_b) or fused_unpaired(ib, names_a) else None
-    ia, cut_a, quant_a = split_fused_experts(ia, names_b, mt)
-    ib, cut_b, quant_b = split_fused_experts(ib, names_a, mt)
+    ia, cut_a, _ = split_fused_experts(
+        ia, names_b, mt
+    )  # quantized fused ones: cut once dequantized (_experts_dequantized)
+    ib, cut_b, _ = split_fused_experts(ib, names_a, mt)
     if cut_b:  # A's per-expert tensors in the order of B's pieces: each fused tensor of B is read once, not per piece
         at = {i.name: n for n, i in enumerate(ib)}
         ia = sorted(ia, key=lambda i: at.get(i.name, -1))
@@ -731,15 +733,42 @@ def _stored_pair(a: Side, b: Side) -> tuple[list[Item], list[Item], list[str]]:
         for side, n in ((a, cut_a), (b, cut_b))
         if n
     ]
+    return ia, ib, notes
+
+
+def _experts_dequantized(
+    a: Side, items_a: list[Item], b: Side, items_b: list[Item], notes: list[str]
+) -> tuple[list[Item], list[Item]]:
+    """Dequantized fused FP8 experts of a safetensors side that the other holds per expert, cut into those pieces
+    (:func:`~ckpttool.ops.diff.experts.split_dequantized_experts`); a quantized fused tensor that cannot be cut (its
+    scale did not pair) is named in a note: it is not compared (listed as only in its side)."""
+    from ckpttool.ops.diff.experts import fused_unpaired, split_dequantized_experts
+
+    if a.kind == "dcp" or b.kind == "dcp":
+        return items_a, items_b
+    names_a, names_b = {i.name for i in items_a}, {i.name for i in items_b}
+    if not (fused_unpaired(items_a, names_b) or fused_unpaired(items_b, names_a)):
+        return items_a, items_b
+    mt = _model_type(a, b)
+    items_a, cut_a, left_a = split_dequantized_experts(items_a, names_b, mt)
+    items_b, cut_b, left_b = split_dequantized_experts(items_b, names_a, mt)
+    if cut_b:  # A's per-expert tensors in the order of B's pieces, as _stored_pair orders them
+        at = {i.name: n for n, i in enumerate(items_b)}
+        items_a = sorted(items_a, key=lambda i: at.get(i.name, -1))
     notes += [
-        f"{len(q)} quantized fused expert tensor(s) of {side.label} ({q[0]}, ...) not cut per expert (FP8 codes "
-        f"scaled on the fused [E, out, in] block grid of transformers' FP8Experts), so not compared with "
-        f"{_other(side)}'s per-expert tensors (listed as only in A / only in B): compare exports written in one "
-        "expert layout (`export --experts`)"
-        for side, q in ((a, quant_a), (b, quant_b))
+        f"{n} quantized fused expert tensor(s) of {side.label} dequantized and compared per expert with "
+        f"{_other(side)}, each expert on its own scale rows"
+        for side, n in ((a, cut_a), (b, cut_b))
+        if n
+    ]
+    notes += [
+        f"{len(q)} quantized fused expert tensor(s) of {side.label} ({q[0]}, ...) not compared with "
+        f"{_other(side)}'s per-expert tensors (listed as only in A / only in B): not dequantized (their scale does "
+        "not pair), so not cut per expert; compare exports written in one expert layout (`export --experts`)"
+        for side, q in ((a, left_a), (b, left_b))
         if q
     ]
-    return ia, ib, notes
+    return items_a, items_b
 
 
 def _model_type(*sides: Side) -> str | None:
@@ -987,6 +1016,15 @@ def _quant_how(a: Side, ia: Item, b: Side, ib: Item, how: Tolerance) -> Toleranc
     return how
 
 
+def _quant_used(a: Side, ia: Item, b: Side, ib: Item) -> tuple[str, float, float] | None:
+    """The quantization default tolerance a pair without ``rtol``/``atol`` was compared within (:attr:`TensorStat.tolerance`)."""
+    if not (ia.dequant or ib.dequant):
+        return None
+    from ckpttool.ops.diff.quantized import tolerance_used
+
+    return tolerance_used(ia, ib, a, b)
+
+
 def _windows(side: Side, locs: list[ChunkLocation]) -> tuple[Window, ...]:
     """The engine windows of raw records, in order."""
     return tuple(Window(side.reader.fd(loc.info.relative_path), loc.data_start, loc.nbytes) for loc in locs)
@@ -1059,7 +1097,7 @@ def _compare_pair(
         vd = gathered_values(a, ia, b, ib, how, lambda h: _quant_how(a, ia, b, ib, h))
     if vd is None:
         vd = _loaded_values(a, ia, b, ib, how)
-    stat = _stat(name, ia, ib, vd, stack=stack)
+    stat = _stat(name, ia, ib, vd, stack=stack, tolerance=None if how.tolerant else _quant_used(a, ia, b, ib))
     if vd.mismatched == 0:
         return None, stat
     return _values_difference(name, ia, ib, vd, tolerant), stat
@@ -1081,9 +1119,19 @@ def _stacked_layers(name: str, a: Side, ia: Item, ib: Item) -> str | None:
     return None
 
 
-def _stat(name: str, ia: Item, ib: Item, vd: ValueDiff, *, raw: bool = False, stack: str | None = None) -> TensorStat:
+def _stat(
+    name: str,
+    ia: Item,
+    ib: Item,
+    vd: ValueDiff,
+    *,
+    raw: bool = False,
+    stack: str | None = None,
+    tolerance: tuple[str, float, float] | None = None,
+) -> TensorStat:
     """The :class:`TensorStat` of a compared pair (booleans: no metrics); ``stack``: the layer-name prefix of a
-    tensor of stacked layers, whose per-layer norms :attr:`ValueDiff.rows` gives."""
+    tensor of stacked layers, whose per-layer norms :attr:`ValueDiff.rows` gives; ``tolerance``: the quantization
+    default the pair was compared within (:func:`~ckpttool.ops.diff.quantized.tolerance_used`)."""
     m: Metrics | None = vd.metrics
     norms: tuple[float | None, float | None] = (None, None)
     if m is None:
@@ -1113,6 +1161,7 @@ def _stat(name: str, ia: Item, ib: Item, vd: ValueDiff, *, raw: bool = False, st
         raw,
         *norms,
         tuple((f"{stack}{i}", math.sqrt(d), math.sqrt(b)) for i, (d, b) in enumerate(vd.rows) if stack is not None),
+        tolerance,
     )
 
 
@@ -1478,6 +1527,7 @@ def _diff(
 ) -> DiffResult:
     items_a, items_b, excluded, notes, naming = _pair_names(a, b, opts)
     items_a, items_b = _dequantized(a, items_a, b, items_b, notes)
+    items_a, items_b = _experts_dequantized(a, items_a, b, items_b, notes)
     seen = (len(items_a), len(items_b))
     items_a, items_b, excluded, filtered_out = _filter(opts.filters, items_a, items_b, excluded)
     by_b: dict[str, Item] = {}

@@ -62,21 +62,75 @@ def test_a_changed_expert_element_is_named_by_its_piece_and_fused_index(forms: P
     assert d["stored"] == {"side": "B", "key": key, "index": [2, i + 3, 5]} and d["mismatched"] == 1
 
 
-def test_fp8_fused_experts_against_per_expert_ones_are_named_not_silently_unpaired(
-    fixture_root: Path, tmp_path: Path
-) -> None:
-    """Fused FP8 experts (``[E, out, in]`` codes on transformers' ``FP8Experts`` block grid) are not cut per expert:
-    a note names them and why, beside their only-in-A / only-in-B entries, and the verdict is not equal."""
+@pytest.fixture(scope="module")
+def fp8_forms(fixture_root: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The sample MoE exported by ``export --quantize fp8-block`` (block 8) with fused and with per-expert experts."""
     src = cached_build(fixture_root, "export_qwen_moe", hf_models.build_qwen_moe)
+    root = tmp_path_factory.mktemp("fp8_forms")
     args = ["--model-assets", str(src / "model_assets"), "--quantize", "fp8-block", "--quantize-block", "8"]
     for name, experts in (("fused", "fused"), ("per", "per-expert")):
-        res = runner.invoke(app, ["export", str(src), str(tmp_path / name), *args, "--experts", experts])
+        res = runner.invoke(app, ["export", str(src), str(root / name), *args, "--experts", experts])
         assert res.exit_code == 0, res.output
-    doc = _diff(tmp_path / "fused", tmp_path / "per", code=1)
-    (note,) = [n for n in doc["notes"] if "quantized fused expert" in n]
-    assert note.startswith("4 quantized fused expert tensor(s) of A (model.layers.0.mlp.experts.gate_up_proj, ...) not")
-    only_a = {d["name"] for d in doc["differences"] if d["kind"] == "only_a"}
-    assert only_a == {f"model.layers.{n}.mlp.experts.{p}" for n in range(2) for p in ("gate_up_proj", "down_proj")}
+    return root
+
+
+def test_fp8_fused_experts_are_compared_per_expert_with_per_expert_fp8(fp8_forms: Path, tmp_path: Path) -> None:
+    """Fused FP8 experts (``[E, out, in]`` codes, ``weight_scale_inv`` ``[E, out/B, in/B]``) were listed as only in A
+    beside a note: now each expert is dequantized on its own scale rows and compared with the per-expert weights."""
+    doc = _diff(fp8_forms / "fused", fp8_forms / "per", code=0)
+    assert doc["equal"] and not doc["differences"]
+    names = {t["name"] for t in doc["tensors"]}
+    assert (
+        "model.layers.1.mlp.experts.7.up_proj.weight" in names
+        and "model.layers.0.mlp.experts.gate_up_proj" not in names
+    )
+    assert "4 quantized fused expert tensor(s) of A dequantized and compared per expert with B" in " ".join(
+        doc["notes"]
+    )
+    # one FP8 code of expert 2's up rows changed: named by its piece and its fused index
+    bad = shutil.copytree(fp8_forms / "fused", tmp_path / "bad")
+    sd = load_file(bad / "model.safetensors")
+    key = "model.layers.1.mlp.experts.gate_up_proj"
+    w = sd[key].view(torch.uint8).clone()
+    i = w.shape[1] // 2
+    w[2, i + 3, 5] ^= 0x40
+    sd[key] = w.view(torch.float8_e4m3fn)
+    save_file(sd, str(bad / "model.safetensors"), metadata={"format": "pt"})
+    doc = _diff(fp8_forms / "per", bad, code=1)
+    (d,) = doc["differences"]
+    assert d["name"] == "model.layers.1.mlp.experts.2.up_proj.weight" and d["index"] == [3, 5]
+    assert d["stored"] == {"side": "B", "key": key, "index": [2, i + 3, 5]} and d["mismatched"] == 1
+
+
+def test_fp8_fused_experts_against_torch_dequantized_per_expert_values(fp8_forms: Path, tmp_path: Path) -> None:
+    """The reference: torch's ``QuantizedHuggingFaceStorageReader`` dequantizes the per-expert FP8 export to float32;
+    the fused export's pieces, dequantized per expert, equal those values (a quantized side against an unquantized one:
+    mode ``quantization``, each piece with its tolerance)."""
+    import json
+
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.quantized_hf_storage import QuantizedHuggingFaceStorageReader
+
+    per = fp8_forms / "per"
+    stored = load_file(per / "model.safetensors")
+    fp8 = {k: v for k, v in stored.items() if v.dtype == torch.float8_e4m3fn}
+    sd = {k: torch.empty(v.shape, dtype=torch.float32) for k, v in fp8.items()}
+    dcp.load(
+        sd,
+        storage_reader=QuantizedHuggingFaceStorageReader(str(per), target_dtype=torch.float32, block_size=8),
+        no_dist=True,
+    )
+    ref = tmp_path / "ref"
+    ref.mkdir()
+    (ref / "config.json").write_bytes((per / "config.json").read_bytes())
+    plain = {k: v for k, v in stored.items() if k not in fp8 and not k.endswith("_scale_inv")}
+    save_file({**plain, **sd}, str(ref / "model.safetensors"), metadata={"format": "pt"})
+    doc = _diff(fp8_forms / "fused", ref, code=0)
+    pieces = [t for t in doc["tensors"] if ".experts." in t["name"] and t["name"].endswith("_proj.weight")]
+    assert len(pieces) == 2 * 8 * 3 and json.dumps(doc["comparison"]).count("quantization") == 1
+    for t in pieces:
+        assert t["max_abs"] == 0.0 and t["status"] == "equal", t
+        assert t["tolerance"]["scheme"] == "fp8-experts" and t["tolerance"]["rtol"] == 0.125
 
 
 def test_a_config_json_symlinked_out_of_a_folder_is_refused_not_read_for_the_expert_names(

@@ -63,6 +63,27 @@ def test_fp8_export_against_bf16_export(exports: dict[str, Path]) -> None:
     assert tight["counts"]["different"] == 14
 
 
+def test_json_says_which_tensors_were_compared_within_the_quantization_step(exports: dict[str, Path]) -> None:
+    """``comparison.mode`` said ``bitwise`` (``rtol``/``atol`` null) though 14 FP8 weights were compared at rtol 2^-3:
+    the JSON says the mode and, per tensor, the tolerance each comparison used."""
+    doc = _diff(exports["fp8"], exports["bf16"], code=0)
+    assert doc["comparison"]["mode"] == "quantization" and doc["comparison"]["quantized_tensors"] == 14
+    tol = {t["name"]: t.get("tolerance") for t in doc["tensors"]}
+    assert tol["model.embed_tokens.weight"] is None  # compared bitwise
+    name = "model.layers.0.mlp.up_proj.weight"
+    files = exports["fp8"].glob("*.safetensors")
+    scale = max(load_file(f).get(name + "_scale_inv", torch.zeros(1)).max().item() for f in files)
+    assert tol[name] == {"source": "quantization", "scheme": "fp8-block", "rtol": 0.125, "atol_max": scale * 2.0**-9}
+    assert sum(t is not None for t in tol.values()) == 14
+    ct = _diff(exports["ct-channel"], exports["bf16"], code=0)
+    assert {t["tolerance"]["scheme"] for t in ct["tensors"] if "tolerance" in t} == {"fp8-compressed-tensors"}
+    for args, mode in ((("--rtol", "0.2"), "tolerance"), ((), "bitwise")):  # given, or two quantized sides
+        other = exports["bf16"] if args else exports["fp8"]
+        d = _diff(exports["fp8"], other, *args, code=0)
+        assert d["comparison"]["mode"] == mode and "quantized_tensors" not in d["comparison"]
+        assert not any("tolerance" in t for t in d["tensors"])
+
+
 def test_fp8_export_against_its_fp32_masters(exports: dict[str, Path]) -> None:
     """The BF16 tensors equal the masters cast (--as-dtype), the FP8 ones are within the FP8 tolerance."""
     doc = _diff(exports["fp8"], exports["master"], "--weights", "master", "--as-dtype", "bfloat16", code=0)
@@ -127,6 +148,8 @@ def test_mxfp4_against_transformers_values(tmp_path: Path) -> None:
     assert _statuses(doc)[p + "gate_up_proj"] in ("equal", "within_tolerance")
     row = next(x for x in doc["tensors"] if x["name"] == p + "gate_up_proj")
     assert row["max_abs"] == 0.0 and row["shape"] == [2, 96, 6]  # bf16 of exact values: equal
+    assert row["tolerance"]["scheme"] == "mxfp4" and row["tolerance"]["rtol"] == 0.5
+    assert doc["comparison"]["mode"] == "quantization"
 
 
 B = 128  # the block of the two FP8 folders below
