@@ -1134,9 +1134,8 @@ def _run() -> None:
     except Exception as e:
         if not caused_by_interrupt(e):
             raise
-        sys.exit(
-            interrupted()
-        )  # a Ctrl-C wrapped in a RuntimeError while a module loaded (parsing, a command's import)
+        # a Ctrl-C wrapped in a RuntimeError while a module loaded (parsing, a command's import)
+        sys.exit(interrupted())
     finally:
         pool = sys.modules.get("ckpttool.engine.pool")  # loaded only by commands that used it
         if pool is not None:
