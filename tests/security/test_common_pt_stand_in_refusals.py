@@ -1,5 +1,5 @@
 """A Megatron-LM ``common.pt`` whose ``args`` rebuild an allowed class the wrong way (an enum from ``None``, an
-``argparse.Namespace`` from a state that is not a dict, a path from an int).
+``argparse.Namespace`` from a state that is not a dict, a path from an int, an enum from a 2000-bit int).
 
 The stand-ins (:func:`~ckpttool.format.unpickler.enum_stand_in`, :class:`~ckpttool.format.unpickler.AttributeBag`,
 :data:`~ckpttool.format.unpickler.path_stand_in`) refuse it, but the refusal named no file: ``inspect``/``stats`` said
@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import io
+import pickle
 import shutil
 import signal
 from pathlib import Path
@@ -39,6 +40,11 @@ BAD_ARGS = {
     "enum from None": (_global("megatron.core.enums", "ModelType") + b")R", "enum ModelType rebuilt from None"),
     "namespace state a tuple": (_global("argparse", "Namespace") + b")\x81N}\x86b", "state that is not a dict"),
     "path from an int": (_global("pathlib", "PosixPath") + b"K\x01\x85R", "non-string parts"),
+    # an enum's value is a small int: a 2000-bit one was taken and spelled out in a 600-digit name
+    "enum from a 2000-bit int": (
+        _global("signal", "Signals") + pickle.dumps(2**2000, 2)[2:-1] + b"\x85R",
+        "enum Signals rebuilt from <int of 2001 bits>",
+    ),
 }
 
 
