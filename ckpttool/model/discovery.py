@@ -90,7 +90,7 @@ class CheckpointSelection:
             text = step.strip().lower()
             if text == "latest":
                 step = "latest"
-            elif text.isdigit():
+            elif text.isdecimal():  # what int() reads (a superscript is a digit to isdigit(), not to int())
                 step = int(text)
             else:
                 digits = re.search(r"(\d+)$", text)  # a step directory's name (step-200, iter_0000200)
