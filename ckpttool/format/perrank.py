@@ -678,6 +678,10 @@ class PerRankReader(CheckpointReader):
             return data
         return super().raw_bytes(fqn, chunk)
 
+    def reads_as_value(self, fqn: str) -> bool:
+        """Whether byte item ``fqn`` is read as a value from its rank file (:meth:`item_value` gives its bytes)."""
+        return fqn in self.assembled.objects
+
     def item_value(self, fqn: str) -> bytes | None:
         """The pickle (protocol 2) of byte item ``fqn``'s value as read from its rank file (a JSON or raw item, an
         LR scheduler's state, a param group's hyperparameter): the same bytes for an equal value, so a manifest
@@ -686,7 +690,7 @@ class PerRankReader(CheckpointReader):
         Raises:
             PerRankError: the value is not plain Python data.
         """
-        if fqn not in self.assembled.objects:
+        if not self.reads_as_value(fqn):
             return None
         try:
             return pickle.dumps(self.assembled.objects[fqn], protocol=2)

@@ -758,8 +758,10 @@ def load_saved_object(
     assert pkl is not None
     try:
         return check_object_graph(_load_plain(pkl, where, tensors, plain_globals), where)
-    except UnsafePickleError:
-        pass  # needs torch's weights_only unpickler (tensors, ...)
+    except UnsafePickleError as e:
+        if e.path is None:  # a stand-in refused how the pickle builds it; torch's unpickler would call it alike
+            raise _stand_in_refusal(e, where, fqn) from None
+        # else a global off the table or a tensor: needs torch's weights_only unpickler
     except CkptError:
         raise
     except PickleBombError as e:
@@ -788,6 +790,8 @@ def _torch_load(
     try:
         with _safe_globals(plain_globals):
             return check_object_graph(torch.load(io.BytesIO(data), map_location="cpu", weights_only=True), where)
+    except UnsafePickleError as e:
+        raise (_stand_in_refusal(e, where, fqn) if e.path is None else e) from None
     except CkptError:
         raise
     except Exception as e:
@@ -815,10 +819,17 @@ def _load_plain(pkl: bytes, where: str, tensors: str, plain_globals: Mapping[tup
         if plain_globals:
             return PlainGlobalsUnpickler(pickle_input(pkl), source=where, allowed=plain_globals).load()
         return PrimitiveUnpickler(pickle_input(pkl), source=where).load()
-    except UnsafePickleError:
-        if tensors != "describe":
+    except UnsafePickleError as e:
+        if tensors != "describe" or e.path is None:  # a stand-in's refusal is final (:func:`_stand_in_refusal`)
             raise
         return _StructureUnpickler(pickle_input(pkl), source=where).load()
+
+
+def _stand_in_refusal(e: UnsafePickleError, where: str, fqn: str | None) -> UnsafePickleError:
+    """The refusal of a stand-in of ``plain_globals`` (an enum rebuilt from ``None``, an ``argparse.Namespace`` from
+    a state that is not a dict: raised without a file, where the unpicklers' own refusals of a global or a tensor name
+    theirs), named for the file ``where``: final, the bytes are not handed on to another unpickler."""
+    return UnsafePickleError(f"{where}: {e.message}", hint=e.hint, path=where, fqn=fqn)
 
 
 #: held around a ``torch.load`` with :func:`_safe_globals`: torch keeps its safe globals in one process-wide set that

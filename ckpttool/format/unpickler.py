@@ -345,10 +345,12 @@ class EnumValue(str):
 
 
 def enum_stand_in(name: str) -> Callable[[Any], EnumValue]:
-    """The stand-in of enum class ``name``: called with the member's value (a small int or a short string)."""
+    """The stand-in of enum class ``name``: called with the member's value (an int of at most 64 bits or a string of
+    at most 64 characters; anything else is :class:`~ckpttool.errors.UnsafePickleError`)."""
 
     def build(value: Any = None) -> EnumValue:
-        if type(value) not in (int, str) or (type(value) is str and len(value) > 64):
+        small = value.bit_length() <= 64 if type(value) is int else type(value) is str and len(value) <= 64
+        if not small:
             raise UnsafePickleError(f"enum {name} rebuilt from {short_repr(value)}, expected an int or a short name")
         return EnumValue(f"{name}({value!r})")
 

@@ -282,14 +282,23 @@ _HF_CONFIG_DIRS = (".", "consolidated", ".hf_metadata", "huggingface", "model_as
 
 def hf_config_beside(model_dir: Path) -> Path | None:
     """The folder holding the model's ``config.json`` that was saved with ``model_dir``, if any
-    (:data:`_HF_CONFIG_DIRS`, first found); ``None`` when there is none or it cannot be listed."""
+    (:data:`_HF_CONFIG_DIRS`, first found); ``None`` when there is none or it cannot be listed.
+
+    Raises:
+        PathEscapeError: (E101) the ``config.json`` found, or the folder holding it, is a symlink out of ``model_dir``.
+    """
+    from ckpttool.format.files import resolve_inside
+
     for name in _HF_CONFIG_DIRS:
         folder = model_dir if name == "." else model_dir / name
         try:
-            if (folder / "config.json").is_file():
-                return folder
+            if not (folder / "config.json").is_file():
+                continue
         except OSError:
             continue
+        if name != ".":  # the folder's own config.json is confined where it is read (read_hf_config)
+            resolve_inside(model_dir, f"{name}/config.json", what="config.json")
+        return folder
     return None
 
 

@@ -801,7 +801,7 @@ class _Sorter:
             gid, hyper = item[0], str(item[1])
         else:
             head, _, tail = rest.partition(".")
-            if head.isdigit() and tail and "." not in tail:
+            if head.isdecimal() and tail and "." not in tail:
                 gid, hyper = int(head), tail
             else:
                 split = self.inv.split(rest)
@@ -1033,7 +1033,7 @@ def _index_mapped(
     split) or a state tensor whose shape is not the mapped parameter's (0-d fields such as ``step`` aside).
     """
     fqns = [sch.fqn_of(k) for k in model]
-    if n_groups > 1 or not all(i.isdigit() and int(i) < len(fqns) for i in state):
+    if n_groups > 1 or not all(i.isdecimal() and int(i) < len(fqns) for i in state):
         return sch, state
     shapes = [e.shape for e in model.values()]
     for i, ps in state.items():

@@ -248,7 +248,11 @@ class Checkpoint:
     def hf_config_beside(self) -> Path | None:
         """The folder of the model's ``config.json`` the trainer saved beside this checkpoint (NeMo
         Automodel's ``consolidated/``, verl's ``huggingface/``; :func:`ckpttool.model.beside.hf_config_beside`),
-        ``None`` for none or a URL."""
+        ``None`` for none or a URL.
+
+        Raises:
+            PathEscapeError: (E101) that ``config.json``, or its folder, is a symlink out of the checkpoint's folder.
+        """
         folder = self.local_folder
         return None if folder is None else hf_config_beside(folder)
 

@@ -91,7 +91,7 @@ class CheckpointSelection:
             text = step.strip().lower()
             if text == "latest":
                 step = "latest"
-            elif text.isdigit():
+            elif text.isdecimal():  # what int() reads (a superscript is a digit to isdigit(), not to int())
                 step = int(text)
             else:
                 digits = re.search(r"(\d+)$", text)  # a step directory's name (step-200, iter_0000200)
@@ -597,7 +597,8 @@ def _latest_step(root: Path) -> tuple[int | str, str] | None:
             text = p.read_text(errors="replace").strip() if size <= 256 else f"{size} bytes"
         except OSError:
             continue
-        s = int(text) if text.isdigit() else step_of(text) or step_of(Path(text).name)
+        # decimal digits, as int() (Megatron's own reading) takes them; a superscript is a digit to isdigit(), not to int()
+        s = int(text) if text.isdecimal() else step_of(text) or step_of(Path(text).name)
         if s is not None:
             return s, name
         if text == RELEASE:  # Megatron's release checkpoint: <root>/release, no step

@@ -70,6 +70,7 @@ __all__ = [
     "check_against_manifest",
     "check_manifest_kind",
     "unchecked_sizes",
+    "unchecked_values",
     "write_output_manifest",
     "safetensors_source_identity",
 ]
@@ -815,6 +816,21 @@ def unchecked_sizes(reader: CheckpointReader, manifest: Manifest) -> list[str]:
         return []
     held = {reader.storage_info(k, c).relative_path for k, c in _items(reader) if _has_storage(reader, k, c)}
     return sorted(held)[:1000]
+
+
+def unchecked_values(reader: CheckpointReader, manifest: Manifest) -> list[str]:
+    """Byte items of a per-rank save read as values (a JSON or raw item, a pickled LR scheduler state or param-group
+    hyperparameter: :meth:`~ckpttool.format.perrank.PerRankReader.item_value`) that ``manifest`` lists as ``window``
+    entries of their empty storage window (written by an older ckpttool, or edited): the digest of no bytes, which
+    vouches for nothing of the value (at most 1,000 keys, in manifest order)."""
+    if not isinstance(reader, PerRankReader):
+        return []
+    keys = (
+        e.key
+        for e in manifest.entries
+        if e.covers == "window" and e.offsets is None and not e.length and reader.reads_as_value(e.key)
+    )
+    return list(islice(keys, 1000))
 
 
 def unchecked_training_state(reader: CheckpointReader, manifest: Manifest, model_dir: Path) -> list[str]:
@@ -2239,6 +2255,7 @@ def check_against_manifest(
     unchecked: list[str] = []
     untracked: list[str] = []
     unsized: list[str] = []
+    unvalued: list[str] = []
     if man.kind == "safetensors":
         step(0)
         problems = verify_safetensors_manifest(directory, man, on_entry=step)
@@ -2256,11 +2273,12 @@ def check_against_manifest(
                 folder = folder_kind(ckpt.reader)
                 unchecked = unchecked_beside(ckpt.reader, man)
                 unsized = unchecked_sizes(ckpt.reader, man)
+                unvalued = unchecked_values(ckpt.reader, man)
                 untracked = unchecked_training_state(ckpt.reader, man, Path(ckpt.located.model))
         except MetadataError as e:  # a safetensors file the reader refuses (bytes appended): checked byte by byte
             problems = _verify_refused_folder(directory, man, e, step)
             shown, folder = str(directory), "safetensors"
-    warnings = _unchecked_warnings(target, unchecked if man.kind == "dcp" else [], untracked, unsized)
+    warnings = _unchecked_warnings(target, unchecked if man.kind == "dcp" else [], untracked, unsized, unvalued)
     return ManifestCheck(
         shown,
         str(target),
@@ -2274,9 +2292,12 @@ def check_against_manifest(
     )
 
 
-def _unchecked_warnings(target: Path, unchecked: list[str], untracked: list[str], unsized: list[str]) -> list[str]:
+def _unchecked_warnings(
+    target: Path, unchecked: list[str], untracked: list[str], unsized: list[str], unvalued: list[str]
+) -> list[str]:
     """The ``warning:`` lines of what a manifest cannot vouch for: files beside the data it lists no ``sidecars`` of,
-    a trainer's files without ``training_state``, data files without ``data_files`` sizes."""
+    a trainer's files without ``training_state``, data files without ``data_files`` sizes, a per-rank save's items
+    read as values digested as their empty window (:func:`unchecked_values`)."""
     warnings = []
     for files, lacks, what in (
         (unchecked, "lists no files beside the checkpoint's data", "there not checked"),
@@ -2289,6 +2310,13 @@ def _unchecked_warnings(target: Path, unchecked: list[str], untracked: list[str]
                 f"{target} {lacks} (written by an older ckpttool, or edited): "
                 f"{_plural_files(len(files))} {what} ({', '.join(files[:5])}{more}); it cannot vouch for them"
             )
+    if unvalued:
+        more = ", ..." if len(unvalued) > 5 else ""
+        warnings.append(
+            f"{target} digests the empty storage window of {len(unvalued):,} byte item(s) read as values "
+            f"(written by an older ckpttool, or edited): their values not checked ({', '.join(unvalued[:5])}{more}); "
+            "it cannot vouch for them"
+        )
     return warnings
 
 

@@ -256,7 +256,7 @@ def output_width(stream: Any) -> int:
     if UI.wide:
         return _WIDE
     columns = os.environ.get("COLUMNS", "")
-    if columns.strip().isdigit() and int(columns) > 0:
+    if columns.strip().isdecimal() and int(columns) > 0:  # what int() reads: isdigit() takes superscripts too
         return max(_MIN_WIDTH, int(columns))
     try:
         if stream.isatty():

@@ -113,6 +113,8 @@ def test_step_given_as_a_directory_name_hints_its_number(tmp_path: Path) -> None
         ("step-200", "hint: give the step's number, --step 200, or pass that directory itself"),
         ("iter_0000200", "hint: give the step's number, --step 200, or pass that directory itself"),
         ("lates", "hint: e.g. --step 200, or --step latest for the newest complete step"),
+        # a superscript is a digit to str.isdigit, not to int(): it was E999 'internal error: ValueError'
+        ("\u00b2", "hint: e.g. --step 200, or --step latest for the newest complete step"),
     ):
         res = runner.invoke(app, ["inspect", str(tmp_path), "--step", given])
         assert res.exit_code == 2 and res.stderr.splitlines() == [

@@ -137,6 +137,14 @@ def test_piped_output_uses_a_fixed_default_width(sample_ckpt: Path) -> None:
     assert "ranks" in tables(out)["model tensors"][0]
 
 
+def test_a_columns_value_int_does_not_read_is_ignored(sample_ckpt: Path) -> None:
+    """``COLUMNS=²`` (a digit to ``str.isdigit``, not to ``int()``) was E999 'internal error: ValueError' in every
+    command that prints a table; it is ignored as any other value that is not a width."""
+    res = runner.invoke(app, ["inspect", str(sample_ckpt)], env={"COLUMNS": "\u00b2"})
+    assert res.exit_code == 0, res.stderr
+    assert res.stdout == runner.invoke(app, ["inspect", str(sample_ckpt)], env={"COLUMNS": ""}).stdout
+
+
 def test_wide_never_narrows(sample_ckpt: Path) -> None:
     out = invoke(["inspect", str(sample_ckpt), "--wide"], 60).stdout
     check_layout(out, None)

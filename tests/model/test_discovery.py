@@ -88,11 +88,14 @@ def test_latest_file_wins(titan_root: Path, tmp_path: Path) -> None:
     assert loc.how == "`step` latest: step 2 (named by latest_checkpointed_iteration.txt)"
     # a tracker that names no step: Megatron's resume stops on it ("Invalid metadata file"), so does this
     # (it was passed over: the highest step chosen, "the highest step"); Megatron's "release" names <root>/release
-    for text, said in (("abc", "'abc'"), ("", "''"), ("9" * 100_000, "'100000 bytes'")):
+    # a superscript is a digit to str.isdigit, not to int(): it was E999 'internal error: ValueError'
+    for text, said in (("abc", "'abc'"), ("", "''"), ("9" * 100_000, "'100000 bytes'"), ("\u00b2", "'\u00b2'")):
         (tmp_path / "latest_checkpointed_iteration.txt").write_text(text)
         with pytest.raises(StepNotFoundError) as ei:
             locate(tmp_path, CheckpointSelection(step="latest"))
         assert ei.value.code == "E205" and f"holds {said}, which names no step" in ei.value.message
+    (tmp_path / "latest_checkpointed_iteration.txt").write_text("\uff12\n")  # fullwidth 2: Megatron's int() reads 2
+    assert locate(tmp_path, CheckpointSelection(step="latest")).model == tmp_path / "global_step2"
     (tmp_path / "latest_checkpointed_iteration.txt").write_text("release")
     with pytest.raises(StepNotFoundError) as ei:  # no release/ checkpoint: Megatron's resume finds nothing there
         locate(tmp_path, CheckpointSelection(step="latest"))

@@ -678,3 +678,31 @@ def test_manifest_verify_json_names_the_folder_as_the_text_does(tc_root: Path, t
     assert res.exit_code == 0, res.output
     doc = json.loads(res.stdout)
     assert (doc["kind"], doc["folder"]) == ("dcp", "torch-checkpointing")
+
+
+def test_an_older_manifests_empty_window_of_a_value_item_is_warned_of(tc_root: Path, tmp_path: Path) -> None:
+    """A manifest written before per-rank JSON, raw and pickled items were digested by value lists each as a
+    ``window`` entry of its empty storage window: it vouches for nothing of the value, yet ``manifest --verify`` of a
+    flipped blob byte (or an edited lr) said OK in silence. It still verifies (the manifest is what it is), with a
+    warning naming the items it cannot vouch for, as for an older manifest's other gaps; ``validate --manifest``
+    says so as S016."""
+    from ckpttool.format.digest import digest_bytes
+
+    d = shutil.copytree(tc_root / "w2x" / "step-2", tmp_path / "step-2")
+    assert runner.invoke(app, ["manifest", str(d)]).exit_code == 0
+    man = json.loads((d / "manifest.json").read_text())
+    for e in man["entries"]:
+        if e["covers"] == "value":  # what the older ckpttool wrote: the digest of the empty window
+            e["covers"], e["digest"] = "window", digest_bytes(b"", man["algorithm"])
+    (d / "manifest.json").write_text(json.dumps(man))
+    blob = bytearray((d / "blob_0.bin").read_bytes())
+    blob[len(blob) // 2] ^= 1
+    (d / "blob_0.bin").write_bytes(bytes(blob))
+    res = runner.invoke(app, ["manifest", "--verify", "--json", str(d)])
+    assert res.exit_code == 0, res.output
+    warnings = json.loads(res.stdout)["warnings"]
+    said = [w for w in warnings if "read as values" in w]
+    assert len(said) == 1 and "blob.rank_0" in said[0] and "it cannot vouch for them" in said[0], warnings
+    res = runner.invoke(app, ["validate", "--json", "--manifest", str(d / "manifest.json"), str(d)])
+    s016 = [f["message"] for f in json.loads(res.stdout)["findings"] if f["code"] == "S016"]
+    assert any("read as values" in m and "blob.rank_0" in m for m in s016), s016

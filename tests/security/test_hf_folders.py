@@ -180,3 +180,22 @@ def test_index_naming_a_file_outside_the_folder_says_so(export_dir: Path, tmp_pa
     assert rc == 2 and "[E200]" in out and "not a file of this folder" in out and repr(name) in out, out
     res = runner.invoke(app, ["import", str(d), str(tmp_path / "o")])
     assert res.exit_code == 2 and "not a file of this folder" in res.stderr and not (tmp_path / "o").exists()
+
+
+@pytest.mark.parametrize("folder", ["huggingface", "model_assets", ".hf_metadata"])
+def test_a_config_folder_symlinked_out_of_the_folder_is_refused_not_read(
+    export_dir: Path, sample_ckpt: Path, tmp_path: Path, folder: str
+) -> None:
+    """An HF folder without its own ``config.json`` reads the one a trainer saved beside the weights
+    (``huggingface/``, ``model_assets/``, NeMo Automodel's ``.hf_metadata/``); such a folder that is a symlink out of
+    the folder was followed, and ``import`` took the config of whatever folder it points at. It is E101, as a
+    ``config.json`` symlinked out is, and nothing is written."""
+    hf = shutil.copytree(export_dir, tmp_path / "hf")
+    assert not (hf / "config.json").exists()
+    elsewhere = shutil.copytree(sample_ckpt / "model_assets", tmp_path / "elsewhere")
+    (hf / folder).symlink_to(elsewhere, target_is_directory=True)
+    res = runner.invoke(app, ["import", str(hf), str(tmp_path / "dcp")])
+    assert res.exit_code == 2, res.output
+    first = res.stderr.splitlines()[0]
+    assert first.startswith("error: [E101]") and f"{folder}/config.json" in first, res.stderr
+    assert not (tmp_path / "dcp").exists()

@@ -833,11 +833,18 @@ def _master_export_note(dcp: Side, d_items: list[Item], st_items: list[Item], op
 
 def _hf_config(st: Side, dcp: Side) -> dict[str, Any] | None:
     """The HF ``config.json`` of the safetensors side (else one beside the DCP checkpoint): the adapter's dimensions."""
+    from ckpttool.format.files import resolve_inside
     from ckpttool.model.hfconfig import read_hf_config
 
-    for d in (Path(st.ckpt.located.model), Path(dcp.ckpt.located.model), Path(dcp.ckpt.located.model) / "model_assets"):
-        if (d / "config.json").is_file():
-            cfg = read_hf_config(d, param=None)  # the folder: a config.json symlinked out of it is E101
+    model = Path(dcp.ckpt.located.model)
+    for root, rel in (
+        (Path(st.ckpt.located.model), "config.json"),
+        (model, "config.json"),
+        (model, "model_assets/config.json"),
+    ):
+        if (root / rel).is_file():
+            # inside the side's folder: a config.json, or the model_assets folder holding it, symlinked out is E101
+            cfg = read_hf_config(resolve_inside(root, rel, what="config.json"), param=None)
             return cfg if isinstance(cfg, dict) else None
     return None
 

@@ -389,12 +389,12 @@ def _check_template(pattern: re.Pattern[str], to: str, where: str) -> None:
             raise UsageError(
                 f"{where}: template {to!r} uses group {num} but 'match' has {pattern.groups}", hint="fix the rules file"
             )
-        if name and name.isdigit() and int(name) > pattern.groups:
+        if name and name.isdecimal() and int(name) > pattern.groups:  # what int() reads (not a superscript '²')
             raise UsageError(
                 f"{where}: template {to!r} uses group {name} but 'match' has {pattern.groups}",
                 hint="fix the rules file",
             )
-        if name and not name.isdigit() and name not in pattern.groupindex:
+        if name and not name.isdecimal() and name not in pattern.groupindex:
             raise UsageError(f"{where}: template {to!r} uses unknown group {name!r}", hint="fix the rules file")
     # every other template error (a trailing backslash, \q, \g<1, \g<-1>) as Match.expand raises it, on an
     # empty match of a pattern with the same groups (the real pattern may match no string we could make)

@@ -163,6 +163,20 @@ def test_a_model_assets_config_json_symlinked_out_is_refused_not_read(llama_ckpt
     assert "[E101]" in res.stderr and "config.json" in res.stderr and res.stdout == ""
 
 
+def test_a_model_assets_folder_symlinked_out_is_refused_not_read(llama_ckpt: Path, tmp_path: Path) -> None:
+    """As its ``config.json``, the DCP side's ``model_assets`` folder itself symlinked out of the checkpoint folder is
+    E101: the config read from it was the one of the folder the link points at, outside the checkpoint."""
+    import shutil
+
+    export_checkpoint(llama_ckpt, tmp_path / "hf", ExportOptions())
+    ck = shutil.copytree(llama_ckpt, tmp_path / "ck")
+    outside = (ck / "model_assets").rename(tmp_path / "elsewhere")
+    (ck / "model_assets").symlink_to(outside, target_is_directory=True)
+    res = cli(ck, tmp_path / "hf", "--json")
+    assert res.exit_code == 2, res.stdout + res.stderr
+    assert "[E101]" in res.stderr and "model_assets" in res.stderr and res.stdout == ""
+
+
 def test_sharded_hf_export_equals_its_checkpoint(llama_ckpt: Path, tmp_path: Path) -> None:
     export_checkpoint(llama_ckpt, tmp_path / "hf", ExportOptions(shard_size=20_000))
     assert (tmp_path / "hf" / "model.safetensors.index.json").is_file()

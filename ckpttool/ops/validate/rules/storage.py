@@ -330,7 +330,7 @@ def manifest_mismatch(ctx: Context) -> Iterator[tuple[str, str]]:
 
 @rule("S016")
 def manifest_beside_unchecked(ctx: Context) -> Iterator[tuple[str | None, str]]:
-    from ckpttool.ops.manifest import unchecked_beside, unchecked_sizes, unchecked_training_state
+    from ckpttool.ops.manifest import unchecked_beside, unchecked_sizes, unchecked_training_state, unchecked_values
 
     if ctx.manifest.kind == "safetensors":  # an export's manifest lists its files itself
         return
@@ -348,4 +348,12 @@ def manifest_beside_unchecked(ctx: Context) -> Iterator[tuple[str | None, str]]:
         yield (
             None,
             f"{where}: records no data file sizes; bytes after the last chunk of {len(unsized)} not checked: {shown}",
+        )
+    unvalued = unchecked_values(ctx.reader, ctx.manifest)
+    if unvalued:
+        shown = ", ".join(unvalued[:5]) + (f" (+{len(unvalued) - 5} more)" if len(unvalued) > 5 else "")
+        yield (
+            None,
+            f"{where}: digests the empty storage window of {len(unvalued)} byte item(s) read as values; "
+            f"their values not checked: {shown}",
         )
