@@ -194,11 +194,14 @@ def is_url(path: str | os.PathLike[str] | None) -> bool:
 
 
 def local_path(path: str | os.PathLike[str]) -> str | os.PathLike[str]:
-    """``file:///a/b`` -> ``/a/b``; anything else unchanged."""
+    """``file:///a/b`` (and ``file://localhost/a/b``, RFC 8089's local host) -> ``/a/b``; anything else unchanged."""
     if isinstance(path, str):
         m = _SCHEME_RE.match(path)
         if m is not None and m.group("scheme").lower() == "file":
-            return m.group("rest") or "/"
+            rest = m.group("rest")
+            if rest.lower() == "localhost" or rest[:10].lower() == "localhost/":
+                rest = rest[9:]
+            return rest or "/"
     return path
 
 

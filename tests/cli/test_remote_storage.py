@@ -411,8 +411,11 @@ def test_chained_url_that_opens_a_file_is_one_error_line(url: str) -> None:
     assert r.stderr.count("error:") == 1
 
 
-def test_file_url_is_the_local_path(sample_ckpt: Path) -> None:
-    r = runner.invoke(app, ["inspect", "file://" + os.fspath(sample_ckpt), "--json"])
+@pytest.mark.parametrize("host", ["", "localhost", "LOCALHOST"])
+def test_file_url_is_the_local_path(sample_ckpt: Path, host: str) -> None:
+    """``file:///p`` and ``file://localhost/p`` (RFC 8089) name the local ``/p``; ``localhost/p`` relative to the
+    current directory was read before."""
+    r = runner.invoke(app, ["inspect", f"file://{host}" + os.fspath(sample_ckpt), "--json"])
     assert r.exit_code == 0, r.output
     assert "storage" not in json.loads(r.stdout)
 
