@@ -626,7 +626,7 @@ class _TensorPickle(pickle.Unpickler):
             and (stype[1] is None or (type(stype[1]) is str and stype[1] in DTYPE_ITEMSIZE))
         ):  # a tuple the pickle built itself may hold anything where a storage class's dtype belongs
             raise StorageTupleError(f"storage tuple names storage type {_short(stype)}, not a torch storage class")
-        if type(key) is not str or not key.isdigit() or len(key) > 20:
+        if type(key) is not str or not key.isdecimal() or len(key) > 20:
             raise StorageTupleError(f"storage tuple key is {_short(key)}, not a decimal string")
         if type(location) is not str or len(location) > 64:
             raise StorageTupleError(f"storage tuple location is {_short(location)}, not a device string")

@@ -106,7 +106,7 @@ def _checkpoints_below(url: object, sizes: dict[str, int], shown: int = 6) -> st
     found = [rel[: -len(suffix)] for rel in sizes if rel.endswith(suffix)]
     if not found:
         return None
-    found.sort(key=lambda r: [(0, int(t), "") if t.isdigit() else (1, 0, t) for t in re.split(r"(\d+)", r)])
+    found.sort(key=lambda r: [(0, int(t), "") if t.isdecimal() else (1, 0, t) for t in re.split(r"(\d+)", r)])
     more = f" (+{len(found) - shown} more)" if len(found) > shown else ""
     names = ", ".join(f"{url}/{r}" for r in found[-shown:])
     return f"checkpoints below it: {names}{more} (pass one of them)"

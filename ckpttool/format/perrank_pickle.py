@@ -243,7 +243,7 @@ class RankUnpickler(AllowListUnpickler):
             raise UnsafePickleError(f"{self._source}: an unexpected pickle persistent id", path=self._source)
         _, stype, key, _location, numel = pid
         ok = isinstance(stype, tuple) and len(stype) == 2 and stype[0] == "storage_type"
-        if not ok or type(key) is not str or not key.isdigit() or type(numel) is not int or not 0 <= numel < 1 << 62:
+        if not ok or type(key) is not str or not key.isdecimal() or type(numel) is not int or not 0 <= numel < 1 << 62:
             raise UnsafePickleError(f"{self._source}: a malformed storage record reference", path=self._source)
         return ("storage", stype[1], key, numel)
 

@@ -354,7 +354,7 @@ def _peer_state(store: Any, r: int) -> str:
     if who is None:
         return "unknown"
     host, _, pid = who.rpartition(":")
-    if host != socket.gethostname() or not pid.isdigit():
+    if host != socket.gethostname() or not pid.isdecimal():
         return "unknown"
     return _pid_state(int(pid))
 
@@ -388,7 +388,7 @@ def _clean_after_lost_root(store: Any) -> None:
     who = _store_get(store, "pid/0") or ""
     pid = who.rpartition(":")[2]
     deadline = time.monotonic() + 5.0
-    while pid.isdigit() and os.path.exists(f"/proc/{pid}") and time.monotonic() < deadline:
+    while pid.isdecimal() and os.path.exists(f"/proc/{pid}") and time.monotonic() < deadline:
         time.sleep(0.02)  # its launcher reaps it: then its marker's pid is provably gone
     target = Path(out)
     source = _store_get(store, "source")

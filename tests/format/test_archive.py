@@ -402,3 +402,14 @@ def test_unusual_records_read_as_torch_reads_them(variant: str, sample_ckpt: obj
             assert torch.equal(r.read_tensor(EXPERT_KEY), ours)
     theirs = torch.load(io.BytesIO(data), weights_only=True)
     assert torch.equal(ours, theirs) and torch.equal(ours, original)
+
+
+def test_storage_tuple_key_of_non_decimal_digits_is_refused() -> None:
+    """A key of digits ``int()`` does not read (a superscript ``²``: ``str.isdigit`` holds, ``int`` raises) is the
+    storage tuple's own error, not an internal one."""
+    ms = _members()
+    pkl = next(m for m in ms if m.name.endswith("data.pkl"))
+    assert b"X\x01\x00\x00\x000" in pkl.payload
+    pkl.payload = pkl.payload.replace(b"X\x01\x00\x00\x000", b"X\x02\x00\x00\x00" + "²".encode(), 1)
+    with pytest.raises(StorageTupleError, match="not a decimal string"):
+        parse_tensor_archive(BytesWindow(zip_bytes(ms)))

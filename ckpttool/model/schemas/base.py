@@ -370,7 +370,7 @@ class SchemaSpec:
         ``decoder.layers.<N>.`` fqn, which megatron-core saves for a block of mixed layer types (dense and MoE
         layers, ``moe_layer_freq``: ``TransformerBlock.sharded_state_dict``'s ``non_homogeneous_layers``)."""
         p = next((p for p in self.stacked_layers if fqn.startswith(p)), None)
-        return None if p is None or fqn[len(p) :].split(".", 1)[0].isdigit() else p
+        return None if p is None or fqn[len(p) :].split(".", 1)[0].isdecimal() else p
 
 
 def per_rank_spec(

@@ -285,7 +285,7 @@ def _index_keyed(state: list[tuple[str, _Path]], state_prefix: str, model_fqns: 
             return False  # flattened by get_optimizer_state_dict (flatten_optimizer_state_dict=True), which keys by fqn
         if path is not None and "state" in (above := path[:-2]):
             param = path[len(above) - above[::-1].index("state")]  # after the optimizer's own (last) "state"
-            if isinstance(param, str) and not param.isdigit():
+            if isinstance(param, str) and not param.isdecimal():
                 # planner_data holds the state dict's own key: a name ('0.weight' of an nn.Sequential whose
                 # model keys carry another prefix), not the integer id of a plain optimizer.state_dict() ('0')
                 return False
@@ -294,7 +294,7 @@ def _index_keyed(state: list[tuple[str, _Path]], state_prefix: str, model_fqns: 
         # a model whose fqns start with digits (nn.Sequential: 0.weight): by fqn only where the key starts with
         # one of them (state.0.weight.exp_avg, nested state.0.weight.shampoo.factor), by index where it starts
         # with the number alone (state.0.exp_avg)
-        if not head.isdigit() or (head in firsts and _starts_with_fqn(rest, model_fqns)):
+        if not head.isdecimal() or (head in firsts and _starts_with_fqn(rest, model_fqns)):
             return False
     return seen
 
@@ -449,7 +449,8 @@ def _optimizer_fqns_rule(
 
 def _keying(sch: KeySchema, tensors: list[str], state: list[tuple[str, _Path]], state_prefix: str, get: Any) -> str:
     index = bool(state) and all(
-        (p is not None and len(p) >= 4 and isinstance(p[-2], int)) or k[len(state_prefix) :].split(".", 1)[0].isdigit()
+        (p is not None and len(p) >= 4 and isinstance(p[-2], int))
+        or k[len(state_prefix) :].split(".", 1)[0].isdecimal()
         for k, p in state
     )
     if index:  # digits could also be the first fqn component of an nn.Sequential model

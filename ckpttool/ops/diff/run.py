@@ -1304,7 +1304,7 @@ def _group_values(side: Side) -> dict[str, dict[str, Any]]:
     reached: set[int] = set()
     fqns = [cat.fqn_of(key) for key in cat.model]
     if not fqns:  # an optimizer-only save: its parameters are those of its state (an index-keyed one: by group)
-        fqns = [f for f in cat.optimizer_state if not f.isdigit()]
+        fqns = [f for f in cat.optimizer_state if not f.isdecimal()]
     wrappers = wrapper_segments_of(cat.optimizer_state, cat.param_fqns)
     names = [strip_wrapper_segments(f, wrappers)[0] for f in fqns]  # as the tensors are named (_unwrapped)
     if len(set(names)) != len(names):

@@ -79,7 +79,7 @@ def _template(pattern: re.Pattern[str], to: str) -> tuple[str | int, ...] | None
     pos = 0
     for m in _TEMPLATE_RE.finditer(to):
         parts.append(to[pos : m.start()])
-        ref: str | int = int(m.group(1) or m.group(2)) if (m.group(1) or m.group(2).isdigit()) else m.group(2)
+        ref: str | int = int(m.group(1) or m.group(2)) if (m.group(1) or m.group(2).isdecimal()) else m.group(2)
         if isinstance(ref, int) and ref > pattern.groups or isinstance(ref, str) and ref not in pattern.groupindex:
             return None
         parts.append(ref if isinstance(ref, int) else pattern.groupindex[ref])

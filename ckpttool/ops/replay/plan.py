@@ -722,7 +722,7 @@ def _select(
         and (filter_glob is None or _glob_matches(cat, f, filter_glob))  # the canonical key
     ]
     if not params_in_model:
-        if members.grouped and all(f.isdigit() for f in members.grouped):  # params [0, 1, ...]
+        if members.grouped and all(f.isdecimal() for f in members.grouped):  # params [0, 1, ...]
             raise HyperparameterError(
                 f"{cat.path}: the param groups list their {len(members.grouped)} parameter(s) by index (a plain "
                 "optimizer.state_dict()), which no command can match to the model tensors; nothing to replay",
