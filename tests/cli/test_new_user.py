@@ -6,6 +6,7 @@ stderr; ``inspect`` says plainly when optimizer state is keyed by index and name
 from __future__ import annotations
 
 import json
+import os
 import warnings
 from collections import OrderedDict
 from pathlib import Path
@@ -637,3 +638,30 @@ def test_the_folder_to_pass_instead_of_a_file_is_named_ready_to_paste(sample_ckp
         assert hint.endswith(f"not a file in it: {shlex.quote(str(folder))}"), hint
         assert shlex.split(hint.rpartition(": ")[2]) == [str(folder)]
     assert runner.invoke(app, ["inspect", *shlex.split(shlex.quote(str(ckpt)))]).exit_code == 0
+
+
+@pytest.mark.parametrize("name", ["we\nird", "two  spaces", "-dash", "tab\there", "it's ünï"])
+def test_a_folder_hint_pastes_as_that_folder_whatever_its_name(
+    sample_ckpt: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, name: str
+) -> None:
+    """The folder to pass, named in a hint as a shell argument (``not a file in it: X``, ``--optimizer-dir``'s
+    ``pass the folder that holds it: X``): a newline or a run of spaces in its name was folded into one space
+    (``'we ird'``, ``'two spaces'``: another folder), a leading ``-`` pasted as an option, and the
+    ``--optimizer-dir`` message folded the name it was given. Each is one line that bash reads back as the folder."""
+    import subprocess
+
+    monkeypatch.chdir(tmp_path)
+    copy_checkpoint(sample_ckpt, tmp_path / name)
+    for args in (
+        ["inspect", "--", f"{name}/.metadata"],
+        ["validate", str(sample_ckpt), "--optimizer-dir", f"{name}/.metadata"],
+    ):
+        res = runner.invoke(app, args)
+        assert res.exit_code == 2, res.output
+        error, hint = res.stderr.splitlines()
+        assert error.endswith(" is not a directory" if args[0] == "inspect" else "not its directory"), error
+        assert name.replace("\n", "\\x0a").replace("\t", "\\x09") + "/.metadata" in error, error
+        token = hint.rpartition(": ")[2]
+        pasted = subprocess.run(["bash", "-c", f"printf %s {token}"], capture_output=True, text=True, check=True)
+        assert os.path.samefile(pasted.stdout, name), (hint, pasted.stdout)
+        assert not pasted.stdout.startswith("-"), hint
