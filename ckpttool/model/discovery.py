@@ -752,8 +752,9 @@ def _refuse_other_step(model: Path, opt: Path | None) -> None:
     raise UsageError(
         f"`optimizer_dir` {opt} is of step {b[0]} ({b[1].name}), the model {model} of step {a[0]} ({a[1].name}): "
         "one save's optimizer state beside another's weights",
+        path=opt,
         param="optimizer_dir",
-        hint=f"pass the optimizer folder saved with the model, {partner}"
+        hint=f"pass the optimizer folder saved with the model, {shell_arg(partner)}"
         if partner is not None
         else "pass the optimizer folder of the model's own step",
     )
