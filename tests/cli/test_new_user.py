@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import warnings
 from collections import OrderedDict
 from pathlib import Path
@@ -665,3 +666,19 @@ def test_a_folder_hint_pastes_as_that_folder_whatever_its_name(
         pasted = subprocess.run(["bash", "-c", f"printf %s {token}"], capture_output=True, text=True, check=True)
         assert os.path.samefile(pasted.stdout, name), (hint, pasted.stdout)
         assert not pasted.stdout.startswith("-"), hint
+
+
+def test_a_model_folder_opened_alone_names_its_step_directory_ready_to_paste(acc_root: Path, tmp_path: Path) -> None:
+    """replay-step of Accelerate's model folder alone, its ``optimizer_0/`` beside it, in a run folder whose name
+    holds a newline and a run of spaces: the hint's step directory was unquoted and folded (``my run``), another
+    folder and several shell arguments. It is one argument bash reads back as the step directory."""
+    import subprocess
+
+    step = tmp_path / "my\n  run" / "checkpoint-1"
+    shutil.copytree(acc_root / "accelerate" / "checkpoint-1", step)
+    res = runner.invoke(app, ["replay-step", str(step / "pytorch_model_fsdp_0")])
+    assert res.exit_code == 2, res.output
+    hint = res.stderr.splitlines()[-1]
+    token = hint.partition("pass the step directory ")[2].removesuffix(", which holds both")
+    pasted = subprocess.run(["bash", "-c", f"printf %s {token}"], capture_output=True, text=True, check=True).stdout
+    assert pasted == str(step), hint
