@@ -34,6 +34,38 @@ def _folded(text: str, path: str) -> str:
     return "".join(part if i % 2 else _SPACES.sub(" ", part) for i, part in enumerate(parts)).strip()
 
 
+def shell_arg(path: str | PathLike[str]) -> str:
+    """``path`` as one shell argument to paste from a hint (POSIX shells; bash and zsh for ``$'...'``).
+
+    ``shlex.quote``'s form (``'it'"'"'s'``, ``'a b'``), but a relative path starting with ``-`` gets ``./``
+    (not read as an option), and a name with whitespace other than single spaces, control characters or
+    undecodable bytes (surrogates) is ANSI-C quoted with escapes (``$'we\\nird'``): the hint stays one line
+    with nothing folded away, and pastes as that very path.
+    """
+    text = str(path)
+    if text.startswith("-"):
+        text = "./" + text
+    if text.isprintable() and "  " not in text:
+        import shlex
+
+        return shlex.quote(text)
+    out = []
+    for c in text:
+        if c in "\\'":
+            out.append("\\" + c)
+        elif c == " " or c.isprintable():
+            out.append(c if c != " " else "\\x20")
+        elif 0xDC80 <= ord(c) <= 0xDCFF:  # an undecodable byte of the name (os.fsdecode's surrogateescape)
+            out.append(f"\\x{ord(c) - 0xDC00:02x}")
+        elif c in "\n\t\r":
+            out.append({"\n": "\\n", "\t": "\\t", "\r": "\\r"}[c])
+        elif ord(c) < 0x80:
+            out.append(f"\\x{ord(c):02x}")
+        else:
+            out.append(f"\\u{ord(c):04x}" if ord(c) < 0x10000 else f"\\U{ord(c):08x}")
+    return "$'" + "".join(out) + "'"
+
+
 __all__ = [
     "CkptError",
     "Refusal",
@@ -97,6 +129,7 @@ __all__ = [
     "ReshardError",
     "ReplayMismatchError",
     "error_class",
+    "shell_arg",
     "check_bool",
     "check_field_types",
 ]

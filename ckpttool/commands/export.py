@@ -6,7 +6,6 @@ import contextlib
 import dataclasses
 import inspect
 import json
-import shlex
 import sys
 import typing
 from collections.abc import Callable
@@ -17,6 +16,7 @@ from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 
+from ckpttool.errors import shell_arg
 from ckpttool.model.adapters import adapter_metavar
 from ckpttool.ops.export.outputs import OUTPUT_FORMATS, format_help
 from ckpttool.ui.options import (
@@ -253,7 +253,7 @@ def run_export(cli: ExportCLIOptions) -> None:
             if cli.quantize is not None
             else ""
         )
-        beside = shlex.quote(result.config_beside) if result.config_beside else None
+        beside = shell_arg(result.config_beside) if result.config_beside else None
         sink.note(
             f"{held} (no --model-assets): {needs}; pass --model-assets DIR, the folder of the model's config.json "
             "and tokenizer files"

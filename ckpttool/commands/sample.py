@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-import shlex
 from enum import Enum
 from pathlib import PurePath
 from typing import Annotated
 
 import typer
 
+from ckpttool.errors import shell_arg
 from ckpttool.optim_state.schema import OPTIMIZER_TYPES
 from ckpttool.ui.options import OverwriteOpt, examples, local_output_location
 from ckpttool.ui.output import command_boundary, deprecated, note
@@ -57,7 +57,7 @@ def sample_command(
         directory, SampleOptions(steps=train_steps, seed=seed, optimizer=optimizer.value, overwrite=overwrite)
     ).path
     note(f"wrote sample checkpoint to {out}")
-    note(f"try: ckpttool inspect {shlex.quote(str(out))}")  # a command to paste, spaces and all
+    note(f"try: ckpttool inspect {shell_arg(out)}")  # a command to paste, spaces and all
 
 
 EPILOG = examples(

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import shlex
 import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -12,6 +11,7 @@ from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 
+from ckpttool.errors import shell_arg
 from ckpttool.ui import options as opt
 from ckpttool.ui.options import examples, location, selection
 from ckpttool.ui.output import Output, command_boundary
@@ -137,7 +137,7 @@ def _run_hint() -> Iterator[None]:
         yield
     except AmbiguousCheckpointError as e:
         if len(e.steps) > 1:
-            dirs = [shlex.quote(d) for _, d in e.steps]
+            dirs = [shell_arg(d) for _, d in e.steps]
             shown = dirs if len(dirs) <= 6 else [*dirs[:3], "...", dirs[-1]]
             e.hint += f"; or follow the run, its steps in run order: ckpttool stats {' '.join(shown)}"
         raise

@@ -14,7 +14,6 @@ from __future__ import annotations
 import logging
 import os
 import re
-import shlex
 import stat
 import threading
 from collections.abc import Callable, Iterable
@@ -30,6 +29,7 @@ from ckpttool.errors import (
     PathEscapeError,
     RemoteNotFoundError,
     UsageError,
+    shell_arg,
 )
 from ckpttool.format import limits
 from ckpttool.format.dcp_safetensors import is_safetensors_serialized, resolve_safetensors_windows
@@ -95,7 +95,7 @@ def not_a_directory_error(p: Path) -> UsageError:
     return UsageError(
         f"{p} is not a directory",
         path=p,
-        hint=f"pass the checkpoint directory ({_holding(p.parent)}), not a file in it: {shlex.quote(str(p.parent))}",
+        hint=f"pass the checkpoint directory ({_holding(p.parent)}), not a file in it: {shell_arg(p.parent)}",
     )
 
 

@@ -14,12 +14,12 @@ from __future__ import annotations
 
 import os
 import re
-import shlex
 from collections.abc import Collection
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from ckpttool.errors import shell_arg
 from ckpttool.format.jsonview import json_fields, json_number
 
 __all__ = [
@@ -205,7 +205,7 @@ def model_folder_hint(cat_path: object, default: str) -> str:
         model, step = os.path.relpath(model) + "/", os.path.relpath(here.parent)
     else:
         step = str(here.parent)
-    return f"its model folder {model} lies beside it: pass the step directory {shlex.quote(step)}, which holds both"
+    return f"its model folder {model} lies beside it: pass the step directory {shell_arg(step)}, which holds both"
 
 
 def unread_in_listing(names: Collection[str], read: Collection[str] = ()) -> tuple[str, ...]:

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import os
 import re
-import shlex
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path, PurePath
@@ -27,6 +26,7 @@ from ckpttool.errors import (
     SchemaError,
     StepNotFoundError,
     UsageError,
+    shell_arg,
 )
 from ckpttool.format.directory import DATA_FILE_RE, METADATA_NAME, data_file_ranks
 from ckpttool.format.files import hub_snapshot
@@ -624,6 +624,7 @@ def _check_optimizer_dir(opt: Path | None) -> None:
 
         raise UsageError(
             f"`optimizer_dir` {opt}: no such directory",
+            path=opt,
             param="optimizer_dir",
             hint=missing_path_hint(opt, "the optimizer folder that dcp.save wrote (e.g. checkpoint-N/optimizer_0)"),
         )
@@ -636,8 +637,9 @@ def _check_optimizer_dir(opt: Path | None) -> None:
                 if in_folder
                 else "not a DCP checkpoint directory (no .metadata)"
             ),
+            path=opt,
             param="optimizer_dir",
-            hint=f"pass the folder that holds it: {shlex.quote(str(opt.parent))}"
+            hint=f"pass the folder that holds it: {shell_arg(opt.parent)}"
             if in_folder
             else "pass the optimizer folder that dcp.save wrote (e.g. checkpoint-N/optimizer_0)",
         )
@@ -751,8 +753,9 @@ def _refuse_other_step(model: Path, opt: Path | None) -> None:
     raise UsageError(
         f"`optimizer_dir` {opt} is of step {b[0]} ({b[1].name}), the model {model} of step {a[0]} ({a[1].name}): "
         "one save's optimizer state beside another's weights",
+        path=opt,
         param="optimizer_dir",
-        hint=f"pass the optimizer folder saved with the model, {partner}"
+        hint=f"pass the optimizer folder saved with the model, {shell_arg(partner)}"
         if partner is not None
         else "pass the optimizer folder of the model's own step",
     )
@@ -1067,7 +1070,7 @@ def _refuse_several_series(root: Path, units: list[_Unit], bad: dict[int, Incomp
         return
     shown = sorted(newest.items(), key=lambda kv: (str(kv[0][0]), kv[0][1]))
     listed = "; ".join(f"{_rel(parent / name, root)} (newest {_rel(d, root)})" for (parent, name), (_, d) in shown)
-    example = shlex.quote(str(shown[-1][1][1]))
+    example = shell_arg(shown[-1][1][1])
     raise AmbiguousCheckpointError(  # no ``steps``: they are no one run's, which stats would follow in order
         f"{root}: `step` latest, but the step directories below it are of {len(newest)} series (other trainers' "
         f"or runs' saves, whose step numbers do not compare): {listed}",
@@ -1111,12 +1114,12 @@ def _ambiguous(
         hint = (
             f"pick one with `step` N|latest (steps {named}), "
             f"or pass a directory, e.g. "
-            f"{shlex.quote(str(example.model if example.optimizer is None else example.model.parent))}"
+            f"{shell_arg(example.model if example.optimizer is None else example.model.parent)}"
         )
     else:
         main = hub_snapshot(root)  # a hub repository folder: the revision refs/main names is the example
         pick = next((u for u in units if main is not None and u.model == main), None)
-        hint = f"pass one of them, e.g. {shlex.quote(str((pick or units[0]).model))}"
+        hint = f"pass one of them, e.g. {shell_arg((pick or units[0]).model)}"
         hint += " (the snapshot refs/main names)" if pick is not None else ""
     err = AmbiguousCheckpointError(
         f"{root}: no .metadata; {len(units)} checkpoints below it: {shown}",

@@ -16,14 +16,13 @@ import contextlib
 import json
 import math
 import os
-import shlex
 import time
 from dataclasses import dataclass, field, replace
 from fnmatch import fnmatchcase
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from ckpttool.errors import CkptError, ExportError, MetadataError, ModelMismatchError, UsageError
+from ckpttool.errors import CkptError, ExportError, MetadataError, ModelMismatchError, UsageError, shell_arg
 from ckpttool.format.atomic import absolute_path
 from ckpttool.format.files import hub_hint, missing_path_hint, open_regular, resolve_inside
 from ckpttool.format.hf_storage import (
@@ -543,7 +542,7 @@ def _refuse_dcp_source(hf_dir: Path) -> None:
         raise UsageError(
             f"{hf_dir} is a DCP checkpoint ({what}), not a Hugging Face safetensors model",
             path=hf_dir,
-            hint=f"did you mean `ckpttool export {shlex.quote(str(hf_dir))} OUT` (DCP to safetensors)? "
+            hint=f"did you mean `ckpttool export {shell_arg(hf_dir)} OUT` (DCP to safetensors)? "
             "import reads a directory of model*.safetensors files",
         )
 
@@ -666,7 +665,7 @@ def _check_import_options(hf_dir: str | os.PathLike[str], opts: ImportOptions) -
             raise UsageError(
                 f"{src_dir}: not a directory",
                 path=src_dir,
-                hint=f"pass the Hugging Face model directory, not a file in it: {shlex.quote(str(src_dir.parent))}",
+                hint=f"pass the Hugging Face model directory, not a file in it: {shell_arg(src_dir.parent)}",
             )
         raise UsageError(
             f"{src_dir}: no such directory",

@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any, cast
 
 from ckpttool.engine.io import ShortReadError, read_upto
 from ckpttool.engine.pool import imap_ordered, worker_count
-from ckpttool.errors import CkptError, DataFileError, ManifestError, MetadataError, OutputError, UsageError
+from ckpttool.errors import CkptError, DataFileError, ManifestError, MetadataError, OutputError, UsageError, shell_arg
 from ckpttool.format import limits
 from ckpttool.format.atomic import atomic_write_bytes, check_file_target, nearest_unwritable
 from ckpttool.format.digest import ALGORITHMS, DEFAULT_ALGORITHM, digest_bytes, new_hasher
@@ -1545,13 +1545,12 @@ def check_manifest_kind(reader: CheckpointReader, manifest: Manifest) -> None:
 
 
 def _other_kind(manifest: Manifest, made_of: str, directory: str, now: str) -> ManifestError:
-    import shlex
 
     shown = manifest.path or "the manifest"
     return ManifestError(
         f"{shown} is the manifest of {made_of}, but {directory} is {now}",
         path=shown,
-        hint=f"verify {shlex.quote(directory)} against a manifest made of it (`ckpttool manifest {shlex.quote(directory)}` "
+        hint=f"verify {shell_arg(directory)} against a manifest made of it (`ckpttool manifest {shell_arg(directory)}` "
         "writes one; an export's is written by `export --manifest`), and this manifest against the checkpoint it was made of",
     )
 

@@ -293,21 +293,28 @@ def interrupted() -> int:
 
 
 def caused_by_interrupt(exc: BaseException) -> bool:
-    """Whether ``exc`` is a Ctrl-C (``KeyboardInterrupt``) or an error raised from one (its ``__cause__`` chain).
+    """Whether ``exc`` is a Ctrl-C (``KeyboardInterrupt``) or the interpreter's wrapping of one.
 
     Python 3.10 and 3.11 wrap an exception raised in a class's ``__set_name__`` in a ``RuntimeError``
-    (``Error calling __set_name__ on 'Field' instance ...``): a Ctrl-C landing while a module defines a
-    dataclass (the commands load their modules lazily) arrives as that ``RuntimeError``. It is an
-    interrupt (exit 130, ``error: interrupted``), not an internal error.
+    (``Error calling __set_name__ on 'Field' instance ...``, the Ctrl-C its ``__cause__``): a Ctrl-C landing
+    while a module defines a dataclass (the commands load their modules lazily) arrives as that
+    ``RuntimeError``. It is an interrupt (exit 130, ``error: interrupted``), not an internal error. Any other
+    exception raised from a Ctrl-C (a cleanup that failed while handling it) is the internal error it is.
     """
     seen: set[int] = set()
     cur: BaseException | None = exc
     while cur is not None and id(cur) not in seen:
         if isinstance(cur, KeyboardInterrupt):
             return True
+        if not (type(cur) is RuntimeError and str(cur).startswith(_SET_NAME_WRAP)):
+            return False
         seen.add(id(cur))
         cur = cur.__cause__
     return False
+
+
+#: The start of the message of Python's ``RuntimeError`` around an exception raised in ``__set_name__`` (3.10, 3.11).
+_SET_NAME_WRAP = "Error calling __set_name__ on "
 
 
 def _published_note() -> str:

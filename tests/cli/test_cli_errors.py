@@ -901,3 +901,27 @@ def test_ctrl_c_while_a_module_defines_a_dataclass_says_interrupted(
     )
     assert (proc.returncode, proc.stdout, proc.stderr) == (130, "", "error: interrupted\n")
     assert sorted(p.name for p in tmp_path.iterdir()) == []
+
+
+def test_an_internal_error_raised_from_a_handled_ctrl_c_is_not_an_interrupt(
+    sample_ckpt: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Only Python's own wrapping of a Ctrl-C (``RuntimeError: Error calling __set_name__ ...``) is an interrupt:
+    a bug raised from a Ctrl-C the code had handled (a cleanup that failed, ``raise ... from e``) exited 130 with
+    ``error: interrupted``, as if the user had stopped a run that in fact failed. It is ``E999 internal error``."""
+    import ckpttool.ops.manifest as manifest
+
+    def broken_cleanup(*args: object, **kwargs: object) -> None:
+        try:
+            raise KeyboardInterrupt
+        except KeyboardInterrupt as e:
+            raise TypeError("cleanup after the interrupt failed") from e
+
+    monkeypatch.setattr(manifest, "write_manifest", broken_cleanup)
+    out = tmp_path / "m.json"
+    res = runner.invoke(app, ["manifest", str(sample_ckpt), "--output", str(out)])
+    assert res.exit_code == 2, res.output
+    assert res.stderr.splitlines()[0] == (
+        "error: [E999] internal error: TypeError: cleanup after the interrupt failed"
+    ), res.stderr
+    assert not out.exists()

@@ -6,6 +6,8 @@ stderr; ``inspect`` says plainly when optimizer state is keyed by index and name
 from __future__ import annotations
 
 import json
+import os
+import shutil
 import warnings
 from collections import OrderedDict
 from pathlib import Path
@@ -637,3 +639,46 @@ def test_the_folder_to_pass_instead_of_a_file_is_named_ready_to_paste(sample_ckp
         assert hint.endswith(f"not a file in it: {shlex.quote(str(folder))}"), hint
         assert shlex.split(hint.rpartition(": ")[2]) == [str(folder)]
     assert runner.invoke(app, ["inspect", *shlex.split(shlex.quote(str(ckpt)))]).exit_code == 0
+
+
+@pytest.mark.parametrize("name", ["we\nird", "two  spaces", "-dash", "tab\there", "it's ünï"])
+def test_a_folder_hint_pastes_as_that_folder_whatever_its_name(
+    sample_ckpt: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, name: str
+) -> None:
+    """The folder to pass, named in a hint as a shell argument (``not a file in it: X``, ``--optimizer-dir``'s
+    ``pass the folder that holds it: X``): a newline or a run of spaces in its name was folded into one space
+    (``'we ird'``, ``'two spaces'``: another folder), a leading ``-`` pasted as an option, and the
+    ``--optimizer-dir`` message folded the name it was given. Each is one line that bash reads back as the folder."""
+    import subprocess
+
+    monkeypatch.chdir(tmp_path)
+    copy_checkpoint(sample_ckpt, tmp_path / name)
+    for args in (
+        ["inspect", "--", f"{name}/.metadata"],
+        ["validate", str(sample_ckpt), "--optimizer-dir", f"{name}/.metadata"],
+    ):
+        res = runner.invoke(app, args)
+        assert res.exit_code == 2, res.output
+        error, hint = res.stderr.splitlines()
+        assert error.endswith(" is not a directory" if args[0] == "inspect" else "not its directory"), error
+        assert name.replace("\n", "\\x0a").replace("\t", "\\x09") + "/.metadata" in error, error
+        token = hint.rpartition(": ")[2]
+        pasted = subprocess.run(["bash", "-c", f"printf %s {token}"], capture_output=True, text=True, check=True)
+        assert os.path.samefile(pasted.stdout, name), (hint, pasted.stdout)
+        assert not pasted.stdout.startswith("-"), hint
+
+
+def test_a_model_folder_opened_alone_names_its_step_directory_ready_to_paste(acc_root: Path, tmp_path: Path) -> None:
+    """replay-step of Accelerate's model folder alone, its ``optimizer_0/`` beside it, in a run folder whose name
+    holds a newline and a run of spaces: the hint's step directory was unquoted and folded (``my run``), another
+    folder and several shell arguments. It is one argument bash reads back as the step directory."""
+    import subprocess
+
+    step = tmp_path / "my\n  run" / "checkpoint-1"
+    shutil.copytree(acc_root / "accelerate" / "checkpoint-1", step)
+    res = runner.invoke(app, ["replay-step", str(step / "pytorch_model_fsdp_0")])
+    assert res.exit_code == 2, res.output
+    hint = res.stderr.splitlines()[-1]
+    token = hint.partition("pass the step directory ")[2].removesuffix(", which holds both")
+    pasted = subprocess.run(["bash", "-c", f"printf %s {token}"], capture_output=True, text=True, check=True).stdout
+    assert pasted == str(step), hint

@@ -23,6 +23,7 @@ from ckpttool.errors import (
     SchemaError,
     StepNotFoundError,
     UsageError,
+    shell_arg,
 )
 from ckpttool.model.checkpoint import open_checkpoint
 from ckpttool.model.discovery import CheckpointSelection, compose_pair, locate, step_of
@@ -246,7 +247,9 @@ def test_optimizer_dir_of_another_step_is_refused(acc_root: Path, tmp_path: Path
         locate(model, CheckpointSelection(optimizer_dir=run / "checkpoint-0" / "optimizer_0"))
     e = ei.value
     assert e.code == "E100" and "of step 0 (checkpoint-0)" in e.message and "of step 1 (checkpoint-1)" in e.message
-    assert e.hint == f"pass the optimizer folder saved with the model, {run / 'checkpoint-1' / 'optimizer_0'}"
+    assert (
+        e.hint == f"pass the optimizer folder saved with the model, {shell_arg(run / 'checkpoint-1' / 'optimizer_0')}"
+    )
     res = CliRunner().invoke(
         app, ["validate", str(model), "--optimizer-dir", str(run / "checkpoint-0" / "optimizer_0")]
     )
@@ -303,3 +306,25 @@ def test_run_root_without_step_lists_a_newer_unfinished_step(titan_root: Path, t
     e = ei.value
     assert e.hint is not None and "(steps 1, 2, 3 (incomplete))" in e.hint and str(run / "step-2") in e.hint, e.hint
     assert e.steps == ((1, str(run / "step-1")), (2, str(run / "step-2")))
+
+
+def test_optimizer_dir_of_another_step_names_an_odd_folder_ready_to_paste(acc_root: Path, tmp_path: Path) -> None:
+    """A run folder whose name holds a newline and a run of spaces: the message folded the given folder's name
+    (``my run`` for ``my\\n  run``) and the hint named the model's own optimizer folder unquoted, folded too: another
+    folder, several shell arguments. The message names it as given (escaped), the hint as one argument bash reads
+    back as that folder."""
+    import subprocess
+
+    run = tmp_path / "my\n  run"
+    for s in (0, 1):
+        shutil.copytree(acc_root / "accelerate" / f"checkpoint-{s}", run / f"checkpoint-{s}")
+    model = run / "checkpoint-1" / "pytorch_model_fsdp_0"
+    res = CliRunner().invoke(
+        app, ["validate", str(model), "--optimizer-dir", str(run / "checkpoint-0" / "optimizer_0")]
+    )
+    assert res.exit_code == 2, res.output
+    error, hint = res.stderr.splitlines()
+    assert f"--optimizer-dir {tmp_path}/my\\x0a  run/checkpoint-0/optimizer_0 is of step 0" in error, error
+    token = hint.rpartition("saved with the model, ")[2]
+    pasted = subprocess.run(["bash", "-c", f"printf %s {token}"], capture_output=True, text=True, check=True).stdout
+    assert pasted == str(run / "checkpoint-1" / "optimizer_0"), hint

@@ -15,7 +15,6 @@ from __future__ import annotations
 import logging
 import math
 import os
-import shlex
 import sys
 import time
 from collections.abc import Callable
@@ -36,6 +35,7 @@ from ckpttool.errors import (
     LayoutError,
     NothingComparedError,
     UsageError,
+    shell_arg,
 )
 from ckpttool.format.locator import ChunkLocation
 from ckpttool.format.metadata import TensorMeta
@@ -288,7 +288,7 @@ def _open_side(
             raise DiffError(
                 f"{p}: a file that is not a .safetensors file",
                 path=p,
-                hint=f"pass the checkpoint directory, not a file in it: {shlex.quote(str(p.parent))}"
+                hint=f"pass the checkpoint directory, not a file in it: {shell_arg(p.parent)}"
                 if inside
                 else "pass a DCP checkpoint directory, a safetensors directory or file, or a PEFT adapter directory",
             )

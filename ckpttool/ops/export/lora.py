@@ -12,12 +12,11 @@ from __future__ import annotations
 import json
 import math
 import re
-import shlex
 from collections import Counter
 from pathlib import Path
 from typing import Any
 
-from ckpttool.errors import ExportError, UsageError
+from ckpttool.errors import ExportError, UsageError, shell_arg
 from ckpttool.format.unpickler import short_repr
 from ckpttool.model.catalog import Catalog
 from ckpttool.model.schemas.base import canonical_model_key
@@ -270,7 +269,7 @@ def _alpha_unknown(cat: Catalog, beside: Path | None) -> ExportError:
     """E601: no ``lora_alpha`` given; the hint names the adapter config saved with the checkpoint, if any."""
     return ExportError(
         f"{cat.path}: lora_alpha cannot be inferred from the adapter weights",
-        hint=f"pass `adapter_config` {shlex.quote(str(beside))} (the adapter config saved with the checkpoint) or "
+        hint=f"pass `adapter_config` {shell_arg(beside)} (the adapter config saved with the checkpoint) or "
         "`lora_alpha` A"
         if beside is not None
         else "pass `lora_alpha` A (the LoraConfig lora_alpha used in training) or `adapter_config` FILE",
