@@ -2,7 +2,7 @@
 
 :func:`locate` turns ``DIR`` into the checkpoint to open: itself when it holds ``.metadata`` (or
 ``HuggingFaceStorageWriter`` safetensors files), else the DCP checkpoints below it (at most
-:data:`MAX_DEPTH` levels, symlinked directories not followed): the only one, a model folder
+:data:`MAX_DEPTH` levels, symlinked directories not followed unless named as a step directory): the only one, a model folder
 paired with its optimizer folder, or the one of ``step`` (``N`` or ``latest``); several and no
 ``step`` is an error listing them. The trainers' layouts come from the key schemas' discovery
 patterns. :func:`compose_pair` merges a model and an optimizer checkpoint into one metadata over
@@ -274,8 +274,9 @@ def _renamed_to(path: Path) -> str | None:
 
 def _walk(root: Path, max_depth: int, visit: Callable[[Path], bool]) -> None:
     """Visit the directories below ``root`` breadth first, sorted by name; descend into those for
-    which ``visit(path)`` is true. Hidden and symlinked directories are skipped; at most
-    10,000 directories are visited."""
+    which ``visit(path)`` is true. Hidden and symlinked directories are skipped, but for a link named as a step
+    directory (``checkpoint-300 -> /scratch/run/checkpoint-300``: the trainers' resume lists it as any step; a
+    ``latest`` link is :func:`_latest_step`'s); at most 10,000 directories are visited."""
     level = [root]
     visited = 0
     for _ in range(max_depth):
@@ -286,7 +287,7 @@ def _walk(root: Path, max_depth: int, visit: Callable[[Path], bool]) -> None:
             except OSError:
                 continue
             for e in entries:
-                if e.name.startswith(".") or not e.is_dir(follow_symlinks=False):
+                if e.name.startswith(".") or not _followed(e):
                     continue
                 visited += 1
                 if visited > _MAX_DIRS:
@@ -297,12 +298,22 @@ def _walk(root: Path, max_depth: int, visit: Callable[[Path], bool]) -> None:
         level = nxt
 
 
+def _followed(e: os.DirEntry[str]) -> bool:
+    """Whether :func:`_walk` visits directory entry ``e``: a directory, or a link to one named as a step directory."""
+    try:
+        if e.is_symlink():
+            return step_of(e.name) is not None and e.is_dir()
+        return e.is_dir()
+    except OSError:
+        return False
+
+
 def find_checkpoints(root: Path, max_depth: int = MAX_DEPTH) -> list[Path]:
     """DCP checkpoint directories below ``root`` (not ``root`` itself), breadth first, sorted.
 
     A checkpoint's own subdirectories are not searched (``HuggingFaceStorageWriter``'s
-    ``sharded/``); hidden and symlinked directories are skipped; at most 10,000 directories are
-    visited.
+    ``sharded/``); hidden and symlinked directories are skipped (not a link named as a step directory,
+    ``checkpoint-300 -> /scratch/...``); at most 10,000 directories are visited.
     """
     found: list[Path] = []
 
@@ -439,7 +450,8 @@ def find_incomplete(root: Path, max_depth: int = MAX_DEPTH) -> list[IncompleteSt
     (a file it leaves until the save is published, or lacks the file it writes last: a schema's
     ``incomplete_markers`` / ``publish_markers``), and a step-named directory is on its path
     below ``root``; or it is torch-checkpointing's ``tmp_<name>`` staging directory, ``<name>``
-    naming the step (:func:`~ckpttool.format.perrank_formats.staging_of`). Hidden and symlinked directories are skipped; at most 10,000 are visited.
+    naming the step (:func:`~ckpttool.format.perrank_formats.staging_of`). Hidden and symlinked directories are
+    skipped (not a link named as a step directory); at most 10,000 are visited.
     """
     found: dict[int, IncompleteStep] = {}
     root_step = step_of(root.name)  # a step directory given itself: what is unfinished below it is of its step

@@ -179,10 +179,14 @@ def test_a_part_cannot_reach_into_the_other_part(acc_root: Path, tmp_path: Path)
 
 
 def test_symlinked_dirs_are_not_followed(titan_root: Path, tmp_path: Path) -> None:
-    os.symlink(titan_root / "moe" / "checkpoint" / "step-1", tmp_path / "step-1")
+    """A link not named as a step directory is not walked; one named as a step directory is (a trainer's resume
+    lists it as any step: :func:`test_latest_follows_a_step_directory_symlinked_elsewhere`)."""
+    os.symlink(titan_root / "moe" / "checkpoint" / "step-1", tmp_path / "best")
     with pytest.raises(MetadataError) as ei:
         locate(tmp_path)
     assert ei.value.code == "E200" and "no DCP checkpoint in the 3 directory levels below" in ei.value.message
+    os.symlink(titan_root / "moe" / "checkpoint" / "step-1", tmp_path / "step-1")
+    assert locate(tmp_path).model == tmp_path / "step-1"
 
 
 def test_incomplete_save_is_still_e202(tmp_path: Path) -> None:
@@ -300,3 +304,32 @@ def test_run_root_without_step_lists_a_newer_unfinished_step(titan_root: Path, t
     e = ei.value
     assert e.hint is not None and "(steps 1, 2, 3 (incomplete))" in e.hint and str(run / "step-2") in e.hint, e.hint
     assert e.steps == ((1, str(run / "step-1")), (2, str(run / "step-2")))
+
+
+def test_latest_follows_a_step_directory_symlinked_elsewhere(acc_root: Path, tmp_path: Path) -> None:
+    """HF Trainer's output_dir whose newest ``checkpoint-2`` is a link to another disk (moved off a full one):
+    ``get_last_checkpoint`` lists it as any step (``os.path.isdir`` follows links) and resumes it; `step` latest
+    passed over the link and opened ``checkpoint-1`` as "the highest step". A link not named as a step
+    (``best -> checkpoint-1``) is still not walked: it is no second checkpoint."""
+    from transformers.trainer_utils import get_last_checkpoint
+
+    run, other = tmp_path / "run", tmp_path / "scratch"
+    shutil.copytree(acc_root / "accelerate" / "checkpoint-0", run / "checkpoint-1")
+    shutil.copytree(acc_root / "accelerate" / "checkpoint-1", other / "checkpoint-2")
+    (run / "checkpoint-2").symlink_to(other / "checkpoint-2", target_is_directory=True)
+    (run / "best").symlink_to("checkpoint-1", target_is_directory=True)
+    assert get_last_checkpoint(str(run)) == str(run / "checkpoint-2")
+    loc = locate(run, CheckpointSelection(step="latest"))
+    assert (loc.model, loc.optimizer, loc.step) == (
+        run / "checkpoint-2" / "pytorch_model_fsdp_0",
+        run / "checkpoint-2" / "optimizer_0",
+        2,
+    )
+    with pytest.raises(AmbiguousCheckpointError) as ei:
+        locate(run)
+    assert ei.value.steps == (
+        (1, str(run / "checkpoint-1")),
+        (2, str(run / "checkpoint-2")),
+    ), ei.value.message
+    with open_checkpoint(run, selection=CheckpointSelection(step="latest")) as ck:
+        assert ck.located.step == 2 and len(ck.catalog.optimizer_state) > 0
