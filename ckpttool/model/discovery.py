@@ -730,15 +730,19 @@ def _locate(path: str | os.PathLike[str], selection: CheckpointSelection | None)
     return Located(root, u.model, u.optimizer or opt, u.step, how, newer)
 
 
-def _step_of_path(p: Path) -> tuple[int, Path] | None:
-    """``(step, step directory)`` of the nearest step-named directory holding ``p`` (``p`` itself included), by its
-    absolute path, else with links resolved (``run/latest/optimizer_0``); ``None`` when none names a step."""
+def _steps_of_pair(model: Path, opt: Path) -> tuple[tuple[int, Path], tuple[int, Path]] | None:
+    """``((step, step directory), ...)`` of ``model`` and ``opt``: the nearest step-named directory holding each (the
+    path itself included) below the folder the two share, by their absolute paths, else with links resolved
+    (``run/latest/pytorch_model_fsdp_0``); ``None`` when one of them has none there. A step-named folder holding
+    both (``/data/ckpt_1/run/...``, ``checkpoint-2/`` of both) is no step of either's own."""
     for absolute in (os.path.abspath, os.path.realpath):
-        q = Path(absolute(p))
-        d = _step_dir(q, Path(q.anchor))
-        s = step_of(d.name) if d is not None else None
-        if d is not None and s is not None:
-            return s, d
+        qa, qb = Path(absolute(model)), Path(absolute(opt))
+        common = Path(os.path.commonpath([qa, qb]))
+        da, db = _step_dir(qa, common), _step_dir(qb, common)
+        sa = step_of(da.name) if da is not None else None
+        sb = step_of(db.name) if db is not None else None
+        if da is not None and db is not None and sa is not None and sb is not None:
+            return (sa, da), (sb, db)
     return None
 
 
@@ -748,13 +752,14 @@ def _refuse_other_step(model: Path, opt: Path | None) -> None:
     one save beside the weights of another, which no save wrote and no resume loads."""
     if opt is None:
         return
-    a, b = _step_of_path(model), _step_of_path(opt)
-    if a is None or b is None or a[0] == b[0]:
+    pair = _steps_of_pair(model, opt)
+    if pair is None or pair[0][0] == pair[1][0]:
         return
+    a, b = pair
     partner = next(
         (
             a[1] / q.relative_to(b[1])
-            for q in [Path(os.path.abspath(opt))]
+            for q in (Path(os.path.abspath(opt)), Path(os.path.realpath(opt)))
             if q.is_relative_to(b[1]) and (a[1] / q.relative_to(b[1])).is_dir()
         ),
         None,

@@ -333,3 +333,28 @@ def test_latest_follows_a_step_directory_symlinked_elsewhere(acc_root: Path, tmp
     ), ei.value.message
     with open_checkpoint(run, selection=CheckpointSelection(step="latest")) as ck:
         assert ck.located.step == 2 and len(ck.catalog.optimizer_state) > 0
+
+
+def test_optimizer_dir_under_a_step_named_folder_of_both(acc_root: Path, tmp_path: Path) -> None:
+    """A run kept below a folder named like a step (``/data/ckpt_1/run/``): the model opened through the run's
+    ``latest`` link, or exported beside the run, has no step directory of its own, and the check of
+    ``--optimizer-dir`` took ``ckpt_1`` for its step: E100 "the model ... of step 1 (ckpt_1)" for the model's own
+    optimizer folder. A folder holding both is no step of either's; another step's folder is still refused."""
+    run = tmp_path / "ckpt_1" / "run"
+    for s in (2, 3):
+        shutil.copytree(acc_root / "accelerate" / "checkpoint-1", run / f"checkpoint-{s}")
+    (run / "latest").symlink_to("checkpoint-2", target_is_directory=True)
+    shutil.copytree(run / "checkpoint-2" / "pytorch_model_fsdp_0", run / "exported" / "model")
+    opt = run / "checkpoint-2" / "optimizer_0"
+    for model in (run / "latest" / "pytorch_model_fsdp_0", run / "exported" / "model"):
+        assert locate(model, CheckpointSelection(optimizer_dir=opt)).optimizer == opt
+    res = CliRunner().invoke(
+        app, ["validate", str(run / "latest" / "pytorch_model_fsdp_0"), "--optimizer-dir", str(opt)]
+    )
+    assert res.exit_code == 0, res.output
+    with pytest.raises(UsageError) as ei:
+        locate(
+            run / "latest" / "pytorch_model_fsdp_0",
+            CheckpointSelection(optimizer_dir=run / "checkpoint-3" / "optimizer_0"),
+        )
+    assert "of step 3 (checkpoint-3)" in ei.value.message and "of step 2 (checkpoint-2)" in ei.value.message
