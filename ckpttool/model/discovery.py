@@ -173,9 +173,11 @@ class Located:
         if not self.newer_incomplete:
             return None
         inc = self.newer_incomplete[0]
+        # a checkpoint in no step directory (run/final/, Megatron's release/) is named by its folder, as R001 does
+        chosen = f"step {self.step}" if self.step is not None else f"checkpoint {self.model} (in no step directory)"
         return (
-            f"{NEWER_INCOMPLETE}: step {inc.step} ({inc.path}: {inc.reason}) is newer than the {done} step "
-            f"{self.step}; `ckpttool validate` reports it (R001)"
+            f"{NEWER_INCOMPLETE}: step {inc.step} ({inc.path}: {inc.reason}) is newer than the {done} {chosen}; "
+            "`ckpttool validate` reports it (R001)"
         )
 
     def chosen_note(self) -> str | None:

@@ -358,3 +358,18 @@ def test_optimizer_dir_under_a_step_named_folder_of_both(acc_root: Path, tmp_pat
             CheckpointSelection(optimizer_dir=run / "checkpoint-3" / "optimizer_0"),
         )
     assert "of step 3 (checkpoint-3)" in ei.value.message and "of step 2 (checkpoint-2)" in ei.value.message
+
+
+def test_newer_incomplete_note_of_a_checkpoint_in_no_step_directory(acc_root: Path, tmp_path: Path) -> None:
+    """HF Trainer's ``output_dir/final/`` (``save_model``) beside a ``checkpoint-3`` whose save did not finish: the
+    R001 note of manifest / stats / export said "newer than the digested step None"; it names the folder chosen."""
+    run = tmp_path / "run"
+    shutil.copytree(acc_root / "accelerate" / "checkpoint-1" / "pytorch_model_fsdp_0", run / "final")
+    (run / "checkpoint-3" / "pytorch_model_fsdp_0").mkdir(parents=True)
+    shutil.copy(run / "final" / "__0_0.distcp", run / "checkpoint-3" / "pytorch_model_fsdp_0")
+    loc = locate(run)
+    assert loc.model == run / "final" and loc.step is None and [i.step for i in loc.newer_incomplete] == [3]
+    res = CliRunner().invoke(app, ["manifest", str(run)])
+    assert res.exit_code == 0, res.output
+    assert f"newer than the digested checkpoint {run / 'final'} (in no step directory)" in res.stderr, res.stderr
+    assert "step None" not in res.output
