@@ -595,7 +595,7 @@ def _latest_step(root: Path) -> tuple[int | str, str] | None:
         try:
             if p.is_symlink():  # NeMo Automodel's LATEST: a relative symlink to the step directory
                 target = os.readlink(p)
-                s = step_of(Path(target).name)
+                s = _linked_step(root, target)
                 if s is not None:
                     return s, name
                 raise StepNotFoundError(  # was passed over: the highest step chosen, the link never named
@@ -611,7 +611,7 @@ def _latest_step(root: Path) -> tuple[int | str, str] | None:
             text = p.read_text(errors="replace").strip() if size <= 256 else f"{size} bytes"
         except OSError:
             continue
-        s = int(text) if text.isdigit() else step_of(text) or step_of(Path(text).name)
+        s = int(text) if text.isdigit() else step_of(text) or _linked_step(root, text)
         if s is not None:
             return s, name
         if text == RELEASE:  # Megatron's release checkpoint: <root>/release, no step
@@ -625,6 +625,19 @@ def _latest_step(root: Path) -> tuple[int | str, str] | None:
             "remove it, or pass `step` N",
         )
     return None
+
+
+def _linked_step(root: Path, target: str) -> int | None:
+    """The step a ``latest`` link in ``root`` to ``target`` names: its step directory's (``step-200``), or that of
+    the nearest step-named folder holding it below ``root`` (``checkpoint-200/pytorch_model_fsdp_0``), else
+    ``None``."""
+    s = step_of(Path(target).name)
+    if s is not None:
+        return s
+    base = Path(os.path.abspath(root))
+    q = Path(os.path.normpath(base / target))
+    d = _step_dir(q, base) if q.is_relative_to(base) else None
+    return step_of(d.name) if d is not None else None
 
 
 def _check_optimizer_dir(opt: Path | None) -> None:
@@ -783,7 +796,7 @@ def _given_how(root: Path) -> str:
         target = os.readlink(root) if root.is_symlink() else None
     except OSError:
         target = None
-    s = step_of(Path(target).name) if target is not None else None
+    s = _linked_step(root.parent, target) if target is not None else None
     return f"the directory given, a link to {target} (step {s})" if s is not None else "the directory given"
 
 

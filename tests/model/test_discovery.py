@@ -373,3 +373,29 @@ def test_newer_incomplete_note_of_a_checkpoint_in_no_step_directory(acc_root: Pa
     assert res.exit_code == 0, res.output
     assert f"newer than the digested checkpoint {run / 'final'} (in no step directory)" in res.stderr, res.stderr
     assert "step None" not in res.output
+
+
+def test_latest_naming_a_folder_inside_a_step_directory(acc_root: Path, tmp_path: Path) -> None:
+    """``run/latest -> checkpoint-1/pytorch_model_fsdp_0`` (a link to the model folder of a step, as tools that
+    load one folder want it): `step` latest was E205 "names no step directory"; the step directory holding the
+    folder is its step, as for a ``latest`` file holding that path. A link out of the run naming none is E205."""
+    run = tmp_path / "run"
+    for s in (1, 2):
+        shutil.copytree(acc_root / "accelerate" / f"checkpoint-{s - 1}", run / f"checkpoint-{s}")
+    (run / "latest").symlink_to(Path("checkpoint-1") / "pytorch_model_fsdp_0", target_is_directory=True)
+    loc = locate(run, CheckpointSelection(step="latest"))
+    assert (loc.model, loc.optimizer, loc.step) == (
+        run / "checkpoint-1" / "pytorch_model_fsdp_0",
+        run / "checkpoint-1" / "optimizer_0",
+        1,
+    )
+    assert "named by latest" in loc.how
+    assert locate(run / "latest").how.endswith("(step 1)")
+    (run / "latest").unlink()
+    (run / "latest").write_text("checkpoint-2/optimizer_0\n")
+    assert locate(run, CheckpointSelection(step="latest")).step == 2
+    (run / "latest").unlink()
+    (tmp_path / "other" / "checkpoint-9").mkdir(parents=True)
+    (run / "latest").symlink_to(Path("..") / "other" / "checkpoint-9" / "model")  # another run's step: not this one's
+    with pytest.raises(StepNotFoundError, match="names no step directory"):
+        locate(run, CheckpointSelection(step="latest"))
