@@ -986,6 +986,12 @@ def _of_step(
     elif want in bad:
         raise _incomplete_error(root, bad[want], step)
     units_at = [u for u in units if u.step == want]
+    if not units_at and pointer is not None and pointer[1] in registry.derived().latest_fallback:
+        # NeMo Automodel's resume passes over a LATEST naming a step that is not there: the highest complete step
+        named = want
+        want, how = _latest_of(root, units, bad, None)
+        how = how[:-1] + f"; {pointer[1]} names step {named}, not below the directory, which the trainer passes over)"
+        units_at = [u for u in units if u.step == want]
     if step == "latest":  # one step saved in two epochs: the later epoch
         units_at = _latest_epoch(units_at)
     if not units_at:
