@@ -2,7 +2,7 @@
 
 :func:`locate` turns ``DIR`` into the checkpoint to open: itself when it holds ``.metadata`` (or
 ``HuggingFaceStorageWriter`` safetensors files), else the DCP checkpoints below it (at most
-:data:`MAX_DEPTH` levels, symlinked directories not followed): the only one, a model folder
+:data:`MAX_DEPTH` levels, symlinked directories not followed unless named as a step directory): the only one, a model folder
 paired with its optimizer folder, or the one of ``step`` (``N`` or ``latest``); several and no
 ``step`` is an error listing them. The trainers' layouts come from the key schemas' discovery
 patterns. :func:`compose_pair` merges a model and an optimizer checkpoint into one metadata over
@@ -173,9 +173,11 @@ class Located:
         if not self.newer_incomplete:
             return None
         inc = self.newer_incomplete[0]
+        # a checkpoint in no step directory (run/final/, Megatron's release/) is named by its folder, as R001 does
+        chosen = f"step {self.step}" if self.step is not None else f"checkpoint {self.model} (in no step directory)"
         return (
-            f"{NEWER_INCOMPLETE}: step {inc.step} ({inc.path}: {inc.reason}) is newer than the {done} step "
-            f"{self.step}; `ckpttool validate` reports it (R001)"
+            f"{NEWER_INCOMPLETE}: step {inc.step} ({inc.path}: {inc.reason}) is newer than the {done} {chosen}; "
+            "`ckpttool validate` reports it (R001)"
         )
 
     def chosen_note(self) -> str | None:
@@ -274,8 +276,9 @@ def _renamed_to(path: Path) -> str | None:
 
 def _walk(root: Path, max_depth: int, visit: Callable[[Path], bool]) -> None:
     """Visit the directories below ``root`` breadth first, sorted by name; descend into those for
-    which ``visit(path)`` is true. Hidden and symlinked directories are skipped; at most
-    10,000 directories are visited."""
+    which ``visit(path)`` is true. Hidden and symlinked directories are skipped, but for a link named as a step
+    directory (``checkpoint-300 -> /scratch/run/checkpoint-300``: the trainers' resume lists it as any step; a
+    ``latest`` link is :func:`_latest_step`'s); at most 10,000 directories are visited."""
     level = [root]
     visited = 0
     for _ in range(max_depth):
@@ -286,7 +289,7 @@ def _walk(root: Path, max_depth: int, visit: Callable[[Path], bool]) -> None:
             except OSError:
                 continue
             for e in entries:
-                if e.name.startswith(".") or not e.is_dir(follow_symlinks=False):
+                if e.name.startswith(".") or not _followed(e):
                     continue
                 visited += 1
                 if visited > _MAX_DIRS:
@@ -297,12 +300,22 @@ def _walk(root: Path, max_depth: int, visit: Callable[[Path], bool]) -> None:
         level = nxt
 
 
+def _followed(e: os.DirEntry[str]) -> bool:
+    """Whether :func:`_walk` visits directory entry ``e``: a directory, or a link to one named as a step directory."""
+    try:
+        if e.is_symlink():
+            return step_of(e.name) is not None and e.is_dir()
+        return e.is_dir()
+    except OSError:
+        return False
+
+
 def find_checkpoints(root: Path, max_depth: int = MAX_DEPTH) -> list[Path]:
     """DCP checkpoint directories below ``root`` (not ``root`` itself), breadth first, sorted.
 
     A checkpoint's own subdirectories are not searched (``HuggingFaceStorageWriter``'s
-    ``sharded/``); hidden and symlinked directories are skipped; at most 10,000 directories are
-    visited.
+    ``sharded/``); hidden and symlinked directories are skipped (not a link named as a step directory,
+    ``checkpoint-300 -> /scratch/...``); at most 10,000 directories are visited.
     """
     found: list[Path] = []
 
@@ -439,7 +452,8 @@ def find_incomplete(root: Path, max_depth: int = MAX_DEPTH) -> list[IncompleteSt
     (a file it leaves until the save is published, or lacks the file it writes last: a schema's
     ``incomplete_markers`` / ``publish_markers``), and a step-named directory is on its path
     below ``root``; or it is torch-checkpointing's ``tmp_<name>`` staging directory, ``<name>``
-    naming the step (:func:`~ckpttool.format.perrank_formats.staging_of`). Hidden and symlinked directories are skipped; at most 10,000 are visited.
+    naming the step (:func:`~ckpttool.format.perrank_formats.staging_of`). Hidden and symlinked directories are
+    skipped (not a link named as a step directory); at most 10,000 are visited.
     """
     found: dict[int, IncompleteStep] = {}
     root_step = step_of(root.name)  # a step directory given itself: what is unfinished below it is of its step
@@ -581,7 +595,7 @@ def _latest_step(root: Path) -> tuple[int | str, str] | None:
         try:
             if p.is_symlink():  # NeMo Automodel's LATEST: a relative symlink to the step directory
                 target = os.readlink(p)
-                s = step_of(Path(target).name)
+                s = _linked_step(root, target)
                 if s is not None:
                     return s, name
                 raise StepNotFoundError(  # was passed over: the highest step chosen, the link never named
@@ -598,7 +612,7 @@ def _latest_step(root: Path) -> tuple[int | str, str] | None:
         except OSError:
             continue
         # decimal digits, as int() (Megatron's own reading) takes them; a superscript is a digit to isdigit(), not to int()
-        s = int(text) if text.isdecimal() else step_of(text) or step_of(Path(text).name)
+        s = int(text) if text.isdecimal() else step_of(text) or _linked_step(root, text)
         if s is not None:
             return s, name
         if text == RELEASE:  # Megatron's release checkpoint: <root>/release, no step
@@ -612,6 +626,19 @@ def _latest_step(root: Path) -> tuple[int | str, str] | None:
             "remove it, or pass `step` N",
         )
     return None
+
+
+def _linked_step(root: Path, target: str) -> int | None:
+    """The step a ``latest`` link in ``root`` to ``target`` names: its step directory's (``step-200``), or that of
+    the nearest step-named folder holding it below ``root`` (``checkpoint-200/pytorch_model_fsdp_0``), else
+    ``None``."""
+    s = step_of(Path(target).name)
+    if s is not None:
+        return s
+    base = Path(os.path.abspath(root))
+    q = Path(os.path.normpath(base / target))
+    d = _step_dir(q, base) if q.is_relative_to(base) else None
+    return step_of(d.name) if d is not None else None
 
 
 def _check_optimizer_dir(opt: Path | None) -> None:
@@ -721,15 +748,19 @@ def _locate(path: str | os.PathLike[str], selection: CheckpointSelection | None)
     return Located(root, u.model, u.optimizer or opt, u.step, how, newer)
 
 
-def _step_of_path(p: Path) -> tuple[int, Path] | None:
-    """``(step, step directory)`` of the nearest step-named directory holding ``p`` (``p`` itself included), by its
-    absolute path, else with links resolved (``run/latest/optimizer_0``); ``None`` when none names a step."""
+def _steps_of_pair(model: Path, opt: Path) -> tuple[tuple[int, Path], tuple[int, Path]] | None:
+    """``((step, step directory), ...)`` of ``model`` and ``opt``: the nearest step-named directory holding each (the
+    path itself included) below the folder the two share, by their absolute paths, else with links resolved
+    (``run/latest/pytorch_model_fsdp_0``); ``None`` when one of them has none there. A step-named folder holding
+    both (``/data/ckpt_1/run/...``, ``checkpoint-2/`` of both) is no step of either's own."""
     for absolute in (os.path.abspath, os.path.realpath):
-        q = Path(absolute(p))
-        d = _step_dir(q, Path(q.anchor))
-        s = step_of(d.name) if d is not None else None
-        if d is not None and s is not None:
-            return s, d
+        qa, qb = Path(absolute(model)), Path(absolute(opt))
+        common = Path(os.path.commonpath([qa, qb]))
+        da, db = _step_dir(qa, common), _step_dir(qb, common)
+        sa = step_of(da.name) if da is not None else None
+        sb = step_of(db.name) if db is not None else None
+        if da is not None and db is not None and sa is not None and sb is not None:
+            return (sa, da), (sb, db)
     return None
 
 
@@ -739,13 +770,14 @@ def _refuse_other_step(model: Path, opt: Path | None) -> None:
     one save beside the weights of another, which no save wrote and no resume loads."""
     if opt is None:
         return
-    a, b = _step_of_path(model), _step_of_path(opt)
-    if a is None or b is None or a[0] == b[0]:
+    pair = _steps_of_pair(model, opt)
+    if pair is None or pair[0][0] == pair[1][0]:
         return
+    a, b = pair
     partner = next(
         (
             a[1] / q.relative_to(b[1])
-            for q in [Path(os.path.abspath(opt))]
+            for q in (Path(os.path.abspath(opt)), Path(os.path.realpath(opt)))
             if q.is_relative_to(b[1]) and (a[1] / q.relative_to(b[1])).is_dir()
         ),
         None,
@@ -768,7 +800,7 @@ def _given_how(root: Path) -> str:
         target = os.readlink(root) if root.is_symlink() else None
     except OSError:
         target = None
-    s = step_of(Path(target).name) if target is not None else None
+    s = _linked_step(root.parent, target) if target is not None else None
     return f"the directory given, a link to {target} (step {s})" if s is not None else "the directory given"
 
 
@@ -958,6 +990,12 @@ def _of_step(
     elif want in bad:
         raise _incomplete_error(root, bad[want], step)
     units_at = [u for u in units if u.step == want]
+    if not units_at and pointer is not None and pointer[1] in registry.derived().latest_fallback:
+        # NeMo Automodel's resume passes over a LATEST naming a step that is not there: the highest complete step
+        named = want
+        want, how = _latest_of(root, units, bad, None)
+        how = how[:-1] + f"; {pointer[1]} names step {named}, not below the directory, which the trainer passes over)"
+        units_at = [u for u in units if u.step == want]
     if step == "latest":  # one step saved in two epochs: the later epoch
         units_at = _latest_epoch(units_at)
     if not units_at:

@@ -183,10 +183,14 @@ def test_a_part_cannot_reach_into_the_other_part(acc_root: Path, tmp_path: Path)
 
 
 def test_symlinked_dirs_are_not_followed(titan_root: Path, tmp_path: Path) -> None:
-    os.symlink(titan_root / "moe" / "checkpoint" / "step-1", tmp_path / "step-1")
+    """A link not named as a step directory is not walked; one named as a step directory is (a trainer's resume
+    lists it as any step: :func:`test_latest_follows_a_step_directory_symlinked_elsewhere`)."""
+    os.symlink(titan_root / "moe" / "checkpoint" / "step-1", tmp_path / "best")
     with pytest.raises(MetadataError) as ei:
         locate(tmp_path)
     assert ei.value.code == "E200" and "no DCP checkpoint in the 3 directory levels below" in ei.value.message
+    os.symlink(titan_root / "moe" / "checkpoint" / "step-1", tmp_path / "step-1")
+    assert locate(tmp_path).model == tmp_path / "step-1"
 
 
 def test_incomplete_save_is_still_e202(tmp_path: Path) -> None:
@@ -328,3 +332,98 @@ def test_optimizer_dir_of_another_step_names_an_odd_folder_ready_to_paste(acc_ro
     token = hint.rpartition("saved with the model, ")[2]
     pasted = subprocess.run(["bash", "-c", f"printf %s {token}"], capture_output=True, text=True, check=True).stdout
     assert pasted == str(run / "checkpoint-1" / "optimizer_0"), hint
+
+
+def test_latest_follows_a_step_directory_symlinked_elsewhere(acc_root: Path, tmp_path: Path) -> None:
+    """HF Trainer's output_dir whose newest ``checkpoint-2`` is a link to another disk (moved off a full one):
+    ``get_last_checkpoint`` lists it as any step (``os.path.isdir`` follows links) and resumes it; `step` latest
+    passed over the link and opened ``checkpoint-1`` as "the highest step". A link not named as a step
+    (``best -> checkpoint-1``) is still not walked: it is no second checkpoint."""
+    from transformers.trainer_utils import get_last_checkpoint
+
+    run, other = tmp_path / "run", tmp_path / "scratch"
+    shutil.copytree(acc_root / "accelerate" / "checkpoint-0", run / "checkpoint-1")
+    shutil.copytree(acc_root / "accelerate" / "checkpoint-1", other / "checkpoint-2")
+    (run / "checkpoint-2").symlink_to(other / "checkpoint-2", target_is_directory=True)
+    (run / "best").symlink_to("checkpoint-1", target_is_directory=True)
+    assert get_last_checkpoint(str(run)) == str(run / "checkpoint-2")
+    loc = locate(run, CheckpointSelection(step="latest"))
+    assert (loc.model, loc.optimizer, loc.step) == (
+        run / "checkpoint-2" / "pytorch_model_fsdp_0",
+        run / "checkpoint-2" / "optimizer_0",
+        2,
+    )
+    with pytest.raises(AmbiguousCheckpointError) as ei:
+        locate(run)
+    assert ei.value.steps == (
+        (1, str(run / "checkpoint-1")),
+        (2, str(run / "checkpoint-2")),
+    ), ei.value.message
+    with open_checkpoint(run, selection=CheckpointSelection(step="latest")) as ck:
+        assert ck.located.step == 2 and len(ck.catalog.optimizer_state) > 0
+
+
+def test_optimizer_dir_under_a_step_named_folder_of_both(acc_root: Path, tmp_path: Path) -> None:
+    """A run kept below a folder named like a step (``/data/ckpt_1/run/``): the model opened through the run's
+    ``latest`` link, or exported beside the run, has no step directory of its own, and the check of
+    ``--optimizer-dir`` took ``ckpt_1`` for its step: E100 "the model ... of step 1 (ckpt_1)" for the model's own
+    optimizer folder. A folder holding both is no step of either's; another step's folder is still refused."""
+    run = tmp_path / "ckpt_1" / "run"
+    for s in (2, 3):
+        shutil.copytree(acc_root / "accelerate" / "checkpoint-1", run / f"checkpoint-{s}")
+    (run / "latest").symlink_to("checkpoint-2", target_is_directory=True)
+    shutil.copytree(run / "checkpoint-2" / "pytorch_model_fsdp_0", run / "exported" / "model")
+    opt = run / "checkpoint-2" / "optimizer_0"
+    for model in (run / "latest" / "pytorch_model_fsdp_0", run / "exported" / "model"):
+        assert locate(model, CheckpointSelection(optimizer_dir=opt)).optimizer == opt
+    res = CliRunner().invoke(
+        app, ["validate", str(run / "latest" / "pytorch_model_fsdp_0"), "--optimizer-dir", str(opt)]
+    )
+    assert res.exit_code == 0, res.output
+    with pytest.raises(UsageError) as ei:
+        locate(
+            run / "latest" / "pytorch_model_fsdp_0",
+            CheckpointSelection(optimizer_dir=run / "checkpoint-3" / "optimizer_0"),
+        )
+    assert "of step 3 (checkpoint-3)" in ei.value.message and "of step 2 (checkpoint-2)" in ei.value.message
+
+
+def test_newer_incomplete_note_of_a_checkpoint_in_no_step_directory(acc_root: Path, tmp_path: Path) -> None:
+    """HF Trainer's ``output_dir/final/`` (``save_model``) beside a ``checkpoint-3`` whose save did not finish: the
+    R001 note of manifest / stats / export said "newer than the digested step None"; it names the folder chosen."""
+    run = tmp_path / "run"
+    shutil.copytree(acc_root / "accelerate" / "checkpoint-1" / "pytorch_model_fsdp_0", run / "final")
+    (run / "checkpoint-3" / "pytorch_model_fsdp_0").mkdir(parents=True)
+    shutil.copy(run / "final" / "__0_0.distcp", run / "checkpoint-3" / "pytorch_model_fsdp_0")
+    loc = locate(run)
+    assert loc.model == run / "final" and loc.step is None and [i.step for i in loc.newer_incomplete] == [3]
+    res = CliRunner().invoke(app, ["manifest", str(run)])
+    assert res.exit_code == 0, res.output
+    assert f"newer than the digested checkpoint {run / 'final'} (in no step directory)" in res.stderr, res.stderr
+    assert "step None" not in res.output
+
+
+def test_latest_naming_a_folder_inside_a_step_directory(acc_root: Path, tmp_path: Path) -> None:
+    """``run/latest -> checkpoint-1/pytorch_model_fsdp_0`` (a link to the model folder of a step, as tools that
+    load one folder want it): `step` latest was E205 "names no step directory"; the step directory holding the
+    folder is its step, as for a ``latest`` file holding that path. A link out of the run naming none is E205."""
+    run = tmp_path / "run"
+    for s in (1, 2):
+        shutil.copytree(acc_root / "accelerate" / f"checkpoint-{s - 1}", run / f"checkpoint-{s}")
+    (run / "latest").symlink_to(Path("checkpoint-1") / "pytorch_model_fsdp_0", target_is_directory=True)
+    loc = locate(run, CheckpointSelection(step="latest"))
+    assert (loc.model, loc.optimizer, loc.step) == (
+        run / "checkpoint-1" / "pytorch_model_fsdp_0",
+        run / "checkpoint-1" / "optimizer_0",
+        1,
+    )
+    assert "named by latest" in loc.how
+    assert locate(run / "latest").how.endswith("(step 1)")
+    (run / "latest").unlink()
+    (run / "latest").write_text("checkpoint-2/optimizer_0\n")
+    assert locate(run, CheckpointSelection(step="latest")).step == 2
+    (run / "latest").unlink()
+    (tmp_path / "other" / "checkpoint-9").mkdir(parents=True)
+    (run / "latest").symlink_to(Path("..") / "other" / "checkpoint-9" / "model")  # another run's step: not this one's
+    with pytest.raises(StepNotFoundError, match="names no step directory"):
+        locate(run, CheckpointSelection(step="latest"))

@@ -126,3 +126,19 @@ def test_a_step_whose_optim_save_did_not_finish_is_not_ok(nemo_run: Path, tmp_pa
     assert _inspect(str(run), "--step", "latest")["location"]["model"] == str(run / "epoch_0_step_2" / "model")
     shutil.copy(nemo_run / "epoch_1_step_4" / "optim" / ".metadata", step / "optim" / ".metadata")
     assert runner.invoke(app, ["validate", "--strict", str(step)]).exit_code == 0
+
+
+def test_latest_naming_a_removed_step_falls_back_as_nemo_does(nemo_run: Path, tmp_path: Path) -> None:
+    """The newest step deleted by hand (a bad save), ``LATEST`` left pointing at it: NeMo's ``find_latest_checkpoint``
+    passes over a pointer whose target is no directory and resumes the highest complete step; `step` latest was
+    E205 "the trainer's resume fails on it too". It opens that step, saying what LATEST names."""
+    from nemo_automodel.components.checkpoint.utils import find_latest_checkpoint
+
+    run = tmp_path / "run"
+    shutil.copytree(nemo_run, run, symlinks=True)
+    assert (run / "LATEST").is_symlink()
+    shutil.rmtree(run / "epoch_1_step_4")
+    assert Path(find_latest_checkpoint(run)).name == "epoch_0_step_2"
+    doc = _inspect(str(run), "--step", "latest")
+    assert doc["location"]["model"] == str(run / "epoch_0_step_2" / "model") and doc["location"]["step"] == 2
+    assert "LATEST names step 4, not below the directory, which the trainer passes over" in doc["location"]["how"]

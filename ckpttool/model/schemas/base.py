@@ -122,6 +122,9 @@ class Discovery:
             not read (rule ``K012``), as for a model/optimizer pair: OLMo-core's ``model_and_optim/``
             beside ``train/`` (read); verl's ``actor/`` beside ``critic/`` (a checkpoint of its own),
             its ``data.pt`` (the data loader's state, which verl's resume loads) named.
+        latest_fallback: those of ``latest_files`` whose trainer's resume, when the step they name is not there,
+            loads the highest complete step instead of failing (NeMo Automodel's ``find_latest_checkpoint``:
+            ``LATEST`` whose target is no directory).
     """
 
     step_words: tuple[str, ...] = ()
@@ -132,6 +135,7 @@ class Discovery:
     publish_markers: tuple[tuple[str, tuple[str, ...]], ...] = ()
     staging_suffixes: tuple[str, ...] = ()
     step_folders: tuple[tuple[str, tuple[str, ...]], ...] = ()
+    latest_fallback: tuple[str, ...] = ()
 
 
 #: Layouts that belong to no key schema (DeepSpeed / Megatron-style step directories, split saves).

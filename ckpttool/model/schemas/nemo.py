@@ -84,6 +84,8 @@ SPEC = SchemaSpec(
     discovery=Discovery(
         step_words=("step",),
         latest_files=("LATEST", "LATEST.txt"),
+        # find_latest_checkpoint: a LATEST whose target is no directory is passed over for the highest complete step
+        latest_fallback=("LATEST", "LATEST.txt"),
         step_patterns=(STEP_RE,),
         incomplete_markers=(INCOMPLETE_MARKER,),
     ),

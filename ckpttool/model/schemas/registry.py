@@ -61,6 +61,7 @@ class Derived:
         step_re: the step-directory regex (``<word>[-_]?<N>``, case-insensitive).
         latest_files: files naming the last step; folder_pairs: model/optimizer folder pairs, in order;
         step_folders: the checkpoint folders of step directories, with the names beside them that are read.
+        latest_fallback: the ``latest_files`` whose trainer falls back to the highest complete step.
         fused_rules: every spec's fused-parameter rules.
     """
 
@@ -77,6 +78,7 @@ class Derived:
     publish_markers: tuple[tuple[str, tuple[str, ...]], ...] = ()
     staging_suffixes: tuple[str, ...] = ()
     step_folders: tuple[tuple[str, tuple[str, ...]], ...] = ()
+    latest_fallback: tuple[str, ...] = ()
 
 
 _DERIVED: list[Derived] = []
@@ -168,6 +170,7 @@ def derived() -> Derived:
         publish_markers=tuple(dict.fromkeys(m for d in all_discovery for m in d.publish_markers)),
         staging_suffixes=_unique([x for d in all_discovery for x in d.staging_suffixes]),
         step_folders=_joined(all_discovery, "step_folders"),
+        latest_fallback=_unique([f for d in all_discovery for f in d.latest_fallback]),
     )
     _DERIVED.append(d)
     return d
