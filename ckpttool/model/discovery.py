@@ -266,12 +266,12 @@ def _marker(path: Path) -> str | None:
 def _renamed_to(path: Path) -> str | None:
     """The step directory's name that the trainer gives directory ``path`` when its save finishes:
     ``path`` is named ``<step directory><suffix>`` for a schema's ``staging_suffixes`` (OLMo-core's
-    ``stepN-tmp``, renamed to ``stepN`` after every rank has written), else ``None``."""
-    for suffix in registry.derived().staging_suffixes:
-        final = path.name[: -len(suffix)] if path.name.endswith(suffix) else ""
-        if final and step_of(final) is not None:
-            return final
-    return None
+    ``stepN-tmp``, renamed to ``stepN`` after every rank has written) or ``<prefix><step directory>`` for its
+    ``staging_prefixes`` (HF Trainer's ``tmp-checkpoint-N``, transformers 4.36-4.38), else ``None``."""
+    d = registry.derived()
+    finals = [path.name[: -len(x)] for x in d.staging_suffixes if path.name.endswith(x)]
+    finals += [path.name[len(x) :] for x in d.staging_prefixes if path.name.startswith(x)]
+    return next((f for f in finals if f and step_of(f) is not None), None)
 
 
 def _walk(root: Path, max_depth: int, visit: Callable[[Path], bool]) -> None:
@@ -1020,7 +1020,7 @@ def _of_step(
 
 #: A directory named by the epoch it ends (torchtune's ``dist_epoch_N``): its number orders the saves like a step
 #: but counts epochs, not optimizer steps.
-EPOCH_DIR = re.compile(r"^(?:dist_)?epoch[-_]?\d+$")
+EPOCH_DIR = re.compile(r"(?:dist_)?epoch[-_]?[0-9]+\Z")
 
 
 def _epoch_words(root: Path, units: list[_Unit], how: str, want: int | str | None) -> str:
