@@ -999,15 +999,19 @@ def _of_step(
     if step == "latest":  # one step saved in two epochs: the later epoch
         units_at = _latest_epoch(units_at)
     if not units_at:
-        steps_found = sorted({u.step for u in units if u.step is not None})
-        found = ", ".join(map(str, steps_found[:20])) or "none"
-        if pointer is not None:  # the trainer's own resume stops on it too (DeepSpeed: missing tag directory)
+        # the steps whose save did not finish marked so, as E204 lists them (NeMo Automodel's ``.incomplete``)
+        steps_found = sorted({u.step for u in units if u.step is not None} | set(bad))
+        found = ", ".join(f"{s} (incomplete)" if s in bad else str(s) for s in steps_found[:20]) or "none"
+        # no resume loads it: DeepSpeed's stops on the missing tag directory, verl's find_latest_ckpt_path returns None
+        # (it starts from scratch)
+        if pointer is not None:
             raise StepNotFoundError(
                 f"{root / pointer[1]}: names step {want}, but no checkpoint of step {want} is below {root}; "
                 f"steps found: {found}",
                 path=root / pointer[1],
                 param="step",
-                hint=f"the trainer's resume fails on it too: write an existing step into {pointer[1]} (or remove it "
+                hint=f"a resume that follows {pointer[1]} does not load step {want} either (the trainer fails, or "
+                f"starts from scratch): write an existing step into {pointer[1]} (or remove it "
                 "to make `step` latest the highest complete step), or pass `step` N",
             )
         raise StepNotFoundError(

@@ -463,3 +463,20 @@ def test_hf_trainer_staging_directory_is_an_unfinished_step(acc_root: Path, tmp_
         with pytest.raises(MetadataError) as ei:
             locate(given)
         assert ei.value.code == "E202" and "not yet renamed to checkpoint-2" in ei.value.message, ei.value.message
+
+
+def test_latest_file_naming_a_missing_step_hint_claims_no_trainer_failure(titan_root: Path, tmp_path: Path) -> None:
+    """verl's ``latest_checkpointed_iteration.txt`` naming a step that is not there: verl's ``find_latest_ckpt_path``
+    returns None and the run starts from scratch, so the hint "the trainer's resume fails on it too" was wrong."""
+    src = titan_root / "llama3" / "checkpoint"
+    for s in (1, 2):
+        shutil.copytree(src / f"step-{s}", tmp_path / f"global_step_{s}")
+    (tmp_path / "latest_checkpointed_iteration.txt").write_text("30")
+    from verl.utils.checkpoint.checkpoint_manager import find_latest_ckpt_path
+
+    assert find_latest_ckpt_path(str(tmp_path)) is None  # verl's resume: no checkpoint, a fresh start
+    with pytest.raises(StepNotFoundError) as ei:
+        locate(tmp_path, CheckpointSelection(step="latest"))
+    e = ei.value
+    assert e.code == "E205" and e.hint is not None and "fails on it too" not in e.hint
+    assert e.hint.startswith("a resume that follows latest_checkpointed_iteration.txt does not load step 30 either")
