@@ -268,10 +268,17 @@ def _renamed_to(path: Path) -> str | None:
     ``path`` is named ``<step directory><suffix>`` for a schema's ``staging_suffixes`` (OLMo-core's
     ``stepN-tmp``, renamed to ``stepN`` after every rank has written) or ``<prefix><step directory>`` for its
     ``staging_prefixes`` (HF Trainer's ``tmp-checkpoint-N``, transformers 4.36-4.38), else ``None``."""
-    d = registry.derived()
-    finals = [path.name[: -len(x)] for x in d.staging_suffixes if path.name.endswith(x)]
-    finals += [path.name[len(x) :] for x in d.staging_prefixes if path.name.startswith(x)]
+    d, name = registry.derived(), path.name
+    finals = [name[: -len(x)] for x in d.staging_suffixes if name.endswith(x)]
+    finals += [
+        name[len(x) :] for x, words in d.staging_prefixes if name.startswith(x) and _has_word(name[len(x) :], words)
+    ]
     return next((f for f in finals if f and step_of(f) is not None), None)
+
+
+def _has_word(name: str, words: tuple[str, ...]) -> bool:
+    """Whether step directory name ``name`` starts with one of ``words`` (case-insensitive, as :func:`step_of`)."""
+    return name.lower().startswith(tuple(w.lower() for w in words))
 
 
 def _walk(root: Path, max_depth: int, visit: Callable[[Path], bool]) -> None:

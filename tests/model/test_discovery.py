@@ -463,6 +463,11 @@ def test_hf_trainer_staging_directory_is_an_unfinished_step(acc_root: Path, tmp_
         with pytest.raises(MetadataError) as ei:
             locate(given)
         assert ei.value.code == "E202" and "not yet renamed to checkpoint-2" in ei.value.message, ei.value.message
+    shutil.rmtree(run / "tmp-checkpoint-2")  # the prefix is HF Trainer's, of its checkpoint-N only
+    shutil.copytree(acc_root / "accelerate" / "checkpoint-1", run / "tmp-global_step2")
+    with pytest.raises(AmbiguousCheckpointError) as ei:
+        locate(run)
+    assert "tmp-global_step2/pytorch_model_fsdp_0" in ei.value.message
 
 
 def test_latest_file_naming_a_missing_step_hint_claims_no_trainer_failure(titan_root: Path, tmp_path: Path) -> None:

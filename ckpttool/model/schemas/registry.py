@@ -62,7 +62,8 @@ class Derived:
         latest_files: files naming the last step; folder_pairs: model/optimizer folder pairs, in order;
         step_folders: the checkpoint folders of step directories, with the names beside them that are read.
         latest_fallback: the ``latest_files`` whose trainer falls back to the highest complete step.
-        staging_suffixes, staging_prefixes: how a step directory's name is changed while its save is staged.
+        staging_suffixes: how a step directory's name ends while its save is staged.
+        staging_prefixes: ``(prefix, step words)``: how it starts, for the step words of the spec declaring it.
         fused_rules: every spec's fused-parameter rules.
     """
 
@@ -80,7 +81,7 @@ class Derived:
     staging_suffixes: tuple[str, ...] = ()
     step_folders: tuple[tuple[str, tuple[str, ...]], ...] = ()
     latest_fallback: tuple[str, ...] = ()
-    staging_prefixes: tuple[str, ...] = ()
+    staging_prefixes: tuple[tuple[str, tuple[str, ...]], ...] = ()
 
 
 _DERIVED: list[Derived] = []
@@ -174,7 +175,7 @@ def derived() -> Derived:
         staging_suffixes=_unique([x for d in all_discovery for x in d.staging_suffixes]),
         step_folders=_joined(all_discovery, "step_folders"),
         latest_fallback=_unique([f for d in all_discovery for f in d.latest_fallback]),
-        staging_prefixes=_unique([x for d in all_discovery for x in d.staging_prefixes]),
+        staging_prefixes=tuple(dict.fromkeys((x, d.step_words) for d in all_discovery for x in d.staging_prefixes)),
     )
     _DERIVED.append(d)
     return d
