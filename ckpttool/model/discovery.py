@@ -479,7 +479,9 @@ def find_incomplete(root: Path, max_depth: int = MAX_DEPTH) -> list[IncompleteSt
         final = _renamed_to(p)
         if final is not None:
             step = _step_near(p.parent / final, root)
-            if step is not None:
+            # the step's directory there too: a save renamed into it, the staging one a leftover the trainer's
+            # resume never lists (HF Trainer's get_last_checkpoint resumes checkpoint-N beside tmp-checkpoint-N)
+            if step is not None and not (p.parent / final).is_dir():
                 found.setdefault(step, IncompleteStep(step, p, f"the trainer's staging files, not renamed to {final}"))
             return False
         if is_checkpoint_dir(p):

@@ -463,6 +463,16 @@ def test_hf_trainer_staging_directory_is_an_unfinished_step(acc_root: Path, tmp_
         with pytest.raises(MetadataError) as ei:
             locate(given)
         assert ei.value.code == "E202" and "not yet renamed to checkpoint-2" in ei.value.message, ei.value.message
+    # a leftover beside the step it was renamed to (a rank that wrote after the rename): get_last_checkpoint
+    # resumes checkpoint-2, and so does `step` latest
+    from transformers.trainer_utils import get_last_checkpoint
+
+    shutil.copytree(acc_root / "accelerate" / "checkpoint-1", run / "checkpoint-2")
+    assert get_last_checkpoint(str(run)) == str(run / "checkpoint-2")
+    loc = locate(run, CheckpointSelection(step="latest"))
+    assert loc.model == run / "checkpoint-2" / "pytorch_model_fsdp_0" and not loc.newer_incomplete
+    assert locate(run, CheckpointSelection(step=2)).model == run / "checkpoint-2" / "pytorch_model_fsdp_0"
+    shutil.rmtree(run / "checkpoint-2")
     shutil.rmtree(run / "tmp-checkpoint-2")  # the prefix is HF Trainer's, of its checkpoint-N only
     shutil.copytree(acc_root / "accelerate" / "checkpoint-1", run / "tmp-global_step2")
     with pytest.raises(AmbiguousCheckpointError) as ei:
