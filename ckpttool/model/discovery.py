@@ -266,12 +266,19 @@ def _marker(path: Path) -> str | None:
 def _renamed_to(path: Path) -> str | None:
     """The step directory's name that the trainer gives directory ``path`` when its save finishes:
     ``path`` is named ``<step directory><suffix>`` for a schema's ``staging_suffixes`` (OLMo-core's
-    ``stepN-tmp``, renamed to ``stepN`` after every rank has written), else ``None``."""
-    for suffix in registry.derived().staging_suffixes:
-        final = path.name[: -len(suffix)] if path.name.endswith(suffix) else ""
-        if final and step_of(final) is not None:
-            return final
-    return None
+    ``stepN-tmp``, renamed to ``stepN`` after every rank has written) or ``<prefix><step directory>`` for its
+    ``staging_prefixes`` (HF Trainer's ``tmp-checkpoint-N``, transformers 4.36-4.38), else ``None``."""
+    d, name = registry.derived(), path.name
+    finals = [name[: -len(x)] for x in d.staging_suffixes if name.endswith(x)]
+    finals += [
+        name[len(x) :] for x, words in d.staging_prefixes if name.startswith(x) and _has_word(name[len(x) :], words)
+    ]
+    return next((f for f in finals if f and step_of(f) is not None), None)
+
+
+def _has_word(name: str, words: tuple[str, ...]) -> bool:
+    """Whether step directory name ``name`` starts with one of ``words`` (case-insensitive, as :func:`step_of`)."""
+    return name.lower().startswith(tuple(w.lower() for w in words))
 
 
 def _walk(root: Path, max_depth: int, visit: Callable[[Path], bool]) -> None:
@@ -472,7 +479,9 @@ def find_incomplete(root: Path, max_depth: int = MAX_DEPTH) -> list[IncompleteSt
         final = _renamed_to(p)
         if final is not None:
             step = _step_near(p.parent / final, root)
-            if step is not None:
+            # the step's directory there too: a save renamed into it, the staging one a leftover the trainer's
+            # resume never lists (HF Trainer's get_last_checkpoint resumes checkpoint-N beside tmp-checkpoint-N)
+            if step is not None and not (p.parent / final).is_dir():
                 found.setdefault(step, IncompleteStep(step, p, f"the trainer's staging files, not renamed to {final}"))
             return False
         if is_checkpoint_dir(p):
@@ -999,15 +1008,19 @@ def _of_step(
     if step == "latest":  # one step saved in two epochs: the later epoch
         units_at = _latest_epoch(units_at)
     if not units_at:
-        steps_found = sorted({u.step for u in units if u.step is not None})
-        found = ", ".join(map(str, steps_found[:20])) or "none"
-        if pointer is not None:  # the trainer's own resume stops on it too (DeepSpeed: missing tag directory)
+        # the steps whose save did not finish marked so, as E204 lists them (NeMo Automodel's ``.incomplete``)
+        steps_found = sorted({u.step for u in units if u.step is not None} | set(bad))
+        found = ", ".join(f"{s} (incomplete)" if s in bad else str(s) for s in steps_found[:20]) or "none"
+        # no resume loads it: DeepSpeed's stops on the missing tag directory, verl's find_latest_ckpt_path returns None
+        # (it starts from scratch)
+        if pointer is not None:
             raise StepNotFoundError(
                 f"{root / pointer[1]}: names step {want}, but no checkpoint of step {want} is below {root}; "
                 f"steps found: {found}",
                 path=root / pointer[1],
                 param="step",
-                hint=f"the trainer's resume fails on it too: write an existing step into {pointer[1]} (or remove it "
+                hint=f"a resume that follows {pointer[1]} does not load step {want} either (the trainer fails, or "
+                f"starts from scratch): write an existing step into {pointer[1]} (or remove it "
                 "to make `step` latest the highest complete step), or pass `step` N",
             )
         raise StepNotFoundError(
@@ -1020,7 +1033,7 @@ def _of_step(
 
 #: A directory named by the epoch it ends (torchtune's ``dist_epoch_N``): its number orders the saves like a step
 #: but counts epochs, not optimizer steps.
-EPOCH_DIR = re.compile(r"^(?:dist_)?epoch[-_]?\d+$")
+EPOCH_DIR = re.compile(r"(?:dist_)?epoch[-_]?[0-9]+\Z")
 
 
 def _epoch_words(root: Path, units: list[_Unit], how: str, want: int | str | None) -> str:

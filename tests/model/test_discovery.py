@@ -427,3 +427,71 @@ def test_latest_naming_a_folder_inside_a_step_directory(acc_root: Path, tmp_path
     (run / "latest").symlink_to(Path("..") / "other" / "checkpoint-9" / "model")  # another run's step: not this one's
     with pytest.raises(StepNotFoundError, match="names no step directory"):
         locate(run, CheckpointSelection(step="latest"))
+
+
+def test_step_names_take_ascii_digits_to_the_end_only(acc_root: Path, tmp_path: Path) -> None:
+    """``checkpoint-１００`` (full-width digits) was step 100 and won `step` latest over the real newest step, and
+    ``checkpoint-2\\n`` was step 2 (``$`` matches before a trailing newline); HF Trainer's ``get_last_checkpoint``
+    and the other trainers name steps with ASCII digits: those two are no step directories."""
+    assert step_of("checkpoint-\uff11\uff10\uff10") is None and step_of("global_step\u0663") is None
+    assert step_of("checkpoint-2\n") is None and step_of("epoch_0_step_5\n") is None
+    assert step_of("epoch_0_step_5") == 5
+    run = tmp_path / "run"
+    shutil.copytree(acc_root / "accelerate" / "checkpoint-0", run / "checkpoint-1")
+    shutil.copytree(acc_root / "accelerate" / "checkpoint-1", run / "checkpoint-\uff11\uff10\uff10" / "x")
+    loc = locate(run, CheckpointSelection(step="latest"))
+    assert loc.step == 1 and loc.model == run / "checkpoint-1" / "pytorch_model_fsdp_0"
+
+
+def test_hf_trainer_staging_directory_is_an_unfinished_step(acc_root: Path, tmp_path: Path) -> None:
+    """HF Trainer (transformers 4.36-4.38) saved into ``tmp-checkpoint-N/`` and renamed it to ``checkpoint-N/`` when
+    done: a ``tmp-checkpoint-2`` left by a cut save was listed as a checkpoint of a run root and passed over by
+    `step` latest with no word. It is step 2's unfinished save (E202 / the R001 note), as OLMo-core's ``stepN-tmp``."""
+    run = tmp_path / "run"
+    shutil.copytree(acc_root / "accelerate" / "checkpoint-0", run / "checkpoint-1")
+    shutil.copytree(acc_root / "accelerate" / "checkpoint-1", run / "tmp-checkpoint-2")
+    loc = locate(run)
+    assert loc.model == run / "checkpoint-1" / "pytorch_model_fsdp_0" and loc.step == 1
+    assert [(i.step, i.path) for i in loc.newer_incomplete] == [(2, run / "tmp-checkpoint-2")]
+    assert "not renamed to checkpoint-2" in loc.newer_incomplete[0].reason
+    loc = locate(run, CheckpointSelection(step="latest"))
+    assert loc.step == 1 and [i.step for i in loc.newer_incomplete] == [2]
+    with pytest.raises(MetadataError) as ei:
+        locate(run, CheckpointSelection(step=2))
+    assert ei.value.code == "E202" and str(run / "tmp-checkpoint-2") in ei.value.message
+    for given in (run / "tmp-checkpoint-2", run / "tmp-checkpoint-2" / "pytorch_model_fsdp_0"):
+        with pytest.raises(MetadataError) as ei:
+            locate(given)
+        assert ei.value.code == "E202" and "not yet renamed to checkpoint-2" in ei.value.message, ei.value.message
+    # a leftover beside the step it was renamed to (a rank that wrote after the rename): get_last_checkpoint
+    # resumes checkpoint-2, and so does `step` latest
+    from transformers.trainer_utils import get_last_checkpoint
+
+    shutil.copytree(acc_root / "accelerate" / "checkpoint-1", run / "checkpoint-2")
+    assert get_last_checkpoint(str(run)) == str(run / "checkpoint-2")
+    loc = locate(run, CheckpointSelection(step="latest"))
+    assert loc.model == run / "checkpoint-2" / "pytorch_model_fsdp_0" and not loc.newer_incomplete
+    assert locate(run, CheckpointSelection(step=2)).model == run / "checkpoint-2" / "pytorch_model_fsdp_0"
+    shutil.rmtree(run / "checkpoint-2")
+    shutil.rmtree(run / "tmp-checkpoint-2")  # the prefix is HF Trainer's, of its checkpoint-N only
+    shutil.copytree(acc_root / "accelerate" / "checkpoint-1", run / "tmp-global_step2")
+    with pytest.raises(AmbiguousCheckpointError) as ei:
+        locate(run)
+    assert "tmp-global_step2/pytorch_model_fsdp_0" in ei.value.message
+
+
+def test_latest_file_naming_a_missing_step_hint_claims_no_trainer_failure(titan_root: Path, tmp_path: Path) -> None:
+    """verl's ``latest_checkpointed_iteration.txt`` naming a step that is not there: verl's ``find_latest_ckpt_path``
+    returns None and the run starts from scratch, so the hint "the trainer's resume fails on it too" was wrong."""
+    src = titan_root / "llama3" / "checkpoint"
+    for s in (1, 2):
+        shutil.copytree(src / f"step-{s}", tmp_path / f"global_step_{s}")
+    (tmp_path / "latest_checkpointed_iteration.txt").write_text("30")
+    from verl.utils.checkpoint.checkpoint_manager import find_latest_ckpt_path
+
+    assert find_latest_ckpt_path(str(tmp_path)) is None  # verl's resume: no checkpoint, a fresh start
+    with pytest.raises(StepNotFoundError) as ei:
+        locate(tmp_path, CheckpointSelection(step="latest"))
+    e = ei.value
+    assert e.code == "E205" and e.hint is not None and "fails on it too" not in e.hint
+    assert e.hint.startswith("a resume that follows latest_checkpointed_iteration.txt does not load step 30 either")

@@ -142,3 +142,14 @@ def test_latest_naming_a_removed_step_falls_back_as_nemo_does(nemo_run: Path, tm
     doc = _inspect(str(run), "--step", "latest")
     assert doc["location"]["model"] == str(run / "epoch_0_step_2" / "model") and doc["location"]["step"] == 2
     assert "LATEST names step 4, not below the directory, which the trainer passes over" in doc["location"]["how"]
+
+
+def test_unknown_step_lists_the_unpublished_save_marked_incomplete(nemo_run: Path) -> None:
+    """E205 listed "steps found: 2, 4, 6" with step 6's ``.incomplete`` save unmarked, as if it could be picked; it is
+    marked as E204 marks it."""
+    from ckpttool.errors import StepNotFoundError
+    from ckpttool.model.discovery import CheckpointSelection, locate
+
+    with pytest.raises(StepNotFoundError) as ei:
+        locate(nemo_run, CheckpointSelection(step=9))
+    assert ei.value.message.endswith("steps found: 2, 4, 6 (incomplete)"), ei.value.message

@@ -116,6 +116,9 @@ class Discovery:
         staging_suffixes: suffixes of the directory a trainer saves a step into before renaming it to
             the step's name: ``<step directory><suffix>`` is a save not yet renamed (OLMo-core's
             ``Checkpointer`` saves ``stepN-tmp/`` and renames it to ``stepN/`` when every rank has written).
+        staging_prefixes: prefixes of that directory, the same way: ``<prefix><step directory>``, the step directory
+            named by one of this discovery's ``step_words``, is a save not yet renamed (HF Trainer, transformers
+            4.36-4.38: ``tmp-checkpoint-N/``, renamed to ``checkpoint-N/``).
         step_folders: ``(folder, beside)``: a folder of a step directory that is the checkpoint, and the
             names the trainer saves beside it that ckpttool reads or opens as a checkpoint of its own.
             Any other training state in the step directory (a pickle, a folder of pickles) is named as
@@ -136,6 +139,7 @@ class Discovery:
     staging_suffixes: tuple[str, ...] = ()
     step_folders: tuple[tuple[str, tuple[str, ...]], ...] = ()
     latest_fallback: tuple[str, ...] = ()
+    staging_prefixes: tuple[str, ...] = ()
 
 
 #: Layouts that belong to no key schema (DeepSpeed / Megatron-style step directories, split saves).

@@ -34,7 +34,7 @@ HF_METADATA = ".hf_metadata"
 #: NeMo Automodel's in-progress marker in a step directory (``mark_checkpoint_incomplete``)
 INCOMPLETE_MARKER = ".incomplete"
 #: ``epoch_<E>_step_<S>`` (``recipes/base_recipe.py``)
-STEP_RE = re.compile(r"^epoch_(?P<epoch>\d+)_step_(?P<step>\d+)$")
+STEP_RE = re.compile(r"epoch_(?P<epoch>[0-9]+)_step_(?P<step>[0-9]+)\Z")
 
 
 def hf_copies(root: Path, model_dir: Path | None) -> list[str]:

@@ -58,10 +58,12 @@ class Derived:
         optimizer_heads: top-level names of optimizer state dicts (every spec's, first-seen order).
         containers: ``(container, spec)`` of the specs whose model is nested (``container`` non-empty), in priority order.
         fixed_prefixes: model prefixes of the specs without a wildcard container, deduplicated, in priority order.
-        step_re: the step-directory regex (``<word>[-_]?<N>``, case-insensitive).
+        step_re: the step-directory regex (``<word>[-_]?<N>``, case-insensitive, ``N`` ASCII digits; use ``match``).
         latest_files: files naming the last step; folder_pairs: model/optimizer folder pairs, in order;
         step_folders: the checkpoint folders of step directories, with the names beside them that are read.
         latest_fallback: the ``latest_files`` whose trainer falls back to the highest complete step.
+        staging_suffixes: how a step directory's name ends while its save is staged.
+        staging_prefixes: ``(prefix, step words)``: how it starts, for the step words of the spec declaring it.
         fused_rules: every spec's fused-parameter rules.
     """
 
@@ -79,6 +81,7 @@ class Derived:
     staging_suffixes: tuple[str, ...] = ()
     step_folders: tuple[tuple[str, tuple[str, ...]], ...] = ()
     latest_fallback: tuple[str, ...] = ()
+    staging_prefixes: tuple[tuple[str, tuple[str, ...]], ...] = ()
 
 
 _DERIVED: list[Derived] = []
@@ -161,7 +164,8 @@ def derived() -> Derived:
         optimizer_heads=_unique([h for s in _SPECS for h in s.optimizer_heads]),
         containers=tuple((s.container, s) for s in _SPECS if s.container),
         fixed_prefixes=_unique([s.model_prefix for s in _SPECS if None not in s.container]),
-        step_re=re.compile(rf"^(?:{'|'.join(map(re.escape, words))})[-_]?(\d+)$", re.I),
+        # ASCII digits only, to the end of the name (``$`` also matches before a trailing newline)
+        step_re=re.compile(rf"(?:{'|'.join(map(re.escape, words))})[-_]?([0-9]+)\Z", re.I),
         latest_files=_unique([f for d in all_discovery for f in d.latest_files]),
         folder_pairs=_joined(all_discovery, "folder_pairs"),
         fused_rules=tuple(r for s in _SPECS for r in s.fused_rules),
@@ -171,6 +175,7 @@ def derived() -> Derived:
         staging_suffixes=_unique([x for d in all_discovery for x in d.staging_suffixes]),
         step_folders=_joined(all_discovery, "step_folders"),
         latest_fallback=_unique([f for d in all_discovery for f in d.latest_fallback]),
+        staging_prefixes=tuple(dict.fromkeys((x, d.step_words) for d in all_discovery for x in d.staging_prefixes)),
     )
     _DERIVED.append(d)
     return d

@@ -33,6 +33,8 @@ SPEC = SchemaSpec(
     discovery=Discovery(
         step_words=("checkpoint",),
         folder_pairs=(FolderPair(re.compile(r"^pytorch_model_fsdp_(\d+)$"), "optimizer_{0}"),),
+        # HF Trainer (transformers 4.36-4.38) saved into tmp-checkpoint-N/ and renamed it to checkpoint-N/ at the end
+        staging_prefixes=("tmp-",),
     ),
     import_help="dcp.save({'model': model.state_dict()})",
     import_checks_hf_model=True,  # it writes the HF model's own keys: checked against the config's model class
