@@ -623,11 +623,9 @@ def test_unreadable_own_config_is_named_as_the_folders_not_config_option(deepsee
     assert res.exit_code == 2 and f"--config {bad}: not valid JSON" in res.stderr, res.stderr
 
 
-def test_mixed_per_expert_folder_imports_in_float32(tmp_path: Path) -> None:
-    """A per-expert FP8 export with expert 0 kept BF16 (no scales): ``--dtype float32`` failed ``E601 per-expert
-    gate_up_proj parts differ in shape or dtype`` (the FP8 experts dequantized to float32, expert 0 bfloat16) while the
-    default bfloat16 worked. Now expert 0 is written as float32 (exact) with a warning; the bfloat16 import is the
-    float32 one rounded."""
+def _tiny_moe_fp8_per_expert(tmp_path: Path) -> tuple[Path, dict[str, torch.Tensor]]:
+    """``export --quantize fp8-block --quantize-block 8`` of the tiny MoE into ``tmp_path / "q"``: the folder and its
+    ``model.safetensors`` tensors (per-expert FP8 weights with ``weight_scale_inv``)."""
     from safetensors.torch import load_file
 
     from tests.ops.export.test_export_quant_experts import _tiny_moe
@@ -637,19 +635,17 @@ def test_mixed_per_expert_folder_imports_in_float32(tmp_path: Path) -> None:
     assets.mkdir()
     (assets / "config.json").write_text(json.dumps({"hidden_size": 20}))
     q = tmp_path / "q"
-    args = [
-        "export",
-        str(src),
-        str(q),
-        "--quantize",
-        "fp8-block",
-        "--quantize-block",
-        "8",
-        "--model-assets",
-        str(assets),
-    ]
-    assert runner.invoke(app, args).exit_code == 0
-    t = load_file(str(q / "model.safetensors"))
+    args = ["export", str(src), str(q), "--quantize", "fp8-block", "--quantize-block", "8"]
+    assert runner.invoke(app, [*args, "--model-assets", str(assets)]).exit_code == 0
+    return q, load_file(str(q / "model.safetensors"))
+
+
+def test_mixed_per_expert_folder_imports_in_float32(tmp_path: Path) -> None:
+    """A per-expert FP8 export with expert 0 kept BF16 (no scales): ``--dtype float32`` failed ``E601 per-expert
+    gate_up_proj parts differ in shape or dtype`` (the FP8 experts dequantized to float32, expert 0 bfloat16) while the
+    default bfloat16 worked. Now expert 0 is written as float32 (exact) with a warning; the bfloat16 import is the
+    float32 one rounded."""
+    q, t = _tiny_moe_fp8_per_expert(tmp_path)
     g = torch.Generator().manual_seed(1)
     for k in [k for k in t if ".experts.0." in k]:
         if k.endswith("_scale_inv"):
@@ -811,28 +807,7 @@ def test_an_unquantized_float32_expert_beyond_bfloat16_is_refused_not_written_as
     """A per-expert FP8 export with expert 0 kept FP32 (no scales) holding 3.4e38: the default bfloat16 import cast
     that part to bfloat16 infinity with exit 0. Now E612 naming the part and the element, nothing published;
     ``--dtype float32`` (the hint) imports it exactly."""
-    from safetensors.torch import load_file
-
-    from tests.ops.export.test_export_quant_experts import _tiny_moe
-
-    src = _tiny_moe(tmp_path / "ckpt")
-    assets = tmp_path / "assets"
-    assets.mkdir()
-    (assets / "config.json").write_text(json.dumps({"hidden_size": 20}))
-    q = tmp_path / "q"
-    args = [
-        "export",
-        str(src),
-        str(q),
-        "--quantize",
-        "fp8-block",
-        "--quantize-block",
-        "8",
-        "--model-assets",
-        str(assets),
-    ]
-    assert runner.invoke(app, args).exit_code == 0
-    t = load_file(str(q / "model.safetensors"))
+    q, t = _tiny_moe_fp8_per_expert(tmp_path)
     for k in [k for k in t if ".experts.0." in k]:
         if k.endswith("_scale_inv"):
             del t[k]
