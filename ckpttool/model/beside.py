@@ -205,7 +205,7 @@ def model_folder_hint(cat_path: object, default: str) -> str:
         model, step = os.path.relpath(model) + "/", os.path.relpath(here.parent)
     else:
         step = str(here.parent)
-    return f"its model folder {model} lies beside it: pass the step directory {shell_arg(step)}, which holds both"
+    return f"its model folder {shell_arg(model)} lies beside it: pass the step directory {shell_arg(step)}, which holds both"
 
 
 def unread_in_listing(names: Collection[str], read: Collection[str] = ()) -> tuple[str, ...]:

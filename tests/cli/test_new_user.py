@@ -682,3 +682,24 @@ def test_a_model_folder_opened_alone_names_its_step_directory_ready_to_paste(acc
     token = hint.partition("pass the step directory ")[2].removesuffix(", which holds both")
     pasted = subprocess.run(["bash", "-c", f"printf %s {token}"], capture_output=True, text=True, check=True).stdout
     assert pasted == str(step), hint
+
+
+def test_the_folder_beside_a_half_opened_alone_is_named_ready_to_paste(acc_root: Path, tmp_path: Path) -> None:
+    """The model folder opened alone names its optimizer folder, the optimizer folder its model folder: in a run
+    folder whose name holds a newline and a run of spaces, that folder was written unquoted (the step directory
+    beside it quoted), folded into several shell arguments. Each is one argument bash reads back as the folder."""
+    import subprocess
+
+    step = tmp_path / "my\n  run" / "checkpoint-1"
+    shutil.copytree(acc_root / "accelerate" / "checkpoint-1", step)
+    for opened, beside, what in (
+        ("pytorch_model_fsdp_0", "optimizer_0", "optimizer"),
+        ("optimizer_0", "pytorch_model_fsdp_0", "model"),
+    ):
+        res = runner.invoke(app, ["replay-step", str(step / opened)])
+        assert res.exit_code == 2, res.output
+        hint = res.stderr.splitlines()[-1]
+        assert hint.startswith(f"hint: its {what} folder "), hint
+        token = hint.removeprefix(f"hint: its {what} folder ").partition(" lies beside it")[0]
+        pasted = subprocess.run(["bash", "-c", f"printf %s {token}"], capture_output=True, text=True, check=True)
+        assert pasted.stdout == f"{step / beside}/", hint

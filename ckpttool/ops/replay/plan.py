@@ -493,7 +493,7 @@ def _check_arguments(
         opt = None if is_url(str(cat.path)) else unpaired_optimizer(here, here)  # NeMo's optim/ beside model/
         raise HyperparameterError(
             f"{cat.path}: the checkpoint holds no optimizer param groups; nothing to replay",
-            hint=f"its optimizer folder {opt} lies beside it: pass the step directory {shell_arg(here.parent)}, which holds both"
+            hint=f"its optimizer folder {shell_arg(opt)} lies beside it: pass the step directory {shell_arg(here.parent)}, which holds both"
             if opt is not None
             else "replay-step needs a checkpoint saved with its optimizer: pass its optimizer checkpoint with "
             "`optimizer_dir`, or the folder holding both (`ckpttool inspect` shows what it holds)",
