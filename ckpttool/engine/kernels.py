@@ -34,6 +34,7 @@ __all__ = [
     "IEEE_BITS",
     "E4M3FN_MAX",
     "E4M3FN_VALUES",
+    "bf16_overflow_at",
     "bf16_overflows",
     "bf16_to_f32",
     "cast",
@@ -160,10 +161,23 @@ def f32_to_bf16(
 def bf16_overflows(src_u32: np.ndarray) -> bool:
     """Whether float32 bit patterns hold a finite value that rounds to bfloat16 infinity (magnitude bits 15..30
     ``0xFEFF``: ``0x7F7F8000`` up to float32's largest, ``0x7F7FFFFF``; infinity and NaN are above)."""
+    return bool(_bf16_overflow_mask(src_u32).any())
+
+
+def bf16_overflow_at(src_u32: np.ndarray) -> np.ndarray:
+    """The flat indices (``int64``, ascending) of the float32 bit patterns ``src_u32`` that :func:`bf16_overflows`
+    finds: finite values from 3.39618e38 that rounding to bfloat16 makes infinite (as torch's ``to``)."""
+    return np.flatnonzero(_bf16_overflow_mask(src_u32))
+
+
+def _bf16_overflow_mask(src_u32: np.ndarray) -> np.ndarray:
+    """Per element of ``src_u32`` (float32 bit patterns): whether it rounds to bfloat16 infinity from a finite
+    value (a view of a scratch buffer: valid until the next call)."""
     t = _scratch.get("overflow", np.uint32, src_u32.size)
     np.bitwise_and(src_u32, 0x7FFFFFFF, out=t)
     np.right_shift(t, 15, out=t)
-    return bool((t == 0xFEFF).any())
+    mask: np.ndarray = t == 0xFEFF
+    return mask
 
 
 def _f32_to_bf16_torch(torch: Any, src_u32: np.ndarray, out_u16: np.ndarray, canonical_nan: bool) -> None:

@@ -383,6 +383,7 @@ def _stage_cast(fds: StagedFds, plan: Cast, fd: int) -> None:
     import numpy as np
 
     from ckpttool.engine.io import write_all
+    from ckpttool.engine.kernels import bf16_overflow_at
 
     n = math.prod(plan.shape)
     raw = _read(fds, plan.at, 0, n * {"bfloat16": 2, "float16": 2, "float32": 4}[plan.src_dtype])
@@ -392,7 +393,7 @@ def _stage_cast(fds: StagedFds, plan: Cast, fd: int) -> None:
         vals = raw.view(np.float16 if plan.src_dtype == "float16" else np.float32).astype(np.float32)
     encoded = _encode(vals, plan.dtype)
     if plan.dtype == "bfloat16":
-        bad = np.flatnonzero(((encoded.view(np.uint16) & 0x7FFF) == 0x7F80) & np.isfinite(vals.reshape(-1)))
+        bad = bf16_overflow_at(vals.reshape(-1).view(np.uint32))  # float32 values, contiguous
         if bad.size:
             at = [int(i) for i in np.unravel_index(int(bad[0]), plan.shape)]
             raise _bad(

@@ -39,6 +39,18 @@ def test_f32_to_bf16_matches_torch_on_every_upper_half():
     assert torch.isnan(torch.from_numpy(ref[nan].view(np.int16)).view(torch.bfloat16)).all()
 
 
+def test_bf16_overflow_at_is_every_finite_value_torch_makes_infinite():
+    """The indices import's float32 -> bfloat16 cast names (E612): exactly the finite float32 values torch's
+    ``to(bfloat16)`` makes infinite, over every upper half; :func:`bf16_overflows` says whether there is one."""
+    u = _all_upper_halves()
+    f = u.view(np.float32)
+    ref = torch.isinf(torch.from_numpy(f.copy()).to(torch.bfloat16)).numpy() & np.isfinite(f)
+    assert ref.any()
+    np.testing.assert_array_equal(kernels.bf16_overflow_at(u), np.flatnonzero(ref))
+    assert kernels.bf16_overflows(u) and not kernels.bf16_overflows(u[~ref])
+    assert kernels.bf16_overflow_at(u[~ref]).size == 0
+
+
 def test_f32_to_bf16_without_canonical_nan_rounds_the_payload():
     u = np.array([0x7FFFFFFF, 0x7F800001, 0xFF8FFFFF, 0x3F808000], dtype=np.uint32)
     out = np.empty(4, dtype=np.uint16)
