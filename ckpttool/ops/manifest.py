@@ -43,6 +43,7 @@ from ckpttool.ops.fields import Hooks, PhaseFn, ProgressFn, Unpack, hooks_of, op
 
 if TYPE_CHECKING:
     from ckpttool.format.storage import RemoteStore
+    from ckpttool.model.discovery import Located
 
 __all__ = [
     "MANIFEST_FORMAT",
@@ -2140,18 +2141,35 @@ def _manifest_of(
     manifest_path: str | os.PathLike[str] | None,
     opening: OpenOptions | None,
     say: Callable[[str], None],
-) -> tuple[Path, Manifest]:
+) -> tuple[Path, Manifest, OpenOptions | None]:
     """The manifest :func:`check_against_manifest` checks against (named, loaded): ``manifest_path``, else the
-    directory's own; a URL's is the one ``manifest URL`` PUT beside its ``.metadata``."""
+    directory's own; a URL's is the one ``manifest URL`` PUT beside its ``.metadata``. Also ``opening`` to open
+    the checkpoint with: where the default manifest was found by locating ``--step latest``, pinned to the step
+    located (a save finishing in between would otherwise open a newer step than the manifest's)."""
     from ckpttool.format.storage import is_url
 
     if manifest_path is None and is_url(directory):
         target, data = remote_manifest(directory)
         say(f"reading manifest {target}")
-        return target, load_manifest(target, data)
-    target = Path(manifest_path) if manifest_path is not None else _default_manifest(directory, opening)
+        return target, load_manifest(target, data), opening
+    if manifest_path is not None:
+        target = Path(manifest_path)
+    else:
+        target, located = _default_manifest(directory, opening)
+        opening = _pinned_to(opening, located)
     say(f"reading manifest {target}")
-    return target, load_manifest(target)
+    return target, load_manifest(target), opening
+
+
+def _pinned_to(opening: OpenOptions | None, located: Located | None) -> OpenOptions | None:
+    """``opening`` with ``--step latest`` replaced by the step ``located`` found, so that the checkpoint opened is
+    the one located (not a newer step saved since); else ``opening`` unchanged."""
+    import dataclasses
+
+    sel = opening.selection if opening is not None else None
+    if opening is None or sel is None or sel.step != "latest" or located is None or located.step is None:
+        return opening
+    return dataclasses.replace(opening, selection=dataclasses.replace(sel, step=located.step))
 
 
 def remote_manifest(url: str | os.PathLike[str], name: str = MANIFEST_NAME) -> tuple[Path, bytes]:
@@ -2174,12 +2192,13 @@ def remote_manifest(url: str | os.PathLike[str], name: str = MANIFEST_NAME) -> t
     return where, store.read_whole(name, limits.current().max_object_bytes, what="manifest")
 
 
-def _default_manifest(directory: str | os.PathLike[str], opening: OpenOptions | None) -> Path:
+def _default_manifest(directory: str | os.PathLike[str], opening: OpenOptions | None) -> tuple[Path, Located | None]:
     """``directory/manifest.json``, else the one :func:`write_manifest` writes by default: beside the ``.metadata``
-    of the checkpoint ``directory`` resolves to (a run root's step, a pair's model folder)."""
+    of the checkpoint ``directory`` resolves to (a run root's step, a pair's model folder), with that checkpoint
+    (``None`` where none was located)."""
     here = Path(directory) / MANIFEST_NAME
     if here.is_file():
-        return own_manifest(here)
+        return own_manifest(here), None
     from ckpttool.format.storage import is_url
 
     if not is_url(directory) and not Path(directory).exists():  # not "DIR/manifest.json: no such manifest file"
@@ -2197,12 +2216,12 @@ def _default_manifest(directory: str | os.PathLike[str], opening: OpenOptions | 
     from ckpttool.model.discovery import locate
 
     try:
-        located = Path(locate(directory, opening.selection if opening is not None else None).model) / MANIFEST_NAME
+        located = locate(directory, opening.selection if opening is not None else None)
     except CkptError:
         if not os.path.lexists(here):  # a run root of several steps, a step not found: say that (with its hint),
             raise  # not "no such manifest file, write one" (`ckpttool manifest DIR` would refuse the same way)
-        return own_manifest(here)
-    return own_manifest(located)
+        return own_manifest(here), None
+    return own_manifest(Path(located.model) / MANIFEST_NAME), located
 
 
 def own_manifest(path: Path) -> Path:
@@ -2242,7 +2261,7 @@ def check_against_manifest(
         UsageError: no manifest; ManifestError: a malformed one; the readers' errors.
     """
     say = phase or (lambda text: None)
-    target, man = _manifest_of(directory, manifest_path, opening, say)
+    target, man, opening = _manifest_of(directory, manifest_path, opening, say)
     total, done = sum(e.length for e in man.entries), [0]
 
     def step(n: int) -> None:

@@ -640,3 +640,31 @@ def test_manifest_of_a_run_root_names_a_newer_unfinished_save(dense_ckpt: Path, 
     assert not (newer / "manifest.json").exists()
     clean = json.loads(runner.invoke(app, ["manifest", str(tmp_path / "run" / "step-1"), "--json"]).stdout)
     assert clean["warnings"] == []
+
+
+def test_verify_of_the_latest_step_opens_the_step_whose_manifest_it_read(
+    dense_ckpt: Path, fsdp_ckpt: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`manifest --verify RUN --step latest` located the latest step twice, for the manifest and to open the
+    checkpoint: a save finishing in between (step 2, here right after the manifest's step was located) checked
+    step 1's manifest against step 2's data, every chunk "changed". The step located once is the one opened."""
+    import ckpttool.model.discovery as discovery
+
+    run = tmp_path / "run"
+    copy_checkpoint(dense_ckpt, run / "step-1")
+    assert invoke("manifest", run / "step-1").exit_code == 0
+    real, calls = discovery.locate, []
+
+    def locate_then_save(*args: Any, **kwargs: Any) -> Any:
+        found = real(*args, **kwargs)
+        calls.append(found.step)
+        if len(calls) == 1:  # another rank's save of step 2 completes now
+            copy_checkpoint(fsdp_ckpt, run / "step-2")
+        return found
+
+    monkeypatch.setattr(discovery, "locate", locate_then_save)
+    res = invoke("manifest", run, "--step", "latest", "--verify", "--json")
+    assert calls == [1], calls
+    assert res.exit_code == 0, res.output
+    doc = json.loads(res.stdout)
+    assert doc["path"] == str(run / "step-1") and doc["problems"] == [], doc
