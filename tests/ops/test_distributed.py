@@ -437,3 +437,28 @@ def test_ctrl_c_of_torchrun_publishes_nothing_and_removes_the_temporary_output(
     assert "forcefully exiting" not in err, err[-3000:]  # every rank left on its own, none was killed
     assert not out.exists()
     assert not [p for p in tmp_path.iterdir() if "ckpttool-tmp" in p.name]
+
+
+@pytest.mark.heavy  # CI time
+@pytest.mark.slow
+def test_validate_deep_on_2_ranks_names_a_nan_master_weight(fixture_root: Path, tmp_path: Path) -> None:
+    """D004 of a NaN master_weight against its finite BF16 parameter on 2 gloo ranks: each rank's count of NaN
+    differences is merged, so the finding says "1 NaN against a number" as one process does (not max |diff| 0)."""
+    import torch
+
+    from tests.fixtures import damage
+    from tests.fixtures.cache import cached_build
+    from tests.ops.validate.test_validate import build_master
+
+    ck = copy_checkpoint(cached_build(fixture_root, "validate_master", build_master), tmp_path / "ck")
+
+    def nan_at_0(t: torch.Tensor) -> torch.Tensor:
+        t[0, 0] = float("nan")
+        return t
+
+    damage.rewrite_tensor(ck, "optimizer.state.model.layers.1.mlp.down_proj.weight.master_weight", nan_at_0)
+    one = single("validate", str(ck), "--strict", "--deep", "--json")
+    many = torchrun(2, "validate", str(ck), "--strict", "--deep", "--json")
+    assert one.returncode == many.returncode == 1, many.stderr[-3000:]
+    d004 = [[f["message"] for f in json.loads(r.stdout)["findings"] if f["code"] == "D004"] for r in (one, many)]
+    assert d004[0] == d004[1] and len(d004[0]) == 1 and d004[0][0].endswith("(1 NaN against a number)"), d004

@@ -126,7 +126,9 @@ def _compare(pair: PairStats, a: torch.Tensor, b: torch.Tensor) -> None:
     if n:
         wide = torch.float64 if torch.float64 in (a.dtype, b.dtype) else torch.float32
         d = (a[ne].to(wide) - b[ne].to(wide)).abs()
-        d = d[~torch.isnan(d)]
+        nan = torch.isnan(d)
+        pair.nan_mismatched += int((torch.isnan(a[ne]) != torch.isnan(bc[ne])).sum())
+        d = d[~nan]
         pair.mismatched += n
         if d.numel():
             pair.max_diff = max(pair.max_diff, float(d.max()))
@@ -207,12 +209,13 @@ _scratch = _new_scratch()
 class _PairCount:
     """A pair's comparison counts of one work item (merged into the shared :class:`PairStats` once)."""
 
-    __slots__ = ("numel", "mismatched", "max_diff")
+    __slots__ = ("numel", "mismatched", "max_diff", "nan_mismatched")
 
     def __init__(self) -> None:
         self.numel = 0
         self.mismatched = 0
         self.max_diff = 0.0
+        self.nan_mismatched = 0
 
 
 def _compare_np(
@@ -264,6 +267,8 @@ def _compare_np(
         wide = np.float64 if "float64" in (a_dtype, b_dtype) else np.float32
         with np.errstate(invalid="ignore", over="ignore"):
             d = np.abs(fa[ne].astype(wide) - fb[ne].astype(wide))
+        if a_dtype in IEEE_BITS:  # NaN on one side only (NaN against NaN is equal): no |diff| measures it
+            count.nan_mismatched += int(np.count_nonzero(np.isnan(fa[ne]) != np.isnan(fb[ne])))
         d = d[~np.isnan(d)]
         count.mismatched += k
         if d.size:
@@ -445,6 +450,7 @@ def _scanned(
                 ia, ib, c = slot[p.a], slot[p.b], _PairCount()
                 _compare_np(c, p.kind, raws[ia], dtypes[ia], raws[ib], dtypes[ib], False)
                 counts[j].mismatched += c.mismatched
+                counts[j].nan_mismatched += c.nan_mismatched
                 counts[j].max_diff = max(counts[j].max_diff, c.max_diff)
 
     wanted = tuple(loc.has_crc or dg is not None for loc, dg in zip(locs, digs))
@@ -665,14 +671,14 @@ def _merge_ranks(
     Returns:
         The data bytes read by all ranks together.
     """
-    pairs = [(p.compared, p.numel, p.mismatched, p.max_diff) for p in res.pairs]
+    pairs = [(p.compared, p.numel, p.mismatched, p.max_diff, p.nan_mismatched) for p in res.pairs]
     errs = {k: distributed.pack_error(e) for k, e in res.read_errors.items()}
     parts = group.gather((partial, sorted(failed), pairs, errs, nbytes))
     partial.clear()
     failed.clear()
     res.read_errors.clear()
     for p in res.pairs:
-        p.compared, p.numel, p.mismatched, p.max_diff = False, 0, 0, 0.0
+        p.compared, p.numel, p.mismatched, p.max_diff, p.nan_mismatched = False, 0, 0, 0.0, 0
     total = 0
     for part, fail, prs, er, n in parts:
         for k, st in part.items():
@@ -681,11 +687,12 @@ def _merge_ranks(
             else:
                 partial[k] = st
         failed.update(fail)
-        for p, (compared, numel, mismatched, max_diff) in zip(res.pairs, prs):
+        for p, (compared, numel, mismatched, max_diff, nan_mismatched) in zip(res.pairs, prs):
             p.compared = p.compared or compared
             p.numel += numel
             p.mismatched += mismatched
             p.max_diff = max(p.max_diff, max_diff)
+            p.nan_mismatched += nan_mismatched
         for k, packed in er.items():
             res.read_errors.setdefault(k, distributed.unpack_error(packed))
         total += n
@@ -910,6 +917,7 @@ class _DeepRun:
                 pr.compared = True
                 pr.numel += c.numel
                 pr.mismatched += c.mismatched
+                pr.nan_mismatched += c.nan_mismatched
                 pr.max_diff = max(pr.max_diff, c.max_diff)
             if self.progress is not None:
                 self._advance(it)

@@ -101,7 +101,9 @@ class PairStats:
             compared for equality; ``mismatched`` counts elements where ``b`` is 0 and ``a``
             is not, ``max_diff`` is the largest ``|a| / sqrt(b)`` over ``b > 0``).
         numel: elements compared; mismatched: elements that differ (after casting ``b`` to
-            ``a``'s dtype); max_diff: largest ``|a - b|`` (in float32/64) over them.
+            ``a``'s dtype); max_diff: largest ``|a - b|`` (in float32/64) over them, NaN differences left
+            out; nan_mismatched: those of them where one side is NaN and the other a number (infinity
+            included), which ``max_diff`` does not measure.
     """
 
     a: str
@@ -111,6 +113,15 @@ class PairStats:
     mismatched: int = 0
     max_diff: float = 0.0
     compared: bool = False
+    nan_mismatched: int = 0
+
+    def differences(self) -> str:
+        """How the differing elements differ, for a finding: ``max |diff| 0.5``, ``1 NaN against a number``
+        (every difference a NaN on one side), or both (``max |diff| 0.5; 1 NaN against a number``)."""
+        if not self.nan_mismatched:
+            return f"max |diff| {self.max_diff:.4g}"
+        nan = f"{self.nan_mismatched} NaN against a number"
+        return nan if self.nan_mismatched >= self.mismatched else f"max |diff| {self.max_diff:.4g}; {nan}"
 
 
 @dataclass

@@ -562,6 +562,48 @@ def test_D004_param_desynced_from_master(master_ckpt: Path, copy_of) -> None:
     assert f["key"] == key and "5 of 96 elements" in f["message"] and "max |diff| 0.25" in f["message"]
 
 
+def test_D004_a_nan_master_weight_is_named_not_max_diff_0(master_ckpt: Path, copy_of, tmp_path: Path) -> None:
+    """A NaN master_weight against its finite BF16 parameter said "1 of 96 elements differ ... (max |diff| 0)": the
+    NaN difference was dropped from the maximum. The finding says what differs, natively, with CKPTTOOL_NATIVE=0
+    (numpy's comparison) and through torch's comparison of the same values."""
+    import os
+    import subprocess
+    import sys
+
+    from ckpttool.ops.validate.deep import _compare
+    from ckpttool.ops.validate.stats import PairStats
+
+    ck = copy_of(master_ckpt)
+    key = "model.model.layers.1.mlp.down_proj.weight"
+    master = "optimizer.state.model.layers.1.mlp.down_proj.weight.master_weight"
+
+    def nan_at_0(t: torch.Tensor) -> torch.Tensor:
+        t[0, 0] = float("nan")
+        return t
+
+    damage.rewrite_tensor(ck, master, nan_at_0)
+    want = f"{key}: 1 of 96 elements differ from {master} cast to the parameter dtype (1 NaN against a number)"
+    rc, doc, _ = run(ck, "--strict", "--deep")
+    assert rc == 1 and [f["message"] for f in doc["findings"] if f["code"] == "D004"] == [want], doc["findings"]
+    root = Path(__file__).resolve().parents[3]
+    res = subprocess.run(
+        [sys.executable, "-m", "ckpttool", "validate", str(ck), "--strict", "--deep", "--json"],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "CKPTTOOL_NATIVE": "0", "PYTHONPATH": str(root)},
+    )
+    assert res.returncode == 1, res.stderr
+    assert [f["message"] for f in json.loads(res.stdout)["findings"] if f["code"] == "D004"] == [want]
+    a = torch.ones(4, 3, dtype=torch.bfloat16)
+    b = torch.ones(4, 3)
+    b[0, 0], b[1, 1], b[2, 2] = float("nan"), 1.5, float("nan")
+    a[2, 2] = float("nan")
+    pair = PairStats("a", "b", "master")
+    _compare(pair, a, b)
+    assert (pair.mismatched, pair.nan_mismatched, pair.max_diff) == (2, 1, 0.5)
+    assert pair.differences() == "max |diff| 0.5; 1 NaN against a number"
+
+
 # ------------------------------------------------------------------------------------------ rules are documented
 def test_every_rule_is_documented_in_docs_rules_md() -> None:
     text = (Path(__file__).resolve().parents[3] / "docs" / "rules.md").read_text()

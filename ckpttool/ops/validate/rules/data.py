@@ -125,7 +125,7 @@ def master_divergence(ctx: Context) -> Iterator[tuple[str, str]]:
                 p.a,
                 (
                     f"{p.a}: {p.mismatched} of {p.numel} elements differ from {p.b} cast to the parameter "
-                    f"dtype (max |diff| {p.max_diff:.4g})"
+                    f"dtype ({p.differences()})"
                 ),
             )
 

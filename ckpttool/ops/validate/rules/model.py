@@ -202,7 +202,7 @@ def tied_head_differs(ctx: Context) -> Iterator[tuple[str, str]]:
     dr = ctx.deep_result
     for p in dr.pairs if dr is not None else ():
         if p.kind == "tied" and p.compared and p.mismatched:
-            where = f"in {p.mismatched} of {p.numel} elements (max |diff| {p.max_diff:.4g})"
+            where = f"in {p.mismatched} of {p.numel} elements ({p.differences()})"
             yield head, f"{head}: differs from {emb} {where} although tie_word_embeddings is true"
 
 
