@@ -229,6 +229,31 @@ def test_M003_tied_config_but_head_differs(dense_ckpt: Path, tmp_path: Path) -> 
     assert "differs from model.model.embed_tokens.weight in" in doc["findings"][0]["message"]
 
 
+def test_M003_a_nan_in_the_tied_head_is_named_not_max_diff_0(dense_ckpt: Path, tmp_path: Path) -> None:
+    """A tied head equal to the embedding but for one NaN said "in 1 of N elements (max |diff| 0)"; the NaN is
+    named now."""
+    import torch
+
+    c = copy_checkpoint(dense_ckpt, tmp_path / "c")
+
+    def ones(t: torch.Tensor) -> torch.Tensor:
+        return torch.ones_like(t)
+
+    def ones_but_a_nan(t: torch.Tensor) -> torch.Tensor:
+        t = torch.ones_like(t)
+        t[3, 2] = float("nan")
+        return t
+
+    damage.rewrite_tensor(c, "model.model.embed_tokens.weight", ones)
+    damage.rewrite_tensor(c, "model.lm_head.weight", ones_but_a_nan)
+    cfg = tmp_path / "config.json"
+    cfg.write_text(json.dumps({"num_hidden_layers": 2, "vocab_size": 64, "tie_word_embeddings": True}))
+    rc, doc = run(c, "--strict", "--config", cfg, "--deep")
+    m003 = [f["message"] for f in doc["findings"] if f["code"] == "M003"]
+    assert rc == 1 and len(m003) == 1, doc["findings"]
+    assert m003[0].endswith("in 1 of 1024 elements (1 NaN against a number) although tie_word_embeddings is true")
+
+
 def test_M004_untied_head_missing_and_tied_head_missing_is_fine(dense_ckpt: Path, tmp_path: Path) -> None:
     c = copy_checkpoint(dense_ckpt, tmp_path / "c")
     assert damage.drop_keys(c, lambda k: "lm_head" in k)
