@@ -308,10 +308,15 @@ def _walk(root: Path, max_depth: int, visit: Callable[[Path], bool]) -> None:
 
 
 def _followed(e: os.DirEntry[str]) -> bool:
-    """Whether :func:`_walk` visits directory entry ``e``: a directory, or a link to one named as a step directory."""
+    """Whether :func:`_walk` visits directory entry ``e``: a directory, or a link to one named as a step directory
+    that is not the folder holding it or one above (``step-1 -> .``, ``checkpoint-1 -> ..``: a loop, the run seen
+    again as a series of its own)."""
     try:
         if e.is_symlink():
-            return step_of(e.name) is not None and e.is_dir()
+            if step_of(e.name) is None or not e.is_dir():
+                return False
+            target, here = Path(os.path.realpath(e.path)), Path(os.path.realpath(os.path.dirname(e.path)))
+            return not here.is_relative_to(target)
         return e.is_dir()
     except OSError:
         return False

@@ -363,6 +363,25 @@ def test_latest_follows_a_step_directory_symlinked_elsewhere(acc_root: Path, tmp
         assert ck.located.step == 2 and len(ck.catalog.optimizer_state) > 0
 
 
+def test_a_step_link_to_the_run_itself_is_no_series_of_its_own(acc_root: Path, tmp_path: Path) -> None:
+    """``run/checkpoint-1 -> .`` (a link looping back to the folder holding it): the walk followed it and found
+    the run again below it, then refused `step` latest as E204 "2 series: checkpoint-N; checkpoint-1/checkpoint-N"
+    and the run root listed ``checkpoint-1/checkpoint-2`` as a second checkpoint. HF's ``get_last_checkpoint``
+    resumes ``checkpoint-2``; a link to the folder holding it, or one above, is not walked."""
+    from transformers.trainer_utils import get_last_checkpoint
+
+    run = tmp_path / "run"
+    shutil.copytree(acc_root / "accelerate" / "checkpoint-1", run / "checkpoint-2")
+    (run / "checkpoint-1").symlink_to(".", target_is_directory=True)
+    (run / "checkpoint-2" / "checkpoint-3").symlink_to("..", target_is_directory=True)
+    assert get_last_checkpoint(str(run)) == str(run / "checkpoint-2")
+    loc = locate(run, CheckpointSelection(step="latest"))
+    assert (loc.model, loc.step) == (run / "checkpoint-2" / "pytorch_model_fsdp_0", 2)
+    assert locate(run).model == run / "checkpoint-2" / "pytorch_model_fsdp_0"
+    res = CliRunner().invoke(app, ["validate", str(run), "--step", "latest"])
+    assert res.exit_code == 0, res.output
+
+
 def test_optimizer_dir_under_a_step_named_folder_of_both(acc_root: Path, tmp_path: Path) -> None:
     """A run kept below a folder named like a step (``/data/ckpt_1/run/``): the model opened through the run's
     ``latest`` link, or exported beside the run, has no step directory of its own, and the check of
