@@ -382,6 +382,26 @@ def test_a_step_link_to_the_run_itself_is_no_series_of_its_own(acc_root: Path, t
     assert res.exit_code == 0, res.output
 
 
+def test_more_step_directories_than_the_walk_visits_is_no_silent_older_step(acc_root: Path, tmp_path: Path) -> None:
+    """A run folder of 10,001 step directories (``checkpoint-10000`` .. ``checkpoint-20000``, a save every step kept):
+    the walk stopped at 10,000 directories, sorted by name, and `step` latest opened ``checkpoint-19999`` as "the
+    highest step" where HF's ``get_last_checkpoint`` resumes ``checkpoint-20000``. A walk cut short picks nothing: E204
+    naming the limit, the hint the step directory to pass."""
+    from transformers.trainer_utils import get_last_checkpoint
+
+    run, model = tmp_path / "run", acc_root / "accelerate" / "checkpoint-1" / "pytorch_model_fsdp_0"
+    metadata = (model / ".metadata").read_bytes()
+    for s in range(10_000, 20_000):  # each a model folder saved flat in its step directory (its .metadata: fast)
+        (run / f"checkpoint-{s}").mkdir(parents=True)
+        (run / f"checkpoint-{s}" / ".metadata").write_bytes(metadata)
+    shutil.copytree(model, run / "checkpoint-20000")
+    assert get_last_checkpoint(str(run)) == str(run / "checkpoint-20000")
+    with pytest.raises(AmbiguousCheckpointError, match="more than 10,000 directories") as ei:
+        locate(run, CheckpointSelection(step="latest"))
+    assert "DIR/checkpoint-N" in ei.value.hint
+    assert locate(run / "checkpoint-20000").model == run / "checkpoint-20000"
+
+
 def test_optimizer_dir_under_a_step_named_folder_of_both(acc_root: Path, tmp_path: Path) -> None:
     """A run kept below a folder named like a step (``/data/ckpt_1/run/``): the model opened through the run's
     ``latest`` link, or exported beside the run, has no step directory of its own, and the check of
