@@ -623,11 +623,13 @@ def _latest_step(root: Path) -> tuple[int | str, str] | None:
         try:
             if p.is_symlink():  # NeMo Automodel's LATEST: a relative symlink to the step directory
                 target = os.readlink(p)
-                s = _linked_step(root, target)
+                # another run's step directory (latest -> ../other/checkpoint-1) is not this run's step of that number
+                s = _linked_step(root, target) if _leads_below(root, p, target) else None
                 if s is not None:
                     return s, name
                 raise StepNotFoundError(  # was passed over: the highest step chosen, the link never named
-                    f"{p}: links to {target!r}, which names no step directory (`step` latest cannot follow it)",
+                    f"{p}: links to {target!r}, which names no step directory below {root} "
+                    "(`step` latest cannot follow it)",
                     path=p,
                     param="step",
                     hint=f"pass the directory {name} links to itself, or `step` N, or point {name} at a step "
@@ -654,6 +656,15 @@ def _latest_step(root: Path) -> tuple[int | str, str] | None:
             "remove it, or pass `step` N",
         )
     return None
+
+
+def _leads_below(root: Path, link: Path, target: str) -> bool:
+    """Whether ``link`` (in ``root``, to ``target``) leads to a path below ``root``: by its target made absolute
+    lexically, or with links resolved (an absolute target naming ``root`` by another path)."""
+    base = Path(os.path.abspath(root))
+    if Path(os.path.normpath(base / target)).is_relative_to(base):
+        return True
+    return Path(os.path.realpath(link)).is_relative_to(os.path.realpath(root))
 
 
 def _linked_step(root: Path, target: str) -> int | None:

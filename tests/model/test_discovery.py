@@ -468,6 +468,26 @@ def test_latest_naming_a_folder_inside_a_step_directory(acc_root: Path, tmp_path
         locate(run, CheckpointSelection(step="latest"))
 
 
+def test_latest_link_to_another_runs_step_directory(acc_root: Path, tmp_path: Path) -> None:
+    """``run/latest -> ../other/checkpoint-1`` (another run's step directory): `step` latest opened this run's own
+    ``checkpoint-1`` as "named by latest ... a resume that follows latest loads it", but a resume following the link
+    loads ``other/checkpoint-1``, another save. It is E205 as a link naming no step of the run; a link to this run's
+    step by an absolute path through another name of the run's folder is still followed."""
+    run = tmp_path / "run"
+    for s in (1, 2):
+        shutil.copytree(acc_root / "accelerate" / f"checkpoint-{s - 1}", run / f"checkpoint-{s}")
+    shutil.copytree(acc_root / "accelerate" / "checkpoint-1", tmp_path / "other" / "checkpoint-1")
+    (run / "latest").symlink_to(Path("..") / "other" / "checkpoint-1", target_is_directory=True)
+    assert Path(os.path.realpath(run / "latest")) == tmp_path / "other" / "checkpoint-1"
+    with pytest.raises(StepNotFoundError, match="names no step directory below"):
+        locate(run, CheckpointSelection(step="latest"))
+    (run / "latest").unlink()
+    (tmp_path / "alias").symlink_to(run, target_is_directory=True)
+    (run / "latest").symlink_to(tmp_path / "alias" / "checkpoint-1", target_is_directory=True)
+    loc = locate(run, CheckpointSelection(step="latest"))
+    assert (loc.model, loc.step) == (run / "checkpoint-1" / "pytorch_model_fsdp_0", 1)
+
+
 def test_step_names_take_ascii_digits_to_the_end_only(acc_root: Path, tmp_path: Path) -> None:
     """``checkpoint-１００`` (full-width digits) was step 100 and won `step` latest over the real newest step, and
     ``checkpoint-2\\n`` was step 2 (``$`` matches before a trailing newline); HF Trainer's ``get_last_checkpoint``
