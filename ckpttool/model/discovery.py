@@ -281,11 +281,16 @@ def _has_word(name: str, words: tuple[str, ...]) -> bool:
     return name.lower().startswith(tuple(w.lower() for w in words))
 
 
-def _walk(root: Path, max_depth: int, visit: Callable[[Path], bool]) -> None:
+def _walk(root: Path, max_depth: int, visit: Callable[[Path], bool], whole: bool = False) -> None:
     """Visit the directories below ``root`` breadth first, sorted by name; descend into those for
     which ``visit(path)`` is true. Hidden and symlinked directories are skipped, but for a link named as a step
     directory (``checkpoint-300 -> /scratch/run/checkpoint-300``: the trainers' resume lists it as any step; a
-    ``latest`` link is :func:`_latest_step`'s); at most 10,000 directories are visited."""
+    ``latest`` link is :func:`_latest_step`'s); at most 10,000 directories are visited.
+
+    Raises:
+        AmbiguousCheckpointError (E204): with ``whole``, more directories than that below ``root`` (the newest step
+            could be among those not seen: the walk picks none rather than a step that is not the newest).
+    """
     level = [root]
     visited = 0
     for _ in range(max_depth):
@@ -300,6 +305,14 @@ def _walk(root: Path, max_depth: int, visit: Callable[[Path], bool]) -> None:
                     continue
                 visited += 1
                 if visited > _MAX_DIRS:
+                    if whole:
+                        raise AmbiguousCheckpointError(
+                            f"{root}: more than {_MAX_DIRS:,} directories in the {max_depth} levels below it; "
+                            "the search for the checkpoint stopped before seeing them all",
+                            path=root,
+                            hint="pass the checkpoint's own directory (the step directory: DIR/checkpoint-N), "
+                            "or move older steps out of the run's folder",
+                        )
                     return
                 p = Path(e.path)
                 if visit(p):
@@ -308,21 +321,27 @@ def _walk(root: Path, max_depth: int, visit: Callable[[Path], bool]) -> None:
 
 
 def _followed(e: os.DirEntry[str]) -> bool:
-    """Whether :func:`_walk` visits directory entry ``e``: a directory, or a link to one named as a step directory."""
+    """Whether :func:`_walk` visits directory entry ``e``: a directory, or a link to one named as a step directory
+    that is not the folder holding it or one above (``step-1 -> .``, ``checkpoint-1 -> ..``: a loop, the run seen
+    again as a series of its own)."""
     try:
         if e.is_symlink():
-            return step_of(e.name) is not None and e.is_dir()
+            if step_of(e.name) is None or not e.is_dir():
+                return False
+            target, here = Path(os.path.realpath(e.path)), Path(os.path.realpath(os.path.dirname(e.path)))
+            return not here.is_relative_to(target)
         return e.is_dir()
     except OSError:
         return False
 
 
-def find_checkpoints(root: Path, max_depth: int = MAX_DEPTH) -> list[Path]:
+def find_checkpoints(root: Path, max_depth: int = MAX_DEPTH, whole: bool = False) -> list[Path]:
     """DCP checkpoint directories below ``root`` (not ``root`` itself), breadth first, sorted.
 
     A checkpoint's own subdirectories are not searched (``HuggingFaceStorageWriter``'s
     ``sharded/``); hidden and symlinked directories are skipped (not a link named as a step directory,
-    ``checkpoint-300 -> /scratch/...``); at most 10,000 directories are visited.
+    ``checkpoint-300 -> /scratch/...``); at most 10,000 directories are visited (more: E204 with ``whole``,
+    else those found in the first 10,000).
     """
     found: list[Path] = []
 
@@ -336,7 +355,7 @@ def find_checkpoints(root: Path, max_depth: int = MAX_DEPTH) -> list[Path]:
             return False
         return True
 
-    _walk(root, max_depth, visit)
+    _walk(root, max_depth, visit, whole)
     return found
 
 
@@ -451,7 +470,7 @@ def _holds_no_file(path: Path, limit: int = 64) -> bool:
     return True
 
 
-def find_incomplete(root: Path, max_depth: int = MAX_DEPTH) -> list[IncompleteStep]:
+def find_incomplete(root: Path, max_depth: int = MAX_DEPTH, whole: bool = False) -> list[IncompleteStep]:
     """Step directories below ``root`` holding a save that did not finish, by step.
 
     A directory counts when it (or one of its folders, ``step-8/model``) holds ``__R_N.distcp``
@@ -460,7 +479,7 @@ def find_incomplete(root: Path, max_depth: int = MAX_DEPTH) -> list[IncompleteSt
     ``incomplete_markers`` / ``publish_markers``), and a step-named directory is on its path
     below ``root``; or it is torch-checkpointing's ``tmp_<name>`` staging directory, ``<name>``
     naming the step (:func:`~ckpttool.format.perrank_formats.staging_of`). Hidden and symlinked directories are
-    skipped (not a link named as a step directory); at most 10,000 are visited.
+    skipped (not a link named as a step directory); at most 10,000 are visited (more: E204 with ``whole``).
     """
     found: dict[int, IncompleteStep] = {}
     root_step = step_of(root.name)  # a step directory given itself: what is unfinished below it is of its step
@@ -498,7 +517,7 @@ def find_incomplete(root: Path, max_depth: int = MAX_DEPTH) -> list[IncompleteSt
             return False
         return True
 
-    _walk(root, max_depth, visit)
+    _walk(root, max_depth, visit, whole)
     return sorted(found.values(), key=lambda i: i.step)
 
 
@@ -604,11 +623,13 @@ def _latest_step(root: Path) -> tuple[int | str, str] | None:
         try:
             if p.is_symlink():  # NeMo Automodel's LATEST: a relative symlink to the step directory
                 target = os.readlink(p)
-                s = _linked_step(root, target)
+                # another run's step directory (latest -> ../other/checkpoint-1) is not this run's step of that number
+                s = _linked_step(root, target) if _leads_below(root, p, target) else None
                 if s is not None:
                     return s, name
                 raise StepNotFoundError(  # was passed over: the highest step chosen, the link never named
-                    f"{p}: links to {target!r}, which names no step directory (`step` latest cannot follow it)",
+                    f"{p}: links to {target!r}, which names no step directory below {root} "
+                    "(`step` latest cannot follow it)",
                     path=p,
                     param="step",
                     hint=f"pass the directory {name} links to itself, or `step` N, or point {name} at a step "
@@ -635,6 +656,15 @@ def _latest_step(root: Path) -> tuple[int | str, str] | None:
             "remove it, or pass `step` N",
         )
     return None
+
+
+def _leads_below(root: Path, link: Path, target: str) -> bool:
+    """Whether ``link`` (in ``root``, to ``target``) leads to a path below ``root``: by its target made absolute
+    lexically, or with links resolved (an absolute target naming ``root`` by another path)."""
+    base = Path(os.path.abspath(root))
+    if Path(os.path.normpath(base / target)).is_relative_to(base):
+        return True
+    return Path(os.path.realpath(link)).is_relative_to(os.path.realpath(root))
 
 
 def _linked_step(root: Path, target: str) -> int | None:
@@ -725,8 +755,8 @@ def _locate(path: str | os.PathLike[str], selection: CheckpointSelection | None)
                 hint="pass the directory that holds the step directories, or drop `step`",
             )
         return Located(root, root, opt, how=_given_how(root))
-    found = find_checkpoints(root)
-    incomplete = find_incomplete(root)
+    found = find_checkpoints(root, whole=True)
+    incomplete = find_incomplete(root, whole=True)
     if not found:
         if incomplete:  # the only saves below did not finish: said so, not "no checkpoint"
             raise _incomplete_error(root, incomplete[-1], sel.step)

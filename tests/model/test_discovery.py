@@ -363,6 +363,45 @@ def test_latest_follows_a_step_directory_symlinked_elsewhere(acc_root: Path, tmp
         assert ck.located.step == 2 and len(ck.catalog.optimizer_state) > 0
 
 
+def test_a_step_link_to_the_run_itself_is_no_series_of_its_own(acc_root: Path, tmp_path: Path) -> None:
+    """``run/checkpoint-1 -> .`` (a link looping back to the folder holding it): the walk followed it and found
+    the run again below it, then refused `step` latest as E204 "2 series: checkpoint-N; checkpoint-1/checkpoint-N"
+    and the run root listed ``checkpoint-1/checkpoint-2`` as a second checkpoint. HF's ``get_last_checkpoint``
+    resumes ``checkpoint-2``; a link to the folder holding it, or one above, is not walked."""
+    from transformers.trainer_utils import get_last_checkpoint
+
+    run = tmp_path / "run"
+    shutil.copytree(acc_root / "accelerate" / "checkpoint-1", run / "checkpoint-2")
+    (run / "checkpoint-1").symlink_to(".", target_is_directory=True)
+    (run / "checkpoint-2" / "checkpoint-3").symlink_to("..", target_is_directory=True)
+    assert get_last_checkpoint(str(run)) == str(run / "checkpoint-2")
+    loc = locate(run, CheckpointSelection(step="latest"))
+    assert (loc.model, loc.step) == (run / "checkpoint-2" / "pytorch_model_fsdp_0", 2)
+    assert locate(run).model == run / "checkpoint-2" / "pytorch_model_fsdp_0"
+    res = CliRunner().invoke(app, ["validate", str(run), "--step", "latest"])
+    assert res.exit_code == 0, res.output
+
+
+def test_more_step_directories_than_the_walk_visits_is_no_silent_older_step(acc_root: Path, tmp_path: Path) -> None:
+    """A run folder of 10,001 step directories (``checkpoint-10000`` .. ``checkpoint-20000``, a save every step kept):
+    the walk stopped at 10,000 directories, sorted by name, and `step` latest opened ``checkpoint-19999`` as "the
+    highest step" where HF's ``get_last_checkpoint`` resumes ``checkpoint-20000``. A walk cut short picks nothing: E204
+    naming the limit, the hint the step directory to pass."""
+    from transformers.trainer_utils import get_last_checkpoint
+
+    run, model = tmp_path / "run", acc_root / "accelerate" / "checkpoint-1" / "pytorch_model_fsdp_0"
+    metadata = (model / ".metadata").read_bytes()
+    for s in range(10_000, 20_000):  # each a model folder saved flat in its step directory (its .metadata: fast)
+        (run / f"checkpoint-{s}").mkdir(parents=True)
+        (run / f"checkpoint-{s}" / ".metadata").write_bytes(metadata)
+    shutil.copytree(model, run / "checkpoint-20000")
+    assert get_last_checkpoint(str(run)) == str(run / "checkpoint-20000")
+    with pytest.raises(AmbiguousCheckpointError, match="more than 10,000 directories") as ei:
+        locate(run, CheckpointSelection(step="latest"))
+    assert "DIR/checkpoint-N" in ei.value.hint
+    assert locate(run / "checkpoint-20000").model == run / "checkpoint-20000"
+
+
 def test_optimizer_dir_under_a_step_named_folder_of_both(acc_root: Path, tmp_path: Path) -> None:
     """A run kept below a folder named like a step (``/data/ckpt_1/run/``): the model opened through the run's
     ``latest`` link, or exported beside the run, has no step directory of its own, and the check of
@@ -427,6 +466,26 @@ def test_latest_naming_a_folder_inside_a_step_directory(acc_root: Path, tmp_path
     (run / "latest").symlink_to(Path("..") / "other" / "checkpoint-9" / "model")  # another run's step: not this one's
     with pytest.raises(StepNotFoundError, match="names no step directory"):
         locate(run, CheckpointSelection(step="latest"))
+
+
+def test_latest_link_to_another_runs_step_directory(acc_root: Path, tmp_path: Path) -> None:
+    """``run/latest -> ../other/checkpoint-1`` (another run's step directory): `step` latest opened this run's own
+    ``checkpoint-1`` as "named by latest ... a resume that follows latest loads it", but a resume following the link
+    loads ``other/checkpoint-1``, another save. It is E205 as a link naming no step of the run; a link to this run's
+    step by an absolute path through another name of the run's folder is still followed."""
+    run = tmp_path / "run"
+    for s in (1, 2):
+        shutil.copytree(acc_root / "accelerate" / f"checkpoint-{s - 1}", run / f"checkpoint-{s}")
+    shutil.copytree(acc_root / "accelerate" / "checkpoint-1", tmp_path / "other" / "checkpoint-1")
+    (run / "latest").symlink_to(Path("..") / "other" / "checkpoint-1", target_is_directory=True)
+    assert Path(os.path.realpath(run / "latest")) == tmp_path / "other" / "checkpoint-1"
+    with pytest.raises(StepNotFoundError, match="names no step directory below"):
+        locate(run, CheckpointSelection(step="latest"))
+    (run / "latest").unlink()
+    (tmp_path / "alias").symlink_to(run, target_is_directory=True)
+    (run / "latest").symlink_to(tmp_path / "alias" / "checkpoint-1", target_is_directory=True)
+    loc = locate(run, CheckpointSelection(step="latest"))
+    assert (loc.model, loc.step) == (run / "checkpoint-1" / "pytorch_model_fsdp_0", 1)
 
 
 def test_step_names_take_ascii_digits_to_the_end_only(acc_root: Path, tmp_path: Path) -> None:
