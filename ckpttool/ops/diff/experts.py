@@ -22,9 +22,7 @@ __all__ = ["fused_unpaired", "split_dequantized_experts", "split_fused_experts"]
 _QUANTIZED = frozenset({"float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz", "uint8", "int8"})
 
 
-def split_fused_experts(
-    items: list[Item], other: set[str], model_type: str | None
-) -> tuple[list[Item], int, list[str]]:
+def split_fused_experts(items: list[Item], other: set[str], model_type: str | None) -> tuple[list[Item], int]:
     """``items`` of one safetensors side with each fused expert tensor the other side holds per expert cut into its
     per-expert pieces, named as the other side names them.
 
@@ -36,29 +34,25 @@ def split_fused_experts(
             named by it; ``None``: the generic ``gate_proj`` / ``up_proj`` / ``down_proj`` form only.
 
     Returns:
-        ``(items, fused tensors cut, quantized fused tensors not cut)``. A piece is an :class:`Item` with ``piece`` ``(expert, part, nparts)``
+        ``(items, fused tensors cut)``. A piece is an :class:`Item` with ``piece`` ``(expert, part, nparts)``
         (``[j, part*A/n:(part+1)*A/n]`` of the stored ``[E, A, B]``); where the family's form renames the model's
         other keys too (Mixtral's router ``mlp.gate.weight`` -> ``block_sparse_moe.gate.weight``), a tensor the
         other side holds only under that name is named so. Items the other side holds by their own name are kept
         as they are, and so is a tensor whose other name (a piece's, the router's) this side holds already (a file
         with both forms of one expert: cutting it would give two tensors one name, one of them never compared); so
-        are quantized fused experts (FP8 codes, cut only once dequantized: :func:`split_dequantized_experts`):
-        their names are returned.
+        are quantized fused experts (FP8 codes, cut only once dequantized: :func:`split_dequantized_experts`).
     """
     from ckpttool.ops.export.rules import load_rules
 
     rules = load_rules(None, model_type)
     if not any(rules.expert_rule(i.name) for i in items if i.name not in other):
-        return items, 0, []
+        return items, 0
     own = {i.name for i in items}
     out: list[Item] = []
     n_split = 0
-    quantized: list[str] = []
     for item in items:
-        pieces = None if item.name in other else _pieces(item, other, own, rules)
-        if pieces is not None and item.dtype in _QUANTIZED:
-            quantized.append(item.name)
-            pieces = None
+        quantized = item.dtype in _QUANTIZED  # cut once dequantized (split_dequantized_experts)
+        pieces = None if item.name in other or quantized else _pieces(item, other, own, rules)
         if pieces is not None:
             out.extend(pieces)
             own.update(p.name for p in pieces)
@@ -69,7 +63,7 @@ def split_fused_experts(
             own.add(saved)
             item = Item(saved, item.key, item.shape, item.dtype, item.category, entry=item.entry)
         out.append(item)
-    return out, n_split, quantized
+    return out, n_split
 
 
 def split_dequantized_experts(

@@ -721,10 +721,9 @@ def _stored_pair(a: Side, b: Side) -> tuple[list[Item], list[Item], list[str]]:
     names_a, names_b = {i.name for i in ia}, {i.name for i in ib}
     # config.json is read only where a fused expert tensor may be cut: two folders with nothing to pair need none
     mt = _model_type(a, b) if fused_unpaired(ia, names_b) or fused_unpaired(ib, names_a) else None
-    ia, cut_a, _ = split_fused_experts(
-        ia, names_b, mt
-    )  # quantized fused ones: cut once dequantized (_experts_dequantized)
-    ib, cut_b, _ = split_fused_experts(ib, names_a, mt)
+    # quantized fused expert tensors are cut once dequantized (_experts_dequantized)
+    ia, cut_a = split_fused_experts(ia, names_b, mt)
+    ib, cut_b = split_fused_experts(ib, names_a, mt)
     if cut_b:  # A's per-expert tensors in the order of B's pieces: each fused tensor of B is read once, not per piece
         at = {i.name: n for n, i in enumerate(ib)}
         ia = sorted(ia, key=lambda i: at.get(i.name, -1))
