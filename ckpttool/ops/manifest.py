@@ -1546,7 +1546,6 @@ def check_manifest_kind(reader: CheckpointReader, manifest: Manifest) -> None:
 
 
 def _other_kind(manifest: Manifest, made_of: str, directory: str, now: str) -> ManifestError:
-
     shown = manifest.path or "the manifest"
     return ManifestError(
         f"{shown} is the manifest of {made_of}, but {directory} is {now}",
