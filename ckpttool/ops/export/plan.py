@@ -446,8 +446,8 @@ def build_plan(
     Args:
         selected: from :func:`select_sources`.
         rules: for the expert split rules.
-        fmt: a registered output format: its :meth:`OutputFormat.source_pieces` gives each source's
-            output tensors, :meth:`~OutputFormat.starts_file` / :meth:`~OutputFormat.file_names` the
+        fmt: the name of a registered output format: its :meth:`OutputFormat.pieces_planner` gives each
+            source's output tensors, :meth:`~OutputFormat.starts_file` / :meth:`~OutputFormat.file_names` the
             files (``hf``: sharded ``model*.safetensors``; ``lora``: ``adapter_model.safetensors``).
         save_dtype: ``preserve`` or a floating dtype applied to floating tensors only.
         shard_size: maximum bytes per output file (a larger single source gets a file of its own).
