@@ -49,7 +49,9 @@ _WORDS |= {"output", "stats", "quantized", "multi", "rules", "grads", "compare",
 _WORDS |= {"olmo_core", "safetensors", "torch_checkpointing", "verl", "torchtune", "nemo", "lora", "merge", "serving"}
 _LINK = re.compile(r"\]\(([\w./-]+\.md)(?:#[^)]*)?\)")
 #: what every kind of reference holds: a line without it is not parsed further.
-_ANY = re.compile(r"[`/]|ckpttool\.|[EOSPLMKDR]\d{3}")
+_ANY = re.compile(r"[`/]|\]\(|ckpttool\.|[EOSPLMKDR]\d{3}")
+#: a module and the names it is said to hold: "`ckpttool.layouts` (`resolve_layout`, `tensor_geometry`)".
+_MODULE_NAMES = re.compile(r"`(ckpttool(?:\.\w+)+)` \(([^()]*)\)")
 _ROOTS = ("", "ckpttool/", "docs/", "ckpttool/engine/")
 
 
@@ -104,14 +106,18 @@ def _foreign_has(base: str, member: str) -> bool:
 
 
 def _class_members(node: ast.ClassDef) -> set[str]:
+    """Its methods, nested classes, class-level names and the ``self.x`` / ``cls.x`` its methods assign."""
     members: set[str] = set()
-    for item in ast.walk(node):
+    for item in _statements(node.body):
         if isinstance(item, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
             members.add(item.name)
-        elif isinstance(item, ast.Attribute) and isinstance(item.ctx, ast.Store):
-            members.add(item.attr)
-        elif isinstance(item, ast.Name) and isinstance(item.ctx, ast.Store):
-            members.add(item.id)
+        elif isinstance(item, (ast.Assign, ast.AnnAssign, ast.AugAssign)):
+            for target in item.targets if isinstance(item, ast.Assign) else [item.target]:
+                members |= {n.id for n in ast.walk(target) if isinstance(n, ast.Name)}
+    for item in ast.walk(node):
+        if isinstance(item, ast.Attribute) and isinstance(item.ctx, ast.Store):
+            if isinstance(item.value, ast.Name) and item.value.id in ("self", "cls"):
+                members.add(item.attr)
     return members
 
 
@@ -267,6 +273,16 @@ def _name_in(index: Index, ref: str, name: str) -> bool:
     )
 
 
+def _held_names(index: Index, module: str, listed: str) -> Iterator[str]:
+    """The names of ``listed`` (backticked identifiers with ``_``) that ``module`` and its submodules lack."""
+    if module not in index.modules:
+        return
+    names = {n for name, m in index.modules.items() if name == module or name.startswith(module + ".") for n in m.names}
+    for name in re.findall(r"`([A-Za-z]\w*_\w*)(?:\([^`]*\))?`", listed):
+        if name not in names:
+            yield name
+
+
 def _texts() -> Iterator[tuple[Path, str]]:
     yield ROOT / "README.md", (ROOT / "README.md").read_text()
     for path in sorted((ROOT / "docs").glob("*.md")):
@@ -294,6 +310,9 @@ def _line_refs(index: Index, path: Path, line: str, codes: tuple[set[str], set[s
             missing = _short(index, m.group(1))
             if missing:
                 yield f"`{m.group(1)}`: no {missing}"
+    for m in _MODULE_NAMES.finditer(line):
+        for name in _held_names(index, m.group(1), m.group(2)):
+            yield f"`{name}`: not in {m.group(1)}"
     for m in _ROLE.finditer(line):
         if m.group(1) not in index.defined:
             yield f"{m.group(0)}: nothing of the package is called {m.group(1)}"

@@ -46,6 +46,7 @@ def test_the_docs_and_docstrings_hold_no_stale_reference(doc_refs: ModuleType, c
         "`Catalog.wrapped`, :meth:`OutputFormat.pieces_planner`, `mdcache.parse_metadata_cached(data)`",
         ":func:`select_sources`, `tests/security/test_hf_folders.py`, `ckpttool.layout` (a format name)",
         "`model.safetensors.index.json`, `optimizer.state.<fqn>`, `torch.load`, `layout.json`",
+        "Built on `ckpttool.layouts` (`resolve_layout`, `tensor_geometry`).",
     ],
 )
 def test_live_references_pass(doc_refs: ModuleType, index: object, line: str) -> None:
@@ -69,6 +70,7 @@ def test_live_references_pass(doc_refs: ModuleType, index: object, line: str) ->
         ("`ops.fields.OutputOption`", "OutputOption"),
         ("`tests/security/test_hf_folder.py`", "test_hf_folder.py"),
         ("see [the rules](rulez.md)", "rulez.md"),
+        ("Built on `ckpttool.layouts` (`resolve_layout`, `ep_geometry`).", "ep_geometry"),
     ],
 )
 def test_stale_references_are_reported(doc_refs: ModuleType, index: object, line: str, stale: str) -> None:
