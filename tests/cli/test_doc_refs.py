@@ -76,3 +76,13 @@ def test_live_references_pass(doc_refs: ModuleType, index: object, line: str) ->
 def test_stale_references_are_reported(doc_refs: ModuleType, index: object, line: str, stale: str) -> None:
     problems = _problems(doc_refs, index, line)
     assert len(problems) == 1 and stale in problems[0], problems
+
+
+def test_table_codes_without_a_raiser_are_reported(doc_refs: ModuleType, index: object) -> None:
+    errors = doc_refs._table_codes(ROOT / "docs" / "errors.md", "E")
+    rules = doc_refs._table_codes(ROOT / "docs" / "rules.md", "[SOPLMKDR]")
+    assert list(doc_refs._unraised(index, errors, rules)) == []
+    problems = list(doc_refs._unraised(index, errors | {"E123"}, (rules - {"S002"}) | {"R099"}))
+    assert any("E123: no error class" in p for p in problems), problems
+    assert any("R099: no row" in p for p in problems), problems
+    assert any("S002: not in the table of docs/rules.md" in p for p in problems), problems
