@@ -33,7 +33,7 @@ _FOREIGN = {"torch", "np", "numpy", "dcp", "os", "sys", "json", "typer", "rich",
 _DOTTED = re.compile(r"\b(ckpttool(?:\.\w+)+)(?![\w/:-])")
 _BACKTICKED = re.compile(r"`+~?([A-Za-z_]\w*(?:\.[A-Za-z_]\w*)+)(?:\([^`]*\))?`+")
 #: a Sphinx role naming one name (``:func:`select_sources```).
-_ROLE = re.compile(r":(?:func|meth|class|attr|data|exc|obj):`~?\.?([A-Za-z_]\w*)(?:\(\))?`")
+_ROLE = re.compile(r":(?:func|meth|class|attr|data|exc|obj):`~?([A-Za-z_]\w*)(?:\(\))?`")
 _PATH = re.compile(
     r"(?<![\w./-])(?!docs/X\.md)((?:[\w-]+/)+[\w.-]+\.(?:py|c|h|md|json|yaml|toml|txt|sh))(?![\w-])(?:::([\w.]+))?"
 )
@@ -52,6 +52,8 @@ _LINK = re.compile(r"\]\(([\w./-]+\.md)(?:#[^)]*)?\)")
 _ANY = re.compile(r"[`/]|\]\(|ckpttool\.|[EOSPLMKDR]\d{3}")
 #: a module and the names it is said to hold: "`ckpttool.layouts` (`resolve_layout`, `tensor_geometry`)".
 _MODULE_NAMES = re.compile(r"`(ckpttool(?:\.\w+)+)` \(([^()]*)\)")
+#: a Sphinx role naming a name relative to the module's package (``:class:`~.base.ModelFormat```).
+_RELATIVE_ROLE = re.compile(r":(mod|func|meth|class|attr|data|exc|obj):`~?(\.[\w.]+?)(?:\(\))?`")
 _ROOTS = ("", "ckpttool/", "docs/", "ckpttool/engine/")
 
 
@@ -313,6 +315,21 @@ def _line_refs(index: Index, path: Path, line: str, codes: tuple[set[str], set[s
     for m in _MODULE_NAMES.finditer(line):
         for name in _held_names(index, m.group(1), m.group(2)):
             yield f"`{name}`: not in {m.group(1)}"
+    if path.suffix == ".py" and path.is_relative_to(PACKAGE):
+        package = ".".join(path.relative_to(ROOT).with_suffix("").parts)
+        package = package.removesuffix(".__init__") if path.name == "__init__.py" else package.rsplit(".", 1)[0]
+        module = ".".join(path.relative_to(ROOT).with_suffix("").parts).removesuffix(".__init__")
+        for m in _RELATIVE_ROLE.finditer(line):
+            # a ``.module`` is a sibling; another ``.name`` is looked up as Sphinx does: in this module or its
+            # package, else any object whose name so ends
+            role, ref = m.group(1), m.group(2)
+            first = ref.split(".")[1]
+            candidates = [package]
+            if role != "mod":
+                candidates += [module, *(n for n, mod in index.modules.items() if first in mod.names)]
+                candidates += [n.rsplit(".", 1)[0] for n in index.modules if n.endswith("." + first)]
+            if all(_resolve(index, c + ref) for c in candidates):
+                yield f"`{ref}`: no such name in {package}" + ("" if role == "mod" else " or elsewhere")
     for m in _ROLE.finditer(line):
         if m.group(1) not in index.defined:
             yield f"{m.group(0)}: nothing of the package is called {m.group(1)}"

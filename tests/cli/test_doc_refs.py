@@ -86,3 +86,20 @@ def test_table_codes_without_a_raiser_are_reported(doc_refs: ModuleType, index: 
     assert any("E123: no error class" in p for p in problems), problems
     assert any("R099: no row" in p for p in problems), problems
     assert any("S002: not in the table of docs/rules.md" in p for p in problems), problems
+
+
+@pytest.mark.parametrize(
+    ("line", "stale"),
+    [
+        (":mod:`.archive` (zip archives), :mod:`.crcs` (CRC-32)", ".crcs"),
+        (":class:`~.metadata.CheckpointMetadata`, :func:`.missing_function`", ".missing_function"),
+    ],
+)
+def test_relative_roles_of_a_module_docstring(doc_refs: ModuleType, index: object, line: str, stale: str) -> None:
+    codes: tuple[set[str], set[str]] = (set(), set())
+    where = ROOT / "ckpttool" / "format" / "__init__.py"
+    problems = list(doc_refs._line_refs(index, where, line, codes))
+    assert len(problems) == 1 and stale in problems[0], problems
+    assert (
+        list(doc_refs._line_refs(index, where, ":mod:`.archive`, :class:`~.metadata.CheckpointMetadata`", codes)) == []
+    )
