@@ -3,7 +3,7 @@
 Modules: :mod:`.metadata` (typed ``.metadata`` model, dtype names), :mod:`.unpickler`
 (allow-list unpickling, object-graph bounds), :mod:`.archive` (``torch.save`` zip archives,
 read as strictly as torch reads them), :mod:`.files` (confined, regular, capped file opening),
-:mod:`.limits` (the caps), :mod:`.crc` (CRC-32), :mod:`.jsonfile` (bounded JSON),
+:mod:`.limits` (the caps), :mod:`.jsonfile` (bounded JSON),
 :mod:`.directory` (the checkpoint directory and its data files), :mod:`.locator` (the one chunk
 check), :mod:`.reader` (tensors and byte items), :mod:`.tiling` (chunk boxes), :mod:`.copy`
 (verbatim byte copies), :mod:`.writer` (DCP output), :mod:`.safetensors` (safetensors headers
