@@ -1,4 +1,5 @@
-"""The CLI layer: the Typer app, shared options and parsers, the output sink, one module per command."""
+"""The CLI layer: the Typer app (:mod:`.app`) and shell completion (:mod:`.completion`); the shared options, parsers
+and output sink are :mod:`ckpttool.ui`, the commands :mod:`ckpttool.commands`."""
 
 import os
 import sys

@@ -8,7 +8,7 @@ Public API::
 
 Each rule is one function registered with a stable code in :data:`RULES` (families
 ``S`` storage, ``O`` optimizer state, ``P`` param groups, ``L`` layout, ``M`` model,
-``D`` deep; modules under :mod:`.rules`); rules are pure functions of a
+``K`` key schema, ``D`` deep, ``R`` resume safety; modules under :mod:`.rules`); rules are pure functions of a
 :class:`~ckpttool.ops.validate.context.Context` and never print.
 """
 
