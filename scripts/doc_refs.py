@@ -17,6 +17,7 @@ Exit 1 with one line per stale reference, ``FILE:LINE: what``.
 from __future__ import annotations
 
 import ast
+import functools
 import json
 import re
 import subprocess
@@ -49,11 +50,14 @@ _WORDS |= {"output", "stats", "quantized", "multi", "rules", "grads", "compare",
 _WORDS |= {"olmo_core", "safetensors", "torch_checkpointing", "verl", "torchtune", "nemo", "lora", "merge", "serving"}
 _LINK = re.compile(r"\]\(([\w./-]+\.md)(?:#[^)]*)?\)")
 #: what every kind of reference holds: a line without it is not parsed further.
-_ANY = re.compile(r"[`/]|\]\(|ckpttool\.|[EOSPLMKDR]\d{3}")
+_ANY = re.compile(r"[`/§]|\]\(|\.md|ckpttool\.|[EOSPLMKDR]\d{3}")
 #: a module and the names it is said to hold: "`ckpttool.layouts` (`resolve_layout`, `tensor_geometry`)".
 _MODULE_NAMES = re.compile(r"`(ckpttool(?:\.\w+)+)` \(([^()]*)\)")
 #: a Sphinx role naming a name relative to the module's package (``:class:`~.base.ModelFormat```).
 _RELATIVE_ROLE = re.compile(r":(mod|func|meth|class|attr|data|exc|obj):`~?(\.[\w.]+?)(?:\(\))?`")
+#: a page's section named by its title: ``docs/export.md``, "Model adapters"; ``docs/design.md`` §5, "One handle".
+_TITLED = re.compile(r'(?:(\w+)\.md`{0,2},?|§(\d+),?) \(?"([^"]+)"')
+_SECTION = re.compile(r"design(?:\.md)?`{0,2} §(\d+)")
 _ROOTS = ("", "ckpttool/", "docs/", "ckpttool/engine/")
 
 
@@ -275,6 +279,20 @@ def _name_in(index: Index, ref: str, name: str) -> bool:
     )
 
 
+@functools.cache
+def _titles(page: Path) -> str:
+    """The headings and bold run-in titles of ``page``, lower case, backticks dropped, one a line."""
+    text = re.sub(r"`[^`\n]*\*[^`\n]*`", "", page.read_text()).replace("`", "")  # no ``**kwargs`` spans
+    titles = [line.lstrip("#").strip() for line in text.splitlines() if line.startswith("#")]
+    titles += re.findall(r"\*\*([^*\n]+)\*\*", text)
+    return "\n".join(titles).lower()
+
+
+def _has_section(page: Path, title: str) -> bool:
+    """Whether a heading or bold title of ``page`` starts or holds ``title``."""
+    return title.replace("`", "").lower() in _titles(page)
+
+
 def _held_names(index: Index, module: str, listed: str) -> Iterator[str]:
     """The names of ``listed`` (backticked identifiers with ``_``) that ``module`` and its submodules lack."""
     if module not in index.modules:
@@ -350,6 +368,13 @@ def _line_refs(index: Index, path: Path, line: str, codes: tuple[set[str], set[s
             yield f"{ref}: no such file"
         elif name and not _name_in(index, ref, name):
             yield f"{ref}::{name}: not defined there"
+    for m in _TITLED.finditer(line):
+        page = ROOT / ("README.md" if m.group(1) == "README" else f"docs/{m.group(1) or 'design'}.md")
+        if page.exists() and not _has_section(page, m.group(3)):
+            yield f'{page.relative_to(ROOT)}, "{m.group(3)}": no such section'
+    for m in _SECTION.finditer(line):
+        if not _has_section(ROOT / "docs/design.md", f"§{m.group(1)} "):
+            yield f"docs/design.md §{m.group(1)}: no such section"
     for m in _LINK.finditer(line):
         if not (path.parent / m.group(1)).exists():
             yield f"{m.group(1)}: no such page beside {path.name}"

@@ -47,6 +47,7 @@ def test_the_docs_and_docstrings_hold_no_stale_reference(doc_refs: ModuleType, c
         ":func:`select_sources`, `tests/security/test_hf_folders.py`, `ckpttool.layout` (a format name)",
         "`model.safetensors.index.json`, `optimizer.state.<fqn>`, `torch.load`, `layout.json`",
         "Built on `ckpttool.layouts` (`resolve_layout`, `tensor_geometry`).",
+        '``docs/export.md``, "Model adapters"; ``docs/design.md`` §5, "One chunk locator"; design.md §9',
     ],
 )
 def test_live_references_pass(doc_refs: ModuleType, index: object, line: str) -> None:
@@ -71,6 +72,9 @@ def test_live_references_pass(doc_refs: ModuleType, index: object, line: str) ->
         ("`tests/security/test_hf_folder.py`", "test_hf_folder.py"),
         ("see [the rules](rulez.md)", "rulez.md"),
         ("Built on `ckpttool.layouts` (`resolve_layout`, `ep_geometry`).", "ep_geometry"),
+        ('``docs/export.md``, "Model adaptors"', "Model adaptors"),
+        ('``docs/design.md`` §5, "One chunk reader"', "One chunk reader"),
+        ("``docs/design.md`` §12", "§12"),
     ],
 )
 def test_stale_references_are_reported(doc_refs: ModuleType, index: object, line: str, stale: str) -> None:
