@@ -3,13 +3,19 @@
 Usage: ``python scripts/doc_refs.py`` (from anywhere). Finds, without importing the package:
 
 - dotted names of ckpttool (``ckpttool.ops.export.quantize``, ``:func:`~ckpttool.model.counters.x```,
-  ``Catalog.wrapped``, ``mdcache.parse_metadata_cached``) whose module, class, function or attribute
-  does not exist;
-- file paths (``engine/scan.py``, ``native/fp8.c``, ``ops/diff/compare.py::ValueCompare``, ``docs/X.md``)
-  that name no file of the repository;
+  ``Catalog.wrapped``, ``mdcache.parse_metadata_cached``, ``ops.fields.OutputOptions``, a docstring's
+  ``:mod:`.sibling```, the names listed after a module: ```ckpttool.layouts` (`resolve_layout`)``) whose
+  module, class, function or attribute does not exist; Sphinx roles of one name no module defines;
+- file paths (``engine/scan.py``, ``native/fp8.c``, ``ops/diff/compare.py::ValueCompare``,
+  ``format/hf_storage.check_hf_index``, ``tests/...``, markdown links) that name no file of the repository;
+- sections named by title (``docs/export.md``, "Model adapters"; ``docs/design.md`` §5, "One handle") or
+  number (§N) that no heading or bold title of the page has;
 - error codes (``E204``) not in the table of ``docs/errors.md``, rule codes (``R002``) not in the one of
-  ``docs/rules.md``; codes in those tables that nothing raises (no error class of that code used by the
-  package, no ``@rule`` function, no row of ``rules.json``).
+  ``docs/rules.md``; codes in those tables that nothing raises (no error class of that code constructed by
+  the package, no ``@rule`` function, no row of ``rules.json``).
+
+Names that are also state-dict keys, JSON fields or other libraries' (``optimizer.state``, ``torch.load``)
+are left alone: it reports no false positives, and so misses a stale name spelled like them.
 
 Exit 1 with one line per stale reference, ``FILE:LINE: what``.
 """
