@@ -54,7 +54,7 @@ _SUBPACKAGES = {"ops", "format", "engine", "ui", "layouts", "optim_state", "cli"
 _WORDS = {"optimizer", "layout", "metadata", "data", "experts", "plan", "reader", "writer", "options", "run", "app"}
 _WORDS |= {"output", "stats", "quantized", "multi", "rules", "grads", "compare", "kernel", "checkpoint", "megatron"}
 _WORDS |= {"olmo_core", "safetensors", "torch_checkpointing", "verl", "torchtune", "nemo", "lora", "merge", "serving"}
-_LINK = re.compile(r"\]\(([\w./-]+\.md)(?:#[^)]*)?\)")
+_LINK = re.compile(r"\]\(([\w./-]+\.md)?(?:#([^)]*))?\)")
 #: what every kind of reference holds: a line without it is not parsed further.
 _ANY = re.compile(r"[`/§]|\]\(|\.md|ckpttool\.|[EOSPLMKDR]\d{3}")
 #: a module and the names it is said to hold: "`ckpttool.layouts` (`resolve_layout`, `tensor_geometry`)".
@@ -294,6 +294,17 @@ def _titles(page: Path) -> str:
     return "\n".join(titles).lower()
 
 
+@functools.cache
+def _anchors(page: Path) -> set[str]:
+    """The anchors of ``page``'s headings as GitHub makes them (lower case, punctuation dropped, ``-`` for spaces)."""
+    anchors, fenced = set(), False
+    for line in page.read_text().splitlines():
+        fenced ^= line.startswith("```")
+        if line.startswith("#") and not fenced:
+            anchors.add(re.sub(r"[^\w\- ]", "", line.lstrip("#").strip().lower()).replace(" ", "-"))
+    return anchors
+
+
 def _has_section(page: Path, title: str) -> bool:
     """Whether a heading or bold title of ``page`` starts or holds ``title``."""
     return title.replace("`", "").lower() in _titles(page)
@@ -382,8 +393,11 @@ def _line_refs(index: Index, path: Path, line: str, codes: tuple[set[str], set[s
         if not _has_section(ROOT / "docs/design.md", f"§{m.group(1)} "):
             yield f"docs/design.md §{m.group(1)}: no such section"
     for m in _LINK.finditer(line):
-        if not (path.parent / m.group(1)).exists():
+        page = path.parent / m.group(1) if m.group(1) else path
+        if not page.exists():
             yield f"{m.group(1)}: no such page beside {path.name}"
+        elif m.group(2) and page.suffix == ".md" and m.group(2) not in _anchors(page):
+            yield f"{m.group(1) or ''}#{m.group(2)}: no such heading in {page.name}"
     errors, rules = codes
     for m in _CODE.finditer(line):
         code = m.group(1) + m.group(2)

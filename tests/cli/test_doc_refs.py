@@ -48,6 +48,7 @@ def test_the_docs_and_docstrings_hold_no_stale_reference(doc_refs: ModuleType, c
         "`model.safetensors.index.json`, `optimizer.state.<fqn>`, `torch.load`, `layout.json`",
         "Built on `ckpttool.layouts` (`resolve_layout`, `tensor_geometry`).",
         '``docs/export.md``, "Model adapters"; ``docs/design.md`` §5, "One chunk locator"; design.md §9',
+        "[storage](storage.md#a-rank-lost-under-torchrun-local-and-url-outputs), [design](design.md)",
     ],
 )
 def test_live_references_pass(doc_refs: ModuleType, index: object, line: str) -> None:
@@ -75,6 +76,7 @@ def test_live_references_pass(doc_refs: ModuleType, index: object, line: str) ->
         ('``docs/export.md``, "Model adaptors"', "Model adaptors"),
         ('``docs/design.md`` §5, "One chunk reader"', "One chunk reader"),
         ("``docs/design.md`` §12", "§12"),
+        ("[storage](storage.md#a-rank-lost-under-torchrun)", "storage.md#a-rank-lost-under-torchrun"),
     ],
 )
 def test_stale_references_are_reported(doc_refs: ModuleType, index: object, line: str, stale: str) -> None:
