@@ -64,6 +64,8 @@ _RELATIVE_ROLE = re.compile(r":(mod|func|meth|class|attr|data|exc|obj):`~?(\.[\w
 #: a page's section named by its title: ``docs/export.md``, "Model adapters"; ``docs/design.md`` §5, "One handle".
 _TITLED = re.compile(r'(?:(\w+)\.md`{0,2},?|§(\d+),?) \(?"([^"]+)"')
 _SECTION = re.compile(r"design(?:\.md)?`{0,2} §(\d+)")
+#: a ``--json`` document's schema id: ``ckpttool.inspect/1``.
+_SCHEMA_ID = re.compile(r"\bckpttool\.([a-z][a-z-]*)/(\d+)\b")
 _ROOTS = ("", "ckpttool/", "docs/", "ckpttool/engine/")
 
 
@@ -295,6 +297,16 @@ def _titles(page: Path) -> str:
 
 
 @functools.cache
+def _schema_ids() -> set[str]:
+    """The ``schema`` ids of the packaged JSON Schemas (``ckpttool/schemas/*.schema.json``)."""
+    return {
+        m
+        for path in (PACKAGE / "schemas").glob("*.schema.json")
+        for m in re.findall(r'"const": "(ckpttool\.[a-z-]+/\d+)"', path.read_text())
+    }
+
+
+@functools.cache
 def _anchors(page: Path) -> set[str]:
     """The anchors of ``page``'s headings as GitHub makes them (lower case, punctuation dropped, ``-`` for spaces)."""
     anchors, fenced = set(), False
@@ -392,6 +404,9 @@ def _line_refs(index: Index, path: Path, line: str, codes: tuple[set[str], set[s
     for m in _SECTION.finditer(line):
         if not _has_section(ROOT / "docs/design.md", f"§{m.group(1)} "):
             yield f"docs/design.md §{m.group(1)}: no such section"
+    for m in _SCHEMA_ID.finditer(line):
+        if m.group(0) not in _schema_ids():
+            yield f"{m.group(0)}: no JSON Schema in ckpttool/schemas/ has this id"
     for m in _LINK.finditer(line):
         page = path.parent / m.group(1) if m.group(1) else path
         if not page.exists():

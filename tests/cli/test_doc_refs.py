@@ -49,6 +49,7 @@ def test_the_docs_and_docstrings_hold_no_stale_reference(doc_refs: ModuleType, c
         "Built on `ckpttool.layouts` (`resolve_layout`, `tensor_geometry`).",
         '``docs/export.md``, "Model adapters"; ``docs/design.md`` §5, "One chunk locator"; design.md §9',
         "[storage](storage.md#a-rank-lost-under-torchrun-local-and-url-outputs), [design](design.md)",
+        "schemas `ckpttool.manifest/1`, `ckpttool.manifest-check/1`",
     ],
 )
 def test_live_references_pass(doc_refs: ModuleType, index: object, line: str) -> None:
@@ -77,6 +78,7 @@ def test_live_references_pass(doc_refs: ModuleType, index: object, line: str) ->
         ('``docs/design.md`` §5, "One chunk reader"', "One chunk reader"),
         ("``docs/design.md`` §12", "§12"),
         ("[storage](storage.md#a-rank-lost-under-torchrun)", "storage.md#a-rank-lost-under-torchrun"),
+        ("schema `ckpttool.manifest-verify/1`", "ckpttool.manifest-verify/1"),
     ],
 )
 def test_stale_references_are_reported(doc_refs: ModuleType, index: object, line: str, stale: str) -> None:
