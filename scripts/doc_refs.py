@@ -346,8 +346,25 @@ def _table_codes(doc: Path, pattern: str) -> set[str]:
 
 
 def _line_refs(index: Index, path: Path, line: str, codes: tuple[set[str], set[str]]) -> Iterator[str]:
+    """The stale references of one line of ``path``."""
     if not _ANY.search(line):
         return
+    yield from _name_refs(index, line)
+    if path.suffix == ".py" and path.is_relative_to(PACKAGE):
+        yield from _relative_refs(index, path, line)
+    yield from _file_refs(index, path, line)
+    yield from _section_refs(path, line)
+    errors, rules = codes
+    for m in _CODE.finditer(line):
+        code = m.group(1) + m.group(2)
+        if m.group(1) == "E" and code not in errors and code not in {"E000", "E999"}:
+            yield f"{code}: not in docs/errors.md"
+        elif m.group(1) != "E" and code not in rules:
+            yield f"{code}: not in docs/rules.md"
+
+
+def _name_refs(index: Index, line: str) -> Iterator[str]:
+    """Dotted names, ``Class.attr``/``module.attr``, names listed after a module, Sphinx roles of one name."""
     for m in _DOTTED.finditer(line):
         if m.group(1) in index.identifiers:
             continue
@@ -362,32 +379,33 @@ def _line_refs(index: Index, path: Path, line: str, codes: tuple[set[str], set[s
     for m in _MODULE_NAMES.finditer(line):
         for name in _held_names(index, m.group(1), m.group(2)):
             yield f"`{name}`: not in {m.group(1)}"
-    if path.suffix == ".py" and path.is_relative_to(PACKAGE):
-        package = ".".join(path.relative_to(ROOT).with_suffix("").parts)
-        package = package.removesuffix(".__init__") if path.name == "__init__.py" else package.rsplit(".", 1)[0]
-        module = ".".join(path.relative_to(ROOT).with_suffix("").parts).removesuffix(".__init__")
-        for m in _RELATIVE_ROLE.finditer(line):
-            # a ``.module`` is a sibling; another ``.name`` is looked up as Sphinx does: in this module or its
-            # package, else any object whose name so ends
-            role, ref = m.group(1), m.group(2)
-            first = ref.split(".")[1]
-            candidates = [package]
-            if role != "mod":
-                candidates += [module, *(n for n, mod in index.modules.items() if first in mod.names)]
-                candidates += [n.rsplit(".", 1)[0] for n in index.modules if n.endswith("." + first)]
-            if all(_resolve(index, c + ref) for c in candidates):
-                yield f"`{ref}`: no such name in {package}" + ("" if role == "mod" else " or elsewhere")
     for m in _ROLE.finditer(line):
         if m.group(1) not in index.defined:
             yield f"{m.group(0)}: nothing of the package is called {m.group(1)}"
+
+
+def _relative_refs(index: Index, path: Path, line: str) -> Iterator[str]:
+    """Relative Sphinx roles of a module of the package (``:mod:`.sibling```, ``:class:`~.base.X```)."""
+    module = ".".join(path.relative_to(ROOT).with_suffix("").parts).removesuffix(".__init__")
+    package = module if path.name == "__init__.py" else module.rsplit(".", 1)[0]
+    for m in _RELATIVE_ROLE.finditer(line):
+        # a ``.module`` is a sibling; another ``.name`` is looked up as Sphinx does: in this module or its
+        # package, else any object whose name so ends
+        role, ref = m.group(1), m.group(2)
+        first = ref.split(".")[1]
+        candidates = [package]
+        if role != "mod":
+            candidates += [module, *(n for n, mod in index.modules.items() if first in mod.names)]
+            candidates += [n.rsplit(".", 1)[0] for n in index.modules if n.endswith("." + first)]
+        if all(_resolve(index, c + ref) for c in candidates):
+            yield f"`{ref}`: no such name in {package}" + ("" if role == "mod" else " or elsewhere")
+
+
+def _file_refs(index: Index, path: Path, line: str) -> Iterator[str]:
+    """File paths, ``path.py::Name`` and ``dir/module.name``."""
     for m in _PATH_NAME.finditer(line):
         ref, name = m.group(1) + ".py", m.group(2)
-        if (
-            m.group(2) not in _EXTENSIONS
-            and _ours(ref)
-            and _path_exists(index, ref, path)
-            and not _name_in(index, ref, name)
-        ):
+        if name not in _EXTENSIONS and _ours(ref) and _path_exists(index, ref, path) and not _name_in(index, ref, name):
             yield f"{m.group(0)}: no {name} in {ref}"
     for m in [*_PATH.finditer(line), *_BARE.finditer(line)]:
         ref, name = m.group(1), m.group(2)
@@ -397,6 +415,10 @@ def _line_refs(index: Index, path: Path, line: str, codes: tuple[set[str], set[s
             yield f"{ref}: no such file"
         elif name and not _name_in(index, ref, name):
             yield f"{ref}::{name}: not defined there"
+
+
+def _section_refs(path: Path, line: str) -> Iterator[str]:
+    """Sections by title or number, ``--json`` schema ids, markdown links and their anchors."""
     for m in _TITLED.finditer(line):
         page = ROOT / ("README.md" if m.group(1) == "README" else f"docs/{m.group(1) or 'design'}.md")
         if page.exists() and not _has_section(page, m.group(3)):
@@ -413,13 +435,6 @@ def _line_refs(index: Index, path: Path, line: str, codes: tuple[set[str], set[s
             yield f"{m.group(1)}: no such page beside {path.name}"
         elif m.group(2) and page.suffix == ".md" and m.group(2) not in _anchors(page):
             yield f"{m.group(1) or ''}#{m.group(2)}: no such heading in {page.name}"
-    errors, rules = codes
-    for m in _CODE.finditer(line):
-        code = m.group(1) + m.group(2)
-        if m.group(1) == "E" and code not in errors and code not in {"E000", "E999"}:
-            yield f"{code}: not in docs/errors.md"
-        elif m.group(1) != "E" and code not in rules:
-            yield f"{code}: not in docs/rules.md"
 
 
 def _unraised(index: Index, errors: set[str], rules: set[str]) -> Iterator[str]:
