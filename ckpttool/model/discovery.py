@@ -1111,6 +1111,14 @@ def _latest_of(
         skipped = bad[want]
         want = max(done)
         source = f"the highest complete step; step {skipped.step} is incomplete: {skipped.reason}"
+    staged = [(f[0], u.model) for u in units if u.step is None and (f := _suffixed_step(u.model, root)) is not None]
+    staged = [(n, m) for n, m in staged if isinstance(want, int) and n > want]
+    if staged:  # step-3.tmp with its .metadata: a finished save under a staging name
+        n, m = max(staged)
+        source += (
+            f"; {_rel(m, root)} holds a finished save of step {n} under a staging name, not renamed: torchtitan's "
+            f"resume, which matches step-N anywhere in a folder's name, loads it as step {n}"
+        )
     if not isinstance(want, int):
         raise StepNotFoundError(
             f"{root}: `step` latest, but no checkpoint below it is in a step directory "

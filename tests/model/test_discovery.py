@@ -584,3 +584,12 @@ def test_a_step_directory_staged_under_a_suffix_is_an_unfinished_step(tmp_path: 
     assert CheckpointManager._find_load_step(None, str(run)) == 3  # type: ignore[arg-type]
     loc = locate(run, CheckpointSelection(step="latest"))
     assert loc.model == run / "step-3" and not loc.newer_incomplete
+    # its save finished under the staging name: torchtitan's resume loads it as step 3, other trainers' never list it;
+    # `step` latest keeps step 2 and says so
+    shutil.rmtree(run / "step-3")
+    shutil.copy(run / "step-2" / ".metadata", staged / ".metadata")
+    assert CheckpointManager._find_load_step(None, str(run)) == 3  # type: ignore[arg-type]
+    loc = locate(run, CheckpointSelection(step="latest"))
+    assert loc.model == run / "step-2" and not loc.newer_incomplete
+    assert "step-3.tmp holds a finished save of step 3 under a staging name" in loc.how, loc.how
+    assert "torchtitan's resume" in loc.how and "loads it as step 3" in loc.how, loc.how
