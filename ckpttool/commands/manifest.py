@@ -122,8 +122,10 @@ def _render_check(res: ManifestCheck) -> None:
         con.print(f"... and {len(res.problems) - SHOWN_PROBLEMS:,} more ({kinds} in all; --json lists the first 1,000)")
     verdict = "matches" if not res.problems else "differs from"
     problems = f": {plural(len(res.problems), 'problem')}" if res.problems else ""
-    if res.warnings:  # what "matches" does not cover: said on stdout too, beside the stderr warning
+    if len(res.warnings) > res.newer_incomplete:  # what "matches" does not cover: said on stdout too, beside stderr's
         problems += "; files beside the data or bytes after it not checked (see the warning)"
+    if res.newer_incomplete:  # R001: the step verified is not the run's newest save
+        problems += "; a newer step's save did not finish (see the warning)"
     con.print(
         f"{res.path} ({res.folder or res.kind}) {verdict} its manifest {res.manifest} "
         f"({plural(res.entries, 'entry', 'entries')}){problems}"

@@ -512,6 +512,9 @@ def find_incomplete(root: Path, max_depth: int = MAX_DEPTH, whole: bool = False)
             return False
         why = _unfinished(p)
         step = _step_near(p, root)
+        staged = _suffixed_step(p, root) if why is not None and step is None else None
+        if staged is not None:  # step-3.tmp: a save staged under its step directory's name and a suffix
+            step, why = staged[0], f"{why}, not renamed to {staged[2]}"
         if why is not None and step is not None:
             found.setdefault(step, IncompleteStep(step, p, why))
             return False
@@ -1108,6 +1111,14 @@ def _latest_of(
         skipped = bad[want]
         want = max(done)
         source = f"the highest complete step; step {skipped.step} is incomplete: {skipped.reason}"
+    staged = [(f[0], u.model) for u in units if u.step is None and (f := _suffixed_step(u.model, root)) is not None]
+    staged = [(n, m) for n, m in staged if isinstance(want, int) and n > want]
+    if staged:  # step-3.tmp with its .metadata: a finished save under a staging name
+        n, m = max(staged)
+        source += (
+            f"; {_rel(m, root)} holds a finished save of step {n} under a staging name, not renamed: torchtitan's "
+            f"resume, which matches step-N anywhere in a folder's name, loads it as step {n}"
+        )
     if not isinstance(want, int):
         raise StepNotFoundError(
             f"{root}: `step` latest, but no checkpoint below it is in a step directory "
@@ -1117,6 +1128,21 @@ def _latest_of(
             hint="pass one of the listed directories",
         )
     return want, f"`step` latest: step {want} ({source})"
+
+
+def _suffixed_step(p: Path, root: Path) -> tuple[int, str, str] | None:
+    """``(step, its name, the step directory's name)`` of the nearest directory from ``p`` up to (not including) ``root`` named
+    ``<step directory>.<suffix>`` (``step-3.tmp``, ``checkpoint-3.partial``: a save staged under another name) with
+    no directory of that step name beside it; else ``None``. torchtitan's resume matches ``step-(\\d+)`` anywhere
+    in a name: a finished ``step-3.tmp`` is a step to it, an unfinished one a step whose save did not finish."""
+    q = p
+    while q != root and q != q.parent:
+        stem, dot, _ = q.name.partition(".")
+        step = step_of(stem) if dot and stem else None
+        if step is not None and not (q.parent / stem).is_dir():
+            return step, q.name, stem
+        q = q.parent
+    return None
 
 
 def _step_dir(p: Path, root: Path) -> Path | None:

@@ -2106,8 +2106,11 @@ class ManifestCheck:
     #: Face folder, or an export), a per-rank format's name (``verl-fsdp``), or a model/optimizer pair's parts
     #: (``safetensors + dcp``: NeMo's). ``None``: ``kind``.
     folder: str | None = None
-    #: Files the verdict does not cover (a manifest without ``sidecars``): ``warning:`` lines on stderr.
+    #: Files the verdict does not cover (a manifest without ``sidecars``), and a newer step of the run root whose save
+    #: did not finish (validate's ``R001``, last): ``warning:`` lines on stderr.
     warnings: list[str] = field(default_factory=list)
+    #: The last of ``warnings`` is ``R001``'s.
+    newer_incomplete: bool = False
 
     @property
     def ok(self) -> bool:
@@ -2273,6 +2276,7 @@ def check_against_manifest(
     untracked: list[str] = []
     unsized: list[str] = []
     unvalued: list[str] = []
+    newer: str | None = None  # validate's R001: a newer step of the run root whose save did not finish
     if man.kind == "safetensors":
         step(0)
         problems = verify_safetensors_manifest(directory, man, on_entry=step)
@@ -2292,6 +2296,7 @@ def check_against_manifest(
                 unsized = unchecked_sizes(ckpt.reader, man)
                 unvalued = unchecked_values(ckpt.reader, man)
                 untracked = unchecked_training_state(ckpt.reader, man, Path(ckpt.located.model))
+                newer = ckpt.located.newer_incomplete_note("verified")
         except MetadataError as e:  # a safetensors file the reader refuses (bytes appended): checked byte by byte
             problems = _verify_refused_folder(directory, man, e, step)
             shown, folder = str(directory), "safetensors"
@@ -2305,7 +2310,8 @@ def check_against_manifest(
         problems,
         man.source,
         folder=folder,
-        warnings=warnings,
+        warnings=warnings + ([newer] if newer else []),
+        newer_incomplete=newer is not None,
     )
 
 

@@ -470,3 +470,23 @@ def test_command_lines_in_the_docs_use_options_of_their_command() -> None:
                 if flag and flag.group(0) not in flags[words[0]] | root_flags:
                     wrong.append(f"{page.name}: {words[0]} {flag.group(0)} in {line!r}")
     assert seen > 100 and wrong == []
+
+
+def test_a_filter_that_matches_nothing_is_one_error_line_and_exit_2(sample_ckpt: Path, tmp_path: Path) -> None:
+    """A `--filter` glob that selects nothing, on every command that takes one (docs/errors.md, "A filter that
+    matches nothing"): exit 2, one `error:` line naming the glob and a `hint:`, nothing on stdout, no output written;
+    the code is the command's documented one."""
+    glob = "nothing_matches*"
+    calls = {
+        "E100": [["inspect", sample_ckpt], ["stats", sample_ckpt], ["replay-step", sample_ckpt]],
+        "E601": [["export", sample_ckpt, tmp_path / "hf"]],
+        "E611": [["diff", sample_ckpt, sample_ckpt]],
+    }
+    for code, runs in calls.items():
+        for args in runs:
+            res = runner.invoke(app, [*map(str, args), "--filter", glob])
+            err = res.stderr.splitlines()
+            assert res.exit_code == 2 and res.stdout == "", (args, res.output)
+            assert len(err) == 2 and err[0].startswith(f"error: [{code}] ") and glob in err[0], (args, err)
+            assert err[1].startswith("hint: ") and "Traceback" not in res.stderr, (args, err)
+    assert not (tmp_path / "hf").exists()

@@ -554,3 +554,42 @@ def test_latest_file_naming_a_missing_step_hint_claims_no_trainer_failure(titan_
     e = ei.value
     assert e.code == "E205" and e.hint is not None and "fails on it too" not in e.hint
     assert e.hint.startswith("a resume that follows latest_checkpointed_iteration.txt does not load step 30 either")
+
+
+def test_a_step_directory_staged_under_a_suffix_is_an_unfinished_step(tmp_path: Path) -> None:
+    """A run root with `step-1`, `step-2` and `step-3.tmp` (data files, no .metadata: a save staged under a suffixed
+    name and cut): `--step latest` chose step 2 without a word, though `step-3` without .metadata is the R001 note
+    and torchtitan's resume (`re.search("step-(\\d+)")`, .metadata required) counts the folder as step 3. It is now
+    step 3's unfinished save, as OLMo-core's `stepN-tmp`; beside a `step-3` it is a leftover, not a step."""
+    import torch.distributed.checkpoint as dcp
+    from torchtitan.components.checkpoint import CheckpointManager
+
+    run = tmp_path / "run"
+    for step in (1, 2):
+        dcp.save({"model": {"w": torch.full((4,), float(step))}}, checkpoint_id=str(run / f"step-{step}"), no_dist=True)
+    staged = run / "step-3.tmp"
+    staged.mkdir()
+    for f in (run / "step-2").glob("*.distcp"):
+        shutil.copy(f, staged / f.name)
+    assert CheckpointManager._find_load_step(None, str(run)) == 2  # type: ignore[arg-type]  # torchtitan's resume
+    loc = locate(run, CheckpointSelection(step="latest"))
+    assert loc.step == 2 and [(i.step, i.path) for i in loc.newer_incomplete] == [(3, staged)]
+    assert loc.newer_incomplete[0].reason == "1 data file(s), no .metadata, not renamed to step-3"
+    res = CliRunner().invoke(app, ["validate", "--json", "--step", "latest", str(run)])
+    assert res.exit_code == 0 and "R001" in res.stdout and "step-3.tmp" in res.stdout, res.output
+    with pytest.raises(MetadataError) as ei:
+        locate(run, CheckpointSelection(step=3))
+    assert ei.value.code == "E202" and str(staged) in ei.value.message
+    shutil.copytree(run / "step-2", run / "step-3")  # renamed into step-3: the suffixed folder is a leftover
+    assert CheckpointManager._find_load_step(None, str(run)) == 3  # type: ignore[arg-type]
+    loc = locate(run, CheckpointSelection(step="latest"))
+    assert loc.model == run / "step-3" and not loc.newer_incomplete
+    # its save finished under the staging name: torchtitan's resume loads it as step 3, other trainers' never list it;
+    # `step` latest keeps step 2 and says so
+    shutil.rmtree(run / "step-3")
+    shutil.copy(run / "step-2" / ".metadata", staged / ".metadata")
+    assert CheckpointManager._find_load_step(None, str(run)) == 3  # type: ignore[arg-type]
+    loc = locate(run, CheckpointSelection(step="latest"))
+    assert loc.model == run / "step-2" and not loc.newer_incomplete
+    assert "step-3.tmp holds a finished save of step 3 under a staging name" in loc.how, loc.how
+    assert "torchtitan's resume" in loc.how and "loads it as step 3" in loc.how, loc.how

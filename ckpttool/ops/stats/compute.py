@@ -60,6 +60,7 @@ __all__ = [
     "pair_slabs",
     "read_pair",
     "release_buffers",
+    "scaled_sums",
     "sum_squares",
     "tensor_values",
 ]
@@ -234,6 +235,29 @@ def centered_squares(reader: CheckpointReader, key: str, chunks: tuple[ChunkMeta
             d = x[np.isfinite(x)].astype(np.float64) - mean
             total += sum_squares(d)
     return total
+
+
+def scaled_sums(
+    reader: CheckpointReader, key: str, chunks: tuple[ChunkMeta, ...], scale: float, mean: float | None = None
+) -> tuple[float, float]:
+    """``(sum y, sum y^2)`` of ``y = x / scale`` (``y = (x - mean) / scale`` with ``mean``) over the finite values
+    of ``key``'s ``chunks``, in float64, read again slice by slice (:func:`chunk_slices`): the sums of float64
+    values whose own sums overflow (``|x|`` beyond ~1e154 squared is beyond float64's 1.8e308), with ``scale``
+    their largest ``|x|``.
+
+    Raises:
+        as :func:`chunk_slices`.
+    """
+    s1 = s2 = 0.0
+    for chunk in chunks:
+        for raw, dt in chunk_slices(reader, key, chunk):
+            x = float_values(raw, dt)
+            y = x[np.isfinite(x)].astype(np.float64) / scale
+            if mean is not None:
+                y -= mean / scale
+            s1 += float(y.sum())
+            s2 += sum_squares(y)
+    return s1, s2
 
 
 def expert_sums(experts: dict[int, float], sq: np.ndarray, e0: int, inner: int, first_expert: int) -> None:

@@ -40,6 +40,7 @@ from ckpttool.ops.stats.compute import (
     moment_sums,
     pair_slabs,
     release_buffers,
+    scaled_sums,
     sum_squares,
     tensor_values,
 )
@@ -371,6 +372,18 @@ def _std(ckpt: Checkpoint, key: str, s: SlabStats) -> float:
     return math.sqrt(centered_squares(ckpt.reader, key, ckpt.catalog.tensors[key].chunks, s.mean) / s.finite)
 
 
+def _overflowing_row(ckpt: Checkpoint, row: TensorValueStats, s: SlabStats) -> TensorValueStats:
+    """``row`` with the mean, L2 and std of a tensor whose float64 sums overflowed (finite values beyond ~1e154:
+    their squares pass float64's range) taken from the values scaled by their largest ``|x|``, read again."""
+    if s.finite < 1 or not 0 < s.abs_max < math.inf or (math.isfinite(s.s1) and math.isfinite(s.s2)):
+        return row
+    chunks = ckpt.catalog.tensors[row.key].chunks
+    y1, y2 = scaled_sums(ckpt.reader, row.key, chunks, s.abs_max)
+    mean = y1 / s.finite * s.abs_max
+    _, c2 = scaled_sums(ckpt.reader, row.key, chunks, s.abs_max, mean)
+    return replace(row, mean=mean, l2=math.sqrt(y2) * s.abs_max, std=math.sqrt(c2 / s.finite) * s.abs_max)
+
+
 def _nothing_to_measure(ckpt: Checkpoint, opts: StatsOptions, notes: dict[str, list[str]]) -> UsageError:
     """The error of a plan with no tensor: no match for ``--filter``, an unknown key schema, no tensor at
     all, or only quantized weights (their codes and scales are left out, :data:`QUANTIZED_NOTE`)."""
@@ -422,13 +435,13 @@ def _tensor_row(key: str, fqn: str, role: str, entry: TensorEntry, s: SlabStats,
 class _Group:
     def __init__(self) -> None:
         self.params = 0
-        self.s2: dict[str, float] = {}
+        self.norms: dict[str, list[float]] = {}
         self.abs_max = math.nan  # until a model tensor with a finite value
         self.nonfinite = 0
         self.upd = Moments()
 
     def add(self, row: TensorValueStats) -> None:
-        self.s2[row.role] = self.s2.get(row.role, 0.0) + row.l2 * row.l2
+        self.norms.setdefault(row.role, []).append(row.l2)  # summed by math.hypot: no overflow of l2 * l2
         self.nonfinite += row.nonfinite
         if row.role == "weight":
             self.params += row.numel
@@ -438,7 +451,7 @@ class _Group:
     def result(self, name: str) -> GroupStats:
         rms = math.sqrt(self.upd.s2 / self.upd.numel) if self.upd.numel else None
         return GroupStats(
-            name, self.params, {k: math.sqrt(v) for k, v in self.s2.items()}, self.abs_max, self.nonfinite, rms
+            name, self.params, {k: math.hypot(*v) for k, v in self.norms.items()}, self.abs_max, self.nonfinite, rms
         )
 
 
@@ -588,6 +601,7 @@ def _stats_one(ckpt: Checkpoint, opts: StatsOptions, progress: Progress) -> Chec
         layers.add(w, roles[w.key][0], a, b, u)
     entries = ckpt.catalog.tensors
     rows = [_tensor_row(k, roles[k][0], roles[k][1], entries[k], s.acc, _std(ckpt, k, s.acc)) for k, s in sums.items()]
+    rows = [_overflowing_row(ckpt, r, sums[r.key].acc) for r in rows]
     rows = [replace(r, layer=stacked[r.key] + "*") if r.key in stacked else r for r in rows]
     slices = layers.rows(roles, entries)
     experts = tuple(

@@ -642,6 +642,26 @@ def test_manifest_of_a_run_root_names_a_newer_unfinished_save(dense_ckpt: Path, 
     assert clean["warnings"] == []
 
 
+def test_verify_of_a_run_root_names_a_newer_unfinished_save(dense_ckpt: Path, tmp_path: Path) -> None:
+    """`manifest RUN --step latest` warned that step 2's save had not finished (R001), `manifest RUN --step latest
+    --verify` said only "matches", its JSON `warnings` empty: the verdict covered step 1, not the run's newest save.
+    Verify warns as the write does, on stderr, in the verdict line and in the JSON."""
+    run = tmp_path / "run"
+    copy_checkpoint(dense_ckpt, run / "step-1")
+    newer = copy_checkpoint(dense_ckpt, run / "step-2")
+    (newer / ".metadata").unlink()  # the data files of a save whose coordinator never wrote .metadata
+    assert invoke("manifest", run / "step-1").exit_code == 0
+    res = runner.invoke(app, ["manifest", str(run), "--step", "latest", "--verify"])
+    assert res.exit_code == 0, res.output
+    assert "a newer step's save did not finish: step 2" in res.stderr and "verified step 1" in res.stderr
+    assert "matches its manifest" in res.stdout and "a newer step's save did not finish (see the warning)" in res.stdout
+    assert "files beside the data" not in res.stdout
+    doc = json.loads(runner.invoke(app, ["manifest", str(run), "--step", "latest", "--verify", "--json"]).stdout)
+    assert doc["ok"] is True and len(doc["warnings"]) == 1 and "(R001)" in doc["warnings"][0], doc
+    clean = json.loads(runner.invoke(app, ["manifest", str(run / "step-1"), "--verify", "--json"]).stdout)
+    assert clean["warnings"] == []
+
+
 def test_verify_of_the_latest_step_opens_the_step_whose_manifest_it_read(
     dense_ckpt: Path, fsdp_ckpt: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

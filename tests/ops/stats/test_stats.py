@@ -1052,3 +1052,33 @@ def test_a_truncated_scale_stats_skips_is_warned_of_as_inspect_does(tmp_path: Pa
     (c,) = doc["checkpoints"]
     assert c["warnings"] == [w.removeprefix("warning: ") for w in warned]
     assert [t["fqn"] for t in c["tensors"]] == ["a.weight"]
+
+
+@pytest.mark.parametrize("native", ["1", "0"])
+def test_float64_values_whose_squares_overflow_have_their_norm_and_std(
+    tmp_path: Path, native: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A float64 tensor of finite values beyond ~1e154 (their squares pass float64's 1.8e308) printed its L2 as
+    `inf` (JSON null for L2 and std) with no word, its layer's norm `inf` too, and values near 1e307 summed to an
+    infinite mean. The sums are now taken of the values scaled by their largest |x|: finite, as torch's own."""
+    monkeypatch.setenv("CKPTTOOL_NATIVE", native)
+    big = torch.full((64, 4), 1e200, dtype=torch.float64)
+    big[::2] = -3e200
+    near_max = torch.full((64,), 1e307, dtype=torch.float64)
+    near_max[1] = 2e307
+    sd = {"layers.0.w": big, "layers.1.w": near_max}
+    dcp.save({"model": sd}, checkpoint_id=str(tmp_path / "c"), no_dist=True)
+    res = runner.invoke(app, ["stats", "--json", "--by", "tensor", str(tmp_path / "c")])
+    assert res.exit_code == 0, res.stderr
+    doc = json.loads(res.stdout)
+    jsonschema.validate(doc, load_schema("stats"))
+    rows = {t["fqn"]: t for t in doc["checkpoints"][0]["tensors"]}
+    norms = {g["name"]: g["norms"]["weight"] for g in doc["checkpoints"][0]["layers"]}
+    for name, x in sd.items():
+        s = x / x.abs().max()  # torch's own figures, scaled back
+        want = [float(v) * float(x.abs().max()) for v in (s.mean(), s.std(unbiased=False), s.norm())]
+        got = [rows[name][k] for k in ("mean", "std", "l2")]
+        assert all(g is not None and math.isclose(g, w, rel_tol=1e-12) for g, w in zip(got, want)), (name, got, want)
+        assert norms[layer_of(name)] is not None and math.isclose(norms[layer_of(name)], want[2], rel_tol=1e-12)
+    table = runner.invoke(app, ["stats", str(tmp_path / "c")]).stdout
+    assert "inf" not in table, table

@@ -1002,6 +1002,30 @@ def test_D007_moments_of_a_real_run_beside_a_step_reset_to_0(tmp_path: Path) -> 
     assert all("at step 0, before any Adam step" in f["message"] for f in doc["findings"])
 
 
+def test_D007_names_the_nan_moments_its_ratio_leaves_out(tmp_path: Path) -> None:
+    """A step reset to 0 beside the moments of 20 AdamW steps, 3 of one parameter's `exp_avg` values NaN: D007 gave
+    the largest |exp_avg|/sqrt(exp_avg_sq) of the other 29 as the parameter's, not saying NaN was there (as D004
+    counts a NaN against a number). It now names the count it left out; D001 names the values."""
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    from tests.fixtures.builders import save_quiet, train_steps
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Linear(8, 2))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    train_steps(model, opt, 20, loss="square")
+    msd, osd = get_state_dict(model, opt)
+    for st in osd["state"].values():
+        st["step"] = torch.tensor(0.0)
+    osd["state"]["0.weight"]["exp_avg"].view(-1)[:3] = float("nan")
+    save_quiet({"model": msd, "optimizer": osd}, tmp_path / "nan")
+    rc, doc, _ = run(tmp_path / "nan", "--deep")
+    assert rc == 1 and codes(doc) == {"D001", "D007"}, doc["findings"]
+    d007 = {f["message"].split(":")[0]: f["message"] for f in doc["findings"] if f["code"] == "D007"}
+    assert "3 of 32 values of exp_avg are NaN or infinite, left out (D001)" in d007["0.weight"], d007
+    assert all("NaN" not in m for k, m in d007.items() if k != "0.weight"), d007
+
+
 def _amp_run() -> tuple[dict[str, Any], dict[str, Any], int]:
     """30 iterations of a clean fp16 AMP run on CPU (torch's recipe: scaler.step(opt); scaler.update(); sched.step()),
     whose GradScaler skips the optimizer step of the first iterations (their scaled gradients overflow):

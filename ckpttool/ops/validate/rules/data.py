@@ -194,6 +194,18 @@ def zero_exp_avg_sq(ctx: Context) -> Iterator[tuple[str, str]]:
 RATIO_SLACK = 1.1
 
 
+def _nonfinite_moments(ctx: Context, p: PairStats) -> str:
+    """``D007``'s words on the moments' NaN and infinite values, which its ratio leaves out (``D001`` names them):
+    ``"; 3 of 32 values of exp_avg are NaN or infinite, left out (D001)"``, or ``""``."""
+    assert ctx.deep_result is not None
+    parts = []
+    for key, name in ((p.a, "exp_avg"), (p.b, "exp_avg_sq")):
+        st = ctx.deep_result.stats.get(key)
+        if st is not None and st.nonfinite:
+            parts.append(f"{st.nonfinite} of {st.numel} values of {name}")
+    return f"; {' and '.join(parts)} are NaN or infinite, left out (D001)" if parts else ""
+
+
 @rule("D007")
 def moments_beyond_adam_bound(ctx: Context) -> Iterator[tuple[str, str]]:
     by_avg = _moment_pairs(ctx)
@@ -206,8 +218,9 @@ def moments_beyond_adam_bound(ctx: Context) -> Iterator[tuple[str, str]]:
         if step == 0:  # the bound after no step is 0: both moments start at zero and change only in a step
             yield (
                 p.b,
-                f"{fqn}: exp_avg and exp_avg_sq are non-zero (max |exp_avg|/sqrt(exp_avg_sq) {p.max_diff:.4g}) at "
-                "step 0, before any Adam step: a step counter reset beside moments of a real run",
+                f"{fqn}: exp_avg and exp_avg_sq are non-zero (max |exp_avg|/sqrt(exp_avg_sq) {p.max_diff:.4g}"
+                f"{_nonfinite_moments(ctx, p)}) at step 0, before any Adam step: a step counter reset beside moments "
+                "of a real run",
             )
             continue
         group = ctx.cat.group_of(fqn)
@@ -225,7 +238,7 @@ def moments_beyond_adam_bound(ctx: Context) -> Iterator[tuple[str, str]]:
             yield (
                 p.b,
                 f"{fqn}: max |exp_avg|/sqrt(exp_avg_sq) is {p.max_diff:.4g}, beyond {bound:.4g}, the most Adam "
-                f"allows after step {step:g} with betas ({b1:g}, {b2:g}){cycled}",
+                f"allows after step {step:g} with betas ({b1:g}, {b2:g}){cycled}{_nonfinite_moments(ctx, p)}",
             )
 
 
