@@ -647,10 +647,10 @@ def _refuse_transposed_experts(selected: list[Selected]) -> None:
     Raises:
         ExportError: such a pair.
     """
-    shapes = {s.out_key: s.source.shape for s in selected}
+    shapes = {s.out_key: s.source.shape for s in selected if s.hf is None}
     for s in selected:
-        if not s.out_key.endswith(".gate_up_proj"):
-            continue
+        if s.hf is not None or not s.out_key.endswith(".gate_up_proj"):
+            continue  # a model adapter's tensors: its own map cuts them (torchtitan's w1/w3 halves)
         gate_up, down = s.source.shape, shapes.get(s.out_key.removesuffix("gate_up_proj") + "down_proj")
         if down is None or len(gate_up) != 3 or len(down) != 3:
             continue
