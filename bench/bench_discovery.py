@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import shutil
 import statistics
 import sys
 import time
@@ -64,7 +65,10 @@ def build(work: Path, layout: str, count: int) -> Path:
             d.mkdir(parents=True, exist_ok=True)
             for f in files:
                 if not (d / f.name).exists():
-                    os.link(f, d / f.name)
+                    try:
+                        os.link(f, d / f.name)
+                    except OSError:  # the file system's link count reached (ext4: 65,000)
+                        shutil.copyfile(f, d / f.name)
     done.write_text("")
     return root
 
