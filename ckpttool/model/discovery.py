@@ -14,7 +14,9 @@ from __future__ import annotations
 
 import os
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
 from dataclasses import dataclass
 from pathlib import Path, PurePath
 from typing import Any
@@ -188,10 +190,45 @@ class Located:
         return f"source {self.model} ({self.how})"
 
 
+#: Within one :func:`locate` (:func:`_one_look`): what :func:`is_checkpoint_dir` and :func:`_unfinished_checkpoint`
+#: said of each directory, so that the walks for the checkpoints and for the unfinished saves look at each step
+#: directory once (and both see the same answer).
+_LOOKED: ContextVar[dict[tuple[str, Path], Any] | None] = ContextVar("_LOOKED", default=None)
+
+
+@contextmanager
+def _one_look() -> Iterator[None]:
+    """:data:`_LOOKED` for the calls inside (nested: the outer one's)."""
+    if _LOOKED.get() is not None:
+        yield
+        return
+    token = _LOOKED.set({})
+    try:
+        yield
+    finally:
+        _LOOKED.reset(token)
+
+
+def _looked(what: str, path: Path, look: Callable[[Path], Any]) -> Any:
+    """``look(path)``, once per ``(what, path)`` within :func:`_one_look`."""
+    seen = _LOOKED.get()
+    if seen is None:
+        return look(path)
+    key = (what, path)
+    if key not in seen:
+        seen[key] = look(path)
+    return seen[key]
+
+
 def is_checkpoint_dir(path: Path) -> bool:
     """``path`` holds ``.metadata`` (or rank-local ``__0.metadata``), the safetensors files of a
     ``HuggingFaceStorageWriter`` save, or the rank files of a per-rank format
     (:func:`~ckpttool.format.perrank_formats.detect_layout`)."""
+    return bool(_looked("checkpoint", path, _is_checkpoint_dir))
+
+
+def _is_checkpoint_dir(path: Path) -> bool:
+    """:func:`is_checkpoint_dir`, looked at now."""
     try:
         # __0.metadata: a dcp.save(use_collectives=False) save (rank-local metadata, ckpttool.format.rank_local)
         return (
@@ -393,7 +430,9 @@ def _unfinished_checkpoint(path: Path) -> str | None:
     its trainer has not published it (:func:`_unpublished`), a per-rank format's rank file is missing
     (:func:`~ckpttool.format.perrank_formats.unfinished_layout`), or a ``dcp.save(use_collectives=False)`` rank
     wrote data files (or ``__R.metadata.tmp``) but not yet its ``__R.metadata``; else ``None``."""
-    return _unpublished(path) or unfinished_layout(path) or _rank_local_unfinished(path)
+    return _looked(  # type: ignore[no-any-return]
+        "unfinished", path, lambda p: _unpublished(p) or unfinished_layout(p) or _rank_local_unfinished(p)
+    )
 
 
 def _rank_local_unfinished(path: Path) -> str | None:
@@ -731,7 +770,8 @@ def locate(path: str | os.PathLike[str], selection: CheckpointSelection | None =
         AmbiguousCheckpointError (E204): several checkpoints below ``path`` and no ``step`` that picks one.
         StepNotFoundError (E205): no checkpoint below ``path`` has ``step``.
     """
-    found = _locate(path, selection)
+    with _one_look():
+        found = _locate(path, selection)
     _refuse_other_step(found.model, selection.optimizer_dir if selection is not None else None)
     return found
 

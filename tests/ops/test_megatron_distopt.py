@@ -77,3 +77,33 @@ def test_dp_reshardable_buckets_are_listed_not_called_corrupt(distopt_dp: Path) 
     assert "bucket_idx_0.exp_avg_sq" in k002["message"] and "bucket_idx_0.param" in k002["message"]
     res = runner.invoke(app, ["validate", str(distopt_dp), "--deep", "--strict", "--json"])
     assert res.exit_code == 1  # not understood: never OK under --strict
+
+
+@pytest.mark.parametrize(
+    ("step", "message"),
+    [
+        (5.0, "common.pt: optimizer common_step 5 is ahead of iteration 2"),
+        (1.0, None),  # behind the iteration: a step skipped for a loss-scale overflow or a NaN, --no-load-optim
+    ],
+)
+def test_param_group_step_against_the_iteration(
+    distopt: Path, tmp_path: Path, step: float, message: str | None
+) -> None:
+    """The DistributedOptimizer saves its shared step in each param group of common.pt (``state_dict()``:
+    ``param_group["step"]``), not as ``state.common_step``: validate --deep passed a step ahead of the iteration.
+    Now R002 names it; a step behind the iteration stays legitimate."""
+    import shutil
+
+    run = shutil.copytree(distopt, tmp_path / "run")
+    path = run / "iter_0000002" / "common.pt"
+    common = torch.load(path, weights_only=False)
+    for g in common["optimizer"]["optimizer"]["param_groups"]:
+        g["step"] = step
+    torch.save(common, path)
+    r = runner.invoke(app, ["validate", "--strict", "--deep", "--json", str(run)])
+    found = [f for f in json.loads(r.stdout)["findings"] if f["code"] == "R002"]
+    if message is None:
+        assert r.exit_code == 0 and not found, r.stdout
+    else:
+        assert r.exit_code == 1, r.stdout
+        assert [(f["key"], f["message"]) for f in found] == [("common.pt:optimizer", message)]

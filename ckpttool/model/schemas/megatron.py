@@ -14,7 +14,8 @@ What megatron-core 0.16 writes (``megatron/core/dist_checkpointing/strategies/to
   ``DistributedOptimizer``'s ``fully_reshardable`` save), under
   ``chained_<i>.`` when a ``ChainedOptimizer`` holds several (dense / expert parameters).
 - ``common.pt`` (``torch.save``): ``optimizer`` (param groups without ``params``, the shared
-  step ``state.common_step``; one per chained optimizer), ``opt_param_scheduler``,
+  step ``state.common_step``, the ``DistributedOptimizer``'s in each param group's ``step``; one per chained
+  optimizer), ``opt_param_scheduler``,
   ``iteration``; ``metadata.json``: ``{"sharded_backend": "torch_dist", ...}``.
 
 Torch-free; :func:`parse_common` reads the bytes of ``common.pt`` with ckpttool's safe loader (the catalog fetches
@@ -198,6 +199,9 @@ def _one_optimizer(sd: Any) -> tuple[tuple[dict[str, Any], ...], float | None]:
     groups = tuple(dict(g) for g in sd.get("param_groups", ()) if isinstance(g, dict))
     state = sd.get("state")
     step = _step_value(state.get("common_step")) if isinstance(state, dict) else None
+    if step is None:  # the DistributedOptimizer's state_dict() puts the shared step in each param group
+        steps = {v for g in groups if (v := _step_value(g.get("step"))) is not None}
+        step = max(steps, default=None)
     return groups, step
 
 

@@ -858,6 +858,27 @@ def _fused_experts_note(
     )
 
 
+def _per_expert_names_note(
+    selected: list[Selected], rules: ExportRules, opts: ExportOptions, model_config: dict[str, Any] | None
+) -> tuple[str, ...]:
+    """The note of a per-expert split without a ``config.json`` (no ``model_type``, the default rules): the pieces
+    take the ``gate_proj``/``up_proj``/``down_proj`` names, which transformers' loader fuses back for Qwen3-MoE but
+    not for the Mixtral family, whose per-expert names are its own (``block_sparse_moe.experts.N.w1``)."""
+    if model_config or opts.rules is not None or _experts(opts) != "per-expert":
+        return ()
+    if not any(len(s.source.shape) > 2 for s in selected):  # no [E, out, in] weight: no regex over 10^6 dense keys
+        return ()
+    split = [s.out_key for s in selected if (s.hf is None or not s.hf.fused_experts) and rules.expert_rule(s.out_key)]
+    if not split:
+        return ()
+    return (
+        f"{len(split)} fused expert tensor(s) split per expert (e.g. {split[0]}) with the names transformers' "
+        "Qwen3-MoE loader reads (experts.N.gate_proj.weight, ...): without a config.json the model's family "
+        "is not known; a Mixtral (MiniMax, PhiMoE) loader reads block_sparse_moe.experts.N.w1/w3/w2.weight and "
+        "leaves these experts unloaded: pass `model_assets` with the model's config.json",
+    )
+
+
 def _resolved_experts(opts: ExportOptions, selected: list[Selected]) -> ExportOptions:
     """``opts`` with ``experts`` ``None`` resolved (:func:`_experts`), ``fused`` where a model adapter writes fused
     expert tensors only (megatron's stacked experts) and nothing else could be split."""
@@ -1220,6 +1241,7 @@ def _prepare(
     reader, cat, rules, model_config = ckpt.reader, ckpt.catalog, given.rules, given.model_config
     model_adapter, selected, warnings, skipped = _select(ckpt, out_format, opts, rules, model_config, given.adapter)
     fused_note = _fused_experts_note(selected, rules, opts, out_format)  # before `experts` is resolved
+    fused_note += _per_expert_names_note(selected, rules, opts, model_config)
     opts = _resolved_experts(opts, selected)
     check_trainable_dtypes(str(ckpt.path), cat, selected)
     orders = _expert_orders(cat, layout, selected)

@@ -469,6 +469,8 @@ def build_plan(
         raise UsageError(f"`experts` {experts!r} is not one of fused, per-expert", param="experts")
     out_format = out_format or get_format(fmt)
     source_pieces = out_format.pieces_planner()
+    if experts == "per-expert":
+        _refuse_transposed_experts(selected)
     ctx = PieceContext(rules, experts == "per-expert", expert_orders or {}, num_experts)
     drop = drop or set()
     casts: dict[str, int] = {}
@@ -634,6 +636,32 @@ def check_expert_dim(s: Selected, e: int, num_experts: int | None) -> None:
             fqn=s.model_key,
             hint="pass the `model_assets` of the model this checkpoint was trained as",
         )
+
+
+def _refuse_transposed_experts(selected: list[Selected]) -> None:
+    """Raise where a fused ``<prefix>.gate_up_proj`` and its ``<prefix>.down_proj`` are not ``[E, 2I, H]`` and
+    ``[E, H, I]``, the layout a per-expert split cuts: gpt-oss stores its experts transposed (``gate_up_proj``
+    ``[E, H, 2I]``, ``down_proj`` ``[E, I, H]``) with the gate and up columns interleaved, which the split would cut
+    into wrong ``gate_proj``/``up_proj`` halves.
+
+    Raises:
+        ExportError: such a pair.
+    """
+    shapes = {s.out_key: s.source.shape for s in selected if s.hf is None}
+    for s in selected:
+        if s.hf is not None or not s.out_key.endswith(".gate_up_proj"):
+            continue  # a model adapter's tensors: its own map cuts them (torchtitan's w1/w3 halves)
+        gate_up, down = s.source.shape, shapes.get(s.out_key.removesuffix("gate_up_proj") + "down_proj")
+        if down is None or len(gate_up) != 3 or len(down) != 3:
+            continue
+        if gate_up[1] != 2 * down[2] or gate_up[2] != down[1]:
+            raise ExportError(
+                f"{s.model_key}: {list(gate_up)} beside down_proj {list(down)} is not the [E, 2I, H] / [E, H, I] "
+                "layout a per-expert split cuts (gpt-oss stores its experts transposed, [E, H, 2I] with gate and up "
+                "interleaved)",
+                fqn=s.model_key,
+                hint="export with `experts` fused (the experts written as stored, the names the model class loads)",
+            )
 
 
 def per_expert_pieces(s: Selected, rule: ExpertRule, dtype: str) -> tuple[Piece, ...]:

@@ -1,0 +1,77 @@
+"""gpt-oss experts (transformers' ``GptOssForCausalLM``: ``gate_up_proj`` ``[E, H, 2I]``, gate and up columns
+interleaved, ``down_proj`` ``[E, I, H]``) saved by ``dcp.save``: exported fused they give transformers' own logits;
+a per-expert split, whose cut assumes ``[E, 2I, H]`` / ``[E, H, I]``, is refused in one line, with or without a
+``config.json``."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from typer.testing import CliRunner
+
+from ckpttool.cli.app import app
+from tests.ops.export.test_export_writers import assert_clean_failure
+
+transformers = pytest.importorskip("transformers")
+runner = CliRunner()
+IDS = [[1, 2, 3, 4, 5, 6]]
+
+
+@pytest.fixture(scope="module")
+def gpt_oss(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path, torch.Tensor]:
+    import torch.distributed.checkpoint as dcp
+
+    root = tmp_path_factory.mktemp("gpt_oss")
+    cfg = transformers.GptOssConfig(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=24,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        num_local_experts=4,
+        num_experts_per_tok=2,
+        layer_types=["full_attention"],
+    )
+    torch.manual_seed(0)
+    model = transformers.GptOssForCausalLM(cfg).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(std=0.2)
+        logits = model(torch.tensor(IDS)).logits
+    dcp.save({"model": {k: v.contiguous() for k, v in model.state_dict().items()}}, checkpoint_id=str(root / "ckpt"))
+    cfg.save_pretrained(root / "assets")
+    return root / "ckpt", root / "assets", logits
+
+
+def test_fused_export_gives_transformers_logits(gpt_oss: tuple[Path, Path, torch.Tensor], tmp_path: Path) -> None:
+    ckpt, assets, ref = gpt_oss
+    out = tmp_path / "hf"
+    res = runner.invoke(app, ["export", str(ckpt), str(out), "--model-assets", str(assets), "--experts", "fused"])
+    assert res.exit_code == 0, res.output
+    model = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
+    with torch.no_grad():
+        logits = model(torch.tensor(IDS)).logits
+    assert torch.allclose(logits, ref, atol=1e-5, rtol=0), (logits - ref).abs().max()
+
+
+@pytest.mark.parametrize("with_config", [True, False])
+def test_per_expert_split_of_transposed_experts_is_refused(
+    gpt_oss: tuple[Path, Path, torch.Tensor], tmp_path: Path, with_config: bool
+) -> None:
+    """Before: exit 0, ``experts.0.gate_proj.weight`` ``[16, 48]`` (half the hidden rows, gate and up columns
+    mixed): a wrong layout written silently."""
+    ckpt, assets, _ = gpt_oss
+    out = tmp_path / "hf"
+    args = ["export", str(ckpt), str(out), "--experts", "per-expert"]
+    res = runner.invoke(app, args + (["--model-assets", str(assets)] if with_config else []))
+    assert_clean_failure(
+        res,
+        "E601",
+        "model.model.layers.0.mlp.experts.gate_up_proj: [4, 32, 48] beside down_proj [4, 24, 32]",
+        "--experts fused",
+    )
+    assert not out.exists()
