@@ -210,3 +210,15 @@ def test_lora_settings_without_a_lora_format_are_refused_not_ignored(sample_ckpt
             f"hint: use --format lora (a PEFT adapter) or hf-merged (the LoRA merged into the weights), or drop {flag}",
         ]
     assert not (tmp_path / "out").exists()
+
+
+def test_a_bad_option_value_the_library_refuses_names_the_command_help(sample_ckpt: Path, tmp_path: Path) -> None:
+    """``export --quantize fp8`` (refused by the library, not by click) printed ``hint: run the command with
+    --help``, which names no command; click's own refusals print ``hint: see `ckpttool CMD --help```."""
+    res = runner.invoke(app, ["export", str(sample_ckpt), str(tmp_path / "out"), "--quantize", "fp8"])
+    assert res.exit_code == 2 and res.stdout == ""
+    assert res.stderr.splitlines() == [
+        "error: [E100] --quantize 'fp8' is not one of fp8-block, fp8-channel",
+        "hint: see `ckpttool export --help`",
+    ]
+    assert not (tmp_path / "out").exists()
