@@ -222,3 +222,18 @@ def test_a_bad_option_value_the_library_refuses_names_the_command_help(sample_ck
         "hint: see `ckpttool export --help`",
     ]
     assert not (tmp_path / "out").exists()
+
+
+def test_reshard_ep_size_without_a_source_layout_names_the_target_sizes(sample_ckpt: Path, tmp_path: Path) -> None:
+    """`reshard CK OUT --to canonical --ep-size 2` (meaning the target's EP size) hinted only to add
+    ``--source-layout``, which declares how the checkpoint was saved: the sample records its layout, so that
+    declaration is refused (E404). The hint names ``--target-ep-size`` too."""
+    out = tmp_path / "out"
+    res = runner.invoke(app, ["reshard", str(sample_ckpt), str(out), "--to", "canonical", "--ep-size", "2"])
+    assert res.exit_code == 2 and res.stdout == ""
+    assert res.stderr.splitlines() == [
+        "error: [E100] --ep-size/--ep-fsdp-size given without --source-layout",
+        "hint: for the mesh of the job that will load the output pass --target-ep-size and --target-ep-fsdp-size; "
+        "to declare the mesh an unversioned checkpoint was saved with, add --source-layout legacy|canonical",
+    ], res.stderr
+    assert not out.exists()
