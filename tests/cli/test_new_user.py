@@ -718,3 +718,23 @@ def test_manifest_verify_without_a_manifest_names_the_command_that_writes_it(sam
         assert res.exit_code == 2 and res.stdout == "" and res.stderr.splitlines()[1] == line, res.stderr
         assert runner.invoke(app, ["manifest", str(ckpt), *extra]).exit_code == 0  # the command the hint names
         assert runner.invoke(app, ["manifest", str(ckpt), "--verify", *extra]).exit_code == 0
+
+
+def test_validate_manifest_without_a_manifest_names_the_command_that_writes_it(
+    sample_ckpt: Path, tmp_path: Path
+) -> None:
+    """`validate CK --manifest` of a checkpoint with no manifest hinted ``write one with `ckpttool manifest DIR```
+    (``DIR`` pasted is no directory); the hint names the checkpoint, the step and the file as given."""
+    copy_checkpoint(sample_ckpt, tmp_path / "run" / "step-7")
+    run, ck, other = tmp_path / "run", tmp_path / "run" / "step-7", tmp_path / "other.json"
+    for argv, writes in (
+        ([str(ck), "--manifest"], [str(ck)]),
+        ([str(run), "--step", "7", "--manifest"], [str(run), "--step", "7"]),
+        ([str(ck), "--manifest", str(other)], [str(ck), "--output", str(other)]),
+    ):
+        res = runner.invoke(app, ["validate", *argv])
+        assert res.exit_code == 2 and res.stdout == "", res.output
+        assert res.stderr.splitlines()[1] == f"hint: write one with `ckpttool manifest {' '.join(writes)}`", argv
+        assert runner.invoke(app, ["manifest", *writes]).exit_code == 0  # the command the hint names
+        assert runner.invoke(app, ["validate", *argv]).exit_code == 0, argv
+        (other if "--output" in writes else ck / "manifest.json").unlink()
