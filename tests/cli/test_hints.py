@@ -237,3 +237,17 @@ def test_reshard_ep_size_without_a_source_layout_names_the_target_sizes(sample_c
         "to declare the mesh an unversioned checkpoint was saved with, add --source-layout legacy|canonical",
     ], res.stderr
     assert not out.exists()
+
+
+def test_plot_into_a_missing_folder_names_the_command_that_makes_it(sample_ckpt: Path, tmp_path: Path) -> None:
+    """`stats CK --plot no/such/p.png` hinted ``create it first``; the hint is now the command to paste."""
+    pytest.importorskip("matplotlib")
+    folder = tmp_path / "pics of run"
+    for cmd in (["stats", str(sample_ckpt)], ["diff", str(sample_ckpt), str(sample_ckpt)]):
+        res = runner.invoke(app, [*cmd, "--plot", str(folder / "p.png")])
+        assert res.exit_code == 2 and res.stdout == ""
+        assert res.stderr.splitlines() == [
+            f"error: [E100] --plot {folder / 'p.png'}: directory {folder} does not exist",
+            f"hint: create it first: mkdir -p '{folder}'",
+        ], res.stderr
+    assert not folder.exists()
