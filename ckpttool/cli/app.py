@@ -643,8 +643,20 @@ def _load_command(name: str) -> Any:
     _optional_values(cmd)
     _single_values(cmd)
     _summary(cmd)
+    _json_schema_help(cmd, name)
     add_completions(cmd)
     return cmd
+
+
+#: The ``ckpttool schema`` names of a command's ``--json`` documents beyond its own name.
+_MORE_SCHEMAS = {"manifest": "; with --verify: `ckpttool schema manifest-check`"}
+
+
+def _json_schema_help(cmd: Any, name: str) -> None:
+    """``--json``'s help names the ``ckpttool schema`` command line of this command's documents (not ``CMD``)."""
+    for p in cmd.params:
+        if p.name == "json_output" and p.help:
+            p.help = p.help.replace("`ckpttool schema CMD`", f"`ckpttool schema {name}`{_MORE_SCHEMAS.get(name, '')}")
 
 
 class _LazyCommands(MutableMapping[str, Any]):

@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Annotated
 
 import typer
 
+from ckpttool.errors import UsageError
 from ckpttool.ui import options as opt
 from ckpttool.ui.options import declaration, examples, selection
 from ckpttool.ui.output import Output, command_boundary
@@ -93,6 +94,13 @@ def reshard_command(
     from ckpttool.ops.reshard import ReshardOptions, reshard
     from ckpttool.ui.render import PhaseProgress
 
+    if source_layout is None and not no_ep and (ep_size is not None or ep_fsdp_size is not None):
+        # the sizes of the saving mesh; --ep-size 2 meant for the output is a target size
+        raise UsageError(
+            "--ep-size/--ep-fsdp-size given without --source-layout",
+            hint="for the mesh of the job that will load the output pass --target-ep-size and --target-ep-fsdp-size; "
+            "to declare the mesh an unversioned checkpoint was saved with, add --source-layout legacy|canonical",
+        )
     decl = declaration(source_layout, ep_size, ep_fsdp_size, no_ep)
     sel = selection(step, None, schema, model_prefix, optimizer_prefix)
     options = ReshardOptions(

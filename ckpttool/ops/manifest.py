@@ -1408,10 +1408,13 @@ def _objects(
     return out
 
 
-def load_manifest(path: str | os.PathLike[str], data: bytes | None = None) -> Manifest:
+def load_manifest(
+    path: str | os.PathLike[str], data: bytes | None = None, *, written_by: str = "ckpttool manifest DIR"
+) -> Manifest:
     """Read and check a ``manifest.json`` (untrusted: capped, bounded JSON, every field checked).
 
-    ``data``: its bytes, already read (a remote manifest; ``path`` then only names it).
+    ``data``: its bytes, already read (a remote manifest; ``path`` then only names it). ``written_by``: the
+    command line that writes it, named by the hint when it does not exist.
 
     Raises:
         UsageError: the file does not exist.
@@ -1426,7 +1429,7 @@ def load_manifest(path: str | os.PathLike[str], data: bytes | None = None) -> Ma
             f"{p}: no such manifest file",
             path=p,
             param="manifest",
-            hint=unexpanded_tilde_hint(p) or "write one with `ckpttool manifest DIR`",
+            hint=unexpanded_tilde_hint(p) or f"write one with `{written_by}`",
         )
     doc = _read_doc(p, shown, data)
     version = doc.get("version")
@@ -2154,13 +2157,28 @@ def _manifest_of(
         target, data = remote_manifest(directory)
         say(f"reading manifest {target}")
         return target, load_manifest(target, data), opening
+    writes = _manifest_command(directory, manifest_path, opening)
     if manifest_path is not None:
         target = Path(manifest_path)
     else:
         target, located = _default_manifest(directory, opening)
         opening = _pinned_to(opening, located)
     say(f"reading manifest {target}")
-    return target, load_manifest(target), opening
+    return target, load_manifest(target, written_by=writes), opening
+
+
+def _manifest_command(
+    directory: str | os.PathLike[str], manifest_path: str | os.PathLike[str] | None, opening: OpenOptions | None
+) -> str:
+    """The ``ckpttool manifest`` command line that writes the manifest ``--verify`` reads (a hint to paste)."""
+    from ckpttool.errors import shell_arg
+
+    step = opening.selection.step if opening is not None and opening.selection is not None else None
+    return (
+        f"ckpttool manifest {shell_arg(directory)}"
+        + (f" --step {step}" if step is not None else "")
+        + (f" --output {shell_arg(manifest_path)}" if manifest_path is not None else "")
+    )
 
 
 def _pinned_to(opening: OpenOptions | None, located: Located | None) -> OpenOptions | None:

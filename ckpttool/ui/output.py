@@ -267,8 +267,12 @@ def print_error(err: CkptError) -> None:
     flags = flag_names()
     stderr = _stderr()
     stderr.write(_line("error", f"[{err.code}] {_with_flags(err.message, flags)}"))
-    if err.hint:
-        stderr.write(_line("hint", _with_flags(err.hint, flags)))
+    hint = err.hint
+    ctx = _current_context() if hint == UsageError.default_hint else None
+    if ctx is not None:  # the library's generic "run the command with --help": name the command, as click's do
+        hint = f"see `{ctx.command_path} --help`"
+    if hint:
+        stderr.write(_line("hint", _with_flags(hint, flags)))
     stderr.flush()
 
 

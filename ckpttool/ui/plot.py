@@ -18,7 +18,7 @@ import warnings
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from ckpttool.errors import OutputError, UsageError
+from ckpttool.errors import OutputError, UsageError, shell_arg
 from ckpttool.format.atomic import atomic_write_bytes, check_file_target
 from ckpttool.format.files import refuse_unexpanded_tilde_output
 
@@ -85,7 +85,10 @@ def _check_plot_target(path: Path, sources: tuple[Path, ...]) -> None:
                 f"--plot {url}: a URL; --plot writes a local file only",
                 hint="give a local file name and copy the picture to object storage yourself",
             )
-        raise UsageError(f"--plot {path}: directory {path.parent} does not exist", hint="create it first")
+        raise UsageError(
+            f"--plot {path}: directory {path.parent} does not exist",
+            hint=f"create it first: mkdir -p {shell_arg(path.parent)}",
+        )
     check_file_target(
         path,
         option="--plot",

@@ -210,3 +210,44 @@ def test_lora_settings_without_a_lora_format_are_refused_not_ignored(sample_ckpt
             f"hint: use --format lora (a PEFT adapter) or hf-merged (the LoRA merged into the weights), or drop {flag}",
         ]
     assert not (tmp_path / "out").exists()
+
+
+def test_a_bad_option_value_the_library_refuses_names_the_command_help(sample_ckpt: Path, tmp_path: Path) -> None:
+    """``export --quantize fp8`` (refused by the library, not by click) printed ``hint: run the command with
+    --help``, which names no command; click's own refusals print ``hint: see `ckpttool CMD --help```."""
+    res = runner.invoke(app, ["export", str(sample_ckpt), str(tmp_path / "out"), "--quantize", "fp8"])
+    assert res.exit_code == 2 and res.stdout == ""
+    assert res.stderr.splitlines() == [
+        "error: [E100] --quantize 'fp8' is not one of fp8-block, fp8-channel",
+        "hint: see `ckpttool export --help`",
+    ]
+    assert not (tmp_path / "out").exists()
+
+
+def test_reshard_ep_size_without_a_source_layout_names_the_target_sizes(sample_ckpt: Path, tmp_path: Path) -> None:
+    """`reshard CK OUT --to canonical --ep-size 2` (meaning the target's EP size) hinted only to add
+    ``--source-layout``, which declares how the checkpoint was saved: the sample records its layout, so that
+    declaration is refused (E404). The hint names ``--target-ep-size`` too."""
+    out = tmp_path / "out"
+    res = runner.invoke(app, ["reshard", str(sample_ckpt), str(out), "--to", "canonical", "--ep-size", "2"])
+    assert res.exit_code == 2 and res.stdout == ""
+    assert res.stderr.splitlines() == [
+        "error: [E100] --ep-size/--ep-fsdp-size given without --source-layout",
+        "hint: for the mesh of the job that will load the output pass --target-ep-size and --target-ep-fsdp-size; "
+        "to declare the mesh an unversioned checkpoint was saved with, add --source-layout legacy|canonical",
+    ], res.stderr
+    assert not out.exists()
+
+
+def test_plot_into_a_missing_folder_names_the_command_that_makes_it(sample_ckpt: Path, tmp_path: Path) -> None:
+    """`stats CK --plot no/such/p.png` hinted ``create it first``; the hint is now the command to paste."""
+    pytest.importorskip("matplotlib")
+    folder = tmp_path / "pics of run"
+    for cmd in (["stats", str(sample_ckpt)], ["diff", str(sample_ckpt), str(sample_ckpt)]):
+        res = runner.invoke(app, [*cmd, "--plot", str(folder / "p.png")])
+        assert res.exit_code == 2 and res.stdout == ""
+        assert res.stderr.splitlines() == [
+            f"error: [E100] --plot {folder / 'p.png'}: directory {folder} does not exist",
+            f"hint: create it first: mkdir -p '{folder}'",
+        ], res.stderr
+    assert not folder.exists()

@@ -247,3 +247,25 @@ def test_inspect_and_stats_json_of_non_finite_hyperparameters_are_strict_json(fi
     (only,) = stats["checkpoints"]
     assert only["updates"] == []
     assert only["notes"] == ["hyperparameters or step not finite (NaN, infinity): 2 parameter(s), e.g. weight"]
+
+
+def test_every_json_option_names_the_schema_command_that_prints_its_schema() -> None:
+    """Each ``--json`` help said ``its JSON Schema: `ckpttool schema CMD```; pasted, ``CMD`` is refused, and
+    ``manifest --verify --json`` prints another document than ``ckpttool schema manifest`` describes."""
+    from ckpttool.cli.app import COMMANDS
+
+    named = {}
+    for cmd in COMMANDS:
+        res = runner.invoke(app, [cmd, "--help"], env={"COLUMNS": "200"})
+        assert res.exit_code == 0, res.stderr
+        said = re.search(
+            r"--json Write one JSON document to stdout \(its JSON Schema: (.*?)\)\.", " ".join(res.stdout.split())
+        )
+        if said is None:
+            continue
+        named[cmd] = re.findall(r"`ckpttool schema ([a-z-]+)`", said.group(1))
+        for name in named[cmd]:
+            assert runner.invoke(app, ["schema", name]).exit_code == 0, (cmd, name)
+    assert named["manifest"] == ["manifest", "manifest-check"]
+    assert named["replay-step"] == ["replay-step"] and named["stats"] == ["stats"], named
+    assert all(names and names[0] == cmd for cmd, names in named.items()), named

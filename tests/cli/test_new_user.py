@@ -703,3 +703,38 @@ def test_the_folder_beside_a_half_opened_alone_is_named_ready_to_paste(acc_root:
         token = hint.removeprefix(f"hint: its {what} folder ").partition(" lies beside it")[0]
         pasted = subprocess.run(["bash", "-c", f"printf %s {token}"], capture_output=True, text=True, check=True)
         assert pasted.stdout == f"{step / beside}/", hint
+
+
+def test_manifest_verify_without_a_manifest_names_the_command_that_writes_it(sample_ckpt: Path, tmp_path: Path) -> None:
+    """`manifest CK --verify` of a checkpoint with no manifest hinted ``write one with `ckpttool manifest DIR```:
+    pasted, ``DIR`` is no directory. The hint names the checkpoint given (and ``--output`` where one was)."""
+    ckpt = copy_checkpoint(sample_ckpt, tmp_path / "c k")
+    other = tmp_path / "other.json"
+    for extra, line in (
+        ([], f"hint: write one with `ckpttool manifest '{ckpt}'`"),
+        (["--output", str(other)], f"hint: write one with `ckpttool manifest '{ckpt}' --output {other}`"),
+    ):
+        res = runner.invoke(app, ["manifest", str(ckpt), "--verify", *extra])
+        assert res.exit_code == 2 and res.stdout == "" and res.stderr.splitlines()[1] == line, res.stderr
+        assert runner.invoke(app, ["manifest", str(ckpt), *extra]).exit_code == 0  # the command the hint names
+        assert runner.invoke(app, ["manifest", str(ckpt), "--verify", *extra]).exit_code == 0
+
+
+def test_validate_manifest_without_a_manifest_names_the_command_that_writes_it(
+    sample_ckpt: Path, tmp_path: Path
+) -> None:
+    """`validate CK --manifest` of a checkpoint with no manifest hinted ``write one with `ckpttool manifest DIR```
+    (``DIR`` pasted is no directory); the hint names the checkpoint, the step and the file as given."""
+    copy_checkpoint(sample_ckpt, tmp_path / "run" / "step-7")
+    run, ck, other = tmp_path / "run", tmp_path / "run" / "step-7", tmp_path / "other.json"
+    for argv, writes in (
+        ([str(ck), "--manifest"], [str(ck)]),
+        ([str(run), "--step", "7", "--manifest"], [str(run), "--step", "7"]),
+        ([str(ck), "--manifest", str(other)], [str(ck), "--output", str(other)]),
+    ):
+        res = runner.invoke(app, ["validate", *argv])
+        assert res.exit_code == 2 and res.stdout == "", res.output
+        assert res.stderr.splitlines()[1] == f"hint: write one with `ckpttool manifest {' '.join(writes)}`", argv
+        assert runner.invoke(app, ["manifest", *writes]).exit_code == 0  # the command the hint names
+        assert runner.invoke(app, ["validate", *argv]).exit_code == 0, argv
+        (other if "--output" in writes else ck / "manifest.json").unlink()

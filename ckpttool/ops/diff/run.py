@@ -863,6 +863,11 @@ def _torch_dtype(name: str) -> Any:
     return DType(name).to_torch()
 
 
+def _stored_as(item: Item) -> str:
+    """`` (KEY)``: the stored key of an item only on one side, where it is not the name compared."""
+    return f" ({item.key})" if item.key != item.name else ""
+
+
 def _raw_equal(a: Side, ia: Item, b: Side, ib: Item) -> bool | None:
     """Compare the stored records without decoding (:func:`_equal_plan`); ``None`` when the fast path does not apply.
 
@@ -1560,7 +1565,7 @@ def _diff(
     b.drop_cache()
     for ib in items_b:
         if ib.name not in names_a:
-            tally.add(Difference(ib.name, "only_b", f"{ib.name}: only in B ({ib.key})", None, ib.key))
+            tally.add(Difference(ib.name, "only_b", f"{ib.name}: only in B{_stored_as(ib)}", None, ib.key))
     if opts.what in ("optimizer", "all") and a.kind == "dcp" and b.kind == "dcp":
         say("comparing hyperparameters")
         notes.extend(_compare_hyperparameters(a, b, opts, tally))
@@ -1789,7 +1794,7 @@ def _compare_pairs(
     last_a = last_b = None
     for ia, ib in pairs:
         if ib is None:
-            tally.add(Difference(ia.name, "only_a", f"{ia.name}: only in A ({ia.key})", ia.key, None))
+            tally.add(Difference(ia.name, "only_a", f"{ia.name}: only in A{_stored_as(ia)}", ia.key, None))
             continue
         if last_a is not None and last_a != ia.key:
             a.drop_cache()

@@ -35,6 +35,7 @@ from ckpttool.ops.validate.context import Context
 from ckpttool.ops.validate.reference import load_reference
 
 if TYPE_CHECKING:
+    from ckpttool.model.discovery import Located
     from ckpttool.ops.manifest import Manifest
 
 __all__ = ["SCHEMA", "RuleStatus", "ValidateOptions", "ValidationResult", "validate"]
@@ -225,7 +226,8 @@ def _validate_open(
 
         man = _load_manifest_of(opts.manifest, ckpt)
         if man is None:
-            man = load_manifest(_manifest_file(opts.manifest, Path(ckpt.located.model)))
+            where = _manifest_file(opts.manifest, Path(ckpt.located.model))
+            man = load_manifest(where, written_by=_manifest_command(ckpt.located, opts.manifest, where))
         check_manifest_kind(ckpt.reader, man)  # one error before any rule (or the deep pass) runs
     say("reading param groups and extra state")
     ckpt.param_groups()
@@ -386,6 +388,18 @@ def _load_manifest_of(manifest: str | os.PathLike[str], ckpt: Checkpoint) -> Man
         where = url_path(manifest)
         return load_manifest(*remote_manifest(where.parent, where.name))
     return None
+
+
+def _manifest_command(located: Located, manifest: str | os.PathLike[str], where: Path) -> str:
+    """The ``ckpttool manifest`` command line that writes the manifest file ``where`` (a hint to paste)."""
+    from ckpttool.errors import shell_arg
+
+    step = located.step if located.given != located.model and located.optimizer is None else None
+    return (
+        f"ckpttool manifest {shell_arg(located.given)}"
+        + (f" --step {step}" if step is not None else "")
+        + (f" --output {shell_arg(where)}" if manifest != "" else "")
+    )
 
 
 def _manifest_file(manifest: str | os.PathLike[str], checkpoint_dir: Path) -> Path:
