@@ -25,6 +25,7 @@ __all__ = [
     "hub_blobs",
     "hub_snapshot",
     "hub_hint",
+    "file_kind",
     "open_regular",
     "read_regular",
     "copy_regular",
@@ -193,7 +194,8 @@ def resolve_inside(root: Path, relative: str | os.PathLike[str], *, what: str = 
     return target
 
 
-def _kind(mode: int) -> str:
+def file_kind(mode: int) -> str:
+    """What an ``st_mode`` that is not a regular file's is, as errors say it (``a FIFO``, ``a socket``)."""
     for test, name in (
         (stat.S_ISDIR, "a directory"),
         (stat.S_ISFIFO, "a FIFO"),
@@ -238,7 +240,7 @@ def open_regular(path: Path, *, shown: str | os.PathLike[str] | None = None) -> 
         st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode):
             raise NotRegularFileError(
-                f"{shown if shown is not None else path} is {_kind(st.st_mode)}, not a regular file", path=path
+                f"{shown if shown is not None else path} is {file_kind(st.st_mode)}, not a regular file", path=path
             )
         if _O_READ & getattr(os, "O_NONBLOCK", 0):
             os.set_blocking(fd, True)

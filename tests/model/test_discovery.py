@@ -18,6 +18,7 @@ from typer.testing import CliRunner
 from ckpttool.cli.app import app
 from ckpttool.errors import (
     AmbiguousCheckpointError,
+    CkptError,
     MetadataError,
     PathEscapeError,
     SchemaError,
@@ -554,3 +555,57 @@ def test_latest_file_naming_a_missing_step_hint_claims_no_trainer_failure(titan_
     e = ei.value
     assert e.code == "E205" and e.hint is not None and "fails on it too" not in e.hint
     assert e.hint.startswith("a resume that follows latest_checkpointed_iteration.txt does not load step 30 either")
+
+
+def test_latest_file_naming_another_runs_step_directory(acc_root: Path, tmp_path: Path) -> None:
+    """A ``latest`` file holding ``../other/checkpoint-1`` or ``/elsewhere/checkpoint-1`` (DeepSpeed joins its tag to
+    the run's folder, so its resume loads that other save): `step` latest opened this run's own ``checkpoint-1`` as
+    "named by latest". It is E205 as a latest link leading out of the run is; a path to the run's own step is read."""
+    run = tmp_path / "run"
+    for s in (1, 2):
+        shutil.copytree(acc_root / "accelerate" / f"checkpoint-{s - 1}", run / f"checkpoint-{s}")
+    shutil.copytree(acc_root / "accelerate" / "checkpoint-1", tmp_path / "other" / "checkpoint-1")
+    for text in (
+        "../other/checkpoint-1\n",
+        f"{tmp_path / 'other' / 'checkpoint-1'}\n",
+        "checkpoint-2/../../other/checkpoint-1",
+    ):
+        (run / "latest").write_text(text)
+        with pytest.raises(StepNotFoundError, match="names no step directory below") as ei:
+            locate(run, CheckpointSelection(step="latest"))
+        assert ei.value.code == "E205" and str(run / "latest") in ei.value.message
+    res = CliRunner().invoke(app, ["inspect", str(run), "--step", "latest"])
+    assert res.exit_code == 2 and res.stderr.startswith("error: [E205]") and "Traceback" not in res.output
+    assert len(res.stderr.splitlines()) == 2, res.stderr
+    for text, step in ((f"{run / 'checkpoint-1'}\n", 1), ("./checkpoint-1/../checkpoint-2", 2)):
+        (run / "latest").write_text(text)
+        assert locate(run, CheckpointSelection(step="latest")).step == step
+
+
+def test_latest_file_that_is_a_fifo_or_socket_is_e102(acc_root: Path, tmp_path: Path) -> None:
+    """A ``latest`` that is a FIFO or a socket (what a trainer's resume reading it blocks on or fails on): `step`
+    latest passed it over and opened the highest step as if there were no ``latest``. It is E102 naming it, without
+    blocking; a folder named ``latest`` (a copy of a step) is still no pointer."""
+    import socket
+
+    run = tmp_path / "run"
+    for s in (1, 2):
+        shutil.copytree(acc_root / "accelerate" / f"checkpoint-{s - 1}", run / f"checkpoint-{s}")
+    os.mkfifo(run / "latest")
+    with pytest.raises(CkptError) as ei:
+        locate(run, CheckpointSelection(step="latest"))
+    assert ei.value.code == "E102" and str(run / "latest") in ei.value.message
+    res = CliRunner().invoke(app, ["inspect", str(run), "--step", "latest"])
+    assert res.exit_code == 2 and res.stderr.startswith("error: [E102]") and len(res.stderr.splitlines()) == 2
+    (run / "latest").unlink()
+    sock = socket.socket(socket.AF_UNIX)
+    try:
+        sock.bind(str(run / "latest"))
+        with pytest.raises(CkptError) as ei:
+            locate(run, CheckpointSelection(step="latest"))
+        assert ei.value.code == "E102"
+    finally:
+        sock.close()
+    (run / "latest").unlink()
+    (run / "latest").mkdir()
+    assert locate(run, CheckpointSelection(step="latest")).step == 2
