@@ -59,6 +59,8 @@ __all__ = [
 #: How deep below ``DIR`` checkpoints are searched (``DIR/run/step-3/model`` is depth 3).
 MAX_DEPTH = 3
 _MAX_DIRS = 10_000
+#: The most digits of a ``--step`` (a folder name holds 255 bytes; ``int()`` reads at most 4,300 digits).
+_MAX_STEP_DIGITS = 255
 
 
 @dataclass(frozen=True)
@@ -93,12 +95,14 @@ class CheckpointSelection:
             text = step.strip().lower()
             if text == "latest":
                 step = "latest"
-            elif text.isdecimal():  # what int() reads (a superscript is a digit to isdigit(), not to int())
+            elif text.isdecimal() and len(text) <= _MAX_STEP_DIGITS:  # what int() reads (not a superscript '²')
                 step = int(text)
             else:
-                digits = re.search(r"(\d+)$", text)  # a step directory's name (step-200, iter_0000200)
+                digits = re.search(rf"(?<!\d)(\d{{1,{_MAX_STEP_DIGITS}}})$", text)  # a step directory's name (step-200)
                 raise UsageError(
-                    f"`step` {step!r} is not a step number or 'latest'",
+                    f"`step` {step!r} is not a step number or 'latest'"
+                    if len(step) <= 80
+                    else f"`step` {step[:40]!r}... ({len(step):,} characters) is not a step number or 'latest'",
                     param="step",
                     hint=f"give the step's number, `step` {int(digits.group(1))}, or pass that directory itself"
                     if digits
