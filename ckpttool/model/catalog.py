@@ -58,6 +58,7 @@ if TYPE_CHECKING:
     from ckpttool.format.reader import CheckpointReader
 
 __all__ = [
+    "refuse_long_numbers",
     "TensorEntry",
     "ParamState",
     "ParamGroup",
@@ -853,7 +854,7 @@ def build_catalog(
         SchemaError: an override that matches no key.
     """
     cd = ckpt if isinstance(ckpt, CheckpointDir) else CheckpointDir(ckpt)
-    md = _refuse_long_numbers(cd.path, cd.metadata)
+    md = refuse_long_numbers(cd.path, cd.metadata)
     sch = schema if isinstance(schema, KeySchema) else detect_schema(md, schema)
     planner = planner_paths(md)  # paths that flatten to their key; md.planner_data holds them all
     entries = md.entries
@@ -921,7 +922,7 @@ _MAX_INDEX_DIGITS = 4300
 _LONG_NUMBER = re.compile(rf"\d{{{_MAX_INDEX_DIGITS + 1},}}")
 
 
-def _refuse_long_numbers(path: Any, md: CheckpointMetadata) -> CheckpointMetadata:
+def refuse_long_numbers(path: Any, md: CheckpointMetadata) -> CheckpointMetadata:
     """``md``, or IntegerRangeError (E206) for a key holding a number of more than 4,300 digits (``model.layers.<5,000
     digits>.weight``): no layer, expert or param group has such an index, and ``int()`` refuses to read it."""
     if max(map(len, md.entries), default=0) <= _MAX_INDEX_DIGITS:  # the common case: one pass at C speed
