@@ -1006,7 +1006,7 @@ def _nothing_below(root: Path, opt: Path | None) -> Located:
     raise MetadataError(
         f"{root}: no .metadata, and no DCP checkpoint in the {MAX_DEPTH} directory levels below it",
         path=root,
-        hint=f"pass the checkpoint directory {above} ({inside}/ is a folder inside it)"
+        hint=f"pass the checkpoint directory {shell_arg(above)} ({inside}/ is a folder inside it)"
         if above is not None
         else _model_folder_hint(root)
         or "pass the directory that dcp.save wrote (it holds .metadata and __R_N.distcp files), "

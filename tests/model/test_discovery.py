@@ -609,3 +609,15 @@ def test_latest_file_that_is_a_fifo_or_socket_is_e102(acc_root: Path, tmp_path: 
     (run / "latest").unlink()
     (run / "latest").mkdir()
     assert locate(run, CheckpointSelection(step="latest")).step == 2
+
+
+def test_a_folder_inside_a_checkpoint_names_the_checkpoint_ready_to_paste(titan_root: Path, tmp_path: Path) -> None:
+    """``inspect CKPT/model_assets`` (a folder inside the checkpoint): the hint's checkpoint directory to pass is one
+    shell argument; it was unquoted, its run of spaces and its newline folded into 'ck x $y', another folder."""
+    ck = tmp_path / "ck  x\n$y"
+    shutil.copytree(titan_root / "llama3" / "checkpoint" / "step-1", ck)
+    (ck / "model_assets").mkdir()
+    res = CliRunner().invoke(app, ["inspect", str(ck / "model_assets")])
+    assert res.exit_code == 2 and res.stderr.startswith("error: [E200]"), res.stderr
+    hint = res.stderr.splitlines()[1]
+    assert f"pass the checkpoint directory {shell_arg(ck)} (model_assets/ is a folder inside it)" in hint, hint
