@@ -16,7 +16,7 @@ import os
 import stat
 from pathlib import Path
 
-from ckpttool.errors import CkptError, DataFileError, NotRegularFileError, PathEscapeError, SizeLimitError
+from ckpttool.errors import CkptError, DataFileError, NotRegularFileError, PathEscapeError, SizeLimitError, shell_arg
 from ckpttool.format import limits
 
 __all__ = [
@@ -44,7 +44,7 @@ def unexpanded_tilde_hint(path: Path | str) -> str | None:
     if not head.startswith("~") or home == path or os.path.lexists(path):  # a folder named `~` is taken as given
         return None
     told = f"the shell did not expand {head} (it does not inside quotes or after an option's =)"
-    return f"{told}: pass {home}" if home.exists() else f"{told}; {home} does not exist either"
+    return f"{told}: pass {shell_arg(home)}" if home.exists() else f"{told}; {home} does not exist either"
 
 
 def refuse_unexpanded_tilde_output(path: str | os.PathLike[str], option: str = "") -> None:
@@ -72,7 +72,7 @@ def refuse_unexpanded_tilde_output(path: str | os.PathLike[str], option: str = "
         f"{shown}: the shell did not expand {head} (it does not inside quotes or after an option's =); "
         f"as given, it names a folder {head} in the current directory, not the home folder",
         path=Path(text),
-        hint=f"pass {home}",
+        hint=f"pass {shell_arg(home)}",
     )
 
 
