@@ -102,7 +102,7 @@ def missing_path_hint(path: Path, what: str) -> str:
     close = [parent / c for c in difflib.get_close_matches(missing, names, n=3, cutoff=0.6)]
     whole = [c / tail for c in close if (c / tail).exists()]  # the rest of the path given, where it exists
     if close:
-        return "did you mean " + " or ".join(map(str, whole or close)) + "?"
+        return "did you mean " + " or ".join(map(shell_arg, whole or close)) + "?"
     if not names:
         return f"pass {what} ({parent} holds no directory)"
     more = f", ... ({len(names)} in all)" if len(names) > 6 else ""

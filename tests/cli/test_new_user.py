@@ -460,6 +460,16 @@ def test_a_quoted_tilde_path_with_spaces_is_named_ready_to_paste(sample_ckpt: Pa
     assert res.exit_code == 2 and res.stderr.splitlines()[1] == f"hint: pass {shell_arg(tmp_path / 'my out')}"
 
 
+def test_a_close_name_with_a_space_is_suggested_ready_to_paste(sample_ckpt: Path, tmp_path: Path) -> None:
+    """A typo of a folder whose name holds a space (`inspect 'my ckpt-1'` beside `my ckpt-2/`): the folder suggested
+    ("did you mean ...?") was unquoted, two arguments when pasted. It is one shell argument."""
+    copy_checkpoint(sample_ckpt, tmp_path / "my ckpt-2")
+    res = runner.invoke(app, ["inspect", str(tmp_path / "my ckpt-1")])
+    assert res.exit_code == 2, res.stderr
+    assert res.stderr.splitlines()[1] == f"hint: did you mean {shell_arg(tmp_path / 'my ckpt-2')}?", res.stderr
+    assert runner.invoke(app, ["inspect", str(tmp_path / "my ckpt-2")]).exit_code == 0
+
+
 def test_a_tilde_the_shell_left_unexpanded_is_named_with_its_expansion(sample_ckpt: Path, tmp_path: Path) -> None:
     """`ckpttool inspect '~/ckpt'` or `export ... --model-assets=~/assets` (bash expands `~` neither in quotes nor
     after `--option=`): the hint listed the current directory's folders, and a missing --model-assets was
