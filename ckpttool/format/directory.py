@@ -35,9 +35,9 @@ from ckpttool.format import limits
 from ckpttool.format.dcp_safetensors import is_safetensors_serialized, resolve_safetensors_windows
 from ckpttool.format.digest import DEFAULT_ALGORITHM, digest_bytes
 from ckpttool.format.files import (
-    _kind,
     confined,
     copy_regular,
+    file_kind,
     missing_path_hint,
     open_regular,
     read_regular,
@@ -478,7 +478,7 @@ class CheckpointDir:
                 ) from e
             if not stat.S_ISREG(st.st_mode):
                 raise NotRegularFileError(
-                    f"{self.path / relative_path}: data file is {_kind(st.st_mode)}, not a regular file",
+                    f"{self.path / relative_path}: data file is {file_kind(st.st_mode)}, not a regular file",
                     path=relative_path,
                 )
             size = st.st_size

@@ -16,7 +16,7 @@ import os
 import stat
 from pathlib import Path
 
-from ckpttool.errors import CkptError, DataFileError, NotRegularFileError, PathEscapeError, SizeLimitError
+from ckpttool.errors import CkptError, DataFileError, NotRegularFileError, PathEscapeError, SizeLimitError, shell_arg
 from ckpttool.format import limits
 
 __all__ = [
@@ -25,6 +25,7 @@ __all__ = [
     "hub_blobs",
     "hub_snapshot",
     "hub_hint",
+    "file_kind",
     "open_regular",
     "read_regular",
     "copy_regular",
@@ -43,7 +44,7 @@ def unexpanded_tilde_hint(path: Path | str) -> str | None:
     if not head.startswith("~") or home == path or os.path.lexists(path):  # a folder named `~` is taken as given
         return None
     told = f"the shell did not expand {head} (it does not inside quotes or after an option's =)"
-    return f"{told}: pass {home}" if home.exists() else f"{told}; {home} does not exist either"
+    return f"{told}: pass {shell_arg(home)}" if home.exists() else f"{told}; {home} does not exist either"
 
 
 def refuse_unexpanded_tilde_output(path: str | os.PathLike[str], option: str = "") -> None:
@@ -71,7 +72,7 @@ def refuse_unexpanded_tilde_output(path: str | os.PathLike[str], option: str = "
         f"{shown}: the shell did not expand {head} (it does not inside quotes or after an option's =); "
         f"as given, it names a folder {head} in the current directory, not the home folder",
         path=Path(text),
-        hint=f"pass {home}",
+        hint=f"pass {shell_arg(home)}",
     )
 
 
@@ -101,7 +102,7 @@ def missing_path_hint(path: Path, what: str) -> str:
     close = [parent / c for c in difflib.get_close_matches(missing, names, n=3, cutoff=0.6)]
     whole = [c / tail for c in close if (c / tail).exists()]  # the rest of the path given, where it exists
     if close:
-        return "did you mean " + " or ".join(map(str, whole or close)) + "?"
+        return "did you mean " + " or ".join(map(shell_arg, whole or close)) + "?"
     if not names:
         return f"pass {what} ({parent} holds no directory)"
     more = f", ... ({len(names)} in all)" if len(names) > 6 else ""
@@ -193,7 +194,8 @@ def resolve_inside(root: Path, relative: str | os.PathLike[str], *, what: str = 
     return target
 
 
-def _kind(mode: int) -> str:
+def file_kind(mode: int) -> str:
+    """What an ``st_mode`` that is not a regular file's is, as errors say it (``a FIFO``, ``a socket``)."""
     for test, name in (
         (stat.S_ISDIR, "a directory"),
         (stat.S_ISFIFO, "a FIFO"),
@@ -238,7 +240,7 @@ def open_regular(path: Path, *, shown: str | os.PathLike[str] | None = None) -> 
         st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode):
             raise NotRegularFileError(
-                f"{shown if shown is not None else path} is {_kind(st.st_mode)}, not a regular file", path=path
+                f"{shown if shown is not None else path} is {file_kind(st.st_mode)}, not a regular file", path=path
             )
         if _O_READ & getattr(os, "O_NONBLOCK", 0):
             os.set_blocking(fd, True)

@@ -28,13 +28,22 @@ from ckpttool.errors import (
     CkptError,
     HyperparameterError,
     IndexedOptimizerStateError,
+    IntegerRangeError,
     OptimStateError,
     PlannerDataError,
 )
 from ckpttool.format.directory import CheckpointDir, rank_of_file
 from ckpttool.format.listing import FileListing, list_files
 from ckpttool.format.mdstorage import chunk_path_columns, chunk_paths, key_ids, referenced_paths
-from ckpttool.format.metadata import DTYPE_ITEMSIZE, TRAINABLE_DTYPES, BytesMeta, ChunkMeta, StorageInfo, TensorMeta
+from ckpttool.format.metadata import (
+    DTYPE_ITEMSIZE,
+    TRAINABLE_DTYPES,
+    BytesMeta,
+    CheckpointMetadata,
+    ChunkMeta,
+    StorageInfo,
+    TensorMeta,
+)
 from ckpttool.format.storage import UrlPath, is_url, url_path
 from ckpttool.layouts.record import LAYOUT_KEY, SIDECAR_NAME
 from ckpttool.model.schemas import registry
@@ -49,6 +58,7 @@ if TYPE_CHECKING:
     from ckpttool.format.reader import CheckpointReader
 
 __all__ = [
+    "refuse_long_numbers",
     "TensorEntry",
     "ParamState",
     "ParamGroup",
@@ -844,7 +854,7 @@ def build_catalog(
         SchemaError: an override that matches no key.
     """
     cd = ckpt if isinstance(ckpt, CheckpointDir) else CheckpointDir(ckpt)
-    md = cd.metadata
+    md = refuse_long_numbers(cd.path, cd.metadata)
     sch = schema if isinstance(schema, KeySchema) else detect_schema(md, schema)
     planner = planner_paths(md)  # paths that flatten to their key; md.planner_data holds them all
     entries = md.entries
@@ -905,6 +915,27 @@ def build_catalog(
         _common=common,
         _remote=remote,
     )
+
+
+#: The most digits ``int()`` reads (``sys.get_int_max_str_digits``' default): a key's index past it cannot be read.
+_MAX_INDEX_DIGITS = 4300
+_LONG_NUMBER = re.compile(rf"\d{{{_MAX_INDEX_DIGITS + 1},}}")
+
+
+def refuse_long_numbers(path: Any, md: CheckpointMetadata) -> CheckpointMetadata:
+    """``md``, or IntegerRangeError (E206) for a key holding a number of more than 4,300 digits (``model.layers.<5,000
+    digits>.weight``): no layer, expert or param group has such an index, and ``int()`` refuses to read it."""
+    if max(map(len, md.entries), default=0) <= _MAX_INDEX_DIGITS:  # the common case: one pass at C speed
+        return md
+    for key in md.entries:
+        m = _LONG_NUMBER.search(key) if len(key) > _MAX_INDEX_DIGITS else None
+        if m is not None:
+            raise IntegerRangeError(
+                f"{path}: key {key[: m.start() + 12]!r}... holds a number of {m.end() - m.start():,} digits "
+                "(no layer, expert or param group has such an index)",
+                fqn=key,
+            )
+    return md
 
 
 def _wrapped(

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import os
 import re
+import stat
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
@@ -25,13 +26,14 @@ from ckpttool.errors import (
     AmbiguousCheckpointError,
     IncompleteCheckpointError,
     MetadataError,
+    NotRegularFileError,
     SchemaError,
     StepNotFoundError,
     UsageError,
     shell_arg,
 )
 from ckpttool.format.directory import DATA_FILE_RE, METADATA_NAME, data_file_ranks
-from ckpttool.format.files import hub_snapshot
+from ckpttool.format.files import file_kind, hub_snapshot, open_regular
 from ckpttool.format.hf_storage import hf_storage_files
 from ckpttool.format.metadata import CheckpointMetadata, StorageInfo
 from ckpttool.format.perrank_formats import detect_layout, staging_of, unfinished_layout
@@ -59,6 +61,8 @@ __all__ = [
 #: How deep below ``DIR`` checkpoints are searched (``DIR/run/step-3/model`` is depth 3).
 MAX_DEPTH = 3
 _MAX_DIRS = 10_000
+#: The most digits of a ``--step`` (a folder name holds 255 bytes; ``int()`` reads at most 4,300 digits).
+_MAX_STEP_DIGITS = 255
 
 
 @dataclass(frozen=True)
@@ -93,12 +97,14 @@ class CheckpointSelection:
             text = step.strip().lower()
             if text == "latest":
                 step = "latest"
-            elif text.isdecimal():  # what int() reads (a superscript is a digit to isdigit(), not to int())
+            elif text.isdecimal() and len(text) <= _MAX_STEP_DIGITS:  # what int() reads (not a superscript '²')
                 step = int(text)
             else:
-                digits = re.search(r"(\d+)$", text)  # a step directory's name (step-200, iter_0000200)
+                digits = re.search(rf"(?<!\d)(\d{{1,{_MAX_STEP_DIGITS}}})$", text)  # a step directory's name (step-200)
                 raise UsageError(
-                    f"`step` {step!r} is not a step number or 'latest'",
+                    f"`step` {step!r} is not a step number or 'latest'"
+                    if len(step) <= 80
+                    else f"`step` {step[:40]!r}... ({len(step):,} characters) is not a step number or 'latest'",
                     param="step",
                     hint=f"give the step's number, `step` {int(digits.group(1))}, or pass that directory itself"
                     if digits
@@ -658,7 +664,8 @@ def _latest_step(root: Path) -> tuple[int | str, str] | None:
 
     Raises:
         StepNotFoundError: a ``latest`` file that names no step (neither a number, a step name nor
-            Megatron's ``release``): the trainer's own resume stops on it.
+            Megatron's ``release``): the trainer's own resume stops on it; or a step directory outside ``root``.
+        NotRegularFileError (E102): a ``latest`` that is a FIFO, device or socket.
     """
     for name in registry.derived().latest_files:
         p = root / name
@@ -666,7 +673,7 @@ def _latest_step(root: Path) -> tuple[int | str, str] | None:
             if p.is_symlink():  # NeMo Automodel's LATEST: a relative symlink to the step directory
                 target = os.readlink(p)
                 # another run's step directory (latest -> ../other/checkpoint-1) is not this run's step of that number
-                s = _linked_step(root, target) if _leads_below(root, p, target) else None
+                s = _linked_step(root, target) if _leads_below(root, target) else None
                 if s is not None:
                     return s, name
                 raise StepNotFoundError(  # was passed over: the highest step chosen, the link never named
@@ -677,14 +684,23 @@ def _latest_step(root: Path) -> tuple[int | str, str] | None:
                     hint=f"pass the directory {name} links to itself, or `step` N, or point {name} at a step "
                     "directory (or remove it to make `step` latest the highest complete step)",
                 )
-            if not p.is_file():
-                continue
-            size = p.stat().st_size
-            text = p.read_text(errors="replace").strip() if size <= 256 else f"{size} bytes"
+            text = _pointer_text(p)
         except OSError:
             continue
+        if text is None:
+            continue
         # decimal digits, as int() (Megatron's own reading) takes them; a superscript is a digit to isdigit(), not to int()
-        s = int(text) if text.isdecimal() else step_of(text) or _linked_step(root, text)
+        s = int(text) if text.isdecimal() else step_of(text)
+        if s is None and text and not _leads_below(root, text):
+            # DeepSpeed joins the tag to the run's folder: ../other/checkpoint-1 is another run's save, not this one's
+            raise StepNotFoundError(
+                f"{p}: holds {text[:200]!r}, which names no step directory below {root} (`step` latest cannot "
+                "follow it)",
+                path=p,
+                param="step",
+                hint=f"pass the directory {name} names itself, or `step` N, or write a step of this run into {name}",
+            )
+        s = s if s is not None else _linked_step(root, text)
         if s is not None:
             return s, name
         if text == RELEASE:  # Megatron's release checkpoint: <root>/release, no step
@@ -700,13 +716,42 @@ def _latest_step(root: Path) -> tuple[int | str, str] | None:
     return None
 
 
-def _leads_below(root: Path, link: Path, target: str) -> bool:
-    """Whether ``link`` (in ``root``, to ``target``) leads to a path below ``root``: by its target made absolute
-    lexically, or with links resolved (an absolute target naming ``root`` by another path)."""
+def _pointer_text(p: Path) -> str | None:
+    """The text of ``latest`` file ``p`` (its size, ``"N bytes"``, when over 256 bytes), ``None`` when there is none
+    or it is a folder (a copy of a step, listed as a checkpoint).
+
+    Raises:
+        NotRegularFileError (E102): a FIFO, device or socket (opened without blocking, never read).
+        OSError: it cannot be opened or read.
+    """
+    try:
+        mode = os.lstat(p).st_mode
+    except FileNotFoundError:
+        return None
+    if stat.S_ISDIR(mode):
+        return None
+    if not stat.S_ISREG(mode):  # a socket cannot be opened at all: refused as a FIFO is, not passed over
+        raise NotRegularFileError(f"{p} is {file_kind(mode)}, not a regular file", path=p)
+    fd = open_regular(p)  # replaced by a FIFO since: refused without blocking
+    try:
+        data = os.read(fd, 257)
+        size = os.fstat(fd).st_size
+    finally:
+        os.close(fd)
+    return data.decode(errors="replace").strip() if len(data) <= 256 else f"{max(size, len(data))} bytes"
+
+
+def _leads_below(root: Path, target: str) -> bool:
+    """Whether ``target`` (a ``latest`` link's target or a ``latest`` file's path, relative to ``root``) leads to a
+    path below ``root``: made absolute lexically, or with links resolved (an absolute path naming ``root`` by
+    another path)."""
     base = Path(os.path.abspath(root))
     if Path(os.path.normpath(base / target)).is_relative_to(base):
         return True
-    return Path(os.path.realpath(link)).is_relative_to(os.path.realpath(root))
+    try:
+        return Path(os.path.realpath(base / target)).is_relative_to(os.path.realpath(root))
+    except (OSError, ValueError):  # a NUL in a latest file's text: no path
+        return False
 
 
 def _linked_step(root: Path, target: str) -> int | None:
@@ -1004,7 +1049,7 @@ def _nothing_below(root: Path, opt: Path | None) -> Located:
     raise MetadataError(
         f"{root}: no .metadata, and no DCP checkpoint in the {MAX_DEPTH} directory levels below it",
         path=root,
-        hint=f"pass the checkpoint directory {above} ({inside}/ is a folder inside it)"
+        hint=f"pass the checkpoint directory {shell_arg(above)} ({inside}/ is a folder inside it)"
         if above is not None
         else _model_folder_hint(root)
         or "pass the directory that dcp.save wrote (it holds .metadata and __R_N.distcp files), "

@@ -48,6 +48,7 @@ from ckpttool.model.adapters import (
     rope_from_hf_rows,
 )
 from ckpttool.model.beside import hf_config_beside
+from ckpttool.model.catalog import refuse_long_numbers
 from ckpttool.model.hf_forms import FORMS, ExpertForm, forms_for
 from ckpttool.model.hfconfig import (
     config_value,
@@ -1112,7 +1113,7 @@ def _import_plain(
         read_hf_config(cfg_path, param="config" if opts.config is not None else None) if cfg_path is not None else None
     )
     adapters = _adapter_files(src_dir)
-    md = load_hf_storage_metadata(src_dir)
+    md = refuse_long_numbers(src_dir, load_hf_storage_metadata(src_dir))  # an expert or layer of 5,000 digits
     warnings: list[str] = []
     _warn_left_out(src_dir, adapters, warnings)
     sources = _hf_sources(src_dir, md)

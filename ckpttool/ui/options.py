@@ -354,7 +354,13 @@ def parse_size(text: str | int, flag: str) -> int:
             raise UsageError(
                 f"{flag} {text!r} is not a size", hint="use e.g. 5GB (10^9 bytes), 2GiB, 512M or a byte count"
             )
-        value = int(float(m.group(1)) * _SIZE_UNITS[unit])
+        number = float(m.group(1)) * _SIZE_UNITS[unit]  # float() reads any number of digits (inf past its range)
+        if number >= 2**63:
+            shown = repr(text) if len(text) <= 40 else f"{text[:20]!r}... ({len(text):,} characters)"
+            raise UsageError(
+                f"{flag} {shown} is larger than any file (2^63 bytes)", hint="use e.g. 5GB, 2GiB or a byte count"
+            )
+        value = int(number)
     if value <= 0:
         raise UsageError(f"{flag} {text!r} must be a positive size", hint="use e.g. 5GB, 2GiB or a byte count")
     return value

@@ -256,7 +256,8 @@ def output_width(stream: Any) -> int:
     if UI.wide:
         return _WIDE
     columns = os.environ.get("COLUMNS", "")
-    if columns.strip().isdecimal() and int(columns) > 0:  # what int() reads: isdigit() takes superscripts too
+    # what int() reads (isdigit() takes superscripts too), and a width a terminal has (not 5,000 digits)
+    if columns.strip().isdecimal() and len(columns.strip()) <= 6 and int(columns) > 0:
         return max(_MIN_WIDTH, int(columns))
     try:
         if stream.isatty():

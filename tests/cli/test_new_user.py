@@ -16,6 +16,7 @@ import pytest
 from typer.testing import CliRunner
 
 from ckpttool.cli.app import app
+from ckpttool.errors import shell_arg
 from tests.fixtures.cache import copy_checkpoint
 
 runner = CliRunner()
@@ -443,6 +444,30 @@ def test_export_help_gives_quantize_no_default_it_does_not_have(sample_ckpt: Pat
     with safe_open(str(tmp_path / "q" / "model.safetensors"), "pt") as f:
         assert f.get_slice("model.embed_tokens.weight").get_dtype() == "BF16"
         assert f.get_slice("model.norm.weight").get_dtype() == "BF16"
+
+
+def test_a_quoted_tilde_path_with_spaces_is_named_ready_to_paste(sample_ckpt: Path, tmp_path: Path) -> None:
+    """`ckpttool inspect '~/my ckpt'`: quotes (what a name with a space needs) are why bash left the `~`; the hint's
+    path was unquoted, `pass /home/u/my ckpt`, two arguments when pasted. It is one shell argument."""
+    copy_checkpoint(sample_ckpt, tmp_path / "my ckpt")
+    res = runner.invoke(app, ["inspect", "~/my ckpt"], env={"HOME": str(tmp_path)})
+    assert res.exit_code == 2 and res.stderr.splitlines()[1] == (
+        "hint: the shell did not expand ~ (it does not inside quotes or after an option's =): "
+        f"pass {shell_arg(tmp_path / 'my ckpt')}"
+    ), res.stderr
+    assert shell_arg(tmp_path / "my ckpt").startswith("'")
+    res = runner.invoke(app, ["export", str(tmp_path / "my ckpt"), "~/my out"], env={"HOME": str(tmp_path)})
+    assert res.exit_code == 2 and res.stderr.splitlines()[1] == f"hint: pass {shell_arg(tmp_path / 'my out')}"
+
+
+def test_a_close_name_with_a_space_is_suggested_ready_to_paste(sample_ckpt: Path, tmp_path: Path) -> None:
+    """A typo of a folder whose name holds a space (`inspect 'my ckpt-1'` beside `my ckpt-2/`): the folder suggested
+    ("did you mean ...?") was unquoted, two arguments when pasted. It is one shell argument."""
+    copy_checkpoint(sample_ckpt, tmp_path / "my ckpt-2")
+    res = runner.invoke(app, ["inspect", str(tmp_path / "my ckpt-1")])
+    assert res.exit_code == 2, res.stderr
+    assert res.stderr.splitlines()[1] == f"hint: did you mean {shell_arg(tmp_path / 'my ckpt-2')}?", res.stderr
+    assert runner.invoke(app, ["inspect", str(tmp_path / "my ckpt-2")]).exit_code == 0
 
 
 def test_a_tilde_the_shell_left_unexpanded_is_named_with_its_expansion(sample_ckpt: Path, tmp_path: Path) -> None:

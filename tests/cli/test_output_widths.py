@@ -139,10 +139,13 @@ def test_piped_output_uses_a_fixed_default_width(sample_ckpt: Path) -> None:
 
 def test_a_columns_value_int_does_not_read_is_ignored(sample_ckpt: Path) -> None:
     """``COLUMNS=²`` (a digit to ``str.isdigit``, not to ``int()``) was E999 'internal error: ValueError' in every
-    command that prints a table; it is ignored as any other value that is not a width."""
-    res = runner.invoke(app, ["inspect", str(sample_ckpt)], env={"COLUMNS": "\u00b2"})
-    assert res.exit_code == 0, res.stderr
-    assert res.stdout == runner.invoke(app, ["inspect", str(sample_ckpt)], env={"COLUMNS": ""}).stdout
+    command that prints a table; it is ignored as any other value that is not a width. So is a number of 5,000 digits
+    (more than ``int()`` reads: E999 'Exceeds the limit (4300 digits)')."""
+    plain = runner.invoke(app, ["inspect", str(sample_ckpt)], env={"COLUMNS": ""}).stdout
+    for columns in ("\u00b2", "9" * 5000):
+        res = runner.invoke(app, ["inspect", str(sample_ckpt)], env={"COLUMNS": columns})
+        assert res.exit_code == 0, res.stderr
+        assert res.stdout == plain
 
 
 def test_wide_never_narrows(sample_ckpt: Path) -> None:

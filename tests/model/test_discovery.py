@@ -18,6 +18,7 @@ from typer.testing import CliRunner
 from ckpttool.cli.app import app
 from ckpttool.errors import (
     AmbiguousCheckpointError,
+    CkptError,
     MetadataError,
     PathEscapeError,
     SchemaError,
@@ -593,3 +594,69 @@ def test_a_step_directory_staged_under_a_suffix_is_an_unfinished_step(tmp_path: 
     assert loc.model == run / "step-2" and not loc.newer_incomplete
     assert "step-3.tmp holds a finished save of step 3 under a staging name" in loc.how, loc.how
     assert "torchtitan's resume" in loc.how and "loads it as step 3" in loc.how, loc.how
+
+
+def test_latest_file_naming_another_runs_step_directory(acc_root: Path, tmp_path: Path) -> None:
+    """A ``latest`` file holding ``../other/checkpoint-1`` or ``/elsewhere/checkpoint-1`` (DeepSpeed joins its tag to
+    the run's folder, so its resume loads that other save): `step` latest opened this run's own ``checkpoint-1`` as
+    "named by latest". It is E205 as a latest link leading out of the run is; a path to the run's own step is read."""
+    run = tmp_path / "run"
+    for s in (1, 2):
+        shutil.copytree(acc_root / "accelerate" / f"checkpoint-{s - 1}", run / f"checkpoint-{s}")
+    shutil.copytree(acc_root / "accelerate" / "checkpoint-1", tmp_path / "other" / "checkpoint-1")
+    for text in (
+        "../other/checkpoint-1\n",
+        f"{tmp_path / 'other' / 'checkpoint-1'}\n",
+        "checkpoint-2/../../other/checkpoint-1",
+    ):
+        (run / "latest").write_text(text)
+        with pytest.raises(StepNotFoundError, match="names no step directory below") as ei:
+            locate(run, CheckpointSelection(step="latest"))
+        assert ei.value.code == "E205" and str(run / "latest") in ei.value.message
+    res = CliRunner().invoke(app, ["inspect", str(run), "--step", "latest"])
+    assert res.exit_code == 2 and res.stderr.startswith("error: [E205]") and "Traceback" not in res.output
+    assert len(res.stderr.splitlines()) == 2, res.stderr
+    for text, step in ((f"{run / 'checkpoint-1'}\n", 1), ("./checkpoint-1/../checkpoint-2", 2)):
+        (run / "latest").write_text(text)
+        assert locate(run, CheckpointSelection(step="latest")).step == step
+
+
+def test_latest_file_that_is_a_fifo_or_socket_is_e102(acc_root: Path, tmp_path: Path) -> None:
+    """A ``latest`` that is a FIFO or a socket (what a trainer's resume reading it blocks on or fails on): `step`
+    latest passed it over and opened the highest step as if there were no ``latest``. It is E102 naming it, without
+    blocking; a folder named ``latest`` (a copy of a step) is still no pointer."""
+    import socket
+
+    run = tmp_path / "run"
+    for s in (1, 2):
+        shutil.copytree(acc_root / "accelerate" / f"checkpoint-{s - 1}", run / f"checkpoint-{s}")
+    os.mkfifo(run / "latest")
+    with pytest.raises(CkptError) as ei:
+        locate(run, CheckpointSelection(step="latest"))
+    assert ei.value.code == "E102" and str(run / "latest") in ei.value.message
+    res = CliRunner().invoke(app, ["inspect", str(run), "--step", "latest"])
+    assert res.exit_code == 2 and res.stderr.startswith("error: [E102]") and len(res.stderr.splitlines()) == 2
+    (run / "latest").unlink()
+    sock = socket.socket(socket.AF_UNIX)
+    try:
+        sock.bind(str(run / "latest"))
+        with pytest.raises(CkptError) as ei:
+            locate(run, CheckpointSelection(step="latest"))
+        assert ei.value.code == "E102"
+    finally:
+        sock.close()
+    (run / "latest").unlink()
+    (run / "latest").mkdir()
+    assert locate(run, CheckpointSelection(step="latest")).step == 2
+
+
+def test_a_folder_inside_a_checkpoint_names_the_checkpoint_ready_to_paste(titan_root: Path, tmp_path: Path) -> None:
+    """``inspect CKPT/model_assets`` (a folder inside the checkpoint): the hint's checkpoint directory to pass is one
+    shell argument; it was unquoted, its run of spaces and its newline folded into 'ck x $y', another folder."""
+    ck = tmp_path / "ck  x\n$y"
+    shutil.copytree(titan_root / "llama3" / "checkpoint" / "step-1", ck)
+    (ck / "model_assets").mkdir()
+    res = CliRunner().invoke(app, ["inspect", str(ck / "model_assets")])
+    assert res.exit_code == 2 and res.stderr.startswith("error: [E200]"), res.stderr
+    hint = res.stderr.splitlines()[1]
+    assert f"pass the checkpoint directory {shell_arg(ck)} (model_assets/ is a folder inside it)" in hint, hint

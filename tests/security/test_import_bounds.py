@@ -110,6 +110,22 @@ def test_an_expert_numbered_99999999999_is_refused(hf_dirs: Path, tmp_path: Path
     assert _refused_or_valid(["import", str(d), str(tmp_path / "o")], d, tmp_path / "o", {"E601"}) == "E601"
 
 
+def test_an_expert_numbered_with_5000_digits_is_refused(hf_dirs: Path, tmp_path: Path) -> None:
+    """An expert number of 5,000 digits: ``int()`` refuses strings of more than 4,300 digits, and import was E999
+    'internal error: ValueError: Exceeds the limit'. It is E206 naming the key, as every command of the folder says."""
+
+    def renumber(sd: dict[str, Any]) -> dict[str, Any]:
+        for p in ("gate_proj", "up_proj", "down_proj"):
+            sd[EXPERT.format(j="9" * 5000, p=p)] = sd.pop(EXPERT.format(j=3, p=p))
+        return sd
+
+    d = _moe(hf_dirs, tmp_path, renumber)
+    _experts_config(d, num_experts=None)
+    assert _refused_or_valid(["import", str(d), str(tmp_path / "o")], d, tmp_path / "o", {"E206"}) == "E206"
+    for command in ("inspect", "validate"):
+        assert _refused_or_valid([command, str(d)], d, tmp_path / "o", {"E206"}) == "E206"
+
+
 def test_only_down_proj_experts_give_a_coded_answer(hf_dirs: Path, tmp_path: Path) -> None:
     d = _moe(
         hf_dirs,

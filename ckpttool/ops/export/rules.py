@@ -385,11 +385,12 @@ def _check_template(pattern: re.Pattern[str], to: str, where: str) -> None:
     """Refuse templates that reference groups the pattern does not have."""
     for ref in re.findall(r"\\(\d+)|\\g<(\w+)>", to):
         num, name = ref
-        if num and int(num) > pattern.groups:
+        if num and (len(num) > 6 or int(num) > pattern.groups):  # (int() reads at most 4,300 digits)
             raise UsageError(
                 f"{where}: template {to!r} uses group {num} but 'match' has {pattern.groups}", hint="fix the rules file"
             )
-        if name and name.isdecimal() and int(name) > pattern.groups:  # what int() reads (not a superscript '²')
+        # what int() reads (not a superscript '²', at most 4,300 digits)
+        if name and name.isdecimal() and (len(name) > 6 or int(name) > pattern.groups):
             raise UsageError(
                 f"{where}: template {to!r} uses group {name} but 'match' has {pattern.groups}",
                 hint="fix the rules file",

@@ -646,4 +646,4 @@ def _decoded_chunk(reader: CheckpointReader, key: str, chunk: ChunkMeta) -> Any:
 def env_slab_bytes() -> int:
     """:data:`SLAB_BYTES`, or ``CKPTTOOL_SLAB_BYTES`` when set (benchmarks and tests)."""
     v = os.environ.get("CKPTTOOL_SLAB_BYTES")
-    return int(v) if v and v.isdecimal() and int(v) > 0 else SLAB_BYTES
+    return int(v) if v and v.isdecimal() and len(v) <= 18 and int(v) > 0 else SLAB_BYTES  # (int() reads 4,300 digits)

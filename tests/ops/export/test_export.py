@@ -773,6 +773,9 @@ def test_packaged_default_rules_json_is_the_yaml_document() -> None:
         ("keys: [{match: '^model\\.(.+)$', to: '\\g<-1>'}]", "bad character in group name"),
         # a superscript is a digit to str.isdigit, not to int(): it was E999 'internal error: ValueError'
         ("keys: [{match: '^model\\.(.+)$', to: '\\g<\u00b2>'}]", "uses unknown group"),
+        # a group number of 5,000 digits (more than int() reads): E999 'Exceeds the limit (4300 digits)'
+        ("keys: [{match: '^model\\.(.+)$', to: '\\g<" + "9" * 5000 + ">'}]", "but 'match' has 1"),
+        ("keys: [{match: '^model\\.(.+)$', to: '\\" + "9" * 5000 + "'}]", "but 'match' has 1"),
         ("1: x\nnull: y", "unknown section(s) ['1', 'None']"),
         # an expert part's format spec: a huge width (MemoryError before), a conversion, a broken brace
         ("experts: [{match: '^(?P<l>.+)\\.w$', parts: ['{l}.{j:>99999999999}']}]", "fields are plain"),

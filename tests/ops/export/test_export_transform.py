@@ -415,3 +415,15 @@ def test_float16_overflow_hint_suggests_bfloat16_only_where_it_holds_the_value(
     else:
         with pytest.raises(ExportError, match="beyond bfloat16's range"):
             export_checkpoint(src, tmp_path / "out", ExportOptions(save_dtype="bfloat16"))
+
+
+def test_a_slab_size_int_cannot_read_is_ignored(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``CKPTTOOL_SLAB_BYTES`` of 5,000 digits (more than ``int()`` reads) was E999 'Exceeds the limit (4300
+    digits)' in every transforming export; it is ignored as any value that is not a size."""
+    from ckpttool.ops.export.transform import SLAB_BYTES, env_slab_bytes
+
+    for value in ("9" * 5000, "\u00b2", "0"):
+        monkeypatch.setenv("CKPTTOOL_SLAB_BYTES", value)
+        assert env_slab_bytes() == SLAB_BYTES
+    monkeypatch.setenv("CKPTTOOL_SLAB_BYTES", "4096")
+    assert env_slab_bytes() == 4096
