@@ -60,6 +60,7 @@ __all__ = [
     "pair_slabs",
     "read_pair",
     "release_buffers",
+    "scaled_expert_squares",
     "scaled_sums",
     "sum_squares",
     "tensor_values",
@@ -258,6 +259,27 @@ def scaled_sums(
             s1 += float(y.sum())
             s2 += sum_squares(y)
     return s1, s2
+
+
+def scaled_expert_squares(
+    reader: CheckpointReader, key: str, chunks: tuple[ChunkMeta, ...], dim: int, scale: float
+) -> dict[int, float]:
+    """Per-expert ``sum y^2`` of ``y = x / scale`` over the finite values of ``key``'s ``chunks`` (experts on
+    ``dim``), read again slice by slice: the per-expert norms of float64 values whose squares overflow, with
+    ``scale`` their largest ``|x|`` (:func:`scaled_sums`).
+
+    Raises:
+        as :func:`chunk_slices`.
+    """
+    experts: dict[int, float] = {}
+    for chunk in chunks:
+        inner, e0 = math.prod(chunk.sizes[dim + 1 :]), 0
+        for raw, dt in chunk_slices(reader, key, chunk):
+            y = float_values(raw, dt).astype(np.float64) / scale
+            y[~np.isfinite(y)] = 0.0
+            expert_sums(experts, y * y, e0, inner, chunk.offsets[dim])
+            e0 += y.size
+    return experts
 
 
 def expert_sums(experts: dict[int, float], sq: np.ndarray, e0: int, inner: int, first_expert: int) -> None:

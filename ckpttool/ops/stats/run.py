@@ -23,6 +23,7 @@ from ckpttool.engine.kernels import IEEE_BITS, float_values
 from ckpttool.engine.pool import map_ordered, worker_count
 from ckpttool.engine.stats import SlabStats
 from ckpttool.errors import CkptError, UsageError
+from ckpttool.format.metadata import ChunkMeta
 from ckpttool.model.catalog import Catalog, TensorEntry, match_filter, saved_by_counts
 from ckpttool.model.checkpoint import Checkpoint, CheckpointOrPath, OpenOptions, open_source
 from ckpttool.model.discovery import NEWER_INCOMPLETE, Located, named_step
@@ -40,6 +41,7 @@ from ckpttool.ops.stats.compute import (
     moment_sums,
     pair_slabs,
     release_buffers,
+    scaled_expert_squares,
     scaled_sums,
     sum_squares,
     tensor_values,
@@ -384,6 +386,18 @@ def _overflowing_row(ckpt: Checkpoint, row: TensorValueStats, s: SlabStats) -> T
     return replace(row, mean=mean, l2=math.sqrt(y2) * s.abs_max, std=math.sqrt(c2 / s.finite) * s.abs_max)
 
 
+def _expert_norms(
+    ckpt: Checkpoint, key: str, s: ValueSums, dim: int, chunks: tuple[ChunkMeta, ...] | None = None
+) -> tuple[float, ...]:
+    """The per-expert norms of ``s`` (``key``'s experts on ``dim``, over ``chunks``, default all): where a float64
+    sum of squares overflowed, taken of the values scaled by their largest ``|x|``, read again."""
+    n, scale = ckpt.catalog.tensors[key].shape[dim], s.acc.abs_max
+    if all(math.isfinite(v) for v in s.experts.values()) or not 0 < scale < math.inf:
+        return tuple(math.sqrt(s.experts.get(e, 0.0)) for e in range(n))
+    sq = scaled_expert_squares(ckpt.reader, key, chunks or ckpt.catalog.tensors[key].chunks, dim, scale)
+    return tuple(math.sqrt(sq.get(e, 0.0)) * scale for e in range(n))
+
+
 def _nothing_to_measure(ckpt: Checkpoint, opts: StatsOptions, notes: dict[str, list[str]]) -> UsageError:
     """The error of a plan with no tensor: no match for ``--filter``, an unknown key schema, no tensor at
     all, or only quantized weights (their codes and scales are left out, :data:`QUANTIZED_NOTE`)."""
@@ -533,15 +547,16 @@ class _StackedLayers:
             for (k, i), s in self.sums.items()
         }
 
-    def experts(self, roles: dict[str, tuple[str, str]], entries: dict[str, TensorEntry]) -> tuple[ExpertNorms, ...]:
+    def experts(self, ckpt: Checkpoint, roles: dict[str, tuple[str, str]]) -> tuple[ExpertNorms, ...]:
         """Per-expert norms per layer of the stacked expert weights ``[L, E, ...]`` (megatron's global expert
         offsets: true order)."""
+        entries = ckpt.catalog.tensors
         return tuple(
             ExpertNorms(
                 k,
                 f"{self.stacked[k]}{i}",
                 module_of(roles[k][0]),
-                tuple(math.sqrt(s.experts.get(e, 0.0)) for e in range(entries[k].shape[1])),
+                _expert_norms(ckpt, k, s, 1, tuple(c for c in entries[k].chunks if c.offsets[0] == i)),
             )
             for (k, i), s in sorted(self.sums.items(), key=lambda kv: kv[0][1])
             if s.experts and roles[k][1] == "weight"
@@ -609,11 +624,11 @@ def _stats_one(ckpt: Checkpoint, opts: StatsOptions, progress: Progress) -> Chec
             k,
             layer_of(roles[k][0]),
             module_of(roles[k][0]),
-            _true_order(ckpt, k, tuple(math.sqrt(s.experts.get(e, 0.0)) for e in range(entries[k].shape[0])), notes),
+            _true_order(ckpt, k, _expert_norms(ckpt, k, s, 0), notes),
         )
         for k, s in sums.items()
         if s.experts and roles[k][1] == "weight" and k not in stacked
-    ) + layers.experts(roles, entries)
+    ) + layers.experts(ckpt, roles)
     negative = {roles[k][0] for k, s in sums.items() if roles[k][1] == "exp_avg_sq" and s.acc.negative}
     _judge_moments(moments, hypers, rows, notes, negative)
     updates = _updates(ckpt, moments, hypers, rows)
