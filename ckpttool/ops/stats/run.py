@@ -33,6 +33,7 @@ from ckpttool.ops.state_checks import synthesized
 from ckpttool.ops.stats.compute import (
     AdamHyper,
     Moments,
+    ScaledSquares,
     ValueSums,
     centered_squares,
     chunk_slices,
@@ -780,11 +781,11 @@ def _pair_sums(
     kb: str,
     orders: tuple[Any, Any] = (None, None),
     stacked: str | None = None,
-) -> list[tuple[str, float, float]]:
-    """``[(layer, sum (b - a)^2, sum a^2)]`` of one tensor of two checkpoints (float64); the first is NaN when
-    either side holds a NaN or infinity there (a tensor that diverged has no finite change). One entry, the
-    tensor's layer (:func:`layer_of`); a tensor whose layers are ``stacked`` on dim 0 under that prefix: one
-    per layer (``decoder.layers.3``), from the same read.
+) -> list[tuple[str, ScaledSquares, ScaledSquares]]:
+    """``[(layer, sum (b - a)^2, sum a^2)]`` of one tensor of two checkpoints (float64, :class:`ScaledSquares`: no
+    overflow); the first is NaN when either side holds a NaN or infinity there (a tensor that diverged has no finite
+    change). One entry, the tensor's layer (:func:`layer_of`); a tensor whose layers are ``stacked`` on dim 0 under
+    that prefix: one per layer (``decoder.layers.3``), from the same read.
 
     ``orders``: each side's expert order (:func:`_expert_order`) where they differ: both tensors are
     then read whole and compared in true expert order.
@@ -796,21 +797,25 @@ def _pair_sums(
         and orders == (None, None)
         and (stacked is None or all(c.sizes[0] == 1 for c in ea.chunks))
     ):
-        per: dict[str, list[float]] = {}
+        per: dict[str, tuple[ScaledSquares, ScaledSquares, list[int]]] = {}
         for ca, cb in zip(ea.chunks, eb.chunks):
-            acc = per.setdefault(whole or f"{stacked}{ca.offsets[0]}", [0.0, 0.0, 0.0])
+            acc = per.setdefault(whole or f"{stacked}{ca.offsets[0]}", (ScaledSquares(), ScaledSquares(), [0]))
             va, vb = ValueSums(), ValueSums()
 
             def one(
-                sa: tuple[Any, str], sb: tuple[Any, str], acc: list[float] = acc, va: ValueSums = va, vb: ValueSums = vb
+                sa: tuple[Any, str],
+                sb: tuple[Any, str],
+                acc: tuple[ScaledSquares, ScaledSquares, list[int]] = acc,
+                va: ValueSums = va,
+                vb: ValueSums = vb,
             ) -> None:
                 (x, sq), (y, _) = va.add_raw(*sa, slot=0), vb.add_raw(*sb, slot=1)
-                acc[0] += sum_squares(y - x)
-                acc[1] += float(sq.sum())
+                acc[0].add_difference(x, y)
+                acc[1].add_values(x, float(sq.sum()))
 
             pair_slabs((a.reader, ka, ca), (b.reader, kb, cb), one)
-            acc[2] += va.acc.nonfinite + vb.acc.nonfinite
-        return [(layer, math.nan if bad else d2, a2) for layer, (d2, a2, bad) in per.items()]
+            acc[2][0] += va.acc.nonfinite + vb.acc.nonfinite
+        return [(layer, ScaledSquares(total=math.nan) if bad[0] else d2, a2) for layer, (d2, a2, bad) in per.items()]
 
     def values(c: Checkpoint, k: str, order: Any) -> Any:
         v = tensor_values(c.reader, k)
@@ -830,8 +835,10 @@ def _pair_sums(
         va, vb = ValueSums(), ValueSums()
         x, _ = va.add_slice(xv, slot=0)
         y, _ = vb.add_slice(yv, slot=1)
-        d = y - x
-        out.append((layer, math.nan if va.acc.nonfinite or vb.acc.nonfinite else sum_squares(d), sum_squares(x)))
+        d2, a2 = ScaledSquares(), ScaledSquares()
+        d2.add_difference(x, y)
+        a2.add_values(x, sum_squares(x))
+        out.append((layer, ScaledSquares(total=math.nan) if va.acc.nonfinite or vb.acc.nonfinite else d2, a2))
     return out
 
 
@@ -902,18 +909,18 @@ def _changes(a: Checkpoint, b: Checkpoint, opts: StatsOptions, skipped: list[str
     return _layer_changes(str(ca.path), str(cb.path), got)
 
 
-def _layer_changes(a: str, b: str, got: Iterable[list[tuple[str, float, float]]]) -> list[LayerChange]:
+def _layer_changes(a: str, b: str, got: Iterable[list[tuple[str, ScaledSquares, ScaledSquares]]]) -> list[LayerChange]:
     """The per-layer changes from :func:`_pair_sums` ' ``(layer, sum (b - a)^2, sum a^2)`` of each tensor pair."""
-    per: dict[str, list[float]] = {}
+    per: dict[str, tuple[ScaledSquares, ScaledSquares, list[int]]] = {}
     for layers in got:
         for layer, d2, a2 in layers:
-            acc = per.setdefault(layer, [0.0, 0.0, 0])
-            acc[0] += d2
-            acc[1] += a2
-            acc[2] += 1
+            acc = per.setdefault(layer, (ScaledSquares(), ScaledSquares(), [0]))
+            acc[0].merge(d2)
+            acc[1].merge(a2)
+            acc[2][0] += 1
     return [
-        LayerChange(a, b, layer, _relative(d2, a2), int(n), absolute=math.sqrt(d2))
-        for layer, (d2, a2, n) in per.items()
+        LayerChange(a, b, layer, _relative(d2.norm(), a2.norm()), n, absolute=d2.norm())
+        for layer, (d2, a2, [n]) in per.items()
     ]
 
 
@@ -927,12 +934,13 @@ def _pair_stack(a: Checkpoint, ka: str, b: Checkpoint, kb: str, fqn: str) -> str
     return prefix
 
 
-def _relative(d2: float, a2: float) -> float:
-    """``sqrt(d2) / sqrt(a2)``; of a layer all zero in A (a zero-initialised LoRA B, an AdaLN-Zero gate) 0 where it
-    stayed zero and ``inf`` where it moved (not a figure left out); NaN where either side held a NaN or infinity."""
-    if a2 > 0 or math.isnan(d2):
-        return math.sqrt(d2) / math.sqrt(a2) if a2 > 0 else math.nan
-    return 0.0 if d2 == 0 else math.inf
+def _relative(d: float, a: float) -> float:
+    """``d / a`` of the norms ``‖b - a‖``, ``‖a‖``; of a layer all zero in A (a zero-initialised LoRA B, an AdaLN-Zero
+    gate) 0 where it stayed zero and ``inf`` where it moved (not a figure left out); NaN where either side held a NaN
+    or infinity."""
+    if a > 0 or math.isnan(d):
+        return d / a if a > 0 else math.nan
+    return 0.0 if d == 0 else math.inf
 
 
 def collect_stats(

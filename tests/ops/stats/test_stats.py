@@ -1107,3 +1107,29 @@ def test_float64_expert_norms_whose_squares_overflow(
     assert row["norms"] is not None and all(
         g is not None and math.isclose(g, x, rel_tol=1e-12) for g, x in zip(row["norms"], want)
     ), (row["norms"], want)
+
+
+@pytest.mark.parametrize("native", ["1", "0"])
+def test_float64_change_whose_squares_overflow(tmp_path: Path, native: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``stats A B`` of float64 values beyond ~1e154 gave the relative change NaN (inf / inf) and the absolute one
+    JSON null, as for a diverged tensor: the sums are kept scaled, the figures are torch's own."""
+    monkeypatch.setenv("CKPTTOOL_NATIVE", native)
+    torch.manual_seed(0)
+    a = torch.randn(16, 4, dtype=torch.float64) * 1e200
+    b = a * 1.5
+    b[0, 0] = -1.7e308  # b - a near float64's largest
+    small = torch.randn(8, dtype=torch.float64)
+    for name, x in (("a", a), ("b", b)):
+        sd = {"layers.0.w": x, "layers.0.bias": small + (name == "b")}
+        dcp.save({"model": sd}, checkpoint_id=str(tmp_path / name), no_dist=True)
+    res = runner.invoke(app, ["stats", "--json", str(tmp_path / "a"), str(tmp_path / "b")])
+    assert res.exit_code == 0, res.stderr
+    doc = json.loads(res.stdout)
+    jsonschema.validate(doc, load_schema("stats"))
+    (change,) = doc["changes"]
+    m = 1e308  # torch's norms, of values scaled to stay in range
+    d = torch.cat([(b / m - a / m).reshape(-1), torch.ones(8, dtype=torch.float64) / m])
+    want_abs = float(d.norm()) * m
+    want_rel = want_abs / (float(torch.cat([(a / m).reshape(-1), small / m]).norm()) * m)
+    assert change["absolute"] is not None and math.isclose(change["absolute"], want_abs, rel_tol=1e-12), change
+    assert change["relative"] is not None and math.isclose(change["relative"], want_rel, rel_tol=1e-12), change
