@@ -38,14 +38,15 @@ def shell_arg(path: str | PathLike[str]) -> str:
     """``path`` as one shell argument to paste from a hint (POSIX shells; bash and zsh for ``$'...'``).
 
     ``shlex.quote``'s form (``'it'"'"'s'``, ``'a b'``), but a relative path starting with ``-`` gets ``./``
-    (not read as an option), and a name with whitespace other than single spaces, control characters or
-    undecodable bytes (surrogates) is ANSI-C quoted with escapes (``$'we\\nird'``): the hint stays one line
-    with nothing folded away, and pastes as that very path.
+    (not read as an option), and a name with whitespace other than single spaces, control characters,
+    undecodable bytes (surrogates) or a backtick (the CLI reads `` `step` `` in a message as a parameter) is ANSI-C
+    quoted with escapes (``$'we\\nird'``, ``\\x60``): the hint stays one line with nothing folded away, and pastes
+    as that very path.
     """
     text = str(path)
     if text.startswith("-"):
         text = "./" + text
-    if text.isprintable() and "  " not in text:
+    if text.isprintable() and "  " not in text and "`" not in text:
         import shlex
 
         return shlex.quote(text)
@@ -53,6 +54,8 @@ def shell_arg(path: str | PathLike[str]) -> str:
     for c in text:
         if c in "\\'":
             out.append("\\" + c)
+        elif c == "`":  # literal in a shell's quotes, but a message's `param` to the CLI's output
+            out.append("\\x60")
         elif c == " " or c.isprintable():
             out.append(c if c != " " else "\\x20")
         elif 0xDC80 <= ord(c) <= 0xDCFF:  # an undecodable byte of the name (os.fsdecode's surrogateescape)

@@ -70,6 +70,24 @@ def check_plot_target(path: Path, sources: tuple[Path, ...] = ()) -> None:
     _pyplot()
 
 
+def _refuse_missing_folder(path: Path) -> None:
+    """Raise for ``path`` whose folder is not a directory: a file in its way, or a folder to make first.
+
+    Raises:
+        UsageError: always.
+    """
+    in_way = next((p for p in path.parents if p.exists() and not p.is_dir()), None)
+    if in_way is not None:  # mkdir -p would fail there (File exists)
+        raise UsageError(
+            f"--plot {path}: {in_way} is a file, not a directory",
+            hint="give a file name in a directory, or move that file out of the way",
+        )
+    raise UsageError(
+        f"--plot {path}: directory {path.parent} does not exist",
+        hint=f"create it first: mkdir -p {shell_arg(path.parent)}",
+    )
+
+
 def _check_plot_target(path: Path, sources: tuple[Path, ...]) -> None:
     if path.is_dir():
         raise UsageError(f"--plot {path} is a directory", hint="give a file name ending in .png, .svg or .html")
@@ -85,10 +103,7 @@ def _check_plot_target(path: Path, sources: tuple[Path, ...]) -> None:
                 f"--plot {url}: a URL; --plot writes a local file only",
                 hint="give a local file name and copy the picture to object storage yourself",
             )
-        raise UsageError(
-            f"--plot {path}: directory {path.parent} does not exist",
-            hint=f"create it first: mkdir -p {shell_arg(path.parent)}",
-        )
+        _refuse_missing_folder(path)
     check_file_target(
         path,
         option="--plot",

@@ -251,3 +251,19 @@ def test_plot_into_a_missing_folder_names_the_command_that_makes_it(sample_ckpt:
             f"hint: create it first: mkdir -p '{folder}'",
         ], res.stderr
     assert not folder.exists()
+
+
+def test_plot_under_a_file_is_not_a_missing_folder(sample_ckpt: Path, tmp_path: Path) -> None:
+    """`--plot notes.txt/p.png` (a file where a folder is named) said ``directory notes.txt does not exist`` and
+    hinted ``mkdir -p notes.txt``, which fails pasted (File exists): the file is named as the one in the way."""
+    pytest.importorskip("matplotlib")
+    blocker = tmp_path / "notes.txt"
+    blocker.write_text("kept\n")
+    for target in (blocker / "p.png", blocker / "sub" / "p.png"):
+        res = runner.invoke(app, ["stats", str(sample_ckpt), "--plot", str(target)])
+        assert res.exit_code == 2 and res.stdout == ""
+        assert res.stderr.splitlines() == [
+            f"error: [E100] --plot {target}: {blocker} is a file, not a directory",
+            "hint: give a file name in a directory, or move that file out of the way",
+        ], res.stderr
+    assert blocker.read_text() == "kept\n"

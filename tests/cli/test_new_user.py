@@ -763,3 +763,22 @@ def test_validate_manifest_without_a_manifest_names_the_command_that_writes_it(
         assert runner.invoke(app, ["manifest", *writes]).exit_code == 0  # the command the hint names
         assert runner.invoke(app, ["validate", *argv]).exit_code == 0, argv
         (other if "--output" in writes else ck / "manifest.json").unlink()
+
+
+def test_manifest_hints_with_a_backtick_in_the_path_paste_as_that_path(sample_ckpt: Path, tmp_path: Path) -> None:
+    """A directory named ``it's `step` é`` hinted ``ckpttool manifest 'it'"'"'s --step é'``: the backticked name in
+    the quoted path was read as the parameter `step` and replaced by its flag, so the pasted hint named another
+    directory. The hint quotes a backtick with an escape: pasted into bash it gives the very path."""
+    import subprocess
+
+    ck = copy_checkpoint(sample_ckpt, tmp_path / "it's `step` é")
+    for argv in (["validate", str(ck), "--manifest"], ["manifest", str(ck), "--verify"]):
+        res = runner.invoke(app, argv)
+        assert res.exit_code == 2 and res.stdout == "", res.output
+        hint = res.stderr.splitlines()[1]
+        assert hint.startswith("hint: write one with `ckpttool manifest ") and hint.endswith("`"), hint
+        line = hint.removeprefix("hint: write one with `ckpttool ").removesuffix("`")
+        words = subprocess.run(
+            ["bash", "-c", f'set -- {line}; printf "%s\\0" "$@"'], capture_output=True, check=True
+        ).stdout.split(b"\0")[:-1]
+        assert [os.fsdecode(w) for w in words] == ["manifest", str(ck)], (hint, words)

@@ -1245,16 +1245,16 @@ def _prepare(
     opts = _resolved_experts(opts, selected)
     check_trainable_dtypes(str(ckpt.path), cat, selected)
     orders = _expert_orders(cat, layout, selected)
-    num_experts = rules.num_experts_from_config(model_config) if model_config else None
     embed, lm_head, tied, drop = _tied(selected, rules, model_config, out_format)
     plan = build_plan(
         selected,
         rules,
         **same_named(opts, "fmt", "save_dtype", "shard_size", "experts"),
         expert_orders=orders,
-        num_experts=num_experts,
+        num_experts=rules.num_experts_from_config(model_config) if model_config else None,
         drop=drop,
         out_format=out_format,
+        stored=cat.tensors,
     )
     quantizer = _quantizer(reader, plan, opts, out_format, warnings, model_config)
     plan.warnings, plan.skipped, plan.tied = warnings, skipped, tied

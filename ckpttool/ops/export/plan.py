@@ -440,6 +440,7 @@ def build_plan(
     num_experts: int | None = None,
     drop: set[str] | None = None,
     out_format: OutputFormat | None = None,
+    stored: Mapping[str, TensorEntry] | None = None,
 ) -> ExportPlan:
     """Turn the selection into tasks, pieces and output files.
 
@@ -456,6 +457,7 @@ def build_plan(
         num_experts: expected expert count (``--model-assets`` config), checked against dim 0.
         drop: output keys to leave out (a tied ``lm_head.weight``).
         out_format: the output format object to plan with (a wrapped one, e.g. a quantized export); ``None``: ``fmt``'s.
+        stored: the checkpoint's tensors by key: where a fused expert tensor's partner is not selected (``--filter``).
 
     Raises:
         UsageError: unknown ``save_dtype`` / ``experts``.
@@ -469,8 +471,7 @@ def build_plan(
         raise UsageError(f"`experts` {experts!r} is not one of fused, per-expert", param="experts")
     out_format = out_format or get_format(fmt)
     source_pieces = out_format.pieces_planner()
-    if experts == "per-expert":
-        _refuse_transposed_experts(selected)
+    _refuse_transposed_experts(selected, stored or {}, experts)
     ctx = PieceContext(rules, experts == "per-expert", expert_orders or {}, num_experts)
     drop = drop or set()
     casts: dict[str, int] = {}
@@ -638,20 +639,26 @@ def check_expert_dim(s: Selected, e: int, num_experts: int | None) -> None:
         )
 
 
-def _refuse_transposed_experts(selected: list[Selected]) -> None:
+def _refuse_transposed_experts(selected: list[Selected], stored: Mapping[str, TensorEntry], experts: str) -> None:
     """Raise where a fused ``<prefix>.gate_up_proj`` and its ``<prefix>.down_proj`` are not ``[E, 2I, H]`` and
     ``[E, H, I]``, the layout a per-expert split cuts: gpt-oss stores its experts transposed (``gate_up_proj``
     ``[E, H, 2I]``, ``down_proj`` ``[E, I, H]``) with the gate and up columns interleaved, which the split would cut
-    into wrong ``gate_proj``/``up_proj`` halves.
+    into wrong ``gate_proj``/``up_proj`` halves. A ``down_proj`` not selected is looked up in ``stored`` by its
+    checkpoint key. Nothing to check unless ``experts`` is ``per-expert``.
 
     Raises:
         ExportError: such a pair.
     """
+    if experts != "per-expert":
+        return
     shapes = {s.out_key: s.source.shape for s in selected if s.hf is None}
     for s in selected:
         if s.hf is not None or not s.out_key.endswith(".gate_up_proj"):
             continue  # a model adapter's tensors: its own map cuts them (torchtitan's w1/w3 halves)
         gate_up, down = s.source.shape, shapes.get(s.out_key.removesuffix("gate_up_proj") + "down_proj")
+        partner = stored.get(s.model_key.removesuffix("gate_up_proj") + "down_proj")
+        if down is None and s.model_key.endswith(".gate_up_proj") and partner is not None:
+            down = partner.shape
         if down is None or len(gate_up) != 3 or len(down) != 3:
             continue
         if gate_up[1] != 2 * down[2] or gate_up[2] != down[1]:

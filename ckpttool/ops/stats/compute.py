@@ -60,6 +60,8 @@ __all__ = [
     "pair_slabs",
     "read_pair",
     "release_buffers",
+    "ScaledSquares",
+    "scaled_expert_squares",
     "scaled_sums",
     "sum_squares",
     "tensor_values",
@@ -258,6 +260,67 @@ def scaled_sums(
             s1 += float(y.sum())
             s2 += sum_squares(y)
     return s1, s2
+
+
+@dataclass
+class ScaledSquares:
+    """A float64 ``sum x^2`` kept as ``scale^2 * total`` (mergeable): values whose squares overflow float64 (beyond
+    ~1e154) are added divided by their largest ``|x|``; otherwise ``scale`` stays 1 and ``total`` is the plain sum."""
+
+    scale: float = 1.0
+    total: float = 0.0
+
+    def add(self, total: float, scale: float = 1.0) -> None:
+        """Add ``scale^2 * total``."""
+        big = max(self.scale, scale)
+        self.total = self.total * (self.scale / big) ** 2 + total * (scale / big) ** 2
+        self.scale = big
+
+    def add_difference(self, x: np.ndarray, y: np.ndarray) -> None:
+        """Add ``sum (y - x)^2`` of finite float values."""
+        with np.errstate(over="ignore"):  # float64 values near its range: a difference beyond it, inf
+            d2 = sum_squares(y - x)
+        if math.isfinite(d2):
+            self.add(d2)
+            return
+        m = max(float(np.abs(x).max(initial=0.0)), float(np.abs(y).max(initial=0.0)))
+        self.add(sum_squares(y / m - x / m), m)
+
+    def add_values(self, x: np.ndarray, squares: float) -> None:
+        """Add ``sum x^2`` of finite float values, ``squares`` as summed already (``inf`` where it overflowed)."""
+        if math.isfinite(squares):
+            self.add(squares)
+            return
+        m = float(np.abs(x).max(initial=0.0))
+        self.add(sum_squares(x / m), m)
+
+    def merge(self, o: ScaledSquares) -> None:
+        self.add(o.total, o.scale)
+
+    def norm(self) -> float:
+        """``sqrt(sum x^2)`` (NaN where a NaN was added)."""
+        return math.sqrt(self.total) * self.scale
+
+
+def scaled_expert_squares(
+    reader: CheckpointReader, key: str, chunks: tuple[ChunkMeta, ...], dim: int, scale: float
+) -> dict[int, float]:
+    """Per-expert ``sum y^2`` of ``y = x / scale`` over the finite values of ``key``'s ``chunks`` (experts on
+    ``dim``), read again slice by slice: the per-expert norms of float64 values whose squares overflow, with
+    ``scale`` their largest ``|x|`` (:func:`scaled_sums`).
+
+    Raises:
+        as :func:`chunk_slices`.
+    """
+    experts: dict[int, float] = {}
+    for chunk in chunks:
+        inner, e0 = math.prod(chunk.sizes[dim + 1 :]), 0
+        for raw, dt in chunk_slices(reader, key, chunk):
+            y = float_values(raw, dt).astype(np.float64) / scale
+            y[~np.isfinite(y)] = 0.0
+            expert_sums(experts, y * y, e0, inner, chunk.offsets[dim])
+            e0 += y.size
+    return experts
 
 
 def expert_sums(experts: dict[int, float], sq: np.ndarray, e0: int, inner: int, first_expert: int) -> None:

@@ -23,6 +23,7 @@ from ckpttool.engine.kernels import IEEE_BITS, float_values
 from ckpttool.engine.pool import map_ordered, worker_count
 from ckpttool.engine.stats import SlabStats
 from ckpttool.errors import CkptError, UsageError
+from ckpttool.format.metadata import ChunkMeta
 from ckpttool.model.catalog import Catalog, TensorEntry, match_filter, saved_by_counts
 from ckpttool.model.checkpoint import Checkpoint, CheckpointOrPath, OpenOptions, open_source
 from ckpttool.model.discovery import NEWER_INCOMPLETE, Located, named_step
@@ -32,6 +33,7 @@ from ckpttool.ops.state_checks import synthesized
 from ckpttool.ops.stats.compute import (
     AdamHyper,
     Moments,
+    ScaledSquares,
     ValueSums,
     centered_squares,
     chunk_slices,
@@ -40,6 +42,7 @@ from ckpttool.ops.stats.compute import (
     moment_sums,
     pair_slabs,
     release_buffers,
+    scaled_expert_squares,
     scaled_sums,
     sum_squares,
     tensor_values,
@@ -384,6 +387,18 @@ def _overflowing_row(ckpt: Checkpoint, row: TensorValueStats, s: SlabStats) -> T
     return replace(row, mean=mean, l2=math.sqrt(y2) * s.abs_max, std=math.sqrt(c2 / s.finite) * s.abs_max)
 
 
+def _expert_norms(
+    ckpt: Checkpoint, key: str, s: ValueSums, dim: int, chunks: tuple[ChunkMeta, ...] | None = None
+) -> tuple[float, ...]:
+    """The per-expert norms of ``s`` (``key``'s experts on ``dim``, over ``chunks``, default all): where a float64
+    sum of squares overflowed, taken of the values scaled by their largest ``|x|``, read again."""
+    n, scale = ckpt.catalog.tensors[key].shape[dim], s.acc.abs_max
+    if all(math.isfinite(v) for v in s.experts.values()) or not 0 < scale < math.inf:
+        return tuple(math.sqrt(s.experts.get(e, 0.0)) for e in range(n))
+    sq = scaled_expert_squares(ckpt.reader, key, chunks or ckpt.catalog.tensors[key].chunks, dim, scale)
+    return tuple(math.sqrt(sq.get(e, 0.0)) * scale for e in range(n))
+
+
 def _nothing_to_measure(ckpt: Checkpoint, opts: StatsOptions, notes: dict[str, list[str]]) -> UsageError:
     """The error of a plan with no tensor: no match for ``--filter``, an unknown key schema, no tensor at
     all, or only quantized weights (their codes and scales are left out, :data:`QUANTIZED_NOTE`)."""
@@ -533,15 +548,16 @@ class _StackedLayers:
             for (k, i), s in self.sums.items()
         }
 
-    def experts(self, roles: dict[str, tuple[str, str]], entries: dict[str, TensorEntry]) -> tuple[ExpertNorms, ...]:
+    def experts(self, ckpt: Checkpoint, roles: dict[str, tuple[str, str]]) -> tuple[ExpertNorms, ...]:
         """Per-expert norms per layer of the stacked expert weights ``[L, E, ...]`` (megatron's global expert
         offsets: true order)."""
+        entries = ckpt.catalog.tensors
         return tuple(
             ExpertNorms(
                 k,
                 f"{self.stacked[k]}{i}",
                 module_of(roles[k][0]),
-                tuple(math.sqrt(s.experts.get(e, 0.0)) for e in range(entries[k].shape[1])),
+                _expert_norms(ckpt, k, s, 1, tuple(c for c in entries[k].chunks if c.offsets[0] == i)),
             )
             for (k, i), s in sorted(self.sums.items(), key=lambda kv: kv[0][1])
             if s.experts and roles[k][1] == "weight"
@@ -609,11 +625,11 @@ def _stats_one(ckpt: Checkpoint, opts: StatsOptions, progress: Progress) -> Chec
             k,
             layer_of(roles[k][0]),
             module_of(roles[k][0]),
-            _true_order(ckpt, k, tuple(math.sqrt(s.experts.get(e, 0.0)) for e in range(entries[k].shape[0])), notes),
+            _true_order(ckpt, k, _expert_norms(ckpt, k, s, 0), notes),
         )
         for k, s in sums.items()
         if s.experts and roles[k][1] == "weight" and k not in stacked
-    ) + layers.experts(roles, entries)
+    ) + layers.experts(ckpt, roles)
     negative = {roles[k][0] for k, s in sums.items() if roles[k][1] == "exp_avg_sq" and s.acc.negative}
     _judge_moments(moments, hypers, rows, notes, negative)
     updates = _updates(ckpt, moments, hypers, rows)
@@ -765,11 +781,11 @@ def _pair_sums(
     kb: str,
     orders: tuple[Any, Any] = (None, None),
     stacked: str | None = None,
-) -> list[tuple[str, float, float]]:
-    """``[(layer, sum (b - a)^2, sum a^2)]`` of one tensor of two checkpoints (float64); the first is NaN when
-    either side holds a NaN or infinity there (a tensor that diverged has no finite change). One entry, the
-    tensor's layer (:func:`layer_of`); a tensor whose layers are ``stacked`` on dim 0 under that prefix: one
-    per layer (``decoder.layers.3``), from the same read.
+) -> list[tuple[str, ScaledSquares, ScaledSquares]]:
+    """``[(layer, sum (b - a)^2, sum a^2)]`` of one tensor of two checkpoints (float64, :class:`ScaledSquares`: no
+    overflow); the first is NaN when either side holds a NaN or infinity there (a tensor that diverged has no finite
+    change). One entry, the tensor's layer (:func:`layer_of`); a tensor whose layers are ``stacked`` on dim 0 under
+    that prefix: one per layer (``decoder.layers.3``), from the same read.
 
     ``orders``: each side's expert order (:func:`_expert_order`) where they differ: both tensors are
     then read whole and compared in true expert order.
@@ -781,21 +797,25 @@ def _pair_sums(
         and orders == (None, None)
         and (stacked is None or all(c.sizes[0] == 1 for c in ea.chunks))
     ):
-        per: dict[str, list[float]] = {}
+        per: dict[str, tuple[ScaledSquares, ScaledSquares, list[int]]] = {}
         for ca, cb in zip(ea.chunks, eb.chunks):
-            acc = per.setdefault(whole or f"{stacked}{ca.offsets[0]}", [0.0, 0.0, 0.0])
+            acc = per.setdefault(whole or f"{stacked}{ca.offsets[0]}", (ScaledSquares(), ScaledSquares(), [0]))
             va, vb = ValueSums(), ValueSums()
 
             def one(
-                sa: tuple[Any, str], sb: tuple[Any, str], acc: list[float] = acc, va: ValueSums = va, vb: ValueSums = vb
+                sa: tuple[Any, str],
+                sb: tuple[Any, str],
+                acc: tuple[ScaledSquares, ScaledSquares, list[int]] = acc,
+                va: ValueSums = va,
+                vb: ValueSums = vb,
             ) -> None:
                 (x, sq), (y, _) = va.add_raw(*sa, slot=0), vb.add_raw(*sb, slot=1)
-                acc[0] += sum_squares(y - x)
-                acc[1] += float(sq.sum())
+                acc[0].add_difference(x, y)
+                acc[1].add_values(x, float(sq.sum()))
 
             pair_slabs((a.reader, ka, ca), (b.reader, kb, cb), one)
-            acc[2] += va.acc.nonfinite + vb.acc.nonfinite
-        return [(layer, math.nan if bad else d2, a2) for layer, (d2, a2, bad) in per.items()]
+            acc[2][0] += va.acc.nonfinite + vb.acc.nonfinite
+        return [(layer, ScaledSquares(total=math.nan) if bad[0] else d2, a2) for layer, (d2, a2, bad) in per.items()]
 
     def values(c: Checkpoint, k: str, order: Any) -> Any:
         v = tensor_values(c.reader, k)
@@ -815,8 +835,10 @@ def _pair_sums(
         va, vb = ValueSums(), ValueSums()
         x, _ = va.add_slice(xv, slot=0)
         y, _ = vb.add_slice(yv, slot=1)
-        d = y - x
-        out.append((layer, math.nan if va.acc.nonfinite or vb.acc.nonfinite else sum_squares(d), sum_squares(x)))
+        d2, a2 = ScaledSquares(), ScaledSquares()
+        d2.add_difference(x, y)
+        a2.add_values(x, sum_squares(x))
+        out.append((layer, ScaledSquares(total=math.nan) if va.acc.nonfinite or vb.acc.nonfinite else d2, a2))
     return out
 
 
@@ -887,18 +909,18 @@ def _changes(a: Checkpoint, b: Checkpoint, opts: StatsOptions, skipped: list[str
     return _layer_changes(str(ca.path), str(cb.path), got)
 
 
-def _layer_changes(a: str, b: str, got: Iterable[list[tuple[str, float, float]]]) -> list[LayerChange]:
+def _layer_changes(a: str, b: str, got: Iterable[list[tuple[str, ScaledSquares, ScaledSquares]]]) -> list[LayerChange]:
     """The per-layer changes from :func:`_pair_sums` ' ``(layer, sum (b - a)^2, sum a^2)`` of each tensor pair."""
-    per: dict[str, list[float]] = {}
+    per: dict[str, tuple[ScaledSquares, ScaledSquares, list[int]]] = {}
     for layers in got:
         for layer, d2, a2 in layers:
-            acc = per.setdefault(layer, [0.0, 0.0, 0])
-            acc[0] += d2
-            acc[1] += a2
-            acc[2] += 1
+            acc = per.setdefault(layer, (ScaledSquares(), ScaledSquares(), [0]))
+            acc[0].merge(d2)
+            acc[1].merge(a2)
+            acc[2][0] += 1
     return [
-        LayerChange(a, b, layer, _relative(d2, a2), int(n), absolute=math.sqrt(d2))
-        for layer, (d2, a2, n) in per.items()
+        LayerChange(a, b, layer, _relative(d2.norm(), a2.norm()), n, absolute=d2.norm())
+        for layer, (d2, a2, [n]) in per.items()
     ]
 
 
@@ -912,12 +934,13 @@ def _pair_stack(a: Checkpoint, ka: str, b: Checkpoint, kb: str, fqn: str) -> str
     return prefix
 
 
-def _relative(d2: float, a2: float) -> float:
-    """``sqrt(d2) / sqrt(a2)``; of a layer all zero in A (a zero-initialised LoRA B, an AdaLN-Zero gate) 0 where it
-    stayed zero and ``inf`` where it moved (not a figure left out); NaN where either side held a NaN or infinity."""
-    if a2 > 0 or math.isnan(d2):
-        return math.sqrt(d2) / math.sqrt(a2) if a2 > 0 else math.nan
-    return 0.0 if d2 == 0 else math.inf
+def _relative(d: float, a: float) -> float:
+    """``d / a`` of the norms ``‖b - a‖``, ``‖a‖``; of a layer all zero in A (a zero-initialised LoRA B, an AdaLN-Zero
+    gate) 0 where it stayed zero and ``inf`` where it moved (not a figure left out); NaN where either side held a NaN
+    or infinity."""
+    if a > 0 or math.isnan(d):
+        return d / a if a > 0 else math.nan
+    return 0.0 if d == 0 else math.inf
 
 
 def collect_stats(

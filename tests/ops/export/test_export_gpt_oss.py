@@ -75,3 +75,21 @@ def test_per_expert_split_of_transposed_experts_is_refused(
         "--experts fused",
     )
     assert not out.exists()
+
+
+def test_per_expert_split_refused_when_filter_leaves_down_proj_out(
+    gpt_oss: tuple[Path, Path, torch.Tensor], tmp_path: Path
+) -> None:
+    """Before: exit 0 with ``--filter '*gate_up_proj'`` (the down_proj it is checked beside not selected): the
+    hidden dim cut in halves, wrong gate_proj/up_proj weights written."""
+    ckpt, assets, _ = gpt_oss
+    out = tmp_path / "hf"
+    args = ["export", str(ckpt), str(out), "--experts", "per-expert", "--filter", "*gate_up_proj"]
+    res = runner.invoke(app, args + ["--model-assets", str(assets)])
+    assert_clean_failure(
+        res,
+        "E601",
+        "model.model.layers.0.mlp.experts.gate_up_proj: [4, 32, 48] beside down_proj [4, 24, 32]",
+        "--experts fused",
+    )
+    assert not out.exists()

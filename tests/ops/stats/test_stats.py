@@ -1082,3 +1082,54 @@ def test_float64_values_whose_squares_overflow_have_their_norm_and_std(
         assert norms[layer_of(name)] is not None and math.isclose(norms[layer_of(name)], want[2], rel_tol=1e-12)
     table = runner.invoke(app, ["stats", str(tmp_path / "c")]).stdout
     assert "inf" not in table, table
+
+
+@pytest.mark.parametrize("native", ["1", "0"])
+def test_float64_expert_norms_whose_squares_overflow(
+    tmp_path: Path, native: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Per-expert norms of a float64 ``[E, out, in]`` tensor of values beyond ~1e154 were JSON null (``inf``) beside
+    the tensor's finite L2: they are taken of the values scaled by their largest |x|, as torch's own, an infinite
+    value left out as the tensor's L2 leaves it."""
+    monkeypatch.setenv("CKPTTOOL_NATIVE", native)
+    torch.manual_seed(0)
+    w = torch.randn(3, 8, 4, dtype=torch.float64) * 1e180
+    w[1, 0, 0], w[2, 3, 1] = 1e-300, math.inf
+    dcp.save({"model": {"layers.0.mlp.experts.w1": w}}, checkpoint_id=str(tmp_path / "c"), no_dist=True)
+    res = runner.invoke(app, ["stats", "--json", str(tmp_path / "c")])
+    assert res.exit_code == 0, res.stderr
+    doc = json.loads(res.stdout)
+    jsonschema.validate(doc, load_schema("stats"))
+    (row,) = doc["checkpoints"][0]["experts"]
+    finite = torch.where(torch.isfinite(w), w, 0.0)
+    scale = finite.abs().max()
+    want = [float((finite[e] / scale).norm() * scale) for e in range(3)]
+    assert row["norms"] is not None and all(
+        g is not None and math.isclose(g, x, rel_tol=1e-12) for g, x in zip(row["norms"], want)
+    ), (row["norms"], want)
+
+
+@pytest.mark.parametrize("native", ["1", "0"])
+def test_float64_change_whose_squares_overflow(tmp_path: Path, native: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``stats A B`` of float64 values beyond ~1e154 gave the relative change NaN (inf / inf) and the absolute one
+    JSON null, as for a diverged tensor: the sums are kept scaled, the figures are torch's own."""
+    monkeypatch.setenv("CKPTTOOL_NATIVE", native)
+    torch.manual_seed(0)
+    a = torch.randn(16, 4, dtype=torch.float64) * 1e200
+    b = a * 1.5
+    b[0, 0] = -1.7e308  # b - a near float64's largest
+    small = torch.randn(8, dtype=torch.float64)
+    for name, x in (("a", a), ("b", b)):
+        sd = {"layers.0.w": x, "layers.0.bias": small + (name == "b")}
+        dcp.save({"model": sd}, checkpoint_id=str(tmp_path / name), no_dist=True)
+    res = runner.invoke(app, ["stats", "--json", str(tmp_path / "a"), str(tmp_path / "b")])
+    assert res.exit_code == 0, res.stderr
+    doc = json.loads(res.stdout)
+    jsonschema.validate(doc, load_schema("stats"))
+    (change,) = doc["changes"]
+    m = 1e308  # torch's norms, of values scaled to stay in range
+    d = torch.cat([(b / m - a / m).reshape(-1), torch.ones(8, dtype=torch.float64) / m])
+    want_abs = float(d.norm()) * m
+    want_rel = want_abs / (float(torch.cat([(a / m).reshape(-1), small / m]).norm()) * m)
+    assert change["absolute"] is not None and math.isclose(change["absolute"], want_abs, rel_tol=1e-12), change
+    assert change["relative"] is not None and math.isclose(change["relative"], want_rel, rel_tol=1e-12), change
