@@ -593,3 +593,39 @@ def test_a_step_directory_staged_under_a_suffix_is_an_unfinished_step(tmp_path: 
     assert loc.model == run / "step-2" and not loc.newer_incomplete
     assert "step-3.tmp holds a finished save of step 3 under a staging name" in loc.how, loc.how
     assert "torchtitan's resume" in loc.how and "loads it as step 3" in loc.how, loc.how
+
+
+@pytest.mark.parametrize("name", ["checkpoint-3.tmp", "global_step3.tmp", "iter_0000003.tmp", "epoch_0_step_3.tmp"])
+def test_a_finished_save_under_a_suffix_is_no_torchtitan_step_unless_named_step_n(tmp_path: Path, name: str) -> None:
+    """A finished save under ``<step directory>.tmp`` where the step directory is not named ``step-N``: torchtitan's
+    resume (``re.search("step-(\\d+)")``) does not list it, so ``how`` does not say that it loads it as step 3."""
+    import torch.distributed.checkpoint as dcp
+    from torchtitan.components.checkpoint import CheckpointManager
+
+    run = tmp_path / "run"
+    for step in (1, 2):
+        dcp.save({"w": torch.full((4,), float(step))}, checkpoint_id=str(run / name.replace("3.tmp", str(step))))
+    dcp.save({"w": torch.full((4,), 3.0)}, checkpoint_id=str(run / name))
+    assert CheckpointManager._find_load_step(None, str(run)) == -1  # type: ignore[arg-type]  # no step-N: none listed
+    loc = locate(run, CheckpointSelection(step="latest"))
+    assert loc.step == 2 and f"{name} holds a finished save of step 3 under a staging name" in loc.how, loc.how
+    assert "torchtitan" not in loc.how, loc.how
+
+
+def test_a_staged_save_beside_its_step_under_another_spelling_is_a_leftover(tmp_path: Path) -> None:
+    """``step-3`` complete beside ``step-03.tmp`` (data files, no .metadata): step 3 has a finished save, which
+    torchtitan's resume loads; the staged folder is a leftover, not an unfinished step 3 (E202 on ``--step 3``)."""
+    import torch.distributed.checkpoint as dcp
+    from torchtitan.components.checkpoint import CheckpointManager
+
+    run = tmp_path / "run"
+    for step in (2, 3):
+        dcp.save({"w": torch.full((4,), float(step))}, checkpoint_id=str(run / f"step-{step}"))
+    staged = run / "step-03.tmp"
+    staged.mkdir()
+    for f in (run / "step-3").glob("*.distcp"):
+        shutil.copy(f, staged / f.name)
+    assert CheckpointManager._find_load_step(None, str(run)) == 3  # type: ignore[arg-type]
+    loc = locate(run, CheckpointSelection(step="latest"))
+    assert loc.model == run / "step-3" and not loc.newer_incomplete, loc
+    assert locate(run, CheckpointSelection(step=3)).model == run / "step-3"
