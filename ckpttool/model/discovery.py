@@ -1100,6 +1100,7 @@ def _of_step(
             f"{root}: no checkpoint of step {want} below it; steps found: {found}",
             path=root,
             param="step",
+            hint=_staged_hint(root, units, want),
         )
     return units_at, _epoch_words(root, units_at, how or f"`step` {want}", want)
 
@@ -1176,6 +1177,19 @@ def _staged_note(root: Path, units: list[_Unit], want: int) -> str:
         if titan is not None and int(titan.group(1)) == n
         else " (no trainer's resume lists it)"
     )
+
+
+def _staged_hint(root: Path, units: list[_Unit], want: int | str | None) -> str | None:
+    """The hint for ``step`` ``want`` found only as a finished save under a staging name (``step-3.tmp``), else
+    ``None``."""
+    for u in units:
+        f = _suffixed_step(u.model, root) if u.step is None else None
+        if f is not None and f[0] == want:
+            return (
+                f"{shell_arg(u.model)} holds a finished save of step {want} under a staging name, not renamed to "
+                f"{f[2]}: pass that directory itself"
+            )
+    return None
 
 
 def _suffixed_step(p: Path, root: Path) -> tuple[int, str, str] | None:

@@ -629,3 +629,21 @@ def test_a_staged_save_beside_its_step_under_another_spelling_is_a_leftover(tmp_
     loc = locate(run, CheckpointSelection(step="latest"))
     assert loc.model == run / "step-3" and not loc.newer_incomplete, loc
     assert locate(run, CheckpointSelection(step=3)).model == run / "step-3"
+
+
+def test_step_n_of_a_finished_save_under_a_staging_name_names_that_folder(tmp_path: Path) -> None:
+    """`--step latest` says that torchtitan's resume loads `step-3.tmp` (a finished save) as step 3; `--step 3` was
+    E205 naming steps 1, 2 and no hint. The hint names the folder to pass."""
+    import torch.distributed.checkpoint as dcp
+    from torchtitan.components.checkpoint import CheckpointManager
+
+    run = tmp_path / "run"
+    for name in ("step-1", "step-2", "step-3.tmp"):
+        dcp.save({"w": torch.ones(4)}, checkpoint_id=str(run / name))
+    assert CheckpointManager._find_load_step(None, str(run)) == 3  # type: ignore[arg-type]
+    with pytest.raises(StepNotFoundError) as ei:
+        locate(run, CheckpointSelection(step=3))
+    assert ei.value.hint is not None and str(run / "step-3.tmp") in ei.value.hint, ei.value.hint
+    assert "staging name" in ei.value.hint
+    res = CliRunner().invoke(app, ["inspect", str(run), "--step", "3"])
+    assert res.exit_code == 2 and "step-3.tmp" in res.stderr and "Traceback" not in res.output, res.output
