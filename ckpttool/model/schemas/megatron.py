@@ -335,12 +335,16 @@ def common_steps_problems(common: CommonState) -> Iterator[tuple[str, str]]:
     iterations run (a step skipped for a loss-scale overflow, or a resume with ``--no-load-optim``,
     leaves it behind; nothing puts it ahead)."""
     for i, groups in enumerate(common.groups):
+        if not any("step" in g for g in groups):
+            continue  # a plain optimizer's groups: the step is each parameter's (or state.common_step)
+        # a group without "step" beside those with one: no step to megatron-core's load (a KeyError there)
         saved = [
-            (j, _step_value(g["step"]) if "step" in g else None, g["step"]) for j, g in enumerate(groups) if "step" in g
+            (j, _step_value(g["step"]), repr(g["step"])) if "step" in g else (j, None, "no step")
+            for j, g in enumerate(groups)
         ]
-        if len({repr(v if v is not None else raw) for _, v, raw in saved}) > 1:  # NaN != NaN: compared as text
+        if len({repr(v) if v is not None else raw for _, v, raw in saved}) > 1:  # NaN != NaN: compared as text
             chain = f"chained optimizer {i}'s" if len(common.groups) > 1 else "optimizer"
-            shown = ", ".join(f"group {j}: {v:g}" if v is not None else f"group {j}: {raw!r}" for j, v, raw in saved)
+            shown = ", ".join(f"group {j}: {v:g}" if v is not None else f"group {j}: {raw}" for j, v, raw in saved)
             yield (
                 f"{COMMON_FILE}:optimizer",
                 f"{COMMON_FILE}: the {chain} param groups' step differ ({shown}); megatron-core's "
