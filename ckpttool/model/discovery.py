@@ -1145,6 +1145,7 @@ def _of_step(
             f"{root}: no checkpoint of step {want} below it; steps found: {found}",
             path=root,
             param="step",
+            hint=_staged_hint(root, units, want),
         )
     return units_at, _epoch_words(root, units_at, how or f"`step` {want}", want)
 
@@ -1196,14 +1197,6 @@ def _latest_of(
         skipped = bad[want]
         want = max(done)
         source = f"the highest complete step; step {skipped.step} is incomplete: {skipped.reason}"
-    staged = [(f[0], u.model) for u in units if u.step is None and (f := _suffixed_step(u.model, root)) is not None]
-    staged = [(n, m) for n, m in staged if isinstance(want, int) and n > want]
-    if staged:  # step-3.tmp with its .metadata: a finished save under a staging name
-        n, m = max(staged)
-        source += (
-            f"; {_rel(m, root)} holds a finished save of step {n} under a staging name, not renamed: torchtitan's "
-            f"resume, which matches step-N anywhere in a folder's name, loads it as step {n}"
-        )
     if not isinstance(want, int):
         raise StepNotFoundError(
             f"{root}: `step` latest, but no checkpoint below it is in a step directory "
@@ -1212,22 +1205,63 @@ def _latest_of(
             param="step",
             hint="pass one of the listed directories",
         )
-    return want, f"`step` latest: step {want} ({source})"
+    return want, f"`step` latest: step {want} ({source}{_staged_note(root, units, want)})"
+
+
+def _staged_note(root: Path, units: list[_Unit], want: int) -> str:
+    """What ``latest`` (step ``want``) says of a finished save of a newer step under a staging name (``step-3.tmp``
+    with its ``.metadata``), else ``""``."""
+    staged = [(f[0], u.model, f[1]) for u in units if u.step is None and (f := _suffixed_step(u.model, root))]
+    staged = [(n, m, name) for n, m, name in staged if n > want]
+    if not staged:
+        return ""
+    n, m, name = max(staged)
+    titan = re.search(r"step-(\d+)", name)  # torchtitan's _find_load_step: each name in its checkpoint folder
+    return f"; {_rel(m, root)} holds a finished save of step {n} under a staging name, not renamed" + (
+        f": torchtitan's resume, which matches step-N anywhere in a folder's name, loads it as step {n}"
+        if titan is not None and int(titan.group(1)) == n
+        else " (no trainer's resume lists it)"
+    )
+
+
+def _staged_hint(root: Path, units: list[_Unit], want: int | str | None) -> str | None:
+    """The hint for ``step`` ``want`` found only as a finished save under a staging name (``step-3.tmp``), else
+    ``None``."""
+    for u in units:
+        f = _suffixed_step(u.model, root) if u.step is None else None
+        if f is not None and f[0] == want:
+            return (
+                f"{shell_arg(u.model)} holds a finished save of step {want} under a staging name, not renamed to "
+                f"{f[2]}: pass that directory itself"
+            )
+    return None
 
 
 def _suffixed_step(p: Path, root: Path) -> tuple[int, str, str] | None:
     """``(step, its name, the step directory's name)`` of the nearest directory from ``p`` up to (not including) ``root`` named
     ``<step directory>.<suffix>`` (``step-3.tmp``, ``checkpoint-3.partial``: a save staged under another name) with
-    no directory of that step name beside it; else ``None``. torchtitan's resume matches ``step-(\\d+)`` anywhere
+    no step directory of that step and series beside it (:func:`_step_beside`); else ``None``. torchtitan's resume matches ``step-(\\d+)`` anywhere
     in a name: a finished ``step-3.tmp`` is a step to it, an unfinished one a step whose save did not finish."""
     q = p
     while q != root and q != q.parent:
         stem, dot, _ = q.name.partition(".")
         step = step_of(stem) if dot and stem else None
-        if step is not None and not (q.parent / stem).is_dir():
+        if step is not None and not _step_beside(q.parent, stem, step):
             return step, q.name, stem
         q = q.parent
     return None
+
+
+def _step_beside(parent: Path, stem: str, step: int) -> bool:
+    """Whether ``parent`` holds a step directory of ``step`` in the series of step directory name ``stem``
+    (``step-3`` beside ``step-03.tmp``: its save renamed there, as the trainers' resume lists it)."""
+    try:
+        with os.scandir(parent) as entries:
+            names = [e.name for e in entries if e.is_dir()]
+    except OSError:
+        return False
+    series = re.sub(r"\d+", "N", stem)
+    return any(step_of(n) == step and re.sub(r"\d+", "N", n) == series for n in names)
 
 
 def _step_dir(p: Path, root: Path) -> Path | None:

@@ -660,3 +660,57 @@ def test_a_folder_inside_a_checkpoint_names_the_checkpoint_ready_to_paste(titan_
     assert res.exit_code == 2 and res.stderr.startswith("error: [E200]"), res.stderr
     hint = res.stderr.splitlines()[1]
     assert f"pass the checkpoint directory {shell_arg(ck)} (model_assets/ is a folder inside it)" in hint, hint
+
+
+@pytest.mark.parametrize("name", ["checkpoint-3.tmp", "global_step3.tmp", "iter_0000003.tmp", "epoch_0_step_3.tmp"])
+def test_a_finished_save_under_a_suffix_is_no_torchtitan_step_unless_named_step_n(tmp_path: Path, name: str) -> None:
+    """A finished save under ``<step directory>.tmp`` where the step directory is not named ``step-N``: torchtitan's
+    resume (``re.search("step-(\\d+)")``) does not list it, so ``how`` does not say that it loads it as step 3."""
+    import torch.distributed.checkpoint as dcp
+    from torchtitan.components.checkpoint import CheckpointManager
+
+    run = tmp_path / "run"
+    for step in (1, 2):
+        dcp.save({"w": torch.full((4,), float(step))}, checkpoint_id=str(run / name.replace("3.tmp", str(step))))
+    dcp.save({"w": torch.full((4,), 3.0)}, checkpoint_id=str(run / name))
+    assert CheckpointManager._find_load_step(None, str(run)) == -1  # type: ignore[arg-type]  # no step-N: none listed
+    loc = locate(run, CheckpointSelection(step="latest"))
+    assert loc.step == 2 and f"{name} holds a finished save of step 3 under a staging name" in loc.how, loc.how
+    assert "torchtitan" not in loc.how, loc.how
+
+
+def test_a_staged_save_beside_its_step_under_another_spelling_is_a_leftover(tmp_path: Path) -> None:
+    """``step-3`` complete beside ``step-03.tmp`` (data files, no .metadata): step 3 has a finished save, which
+    torchtitan's resume loads; the staged folder is a leftover, not an unfinished step 3 (E202 on ``--step 3``)."""
+    import torch.distributed.checkpoint as dcp
+    from torchtitan.components.checkpoint import CheckpointManager
+
+    run = tmp_path / "run"
+    for step in (2, 3):
+        dcp.save({"w": torch.full((4,), float(step))}, checkpoint_id=str(run / f"step-{step}"))
+    staged = run / "step-03.tmp"
+    staged.mkdir()
+    for f in (run / "step-3").glob("*.distcp"):
+        shutil.copy(f, staged / f.name)
+    assert CheckpointManager._find_load_step(None, str(run)) == 3  # type: ignore[arg-type]
+    loc = locate(run, CheckpointSelection(step="latest"))
+    assert loc.model == run / "step-3" and not loc.newer_incomplete, loc
+    assert locate(run, CheckpointSelection(step=3)).model == run / "step-3"
+
+
+def test_step_n_of_a_finished_save_under_a_staging_name_names_that_folder(tmp_path: Path) -> None:
+    """`--step latest` says that torchtitan's resume loads `step-3.tmp` (a finished save) as step 3; `--step 3` was
+    E205 naming steps 1, 2 and no hint. The hint names the folder to pass."""
+    import torch.distributed.checkpoint as dcp
+    from torchtitan.components.checkpoint import CheckpointManager
+
+    run = tmp_path / "run"
+    for name in ("step-1", "step-2", "step-3.tmp"):
+        dcp.save({"w": torch.ones(4)}, checkpoint_id=str(run / name))
+    assert CheckpointManager._find_load_step(None, str(run)) == 3  # type: ignore[arg-type]
+    with pytest.raises(StepNotFoundError) as ei:
+        locate(run, CheckpointSelection(step=3))
+    assert ei.value.hint is not None and str(run / "step-3.tmp") in ei.value.hint, ei.value.hint
+    assert "staging name" in ei.value.hint
+    res = CliRunner().invoke(app, ["inspect", str(run), "--step", "3"])
+    assert res.exit_code == 2 and "step-3.tmp" in res.stderr and "Traceback" not in res.output, res.output

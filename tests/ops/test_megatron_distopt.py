@@ -107,3 +107,56 @@ def test_param_group_step_against_the_iteration(
     else:
         assert r.exit_code == 1, r.stdout
         assert [(f["key"], f["message"]) for f in found] == [("common.pt:optimizer", message)]
+
+
+def _with_group_steps(distopt: Path, tmp_path: Path, steps: list[object]) -> Path:
+    """A copy of the run whose common.pt param groups hold ``steps`` (one per group), saved by torch.save as
+    megatron-core saves common.pt."""
+    import shutil
+
+    run = shutil.copytree(distopt, tmp_path / "run")
+    path = run / "iter_0000002" / "common.pt"
+    common = torch.load(path, weights_only=False)
+    groups = common["optimizer"]["optimizer"]["param_groups"]
+    assert len(groups) == len(steps) and all(g["step"] == 2.0 for g in groups)  # megatron's own: one shared step
+    for g, step in zip(groups, steps):
+        g["step"] = step
+        if step is ...:  # a group without its step
+            del g["step"]
+    torch.save(common, path)
+    return run
+
+
+@pytest.mark.parametrize(
+    ("steps", "message"),
+    [
+        ([float("nan")] * 2, "common.pt: optimizer param group 0 step is nan, not a count of steps taken"),
+        ([float("inf")] * 2, "common.pt: optimizer param group 0 step is inf, not a count of steps taken"),
+        ([2.5, 2.5], "common.pt: optimizer param group 0 step is 2.5, not a count of steps taken"),
+        ([None, None], "common.pt: optimizer param group 0 step is a NoneType, not a number"),
+        ([True, True], "common.pt: optimizer param group 0 step is a bool, not a number"),
+    ],
+)
+def test_param_group_step_that_is_no_count(distopt: Path, tmp_path: Path, steps: list[object], message: str) -> None:
+    """The DistributedOptimizer's shared step lies in common.pt's param groups, which megatron-core loads into every
+    parameter's ``step`` (``torch.tensor(step, dtype=torch.float)``): replay-step refused a NaN, infinite, fractional,
+    None or bool step (E511, hint: ``validate --strict --deep``), which passed validate --strict --deep. D003 names
+    it."""
+    run = _with_group_steps(distopt, tmp_path, steps)
+    assert runner.invoke(app, ["replay-step", str(run), "--device", "cpu"]).exit_code == 2
+    r = runner.invoke(app, ["validate", "--strict", "--deep", "--json", str(run)])
+    found = [(f["key"], f["message"]) for f in json.loads(r.stdout)["findings"] if f["code"] == "D003"]
+    assert r.exit_code == 1 and found, r.stdout
+    assert found[0][0] == "common.pt:optimizer" and found[0][1].startswith(message), found
+
+
+@pytest.mark.parametrize("steps", [[2.0, 1.0], [1.0, 2.0], [float("nan"), 2.0], [..., 2.0], [2.0, ...]])
+def test_param_groups_with_different_steps(distopt: Path, tmp_path: Path, steps: list[object]) -> None:
+    """megatron-core's DistributedOptimizer loads one step into every parameter and asserts that its param groups
+    hold one (``assert len(steps) == 1``; a group without it is a KeyError there): groups at different steps, none
+    ahead of the iteration, or one group without a step, passed validate."""
+    run = _with_group_steps(distopt, tmp_path, steps)
+    r = runner.invoke(app, ["validate", "--strict", "--deep", "--json", str(run)])
+    found = [f["message"] for f in json.loads(r.stdout)["findings"] if f["code"] == "R002"]
+    assert r.exit_code == 1, r.stdout
+    assert any("param groups' step differ" in m for m in found), found

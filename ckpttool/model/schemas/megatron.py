@@ -329,10 +329,27 @@ def assign_groups(
 
 
 def common_steps_problems(common: CommonState) -> Iterator[tuple[str, str]]:
-    """The optimizers' ``common_step`` of ``common.pt``: megatron's ``ChainedOptimizer`` steps every chained
+    """The optimizers' ``common_step`` of ``common.pt``: one per optimizer (the ``DistributedOptimizer``'s param
+    groups hold the same ``step``), megatron's ``ChainedOptimizer`` steps every chained
     optimizer together (one skip decision for all), and an optimizer never steps more often than the
     iterations run (a step skipped for a loss-scale overflow, or a resume with ``--no-load-optim``,
     leaves it behind; nothing puts it ahead)."""
+    for i, groups in enumerate(common.groups):
+        if not any("step" in g for g in groups):
+            continue  # a plain optimizer's groups: the step is each parameter's (or state.common_step)
+        # a group without "step" beside those with one: no step to megatron-core's load (a KeyError there)
+        saved = [
+            (j, _step_value(g["step"]), repr(g["step"])) if "step" in g else (j, None, "no step")
+            for j, g in enumerate(groups)
+        ]
+        if len({repr(v) if v is not None else raw for _, v, raw in saved}) > 1:  # NaN != NaN: compared as text
+            chain = f"chained optimizer {i}'s" if len(common.groups) > 1 else "optimizer"
+            shown = ", ".join(f"group {j}: {v:g}" if v is not None else f"group {j}: {raw}" for j, v, raw in saved)
+            yield (
+                f"{COMMON_FILE}:optimizer",
+                f"{COMMON_FILE}: the {chain} param groups' step differ ({shown}); megatron-core's "
+                "DistributedOptimizer loads one step into every parameter (its load asserts a single value)",
+            )
     steps = {i: int(s) for i, s in enumerate(common.common_step) if s is not None and math.isfinite(s)}
     if len(set(steps.values())) > 1:
         shown = ", ".join(f"optimizer {i}: {s}" for i, s in steps.items())

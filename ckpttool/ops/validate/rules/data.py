@@ -90,6 +90,35 @@ def step_not_count(ctx: Context) -> Iterator[tuple[str, str]]:
             if why is not None:
                 yield key, f"{key}: step {why}"
                 break
+    yield from _group_steps_not_count(ctx)
+
+
+def _group_steps_not_count(ctx: Context) -> Iterator[tuple[str, str]]:
+    """The param groups' ``step`` of the trainer's common state (megatron-core's ``DistributedOptimizer`` keeps its
+    shared step there and loads it into every parameter's ``step`` as a float32 tensor): the first that is no count,
+    per optimizer."""
+    name = ctx.ckpt.common_state_file
+    try:
+        common = ctx.ckpt.common_state() if name is not None else None
+    except CkptError:
+        return  # R002 names an unreadable common state
+    if common is None:
+        return
+    for chain, groups in enumerate(common.groups):
+        optimizer = f"chained optimizer {chain}" if len(common.groups) > 1 else "optimizer"
+        for i, g in enumerate(groups):
+            if "step" not in g:
+                continue
+            raw = g["step"]
+            item = getattr(raw, "item", None)  # a 0-d tensor
+            v = item() if callable(item) and not isinstance(raw, (int, float)) else raw
+            if isinstance(v, bool) or not isinstance(v, (int, float)):
+                why: str | None = f"is a {type(raw).__name__}, not a number"
+            else:
+                why = why_not_count(float(v), True)
+            if why is not None:
+                yield f"{name}:optimizer", f"{name}: {optimizer} param group {i} step {why}"
+                break
 
 
 def saved_steps(ctx: Context) -> Iterator[tuple[str, list[float] | None, object]]:
