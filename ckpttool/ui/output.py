@@ -47,7 +47,9 @@ __all__ = [
 ]
 
 F = TypeVar("F", bound=Callable[..., Any])
-_PARAM_RE = re.compile(r"`([a-z][a-z0-9_]*)`")
+#: A backticked parameter name standing alone (``(`step` latest)``, `` `source_layout`/`ep_size` ``), not inside a
+#: word or a file name (``run`step`3``: a path holding backticks).
+_PARAM_RE = re.compile(r"(?<![\w.\-])`([a-z][a-z0-9_]*)`(?!\w)")
 
 
 class SanitizedStream(io.TextIOBase):
@@ -196,8 +198,11 @@ def with_flags(text: str) -> str:
     return _with_flags(text, flag_names())
 
 
-def _with_flags(text: str, flags: dict[str, str]) -> str:
-    """Replace `` `param` `` by the command's flag for it, ``docs/X.md`` by its documentation URL."""
+def _with_flags(text: str, flags: dict[str, str], keep: str | None = None) -> str:
+    """Replace `` `param` `` by the command's flag for it, ``docs/X.md`` by its documentation URL; the text of
+    ``keep`` (the error's file, whose name may hold backticks) is left as it is."""
+    if keep and keep in text:
+        return keep.join(_with_flags(part, flags) for part in text.split(keep))
     text = _PARAM_RE.sub(lambda m: flags.get(m.group(1), m.group(0)), text)
     return _DOCS_RE.sub(lambda m: f"{docs_url()}/{m.group(1)}", text) if "docs/" in text else text
 
@@ -266,7 +271,8 @@ def print_error(err: CkptError) -> None:
     """Render a :class:`CkptError` as ``error:``/``hint:`` lines on stderr (parameters named by their flags)."""
     flags = flag_names()
     stderr = _stderr()
-    stderr.write(_line("error", f"[{err.code}] {_with_flags(err.message, flags)}"))
+    keep = str(err.path) if err.path else None
+    stderr.write(_line("error", f"[{err.code}] {_with_flags(err.message, flags, keep)}"))
     hint = err.hint
     ctx = _current_context() if hint == UsageError.default_hint else None
     if ctx is not None:  # the library's generic "run the command with --help": name the command, as click's do

@@ -775,10 +775,24 @@ def test_manifest_hints_with_a_backtick_in_the_path_paste_as_that_path(sample_ck
     for argv in (["validate", str(ck), "--manifest"], ["manifest", str(ck), "--verify"]):
         res = runner.invoke(app, argv)
         assert res.exit_code == 2 and res.stdout == "", res.output
-        hint = res.stderr.splitlines()[1]
+        error, hint = res.stderr.splitlines()[:2]
+        assert str(ck) in error, error  # the file named as it is, not with `step` read as the parameter
         assert hint.startswith("hint: write one with `ckpttool manifest ") and hint.endswith("`"), hint
         line = hint.removeprefix("hint: write one with `ckpttool ").removesuffix("`")
         words = subprocess.run(
             ["bash", "-c", f'set -- {line}; printf "%s\\0" "$@"'], capture_output=True, check=True
         ).stdout.split(b"\0")[:-1]
         assert [os.fsdecode(w) for w in words] == ["manifest", str(ck)], (hint, words)
+
+
+def test_a_backticked_name_inside_a_file_name_is_not_a_parameter() -> None:
+    """A message's `` `step` `` is named by its flag; the same letters inside a file name (``run`step`3``, a name
+    holding backticks) are the name, not the parameter (the error line named another file)."""
+    from ckpttool.ui.output import _with_flags
+
+    flags = {"step": "--step", "ep_size": "--ep-size", "source_layout": "--source-layout"}
+    assert (
+        _with_flags("`step` latest (`source_layout`/`ep_size`).", flags) == "--step latest (--source-layout/--ep-size)."
+    )
+    assert _with_flags("/r/run`step`3/.metadata: no `step` 3", flags) == "/r/run`step`3/.metadata: no --step 3"
+    assert _with_flags("/r/a `step` b: no `step` 3", flags, keep="/r/a `step` b") == "/r/a `step` b: no --step 3"
