@@ -838,6 +838,14 @@ def _experts(opts: ExportOptions) -> str:
     return "per-expert" if opts.quantize is not None else "fused"
 
 
+def _expert_rule_keys(selected: list[Selected], rules: ExportRules) -> list[str]:
+    """The output keys of the selected tensors an ``experts`` rule matches (fused ``[E, out, in]`` experts), but
+    those a model adapter writes as fused experts itself (:attr:`~ckpttool.model.adapters.base.HFTensor.fused_experts`)."""
+    if not any(len(s.source.shape) > 2 for s in selected):  # no [E, out, in] weight: no regex over 10^6 dense keys
+        return []
+    return [s.out_key for s in selected if (s.hf is None or not s.hf.fused_experts) and rules.expert_rule(s.out_key)]
+
+
 def _fused_experts_note(
     selected: list[Selected], rules: ExportRules, opts: ExportOptions, out_format: OutputFormat
 ) -> tuple[str, ...]:
@@ -846,9 +854,7 @@ def _fused_experts_note(
     transformers 4.x use the per-expert names."""
     if opts.experts is not None or _experts(opts) != "fused" or not out_format.ties_embeddings:
         return ()
-    if not any(len(s.source.shape) > 2 for s in selected):  # no [E, out, in] weight: no regex over 10^6 dense keys
-        return ()
-    fused = [s.out_key for s in selected if (s.hf is None or not s.hf.fused_experts) and rules.expert_rule(s.out_key)]
+    fused = _expert_rule_keys(selected, rules)
     if not fused:
         return ()
     return (
@@ -866,9 +872,7 @@ def _per_expert_names_note(
     not for the Mixtral family, whose per-expert names are its own (``block_sparse_moe.experts.N.w1``)."""
     if model_config or opts.rules is not None or _experts(opts) != "per-expert":
         return ()
-    if not any(len(s.source.shape) > 2 for s in selected):  # no [E, out, in] weight: no regex over 10^6 dense keys
-        return ()
-    split = [s.out_key for s in selected if (s.hf is None or not s.hf.fused_experts) and rules.expert_rule(s.out_key)]
+    split = _expert_rule_keys(selected, rules)
     if not split:
         return ()
     return (
