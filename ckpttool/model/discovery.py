@@ -402,6 +402,27 @@ def find_checkpoints(root: Path, max_depth: int = MAX_DEPTH, whole: bool = False
     return found
 
 
+def older_steps(step_dir: Path) -> list[tuple[int, Path]]:
+    """The finished checkpoints beside step directory ``step_dir`` with a lower step, newest first (none when its
+    name holds no step); unfinished saves are left out as :func:`find_checkpoints` leaves them."""
+    step = step_of(step_dir.name)
+    if step is None:
+        return []
+    try:
+        entries = list(os.scandir(step_dir.parent))
+    except OSError:
+        return []
+    found = []
+    for e in entries:
+        s = step_of(e.name)
+        if s is None or s >= step or not _followed(e):
+            continue
+        p = Path(e.path)
+        if is_checkpoint_dir(p) and staging_of(p) is None and _unfinished_checkpoint(p) is None:
+            found.append((s, p))
+    return sorted(found, key=lambda sp: sp[0], reverse=True)
+
+
 #: Names an unfinished save leaves: torch's ``FileSystemWriter`` writes ``.metadata`` to this
 #: name first and renames it when every rank has finished (``torch/distributed/checkpoint/filesystem.py``).
 _METADATA_TMP = METADATA_NAME + ".tmp"

@@ -641,9 +641,9 @@ def check_expert_dim(s: Selected, e: int, num_experts: int | None) -> None:
 
 def _refuse_transposed_experts(selected: list[Selected], stored: Mapping[str, TensorEntry], experts: str) -> None:
     """Raise where a fused ``<prefix>.gate_up_proj`` and its ``<prefix>.down_proj`` are not ``[E, 2I, H]`` and
-    ``[E, H, I]``, the layout a per-expert split cuts: gpt-oss stores its experts transposed (``gate_up_proj``
-    ``[E, H, 2I]``, ``down_proj`` ``[E, I, H]``) with the gate and up columns interleaved, which the split would cut
-    into wrong ``gate_proj``/``up_proj`` halves. A ``down_proj`` not selected is looked up in ``stored`` by its
+    ``[E, H, I]``, the layout a per-expert split cuts: experts stored transposed (``gate_up_proj`` ``[E, H, 2I]``,
+    ``down_proj`` ``[E, I, H]``; gate and up columns interleaved in gpt-oss, concatenated in Llama4), which the
+    split would cut into wrong ``gate_proj``/``up_proj`` halves. A ``down_proj`` not selected is looked up in ``stored`` by its
     checkpoint key. Nothing to check unless ``experts`` is ``per-expert``.
 
     Raises:
@@ -664,8 +664,8 @@ def _refuse_transposed_experts(selected: list[Selected], stored: Mapping[str, Te
         if gate_up[1] != 2 * down[2] or gate_up[2] != down[1]:
             raise ExportError(
                 f"{s.model_key}: {list(gate_up)} beside down_proj {list(down)} is not the [E, 2I, H] / [E, H, I] "
-                "layout a per-expert split cuts (gpt-oss stores its experts transposed, [E, H, 2I] with gate and up "
-                "interleaved)",
+                "layout a per-expert split cuts (experts stored transposed, [E, H, 2I] / [E, I, H]: gate and up "
+                "interleaved in gpt-oss, concatenated in Llama4)",
                 fqn=s.model_key,
                 hint="export with `experts` fused (the experts written as stored, the names the model class loads)",
             )

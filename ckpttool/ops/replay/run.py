@@ -20,10 +20,18 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Literal
 
 from ckpttool.engine.pool import map_ordered
-from ckpttool.errors import CkptError, DeviceUnavailableError, StateDtypeError, UsageError
+from ckpttool.errors import (
+    CkptError,
+    DeviceUnavailableError,
+    HyperparameterError,
+    StateDtypeError,
+    UsageError,
+    shell_arg,
+)
 from ckpttool.format.jsonview import json_fields, json_number
 from ckpttool.format.metadata import TensorMeta
 from ckpttool.model.catalog import Catalog, leaf_key
@@ -488,6 +496,26 @@ class _Prepared:
     synthesized: int = 0  # parameters whose state is synthesized (step 1, all-zero moments: D005)
 
 
+def _older_optimizer_step_hint(ckpt: Checkpoint) -> str | None:
+    """For a save without optimizer state (torchtitan's ``last_save_model_only``): the newest older step of the
+    same run that holds it, as a hint to pass, or ``None`` (at most 8 older steps are opened)."""
+    from ckpttool.format.storage import is_url
+    from ckpttool.model.checkpoint import open_checkpoint
+    from ckpttool.model.discovery import older_steps
+
+    here = str(ckpt.catalog.path)
+    if is_url(here) or ckpt.located.optimizer is not None:
+        return None
+    for step, path in older_steps(Path(here))[:8]:
+        try:
+            if open_checkpoint(path).param_groups():
+                run = shell_arg(path.parent)
+                return f"step {step} of this run holds its optimizer state: pass --step {step} (ckpttool replay-step {run} --step {step})"
+        except CkptError:
+            continue
+    return None
+
+
 def _prepare(ckpt: Checkpoint, opts: ReplayOptions) -> _Prepared:
     """Plan the replay, check the gradients file and note synthesized state and the EP layouts."""
     import torch
@@ -497,12 +525,18 @@ def _prepare(ckpt: Checkpoint, opts: ReplayOptions) -> _Prepared:
     reader, cat = ckpt.reader, ckpt.catalog
     ckpt.param_groups()
     layout = ckpt.require_layout()
-    plan = plan_replay(
-        cat,
-        layout.record,
-        **same_named(opts, "select", "filter_glob", "optimizer", "offload_patterns", "chunk_size", "head_dim"),
-        object_steps=_object_steps(ckpt),
-    )
+    try:
+        plan = plan_replay(
+            cat,
+            layout.record,
+            **same_named(opts, "select", "filter_glob", "optimizer", "offload_patterns", "chunk_size", "head_dim"),
+            object_steps=_object_steps(ckpt),
+        )
+    except HyperparameterError as e:
+        hint = None if cat.param_groups else _older_optimizer_step_hint(ckpt)
+        if hint is None:
+            raise
+        raise HyperparameterError(e.message, hint=hint) from None
     notes = list(plan.notes)
     spec = cat.schema.spec
     notes.extend(_lr_before_step_note(spec.lr_set_before_step if spec is not None else "", plan.params))

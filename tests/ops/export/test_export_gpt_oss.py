@@ -1,7 +1,7 @@
 """gpt-oss experts (transformers' ``GptOssForCausalLM``: ``gate_up_proj`` ``[E, H, 2I]``, gate and up columns
 interleaved, ``down_proj`` ``[E, I, H]``) saved by ``dcp.save``: exported fused they give transformers' own logits;
 a per-expert split, whose cut assumes ``[E, 2I, H]`` / ``[E, H, I]``, is refused in one line, with or without a
-``config.json``."""
+``config.json``; so is Llama4's (``Llama4TextExperts``: the same layout, gate and up concatenated)."""
 
 from __future__ import annotations
 
@@ -17,6 +17,10 @@ from tests.ops.export.test_export_writers import assert_clean_failure
 transformers = pytest.importorskip("transformers")
 runner = CliRunner()
 IDS = [[1, 2, 3, 4, 5, 6]]
+TRANSPOSED = (
+    "layout a per-expert split cuts (experts stored transposed, [E, H, 2I] / [E, I, H]: gate and up interleaved in "
+    "gpt-oss, concatenated in Llama4)"
+)
 
 
 @pytest.fixture(scope="module")
@@ -72,6 +76,7 @@ def test_per_expert_split_of_transposed_experts_is_refused(
         res,
         "E601",
         "model.model.layers.0.mlp.experts.gate_up_proj: [4, 32, 48] beside down_proj [4, 24, 32]",
+        TRANSPOSED,
         "--experts fused",
     )
     assert not out.exists()
@@ -90,6 +95,40 @@ def test_per_expert_split_refused_when_filter_leaves_down_proj_out(
         res,
         "E601",
         "model.model.layers.0.mlp.experts.gate_up_proj: [4, 32, 48] beside down_proj [4, 24, 32]",
+        TRANSPOSED,
+        "--experts fused",
+    )
+    assert not out.exists()
+
+
+def test_per_expert_split_of_llama4_experts_is_refused(tmp_path: Path) -> None:
+    """transformers' ``Llama4ForCausalLM`` saved by ``dcp.save``: ``gate_up_proj`` ``[E, H, 2I]`` (gate and up
+    concatenated) beside ``down_proj`` ``[E, I, H]``; the refusal describes the layout, not one model."""
+    import torch.distributed.checkpoint as dcp
+
+    cfg = transformers.Llama4TextConfig(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=24,
+        intermediate_size_mlp=40,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        num_local_experts=4,
+        num_experts_per_tok=1,
+        moe_layers=[0],
+    )
+    torch.manual_seed(0)
+    model = transformers.Llama4ForCausalLM(cfg)
+    dcp.save({"model": {k: v.contiguous() for k, v in model.state_dict().items()}}, checkpoint_id=str(tmp_path / "c"))
+    out = tmp_path / "hf"
+    res = runner.invoke(app, ["export", str(tmp_path / "c"), str(out), "--experts", "per-expert"])
+    assert_clean_failure(
+        res,
+        "E601",
+        "model.model.layers.0.feed_forward.experts.gate_up_proj: [4, 32, 48] beside down_proj [4, 24, 32]",
+        TRANSPOSED,
         "--experts fused",
     )
     assert not out.exists()

@@ -108,9 +108,34 @@ def test_refusals_name_the_cause(plain_root: Path, titan_root: Path) -> None:
     res = runner.invoke(
         app, ["replay-step", str(titan_root / "llama3" / "checkpoint"), "--step", "3", "--device", "cpu"]
     )
-    assert res.exit_code == 2 and res.stderr.startswith("error: [E514]") and "--optimizer-dir" in res.stderr
+    assert res.exit_code == 2 and res.stderr.startswith("error: [E514]") and "--step 2" in res.stderr
     res = runner.invoke(app, ["replay-step", str(titan_root / "llama3" / "checkpoint"), "--device", "cpu"])
     assert res.exit_code == 2 and res.stderr.startswith("error: [E204]") and "--step N|latest" in res.stderr
+
+
+def test_a_model_only_last_save_names_the_newest_step_with_optimizer_state(titan_root: Path, tmp_path: Path) -> None:
+    """torchtitan's last_save_model_only step 3 (BF16 weights only) after full saves at steps 1 and 2: the hint
+    names step 2, pasteable; with no older full save, the hint stays the one about an optimizer checkpoint."""
+    import shlex
+    import shutil
+
+    run = tmp_path / "it's a run" / "checkpoint"
+    for step in (1, 2, 3):
+        shutil.copytree(titan_root / "llama3" / "checkpoint" / f"step-{step}", run / f"step-{step}")
+    res = runner.invoke(app, ["replay-step", str(run.parent), "--step", "latest", "--device", "cpu"])
+    assert res.exit_code == 2 and res.stderr.startswith("error: [E514]"), res.stderr
+    hint = res.stderr.splitlines()[1]
+    assert hint == (
+        f"hint: step 2 of this run holds its optimizer state: pass --step 2 "
+        f"(ckpttool replay-step {shlex.quote(str(run))} --step 2)"
+    )
+    pasted = shlex.split(hint.split("(", 1)[1].rstrip(")"))
+    assert pasted == ["ckpttool", "replay-step", str(run), "--step", "2"]
+    assert replay(*pasted[2:], "--head-dim", "16")["ok"]
+    shutil.rmtree(run / "step-1")
+    shutil.rmtree(run / "step-2")
+    res = runner.invoke(app, ["replay-step", str(run / "step-3"), "--device", "cpu"])
+    assert res.exit_code == 2 and res.stderr.startswith("error: [E514]") and "--optimizer-dir" in res.stderr
 
 
 def _titan_resaved(titan_root: Path, out: Path, **older: str) -> Path:
