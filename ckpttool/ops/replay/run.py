@@ -536,7 +536,8 @@ def _prepare(ckpt: Checkpoint, opts: ReplayOptions) -> _Prepared:
         hint = None if cat.param_groups else _older_optimizer_step_hint(ckpt)
         if hint is None:
             raise
-        raise HyperparameterError(e.message, hint=hint) from None
+        e.hint = hint  # the same error (its key, file and code), with the step to pass
+        raise
     notes = list(plan.notes)
     spec = cat.schema.spec
     notes.extend(_lr_before_step_note(spec.lr_set_before_step if spec is not None else "", plan.params))
