@@ -24,7 +24,7 @@ import time
 import tracemalloc
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.append(str(Path(__file__).resolve().parents[1]))  # after PYTHONPATH: a build given there is measured
 
 FOLDERS = {"step": ("",), "accelerate": ("pytorch_model_fsdp_0", "optimizer_0")}
 STEP_NAME = {"step": "step-{}", "accelerate": "checkpoint-{}"}
