@@ -17,6 +17,7 @@ import torch
 from typer.testing import CliRunner
 
 from ckpttool.cli.app import app
+from tests.fixtures.megatron import assert_r002
 
 DATA = Path(__file__).parent.parent / "fixtures" / "megatron_data"
 runner = CliRunner()
@@ -196,13 +197,7 @@ def test_common_step_against_the_iteration_and_the_other_chain(
     for chain, step in zip(sorted(common["optimizer"]), steps):
         common["optimizer"][chain]["state"]["common_step"] = torch.tensor(step)
     torch.save(common, path)
-    r = runner.invoke(app, ["validate", "--strict", "--deep", "--json", str(run)])
-    found = [f for f in json.loads(r.stdout)["findings"] if f["code"] == "R002"]
-    if message is None:
-        assert r.exit_code == 0 and not found, r.stdout
-    else:
-        assert r.exit_code == 1, r.stdout
-        assert [(f["key"], f["message"]) for f in found] == [("common.pt:optimizer", message)]
+    assert_r002(run, message)
 
 
 def test_stepped_parameters_of_unassigned_groups_fail_the_replay(tmp_path: Path) -> None:

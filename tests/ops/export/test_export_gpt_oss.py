@@ -6,12 +6,14 @@ a per-expert split, whose cut assumes ``[E, 2I, H]`` / ``[E, H, I]``, is refused
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 from typer.testing import CliRunner
 
 from ckpttool.cli.app import app
+from tests.fixtures.hf_models import save_tiny_causal_lm
 from tests.ops.export.test_export_writers import assert_clean_failure
 
 transformers = pytest.importorskip("transformers")
@@ -23,10 +25,20 @@ TRANSPOSED = (
 )
 
 
+def _assert_transposed_refused(res: Any, out: Path) -> None:
+    """E601 naming the gpt-oss experts' shapes and the transposed layout, the hint ``--experts fused``, nothing written."""
+    assert_clean_failure(
+        res,
+        "E601",
+        "model.model.layers.0.mlp.experts.gate_up_proj: [4, 32, 48] beside down_proj [4, 24, 32]",
+        TRANSPOSED,
+        "--experts fused",
+    )
+    assert not out.exists()
+
+
 @pytest.fixture(scope="module")
 def gpt_oss(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path, torch.Tensor]:
-    import torch.distributed.checkpoint as dcp
-
     root = tmp_path_factory.mktemp("gpt_oss")
     cfg = transformers.GptOssConfig(
         vocab_size=64,
@@ -40,15 +52,7 @@ def gpt_oss(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path, torch
         num_experts_per_tok=2,
         layer_types=["full_attention"],
     )
-    torch.manual_seed(0)
-    model = transformers.GptOssForCausalLM(cfg).eval()
-    with torch.no_grad():
-        for p in model.parameters():
-            p.normal_(std=0.2)
-        logits = model(torch.tensor(IDS)).logits
-    dcp.save({"model": {k: v.contiguous() for k, v in model.state_dict().items()}}, checkpoint_id=str(root / "ckpt"))
-    cfg.save_pretrained(root / "assets")
-    return root / "ckpt", root / "assets", logits
+    return save_tiny_causal_lm(transformers.GptOssForCausalLM, cfg, root, IDS)
 
 
 def test_fused_export_gives_transformers_logits(gpt_oss: tuple[Path, Path, torch.Tensor], tmp_path: Path) -> None:
@@ -72,14 +76,7 @@ def test_per_expert_split_of_transposed_experts_is_refused(
     out = tmp_path / "hf"
     args = ["export", str(ckpt), str(out), "--experts", "per-expert"]
     res = runner.invoke(app, args + (["--model-assets", str(assets)] if with_config else []))
-    assert_clean_failure(
-        res,
-        "E601",
-        "model.model.layers.0.mlp.experts.gate_up_proj: [4, 32, 48] beside down_proj [4, 24, 32]",
-        TRANSPOSED,
-        "--experts fused",
-    )
-    assert not out.exists()
+    _assert_transposed_refused(res, out)
 
 
 def test_per_expert_split_refused_when_filter_leaves_down_proj_out(
@@ -91,14 +88,7 @@ def test_per_expert_split_refused_when_filter_leaves_down_proj_out(
     out = tmp_path / "hf"
     args = ["export", str(ckpt), str(out), "--experts", "per-expert", "--filter", "*gate_up_proj"]
     res = runner.invoke(app, args + ["--model-assets", str(assets)])
-    assert_clean_failure(
-        res,
-        "E601",
-        "model.model.layers.0.mlp.experts.gate_up_proj: [4, 32, 48] beside down_proj [4, 24, 32]",
-        TRANSPOSED,
-        "--experts fused",
-    )
-    assert not out.exists()
+    _assert_transposed_refused(res, out)
 
 
 def test_per_expert_split_of_llama4_experts_is_refused(tmp_path: Path) -> None:

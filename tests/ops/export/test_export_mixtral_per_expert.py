@@ -12,6 +12,7 @@ import torch
 from typer.testing import CliRunner
 
 from ckpttool.cli.app import app
+from tests.fixtures.hf_models import save_tiny_causal_lm
 
 transformers = pytest.importorskip("transformers")
 runner = CliRunner()
@@ -21,8 +22,6 @@ NOTE = "a Mixtral (MiniMax, PhiMoE) loader reads block_sparse_moe.experts.N.w1/w
 
 @pytest.fixture(scope="module")
 def mixtral(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path, torch.Tensor]:
-    import torch.distributed.checkpoint as dcp
-
     root = tmp_path_factory.mktemp("mixtral")
     cfg = transformers.MixtralConfig(
         vocab_size=64,
@@ -35,15 +34,7 @@ def mixtral(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path, torch
         num_local_experts=4,
         num_experts_per_tok=2,
     )
-    torch.manual_seed(0)
-    model = transformers.MixtralForCausalLM(cfg).eval()
-    with torch.no_grad():
-        for p in model.parameters():
-            p.normal_(std=0.2)
-        logits = model(torch.tensor(IDS)).logits
-    dcp.save({"model": {k: v.contiguous() for k, v in model.state_dict().items()}}, checkpoint_id=str(root / "ckpt"))
-    cfg.save_pretrained(root / "assets")
-    return root / "ckpt", root / "assets", logits
+    return save_tiny_causal_lm(transformers.MixtralForCausalLM, cfg, root, IDS)
 
 
 def test_with_config_mixtral_names_give_transformers_logits(
