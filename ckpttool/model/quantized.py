@@ -102,17 +102,55 @@ def block_size_problem(config: Mapping[str, Any] | None) -> str | None:
     return f"config.json quantization_config.weight_block_size is {wbs!r:.40}, not two positive integers"
 
 
-def _fp8_problem(
-    key: str, scale: tuple[str, tuple[int, ...]], weight: tuple[str, tuple[int, ...]] | None, block: tuple[int, int]
-) -> str | None:
+_Spec = tuple[str, tuple[int, ...]]  # (dtype name, shape) of a stored tensor
+
+
+@dataclass(frozen=True)
+class _ScaleRule:
+    """What a scale tensor must fit in one convention (the module docstring): its partner (the FP8 weight, the MXFP4
+    blocks), the dtypes of both, and the shape check; the phrases name each misfit."""
+
+    missing: str
+    """What a scale without its partner is (``a block scale for a missing weight``)."""
+    scale_noun: str
+    scale_dtypes: tuple[str, ...]
+    scale_dtypes_named: str
+    """How :attr:`scale_dtypes` is named in a message."""
+    partner_noun: str
+    partner_dtype: str
+
+
+_FP8_RULE = _ScaleRule(
+    "a block scale for a missing weight",
+    "scales are",
+    SCALE_DTYPES,
+    "float32 (block FP8 stores float32 weight_scale_inv; or bfloat16 / float16)",
+    "weight {!r} is",
+    "float8_e4m3fn",
+)
+_MX_RULE = _ScaleRule(
+    "MXFP4 scales for missing blocks", "MXFP4 scales are", _E8M0, "uint8 E8M0 exponents", "blocks {!r} are", "uint8"
+)
+
+
+def _scale_problem(key: str, rule: _ScaleRule, scale: _Spec, pkey: str, partner: _Spec | None) -> str | None:
+    """Why ``scale`` (at ``key``) does not fit ``partner`` (at ``pkey``) by ``rule``'s dtypes (``None``: they fit; the
+    shapes are the caller's check)."""
+    if partner is None:
+        return f"{key}: {rule.missing} {pkey!r}"
+    if scale[0] not in rule.scale_dtypes:
+        return f"{key}: {rule.scale_noun} {scale[0]}, not {rule.scale_dtypes_named}"
+    if partner[0] != rule.partner_dtype:
+        return f"{key}: its {rule.partner_noun.format(pkey)} {partner[0]}, not {rule.partner_dtype}"
+    return None
+
+
+def _fp8_problem(key: str, scale: _Spec, weight: _Spec | None, block: tuple[int, int]) -> str | None:
     wkey = key[: -len(FP8_SCALE_SUFFIX)]
-    if weight is None:
-        return f"{key}: a block scale for a missing weight {wkey!r}"
-    (sd, ss), (wd, ws) = scale, weight
-    if sd not in SCALE_DTYPES:
-        return f"{key}: scales are {sd}, not float32 (block FP8 stores float32 weight_scale_inv; or bfloat16 / float16)"
-    if wd != "float8_e4m3fn":
-        return f"{key}: its weight {wkey!r} is {wd}, not float8_e4m3fn"
+    why = _scale_problem(key, _FP8_RULE, scale, wkey, weight)
+    if why is not None or weight is None:
+        return why
+    ss, ws = scale[1], weight[1]
     if len(ws) != 2 or len(ss) != 2:
         return f"{key}: weight {list(ws)} and scale {list(ss)} are not both 2-D"
     want = [-(-ws[0] // block[0]), -(-ws[1] // block[1])]
@@ -121,15 +159,12 @@ def _fp8_problem(
     return None
 
 
-def _mx_problem(key: str, scale: tuple[str, tuple[int, ...]], blocks: tuple[str, tuple[int, ...]] | None) -> str | None:
+def _mx_problem(key: str, scale: _Spec, blocks: _Spec | None) -> str | None:
     bkey = key[: -len(_MX_SCALES)] + _MX_BLOCKS
-    if blocks is None:
-        return f"{key}: MXFP4 scales for missing blocks {bkey!r}"
-    (sd, ss), (bd, bs) = scale, blocks
-    if sd not in _E8M0:
-        return f"{key}: MXFP4 scales are {sd}, not uint8 E8M0 exponents"
-    if bd != "uint8":
-        return f"{key}: its blocks {bkey!r} are {bd}, not uint8"
+    why = _scale_problem(key, _MX_RULE, scale, bkey, blocks)
+    if why is not None or blocks is None:
+        return why
+    ss, bs = scale[1], blocks[1]
     if len(bs) != 4 or tuple(bs[:-1]) != tuple(ss):
         return f"{key}: shape {list(ss)} does not fit blocks {list(bs)} ([E, N, G, B] blocks, [E, N, G] scales)"
     return None
