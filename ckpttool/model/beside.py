@@ -115,9 +115,9 @@ def unread_beside(
 
     dirs = [model_dir]
     known: set[str] = set()  # names of the step directory read with the checkpoint or opened on their own
-    if any(pair.model.match(model_dir.name) for pair in registry.derived().folder_pairs):
+    if any(pair.model.match(model_dir.name) for pair in registry.derived().discovery.folder_pairs):
         dirs.append(model_dir.parent)
-    for folder, beside in registry.derived().step_folders:
+    for folder, beside in registry.derived().discovery.step_folders:
         if model_dir.name == folder:  # the checkpoint folder of a step directory (verl's actor/)
             dirs.append(model_dir.parent)
             known.update((folder, *beside))
@@ -152,7 +152,7 @@ def unpaired_optimizer(model_dir: Path, given: Path) -> str | None:
     ``None`` when there is none."""
     from ckpttool.model.schemas import registry
 
-    for pair in registry.derived().folder_pairs:
+    for pair in registry.derived().discovery.folder_pairs:
         m = pair.model.fullmatch(model_dir.name)
         if m is None:
             continue
@@ -175,7 +175,7 @@ def unpaired_model(optimizer_dir: Path, given: Path) -> str | None:
             names = sorted(e.name for e in it if e.is_dir(follow_symlinks=False))
     except OSError:
         return None
-    for pair in registry.derived().folder_pairs:
+    for pair in registry.derived().discovery.folder_pairs:
         for name in names:
             m = pair.model.fullmatch(name)
             model = optimizer_dir.parent / name

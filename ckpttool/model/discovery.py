@@ -254,7 +254,7 @@ def step_of(name: str) -> int | None:
     m = d.step_re.match(name)
     if m:
         return int(m.group(1))
-    for pat in d.step_patterns:
+    for pat in d.discovery.step_patterns:
         m = pat.match(name)
         if m:
             return int(m.group("step"))
@@ -277,7 +277,8 @@ def _step_named(given: PurePath, q: PurePath) -> tuple[int | None, bool]:
     """:func:`named_step` of absolute paths ``given`` and checkpoint folder ``q``."""
     d = registry.derived()
     if given == q and (
-        any(folder == q.name for folder, _ in d.step_folders) or any(p.model.match(q.name) for p in d.folder_pairs)
+        any(folder == q.name for folder, _ in d.discovery.step_folders)
+        or any(p.model.match(q.name) for p in d.discovery.folder_pairs)
     ):
         given = q.parent
     while q.is_relative_to(given):
@@ -291,7 +292,7 @@ def _step_named(given: PurePath, q: PurePath) -> tuple[int | None, bool]:
 
 def _epoch_of(name: str) -> int:
     """The epoch in a step directory's name (``epoch_3_step_100``: 3), ``-1`` when it names none."""
-    for pat in registry.derived().step_patterns:
+    for pat in registry.derived().discovery.step_patterns:
         m = pat.match(name)
         if m and "epoch" in pat.groupindex:
             return int(m.group("epoch"))
@@ -300,7 +301,7 @@ def _epoch_of(name: str) -> int:
 
 def _marker(path: Path) -> str | None:
     """The in-progress marker a trainer left in ``path`` (NeMo Automodel's ``.incomplete``), else ``None``."""
-    for name in registry.derived().incomplete_markers:
+    for name in registry.derived().discovery.incomplete_markers:
         if os.path.lexists(path / name):
             return name
     return None
@@ -312,7 +313,7 @@ def _renamed_to(path: Path) -> str | None:
     ``stepN-tmp``, renamed to ``stepN`` after every rank has written) or ``<prefix><step directory>`` for its
     ``staging_prefixes`` (HF Trainer's ``tmp-checkpoint-N``, transformers 4.36-4.38), else ``None``."""
     d, name = registry.derived(), path.name
-    finals = [name[: -len(x)] for x in d.staging_suffixes if name.endswith(x)]
+    finals = [name[: -len(x)] for x in d.discovery.staging_suffixes if name.endswith(x)]
     finals += [
         name[len(x) :] for x, words in d.staging_prefixes if name.startswith(x) and _has_word(name[len(x) :], words)
     ]
@@ -439,7 +440,7 @@ def _unpublished(path: Path, names: list[str] | None = None) -> str | None:
             names = os.listdir(path)
         except OSError:
             return None
-    for last, holds in registry.derived().publish_markers:
+    for last, holds in registry.derived().discovery.publish_markers:
         present = [h for h in holds if h in names]
         if last in names or not present:
             continue
@@ -494,7 +495,7 @@ def _unfinished(path: Path) -> str | None:
         names = os.listdir(path)
     except OSError:
         return None
-    marker = next((m for m in registry.derived().incomplete_markers if m in names), None)
+    marker = next((m for m in registry.derived().discovery.incomplete_markers if m in names), None)
     if marker is not None:
         return f"{marker} (the trainer's marker of a save not yet published)"
     unpublished = _unpublished(path, names)
@@ -614,8 +615,8 @@ def _lone_models(
     lone: dict[int, IncompleteStep] = {}
     kept: list[_Unit] = []
     for u in units:
-        matches = (pr.model.match(u.model.name) for pr in registry.derived().folder_pairs)
-        pair = next(((pr, m) for pr, m in zip(registry.derived().folder_pairs, matches) if m), None)
+        matches = (pr.model.match(u.model.name) for pr in registry.derived().discovery.folder_pairs)
+        pair = next(((pr, m) for pr, m in zip(registry.derived().discovery.folder_pairs, matches) if m), None)
         if u.optimizer is None and u.step is not None and u.model.name in paired and pair is not None:
             want = pair[0].optimizer.format(*pair[1].groups())
             if not os.path.lexists(u.model.parent / want):
@@ -643,7 +644,7 @@ def _units(root: Path, found: list[Path]) -> list[_Unit]:
     paired: set[Path] = set()
     units: list[_Unit] = []
     for p in found:
-        for pair in registry.derived().folder_pairs:
+        for pair in registry.derived().discovery.folder_pairs:
             m = pair.model.match(p.name)
             if m is None:
                 continue
@@ -688,7 +689,7 @@ def _latest_step(root: Path) -> tuple[int | str, str] | None:
             Megatron's ``release``): the trainer's own resume stops on it; or a step directory outside ``root``.
         NotRegularFileError (E102): a ``latest`` that is a FIFO, device or socket.
     """
-    for name in registry.derived().latest_files:
+    for name in registry.derived().discovery.latest_files:
         p = root / name
         try:
             if p.is_symlink():  # NeMo Automodel's LATEST: a relative symlink to the step directory
@@ -993,7 +994,7 @@ def _refuse_unfinished_unit(root: Path, u: _Unit, step: int | str | None, incomp
             raise _incomplete_error(root, inc, None)
     if u.optimizer is not None:
         return
-    for pair in registry.derived().folder_pairs:
+    for pair in registry.derived().discovery.folder_pairs:
         m = pair.model.match(u.model.name)
         partner = u.model.parent / pair.optimizer.format(*m.groups()) if m is not None else None
         why = _unfinished(partner) if partner is not None and partner.is_dir() else None
@@ -1138,7 +1139,7 @@ def _of_step(
     elif want in bad:
         raise _incomplete_error(root, bad[want], step)
     units_at = [u for u in units if u.step == want]
-    if not units_at and pointer is not None and pointer[1] in registry.derived().latest_fallback:
+    if not units_at and pointer is not None and pointer[1] in registry.derived().discovery.latest_fallback:
         # NeMo Automodel's resume passes over a LATEST naming a step that is not there: the highest complete step
         named = want
         want, how = _latest_of(root, units, bad, None)

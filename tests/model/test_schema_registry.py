@@ -90,7 +90,12 @@ def test_step_directory_names() -> None:
         2,
         None,
     ]
-    assert registry.derived().latest_files == ("LATEST", "LATEST.txt", "latest", "latest_checkpointed_iteration.txt")
+    assert registry.derived().discovery.latest_files == (
+        "LATEST",
+        "LATEST.txt",
+        "latest",
+        "latest_checkpointed_iteration.txt",
+    )
     assert [step_of(n) for n in ("epoch_0_step_5", "epoch_3_step_12", "epoch_0_step_x")] == [5, 12, None]
 
 

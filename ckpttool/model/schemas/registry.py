@@ -10,8 +10,7 @@ parameters) is derived once per change of the registry (:func:`derived`). Torch-
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
-from typing import Any
+from dataclasses import dataclass, fields
 
 from ckpttool.model.schemas import (
     app_state,
@@ -29,7 +28,6 @@ from ckpttool.model.schemas.base import (
     GENERIC_DISCOVERY,
     GENERIC_TRAINING_STATE_ITEMS,
     Discovery,
-    FolderPair,
     SchemaSpec,
 )
 
@@ -59,11 +57,10 @@ class Derived:
         containers: ``(container, spec)`` of the specs whose model is nested (``container`` non-empty), in priority order.
         fixed_prefixes: model prefixes of the specs without a wildcard container, deduplicated, in priority order.
         step_re: the step-directory regex (``<word>[-_]?<N>``, case-insensitive, ``N`` ASCII digits; use ``match``).
-        latest_files: files naming the last step; folder_pairs: model/optimizer folder pairs, in order;
-        step_folders: the checkpoint folders of step directories, with the names beside them that are read.
-        latest_fallback: the ``latest_files`` whose trainer falls back to the highest complete step.
-        staging_suffixes: how a step directory's name ends while its save is staged.
-        staging_prefixes: ``(prefix, step words)``: how it starts, for the step words of the spec declaring it.
+        discovery: every spec's :class:`~ckpttool.model.schemas.base.Discovery` and the generic one, merged: each
+            field's items in priority order, repeats dropped (latest files, folder pairs, step folders, markers, ...).
+        staging_prefixes: ``(prefix, step words)``: how a staged step directory's name starts, for the step words of
+            the spec declaring it (the merged discovery lists the prefixes alone).
         fused_rules: every spec's fused-parameter rules.
     """
 
@@ -72,16 +69,9 @@ class Derived:
     containers: tuple[tuple[tuple[str | None, ...], SchemaSpec], ...]
     fixed_prefixes: tuple[str, ...]
     step_re: re.Pattern[str]
-    latest_files: tuple[str, ...]
-    folder_pairs: tuple[FolderPair, ...]
+    discovery: Discovery
+    staging_prefixes: tuple[tuple[str, tuple[str, ...]], ...]
     fused_rules: tuple[tuple[re.Pattern[str], tuple[str, ...]], ...]
-    step_patterns: tuple[re.Pattern[str], ...] = ()
-    incomplete_markers: tuple[str, ...] = ()
-    publish_markers: tuple[tuple[str, tuple[str, ...]], ...] = ()
-    staging_suffixes: tuple[str, ...] = ()
-    step_folders: tuple[tuple[str, tuple[str, ...]], ...] = ()
-    latest_fallback: tuple[str, ...] = ()
-    staging_prefixes: tuple[tuple[str, tuple[str, ...]], ...] = ()
 
 
 _DERIVED: list[Derived] = []
@@ -148,9 +138,11 @@ def _unique(items: list[str]) -> tuple[str, ...]:
     return tuple(dict.fromkeys(items))
 
 
-def _joined(discovery: list[Discovery], attr: str) -> tuple[Any, ...]:
-    """Every discovery's ``attr`` items, in order."""
-    return tuple(x for d in discovery for x in getattr(d, attr))
+def _merged(discovery: list[Discovery]) -> Discovery:
+    """One :class:`Discovery` holding every item of ``discovery``'s, in order, repeats dropped."""
+    return Discovery(
+        **{f.name: tuple(dict.fromkeys(x for d in discovery for x in getattr(d, f.name))) for f in fields(Discovery)}
+    )
 
 
 def derived() -> Derived:
@@ -158,24 +150,17 @@ def derived() -> Derived:
     if _DERIVED:
         return _DERIVED[0]
     all_discovery = [*(s.discovery for s in _SPECS), GENERIC_DISCOVERY]
-    words = _unique([w for d in all_discovery for w in d.step_words])
+    merged = _merged(all_discovery)
     d = Derived(
         training_state_items=frozenset(GENERIC_TRAINING_STATE_ITEMS).union(*(s.training_state_items for s in _SPECS)),
         optimizer_heads=_unique([h for s in _SPECS for h in s.optimizer_heads]),
         containers=tuple((s.container, s) for s in _SPECS if s.container),
         fixed_prefixes=_unique([s.model_prefix for s in _SPECS if None not in s.container]),
         # ASCII digits only, to the end of the name (``$`` also matches before a trailing newline)
-        step_re=re.compile(rf"(?:{'|'.join(map(re.escape, words))})[-_]?([0-9]+)\Z", re.I),
-        latest_files=_unique([f for d in all_discovery for f in d.latest_files]),
-        folder_pairs=_joined(all_discovery, "folder_pairs"),
-        fused_rules=tuple(r for s in _SPECS for r in s.fused_rules),
-        step_patterns=_joined(all_discovery, "step_patterns"),
-        incomplete_markers=_unique([m for d in all_discovery for m in d.incomplete_markers]),
-        publish_markers=tuple(dict.fromkeys(m for d in all_discovery for m in d.publish_markers)),
-        staging_suffixes=_unique([x for d in all_discovery for x in d.staging_suffixes]),
-        step_folders=_joined(all_discovery, "step_folders"),
-        latest_fallback=_unique([f for d in all_discovery for f in d.latest_fallback]),
+        step_re=re.compile(rf"(?:{'|'.join(map(re.escape, merged.step_words))})[-_]?([0-9]+)\Z", re.I),
+        discovery=merged,
         staging_prefixes=tuple(dict.fromkeys((x, d.step_words) for d in all_discovery for x in d.staging_prefixes)),
+        fused_rules=tuple(r for s in _SPECS for r in s.fused_rules),
     )
     _DERIVED.append(d)
     return d
