@@ -14,20 +14,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from ckpttool.errors import CkptError
-from ckpttool.model.counters import (
-    Counter,
-    directory_step_disagrees,
-    lost_optimizer_state,
-    optimizer_step_disagrees,
-    scheduler_counters,
-    scheduler_disagrees,
-    scheduler_lr_disagrees,
-    scheduler_per_step,
-    several_optimizer_steps,
-    skips_optimizer_steps,
-    synthesized_state_lost,
-    trainer_steps,
-)
+from ckpttool.model import counters
 from ckpttool.ops.validate.base import rule
 from ckpttool.ops.validate.context import Context
 from ckpttool.ops.validate.rules.data import saved_steps, synthesized_from_stats
@@ -64,13 +51,13 @@ def latest_names_no_checkpoint(ctx: Context) -> Iterator[tuple[str, str]]:
         return  # another reason --step latest fails there: not this rule's
 
 
-def _optimizer_step(ctx: Context) -> Counter | None:
+def _optimizer_step(ctx: Context) -> counters.Counter | None:
     """The largest saved optimizer ``step`` (parameters that missed gradients count fewer)."""
-    best: Counter | None = None
+    best: counters.Counter | None = None
     for key, values, _ in saved_steps(ctx):
         for v in values or ():
             if math.isfinite(v) and v >= 0 and v == int(v) and (best is None or v > best.value):
-                best = Counter(key, int(v))
+                best = counters.Counter(key, int(v))
     return best
 
 
@@ -81,14 +68,14 @@ def train_step_mismatch(ctx: Context) -> Iterator[tuple[str, str]]:
         return  # common.pt alone (``shallow`` in rules.json): the other counters are the deep pass's
     synthesized = synthesized_from_stats(ctx)
     if synthesized:  # saved before the first optimizer step (D005): the counters of no step to compare
-        lost = synthesized_state_lost(ctx.ckpt, len(synthesized))
+        lost = counters.synthesized_state_lost(ctx.ckpt, len(synthesized))
         if lost is not None:
             yield lost
         return
     # verl: the optimizer steps once per PPO mini-batch, the scheduler and the directory count training steps
-    opt = None if several_optimizer_steps(ctx.ckpt) else _optimizer_step(ctx)
-    trains = trainer_steps(ctx.ckpt)
-    epochs, counts = scheduler_counters(ctx.ckpt)
+    opt = None if counters.several_optimizer_steps(ctx.ckpt) else _optimizer_step(ctx)
+    trains = counters.trainer_steps(ctx.ckpt)
+    epochs, counts = counters.scheduler_counters(ctx.ckpt)
     yield from _no_optimizer_state(ctx, trains + epochs)
     ref = trains[0] if trains else (opt if opt is not None else (epochs[0] if epochs else None))
     if ref is None:
@@ -96,14 +83,18 @@ def train_step_mismatch(ctx: Context) -> Iterator[tuple[str, str]]:
     for c in trains[1:]:
         if c.value != ref.value:
             yield c.key, f"{c.key} = {c.value} but {ref.key} = {ref.value}"
-    named = directory_step_disagrees(ctx.ckpt, ref, may_lag=ref is opt and skips_optimizer_steps(ctx.ckpt))
+    named = counters.directory_step_disagrees(
+        ctx.ckpt, ref, may_lag=ref is opt and counters.skips_optimizer_steps(ctx.ckpt)
+    )
     if named is not None:
         yield named
     if opt is not None and opt is not ref:
-        bad = optimizer_step_disagrees(ctx.ckpt, opt, ref)
+        bad = counters.optimizer_step_disagrees(ctx.ckpt, opt, ref)
         if bad is not None:
             yield bad
-    yield from scheduler_disagrees(ctx.ckpt, ref, epochs, ref_may_lag=ref is opt and skips_optimizer_steps(ctx.ckpt))
+    yield from counters.scheduler_disagrees(
+        ctx.ckpt, ref, epochs, ref_may_lag=ref is opt and counters.skips_optimizer_steps(ctx.ckpt)
+    )
     by_item = {e.key.rsplit(".", 1)[0]: e for e in epochs}
     for c in counts:
         e = by_item.get(c.key.rsplit(".", 1)[0])
@@ -121,15 +112,15 @@ def scheduler_lr_unsaved(ctx: Context) -> Iterator[tuple[str, str]]:
         groups = ctx.ckpt.param_groups()
     except CkptError:
         return  # an unreadable group item is the storage checks' finding
-    yield from scheduler_lr_disagrees(ctx.ckpt, groups)
+    yield from counters.scheduler_lr_disagrees(ctx.ckpt, groups)
 
 
 @rule("R004")
 def scheduler_behind_step(ctx: Context) -> Iterator[tuple[str, str]]:
-    if scheduler_per_step(ctx.ckpt) or synthesized_from_stats(ctx):
+    if counters.scheduler_per_step(ctx.ckpt) or synthesized_from_stats(ctx):
         return  # R002 compares them
-    trains = trainer_steps(ctx.ckpt)
-    epochs, _ = scheduler_counters(ctx.ckpt)
+    trains = counters.trainer_steps(ctx.ckpt)
+    epochs, _ = counters.scheduler_counters(ctx.ckpt)
     ref = trains[0] if trains else _optimizer_step(ctx)
     for c in epochs:
         if ref is not None and c.value < ref.value:
@@ -140,9 +131,9 @@ def scheduler_behind_step(ctx: Context) -> Iterator[tuple[str, str]]:
             )
 
 
-def _no_optimizer_state(ctx: Context, counters: list[Counter]) -> Iterator[tuple[str, str]]:
+def _no_optimizer_state(ctx: Context, counted: list[counters.Counter]) -> Iterator[tuple[str, str]]:
     """Steps counted but no optimizer state saved (:func:`~ckpttool.model.counters.lost_optimizer_state`)."""
-    lost = lost_optimizer_state(ctx.ckpt, counters)
+    lost = counters.lost_optimizer_state(ctx.ckpt, counted)
     if lost is not None:
         yield lost
 
