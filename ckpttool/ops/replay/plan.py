@@ -737,6 +737,15 @@ def _select(
                 hint="re-save the optimizer with torch.distributed.checkpoint.state_dict.get_optimizer_state_dict"
                 "(model, optimizer), which names each parameter by its fqn",
             )
+        spec = cat.schema.spec
+        if not members.grouped and cat.param_groups and spec is not None and spec.group_members is not None:
+            raise HyperparameterError(  # the trainer saved its groups without their params lists
+                f"{cat.path}: the {len(cat.param_groups)} param groups of {spec.common_state_file} are not the "
+                "trainer's default grouping (custom overrides, or a group that held no parameter where it was saved), "
+                "so which parameters each holds is not known; nothing to replay",
+                hint="the groups' hyperparameters are listed by `ckpttool inspect`; a replay needs the default "
+                "grouping (docs/frameworks.md)",
+            )
         from ckpttool.model.beside import model_folder_hint
 
         raise HyperparameterError(
