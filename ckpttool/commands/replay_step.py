@@ -130,7 +130,7 @@ HeadDimOpt = Annotated[
         "--head-dim",
         min=1,
         help="Attention head dim: assembles fused wqkv state saved beside split wq/wk/wv (torchtitan) when the "
-        "checkpoint does not tell it (no q_norm).",
+        "checkpoint does not tell it (no q_norm, no config.json saved with it).",
     ),
 ]
 

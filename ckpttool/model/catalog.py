@@ -1039,9 +1039,12 @@ def _common_state_groups(sch: KeySchema, common: CommonState | None, state: dict
     for i, (values, members) in enumerate(spec.group_members(common, params)):
         keys = {h: f"{spec.common_state_file}:optimizer.param_groups.{i}.{h}" for h in values}
         groups.append(ParamGroup(i, "nested", keys=keys, values=values, params=members))
-        if "step" in values:  # the shared step of the chained optimizer, saved once in the common state
+        if "step" in values and spec.shared_step_params is None:  # the shared step, saved once in the common state
             for fqn in members:
                 state[fqn].fields.setdefault("step", None)
+    if spec.shared_step_params is not None:  # every parameter's of its optimizer, in whichever group
+        for fqn in spec.shared_step_params(common, params):
+            state[fqn].fields.setdefault("step", None)
     return groups
 
 

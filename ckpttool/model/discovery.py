@@ -687,6 +687,7 @@ def _latest_step(root: Path) -> tuple[int | str, str] | None:
     Raises:
         StepNotFoundError: a ``latest`` file that names no step (neither a number, a step name nor
             Megatron's ``release``): the trainer's own resume stops on it; or a step directory outside ``root``.
+            Also a ``latest`` file that cannot be read (permissions): the step it names is not known.
         NotRegularFileError (E102): a ``latest`` that is a FIFO, device or socket.
     """
     for name in registry.derived().discovery.latest_files:
@@ -707,8 +708,16 @@ def _latest_step(root: Path) -> tuple[int | str, str] | None:
                     "directory (or remove it to make `step` latest the highest complete step)",
                 )
             text = _pointer_text(p)
-        except OSError:
+        except FileNotFoundError:  # removed since it was listed
             continue
+        except OSError as e:  # the trainer's resume reading it fails too: the highest step may not be the one it names
+            raise StepNotFoundError(
+                f"{p}: cannot be read ({e.strerror or e}), so the step it names is not known "
+                "(`step` latest cannot follow it)",
+                path=p,
+                param="step",
+                hint=f"make {name} readable (chmod a+r), or pass `step` N",
+            ) from None
         if text is None:
             continue
         # decimal digits, as int() (Megatron's own reading) takes them; a superscript is a digit to isdigit(), not to int()

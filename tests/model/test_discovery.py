@@ -650,6 +650,32 @@ def test_latest_file_that_is_a_fifo_or_socket_is_e102(acc_root: Path, tmp_path: 
     assert locate(run, CheckpointSelection(step="latest")).step == 2
 
 
+def test_latest_file_that_cannot_be_read_is_e205(acc_root: Path, tmp_path: Path) -> None:
+    """A ``latest`` file the process cannot open (mode 000: a trainer's resume reading it fails): `step` latest passed
+    it over and opened the highest step as if there were none, though it may name an older one. It is E205 naming
+    it (root runs the command without the capabilities that read past file modes)."""
+    import subprocess
+    import sys
+
+    run = tmp_path / "run"
+    for s in (1, 2):
+        shutil.copytree(acc_root / "accelerate" / f"checkpoint-{s - 1}", run / f"checkpoint-{s}")
+    (run / "latest").write_text("checkpoint-1\n")
+    (run / "latest").chmod(0)
+    cmd = [sys.executable, "-m", "ckpttool", "inspect", str(run), "--step", "latest"]
+    if os.geteuid() == 0:
+        setpriv = shutil.which("setpriv")
+        if setpriv is None:
+            pytest.skip("root, and no setpriv to drop CAP_DAC_OVERRIDE")
+        cmd = [setpriv, "--bounding-set", "-dac_override,-dac_read_search", *cmd]
+    res = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert res.returncode == 2 and res.stderr.startswith("error: [E205]"), res.stderr
+    assert f"{run / 'latest'}: cannot be read" in res.stderr and "Traceback" not in res.stderr, res.stderr
+    assert len(res.stderr.splitlines()) == 2 and not res.stdout, res.stderr
+    (run / "latest").chmod(0o644)
+    assert locate(run, CheckpointSelection(step="latest")).step == 1
+
+
 def test_a_folder_inside_a_checkpoint_names_the_checkpoint_ready_to_paste(titan_root: Path, tmp_path: Path) -> None:
     """``inspect CKPT/model_assets`` (a folder inside the checkpoint): the hint's checkpoint directory to pass is one
     shell argument; it was unquoted, its run of spaces and its newline folded into 'ck x $y', another folder."""

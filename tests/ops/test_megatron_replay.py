@@ -231,6 +231,43 @@ def test_stepped_parameters_of_unassigned_groups_fail_the_replay(tmp_path: Path)
     assert json.loads(r.stdout)["ok"]
 
 
+def test_common_step_is_every_parameters_when_groups_have_no_inferred_members(tmp_path: Path) -> None:
+    """A plain optimizer's common.pt with a param group beside megatron's default pair (an override group, empty on
+    the rank that saved it, as megatron-core aligns groups across ranks): no group gets members, and validate read
+    the optimizer's common_step as no one's, O001 "optimizer state lacks step" for every parameter. megatron-core's
+    load gives it to every parameter's state (_restore_common_per_param_step): no O001."""
+    run = _with_override_group(tmp_path)
+    r = runner.invoke(app, ["validate", "--json", str(run)])
+    doc = json.loads(r.stdout)
+    assert not [f for f in doc["findings"] if f["code"] == "O001"], [f["message"] for f in doc["findings"]]
+
+
+def _with_override_group(tmp_path: Path) -> Path:
+    """dense1 (a plain optimizer) with a third param group in common.pt: an ``lr_mult`` 0.5 override group."""
+    import shutil
+
+    run = shutil.copytree(DATA / "dense1", tmp_path / "run")
+    path = run / "iter_0000003" / "common.pt"
+    common = torch.load(path, weights_only=False)
+    groups = common["optimizer"]["param_groups"]
+    half = {k: groups[0][k] * 0.5 for k in ("lr", "max_lr", "min_lr")}
+    groups.append(dict(groups[0], lr_mult=0.5, default_config=False, **half))
+    torch.save(common, path)
+    return run
+
+
+def test_replay_of_groups_without_inferred_members_says_so(tmp_path: Path) -> None:
+    """replay-step on that plain optimizer: E514 said "none of the 0 parameter(s) of the param groups is a model
+    tensor" and "the optimizer state does not name this checkpoint's model tensors", which it does. It says that the
+    groups are not the default grouping, so their members are not known."""
+    run = _with_override_group(tmp_path)
+    r = runner.invoke(app, ["replay-step", "--device", "cpu", str(run)])
+    assert r.exit_code == 2 and r.stdout == "", r.output
+    line = r.stderr.splitlines()[0]
+    assert line.startswith("error: [E514]") and "the 3 param groups of common.pt are not the trainer's default" in line
+    assert "which parameters each holds is not known; nothing to replay" in line, line
+
+
 def test_inspect_and_stats_name_the_iteration_of_common_pt() -> None:
     """Megatron keeps its step in common.pt (``iteration``): inspect showed no step and stats' step was null for
     a real iter_0000003; inspect's trainer line names common.pt's iteration and stats' step is 3."""

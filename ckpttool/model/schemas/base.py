@@ -282,6 +282,8 @@ class SchemaSpec:
         common_state_problems: inconsistencies within the common state (``R002``): ``(key, message)`` pairs.
         group_members: its param groups are saved in the common state without their parameters: the members
             inferred by its trainer's default rule (:data:`GroupMembers`); the catalog's groups are these.
+        shared_step_params: the parameters (of those :attr:`group_members` takes) whose state holds the step the
+            common state saves once per optimizer, whatever their group: ``None`` where it is only the members'.
         inferred_groups_note: the warning ``replay-step`` gives when the replayed parameters' groups (inferred by
             :attr:`group_members`) differ in hyperparameters: (groups used, parameters chosen, hyperparameters
             that differ) -> the note.
@@ -342,6 +344,7 @@ class SchemaSpec:
     common_state_required: str = ""
     common_state_problems: Callable[[CommonState], Iterator[tuple[str, str]]] | None = None
     group_members: GroupMembers | None = None
+    shared_step_params: Callable[[CommonState, Mapping[str, tuple[str, tuple[int, ...]]]], list[str]] | None = None
     inferred_groups_note: Callable[[Sequence[ParamGroup], set[str], list[str]], str] | None = None
     skips_overflow_steps: bool = False
     skip_step_groups: Callable[[Sequence[ParamGroup]], bool] | None = None

@@ -328,6 +328,14 @@ def assign_groups(
     return out
 
 
+def shared_step_params(common: CommonState, params: Mapping[str, tuple[str, tuple[int, ...]]]) -> list[str]:
+    """The parameters whose state holds their chained optimizer's ``common_step``: every one of its parameters, in
+    whichever group (megatron-core's load puts it in each parameter's state, ``_restore_common_per_param_step``),
+    also where :func:`assign_groups` leaves the groups without members."""
+    n = len(common.common_step)
+    return [f for f, (key, _) in params.items() if (c := chain_of(key)) < n and common.common_step[c] is not None]
+
+
 def common_steps_problems(common: CommonState) -> Iterator[tuple[str, str]]:
     """The optimizers' ``common_step`` of ``common.pt``: one per optimizer (the ``DistributedOptimizer``'s param
     groups hold the same ``step``), megatron's ``ChainedOptimizer`` steps every chained
@@ -400,6 +408,7 @@ SPEC = SchemaSpec(
     ),
     common_state_problems=common_steps_problems,
     group_members=assign_groups,
+    shared_step_params=shared_step_params,
     inferred_groups_note=inferred_groups_note,
     # Megatron's own loss scaler skips the step of an iteration that overflowed; the iteration still counts
     skips_overflow_steps=True,

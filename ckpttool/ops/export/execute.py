@@ -34,6 +34,7 @@ from ckpttool.errors import (
     ModelMismatchError,
     NotRegularFileError,
     UsageError,
+    shell_arg,
 )
 from ckpttool.format import limits
 from ckpttool.format.atomic import signals_deferred
@@ -1345,6 +1346,21 @@ def _adapter_config_beside(ckpt: Checkpoint, out_format: OutputFormat, given: di
     return path if path.is_file() else None
 
 
+def _name_config_beside(e: ExportError, ckpt: Checkpoint, opts: ExportOptions) -> None:
+    """Name the folder of the ``config.json`` saved with the checkpoint in the hint of an adapter's error asking for
+    the model's config (no ``model_assets`` given): the one to pass."""
+    from ckpttool.model.adapters import CONFIG_HINT
+
+    if opts.model_assets is not None or e.hint != CONFIG_HINT:
+        return
+    try:
+        found = ckpt.hf_config_beside()
+    except CkptError:  # a config.json linked out of the checkpoint: not one to name
+        return
+    if found is not None:
+        e.hint = f"{CONFIG_HINT}: the checkpoint holds one, `model_assets` {shell_arg(found)}"
+
+
 def _config_beside(ckpt: Checkpoint, opts: ExportOptions, out_format: OutputFormat) -> str | None:
     """:attr:`_Prepared.config_beside`: looked for only when a model format gets no ``model_assets``."""
     if opts.model_assets is not None or not out_format.ties_embeddings:
@@ -1372,7 +1388,11 @@ def _export(
     reader = ckpt.reader
     reader.verify_crc = opts.verify_crc
     layout = ckpt.require_layout()
-    prep = _prepare(ckpt, layout, out_format, opts, given, say)
+    try:
+        prep = _prepare(ckpt, layout, out_format, opts, given, say)
+    except ExportError as e:
+        _name_config_beside(e, ckpt, opts)
+        raise
     plan = prep.plan
     sources = ckpt.output_sources()
     for source in sources[1:]:  # the output directory below checks the first

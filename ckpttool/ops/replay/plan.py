@@ -548,7 +548,11 @@ def _stray_state(cat: Catalog, grouped: set[str], notes: list[str], wanted: Call
 
 
 def _membership(
-    cat: Catalog, notes: list[str], head_dim: int | None = None, wanted: Callable[[str], bool] | None = None
+    cat: Catalog,
+    notes: list[str],
+    head_dim: int | None = None,
+    wanted: Callable[[str], bool] | None = None,
+    config_head_dim: int | None = None,
 ) -> _Membership:
     """Group membership and hyperparameters of the model tensors; notes what is not replayed (of the
     tensors ``wanted`` keeps: the selection)."""
@@ -564,7 +568,7 @@ def _membership(
     for f in orphans:
         parts = _stackable_parts(cat, f)
         if parts:
-            groups = _part_groups(cat, f, parts, head_dim)
+            groups = _part_groups(cat, f, parts, head_dim, config_head_dim)
             if groups is None:
                 unknown.append(f)
             else:
@@ -580,7 +584,7 @@ def _membership(
         why = (
             f"`head_dim` {head_dim} does not divide their k rows ({rows_k})"
             if head_dim is not None
-            else "the head dim is not in the checkpoint (no q_norm/k_norm beside them)"
+            else "the head dim is not in the checkpoint (no q_norm/k_norm beside them, no config.json saved with it)"
         )
         notes.append(
             f"{len(unknown)} fused parameter(s) (e.g. {unknown[0]}) interleave their parts per KV head, and {why}: "
@@ -645,19 +649,22 @@ def _lr_dtype(cat: Catalog, group: Any) -> str | None:
     return str(entry.dtype) if entry is not None else None
 
 
-def _part_groups(cat: Catalog, fqn: str, parts: tuple[str, ...], head_dim: int | None) -> int | None:
+def _part_groups(
+    cat: Catalog, fqn: str, parts: tuple[str, ...], head_dim: int | None, config_head_dim: int | None = None
+) -> int | None:
     """How many row groups the parts of a fused ``q/k/v`` parameter interleave in (``None``: unknown).
 
     torchtitan's ``FusedQKVLinear`` (``torchtitan/models/common/attention.py``, ``_merge_qkv_on_load``)
     orders the fused rows per KV head: ``wq.reshape(n_kv, hpk, hd)``, ``wk``/``wv``
-    ``.reshape(n_kv, 1, hd)``, concatenated on dim 1. ``hd`` is ``head_dim``, else the size of
-    the ``q_norm.weight`` (or ``k_norm.weight``) beside the projection (Qwen3-style models).
+    ``.reshape(n_kv, 1, hd)``, concatenated on dim 1. ``hd`` is the size of the ``q_norm.weight`` (or
+    ``k_norm.weight``) beside the projection (Qwen3-style models), else ``head_dim``, else ``config_head_dim`` (the
+    ``config.json`` saved with the checkpoint).
     Parts not named ``wq``/``wk``/``wv`` are plain concatenation (1 group).
     """
     if len(parts) != 3 or not parts[0].rsplit(".", 2)[-2].endswith("wq"):
         return 1
     rows_k = cat.model[parts[1]].shape[0]
-    hd = head_dim
+    hd = head_dim if head_dim is not None else config_head_dim
     attn = fqn.rsplit(".", 3)[0]  # layers.0.attention(.qkv_linear.wqkv.weight)
     for norm in ("q_norm", "k_norm"):
         e = cat.model_entry(f"{attn}.{norm}.weight")
@@ -729,6 +736,15 @@ def _select(
                 "optimizer.state_dict()), which no command can match to the model tensors; nothing to replay",
                 hint="re-save the optimizer with torch.distributed.checkpoint.state_dict.get_optimizer_state_dict"
                 "(model, optimizer), which names each parameter by its fqn",
+            )
+        spec = cat.schema.spec
+        if not members.grouped and cat.param_groups and spec is not None and spec.group_members is not None:
+            raise HyperparameterError(  # the trainer saved its groups without their params lists
+                f"{cat.path}: the {len(cat.param_groups)} param groups of {spec.common_state_file} are not the "
+                "trainer's default grouping (custom overrides, or a group that held no parameter where it was saved), "
+                "so which parameters each holds is not known; nothing to replay",
+                hint="the groups' hyperparameters are listed by `ckpttool inspect`; a replay needs the default "
+                "grouping (docs/frameworks.md)",
             )
         from ckpttool.model.beside import model_folder_hint
 
@@ -988,6 +1004,7 @@ def plan_replay(
     filter_glob: str | None = None,
     head_dim: int | None = None,
     object_steps: Mapping[str, float] | None = None,
+    config_head_dim: int | None = None,
 ) -> ReplayPlan:
     """Choose the parameters, hyperparameters and optimizer configuration of a replay.
 
@@ -1003,9 +1020,11 @@ def plan_replay(
             ``model.`` prefix (:func:`~ckpttool.model.catalog.match_filter`, as inspect and export):
             ``'*experts*'``, ``'model.layers.0.*'``; ``None`` selects every parameter.
         head_dim: attention head dim, to assemble fused ``wqkv`` parameters whose parts
-            interleave per KV head (:func:`_part_groups`); ``None``: from ``q_norm``/``k_norm``.
+            interleave per KV head (:func:`_part_groups`); ``None``: from ``q_norm``/``k_norm``, else
+            ``config_head_dim``.
         object_steps: fqn -> ``step`` saved as a Python number (a byte item), which ``torch.optim.AdamW``
             turns into a float32 tensor as it loads the state; the replay does the same.
+        config_head_dim: the head dim of the ``config.json`` saved with the checkpoint (``head_dim`` agrees with it).
 
     Returns:
         The :class:`ReplayPlan`.
@@ -1021,7 +1040,7 @@ def plan_replay(
     def wanted(f: str) -> bool:  # the selection: select's regex and filter_glob over the canonical key
         return (rx is None or rx.search(f) is not None) and (filter_glob is None or _glob_matches(cat, f, filter_glob))
 
-    members = _membership(cat, notes, head_dim, wanted)
+    members = _membership(cat, notes, head_dim, wanted, config_head_dim)
     lost = lost_state(cat)  # the one check behind validate's O009
     selected = _select(cat, members, rx, select, filter_glob)
     known_frozen = frozen_params(cat)

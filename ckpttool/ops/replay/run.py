@@ -516,6 +516,37 @@ def _older_optimizer_step_hint(ckpt: Checkpoint) -> str | None:
     return None
 
 
+def _config_head_dim(ckpt: Checkpoint, given: int | None) -> int | None:
+    """The attention head dim of the ``config.json`` saved with the checkpoint (:meth:`Checkpoint.hf_config_beside`):
+    its ``head_dim``, else ``hidden_size / num_attention_heads``; looked for only where parameters are stepped fused
+    and stored split (torchtitan's ``wqkv``), ``None`` where there is none.
+
+    Raises:
+        UsageError: ``given`` (``--head-dim``) contradicts it (both named).
+    """
+    if not any(ps.stored_as for ps in ckpt.catalog.optimizer_state.values()):
+        return None
+    folder = ckpt.hf_config_beside()
+    if folder is None:
+        return None
+    from ckpttool.model.hfconfig import read_hf_config
+
+    cfg = read_hf_config(folder, param=None)
+    heads, hidden = cfg.get("num_attention_heads"), cfg.get("hidden_size")
+    hd: int | None = cfg.get("head_dim") if type(cfg.get("head_dim")) is int and cfg["head_dim"] > 0 else None
+    if hd is None and type(heads) is int and type(hidden) is int and heads > 0 and hidden > 0 and hidden % heads == 0:
+        hd = hidden // heads
+    if hd is not None and given is not None and given != hd:
+        raise UsageError(
+            f"`head_dim` {given} contradicts {folder / 'config.json'}, saved with the checkpoint: its head dim is {hd}"
+            + ("" if cfg.get("head_dim") == hd else f" (hidden_size {hidden} / num_attention_heads {heads})"),
+            path=folder / "config.json",
+            param="head_dim",
+            hint=f"leave out `head_dim` (the config tells it), or pass `head_dim` {hd}",
+        )
+    return hd
+
+
 def _prepare(ckpt: Checkpoint, opts: ReplayOptions) -> _Prepared:
     """Plan the replay, check the gradients file and note synthesized state and the EP layouts."""
     import torch
@@ -531,6 +562,7 @@ def _prepare(ckpt: Checkpoint, opts: ReplayOptions) -> _Prepared:
             layout.record,
             **same_named(opts, "select", "filter_glob", "optimizer", "offload_patterns", "chunk_size", "head_dim"),
             object_steps=_object_steps(ckpt),
+            config_head_dim=_config_head_dim(ckpt, opts.head_dim),
         )
     except HyperparameterError as e:
         hint = None if cat.param_groups else _older_optimizer_step_hint(ckpt)

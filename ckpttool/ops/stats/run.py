@@ -375,12 +375,15 @@ def _std(ckpt: Checkpoint, key: str, s: SlabStats) -> float:
     return math.sqrt(centered_squares(ckpt.reader, key, ckpt.catalog.tensors[key].chunks, s.mean) / s.finite)
 
 
-def _overflowing_row(ckpt: Checkpoint, row: TensorValueStats, s: SlabStats) -> TensorValueStats:
-    """``row`` with the mean, L2 and std of a tensor whose float64 sums overflowed (finite values beyond ~1e154:
-    their squares pass float64's range) taken from the values scaled by their largest ``|x|``, read again."""
+def _overflowing_row(
+    ckpt: Checkpoint, row: TensorValueStats, s: SlabStats, chunks: tuple[ChunkMeta, ...] | None = None
+) -> TensorValueStats:
+    """``row`` with the mean, L2 and std of a tensor (over ``chunks``, default all: a stacked tensor's layer)
+    whose float64 sums overflowed (finite values beyond ~1e154: their squares pass float64's range) taken from
+    the values scaled by their largest ``|x|``, read again."""
     if s.finite < 1 or not 0 < s.abs_max < math.inf or (math.isfinite(s.s1) and math.isfinite(s.s2)):
         return row
-    chunks = ckpt.catalog.tensors[row.key].chunks
+    chunks = chunks or ckpt.catalog.tensors[row.key].chunks
     y1, y2 = scaled_sums(ckpt.reader, row.key, chunks, s.abs_max)
     mean = y1 / s.finite * s.abs_max
     _, c2 = scaled_sums(ckpt.reader, row.key, chunks, s.abs_max, mean)
@@ -539,12 +542,17 @@ class _StackedLayers:
             self.moments.setdefault((fqn, layer), Moments()).merge(u)
             self.prefix[fqn] = self.stacked[w.key]
 
-    def rows(
-        self, roles: dict[str, tuple[str, str]], entries: dict[str, TensorEntry]
-    ) -> dict[tuple[str, int], TensorValueStats]:
-        """Each stacked tensor's rows per layer (named ``decoder.layers.3``; their ``std`` from the one pass)."""
+    def rows(self, ckpt: Checkpoint, roles: dict[str, tuple[str, str]]) -> dict[tuple[str, int], TensorValueStats]:
+        """Each stacked tensor's rows per layer (named ``decoder.layers.3``; their ``std`` from the one pass, a
+        layer's float64 sums that overflowed taken again scaled, as a tensor's: :func:`_overflowing_row`)."""
+        entries = ckpt.catalog.tensors
         return {
-            (k, i): replace(_tensor_row(k, *roles[k], entries[k], s.acc, s.acc.std), layer=f"{self.stacked[k]}{i}")
+            (k, i): _overflowing_row(
+                ckpt,
+                replace(_tensor_row(k, *roles[k], entries[k], s.acc, s.acc.std), layer=f"{self.stacked[k]}{i}"),
+                s.acc,
+                tuple(c for c in entries[k].chunks if c.offsets[0] == i),
+            )
             for (k, i), s in self.sums.items()
         }
 
@@ -619,7 +627,7 @@ def _stats_one(ckpt: Checkpoint, opts: StatsOptions, progress: Progress) -> Chec
     rows = [_tensor_row(k, roles[k][0], roles[k][1], entries[k], s.acc, _std(ckpt, k, s.acc)) for k, s in sums.items()]
     rows = [_overflowing_row(ckpt, r, sums[r.key].acc) for r in rows]
     rows = [replace(r, layer=stacked[r.key] + "*") if r.key in stacked else r for r in rows]
-    slices = layers.rows(roles, entries)
+    slices = layers.rows(ckpt, roles)
     experts = tuple(
         ExpertNorms(
             k,

@@ -124,8 +124,14 @@ def test_qwen3_moe_through_the_adapter_loads_with_identical_logits(
 
 
 def test_adapter_without_config_is_refused_naming_the_fields(titan_named: Path, tmp_path: Path) -> None:
+    """Refused without --model-assets; the hint names the model_assets/ folder holding the config.json saved with
+    the checkpoint (it said only "pass the model's config.json with --model-assets")."""
     res = export_cli(str(titan_named / "llama_gqa"), str(tmp_path / "o"), "--adapter", "torchtitan-llama3")
     assert_clean_failure(res, "E601", "RoPE row permutation", "num_attention_heads")
+    assert res.stderr.splitlines()[1] == (
+        "hint: pass the model's config.json with --model-assets: the checkpoint holds one, --model-assets "
+        f"{titan_named / 'llama_gqa' / 'model_assets'}"
+    ), res.stderr
 
 
 def test_torchtitan_lora_tensors_are_refused_not_dropped(titan_named: Path, tmp_path: Path) -> None:

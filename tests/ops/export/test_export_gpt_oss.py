@@ -122,3 +122,31 @@ def test_per_expert_split_of_llama4_experts_is_refused(tmp_path: Path) -> None:
         "--experts fused",
     )
     assert not out.exists()
+
+
+def test_fused_export_of_llama4_experts_gives_transformers_logits(tmp_path: Path) -> None:
+    """transformers' ``Llama4ForCausalLM`` (a MoE layer, ``gate_up_proj`` ``[E, H, 2I]`` gate and up concatenated,
+    beside a dense one) saved by ``dcp.save``: exported ``--experts fused`` it loads with ``from_pretrained`` and
+    gives the source model's logits."""
+    cfg = transformers.Llama4TextConfig(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=24,
+        intermediate_size_mlp=40,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        num_local_experts=4,
+        num_experts_per_tok=1,
+        moe_layers=[0],
+    )
+    ckpt, assets, ref = save_tiny_causal_lm(transformers.Llama4ForCausalLM, cfg, tmp_path, IDS)
+    out = tmp_path / "hf"
+    res = runner.invoke(app, ["export", str(ckpt), str(out), "--model-assets", str(assets), "--experts", "fused"])
+    assert res.exit_code == 0, res.output
+    model = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
+    assert type(model) is transformers.Llama4ForCausalLM
+    with torch.no_grad():
+        logits = model(torch.tensor(IDS)).logits
+    assert torch.allclose(logits, ref, atol=1e-5, rtol=0), (logits - ref).abs().max()

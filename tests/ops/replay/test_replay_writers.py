@@ -62,6 +62,33 @@ def test_torchtitan_fused_qkv_without_head_dim_says_what_to_pass(titan_root: Pat
     assert res.exit_code == 1 and "and --head-dim 7 does not divide their k rows (64): not replayed" in res.stdout
 
 
+def test_torchtitan_fused_qkv_head_dim_from_the_config_saved_with_it(titan_root: Path, tmp_path: Path) -> None:
+    """A torchtitan llama3 step (its q/k/v stepped fused as ``wqkv``) with the model's ``config.json`` saved beside it
+    (``model_assets/``): replay-step left the fused parameters out and failed unless given --head-dim, which the
+    config tells. They are assembled with the config's head dim; a --head-dim that contradicts it is E100 naming both."""
+    import shutil
+
+    transformers = pytest.importorskip("transformers")
+    ck = tmp_path / "step-2"
+    shutil.copytree(titan_root / "llama3" / "checkpoint" / "step-2", ck)
+    cfg = transformers.LlamaConfig(
+        vocab_size=128, hidden_size=64, intermediate_size=192, num_hidden_layers=2, num_attention_heads=4
+    )
+    cfg.save_pretrained(ck / "model_assets")
+    doc = replay(str(ck))
+    assert doc["ok"] and {p["fqn"] for p in doc["params"] if "wqkv" in p["fqn"]} == {
+        f"layers.{i}.attention.qkv_linear.wqkv.weight" for i in (0, 1)
+    }
+    assert replay(str(ck), "--head-dim", "16")["ok"]
+    res = runner.invoke(app, ["replay-step", str(ck), "--device", "cpu", "--head-dim", "8"])
+    assert res.exit_code == 2 and res.stdout == "", res.output
+    assert res.stderr.splitlines() == [
+        f"error: [E100] --head-dim 8 contradicts {ck / 'model_assets' / 'config.json'}, saved with the checkpoint: "
+        "its head dim is 16",
+        "hint: leave out --head-dim (the config tells it), or pass --head-dim 16",
+    ]
+
+
 def test_torchtitan_moe(titan_root: Path) -> None:
     doc = replay(str(titan_root / "moe"))
     assert doc["ok"] and any("inner_experts.w1_EFD" in p["fqn"] for p in doc["params"])

@@ -318,3 +318,39 @@ def test_layers_saved_per_layer_by_a_mixed_block_are_not_split_as_stacked(mixed:
     assert not any("stacked" in n for n in c["notes"]), c["notes"]
     r = runner.invoke(app, ["stats", str(path)])
     assert r.exit_code == 0 and "stacked" not in r.output, r.output
+
+
+@pytest.mark.parametrize(
+    ("ckpt", "key"),
+    [
+        ("dense1/iter_0000003", "decoder.layers.mlp.linear_fc1.weight"),
+        ("moe_ep2/iter_0000002", "decoder.layers.mlp.experts.experts.linear_fc1.weight"),
+    ],
+)
+def test_layers_of_stacked_float64_values_whose_squares_overflow(ckpt: str, key: str, tmp_path: Path) -> None:
+    """A stacked float64 tensor (``[L, ...]``, experts ``[L, E, ...]``) of values beyond ~1e154 gave each layer's
+    weight norm as ``inf`` (JSON null) where the tensor's own row was finite: a layer's sums are taken scaled by
+    its largest |x| as a tensor's, the norms those of torch's slices on dim 0, scaled back."""
+    import shutil
+
+    from tests.fixtures import damage
+
+    path = tmp_path / "ck"
+    shutil.copytree(DATA / ckpt, path)
+    damage.rewrite_tensor(path, key, lambda t: t.double() * 1e200, row_major=True)
+    state = torch_state(path, tmp_path)
+    assert state[key].dtype == torch.float64
+    want: dict[str, list[float]] = {}
+    for k, t in state.items():
+        if not isinstance(t, torch.Tensor) or not k.startswith(STACKED) or "_extra_state" in k:
+            continue
+        for i in range(t.shape[0]):
+            s = t[i].double()
+            m = float(s.abs().max()) or 1.0
+            want.setdefault(f"{STACKED}{i}", []).append(float((s / m).norm()) * m)
+    c = _stats(path)["checkpoints"][0]
+    got = {g["name"]: g["norms"]["weight"] for g in c["layers"]}
+    for layer, norms in want.items():
+        assert got[layer] is not None and math.isclose(got[layer], math.hypot(*norms), rel_tol=1e-9), (layer, got)
+    table = runner.invoke(app, ["stats", str(path)]).stdout
+    assert " inf " not in table, table
