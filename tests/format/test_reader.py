@@ -327,3 +327,40 @@ def test_describe_falls_back_to_torch_for_other_globals(tmp_path: Path) -> None:
     torch.save({"step": 1, "when": __import__("datetime").date(2024, 1, 1)}, tmp_path / "d.pt")
     with pytest.raises(TrustRequiredError):
         load_saved_object((tmp_path / "d.pt").read_bytes(), "d.pt", tensors="describe")
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/fd"), reason="needs /proc/self/fd (Linux)")
+def test_a_checkpoint_dropped_without_close_gives_its_data_files_back(fsdp_ckpt: Path) -> None:
+    """A notebook's ``ck = ckpttool.open_checkpoint(p); ck.reader.read_tensor(k)``, run again and again without
+    ``close()``: each dropped handle kept its data file descriptors open for the life of the process (Python's own
+    file objects close when collected); a handle no longer referenced closes them."""
+    import gc
+
+    import ckpttool
+
+    data = {str((fsdp_ckpt / n).resolve()) for n in os.listdir(fsdp_ckpt) if n.endswith(".distcp")}
+
+    def open_data_files() -> list[str]:
+        held = []
+        for fd in os.listdir("/proc/self/fd"):
+            try:
+                target = os.readlink(f"/proc/self/fd/{fd}")
+            except OSError:
+                continue
+            if target in data:
+                held.append(target)
+        return held
+
+    assert open_data_files() == []
+    for _ in range(3):
+        ck = ckpttool.open_checkpoint(fsdp_ckpt)
+        key = next(iter(ck.catalog.model))
+        ck.reader.read_tensor(key)
+        assert open_data_files() != []
+        del ck
+        gc.collect()
+        assert open_data_files() == []
+    with ckpttool.open_checkpoint(fsdp_ckpt) as ck:  # closed by its block, as before
+        ck.reader.read_tensor(key)
+    assert ck.closed and open_data_files() == []
+
