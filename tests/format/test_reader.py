@@ -364,3 +364,37 @@ def test_a_checkpoint_dropped_without_close_gives_its_data_files_back(fsdp_ckpt:
         ck.reader.read_tensor(key)
     assert ck.closed and open_data_files() == []
 
+
+def test_a_destination_of_another_shape_or_dtype_is_refused_naming_it(fsdp_ckpt: Path) -> None:
+    """``read_tensor(key, out=...)`` filled ``out``'s bytes as they were: an int32 ``out`` came back holding the
+    float32 bit patterns, a 64x64 one the 128x32 values, and a smaller or wider one failed the CRC-32 as "the bytes
+    changed after they were saved" (E308) on an intact checkpoint. A destination of another shape or dtype is
+    ``UsageError`` (E100) naming ``out``; one that fits is filled with torch's values."""
+    from ckpttool.errors import UsageError
+
+    ref = torch_load_all(fsdp_ckpt)
+    reader = CheckpointReader(fsdp_ckpt)
+    try:
+        key = next(k for k, v in ref.items() if v.dim() == 2 and v.dtype == torch.float32 and v.numel() > 4)
+        meta = reader.tensor_meta(key)
+        rows, cols = meta.size
+        chunk = next(c for c in meta.chunks if c.numel)
+        for bad in (
+            torch.empty(rows, cols, dtype=torch.int32),
+            torch.empty(rows, cols, dtype=torch.float64),
+            torch.empty(cols, rows),
+            torch.empty(3),
+        ):
+            with pytest.raises(UsageError, match=r"`out` is .*, but .* is ") as e:
+                reader.read_tensor(key, out=bad)
+            assert e.value.code == "E100" and e.value.hint
+            with pytest.raises(UsageError, match=r"`out` is .* chunk at "):
+                reader.read_chunk(key, chunk, out=bad)
+        out = torch.empty(rows, cols)
+        assert reader.read_tensor(key, out=out) is out and torch.equal(out, ref[key])
+        part = torch.empty(chunk.sizes)
+        assert reader.read_chunk(key, chunk, out=part) is part
+        r0, c0 = chunk.offsets
+        assert torch.equal(part, ref[key][r0 : r0 + chunk.sizes[0], c0 : c0 + chunk.sizes[1]])
+    finally:
+        reader.close()
