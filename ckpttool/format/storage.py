@@ -106,7 +106,8 @@ def configure(**changes: Any) -> StorageConfig:
     """Replace fields of the configuration for the rest of the process; returns the previous one.
 
     Raises:
-        ValueError: an unknown field, or ``workers``/``retries``/``spool_bytes`` not a positive int.
+        ValueError: ``workers``/``retries``/``spool_bytes``/``timeout_s`` not a positive int.
+        TypeError: an unknown field.
     """
     return _SETTING.replace(**changes)
 
