@@ -323,6 +323,30 @@ def test_numpy_bool_and_integer_options_are_taken_as_their_plain_values(dense_ck
         assert e.value.message.startswith("`workers` must be an integer, got ")
 
 
+def test_a_path_option_given_as_a_string_is_taken_as_its_path(sample_ckpt: Path, tmp_path: Path) -> None:
+    """`ExportOptions(model_assets="/ckpt/model_assets")`, a string as every other path option takes, ended in
+    `AttributeError: 'str' object has no attribute 'is_dir'`: a `Path` field given a string or another
+    `os.PathLike` is that path (the export equals the one given a `Path`); a value that is no path is E100 naming
+    the field, before anything is written."""
+    import ckpttool
+
+    assets = sample_ckpt / "model_assets"
+    as_path = ckpttool.export_checkpoint(sample_ckpt, tmp_path / "a", ckpttool.ExportOptions(model_assets=assets))
+    as_str = ckpttool.export_checkpoint(sample_ckpt, tmp_path / "b", ckpttool.ExportOptions(model_assets=str(assets)))
+    assert as_str.assets == as_path.assets and "config.json" in as_str.assets
+    assert (tmp_path / "b" / "config.json").read_bytes() == (assets / "config.json").read_bytes()
+    missing = str(tmp_path / "missing")
+    with pytest.raises(UsageError, match="`model_assets` .*missing: no such directory") as e:
+        ckpttool.export_checkpoint(sample_ckpt, tmp_path / "c", ckpttool.ExportOptions(model_assets=missing))
+    assert e.value.code == "E100"
+    for name in ("model_assets", "rules", "adapter_config"):
+        with pytest.raises(UsageError) as e:
+            ckpttool.export_checkpoint(sample_ckpt, tmp_path / "c", ckpttool.ExportOptions(**{name: 42}))
+        assert (e.value.code, e.value.param) == ("E100", name)
+        assert e.value.message.startswith(f"`{name}` must be a path, got int 42")
+    assert not (tmp_path / "c").exists()
+
+
 def test_the_writing_operations_share_their_output_options(sample_ckpt: Path, tmp_path: Path) -> None:
     """export, reshard and import take ``overwrite``/``manifest``/``algorithm``/``dry_run`` from one base,
     with one meaning: a dry run writes nothing, ``overwrite`` never replaces a directory ckpttool did not
