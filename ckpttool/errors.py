@@ -584,7 +584,8 @@ Opts = TypeVar("Opts")
 def check_field_types(options: Opts) -> Opts:
     """Refuse an options dataclass whose ``bool`` field is not a bool, whose ``int`` (``int | None``)
     field is a bool or not an int (``"2"``, ``2.0``, ``True``), or whose ``Path`` (``Path | None``) field is
-    no ``str`` or ``os.PathLike``: the one type check of every options class.
+    no ``str`` or ``os.PathLike``, or whose ``str`` (``str | None``) field is a list, tuple or set (``filter_glob``
+    takes one glob): the one type check of every options class.
 
     Returns:
         ``options``, or a copy with a NumPy bool or integer (``np.True_``, ``np.int64(4)``) given as the
@@ -619,4 +620,10 @@ def check_field_types(options: Opts) -> Opts:
                     hint="pass a str or a pathlib.Path",
                 )
             plain[f.name] = Path(value)
+        elif f.type in ("str", "str | None") and isinstance(value, (list, tuple, set, frozenset)):
+            raise UsageError(
+                f"`{f.name}` must be one string, got {type(value).__name__} {value!r:.40}",
+                param=f.name,
+                hint="pass one glob; fnmatch's [qk] matches q or k" if "glob" in f.name else "pass one string",
+            )
     return dataclasses.replace(options, **plain) if plain else options  # type: ignore[type-var]

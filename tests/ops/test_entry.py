@@ -347,6 +347,31 @@ def test_a_path_option_given_as_a_string_is_taken_as_its_path(sample_ckpt: Path,
     assert not (tmp_path / "c").exists()
 
 
+def test_a_list_for_a_one_string_option_is_a_usage_error_naming_it(dense_ckpt: Path, tmp_path: Path) -> None:
+    """`filter_glob=["*layers.0*"]` (as `StatsOptions`/`DiffOptions` take `filters`) ended in `TypeError:
+    unhashable type: 'list'` from inspect, export and replay-step: a list, tuple or set for a field of one string is
+    E100 naming it, before anything is read or written; the string itself still works."""
+    import ckpttool
+
+    out = tmp_path / "out"
+    ops = (
+        lambda o: ckpttool.inspect(dense_ckpt, ckpttool.InspectOptions(**o)),
+        lambda o: ckpttool.export_checkpoint(dense_ckpt, out, ckpttool.ExportOptions(**o)),
+        lambda o: ckpttool.replay_step(dense_ckpt, ckpttool.ReplayOptions(**o)),
+    )
+    for op in ops:
+        for bad in (["*layers.0*"], ("*layers.0*",), {"*layers.0*"}):
+            with pytest.raises(UsageError) as e:
+                op({"filter_glob": bad})
+            assert (e.value.code, e.value.param) == ("E100", "filter_glob")
+            assert e.value.message.startswith(f"`filter_glob` must be one string, got {type(bad).__name__} ")
+    assert not out.exists()
+    with pytest.raises(UsageError) as e:
+        ckpttool.diff_checkpoints(dense_ckpt, dense_ckpt, ckpttool.DiffOptions(what=["model"]))
+    assert e.value.param == "what"
+    assert ckpttool.inspect(dense_ckpt, ckpttool.InspectOptions(filter_glob="*")).to_dict()
+
+
 def test_the_writing_operations_share_their_output_options(sample_ckpt: Path, tmp_path: Path) -> None:
     """export, reshard and import take ``overwrite``/``manifest``/``algorithm``/``dry_run`` from one base,
     with one meaning: a dry run writes nothing, ``overwrite`` never replaces a directory ckpttool did not
