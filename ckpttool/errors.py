@@ -583,9 +583,10 @@ Opts = TypeVar("Opts")
 
 def check_field_types(options: Opts) -> Opts:
     """Refuse an options dataclass whose ``bool`` field is not a bool, whose ``int`` (``int | None``)
-    field is a bool or not an int (``"2"``, ``2.0``, ``True``), or whose ``Path`` (``Path | None``) field is
-    no ``str`` or ``os.PathLike``, or whose ``str`` (``str | None``) field is a list, tuple or set (``filter_glob``
-    takes one glob): the one type check of every options class.
+    field is a bool or not an int (``"2"``, ``2.0``, ``True``), whose ``Path`` or ``str | os.PathLike[str]``
+    field (each ``| None``) is no ``str`` or ``os.PathLike`` (a config field: nor a dict), or whose ``str``
+    (``str | None``) field is a list, tuple or set (``filter_glob`` takes one glob): the one type check of every
+    options class.
 
     Returns:
         ``options``, or a copy with a NumPy bool or integer (``np.True_``, ``np.int64(4)``) given as the
@@ -620,6 +621,19 @@ def check_field_types(options: Opts) -> Opts:
                     hint="pass a str or a pathlib.Path",
                 )
             plain[f.name] = Path(value)
+        elif (
+            isinstance(f.type, str)
+            and f.type.startswith("str | os.PathLike[str]")
+            and value is not None
+            and not isinstance(value, (str, PathLike))
+            and not ("dict" in f.type and isinstance(value, dict))
+        ):
+            raise UsageError(
+                f"`{f.name}` must be a path{' or a dict' if 'dict' in f.type else ''}, got {type(value).__name__} "
+                f"{value!r:.40}",
+                param=f.name,
+                hint="pass a str or a pathlib.Path",
+            )
         elif f.type in ("str", "str | None") and isinstance(value, (list, tuple, set, frozenset)):
             raise UsageError(
                 f"`{f.name}` must be one string, got {type(value).__name__} {value!r:.40}",

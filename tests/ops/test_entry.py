@@ -347,6 +347,30 @@ def test_a_path_option_given_as_a_string_is_taken_as_its_path(sample_ckpt: Path,
     assert not (tmp_path / "c").exists()
 
 
+def test_a_path_or_config_option_that_is_no_path_is_a_usage_error_naming_it(dense_ckpt: Path, tmp_path: Path) -> None:
+    """`ValidateOptions(config=[...])` ended in `TypeError: expected str, bytes or os.PathLike object, not list`
+    after the checkpoint was opened, as did the other `str | os.PathLike` options given another type: E100 naming
+    the option, before anything is read or written; a dict is still a config, a str or Path a path."""
+    import ckpttool
+
+    m = tmp_path / "m.json"
+    for op, name in (
+        (lambda: ckpttool.validate(dense_ckpt, ckpttool.ValidateOptions(config=[1, 2])), "config"),  # type: ignore[arg-type]
+        (lambda: ckpttool.validate(dense_ckpt, ckpttool.ValidateOptions(against=3)), "against"),  # type: ignore[arg-type]
+        (lambda: ckpttool.validate(dense_ckpt, ckpttool.ValidateOptions(manifest=True)), "manifest"),  # type: ignore[arg-type]
+        (lambda: ckpttool.replay_step(dense_ckpt, ckpttool.ReplayOptions(grads=1)), "grads"),  # type: ignore[arg-type]
+        (lambda: ckpttool.write_manifest(dense_ckpt, ckpttool.ManifestOptions(out=5)), "out"),  # type: ignore[arg-type]
+        (lambda: ckpttool.diff_checkpoints(dense_ckpt, dense_ckpt, ckpttool.DiffOptions(map_rules=[])), "map_rules"),  # type: ignore[arg-type]
+    ):
+        with pytest.raises(UsageError) as e:
+            op()
+        assert (e.value.code, e.value.param) == ("E100", name)
+        assert e.value.message.startswith(f"`{name}` must be a path")
+    assert not m.exists() and not (dense_ckpt / "manifest.json").exists()
+    cfg = {"model_type": "llama"}
+    assert ckpttool.validate(dense_ckpt, ckpttool.ValidateOptions(config=cfg, select=("K",))).fatal is None
+
+
 def test_a_list_for_a_one_string_option_is_a_usage_error_naming_it(dense_ckpt: Path, tmp_path: Path) -> None:
     """`filter_glob=["*layers.0*"]` (as `StatsOptions`/`DiffOptions` take `filters`) ended in `TypeError:
     unhashable type: 'list'` from inspect, export and replay-step: a list, tuple or set for a field of one string is
