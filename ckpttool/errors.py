@@ -16,7 +16,7 @@ import operator
 import re
 from dataclasses import dataclass
 from os import PathLike
-from pathlib import PurePath
+from pathlib import Path, PurePath
 from typing import Generic, TypeVar
 
 #: A run of whitespace in an error message (squashed to one space, as ``str.split`` would split it).
@@ -582,12 +582,16 @@ Opts = TypeVar("Opts")
 
 
 def check_field_types(options: Opts) -> Opts:
-    """Refuse an options dataclass whose ``bool`` field is not a bool, or whose ``int`` (``int | None``)
-    field is a bool or not an int (``"2"``, ``2.0``, ``True``): the one type check of every options class.
+    """Refuse an options dataclass whose ``bool`` field is not a bool, whose ``int`` (``int | None``)
+    field is a bool or not an int (``"2"``, ``2.0``, ``True``), whose ``Path`` or ``str | os.PathLike[str]``
+    field (each ``| None``) is no ``str`` or ``os.PathLike`` (a config field: nor a dict), or whose ``str``
+    (``str | None``) field is a list, tuple or set (``filter_glob`` takes one glob): the one type check of every
+    options class.
 
     Returns:
         ``options``, or a copy with a NumPy bool or integer (``np.True_``, ``np.int64(4)``) given as the
-        Python ``bool``/``int`` of the same value (so results and JSON documents hold plain values).
+        Python ``bool``/``int`` of the same value (so results and JSON documents hold plain values), and a
+        ``Path`` field given as a string or another ``os.PathLike`` as its ``Path``.
 
     Raises:
         UsageError (E100): naming the first such field.
@@ -609,4 +613,31 @@ def check_field_types(options: Opts) -> Opts:
                 )
             if type(value) is not int:
                 plain[f.name] = number
+        elif f.type in ("Path", "Path | None") and value is not None and not isinstance(value, Path):
+            if not isinstance(value, (str, PathLike)):
+                raise UsageError(
+                    f"`{f.name}` must be a path, got {type(value).__name__} {value!r:.40}",
+                    param=f.name,
+                    hint="pass a str or a pathlib.Path",
+                )
+            plain[f.name] = Path(value)
+        elif (
+            isinstance(f.type, str)
+            and f.type.startswith("str | os.PathLike[str]")
+            and value is not None
+            and not isinstance(value, (str, PathLike))
+            and not ("dict" in f.type and isinstance(value, dict))
+        ):
+            raise UsageError(
+                f"`{f.name}` must be a path{' or a dict' if 'dict' in f.type else ''}, got {type(value).__name__} "
+                f"{value!r:.40}",
+                param=f.name,
+                hint="pass a str or a pathlib.Path",
+            )
+        elif f.type in ("str", "str | None") and isinstance(value, (list, tuple, set, frozenset)):
+            raise UsageError(
+                f"`{f.name}` must be one string, got {type(value).__name__} {value!r:.40}",
+                param=f.name,
+                hint="pass one glob; fnmatch's [qk] matches q or k" if "glob" in f.name else "pass one string",
+            )
     return dataclasses.replace(options, **plain) if plain else options  # type: ignore[type-var]

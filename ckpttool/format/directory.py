@@ -16,6 +16,7 @@ import os
 import re
 import stat
 import threading
+import weakref
 from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import cast
@@ -124,6 +125,14 @@ def checkpoints_below_url(url: str | os.PathLike[str]) -> str | None:
     return _checkpoints_below(store.path, store.sizes())
 
 
+def _close_descriptors(fds: dict[str, int]) -> None:
+    """Close the data file descriptors of a local checkpoint no longer referenced (its :meth:`CheckpointDir.close`
+    was not called; after it, ``fds`` is empty)."""
+    for fd in fds.values():
+        os.close(fd)
+    fds.clear()
+
+
 class CheckpointDir:
     """A DCP checkpoint directory with its validated metadata (torch-free).
 
@@ -167,6 +176,8 @@ class CheckpointDir:
             self._open_remote(path, metadata)
             return
         path = local_path(path)
+        # a handle dropped without close() gives its descriptors back when collected, as a file object does
+        weakref.finalize(self, _close_descriptors, self._fds)
         p = Path(path)
         if not p.exists():
             raise UsageError(f"{p}: no such directory", path=p, hint=missing_path_hint(p, "the checkpoint directory"))

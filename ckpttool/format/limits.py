@@ -62,7 +62,8 @@ def set_limits(**changes: int) -> Limits:
         The previous :class:`Limits`.
 
     Raises:
-        ValueError: a cap that is not a positive int, or an unknown name.
+        ValueError: a cap that is not a positive int.
+        TypeError: an unknown name.
     """
     return _SETTING.replace(**changes)
 

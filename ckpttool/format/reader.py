@@ -360,6 +360,24 @@ class CheckpointReader(CheckpointDir):
                 out[k] = self._locate_preread(fd, data, a, n, fqn, chunk, None)
         self.count_read(taken)
 
+    def _check_out(self, fqn: str, out: torch.Tensor, shape: tuple[int, ...], dtype: torch.dtype, what: str) -> None:
+        """Refuse a destination the stored values do not fit: its bytes would be filled as they are (another dtype of
+        the same width reinterprets them, another shape reads a part) and checked against the CRC-32 of the whole.
+
+        Raises:
+            UsageError: ``out`` of another shape or dtype than ``shape`` / ``dtype``.
+        """
+        if tuple(out.shape) == tuple(shape) and out.dtype == dtype:
+            return
+        want = "x".join(map(str, shape)) or "scalar"
+        got = "x".join(map(str, out.shape)) or "scalar"
+        raise UsageError(
+            f"{self.path}: `out` is {got} {str(out.dtype).removeprefix('torch.')}, but {fqn!r} {what} is {want} "
+            f"{str(dtype).removeprefix('torch.')}",
+            fqn=fqn,
+            hint="pass a tensor of the stored shape and dtype, or none (a new one is returned); cast it afterwards",
+        )
+
     def read_chunk(self, fqn: str, chunk: ChunkMeta, out: torch.Tensor | None = None) -> torch.Tensor:
         """Read one stored chunk of tensor ``fqn``.
 
@@ -376,6 +394,7 @@ class CheckpointReader(CheckpointDir):
             DataFileError, PathEscapeError: file missing/short/escaping.
             ChunkError: archive corrupt or disagreeing with the metadata.
             TransformError: undecodable stream transform.
+            UsageError: ``out`` of another shape or dtype.
         """
         import torch
 
@@ -384,6 +403,8 @@ class CheckpointReader(CheckpointDir):
         dtype = getattr(torch, meta.dtype.name, None)
         if not isinstance(dtype, torch.dtype):
             raise ChunkError(f"{self.path}: {fqn!r} has dtype {meta.dtype} unknown to this torch", fqn=fqn)
+        if out is not None:
+            self._check_out(fqn, out, chunk.sizes, dtype, f"chunk at {chunk.offsets}")
         record = loc.record
         if loc.raw:
             dest = out if out is not None and out.is_contiguous() else torch.empty(chunk.sizes, dtype=dtype)
@@ -491,10 +512,15 @@ class CheckpointReader(CheckpointDir):
     def read_tensor(self, fqn: str, out: torch.Tensor | None = None) -> torch.Tensor:
         """Reassemble the global tensor ``fqn`` from its chunks (each read once).
 
+        Args:
+            fqn: flattened key (``model.lm_head.weight``).
+            out: optional destination with the global ``size`` and the stored dtype; filled in place.
+
         Returns:
-            Tensor with the global ``size`` and stored dtype.
+            Tensor with the global ``size`` and stored dtype (``out`` if given).
 
         Raises:
+            UsageError: ``fqn`` is not a tensor entry; ``out`` of another shape or dtype.
             ChunkError: chunks leave a gap or overlap.
             AllocationError: the declared size cannot be held by the stored bytes.
             plus those of :meth:`read_chunk`.
@@ -502,6 +528,8 @@ class CheckpointReader(CheckpointDir):
         import torch
 
         meta = self.tensor_meta(fqn)
+        if out is not None:
+            self._check_out(fqn, out, meta.size, meta.dtype.to_torch(), "tensor")
         self.check_tiled(fqn, meta)
         if out is None:
             out = torch.empty(meta.size, dtype=meta.dtype.to_torch())

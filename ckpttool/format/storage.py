@@ -22,6 +22,7 @@ import shutil
 import tempfile
 import threading
 import time
+import weakref
 from collections.abc import Iterable, Mapping
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
@@ -105,7 +106,8 @@ def configure(**changes: Any) -> StorageConfig:
     """Replace fields of the configuration for the rest of the process; returns the previous one.
 
     Raises:
-        ValueError: an unknown field, or ``workers``/``retries``/``spool_bytes`` not a positive int.
+        ValueError: ``workers``/``retries``/``spool_bytes``/``timeout_s`` not a positive int.
+        TypeError: an unknown field.
     """
     return _SETTING.replace(**changes)
 
@@ -716,6 +718,8 @@ class Spool:
         self._done: set[tuple[str, int, int]] = set()
         self._pending: dict[tuple[str, int, int], threading.Event] = {}
         self._lock = threading.Lock()
+        # a spool no longer referenced (its checkpoint dropped without close()) is closed and deleted all the same
+        self._release = weakref.finalize(self, _release_spool, self._fds, self.dir)
 
     def fd(self, relative: str, size: int) -> int:
         """Read/write descriptor of the spool file of ``relative`` (created sparse, ``size`` bytes)."""
@@ -794,10 +798,15 @@ class Spool:
     def close(self) -> None:
         """Close and delete the spool. Idempotent."""
         with self._lock:
-            for fd in self._fds.values():
-                os.close(fd)
-            self._fds.clear()
-        shutil.rmtree(self.dir, ignore_errors=True)
+            self._release()
+
+
+def _release_spool(fds: dict[str, int], folder: Path) -> None:
+    """Close a spool's descriptors and delete its directory (:meth:`Spool.close`, or the spool collected unclosed)."""
+    for fd in fds.values():
+        os.close(fd)
+    fds.clear()
+    shutil.rmtree(folder, ignore_errors=True)
 
 
 _FALLOC_PUNCH = 0x01 | 0x02  # FALLOC_FL_KEEP_SIZE | FALLOC_FL_PUNCH_HOLE

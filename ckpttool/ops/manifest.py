@@ -38,7 +38,7 @@ from ckpttool.format.metadata import BytesMeta, ChunkMeta, StorageInfo, TensorMe
 from ckpttool.format.perrank import PerRankReader
 from ckpttool.format.reader import CheckpointReader
 from ckpttool.format.unpickler import short_repr
-from ckpttool.model.checkpoint import Checkpoint, CheckpointOrPath, OpenOptions, open_source
+from ckpttool.model.checkpoint import Checkpoint, CheckpointOrPath, OpenOptions, check_source, open_source
 from ckpttool.ops.fields import Hooks, PhaseFn, ProgressFn, Unpack, hooks_of, options_of
 
 if TYPE_CHECKING:
@@ -2142,17 +2142,28 @@ class ManifestCheck:
 
 
 def _manifest_of(
-    directory: str | os.PathLike[str],
+    directory: CheckpointOrPath,
     manifest_path: str | os.PathLike[str] | None,
     opening: OpenOptions | None,
     say: Callable[[str], None],
 ) -> tuple[Path, Manifest, OpenOptions | None]:
     """The manifest :func:`check_against_manifest` checks against (named, loaded): ``manifest_path``, else the
-    directory's own; a URL's is the one ``manifest URL`` PUT beside its ``.metadata``. Also ``opening`` to open
-    the checkpoint with: where the default manifest was found by locating ``--step latest``, pinned to the step
-    located (a save finishing in between would otherwise open a newer step than the manifest's)."""
+    directory's own; a URL's is the one ``manifest URL`` PUT beside its ``.metadata``; an opened checkpoint's the
+    one :func:`write_manifest` writes for it. Also ``opening`` to open the checkpoint with: where the default
+    manifest was found by locating ``--step latest``, pinned to the step located (a save finishing in between would
+    otherwise open a newer step than the manifest's)."""
     from ckpttool.format.storage import is_url
 
+    if isinstance(directory, Checkpoint):
+        if manifest_path is None and directory.reader.remote is not None:
+            return _manifest_of(directory.path, None, opening, say)
+        writes = _manifest_command(directory.path, manifest_path, opening)
+        if manifest_path is not None:
+            target = Path(manifest_path)
+        else:
+            target = own_manifest(Path(directory.located.model) / MANIFEST_NAME)
+        say(f"reading manifest {target}")
+        return target, load_manifest(target, written_by=writes), opening
     if manifest_path is None and is_url(directory):
         target, data = remote_manifest(directory)
         say(f"reading manifest {target}")
@@ -2259,7 +2270,7 @@ def own_manifest(path: Path) -> Path:
 
 
 def check_against_manifest(
-    directory: str | os.PathLike[str],
+    directory: CheckpointOrPath,
     manifest_path: str | os.PathLike[str] | None = None,
     *,
     opening: OpenOptions | None = None,
@@ -2269,19 +2280,25 @@ def check_against_manifest(
     """Verify a DCP checkpoint or a safetensors export directory against its manifest.
 
     Args:
-        directory: the checkpoint or export directory (local).
+        directory: the checkpoint or export directory, or an opened :class:`Checkpoint` (verified as it was
+            opened, against the manifest :func:`write_manifest` writes for it by default).
         manifest_path: the manifest (default ``directory/manifest.json``).
-        opening: how to open a DCP checkpoint (``trust_pickle``, ``selection``).
+        opening: how to open a DCP checkpoint (``trust_pickle``, ``selection``); not with an opened one.
         progress: ``progress(bytes done, bytes total)`` of the entries the manifest lists: ``(0, total)``
             before the first is read, then after each.
         phase: ``phase(text)`` as each step starts: ``reading manifest FILE``, ``opening DIR`` (a DCP
             checkpoint), then the bytes of ``progress``.
 
     Raises:
-        UsageError: no manifest; ManifestError: a malformed one; the readers' errors.
+        UsageError: no manifest; a closed :class:`Checkpoint`, or one given with ``opening``; ManifestError: a
+            malformed manifest; the readers' errors.
     """
     say = phase or (lambda text: None)
-    target, man, opening = _manifest_of(directory, manifest_path, opening, say)
+    source: CheckpointOrPath = directory
+    if isinstance(directory, Checkpoint):
+        check_source(directory, opening)  # closed, or opened already: E100
+        directory = directory.path
+    target, man, opening = _manifest_of(source, manifest_path, opening, say)
     total, done = sum(e.length for e in man.entries), [0]
 
     def step(n: int) -> None:
@@ -2302,7 +2319,7 @@ def check_against_manifest(
     else:
         say(f"opening {directory}")
         try:
-            with open_source(directory, opening, record_problems=True) as ckpt:  # a data file gone: entries say so
+            with open_source(source, opening, record_problems=True) as ckpt:  # a data file gone: entries say so
                 for err in (ckpt.replica_error, ckpt.tiling_error):  # per-rank files that do not fit: raised as
                     if err is not None:  # every command but validate does (a rank's replica is in no entry)
                         raise err

@@ -1304,3 +1304,30 @@ def test_a_remote_common_pt_is_refused_as_the_local_one_is(
         assert "common.pt" in first and "Traceback" not in r.output
         assert r.stderr.splitlines()[0] == first.replace(str(local), url), (r.stderr, lo.stderr)
     assert not canary.exists()
+
+
+def test_a_remote_checkpoint_dropped_without_close_deletes_its_spool(s3_server: Any, tmp_path: Path) -> None:
+    """A remote checkpoint opened and read without ``close()`` (a notebook cell) left its spool directory, with the
+    fetched windows, in $TMPDIR and its descriptors open for the life of the process; a handle no longer referenced
+    deletes it, as ``close()`` does."""
+    import gc
+
+    import torch
+    import torch.distributed.checkpoint as dcp
+
+    from ckpttool.model.checkpoint import open_checkpoint
+
+    w = torch.arange(64 * 64, dtype=torch.float32).reshape(64, 64)
+    dcp.save({"w": w}, checkpoint_id=tmp_path / "a", no_dist=True)
+    url = upload(s3_server, tmp_path / "a")
+    with storage_config(options=s3_server.options()):
+        ck = open_checkpoint(url)
+        assert torch.equal(ck.reader.read_tensor("w"), w)
+        spool = ck.reader.spool
+        assert spool is not None and spool.dir.is_dir()
+        folder, fds = spool.dir, list(spool._fds.values())
+        del ck, spool
+        gc.collect()
+    assert not folder.exists()
+    for fd in fds:
+        assert not os.path.exists(f"/proc/self/fd/{fd}") or os.readlink(f"/proc/self/fd/{fd}").find(folder.name) < 0

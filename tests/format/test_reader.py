@@ -327,3 +327,74 @@ def test_describe_falls_back_to_torch_for_other_globals(tmp_path: Path) -> None:
     torch.save({"step": 1, "when": __import__("datetime").date(2024, 1, 1)}, tmp_path / "d.pt")
     with pytest.raises(TrustRequiredError):
         load_saved_object((tmp_path / "d.pt").read_bytes(), "d.pt", tensors="describe")
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/fd"), reason="needs /proc/self/fd (Linux)")
+def test_a_checkpoint_dropped_without_close_gives_its_data_files_back(fsdp_ckpt: Path) -> None:
+    """A notebook's ``ck = ckpttool.open_checkpoint(p); ck.reader.read_tensor(k)``, run again and again without
+    ``close()``: each dropped handle kept its data file descriptors open for the life of the process (Python's own
+    file objects close when collected); a handle no longer referenced closes them."""
+    import gc
+
+    import ckpttool
+
+    data = {str((fsdp_ckpt / n).resolve()) for n in os.listdir(fsdp_ckpt) if n.endswith(".distcp")}
+
+    def open_data_files() -> list[str]:
+        held = []
+        for fd in os.listdir("/proc/self/fd"):
+            try:
+                target = os.readlink(f"/proc/self/fd/{fd}")
+            except OSError:
+                continue
+            if target in data:
+                held.append(target)
+        return held
+
+    assert open_data_files() == []
+    for _ in range(3):
+        ck = ckpttool.open_checkpoint(fsdp_ckpt)
+        key = next(iter(ck.catalog.model))
+        ck.reader.read_tensor(key)
+        assert open_data_files() != []
+        del ck
+        gc.collect()
+        assert open_data_files() == []
+    with ckpttool.open_checkpoint(fsdp_ckpt) as ck:  # closed by its block, as before
+        ck.reader.read_tensor(key)
+    assert ck.closed and open_data_files() == []
+
+
+def test_a_destination_of_another_shape_or_dtype_is_refused_naming_it(fsdp_ckpt: Path) -> None:
+    """``read_tensor(key, out=...)`` filled ``out``'s bytes as they were: an int32 ``out`` came back holding the
+    float32 bit patterns, a 64x64 one the 128x32 values, and a smaller or wider one failed the CRC-32 as "the bytes
+    changed after they were saved" (E308) on an intact checkpoint. A destination of another shape or dtype is
+    ``UsageError`` (E100) naming ``out``; one that fits is filled with torch's values."""
+    from ckpttool.errors import UsageError
+
+    ref = torch_load_all(fsdp_ckpt)
+    reader = CheckpointReader(fsdp_ckpt)
+    try:
+        key = next(k for k, v in ref.items() if v.dim() == 2 and v.dtype == torch.float32 and v.numel() > 4)
+        meta = reader.tensor_meta(key)
+        rows, cols = meta.size
+        chunk = next(c for c in meta.chunks if c.numel)
+        for bad in (
+            torch.empty(rows, cols, dtype=torch.int32),
+            torch.empty(rows, cols, dtype=torch.float64),
+            torch.empty(cols, rows),
+            torch.empty(3),
+        ):
+            with pytest.raises(UsageError, match=r"`out` is .*, but .* is ") as e:
+                reader.read_tensor(key, out=bad)
+            assert e.value.code == "E100" and e.value.hint
+            with pytest.raises(UsageError, match=r"`out` is .* chunk at "):
+                reader.read_chunk(key, chunk, out=bad)
+        out = torch.empty(rows, cols)
+        assert reader.read_tensor(key, out=out) is out and torch.equal(out, ref[key])
+        part = torch.empty(chunk.sizes)
+        assert reader.read_chunk(key, chunk, out=part) is part
+        r0, c0 = chunk.offsets
+        assert torch.equal(part, ref[key][r0 : r0 + chunk.sizes[0], c0 : c0 + chunk.sizes[1]])
+    finally:
+        reader.close()

@@ -323,6 +323,79 @@ def test_numpy_bool_and_integer_options_are_taken_as_their_plain_values(dense_ck
         assert e.value.message.startswith("`workers` must be an integer, got ")
 
 
+def test_a_path_option_given_as_a_string_is_taken_as_its_path(sample_ckpt: Path, tmp_path: Path) -> None:
+    """`ExportOptions(model_assets="/ckpt/model_assets")`, a string as every other path option takes, ended in
+    `AttributeError: 'str' object has no attribute 'is_dir'`: a `Path` field given a string or another
+    `os.PathLike` is that path (the export equals the one given a `Path`); a value that is no path is E100 naming
+    the field, before anything is written."""
+    import ckpttool
+
+    assets = sample_ckpt / "model_assets"
+    as_path = ckpttool.export_checkpoint(sample_ckpt, tmp_path / "a", ckpttool.ExportOptions(model_assets=assets))
+    as_str = ckpttool.export_checkpoint(sample_ckpt, tmp_path / "b", ckpttool.ExportOptions(model_assets=str(assets)))
+    assert as_str.assets == as_path.assets and "config.json" in as_str.assets
+    assert (tmp_path / "b" / "config.json").read_bytes() == (assets / "config.json").read_bytes()
+    missing = str(tmp_path / "missing")
+    with pytest.raises(UsageError, match="`model_assets` .*missing: no such directory") as e:
+        ckpttool.export_checkpoint(sample_ckpt, tmp_path / "c", ckpttool.ExportOptions(model_assets=missing))
+    assert e.value.code == "E100"
+    for name in ("model_assets", "rules", "adapter_config"):
+        with pytest.raises(UsageError) as e:
+            ckpttool.export_checkpoint(sample_ckpt, tmp_path / "c", ckpttool.ExportOptions(**{name: 42}))
+        assert (e.value.code, e.value.param) == ("E100", name)
+        assert e.value.message.startswith(f"`{name}` must be a path, got int 42")
+    assert not (tmp_path / "c").exists()
+
+
+def test_a_path_or_config_option_that_is_no_path_is_a_usage_error_naming_it(dense_ckpt: Path, tmp_path: Path) -> None:
+    """`ValidateOptions(config=[...])` ended in `TypeError: expected str, bytes or os.PathLike object, not list`
+    after the checkpoint was opened, as did the other `str | os.PathLike` options given another type: E100 naming
+    the option, before anything is read or written; a dict is still a config, a str or Path a path."""
+    import ckpttool
+
+    m = tmp_path / "m.json"
+    for op, name in (
+        (lambda: ckpttool.validate(dense_ckpt, ckpttool.ValidateOptions(config=[1, 2])), "config"),  # type: ignore[arg-type]
+        (lambda: ckpttool.validate(dense_ckpt, ckpttool.ValidateOptions(against=3)), "against"),  # type: ignore[arg-type]
+        (lambda: ckpttool.validate(dense_ckpt, ckpttool.ValidateOptions(manifest=True)), "manifest"),  # type: ignore[arg-type]
+        (lambda: ckpttool.replay_step(dense_ckpt, ckpttool.ReplayOptions(grads=1)), "grads"),  # type: ignore[arg-type]
+        (lambda: ckpttool.write_manifest(dense_ckpt, ckpttool.ManifestOptions(out=5)), "out"),  # type: ignore[arg-type]
+        (lambda: ckpttool.diff_checkpoints(dense_ckpt, dense_ckpt, ckpttool.DiffOptions(map_rules=[])), "map_rules"),  # type: ignore[arg-type]
+    ):
+        with pytest.raises(UsageError) as e:
+            op()
+        assert (e.value.code, e.value.param) == ("E100", name)
+        assert e.value.message.startswith(f"`{name}` must be a path")
+    assert not m.exists() and not (dense_ckpt / "manifest.json").exists()
+    cfg = {"model_type": "llama"}
+    assert ckpttool.validate(dense_ckpt, ckpttool.ValidateOptions(config=cfg, select=("K",))).fatal is None
+
+
+def test_a_list_for_a_one_string_option_is_a_usage_error_naming_it(dense_ckpt: Path, tmp_path: Path) -> None:
+    """`filter_glob=["*layers.0*"]` (as `StatsOptions`/`DiffOptions` take `filters`) ended in `TypeError:
+    unhashable type: 'list'` from inspect, export and replay-step: a list, tuple or set for a field of one string is
+    E100 naming it, before anything is read or written; the string itself still works."""
+    import ckpttool
+
+    out = tmp_path / "out"
+    ops = (
+        lambda o: ckpttool.inspect(dense_ckpt, ckpttool.InspectOptions(**o)),
+        lambda o: ckpttool.export_checkpoint(dense_ckpt, out, ckpttool.ExportOptions(**o)),
+        lambda o: ckpttool.replay_step(dense_ckpt, ckpttool.ReplayOptions(**o)),
+    )
+    for op in ops:
+        for bad in (["*layers.0*"], ("*layers.0*",), {"*layers.0*"}):
+            with pytest.raises(UsageError) as e:
+                op({"filter_glob": bad})
+            assert (e.value.code, e.value.param) == ("E100", "filter_glob")
+            assert e.value.message.startswith(f"`filter_glob` must be one string, got {type(bad).__name__} ")
+    assert not out.exists()
+    with pytest.raises(UsageError) as e:
+        ckpttool.diff_checkpoints(dense_ckpt, dense_ckpt, ckpttool.DiffOptions(what=["model"]))
+    assert e.value.param == "what"
+    assert ckpttool.inspect(dense_ckpt, ckpttool.InspectOptions(filter_glob="*")).to_dict()
+
+
 def test_the_writing_operations_share_their_output_options(sample_ckpt: Path, tmp_path: Path) -> None:
     """export, reshard and import take ``overwrite``/``manifest``/``algorithm``/``dry_run`` from one base,
     with one meaning: a dry run writes nothing, ``overwrite`` never replaces a directory ckpttool did not

@@ -13,8 +13,10 @@ made; the checkpoint is only read. ``docs/replay.md``, "What it does", "Memory".
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import logging
 import math
+import numbers
 import os
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -335,6 +337,11 @@ def _synchronize(device: Any) -> None:
         torch.accelerator.synchronize(device)
 
 
+def _is_number(value: object) -> bool:
+    """A real number that is no bool (a NumPy float or integer scalar is one)."""
+    return isinstance(value, numbers.Real) and not isinstance(value, bool)
+
+
 def _default_max_memory() -> int:
     """Half the available host memory (psutil when installed, else ``sysconf``), at least 256 MiB."""
     try:
@@ -426,7 +433,19 @@ class ReplayOptions:
         """
         if self.steps < 1:
             raise UsageError(f"`steps` must be >= 1, got {self.steps}", param="steps")
-        check_tolerance(*self.tolerance)
+        tol = self.tolerance
+        if not (isinstance(tol, (tuple, list)) and len(tol) == 2 and all(map(_is_number, tol))):
+            raise UsageError(
+                f"`tolerance` must be a pair (rtol, atol) of numbers, got {type(tol).__name__} {tol!r:.40}",
+                param="tolerance",
+                hint="e.g. `tolerance` (1e-5, 1e-8)",
+            )
+        check_tolerance(*tol)
+        if not _is_number(self.grad_scale):
+            raise UsageError(
+                f"`grad_scale` must be a number, got {type(self.grad_scale).__name__} {self.grad_scale!r:.40}",
+                param="grad_scale",
+            )
         if self.reference_dtype not in _REF_DTYPES:
             raise UsageError(
                 f"`reference_dtype` must be float64 or float32, got {self.reference_dtype!r}", param="reference_dtype"
@@ -480,6 +499,8 @@ def replay_step(
     """
     opts = options_of(options, ReplayOptions)
     opts.check()
+    rtol, atol = opts.tolerance  # plain floats in the result and its JSON (a NumPy scalar is not serializable)
+    opts = dataclasses.replace(opts, tolerance=(float(rtol), float(atol)), grad_scale=float(opts.grad_scale))
     with open_source(source, opening) as ckpt:
         return _replay(ckpt, opts, on_param, progress, phase or (lambda text: None))
 

@@ -688,3 +688,36 @@ def test_verify_of_the_latest_step_opens_the_step_whose_manifest_it_read(
     assert res.exit_code == 0, res.output
     doc = json.loads(res.stdout)
     assert doc["path"] == str(run / "step-1") and doc["problems"] == [], doc
+
+
+def test_check_against_manifest_takes_an_opened_checkpoint(dense_ckpt: Path, tmp_path: Path) -> None:
+    """Every operation takes an opened ``Checkpoint`` or a path (README, "Library"); ``check_against_manifest(ckpt)``
+    ended in ``TypeError: expected str, bytes or os.PathLike object, not Checkpoint``. It verifies the opened
+    checkpoint against the manifest ``write_manifest`` writes for it, as for its path, and names a changed chunk the
+    same way; ``opening`` beside an opened checkpoint, or a closed one, is E100."""
+    import ckpttool
+    from ckpttool.errors import UsageError
+    from ckpttool.model.checkpoint import OpenOptions, open_checkpoint
+
+    a = copy_checkpoint(dense_ckpt, tmp_path / "a")
+    write_manifest(a)
+    by_path = ckpttool.check_against_manifest(a).to_dict()
+    with open_checkpoint(a) as ck:
+        opened = ckpttool.check_against_manifest(ck).to_dict()
+        with pytest.raises(UsageError) as e:
+            ckpttool.check_against_manifest(ck, opening=OpenOptions(trust_pickle=True))
+        assert e.value.code == "E100"
+    assert opened == by_path and opened["ok"] is True
+    with pytest.raises(UsageError, match="the checkpoint was closed"):
+        ckpttool.check_against_manifest(ck)
+    man = json.loads((a / "manifest.json").read_text())
+    e0 = next(e for e in man["entries"] if e["key"].startswith("model.") and e["length"] > 400)
+    with open(a / e0["file"], "r+b") as f:
+        f.seek(e0["offset"] + e0["length"] - 200)
+        byte = f.read(1)
+        f.seek(-1, 1)
+        f.write(bytes([byte[0] ^ 1]))
+    with open_checkpoint(a) as ck:
+        changed = ckpttool.check_against_manifest(ck).to_dict()
+    assert changed == ckpttool.check_against_manifest(a).to_dict() and changed["ok"] is False
+    assert [p["key"] for p in changed["problems"]] == [e0["key"]]

@@ -481,6 +481,37 @@ def test_library_refuses_an_infinite_tolerance(full_fx: Path) -> None:
         replay_step(full_fx / "ckpt", ReplayOptions(device="cpu", tolerance=(float("inf"), 0.0)))
 
 
+def test_a_tolerance_or_grad_scale_that_is_no_number_is_a_usage_error_naming_it(full_fx: Path) -> None:
+    """`ReplayOptions(tolerance=(1e-5,))` ended in `TypeError: check_tolerance() missing 1 required positional
+    argument`, `tolerance=("1e-5", "1e-8")` and `grad_scale="1e-3"` in TypeErrors of a comparison: E100 naming the
+    option, before the checkpoint is read; NumPy scalars are numbers."""
+    import numpy as np
+
+    from ckpttool.errors import UsageError
+    from ckpttool.ops.replay.run import replay_step
+
+    for kw, name in (
+        ({"tolerance": (1e-5,)}, "tolerance"),
+        ({"tolerance": (1e-5, 1e-8, 0.0)}, "tolerance"),
+        ({"tolerance": ("1e-5", "1e-8")}, "tolerance"),
+        ({"tolerance": (True, 0.0)}, "tolerance"),
+        ({"tolerance": 1e-5}, "tolerance"),
+        ({"grad_scale": "1e-3"}, "grad_scale"),
+        ({"grad_scale": None}, "grad_scale"),
+    ):
+        with pytest.raises(UsageError) as e:
+            replay_step(full_fx / "ckpt", ReplayOptions(device="cpu", **kw))  # type: ignore[arg-type]
+        assert (e.value.code, e.value.param) == ("E100", name), kw
+    res = replay_step(
+        full_fx / "ckpt",
+        ReplayOptions(device="cpu", tolerance=(np.float32(1e-5), np.float64(1e-8)), grad_scale=np.float32(1e-3)),
+    )
+    assert res.ok and json.loads(json.dumps(res.to_dict()))["tolerance"] == {
+        "rtol": float(np.float32(1e-5)),
+        "atol": 1e-8,
+    }
+
+
 def test_missing_accelerator_is_a_usage_error(full_fx: Path) -> None:
     from ckpttool.optim_state.device import accelerator_type
 
