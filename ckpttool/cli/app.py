@@ -19,6 +19,7 @@ import re
 import shutil
 import sys
 import textwrap
+import warnings
 from collections.abc import Iterator, MutableMapping, Sequence
 from typing import Any, NoReturn
 
@@ -29,6 +30,10 @@ from ckpttool.cli.completion import add_completions
 from ckpttool.errors import CkptError, UsageError
 from ckpttool.ui.output import caused_by_interrupt, configure_logging, interrupted, print_error, stdout_write_error
 from ckpttool.ui.render import UI
+
+# torch warns once, as a Python warning, that ComplexHalf is experimental when a complex32 tensor is made (a chunk read
+# into one): the commands read it exactly, so the line would only interrupt their output
+warnings.filterwarnings("ignore", message="ComplexHalf support is experimental", category=UserWarning)
 
 __all__ = ["app", "main", "entry", "version_text", "GLOBAL_OPTIONS"]
 

@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ckpttool.engine.io import ShortReadError, read_exact
-from ckpttool.errors import MetadataError
+from ckpttool.errors import MetadataError, TransformError
 from ckpttool.format.hf_storage import _OFFSETS_KEY, _sharding_info, _tensor_entry
 from ckpttool.format.jsonfile import check_json_graph, unique_pairs
 from ckpttool.format.metadata import CheckpointMetadata, StorageInfo, TensorMeta
@@ -72,6 +72,20 @@ def _bad(ckpt: CheckpointDir, rel: str, what: str) -> MetadataError:
         f"{ckpt.path / rel}: safetensors-serialized DCP data file: {what}",
         path=rel,
         hint="the data file is damaged or belongs to another .metadata; use an earlier checkpoint",
+    )
+
+
+def _transformed(ckpt: CheckpointDir, key: str, info: StorageInfo) -> TransformError:
+    """A tensor chunk of a safetensors blob that names a stream transform: torch's writer passes no tensor byte of
+    this format through its ``_extensions`` (it writes an empty stream per tensor, then the blob as it is), and no
+    torch reader loads the result."""
+    return TransformError(
+        f"{ckpt.path / info.relative_path}: {key!r:.80} is safetensors-serialized with stream transform "
+        f"{list(info.transform_descriptors)}, which torch's writer applies to no tensor data in that format "
+        "(torch's readers cannot load it either)",
+        path=info.relative_path,
+        fqn=key,
+        hint="save it again without FileSystemWriter(_extensions=...), or with the default serialization (torch.save archives)",
     )
 
 
@@ -149,6 +163,7 @@ def resolve_safetensors_windows(ckpt: CheckpointDir, md: CheckpointMetadata) -> 
     Raises:
         MetadataError: a file without a safetensors blob where ``.metadata`` puts it, or a
             chunk the blob's header does not hold as ``.metadata`` says (dtype, shape, offsets).
+        TransformError: a tensor chunk names a stream transform (``_extensions``), which this format cannot hold.
         DataFileError, PathEscapeError: a missing, short or escaping data file.
     """
     per_file: dict[str, list[tuple[str, TensorMeta, StorageInfo, tuple[int, ...]]]] = {}
@@ -157,6 +172,8 @@ def resolve_safetensors_windows(ckpt: CheckpointDir, md: CheckpointMetadata) -> 
             continue
         for c in meta.chunks:
             info = md.storage.get((key, c.offsets))
+            if info is not None and info.transform_descriptors:
+                raise _transformed(ckpt, key, info)
             if info is not None:
                 per_file.setdefault(info.relative_path, []).append((key, meta, info, c.offsets))
     for key, offsets, info in md.replicas:  # a use_collectives=False save: the higher ranks' copies, in their blobs

@@ -26,7 +26,7 @@ from ckpttool.errors import ExportError, OutputError
 from ckpttool.format import limits
 from ckpttool.format.files import open_regular
 from ckpttool.format.jsonfile import check_json_graph, unique_pairs
-from ckpttool.format.metadata import DTYPE_ITEMSIZE
+from ckpttool.format.metadata import DTYPE_ITEMSIZE, FLOATING_DTYPES
 
 __all__ = [
     "MAX_HEADER_BYTES",
@@ -245,7 +245,11 @@ def _layout(
                 raise ExportError(
                     f"{e.name}: dtype {e.dtype} cannot be stored in safetensors",
                     fqn=e.name,
-                    hint="export it with `save_dtype` float32/bfloat16 or leave it out with `filter_glob`",
+                    hint=(
+                        "export it with `save_dtype` float32/bfloat16 or leave it out with `filter_glob`"
+                        if e.dtype in FLOATING_DTYPES
+                        else "leave it out with `filter_glob` (`save_dtype` casts floating-point tensors only)"
+                    ),
                 )
             shape_text = json.dumps(list(e.shape), separators=(",", ":"))
             layout = layouts[(e.dtype, e.shape)] = (

@@ -797,7 +797,10 @@ def _hf_sources(src_dir: Path, md: Any) -> dict[str, _Source]:
             raise ExportError(
                 f"{src_dir}: {key!r} is stored as per-rank shards; import reads whole tensors",
                 fqn=key,
-                hint="consolidate the checkpoint first (HuggingFaceStorageWriter with consolidation)",
+                hint=(
+                    f"`ckpttool export {src_dir} OUT` writes the assembled tensors (or save with "
+                    "HuggingFaceStorageWriter(enable_consolidation=True)); import OUT"
+                ),
             )
         info = md.storage_for(key, c)
         assert info is not None, key

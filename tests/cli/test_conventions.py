@@ -349,3 +349,19 @@ def test_the_fp32_masters_note_is_the_librarys(masters_ckpt: Path, tmp_path: Pat
         "31 parameter(s) also have an FP32 optimizer master_weight (master_fp32_adamw); "
         "this export holds the stored bfloat16 values; export the FP32 masters with --weights master"
     )
+
+
+def test_a_complex32_tensor_prints_no_python_warning(tmp_path: Path) -> None:
+    """torch warns once that ComplexHalf is experimental when a complex32 tensor is made: `stats` (as `diff`) of a
+    checkpoint holding one (torch's `dcp.save` stores it) prints its results, not a Python `UserWarning` line."""
+    import torch
+    import torch.distributed.checkpoint as dcp
+
+    ck = tmp_path / "ck"
+    sd = {"model": {"w": torch.randn(3, 2), "c": torch.randn(3, dtype=torch.complex64).to(torch.complex32)}}
+    dcp.save(sd, checkpoint_id=str(ck), no_dist=True)
+    res = subprocess.run(
+        [sys.executable, "-m", "ckpttool", "stats", str(ck)], capture_output=True, text=True, timeout=300
+    )
+    assert res.returncode == 0 and "│ c " in res.stdout, res.stderr
+    assert "Warning" not in res.stderr and "ComplexHalf" not in res.stderr, res.stderr

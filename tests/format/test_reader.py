@@ -105,6 +105,31 @@ def test_zstd_transform_is_decoded(tmp_path: Path) -> None:
         assert torch.equal(r.read_tensor("model.b"), sd["model"]["b"])
 
 
+def test_zstd_beside_safetensors_serialization_is_refused_naming_the_transform(tmp_path: Path) -> None:
+    """``FileSystemWriter(serialization_format=SAFETENSORS, _extensions=[ZStandard()])``: torch writes an empty zstd
+    stream per tensor, then the safetensors blob untransformed, and records the transform on every chunk; no torch
+    reader loads it. Refused with one line naming the transform (E302), not read as a damaged blob (E200)."""
+    pytest.importorskip("zstandard")
+    from torch.distributed.checkpoint._extension import ZStandard
+    from torch.distributed.checkpoint.filesystem import SerializationFormat
+    from typer.testing import CliRunner
+
+    from ckpttool.cli.app import app
+
+    for name, sd in (("one", {"w": torch.randn(8, 4)}), ("two", {"w": torch.randn(8, 4), "b": torch.arange(3)})):
+        ck = tmp_path / name
+        fmt = SerializationFormat.SAFETENSORS
+        dcp.save(sd, storage_writer=dcp.FileSystemWriter(str(ck), serialization_format=fmt, _extensions=[ZStandard()]))
+        with pytest.raises(TransformError, match=r"stream\.zstd/1"):
+            CheckpointReader(ck)
+        for cmd in ("inspect", "validate"):
+            res = CliRunner().invoke(app, [cmd, str(ck)])
+            assert res.exit_code == 2, res.stderr
+            lines = res.stderr.splitlines()
+            assert lines[0].startswith("error: [E302]") and "__0_0.distcp" in lines[0] and "stream.zstd/1" in lines[0]
+            assert lines[1].startswith("hint:") and len(lines) == 2 and res.stdout == ""
+
+
 def _rewrite_metadata(path: Path, mutate) -> None:  # type: ignore[no-untyped-def]
     md = dcp.FileSystemReader(str(path)).read_metadata()
     mutate(md)

@@ -989,3 +989,20 @@ def test_a_write_that_finds_no_room_names_the_output_file(hf_dirs: Path, tmp_pat
     assert re.fullmatch(rf"error: \[E600\] {re.escape(str(out))}/{name} \(File too large\)", first), first
     assert hint.startswith("hint: free space on the output's filesystem"), hint
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ref"]
+
+
+@pytest.mark.slow
+def test_per_rank_hf_storage_shards_are_refused_with_a_hint_that_works(acc_root: Path, tmp_path: Path) -> None:
+    """torch's HuggingFaceStorageWriter(save_distributed=True) without consolidation: each rank's file holds its
+    shard of every tensor. import reads whole tensors and refuses them (E601); the hint's `ckpttool export` writes the
+    assembled tensors, whose import holds what the shards hold."""
+    src = acc_root / "hf_sharded"
+    res = runner.invoke(app, ["import", str(src), str(tmp_path / "d")])
+    assert res.exit_code == 2 and res.stdout == "", res.stderr
+    err, hint = res.stderr.strip().splitlines()[-2:]
+    assert err.startswith("error: [E601]") and "per-rank shards" in err, err
+    assert "ckpttool export" in hint, hint
+    assert not (tmp_path / "d").exists()
+    cli("export", str(src), str(tmp_path / "hf"))
+    cli("import", str(tmp_path / "hf"), str(tmp_path / "d"))
+    assert cli("diff", str(src), str(tmp_path / "d"))["equal"]

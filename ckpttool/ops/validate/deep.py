@@ -55,6 +55,8 @@ __all__ = ["SUBNORMAL_DTYPES", "SUBNORMAL_STRIDE", "TensorStats", "PairStats", "
 
 _AMINMAX_DTYPES = {"bfloat16", "float16", "float32", "float64"}
 _MOMENT_DTYPES = ("bfloat16", "float16", "float32", "float64")
+#: The dtype of a complex tensor's real and imaginary parts (``torch.view_as_real``).
+_COMPLEX_PARTS = {"complex32": "float16", "complex64": "float32", "complex128": "float64"}
 
 
 def _is_step(key: str) -> bool:
@@ -67,7 +69,10 @@ def _summarise(
 ) -> TensorStats:
     import torch
 
-    st = TensorStats(key, dtype, numel=t.numel())
+    stored = dtype
+    if t.is_complex():  # its real and imaginary parts, as torch's optimizers step a complex parameter
+        t, dtype = torch.view_as_real(t), _COMPLEX_PARTS[dtype]
+    st = TensorStats(key, stored, numel=t.numel())
     # packed E2M1 pairs: torch converts them to nothing, and they hold no NaN or inf
     if t.numel() == 0 or dtype == "float4_e2m1fn_x2":
         return st
@@ -106,6 +111,10 @@ def _compare(pair: PairStats, a: torch.Tensor, b: torch.Tensor) -> None:
     import torch
 
     pair.compared = True
+    if a.is_complex():  # real and imaginary parts (the moments of a complex parameter: each part its own)
+        a = torch.view_as_real(a)
+    if b.is_complex():
+        b = torch.view_as_real(b)
     pair.numel += a.numel()
     if a.numel() == 0:
         return

@@ -38,7 +38,7 @@ class TensorStats:
     """Summary of one tensor's values.
 
     Attributes:
-        key: checkpoint key; dtype: stored dtype name; numel: elements summarised.
+        key: checkpoint key; dtype: stored dtype name; numel: values summarised (a complex element: its two parts).
         nonfinite: NaN/inf count (floating dtypes); negative: values < 0 (when asked).
         min, max: over all values (NaN when any is NaN), ``None`` for non-float or empty.
         values: every value, for ``step`` fields (few elements).

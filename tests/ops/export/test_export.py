@@ -951,3 +951,29 @@ def test_an_asset_deleted_mid_run_is_named_not_an_internal_error(
     assert lines[0].startswith(f"error: [E300] {assets / 'tokenizer.json'}: cannot read"), res.stderr
     assert len(lines) == 2 and lines[1].startswith("hint: "), res.stderr
     assert not out.exists() and sorted(p.name for p in tmp_path.iterdir()) == ["assets"]
+
+
+def test_a_dtype_safetensors_lacks_gets_a_hint_that_works(tmp_path: Path) -> None:
+    """complex128 and float4_e2m1fn_x2 have no safetensors dtype and `--save-dtype` casts floating tensors only: the
+    hint names `--filter`, not the cast that fails the same way; float8_e4m3fnuz (floating) is cast as hinted."""
+    ck = tmp_path / "ck"
+    sd = {
+        "model": {
+            "w": torch.randn(4, 2),
+            "c": torch.randn(3, dtype=torch.complex128),
+            "f4": torch.zeros(2, dtype=torch.uint8).view(torch.float4_e2m1fn_x2),
+            "fnuz": torch.randn(4).to(torch.float8_e4m3fnuz),
+        }
+    }
+    dcp.save(sd, checkpoint_id=str(ck), no_dist=True)
+    for key in ("c", "f4"):
+        for extra in ((), ("--save-dtype", "float32")):
+            res = export_cli(str(ck), str(tmp_path / f"out-{key}"), "--filter", key, *extra)
+            assert_clean_failure(res, "E601", f"{key}: dtype")
+            hint = res.stderr.strip().splitlines()[-1]
+            assert "--filter" in hint and "--save-dtype float32" not in hint, hint
+            assert not (tmp_path / f"out-{key}").exists()
+    res = export_cli(str(ck), str(tmp_path / "out-fnuz"), "--filter", "fnuz")
+    assert_clean_failure(res, "E601", "fnuz: dtype float8_e4m3fnuz")
+    assert "--save-dtype float32" in res.stderr.strip().splitlines()[-1]
+    assert export_cli(str(ck), str(tmp_path / "out-fnuz"), "--filter", "fnuz", "--save-dtype", "float32").exit_code == 0

@@ -516,3 +516,28 @@ def test_hf_step_folder_given_as_dot_is_trained_by_its_name(
         rc, doc = run(given, "--deep", "--strict")
         got = findings(doc, "D009")
         assert rc == 1 and got and all("layers.0." in f["key"] for f in got), (given, doc["findings"])
+
+
+def test_deep_checks_a_complex_parameters_adamw_state_on_its_real_and_imaginary_parts(tmp_path: Path) -> None:
+    """torch's Adam/AdamW step a complex parameter as its real view: `exp_avg_sq` is complex, each part a second
+    moment. A healthy save passes --deep (no internal error on `exp_avg_sq < 0`); negated moments are D002."""
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    torch.manual_seed(0)
+    net = torch.nn.Linear(4, 3)
+    net.register_parameter("rot", torch.nn.Parameter(torch.randn(3, 2, dtype=torch.complex64)))
+    opt = torch.optim.AdamW(net.parameters(), lr=1e-2)
+    for _ in range(2):
+        opt.zero_grad()
+        (net(torch.randn(2, 4)).sum() + (net.rot.abs() ** 2).sum()).backward()
+        opt.step()
+    msd, osd = get_state_dict(net, opt)
+    dcp.save({"model": msd, "optimizer": osd}, checkpoint_id=str(tmp_path / "ok"), no_dist=True)
+    code, doc = run(tmp_path / "ok", "--strict", "--deep")
+    assert code == 0 and doc["ok"], doc["findings"]
+    with torch.no_grad():
+        torch.view_as_real(opt.state[net.rot]["exp_avg_sq"]).neg_()
+    msd, osd = get_state_dict(net, opt)
+    dcp.save({"model": msd, "optimizer": osd}, checkpoint_id=str(tmp_path / "neg"), no_dist=True)
+    code, doc = run(tmp_path / "neg", "--deep")
+    assert code == 1 and [f["key"] for f in findings(doc, "D002")] == ["optimizer.state.rot.exp_avg_sq"], doc
