@@ -407,12 +407,38 @@ def _check_template(pattern: re.Pattern[str], to: str, where: str) -> None:
         raise UsageError(f"{where}: invalid template {to!r} ({e})", hint="fix the rules file") from e
 
 
+@functools.cache
+def _rules_loader() -> Any:
+    """A safe YAML loader (libyaml's when available: same result, faster) that refuses a mapping key given twice,
+    which plain YAML loading resolves by keeping the last (a second ``keys:`` section would drop the first's rules
+    unsaid). A key a ``<<`` merge brings in may be given again: that is YAML's override, not a repeat."""
+    import yaml
+
+    base = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
+
+    class Loader(base):  # type: ignore[misc,valid-type]
+        def construct_mapping(self, node: Any, deep: bool = False) -> Any:
+            if isinstance(node, yaml.MappingNode):
+                seen: set[Any] = set()
+                for key_node, _ in node.value:
+                    if not isinstance(key_node, yaml.ScalarNode) or key_node.tag == "tag:yaml.org,2002:merge":
+                        continue
+                    key = self.construct_object(key_node)
+                    if key in seen:
+                        raise yaml.constructor.ConstructorError(
+                            None, None, f"duplicate key {short_repr(key)} at line {key_node.start_mark.line + 1}", None
+                        )
+                    seen.add(key)
+            return super().construct_mapping(node, deep=deep)
+
+    return Loader
+
+
 def _read_yaml(text: str, source: str) -> Any:
     import yaml
 
-    loader = getattr(yaml, "CSafeLoader", yaml.SafeLoader)  # libyaml when available: same result, faster
     try:
-        return yaml.load(text, Loader=loader)
+        return yaml.load(text, Loader=_rules_loader())
     except yaml.YAMLError as e:
         raise UsageError(f"{source}: not valid YAML ({str(e).splitlines()[0]})", hint="fix the rules file") from e
 
