@@ -104,3 +104,16 @@ def test_yaml_merge_keys_overridden_by_the_mapping_are_no_duplicates(sample_ckpt
         app, ["export", str(sample_ckpt), str(tmp_path / "out"), "--rules", str(rules), "--dry-run", "--json"]
     )
     assert res.exit_code == 0, res.stderr
+
+
+def test_a_rules_file_over_one_mib_is_refused_before_yaml_reads_it(sample_ckpt: Path, tmp_path: Path) -> None:
+    # was read up to --max-object-size (256 MiB): YAML builds ~180 bytes of objects per byte of a flow list, a
+    # 20 MB file took 46 s and 3.7 GB, 256 MiB some 47 GB
+    rules = tmp_path / "rules.yaml"
+    rules.write_text("keys: []\n" + "# a comment line of the rules file\n" * 32_000)
+    res = runner.invoke(app, ["export", str(sample_ckpt), str(tmp_path / "out"), "--rules", str(rules), "--dry-run"])
+    assert res.exit_code == 2
+    lines = res.stderr.splitlines()
+    assert lines[0] == f"error: [E307] {rules}: rules file of {rules.stat().st_size} bytes is over the cap of 1 MiB"
+    assert len(lines) == 2 and lines[1].startswith("hint: ") and "--max-object-size" not in lines[1]
+    assert not (tmp_path / "out").exists()

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ckpttool.errors import UsageError
+from ckpttool.errors import SizeLimitError, UsageError
 from ckpttool.format import limits
 from ckpttool.format.files import read_regular, refuse_directory
 from ckpttool.format.unpickler import short_repr
@@ -434,6 +434,11 @@ def _rules_loader() -> Any:
     return Loader
 
 
+#: The largest ``--rules`` file read (the packaged rules are 3 KiB): YAML builds some 180 bytes of objects per
+#: byte of a flow list, so the object cap (256 MiB) would let one file take tens of GB.
+RULES_CAP = 1 << 20
+
+
 def _read_yaml(text: str, source: str) -> Any:
     import yaml
 
@@ -493,8 +498,13 @@ def load_rules(user_file: str | Path | None = None, model_type: str | None = Non
     if user_file is not None:
         p = Path(user_file)
         refuse_directory(p, "rules", "a YAML rules file")
+        cap = min(RULES_CAP, limits.current().max_object_bytes)
         try:
-            text = read_regular(p, limits.current().max_object_bytes, what="rules file").decode("utf-8")
+            text = read_regular(p, cap, what="rules file").decode("utf-8")
+        except SizeLimitError as e:
+            if cap == RULES_CAP:  # not the object cap: raising --max-object-size would not help
+                e.hint = "a rules file holds a few KiB of YAML (docs/export.md); pass the rules file itself"
+            raise
         except OSError as e:
             raise UsageError(
                 f"{p}: cannot read rules file ({e.strerror})", path=p, hint="pass an existing YAML file"
