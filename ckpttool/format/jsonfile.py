@@ -68,12 +68,13 @@ def check_json_graph(obj: Any, source: str) -> Any:
         raise JsonDepthError(f"{e.message} (JSON: at most {limits.current().max_depth} levels)", path=source) from None
 
 
-def parse_json(data: bytes | str, source: str) -> Any:
+def parse_json(data: bytes | str, source: str, *, unique_keys: bool = False) -> Any:
     """Parse a JSON document from an untrusted file.
 
     Args:
         data: the file's bytes (UTF-8) or text.
         source: the file as named in messages.
+        unique_keys: refuse a key given twice in one object (:func:`unique_pairs`) instead of keeping the last.
 
     Raises:
         JsonDepthError: nested deeper or larger than :attr:`Limits.max_depth` /
@@ -81,10 +82,11 @@ def parse_json(data: bytes | str, source: str) -> Any:
         IntegerRangeError: a number with more digits than Python converts, or beyond
             :data:`~ckpttool.format.unpickler.MAX_INT_BITS` bits.
         json.JSONDecodeError, UnicodeDecodeError: not JSON; callers name their own error.
+        DuplicateKeyError: ``unique_keys`` and a key given twice; callers name their own error.
     """
     text = data.decode("utf-8") if isinstance(data, (bytes, bytearray)) else data
     try:
-        obj = json.loads(text)
+        obj = json.loads(text, object_pairs_hook=unique_pairs if unique_keys else None)
     except (ValueError, RecursionError) as e:
         mapped = json_error(e, source)
         if mapped is None:

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ckpttool.errors import CkptError, LayoutError, LayoutFormatError, LayoutVersionError
-from ckpttool.format.jsonfile import parse_json
+from ckpttool.format.jsonfile import DuplicateKeyError, parse_json
 from ckpttool.format.unpickler import short_repr
 
 __all__ = [
@@ -129,9 +129,11 @@ def parse_layout_record(obj: Any, source: str = "layout record") -> LayoutRecord
             raise LayoutError(f"{source}: not UTF-8 text") from e
     if isinstance(obj, str):
         try:
-            obj = parse_json(obj, source)
+            obj = parse_json(obj, source, unique_keys=True)  # the last of two ep_size values is no record's meaning
         except json.JSONDecodeError as e:
             raise LayoutError(f"{source}: not valid JSON ({e.msg} at line {e.lineno})") from e
+        except DuplicateKeyError as e:
+            raise LayoutError(f"{source}: {e}") from e
     if not isinstance(obj, dict):
         raise LayoutError(f"{source}: expected a JSON object, got {type(obj).__name__}")
     fmt = obj.get("format")

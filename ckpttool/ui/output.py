@@ -240,6 +240,19 @@ def _stderr() -> Any:
     return getattr(sys.stderr, "raw_stream", sys.stderr)
 
 
+def _write_stderr(*lines: str) -> None:
+    """Write ``lines`` to stderr and flush. A stderr that cannot be written (its reader went away: ``2>&1 | head
+    -1``; a full disk) is pointed at ``/dev/null`` and the command goes on: what it prints never changes its exit
+    code (a ``BrokenPipeError`` here was taken for a closed stdout, exit 0)."""
+    stream = _stderr()
+    try:
+        for line in lines:
+            stream.write(line)
+        stream.flush()
+    except OSError:
+        _silence(stream)
+
+
 def _line(prefix: str, text: str) -> str:
     """``prefix: text`` escaped, the prefix coloured when stderr is a colour terminal; a ``note:`` or
     ``warning:`` line wider than a terminal wrapped at spaces under its text (a pipe keeps it whole)."""
@@ -270,16 +283,15 @@ def _wrapped_on_terminal(body: str, indent: int) -> str:
 def print_error(err: CkptError) -> None:
     """Render a :class:`CkptError` as ``error:``/``hint:`` lines on stderr (parameters named by their flags)."""
     flags = flag_names()
-    stderr = _stderr()
     keep = str(err.path) if err.path else None
-    stderr.write(_line("error", f"[{err.code}] {_with_flags(err.message, flags, keep)}"))
+    lines = [_line("error", f"[{err.code}] {_with_flags(err.message, flags, keep)}")]
     hint = err.hint
     ctx = _current_context() if hint == UsageError.default_hint else None
     if ctx is not None:  # the library's generic "run the command with --help": name the command, as click's do
         hint = f"see `{ctx.command_path} --help`"
     if hint:
-        stderr.write(_line("hint", _with_flags(hint, flags)))
-    stderr.flush()
+        lines.append(_line("hint", _with_flags(hint, flags)))
+    _write_stderr(*lines)
 
 
 def interrupted() -> int:
@@ -298,7 +310,7 @@ def interrupted() -> int:
         return lost.exit_code
     if distributed.current().note is not None:
         return 0
-    _stderr().write(_line("error", "interrupted" + _published_note()))
+    _write_stderr(_line("error", "interrupted" + _published_note()))
     return 130
 
 
@@ -340,8 +352,7 @@ def _published_note() -> str:
 
 def warn(text: str) -> None:
     """A ``warning: ...`` line on stderr (printed with ``-q`` too; never changes the exit code)."""
-    _stderr().write(_line("warning", _with_flags(text, flag_names())))
-    _stderr().flush()
+    _write_stderr(_line("warning", _with_flags(text, flag_names())))
 
 
 def note(text: str) -> None:
@@ -350,8 +361,7 @@ def note(text: str) -> None:
 
     if UI.quiet:
         return
-    _stderr().write(_line("note", _with_flags(text, flag_names())))
-    _stderr().flush()
+    _write_stderr(_line("note", _with_flags(text, flag_names())))
 
 
 def deprecated(old: str, new: str, *, removal: str = "the next release") -> None:
@@ -368,8 +378,7 @@ class _StderrHandler(logging.Handler):
         try:
             level = record.levelname.lower()
             prefix = level if level in ("debug", "info") else "warning" if level == "warning" else "error"
-            _stderr().write(_line(prefix, f"[{self._SHORT.sub('', record.name)}] {record.getMessage()}"))
-            _stderr().flush()
+            _write_stderr(_line(prefix, f"[{self._SHORT.sub('', record.name)}] {record.getMessage()}"))
         except Exception:  # a broken stderr must not break the command
             self.handleError(record)
 
@@ -501,17 +510,24 @@ def command_boundary(func: F) -> F:
         if os.environ.get("CKPTTOOL_DEBUG"):
             raise e
         msg = " ".join(str(e).split())[:200]
-        _stderr().write(_line("error", f"[E999] internal error: {type(e).__name__}: {msg}"))
-        _stderr().write(_line("hint", "rerun with CKPTTOOL_DEBUG=1 for a traceback and report it"))
+        _write_stderr(
+            _line("error", f"[E999] internal error: {type(e).__name__}: {msg}"),
+            _line("hint", "rerun with CKPTTOOL_DEBUG=1 for a traceback and report it"),
+        )
         raise typer.Exit(2) from None
 
     return wrapper  # type: ignore[return-value]
 
 
 def _silence_stdout() -> None:
+    _silence(sys.stdout)
+
+
+def _silence(stream: Any) -> None:
+    """Point ``stream``'s descriptor at ``/dev/null`` (what is still buffered then goes there at exit)."""
     try:
         devnull = os.open(os.devnull, os.O_WRONLY)
-        os.dup2(devnull, sys.stdout.fileno())
+        os.dup2(devnull, stream.fileno())
         os.close(devnull)
-    except (OSError, ValueError):  # no real fd (e.g. a test runner's buffer)
+    except (OSError, ValueError, AttributeError, io.UnsupportedOperation):  # no real fd (a test runner's buffer)
         pass

@@ -627,6 +627,42 @@ def test_a_closed_stdout_or_stderr_keeps_the_verdict(sample_ckpt: Path, tmp_path
         assert "E999" not in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
 
 
+@pytest.mark.parametrize("stream", ["stderr", "stdout and stderr"])
+def test_a_reader_of_stderr_that_went_away_keeps_the_verdict(sample_ckpt: Path, tmp_path: Path, stream: str) -> None:
+    """``ckpttool ... 2>&1 | head -1``: the error line was written into a pipe whose reader had left, and the
+    BrokenPipeError of that write was taken for a closed stdout: exit 0, a refused ``--overwrite`` or a missing
+    checkpoint read as a success under ``set -o pipefail``. The exit code is the verdict's."""
+    import subprocess
+    import sys
+
+    from ckpttool.ops.sample import SampleOptions, write_sample
+
+    other = tmp_path / "other"
+    write_sample(other, SampleOptions(seed=1))
+    training = tmp_path / "training"
+    shutil.copytree(sample_ckpt, training)
+    (training / ".ckpttool-output.json").unlink()  # a checkpoint ckpttool did not write
+    cases = [
+        (["inspect", str(tmp_path / "missing")], 2),
+        (["export", str(other), str(training), "--overwrite"], 2),
+        (["diff", str(sample_ckpt), str(other)], 1),
+    ]
+    for argv, code in cases:
+        read, write = os.pipe()
+        os.close(read)  # the reader is gone before anything is written
+        try:
+            proc = subprocess.run(
+                [sys.executable, "-m", "ckpttool", *argv],
+                stdout=write if stream != "stderr" else subprocess.DEVNULL,
+                stderr=write,
+                timeout=120,
+            )
+        finally:
+            os.close(write)
+        assert proc.returncode == code, argv
+    assert (training / ".metadata").is_file() and not (training / ".ckpttool-output.json").exists()
+
+
 def test_an_interrupt_ends_the_same_way_wherever_it_lands(capsys: pytest.CaptureFixture[str]) -> None:
     """One function decides what Ctrl-C ends with, for the program's start and for a running command alike."""
     from ckpttool.format.atomic import forget_published

@@ -63,3 +63,57 @@ def test_key_rule_warn_that_is_not_a_boolean_is_refused(
     assert res.exit_code == 2
     assert res.stderr.startswith(f"error: [E100] {rules}: keys[0]: 'warn' is {shown}, expected true or false")
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize(
+    "text, key, line",
+    [
+        # a second `keys:` section: YAML keeps the last, so the first's skip of model.norm.weight was dropped unsaid
+        (
+            "keys:\n  - {match: '^model\\.model\\.norm\\.weight$', to: null}\n"
+            "tied_embeddings: {embedding: model.embed_tokens.weight, lm_head: lm_head.weight}\n"
+            "keys:\n  - {match: '^model\\.lm_head\\.weight$', to: 'output.weight'}\n",
+            "'keys'",
+            4,
+        ),
+        # a rule giving `to` twice: which one renames was YAML's choice
+        ("keys:\n  - {match: '^model\\.model\\.norm\\.weight$', to: null, to: 'norm.weight'}\n", "'to'", 2),
+    ],
+)
+def test_a_key_given_twice_is_refused_not_the_last_one_taken(
+    sample_ckpt: Path, tmp_path: Path, text: str, key: str, line: int
+) -> None:
+    rules = tmp_path / "rules.yaml"
+    rules.write_text(text)
+    res = runner.invoke(app, ["export", str(sample_ckpt), str(tmp_path / "out"), "--rules", str(rules)])
+    assert res.exit_code == 2
+    lines = res.stderr.splitlines()
+    assert lines[0] == f"error: [E100] {rules}: not valid YAML (duplicate key {key} at line {line})"
+    assert len(lines) == 2 and lines[1].startswith("hint: ")
+    assert not (tmp_path / "out").exists()
+
+
+def test_yaml_merge_keys_overridden_by_the_mapping_are_no_duplicates(sample_ckpt: Path, tmp_path: Path) -> None:
+    # `<<: *base` then `to:` is YAML's override of a merged key, not a key given twice
+    rules = tmp_path / "rules.yaml"
+    rules.write_text(
+        "keys:\n  - &skip {match: '^model\\.model\\.norm\\.weight$', to: null}\n"
+        "  - {<<: *skip, match: '^model\\.lm_head\\.weight$', to: 'output.weight'}\n"
+    )
+    res = runner.invoke(
+        app, ["export", str(sample_ckpt), str(tmp_path / "out"), "--rules", str(rules), "--dry-run", "--json"]
+    )
+    assert res.exit_code == 0, res.stderr
+
+
+def test_a_rules_file_over_one_mib_is_refused_before_yaml_reads_it(sample_ckpt: Path, tmp_path: Path) -> None:
+    # was read up to --max-object-size (256 MiB): YAML builds ~180 bytes of objects per byte of a flow list, a
+    # 20 MB file took 46 s and 3.7 GB, 256 MiB some 47 GB
+    rules = tmp_path / "rules.yaml"
+    rules.write_text("keys: []\n" + "# a comment line of the rules file\n" * 32_000)
+    res = runner.invoke(app, ["export", str(sample_ckpt), str(tmp_path / "out"), "--rules", str(rules), "--dry-run"])
+    assert res.exit_code == 2
+    lines = res.stderr.splitlines()
+    assert lines[0] == f"error: [E307] {rules}: rules file of {rules.stat().st_size} bytes is over the cap of 1 MiB"
+    assert len(lines) == 2 and lines[1].startswith("hint: ") and "--max-object-size" not in lines[1]
+    assert not (tmp_path / "out").exists()

@@ -93,3 +93,23 @@ def test_export_refuses_a_sidecar_the_chunks_contradict(
     assert lines[1].startswith("hint: the layout record or declaration does not describe how this checkpoint was saved")
     assert "Traceback" not in res.stderr
     assert not out.exists()
+
+
+@pytest.mark.parametrize("command", ["reshard", "stamp"])
+def test_a_sidecar_giving_a_key_twice_is_refused_not_the_last_one_taken(
+    ep_suite: Path, tmp_path: Path, command: str
+) -> None:
+    # `"ep_size": 4, "ep_size": 2`: json keeps the last, so the record read as EP 2 whatever its writer meant
+    ck = copy_checkpoint(ep_suite / "legacy", tmp_path / "legacy")
+    text = json.dumps(_record()).replace('"ep_size": 2', '"ep_size": 4, "ep_size": 2')
+    (ck / "layout.json").write_text(text)
+    argv = {
+        "reshard": ["reshard", str(ck), str(tmp_path / "out"), "--to", "canonical", "--with-optimizer"],
+        "stamp": ["stamp", str(ck), *LEGACY],
+    }[command]
+    res = runner.invoke(app, argv)
+    assert res.exit_code == 2, res.output
+    lines = res.stderr.splitlines()
+    assert lines[0].startswith("error: [E400] ") and f"{ck / 'layout.json'}" in lines[0], lines
+    assert "duplicate key 'ep_size'" in lines[0] and len(lines) == 2 and lines[1].startswith("hint: ")
+    assert not (tmp_path / "out").exists() and (ck / "layout.json").read_text() == text

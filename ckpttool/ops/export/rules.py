@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ckpttool.errors import UsageError
+from ckpttool.errors import SizeLimitError, UsageError
 from ckpttool.format import limits
 from ckpttool.format.files import read_regular, refuse_directory
 from ckpttool.format.unpickler import short_repr
@@ -407,12 +407,43 @@ def _check_template(pattern: re.Pattern[str], to: str, where: str) -> None:
         raise UsageError(f"{where}: invalid template {to!r} ({e})", hint="fix the rules file") from e
 
 
+@functools.cache
+def _rules_loader() -> Any:
+    """A safe YAML loader (libyaml's when available: same result, faster) that refuses a mapping key given twice,
+    which plain YAML loading resolves by keeping the last (a second ``keys:`` section would drop the first's rules
+    unsaid). A key a ``<<`` merge brings in may be given again: that is YAML's override, not a repeat."""
+    import yaml
+
+    base = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
+
+    class Loader(base):  # type: ignore[misc,valid-type]
+        def construct_mapping(self, node: Any, deep: bool = False) -> Any:
+            if isinstance(node, yaml.MappingNode):
+                seen: set[Any] = set()
+                for key_node, _ in node.value:
+                    if not isinstance(key_node, yaml.ScalarNode) or key_node.tag == "tag:yaml.org,2002:merge":
+                        continue
+                    key = self.construct_object(key_node)
+                    if key in seen:
+                        raise yaml.constructor.ConstructorError(
+                            None, None, f"duplicate key {short_repr(key)} at line {key_node.start_mark.line + 1}", None
+                        )
+                    seen.add(key)
+            return super().construct_mapping(node, deep=deep)
+
+    return Loader
+
+
+#: The largest ``--rules`` file read (the packaged rules are 3 KiB): YAML builds some 180 bytes of objects per
+#: byte of a flow list, so the object cap (256 MiB) would let one file take tens of GB.
+RULES_CAP = 1 << 20
+
+
 def _read_yaml(text: str, source: str) -> Any:
     import yaml
 
-    loader = getattr(yaml, "CSafeLoader", yaml.SafeLoader)  # libyaml when available: same result, faster
     try:
-        return yaml.load(text, Loader=loader)
+        return yaml.load(text, Loader=_rules_loader())
     except yaml.YAMLError as e:
         raise UsageError(f"{source}: not valid YAML ({str(e).splitlines()[0]})", hint="fix the rules file") from e
 
@@ -467,8 +498,13 @@ def load_rules(user_file: str | Path | None = None, model_type: str | None = Non
     if user_file is not None:
         p = Path(user_file)
         refuse_directory(p, "rules", "a YAML rules file")
+        cap = min(RULES_CAP, limits.current().max_object_bytes)
         try:
-            text = read_regular(p, limits.current().max_object_bytes, what="rules file").decode("utf-8")
+            text = read_regular(p, cap, what="rules file").decode("utf-8")
+        except SizeLimitError as e:
+            if cap == RULES_CAP:  # not the object cap: raising --max-object-size would not help
+                e.hint = "a rules file holds a few KiB of YAML (docs/export.md); pass the rules file itself"
+            raise
         except OSError as e:
             raise UsageError(
                 f"{p}: cannot read rules file ({e.strerror})", path=p, hint="pass an existing YAML file"
