@@ -292,7 +292,7 @@ def hf_config_beside(model_dir: Path) -> Path | None:
     for name in _HF_CONFIG_DIRS:
         folder = model_dir if name == "." else model_dir / name
         try:
-            if not (folder / "config.json").is_file():
+            if not os.path.lexists(folder / "config.json"):  # a FIFO, folder or dangling link: read, refused there
                 continue
         except OSError:
             continue

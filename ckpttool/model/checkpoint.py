@@ -265,7 +265,7 @@ class Checkpoint:
             :func:`~ckpttool.model.hfconfig.read_hf_config`.
         """
         where = self.local_folder
-        if where is None or not (where / "config.json").is_file():
+        if where is None or not os.path.lexists(where / "config.json"):  # unreadable: refused by the read
             return None
         from ckpttool.model.hfconfig import read_hf_config
 

@@ -877,7 +877,7 @@ def _quantized(ckpt: Checkpoint, cat: Catalog) -> dict[str, Any] | None:
         return None  # integer tensors that are no packed weights (position ids, counters): no config read for them
     config = None
     cfg = os.path.join(ckpt.located.model, "config.json")
-    if os.path.isfile(cfg):
+    if os.path.lexists(cfg):  # a FIFO, folder or dangling link is refused by the read, not taken for none
         from ckpttool.model.hfconfig import read_hf_config
 
         # the directory: a config.json symlinked out of it is E101; named as the folder's own, no option

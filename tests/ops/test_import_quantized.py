@@ -830,3 +830,30 @@ def test_an_unquantized_float32_expert_beyond_bfloat16_is_refused_not_written_as
     assert res.exit_code == 0, res.stderr
     gate_up = _torch_load(tmp_path / "f32")["model.model.layers.0.mlp.experts.gate_up_proj"]  # [E, 2 * 6, 20]
     assert gate_up.dtype == torch.float32 and gate_up[0, 6 + 1, 2].item() == t[big][1, 2].item()
+
+
+@pytest.mark.parametrize("kind", ["dangling link", "folder", "fifo"])
+def test_an_own_config_json_that_cannot_be_read_is_refused_not_taken_for_none(
+    deepseek_dir: Path, tmp_path: Path, kind: str
+) -> None:
+    """An FP8 folder whose config.json (16x16 blocks) is a dangling link, a folder or a FIFO: it was taken for no
+    config, the scales checked against 128x128 blocks and the folder called damaged (E612), inspect exit 0. Now the
+    config.json is named as not read, exit 2, nothing written."""
+    import os
+    import shutil
+
+    src = tmp_path / "fp8"
+    shutil.copytree(deepseek_dir, src)
+    cfg = src / "config.json"
+    cfg.unlink()
+    if kind == "dangling link":
+        os.symlink("config.json.gone", cfg)
+    elif kind == "folder":
+        cfg.mkdir()
+    else:
+        os.mkfifo(cfg)
+    for args in (["inspect", str(src)], ["import", str(src), str(tmp_path / "out")], ["diff", str(src), str(src)]):
+        res = runner.invoke(app, args)
+        assert res.exit_code == 2 and str(cfg) in res.stderr, (args[0], res.exit_code, res.stderr)
+        assert "E612" not in res.stderr and "Traceback" not in res.stderr, res.stderr
+    assert not (tmp_path / "out").exists()

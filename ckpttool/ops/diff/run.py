@@ -841,7 +841,7 @@ def _hf_config(st: Side, dcp: Side) -> dict[str, Any] | None:
         (model, "config.json"),
         (model, "model_assets/config.json"),
     ):
-        if (root / rel).is_file():
+        if os.path.lexists(root / rel):  # a FIFO, folder or dangling link is refused by the read
             # inside the side's folder: a config.json, or the model_assets folder holding it, symlinked out is E101
             cfg = read_hf_config(resolve_inside(root, rel, what="config.json"), param=None)
             return cfg if isinstance(cfg, dict) else None
