@@ -556,7 +556,8 @@ def _qkv_parts(cat: Catalog) -> Iterator[tuple[str, ...]]:
     """The model keys of each parameter stepped fused as q/k/v and stored split (``wq``, ``wk``, ``wv``) present."""
     for ps in cat.optimizer_state.values():
         parts = ps.stored_as
-        if len(parts) == 3 and parts[0].rsplit(".", 2)[-2].endswith("wq") and parts[1] in cat.model:
+        k = cat.model.get(parts[1]) if len(parts) == 3 and parts[0].rsplit(".", 2)[-2].endswith("wq") else None
+        if k is not None and k.shape:  # the k rows are its dim 0
             yield parts
 
 
