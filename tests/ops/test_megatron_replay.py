@@ -252,6 +252,11 @@ def test_parameters_of_groups_without_inferred_members_are_not_p004(tmp_path: Pa
     doc = json.loads(r.stdout)
     assert not [f for f in doc["findings"] if f["code"] == "P004"], [f["message"] for f in doc["findings"]]
     assert r.exit_code == 0, r.output
+    r = runner.invoke(app, ["stats", str(run)])  # not "no param group or step saved": both are
+    assert r.exit_code == 0 and "no param group or step saved" not in r.output, r.output
+    assert "no update size: its param group not known (those of common.pt are not the trainer's default grouping)" in (
+        " ".join(r.output.split())
+    ), r.output
 
 
 def _with_override_group(tmp_path: Path) -> Path:
