@@ -33,7 +33,7 @@ from ckpttool.errors import (
     shell_arg,
 )
 from ckpttool.format.directory import DATA_FILE_RE, METADATA_NAME, data_file_ranks
-from ckpttool.format.files import file_kind, hub_snapshot, open_regular
+from ckpttool.format.files import file_kind, hub_snapshot, open_regular, resolve_inside
 from ckpttool.format.hf_storage import hf_storage_files
 from ckpttool.format.metadata import CheckpointMetadata, StorageInfo
 from ckpttool.format.perrank_formats import detect_layout, staging_of, unfinished_layout
@@ -689,11 +689,14 @@ def _latest_step(root: Path) -> tuple[int | str, str] | None:
             Megatron's ``release``): the trainer's own resume stops on it; or a step directory outside ``root``.
             Also a ``latest`` file that cannot be read (permissions): the step it names is not known.
         NotRegularFileError (E102): a ``latest`` that is a FIFO, device or socket.
+        PathEscapeError (E101): a ``latest`` symlink to a file outside ``root`` (a hub snapshot's blobs are inside).
     """
     for name in registry.derived().discovery.latest_files:
         p = root / name
         try:
-            if p.is_symlink():  # NeMo Automodel's LATEST: a relative symlink to the step directory
+            if p.is_symlink() and p.is_file():  # a link to the file (a hub snapshot's blob): read as open() reads it
+                text = _pointer_text(resolve_inside(root, name, what=name))
+            elif p.is_symlink():  # NeMo Automodel's LATEST: a relative symlink to the step directory
                 target = os.readlink(p)
                 # another run's step directory (latest -> ../other/checkpoint-1) is not this run's step of that number
                 s = _linked_step(root, target) if _leads_below(root, target) else None
@@ -707,7 +710,8 @@ def _latest_step(root: Path) -> tuple[int | str, str] | None:
                     hint=f"pass the directory {name} links to itself, or `step` N, or point {name} at a step "
                     "directory (or remove it to make `step` latest the highest complete step)",
                 )
-            text = _pointer_text(p)
+            else:
+                text = _pointer_text(p)
         except FileNotFoundError:  # removed since it was listed
             continue
         except OSError as e:  # the trainer's resume reading it fails too: the highest step may not be the one it names

@@ -676,6 +676,29 @@ def test_latest_file_that_cannot_be_read_is_e205(acc_root: Path, tmp_path: Path)
     assert locate(run, CheckpointSelection(step="latest")).step == 1
 
 
+def test_latest_file_that_is_a_symlink_to_a_file_is_read(acc_root: Path, tmp_path: Path) -> None:
+    """A ``latest`` that is a symlink to a regular file (a Hugging Face hub snapshot's files link to its blobs; a
+    ``latest -> latest.real``) holds the step as the trainer's ``open(latest)`` reads it: it was taken for a link to
+    a step directory and refused (E205, 'names no step directory'). A link to a file outside the run is E101."""
+    snap = tmp_path / "models--org--run" / "snapshots" / "abc123"
+    for s in (1, 2):
+        shutil.copytree(acc_root / "accelerate" / f"checkpoint-{s - 1}", snap / f"checkpoint-{s}")
+    blob = tmp_path / "models--org--run" / "blobs" / "e3b0c442"
+    blob.parent.mkdir()
+    blob.write_text("checkpoint-1\n")
+    (snap / "latest").symlink_to(Path("..", "..", "blobs", blob.name))
+    assert locate(snap, CheckpointSelection(step="latest")).step == 1
+    (snap / "latest").unlink()
+    (snap / "latest.real").write_text("checkpoint-1\n")
+    (snap / "latest").symlink_to("latest.real")
+    assert locate(snap, CheckpointSelection(step="latest")).step == 1
+    (snap / "latest").unlink()
+    (tmp_path / "elsewhere").write_text("checkpoint-1\n")
+    (snap / "latest").symlink_to(tmp_path / "elsewhere")
+    with pytest.raises(PathEscapeError):
+        locate(snap, CheckpointSelection(step="latest"))
+
+
 def test_a_folder_inside_a_checkpoint_names_the_checkpoint_ready_to_paste(titan_root: Path, tmp_path: Path) -> None:
     """``inspect CKPT/model_assets`` (a folder inside the checkpoint): the hint's checkpoint directory to pass is one
     shell argument; it was unquoted, its run of spaces and its newline folded into 'ck x $y', another folder."""

@@ -581,11 +581,12 @@ def _membership(
         )
     if unknown:
         rows_k = cat.model[_stackable_parts(cat, unknown[0])[1]].shape[0]
-        why = (
-            f"`head_dim` {head_dim} does not divide their k rows ({rows_k})"
-            if head_dim is not None
-            else "the head dim is not in the checkpoint (no q_norm/k_norm beside them, no config.json saved with it)"
-        )
+        if head_dim is not None:
+            why = f"`head_dim` {head_dim} does not divide their k rows ({rows_k})"
+        elif config_head_dim is not None:
+            why = f"the head dim {config_head_dim} of the config.json saved with it does not divide their k rows ({rows_k})"
+        else:
+            why = "the head dim is not in the checkpoint (no q_norm/k_norm beside them, no config.json saved with it)"
         notes.append(
             f"{len(unknown)} fused parameter(s) (e.g. {unknown[0]}) interleave their parts per KV head, and {why}: "
             "not replayed; pass `head_dim` N (the model's hidden size / attention heads)"

@@ -539,25 +539,30 @@ def _older_optimizer_step_hint(ckpt: Checkpoint) -> str | None:
 
 def _config_head_dim(ckpt: Checkpoint, given: int | None) -> int | None:
     """The attention head dim of the ``config.json`` saved with the checkpoint (:meth:`Checkpoint.hf_config_beside`):
-    its ``head_dim``, else ``hidden_size / num_attention_heads``; looked for only where parameters are stepped fused
-    and stored split (torchtitan's ``wqkv``), ``None`` where there is none.
+    its ``head_dim``, else ``hidden_size / num_attention_heads``; looked for only where q/k/v are stepped fused and
+    stored split (torchtitan's ``wqkv``), ``None`` where there is none. With ``given`` (``--head-dim``) a config that
+    cannot be read is passed over, and one whose head dim does not divide the k rows is not this model's.
 
     Raises:
-        UsageError: ``given`` (``--head-dim``) contradicts it (both named).
+        UsageError: ``given`` contradicts it (both named); without ``given``, a config that cannot be read.
     """
-    if not any(ps.stored_as for ps in ckpt.catalog.optimizer_state.values()):
-        return None
-    folder = ckpt.hf_config_beside()
+    rows_k = next((ckpt.catalog.model[p[1]].shape[0] for p in _qkv_parts(ckpt.catalog)), None)
+    folder = ckpt.hf_config_beside() if rows_k is not None else None
     if folder is None:
         return None
     from ckpttool.model.hfconfig import read_hf_config
 
-    cfg = read_hf_config(folder, param=None)
+    try:
+        cfg = read_hf_config(folder, param=None)
+    except CkptError:
+        if given is not None:  # the flag tells the head dim
+            return None
+        raise
     heads, hidden = cfg.get("num_attention_heads"), cfg.get("hidden_size")
     hd: int | None = cfg.get("head_dim") if type(cfg.get("head_dim")) is int and cfg["head_dim"] > 0 else None
     if hd is None and type(heads) is int and type(hidden) is int and heads > 0 and hidden > 0 and hidden % heads == 0:
         hd = hidden // heads
-    if hd is not None and given is not None and given != hd:
+    if hd is not None and given is not None and given != hd and rows_k and rows_k % hd == 0:
         raise UsageError(
             f"`head_dim` {given} contradicts {folder / 'config.json'}, saved with the checkpoint: its head dim is {hd}"
             + ("" if cfg.get("head_dim") == hd else f" (hidden_size {hidden} / num_attention_heads {heads})"),
@@ -566,6 +571,15 @@ def _config_head_dim(ckpt: Checkpoint, given: int | None) -> int | None:
             hint=f"leave out `head_dim` (the config tells it), or pass `head_dim` {hd}",
         )
     return hd
+
+
+def _qkv_parts(cat: Catalog) -> Iterator[tuple[str, ...]]:
+    """The model keys of each parameter stepped fused as q/k/v and stored split (``wq``, ``wk``, ``wv``) present."""
+    for ps in cat.optimizer_state.values():
+        parts = ps.stored_as
+        k = cat.model.get(parts[1]) if len(parts) == 3 and parts[0].rsplit(".", 2)[-2].endswith("wq") else None
+        if k is not None and k.shape:  # the k rows are its dim 0
+            yield parts
 
 
 def _prepare(ckpt: Checkpoint, opts: ReplayOptions) -> _Prepared:

@@ -202,6 +202,11 @@ def _hyper(ckpt: Checkpoint, fqn: str, notes: dict[str, list[str]]) -> AdamHyper
     cat = ckpt.catalog
     group = cat.group_of(fqn)
     ps = cat.optimizer_state.get(fqn)
+    spec = cat.schema.spec
+    if group is None and ps is not None and spec is not None and spec.group_members is not None:
+        why = f"its param group not known (those of {spec.common_state_file} are not the trainer's default grouping)"
+        notes.setdefault(why, []).append(fqn)  # saved without members, and these cannot be inferred
+        return None
     if group is None or ps is None or "step" not in ps.fields:
         notes.setdefault("no param group or step saved", []).append(fqn)
         return None

@@ -89,6 +89,31 @@ def test_torchtitan_fused_qkv_head_dim_from_the_config_saved_with_it(titan_root:
     ]
 
 
+def test_torchtitan_fused_qkv_config_saved_with_it_that_cannot_tell_the_head_dim(
+    titan_root: Path, tmp_path: Path
+) -> None:
+    """A ``config.json`` saved with a torchtitan step whose head dim does not divide the fused k rows (7 of 64), or
+    that is not JSON: the note said no config.json was saved, --head-dim 16 (the right one) was refused as
+    contradicting the config's 7, and a damaged config refused the replay even with --head-dim given."""
+    import shutil
+
+    ck = tmp_path / "step-2"
+    shutil.copytree(titan_root / "llama3" / "checkpoint" / "step-2", ck)
+    (ck / "model_assets").mkdir()
+    cfg = ck / "model_assets" / "config.json"
+    cfg.write_text(json.dumps({"hidden_size": 64, "num_attention_heads": 4, "head_dim": 7}))
+    res = runner.invoke(app, ["replay-step", str(ck), "--device", "cpu"])
+    assert res.exit_code == 1, res.output
+    assert "and the head dim 7 of the config.json saved with it does not divide their k rows (64): not replayed" in (
+        " ".join(res.stdout.split())
+    ), res.stdout
+    assert replay(str(ck), "--head-dim", "16")["ok"]
+    cfg.write_text("{not json")
+    assert replay(str(ck), "--head-dim", "16")["ok"]
+    res = runner.invoke(app, ["replay-step", str(ck), "--device", "cpu"])  # needed, and damaged: named
+    assert res.exit_code == 2 and res.stderr.startswith(f"error: [E100] {cfg}"), res.output
+
+
 def test_torchtitan_moe(titan_root: Path) -> None:
     doc = replay(str(titan_root / "moe"))
     assert doc["ok"] and any("inner_experts.w1_EFD" in p["fqn"] for p in doc["params"])

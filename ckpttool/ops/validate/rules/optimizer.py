@@ -535,6 +535,9 @@ def state_without_group(ctx: Context) -> Iterator[tuple[str, str]]:
         return
     if not _membership_known(ctx):
         return  # S011 reports why
+    spec = ctx.cat.schema.spec
+    if spec is not None and spec.group_members is not None:
+        return  # members inferred, not saved (Megatron's common.pt): its trainer's load rebuilds the groups
     for fqn, _, _ in _states(ctx):
         if ctx.group_of(fqn) is None:
             yield fqn, f"{fqn}: has optimizer state but is in no param group"
