@@ -581,12 +581,18 @@ def _as_int(value: object) -> int | None:
 Opts = TypeVar("Opts")
 
 
+#: The annotations of an options field that holds several strings (a glob, a rule code each).
+_STRING_SEQUENCES = ("tuple[str, ...]", "Sequence[str]", "Sequence[str] | None")
+#: What the strings of such a field are, by field name, for its message (default: strings).
+_SEQUENCE_NOUNS = {"select": "rule codes", "ignore": "rule codes", "filters": "globs", "quantize_skip": "globs"}
+
+
 def check_field_types(options: Opts) -> Opts:
     """Refuse an options dataclass whose ``bool`` field is not a bool, whose ``int`` (``int | None``)
     field is a bool or not an int (``"2"``, ``2.0``, ``True``), whose ``Path`` or ``str | os.PathLike[str]``
     field (each ``| None``) is no ``str`` or ``os.PathLike`` (a config field: nor a dict), or whose ``str``
-    (``str | None``) field is a list, tuple or set (``filter_glob`` takes one glob): the one type check of every
-    options class.
+    (``str | None``) field is a list, tuple or set (``filter_glob`` takes one glob), or whose sequence of strings
+    (``ignore``, ``filters``) is one string: the one type check of every options class.
 
     Returns:
         ``options``, or a copy with a NumPy bool or integer (``np.True_``, ``np.int64(4)``) given as the
@@ -634,10 +640,27 @@ def check_field_types(options: Opts) -> Opts:
                 param=f.name,
                 hint="pass a str or a pathlib.Path",
             )
-        elif f.type in ("str", "str | None") and isinstance(value, (list, tuple, set, frozenset)):
-            raise UsageError(
-                f"`{f.name}` must be one string, got {type(value).__name__} {value!r:.40}",
-                param=f.name,
-                hint="pass one glob; fnmatch's [qk] matches q or k" if "glob" in f.name else "pass one string",
-            )
+        else:
+            _check_strings(f.name, f.type, value)
     return dataclasses.replace(options, **plain) if plain else options  # type: ignore[type-var]
+
+
+def _check_strings(name: str, annotation: object, value: object) -> None:
+    """:func:`check_field_types` of a field of one string or of several: a list for one, a string for several.
+
+    Raises:
+        UsageError (E100): naming the field.
+    """
+    if annotation in _STRING_SEQUENCES and isinstance(value, (str, bytes)):
+        noun = _SEQUENCE_NOUNS.get(name, "strings")
+        raise UsageError(
+            f"`{name}` {value!r:.60} is not a sequence of non-empty {noun} (one string is read as its characters)",
+            param=name,
+            hint=f"pass a list or tuple of them: {name}=[{value!r:.40}]",
+        )
+    if annotation in ("str", "str | None") and isinstance(value, (list, tuple, set, frozenset)):
+        raise UsageError(
+            f"`{name}` must be one string, got {type(value).__name__} {value!r:.40}",
+            param=name,
+            hint="pass one glob; fnmatch's [qk] matches q or k" if "glob" in name else "pass one string",
+        )

@@ -432,3 +432,26 @@ def test_the_writing_operations_share_their_output_options(sample_ckpt: Path, tm
         assert u.value.code == "E100" and "md5" in u.value.message
         assert not (tmp_path / "never").exists()
     assert sorted(p.name for p in foreign.iterdir()) == ["notes.txt"]
+
+
+def test_one_string_for_a_sequence_option_is_a_usage_error_naming_it(dense_ckpt: Path, tmp_path: Path) -> None:
+    """`ValidateOptions(ignore="D001")` was read as the codes 'D', '0', '0', '1' (E100 "'0' matches no rule code",
+    naming no value the caller gave), and `ExportOptions(quantize_skip="*norm*")` as one-character globs: one string
+    for a field of several is E100 naming the field and the string; a list of it works."""
+    import ckpttool
+
+    out = tmp_path / "out"
+    for op, name, value in (
+        (lambda o: ckpttool.validate(dense_ckpt, ckpttool.ValidateOptions(**o)), "ignore", "D001"),
+        (lambda o: ckpttool.validate(dense_ckpt, ckpttool.ValidateOptions(**o)), "select", "S"),
+        (lambda o: ckpttool.export_checkpoint(dense_ckpt, out, ckpttool.ExportOptions(**o)), "quantize_skip", "*"),
+        (lambda o: ckpttool.export_checkpoint(dense_ckpt, out, ckpttool.ExportOptions(**o)), "allow_mismatch", "x"),
+        (lambda o: ckpttool.replay_step(dense_ckpt, ckpttool.ReplayOptions(**o)), "offload_patterns", "*"),
+    ):
+        with pytest.raises(UsageError) as e:
+            op({name: value})
+        assert (e.value.code, e.value.param) == ("E100", name), e.value
+        assert e.value.message.startswith(f"`{name}` {value!r} is not a sequence of non-empty "), e.value
+        assert e.value.hint == f"pass a list or tuple of them: {name}=[{value!r}]"
+    assert not out.exists()
+    assert ckpttool.validate(dense_ckpt, ckpttool.ValidateOptions(ignore=["D001"], select=["S"])).fatal is None

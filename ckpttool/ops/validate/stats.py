@@ -65,6 +65,21 @@ class TensorStats:
     beyond_max: float = 0.0
     subnormal: int = 0
 
+    @property
+    def parts(self) -> int:
+        """Values summarised per element: 2 for a complex dtype (its real and imaginary parts), else 1."""
+        return 2 if self.dtype.startswith("complex") else 1
+
+    def covers(self, numel: int) -> bool:
+        """Every value of a tensor of ``numel`` elements was summarised (a complex one: both parts of each)."""
+        return self.numel == numel * self.parts
+
+    def of_values(self) -> str:
+        """``of N values`` for a message, naming the parts of a complex tensor."""
+        if self.parts == 1:
+            return f"of {self.numel} values"
+        return f"of {self.numel} values (real and imaginary parts of {self.numel // 2} {self.dtype})"
+
     def add(self, other: TensorStats) -> None:
         if other.numel:
             self.zero = (

@@ -541,3 +541,36 @@ def test_deep_checks_a_complex_parameters_adamw_state_on_its_real_and_imaginary_
     dcp.save({"model": msd, "optimizer": osd}, checkpoint_id=str(tmp_path / "neg"), no_dist=True)
     code, doc = run(tmp_path / "neg", "--deep")
     assert code == 1 and [f["key"] for f in findings(doc, "D002")] == ["optimizer.state.rot.exp_avg_sq"], doc
+
+
+def test_a_complex_tensor_all_zero_is_known_whole_and_its_nan_counted_per_part(tmp_path: Path) -> None:
+    """A complex tensor is summarised on its real and imaginary parts (twice its elements): it is still known to
+    be all zero as a whole (D008 for a complex parameter's zeroed moments, D011 for a zeroed complex weight, as
+    for a real one), and D001 counts its NaN among the parts it names."""
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    torch.manual_seed(0)
+    net = torch.nn.Linear(4, 3)
+    net.register_parameter("rot", torch.nn.Parameter(torch.randn(3, 2, dtype=torch.complex64)))
+    opt = torch.optim.AdamW(net.parameters(), lr=1e-2)
+    for _ in range(3):
+        opt.zero_grad()
+        (net(torch.randn(2, 4)).sum() + (net.rot.abs() ** 2).sum()).backward()
+        opt.step()
+    with torch.no_grad():
+        opt.state[net.rot]["exp_avg"].zero_()
+        opt.state[net.rot]["exp_avg_sq"].zero_()
+        net.rot.zero_()
+        net.rot.imag[0, 0] = float("nan")  # NaN in one imaginary part: the rest is zero
+    msd, osd = get_state_dict(net, opt)
+    dcp.save({"model": msd, "optimizer": osd}, checkpoint_id=str(tmp_path / "c"), no_dist=True)
+    code, doc = run(tmp_path / "c", "--deep")
+    assert code == 1 and [f["key"] for f in findings(doc, "D008")] == ["rot"], doc["findings"]
+    (d001,) = findings(doc, "D001")
+    assert d001["message"] == "model.rot: 1 of 12 values (real and imaginary parts of 6 complex64) are NaN or infinite"
+    with torch.no_grad():
+        net.rot.zero_()
+    msd, osd = get_state_dict(net, opt)
+    dcp.save({"model": msd, "optimizer": osd}, checkpoint_id=str(tmp_path / "z"), no_dist=True)
+    code, doc = run(tmp_path / "z", "--deep")
+    assert [f["key"] for f in findings(doc, "D011")] == ["model.rot"], doc["findings"]

@@ -118,7 +118,7 @@ def _zero_slice(ctx: Context, key: str, start: int, length: int) -> bool:
     meta = ctx.reader.metadata.entries.get(key)
     if st is None or not isinstance(meta, TensorMeta) or not st.numel:
         return False
-    if st.zero and st.numel == meta.numel:
+    if st.zero and st.covers(meta.numel):
         return True
     if not length:
         return False
@@ -358,7 +358,7 @@ def all_zero_weight(ctx: Context) -> Iterator[tuple[str, str]]:
         if len(entry.shape) < 2 or entry.numel == 0 or ZERO_INIT_NAMES.search(key):
             continue
         st = ctx.deep_result.stats.get(key)
-        if st is not None and st.zero and st.numel == entry.numel:
+        if st is not None and st.zero and st.covers(entry.numel):
             yield key, f"{key}: all {entry.numel} values are 0 (shape {list(entry.shape)}, {entry.dtype})"
 
 

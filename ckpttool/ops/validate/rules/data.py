@@ -25,7 +25,7 @@ def non_finite_values(ctx: Context) -> Iterator[tuple[str, str]]:
     for key, st in ctx.deep_result.stats.items():
         if st.nonfinite and not key.endswith(".step") and key not in buffers and st.dtype != "float8_e4m3fn":  # M022
             if not _additive_mask(ctx, key, st) and not is_distopt_bucket(key):  # its padding: any bits (K002)
-                yield key, f"{key}: {st.nonfinite} of {st.numel} values are NaN or infinite"
+                yield key, f"{key}: {st.nonfinite} {st.of_values()} are NaN or infinite"
 
 
 #: The last name component of a model buffer that may hold ``-inf`` by design: an additive attention mask.
@@ -73,7 +73,7 @@ def negative_exp_avg_sq(ctx: Context) -> Iterator[tuple[str, str]]:
     assert ctx.deep_result is not None
     for key, st in ctx.deep_result.stats.items():
         if key.endswith(".exp_avg_sq") and st.negative and not is_distopt_bucket(key):  # padding: any bits (K002)
-            yield key, f"{key}: {st.negative} of {st.numel} values are negative (min {st.min:.4g})"
+            yield key, f"{key}: {st.negative} {st.of_values()} are negative (min {st.min:.4g})"
 
 
 @rule("D003")
@@ -184,7 +184,7 @@ def synthesized_from_stats(ctx: Context) -> list[str]:
             entry = ps.fields[m]
             assert entry is not None
             ms = deep.stats.get(entry.key)
-            zeros.append(ms.zero if ms is not None and ms.numel == entry.numel else None)
+            zeros.append(ms.zero if ms is not None and ms.covers(entry.numel) else None)
         states.append((fqn, value, zeros))
     return synthesized(states)
 
@@ -280,7 +280,7 @@ def zero_moments_after_steps(ctx: Context) -> Iterator[tuple[str, str]]:
         for f in MOMENTS:
             e = ps.fields.get(f)
             st = deep.stats.get(e.key) if isinstance(e, TensorEntry) else None
-            zeros.append(st is not None and st.numel == e.numel and st.numel > 0 and bool(st.zero))  # type: ignore[union-attr]
+            zeros.append(st is not None and st.covers(e.numel) and st.numel > 0 and bool(st.zero))  # type: ignore[union-attr]
         step = _step_value(ctx, fqn)
         if all(zeros) and step is not None and step >= 2:
             yield fqn, f"{fqn}: exp_avg and exp_avg_sq are all zero at step {step:g}"
@@ -306,7 +306,7 @@ def zero_exp_avg_after_steps(ctx: Context) -> Iterator[tuple[str, str]]:
         for f in MOMENTS:
             e = ps.fields.get(f)
             st = deep.stats.get(e.key) if isinstance(e, TensorEntry) else None
-            known = st is not None and e is not None and st.numel == e.numel and st.numel > 0
+            known = st is not None and e is not None and st.covers(e.numel) and st.numel > 0
             zeros.append(bool(st.zero) if known and st is not None else None)
         step = _step_value(ctx, fqn)
         if exp_avg_lost(step, _beta1(ctx, fqn), *zeros):
