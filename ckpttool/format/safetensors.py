@@ -248,7 +248,8 @@ def _layout(
                     hint=(
                         "export it with `save_dtype` float32/bfloat16 or leave it out with `filter_glob`"
                         if e.dtype in FLOATING_DTYPES
-                        else "leave it out with `filter_glob` (`save_dtype` casts floating-point tensors only)"
+                        else "leave it out with `filter_glob`, or with a `rules` entry mapping its checkpoint key to null "
+                        "(`to: null`, docs/export.md); `save_dtype` casts floating-point tensors only"
                     ),
                 )
             shape_text = json.dumps(list(e.shape), separators=(",", ":"))

@@ -971,8 +971,17 @@ def test_a_dtype_safetensors_lacks_gets_a_hint_that_works(tmp_path: Path) -> Non
             res = export_cli(str(ck), str(tmp_path / f"out-{key}"), "--filter", key, *extra)
             assert_clean_failure(res, "E601", f"{key}: dtype")
             hint = res.stderr.strip().splitlines()[-1]
-            assert "--filter" in hint and "--save-dtype float32" not in hint, hint
+            assert "--filter" in hint and "--rules" in hint and "--save-dtype float32" not in hint, hint
             assert not (tmp_path / f"out-{key}").exists()
+    rules = tmp_path / "rules.yaml"  # the hint's rules entry, one per tensor: the others are exported
+    rules.write_text("keys:\n  - {match: '^model\\.c$', to: null}\n  - {match: '^model\\.f4$', to: null}\n")
+    res = export_cli(str(ck), str(tmp_path / "out-rules"), "--rules", str(rules), "--save-dtype", "float32")
+    assert res.exit_code == 0, res.stderr
+    keys = set()
+    for f in (tmp_path / "out-rules").glob("*.safetensors"):
+        with safe_open(str(f), framework="pt") as st:
+            keys |= set(st.keys())
+    assert keys == {"w", "fnuz"}, keys
     res = export_cli(str(ck), str(tmp_path / "out-fnuz"), "--filter", "fnuz")
     assert_clean_failure(res, "E601", "fnuz: dtype float8_e4m3fnuz")
     assert "--save-dtype float32" in res.stderr.strip().splitlines()[-1]
