@@ -365,8 +365,22 @@ class CheckpointReader(CheckpointDir):
         the same width reinterprets them, another shape reads a part) and checked against the CRC-32 of the whole.
 
         Raises:
-            UsageError: ``out`` of another shape or dtype than ``shape`` / ``dtype``.
+            UsageError: ``out`` of another shape or dtype than ``shape`` / ``dtype``; on the meta device (no storage to
+                fill); an expanded view (elements sharing memory: ``expand``), which no value can be written to.
         """
+        bad = (
+            "on the meta device, which holds no values"
+            if out.device.type == "meta"
+            else "an expanded view whose elements share memory"
+            if any(st == 0 and n > 1 for st, n in zip(out.stride(), out.shape))
+            else None
+        )
+        if bad is not None:
+            raise UsageError(
+                f"{self.path}: `out` for {fqn!r} is {bad}",
+                fqn=fqn,
+                hint="pass a tensor with storage of its own (torch.empty of the stored shape and dtype), or none",
+            )
         if tuple(out.shape) == tuple(shape) and out.dtype == dtype:
             return
         want = "x".join(map(str, shape)) or "scalar"
@@ -407,7 +421,9 @@ class CheckpointReader(CheckpointDir):
             self._check_out(fqn, out, chunk.sizes, dtype, f"chunk at {chunk.offsets}")
         record = loc.record
         if loc.raw:
-            dest = out if out is not None and out.is_contiguous() else torch.empty(chunk.sizes, dtype=dtype)
+            # read into ``out`` itself where it is host memory laid out as stored; else (a view, a GPU tensor) copied
+            direct = out is not None and out.is_contiguous() and out.device.type == "cpu"
+            dest = out if out is not None and direct else torch.empty(chunk.sizes, dtype=dtype)
             if chunk.numel:
                 view = _byte_view(dest)
                 self.pread_into(loc.info, record.data_offset, view, fqn)

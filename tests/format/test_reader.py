@@ -415,6 +415,14 @@ def test_a_destination_of_another_shape_or_dtype_is_refused_naming_it(fsdp_ckpt:
             assert e.value.code == "E100" and e.value.hint
             with pytest.raises(UsageError, match=r"`out` is .* chunk at "):
                 reader.read_chunk(key, chunk, out=bad)
+        # no storage (meta) or elements sharing memory (expand): RuntimeError / TypeError tracebacks before
+        for bad in (torch.empty(rows, cols, device="meta"), torch.empty(1, cols).expand(rows, cols)):
+            with pytest.raises(UsageError, match=r"`out` for .* is (on the meta device|an expanded view)"):
+                reader.read_tensor(key, out=bad)
+            with pytest.raises(UsageError, match=r"`out` for .* is (on the meta device|an expanded view)"):
+                reader.read_chunk(key, chunk, out=bad[: chunk.sizes[0], : chunk.sizes[1]])
+        t = torch.empty(cols, rows).t()  # a transposed view of the stored shape: filled in place
+        assert reader.read_tensor(key, out=t) is t and torch.equal(t, ref[key])
         out = torch.empty(rows, cols)
         assert reader.read_tensor(key, out=out) is out and torch.equal(out, ref[key])
         part = torch.empty(chunk.sizes)
