@@ -518,19 +518,25 @@ def test_hf_step_folder_given_as_dot_is_trained_by_its_name(
         assert rc == 1 and got and all("layers.0." in f["key"] for f in got), (given, doc["findings"])
 
 
+def _complex_adamw(steps: int) -> tuple[torch.nn.Linear, torch.optim.AdamW]:
+    """A Linear with a complex64 parameter ``rot`` [3, 2], stepped ``steps`` times by ``torch.optim.AdamW``."""
+    torch.manual_seed(0)
+    net = torch.nn.Linear(4, 3)
+    net.register_parameter("rot", torch.nn.Parameter(torch.randn(3, 2, dtype=torch.complex64)))
+    opt = torch.optim.AdamW(net.parameters(), lr=1e-2)
+    for _ in range(steps):
+        opt.zero_grad()
+        (net(torch.randn(2, 4)).sum() + (net.rot.abs() ** 2).sum()).backward()
+        opt.step()
+    return net, opt
+
+
 def test_deep_checks_a_complex_parameters_adamw_state_on_its_real_and_imaginary_parts(tmp_path: Path) -> None:
     """torch's Adam/AdamW step a complex parameter as its real view: `exp_avg_sq` is complex, each part a second
     moment. A healthy save passes --deep (no internal error on `exp_avg_sq < 0`); negated moments are D002."""
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
-    torch.manual_seed(0)
-    net = torch.nn.Linear(4, 3)
-    net.register_parameter("rot", torch.nn.Parameter(torch.randn(3, 2, dtype=torch.complex64)))
-    opt = torch.optim.AdamW(net.parameters(), lr=1e-2)
-    for _ in range(2):
-        opt.zero_grad()
-        (net(torch.randn(2, 4)).sum() + (net.rot.abs() ** 2).sum()).backward()
-        opt.step()
+    net, opt = _complex_adamw(steps=2)
     msd, osd = get_state_dict(net, opt)
     dcp.save({"model": msd, "optimizer": osd}, checkpoint_id=str(tmp_path / "ok"), no_dist=True)
     code, doc = run(tmp_path / "ok", "--strict", "--deep")
@@ -549,14 +555,7 @@ def test_a_complex_tensor_all_zero_is_known_whole_and_its_nan_counted_per_part(t
     for a real one), and D001 counts its NaN among the parts it names."""
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
-    torch.manual_seed(0)
-    net = torch.nn.Linear(4, 3)
-    net.register_parameter("rot", torch.nn.Parameter(torch.randn(3, 2, dtype=torch.complex64)))
-    opt = torch.optim.AdamW(net.parameters(), lr=1e-2)
-    for _ in range(3):
-        opt.zero_grad()
-        (net(torch.randn(2, 4)).sum() + (net.rot.abs() ** 2).sum()).backward()
-        opt.step()
+    net, opt = _complex_adamw(steps=3)
     with torch.no_grad():
         opt.state[net.rot]["exp_avg"].zero_()
         opt.state[net.rot]["exp_avg_sq"].zero_()
