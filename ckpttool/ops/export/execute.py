@@ -1581,17 +1581,20 @@ def _write(
             try:
                 for i, (name, entries) in enumerate(zip(plan.files, plan.entries)):
                     display = (out if is_url(out) else Path(os.path.abspath(out))) / name
-                    writers.append(
-                        ShardWriter(
-                            tmp / name,
-                            entries,
-                            st_metadata,
-                            display=display,
-                            digest=opts.algorithm if opts.manifest else None,
+                    try:
+                        writers.append(
+                            ShardWriter(
+                                tmp / name,
+                                entries,
+                                st_metadata,
+                                display=display,
+                                digest=opts.algorithm if opts.manifest else None,
+                            )
+                            if i in mine
+                            else None
                         )
-                        if i in mine
-                        else None
-                    )
+                    except ExportError as e:
+                        raise _by_checkpoint_key(e, plan) from None
                 workers = opts.workers if opts.workers is not None else min(8, os.cpu_count() or 1)
                 executor = _Executor(
                     reader, plan, cast(list[ShardWriter], writers), workers, progress, prep.chunks, mine, merges
@@ -1889,3 +1892,17 @@ def _check_tied(
             "or use the config the model was trained with",
         )
     return read
+
+
+def _by_checkpoint_key(e: ExportError, plan: ExportPlan) -> ExportError:
+    """``e`` (a tensor the output format cannot store, named by its output key) naming the checkpoint key that the
+    ``rules`` and ``filter_glob`` of its hint match, its output key after it where the two differ."""
+    prefix = f"{e.fqn}: "
+    for t in plan.tasks:
+        key = t.selected.model_key
+        if key != e.fqn and e.message.startswith(prefix) and any(p.name == e.fqn for p in t.pieces):
+            e.message = f"{key}: {e.message.removeprefix(prefix)} (its output key {e.fqn})"
+            e.args = (e.message,)
+            e.fqn = key
+            break
+    return e

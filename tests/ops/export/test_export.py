@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -986,3 +987,22 @@ def test_a_dtype_safetensors_lacks_gets_a_hint_that_works(tmp_path: Path) -> Non
     assert_clean_failure(res, "E601", "fnuz: dtype float8_e4m3fnuz")
     assert "--save-dtype float32" in res.stderr.strip().splitlines()[-1]
     assert export_cli(str(ck), str(tmp_path / "out-fnuz"), "--filter", "fnuz", "--save-dtype", "float32").exit_code == 0
+
+
+def test_a_dtype_safetensors_lacks_is_named_by_the_checkpoint_key_the_rules_match(tmp_path: Path) -> None:
+    """The E601 of a complex tensor whose output key differs from its checkpoint key (model.model.c -> model.c)
+    names the checkpoint key its hint's `--rules` entry matches; that entry, written from the message, exports."""
+    ck = tmp_path / "ck"
+    sd = {"model": {"model.w": torch.randn(4, 2), "model.c": torch.randn(3, dtype=torch.complex128)}}
+    dcp.save(sd, checkpoint_id=str(ck), no_dist=True)
+    res = export_cli(str(ck), str(tmp_path / "out"))
+    assert_clean_failure(
+        res, "E601", "model.model.c: dtype complex128 cannot be stored in safetensors (its output key model.c)"
+    )
+    key = res.stderr.split("] ", 1)[1].split(": ", 1)[0]
+    rules = tmp_path / "rules.yaml"
+    rules.write_text(f"keys:\n  - {{match: '^{re.escape(key)}$', to: null}}\n")
+    res = export_cli(str(ck), str(tmp_path / "out"), "--rules", str(rules))
+    assert res.exit_code == 0, res.stderr
+    with safe_open(str(tmp_path / "out" / "model.safetensors"), framework="pt") as st:
+        assert set(st.keys()) == {"model.w"}
