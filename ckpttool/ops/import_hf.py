@@ -798,7 +798,7 @@ def _hf_sources(src_dir: Path, md: Any) -> dict[str, _Source]:
                 f"{src_dir}: {key!r} is stored as per-rank shards; import reads whole tensors",
                 fqn=key,
                 hint=(
-                    f"`ckpttool export {src_dir} OUT` writes the assembled tensors (or save with "
+                    f"`ckpttool export {shell_arg(src_dir)} OUT` writes the assembled tensors (or save with "
                     "HuggingFaceStorageWriter(enable_consolidation=True)); import OUT"
                 ),
             )

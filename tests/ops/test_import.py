@@ -1006,3 +1006,22 @@ def test_per_rank_hf_storage_shards_are_refused_with_a_hint_that_works(acc_root:
     cli("export", str(src), str(tmp_path / "hf"))
     cli("import", str(tmp_path / "hf"), str(tmp_path / "d"))
     assert cli("diff", str(src), str(tmp_path / "d"))["equal"]
+
+
+@pytest.mark.slow
+def test_per_rank_hf_storage_shards_hint_pastes_as_is_for_a_path_with_a_space(acc_root: Path, tmp_path: Path) -> None:
+    """The E601 hint's `ckpttool export DIR OUT` names a folder with a space as one shell argument: pasted as printed
+    (OUT filled in), it writes the assembled tensors, which import reads."""
+    import shlex
+    import shutil
+
+    src = tmp_path / "my ckpt"
+    shutil.copytree(acc_root / "hf_sharded", src)
+    res = runner.invoke(app, ["import", str(src), str(tmp_path / "d")])
+    assert res.exit_code == 2 and res.stdout == "", res.stderr
+    hint = res.stderr.strip().splitlines()[-1]
+    argv = shlex.split(hint.split("`")[1].replace("OUT", shlex.quote(str(tmp_path / "hf"))))
+    assert argv[:3] == ["ckpttool", "export", str(src)], argv
+    cli(*argv[1:])
+    cli("import", str(tmp_path / "hf"), str(tmp_path / "d"))
+    assert cli("diff", str(src), str(tmp_path / "d"))["equal"]
