@@ -27,6 +27,7 @@ from ckpttool.errors import (
     IncompleteCheckpointError,
     MetadataError,
     NotRegularFileError,
+    PathEscapeError,
     SchemaError,
     StepNotFoundError,
     UsageError,
@@ -695,7 +696,11 @@ def _latest_step(root: Path) -> tuple[int | str, str] | None:
         p = root / name
         try:
             if p.is_symlink() and p.is_file():  # a link to the file (a hub snapshot's blob): read as open() reads it
-                text = _pointer_text(resolve_inside(root, name, what=name))
+                try:
+                    text = _pointer_text(resolve_inside(root, name, what=name))
+                except PathEscapeError as e:  # not the run's own pointer: a step of the run is still there to pass
+                    e.param, e.hint = "step", f"{e.hint}; pass `step` N to open a step of {root.name} itself"
+                    raise
             elif p.is_symlink():  # NeMo Automodel's LATEST: a relative symlink to the step directory
                 target = os.readlink(p)
                 # another run's step directory (latest -> ../other/checkpoint-1) is not this run's step of that number

@@ -695,8 +695,9 @@ def test_latest_file_that_is_a_symlink_to_a_file_is_read(acc_root: Path, tmp_pat
     (snap / "latest").unlink()
     (tmp_path / "elsewhere").write_text("checkpoint-1\n")
     (snap / "latest").symlink_to(tmp_path / "elsewhere")
-    with pytest.raises(PathEscapeError):
+    with pytest.raises(PathEscapeError) as got:
         locate(snap, CheckpointSelection(step="latest"))
+    assert got.value.param == "step" and "pass `step` N" in got.value.hint, got.value.hint  # a step of this run
 
 
 def test_a_folder_inside_a_checkpoint_names_the_checkpoint_ready_to_paste(titan_root: Path, tmp_path: Path) -> None:
