@@ -61,6 +61,7 @@ __all__ = [
     "plan_replay",
     "make_batches",
     "bytes_per_element",
+    "split_qkv",
     "ITEMSIZE",
 ]
 
@@ -650,6 +651,12 @@ def _lr_dtype(cat: Catalog, group: Any) -> str | None:
     return str(entry.dtype) if entry is not None else None
 
 
+def split_qkv(parts: tuple[str, ...]) -> bool:
+    """``parts`` (the stored keys of a parameter stepped fused) are q/k/v projections stored split (torchtitan's
+    ``wq``/``wk``/``wv`` of a fused ``wqkv``), whose rows interleave per KV head (:func:`_part_groups`)."""
+    return len(parts) == 3 and parts[0].rsplit(".", 2)[-2].endswith("wq")
+
+
 def _part_groups(
     cat: Catalog, fqn: str, parts: tuple[str, ...], head_dim: int | None, config_head_dim: int | None = None
 ) -> int | None:
@@ -662,7 +669,7 @@ def _part_groups(
     ``config.json`` saved with the checkpoint).
     Parts not named ``wq``/``wk``/``wv`` are plain concatenation (1 group).
     """
-    if len(parts) != 3 or not parts[0].rsplit(".", 2)[-2].endswith("wq"):
+    if not split_qkv(parts):
         return 1
     rows_k = cat.model[parts[1]].shape[0]
     hd = head_dim if head_dim is not None else config_head_dim

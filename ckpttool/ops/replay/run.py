@@ -61,7 +61,7 @@ from ckpttool.ops.replay.compare import (
     machine_eps,
     merge_field_errors,
 )
-from ckpttool.ops.replay.plan import ITEMSIZE, Hyper, ParamPlan, make_batches, plan_replay
+from ckpttool.ops.replay.plan import ITEMSIZE, Hyper, ParamPlan, make_batches, plan_replay, split_qkv
 from ckpttool.ops.replay.slabs import StackedSlabs, TensorSlabs
 from ckpttool.ops.state_checks import MOMENTS, exp_avg_lost, step_not_count, synthesized_params
 from ckpttool.ops.tensors import to_canonical
@@ -577,7 +577,7 @@ def _qkv_parts(cat: Catalog) -> Iterator[tuple[str, ...]]:
     """The model keys of each parameter stepped fused as q/k/v and stored split (``wq``, ``wk``, ``wv``) present."""
     for ps in cat.optimizer_state.values():
         parts = ps.stored_as
-        k = cat.model.get(parts[1]) if len(parts) == 3 and parts[0].rsplit(".", 2)[-2].endswith("wq") else None
+        k = cat.model.get(parts[1]) if split_qkv(parts) else None
         if k is not None and k.shape:  # the k rows are its dim 0
             yield parts
 
