@@ -13,7 +13,7 @@ import torch
 from typer.testing import CliRunner
 
 from ckpttool.cli.app import app
-from tests.fixtures.hf_models import save_tiny_causal_lm
+from tests.fixtures.hf_models import llama4_config, save_tiny_causal_lm
 from tests.ops.export.test_export_writers import assert_clean_failure
 
 transformers = pytest.importorskip("transformers")
@@ -91,29 +91,12 @@ def test_per_expert_split_refused_when_filter_leaves_down_proj_out(
     _assert_transposed_refused(res, out)
 
 
-def _tiny_llama4(layers: int) -> transformers.Llama4TextConfig:
-    """A tiny Llama4 text config: layer 0 MoE (4 experts, ``gate_up_proj`` ``[4, 32, 48]``), the others dense."""
-    return transformers.Llama4TextConfig(
-        vocab_size=64,
-        hidden_size=32,
-        intermediate_size=24,
-        intermediate_size_mlp=40,
-        num_hidden_layers=layers,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=8,
-        num_local_experts=4,
-        num_experts_per_tok=1,
-        moe_layers=[0],
-    )
-
-
 def test_per_expert_split_of_llama4_experts_is_refused(tmp_path: Path) -> None:
     """transformers' ``Llama4ForCausalLM`` saved by ``dcp.save``: ``gate_up_proj`` ``[E, H, 2I]`` (gate and up
     concatenated) beside ``down_proj`` ``[E, I, H]``; the refusal describes the layout, not one model."""
     import torch.distributed.checkpoint as dcp
 
-    cfg = _tiny_llama4(layers=1)
+    cfg = llama4_config(layers=1)
     torch.manual_seed(0)
     model = transformers.Llama4ForCausalLM(cfg)
     dcp.save({"model": {k: v.contiguous() for k, v in model.state_dict().items()}}, checkpoint_id=str(tmp_path / "c"))
@@ -133,7 +116,7 @@ def test_fused_export_of_llama4_experts_gives_transformers_logits(tmp_path: Path
     """transformers' ``Llama4ForCausalLM`` (a MoE layer, ``gate_up_proj`` ``[E, H, 2I]`` gate and up concatenated,
     beside a dense one) saved by ``dcp.save``: exported ``--experts fused`` it loads with ``from_pretrained`` and
     gives the source model's logits."""
-    cfg = _tiny_llama4(layers=2)
+    cfg = llama4_config(layers=2)
     ckpt, assets, ref = save_tiny_causal_lm(transformers.Llama4ForCausalLM, cfg, tmp_path, IDS)
     out = tmp_path / "hf"
     res = runner.invoke(app, ["export", str(ckpt), str(out), "--model-assets", str(assets), "--experts", "fused"])
