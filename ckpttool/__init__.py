@@ -50,6 +50,7 @@ _WHERE = {
     "ManifestResult": "ckpttool.ops.manifest",
     "write_manifest": "ckpttool.ops.manifest",
     "check_against_manifest": "ckpttool.ops.manifest",
+    "ManifestCheck": "ckpttool.ops.manifest",
     "ImportOptions": "ckpttool.ops.import_hf",
     "ImportResult": "ckpttool.ops.import_hf",
     "import_hf": "ckpttool.ops.import_hf",

@@ -127,6 +127,22 @@ def test_every_options_class_docs_design_md_names_is_public_with_its_operation()
         assert callable(getattr(ckpttool, op)) and result in ckpttool.__all__, name
 
 
+def test_every_public_operation_returns_a_public_class() -> None:
+    """Each function of ``ckpttool.__all__`` returns a class that is itself an attribute of ``ckpttool``, so a caller can
+    annotate and ``isinstance``-check what it gets (``check_against_manifest`` returned a ``ManifestCheck`` reachable
+    only from ``ckpttool.ops.manifest``)."""
+    import inspect
+
+    import ckpttool
+
+    functions = [n for n in ckpttool.__all__ if inspect.isfunction(getattr(ckpttool, n))]
+    assert len(functions) >= 14, functions
+    for name in functions:
+        returned = inspect.signature(getattr(ckpttool, name)).return_annotation
+        assert isinstance(returned, str) and returned in ckpttool.__all__, (name, returned)
+        assert getattr(ckpttool, returned).__name__ == returned, name
+
+
 def test_docs_design_md_layers_are_the_import_linter_contract_and_the_package_tree() -> None:
     """docs/design.md §5: its layer order is pyproject's import-linter ``layers`` contract, and its tree lists each
     package of ``ckpttool`` (and ``errors.py``) and nothing that is not there."""
