@@ -135,6 +135,7 @@ __all__ = [
     "shell_arg",
     "check_bool",
     "check_field_types",
+    "check_path",
 ]
 
 
@@ -620,12 +621,7 @@ def check_field_types(options: Opts) -> Opts:
             if type(value) is not int:
                 plain[f.name] = number
         elif f.type in ("Path", "Path | None") and value is not None and not isinstance(value, Path):
-            if not isinstance(value, (str, PathLike)):
-                raise UsageError(
-                    f"`{f.name}` must be a path, got {type(value).__name__} {value!r:.40}",
-                    param=f.name,
-                    hint="pass a str or a pathlib.Path",
-                )
+            check_path(value, f.name)
             plain[f.name] = Path(value)
         elif (
             isinstance(f.type, str)
@@ -643,6 +639,21 @@ def check_field_types(options: Opts) -> Opts:
         else:
             _check_strings(f.name, f.type, value)
     return dataclasses.replace(options, **plain) if plain else options  # type: ignore[type-var]
+
+
+def check_path(value: object, name: str) -> None:
+    """Refuse a path argument (a source, an output directory, a field of an options class) that is no ``str`` or
+    ``os.PathLike``: ``bytes``, ``None``, a number.
+
+    Raises:
+        UsageError (E100): naming ``name``.
+    """
+    if not isinstance(value, (str, PathLike)):
+        raise UsageError(
+            f"`{name}` must be a path, got {type(value).__name__} {value!r:.40}",
+            param=name,
+            hint="pass a str or a pathlib.Path",
+        )
 
 
 def _check_strings(name: str, annotation: object, value: object) -> None:

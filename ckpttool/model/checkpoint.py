@@ -27,6 +27,7 @@ from ckpttool.errors import (
     TrustRequiredError,
     UsageError,
     check_field_types,
+    check_path,
 )
 from ckpttool.format import limits
 from ckpttool.format.directory import checkpoints_below_url
@@ -341,6 +342,7 @@ def open_checkpoint(
         LayoutError: invalid or conflicting layout record, a contradicting declaration
             (not with ``record_problems``).
     """
+    check_path(path, "path")
     with gc_paused():  # ~10 objects per metadata entry, all acyclic: the cyclic GC would rescan them
         t0 = time.perf_counter()
         where = _locate(path, selection)

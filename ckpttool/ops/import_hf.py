@@ -22,7 +22,7 @@ from fnmatch import fnmatchcase
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from ckpttool.errors import CkptError, ExportError, MetadataError, ModelMismatchError, UsageError, shell_arg
+from ckpttool.errors import CkptError, ExportError, MetadataError, ModelMismatchError, UsageError, check_path, shell_arg
 from ckpttool.format.atomic import absolute_path
 from ckpttool.format.files import hub_hint, missing_path_hint, open_regular, resolve_inside
 from ckpttool.format.hf_storage import (
@@ -496,6 +496,8 @@ def import_hf(
         ExportError (E601): keys the adapter does not know, per-expert tensors that do not cover the experts.
         OutputError: ``out`` exists (no ``overwrite``) or cannot be written.
     """
+    check_path(hf_dir, "hf_dir")
+    check_path(out, "out")
     _refuse_url_source(hf_dir)
     _refuse_dcp_source(Path(hf_dir))
     opts = options_of(options, ImportOptions)

@@ -24,7 +24,16 @@ from typing import TYPE_CHECKING, Any, cast
 
 from ckpttool.engine.io import ShortReadError, read_upto
 from ckpttool.engine.pool import imap_ordered, worker_count
-from ckpttool.errors import CkptError, DataFileError, ManifestError, MetadataError, OutputError, UsageError, shell_arg
+from ckpttool.errors import (
+    CkptError,
+    DataFileError,
+    ManifestError,
+    MetadataError,
+    OutputError,
+    UsageError,
+    check_path,
+    shell_arg,
+)
 from ckpttool.format import limits
 from ckpttool.format.atomic import atomic_write_bytes, check_file_target, nearest_unwritable
 from ckpttool.format.digest import ALGORITHMS, DEFAULT_ALGORITHM, digest_bytes, new_hasher
@@ -2294,6 +2303,8 @@ def check_against_manifest(
             malformed manifest; the readers' errors.
     """
     say = phase or (lambda text: None)
+    if manifest_path is not None:
+        check_path(manifest_path, "manifest_path")
     source: CheckpointOrPath = directory
     if isinstance(directory, Checkpoint):
         check_source(directory, opening)  # closed, or opened already: E100

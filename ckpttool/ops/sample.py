@@ -424,10 +424,11 @@ def write_sample(path: str | os.PathLike[str], options: SampleOptions | None = N
         ForeignOutputError: (E606) ``overwrite`` of a directory ckpttool did not write.
         UsageError: unknown ``optimizer``, ``seed`` out of range, ``path`` a URL (``file://`` is its local path).
     """
-    from ckpttool.errors import UsageError
+    from ckpttool.errors import UsageError, check_path
     from ckpttool.format.atomic import AtomicOutputDir, absolute_path
     from ckpttool.format.storage import is_url, local_path
 
+    check_path(path, "path")
     if is_url(path):  # Path() of it was the local folder ./s3:/bucket/...
         raise UsageError(
             f"{path}: a URL; sample writes a local directory",

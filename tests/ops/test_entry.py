@@ -371,6 +371,35 @@ def test_a_path_or_config_option_that_is_no_path_is_a_usage_error_naming_it(dens
     assert ckpttool.validate(dense_ckpt, ckpttool.ValidateOptions(config=cfg, select=("K",))).fatal is None
 
 
+def test_a_path_argument_that_is_no_path_is_a_usage_error_naming_it(dense_ckpt: Path, tmp_path: Path) -> None:
+    """`open_checkpoint(b"ckpt")` and an output directory given as bytes, a number or None ended in `TypeError:
+    cannot use a string pattern on a bytes-like object` (or `expected str, bytes or os.PathLike`) from deep inside,
+    while the same value as an operation's source was E100: each path argument of the library gives E100 naming
+    it, and nothing is written."""
+    import ckpttool
+
+    hf = tmp_path / "hf"
+    ckpttool.export_checkpoint(dense_ckpt, hf, ckpttool.ExportOptions())
+    before = sorted(p.name for p in tmp_path.iterdir())
+    for bad in (bytes(dense_ckpt), 7, None):
+        for op, name in (
+            (lambda: ckpttool.open_checkpoint(bad), "path"),  # type: ignore[arg-type]
+            (lambda: ckpttool.export_checkpoint(dense_ckpt, bad), "out"),  # type: ignore[arg-type]
+            (lambda: ckpttool.reshard(dense_ckpt, bad), "out"),  # type: ignore[arg-type]
+            (lambda: ckpttool.import_hf(bad, tmp_path / "dcp"), "hf_dir"),  # type: ignore[arg-type]
+            (lambda: ckpttool.import_hf(hf, bad), "out"),  # type: ignore[arg-type]
+            (lambda: ckpttool.write_sample(bad), "path"),  # type: ignore[arg-type]
+        ):
+            with pytest.raises(UsageError) as e:
+                op()
+            assert (e.value.code, e.value.param) == ("E100", name), e.value
+            assert e.value.message.startswith(f"`{name}` must be a path, got {type(bad).__name__}")
+    with pytest.raises(UsageError) as e:
+        ckpttool.check_against_manifest(dense_ckpt, b"manifest.json")  # type: ignore[arg-type]
+    assert (e.value.code, e.value.param) == ("E100", "manifest_path")
+    assert sorted(p.name for p in tmp_path.iterdir()) == before
+
+
 def test_a_list_for_a_one_string_option_is_a_usage_error_naming_it(dense_ckpt: Path, tmp_path: Path) -> None:
     """`filter_glob=["*layers.0*"]` (as `StatsOptions`/`DiffOptions` take `filters`) ended in `TypeError:
     unhashable type: 'list'` from inspect, export and replay-step: a list, tuple or set for a field of one string is

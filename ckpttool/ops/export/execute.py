@@ -34,6 +34,7 @@ from ckpttool.errors import (
     ModelMismatchError,
     NotRegularFileError,
     UsageError,
+    check_path,
     shell_arg,
 )
 from ckpttool.format import limits
@@ -984,6 +985,7 @@ def export_checkpoint(
         LayoutError: an undeclared ambiguous EP layout (E405), conflicting records (E403/E404).
         plus the reader's errors for damaged checkpoints (E2xx/E3xx).
     """
+    check_path(out, "out")
     opening, progress, phase = hooks_of("export_checkpoint", hooks)
     opts = options_of(options, ExportOptions)
     _check_options(opts)

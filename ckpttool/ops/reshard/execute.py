@@ -26,7 +26,14 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ckpttool.engine.pool import map_ordered, worker_count
-from ckpttool.errors import DataFileError, NotRegularFileError, PathEscapeError, ReshardError, SizeLimitError
+from ckpttool.errors import (
+    DataFileError,
+    NotRegularFileError,
+    PathEscapeError,
+    ReshardError,
+    SizeLimitError,
+    check_path,
+)
 from ckpttool.format import limits
 from ckpttool.format.atomic import atomic_write_text, signals_deferred
 from ckpttool.format.directory import DATA_FILE_RE, METADATA_NAME
@@ -512,6 +519,7 @@ def reshard(
             :func:`~ckpttool.ops.reshard.plan.plan_reshard`; OutputError: bad target.
     """
     opening, progress, phase = hooks_of("reshard", hooks)
+    check_path(out, "out")
     opts = options_of(options, ReshardOptions)
     with open_source(source, opening) as ckpt:
         return _reshard(ckpt, output_location(out), opts, progress, phase or (lambda text: None))
