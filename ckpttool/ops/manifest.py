@@ -2163,6 +2163,8 @@ def _manifest_of(
     otherwise open a newer step than the manifest's)."""
     from ckpttool.format.storage import is_url
 
+    if manifest_path is not None:
+        check_path(manifest_path, "manifest_path")
     if isinstance(directory, Checkpoint):
         if manifest_path is None and directory.reader.remote is not None:
             return _manifest_of(directory.path, None, opening, say)
@@ -2303,8 +2305,6 @@ def check_against_manifest(
             malformed manifest; the readers' errors.
     """
     say = phase or (lambda text: None)
-    if manifest_path is not None:
-        check_path(manifest_path, "manifest_path")
     source: CheckpointOrPath = directory
     if isinstance(directory, Checkpoint):
         check_source(directory, opening)  # closed, or opened already: E100

@@ -383,15 +383,15 @@ def test_a_path_argument_that_is_no_path_is_a_usage_error_naming_it(dense_ckpt: 
     before = sorted(p.name for p in tmp_path.iterdir())
     for bad in (bytes(dense_ckpt), 7, None):
         for op, name in (
-            (lambda: ckpttool.open_checkpoint(bad), "path"),  # type: ignore[arg-type]
-            (lambda: ckpttool.export_checkpoint(dense_ckpt, bad), "out"),  # type: ignore[arg-type]
-            (lambda: ckpttool.reshard(dense_ckpt, bad), "out"),  # type: ignore[arg-type]
-            (lambda: ckpttool.import_hf(bad, tmp_path / "dcp"), "hf_dir"),  # type: ignore[arg-type]
-            (lambda: ckpttool.import_hf(hf, bad), "out"),  # type: ignore[arg-type]
-            (lambda: ckpttool.write_sample(bad), "path"),  # type: ignore[arg-type]
+            (lambda b: ckpttool.open_checkpoint(b), "path"),  # type: ignore[arg-type]
+            (lambda b: ckpttool.export_checkpoint(dense_ckpt, b), "out"),  # type: ignore[arg-type]
+            (lambda b: ckpttool.reshard(dense_ckpt, b), "out"),  # type: ignore[arg-type]
+            (lambda b: ckpttool.import_hf(b, tmp_path / "dcp"), "hf_dir"),  # type: ignore[arg-type]
+            (lambda b: ckpttool.import_hf(hf, b), "out"),  # type: ignore[arg-type]
+            (lambda b: ckpttool.write_sample(b), "path"),  # type: ignore[arg-type]
         ):
             with pytest.raises(UsageError) as e:
-                op()
+                op(bad)
             assert (e.value.code, e.value.param) == ("E100", name), e.value
             assert e.value.message.startswith(f"`{name}` must be a path, got {type(bad).__name__}")
     with pytest.raises(UsageError) as e:
