@@ -136,6 +136,7 @@ __all__ = [
     "check_bool",
     "check_field_types",
     "check_path",
+    "at_least",
 ]
 
 
@@ -582,6 +583,12 @@ def _as_int(value: object) -> int | None:
 Opts = TypeVar("Opts")
 
 
+def at_least(minimum: int) -> dict[str, int]:
+    """The ``dataclasses.field`` metadata of an ``int`` (``int | None``) options field whose value must be
+    ``>= minimum`` (``workers``, ``depth``, ``steps``): :func:`check_field_types` holds every options class to it."""
+    return {"at_least": minimum}
+
+
 #: The annotations of an options field that holds several strings (a glob, a rule code each).
 _STRING_SEQUENCES = ("tuple[str, ...]", "Sequence[str]", "Sequence[str] | None")
 #: What the strings of such a field are, by field name, for its message (default: strings).
@@ -593,7 +600,8 @@ def check_field_types(options: Opts) -> Opts:
     field is a bool or not an int (``"2"``, ``2.0``, ``True``), whose ``Path`` or ``str | os.PathLike[str]``
     field (each ``| None``) is no ``str`` or ``os.PathLike`` (a config field: nor a dict), or whose ``str``
     (``str | None``) field is a list, tuple or set (``filter_glob`` takes one glob), or whose sequence of strings
-    (``ignore``, ``filters``) is one string: the one type check of every options class.
+    (``ignore``, ``filters``) is one string, or whose ``int`` field is below its :func:`at_least` bound: the one
+    type check of every options class.
 
     Returns:
         ``options``, or a copy with a NumPy bool or integer (``np.True_``, ``np.int64(4)``) given as the
@@ -617,6 +625,10 @@ def check_field_types(options: Opts) -> Opts:
                     f"`{f.name}` must be an integer, got {type(value).__name__} {value!r:.40}",
                     param=f.name,
                     hint=f"pass a Python int{' or None' if f.type == 'int | None' else ''}",
+                )
+            if number < f.metadata.get("at_least", number):
+                raise UsageError(
+                    f"`{f.name}` must be an integer >= {f.metadata['at_least']}, got {value!r:.40}", param=f.name
                 )
             if type(value) is not int:
                 plain[f.name] = number

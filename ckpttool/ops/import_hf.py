@@ -22,7 +22,16 @@ from fnmatch import fnmatchcase
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from ckpttool.errors import CkptError, ExportError, MetadataError, ModelMismatchError, UsageError, check_path, shell_arg
+from ckpttool.errors import (
+    CkptError,
+    ExportError,
+    MetadataError,
+    ModelMismatchError,
+    UsageError,
+    at_least,
+    check_path,
+    shell_arg,
+)
 from ckpttool.format.atomic import absolute_path
 from ckpttool.format.files import hub_hint, missing_path_hint, open_regular, resolve_inside
 from ckpttool.format.hf_storage import (
@@ -101,9 +110,9 @@ class ImportOptions(OutputOptions):
     schema: str = SCHEMAS[0]
     adapter: str | None = None
     config: Path | None = None
-    world_size: int = 1
-    ep_size: int | None = None
-    ep_fsdp_size: int | None = None
+    world_size: int = field(default=1, metadata=at_least(1))
+    ep_size: int | None = field(default=None, metadata=at_least(1))
+    ep_fsdp_size: int | None = field(default=None, metadata=at_least(1))
     fsync: bool = True
     dtype: str | None = None
     allow_mismatch: tuple[str, ...] = ()
@@ -554,10 +563,6 @@ def _import_ep(
     hf_dir: str | os.PathLike[str], out: str | os.PathLike[str], opts: ImportOptions, report: _Report
 ) -> ImportResult:
     """Check the EP sizes, then import for the ``P * F`` ranks of the EP x EP-FSDP mesh (:func:`_import_plain`)."""
-    for name in ("ep_size", "ep_fsdp_size"):
-        v = getattr(opts, name)
-        if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
-            raise UsageError(f"`{name}` must be an integer >= 1, got {v!r}", param=name)
     p, f = opts.ep_size or 1, opts.ep_fsdp_size or 1
     check_output_ranks(p * f, f"`ep_size` {p} x `ep_fsdp_size` {f}", "ep_fsdp_size")
     if opts.world_size not in (1, p * f):
@@ -659,8 +664,6 @@ def _check_import_options(hf_dir: str | os.PathLike[str], opts: ImportOptions) -
     """``schema`` and ``world_size`` usable and ``hf_dir`` a directory holding safetensors files; returns it."""
     if opts.schema not in SCHEMAS:
         raise UsageError(f"`schema` {opts.schema!r} is not one of {', '.join(SCHEMAS)}", param="schema")
-    if isinstance(opts.world_size, bool) or not isinstance(opts.world_size, int) or opts.world_size < 1:
-        raise UsageError(f"`world_size` must be an integer >= 1, got {opts.world_size!r}", param="world_size")
     check_output_ranks(opts.world_size, f"`world_size` {opts.world_size}", "world_size")
     src_dir = Path(hf_dir)
     if not src_dir.is_dir():

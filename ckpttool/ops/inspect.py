@@ -15,13 +15,13 @@ import operator
 import os
 from collections import Counter, defaultdict
 from collections.abc import Iterable, Iterator, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from itertools import chain, compress, islice, repeat
 from json.encoder import encode_basestring_ascii as _enc  # what json.dumps uses for str (ensure_ascii)
 from pathlib import Path
 from typing import Any
 
-from ckpttool.errors import CkptError, PathEscapeError, TrustRequiredError, UsageError
+from ckpttool.errors import CkptError, PathEscapeError, TrustRequiredError, UsageError, at_least
 from ckpttool.format.files import resolve_inside
 from ckpttool.format.jsonview import json_fields, json_number
 from ckpttool.format.mdstorage import file_extents
@@ -82,7 +82,7 @@ class InspectOptions:
     """
 
     filter_glob: str | None = None
-    depth: int | None = None
+    depth: int | None = field(default=None, metadata=at_least(1))
     sort: str = "name"
 
 

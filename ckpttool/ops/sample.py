@@ -12,10 +12,11 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from ckpttool.errors import at_least
 from ckpttool.ops.fields import options_of
 from ckpttool.optim_state.schema import OPTIMIZER_TYPES
 
@@ -379,7 +380,7 @@ class SampleOptions:
             complete (as ``export --overwrite``); never a checkpoint ckpttool did not write.
     """
 
-    steps: int = 3
+    steps: int = field(default=3, metadata=at_least(0))
     seed: int = 0
     config: SampleConfig | None = None
     optimizer: str = "adamw"

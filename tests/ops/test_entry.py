@@ -400,6 +400,39 @@ def test_a_path_argument_that_is_no_path_is_a_usage_error_naming_it(dense_ckpt: 
     assert sorted(p.name for p in tmp_path.iterdir()) == before
 
 
+def test_an_integer_option_below_its_bound_is_a_usage_error_naming_it(dense_ckpt: Path, tmp_path: Path) -> None:
+    """The CLI refuses `--workers 0`, `--depth -1`, `--train-steps -1` (Typer's `min=`); the library took them:
+    `StatsOptions(workers=0)`, `ValidateOptions(workers=-1)`, `InspectOptions(depth=0)`, `SampleOptions(steps=-1)`
+    and `DiffOptions(max_differences=-1)` returned results, `ReshardOptions(threads=0)` went on to plan. Each
+    bounded field (`errors.at_least`) is E100 naming it, before anything is read or written."""
+    import ckpttool
+
+    hf, out = tmp_path / "hf", tmp_path / "out"
+    ckpttool.export_checkpoint(dense_ckpt, hf, ckpttool.ExportOptions())
+    c = ckpttool
+    cases = (
+        ("workers", 1, lambda v: c.collect_stats([dense_ckpt], c.StatsOptions(workers=v))),
+        ("workers", 1, lambda v: c.validate(dense_ckpt, c.ValidateOptions(deep=True, workers=v))),
+        ("workers", 1, lambda v: c.export_checkpoint(dense_ckpt, out, c.ExportOptions(workers=v))),
+        ("quantize_block", 1, lambda v: c.export_checkpoint(dense_ckpt, out, c.ExportOptions(quantize_block=v))),
+        ("depth", 1, lambda v: c.inspect(dense_ckpt, c.InspectOptions(depth=v))),
+        ("threads", 1, lambda v: c.reshard(dense_ckpt, out, c.ReshardOptions(threads=v))),
+        ("target_ep_size", 1, lambda v: c.reshard(dense_ckpt, out, c.ReshardOptions(target_ep_size=v))),
+        ("world_size", 1, lambda v: c.import_hf(hf, out, c.ImportOptions(world_size=v))),
+        ("ep_fsdp_size", 1, lambda v: c.import_hf(hf, out, c.ImportOptions(ep_size=1, ep_fsdp_size=v))),
+        ("steps", 0, lambda v: c.write_sample(out, c.SampleOptions(steps=v))),
+        ("max_differences", 0, lambda v: c.diff_checkpoints(dense_ckpt, dense_ckpt, c.DiffOptions(max_differences=v))),
+    )
+    for name, minimum, op in cases:
+        for bad in (minimum - 1, -5):
+            with pytest.raises(UsageError) as e:
+                op(bad)
+            assert (e.value.code, e.value.param) == ("E100", name), e.value
+            assert e.value.message == f"`{name}` must be an integer >= {minimum}, got {bad}"
+    assert not out.exists()
+    assert c.diff_checkpoints(dense_ckpt, dense_ckpt, c.DiffOptions(max_differences=0)).equal
+
+
 def test_a_list_for_a_one_string_option_is_a_usage_error_naming_it(dense_ckpt: Path, tmp_path: Path) -> None:
     """`filter_glob=["*layers.0*"]` (as `StatsOptions`/`DiffOptions` take `filters`) ended in `TypeError:
     unhashable type: 'list'` from inspect, export and replay-step: a list, tuple or set for a field of one string is

@@ -13,6 +13,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from ckpttool.errors import at_least
 from ckpttool.format.jsonview import json_fields
 from ckpttool.format.jsonview import json_number as _num
 from ckpttool.model.catalog import TensorEntry
@@ -86,7 +87,7 @@ class DiffOptions:
     map_rules: str | os.PathLike[str] | None = None
     weights: str = "params"
     adapter: str | None = None
-    max_differences: int = 1000
+    max_differences: int = field(default=1000, metadata=at_least(0))
     filters: tuple[str, ...] = ()
     step: str | None = None
     a_step: str | None = None

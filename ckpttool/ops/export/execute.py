@@ -34,6 +34,7 @@ from ckpttool.errors import (
     ModelMismatchError,
     NotRegularFileError,
     UsageError,
+    at_least,
     check_path,
     shell_arg,
 )
@@ -144,14 +145,14 @@ class ExportOptions(OutputOptions):
     rules: Path | None = None
     model_assets: Path | None = None
     filter_glob: str | None = None
-    workers: int | None = None
+    workers: int | None = field(default=None, metadata=at_least(1))
     adapter_config: Path | None = None
     lora_alpha: float | None = None
     verify_crc: bool = True
     adapter: str | None = None
     allow_mismatch: tuple[str, ...] = ()
     quantize: str | None = None
-    quantize_block: int = 128
+    quantize_block: int = field(default=128, metadata=at_least(1))
     quantize_skip: tuple[str, ...] = ()
     quant_format: str = "fp8"
 
@@ -809,8 +810,6 @@ def _check_options(opts: ExportOptions) -> None:
             )
     if opts.experts not in (None, "fused", "per-expert"):
         raise UsageError(f"`experts` {opts.experts!r} is not one of fused, per-expert", param="experts")
-    if opts.workers is not None and opts.workers < 1:
-        raise UsageError(f"`workers` must be >= 1, got {opts.workers}", param="workers")
     if isinstance(opts.shard_size, bool) or not isinstance(opts.shard_size, int) or opts.shard_size <= 0:
         raise UsageError(
             f"`shard_size` must be a positive number of bytes, got {opts.shard_size!r}",

@@ -27,6 +27,7 @@ from ckpttool.errors import (
     LayoutSizeError,
     ReshardError,
     UsageError,
+    at_least,
 )
 from ckpttool.format.directory import CheckpointDir, rank_of_file
 from ckpttool.format.metadata import BytesMeta, ChunkMeta, DType, TensorMeta
@@ -74,11 +75,11 @@ class ReshardOptions(OutputOptions):
     """
 
     to: str = "canonical"
-    target_ep_size: int | None = None
-    target_ep_fsdp_size: int | None = None
+    target_ep_size: int | None = field(default=None, metadata=at_least(1))
+    target_ep_fsdp_size: int | None = field(default=None, metadata=at_least(1))
     with_optimizer: bool = False
     fsync: bool = True
-    threads: int | None = None
+    threads: int | None = field(default=None, metadata=at_least(1))
     verify_crc: bool = True
 
 

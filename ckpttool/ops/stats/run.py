@@ -16,13 +16,13 @@ import re
 import time
 from collections.abc import Callable, Iterable, Sequence
 from contextlib import ExitStack
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from ckpttool.engine.kernels import IEEE_BITS, float_values
 from ckpttool.engine.pool import map_ordered, worker_count
 from ckpttool.engine.stats import SlabStats
-from ckpttool.errors import CkptError, UsageError
+from ckpttool.errors import CkptError, UsageError, at_least
 from ckpttool.format.metadata import ChunkMeta
 from ckpttool.model.catalog import Catalog, TensorEntry, match_filter, saved_by_counts
 from ckpttool.model.checkpoint import Checkpoint, CheckpointOrPath, OpenOptions, open_source
@@ -80,7 +80,7 @@ class StatsOptions:
     """
 
     filters: tuple[str, ...] = ()
-    workers: int | None = None
+    workers: int | None = field(default=None, metadata=at_least(1))
     optimizer: bool = True
 
 

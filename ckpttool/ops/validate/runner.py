@@ -11,11 +11,12 @@ import logging
 import os
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
 
 from ckpttool import errors
+from ckpttool.errors import at_least
 from ckpttool.format.storage import is_url, url_path
 from ckpttool.model.checkpoint import Checkpoint, CheckpointOrPath, OpenOptions, check_source, gc_held, open_checkpoint
 from ckpttool.model.hfconfig import read_hf_config
@@ -67,7 +68,7 @@ class ValidateOptions:
     ignore: Sequence[str] = ()
     config: str | os.PathLike[str] | dict[str, Any] | None = None
     against: str | os.PathLike[str] | None = None
-    workers: int | None = None
+    workers: int | None = field(default=None, metadata=at_least(1))
     manifest: str | os.PathLike[str] | None = None
 
 
