@@ -70,6 +70,7 @@ from ckpttool.ops.export.plan import (
     check_quantized_sources,
     check_trainable_dtypes,
     select_sources,
+    transposed_expert_keys,
     unaccounted_tensors,
 )
 from ckpttool.ops.export.rules import ExportRules, load_rules
@@ -852,10 +853,12 @@ def _fused_experts_note(
 ) -> tuple[str, ...]:
     """The note of a default (``experts`` not given) export that writes fused expert tensors an ``experts`` rule
     could split: transformers >= 5 loads them, but ``save_pretrained`` of a fresh model, vLLM's MoE loaders and
-    transformers 4.x use the per-expert names."""
+    transformers 4.x use the per-expert names. Experts stored transposed (gpt-oss, Llama4), which a per-expert
+    split refuses, are their family's own fused form: no note."""
     if opts.experts is not None or _experts(opts) != "fused" or not out_format.ties_embeddings:
         return ()
-    fused = _expert_rule_keys(selected, rules)
+    transposed = transposed_expert_keys(selected)
+    fused = [k for k in _expert_rule_keys(selected, rules) if k not in transposed]
     if not fused:
         return ()
     return (

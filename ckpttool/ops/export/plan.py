@@ -13,7 +13,7 @@ legacy EP layouts, ``docs/layouts.md``).
 from __future__ import annotations
 
 import fnmatch
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -639,6 +639,23 @@ def check_expert_dim(s: Selected, e: int, num_experts: int | None) -> None:
         )
 
 
+def _transposed_pair(gate_up: Sequence[int], down: Sequence[int]) -> bool:
+    """Whether fused ``gate_up_proj`` / ``down_proj`` shapes are 3-D and not ``[E, 2I, H]`` / ``[E, H, I]``."""
+    return len(gate_up) == 3 and len(down) == 3 and (gate_up[1] != 2 * down[2] or gate_up[2] != down[1])
+
+
+def transposed_expert_keys(selected: list[Selected]) -> set[str]:
+    """The output keys of the selected fused ``gate_up_proj`` / ``down_proj`` pairs stored transposed (gpt-oss,
+    Llama4: ``[E, H, 2I]`` / ``[E, I, H]``), which a per-expert split refuses; a model adapter's tensors are not."""
+    shapes = {s.out_key: s.source.shape for s in selected if s.hf is None}
+    out: set[str] = set()
+    for key, gate_up in shapes.items():
+        down_key = key.removesuffix("gate_up_proj") + "down_proj"
+        if key.endswith(".gate_up_proj") and down_key in shapes and _transposed_pair(gate_up, shapes[down_key]):
+            out.update((key, down_key))
+    return out
+
+
 def _refuse_transposed_experts(selected: list[Selected], stored: Mapping[str, TensorEntry], experts: str) -> None:
     """Raise where a fused ``<prefix>.gate_up_proj`` and its ``<prefix>.down_proj`` are not ``[E, 2I, H]`` and
     ``[E, H, I]``, the layout a per-expert split cuts: experts stored transposed (``gate_up_proj`` ``[E, H, 2I]``,
@@ -659,9 +676,7 @@ def _refuse_transposed_experts(selected: list[Selected], stored: Mapping[str, Te
         partner = stored.get(s.model_key.removesuffix("gate_up_proj") + "down_proj")
         if down is None and s.model_key.endswith(".gate_up_proj") and partner is not None:
             down = partner.shape
-        if down is None or len(gate_up) != 3 or len(down) != 3:
-            continue
-        if gate_up[1] != 2 * down[2] or gate_up[2] != down[1]:
+        if down is not None and _transposed_pair(gate_up, down):
             raise ExportError(
                 f"{s.model_key}: {list(gate_up)} beside down_proj {list(down)} is not the [E, 2I, H] / [E, H, I] "
                 "layout a per-expert split cuts (experts stored transposed, [E, H, 2I] / [E, I, H]: gate and up "

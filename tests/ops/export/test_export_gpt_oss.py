@@ -66,6 +66,22 @@ def test_fused_export_gives_transformers_logits(gpt_oss: tuple[Path, Path, torch
     assert torch.allclose(logits, ref, atol=1e-5, rtol=0), (logits - ref).abs().max()
 
 
+def test_default_export_of_transposed_experts_does_not_point_to_a_split_it_refuses(
+    gpt_oss: tuple[Path, Path, torch.Tensor], tmp_path: Path
+) -> None:
+    """Before: exit 0 with `note: 2 fused expert tensor(s) written as stored ... --experts per-expert writes those`,
+    the split that is refused (E601) for these experts."""
+    ckpt, assets, ref = gpt_oss
+    out = tmp_path / "hf"
+    res = runner.invoke(app, ["export", str(ckpt), str(out), "--model-assets", str(assets)])
+    assert res.exit_code == 0, res.output
+    assert "per-expert" not in res.stderr, res.stderr
+    model = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
+    with torch.no_grad():
+        logits = model(torch.tensor(IDS)).logits
+    assert torch.allclose(logits, ref, atol=1e-5, rtol=0), (logits - ref).abs().max()
+
+
 @pytest.mark.parametrize("with_config", [True, False])
 def test_per_expert_split_of_transposed_experts_is_refused(
     gpt_oss: tuple[Path, Path, torch.Tensor], tmp_path: Path, with_config: bool
@@ -112,15 +128,17 @@ def test_per_expert_split_of_llama4_experts_is_refused(tmp_path: Path) -> None:
     assert not out.exists()
 
 
-def test_fused_export_of_llama4_experts_gives_transformers_logits(tmp_path: Path) -> None:
+@pytest.mark.parametrize("experts", [["--experts", "fused"], []])
+def test_fused_export_of_llama4_experts_gives_transformers_logits(tmp_path: Path, experts: list[str]) -> None:
     """transformers' ``Llama4ForCausalLM`` (a MoE layer, ``gate_up_proj`` ``[E, H, 2I]`` gate and up concatenated,
-    beside a dense one) saved by ``dcp.save``: exported ``--experts fused`` it loads with ``from_pretrained`` and
-    gives the source model's logits."""
+    beside a dense one) saved by ``dcp.save``: exported fused (asked for or by default) it loads with
+    ``from_pretrained`` and gives the source model's logits; no note points to the per-expert split it refuses."""
     cfg = llama4_config(layers=2)
     ckpt, assets, ref = save_tiny_causal_lm(transformers.Llama4ForCausalLM, cfg, tmp_path, IDS)
     out = tmp_path / "hf"
-    res = runner.invoke(app, ["export", str(ckpt), str(out), "--model-assets", str(assets), "--experts", "fused"])
+    res = runner.invoke(app, ["export", str(ckpt), str(out), "--model-assets", str(assets), *experts])
     assert res.exit_code == 0, res.output
+    assert "per-expert" not in res.stderr, res.stderr
     model = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
     assert type(model) is transformers.Llama4ForCausalLM
     with torch.no_grad():
