@@ -1182,6 +1182,19 @@ def torch_betas(hyper: Hyper, dev: Any, flags: dict[str, bool]) -> Any:
     return (torch.tensor(hyper.beta1, dtype=dtype, device=where), torch.tensor(hyper.beta2, dtype=dtype, device=where))
 
 
+def for_loop_lr_dtype(group: dict[str, Any], param: Any) -> Any:
+    """The dtype of a group's tensor ``lr`` where ``torch.optim.AdamW`` takes its for-loop step (not fused, not
+    foreach, not capturable: ``_single_tensor_adam`` forms the decay factor and step size in that dtype), else
+    ``None``."""
+    import torch
+
+    lr = group.get("lr")
+    if not isinstance(lr, torch.Tensor) or group.get("fused") or group.get("capturable"):
+        return None
+    foreach = group.get("foreach")
+    return lr.dtype if foreach is False or (foreach is None and param.device.type == "cpu") else None
+
+
 def saved_flags(hyper: Hyper, dev: Any, names: Sequence[str] = TORCH_FLAGS) -> dict[str, bool]:
     """The ``torch.optim.AdamW`` switches saved in a param group (``Hyper.extra``), as booleans.
 
@@ -1345,7 +1358,10 @@ def _reference_pass(
                     r = results[member.fqn]
                     param = params[member.fqn]
                     st = opt.state.get(param, {})
-                    ctx = _SlabContext(member, r, param.detach(), st, grads, slabs, steps, rtol, atol, ref_dtype)
+                    lr_dtype = for_loop_lr_dtype(opt.param_groups[0], param)
+                    ctx = _SlabContext(
+                        member, r, param.detach(), st, grads, slabs, steps, rtol, atol, ref_dtype, lr_dtype
+                    )
                     bounds = [(a, min(a + ctx.slab, member.numel)) for a in range(0, member.numel, ctx.slab)]
                     parts = map_ordered(ctx.run, bounds, workers=workers)
                     ctx.finish(parts, dev)
@@ -1454,9 +1470,13 @@ class _SlabContext:
         rtol: float,
         atol: float,
         ref_dtype: Any,
+        lr_dtype: Any = None,
     ) -> None:
         self.p, self.r, self.st, self.steps = p, r, st, steps
         self.rtol, self.atol, self.ref_dtype = rtol, atol, ref_dtype
+        self.lr_dtype = (
+            lr_dtype  # a tensor lr's dtype where the run's step formed its scalars in it (for_loop_lr_dtype)
+        )
         self.has_master = p.optimizer_type != "adamw"
         self.param = param.reshape(-1)
         self.actual: dict[str, Any] = {
@@ -1502,7 +1522,7 @@ class _SlabContext:
             return None
         if any(d not in KINDS for d in saved):
             return None
-        return constants(self.p.hyper, self.r.step_before, self.atol, self._rtols())
+        return constants(self.p.hyper, self.r.step_before, self.atol, self._rtols(), self.lr_dtype)
 
     def _read(self, field: str, a: int, b: int) -> Any:
         import torch
@@ -1612,6 +1632,7 @@ class _SlabContext:
                 h.eps,
                 h.weight_decay,
                 dtype=ref,
+                lr_dtype=self.lr_dtype,
             )
             if k < self.steps - 1:  # the optimizer stores its state in these dtypes between steps
                 new_theta = new_theta.to(torch.float32 if self.has_master else pt).to(ref)

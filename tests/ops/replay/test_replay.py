@@ -987,6 +987,28 @@ def test_a_tensor_lr_replays_torchs_own_step_bitwise(tmp_path: Path) -> None:
     _assert_replay_is_the_runs_next_step(ck, grads, model, opt)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("flags", [{}, {"fused": True}], ids=["single-tensor", "fused"])
+def test_a_half_precision_tensor_lr_matches_the_reference(tmp_path: Path, dtype: torch.dtype, flags: dict) -> None:
+    """torch.optim.AdamW(lr=torch.tensor(1e-2, dtype=torch.bfloat16)) (a tensor made under a BF16 default dtype):
+    torch's for-loop step forms 1 - lr * weight_decay and the step size lr / (1 - beta1^t) as tensors of that dtype,
+    rounded to 8 bits. The replay equalled torch's own next step bitwise, but the formula reference took the lr as a
+    float and failed every parameter: '[E700] 2 of 2 parameter(s) do not reproduce the reference step; ... param: ...
+    beyond tolerance', blaming a sound state. The reference forms the two scalars in the lr's dtype where the run's
+    implementation does (the fused kernel reads the lr as a double: unchanged)."""
+    ck, grads, model, opt = _adamw_linear_with(
+        tmp_path,
+        lambda osd: None,
+        lambda p: torch.optim.AdamW(p, lr=torch.tensor(1e-2, dtype=dtype), weight_decay=0.1, **flags),
+    )
+    assert opt.param_groups[0]["lr"].dtype == dtype
+    _assert_replay_is_the_runs_next_step(ck, grads, model, opt)
+    res = run(ck, "--device", "cpu", "--grads", grads)  # one step: the one-pass native reference where built
+    assert res.exit_code == 0, res.output
+    res = run(ck, "--device", "cpu", "--grads", grads, "--steps", "2")  # the torch reference path
+    assert res.exit_code == 0, res.output
+
+
 @pytest.mark.parametrize("flags", [{}, {"fused": True}], ids=["single-tensor", "fused"])
 def test_tensor_betas_replay_torchs_own_step_bitwise(tmp_path: Path, flags: dict[str, bool]) -> None:
     """torch.optim.AdamW(betas=(torch.tensor(0.9), torch.tensor(0.999))), which torch accepts and keeps as 0-d
