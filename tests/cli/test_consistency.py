@@ -490,3 +490,33 @@ def test_a_filter_that_matches_nothing_is_one_error_line_and_exit_2(sample_ckpt:
             assert len(err) == 2 and err[0].startswith(f"error: [{code}] ") and glob in err[0], (args, err)
             assert err[1].startswith("hint: ") and "Traceback" not in res.stderr, (args, err)
     assert not (tmp_path / "hf").exists()
+
+
+def test_each_integer_bound_of_a_command_is_its_library_options_bound() -> None:
+    """An option the CLI bounds (Typer's `min=`: `--workers`, `--depth`, `--steps`, `--world-size`) holds the
+    library to the same bound (the field's `errors.at_least`): `StatsOptions(workers=0)` and
+    `InspectOptions(depth=-1)` ran where `--workers 0` / `--depth -1` were refused."""
+    import dataclasses
+
+    import ckpttool
+
+    options_of = {
+        "inspect": ckpttool.InspectOptions,
+        "validate": ckpttool.ValidateOptions,
+        "export": ckpttool.ExportOptions,
+        "reshard": ckpttool.ReshardOptions,
+        "replay-step": ckpttool.ReplayOptions,
+        "stats": ckpttool.StatsOptions,
+        "import": ckpttool.ImportOptions,
+        "diff": ckpttool.DiffOptions,
+    }
+    group = typer.main.get_command(app)
+    checked = []
+    for name, cls in options_of.items():
+        fields = {f.name: f for f in dataclasses.fields(cls)}
+        for param in group.commands[name].params:  # type: ignore[attr-defined]
+            minimum = getattr(param.type, "min", None)
+            if type(param.type).__name__ == "IntRange" and minimum is not None and param.name in fields:
+                assert fields[param.name].metadata.get("at_least") == minimum, (name, param.name)
+                checked.append(f"{name} --{param.name}")
+    assert len(checked) >= 12, checked

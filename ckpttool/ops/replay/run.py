@@ -32,6 +32,7 @@ from ckpttool.errors import (
     HyperparameterError,
     StateDtypeError,
     UsageError,
+    at_least,
     shell_arg,
 )
 from ckpttool.format.jsonview import json_fields, json_number
@@ -416,14 +417,14 @@ class ReplayOptions:
     grad_scale: float = 1e-3
     optimizer: str = "auto"
     offload_patterns: Sequence[str] | None = None
-    chunk_size: int | None = None
-    steps: int = 1
-    max_memory: int | None = None
+    chunk_size: int | None = field(default=None, metadata=at_least(1))
+    steps: int = field(default=1, metadata=at_least(1))
+    max_memory: int | None = field(default=None, metadata=at_least(1))
     tolerance: tuple[float, float] = (1e-5, 1e-8)
     reference_dtype: str = "float64"
     filter_glob: str | None = None
     reference: str = "formula"
-    head_dim: int | None = None
+    head_dim: int | None = field(default=None, metadata=at_least(1))
 
     def check(self) -> None:
         """Refuse values that cannot run (before anything is read).
@@ -431,8 +432,6 @@ class ReplayOptions:
         Raises:
             UsageError: a bad value, named by its parameter.
         """
-        if self.steps < 1:
-            raise UsageError(f"`steps` must be >= 1, got {self.steps}", param="steps")
         tol = self.tolerance
         if not (isinstance(tol, (tuple, list)) and len(tol) == 2 and all(map(_is_number, tol))):
             raise UsageError(
@@ -450,14 +449,8 @@ class ReplayOptions:
             raise UsageError(
                 f"`reference_dtype` must be float64 or float32, got {self.reference_dtype!r}", param="reference_dtype"
             )
-        if self.chunk_size is not None and self.chunk_size <= 0:
-            raise UsageError(f"`chunk_size` must be > 0, got {self.chunk_size}", param="chunk_size")
-        if self.max_memory is not None and self.max_memory <= 0:
-            raise UsageError(f"`max_memory` must be > 0, got {self.max_memory}", param="max_memory")
         if not self.grad_scale > 0:
             raise UsageError(f"`grad_scale` must be > 0, got {self.grad_scale}", param="grad_scale")
-        if self.head_dim is not None and self.head_dim <= 0:
-            raise UsageError(f"`head_dim` must be > 0, got {self.head_dim}", param="head_dim")
         if self.reference not in REFERENCES:
             raise UsageError(
                 f"`reference` must be one of {', '.join(REFERENCES)}, got {self.reference!r}", param="reference"
