@@ -588,13 +588,27 @@ class RemoteStore:
         """
         key = self.key(relative)
         where = str(self.path / relative)
-        data = self.call(where, self._get, relative, key, start, end)
+        data = self._listed_get(where, relative, key, start, end)
         self._count(len(data))
         if len(data) != end - start:
             raise DataFileError(
                 f"{where}: asked bytes [{start}, {end}), got {len(data)} (the object changed?)", path=relative
             )
         return bytes(data)
+
+    def _listed_get(self, where: str, relative: str, key: str, start: int, end: int) -> bytes:
+        """:meth:`_get` retried; an object of the listing that is gone when its bytes are asked (deleted since) is
+        ``E300`` "it changed while being read", not ``E141`` about the URL."""
+        try:
+            return bytes(self.call(where, self._get, relative, key, start, end))
+        except RemoteNotFoundError:
+            if self._sizes is None or relative not in self._sizes:
+                raise
+        raise DataFileError(
+            f"{where}: the object was deleted since it was listed: it changed while being read",
+            path=where,
+            hint="a save or copy may still be writing this checkpoint: run again once it is finished and unchanged",
+        )
 
     def _get(self, relative: str, key: str, start: int, end: int) -> bytes:
         """Bytes ``[start, end)`` of ``key``; for s3 pinned to the ETag the listing gave (``If-Match``).
@@ -644,7 +658,7 @@ class RemoteStore:
         # one byte past the listed size: an object rewritten since the listing (longer, or shorter) is told by
         # its length, not parsed as a cut-off copy of the new one
         key = self.key(relative)
-        data = self.call(str(where), self._get, relative, key, 0, size + 1)
+        data = self._listed_get(str(where), relative, key, 0, size + 1)
         self._count(len(data))
         if len(data) != size:
             raise DataFileError(

@@ -719,6 +719,35 @@ def test_an_object_cut_short_after_the_listing_is_a_data_file_error(sample_ckpt:
     assert requests == 3  # the listing, .metadata, one range request: not retried
 
 
+def test_an_object_deleted_after_the_listing_is_a_data_file_error(sample_ckpt: Path, s3_server: Any) -> None:
+    """A listed object deleted before its bytes are read (a cleanup job, a save that rotates old steps): E300
+    naming the object, said to have changed while being read, not retried (was E141 'not found', hint 'check the
+    URL: its bucket and prefix', about a URL that was right); a chunk's range read and a whole-object read alike."""
+    from ckpttool.errors import DataFileError
+    from ckpttool.format.storage import RemoteStore
+    from ckpttool.model.checkpoint import open_checkpoint
+
+    url = upload(s3_server, sample_ckpt)
+    bucket, prefix = url[len("s3://") :].split("/", 1)
+    c = s3_server.client()
+    with storage_config(options=s3_server.options(), retries=3, backoff_s=5.0):
+        store = RemoteStore(url)
+        assert store.size("extra_state/extra_state_rank_0.pt")  # listed
+        with open_checkpoint(url) as ckpt:  # the listing and .metadata read
+            c.delete_object(Bucket=bucket, Key=f"{prefix}/__0_0.distcp")
+            c.delete_object(Bucket=bucket, Key=f"{prefix}/extra_state/extra_state_rank_0.pt")
+            with pytest.raises(DataFileError) as got:
+                ckpt.reader.read_tensor("model.lm_head.weight")
+            requests = ckpt.reader.remote.requests
+        with pytest.raises(DataFileError) as whole:
+            store.read_whole("extra_state/extra_state_rank_0.pt", 1 << 20)
+    for e, name in ((got.value, "__0_0.distcp"), (whole.value, "extra_state/extra_state_rank_0.pt")):
+        assert e.code == "E300" and e.message.startswith(f"{url}/{name}: "), e.message
+        assert "deleted since it was listed" in e.message and "changed while being read" in e.message
+        assert "run again once it is finished" in (e.hint or "")
+    assert requests == 3  # the listing, .metadata, one range request: not retried
+
+
 def test_overwrite_of_a_prefix_holding_only_sub_prefixes_names_them(sample_ckpt: Path, s3_server: Any) -> None:
     """export --overwrite onto a prefix whose objects all lie below sub-prefixes (a run root: step folders, logs)
     is E606 naming its folders, as the local refusal names a directory's entries (it said 'it holds nothing');
