@@ -402,6 +402,72 @@ def test_missing_credentials_are_a_permission_error(
     assert "pip install" not in r.output and "Traceback" not in r.output
 
 
+def test_a_policy_denying_the_data_objects_is_told_with_the_credentials_hint(sample_ckpt: Path, s3_server: Any) -> None:
+    """An IAM user whose policy allows the listing and `.metadata` but not the data objects (moto's IAM enforcement
+    on): `validate --deep` fails (exit 1, never OK) with its findings' hints on the credentials and the policy, not
+    'the data file is damaged' / 'the stored bytes are damaged' of a corrupt chunk or byte item; `export` is E142
+    naming the data object, with no output; `inspect` (it shows the byte items) E142 too."""
+    import urllib.request
+
+    import boto3
+
+    url = upload(s3_server, sample_ckpt)
+    bucket, prefix = url[len("s3://") :].split("/", 1)
+    iam = boto3.client("iam", endpoint_url=s3_server.endpoint, region_name="us-east-1", **_fake_keys())
+    user = f"reader-{uuid.uuid4().hex[:8]}"
+    iam.create_user(UserName=user)
+    key = iam.create_access_key(UserName=user)["AccessKey"]
+    policy = {
+        "Version": "2012-10-17",
+        "Statement": [
+            {"Effect": "Allow", "Action": ["s3:ListBucket"], "Resource": "*"},
+            {"Effect": "Allow", "Action": ["s3:GetObject"], "Resource": f"arn:aws:s3:::{bucket}/{prefix}/.metadata"},
+        ],
+    }
+    iam.put_user_policy(UserName=user, PolicyName="metadata-only", PolicyDocument=json.dumps(policy))
+    opts = [
+        "--storage-option",
+        f"client_kwargs.endpoint_url={s3_server.endpoint}",
+        "--storage-option",
+        f"key={key['AccessKeyId']}",
+        "--storage-option",
+        f"secret={key['SecretAccessKey']}",
+    ]
+
+    def auth(count: str) -> None:  # moto enforces IAM from its `count`-th request on ("inf": never)
+        req = urllib.request.Request(
+            f"{s3_server.endpoint}/moto-api/reset-auth",
+            data=count.encode(),
+            method="POST",
+            headers={"Content-Type": "text/plain"},  # flask leaves a form-encoded body out of request.data
+        )
+        urllib.request.urlopen(req, timeout=30).close()
+
+    auth("0")
+    try:
+        deep = runner.invoke(app, [*opts, "validate", "--deep", "--json", url])
+        export = runner.invoke(app, [*opts, "export", url, f"s3://{bucket}/out-{uuid.uuid4().hex[:8]}"])
+        inspect = runner.invoke(app, [*opts, "inspect", url])
+    finally:
+        auth("inf")
+    assert deep.exit_code == 1, deep.output
+    doc = json.loads(deep.stdout)
+    assert doc["ok"] is False
+    by_rule = {f["code"]: f for f in doc["findings"]}
+    for rule in ("S010", "S011", "S013"):
+        assert by_rule[rule]["error_code"] == "E142", by_rule[rule]
+        assert "permission denied" in by_rule[rule]["message"]
+        assert by_rule[rule]["hint"].startswith("check the credentials"), by_rule[rule]
+    for r in (export, inspect):
+        assert r.exit_code == 2 and "Traceback" not in r.output
+        assert r.output.startswith(f"error: [E142] {url}/__0_0.distcp: permission denied"), r.output
+    assert not any(k.startswith("out-") for k in s3_server.keys(bucket))
+
+
+def _fake_keys() -> dict[str, str]:
+    return {"aws_access_key_id": s3fx.KEY_ID, "aws_secret_access_key": s3fx.SECRET}
+
+
 @pytest.mark.parametrize("url", ["zip://x::s3://b/y", "tar://x::file:///nonexistent", "dir://x/y"])
 def test_chained_url_that_opens_a_file_is_one_error_line(url: str) -> None:
     """zip:// and tar:// filesystems open their target when built: an E999 (IsADirectoryError) became E140;
