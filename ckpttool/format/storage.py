@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import logging
 import os
+import posixpath
 import random
 import re
 import shutil
@@ -55,6 +56,7 @@ __all__ = [
     "parse_storage_options",
     "storage_config",
     "url_path",
+    "check_url_key",
     "confine_key",
     "redact",
     "same_store",
@@ -268,6 +270,22 @@ def url_path(path: str | os.PathLike[str]) -> UrlPath:
     return path if isinstance(path, UrlPath) else UrlPath.of(os.fspath(path))
 
 
+def check_url_key(path: UrlPath) -> None:
+    """Refuse a URL with a ``..`` component: an object store takes it as characters of the key (``s3://b/x/../hf``
+    is not ``s3://b/hf``), so it would read nothing, or write objects whose keys hold ``x/../hf/``.
+
+    Raises:
+        RemoteStorageError: (E140) the hint names the prefix meant.
+    """
+    if ".." in path.key.split("/"):
+        meant = posixpath.normpath("/" + path.key).lstrip("/")
+        raise RemoteStorageError(
+            f"{path}: a '..' component in a URL is part of the object key, not the parent prefix",
+            path=str(path),
+            hint=f"name the prefix itself: {path.scheme}://{meant}",
+        )
+
+
 def confine_key(
     root: str,
     relative: str,
@@ -470,6 +488,7 @@ class RemoteStore:
     def __init__(self, url: str | os.PathLike[str], config: StorageConfig | None = None) -> None:
         self.config = config or current()
         self.path = url_path(url)
+        check_url_key(self.path)
         self.root = self.path.key
         self.fs = _filesystem(self.path.scheme, self.config.options, str(self.path), self.config.timeout_s)
         self.requests = 0

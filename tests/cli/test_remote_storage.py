@@ -375,6 +375,24 @@ def test_missing_prefix_is_not_found(s3_server: Any) -> None:
     assert r.exit_code == 2 and "[E141]" in r.output
 
 
+def test_a_url_with_a_dot_dot_component_is_refused_naming_the_prefix_meant(sample_ckpt: Path, s3_server: Any) -> None:
+    """`..` in a URL is part of an S3 key, not the parent prefix: reading `s3://b/run/../run/step-3` was E141 'no
+    object below this prefix' (the checkpoint is there), and `export ... s3://b/x/../hf` wrote objects whose keys
+    hold `x/../hf/` (and was refused as overlapping a source at `s3://b/x`). Now E140 naming the URL, the hint the
+    prefix meant; nothing written."""
+    url = upload(s3_server, sample_ckpt)
+    bucket, prefix = url[len("s3://") :].split("/", 1)
+    read = cli(s3_server, "inspect", f"s3://{bucket}/{prefix}/../{prefix}")
+    out = f"s3://{bucket}/{prefix}/../hf-{uuid.uuid4().hex[:8]}"
+    write = cli(s3_server, "export", url, out)
+    for r, given in ((read, f"s3://{bucket}/{prefix}/../{prefix}"), (write, out)):
+        assert r.exit_code == 2 and "Traceback" not in r.output, r.output
+        assert r.output.startswith(f"error: [E140] {given}: "), r.output
+        assert "'..'" in r.output
+    assert f"hint: name the prefix itself: {url}\n" in read.output
+    assert not any(".." in k for k in s3_server.keys(bucket))
+
+
 def test_url_of_an_object_names_its_prefix(sample_ckpt: Path, s3_server: Any) -> None:
     """The URL of a checkpoint's ``.metadata`` (copied from a console listing) said "no object below this prefix":
     it now says the URL is an object and names the prefix to pass."""
