@@ -35,7 +35,7 @@ from ckpttool.format.atomic import (
     signals_deferred,
     stop_signals,
 )
-from ckpttool.format.storage import RemoteStore, is_url, local_path, same_store, url_path
+from ckpttool.format.storage import RemoteStore, check_url_key, is_url, local_path, same_store, url_path
 
 __all__ = ["OutputDir", "RemoteOutputDir", "check_target", "output_dir", "output_location", "MARKERS"]
 
@@ -159,6 +159,7 @@ class RemoteOutputDir(OutputTarget):
             OutputError, ForeignOutputError: as the class says.
         """
         t = self.target
+        check_url_key(t)  # before the overlap: s3://b/ck/../hf is no output inside s3://b/ck
         if self.source is not None and same_store(self.source, t):  # s3a://b/ck is s3://b/ck
             a, b = t.key.rstrip("/") + "/", self.source.key.rstrip("/") + "/"
             if a.startswith(b) or b.startswith(a):

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import logging
 import os
+import posixpath
 import random
 import re
 import shutil
@@ -55,6 +56,7 @@ __all__ = [
     "parse_storage_options",
     "storage_config",
     "url_path",
+    "check_url_key",
     "confine_key",
     "redact",
     "same_store",
@@ -268,6 +270,22 @@ def url_path(path: str | os.PathLike[str]) -> UrlPath:
     return path if isinstance(path, UrlPath) else UrlPath.of(os.fspath(path))
 
 
+def check_url_key(path: UrlPath) -> None:
+    """Refuse a URL with a ``..`` component: an object store takes it as characters of the key (``s3://b/x/../hf``
+    is not ``s3://b/hf``), so it would read nothing, or write objects whose keys hold ``x/../hf/``.
+
+    Raises:
+        RemoteStorageError: (E140) the hint names the prefix meant.
+    """
+    if ".." in path.key.split("/"):
+        meant = posixpath.normpath("/" + path.key).lstrip("/")
+        raise RemoteStorageError(
+            f"{path}: a '..' component in a URL is part of the object key, not the parent prefix",
+            path=str(path),
+            hint=f"name the prefix itself: {path.scheme}://{meant}",
+        )
+
+
 def confine_key(
     root: str,
     relative: str,
@@ -470,6 +488,7 @@ class RemoteStore:
     def __init__(self, url: str | os.PathLike[str], config: StorageConfig | None = None) -> None:
         self.config = config or current()
         self.path = url_path(url)
+        check_url_key(self.path)
         self.root = self.path.key
         self.fs = _filesystem(self.path.scheme, self.config.options, str(self.path), self.config.timeout_s)
         self.requests = 0
@@ -588,13 +607,27 @@ class RemoteStore:
         """
         key = self.key(relative)
         where = str(self.path / relative)
-        data = self.call(where, self._get, relative, key, start, end)
+        data = self._listed_get(where, relative, key, start, end)
         self._count(len(data))
         if len(data) != end - start:
             raise DataFileError(
                 f"{where}: asked bytes [{start}, {end}), got {len(data)} (the object changed?)", path=relative
             )
         return bytes(data)
+
+    def _listed_get(self, where: str, relative: str, key: str, start: int, end: int) -> bytes:
+        """:meth:`_get` retried; an object of the listing that is gone when its bytes are asked (deleted since) is
+        ``E300`` "it changed while being read", not ``E141`` about the URL."""
+        try:
+            return bytes(self.call(where, self._get, relative, key, start, end))
+        except RemoteNotFoundError:
+            if self._sizes is None or relative not in self._sizes:
+                raise
+        raise DataFileError(
+            f"{where}: the object was deleted since it was listed: it changed while being read",
+            path=where,
+            hint="a save or copy may still be writing this checkpoint: run again once it is finished and unchanged",
+        )
 
     def _get(self, relative: str, key: str, start: int, end: int) -> bytes:
         """Bytes ``[start, end)`` of ``key``; for s3 pinned to the ETag the listing gave (``If-Match``).
@@ -644,7 +677,7 @@ class RemoteStore:
         # one byte past the listed size: an object rewritten since the listing (longer, or shorter) is told by
         # its length, not parsed as a cut-off copy of the new one
         key = self.key(relative)
-        data = self.call(str(where), self._get, relative, key, 0, size + 1)
+        data = self._listed_get(str(where), relative, key, 0, size + 1)
         self._count(len(data))
         if len(data) != size:
             raise DataFileError(

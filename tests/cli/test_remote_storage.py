@@ -375,6 +375,24 @@ def test_missing_prefix_is_not_found(s3_server: Any) -> None:
     assert r.exit_code == 2 and "[E141]" in r.output
 
 
+def test_a_url_with_a_dot_dot_component_is_refused_naming_the_prefix_meant(sample_ckpt: Path, s3_server: Any) -> None:
+    """`..` in a URL is part of an S3 key, not the parent prefix: reading `s3://b/run/../run/step-3` was E141 'no
+    object below this prefix' (the checkpoint is there), and `export ... s3://b/x/../hf` wrote objects whose keys
+    hold `x/../hf/` (and was refused as overlapping a source at `s3://b/x`). Now E140 naming the URL, the hint the
+    prefix meant; nothing written."""
+    url = upload(s3_server, sample_ckpt)
+    bucket, prefix = url[len("s3://") :].split("/", 1)
+    read = cli(s3_server, "inspect", f"s3://{bucket}/{prefix}/../{prefix}")
+    out = f"s3://{bucket}/{prefix}/../hf-{uuid.uuid4().hex[:8]}"
+    write = cli(s3_server, "export", url, out)
+    for r, given in ((read, f"s3://{bucket}/{prefix}/../{prefix}"), (write, out)):
+        assert r.exit_code == 2 and "Traceback" not in r.output, r.output
+        assert r.output.startswith(f"error: [E140] {given}: "), r.output
+        assert "'..'" in r.output
+    assert f"hint: name the prefix itself: {url}\n" in read.output
+    assert not any(".." in k for k in s3_server.keys(bucket))
+
+
 def test_url_of_an_object_names_its_prefix(sample_ckpt: Path, s3_server: Any) -> None:
     """The URL of a checkpoint's ``.metadata`` (copied from a console listing) said "no object below this prefix":
     it now says the URL is an object and names the prefix to pass."""
@@ -400,6 +418,72 @@ def test_missing_credentials_are_a_permission_error(
     )
     assert r.exit_code == 2 and "[E142]" in r.output and "credentials" in r.output
     assert "pip install" not in r.output and "Traceback" not in r.output
+
+
+def test_a_policy_denying_the_data_objects_is_told_with_the_credentials_hint(sample_ckpt: Path, s3_server: Any) -> None:
+    """An IAM user whose policy allows the listing and `.metadata` but not the data objects (moto's IAM enforcement
+    on): `validate --deep` fails (exit 1, never OK) with its findings' hints on the credentials and the policy, not
+    'the data file is damaged' / 'the stored bytes are damaged' of a corrupt chunk or byte item; `export` is E142
+    naming the data object, with no output; `inspect` (it shows the byte items) E142 too."""
+    import urllib.request
+
+    import boto3
+
+    url = upload(s3_server, sample_ckpt)
+    bucket, prefix = url[len("s3://") :].split("/", 1)
+    iam = boto3.client("iam", endpoint_url=s3_server.endpoint, region_name="us-east-1", **_fake_keys())
+    user = f"reader-{uuid.uuid4().hex[:8]}"
+    iam.create_user(UserName=user)
+    key = iam.create_access_key(UserName=user)["AccessKey"]
+    policy = {
+        "Version": "2012-10-17",
+        "Statement": [
+            {"Effect": "Allow", "Action": ["s3:ListBucket"], "Resource": "*"},
+            {"Effect": "Allow", "Action": ["s3:GetObject"], "Resource": f"arn:aws:s3:::{bucket}/{prefix}/.metadata"},
+        ],
+    }
+    iam.put_user_policy(UserName=user, PolicyName="metadata-only", PolicyDocument=json.dumps(policy))
+    opts = [
+        "--storage-option",
+        f"client_kwargs.endpoint_url={s3_server.endpoint}",
+        "--storage-option",
+        f"key={key['AccessKeyId']}",
+        "--storage-option",
+        f"secret={key['SecretAccessKey']}",
+    ]
+
+    def auth(count: str) -> None:  # moto enforces IAM from its `count`-th request on ("inf": never)
+        req = urllib.request.Request(
+            f"{s3_server.endpoint}/moto-api/reset-auth",
+            data=count.encode(),
+            method="POST",
+            headers={"Content-Type": "text/plain"},  # flask leaves a form-encoded body out of request.data
+        )
+        urllib.request.urlopen(req, timeout=30).close()
+
+    auth("0")
+    try:
+        deep = runner.invoke(app, [*opts, "validate", "--deep", "--json", url])
+        export = runner.invoke(app, [*opts, "export", url, f"s3://{bucket}/out-{uuid.uuid4().hex[:8]}"])
+        inspect = runner.invoke(app, [*opts, "inspect", url])
+    finally:
+        auth("inf")
+    assert deep.exit_code == 1, deep.output
+    doc = json.loads(deep.stdout)
+    assert doc["ok"] is False
+    by_rule = {f["code"]: f for f in doc["findings"]}
+    for rule in ("S010", "S011", "S013"):
+        assert by_rule[rule]["error_code"] == "E142", by_rule[rule]
+        assert "permission denied" in by_rule[rule]["message"]
+        assert by_rule[rule]["hint"].startswith("check the credentials"), by_rule[rule]
+    for r in (export, inspect):
+        assert r.exit_code == 2 and "Traceback" not in r.output
+        assert r.output.startswith(f"error: [E142] {url}/__0_0.distcp: permission denied"), r.output
+    assert not any(k.startswith("out-") for k in s3_server.keys(bucket))
+
+
+def _fake_keys() -> dict[str, str]:
+    return {"aws_access_key_id": s3fx.KEY_ID, "aws_secret_access_key": s3fx.SECRET}
 
 
 @pytest.mark.parametrize("url", ["zip://x::s3://b/y", "tar://x::file:///nonexistent", "dir://x/y"])
@@ -716,6 +800,35 @@ def test_an_object_cut_short_after_the_listing_is_a_data_file_error(sample_ckpt:
     # the read is pinned to the listed ETag: the shorter object is told as replaced (E300 either way)
     assert f"{url}/__0_0.distcp" in got.value.message and "changed while being read" in got.value.message
     assert "run again once it is finished" in got.value.hint
+    assert requests == 3  # the listing, .metadata, one range request: not retried
+
+
+def test_an_object_deleted_after_the_listing_is_a_data_file_error(sample_ckpt: Path, s3_server: Any) -> None:
+    """A listed object deleted before its bytes are read (a cleanup job, a save that rotates old steps): E300
+    naming the object, said to have changed while being read, not retried (was E141 'not found', hint 'check the
+    URL: its bucket and prefix', about a URL that was right); a chunk's range read and a whole-object read alike."""
+    from ckpttool.errors import DataFileError
+    from ckpttool.format.storage import RemoteStore
+    from ckpttool.model.checkpoint import open_checkpoint
+
+    url = upload(s3_server, sample_ckpt)
+    bucket, prefix = url[len("s3://") :].split("/", 1)
+    c = s3_server.client()
+    with storage_config(options=s3_server.options(), retries=3, backoff_s=5.0):
+        store = RemoteStore(url)
+        assert store.size("extra_state/extra_state_rank_0.pt")  # listed
+        with open_checkpoint(url) as ckpt:  # the listing and .metadata read
+            c.delete_object(Bucket=bucket, Key=f"{prefix}/__0_0.distcp")
+            c.delete_object(Bucket=bucket, Key=f"{prefix}/extra_state/extra_state_rank_0.pt")
+            with pytest.raises(DataFileError) as got:
+                ckpt.reader.read_tensor("model.lm_head.weight")
+            requests = ckpt.reader.remote.requests
+        with pytest.raises(DataFileError) as whole:
+            store.read_whole("extra_state/extra_state_rank_0.pt", 1 << 20)
+    for e, name in ((got.value, "__0_0.distcp"), (whole.value, "extra_state/extra_state_rank_0.pt")):
+        assert e.code == "E300" and e.message.startswith(f"{url}/{name}: "), e.message
+        assert "deleted since it was listed" in e.message and "changed while being read" in e.message
+        assert "run again once it is finished" in (e.hint or "")
     assert requests == 3  # the listing, .metadata, one range request: not retried
 
 

@@ -17,7 +17,14 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import cast
 
-from ckpttool.errors import ChecksumError, DataFileError, HyperparameterError, PathEscapeError, TrustRequiredError
+from ckpttool.errors import (
+    ChecksumError,
+    DataFileError,
+    HyperparameterError,
+    PathEscapeError,
+    RemoteStorageError,
+    TrustRequiredError,
+)
 from ckpttool.format.dcp_safetensors import DCP_SAFETENSORS
 from ckpttool.format.metadata import StorageInfo, TensorMeta
 from ckpttool.format.tiling import tiling_problem
@@ -268,8 +275,10 @@ def byte_item_unreadable(ctx: Context) -> Iterator[Finding]:
     for key, e in ctx.byte_item_errors.items():
         if isinstance(e, (DataFileError, PathEscapeError)):
             continue  # reported by S002/S003/S009
-        # --trust-pickle is the way only for an item weights_only refuses: a corrupt one it would not mend
-        hint = e.hint if isinstance(e, (TrustRequiredError, HyperparameterError)) else _DAMAGED_ITEM_HINT
+        # --trust-pickle is the way only for an item weights_only refuses: a corrupt one it would not mend; an item
+        # the store would not give (permissions, network: E140-E144) is not damaged, its error says what to do
+        own_hint = (TrustRequiredError, HyperparameterError, RemoteStorageError)
+        hint = e.hint if isinstance(e, own_hint) else _DAMAGED_ITEM_HINT
         yield r.make(key, e.message, hint, e.code)
 
 
@@ -305,7 +314,8 @@ def _read_errors(ctx: Context, code: str, *, checksum: bool) -> Iterator[Finding
     r = RULES[code]
     for key, e in ctx.deep_result.read_errors.items() if ctx.deep_result is not None else ():
         if isinstance(e, ChecksumError) == checksum:
-            yield r.make(key, e.message, None, e.code)
+            # a chunk the store would not give (permissions, network: E140-E144) is not damaged: its error's hint
+            yield r.make(key, e.message, e.hint if isinstance(e, RemoteStorageError) else None, e.code)
 
 
 @rule("S015")
