@@ -81,6 +81,16 @@ def is_distopt_bucket(key: str) -> bool:
     return _DISTOPT_BUCKET_RE.match(key) is not None
 
 
+#: a key of megatron's optimizer (a ``ChainedOptimizer``'s below its ``chained_N.`` prefix)
+_OPTIMIZER_KEY_RE = re.compile(r"^(?:chained_\d+\.)?optimizer\.")
+
+
+def is_optimizer_key(key: str) -> bool:
+    """Whether ``key`` is the optimizer's (state, or a ``dp_reshardable`` bucket): never a model tensor, also under
+    a chained optimizer's ``chained_N.`` prefix, which names no optimizer head."""
+    return _OPTIMIZER_KEY_RE.match(key) is not None
+
+
 def split_state_key(key: str) -> tuple[str, str] | None:
     """``(key of the parameter, field)`` of a state key ``[chained_N.]optimizer.state.<field>.<key>``, else ``None``.
 
@@ -397,6 +407,7 @@ SPEC = SchemaSpec(
     claims=_claims,
     priority=40,
     split_state_key=split_state_key,
+    optimizer_key=is_optimizer_key,
     files_read=(COMMON_FILE,),
     stacked_layers=(STACKED_PREFIX,),
     common_state_file=COMMON_FILE,
