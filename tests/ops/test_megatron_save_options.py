@@ -92,3 +92,22 @@ def test_chained_dp_reshardable_buckets_are_not_model_tensors() -> None:
     found = json.loads(res.stdout)["findings"]
     assert res.exit_code == 0 and sorted({f["code"] for f in found}) == ["K002"], found
     assert "9 tensor(s) outside the megatron key schema: 'chained_0.optimizer.distributed." in found[0]["message"]
+
+
+def test_unprefixed_chained_optimizer_groups_hold_the_expert_parameters() -> None:
+    """Megatron-LM's save metadata sets ``chained_optim_avoid_prefix``: a ``fully_reshardable`` DistributedOptimizer
+    of an MoE model (dense + expert ChainedOptimizer) saves its state without ``chained_N.``. Before: every parameter
+    was counted in the dense optimizer's groups (group 0: 7 parameters) and the expert optimizer's group was reported
+    with 0 parameters and 'no state (never stepped)'; now the expert parameters are its group's, as megatron's
+    ``get_megatron_optimizer`` chains them (dense first, then expert-parallel)."""
+    run = megatron_run("megatron-moe-distopt", "moe_ep2_distopt")
+    groups = json.loads(cli("inspect", str(run), "--json"))["optimizer"]["param_groups"]
+    assert [(g["params"], g["has_state"]) for g in groups] == [(5, True), (3, True), (2, True)], groups
+    assert sorted(groups[2]["example_params"]) == [
+        "decoder.layers.mlp.experts.experts.linear_fc1.weight",
+        "decoder.layers.mlp.experts.experts.linear_fc2.weight",
+    ]
+    doc = json.loads(cli("validate", str(run), "--strict", "--deep", "--json"))
+    assert doc["ok"] and doc["counts"]["warning"] == 0, doc["findings"]
+    doc = json.loads(cli("replay-step", str(run), "--device", "cpu", "--json"))
+    assert doc["ok"] and len(doc["params"]) == 10, doc
