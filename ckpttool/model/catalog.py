@@ -861,9 +861,8 @@ def build_catalog(
     # model tensors: the schema's test and the entries built column-wise (10^6 tensors)
     metas = list(entries.values())
     is_model = list(map(and_, map(is_, map(type, metas), repeat(TensorMeta)), sch.model_mask(entries, planner)))
-    split = _state_splitter(sch)
-    if split is not None:  # state keys of a schema with its own grammar are never model tensors
-        is_model = [m and split(k) is None for k, m in zip(entries, is_model)]
+    if (owned := _optimizer_owned(sch)) is not None:  # keys of a schema's own optimizer grammar are never the model's
+        is_model = [m and not owned(k) for k, m in zip(entries, is_model)]
     # a per-rank save: the rank of each file is the one its format read it as (not in DCP's file names)
     saved_by = getattr(getattr(cd, "assembled", None), "file_ranks", None)
     rank_of = saved_by.get if saved_by else None
@@ -1089,6 +1088,19 @@ def _state_splitter(sch: KeySchema) -> Any:
     """The schema's own state-key splitter (:attr:`SchemaSpec.split_state_key`), or ``None``."""
     spec = registry.find(sch.id)
     return spec.split_state_key if spec is not None else None
+
+
+def _optimizer_owned(sch: KeySchema) -> Callable[[str], bool] | None:
+    """Whether a key is the optimizer's by the schema's own grammar: a state key (:attr:`SchemaSpec.split_state_key`),
+    or another key of its optimizer (:attr:`SchemaSpec.optimizer_key`); ``None`` without such a grammar."""
+    spec = registry.find(sch.id)
+    split = spec.split_state_key if spec is not None else None
+    if split is None:
+        return None
+    own = spec.optimizer_key if spec is not None else None
+    if own is None:
+        return lambda key: split(key) is not None
+    return lambda key: split(key) is not None or own(key)
 
 
 def leaf_key(group: ParamGroup) -> str:

@@ -119,12 +119,15 @@ class HFTensor(_Placement):
             (Megatron's stacked layers, fused ``linear_qkv``): the HF tensors ``(key, shape)`` and
             ``(src, length, piece, dst)`` element runs (flat C order); ``()``: none.
         fused_experts: those pieces are fused expert tensors ``[E, ...]`` (no per-expert split).
+        shared: the source writes only its runs of those pieces; other sources write the rest (one expert of
+            a fused tensor).
     """
 
     per_expert: str | None = None
     pieces: tuple[tuple[str, tuple[int, ...]], ...] = ()
     runs: tuple[tuple[int, int, int, int], ...] = ()
     fused_experts: bool = False
+    shared: bool = False
 
 
 @dataclass(frozen=True)

@@ -60,10 +60,49 @@ _TOP = {
 }
 
 
-def _layers(fqn: str, shape: tuple[int, ...], pieces: list[tuple[str, tuple[int, ...], int, int]]) -> HFTensor:
+#: a per-layer key ``decoder.layers.<i>.<suffix>`` (megatron-core's ``non_homogeneous_layers``, and every layer when
+#: saved with ``singleton_local_shards``)
+_ONE_LAYER = re.compile(r"(?P<layer>\d+)\.(?P<rest>.+)")
+#: ``singleton_local_shards``: expert ``j`` of a layer its own key, its gated ``linear_fc1`` in two (``_w`` gate, ``_v`` up)
+_ONE_EXPERT = re.compile(r"mlp\.experts\.experts\.(?P<j>\d+)\.(?P<name>linear_fc1\.weight_[wv]|linear_fc2\.weight)")
+#: ``singleton_local_shards``: a dense gated ``linear_fc1`` saved as its two halves
+_SPLIT_FC1 = {"mlp.linear_fc1.weight_w": "mlp.gate_proj.weight", "mlp.linear_fc1.weight_v": "mlp.up_proj.weight"}
+
+
+def _one_expert(fqn: str, shape: tuple[int, ...], cfg: AdapterConfig, layer: int, j: int, name: str) -> HFTensor:
+    """Expert ``j`` of ``layer`` saved as its own key (``[I, H]`` gate or up half, ``[H, I]`` down) -> its slot of
+    Mixtral's fused ``experts.gate_up_proj [E, 2I, H]`` / ``experts.down_proj [E, H, I]``, written in part.
+
+    Raises:
+        ExportError: the config names no expert count, or ``j`` is not below it.
+    """
+    e = cfg.num_experts
+    if e is None or j >= e or len(shape) != 2:
+        raise ExportError(
+            f"{fqn}: expert {j} of shape {list(shape)} needs the config's expert count (`num_local_experts`) above {j}",
+            fqn=fqn,
+            hint=CONFIG_HINT,
+        )
+    a, b = shape
+    slab = a * b
+    if name == "linear_fc2.weight":
+        key, full, dst = _HF.format(l=layer) + "mlp.experts.down_proj", (e, a, b), j * slab
+    else:
+        key, full, dst = (
+            _HF.format(l=layer) + "mlp.experts.gate_up_proj",
+            (e, 2 * a, b),
+            (2 * j + name.endswith("_v")) * slab,
+        )
+    return HFTensor(key, full, pieces=((key, full),), runs=((0, slab, 0, dst),), fused_experts=True, shared=True)
+
+
+def _layers(
+    fqn: str, shape: tuple[int, ...], pieces: list[tuple[str, tuple[int, ...], int, int]], first: int = 0
+) -> HFTensor:
     """An :class:`HFTensor` whose pieces are ``(key, shape, src row of layer 0, rows)`` blocks of every layer.
 
-    ``shape`` is ``[L, R, ...]``; each piece takes ``rows`` rows of dim 1 starting at its offset, in every layer.
+    ``shape`` is ``[L, R, ...]``; each piece takes ``rows`` rows of dim 1 starting at its offset, in every layer;
+    ``first``: the model layer of the tensor's layer 0 (a per-layer key is one layer).
     """
     n_layers, rows = shape[0], shape[1] if len(shape) > 1 else 1
     row = math.prod(shape[2:]) if len(shape) > 2 else 1
@@ -73,7 +112,7 @@ def _layers(fqn: str, shape: tuple[int, ...], pieces: list[tuple[str, tuple[int,
         base = layer * rows * row
         for key, pshape, start, n in pieces:
             runs.append((base + start * row, n * row, len(out_pieces), 0))
-            out_pieces.append((key.format(l=layer), pshape))
+            out_pieces.append((key.format(l=first + layer), pshape))
     return HFTensor(out_pieces[0][0], out_pieces[0][1], pieces=tuple(out_pieces), runs=tuple(runs))
 
 
@@ -93,7 +132,7 @@ def _heads(cfg: AdapterConfig, fqn: str, task: str, source: str, hint: str) -> t
     return nq, nkv, hd
 
 
-def _qkv(fqn: str, shape: tuple[int, ...], cfg: AdapterConfig) -> HFTensor:
+def _qkv(fqn: str, shape: tuple[int, ...], cfg: AdapterConfig, first: int = 0) -> HFTensor:
     nq, nkv, hd = _heads(cfg, fqn, "splitting linear_qkv", "the model's config.json", CONFIG_HINT)
     per = nq // nkv
     bias = fqn.endswith(".bias")
@@ -111,7 +150,7 @@ def _qkv(fqn: str, shape: tuple[int, ...], cfg: AdapterConfig) -> HFTensor:
         q, k, v = len(out_pieces), len(out_pieces) + 1, len(out_pieces) + 2
         for name, n in (("q_proj", nq), ("k_proj", nkv), ("v_proj", nkv)):
             pshape = (n * hd,) if bias else (n * hd, hidden)
-            out_pieces.append((f"{_HF.format(l=layer)}self_attn.{name}.{'bias' if bias else 'weight'}", pshape))
+            out_pieces.append((f"{_HF.format(l=first + layer)}self_attn.{name}.{'bias' if bias else 'weight'}", pshape))
         for g in range(nkv):
             src = (layer * rows + g * (per + 2) * hd) * hidden
             runs.append((src, per * hd * hidden, q, g * per * hd * hidden))
@@ -134,7 +173,11 @@ class MegatronGPT(ModelAdapter):
     @staticmethod
     def _suffix(fqn: str) -> str | None:
         rest = fqn[len("decoder.layers.") :]
-        if rest in _PER_LAYER or rest in (_QKV, _QKV_BIAS, "mlp.linear_fc1.weight"):
+        m = _ONE_LAYER.fullmatch(rest)
+        sub = m["rest"] if m else rest
+        if sub in _PER_LAYER or sub in (_QKV, _QKV_BIAS, "mlp.linear_fc1.weight"):
+            return rest
+        if m and (_ONE_EXPERT.fullmatch(sub) or sub in _SPLIT_FC1):
             return rest
         return None
 
@@ -152,8 +195,22 @@ class MegatronGPT(ModelAdapter):
         rest = self._suffix(fqn)
         if rest is None:
             return None
+        return self._stacked(fqn, rest, shape, cfg)
+
+    def _stacked(self, fqn: str, rest: str, shape: tuple[int, ...], cfg: AdapterConfig, first: int = 0) -> HFTensor:
+        """The HF tensors of ``decoder.layers.<rest>``: stacked ``[L, ...]`` from layer ``first``; a per-layer key
+        ``<i>.<suffix>`` (megatron's non-homogeneous layers) as layer ``i`` of a stack of one."""
+        one = _ONE_LAYER.fullmatch(rest)
+        if one is not None:
+            layer, sub = int(one["layer"]), one["rest"]
+            if sub in _SPLIT_FC1:
+                return HFTensor(_HF.format(l=layer) + _SPLIT_FC1[sub], shape)
+            expert = _ONE_EXPERT.fullmatch(sub)
+            if expert is not None:
+                return _one_expert(fqn, shape, cfg, layer, int(expert["j"]), expert["name"])
+            return self._stacked(fqn, sub, (1, *shape), cfg, layer)
         if rest in (_QKV, _QKV_BIAS):
-            return _qkv(fqn, shape, cfg)
+            return _qkv(fqn, shape, cfg, first)
         per_layer = shape[1:]
         if rest == "mlp.linear_fc1.weight":
             if len(shape) != 3 or shape[1] % 2:
@@ -170,8 +227,9 @@ class MegatronGPT(ModelAdapter):
                     (_HF + "mlp.gate_proj.weight", (i, shape[2]), 0, i),
                     (_HF + "mlp.up_proj.weight", (i, shape[2]), i, i),
                 ],
+                first,
             )
-        hf = _layers(fqn, shape, [(_PER_LAYER[rest], per_layer, 0, shape[1] if len(shape) > 1 else 1)])
+        hf = _layers(fqn, shape, [(_PER_LAYER[rest], per_layer, 0, shape[1] if len(shape) > 1 else 1)], first)
         if ".experts.experts." in fqn:
             hf = dataclasses.replace(hf, fused_experts=True)
         return hf

@@ -244,6 +244,8 @@ class SchemaSpec:
         split_state_key: for a schema whose optimizer keys are not ``<prefix>state.<fqn>.<field>``
             (Megatron-core: ``[chained_N.]optimizer.state.<field>.<key>``): key -> ``(fqn, field)``
             of an optimizer state key, ``None`` for any other key.
+        optimizer_key: whether a key belongs to the optimizer though :attr:`split_state_key` maps it to no
+            parameter (Megatron-core's ``chained_N.optimizer.distributed.*`` buckets): never a model tensor.
         files_read: files of the checkpoint folder besides the data files that the schema reads (Megatron's
             ``common.pt``: its param groups and step): never named as training state not read.
         scheduler_per_step: its trainer steps the LR scheduler once per optimizer step, so a saved
@@ -331,6 +333,7 @@ class SchemaSpec:
     discovery: Discovery = Discovery()
     import_help: str | None = None
     split_state_key: Callable[[str], tuple[str, str] | None] | None = None
+    optimizer_key: Callable[[str], bool] | None = None
     files_read: tuple[str, ...] = ()
     scheduler_per_step: bool = True
     lr_set_before_step: str = ""

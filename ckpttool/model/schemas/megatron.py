@@ -81,6 +81,16 @@ def is_distopt_bucket(key: str) -> bool:
     return _DISTOPT_BUCKET_RE.match(key) is not None
 
 
+#: a key of megatron's optimizer (a ``ChainedOptimizer``'s below its ``chained_N.`` prefix)
+_OPTIMIZER_KEY_RE = re.compile(r"^(?:chained_\d+\.)?optimizer\.")
+
+
+def is_optimizer_key(key: str) -> bool:
+    """Whether ``key`` is the optimizer's (state, or a ``dp_reshardable`` bucket): never a model tensor, also under
+    a chained optimizer's ``chained_N.`` prefix, which names no optimizer head."""
+    return _OPTIMIZER_KEY_RE.match(key) is not None
+
+
 def split_state_key(key: str) -> tuple[str, str] | None:
     """``(key of the parameter, field)`` of a state key ``[chained_N.]optimizer.state.<field>.<key>``, else ``None``.
 
@@ -92,10 +102,16 @@ def split_state_key(key: str) -> tuple[str, str] | None:
     return m.group(3), FIELD_NAMES.get(m.group(2), m.group(2))
 
 
-def chain_of(state_key: str) -> int:
-    """The chained-optimizer index of a state key (``0`` without a ``chained_N.`` prefix)."""
+def chain_of(state_key: str, chains: int = 1) -> int:
+    """The chained-optimizer index of a state key: its ``chained_N.`` prefix. Without one (Megatron-LM's
+    ``chained_optim_avoid_prefix``) of ``chains`` 2, megatron's order (``get_megatron_optimizer``: the dense
+    parameters' optimizer, then the expert-parallel ones', ``mlp.experts.``); else ``0``."""
     m = _STATE_RE.match(state_key)
-    return int(m.group(1)) if m is not None and m.group(1) is not None else 0
+    if m is None:
+        return 0
+    if m.group(1) is not None:
+        return int(m.group(1))
+    return int(chains == 2 and ".experts." in f".{m.group(3)}")
 
 
 def per_layer_shape(fqn: str, shape: tuple[int, ...]) -> tuple[int, ...]:
@@ -314,7 +330,7 @@ def assign_groups(
         standard = len(groups) in (1, 2) and len(set(mults)) == len(mults) and set(mults) <= {0.0, 1.0}
         if standard:
             for fqn, (key, shape) in params.items():
-                if chain_of(key) != chain:
+                if chain_of(key, len(common.groups)) != chain:
                     continue
                 want = 0.0 if no_weight_decay(fqn, shape) else 1.0
                 if want in mults:
@@ -333,7 +349,7 @@ def shared_step_params(common: CommonState, params: Mapping[str, tuple[str, tupl
     whichever group (megatron-core's load puts it in each parameter's state, ``_restore_common_per_param_step``),
     also where :func:`assign_groups` leaves the groups without members."""
     n = len(common.common_step)
-    return [f for f, (key, _) in params.items() if (c := chain_of(key)) < n and common.common_step[c] is not None]
+    return [f for f, (key, _) in params.items() if (c := chain_of(key, n)) < n and common.common_step[c] is not None]
 
 
 def common_steps_problems(common: CommonState) -> Iterator[tuple[str, str]]:
@@ -397,6 +413,7 @@ SPEC = SchemaSpec(
     claims=_claims,
     priority=40,
     split_state_key=split_state_key,
+    optimizer_key=is_optimizer_key,
     files_read=(COMMON_FILE,),
     stacked_layers=(STACKED_PREFIX,),
     common_state_file=COMMON_FILE,

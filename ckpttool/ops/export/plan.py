@@ -792,7 +792,7 @@ def adapter_pieces(
                 fqn=s.model_key,
                 hint="export with `experts` fused",
             )
-        return tuple(Piece(k, sh, dtype) for k, sh in hf.pieces), tuple(Run(*r) for r in hf.runs)
+        return tuple(Piece(k, sh, dtype, shared=hf.shared) for k, sh in hf.pieces), tuple(Run(*r) for r in hf.runs)
     if hf.rope_heads is not None:
         rows, cols = shape
         dst = rope_to_hf_rows(hf.rope_heads, rows // hf.rope_heads)

@@ -9,6 +9,7 @@ warnings once the walk is done. The output formats (:mod:`ckpttool.ops.export.fo
 
 from __future__ import annotations
 
+import math
 import re
 from typing import Any, Protocol
 
@@ -379,7 +380,7 @@ def _check_unique(selected: list[Selected]) -> None:
         return  # every output key unique, no fused parts: nothing below raises
     seen: dict[str, str] = {}
     for s in selected:
-        ident = s.out_key if s.hf is None or s.hf.nparts == 1 else f"{s.out_key} (part {s.hf.part})"
+        ident = _ident(s)
         if ident in seen:
             wrapped = strip_wrapper_segments(seen[ident])[0] == strip_wrapper_segments(s.model_key)[0]
             raise ExportError(
@@ -405,4 +406,35 @@ def _check_unique(selected: list[Selected]) -> None:
                 f"{key}: fused from {n} source tensors but only {have} is exported (parts {sorted(parts)} of {n})",
                 fqn=have,
                 hint="export every part (check `filter_glob`), or use `experts` per-expert",
+            )
+    _check_shared_complete(selected)
+
+
+def _ident(s: Selected) -> str:
+    """The output a source writes: its key, with the part of a fused tensor (or the elements of a shared piece)."""
+    if s.hf is not None and s.hf.shared:
+        return f"{s.out_key} (elements from {s.hf.runs[0][3]})"
+    return s.out_key if s.hf is None or s.hf.nparts == 1 else f"{s.out_key} (part {s.hf.part})"
+
+
+def _check_shared_complete(selected: list[Selected]) -> None:
+    """Refuse a tensor written in parts by several sources (an adapter's ``shared`` pieces) whose parts do not fill it.
+
+    Raises:
+        ExportError: a shared tensor some of whose elements no exported source writes.
+    """
+    written: dict[str, list[tuple[str, HFTensor]]] = {}
+    for s in selected:
+        if s.hf is not None and s.hf.shared:
+            written.setdefault(s.hf.pieces[0][0], []).append((s.model_key, s.hf))
+    for key, sources in written.items():
+        numel = math.prod(sources[0][1].pieces[0][1])
+        have = sum(r[1] for _, hf in sources for r in hf.runs)
+        if have != numel:
+            first = sources[0][0]
+            raise ExportError(
+                f"{key}: written in parts by {len(sources)} source tensors (e.g. {first}), which fill "
+                f"{have} of its {numel} elements",
+                fqn=first,
+                hint="export every part (check `filter_glob`); the checkpoint may lack a part (`ckpttool validate`)",
             )
