@@ -44,7 +44,7 @@ from ckpttool.layouts.record import LAYOUT_KEY
 from ckpttool.model.hfconfig import tie_word_embeddings
 from ckpttool.ops import distributed
 from ckpttool.ops.fields import ProgressFn
-from ckpttool.ops.validate.stats import UNINIT_BOUND, DeepResult, PairStats, TensorStats
+from ckpttool.ops.validate.stats import UNINIT_BOUND, DeepResult, PairStats, TensorStats, second_moment
 
 if TYPE_CHECKING:
     import torch
@@ -393,7 +393,7 @@ def _stream_item(
         for k, d, raw, item, dg in zip(keys, dtypes, raws, items, digs):
             if dg is not None and dg.seg:
                 dg.add(raw, e0, item)
-            st = _summarise_np(k, raw, d, k.endswith(".exp_avg_sq"), _is_step(k) and e0 == 0, k in ctx.cat.model)
+            st = _summarise_np(k, raw, d, second_moment(k), _is_step(k) and e0 == 0, k in ctx.cat.model)
             assert st is not None
             stats[k].add(st)
             finite.append(st.nonfinite == 0)
@@ -451,7 +451,7 @@ def _scanned(
         if p.kind == "moments" and "float16" in (dtypes[ia], dtypes[ib]):
             return None
         kernels.append(PairKernel("ratio" if p.kind == "moments" else "equal", ia, ib))
-    folds = tuple(_DEEP[k.endswith(".exp_avg_sq"), k in ctx.cat.model] for k in keys)
+    folds = tuple(_DEEP[second_moment(k), k in ctx.cat.model] for k in keys)
 
     def exact(raws: list[Any], e0: int, which: int) -> None:
         for j, p in enumerate(pairs):
@@ -869,9 +869,7 @@ class _DeepRun:
             self._fail(it, e)
             return
         local = {
-            k: _summarise(
-                k, t, self.metas[k].dtype.name, k.endswith(".exp_avg_sq"), _is_step(k), k in self.ctx.cat.model
-            )
+            k: _summarise(k, t, self.metas[k].dtype.name, second_moment(k), _is_step(k), k in self.ctx.cat.model)
             for k, t in tensors.items()
         }
         with self.lock:

@@ -328,3 +328,33 @@ def test_rmsprop_state_lacking_a_field_its_group_needs_is_O001(tmp_path: Path, f
     resumed.load_state_dict(saved)
     with pytest.raises(KeyError, match=field):
         resumed.step()
+
+
+def test_a_negative_amsgrad_max_exp_avg_sq_is_D002(tmp_path: Path) -> None:
+    """``max_exp_avg_sq`` is the running maximum of ``exp_avg_sq`` (a mean of squares): a negative value is no
+    state Adam's amsgrad makes. D002 read ``exp_avg_sq`` only, and the save passed ``--strict --deep``."""
+
+    def negate(state: dict[str, Any]) -> None:
+        state["0.weight"]["max_exp_avg_sq"] = -state["0.weight"]["max_exp_avg_sq"]
+
+    _save(tmp_path / "ck", "AdamW-amsgrad", change=negate)
+    rc, findings = _validate(tmp_path / "ck")
+    assert rc == 1 and [(f["code"], f["key"]) for f in findings] == [
+        ("D002", "optimizer.state.0.weight.max_exp_avg_sq")
+    ]
+    assert "32 of 32 values are negative" in findings[0]["message"], findings
+
+
+def test_a_zeroed_amsgrad_max_exp_avg_sq_is_D006(tmp_path: Path) -> None:
+    """``max_exp_avg_sq`` all zero beside a non-zero ``exp_avg`` (a resume that made the amsgrad maximum afresh):
+    the maximum of ``exp_avg_sq`` is non-zero wherever ``exp_avg`` is. It passed ``--strict --deep``."""
+
+    def zero(state: dict[str, Any]) -> None:
+        state["0.weight"]["max_exp_avg_sq"] = torch.zeros_like(state["0.weight"]["max_exp_avg_sq"])
+
+    _save(tmp_path / "ck", "AdamW-amsgrad", change=zero)
+    rc, findings = _validate(tmp_path / "ck")
+    assert rc == 1 and [(f["code"], f["key"]) for f in findings] == [
+        ("D006", "optimizer.state.0.weight.max_exp_avg_sq")
+    ]
+    assert "the whole tensor is 0" in findings[0]["message"], findings
