@@ -222,7 +222,8 @@ def zero_exp_avg_sq(ctx: Context) -> Iterator[tuple[str, str]]:
 
 def _zero_amsgrad_maximum(ctx: Context) -> Iterator[tuple[str, str]]:
     """``D006`` of amsgrad's ``max_exp_avg_sq``, the running maximum of ``exp_avg_sq``: all zero beside an
-    ``exp_avg`` that is not (whole tensors, from the deep pass's per-tensor summaries)."""
+    ``exp_avg`` that is not (whole tensors, from the deep pass's per-tensor summaries); an FP16 one beside an
+    ``exp_avg_sq`` all zero too may have underflowed, and the ``exp_avg``/``exp_avg_sq`` pair judges it."""
     assert ctx.deep_result is not None
     stats = ctx.deep_result.stats
     for ps in ctx.cat.optimizer_state.values():
@@ -230,6 +231,10 @@ def _zero_amsgrad_maximum(ctx: Context) -> Iterator[tuple[str, str]]:
         if not isinstance(m, TensorEntry) or not isinstance(mx, TensorEntry):
             continue
         sm, smx = stats.get(m.key), stats.get(mx.key)
+        v = ps.fields.get("exp_avg_sq")
+        sv = stats.get(v.key) if isinstance(v, TensorEntry) else None
+        if smx is not None and smx.dtype == "float16" and (sv is None or sv.zero):  # FP16 underflow: D006's pair
+            continue
         if sm is not None and smx is not None and smx.zero and sm.zero is False and smx.numel:
             yield mx.key, f"{mx.key}: all {smx.numel} values are 0 where {m.key} is not (the whole tensor is 0)"
 
