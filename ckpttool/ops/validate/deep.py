@@ -44,7 +44,7 @@ from ckpttool.layouts.record import LAYOUT_KEY
 from ckpttool.model.hfconfig import tie_word_embeddings
 from ckpttool.ops import distributed
 from ckpttool.ops.fields import ProgressFn
-from ckpttool.ops.validate.stats import UNINIT_BOUND, DeepResult, PairStats, TensorStats
+from ckpttool.ops.validate.stats import UNINIT_BOUND, DeepResult, PairStats, TensorStats, second_moment
 
 if TYPE_CHECKING:
     import torch
@@ -55,6 +55,12 @@ __all__ = ["SUBNORMAL_DTYPES", "SUBNORMAL_STRIDE", "TensorStats", "PairStats", "
 
 _AMINMAX_DTYPES = {"bfloat16", "float16", "float32", "float64"}
 _MOMENT_DTYPES = ("bfloat16", "float16", "float32", "float64")
+#: The smallest normal FP16 value: a second moment below it is subnormal, rounded to a multiple of 2**-24.
+FP16_NORMAL = 2.0**-14
+#: The largest ``|exp_avg|`` beside an FP16 ``exp_avg_sq`` that underflowed to 0: every ``(1 - beta2) * g**2`` was
+#: below 2**-25 (half the smallest subnormal), so ``|exp_avg| <= max |g| < sqrt(2**-25 / (1 - beta2))``, here
+#: for ``beta2`` up to 0.9999.
+FP16_UNDERFLOW_EXP_AVG = math.sqrt(2.0**-25 / 1e-4)
 #: The dtype of a complex tensor's real and imaginary parts (``torch.view_as_real``).
 _COMPLEX_PARTS = {"complex32": "float16", "complex64": "float32", "complex128": "float64"}
 
@@ -119,9 +125,10 @@ def _compare(pair: PairStats, a: torch.Tensor, b: torch.Tensor) -> None:
     if a.numel() == 0:
         return
     if pair.kind == "moments":
+        fp16 = b.dtype == torch.float16
         m, v = a.reshape(-1).double(), b.reshape(-1).double()
-        pair.mismatched += int(((v == 0) & (m != 0)).sum())
-        pos = v > 0
+        pair.mismatched += int(((v == 0) & ~(m.abs() < (FP16_UNDERFLOW_EXP_AVG if fp16 else 0.0))).sum())
+        pos = v >= FP16_NORMAL if fp16 else v > 0
         if bool(pos.any()):
             r = float(torch.nan_to_num(m[pos].abs() / v[pos].sqrt(), nan=0.0).max())
             pair.max_diff = max(pair.max_diff, r)
@@ -299,6 +306,9 @@ def _moments_np(count: _PairCount, m: Any, v: Any) -> None:
     n = m.size
     if n == 0:
         return
+    if v.dtype == np.float16:
+        _moments_fp16(count, m, v)
+        return
     wide = np.float64 if np.float64 in (m.dtype, v.dtype) else np.float32
     sub = min(n, _MOMENT_SUB)
     r = _scratch.get(f"ratio_{np.dtype(wide).name}", np.dtype(wide).name, sub)
@@ -327,6 +337,22 @@ def _moments_np(count: _PairCount, m: Any, v: Any) -> None:
         top = float(np.fmax.reduce(r))
     if top == top and top > 0:
         count.max_diff = max(count.max_diff, math.sqrt(top))
+
+
+def _moments_fp16(count: _PairCount, m: Any, v: Any) -> None:
+    """:func:`_moments_np` of an FP16 ``exp_avg_sq``, whose small values underflow: a 0 counts only beside an
+    ``|exp_avg|`` of :data:`FP16_UNDERFLOW_EXP_AVG` or more, and the ratio is taken where ``v`` is a normal number
+    (a subnormal one is rounded by up to half its value)."""
+    import numpy as np
+
+    mw, vw = m.astype(np.float32), v.astype(np.float32)
+    with np.errstate(invalid="ignore"):
+        count.mismatched += int(np.count_nonzero((vw == 0) & ~(np.abs(mw) < FP16_UNDERFLOW_EXP_AVG)))
+        normal = vw >= FP16_NORMAL
+        if normal.any():
+            top = float(np.fmax.reduce(np.abs(mw[normal]) / np.sqrt(vw[normal])))
+            if top == top and top > 0:
+                count.max_diff = max(count.max_diff, top)
 
 
 _NP_PAIRS = {("bfloat16", "float32"), ("float16", "float32")}
@@ -393,7 +419,7 @@ def _stream_item(
         for k, d, raw, item, dg in zip(keys, dtypes, raws, items, digs):
             if dg is not None and dg.seg:
                 dg.add(raw, e0, item)
-            st = _summarise_np(k, raw, d, k.endswith(".exp_avg_sq"), _is_step(k) and e0 == 0, k in ctx.cat.model)
+            st = _summarise_np(k, raw, d, second_moment(k), _is_step(k) and e0 == 0, k in ctx.cat.model)
             assert st is not None
             stats[k].add(st)
             finite.append(st.nonfinite == 0)
@@ -451,7 +477,7 @@ def _scanned(
         if p.kind == "moments" and "float16" in (dtypes[ia], dtypes[ib]):
             return None
         kernels.append(PairKernel("ratio" if p.kind == "moments" else "equal", ia, ib))
-    folds = tuple(_DEEP[k.endswith(".exp_avg_sq"), k in ctx.cat.model] for k in keys)
+    folds = tuple(_DEEP[second_moment(k), k in ctx.cat.model] for k in keys)
 
     def exact(raws: list[Any], e0: int, which: int) -> None:
         for j, p in enumerate(pairs):
@@ -869,9 +895,7 @@ class _DeepRun:
             self._fail(it, e)
             return
         local = {
-            k: _summarise(
-                k, t, self.metas[k].dtype.name, k.endswith(".exp_avg_sq"), _is_step(k), k in self.ctx.cat.model
-            )
+            k: _summarise(k, t, self.metas[k].dtype.name, second_moment(k), _is_step(k), k in self.ctx.cat.model)
             for k, t in tensors.items()
         }
         with self.lock:

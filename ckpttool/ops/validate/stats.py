@@ -12,10 +12,16 @@ from typing import Any
 
 from ckpttool.errors import CkptError
 
-__all__ = ["UNINIT_BOUND", "DeepResult", "PairStats", "TensorStats", "expert_count", "expert_grid"]
+__all__ = ["UNINIT_BOUND", "DeepResult", "PairStats", "TensorStats", "expert_count", "expert_grid", "second_moment"]
 
 #: ``|x|`` beyond which a model value looks uninitialised (``D013``; why this bound: docs/rules.md).
 UNINIT_BOUND = 1e4
+
+
+def second_moment(key: str) -> bool:
+    """``key`` is a running mean of squared gradients (``exp_avg_sq``) or amsgrad's running maximum of it
+    (``max_exp_avg_sq``): never negative (``D002``)."""
+    return key.endswith((".exp_avg_sq", ".max_exp_avg_sq"))
 
 
 def expert_count(key: str, size: tuple[int, ...]) -> int:

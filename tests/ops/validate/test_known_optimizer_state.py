@@ -328,3 +328,79 @@ def test_rmsprop_state_lacking_a_field_its_group_needs_is_O001(tmp_path: Path, f
     resumed.load_state_dict(saved)
     with pytest.raises(KeyError, match=field):
         resumed.step()
+
+
+def test_a_negative_amsgrad_max_exp_avg_sq_is_D002(tmp_path: Path) -> None:
+    """``max_exp_avg_sq`` is the running maximum of ``exp_avg_sq`` (a mean of squares): a negative value is no
+    state Adam's amsgrad makes. D002 read ``exp_avg_sq`` only, and the save passed ``--strict --deep``."""
+
+    def negate(state: dict[str, Any]) -> None:
+        state["0.weight"]["max_exp_avg_sq"] = -state["0.weight"]["max_exp_avg_sq"]
+
+    _save(tmp_path / "ck", "AdamW-amsgrad", change=negate)
+    rc, findings = _validate(tmp_path / "ck")
+    assert rc == 1 and [(f["code"], f["key"]) for f in findings] == [
+        ("D002", "optimizer.state.0.weight.max_exp_avg_sq")
+    ]
+    assert "32 of 32 values are negative" in findings[0]["message"], findings
+
+
+def test_a_zeroed_amsgrad_max_exp_avg_sq_is_D006(tmp_path: Path) -> None:
+    """``max_exp_avg_sq`` all zero beside a non-zero ``exp_avg`` (a resume that made the amsgrad maximum afresh):
+    the maximum of ``exp_avg_sq`` is non-zero wherever ``exp_avg`` is. It passed ``--strict --deep``."""
+
+    def zero(state: dict[str, Any]) -> None:
+        state["0.weight"]["max_exp_avg_sq"] = torch.zeros_like(state["0.weight"]["max_exp_avg_sq"])
+
+    _save(tmp_path / "ck", "AdamW-amsgrad", change=zero)
+    rc, findings = _validate(tmp_path / "ck")
+    assert rc == 1 and [(f["code"], f["key"]) for f in findings] == [
+        ("D006", "optimizer.state.0.weight.max_exp_avg_sq")
+    ]
+    assert "the whole tensor is 0" in findings[0]["message"], findings
+
+
+def _fp16_adamw_save(out: Path, change: Callable[[dict[str, Any]], None] | None = None) -> None:
+    """The tiny dense LM in FP16 stepped three times by ``torch.optim.AdamW`` (its moments FP16 too)."""
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    from tests.fixtures.builders import DENSE, dense_model, save_quiet
+
+    torch.manual_seed(1)
+    model = dense_model(torch.float16)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, eps=1e-4)
+    gen = torch.Generator().manual_seed(2)
+    for _ in range(3):
+        opt.zero_grad()
+        model.loss(torch.randint(0, DENSE["vocab"], (2, 8), generator=gen)).backward()
+        opt.step()
+    state = opt.state_dict()["state"]
+    assert any(bool(((s["exp_avg_sq"] == 0) & (s["exp_avg"] != 0)).any()) for s in state.values())  # underflow
+    msd, osd = get_state_dict(model, opt)
+    if change is not None:
+        change(osd["state"])
+    save_quiet({"model": msd, "optimizer": osd}, out)
+
+
+def test_fp16_adamw_moments_whose_exp_avg_sq_underflowed_pass_strict(tmp_path: Path) -> None:
+    """FP16 AdamW state: ``(1 - beta2) * g**2`` of a small gradient underflows FP16 (below 2**-25) while
+    ``(1 - beta1) * g`` does not, and subnormal second moments are rounded far from their value. torch's own
+    save was 20 D006 errors ("values are 0 where exp_avg is not") and 11 D007 warnings."""
+    _fp16_adamw_save(tmp_path / "ck")
+    rc, findings = _validate(tmp_path / "ck")
+    assert rc == 0 and [f for f in findings if f["code"] != "M009"] == [], findings
+
+
+def test_fp16_adamw_exp_avg_sq_zeroed_is_still_D006(tmp_path: Path) -> None:
+    """A zeroed FP16 ``exp_avg_sq`` beside ``exp_avg`` values larger than any an underflowed one leaves."""
+
+    def zero(state: dict[str, Any]) -> None:
+        s = state["lm_head.weight"]
+        assert float(s["exp_avg"].abs().max()) > 0.0173  # FP16_UNDERFLOW_EXP_AVG
+        s["exp_avg_sq"] = torch.zeros_like(s["exp_avg_sq"])
+
+    _fp16_adamw_save(tmp_path / "ck", change=zero)
+    rc, findings = _validate(tmp_path / "ck")
+    assert rc == 1 and [(f["code"], f["key"]) for f in findings if f["code"] != "M009"] == [
+        ("D006", "optimizer.state.lm_head.weight.exp_avg_sq")
+    ], findings

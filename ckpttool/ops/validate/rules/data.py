@@ -14,7 +14,7 @@ from ckpttool.ops.state_checks import MOMENTS, exp_avg_lost, synthesized
 from ckpttool.ops.state_checks import step_not_count as why_not_count
 from ckpttool.ops.validate.base import rule
 from ckpttool.ops.validate.context import Context
-from ckpttool.ops.validate.stats import PairStats, TensorStats
+from ckpttool.ops.validate.stats import PairStats, TensorStats, second_moment
 from ckpttool.optim_state.bounds import adam_ratio_bound, beta1_span
 
 
@@ -72,7 +72,7 @@ _MASK_READ_BYTES = 1 << 28
 def negative_exp_avg_sq(ctx: Context) -> Iterator[tuple[str, str]]:
     assert ctx.deep_result is not None
     for key, st in ctx.deep_result.stats.items():
-        if key.endswith(".exp_avg_sq") and st.negative and not is_distopt_bucket(key):  # padding: any bits (K002)
+        if second_moment(key) and st.negative and not is_distopt_bucket(key):  # padding: any bits (K002)
             yield key, f"{key}: {st.negative} {st.of_values()} are negative (min {st.min:.4g})"
 
 
@@ -217,6 +217,26 @@ def zero_exp_avg_sq(ctx: Context) -> Iterator[tuple[str, str]]:
         st = ctx.deep_result.stats.get(p.b) if ctx.deep_result is not None else None
         whole = " (the whole tensor is 0)" if st is not None and st.zero else ""
         yield p.b, f"{p.b}: {p.mismatched} of {p.numel} values are 0 where {p.a} is not{whole}"
+    yield from _zero_amsgrad_maximum(ctx)
+
+
+def _zero_amsgrad_maximum(ctx: Context) -> Iterator[tuple[str, str]]:
+    """``D006`` of amsgrad's ``max_exp_avg_sq``, the running maximum of ``exp_avg_sq``: all zero beside an
+    ``exp_avg`` that is not (whole tensors, from the deep pass's per-tensor summaries); an FP16 one beside an
+    ``exp_avg_sq`` all zero too may have underflowed, and the ``exp_avg``/``exp_avg_sq`` pair judges it."""
+    assert ctx.deep_result is not None
+    stats = ctx.deep_result.stats
+    for ps in ctx.cat.optimizer_state.values():
+        m, mx = ps.fields.get("exp_avg"), ps.fields.get("max_exp_avg_sq")
+        if not isinstance(m, TensorEntry) or not isinstance(mx, TensorEntry):
+            continue
+        sm, smx = stats.get(m.key), stats.get(mx.key)
+        v = ps.fields.get("exp_avg_sq")
+        sv = stats.get(v.key) if isinstance(v, TensorEntry) else None
+        if smx is not None and smx.dtype == "float16" and (sv is None or sv.zero):  # FP16 underflow: D006's pair
+            continue
+        if sm is not None and smx is not None and smx.zero and sm.zero is False and smx.numel:
+            yield mx.key, f"{mx.key}: all {smx.numel} values are 0 where {m.key} is not (the whole tensor is 0)"
 
 
 #: ``D007``: slack on the moment-ratio bound (moments stored in BF16 round).
