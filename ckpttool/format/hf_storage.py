@@ -334,6 +334,15 @@ def _read_file(path: Path, name: str, found: _Found) -> None:
     p = path / name
     try:
         size = resolve_inside(path, name, what="safetensors file").stat().st_size
+    except FileNotFoundError as e:
+        if not os.path.islink(p):
+            raise MetadataError(f"{p}: cannot read ({e.strerror})", path=p) from e
+        raise IncompleteCheckpointError(  # a hub snapshot's link whose blob is gone: a shard missing, not damage
+            f"{p}: links to {os.readlink(p)!r:.120}, which does not exist",
+            path=p,
+            hint="the file the link points to is missing (a hub cache blob deleted or not downloaded); "
+            "download or copy the complete model",
+        ) from None
     except OSError as e:
         raise MetadataError(f"{p}: cannot read ({e.strerror})", path=p) from e
     header, data_start = read_safetensors_header(p, size)

@@ -112,6 +112,20 @@ def test_a_link_out_of_the_snapshots_own_blobs_is_still_refused(hf_dirs: Path, t
     assert not (tmp_path / "dcp").exists()
 
 
+@pytest.mark.parametrize("command", ["import", "validate", "inspect"])
+def test_a_snapshot_link_whose_blob_is_gone_is_a_missing_shard_not_damage(
+    hf_dirs: Path, tmp_path: Path, command: str
+) -> None:
+    snap = hub_snapshot(hf_dirs / "llama", tmp_path / "hub")
+    shard = next(p for p in sorted(snap.iterdir()) if p.name.endswith(".safetensors"))
+    shard.resolve().unlink()  # the blob deleted from the cache, the snapshot's link left behind
+    args = [command, str(snap)] + ([str(tmp_path / "dcp")] if command == "import" else [])
+    out = cli(*args, code=2).replace("\n", "")
+    assert "[E202]" in out and f"{shard.name}: links to '../../blobs/" in out and "which does not exist" in out, out
+    assert "hint: the file the link points to is missing" in out and ".metadata" not in out, out
+    assert "Traceback" not in out and not (tmp_path / "dcp").exists()
+
+
 def test_import_of_the_hub_repository_folder_names_its_snapshot(hf_dirs: Path, tmp_path: Path) -> None:
     snap = hub_snapshot(hf_dirs / "llama", tmp_path / "hub")
     (snap.parent / ("f" * 40)).mkdir()  # an older revision beside it: refs/main chooses

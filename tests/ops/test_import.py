@@ -578,6 +578,37 @@ def test_a_folder_without_safetensors_hints_an_hf_model_folder_not_metadata(tmp_
     assert "save_pretrained" in hint and ".metadata" not in hint
 
 
+def test_a_folder_whose_model_is_below_it_names_the_folder_to_pass(hf_dirs: Path, tmp_path: Path) -> None:
+    """A folder holding the model one level down (torch's ``HuggingFaceStorageWriter(enable_consolidation=True)``
+    without ``save_distributed`` writes its files to ``sharded/``; a Trainer run holds ``checkpoint-N/``) was
+    refused with a hint to pass the folder holding model*.safetensors, without naming it."""
+    import shutil
+
+    from safetensors.torch import load_file
+    from torch.distributed.checkpoint import HuggingFaceStorageWriter
+
+    sd = load_file(str(next(iter(sorted((hf_dirs / "llama").glob("*.safetensors"))))))
+    dcp.save(sd, storage_writer=HuggingFaceStorageWriter(str(tmp_path / "w"), enable_consolidation=True), no_dist=True)
+    run = tmp_path / "run"
+    for step in (10, 20):
+        shutil.copytree(hf_dirs / "llama", run / f"checkpoint-{step}")
+    for src, hint in (
+        (tmp_path / "w", f"hint: the safetensors files are in a folder below it: pass {tmp_path / 'w' / 'sharded'}"),
+        (
+            run,
+            f"hint: 2 model folders are below it: pass one of them ({run / 'checkpoint-10'}, {run / 'checkpoint-20'})",
+        ),
+    ):
+        res = runner.invoke(app, ["import", str(src), str(tmp_path / "o")])
+        assert res.exit_code == 2 and res.stderr.splitlines()[1:] == [hint], res.stderr
+        assert not (tmp_path / "o").exists()
+    below = tmp_path / "w" / "sharded"
+    assert runner.invoke(app, ["import", str(below), str(tmp_path / "o")]).exit_code == 0
+    loaded = {k: torch.zeros_like(v) for k, v in sd.items()}
+    dcp.load({"model": loaded}, checkpoint_id=str(tmp_path / "o"), no_dist=True)
+    assert all(torch.equal(loaded[k], v) for k, v in sd.items())
+
+
 def test_the_library_names_a_dcp_checkpoint_given_as_the_hf_directory(sample_ckpt: Path, tmp_path: Path) -> None:
     """`import_hf` itself (not only the command) refuses a DCP checkpoint with E100 and points at export."""
     from ckpttool.errors import UsageError
