@@ -278,11 +278,15 @@ def check_url_key(path: UrlPath) -> None:
         RemoteStorageError: (E140) the hint names the prefix meant.
     """
     if ".." in path.key.split("/"):
-        meant = posixpath.normpath("/" + path.key).lstrip("/")
+        meant = posixpath.normpath(path.key)
+        bucket = path.key.split("/")[0]
+        inside = bucket != ".." and meant.split("/")[0] == bucket  # s3://b/.. and s3://b/../c leave the bucket
         raise RemoteStorageError(
             f"{path}: a '..' component in a URL is part of the object key, not the parent prefix",
             path=str(path),
-            hint=f"name the prefix itself: {path.scheme}://{meant}",
+            hint=f"name the prefix itself: {path.scheme}://{meant}"
+            if inside
+            else "a '..' cannot leave the bucket: name the bucket and the prefix inside it",
         )
 
 

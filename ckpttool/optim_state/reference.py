@@ -23,20 +23,27 @@ def _check_dtype(dtype: torch.dtype) -> None:
 
 
 def tensor_lr_scalars(
-    lr: float, weight_decay: float, beta1: float, t: float, lr_dtype: torch.dtype | None
+    lr: float,
+    weight_decay: float,
+    beta1: float,
+    t: float,
+    lr_dtype: torch.dtype | None,
+    betas_dtype: torch.dtype | None = None,
 ) -> tuple[float, float]:
     """``(1 - lr * weight_decay, lr)`` of step ``t``, as a for-loop ``torch.optim.AdamW`` forms them from an ``lr``
     saved as a tensor of ``lr_dtype`` (``None``: a float, unrounded).
 
     torch computes ``1 - lr * weight_decay`` and the step size ``lr / (1 - beta1**t)`` as tensors of the ``lr``'s
     dtype (BF16: 8 bits); the returned ``lr`` is that rounded step size times ``1 - beta1**t``, so the formula's
-    ``lr * m_hat`` takes the run's step size.
+    ``lr * m_hat`` takes the run's step size. ``betas_dtype``: the dtype of betas the run passed as tensors; torch
+    then forms ``1 - beta1**t`` in it and the step size in the promoted dtype of the two (BF16 lr, FP32 betas: FP32).
     """
     if lr_dtype is None:
         return 1.0 - lr * weight_decay, lr
     lr_t = torch.tensor(lr, dtype=lr_dtype)
     bias_correction1 = 1.0 - beta1**t
-    return float(1 - lr_t * weight_decay), float(lr_t / bias_correction1) * bias_correction1
+    run_correction = bias_correction1 if betas_dtype is None else 1 - torch.tensor(beta1, dtype=betas_dtype) ** t
+    return float(1 - lr_t * weight_decay), float(lr_t / run_correction) * bias_correction1
 
 
 def reference_adamw_step(
@@ -53,6 +60,7 @@ def reference_adamw_step(
     *,
     via: Literal["formula", "torch"] = "formula",
     lr_dtype: torch.dtype | None = None,
+    betas_dtype: torch.dtype | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, float]:
     """One AdamW step from the formula (or, ``via="torch"``, by ``torch.optim.AdamW``), on widened clones.
 
@@ -70,7 +78,7 @@ def reference_adamw_step(
         via: ``"formula"`` (the written-out step) or ``"torch"`` (one ``torch.optim.AdamW`` step,
             ``foreach=False``, ``fused=False``: the formula's cross-check).
         lr_dtype: the dtype of an ``lr`` the run passed as a tensor to a for-loop step (formula only):
-            :func:`tensor_lr_scalars`.
+            :func:`tensor_lr_scalars`; ``betas_dtype``: that of betas it passed as tensors, likewise.
 
     Returns:
         ``(new_master, new_exp_avg, new_exp_avg_sq, new_step)``: three new tensors of shape
@@ -98,7 +106,7 @@ def reference_adamw_step(
         state = opt.state[p]
         return p.detach(), state["exp_avg"], state["exp_avg_sq"], float(state["step"].item())
     t = float(step) + 1.0
-    decay, lr = tensor_lr_scalars(lr, weight_decay, beta1, t, lr_dtype)
+    decay, lr = tensor_lr_scalars(lr, weight_decay, beta1, t, lr_dtype, betas_dtype)
     theta = theta * decay
     m = beta1 * m + (1.0 - beta1) * g
     v = beta2 * v + (1.0 - beta2) * g * g

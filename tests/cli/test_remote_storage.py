@@ -393,6 +393,19 @@ def test_a_url_with_a_dot_dot_component_is_refused_naming_the_prefix_meant(sampl
     assert not any(".." in k for k in s3_server.keys(bucket))
 
 
+def test_a_dot_dot_url_leaving_its_bucket_is_refused_without_naming_another_bucket(s3_server: Any) -> None:
+    """`s3://b/..` hinted 'name the prefix itself: s3://' (no bucket) and `s3://b/../c` 's3://c', another bucket the
+    user never named. The hint now says a '..' cannot leave the bucket; a '..' inside it still names the prefix."""
+    s3_server.bucket("ckpts")
+    for url in ("s3://ckpts/..", "s3://ckpts/../other/run", "s3://ckpts/a/../../b"):
+        r = cli(s3_server, "inspect", url)
+        assert r.exit_code == 2 and "Traceback" not in r.output, r.output
+        assert r.output.startswith(f"error: [E140] {url}: "), r.output
+        assert "hint: a '..' cannot leave the bucket: name the bucket and the prefix inside it\n" in r.output, r.output
+    r = cli(s3_server, "inspect", "s3://ckpts/a/../b/")
+    assert r.exit_code == 2 and "hint: name the prefix itself: s3://ckpts/b\n" in r.output, r.output
+
+
 def test_url_of_an_object_names_its_prefix(sample_ckpt: Path, s3_server: Any) -> None:
     """The URL of a checkpoint's ``.metadata`` (copied from a console listing) said "no object below this prefix":
     it now says the URL is an object and names the prefix to pass."""

@@ -18,7 +18,7 @@ import os
 import stat
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from concurrent.futures import FIRST_COMPLETED, Future, wait
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -52,7 +52,7 @@ from ckpttool.format.unpickler import short_repr
 from ckpttool.layouts.declaration import ResolvedLayout
 from ckpttool.layouts.record import SIDECAR_NAME
 from ckpttool.model.adapters import AdapterConfig, ModelAdapter, detect_adapter, get_adapter
-from ckpttool.model.catalog import Catalog
+from ckpttool.model.catalog import Catalog, TensorEntry
 from ckpttool.model.checkpoint import Checkpoint, CheckpointOrPath, gc_held, open_source
 from ckpttool.model.hfconfig import read_hf_config, tie_word_embeddings
 from ckpttool.model.schemas.detect import detect_schema
@@ -849,15 +849,19 @@ def _expert_rule_keys(selected: list[Selected], rules: ExportRules) -> list[str]
 
 
 def _fused_experts_note(
-    selected: list[Selected], rules: ExportRules, opts: ExportOptions, out_format: OutputFormat
+    selected: list[Selected],
+    rules: ExportRules,
+    opts: ExportOptions,
+    out_format: OutputFormat,
+    stored: Mapping[str, TensorEntry],
 ) -> tuple[str, ...]:
     """The note of a default (``experts`` not given) export that writes fused expert tensors an ``experts`` rule
     could split: transformers >= 5 loads them, but ``save_pretrained`` of a fresh model, vLLM's MoE loaders and
     transformers 4.x use the per-expert names. Experts stored transposed (gpt-oss, Llama4), which a per-expert
-    split refuses, are their family's own fused form: no note."""
+    split refuses, are their family's own fused form: no note (a half not selected is looked up in ``stored``)."""
     if opts.experts is not None or _experts(opts) != "fused" or not out_format.ties_embeddings:
         return ()
-    transposed = transposed_expert_keys(selected)
+    transposed = transposed_expert_keys(selected, stored)
     fused = [k for k in _expert_rule_keys(selected, rules) if k not in transposed]
     if not fused:
         return ()
@@ -1249,7 +1253,7 @@ def _prepare(
     """
     reader, cat, rules, model_config = ckpt.reader, ckpt.catalog, given.rules, given.model_config
     model_adapter, selected, warnings, skipped = _select(ckpt, out_format, opts, rules, model_config, given.adapter)
-    fused_note = _fused_experts_note(selected, rules, opts, out_format)  # before `experts` is resolved
+    fused_note = _fused_experts_note(selected, rules, opts, out_format, cat.tensors)  # before `experts` is resolved
     fused_note += _per_expert_names_note(selected, rules, opts, model_config)
     opts = _resolved_experts(opts, selected)
     check_trainable_dtypes(str(ckpt.path), cat, selected)

@@ -644,15 +644,35 @@ def _transposed_pair(gate_up: Sequence[int], down: Sequence[int]) -> bool:
     return len(gate_up) == 3 and len(down) == 3 and (gate_up[1] != 2 * down[2] or gate_up[2] != down[1])
 
 
-def transposed_expert_keys(selected: list[Selected]) -> set[str]:
-    """The output keys of the selected fused ``gate_up_proj`` / ``down_proj`` pairs stored transposed (gpt-oss,
-    Llama4: ``[E, H, 2I]`` / ``[E, I, H]``), which a per-expert split refuses; a model adapter's tensors are not."""
+def _partner_shape(s: Selected, shapes: Mapping[str, Any], stored: Mapping[str, TensorEntry], partner: str) -> Any:
+    """The shape of the other half (``partner``: ``gate_up_proj`` or ``down_proj``) of the fused expert pair of ``s``:
+    the selected tensor's, else the stored one's by its checkpoint key (a ``--filter`` selecting one half), else
+    ``None``."""
+    own = "down_proj" if partner == "gate_up_proj" else "gate_up_proj"
+    shape = shapes.get(s.out_key.removesuffix(own) + partner)
+    entry = stored.get(s.model_key.removesuffix(own) + partner) if s.model_key.endswith(f".{own}") else None
+    return entry.shape if shape is None and entry is not None else shape
+
+
+def transposed_expert_keys(selected: list[Selected], stored: Mapping[str, TensorEntry]) -> set[str]:
+    """The output keys of the selected fused ``gate_up_proj`` / ``down_proj`` tensors of pairs stored transposed
+    (gpt-oss, Llama4: ``[E, H, 2I]`` / ``[E, I, H]``), which a per-expert split refuses; a half not selected is looked
+    up in ``stored``. A model adapter's tensors are not."""
     shapes = {s.out_key: s.source.shape for s in selected if s.hf is None}
     out: set[str] = set()
-    for key, gate_up in shapes.items():
-        down_key = key.removesuffix("gate_up_proj") + "down_proj"
-        if key.endswith(".gate_up_proj") and down_key in shapes and _transposed_pair(gate_up, shapes[down_key]):
-            out.update((key, down_key))
+    for s in selected:
+        if s.hf is not None:
+            continue
+        if s.out_key.endswith(".gate_up_proj"):
+            down = _partner_shape(s, shapes, stored, "down_proj")
+            pair = None if down is None else (s.source.shape, down)
+        elif s.out_key.endswith(".down_proj"):
+            gate_up = _partner_shape(s, shapes, stored, "gate_up_proj")
+            pair = None if gate_up is None else (gate_up, s.source.shape)
+        else:
+            continue
+        if pair is not None and _transposed_pair(*pair):
+            out.add(s.out_key)
     return out
 
 
@@ -672,10 +692,7 @@ def _refuse_transposed_experts(selected: list[Selected], stored: Mapping[str, Te
     for s in selected:
         if s.hf is not None or not s.out_key.endswith(".gate_up_proj"):
             continue  # a model adapter's tensors: its own map cuts them (torchtitan's w1/w3 halves)
-        gate_up, down = s.source.shape, shapes.get(s.out_key.removesuffix("gate_up_proj") + "down_proj")
-        partner = stored.get(s.model_key.removesuffix("gate_up_proj") + "down_proj")
-        if down is None and s.model_key.endswith(".gate_up_proj") and partner is not None:
-            down = partner.shape
+        gate_up, down = s.source.shape, _partner_shape(s, shapes, stored, "down_proj")
         if down is not None and _transposed_pair(gate_up, down):
             raise ExportError(
                 f"{s.model_key}: {list(gate_up)} beside down_proj {list(down)} is not the [E, 2I, H] / [E, H, I] "

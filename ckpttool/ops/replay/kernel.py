@@ -45,18 +45,19 @@ def constants(
     atol: float,
     rtols: tuple[float, float, float, float],
     lr_dtype: torch.dtype | None = None,
+    betas_dtype: torch.dtype | None = None,
 ) -> ctypes.Array[ctypes.c_double]:
     """The kernel's ``k[14]``: the reference's Python-double constants (as ``reference_adamw_step`` forms them).
 
     ``hyper``: the parameter's :class:`~ckpttool.ops.replay.plan.Hyper`; ``rtols``: the effective
-    relative tolerances of master, ``exp_avg``, ``exp_avg_sq``, parameter; ``lr_dtype``: as
-    :func:`~ckpttool.optim_state.reference.tensor_lr_scalars` takes it.
+    relative tolerances of master, ``exp_avg``, ``exp_avg_sq``, parameter; ``lr_dtype``, ``betas_dtype``: as
+    :func:`~ckpttool.optim_state.reference.tensor_lr_scalars` takes them.
     """
     from ckpttool.optim_state.reference import tensor_lr_scalars
 
     beta1, beta2 = float(hyper.beta1), float(hyper.beta2)
     t = float(step_before) + 1.0
-    decay, lr = tensor_lr_scalars(float(hyper.lr), float(hyper.weight_decay), beta1, t, lr_dtype)
+    decay, lr = tensor_lr_scalars(float(hyper.lr), float(hyper.weight_decay), beta1, t, lr_dtype, betas_dtype)
     values = (
         decay,
         beta1,

@@ -1175,17 +1175,21 @@ def torch_betas(hyper: Hyper, dev: Any, flags: dict[str, bool]) -> Any:
     return (torch.tensor(hyper.beta1, dtype=dtype, device=where), torch.tensor(hyper.beta2, dtype=dtype, device=where))
 
 
-def for_loop_lr_dtype(group: dict[str, Any], param: Any) -> Any:
-    """The dtype of a group's tensor ``lr`` where ``torch.optim.AdamW`` takes its for-loop step (not fused, not
-    foreach, not capturable: ``_single_tensor_adam`` forms the decay factor and step size in that dtype), else
-    ``None``."""
+def for_loop_scalar_dtypes(group: dict[str, Any], param: Any) -> tuple[Any, Any]:
+    """The dtypes of a group's tensor ``lr`` and tensor ``betas`` (each else ``None``) where ``torch.optim.AdamW``
+    takes its for-loop step with a tensor ``lr`` (not fused, not foreach, not capturable: ``_single_tensor_adam``
+    forms the decay factor in the ``lr``'s dtype, the step size in that of ``lr / (1 - beta1**t)``), else
+    ``(None, None)``."""
     import torch
 
     lr = group.get("lr")
     if not isinstance(lr, torch.Tensor) or group.get("fused") or group.get("capturable"):
-        return None
+        return None, None
     foreach = group.get("foreach")
-    return lr.dtype if foreach is False or (foreach is None and param.device.type == "cpu") else None
+    if not (foreach is False or (foreach is None and param.device.type == "cpu")):
+        return None, None
+    beta1 = group.get("betas", (None,))[0]
+    return lr.dtype, beta1.dtype if isinstance(beta1, torch.Tensor) else None
 
 
 def saved_flags(hyper: Hyper, dev: Any, names: Sequence[str] = TORCH_FLAGS) -> dict[str, bool]:
@@ -1351,9 +1355,9 @@ def _reference_pass(
                     r = results[member.fqn]
                     param = params[member.fqn]
                     st = opt.state.get(param, {})
-                    lr_dtype = for_loop_lr_dtype(opt.param_groups[0], param)
+                    dtypes = for_loop_scalar_dtypes(opt.param_groups[0], param)
                     ctx = _SlabContext(
-                        member, r, param.detach(), st, grads, slabs, steps, rtol, atol, ref_dtype, lr_dtype
+                        member, r, param.detach(), st, grads, slabs, steps, rtol, atol, ref_dtype, dtypes
                     )
                     bounds = [(a, min(a + ctx.slab, member.numel)) for a in range(0, member.numel, ctx.slab)]
                     parts = map_ordered(ctx.run, bounds, workers=workers)
@@ -1463,13 +1467,12 @@ class _SlabContext:
         rtol: float,
         atol: float,
         ref_dtype: Any,
-        lr_dtype: Any = None,
+        scalar_dtypes: tuple[Any, Any] = (None, None),
     ) -> None:
         self.p, self.r, self.st, self.steps = p, r, st, steps
         self.rtol, self.atol, self.ref_dtype = rtol, atol, ref_dtype
-        self.lr_dtype = (
-            lr_dtype  # a tensor lr's dtype where the run's step formed its scalars in it (for_loop_lr_dtype)
-        )
+        # the dtypes of a tensor lr and tensor betas where the run's step formed its scalars in them
+        self.lr_dtype, self.betas_dtype = scalar_dtypes  # for_loop_scalar_dtypes
         self.has_master = p.optimizer_type != "adamw"
         self.param = param.reshape(-1)
         self.actual: dict[str, Any] = {
@@ -1515,7 +1518,7 @@ class _SlabContext:
             return None
         if any(d not in KINDS for d in saved):
             return None
-        return constants(self.p.hyper, self.r.step_before, self.atol, self._rtols(), self.lr_dtype)
+        return constants(self.p.hyper, self.r.step_before, self.atol, self._rtols(), self.lr_dtype, self.betas_dtype)
 
     def _read(self, field: str, a: int, b: int) -> Any:
         import torch
@@ -1626,6 +1629,7 @@ class _SlabContext:
                 h.weight_decay,
                 dtype=ref,
                 lr_dtype=self.lr_dtype,
+                betas_dtype=self.betas_dtype,
             )
             if k < self.steps - 1:  # the optimizer stores its state in these dtypes between steps
                 new_theta = new_theta.to(torch.float32 if self.has_master else pt).to(ref)

@@ -1009,6 +1009,26 @@ def test_a_half_precision_tensor_lr_matches_the_reference(tmp_path: Path, dtype:
     assert res.exit_code == 0, res.output
 
 
+@pytest.mark.parametrize("flags", [{}, {"foreach": False}], ids=["default", "for-loop"])
+def test_a_half_precision_tensor_lr_beside_tensor_betas_matches_the_reference(tmp_path: Path, flags: dict) -> None:
+    """A BF16 tensor lr beside FP32 tensor betas: torch's for-loop step divides the lr by 1 - beta1^t formed as an FP32
+    tensor, so the step size is FP32 (the promoted dtype), not the lr's BF16. The formula reference rounded it to BF16
+    and failed every parameter of a sound state: '[E700] 2 of 2 parameter(s) do not reproduce the reference step'.
+    It now forms the step size as torch does; one step (native), three steps and the torch reference all pass."""
+    betas = (torch.tensor(0.8), torch.tensor(0.95))
+    ck, grads, model, opt = _adamw_linear_with(
+        tmp_path,
+        lambda osd: None,
+        lambda p: torch.optim.AdamW(
+            p, lr=torch.tensor(1e-2, dtype=torch.bfloat16), betas=betas, weight_decay=0.1, **flags
+        ),
+    )
+    for extra in ([], ["--steps", "3"], ["--reference", "torch"]):
+        res = run(ck, "--device", "cpu", "--grads", grads, *extra)
+        assert res.exit_code == 0, (extra, res.output)
+    _assert_replay_is_the_runs_next_step(ck, grads, model, opt)
+
+
 @pytest.mark.parametrize("flags", [{}, {"fused": True}], ids=["single-tensor", "fused"])
 def test_tensor_betas_replay_torchs_own_step_bitwise(tmp_path: Path, flags: dict[str, bool]) -> None:
     """torch.optim.AdamW(betas=(torch.tensor(0.9), torch.tensor(0.999))), which torch accepts and keeps as 0-d
