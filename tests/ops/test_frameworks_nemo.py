@@ -388,3 +388,46 @@ def test_diff_names_the_safetensors_model_folder_as_manifest_does(nemo_root: Pat
         "safetensors + dcp",
         "safetensors + dcp",
     )
+
+
+def test_torch_save_format_opens_both_dcp_folders_as_the_pair(nemo_root: Path, tmp_path: Path) -> None:
+    """``model_save_format="torch_save"``: ``model/`` is DCP too (no safetensors, no ``.hf_metadata/``); the step
+    reads as the same pair, and export gives the model's own ``state_dict()`` after the steps."""
+    import torch
+    from safetensors.torch import load_file
+
+    root = nemo_root / "torch_save"
+    step = root / "run" / "epoch_0_step_2"
+    assert (step / "model" / ".metadata").is_file() and not list((step / "model").glob("*.safetensors"))
+    doc = json.loads(cli("inspect", str(root / "run"), "--step", "latest", "--json"))
+    assert doc["location"]["model"] == str(step / "model") and doc["location"]["optimizer"] == str(step / "optim")
+    assert doc["key_schema"]["id"] == "nemo-automodel" and doc["summary"]["model_tensor_count"] == 21
+    doc = json.loads(cli("validate", str(root / "run"), "--step", "latest", "--strict", "--deep", "--json"))
+    assert doc["ok"] and doc["counts"]["error"] == doc["counts"]["warning"] == 0
+    cli("export", str(step), str(tmp_path / "hf"))
+    got: dict = {}
+    for f in (tmp_path / "hf").glob("*.safetensors"):
+        got.update(load_file(f))
+    want = torch.load(root / "expected.pt", weights_only=True)["model"]
+    assert sorted(got) == sorted(want) and all(got[k].equal(v) for k, v in want.items())
+    doc = json.loads(cli("replay-step", str(step), "--device", "cpu", "--json"))
+    assert doc["ok"] and len(doc["params"]) == 21 and all(p["step_before"] == 2 for p in doc["params"])
+
+
+def test_torch_save_format_missing_optimizer_file_or_metadata_fails(nemo_root: Path, tmp_path: Path) -> None:
+    """A torch_save step without its optimizer data file fails ``validate --strict`` (S002 naming it); without
+    ``optim/.metadata`` (a save that did not finish) it is E202, never the model alone said OK."""
+    import shutil
+
+    for gone, code in (("optim/__0_0.distcp", 1), ("optim/.metadata", 2)):
+        run = tmp_path / gone.replace("/", "_") / "run"
+        shutil.copytree(nemo_root / "torch_save" / "run", run)
+        (run / "epoch_0_step_2" / gone).unlink()
+        res = runner.invoke(app, ["validate", str(run), "--step", "latest", "--strict", "--json"])
+        assert res.exit_code == code, res.output
+        if code == 1:
+            doc = json.loads(res.stdout)
+            assert not doc["ok"]
+            assert [f["key"] for f in doc["findings"] if f["code"] == "S002"] == [gone], doc["findings"]
+        else:
+            assert "[E202]" in res.stderr and "epoch_0_step_2/optim has 1 data file(s), no .metadata" in res.stderr

@@ -592,3 +592,32 @@ def test_olmo_core_adapter_named_on_other_names_is_refused(tmp_path: Path) -> No
             "Transformer's (no blocks.N.attention.w_q.weight and lm_head.w_out.weight)"
         ), err
         assert not (tmp_path / "o").exists()
+
+
+@pytest.mark.heavy  # a third 2-rank gloo job of OLMo-core's checkpointer on first use (cached after)
+def test_optimizer_saved_nested_reads_as_the_flattened_default(fixture_root: Path, tmp_path: Path) -> None:
+    """``state_dict_save_opts`` with ``flatten_optimizer_state_dict=False`` saves the optimizer nested
+    (``param_groups`` a list): the same schema, weights and moments as OLMo-core's own storage reader gives
+    (its ``load_keys`` finds no nested keys)."""
+    import torch
+    import torch.distributed.checkpoint as dcp
+    from olmo_core.distributed.checkpoint.filesystem import RemoteFileSystemReader
+    from safetensors.torch import load_file
+
+    root = _olmo_run(fixture_root, "writers_olmo_core_nested", "build_olmo_core_nested")
+    doc = json.loads(cli("inspect", str(root / "run"), "--json"))
+    assert doc["key_schema"]["id"] == "olmo-core" and doc["key_schema"]["optimizer_keying"] == "fqn"
+    assert doc["summary"]["model_tensor_count"] == 21 and doc["optimizer"]["flavor"] == "nested"
+    doc = json.loads(cli("validate", str(root / "run"), "--strict", "--deep", "--json"))
+    assert doc["ok"] and doc["counts"]["error"] == doc["counts"]["warning"] == 0
+    cli("export", str(root / "run"), str(tmp_path / "hf"))
+    got = load_file(tmp_path / "hf" / "model.safetensors")
+    want = torch.load(root / "expected.pt", weights_only=True)
+    assert sorted(got) == sorted(want["model"]) and all(got[k].equal(v) for k, v in want["model"].items())
+    some = "blocks.1.feed_forward.w2.weight"
+    ref = want["optim"][f"state.{some}.exp_avg"]
+    nested = {"optim": {"state": {some: {"exp_avg": torch.zeros_like(ref)}}}}
+    dcp.load(nested, storage_reader=RemoteFileSystemReader(str(root / "run" / "step2" / "model_and_optim")))
+    assert nested["optim"]["state"][some]["exp_avg"].equal(ref) and ref.abs().sum() > 0
+    doc = json.loads(cli("replay-step", str(root / "run" / "step2"), "--device", "cpu", "--json"))
+    assert doc["ok"] and len(doc["params"]) == 21 and all(p["step_before"] == 2 for p in doc["params"])
