@@ -25,25 +25,31 @@ def _check_dtype(dtype: torch.dtype) -> None:
 def tensor_lr_scalars(
     lr: float,
     weight_decay: float,
-    beta1: float,
+    betas: tuple[float, float],
     t: float,
     lr_dtype: torch.dtype | None,
     betas_dtype: torch.dtype | None = None,
-) -> tuple[float, float]:
-    """``(1 - lr * weight_decay, lr)`` of step ``t``, as a for-loop ``torch.optim.AdamW`` forms them from an ``lr``
-    saved as a tensor of ``lr_dtype`` (``None``: a float, unrounded).
+) -> tuple[float, float, float, float]:
+    """``(1 - lr * weight_decay, lr, 1 - beta1**t, 1 - beta2**t)`` of step ``t``, as a for-loop ``torch.optim.AdamW``
+    forms them from an ``lr`` saved as a tensor of ``lr_dtype`` and betas saved as tensors of ``betas_dtype``
+    (``None``: floats, unrounded).
 
-    torch computes ``1 - lr * weight_decay`` and the step size ``lr / (1 - beta1**t)`` as tensors of the ``lr``'s
-    dtype (BF16: 8 bits); the returned ``lr`` is that rounded step size times ``1 - beta1**t``, so the formula's
-    ``lr * m_hat`` takes the run's step size. ``betas_dtype``: the dtype of betas the run passed as tensors; torch
-    then forms ``1 - beta1**t`` in it and the step size in the promoted dtype of the two (BF16 lr, FP32 betas: FP32).
+    torch computes ``1 - lr * weight_decay`` in the ``lr``'s dtype, ``1 - beta**t`` and ``sqrt(1 - beta2**t)`` in the
+    betas' dtype (BF16: 8 bits) and the step size ``lr / (1 - beta1**t)`` in the promoted dtype of the two (BF16 lr,
+    FP32 betas: FP32). The returned ``lr`` is that rounded step size times the returned ``1 - beta1**t``, and the
+    returned ``1 - beta2**t`` the square of the rounded ``sqrt(1 - beta2**t)``, so the formula takes the run's values.
     """
-    if lr_dtype is None:
-        return 1.0 - lr * weight_decay, lr
-    lr_t = torch.tensor(lr, dtype=lr_dtype)
-    bias_correction1 = 1.0 - beta1**t
-    run_correction = bias_correction1 if betas_dtype is None else 1 - torch.tensor(beta1, dtype=betas_dtype) ** t
-    return float(1 - lr_t * weight_decay), float(lr_t / run_correction) * bias_correction1
+    beta1, beta2 = betas
+    bias_correction1, bias_correction2 = 1.0 - beta1**t, 1.0 - beta2**t
+    if lr_dtype is None and betas_dtype is None:
+        return 1.0 - lr * weight_decay, lr, bias_correction1, bias_correction2
+    lr_t = lr if lr_dtype is None else torch.tensor(lr, dtype=lr_dtype)
+    if betas_dtype is None:
+        step_size, bc2_sqrt = lr_t / bias_correction1, bias_correction2**0.5
+    else:
+        b1, b2 = torch.tensor(beta1, dtype=betas_dtype), torch.tensor(beta2, dtype=betas_dtype)
+        step_size, bc2_sqrt = lr_t / (1 - b1**t), (1 - b2**t) ** 0.5
+    return float(1 - lr_t * weight_decay), float(step_size) * bias_correction1, bias_correction1, float(bc2_sqrt) ** 2
 
 
 def reference_adamw_step(
@@ -106,11 +112,13 @@ def reference_adamw_step(
         state = opt.state[p]
         return p.detach(), state["exp_avg"], state["exp_avg_sq"], float(state["step"].item())
     t = float(step) + 1.0
-    decay, lr = tensor_lr_scalars(lr, weight_decay, beta1, t, lr_dtype, betas_dtype)
+    decay, lr, bias_correction1, bias_correction2 = tensor_lr_scalars(
+        lr, weight_decay, (beta1, beta2), t, lr_dtype, betas_dtype
+    )
     theta = theta * decay
     m = beta1 * m + (1.0 - beta1) * g
     v = beta2 * v + (1.0 - beta2) * g * g
-    m_hat = m / (1.0 - beta1**t)
-    v_hat = v / (1.0 - beta2**t)
+    m_hat = m / bias_correction1
+    v_hat = v / bias_correction2
     theta = theta - lr * m_hat / (torch.sqrt(v_hat) + eps)
     return theta, m, v, t

@@ -57,15 +57,17 @@ def constants(
 
     beta1, beta2 = float(hyper.beta1), float(hyper.beta2)
     t = float(step_before) + 1.0
-    decay, lr = tensor_lr_scalars(float(hyper.lr), float(hyper.weight_decay), beta1, t, lr_dtype, betas_dtype)
+    decay, lr, bias_correction1, bias_correction2 = tensor_lr_scalars(
+        float(hyper.lr), float(hyper.weight_decay), (beta1, beta2), t, lr_dtype, betas_dtype
+    )
     values = (
         decay,
         beta1,
         1.0 - beta1,
         beta2,
         1.0 - beta2,
-        1.0 - beta1**t,
-        1.0 - beta2**t,
+        bias_correction1,
+        bias_correction2,
         lr,
         float(hyper.eps),
         float(atol),

@@ -1177,19 +1177,20 @@ def torch_betas(hyper: Hyper, dev: Any, flags: dict[str, bool]) -> Any:
 
 def for_loop_scalar_dtypes(group: dict[str, Any], param: Any) -> tuple[Any, Any]:
     """The dtypes of a group's tensor ``lr`` and tensor ``betas`` (each else ``None``) where ``torch.optim.AdamW``
-    takes its for-loop step with a tensor ``lr`` (not fused, not foreach, not capturable: ``_single_tensor_adam``
-    forms the decay factor in the ``lr``'s dtype, the step size in that of ``lr / (1 - beta1**t)``), else
-    ``(None, None)``."""
+    takes its for-loop step (not fused, not foreach, not capturable: ``_single_tensor_adam`` forms the decay factor
+    in the ``lr``'s dtype, the bias corrections in the betas', the step size in that of ``lr / (1 - beta1**t)``),
+    else ``(None, None)``."""
     import torch
 
-    lr = group.get("lr")
-    if not isinstance(lr, torch.Tensor) or group.get("fused") or group.get("capturable"):
+    if group.get("fused") or group.get("capturable"):
         return None, None
     foreach = group.get("foreach")
     if not (foreach is False or (foreach is None and param.device.type == "cpu")):
         return None, None
-    beta1 = group.get("betas", (None,))[0]
-    return lr.dtype, beta1.dtype if isinstance(beta1, torch.Tensor) else None
+    lr, beta1 = group.get("lr"), group.get("betas", (None,))[0]
+    return (lr.dtype if isinstance(lr, torch.Tensor) else None), (
+        beta1.dtype if isinstance(beta1, torch.Tensor) else None
+    )
 
 
 def saved_flags(hyper: Hyper, dev: Any, names: Sequence[str] = TORCH_FLAGS) -> dict[str, bool]:

@@ -1029,6 +1029,30 @@ def test_a_half_precision_tensor_lr_beside_tensor_betas_matches_the_reference(tm
     _assert_replay_is_the_runs_next_step(ck, grads, model, opt)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("lr", ["float", "bf16"])
+@pytest.mark.parametrize("flags", [{}, {"fused": True}], ids=["for-loop", "fused"])
+def test_half_precision_tensor_betas_match_the_reference(
+    tmp_path: Path, dtype: torch.dtype, lr: str, flags: dict[str, bool]
+) -> None:
+    """AdamW(betas=(torch.tensor(0.9, dtype=torch.bfloat16), ...)): torch's for-loop step forms the bias corrections,
+    sqrt(1 - beta2^t) and the step size lr / (1 - beta1^t) as tensors of the betas' dtype (8 bits for BF16). The
+    formula reference formed them in float64 and failed every parameter of a sound state: '[E700] 2 of 2
+    parameter(s) do not reproduce the reference step'. It forms them as torch does; one step (native), three steps
+    and the torch reference all pass, and the replay is torch's own next step (the fused kernel reads the betas as
+    doubles: unchanged)."""
+    betas = (torch.tensor(0.9, dtype=dtype), torch.tensor(0.95, dtype=dtype))
+    lr_value = 1e-2 if lr == "float" else torch.tensor(1e-2, dtype=torch.bfloat16)
+    ck, grads, model, opt = _adamw_linear_with(
+        tmp_path, lambda osd: None, lambda p: torch.optim.AdamW(p, lr=lr_value, betas=betas, weight_decay=0.1, **flags)
+    )
+    assert opt.param_groups[0]["betas"][1].dtype == dtype
+    for extra in ([], ["--steps", "3"], ["--reference", "torch"]):
+        res = run(ck, "--device", "cpu", "--grads", grads, *extra)
+        assert res.exit_code == 0, (extra, res.output)
+    _assert_replay_is_the_runs_next_step(ck, grads, model, opt)
+
+
 @pytest.mark.parametrize("flags", [{}, {"fused": True}], ids=["single-tensor", "fused"])
 def test_tensor_betas_replay_torchs_own_step_bitwise(tmp_path: Path, flags: dict[str, bool]) -> None:
     """torch.optim.AdamW(betas=(torch.tensor(0.9), torch.tensor(0.999))), which torch accepts and keeps as 0-d
