@@ -680,8 +680,9 @@ def _refuse_transposed_experts(selected: list[Selected], stored: Mapping[str, Te
     """Raise where a fused ``<prefix>.gate_up_proj`` and its ``<prefix>.down_proj`` are not ``[E, 2I, H]`` and
     ``[E, H, I]``, the layout a per-expert split cuts: experts stored transposed (``gate_up_proj`` ``[E, H, 2I]``,
     ``down_proj`` ``[E, I, H]``; gate and up columns interleaved in gpt-oss, concatenated in Llama4), which the
-    split would cut into wrong ``gate_proj``/``up_proj`` halves. A ``down_proj`` not selected is looked up in ``stored`` by its
-    checkpoint key. Nothing to check unless ``experts`` is ``per-expert``.
+    split would cut into wrong ``gate_proj``/``up_proj`` halves and transposed ``down_proj`` weights. The half not
+    selected (a ``--filter`` selecting one) is looked up in ``stored`` by its checkpoint key. Nothing to check
+    unless ``experts`` is ``per-expert``.
 
     Raises:
         ExportError: such a pair.
@@ -690,12 +691,20 @@ def _refuse_transposed_experts(selected: list[Selected], stored: Mapping[str, Te
         return
     shapes = {s.out_key: s.source.shape for s in selected if s.hf is None}
     for s in selected:
-        if s.hf is not None or not s.out_key.endswith(".gate_up_proj"):
+        if s.hf is not None:
             continue  # a model adapter's tensors: its own map cuts them (torchtitan's w1/w3 halves)
-        gate_up, down = s.source.shape, _partner_shape(s, shapes, stored, "down_proj")
-        if down is not None and _transposed_pair(gate_up, down):
+        if s.out_key.endswith(".gate_up_proj"):
+            gate_up, down = s.source.shape, _partner_shape(s, shapes, stored, "down_proj")
+        elif s.out_key.endswith(".down_proj") and s.out_key.removesuffix("down_proj") + "gate_up_proj" not in shapes:
+            gate_up, down = _partner_shape(s, shapes, stored, "gate_up_proj"), s.source.shape  # selected alone
+        else:
+            continue
+        if gate_up is not None and down is not None and _transposed_pair(gate_up, down):
+            beside = f"{list(gate_up)} beside down_proj {list(down)}"
+            if s.out_key.endswith(".down_proj"):
+                beside = f"{list(down)} beside gate_up_proj {list(gate_up)}"
             raise ExportError(
-                f"{s.model_key}: {list(gate_up)} beside down_proj {list(down)} is not the [E, 2I, H] / [E, H, I] "
+                f"{s.model_key}: {beside} is not the [E, 2I, H] / [E, H, I] "
                 "layout a per-expert split cuts (experts stored transposed, [E, H, 2I] / [E, I, H]: gate and up "
                 "interleaved in gpt-oss, concatenated in Llama4)",
                 fqn=s.model_key,

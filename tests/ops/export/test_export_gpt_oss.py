@@ -109,7 +109,10 @@ def test_a_filtered_export_of_one_transposed_half_does_not_point_to_a_split_it_r
             "per-expert",
         ],
     )
-    assert split.exit_code != 0 or glob == "*.down_proj", split.output
+    # the per-expert split of either half alone is refused: a down_proj [E, I, H] cut per expert was written as
+    # `experts.N.down_proj.weight` [I, H], transposed, with exit 0
+    assert split.exit_code == 2 and "[E601]" in split.stderr, split.output
+    assert not (tmp_path / "hf2").exists()
 
 
 @pytest.mark.parametrize("with_config", [True, False])
