@@ -628,7 +628,10 @@ def check_field_types(options: Opts) -> Opts:
                 )
             if number < f.metadata.get("at_least", number):
                 raise UsageError(
-                    f"`{f.name}` must be an integer >= {f.metadata['at_least']}, got {value!r:.40}", param=f.name
+                    f"`{f.name}` must be an integer >= {f.metadata['at_least']}, got {value!r:.40}",
+                    param=f.name,
+                    hint=f"pass {f.name}={f.metadata['at_least']} or more"
+                    + (", or None for the default" if f.type == "int | None" else ""),
                 )
             if type(value) is not int:
                 plain[f.name] = number

@@ -429,6 +429,7 @@ def test_an_integer_option_below_its_bound_is_a_usage_error_naming_it(dense_ckpt
                 op(bad)
             assert (e.value.code, e.value.param) == ("E100", name), e.value
             assert e.value.message == f"`{name}` must be an integer >= {minimum}, got {bad}"
+            assert e.value.hint is not None and e.value.hint.startswith(f"pass {name}={minimum} or more"), e.value
     assert not out.exists()
     assert c.diff_checkpoints(dense_ckpt, dense_ckpt, c.DiffOptions(max_differences=0)).equal
 
