@@ -126,6 +126,16 @@ def test_a_snapshot_link_whose_blob_is_gone_is_a_missing_shard_not_damage(
     assert "Traceback" not in out and not (tmp_path / "dcp").exists()
 
 
+def test_validate_of_a_snapshot_whose_blob_is_gone_says_a_file_is_missing(hf_dirs: Path, tmp_path: Path) -> None:
+    """The rules skipped beside S001's E202 said `(the save did not finish)` under a hint to download the complete
+    model: the model was saved whole, a file of it is gone."""
+    snap = hub_snapshot(hf_dirs / "llama", tmp_path / "hub")
+    shard = next(p for p in sorted(snap.iterdir()) if p.name.endswith(".safetensors"))
+    shard.resolve().unlink()
+    out = cli("validate", str(snap), code=2)
+    assert "skipped (a file of the model is missing)" in out and "did not finish" not in out, out
+
+
 def test_import_of_the_hub_repository_folder_names_its_snapshot(hf_dirs: Path, tmp_path: Path) -> None:
     snap = hub_snapshot(hf_dirs / "llama", tmp_path / "hub")
     (snap.parent / ("f" * 40)).mkdir()  # an older revision beside it: refs/main chooses

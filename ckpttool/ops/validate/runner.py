@@ -443,10 +443,18 @@ def _validate_path(
         if unfinished and where is not None and where.name == ".metadata":  # the missing file: its directory
             where = where.parent
         key = (str(where) if unfinished else where.name) if where is not None else ".metadata"
+        # a shard an HF folder lists (or a hub snapshot's link) without its file: a file missing, not a save cut off
+        skipped = (
+            "a file of the model is missing"
+            if unfinished and where is not None and where.name.endswith((".safetensors", ".safetensors.index.json"))
+            else "the save did not finish"
+            if unfinished
+            else ".metadata is unusable"
+        )
         statuses = [
             RuleStatus(r, "failed", None, (s001.make(key or ".metadata", e.message, e.hint or None, e.code),))
             if r is s001
-            else RuleStatus(r, "skipped", "the save did not finish" if unfinished else ".metadata is unusable")
+            else RuleStatus(r, "skipped", skipped)
             for r in rules
         ]
         shown = cast(Path, url_path(path)) if is_url(path) else Path(path)  # a UrlPath prints as the URL
