@@ -58,7 +58,7 @@ from ckpttool.model.adapters import (
 )
 from ckpttool.model.beside import hf_config_beside
 from ckpttool.model.catalog import refuse_long_numbers
-from ckpttool.model.discovery import find_checkpoints
+from ckpttool.model.discovery import find_checkpoints, step_of
 from ckpttool.model.hf_forms import FORMS, ExpertForm, forms_for
 from ckpttool.model.hfconfig import (
     config_value,
@@ -698,13 +698,22 @@ def _check_import_options(hf_dir: str | os.PathLike[str], opts: ImportOptions) -
 def _below_hint(src_dir: Path) -> str:
     """The hint for a folder without safetensors files: the model folders below it, if any (a Trainer run's
     ``checkpoint-N/``, ``HuggingFaceStorageWriter(enable_consolidation=True)``'s ``sharded/``, NeMo's ``model/``)."""
-    below = [p for p in find_checkpoints(src_dir) if hf_storage_files(p)]
+    below = sorted(
+        (p for p in find_checkpoints(src_dir) if hf_storage_files(p)), key=lambda p: _newest_step_first(p, src_dir)
+    )
     if not below:
         return "pass the Hugging Face model directory, the one holding model*.safetensors and config.json"
     if len(below) == 1:
         return f"the safetensors files are in a folder below it: pass {shell_arg(below[0])}"
     shown = ", ".join(shell_arg(p) for p in below[:3])
     return f"{len(below)} model folders are below it: pass one of them ({shown}{', ...' if len(below) > 3 else ''})"
+
+
+def _newest_step_first(folder: Path, root: Path) -> tuple[int, str]:
+    """Sort key of a model folder below ``root``: below a trainer's step directories (``checkpoint-N``) the newest
+    step first, by its number (``checkpoint-1000`` before ``checkpoint-500``), then the other folders by name."""
+    steps = [n for n in (step_of(part) for part in folder.relative_to(root).parts) if n is not None]
+    return (-steps[0] if steps else 1, str(folder))
 
 
 #: What :func:`check_against_model` may be told to allow: ``dcp.load`` into the model fails on a missing key

@@ -590,13 +590,15 @@ def test_a_folder_whose_model_is_below_it_names_the_folder_to_pass(hf_dirs: Path
     sd = load_file(str(next(iter(sorted((hf_dirs / "llama").glob("*.safetensors"))))))
     dcp.save(sd, storage_writer=HuggingFaceStorageWriter(str(tmp_path / "w"), enable_consolidation=True), no_dist=True)
     run = tmp_path / "run"
-    for step in (10, 20):
+    for step in (5, 10, 20, 40):
         shutil.copytree(hf_dirs / "llama", run / f"checkpoint-{step}")
     for src, hint in (
         (tmp_path / "w", f"hint: the safetensors files are in a folder below it: pass {tmp_path / 'w' / 'sharded'}"),
         (
             run,
-            f"hint: 2 model folders are below it: pass one of them ({run / 'checkpoint-10'}, {run / 'checkpoint-20'})",
+            # newest step first, by number (by name checkpoint-5 came last, the newest left out behind '...')
+            f"hint: 4 model folders are below it: pass one of them ({run / 'checkpoint-40'}, {run / 'checkpoint-20'}, "
+            f"{run / 'checkpoint-10'}, ...)",
         ),
     ):
         res = runner.invoke(app, ["import", str(src), str(tmp_path / "o")])
