@@ -1094,13 +1094,10 @@ def _optimizer_owned(sch: KeySchema) -> Callable[[str], bool] | None:
     """Whether a key is the optimizer's by the schema's own grammar: a state key (:attr:`SchemaSpec.split_state_key`),
     or another key of its optimizer (:attr:`SchemaSpec.optimizer_key`); ``None`` without such a grammar."""
     spec = registry.find(sch.id)
-    split = spec.split_state_key if spec is not None else None
-    if split is None:
+    if spec is None or spec.split_state_key is None:
         return None
-    own = spec.optimizer_key if spec is not None else None
-    if own is None:
-        return lambda key: split(key) is not None
-    return lambda key: split(key) is not None or own(key)
+    split, own = spec.split_state_key, spec.optimizer_key
+    return lambda key: split(key) is not None or (own is not None and own(key))
 
 
 def leaf_key(group: ParamGroup) -> str:
