@@ -49,6 +49,7 @@ __all__ = [
     "AdamHyper",
     "Moments",
     "SLICE_VALUES",
+    "TINY_ABS_MAX",
     "ValueSums",
     "adam_update",
     "add_moments",
@@ -244,8 +245,8 @@ def scaled_sums(
 ) -> tuple[float, float]:
     """``(sum y, sum y^2)`` of ``y = x / scale`` (``y = (x - mean) / scale`` with ``mean``) over the finite values
     of ``key``'s ``chunks``, in float64, read again slice by slice (:func:`chunk_slices`): the sums of float64
-    values whose own sums overflow (``|x|`` beyond ~1e154 squared is beyond float64's 1.8e308), with ``scale``
-    their largest ``|x|``.
+    values whose own sums overflow (``|x|`` beyond ~1e154 squared is beyond float64's 1.8e308) or underflow (below
+    :data:`TINY_ABS_MAX`), with ``scale`` their largest ``|x|``.
 
     Raises:
         as :func:`chunk_slices`.
@@ -262,16 +263,31 @@ def scaled_sums(
     return s1, s2
 
 
+#: A float64 tensor whose largest ``|x|`` is below this (2^-460, ~1e-138) has squares near or below float64's
+#: smallest normal (2.2e-308): they lose digits or underflow to 0 (an L2 of 1e-200 values read 0), so its sums are
+#: taken of the values divided by their largest ``|x|``, as those of values whose squares overflow.
+TINY_ABS_MAX = 2.0**-460
+
+#: The sum of squares of values below :data:`TINY_ABS_MAX`.
+_TINY_SQUARES = TINY_ABS_MAX * TINY_ABS_MAX
+
+
 @dataclass
 class ScaledSquares:
     """A float64 ``sum x^2`` kept as ``scale^2 * total`` (mergeable): values whose squares overflow float64 (beyond
-    ~1e154) are added divided by their largest ``|x|``; otherwise ``scale`` stays 1 and ``total`` is the plain sum."""
+    ~1e154) or underflow (float64 values below :data:`TINY_ABS_MAX`) are added divided by their largest ``|x|``;
+    otherwise ``scale`` stays 1 and ``total`` is the plain sum."""
 
     scale: float = 1.0
     total: float = 0.0
 
     def add(self, total: float, scale: float = 1.0) -> None:
-        """Add ``scale^2 * total``."""
+        """Add ``scale^2 * total`` (a sum of no term, or of zeros, leaves the scale as it is)."""
+        if total == 0.0:
+            return
+        if self.total == 0.0:  # nothing yet: a scale below 1 (tiny values) is kept, not multiplied into 0
+            self.total, self.scale = total, scale
+            return
         big = max(self.scale, scale)
         self.total = self.total * (self.scale / big) ** 2 + total * (scale / big) ** 2
         self.scale = big
@@ -279,20 +295,30 @@ class ScaledSquares:
     def add_difference(self, x: np.ndarray, y: np.ndarray) -> None:
         """Add ``sum (y - x)^2`` of finite float values."""
         with np.errstate(over="ignore"):  # float64 values near its range: a difference beyond it, inf
-            d2 = sum_squares(y - x)
-        if math.isfinite(d2):
+            d = y - x
+            d2 = sum_squares(d)
+        if math.isfinite(d2) and (d2 >= _TINY_SQUARES or d.dtype.itemsize < 8):
             self.add(d2)
+            return
+        if math.isfinite(d2):  # float64 differences whose squares underflow
+            self._add_scaled(d)
             return
         m = max(float(np.abs(x).max(initial=0.0)), float(np.abs(y).max(initial=0.0)))
         self.add(sum_squares(y / m - x / m), m)
 
     def add_values(self, x: np.ndarray, squares: float) -> None:
-        """Add ``sum x^2`` of finite float values, ``squares`` as summed already (``inf`` where it overflowed)."""
-        if math.isfinite(squares):
+        """Add ``sum x^2`` of finite float values, ``squares`` as summed already (``inf`` where it overflowed, near
+        0 where float64 squares underflowed)."""
+        if math.isfinite(squares) and (squares >= _TINY_SQUARES or x.dtype.itemsize < 8):
             self.add(squares)
             return
+        self._add_scaled(x)
+
+    def _add_scaled(self, x: np.ndarray) -> None:
+        """Add ``sum x^2`` taken of ``x`` divided by its largest ``|x|`` (nothing for all zeros)."""
         m = float(np.abs(x).max(initial=0.0))
-        self.add(sum_squares(x / m), m)
+        if m > 0.0:
+            self.add(sum_squares(x / m), m)
 
     def merge(self, o: ScaledSquares) -> None:
         self.add(o.total, o.scale)
@@ -306,7 +332,7 @@ def scaled_expert_squares(
     reader: CheckpointReader, key: str, chunks: tuple[ChunkMeta, ...], dim: int, scale: float
 ) -> dict[int, float]:
     """Per-expert ``sum y^2`` of ``y = x / scale`` over the finite values of ``key``'s ``chunks`` (experts on
-    ``dim``), read again slice by slice: the per-expert norms of float64 values whose squares overflow, with
+    ``dim``), read again slice by slice: the per-expert norms of float64 values whose squares overflow or underflow, with
     ``scale`` their largest ``|x|`` (:func:`scaled_sums`).
 
     Raises:

@@ -31,6 +31,7 @@ from ckpttool.ops.fields import PhaseFn, options_of, same_named
 from ckpttool.ops.inspect import file_rows, file_warnings
 from ckpttool.ops.state_checks import synthesized
 from ckpttool.ops.stats.compute import (
+    TINY_ABS_MAX,
     AdamHyper,
     Moments,
     ScaledSquares,
@@ -372,21 +373,24 @@ CANCELLING_VARIANCE = 1e-6
 def _std(ckpt: Checkpoint, key: str, s: SlabStats) -> float:
     """The finite values' standard deviation: :attr:`SlabStats.std`, or where its one-pass formula cancels
     (:data:`CANCELLING_VARIANCE`), ``sqrt(sum (x - mean)^2 / n)`` from a second read of the tensor."""
-    if s.finite < 2 or s.s2 <= 0 or not math.isfinite(s.s2):
-        return s.std
+    if s.finite < 2 or s.s2 <= 0 or not math.isfinite(s.s2) or s.abs_max < TINY_ABS_MAX:
+        return s.std  # tiny float64 values: taken scaled (_scaled_row)
     ms = s.s2 / s.finite
     if ms - s.mean * s.mean > CANCELLING_VARIANCE * ms:
         return s.std
     return math.sqrt(centered_squares(ckpt.reader, key, ckpt.catalog.tensors[key].chunks, s.mean) / s.finite)
 
 
-def _overflowing_row(
+def _scaled_row(
     ckpt: Checkpoint, row: TensorValueStats, s: SlabStats, chunks: tuple[ChunkMeta, ...] | None = None
 ) -> TensorValueStats:
     """``row`` with the mean, L2 and std of a tensor (over ``chunks``, default all: a stacked tensor's layer)
-    whose float64 sums overflowed (finite values beyond ~1e154: their squares pass float64's range) taken from
+    whose float64 sums overflowed (finite values beyond ~1e154: their squares pass float64's range) or underflow
+    (values below :data:`~ckpttool.ops.stats.compute.TINY_ABS_MAX`: their squares lose digits or read 0) taken from
     the values scaled by their largest ``|x|``, read again."""
-    if s.finite < 1 or not 0 < s.abs_max < math.inf or (math.isfinite(s.s1) and math.isfinite(s.s2)):
+    if s.finite < 1 or not 0 < s.abs_max < math.inf:
+        return row
+    if math.isfinite(s.s1) and math.isfinite(s.s2) and s.abs_max >= TINY_ABS_MAX:
         return row
     chunks = chunks or ckpt.catalog.tensors[row.key].chunks
     y1, y2 = scaled_sums(ckpt.reader, row.key, chunks, s.abs_max)
@@ -399,9 +403,11 @@ def _expert_norms(
     ckpt: Checkpoint, key: str, s: ValueSums, dim: int, chunks: tuple[ChunkMeta, ...] | None = None
 ) -> tuple[float, ...]:
     """The per-expert norms of ``s`` (``key``'s experts on ``dim``, over ``chunks``, default all): where a float64
-    sum of squares overflowed, taken of the values scaled by their largest ``|x|``, read again."""
+    sum of squares overflowed or underflowed (values below :data:`~ckpttool.ops.stats.compute.TINY_ABS_MAX`), taken
+    of the values scaled by their largest ``|x|``, read again."""
     n, scale = ckpt.catalog.tensors[key].shape[dim], s.acc.abs_max
-    if all(math.isfinite(v) for v in s.experts.values()) or not 0 < scale < math.inf:
+    fine = all(math.isfinite(v) for v in s.experts.values()) and scale >= TINY_ABS_MAX
+    if fine or not 0 < scale < math.inf:
         return tuple(math.sqrt(s.experts.get(e, 0.0)) for e in range(n))
     sq = scaled_expert_squares(ckpt.reader, key, chunks or ckpt.catalog.tensors[key].chunks, dim, scale)
     return tuple(math.sqrt(sq.get(e, 0.0)) * scale for e in range(n))
@@ -549,10 +555,10 @@ class _StackedLayers:
 
     def rows(self, ckpt: Checkpoint, roles: dict[str, tuple[str, str]]) -> dict[tuple[str, int], TensorValueStats]:
         """Each stacked tensor's rows per layer (named ``decoder.layers.3``; their ``std`` from the one pass, a
-        layer's float64 sums that overflowed taken again scaled, as a tensor's: :func:`_overflowing_row`)."""
+        layer's float64 sums that overflowed or underflowed taken again scaled, as a tensor's: :func:`_scaled_row`)."""
         entries = ckpt.catalog.tensors
         return {
-            (k, i): _overflowing_row(
+            (k, i): _scaled_row(
                 ckpt,
                 replace(_tensor_row(k, *roles[k], entries[k], s.acc, s.acc.std), layer=f"{self.stacked[k]}{i}"),
                 s.acc,
@@ -630,7 +636,7 @@ def _stats_one(ckpt: Checkpoint, opts: StatsOptions, progress: Progress) -> Chec
         layers.add(w, roles[w.key][0], a, b, u)
     entries = ckpt.catalog.tensors
     rows = [_tensor_row(k, roles[k][0], roles[k][1], entries[k], s.acc, _std(ckpt, k, s.acc)) for k, s in sums.items()]
-    rows = [_overflowing_row(ckpt, r, sums[r.key].acc) for r in rows]
+    rows = [_scaled_row(ckpt, r, sums[r.key].acc) for r in rows]
     rows = [replace(r, layer=stacked[r.key] + "*") if r.key in stacked else r for r in rows]
     slices = layers.rows(ckpt, roles)
     experts = tuple(

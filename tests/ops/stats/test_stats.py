@@ -1134,3 +1134,50 @@ def test_float64_change_whose_squares_overflow(tmp_path: Path, native: str, monk
     want_rel = want_abs / (float(torch.cat([(a / m).reshape(-1), small / m]).norm()) * m)
     assert change["absolute"] is not None and math.isclose(change["absolute"], want_abs, rel_tol=1e-12), change
     assert change["relative"] is not None and math.isclose(change["relative"], want_rel, rel_tol=1e-12), change
+
+
+@pytest.mark.parametrize("native", ["1", "0"])
+def test_float64_values_whose_squares_underflow_have_their_norm_std_and_change(
+    tmp_path: Path, native: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A float64 tensor of values near 1e-170 (their squares pass below float64's smallest 2.2e-308) printed its L2
+    and std as 0, its per-expert norms 0, and the change between two checkpoints of it 0 (`stayed`) where it moved.
+    The sums are now taken of the values scaled by their largest |x|, as torch's own figures scaled back."""
+    monkeypatch.setenv("CKPTTOOL_NATIVE", native)
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(64, 4, dtype=torch.float64, generator=g) * 1e-170
+    experts = torch.randn(3, 8, 4, dtype=torch.float64, generator=g) * 1e-160
+    experts[1] *= 1e-3  # one expert far smaller than the others
+    mixed = torch.randn(16, dtype=torch.float64, generator=g)
+    mixed[3] = 1e-200  # tiny beside ordinary values: the plain sums hold it (nothing to rescale)
+    a = {"layers.0.w": w, "layers.1.mlp.experts.w1": experts, "layers.2.w": mixed}
+    b = {"layers.0.w": w * 1.25, "layers.1.mlp.experts.w1": experts, "layers.2.w": mixed}
+    for name, sd in (("a", a), ("b", b)):
+        dcp.save({"model": sd}, checkpoint_id=str(tmp_path / name), no_dist=True)
+    res = runner.invoke(app, ["stats", "--json", "--by", "tensor", str(tmp_path / "a"), str(tmp_path / "b")])
+    assert res.exit_code == 0, res.stderr
+    doc = json.loads(res.stdout)
+    jsonschema.validate(doc, load_schema("stats"))
+    first = doc["checkpoints"][0]
+    rows = {t["fqn"]: t for t in first["tensors"]}
+    norms = {g["name"]: g["norms"]["weight"] for g in first["layers"]}
+
+    def scaled(x: torch.Tensor) -> list[float]:  # torch's figures of x / max|x|, scaled back
+        m = float(x.abs().max())
+        s = x / m
+        return [float(v) * m for v in (s.mean(), s.std(unbiased=False), s.norm())]
+
+    for name, x in a.items():
+        got = [rows[name][k] for k in ("mean", "std", "l2")]
+        want = scaled(x)
+        assert all(math.isclose(g_, w_, rel_tol=1e-12) for g_, w_ in zip(got, want)), (name, got, want)
+        assert math.isclose(norms[layer_of(name)], want[2], rel_tol=1e-12), (name, norms)
+    (row,) = first["experts"]
+    want_e = [scaled(experts[e])[2] for e in range(3)]
+    assert all(math.isclose(g_, w_, rel_tol=1e-12) for g_, w_ in zip(row["norms"], want_e)), (row["norms"], want_e)
+    changes = {c["layer"]: c for c in doc["changes"]}
+    want_abs = scaled(w * 1.25 - w)[2]
+    assert math.isclose(changes["layers.0"]["absolute"], want_abs, rel_tol=1e-12), changes["layers.0"]
+    assert math.isclose(changes["layers.0"]["relative"], 0.25, rel_tol=1e-12), changes["layers.0"]
+    assert changes["layers.1"]["absolute"] == 0.0 and changes["layers.1"]["relative"] == 0.0
+    assert changes["layers.2"]["relative"] == 0.0
