@@ -293,11 +293,13 @@ class ScaledSquares:
         self.scale = big
 
     def add_difference(self, x: np.ndarray, y: np.ndarray) -> None:
-        """Add ``sum (y - x)^2`` of finite float values."""
+        """Add ``sum (y - x)^2`` of finite float values (float32 values: each difference taken in float64, exact; in
+        float32 it was rounded where the two differ by more than a factor 2)."""
+        wide = x.dtype == np.float64 or y.dtype == np.float64
         with np.errstate(over="ignore"):  # float64 values near its range: a difference beyond it, inf
-            d = y - x
+            d = y - x if wide else np.subtract(y, x, out=work_array("diff", x.size, np.float64), dtype=np.float64)
             d2 = sum_squares(d)
-        if math.isfinite(d2) and (d2 >= _TINY_SQUARES or d.dtype.itemsize < 8):
+        if math.isfinite(d2) and (d2 >= _TINY_SQUARES or not wide):
             self.add(d2)
             return
         if math.isfinite(d2):  # float64 differences whose squares underflow

@@ -162,6 +162,26 @@ def test_relative_change_between_checkpoints_matches_torch(run3: list[Path], tmp
     assert [c["absolute"] for c in res.to_dict()["changes"]] == [c.absolute for c in res.changes]
 
 
+def test_change_of_float32_values_is_exact_in_float64(tmp_path: Path) -> None:
+    """The difference of two float32 values more than a factor 2 apart was rounded to float32 before its square was
+    taken in float64: ``‖W_b − W_a‖`` of two unrelated float32 tensors (a re-initialised head, complex64 RoPE tables
+    whose phase moved) was off torch's float64 figure by ~1e-9. Each difference is now taken in float64 (exact)."""
+    g = torch.Generator().manual_seed(0)
+    a = {"layers.0.w": torch.randn(4096, generator=g), "layers.1.freqs": torch.randn(512, 2, generator=g)}
+    b = {"layers.0.w": torch.randn(4096, generator=g), "layers.1.freqs": torch.randn(512, 2, generator=g)}
+    for name, sd in (("a", a), ("b", b)):
+        model = {"layers.0.w": sd["layers.0.w"], "layers.1.freqs": torch.view_as_complex(sd["layers.1.freqs"])}
+        dcp.save({"model": model}, checkpoint_id=str(tmp_path / name), no_dist=True)
+    res = runner.invoke(app, ["stats", "--json", str(tmp_path / "a"), str(tmp_path / "b")])
+    assert res.exit_code == 0, res.stderr
+    changes = {c["layer"]: c for c in json.loads(res.stdout)["changes"]}
+    for key, layer in (("layers.0.w", "layers.0"), ("layers.1.freqs", "layers.1")):
+        x, y = a[key].double(), b[key].double()
+        want_abs = float((y - x).norm())
+        assert math.isclose(changes[layer]["absolute"], want_abs, rel_tol=1e-12), (layer, changes[layer], want_abs)
+        assert math.isclose(changes[layer]["relative"], want_abs / float(x.norm()), rel_tol=1e-12), changes[layer]
+
+
 def test_change_columns_say_what_they_count(run3: list[Path], tmp_path: Path) -> None:
     """The change columns were headed ``Δ1→2``, ``Δ2→3`` (positions) over checkpoints named ``step-1``...: a reader
     took them for steps. Without known steps they are ``#N`` (the Nth checkpoint given), and the title says so;
