@@ -23,7 +23,7 @@ from ckpttool.engine.kernels import IEEE_BITS, float_values
 from ckpttool.engine.pool import map_ordered, worker_count
 from ckpttool.engine.stats import SlabStats
 from ckpttool.errors import CkptError, UsageError, at_least
-from ckpttool.format.metadata import ChunkMeta
+from ckpttool.format.metadata import TRAINABLE_DTYPES, ChunkMeta
 from ckpttool.model.catalog import Catalog, TensorEntry, match_filter, saved_by_counts
 from ckpttool.model.checkpoint import Checkpoint, CheckpointOrPath, OpenOptions, open_source
 from ckpttool.model.discovery import NEWER_INCOMPLETE, Located, named_step
@@ -487,10 +487,13 @@ class _Group:
 def _groups(
     rows: Iterable[TensorValueStats], updates: Iterable[tuple[str, Moments]], by: Callable[[TensorValueStats], str]
 ) -> tuple[GroupStats, ...]:
-    """The groups of ``rows`` named by ``by`` (in first-row order), with the update sizes ``(group, moments)``."""
+    """The groups of ``rows`` named by ``by`` (in first-row order), with the update sizes ``(group, moments)``.
+    Integer and bool tensors (a BatchNorm's ``num_batches_tracked``, masks, indices) are rows of their own but no
+    part of a group's sums: a counter of 200 is no weight."""
     groups: dict[str, _Group] = {}
     for r in rows:
-        groups.setdefault(by(r), _Group()).add(r)
+        if r.dtype in TRAINABLE_DTYPES:
+            groups.setdefault(by(r), _Group()).add(r)
     for name, u in updates:
         groups.setdefault(name, _Group()).upd.merge(u)
     return tuple(g.result(name) for name, g in groups.items())
@@ -893,8 +896,9 @@ def _changes(a: Checkpoint, b: Checkpoint, opts: StatsOptions, skipped: list[str
             skipped.append(f"{fqn}: {'missing in' if eb is None else 'another shape in'} {cb.path}")
             continue
         alike += 1
-        if ea.dtype.startswith("complex") != eb.dtype.startswith("complex"):
-            skipped.append(f"{fqn}: {ea.dtype} in {ca.path}, {eb.dtype} in {cb.path}")
+        why = _other_values(ea.dtype, eb.dtype, ca, cb)
+        if why:
+            skipped.append(f"{fqn}: {why}")
             continue
         orders = _pair_orders(a, ka, b, eb.key, ea.shape)
         if orders is None:
@@ -926,6 +930,16 @@ def _changes(a: Checkpoint, b: Checkpoint, opts: StatsOptions, skipped: list[str
         workers=worker_count(opts.workers, max(1, len(pairs))),
     )
     return _layer_changes(str(ca.path), str(cb.path), got)
+
+
+def _other_values(da: str, db: str, ca: Catalog, cb: Catalog) -> str | None:
+    """Why two tensors of one name and shape, of dtypes ``da`` and ``db``, have no change to measure: an integer or
+    bool tensor (a counter, mask or index) on either side, or complex values on one side only; ``None``: none."""
+    if da not in TRAINABLE_DTYPES or db not in TRAINABLE_DTYPES:
+        return f"{da if da not in TRAINABLE_DTYPES else db} values (a counter, mask or index, not a weight)"
+    if da.startswith("complex") != db.startswith("complex"):
+        return f"{da} in {ca.path}, {db} in {cb.path}"
+    return None
 
 
 def _layer_changes(a: str, b: str, got: Iterable[list[tuple[str, ScaledSquares, ScaledSquares]]]) -> list[LayerChange]:

@@ -1201,3 +1201,42 @@ def test_float64_values_whose_squares_underflow_have_their_norm_std_and_change(
     assert math.isclose(changes["layers.0"]["relative"], 0.25, rel_tol=1e-12), changes["layers.0"]
     assert changes["layers.1"]["absolute"] == 0.0 and changes["layers.1"]["relative"] == 0.0
     assert changes["layers.2"]["relative"] == 0.0
+
+
+def test_integer_buffers_are_rows_of_their_own_not_part_of_a_layers_sums(tmp_path: Path) -> None:
+    """A BatchNorm's `num_batches_tracked` (int64, the forward passes so far) was summed into its layer: its
+    `params`, ||weight||, abs max and change between checkpoints (||weight|| about the count, 80, where the floating
+    tensors' norm is ~2; the counter's 40 -> 80 swamped the weights' change). Integer and bool tensors stay rows of `--by tensor`, out
+    of the layer and module sums; the change lists them as not compared."""
+    from tests.fixtures.builders import save_quiet
+
+    torch.manual_seed(0)
+    m = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.BatchNorm1d(4))
+    opt = torch.optim.AdamW(m.parameters(), lr=1e-3)
+
+    def steps(n: int) -> None:
+        for _ in range(n):
+            m(torch.randn(8, 4)).pow(2).mean().backward()
+            opt.step()
+            opt.zero_grad()
+
+    steps(40)
+    save_quiet({"model": m.state_dict()}, tmp_path / "a")
+    sd_a = {k: v.clone() for k, v in m.state_dict().items()}
+    steps(40)
+    save_quiet({"model": m.state_dict()}, tmp_path / "b")
+    sd_b = m.state_dict()
+    assert sd_b["1.num_batches_tracked"].item() == 80
+    res = collect_stats([tmp_path / "a", tmp_path / "b"])
+    floating = [k for k in sd_b if k.startswith("1.") and sd_b[k].is_floating_point()]
+    layer = {g.name: g for g in res.checkpoints[1].layers}["1"]
+    want = torch.cat([sd_b[k].double().flatten() for k in floating])
+    assert layer.params == want.numel() and close(layer.norms["weight"], float(want.norm())), layer
+    assert close(layer.abs_max, float(want.abs().max())), layer
+    d = torch.cat([(sd_b[k].double() - sd_a[k].double()).flatten() for k in floating])
+    a = torch.cat([sd_a[k].double().flatten() for k in floating])
+    change = {c.layer: c for c in res.changes}["1"]
+    assert change.tensors == len(floating) and close(change.relative, float(d.norm() / a.norm())), change
+    assert any(s.startswith("1.num_batches_tracked: int64 values") for s in res.skipped), res.skipped
+    rows = {t.fqn: t for t in res.checkpoints[1].tensors}
+    assert rows["1.num_batches_tracked"].abs_max == 80  # still measured as a tensor of its own
