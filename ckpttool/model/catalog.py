@@ -283,6 +283,20 @@ class Catalog:
         folder = self.path if where is None else where if isinstance(where, PurePath) else _folder(where)
         return _common_state(self.schema, folder, self._common, self._remote, self._trust_pickle)
 
+    def state_only_hint(self, globs: Sequence[str]) -> str | None:
+        """The hint of a ``--filter`` that selects no parameter but matches optimizer-state keys
+        (``'*exp_avg_sq'``): a filter selects parameters, whose state comes with them. ``None``: no glob
+        matches a key of the optimizer state."""
+        for ps in self.optimizer_state.values():
+            for t in ps.fields.values():
+                g = next((g for g in globs if t is not None and match_filter(t.key, g, None)), None)
+                if t is not None and g is not None:
+                    return (
+                        f"{g!r} matches optimizer state (e.g. {t.key!r}), which comes with its parameter: "
+                        f"--filter selects parameters, e.g. {ps.fqn!r}"
+                    )
+        return None
+
     @property
     def param_fqns(self) -> list[str]:
         """Model keys without the schema's model prefix (the optimizer's fqns); a shared list, do not modify it.

@@ -1151,7 +1151,8 @@ def _select(
             f"{ckpt.path}: no {out_format.tensors_noun} to export"
             + (f" (`filter_glob` {opts.filter_glob!r} matched none)" if opts.filter_glob else ""),
             param="filter_glob" if opts.filter_glob else None,
-            hint="check the keys with `ckpttool inspect`"
+            hint=(opts.filter_glob and ckpt.catalog.state_only_hint((opts.filter_glob,)))
+            or "check the keys with `ckpttool inspect`"
             + (" and the `filter_glob` glob" if opts.filter_glob else "")
             + (
                 "; it is matched against the checkpoint's tensors, before fused experts are split: a fused tensor "

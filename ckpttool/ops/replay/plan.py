@@ -772,7 +772,8 @@ def _select(
                 f"`filter_glob` {filter_glob!r} matches none of the {len(params_in_model)} parameter(s)"
                 + (f" (with `select` {select!r})" if select else ""),
                 param="filter_glob",
-                hint=f"globs match checkpoint keys with or without 'model.', e.g. '*experts*' or '{example}'",
+                hint=cat.state_only_hint((filter_glob,))
+                or f"globs match checkpoint keys with or without 'model.', e.g. '*experts*' or '{example}'",
             )
         raise UsageError(
             f"`select` {select!r} matches none of the {len(params_in_model)} parameter(s) (e.g. {params_in_model[0]})",

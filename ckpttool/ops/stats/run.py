@@ -428,7 +428,10 @@ def _nothing_to_measure(ckpt: Checkpoint, opts: StatsOptions, notes: dict[str, l
     elif empty:
         hint = "pass a checkpoint that holds tensors (`ckpttool inspect` shows what this one holds)"
     else:
-        hint = "check --filter against `ckpttool inspect` (globs match fqns and keys)"
+        hint = (
+            ckpt.catalog.state_only_hint(opts.filters)
+            or "check --filter against `ckpttool inspect` (globs match fqns and keys)"
+        )
     return UsageError(
         f"{ckpt.catalog.path}: no tensor to measure"
         + (f" matches {', '.join(opts.filters)}" if opts.filters else "")
