@@ -730,7 +730,8 @@ def _summary(cat: Catalog, tensors: Mapping[str, TensorEntry]) -> Summary:
 
 
 def _model_rows(ckpt: Checkpoint, tensors: Mapping[str, TensorEntry], opts: InspectOptions) -> list[TensorEntry]:
-    """The model tensors ``filter_glob`` selects, in ``sort`` order; raises when it matches no key at all."""
+    """The model tensors ``filter_glob`` selects, in ``sort`` order; raises when it matches no key at all, or only
+    keys of the optimizer state (shown by their parameters: it would show nothing)."""
     cat, filt = ckpt.catalog, opts.filter_glob
     prefix = cat.schema.model_prefix
     model_rows = [t for t in cat.model.values() if match_filter(t.key, filt, prefix)] if filt else [*cat.model.values()]
@@ -741,6 +742,12 @@ def _model_rows(ckpt: Checkpoint, tensors: Mapping[str, TensorEntry], opts: Insp
             param="filter_glob",
             hint=f"globs match keys with or without {shown}, e.g. "
             f"'{cat.fqn_of(next(iter(cat.model), 'layers.0.x')).split('.')[0]}.*'",
+        )
+    state_only = filt and not model_rows and not any(match_filter(k, filt) for k in cat.other_tensors)
+    hint = cat.state_only_hint((filt,)) if filt and state_only else None
+    if filt and hint:  # the glob matched optimizer state, which inspect shows by its parameters: nothing shown
+        raise UsageError(
+            f"`filter_glob` {filt!r} selects no model tensor of {ckpt.path}", param="filter_glob", hint=hint
         )
     if opts.sort == "size":
         model_rows.sort(key=lambda t: (-t.nbytes, t.key))
@@ -967,7 +974,7 @@ def inspect(
         The :class:`InspectResult` (``to_dict()``: schema ``ckpttool.inspect/1``, ``docs/inspect.md``).
 
     Raises:
-        UsageError: ``sort`` unknown, ``filter_glob`` matching no key.
+        UsageError: ``sort`` unknown, ``filter_glob`` matching no key (or only optimizer-state keys).
         CkptError: an unreadable or unsafe param-group byte item.
         LayoutError: a layout declaration that contradicts the record or the chunk geometry.
         plus those of :func:`~ckpttool.model.checkpoint.open_checkpoint` (unusable ``.metadata``).
