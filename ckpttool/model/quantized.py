@@ -43,6 +43,7 @@ __all__ = [
     "scaled_pairs",
     "scheme_name",
     "unclaimed_scales",
+    "unscaled_fused_experts",
 ]
 
 FP8_SCALE_SUFFIX = "_scale_inv"
@@ -427,7 +428,32 @@ def scaled_pairs(
     for more, unfit in found:
         pairs += more
         problems += unfit
-    return pairs, problems + unclaimed_scales(tensors, config, found)
+    return pairs, problems + unclaimed_scales(tensors, config, found) + unscaled_fused_experts(tensors, config)
+
+
+def unscaled_fused_experts(
+    tensors: Mapping[str, tuple[str, tuple[int, ...]]], config: Mapping[str, Any] | None
+) -> list[tuple[str, str]]:
+    """``(key, why)`` under a block-FP8 ``quantization_config`` (``quant_method`` ``fp8`` with ``weight_block_size``)
+    for a fused expert tensor ``x`` ``float8_e4m3fn`` ``[E, out, in]`` with no ``x_scale_inv``, and for an ``x_scale_inv``
+    ``[E, ...]`` whose ``x`` is missing: as a 2-D ``x.weight`` with no scale (:func:`find_quantized`), its codes would be
+    read as its values (``dcp.load`` casts them), its siblings dequantized. Without such a config an unscaled float8
+    tensor is read as stored (nothing says it is quantized)."""
+    qc = config.get("quantization_config") if isinstance(config, Mapping) else None
+    if not isinstance(qc, dict) or qc.get("quant_method") != "fp8" or qc.get("weight_block_size") is None:
+        return []
+    problems: list[tuple[str, str]] = []
+    for key, (dt, shape) in sorted(tensors.items()):
+        if dt == "float8_e4m3fn" and len(shape) == 3 and key + FP8_SCALE_SUFFIX not in tensors:
+            problems.append(
+                (key, f"{key}: a float8_e4m3fn fused expert tensor {list(shape)} with no {key + FP8_SCALE_SUFFIX!r}")
+            )
+        elif len(shape) == 3 and key.endswith(FP8_SCALE_SUFFIX) and not key.endswith(".weight" + FP8_SCALE_SUFFIX):
+            if key[: -len(FP8_SCALE_SUFFIX)] not in tensors:
+                problems.append(
+                    (key, f"{key}: fused expert scales for a missing weight {key[: -len(FP8_SCALE_SUFFIX)]!r}")
+                )
+    return problems
 
 
 def _quant_method(config: Mapping[str, Any] | None) -> str:
