@@ -973,7 +973,7 @@ class BlockQuantizer:
             if merge is not None:  # PEFT's (B @ A) * scaling, in FP32, before the one rounding (to FP8), band by band
                 for a0, a1, _, _ in self._band_spans(r1 - r0, cols):
                     for o0, s0, n, _ in _source_ranges(qt.rows[k], r0 + a0, r0 + a1):
-                        unit[o0 - r0 : o0 - r0 + n] += (merge.b[s0 : s0 + n] @ merge.a) * np.float32(merge.scale)
+                        _merge_rows(task.source_key, merge, s0, unit[o0 - r0 : o0 - r0 + n])
             self._quantize(
                 weight.name, f"expert {e} " if len(weight.shape) > 2 else "", jj0, unit, q2, scale, qt.sources
             )
@@ -982,7 +982,7 @@ class BlockQuantizer:
                     self._merge_changed(task, meta, chunks, k, (r0 + a0, r0 + a1), q2[a0:a1], scale[c0:c1])
                     for a0, a1, c0, c1 in self._band_spans(r1 - r0, cols)
                 )
-        except QuantizationError:
+        except ExportError:  # E607, or a LoRA merge that is not finite (E601)
             self._crcs.verify(touched)  # damaged bytes: their ChecksumError first
             raise
         at = r0 * 4 if self.channel else j0 * scales.shape[-1] * 4
@@ -1230,6 +1230,30 @@ def _widen(raw: np.ndarray, dtype: str, dest: np.ndarray, key: str) -> None:
             )
     else:
         np.copyto(dest, raw.view(np.float16).reshape(shape))
+
+
+def _merge_rows(key: str, merge: Any, s0: int, rows: np.ndarray) -> None:
+    """``rows`` (float32, source rows ``s0..`` of ``key``) += ``s * B @ A`` of their rows (a :class:`LoraMerge`'s
+    factors), in place.
+
+    Raises:
+        ExportError (E601): a merged value not finite where the stored one is (an infinite or NaN factor, a huge
+            ``lora_alpha``), as the unquantized merge refuses it (not told as the checkpoint's NaN).
+    """
+    import numpy as np
+
+    from ckpttool.ops.export.merge import nonfinite_merge
+
+    with np.errstate(over="ignore", invalid="ignore"):
+        merged = rows + (merge.b[s0 : s0 + rows.shape[0]] @ merge.a) * np.float32(merge.scale)
+    bad = np.flatnonzero(~np.isfinite(merged) & np.isfinite(rows))
+    if bad.size:
+        r, c = divmod(int(bad[0]), rows.shape[1])
+        v, w = float(merged.flat[bad[0]]), float(rows.flat[bad[0]])
+        raise nonfinite_merge(
+            key, f" at [{s0 + r}, {c}]", v, w, "to quantize", f"{bad.size} such value(s) in these rows", merge.scale
+        )
+    rows[...] = merged
 
 
 def _held(dtype: str) -> Any:
