@@ -43,6 +43,7 @@ __all__ = [
     "scaled_pairs",
     "scheme_name",
     "unclaimed_scales",
+    "unscaled_fused_experts",
 ]
 
 FP8_SCALE_SUFFIX = "_scale_inv"
@@ -196,9 +197,12 @@ def fused_experts(
 
 
 def find_quantized(
-    tensors: Mapping[str, tuple[str, tuple[int, ...]]], block: tuple[int, int] = (128, 128)
+    tensors: Mapping[str, tuple[str, tuple[int, ...]]],
+    block: tuple[int, int] = (128, 128),
+    scale_suffix: str = FP8_SCALE_SUFFIX,
 ) -> tuple[list[QuantPair], list[tuple[str, str]]]:
-    """The quantized pairs among ``tensors`` (key -> ``(dtype name, shape)``) and the keys that do not fit.
+    """The quantized pairs among ``tensors`` (key -> ``(dtype name, shape)``) and the keys that do not fit
+    (``scale_suffix``: the scale a ``float8_e4m3fn`` ``x.weight`` without one is said to lack).
 
     Returns:
         ``(pairs, problems)``: pairs sorted by weight key; ``(key, why)`` for a scale of a missing
@@ -208,14 +212,14 @@ def find_quantized(
         shapes that do not fit; fused experts (``fp8-experts``) after the others, with their problems
         (a 3-D weight with a scale is theirs, not a 2-D problem).
     """
-    pairs, problems = _pairs_2d(tensors, block)
+    pairs, problems = _pairs_2d(tensors, block, scale_suffix)
     fused, fused_problems = fused_experts(tensors, block)
     theirs = {k for p in fused for k in (p.weight, p.scale)} | {k for k, _ in fused_problems}
     return pairs + fused, [p for p in problems if p[0] not in theirs] + fused_problems
 
 
 def _pairs_2d(
-    tensors: Mapping[str, tuple[str, tuple[int, ...]]], block: tuple[int, int]
+    tensors: Mapping[str, tuple[str, tuple[int, ...]]], block: tuple[int, int], scale_suffix: str = FP8_SCALE_SUFFIX
 ) -> tuple[list[QuantPair], list[tuple[str, str]]]:
     """Block FP8 ``x.weight`` / ``x.weight_scale_inv`` and MXFP4 pairs, and the keys of theirs that do not fit."""
     pairs: list[QuantPair] = []
@@ -244,7 +248,7 @@ def _pairs_2d(
             pairs.append(QuantPair("mxfp4", bkey, key, name, (e, g * b * 2, n), (e, n, g, b), (1, 2 * b)))
         elif dt == "float8_e4m3fn" and key.endswith(".weight") and key + FP8_SCALE_SUFFIX not in tensors:
             if len(shape) == 2 and key + "_scale" not in tensors:
-                problems.append((key, f"{key}: a float8_e4m3fn weight with no {key + FP8_SCALE_SUFFIX!r}"))
+                problems.append((key, f"{key}: a float8_e4m3fn weight with no {key + scale_suffix!r}"))
         elif key.endswith(_MX_BLOCKS) and dt == "uint8" and key[: -len(_MX_BLOCKS)] + _MX_SCALES not in tensors:
             problems.append((key, f"{key}: MXFP4 blocks with no {key[: -len(_MX_BLOCKS)] + _MX_SCALES!r}"))
     return pairs, problems
@@ -422,12 +426,41 @@ def scaled_pairs(
     (:func:`per_tensor_fp8`), which only their ``quantization_config`` admits. The caller checks
     :func:`block_size_problem` first where a wrong grid must not fall back to the default.
     """
-    pairs, problems = find_quantized(tensors, block_size(config))
+    qc = config.get("quantization_config") if isinstance(config, Mapping) else None
+    qm, wbs = (qc.get("quant_method"), qc.get("weight_block_size")) if isinstance(qc, dict) else (None, None)
+    # compressed-tensors and vLLM's per-tensor FP8 scale x.weight by x.weight_scale: a weight with none lacks that
+    per_weight = qm == "compressed-tensors" or (qm == "fp8" and wbs is None)
+    pairs, problems = find_quantized(tensors, block_size(config), CT_SCALE_SUFFIX if per_weight else FP8_SCALE_SUFFIX)
     found = [compressed_tensors_fp8(tensors, config), per_tensor_fp8(tensors, config)]
     for more, unfit in found:
         pairs += more
         problems += unfit
-    return pairs, problems + unclaimed_scales(tensors, config, found)
+    return pairs, problems + unclaimed_scales(tensors, config, found) + unscaled_fused_experts(tensors, config)
+
+
+def unscaled_fused_experts(
+    tensors: Mapping[str, tuple[str, tuple[int, ...]]], config: Mapping[str, Any] | None
+) -> list[tuple[str, str]]:
+    """``(key, why)`` under a block-FP8 ``quantization_config`` (``quant_method`` ``fp8`` with ``weight_block_size``)
+    for a fused expert tensor ``x`` ``float8_e4m3fn`` ``[E, out, in]`` with no ``x_scale_inv``, and for an ``x_scale_inv``
+    ``[E, ...]`` whose ``x`` is missing: as a 2-D ``x.weight`` with no scale (:func:`find_quantized`), its codes would be
+    read as its values (``dcp.load`` casts them), its siblings dequantized. Without such a config an unscaled float8
+    tensor is read as stored (nothing says it is quantized)."""
+    qc = config.get("quantization_config") if isinstance(config, Mapping) else None
+    if not isinstance(qc, dict) or qc.get("quant_method") != "fp8" or qc.get("weight_block_size") is None:
+        return []
+    problems: list[tuple[str, str]] = []
+    for key, (dt, shape) in sorted(tensors.items()):
+        if dt == "float8_e4m3fn" and len(shape) == 3 and key + FP8_SCALE_SUFFIX not in tensors:
+            problems.append(
+                (key, f"{key}: a float8_e4m3fn fused expert tensor {list(shape)} with no {key + FP8_SCALE_SUFFIX!r}")
+            )
+        elif len(shape) == 3 and key.endswith(FP8_SCALE_SUFFIX) and not key.endswith(".weight" + FP8_SCALE_SUFFIX):
+            if key[: -len(FP8_SCALE_SUFFIX)] not in tensors:
+                problems.append(
+                    (key, f"{key}: fused expert scales for a missing weight {key[: -len(FP8_SCALE_SUFFIX)]!r}")
+                )
+    return problems
 
 
 def _quant_method(config: Mapping[str, Any] | None) -> str:

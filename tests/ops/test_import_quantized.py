@@ -569,6 +569,26 @@ def test_compressed_tensors_weights_it_cannot_dequantize_are_refused(tmp_path: P
     assert not (tmp_path / "dcp").exists()
 
 
+@pytest.mark.parametrize(
+    "qc",
+    [
+        {"quant_method": "compressed-tensors", "format": "float-quantized", "config_groups": {"g": {"weights": {}}}},
+        {"quant_method": "fp8"},  # vLLM's per-tensor FP8
+        {"quant_method": "fp8", "weight_block_size": [16, 16]},  # block FP8
+    ],
+)
+def test_a_float8_weight_without_its_scale_names_the_scale_its_config_expects(tmp_path: Path, qc: Any) -> None:
+    """A float8 weight with no scale under a compressed-tensors or per-tensor ``fp8`` config (whose weights are
+    scaled by ``x.weight_scale``) was refused as lacking a block-FP8 ``x.weight_scale_inv``, a tensor those
+    conventions never store; the error names ``x.weight_scale`` there (``weight_scale_inv`` under block FP8)."""
+    q = torch.randint(0, 0x70, (32, 32), dtype=torch.uint8).view(torch.float8_e4m3fn)
+    src = _write_folder(tmp_path / "src", {"l.weight": q, "n.weight": torch.ones(32)}, {"quantization_config": qc})
+    err = _import(src, tmp_path / "dcp", code=2)
+    want = "l.weight_scale_inv" if "weight_block_size" in qc else "l.weight_scale"
+    assert f"[E612] l.weight: a float8_e4m3fn weight with no '{want}'" in err, err
+    assert not (tmp_path / "dcp").exists()
+
+
 def test_per_tensor_fp8_of_vllms_fp8_convention_is_dequantized(tmp_path: Path) -> None:
     """A per-tensor FP8 folder (``quant_method: fp8`` without ``weight_block_size``: one float32 ``x.weight_scale`` a
     weight, ``x.input_scale`` for the activations, as vLLM's ``Fp8Config`` reads them) was imported with its

@@ -74,8 +74,9 @@ def split_dequantized_experts(
     pieces, each dequantized with its own expert's scale rows (``weight_scale_inv`` ``[E, ceil(out/B0), ceil(in/B1)]``,
     DeepSeek-V3's and transformers' ``FP8Experts`` grid: one per expert, as ``export --quantize fp8-block`` writes it).
 
-    Returns ``(items, tensors cut, names of quantized fused expert tensors the other side does not hold that could
-    not be cut)`` (their scale did not pair, or the other side holds no piece of theirs): those are not compared.
+    Returns ``(items, tensors cut, names of quantized fused expert tensors whose pieces the other side holds that
+    could not be cut)`` (their scale did not pair): those are not compared. A fused tensor the other side holds no
+    piece of is only in its side, as an unquantized one is (no name returned).
     """
     from ckpttool.ops.export.rules import load_rules
 
@@ -92,8 +93,9 @@ def split_dequantized_experts(
             continue
         pieces = _pieces(item, other, own, rules) if item.dequant is not None else None
         if pieces is None:
-            uncut.append(item.name)
-            out.append(item)
+            if item.dequant is None and _held_per_expert(item, other, rules):
+                uncut.append(item.name)  # its scale did not pair: the other side's pieces stay unmatched
+            out.append(item)  # else the other side holds no piece of it (or its own side does): only in one side
             continue
         out.extend(pieces)
         own.update(p.name for p in pieces)
@@ -110,6 +112,23 @@ def fused_unpaired(items: list[Item], other: set[str]) -> bool:
 
     rules = load_rules(None, None)
     return any(rules.expert_rule(i.name) for i in items if i.name not in other)
+
+
+def _held_per_expert(item: Item, other: set[str], rules: Any) -> bool:
+    """Whether ``other`` holds a per-expert piece of fused ``item`` ``[E, out, in]`` (by the export rules' names,
+    as :func:`_pieces` cuts it), whatever its dtype."""
+    from ckpttool.ops.export.plan import Selected, per_expert_pieces
+
+    if item.entry is None or len(item.shape) != 3 or not item.shape[0]:
+        return False
+    names = [n for n in (lambda n: n, rules.saved_name) if n is not None]
+    for rule in rules.experts:
+        if not rule.pattern.fullmatch(item.name) or item.shape[1] % len(rule.parts):
+            continue
+        cut = per_expert_pieces(Selected(item.key, item.name, item.entry, "params"), rule, item.dtype)
+        if any(name(p.name) in other for name in names for p in cut):
+            return True
+    return False
 
 
 def _pieces(item: Item, other: set[str], own: set[str], rules: Any) -> list[Item] | None:

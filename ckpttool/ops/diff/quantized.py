@@ -15,8 +15,9 @@ within tolerance when ``|a - b| <= atol + rtol * |b|`` with
   to nearest on 3 mantissa bits, which leaves room for the other side's BF16 rounding) and ``atol``
   ``2^-9`` times the element's own block scale (one e4m3fn subnormal step: values quantized to the
   subnormal range; an infinite scale's block dequantizes to infinities and NaN, all outside);
-- MXFP4: ``rtol`` :data:`MXFP4_RTOL` (``2^-1``, one E2M1 step) and ``atol`` ``2^-1`` times the largest
-  group scale ``2^(e - 127)``.
+- MXFP4: ``rtol`` :data:`MXFP4_RTOL` (``2^-1``, one E2M1 step) and ``atol`` ``2^-1`` times the element's own
+  group scale ``2^(e - 127)`` (one group's large scale does not widen the others'; an exponent 0xFF's group
+  dequantizes to NaN, outside).
 
 Two quantized sides are compared dequantized, bitwise unless a tolerance is given. ``docs/diff.md``.
 """
@@ -140,7 +141,9 @@ def load_dequantized(side: Side, item: Item) -> Any:
     g = e.size // experts // n
     b = q.size // e.size
     vals = kernels.mxfp4_dequantize(q.reshape(-1, b), e).reshape(experts, n, g * 2 * b)
-    side.quant_atol = _MXFP4_ATOL_STEPS * (2.0 ** (int(e.max()) - 127) if e.size else 0.0)
+    finite = e[e != 0xFF]  # an exponent 0xFF (NaN) would make every element of the tensor "within"
+    side.quant_atol = _MXFP4_ATOL_STEPS * (2.0 ** (int(finite.max()) - 127) if finite.size else 0.0)
+    side.quant_atol_at = _mxfp4_atol_at(e.reshape(experts, n, g), 2 * b)
     return torch.from_numpy(np.ascontiguousarray(vals.transpose(0, 2, 1)))
 
 
@@ -229,17 +232,35 @@ def _fp8_atol_at(grids: Any, rows: int, cols: int, block: tuple[int, int], offse
     return at
 
 
+def _mxfp4_atol_at(exponents: Any, group: int) -> Callable[[Any], Any]:
+    """``atol(flat positions)`` of an MXFP4 weight dequantized to ``[E, G*group, N]`` (``exponents`` ``[E, N, G]``,
+    ``group`` values a group): ``2^-1`` times the scale ``2^(e - 127)`` of each element's own group (an exponent
+    0xFF counts 0: its group dequantizes to NaN, outside anyway)."""
+    import numpy as np
+    import torch
+
+    experts, n, g = exponents.shape
+    scale = np.ldexp(1.0, exponents.astype(np.int64) - 127)
+    t = torch.from_numpy(np.where(exponents == 0xFF, 0.0, scale * _MXFP4_ATOL_STEPS))
+    rows = g * group
+
+    def at(pos: Any) -> Any:
+        e, rem = pos // (rows * n), pos % (rows * n)
+        return t[e, rem % n, (rem // n) // group]
+
+    return at
+
+
 def quant_tolerance(ia: Item, ib: Item, a: Side, b: Side) -> tuple[float, Any] | None:
     """``(rtol, atol)`` of a pair with exactly one dequantized side (the defaults above), else ``None``;
-    a block-FP8 side's ``atol`` is per element (each block's own scale: one block's large scale does not
-    widen the others')."""
+    a block-FP8 or MXFP4 side's ``atol`` is per element (each block's or group's own scale: one large scale
+    does not widen the others')."""
     if (ia.dequant is None) == (ib.dequant is None):
         return None
     side, it = (a, ia) if ia.dequant is not None else (b, ib)
     assert it.dequant is not None
-    if it.dequant[0] == "mxfp4":
-        return MXFP4_RTOL, side.quant_atol
-    return FP8_RTOL, side.quant_atol_at if side.quant_atol_at is not None else side.quant_atol
+    rtol = MXFP4_RTOL if it.dequant[0] == "mxfp4" else FP8_RTOL
+    return rtol, side.quant_atol_at if side.quant_atol_at is not None else side.quant_atol
 
 
 def tolerance_used(ia: Item, ib: Item, a: Side, b: Side) -> tuple[str, float, float] | None:
@@ -261,5 +282,5 @@ def note(counts: tuple[int, int]) -> str | None:
     return (
         f"{DEQUANTIZED_NOTE} ({sides}; scales not compared on their own); against an "
         f"unquantized side within rtol {FP8_RTOL} (FP8) / {MXFP4_RTOL} (MXFP4) and atol one subnormal step times "
-        "each element's block scale (FP8) / the tensor's largest group scale (MXFP4), unless `rtol` / `atol` are given"
+        "each element's block scale (FP8) / group scale (MXFP4), unless `rtol` / `atol` are given"
     )

@@ -28,7 +28,7 @@ from ckpttool.ops.export.transform import Cast, SlabWhere
 if TYPE_CHECKING:
     import numpy as np
 
-__all__ = ["LoraMerge", "UNMERGED_VARIANTS", "lora_scaling"]
+__all__ = ["LoraMerge", "UNMERGED_VARIANTS", "lora_scaling", "nonfinite_merge"]
 
 #: ``LoraConfig`` fields of the LoRA variants whose trained model is not ``W + s * B @ A`` (PEFT's
 #: ``tuners/lora/variants.py``): the field -> why the merge would not be that model.
@@ -158,11 +158,24 @@ class LoraMerge:
         i = int(hit[0])
         flat = next((g + i - off for off, g, n in where.ranges if off <= i < off + n), None)
         at = f" at {[int(x) for x in unravel(flat, where.shape)]}" if flat is not None else ""
-        raise ExportError(
-            f"{where.key}: the LoRA merge W + s * B @ A{at} is {float(w[i])!r} (float32) where W is "
-            f"{float(before[i])!r}, not finite as {self.out_dtype} ({hit.size} such value(s) in this slab; "
-            f"s = {self.scale:g})",
-            fqn=where.key,
-            hint="check the lora_alpha given (`lora_alpha` or the adapter config) and the lora_A / lora_B factors "
-            "(`ckpttool stats --filter '*lora_*'`); nothing was written",
+        raise nonfinite_merge(
+            where.key,
+            at,
+            float(w[i]),
+            float(before[i]),
+            f"as {self.out_dtype}",
+            f"{hit.size} such value(s) in this slab",
+            self.scale,
         )
+
+
+def nonfinite_merge(key: str, at: str, value: float, base: float, target: str, count: str, scale: float) -> ExportError:
+    """The E601 of a LoRA merge ``W + s * B @ A`` that is not finite where ``W`` is (``at``: `` at [row, col]`` or
+    empty; ``target``: what it is not finite as, ``as bfloat16`` or ``to quantize``; ``count``: how many, where)."""
+    return ExportError(
+        f"{key}: the LoRA merge W + s * B @ A{at} is {value!r} (float32) where W is {base!r}, not finite {target} "
+        f"({count}; s = {scale:g})",
+        fqn=key,
+        hint="check the lora_alpha given (`lora_alpha` or the adapter config) and the lora_A / lora_B factors "
+        "(`ckpttool stats --filter '*lora_*'`); nothing was written",
+    )

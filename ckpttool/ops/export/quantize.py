@@ -96,6 +96,10 @@ _QUANTIZABLE = ("float32", "bfloat16", "float16", "float64")
 #: The largest error allowed, per block, relative to the block's amax: half an e4m3fn ulp at the top of the range
 #: (16 / 448 = 0.0357, round to nearest even on 3 mantissa bits) plus float32 rounding of ``w / scale``.
 MAX_BLOCK_REL_ERROR = 16 / 448 * (1 + 2**-10)
+_E607_HINT = (
+    "leave the tensor unquantized with `quantize_skip`, or check the checkpoint with `ckpttool validate --deep`"
+)
+_MASTER_HINT = " (the values are its FP32 master_weight's: `weights` params quantizes the stored parameter)"
 
 
 def scale_name(weight: str, suffix: str = "_scale_inv") -> str:
@@ -969,14 +973,16 @@ class BlockQuantizer:
             if merge is not None:  # PEFT's (B @ A) * scaling, in FP32, before the one rounding (to FP8), band by band
                 for a0, a1, _, _ in self._band_spans(r1 - r0, cols):
                     for o0, s0, n, _ in _source_ranges(qt.rows[k], r0 + a0, r0 + a1):
-                        unit[o0 - r0 : o0 - r0 + n] += (merge.b[s0 : s0 + n] @ merge.a) * np.float32(merge.scale)
-            self._quantize(weight.name, f"expert {e} " if len(weight.shape) > 2 else "", jj0, unit, q2, scale)
+                        _merge_rows(task.source_key, merge, s0, unit[o0 - r0 : o0 - r0 + n])
+            self._quantize(
+                weight.name, f"expert {e} " if len(weight.shape) > 2 else "", jj0, unit, q2, scale, qt.sources
+            )
             if merge is not None and not merge.changed:
                 merge.changed = any(
                     self._merge_changed(task, meta, chunks, k, (r0 + a0, r0 + a1), q2[a0:a1], scale[c0:c1])
                     for a0, a1, c0, c1 in self._band_spans(r1 - r0, cols)
                 )
-        except QuantizationError:
+        except ExportError:  # E607, or a LoRA merge that is not finite (E601)
             self._crcs.verify(touched)  # damaged bytes: their ChecksumError first
             raise
         at = r0 * 4 if self.channel else j0 * scales.shape[-1] * 4
@@ -997,10 +1003,20 @@ class BlockQuantizer:
             for i, a0 in enumerate(range(0, n, b))
         ]
 
-    def _quantize(self, name: str, expert: str, band0: int, rows: np.ndarray, q: np.ndarray, scale: np.ndarray) -> None:
+    def _quantize(
+        self,
+        name: str,
+        expert: str,
+        band0: int,
+        rows: np.ndarray,
+        q: np.ndarray,
+        scale: np.ndarray,
+        sources: tuple[str, ...] = (),
+    ) -> None:
         """Quantize and check a unit's bands of ``B`` rows (``expert``: ``"expert 3 "`` or empty; ``band0``: the index of
         its first band in the matrix) of output weight ``name`` into ``q`` (``uint8`` ``[rows, cols]``) and ``scale``
-        (float32, one per block / row, band after band); record their figures.
+        (float32, one per block / row, band after band); record their figures. ``sources``: the checkpoint keys read;
+        an error names those that are FP32 ``master_weight`` copies (the parameter itself may hold no such value).
 
         Raises:
             QuantizationError (E607): the first band, in order, with a bad scale or an error above the bound.
@@ -1020,14 +1036,18 @@ class BlockQuantizer:
             r = self._bands_kernel(rows, block, self.block, q, scale)
             amax, worst, rel = r.amax, r.worst, r.rel
         if not (np.isfinite(scale).all() and ((scale > 0) | (amax == 0)).all() and (rel <= MAX_BLOCK_REL_ERROR).all()):
+            masters = [k for k in sources if k.endswith(".master_weight")]
+            label = f"{name} (read from {', '.join(map(repr, masters))})" if masters else name
+            hint = _E607_HINT + _MASTER_HINT if masters else _E607_HINT
             for i, (a0, a1, c0, c1) in enumerate(spans):  # the first bad band, as one band at a time would find it
                 where = _Where(expert, band0 + i, (band0 + i) * self.block)
-                self._check_scales(name, where, scale[c0:c1], amax[c0:c1])
+                self._check_scales(label, where, scale[c0:c1], amax[c0:c1], name, hint)
                 if not rel[i] <= MAX_BLOCK_REL_ERROR:
                     raise QuantizationError(
-                        f"{name}: {expert}rows {where.row}..{where.row + a1 - a0 - 1} dequantize with a relative "
+                        f"{label}: {expert}rows {where.row}..{where.row + a1 - a0 - 1} dequantize with a relative "
                         f"error of {float(rel[i]):.4g} (bound {MAX_BLOCK_REL_ERROR:.4g})",
                         fqn=name,
+                        hint=hint if masters else None,
                     )
         zero = int(np.count_nonzero(amax == 0))
         with self._lock:
@@ -1062,9 +1082,12 @@ class BlockQuantizer:
             q0, s0_, _ = kernels.fp8_block_quantize(base, self.block)
         return not (np.array_equal(q0, q) and np.array_equal(s0_.view(np.uint32), scale.view(np.uint32)))
 
-    def _check_scales(self, name: str, where: _Where, scale: np.ndarray, amax: np.ndarray) -> None:
+    def _check_scales(
+        self, name: str, where: _Where, scale: np.ndarray, amax: np.ndarray, fqn: str = "", hint: str = _E607_HINT
+    ) -> None:
         """Raises E607 for a non-finite scale or a zero one of a non-zero block (``where``: the band's expert, index
-        and first row; a block band's scales run along the columns, a channel band's one per row)."""
+        and first row; a block band's scales run along the columns, a channel band's one per row; ``name``: the
+        weight as the message names it, ``fqn``: its output key, ``name`` if empty)."""
         import numpy as np
 
         bad = np.flatnonzero(~np.isfinite(scale) | ((scale <= 0) & (amax != 0)))
@@ -1074,9 +1097,8 @@ class BlockQuantizer:
             at = f"row {where.row + j}" if self.channel else f"block ({where.band}, {j})"
             raise QuantizationError(
                 f"{name}: {where.expert}{at} {why}: no finite positive FP8 scale",
-                fqn=name,
-                hint="leave the tensor unquantized with `quantize_skip`, or check the checkpoint with "
-                "`ckpttool validate --deep`",
+                fqn=fqn or name,
+                hint=hint,
             )
 
     def _read_rows(
@@ -1208,6 +1230,30 @@ def _widen(raw: np.ndarray, dtype: str, dest: np.ndarray, key: str) -> None:
             )
     else:
         np.copyto(dest, raw.view(np.float16).reshape(shape))
+
+
+def _merge_rows(key: str, merge: Any, s0: int, rows: np.ndarray) -> None:
+    """``rows`` (float32, source rows ``s0..`` of ``key``) += ``s * B @ A`` of their rows (a :class:`LoraMerge`'s
+    factors), in place.
+
+    Raises:
+        ExportError (E601): a merged value not finite where the stored one is (an infinite or NaN factor, a huge
+            ``lora_alpha``), as the unquantized merge refuses it (not told as the checkpoint's NaN).
+    """
+    import numpy as np
+
+    from ckpttool.ops.export.merge import nonfinite_merge
+
+    with np.errstate(over="ignore", invalid="ignore"):
+        merged = rows + (merge.b[s0 : s0 + rows.shape[0]] @ merge.a) * np.float32(merge.scale)
+    bad = np.flatnonzero(~np.isfinite(merged) & np.isfinite(rows))
+    if bad.size:
+        r, c = divmod(int(bad[0]), rows.shape[1])
+        v, w = float(merged.flat[bad[0]]), float(rows.flat[bad[0]])
+        raise nonfinite_merge(
+            key, f" at [{s0 + r}, {c}]", v, w, "to quantize", f"{bad.size} such value(s) in these rows", merge.scale
+        )
+    rows[...] = merged
 
 
 def _held(dtype: str) -> Any:

@@ -174,3 +174,32 @@ def test_a_folder_holding_both_expert_forms_is_not_cut_onto_its_own_names(forms:
         assert not doc["equal"] and not [n for n in doc["notes"] if "compared per expert" in n]
         assert sorted((d["kind"], d["name"]) for d in doc["differences"]) == sorted((side, k) for k in extra)
         assert doc["counts"]["compared"] == doc["counts"]["equal"] == len(sd)
+
+
+@pytest.mark.parametrize("quantize", [(), ("--quantize", "fp8-block", "--quantize-block", "8")])
+def test_a_fused_fp8_tensor_only_in_one_side_is_only_in_that_side_with_no_note(tmp_path: Path, quantize: tuple) -> None:
+    """A fused expert tensor one side lacks (and holds no per-expert piece of) is only in the other side. Quantized,
+    a note also said it was "not dequantized (their scale does not pair), so not cut per expert" and not compared
+    with "A's per-expert tensors": its scale pairs, and A holds none. The FP8 pair now reads as the BF16 pair does."""
+    from tests.ops.export.test_export_quant_experts import _tiny_moe
+
+    src = _tiny_moe(tmp_path / "ckpt")
+    assets = tmp_path / "assets"
+    assets.mkdir()
+    (assets / "config.json").write_text('{"hidden_size": 20}')  # the export adds the quantization_config: scales pair
+    full = tmp_path / "full"
+    res = runner.invoke(
+        app, ["export", str(src), str(full), "--experts", "fused", "--model-assets", str(assets), *quantize]
+    )
+    assert res.exit_code == 0, res.stderr
+    cut = tmp_path / "cut"
+    shutil.copytree(full, cut)
+    gone = "model.layers.0.mlp.experts.gate_up_proj"
+    tensors = {k: v for k, v in load_file(str(cut / "model.safetensors")).items() if not k.startswith(gone)}
+    save_file(tensors, str(cut / "model.safetensors"), metadata={"format": "pt"})
+    (cut / "model.safetensors.index.json").unlink()
+    doc = _diff(cut, full, code=1)
+    only_b = sorted(d["name"] for d in doc["differences"] if d["kind"] == "only_b")
+    assert only_b == [gone], doc["differences"]  # a dequantized weight: its scale is not listed on its own
+    assert not [n for n in doc["notes"] if "per expert" in n or "not pair" in n], doc["notes"]
+    assert any("compared dequantized (2 in A, 3 in B" in n for n in doc["notes"]) == bool(quantize)  # scales pair

@@ -153,6 +153,33 @@ def test_mxfp4_against_transformers_values(tmp_path: Path) -> None:
     assert doc["comparison"]["mode"] == "quantization"
 
 
+@pytest.mark.parametrize("large", [127 + 40, 0xFF])
+def test_one_large_mxfp4_group_scale_does_not_widen_the_other_groups(tmp_path: Path, large: int) -> None:
+    """The default MXFP4 atol is half each element's *own* group scale: one group with exponent 167 (2^40) made
+    the tensor-wide atol 2^39, and one with exponent 0xFF (NaN) 2^127, and a group whose values differ 50x
+    compared "within" (exit 0 for the first). Reference values: transformers' ``convert_moe_packed_tensors``."""
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+    p = "model.layers.0.mlp.experts.gate_up_proj"
+    g = torch.Generator().manual_seed(11)
+    blocks = torch.randint(0, 256, (2, 6, 3, 16), generator=g, dtype=torch.uint8)
+    scales = torch.randint(120, 130, (2, 6, 3), generator=g, dtype=torch.uint8)
+    scales[1, 5, 2] = large  # expert 1, column 5, rows 64..95
+    ref = convert_moe_packed_tensors(blocks.clone(), scales.clone(), dtype=torch.float32).contiguous()  # [2, 96, 6]
+    if large == 0xFF:
+        ref[1, 64:96, 5] = 0.0
+    moved = ref[0, 0:32, 0]  # expert 0, column 0, group 0: scale 2^(scales[0, 0, 0] - 127)
+    nonzero = int((moved != 0).sum())
+    ref[0, 0:32, 0] = moved * 50
+    cfg = {"model_type": "gpt_oss"}
+    src = _write_folder(tmp_path / "oss", {p + "_blocks": blocks, p + "_scales": scales}, cfg)
+    other = _write_folder(tmp_path / "ref", {p: ref}, cfg)
+    doc = _diff(src, other, code=1)
+    (row,) = doc["tensors"]
+    own = 32 if large == 0xFF else 0  # the 0xFF group dequantizes to infinities and NaN against zeros
+    assert row["status"] == "differ" and row["mismatched"] == nonzero + own, row
+
+
 B = 128  # the block of the two FP8 folders below
 
 

@@ -405,6 +405,35 @@ def test_nan_weight_refused_nothing_published(tmp_path: Path) -> None:
     assert not out.exists() and not list(tmp_path.glob("out*"))
 
 
+@pytest.mark.parametrize("method", ["fp8-block", "fp8-channel"])
+def test_nan_in_an_fp32_master_names_the_master_it_was_read_from(tmp_path: Path, method: str) -> None:
+    """A NaN in a parameter's FP32 ``master_weight`` (quantized by default) was told as the parameter's own:
+    ``model.layers.0.mlp.down_proj.weight: block (2, 0) holds NaN``, while the stored parameter holds none (torch's
+    ``dcp.load`` of it). The error names the master it read and the hint ``--weights params``, which exports."""
+    key = "model.layers.0.mlp.down_proj.weight"
+    w = torch.randn(40, 24, generator=torch.Generator().manual_seed(8))
+    master = w.clone()
+    master[33, 5] = float("nan")
+    state = {"step": torch.tensor(1.0), "master_weight": master, "exp_avg": torch.zeros(40, 24)}
+    sd = {
+        "model": {key: w.bfloat16(), "model.norm.weight": torch.ones(24)},
+        "optimizer": {"state": {key: state}, "param_groups": [{"lr": 0.1, "params": [key]}]},
+    }
+    src = tmp_path / "ckpt"
+    dcp.save(sd, checkpoint_id=str(src), no_dist=True)
+    stored = {f"model.{key}": torch.empty(40, 24, dtype=torch.bfloat16)}
+    dcp.load(stored, checkpoint_id=str(src), no_dist=True)
+    assert not stored[f"model.{key}"].isnan().any()  # the reference: the parameter holds no NaN
+    args = ["--quantize", method, *(["--quant-format", "compressed-tensors"] if method == "fp8-channel" else [])]
+    res = runner.invoke(app, ["export", str(src), str(tmp_path / "out"), *args])
+    assert res.exit_code == 2 and "Traceback" not in res.stderr, res.stderr
+    where = "row 33" if method == "fp8-channel" else "block (0, 0)"
+    assert f"[E607] {key} (read from 'optimizer.state.{key}.master_weight'): {where} holds NaN" in res.stderr
+    assert "--weights params" in res.stderr and not (tmp_path / "out").exists()
+    res = runner.invoke(app, ["export", str(src), str(tmp_path / "out"), *args, "--weights", "params"])
+    assert res.exit_code == 0, res.stderr
+
+
 def test_fp8_through_the_torchtitan_adapter_rope_rows(fixture_root: Path, tmp_path: Path) -> None:
     """torchtitan names: the RoPE q/k rows are moved while a band is read; bands of 4 rows cut through heads.
 

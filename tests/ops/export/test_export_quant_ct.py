@@ -24,6 +24,7 @@ from typing import Any
 
 import pytest
 import torch
+import torch.distributed.checkpoint as dcp
 from safetensors.torch import save_file
 from typer.testing import CliRunner
 
@@ -354,6 +355,40 @@ def test_lora_merged_then_quantized(lora_ckpt: Path, tmp_path: Path) -> None:  #
         assert (v - ref).abs().max() <= MAX_BLOCK_REL_ERROR * ref.abs().max(), k
     q0, _ = _torch_reference(base_q, 128)  # the merged weight's FP8 bytes are not the base weight's
     assert not torch.equal(files["model.layers.0.self_attn.q_proj.weight"].view(torch.uint8), q0.view(torch.uint8))
+
+
+def test_a_lora_merge_that_is_not_finite_is_refused_as_the_unquantized_merge_refuses_it(
+    lora_ckpt: Path,  # noqa: F811
+    tmp_path: Path,
+) -> None:
+    """An infinite ``lora_B`` element: the plain merge refuses it (E601, the LoRA merge named, the base weight's finite
+    value); with ``--quantize`` it was told as the checkpoint's own weight "holds NaN or infinity" (E607, the hint
+    ``--quantize-skip``, which the merge then refuses too). The quantized merge refuses it as the plain one does."""
+    md = dcp.FileSystemReader(str(lora_ckpt)).read_metadata()
+    sd = {
+        k: torch.empty(v.size, dtype=v.properties.dtype)
+        for k, v in md.state_dict_metadata.items()
+        if k.startswith("model.")
+    }
+    dcp.load(sd, checkpoint_id=str(lora_ckpt), no_dist=True)
+    (b_key,) = [k for k in sd if "layers.0.self_attn.q_proj.lora_B" in k]
+    sd[b_key][3, 0] = float("inf")
+    src = tmp_path / "ckpt"
+    dcp.save({"model": {k.removeprefix("model."): v for k, v in sd.items()}}, checkpoint_id=str(src), no_dist=True)
+    base = b_key.replace("lora_B.default", "base_layer")
+    alpha = ("--merge-lora", "--lora-alpha", str(hf_models.LORA_ALPHA))
+    for args, target in (
+        ((), "as float32"),
+        (("--quantize", "fp8-block"), "to quantize"),
+        (("--quantize", "fp8-channel", "--quant-format", "compressed-tensors"), "to quantize"),
+    ):
+        out = tmp_path / f"out{len(args)}"
+        res = runner.invoke(app, ["export", str(src), str(out), "--save-dtype", "float32", *alpha, *args])
+        assert res.exit_code == 2 and "Traceback" not in res.stderr and "Warning" not in res.stderr, res.stderr
+        assert f"[E601] {base}: the LoRA merge W + s * B @ A at [3, 0] is -inf (float32) where W is" in (res.stderr), (
+            res.stderr
+        )
+        assert f"not finite {target}" in res.stderr and not out.exists()
 
 
 @pytest.mark.parametrize(

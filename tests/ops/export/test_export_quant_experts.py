@@ -189,6 +189,39 @@ def test_import_refuses_fused_fp8_scales_that_do_not_fit(tmp_path: Path, scale: 
     assert "Traceback" not in res.stderr and not (tmp_path / "out").exists()
 
 
+@pytest.mark.parametrize(
+    "dropped", ["model.layers.0.mlp.experts.down_proj", "model.layers.0.mlp.experts.down_proj_scale_inv"]
+)
+def test_fused_fp8_experts_missing_their_scale_or_weight_are_refused(tmp_path: Path, dropped: str) -> None:
+    """Our fused export (``quant_method: fp8`` with ``weight_block_size``) with one expert tensor's ``x_scale_inv``
+    lost: import wrote its FP8 codes as stored beside its dequantized siblings (``dcp.load`` into the model casts codes
+    to values: off by the scale) and ``validate --deep`` said OK; a scale without its weight passed too. Both are E612
+    (import, nothing written) and M020 (validate), as a 2-D weight with no scale and a scale with no weight are."""
+    from safetensors.torch import load_file, save_file
+
+    src = _tiny_moe(tmp_path / "ckpt")
+    assets = tmp_path / "assets"
+    assets.mkdir()
+    (assets / "config.json").write_text(json.dumps({"hidden_size": 20}))
+    rc, _, err = _export(src, tmp_path / "q", "--quantize-block", "8", "--model-assets", str(assets))
+    assert rc == 0, err
+    res = runner.invoke(app, ["import", str(tmp_path / "q"), str(tmp_path / "whole")])
+    assert res.exit_code == 0, res.stderr  # the export as written imports
+    tensors = load_file(str(tmp_path / "q" / "model.safetensors"))
+    del tensors[dropped]
+    save_file(tensors, str(tmp_path / "q" / "model.safetensors"), metadata={"format": "pt"})
+    index = json.loads((tmp_path / "q" / "model.safetensors.index.json").read_text())
+    del index["weight_map"][dropped]
+    (tmp_path / "q" / "model.safetensors.index.json").write_text(json.dumps(index))
+    other = "model.layers.0.mlp.experts.down_proj" + ("" if dropped.endswith("_scale_inv") else "_scale_inv")
+    res = runner.invoke(app, ["import", str(tmp_path / "q"), str(tmp_path / "out")])
+    assert res.exit_code == 2 and f"[E612] {other}: " in res.stderr and "Traceback" not in res.stderr, res.stderr
+    assert not (tmp_path / "out").exists()
+    res = runner.invoke(app, ["validate", str(tmp_path / "q"), "--deep", "--json"])
+    assert res.exit_code == 1, res.stdout
+    assert [(f["code"], f["key"]) for f in json.loads(res.stdout)["findings"]] == [("M020", other)]
+
+
 def test_quantize_writes_experts_per_expert_by_default(fixture_root: Path, tmp_path: Path) -> None:
     """``--quantize`` without ``--experts``: per-expert FP8 (what vLLM, torch's reader and transformers on any device
     read), not the fused layout transformers' CPU path loads without its scales (weights ~500x off, a load report of

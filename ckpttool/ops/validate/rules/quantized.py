@@ -39,6 +39,7 @@ from ckpttool.model.quantized import (
     scale_grid,
     scaled_pairs,
     unclaimed_scales,
+    unscaled_fused_experts,
 )
 from ckpttool.ops.validate.base import rule
 from ckpttool.ops.validate.context import Context
@@ -99,6 +100,7 @@ def fp8_scale_mismatch(ctx: Context) -> Iterator[tuple[str, str]]:
     for _, unfit in found:
         yield from unfit
     yield from unclaimed_scales(tensors, ctx.quant_config, found)
+    yield from unscaled_fused_experts(tensors, ctx.quant_config)
     yield from _scales_without_config(ctx, tensors)
 
 
