@@ -39,7 +39,7 @@ from ckpttool.engine.stats import (
 )
 from ckpttool.errors import ChunkError, CkptError
 from ckpttool.format.metadata import DTYPE_ITEMSIZE, BytesMeta, ChunkMeta, TensorMeta
-from ckpttool.format.tiling import tiling_problem
+from ckpttool.format.tiling import tiling_problem, unravel
 from ckpttool.layouts.record import LAYOUT_KEY
 from ckpttool.model.hfconfig import tie_word_embeddings
 from ckpttool.ops import distributed
@@ -278,11 +278,7 @@ def _add_count(pair: PairStats, c: _PairCount, chunk: ChunkMeta | None, sizes: t
     if c.worst_at >= 0 and (pair.worst_at is None or c.max_diff > pair.max_diff):
         shape = tuple(chunk.sizes) if chunk is not None else sizes
         offsets = tuple(chunk.offsets) if chunk is not None else (0,) * len(shape)
-        local, rest = [], c.worst_at
-        for n in reversed(shape):
-            local.append(rest % n if n else 0)
-            rest = rest // n if n else 0
-        pair.worst_at = tuple(o + i for o, i in zip(offsets, reversed(local)))
+        pair.worst_at = tuple(o + i for o, i in zip(offsets, unravel(c.worst_at, shape)))
         pair.worst_a, pair.worst_b = c.worst_a, c.worst_b
     pair.max_diff = max(pair.max_diff, c.max_diff)
 

@@ -35,7 +35,11 @@ def _swap(state: dict[str, Any], fqn: str) -> None:
     st["max_exp_avg_sq"], st["exp_avg_sq"] = st["exp_avg_sq"], st["max_exp_avg_sq"]
 
 
-def _save(out: Path, *, amsgrad: bool = True, swap: str | None = None, foreach: bool = False) -> None:
+def _save(
+    out: Path, *, amsgrad: bool = True, swap: str | None = None, foreach: bool = False, zstd: bool = False
+) -> None:
+    """``zstd``: every chunk compressed by torch's ``ZStandard`` extension (no raw record: the deep pass's torch
+    path reads and compares the pair)."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
@@ -48,7 +52,13 @@ def _save(out: Path, *, amsgrad: bool = True, swap: str | None = None, foreach: 
         _swap(osd["state"], swap)
     with warnings.catch_warnings():  # torch: no process group, saving in one process
         warnings.simplefilter("ignore")
-        dcp.save({"model": msd, "optimizer": osd}, checkpoint_id=str(out))
+        if zstd:
+            from torch.distributed.checkpoint._extension import ZStandard
+
+            writer = dcp.FileSystemWriter(str(out), _extensions=[ZStandard()])
+            dcp.save({"model": msd, "optimizer": osd}, storage_writer=writer)
+        else:
+            dcp.save({"model": msd, "optimizer": osd}, checkpoint_id=str(out))
 
 
 def _fsdp_rank(rank: int, world: int, root: str) -> None:
@@ -97,13 +107,13 @@ def _expected(ckpt: Path, fqn: str, tmp: Path) -> str:
     )
 
 
-@pytest.mark.parametrize("foreach", [False, True])
-def test_a_real_amsgrad_run_passes_and_its_swapped_fields_are_D016(tmp_path: Path, foreach: bool) -> None:
-    _save(tmp_path / "clean", foreach=foreach)
+@pytest.mark.parametrize(("foreach", "zstd"), [(False, False), (True, False), (False, True)])
+def test_a_real_amsgrad_run_passes_and_its_swapped_fields_are_D016(tmp_path: Path, foreach: bool, zstd: bool) -> None:
+    _save(tmp_path / "clean", foreach=foreach, zstd=zstd)
     rc, findings = _validate(tmp_path / "clean")
     assert rc == 0 and findings == [], findings
 
-    _save(tmp_path / "swapped", swap="0.weight", foreach=foreach)
+    _save(tmp_path / "swapped", swap="0.weight", foreach=foreach, zstd=zstd)
     want = _expected(tmp_path / "swapped", "0.weight", tmp_path)
     assert " at 0 of " not in want  # the run made a maximum above exp_avg_sq somewhere: the swap shows
     for native in ("1", "0"):  # the kernels built, and the numpy path alone
