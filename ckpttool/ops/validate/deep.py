@@ -499,6 +499,10 @@ def _stream_item(
     return stats, counts, read
 
 
+#: The native scan's pair kernel of each pair kind (:class:`~ckpttool.engine.plan.PairKernel`; others: ``"equal"``).
+_PAIR_KERNELS = {"moments": "ratio", "amsgrad": "below"}
+
+
 def _scanned(
     ctx: Context,
     ls: Lockstep,
@@ -517,12 +521,9 @@ def _scanned(
     Returns:
         The members' CRC-32s (``None`` for a member whose record stores none and that has no digest: not
         computed), or ``None`` where the scan does not apply (integer or float8 members, ``step``
-        values kept, fused expert digests, float16 moments, amsgrad's ``max_exp_avg_sq`` beside
-        ``exp_avg_sq``, which has no pair kernel, or the kernels not built).
+        values kept, fused expert digests, float16 moments, or the kernels not built).
     """
     if any(d not in IEEE_BITS for d in dtypes) or any(_is_step(k) for k in keys):
-        return None
-    if any(p.kind == "amsgrad" for p in pairs):
         return None
     if any(dg is not None and dg.seg for dg in digs):
         return None
@@ -532,16 +533,18 @@ def _scanned(
         ia, ib = slot[p.a], slot[p.b]
         if p.kind == "moments" and "float16" in (dtypes[ia], dtypes[ib]):
             return None
-        kernels.append(PairKernel("ratio" if p.kind == "moments" else "equal", ia, ib))
+        kernels.append(PairKernel(_PAIR_KERNELS.get(p.kind, "equal"), ia, ib))
     folds = tuple(_DEEP[second_moment(k), k in ctx.cat.model] for k in keys)
 
     def exact(raws: list[Any], e0: int, which: int) -> None:
         for j, p in enumerate(pairs):
             if which >> j & 1:
                 ia, ib, c = slot[p.a], slot[p.b], _PairCount()
-                _compare_np(c, p.kind, raws[ia], dtypes[ia], raws[ib], dtypes[ib], False)
+                _compare_np(c, p.kind, raws[ia], dtypes[ia], raws[ib], dtypes[ib], False, e0)
                 counts[j].mismatched += c.mismatched
                 counts[j].nan_mismatched += c.nan_mismatched
+                if c.worst_at >= 0 and (counts[j].worst_at < 0 or c.max_diff > counts[j].max_diff):
+                    counts[j].worst_at, counts[j].worst_a, counts[j].worst_b = c.worst_at, c.worst_a, c.worst_b
                 counts[j].max_diff = max(counts[j].max_diff, c.max_diff)
 
     wanted = tuple(loc.has_crc or dg is not None for loc, dg in zip(locs, digs))
