@@ -275,12 +275,20 @@ def _add_count(pair: PairStats, c: _PairCount, chunk: ChunkMeta | None, sizes: t
     pair.numel += c.numel
     pair.mismatched += c.mismatched
     pair.nan_mismatched += c.nan_mismatched
-    if c.worst_at >= 0 and (pair.worst_at is None or c.max_diff > pair.max_diff):
+    if c.worst_at >= 0:
         shape = tuple(chunk.sizes) if chunk is not None else sizes
         offsets = tuple(chunk.offsets) if chunk is not None else (0,) * len(shape)
-        pair.worst_at = tuple(o + i for o, i in zip(offsets, unravel(c.worst_at, shape)))
-        pair.worst_a, pair.worst_b = c.worst_a, c.worst_b
+        _take_worst(
+            pair, tuple(o + i for o, i in zip(offsets, unravel(c.worst_at, shape))), c.max_diff, c.worst_a, c.worst_b
+        )
     pair.max_diff = max(pair.max_diff, c.max_diff)
+
+
+def _take_worst(pair: PairStats, at: tuple[int, ...], diff: float, a: float, b: float) -> None:
+    """Keep ``at`` (a global index) as ``pair``'s worst element where its difference is larger, or as large at a
+    smaller index: the same element whatever order the items (threads, ranks) are merged in."""
+    if pair.worst_at is None or diff > pair.max_diff or (diff == pair.max_diff and at < pair.worst_at):
+        pair.worst_at, pair.worst_a, pair.worst_b = at, a, b
 
 
 def _compare_np(
@@ -798,8 +806,8 @@ def _merge_ranks(
             p.compared = p.compared or compared
             p.numel += numel
             p.mismatched += mismatched
-            if worst_at is not None and (p.worst_at is None or max_diff > p.max_diff):
-                p.worst_at, p.worst_a, p.worst_b = worst_at, wa, wb
+            if worst_at is not None:
+                _take_worst(p, worst_at, max_diff, wa, wb)
             p.max_diff = max(p.max_diff, max_diff)
             p.nan_mismatched += nan_mismatched
         for k, packed in er.items():
