@@ -18,7 +18,7 @@ from typing import Any
 __all__ = ["ABI", "function", "lib"]
 
 #: the ABI version this Python side expects from ``ckpt_native_abi()``
-ABI = 10
+ABI = 11
 
 
 @cache

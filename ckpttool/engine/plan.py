@@ -182,6 +182,8 @@ class PairKernel:
       a slab with a zero ``b`` or an overflowing square is handed back.
     - ``"equal"``: ``a`` equals ``b`` rounded to ``a``'s dtype (bfloat16 or float16 from float32, or the
       same dtype) bit for bit, every ``b`` finite; a slab where not is handed back.
+    - ``"below"``: no ``a`` below ``b`` (one dtype; amsgrad's ``max_exp_avg_sq`` and ``exp_avg_sq``), a negative or
+      NaN ``a`` and a NaN ``b`` left out; a slab with one is handed back.
     """
 
     kind: str

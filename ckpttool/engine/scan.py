@@ -33,7 +33,7 @@ __all__ = ["WINDOW_BYTES", "PairResult", "ScanResult", "run_scan"]
 #: Bytes of the widest stream one C call covers (a multiple of the slab): progress and Ctrl-C granularity.
 WINDOW_BYTES = 64 << 20
 
-_KINDS = {"adam": 0, "ratio": 1, "equal": 2}
+_KINDS = {"adam": 0, "ratio": 1, "equal": 2, "below": 3}
 
 
 class _CStream(ctypes.Structure):
@@ -62,7 +62,7 @@ class _CPair(ctypes.Structure):
 @dataclass
 class PairResult:
     """A pair kernel's result: ``"adam"`` ``count``, ``s2`` (``sum u^2``), ``top`` (``max |u|``); ``"ratio"``
-    ``top`` (``max a * a / b`` over the slabs not handed back, ``-inf``: none); ``"equal"`` nothing."""
+    ``top`` (``max a * a / b`` over the slabs not handed back, ``-inf``: none); ``"equal"`` and ``"below"`` nothing."""
 
     count: int
     s2: float

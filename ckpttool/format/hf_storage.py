@@ -61,6 +61,14 @@ _HEADER_WORDS = {
 }
 
 
+#: The hint of a safetensors file or index the OS refuses to read (a folder without ``.metadata``).
+_UNREADABLE = "check the file's permissions and that it is a complete copy, then run again"
+#: The hint of a damaged ``model.safetensors.index.json``.
+_BAD_INDEX = (
+    "the index is damaged: restore model.safetensors.index.json from a good copy (or re-download or re-save the model)"
+)
+
+
 def _header_error(path: Path, e: HeaderError) -> MetadataError:
     return _bad(path, e.reason(_HEADER_WORDS))
 
@@ -87,7 +95,7 @@ def read_safetensors_header(path: Path, size: int | None = None) -> tuple[dict[s
     except HeaderError as e:
         raise _header_error(path, e) from None
     except OSError as e:
-        raise MetadataError(f"{path}: cannot read ({e.strerror})", path=path) from e
+        raise MetadataError(f"{path}: cannot read ({e.strerror})", path=path, hint=_UNREADABLE) from e
 
 
 #: The DCP path's bounds (``format/unpickler.py``): at most 64 dims, each at most 2^62.
@@ -186,7 +194,11 @@ def load_hf_storage_metadata(path: Path, files: list[str] | None = None) -> Chec
     alone = files is not None
     files = hf_storage_files(path) if files is None else files
     if not files:
-        raise MetadataError(f"{path}: no .metadata and no .safetensors files", path=path)
+        raise MetadataError(
+            f"{path}: no .metadata and no .safetensors files",
+            path=path,
+            hint="pass a DCP checkpoint (the directory holding .metadata) or a folder of .safetensors files",
+        )
     if not alone:
         _check_one_save(path, files)
     found = _Found()
@@ -198,7 +210,13 @@ def load_hf_storage_metadata(path: Path, files: list[str] | None = None) -> Chec
     for key, cs in found.chunks.items():
         ndim = len(cs[0].sizes)
         if any(len(c.sizes) != ndim for c in cs):
-            raise MetadataError(f"{path}: chunks of {key!r:.80} have different numbers of dims", path=path, fqn=key)
+            raise MetadataError(
+                f"{path}: chunks of {key!r:.80} have different numbers of dims",
+                path=path,
+                fqn=key,
+                hint=f"the safetensors files of one tensor disagree ({_SHARDING_KEY}); a file is damaged or from "
+                "another save: copy the checkpoint again or use an earlier one",
+            )
         size_ = tuple(max(c.offsets[d] + c.sizes[d] for c in cs) for d in range(ndim))
         entries[key] = TensorMeta(DType(found.dtypes[key]), size_, tuple(cs))
     return CheckpointMetadata(entries=entries, storage=found.storage, serialization="safetensors")
@@ -256,10 +274,12 @@ def _read_index(path: Path) -> dict[str, str] | None:
         )
         index = parse_json(raw, str(shown))
     except (ValueError, OSError) as e:  # not JSON / not UTF-8 / unreadable
-        raise MetadataError(f"{shown}: not a readable index ({type(e).__name__})", path=shown) from None
+        raise MetadataError(
+            f"{shown}: not a readable index ({type(e).__name__})", path=shown, hint=_BAD_INDEX
+        ) from None
     wm = index.get("weight_map") if isinstance(index, dict) else None
     if not isinstance(wm, dict) or not all(type(v) is str for v in wm.values()):
-        raise MetadataError(f"{shown}: no weight_map of tensor name -> file name", path=shown)
+        raise MetadataError(f"{shown}: no weight_map of tensor name -> file name", path=shown, hint=_BAD_INDEX)
     return wm
 
 
@@ -336,7 +356,7 @@ def _read_file(path: Path, name: str, found: _Found) -> None:
         size = resolve_inside(path, name, what="safetensors file").stat().st_size
     except FileNotFoundError as e:
         if not os.path.islink(p):
-            raise MetadataError(f"{p}: cannot read ({e.strerror})", path=p) from e
+            raise MetadataError(f"{p}: cannot read ({e.strerror})", path=p, hint=_UNREADABLE) from e
         raise IncompleteCheckpointError(  # a hub snapshot's link whose blob is gone: a shard missing, not damage
             f"{p}: links to {os.readlink(p)!r:.120}, which does not exist",
             path=p,
@@ -344,7 +364,7 @@ def _read_file(path: Path, name: str, found: _Found) -> None:
             "download or copy the complete model",
         ) from None
     except OSError as e:
-        raise MetadataError(f"{p}: cannot read ({e.strerror})", path=p) from e
+        raise MetadataError(f"{p}: cannot read ({e.strerror})", path=p, hint=_UNREADABLE) from e
     header, data_start = read_safetensors_header(p, size)
     sharding = _sharding_info(p, header.pop("__metadata__", None))
     data_len = size - data_start

@@ -597,7 +597,26 @@ class CheckpointReader(CheckpointDir):
         self.check_allocation(fqn, meta)
         problem = tiling_problem(meta)
         if problem is not None:
-            raise ChunkError(f"{self.path}: chunks of {fqn!r} do not tile the tensor ({problem})", fqn=fqn)
+            raise self.tiling_error(fqn, meta, problem)
+
+    def tiling_error(self, fqn: str, meta: TensorMeta, problem: str) -> ChunkError:
+        """The ``E301`` of chunks of ``fqn`` that leave a gap or overlap (``problem``: :func:`tiling_problem`'s words).
+
+        A checkpoint whose metadata ckpttool built from safetensors headers (a Hugging Face folder,
+        ``HuggingFaceStorageWriter`` output: no ``.metadata``) names the files that hold the chunks, and a hint
+        about them; the others keep the ``.metadata`` hint of ``E301``.
+        """
+        if self.metadata.serialization != "safetensors":
+            return ChunkError(f"{self.path}: chunks of {fqn!r} do not tile the tensor ({problem})", fqn=fqn)
+        files = sorted({info.relative_path for c in meta.chunks if (info := self.metadata.storage_for(fqn, c))})
+        shown = ", ".join(files[:4]) + (f" (+{len(files) - 4} more)" if len(files) > 4 else "")
+        return ChunkError(
+            f"{self.path}: chunks of {fqn!r} in its safetensors files ({shown}) do not tile the tensor ({problem})",
+            path=files[0] if files else None,
+            fqn=fqn,
+            hint="the files place the tensor's pieces with a gap or an overlap (a file damaged, or from another "
+            "save): copy the checkpoint again or use an earlier one",
+        )
 
     def check_allocation(self, fqn: str, meta: TensorMeta) -> None:
         """Refuse sizes that the stored bytes cannot hold, before allocating.

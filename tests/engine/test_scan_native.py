@@ -229,3 +229,64 @@ def test_a_sigbus_sent_after_a_mapped_scan_still_ends_the_process(tmp_path: Path
     run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=120)
     assert run.returncode == -signal.SIGBUS, (run.returncode, run.stdout, run.stderr)
     assert "survived" not in run.stdout
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16", "float32", "float64"])
+def test_below_hands_back_exactly_the_slabs_with_a_maximum_below_its_value(tmp_path: Path, dtype: str) -> None:
+    """``below`` (amsgrad's ``max_exp_avg_sq`` ``a`` beside ``exp_avg_sq`` ``b``, one dtype) hands back the slabs where
+    numpy finds ``a < b`` with ``a`` not negative: ``-0.0`` below a positive value and a finite ``a`` below ``+inf``
+    are; a negative ``a`` (``D002``'s), a NaN on either side (``D001``'s), a negative ``b`` and an infinite ``a`` are
+    not."""
+    from ckpttool.engine.kernels import float_values
+
+    rng = np.random.default_rng(11)
+    wide = rng.uniform(1e-8, 1e-2, N)
+    b64, a64 = wide, wide * rng.uniform(1.0, 2.0, N)
+    a64[SLAB * 0 + 7] = b64[SLAB * 0 + 7]  # equal values: not below
+    plants = {
+        1: (0.5 * b64[SLAB + 3], None),  # below: handed back
+        2: (-1e-3, None),  # negative a: D002's
+        3: (np.nan, None),  # NaN a
+        4: (None, np.nan),  # NaN b
+        5: (-0.0, None),  # -0.0 below a positive b: handed back
+        6: (None, -1.0),  # negative b
+        7: (np.inf, None),  # infinite a
+        8: (None, np.inf),  # a finite a below +inf: handed back
+    }
+    for k, (a_val, b_val) in plants.items():
+        i = k * SLAB + 3
+        if a_val is not None:
+            a64[i] = a_val
+        if b_val is not None:
+            b64[i] = b_val
+
+    def stored(x: np.ndarray) -> np.ndarray:
+        if dtype == "bfloat16":
+            out = np.empty(x.size, np.uint16)
+            f32_to_bf16(x.astype(np.float32).view(np.uint32), out, canonical_nan=False, use_torch=False)
+            return out
+        return x.astype(dtype)
+
+    a, b = stored(a64), stored(b64)  # rounding keeps order: a >= b but where planted
+    fa, fb = float_values(a.view(np.uint8), dtype), float_values(b.view(np.uint8), dtype)
+    want = set()
+    with np.errstate(invalid="ignore"):
+        for k, e0 in enumerate(range(0, N, SLAB)):
+            sa, sb = fa[e0 : e0 + SLAB], fb[e0 : e0 + SLAB]
+            if ((sa < sb) & ~(sa < 0)).any():
+                want.add(k)
+    assert want == {1, 5, 8}
+    raw = [a.tobytes(), b.tobytes()]
+    path = tmp_path / "data"
+    path.write_bytes(b"".join(raw))
+    item = a.dtype.itemsize
+    back: list[int] = []
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        streams = ((Window(fd, 0, len(raw[0])),), (Window(fd, len(raw[0]), len(raw[1])),))
+        scan = Scan((dtype, dtype), (None, None), (PairKernel("below", 0, 1),), lambda s, e0, _: back.append(e0))
+        res = run_scan(Lockstep(streams, (item, item), lambda s, _: None, SLAB, scan))
+    finally:
+        os.close(fd)
+    assert res is not None and res.crcs == tuple(zlib.crc32(r) for r in raw)
+    assert {e0 // SLAB for e0 in back} == want

@@ -462,3 +462,20 @@ def test_validate_deep_on_2_ranks_names_a_nan_master_weight(fixture_root: Path, 
     assert one.returncode == many.returncode == 1, many.stderr[-3000:]
     d004 = [[f["message"] for f in json.loads(r.stdout)["findings"] if f["code"] == "D004"] for r in (one, many)]
     assert d004[0] == d004[1] and len(d004[0]) == 1 and d004[0][0].endswith("(1 NaN against a number)"), d004
+
+
+@pytest.mark.slow
+def test_validate_deep_on_2_ranks_names_the_worst_amsgrad_element_as_one_process(tmp_path: Path) -> None:
+    """D016 on 2 gloo ranks: each rank reads its share of the chunks of an FSDP2 amsgrad save whose
+    ``max_exp_avg_sq`` and ``exp_avg_sq`` of one parameter were swapped; the counts and the worst element (its
+    global index and values) are merged into the finding one process gives."""
+    from tests.fixtures.distributed import run_ranks
+    from tests.ops.validate.test_amsgrad_maximum import _fsdp_rank
+
+    run_ranks(2, _fsdp_rank, str(tmp_path))
+    ck = tmp_path / "swapped"
+    one = single("validate", str(ck), "--strict", "--deep", "--json")
+    many = torchrun(2, "validate", str(ck), "--strict", "--deep", "--json")
+    assert one.returncode == many.returncode == 1, many.stderr[-3000:]
+    found = [[(f["code"], f["message"]) for f in json.loads(r.stdout)["findings"]] for r in (one, many)]
+    assert found[0] == found[1] and [c for c, _ in found[0]] == ["D016"], found

@@ -5,7 +5,7 @@
  * pread into the slab buffers), and while each piece of a slab is in the CPU cache: its CRC-32 (ckpt_crc32
  * of crc.c: 256-bit folding where the CPU has VPCLMULQDQ, finished by the caller's function, ISA-L's
  * crc32_gzip_refl), the statistics fold of each stream (ckpt_stats_slab of stats.c, its flags per stream) and the pair kernels (AdamW update sizes, the moments' max m^2/v,
- * bitwise equality of a value and another rounded to its dtype). One call covers many slabs: the
+ * bitwise equality of a value and another rounded to its dtype, a running maximum not below its value). One call covers many slabs: the
  * interpreter runs per window, not per slab. A slab that a pair kernel cannot settle (a difference, a
  * non-finite or zero second value) is handed back whole to the caller, which runs its exact path on
  * the slab buffers and calls again from the next slab. Slabs are cut as the Python loop cuts them
@@ -46,11 +46,12 @@ typedef struct {
     ckpt_slab_stats acc;
 } ckpt_scan_stream;
 
-enum { PAIR_ADAM = 0, PAIR_RATIO = 1, PAIR_EQUAL = 2 };
+enum { PAIR_ADAM = 0, PAIR_RATIO = 1, PAIR_EQUAL = 2, PAIR_BELOW = 3 };
 
 /* A pair kernel over streams a and b. ADAM: count, s2 (sum u^2) and top (max |u|) of u = m / (sqrt(max(v, 0))
  * + eps); RATIO: top = max m * m / v over the slabs settled (-inf: none); EQUAL: a equals b rounded to a's
- * dtype, bit for bit, with b finite (count: values settled). */
+ * dtype, bit for bit, with b finite (count: values settled); BELOW: no a below b (one dtype), a slab where one is
+ * handed back. */
 typedef struct {
     int32_t kind, a, b, pad;
     double eps, count, s2, top;
@@ -105,6 +106,40 @@ CKPT_CLONES static int equal_rounded(const void *a, int adt, const void *b, int 
     return 1;
 }
 
+/* Whether some a[i] < b[i] (one dtype) where a is neither negative nor NaN and b is not NaN: amsgrad's running maximum
+ * below its exp_avg_sq. Non-negative IEEE values (and -0.0 as 0) order as their magnitude bit patterns; a negative b
+ * is below every such a. Integer operations only: the AVX2 clone gives the same answer. */
+CKPT_CLONES static int any_below(const void *a, const void *b, int dt, size_t n) {
+    uint32_t bad = 0;
+    if (dt == DT_F64) {
+        const uint64_t *ua = (const uint64_t *)a, *ub = (const uint64_t *)b;
+        const uint64_t mag = 0x7fffffffffffffffull, inf = 0x7ff0000000000000ull;
+        for (size_t i = 0; i < n; i++) {
+            uint64_t ma = ua[i] & mag, mb = ub[i] & mag;
+            int a_ok = ma <= inf && (ua[i] == ma || ma == 0), b_pos = mb <= inf && (ub[i] == mb || mb == 0);
+            bad |= (uint32_t)(a_ok & b_pos & (ma < mb));
+        }
+    } else if (dt == DT_F32) {
+        const uint32_t *ua = (const uint32_t *)a, *ub = (const uint32_t *)b;
+        for (size_t i = 0; i < n; i++) {
+            uint32_t ma = ua[i] & 0x7fffffffu, mb = ub[i] & 0x7fffffffu;
+            uint32_t a_ok = (ma <= 0x7f800000u) & ((ua[i] == ma) | (ma == 0));
+            uint32_t b_pos = (mb <= 0x7f800000u) & ((ub[i] == mb) | (mb == 0));
+            bad |= a_ok & b_pos & (ma < mb);
+        }
+    } else {
+        const uint16_t *ua = (const uint16_t *)a, *ub = (const uint16_t *)b;
+        const uint32_t inf = dt == DT_F16 ? 0x7c00u : 0x7f80u;
+        for (size_t i = 0; i < n; i++) {
+            uint32_t ma = ua[i] & 0x7fffu, mb = ub[i] & 0x7fffu;
+            uint32_t a_ok = (ma <= inf) & ((ua[i] == ma) | (ma == 0));
+            uint32_t b_pos = (mb <= inf) & ((ub[i] == mb) | (mb == 0));
+            bad |= a_ok & b_pos & (ma < mb);
+        }
+    }
+    return bad != 0;
+}
+
 /* Run the pair kernels over values [lo, lo + n) of the slab buffers; sets bit j of *back for a pair that hands the
  * slab back. */
 static void pairs_piece(ckpt_scan_stream *s, ckpt_scan_pair *p, int32_t np, size_t lo, size_t n, int64_t *back) {
@@ -120,6 +155,8 @@ static void pairs_piece(ckpt_scan_stream *s, ckpt_scan_pair *p, int32_t np, size
             double r = ckpt_moment_ratio(pa, a->dt, pb, b->dt, n);
             if (r == INFINITY) *back |= (int64_t)1 << j; /* a zero or overflowing moment: the exact path */
             else if (r > q->top) q->top = r;
+        } else if (q->kind == PAIR_BELOW) {
+            if (a->dt != b->dt || any_below(pa, pb, a->dt, n)) *back |= (int64_t)1 << j; /* the exact path counts */
         } else if (!equal_rounded(pa, a->dt, pb, b->dt, n)) {
             *back |= (int64_t)1 << j;
         }
@@ -278,7 +315,7 @@ int64_t ckpt_scan(ckpt_scan_stream *s, int32_t ns, ckpt_scan_pair *p, int32_t np
         widest = ITEM[s[i].dt] > widest ? ITEM[s[i].dt] : widest;
     }
     for (int32_t j = 0; j < np; j++)
-        if (p[j].a < 0 || p[j].a >= ns || p[j].b < 0 || p[j].b >= ns || p[j].kind < 0 || p[j].kind > 2) return -2;
+        if (p[j].a < 0 || p[j].a >= ns || p[j].b < 0 || p[j].b >= ns || p[j].kind < 0 || p[j].kind > 3) return -2;
     size_t piece = PIECE_BYTES / widest;
     piece -= piece % 16; /* whole lane groups: the folds' lanes as in one call per slab */
     int mapped[MAX_STREAMS], any = 0;

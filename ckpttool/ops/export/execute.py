@@ -27,7 +27,6 @@ from typing import TYPE_CHECKING, Any, cast
 from ckpttool.engine.io import write_all
 from ckpttool.engine.pool import Lane, wait_exception
 from ckpttool.errors import (
-    ChunkError,
     CkptError,
     ExportAccountingError,
     ExportError,
@@ -316,7 +315,7 @@ def _dedup_chunks(
         meta if len(chunks) == len(meta.chunks) else TensorMeta(meta.dtype, meta.size, tuple(chunks))
     )
     if problem is not None:
-        raise ChunkError(f"{reader.path}: chunks of {key!r} do not tile the tensor ({problem})", fqn=key)
+        raise reader.tiling_error(key, meta, problem)
     result = (meta, [c for c in chunks if c.numel > 0])
     if memo is not None:
         memo[id(meta)] = result  # holds meta: its id is not reused while the memo lives

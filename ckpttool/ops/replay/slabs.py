@@ -51,7 +51,6 @@ class TensorSlabs:
     def __init__(
         self, reader: CheckpointReader, layout: ResolvedLayout, key: str, model_key: str, ambiguous: set[str]
     ) -> None:
-        from ckpttool.errors import ChunkError
 
         self.reader, self.key = reader, key
         meta = reader.tensor_meta(key)
@@ -62,7 +61,7 @@ class TensorSlabs:
         reader.check_allocation(key, meta)
         problem = tiling_problem(meta)
         if problem is not None:
-            raise ChunkError(f"{reader.path}: chunks of {key!r} do not tile the tensor ({problem})", fqn=key)
+            raise reader.tiling_error(key, meta, problem)
         self._whole: torch.Tensor | None = None
         self._block = 0
         self._perm: list[int] | None = None

@@ -39,7 +39,7 @@ from ckpttool.engine.stats import (
 )
 from ckpttool.errors import ChunkError, CkptError
 from ckpttool.format.metadata import DTYPE_ITEMSIZE, BytesMeta, ChunkMeta, TensorMeta
-from ckpttool.format.tiling import tiling_problem
+from ckpttool.format.tiling import tiling_problem, unravel
 from ckpttool.layouts.record import LAYOUT_KEY
 from ckpttool.model.hfconfig import tie_word_embeddings
 from ckpttool.ops import distributed
@@ -113,10 +113,18 @@ def _summarise(
     return st
 
 
-def _compare(pair: PairStats, a: torch.Tensor, b: torch.Tensor) -> None:
+def _compare(pair: PairStats, a: torch.Tensor, b: torch.Tensor, chunk: ChunkMeta | None = None) -> None:
+    """Compare ``a`` with ``b`` as ``pair.kind`` says (torch path: whole tensors, or one chunk ``chunk`` of each)."""
     import torch
 
     pair.compared = True
+    if pair.kind == "amsgrad":  # the numpy comparison of the streamed path, on the values widened exactly
+        count = _PairCount()
+        count.numel = a.numel()
+        if a.numel():
+            _amsgrad_np(count, a.reshape(-1).double().numpy(), b.reshape(-1).double().numpy(), 0)
+        _add_count(pair, count, chunk, tuple(a.shape))
+        return
     if a.is_complex():  # real and imaginary parts (the moments of a complex parameter: each part its own)
         a = torch.view_as_real(a)
     if b.is_complex():
@@ -223,31 +231,84 @@ _scratch = _new_scratch()
 
 
 class _PairCount:
-    """A pair's comparison counts of one work item (merged into the shared :class:`PairStats` once)."""
+    """A pair's comparison counts of one work item (merged into the shared :class:`PairStats` once); ``worst_at``:
+    the item-local flat index of an ``"amsgrad"`` pair's worst element (``-1``: none), values ``worst_a``/``worst_b``."""
 
-    __slots__ = ("numel", "mismatched", "max_diff", "nan_mismatched")
+    __slots__ = ("numel", "mismatched", "max_diff", "nan_mismatched", "worst_at", "worst_a", "worst_b")
 
     def __init__(self) -> None:
         self.numel = 0
         self.mismatched = 0
         self.max_diff = 0.0
         self.nan_mismatched = 0
+        self.worst_at = -1
+        self.worst_a = self.worst_b = 0.0
+
+
+def _amsgrad_np(count: _PairCount, a: Any, b: Any, e0: int) -> None:
+    """Count the elements of one slice where amsgrad's ``max_exp_avg_sq`` ``a`` is below ``exp_avg_sq`` ``b``
+    (values of one dtype, compared as stored; a negative ``a`` is ``D002``'s, NaN compares false: ``D001``'s),
+    and keep the worst (largest ``b - a`` in float64) at flat index ``e0 + i``."""
+    import numpy as np
+
+    with np.errstate(invalid="ignore"):
+        below = a < b
+        if not below.any():
+            return
+        below &= ~(a < 0)
+    idx = np.flatnonzero(below)
+    if not idx.size:
+        return
+    d = b[idx].astype(np.float64) - a[idx].astype(np.float64)
+    j = int(np.argmax(d))
+    count.mismatched += int(idx.size)
+    if count.worst_at < 0 or float(d[j]) > count.max_diff:
+        count.max_diff = float(d[j])
+        count.worst_at = e0 + int(idx[j])
+        count.worst_a, count.worst_b = float(a[idx[j]]), float(b[idx[j]])
+
+
+def _add_count(pair: PairStats, c: _PairCount, chunk: ChunkMeta | None, sizes: tuple[int, ...]) -> None:
+    """Merge one item's counts into ``pair`` (the caller holds the run's lock); an ``"amsgrad"`` worst element's
+    item-local flat index becomes its global index: in the chunk ``chunk`` (``None``: the whole tensor of ``sizes``)."""
+    pair.compared = True
+    pair.numel += c.numel
+    pair.mismatched += c.mismatched
+    pair.nan_mismatched += c.nan_mismatched
+    if c.worst_at >= 0:
+        shape = tuple(chunk.sizes) if chunk is not None else sizes
+        offsets = tuple(chunk.offsets) if chunk is not None else (0,) * len(shape)
+        _take_worst(
+            pair, tuple(o + i for o, i in zip(offsets, unravel(c.worst_at, shape))), c.max_diff, c.worst_a, c.worst_b
+        )
+    pair.max_diff = max(pair.max_diff, c.max_diff)
+
+
+def _take_worst(pair: PairStats, at: tuple[int, ...], diff: float, a: float, b: float) -> None:
+    """Keep ``at`` (a global index) as ``pair``'s worst element where its difference is larger, or as large at a
+    smaller index: the same element whatever order the items (threads, ranks) are merged in."""
+    if pair.worst_at is None or diff > pair.max_diff or (diff == pair.max_diff and at < pair.worst_at):
+        pair.worst_at, pair.worst_a, pair.worst_b = at, a, b
 
 
 def _compare_np(
-    count: _PairCount, kind: str, a_raw: Any, a_dtype: str, b_raw: Any, b_dtype: str, b_finite: bool
+    count: _PairCount, kind: str, a_raw: Any, a_dtype: str, b_raw: Any, b_dtype: str, b_finite: bool, e0: int = 0
 ) -> None:
     """Compare slice ``a`` with slice ``b`` cast to ``a``'s dtype, bitwise (NaN equals NaN), as :func:`_compare`.
 
     ``b`` is rounded into a scratch array and xor-ed with ``a``: every step runs in place on
     cache-resident arrays; only a slice with a difference (or non-finite values in ``b``,
-    ``b_finite`` false) is examined element by element.
+    ``b_finite`` false) is examined element by element. ``"moments"``: :func:`_moments_np`; ``"amsgrad"``:
+    :func:`_amsgrad_np` (the slice's first element at ``e0`` of the item).
     """
     import numpy as np
 
     n = a_raw.size // DTYPE_ITEMSIZE[a_dtype]
     count.numel += n
     if n == 0:
+        return
+    if kind == "amsgrad":
+        _amsgrad_np(count, float_values(a_raw, a_dtype), float_values(b_raw, b_dtype), e0)
         return
     if kind == "moments":
         top = moment_ratio(a_raw, a_dtype, b_raw, b_dtype)  # the native kernel, or None
@@ -376,7 +437,7 @@ def _streamable(dtypes: list[str], metas: dict[str, TensorMeta], pairs: list[Pai
         return False
     for p in pairs:
         a, b = metas[p.a].dtype.name, metas[p.b].dtype.name
-        if not _np_comparable(a, b) and not (p.kind == "moments" and a in IEEE_BITS and b in IEEE_BITS):
+        if not _np_comparable(a, b) and not (p.kind in ("moments", "amsgrad") and a in IEEE_BITS and b in IEEE_BITS):
             return False
     return True
 
@@ -425,7 +486,7 @@ def _stream_item(
             finite.append(st.nonfinite == 0)
         for j, p in enumerate(pairs):
             ia, ib = slot[p.a], slot[p.b]
-            _compare_np(counts[j], p.kind, raws[ia], dtypes[ia], raws[ib], dtypes[ib], finite[ib])
+            _compare_np(counts[j], p.kind, raws[ia], dtypes[ia], raws[ib], dtypes[ib], finite[ib], e0)
 
     streams = tuple(
         (Window(ctx.reader.fd(loc.info.relative_path), loc.data_start, n * item),) for loc, item in zip(locs, items)
@@ -444,6 +505,10 @@ def _stream_item(
             assert crc is not None
             stats[k].digests = dg.finish(n, crc)
     return stats, counts, read
+
+
+#: The native scan's pair kernel of each pair kind (:class:`~ckpttool.engine.plan.PairKernel`; others: ``"equal"``).
+_PAIR_KERNELS = {"moments": "ratio", "amsgrad": "below"}
 
 
 def _scanned(
@@ -476,16 +541,18 @@ def _scanned(
         ia, ib = slot[p.a], slot[p.b]
         if p.kind == "moments" and "float16" in (dtypes[ia], dtypes[ib]):
             return None
-        kernels.append(PairKernel("ratio" if p.kind == "moments" else "equal", ia, ib))
+        kernels.append(PairKernel(_PAIR_KERNELS.get(p.kind, "equal"), ia, ib))
     folds = tuple(_DEEP[second_moment(k), k in ctx.cat.model] for k in keys)
 
     def exact(raws: list[Any], e0: int, which: int) -> None:
         for j, p in enumerate(pairs):
             if which >> j & 1:
                 ia, ib, c = slot[p.a], slot[p.b], _PairCount()
-                _compare_np(c, p.kind, raws[ia], dtypes[ia], raws[ib], dtypes[ib], False)
+                _compare_np(c, p.kind, raws[ia], dtypes[ia], raws[ib], dtypes[ib], False, e0)
                 counts[j].mismatched += c.mismatched
                 counts[j].nan_mismatched += c.nan_mismatched
+                if c.worst_at >= 0 and (counts[j].worst_at < 0 or c.max_diff > counts[j].max_diff):
+                    counts[j].worst_at, counts[j].worst_a, counts[j].worst_b = c.worst_at, c.worst_a, c.worst_b
                 counts[j].max_diff = max(counts[j].max_diff, c.max_diff)
 
     wanted = tuple(loc.has_crc or dg is not None for loc, dg in zip(locs, digs))
@@ -681,6 +748,15 @@ def _pairs(ctx: Context) -> list[PairStats]:
             and v.dtype in _MOMENT_DTYPES
         ):
             out.append(PairStats(m.key, v.key, "moments"))
+        mx = ps.fields.get("max_exp_avg_sq")  # amsgrad's running maximum of exp_avg_sq, in its dtype (D016)
+        if (
+            mx is not None
+            and v is not None
+            and mx.shape == v.shape
+            and mx.dtype == v.dtype
+            and v.dtype in _MOMENT_DTYPES
+        ):
+            out.append(PairStats(mx.key, v.key, "amsgrad"))
     if ctx.config is not None and bool(tie_word_embeddings(ctx.config)):
         head, emb = ctx.cat.tied_keys()
         if head and emb and ctx.cat.model[head].shape == ctx.cat.model[emb].shape:
@@ -706,7 +782,10 @@ def _merge_ranks(
     Returns:
         The data bytes read by all ranks together.
     """
-    pairs = [(p.compared, p.numel, p.mismatched, p.max_diff, p.nan_mismatched) for p in res.pairs]
+    pairs = [
+        (p.compared, p.numel, p.mismatched, p.max_diff, p.nan_mismatched, p.worst_at, p.worst_a, p.worst_b)
+        for p in res.pairs
+    ]
     errs = {k: distributed.pack_error(e) for k, e in res.read_errors.items()}
     parts = group.gather((partial, sorted(failed), pairs, errs, nbytes))
     partial.clear()
@@ -714,6 +793,7 @@ def _merge_ranks(
     res.read_errors.clear()
     for p in res.pairs:
         p.compared, p.numel, p.mismatched, p.max_diff, p.nan_mismatched = False, 0, 0, 0.0, 0
+        p.worst_at, p.worst_a, p.worst_b = None, 0.0, 0.0
     total = 0
     for part, fail, prs, er, n in parts:
         for k, st in part.items():
@@ -722,10 +802,12 @@ def _merge_ranks(
             else:
                 partial[k] = st
         failed.update(fail)
-        for p, (compared, numel, mismatched, max_diff, nan_mismatched) in zip(res.pairs, prs):
+        for p, (compared, numel, mismatched, max_diff, nan_mismatched, worst_at, wa, wb) in zip(res.pairs, prs):
             p.compared = p.compared or compared
             p.numel += numel
             p.mismatched += mismatched
+            if worst_at is not None:
+                _take_worst(p, worst_at, max_diff, wa, wb)
             p.max_diff = max(p.max_diff, max_diff)
             p.nan_mismatched += nan_mismatched
         for k, packed in er.items():
@@ -904,7 +986,7 @@ class _DeepRun:
             for p in self.pairs_by_key.get(k, ()):
                 if p.b in tensors:
                     with self.lock:
-                        _compare(p, tensors[p.a], tensors[p.b])
+                        _compare(p, tensors[p.a], tensors[p.b], it.chunk)
         if self.progress is not None:
             with self.lock:
                 self._advance(it)
@@ -946,12 +1028,7 @@ class _DeepRun:
             self.streamed_bytes += nb
             _merge_stats(self.partial, stats)
             for j, c in counts.items():
-                pr = item_pairs[j]
-                pr.compared = True
-                pr.numel += c.numel
-                pr.mismatched += c.mismatched
-                pr.nan_mismatched += c.nan_mismatched
-                pr.max_diff = max(pr.max_diff, c.max_diff)
+                _add_count(item_pairs[j], c, it.chunk, tuple(self.metas[item_pairs[j].a].size))
             if self.progress is not None:
                 self._advance(it)
 

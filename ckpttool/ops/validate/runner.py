@@ -414,6 +414,14 @@ def _manifest_file(manifest: str | os.PathLike[str], checkpoint_dir: Path) -> Pa
     return path / MANIFEST_NAME if path.is_dir() else path
 
 
+def _unusable(where: Path | None) -> str:
+    """Why the rules were skipped beside ``S001``: the file its error names is unusable (``.metadata``, or a
+    safetensors file or index of a folder that has no ``.metadata``; a directory: the checkpoint in it)."""
+    if where is None or where.name == ".metadata":
+        return ".metadata is unusable"
+    return "the checkpoint is unusable" if os.path.isdir(where) else f"{where.name} is unusable"
+
+
 def _validate_path(
     path: str | os.PathLike[str],
     opts: ValidateOptions,
@@ -449,7 +457,7 @@ def _validate_path(
             if unfinished and where is not None and where.name.endswith((".safetensors", ".safetensors.index.json"))
             else "the save did not finish"
             if unfinished
-            else ".metadata is unusable"
+            else _unusable(where)
         )
         statuses = [
             RuleStatus(r, "failed", None, (s001.make(key or ".metadata", e.message, e.hint or None, e.code),))

@@ -120,7 +120,11 @@ class PairStats:
             ``"tied"`` (``a`` = ``lm_head.weight``, ``b`` = the input embedding) or
             ``"moments"`` (``a`` = ``exp_avg``, ``b`` = ``exp_avg_sq`` of one parameter: not
             compared for equality; ``mismatched`` counts elements where ``b`` is 0 and ``a``
-            is not, ``max_diff`` is the largest ``|a| / sqrt(b)`` over ``b > 0``).
+            is not, ``max_diff`` is the largest ``|a| / sqrt(b)`` over ``b > 0``) or
+            ``"amsgrad"`` (``a`` = amsgrad's ``max_exp_avg_sq``, ``b`` = ``exp_avg_sq`` of one parameter, the same
+            dtype: ``mismatched`` counts elements where ``a < b`` (a negative ``a`` left out: ``D002``),
+            ``max_diff`` is the largest ``b - a`` of them, in float64, at global index ``worst_at`` with values
+            ``worst_a`` and ``worst_b``).
         numel: elements compared; mismatched: elements that differ (after casting ``b`` to
             ``a``'s dtype); max_diff: largest ``|a - b|`` (in float32/64) over them, NaN differences left
             out; nan_mismatched: those of them where one side is NaN and the other a number (infinity
@@ -135,6 +139,9 @@ class PairStats:
     max_diff: float = 0.0
     compared: bool = False
     nan_mismatched: int = 0
+    worst_at: tuple[int, ...] | None = None
+    worst_a: float = 0.0
+    worst_b: float = 0.0
 
     def differences(self) -> str:
         """How the differing elements differ, for a finding: ``max |diff| 0.5``, ``1 NaN against a number``

@@ -239,6 +239,27 @@ def _zero_amsgrad_maximum(ctx: Context) -> Iterator[tuple[str, str]]:
             yield mx.key, f"{mx.key}: all {smx.numel} values are 0 where {m.key} is not (the whole tensor is 0)"
 
 
+@rule("D016")
+def amsgrad_max_below_exp_avg_sq(ctx: Context) -> Iterator[tuple[str, str]]:
+    """amsgrad's ``max_exp_avg_sq`` below ``exp_avg_sq`` (the deep pass's ``amsgrad`` pairs, read chunk by chunk with
+    the moments): torch's Adam/AdamW store ``maximum(max_exp_avg_sq, exp_avg_sq)`` after updating ``exp_avg_sq``.
+    A ``max_exp_avg_sq`` ``D006`` reports as all zero is left to it, as negative values are to ``D002``."""
+    assert ctx.deep_result is not None
+    zeroed = {key for key, _ in _zero_amsgrad_maximum(ctx)}
+    pairs = {p.a: p for p in ctx.deep_result.pairs if p.kind == "amsgrad" and p.compared}
+    for fqn, ps in ctx.cat.optimizer_state.items():
+        mx = ps.fields.get("max_exp_avg_sq")
+        p = pairs.get(mx.key) if isinstance(mx, TensorEntry) else None
+        if p is None or not p.mismatched or p.a in zeroed:
+            continue
+        at = list(p.worst_at) if p.worst_at is not None else "?"
+        yield (
+            p.a,
+            f"{fqn}: max_exp_avg_sq is below exp_avg_sq at {p.mismatched} of {p.numel} values (worst at {at}: "
+            f"max_exp_avg_sq {p.worst_a:.6g} < exp_avg_sq {p.worst_b:.6g})",
+        )
+
+
 #: ``D007``: slack on the moment-ratio bound (moments stored in BF16 round).
 RATIO_SLACK = 1.1
 
