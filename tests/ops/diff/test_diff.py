@@ -192,8 +192,16 @@ def test_a_models_byte_items_are_compared_with_its_tensors(tmp_path: Path) -> No
     assert [(d["name"], d["kind"]) for d in doc["differences"]] == [("model.other_extra.calibrated", "only_b")]
     doc = diff_json(a, _save_with_extra_state(tmp_path / "a2", 1), code=0)  # a second save of the same model
     assert doc["equal"] and doc["counts"]["tensors"] == 2
-    doc = diff_json(a, b, "--what", "all", code=1)  # named as before where all items are compared
+    doc = diff_json(a, b, "--what", "all", code=1)
     assert [(d["name"], d["kind"]) for d in doc["differences"]] == [("model._extra_state.fp8_meta", "object")]
+    # the same model saved as torch's DCP tutorial saves it ({"app": {"model": ...}}): its byte item is named by the
+    # model's fqn as its tensors are; `--what all` called it 'app.model._extra_state.fp8_meta', only in B
+    torch.manual_seed(0)
+    app = tmp_path / "app"
+    dcp.save({"app": {"model": _WithExtraState(1).state_dict()}}, checkpoint_id=str(app), no_dist=True)
+    for what in ("model", "all"):
+        doc = diff_json(a, app, "--what", what, code=0)
+        assert doc["b"]["schema"] == "app-state" and doc["equal"] and doc["differences"] == []
 
 
 # ------------------------------------------------------------------------------------------ DCP vs HF export
