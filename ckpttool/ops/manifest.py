@@ -820,12 +820,17 @@ def unchecked_beside(reader: CheckpointReader, manifest: Manifest) -> list[str]:
 
 def unchecked_sizes(reader: CheckpointReader, manifest: Manifest) -> list[str]:
     """Data files of a checkpoint whose size ``manifest`` cannot vouch for because it has no ``data_files`` list
-    (written by an older ckpttool, or edited): bytes appended after their last chunk, which no entry covers, are
-    not checked (at most 1,000 names, in name order)."""
-    if manifest.kind != "dcp" or manifest.data_files is not None:
+    (written by an older ckpttool, or edited), or because its ``data_files`` leaves them out (edited: this ckpttool
+    records every regular data file the entries' windows lie in; a symlinked one is digested whole as the sidecar
+    it points to): bytes appended after their last chunk, which no entry covers, are not checked (at most 1,000
+    names, in name order)."""
+    if manifest.kind != "dcp":
         return []
     held = {reader.storage_info(k, c).relative_path for k, c in _items(reader) if _has_storage(reader, k, c)}
-    return sorted(held)[:1000]
+    if manifest.data_files is None:
+        return sorted(held)[:1000]
+    listed = {f["file"] for f in manifest.data_files}
+    return [f["file"] for f in _data_file_sizes_of(reader, held - listed)][:1000]
 
 
 def unchecked_values(reader: CheckpointReader, manifest: Manifest) -> list[str]:
@@ -2346,7 +2351,8 @@ def check_against_manifest(
         except MetadataError as e:  # a safetensors file the reader refuses (bytes appended): checked byte by byte
             problems = _verify_refused_folder(directory, man, e, step)
             shown, folder = str(directory), "safetensors"
-    warnings = _unchecked_warnings(target, unchecked if man.kind == "dcp" else [], untracked, unsized, unvalued)
+    unchecked = unchecked if man.kind == "dcp" else []
+    warnings = _unchecked_warnings(target, unchecked, untracked, unsized, unvalued, listed=man.data_files is not None)
     return ManifestCheck(
         shown,
         str(target),
@@ -2362,21 +2368,34 @@ def check_against_manifest(
 
 
 def _unchecked_warnings(
-    target: Path, unchecked: list[str], untracked: list[str], unsized: list[str], unvalued: list[str]
+    target: Path,
+    unchecked: list[str],
+    untracked: list[str],
+    unsized: list[str],
+    unvalued: list[str],
+    *,
+    listed: bool = False,
 ) -> list[str]:
     """The ``warning:`` lines of what a manifest cannot vouch for: files beside the data it lists no ``sidecars`` of,
-    a trainer's files without ``training_state``, data files without ``data_files`` sizes, a per-rank save's items
-    read as values digested as their empty window (:func:`unchecked_values`)."""
+    a trainer's files without ``training_state``, data files without ``data_files`` sizes (``listed``: the
+    manifest has a ``data_files`` list that leaves them out), a per-rank save's items read as values digested as
+    their empty window (:func:`unchecked_values`)."""
     warnings = []
-    for files, lacks, what in (
-        (unchecked, "lists no files beside the checkpoint's data", "there not checked"),
-        (untracked, "lists no training_state (the trainer's files beside the checkpoint)", "there not checked"),
-        (unsized, "records no data file sizes", "not checked after their last chunk"),
+    older = "written by an older ckpttool, or edited"
+    sizes = ("leaves data files out of its data_files", "edited") if listed else ("records no data file sizes", older)
+    for files, (lacks, why), what in (
+        (unchecked, ("lists no files beside the checkpoint's data", older), "there not checked"),
+        (
+            untracked,
+            ("lists no training_state (the trainer's files beside the checkpoint)", older),
+            "there not checked",
+        ),
+        (unsized, sizes, "not checked after their last chunk"),
     ):
         if files:
             more = ", ..." if len(files) > 5 else ""
             warnings.append(
-                f"{target} {lacks} (written by an older ckpttool, or edited): "
+                f"{target} {lacks} ({why}): "
                 f"{_plural_files(len(files))} {what} ({', '.join(files[:5])}{more}); it cannot vouch for them"
             )
     if unvalued:

@@ -44,7 +44,7 @@ from ckpttool.format.perrank_formats import detect_layout
 from ckpttool.format.storage import UrlPath, is_url, local_path, url_path
 from ckpttool.layouts.permute import legacy_to_canonical_perm
 from ckpttool.layouts.record import LAYOUT_KEY
-from ckpttool.model.catalog import TensorEntry, match_filter, saved_by_counts
+from ckpttool.model.catalog import Catalog, TensorEntry, match_filter, saved_by_counts
 from ckpttool.model.checkpoint import (
     Checkpoint,
     CheckpointOrPath,
@@ -400,6 +400,8 @@ def dcp_items(side: Side, what: str) -> tuple[list[Item], list[Excluded], list[s
     if what in ("model", "all"):
         for key, me in cat.model.items():
             items.append(_entry_item(cat.schema.canonical_key(key), me, "model", _perm_of(side, key, me.shape)))
+        for key in _model_byte_items(cat):  # a module's extra state (get_extra_state): part of the model's state
+            items.append(Item(cat.schema.canonical_key(key), key, (), "bytes", "model"))
     if what in ("optimizer", "all"):
         for fqn, ps in cat.optimizer_state.items():
             for fld, e in ps.fields.items():
@@ -425,11 +427,22 @@ def dcp_items(side: Side, what: str) -> tuple[list[Item], list[Excluded], list[s
             if key == LAYOUT_KEY and not (side.ckpt.layout is not None and side.ckpt.layout.foreign_item):
                 excluded.append(Excluded(side.label, key, "the layout record describes the storage order, not values"))
                 continue
-            if cat.category(key) == "optimizer_state":
-                continue  # a state field saved as a byte item: listed above
+            if cat.category(key) == "optimizer_state" or key in listed:
+                continue  # a state field saved as a byte item, a model's byte item: listed above
             items.append(Item(key, key, (), "bytes", cat.category(key)))
     items, notes = _unwrapped(side, items)
     return items, excluded, notes
+
+
+def _model_byte_items(cat: Catalog) -> list[str]:
+    """Byte items saved under the model's own prefix (``model.<fqn>._extra_state``: what a module's
+    ``get_extra_state()`` returns, FP8 scaling metadata; any object a model's ``state_dict()`` holds), which
+    ``load_state_dict`` hands back to the model: compared with its tensors. None under a top-level model (its
+    prefix ``""`` does not tell a model's byte item from the trainer's ``epoch``) or the layout record."""
+    p = cat.schema.model_prefix
+    if not p:
+        return []
+    return [k for k in cat.byte_items if k.startswith(p) and k != LAYOUT_KEY and cat.category(k) == "other"]
 
 
 def _unwrapped(side: Side, items: list[Item]) -> tuple[list[Item], list[str]]:

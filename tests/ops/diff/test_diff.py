@@ -144,6 +144,66 @@ def test_keys_on_one_side_and_shapes_are_differences(dense_ckpt: Path, tmp_path:
     assert kinds == {"model.model.norm.weight": "only_a", DOWN: "shape", "model.extra.weight": "only_b"}
 
 
+class _WithExtraState(torch.nn.Module):
+    """A ``Linear`` whose module keeps extra state (``get_extra_state``: how TransformerEngine saves its FP8 scaling
+    metadata), so that ``state_dict()`` holds ``lin._extra_state`` beside the tensors."""
+
+    def __init__(self, meta: int) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(4, 3)
+        self.meta = meta
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lin(x)
+
+    def get_extra_state(self) -> dict[str, int]:
+        return {"fp8_meta": self.meta}
+
+    def set_extra_state(self, state: dict[str, int]) -> None:
+        self.meta = state["fp8_meta"]
+
+
+def _save_with_extra_state(out: Path, meta: int, extra: dict[str, Any] | None = None) -> Path:
+    torch.manual_seed(0)
+    model = _WithExtraState(meta)
+    dcp.save({"model": {**model.state_dict(), **(extra or {})}}, checkpoint_id=str(out), no_dist=True)
+    return out
+
+
+def test_a_models_byte_items_are_compared_with_its_tensors(tmp_path: Path) -> None:
+    """A byte item under the model's prefix (a module's extra state, ``model._extra_state.fp8_meta``) is part of what
+    the model's ``load_state_dict`` gets back, yet the default `diff` (``--what model``) left it out: two models whose
+    extra state differs, or with a byte item on one side only, were "equal as models" (exit 0). It is compared (and
+    paired) like the model's tensors now; torch's reader sees the two values differ."""
+    a = _save_with_extra_state(tmp_path / "a", 1)
+    b = _save_with_extra_state(tmp_path / "b", 2)
+    c = _save_with_extra_state(tmp_path / "c", 1, {"other_extra": {"calibrated": True}})
+    got_a: dict[str, Any] = {"model": {"_extra_state": {"fp8_meta": 0}}}
+    got_b: dict[str, Any] = {"model": {"_extra_state": {"fp8_meta": 0}}}
+    dcp.load(got_a, checkpoint_id=str(a), no_dist=True)
+    dcp.load(got_b, checkpoint_id=str(b), no_dist=True)
+    assert got_a["model"]["_extra_state"] == {"fp8_meta": 1} and got_b["model"]["_extra_state"] == {"fp8_meta": 2}
+
+    doc = diff_json(a, b, code=1)
+    assert [(d["name"], d["kind"]) for d in doc["differences"]] == [("model._extra_state.fp8_meta", "object")]
+    res = cli(a, b)
+    assert res.exit_code == 1 and "object: model._extra_state.fp8_meta: 1 in A, 2 in B" in res.stdout, res.stdout
+    doc = diff_json(a, c, code=1)
+    assert [(d["name"], d["kind"]) for d in doc["differences"]] == [("model.other_extra.calibrated", "only_b")]
+    doc = diff_json(a, _save_with_extra_state(tmp_path / "a2", 1), code=0)  # a second save of the same model
+    assert doc["equal"] and doc["counts"]["tensors"] == 2
+    doc = diff_json(a, b, "--what", "all", code=1)
+    assert [(d["name"], d["kind"]) for d in doc["differences"]] == [("model._extra_state.fp8_meta", "object")]
+    # the same model saved as torch's DCP tutorial saves it ({"app": {"model": ...}}): its byte item is named by the
+    # model's fqn as its tensors are; `--what all` called it 'app.model._extra_state.fp8_meta', only in B
+    torch.manual_seed(0)
+    app = tmp_path / "app"
+    dcp.save({"app": {"model": _WithExtraState(1).state_dict()}}, checkpoint_id=str(app), no_dist=True)
+    for what in ("model", "all"):
+        doc = diff_json(a, app, "--what", what, code=0)
+        assert doc["b"]["schema"] == "app-state" and doc["equal"] and doc["differences"] == []
+
+
 # ------------------------------------------------------------------------------------------ DCP vs HF export
 
 

@@ -514,6 +514,43 @@ def test_a_manifest_without_data_file_sizes_names_the_bytes_it_did_not_check(fsd
     assert res.exit_code == 0 and json.loads(res.stdout)["warnings"] == [] and "warning" not in res.stderr
 
 
+def test_a_data_files_list_leaving_a_data_file_out_names_the_bytes_it_did_not_check(
+    fsdp_ckpt: Path, tmp_path: Path
+) -> None:
+    """A manifest whose ``data_files`` leaves a data file out (edited: ckpttool records every one) cannot see bytes
+    appended to that file after its last chunk: --verify said "matches" and `validate --manifest` OK in silence, while
+    a manifest with no ``data_files`` at all got a warning. Both now name the file (a warning, exit 0), and the
+    appended bytes are outside every window torch's reader reads."""
+    ck = copy_checkpoint(fsdp_ckpt, tmp_path / "c")
+    assert invoke("manifest", ck).exit_code == 0
+    doc = json.loads((ck / "manifest.json").read_text())
+    kept = [f for f in doc["data_files"] if f["file"] != "__2_0.distcp"]
+    assert len(kept) == len(doc["data_files"]) - 1
+    doc["data_files"] = kept
+    (ck / "manifest.json").write_text(json.dumps(doc))
+    want = {"model": {"lm_head.weight": torch.zeros(32, 16)}}  # rows 16..23 are in __2_0.distcp
+    dcp.load(want, checkpoint_id=str(fsdp_ckpt))
+    with open(ck / "__2_0.distcp", "ab") as f:
+        f.write(b"appended after the last chunk")
+    got = {"model": {"lm_head.weight": torch.zeros(32, 16)}}
+    dcp.load(got, checkpoint_id=str(ck))  # torch's reader: the same values, the appended bytes in no window
+    assert torch.equal(got["model"]["lm_head.weight"], want["model"]["lm_head.weight"])
+    res = invoke("manifest", ck, "--verify")
+    assert res.exit_code == 0, res.stderr
+    warning = [line for line in res.stderr.splitlines() if line.startswith("warning:")]
+    assert len(warning) == 1 and "leaves data files out of its data_files (edited)" in warning[0], res.stderr
+    assert "1 file not checked after their last chunk (__2_0.distcp)" in warning[0], res.stderr
+    assert "matches" in res.stdout and "not checked" in res.stdout
+    res = invoke("manifest", ck, "--verify", "--json")
+    assert json.loads(res.stdout)["warnings"] == [warning[0][len("warning: ") :]], res.stdout
+    res = invoke("validate", ck, "--manifest", "--json")
+    s016 = [f for f in json.loads(res.stdout)["findings"] if f["code"] == "S016"]
+    assert len(s016) == 1 and s016[0]["message"].endswith(
+        "leaves data files out of data_files; bytes after the last chunk of 1 not checked: __2_0.distcp"
+    ), res.stdout
+    assert invoke("validate", ck, "--manifest", "--strict").exit_code == 1
+
+
 def test_bytes_hashed_counts_the_files_beside_the_data(fsdp_ckpt: Path, tmp_path: Path) -> None:
     """The files beside the data (an optimizer ``.pt``, ``trainer_state.json``) are digested whole, yet
     ``bytes_hashed`` counted the chunks alone: a 2 GiB ``optim.pt`` beside 15 KiB of chunks printed "15.2 KiB

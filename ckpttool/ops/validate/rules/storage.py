@@ -355,9 +355,12 @@ def manifest_beside_unchecked(ctx: Context) -> Iterator[tuple[str | None, str]]:
     unsized = unchecked_sizes(ctx.reader, ctx.manifest)
     if unsized:
         shown = ", ".join(unsized[:5]) + (f" (+{len(unsized) - 5} more)" if len(unsized) > 5 else "")
+        lacks = (
+            "records no data file sizes" if ctx.manifest.data_files is None else "leaves data files out of data_files"
+        )
         yield (
             None,
-            f"{where}: records no data file sizes; bytes after the last chunk of {len(unsized)} not checked: {shown}",
+            f"{where}: {lacks}; bytes after the last chunk of {len(unsized)} not checked: {shown}",
         )
     unvalued = unchecked_values(ctx.reader, ctx.manifest)
     if unvalued:
