@@ -796,3 +796,35 @@ def test_a_backticked_name_inside_a_file_name_is_not_a_parameter() -> None:
     )
     assert _with_flags("/r/run`step`3/.metadata: no `step` 3", flags) == "/r/run`step`3/.metadata: no --step 3"
     assert _with_flags("/r/a `step` b: no `step` 3", flags, keep="/r/a `step` b") == "/r/a `step` b: no --step 3"
+
+
+def test_a_step_given_with_a_step_directory_names_the_run_root_ready_to_paste(
+    sample_ckpt: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``--step latest`` given with a torchtitan step directory (``run/checkpoint/step-20``) instead of the run's
+    checkpoint root: the hint said "pass the directory that holds the step directories" without naming it. It names
+    that directory as a shell argument (``.`` given inside the step directory: its absolute path; diff's ``--a-step``
+    alike), and the pasted command opens the step; a checkpoint that is no step directory gets no guess."""
+    import shlex
+
+    root = tmp_path / "my run" / "checkpoint"
+    for s in (10, 20):
+        copy_checkpoint(sample_ckpt, root / f"step-{s}")
+    res = runner.invoke(app, ["validate", str(root / "step-20"), "--step", "latest"])
+    assert res.exit_code == 2 and res.stdout == "", res.output
+    assert res.stderr.splitlines() == [
+        f"error: [E100] --step latest given, but {root / 'step-20'} is a checkpoint itself",
+        f"hint: drop --step, or give --step with the directory above this step directory: {shlex.quote(str(root))}",
+    ]
+    pasted = runner.invoke(app, ["validate", *shlex.split(res.stderr.rpartition(": ")[2]), "--step", "latest"])
+    assert pasted.exit_code == 0 and f"checkpoint  {root / 'step-20'}\n" in pasted.stdout, pasted.output
+    monkeypatch.chdir(root / "step-20")
+    here = Path(os.getcwd()).parent
+    res = runner.invoke(app, ["diff", ".", "../step-10", "--a-step", "10"])
+    assert res.exit_code == 2 and res.stderr.splitlines()[-1] == (
+        f"hint: drop --a-step, or give --a-step with the directory above this step directory: {shlex.quote(str(here))}"
+    ), res.stderr
+    res = runner.invoke(app, ["inspect", str(sample_ckpt), "--step", "3"])
+    assert res.exit_code == 2 and res.stderr.splitlines()[-1] == (
+        "hint: pass the directory that holds the step directories, or drop --step"
+    ), res.stderr
