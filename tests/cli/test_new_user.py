@@ -828,3 +828,53 @@ def test_a_step_given_with_a_step_directory_names_the_run_root_ready_to_paste(
     assert res.exit_code == 2 and res.stderr.splitlines()[-1] == (
         "hint: pass the directory that holds the step directories, or drop --step"
     ), res.stderr
+
+
+@pytest.mark.parametrize("typed", ["fp8", "FP8", "float8_e4m3fn", "torch.float8_e5m2"])
+def test_an_fp8_save_dtype_names_the_option_that_writes_fp8(sample_ckpt: Path, tmp_path: Path, typed: str) -> None:
+    """``export --save-dtype fp8``: the refusal's hint gave the aliases of bf16/fp16/fp32 only, none of which is
+    FP8; it names ``--quantize fp8-block``, and the export that pastes it writes float8_e4m3fn weights."""
+    from safetensors import safe_open
+
+    res = runner.invoke(app, ["export", str(sample_ckpt), str(tmp_path / "hf"), "--save-dtype", typed])
+    assert res.exit_code == 2 and res.stdout == "" and not (tmp_path / "hf").exists(), res.output
+    error, hint = res.stderr.splitlines()
+    assert error == f"error: [E100] --save-dtype {typed!r} is not one of preserve, bfloat16, float16, float32"
+    assert hint.startswith("hint: an FP8 export is --quantize fp8-block (or fp8-channel): float8_e4m3fn"), hint
+    res = runner.invoke(app, ["export", str(sample_ckpt), str(tmp_path / "hf"), "--quantize", "fp8-block", "-q"])
+    assert res.exit_code == 0, res.output
+    with safe_open(str(tmp_path / "hf" / "model.safetensors"), "pt") as f:
+        w = f.get_tensor("model.layers.0.self_attn.q_proj.weight")
+    assert str(w.dtype) == "torch.float8_e4m3fn"
+    # a dtype that is no FP8 keeps the aliases
+    res = runner.invoke(app, ["export", str(sample_ckpt), str(tmp_path / "x"), "--save-dtype", "int8"])
+    assert res.exit_code == 2 and res.stderr.splitlines()[-1] == "hint: dtype aliases: bf16, fp16/half, fp32/float"
+
+
+def test_import_of_a_file_names_what_its_folder_is(sample_ckpt: Path, tmp_path: Path) -> None:
+    """``import FILE OUT``: the hint said "pass the Hugging Face model directory, not a file in it: FOLDER" whatever
+    the folder held, so a DCP checkpoint's ``.metadata`` or a stray file sent the user to a folder import refuses
+    next. The folder is named as what to pass only where it holds safetensors files; a DCP checkpoint's file gets
+    the export that converts it (which runs as pasted), any other file what the directory to pass holds."""
+    import shlex
+
+    ckpt = copy_checkpoint(sample_ckpt, tmp_path / "my ckpt")
+    res = runner.invoke(app, ["import", str(ckpt / ".metadata"), str(tmp_path / "out")])
+    assert res.exit_code == 2 and res.stdout == "", res.output
+    hint = res.stderr.splitlines()[-1]
+    q = shlex.quote(str(ckpt))
+    assert hint == f"hint: {q} is a DCP checkpoint: did you mean `ckpttool export {q} OUT` (DCP to safetensors)?"
+    pasted = shlex.split(hint.split("`")[1].replace("OUT", shlex.quote(str(tmp_path / "hf"))))
+    assert runner.invoke(app, [*pasted[1:], "-q"]).exit_code == 0
+    res = runner.invoke(app, ["import", str(tmp_path / "hf" / "model.safetensors"), str(tmp_path / "out")])
+    assert (
+        res.stderr.splitlines()[-1]
+        == f"hint: pass the Hugging Face model directory, not a file in it: {tmp_path / 'hf'}"
+    )
+    (tmp_path / "notes.txt").write_text("x")
+    res = runner.invoke(app, ["import", str(tmp_path / "notes.txt"), str(tmp_path / "out")])
+    assert res.exit_code == 2 and res.stderr.splitlines()[-1] == (
+        "hint: pass the Hugging Face model directory (the one holding its model*.safetensors files and config.json); "
+        f"{tmp_path} holds no .safetensors file"
+    ), res.stderr
+    assert not (tmp_path / "out").exists()
