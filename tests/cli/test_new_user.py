@@ -878,3 +878,23 @@ def test_import_of_a_file_names_what_its_folder_is(sample_ckpt: Path, tmp_path: 
         f"{tmp_path} holds no .safetensors file"
     ), res.stderr
     assert not (tmp_path / "out").exists()
+
+
+def test_json_after_the_command_is_what_it_is_before_it() -> None:
+    """docs/cli.md: ``ckpttool --json CMD`` = ``ckpttool CMD --json``. ``ckpttool --json schema inspect`` printed the
+    schema while ``ckpttool schema inspect --json`` was ``No such option: --json``, and ``sample x --json`` said
+    that where ``--json sample x`` said "has no JSON output". Both spellings now give the same result."""
+    before = runner.invoke(app, ["--json", "schema", "inspect"])
+    after = runner.invoke(app, ["schema", "inspect", "--json"])
+    assert before.exit_code == after.exit_code == 0 and after.stdout == before.stdout, after.output
+    assert json.loads(after.stdout)["$schema"].startswith("https://json-schema.org/")
+    for argv in (["schema"], ["sample", "x"]):
+        before = runner.invoke(app, ["--json", *argv])
+        after = runner.invoke(app, [*argv, "--json"])
+        assert before.exit_code == after.exit_code == 2 and after.stdout == "", after.output
+        assert after.stderr == before.stderr, (before.stderr, after.stderr)
+    assert runner.invoke(app, ["sample", "x", "--json"]).stderr.splitlines() == [
+        "error: [E100] `ckpttool sample` has no JSON output (--json)",
+        "hint: see `ckpttool sample --help`",
+    ]
+    assert not Path("x").exists()
