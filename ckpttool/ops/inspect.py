@@ -206,9 +206,13 @@ class OptimizerSummary:
     never_stepped_with_hyperparameters: tuple[str, ...]
     """Fqns with no state but with hyperparameters saved (members of a param group)."""
     orphan_state: tuple[str, ...]
-    """Fqns with state that are not model keys."""
+    """Fqns with state that are not model keys (nor a fused parameter the model stores split: ``_stored_split``;
+    validate's ``O003``)."""
     buffers: tuple[str, ...]
     """Model keys in no param group (persistent buffers)."""
+    _stored_split: dict[str, tuple[str, ...]] = field(default_factory=dict, repr=False, compare=False)
+    """Fqn the optimizer steps fused -> the model keys that store it split (torchtitan ``wqkv`` as
+    ``wq``/``wk``/``wv``; validate's ``K005``): its state is recognised, not an orphan (text output only)."""
 
     def to_dict(self) -> dict[str, Any]:
         return json_fields(self, param_groups=[g.to_dict() for g in self.param_groups])
@@ -573,8 +577,9 @@ def _optimizer_section(cat: Catalog, filt: str | None, declared: str | None) -> 
         param_groups=tuple(_param_group_rows(cat, filt)),
         params_without_state=tuple(without),
         never_stepped_with_hyperparameters=never_stepped,
-        orphan_state=tuple(sorted(f for f, ps in cat.optimizer_state.items() if not ps.in_model)),
+        orphan_state=tuple(sorted(f for f, ps in cat.optimizer_state.items() if not ps.in_model and not ps.stored_as)),
         buffers=tuple(buffers),
+        _stored_split={f: ps.stored_as for f, ps in sorted(cat.optimizer_state.items()) if ps.stored_as},
     )
 
 

@@ -898,3 +898,22 @@ def test_json_after_the_command_is_what_it_is_before_it() -> None:
         "hint: see `ckpttool sample --help`",
     ]
     assert not Path("x").exists()
+
+
+def test_inspect_names_torchtitan_fused_qkv_state_as_recognised_not_orphaned(titan_root: Path) -> None:
+    """torchtitan's ``FusedQKVLinear`` steps ``wqkv`` while its state dict stores ``wq``/``wk``/``wv``: validate
+    says ``K005`` (info, "nothing to fix") and ``O003`` leaves it out, but inspect listed it under "state for fqns not
+    in the model" (and in ``orphan_state``), the line of lost state. It names it as state stepped fused, stored split."""
+    step = titan_root / "llama3" / "checkpoint" / "step-2"  # written by torchtitan's own CheckpointManager
+    res = runner.invoke(app, ["inspect", str(step)], env={"COLUMNS": "100"})
+    assert res.exit_code == 0, res.output
+    assert "state for fqns not in the model" not in res.stdout
+    assert (
+        "fused state 2 parameters stepped fused, stored split (e.g. layers.0.attention.qkv_linear.wqkv.weight as "
+        "layers.0.attention.qkv_linear.wq.weight, layers.0.attention.qkv_linear.wk.weight, "
+        "layers.0.attention.qkv_linear.wv.weight): recognised, not orphans"
+    ) in res.stdout.splitlines()
+    doc = json.loads(runner.invoke(app, ["inspect", str(step), "--json"]).stdout)
+    assert doc["optimizer"]["orphan_state"] == [] and "_stored_split" not in doc["optimizer"]
+    res = runner.invoke(app, ["validate", str(step), "--json"])
+    assert [f["code"] for f in json.loads(res.stdout)["findings"]] == ["K005"]
