@@ -31,6 +31,7 @@ from ckpttool.errors import (
     IntegerRangeError,
     OptimStateError,
     PlannerDataError,
+    shell_arg,
 )
 from ckpttool.format.directory import CheckpointDir, rank_of_file
 from ckpttool.format.listing import FileListing, list_files
@@ -70,6 +71,7 @@ __all__ = [
     "load_param_groups",
     "implied_optimizer_type",
     "saved_by_counts",
+    "bare_glob_hint",
     "match_filter",
     "group_by_prefix",
     "KNOWN_NON_PERSISTENT_BUFFERS",
@@ -1398,6 +1400,22 @@ def match_filter(key: str, pattern: str | None, prefix: str | None = CANONICAL_M
         return True
     return fnmatch.fnmatchcase(key, pattern) or (
         bool(prefix) and key.startswith(prefix or "") and fnmatch.fnmatchcase(key[len(prefix or "") :], pattern)
+    )
+
+
+def bare_glob_hint(pattern: str | None, count: Callable[[str], int], noun: str = "key") -> str | None:
+    """The hint of a ``--filter`` ``pattern`` without a wildcard (``experts``) that selected nothing: a glob matches a
+    whole key, so it names ``'*experts*'`` with how many ``noun``s it matches (``count(glob)``, the caller's own
+    matching); ``None`` where ``pattern`` holds a wildcard or the wider glob matches nothing either."""
+    if not pattern or any(c in pattern for c in "*?["):
+        return None
+    wide = f"*{pattern}*"
+    n = count(wide)
+    if n == 0:
+        return None
+    return (
+        f"a glob matches whole keys and {pattern!r} has no wildcard, so it names one whole key; "
+        f"{shell_arg(wide)} matches {n} {noun}{'' if n == 1 else 's'}"
     )
 
 

@@ -33,6 +33,7 @@ from ckpttool.model.catalog import (
     Catalog,
     ParamGroup,
     TensorEntry,
+    bare_glob_hint,
     group_by_prefix,
     leaf_key,
     match_filter,
@@ -744,7 +745,8 @@ def _model_rows(ckpt: Checkpoint, tensors: Mapping[str, TensorEntry], opts: Insp
         raise UsageError(
             f"`filter_glob` {filt!r} matches no key of {ckpt.path}",
             param="filter_glob",
-            hint=f"globs match keys with or without {shown}, e.g. "
+            hint=bare_glob_hint(filt, lambda g: sum(match_filter(k, g, prefix) for k in tensors))
+            or f"globs match keys with or without {shown}, e.g. "
             f"'{cat.fqn_of(next(iter(cat.model), 'layers.0.x')).split('.')[0]}.*'",
         )
     if opts.sort == "size":

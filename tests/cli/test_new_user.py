@@ -917,3 +917,34 @@ def test_inspect_names_torchtitan_fused_qkv_state_as_recognised_not_orphaned(tit
     assert doc["optimizer"]["orphan_state"] == [] and "_stored_split" not in doc["optimizer"]
     res = runner.invoke(app, ["validate", str(step), "--json"])
     assert [f["code"] for f in json.loads(res.stdout)["findings"]] == ["K005"]
+
+
+@pytest.mark.parametrize(
+    ("argv", "count"),
+    [
+        (["inspect", "{ckpt}"], "40 keys"),
+        (["replay-step", "{ckpt}"], "10 parameters"),
+        (["export", "{ckpt}", "{out}"], "10 model tensors"),
+        (["stats", "{ckpt}"], "10 keys"),
+    ],
+)
+def test_a_filter_without_a_wildcard_names_the_glob_that_matches(
+    sample_ckpt: Path, tmp_path: Path, argv: list[str], count: str
+) -> None:
+    """``--filter experts`` (a word, no ``*``) matches a key named ``experts`` only, so it selected nothing; the hints
+    said how globs match in general (one suggested ``'model.*'``). They name ``'*experts*'`` and how many it
+    matches, and the command with it pasted runs; a glob that has a wildcard keeps the general hint."""
+    import shlex
+
+    args = [a.format(ckpt=sample_ckpt, out=tmp_path / "out") for a in argv]
+    res = runner.invoke(app, [*args, "--filter", "experts"])
+    assert res.exit_code == 2 and res.stdout == "" and not (tmp_path / "out").exists(), res.output
+    hint = res.stderr.splitlines()[-1]
+    assert hint == (
+        "hint: a glob matches whole keys and 'experts' has no wildcard, so it names one whole key; "
+        f"'*experts*' matches {count}"
+    )
+    pasted = runner.invoke(app, [*args, "--filter", *shlex.split(hint.split("; ")[-1].split(" matches ")[0]), "-q"])
+    assert pasted.exit_code == 0, pasted.output
+    res = runner.invoke(app, [*args, "--filter", "nothing*"])
+    assert res.exit_code == 2 and "has no wildcard" not in res.stderr, res.output
