@@ -754,6 +754,9 @@ def _usage_error(e: Any, ctx: Any) -> UsageError:
             if _ROOT_ONLY[option]
             else f"put it before the command: `ckpttool {option}` (it prints the versions and exits)",
         )
+    if type(e).__name__ == "NoSuchOption" and option == "--json" and ctx is not None and ctx.parent is not None:
+        # as `ckpttool --json CMD` says it (was click's "No such option: --json")
+        return UsageError(f"`{where}` has no JSON output (--json)", hint=f"see `{where} --help`")
     return UsageError(_plain_type_names(e.format_message()), hint=f"see `{where} --help`")
 
 

@@ -303,7 +303,14 @@ def export_options(cli: ExportCLIOptions) -> ExportOptions:
         alpha = int(alpha)
     return ExportOptions(
         fmt="hf-merged" if cli.merge_lora else cli.fmt.value,
-        save_dtype=parse_dtype(cli.save_dtype, "--save-dtype", ("bfloat16", "float16", "float32"), extra=("preserve",)),
+        save_dtype=parse_dtype(
+            cli.save_dtype,
+            "--save-dtype",
+            ("bfloat16", "float16", "float32"),
+            extra=("preserve",),
+            float8_hint="an FP8 export is --quantize fp8-block (or fp8-channel): float8_e4m3fn weights with float32 "
+            "scales (docs/export.md)",
+        ),
         weights=cli.weights.value if cli.weights is not None else None,
         shard_size=parse_size(cli.shard_size, "--shard-size"),
         experts=cli.experts.value if cli.experts is not None else None,

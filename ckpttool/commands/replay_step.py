@@ -80,7 +80,12 @@ ChunkSizeOpt = Annotated[
     int | None, typer.Option("--chunk-size", min=1, help="cpu_offload_adamw: elements per staged chunk.")
 ]
 StepsOpt = Annotated[
-    int, typer.Option("--steps", min=1, help="Optimizer steps to replay from the saved state (K >= 1).")
+    int,
+    typer.Option(
+        "--steps",
+        min=1,
+        help="Optimizer steps to replay from the saved state, each with the saved lr; compared after the last (step = saved + N).",
+    ),
 ]
 MaxMemoryOpt = Annotated[
     str | None,

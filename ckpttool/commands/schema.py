@@ -79,6 +79,14 @@ def schema_command(
             show_default=False,
         ),
     ] = None,
+    json_output: Annotated[
+        bool,
+        typer.Option(
+            "--json",
+            help="Accepted as before the command (ckpttool --json schema NAME): a schema is JSON anyway; the list "
+            "(no NAME) is a table and refuses it.",
+        ),
+    ] = False,
 ) -> None:
     """Print the JSON Schema of a command's --json output (shipped in the package)."""
     import sys
@@ -87,7 +95,7 @@ def schema_command(
         from ckpttool.errors import UsageError
         from ckpttool.ui.render import UI, Col, print_table, stdout_console
 
-        if UI.json:  # `ckpttool --json schema`: the list is a table, never a JSON document
+        if UI.json or json_output:  # `ckpttool --json schema`: the list is a table, never a JSON document
             raise UsageError(
                 "`ckpttool schema` without NAME lists the schemas as a table, not as a JSON document",
                 hint="name one for JSON (`ckpttool schema inspect` prints the JSON Schema of inspect's document), "

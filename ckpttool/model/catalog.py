@@ -31,6 +31,7 @@ from ckpttool.errors import (
     IntegerRangeError,
     OptimStateError,
     PlannerDataError,
+    shell_arg,
 )
 from ckpttool.format.directory import CheckpointDir, rank_of_file
 from ckpttool.format.listing import FileListing, list_files
@@ -70,6 +71,7 @@ __all__ = [
     "load_param_groups",
     "implied_optimizer_type",
     "saved_by_counts",
+    "bare_glob_hint",
     "match_filter",
     "group_by_prefix",
     "KNOWN_NON_PERSISTENT_BUFFERS",
@@ -285,14 +287,18 @@ class Catalog:
 
     def state_only_hint(self, globs: Sequence[str]) -> str | None:
         """The hint of a ``--filter`` that selects no parameter but matches optimizer-state keys
-        (``'*exp_avg_sq'``): a filter selects parameters, whose state comes with them. ``None``: no glob
-        matches a key of the optimizer state."""
-        for ps in self.optimizer_state.values():
-            for t in ps.fields.values():
-                g = next((g for g in globs if t is not None and match_filter(t.key, g, None)), None)
-                if t is not None and g is not None:
+        (``'*exp_avg_sq'``, or the bare word ``exp_avg_sq`` taken as ``'*exp_avg_sq*'``): a filter selects
+        parameters, whose state comes with them. ``None``: each glob matches a model key, or no state key."""
+        for g in globs:
+            wide = g if any(c in g for c in "*?[") else f"*{g}*"
+            if any(match_filter(k, wide, self.schema.model_prefix) for k in self.model):
+                continue  # it selects parameters (widened: the bare word's own hint says so)
+            for ps in self.optimizer_state.values():
+                t = next((t for t in ps.fields.values() if t is not None and match_filter(t.key, wide, None)), None)
+                if t is not None:
+                    said = repr(g) if wide == g else f"{g!r} (no wildcard; {wide!r})"
                     return (
-                        f"{g!r} matches optimizer state (e.g. {t.key!r}), which comes with its parameter: "
+                        f"{said} matches optimizer state (e.g. {t.key!r}), which comes with its parameter: "
                         f"--filter selects parameters, e.g. {ps.fqn!r}"
                     )
         return None
@@ -1412,6 +1418,22 @@ def match_filter(key: str, pattern: str | None, prefix: str | None = CANONICAL_M
         return True
     return fnmatch.fnmatchcase(key, pattern) or (
         bool(prefix) and key.startswith(prefix or "") and fnmatch.fnmatchcase(key[len(prefix or "") :], pattern)
+    )
+
+
+def bare_glob_hint(pattern: str | None, count: Callable[[str], int], noun: str = "key") -> str | None:
+    """The hint of a ``--filter`` ``pattern`` without a wildcard (``experts``) that selected nothing: a glob matches a
+    whole key, so it names ``'*experts*'`` with how many ``noun``s it matches (``count(glob)``, the caller's own
+    matching); ``None`` where ``pattern`` holds a wildcard or the wider glob matches nothing either."""
+    if not pattern or any(c in pattern for c in "*?["):
+        return None
+    wide = f"*{pattern}*"
+    n = count(wide)
+    if n == 0:
+        return None
+    return (
+        f"a glob matches whole keys and {pattern!r} has no wildcard, so it names one whole key; "
+        f"{shell_arg(wide)} matches {n} {noun}{'' if n == 1 else 's'}"
     )
 
 

@@ -55,6 +55,7 @@ __all__ = [
     "is_checkpoint_dir",
     "locate",
     "named_step",
+    "step_given_hint",
     "step_of",
     "unpublished",
 ]
@@ -260,6 +261,17 @@ def step_of(name: str) -> int | None:
         if m:
             return int(m.group("step"))
     return None
+
+
+def step_given_hint(root: Path, param: str) -> str:
+    """The hint of a ``param`` (``step``, ``a_step``) given with ``root``, a checkpoint itself: where ``root`` is a
+    step directory (``run/checkpoint/step-20``), the run's root above it is named, the directory the step is picked
+    below (``run/checkpoint``; ``.`` given inside a step directory: its absolute parent)."""
+    absolute = Path(os.path.abspath(root))
+    if step_of(absolute.name) is None:
+        return f"pass the directory that holds the step directories, or drop `{param}`"
+    shown = root.parent if root.name not in ("", ".", "..") and str(root.parent) != "." else absolute.parent
+    return f"drop `{param}`, or give `{param}` with the directory above this step directory: {shell_arg(shown)}"
 
 
 def named_step(located: Located) -> tuple[int | None, bool]:
@@ -880,7 +892,7 @@ def _locate(path: str | os.PathLike[str], selection: CheckpointSelection | None)
             raise UsageError(
                 f"`step` {sel.step} given, but {root} is a checkpoint itself",
                 param="step",
-                hint="pass the directory that holds the step directories, or drop `step`",
+                hint=step_given_hint(root, "step"),
             )
         return Located(root, root, opt, how=_given_how(root))
     found = find_checkpoints(root, whole=True)

@@ -672,7 +672,7 @@ def _check_import_options(hf_dir: str | os.PathLike[str], opts: ImportOptions) -
             raise UsageError(
                 f"{src_dir}: not a directory",
                 path=src_dir,
-                hint=f"pass the Hugging Face model directory, not a file in it: {shell_arg(src_dir.parent)}",
+                hint=_file_given_hint(src_dir.parent),
             )
         raise UsageError(
             f"{src_dir}: no such directory",
@@ -693,6 +693,23 @@ def _check_import_options(hf_dir: str | os.PathLike[str], opts: ImportOptions) -
             else _below_hint(src_dir),
         )
     return src_dir
+
+
+def _file_given_hint(folder: Path) -> str:
+    """The hint of a file given as ``hf_dir``: its ``folder`` to pass where it holds safetensors files; the
+    ``export`` of it where it is a DCP checkpoint (``ckpt/.metadata``); else what the directory to pass holds."""
+    try:
+        if hf_storage_files(folder):
+            return f"pass the Hugging Face model directory, not a file in it: {shell_arg(folder)}"
+        dcp = (folder / ".metadata").is_file()
+    except OSError:
+        dcp = False
+    if dcp:
+        return f"{shell_arg(folder)} is a DCP checkpoint: did you mean `ckpttool export {shell_arg(folder)} OUT` (DCP to safetensors)?"
+    return (
+        "pass the Hugging Face model directory (the one holding its model*.safetensors files and config.json); "
+        f"{shell_arg(folder)} holds no .safetensors file"
+    )
 
 
 def _below_hint(src_dir: Path) -> str:

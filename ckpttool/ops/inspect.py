@@ -33,6 +33,7 @@ from ckpttool.model.catalog import (
     Catalog,
     ParamGroup,
     TensorEntry,
+    bare_glob_hint,
     group_by_prefix,
     leaf_key,
     match_filter,
@@ -206,9 +207,13 @@ class OptimizerSummary:
     never_stepped_with_hyperparameters: tuple[str, ...]
     """Fqns with no state but with hyperparameters saved (members of a param group)."""
     orphan_state: tuple[str, ...]
-    """Fqns with state that are not model keys."""
+    """Fqns with state that are not model keys (nor a fused parameter the model stores split: ``_stored_split``;
+    validate's ``O003``)."""
     buffers: tuple[str, ...]
     """Model keys in no param group (persistent buffers)."""
+    _stored_split: dict[str, tuple[str, ...]] = field(default_factory=dict, repr=False, compare=False)
+    """Fqn the optimizer steps fused -> the model keys that store it split (torchtitan ``wqkv`` as
+    ``wq``/``wk``/``wv``; validate's ``K005``): its state is recognised, not an orphan (text output only)."""
 
     def to_dict(self) -> dict[str, Any]:
         return json_fields(self, param_groups=[g.to_dict() for g in self.param_groups])
@@ -573,8 +578,9 @@ def _optimizer_section(cat: Catalog, filt: str | None, declared: str | None) -> 
         param_groups=tuple(_param_group_rows(cat, filt)),
         params_without_state=tuple(without),
         never_stepped_with_hyperparameters=never_stepped,
-        orphan_state=tuple(sorted(f for f, ps in cat.optimizer_state.items() if not ps.in_model)),
+        orphan_state=tuple(sorted(f for f, ps in cat.optimizer_state.items() if not ps.in_model and not ps.stored_as)),
         buffers=tuple(buffers),
+        _stored_split={f: ps.stored_as for f, ps in sorted(cat.optimizer_state.items()) if ps.stored_as},
     )
 
 
@@ -740,7 +746,9 @@ def _model_rows(ckpt: Checkpoint, tensors: Mapping[str, TensorEntry], opts: Insp
         raise UsageError(
             f"`filter_glob` {filt!r} matches no key of {ckpt.path}",
             param="filter_glob",
-            hint=f"globs match keys with or without {shown}, e.g. "
+            hint=cat.state_only_hint((filt,))
+            or bare_glob_hint(filt, lambda g: sum(match_filter(k, g, prefix) for k in cat.model), "model tensor")
+            or f"globs match keys with or without {shown}, e.g. "
             f"'{cat.fqn_of(next(iter(cat.model), 'layers.0.x')).split('.')[0]}.*'",
         )
     state_only = filt and not model_rows and not any(match_filter(k, filt) for k in cat.other_tensors)

@@ -370,12 +370,23 @@ _FLOAT_DTYPES = ("bfloat16", "float16", "float32", "float64")
 _ALIASES = {"bfloat16": "bf16", "float16": "fp16/half", "float32": "fp32/float", "float64": "fp64/double"}
 
 
-def parse_dtype(text: str, flag: str, allowed: tuple[str, ...] = _FLOAT_DTYPES, extra: tuple[str, ...] = ()) -> str:
+#: An FP8 dtype as a user types it: ``fp8``, ``float8``, ``float8_e4m3fn``, ``fp8_e5m2``, ``e4m3``.
+_FLOAT8 = re.compile(r"(?:fp8|float8|e4m3|e5m2)")
+
+
+def parse_dtype(
+    text: str,
+    flag: str,
+    allowed: tuple[str, ...] = _FLOAT_DTYPES,
+    extra: tuple[str, ...] = (),
+    float8_hint: str | None = None,
+) -> str:
     """Canonical dtype name of ``text`` (``bf16`` -> ``bfloat16``, ``torch.float32`` -> ``float32``), one of ``allowed``.
 
     Aliases (case-insensitive, optional ``torch.`` prefix): ``bf16``; ``fp16``/``half``;
     ``fp32``/``float``; ``fp64``/``double``. ``extra`` words (``preserve``) are returned as given.
-    The refusal's hint names the aliases of ``allowed`` only.
+    The refusal's hint names the aliases of ``allowed`` only; for an FP8 dtype (``fp8``, ``float8_e4m3fn``), the
+    option that writes one instead, ``float8_hint``, where given (export's ``--quantize``).
 
     Raises:
         UsageError: not one of ``allowed`` (the message names ``flag``).
@@ -386,10 +397,10 @@ def parse_dtype(text: str, flag: str, allowed: tuple[str, ...] = _FLOAT_DTYPES, 
     name = dtype_name(word) if word else ""
     if name not in allowed:
         aliases = [_ALIASES[a] for a in _FLOAT_DTYPES if a in allowed]  # of the dtypes this option takes only
-        raise UsageError(
-            f"{flag} {text!r} is not one of {', '.join((*extra, *allowed))}",
-            hint=f"dtype aliases: {', '.join(aliases)}" if aliases else None,
-        )
+        hint = f"dtype aliases: {', '.join(aliases)}" if aliases else None
+        if float8_hint is not None and _FLOAT8.match(name.removeprefix("torch.")):
+            hint = float8_hint
+        raise UsageError(f"{flag} {text!r} is not one of {', '.join((*extra, *allowed))}", hint=hint)
     return name
 
 

@@ -1266,6 +1266,12 @@ def _overview_optimizer(con: Console, ov: InspectResult) -> None:
         print_records(con, "param groups", _GROUP_TABLE, o.param_groups)
     if o.orphan_state and not by_index:
         con.print(f"state for fqns not in the model: {fmt_list(o.orphan_state, limit=10)}")
+    if o._stored_split:  # recognised (validate's K005), not orphans
+        fqn, keys = next(iter(o._stored_split.items()))
+        con.print(
+            f"fused state {plural(len(o._stored_split), 'parameter')} stepped fused, stored split "
+            f"(e.g. {fqn} as {', '.join(keys)}): recognised, not orphans"
+        )
 
 
 _GEOMETRY_TABLE: Columns[EPGeometry] = (

@@ -242,19 +242,20 @@ def test_replay_filter_glob_and_deprecated_select(sample_ckpt: Path) -> None:
     assert "None" not in none.stderr
 
 
+@pytest.mark.parametrize("glob", ["*exp_avg_sq", "exp_avg_sq"])
 @pytest.mark.parametrize("cmd", ["inspect", "stats", "export", "replay-step"])
 def test_a_filter_over_optimizer_state_keys_names_the_parameter_to_select(
-    cmd: str, sample_ckpt: Path, tmp_path: Path
+    cmd: str, glob: str, sample_ckpt: Path, tmp_path: Path
 ) -> None:
     """`--filter '*exp_avg_sq'` selects no parameter (a filter selects parameters; their state comes with them): the
-    hint said to check the glob against `inspect` (which showed an empty table, exit 0). Each now says the glob matched
-    optimizer state and names a parameter to select instead."""
-    args = [cmd, str(sample_ckpt), *([str(tmp_path / "hf")] if cmd == "export" else []), "--filter", "*exp_avg_sq"]
+    hint said to check the glob against `inspect` (which showed an empty table, exit 0). Each now says the glob
+    matched optimizer state and names a parameter to select instead; the bare word as its wildcard form too."""
+    args = [cmd, str(sample_ckpt), *([str(tmp_path / "hf")] if cmd == "export" else []), "--filter", glob]
     res = runner.invoke(app, args)
     assert res.exit_code == 2, res.stderr
-    hint = res.stderr.splitlines()[1]
-    assert hint == (
-        "hint: '*exp_avg_sq' matches optimizer state (e.g. 'optimizer.state.model.embed_tokens.weight.exp_avg_sq'), "
+    said = "'*exp_avg_sq'" if glob.startswith("*") else "'exp_avg_sq' (no wildcard; '*exp_avg_sq*')"
+    assert res.stderr.splitlines()[1] == (
+        f"hint: {said} matches optimizer state (e.g. 'optimizer.state.model.embed_tokens.weight.exp_avg_sq'), "
         "which comes with its parameter: --filter selects parameters, e.g. 'model.embed_tokens.weight'"
     ), res.stderr
     assert not (tmp_path / "hf").exists()

@@ -796,3 +796,155 @@ def test_a_backticked_name_inside_a_file_name_is_not_a_parameter() -> None:
     )
     assert _with_flags("/r/run`step`3/.metadata: no `step` 3", flags) == "/r/run`step`3/.metadata: no --step 3"
     assert _with_flags("/r/a `step` b: no `step` 3", flags, keep="/r/a `step` b") == "/r/a `step` b: no --step 3"
+
+
+def test_a_step_given_with_a_step_directory_names_the_run_root_ready_to_paste(
+    sample_ckpt: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``--step latest`` given with a torchtitan step directory (``run/checkpoint/step-20``) instead of the run's
+    checkpoint root: the hint said "pass the directory that holds the step directories" without naming it. It names
+    that directory as a shell argument (``.`` given inside the step directory: its absolute path; diff's ``--a-step``
+    alike), and the pasted command opens the step; a checkpoint that is no step directory gets no guess."""
+    import shlex
+
+    root = tmp_path / "my run" / "checkpoint"
+    for s in (10, 20):
+        copy_checkpoint(sample_ckpt, root / f"step-{s}")
+    res = runner.invoke(app, ["validate", str(root / "step-20"), "--step", "latest"])
+    assert res.exit_code == 2 and res.stdout == "", res.output
+    assert res.stderr.splitlines() == [
+        f"error: [E100] --step latest given, but {root / 'step-20'} is a checkpoint itself",
+        f"hint: drop --step, or give --step with the directory above this step directory: {shlex.quote(str(root))}",
+    ]
+    pasted = runner.invoke(app, ["validate", *shlex.split(res.stderr.rpartition(": ")[2]), "--step", "latest"])
+    assert pasted.exit_code == 0 and f"checkpoint  {root / 'step-20'}\n" in pasted.stdout, pasted.output
+    monkeypatch.chdir(root / "step-20")
+    here = Path(os.getcwd()).parent
+    res = runner.invoke(app, ["diff", ".", "../step-10", "--a-step", "10"])
+    assert res.exit_code == 2 and res.stderr.splitlines()[-1] == (
+        f"hint: drop --a-step, or give --a-step with the directory above this step directory: {shlex.quote(str(here))}"
+    ), res.stderr
+    res = runner.invoke(app, ["inspect", str(sample_ckpt), "--step", "3"])
+    assert res.exit_code == 2 and res.stderr.splitlines()[-1] == (
+        "hint: pass the directory that holds the step directories, or drop --step"
+    ), res.stderr
+
+
+@pytest.mark.parametrize("typed", ["fp8", "FP8", "float8_e4m3fn", "torch.float8_e5m2"])
+def test_an_fp8_save_dtype_names_the_option_that_writes_fp8(sample_ckpt: Path, tmp_path: Path, typed: str) -> None:
+    """``export --save-dtype fp8``: the refusal's hint gave the aliases of bf16/fp16/fp32 only, none of which is
+    FP8; it names ``--quantize fp8-block``, and the export that pastes it writes float8_e4m3fn weights."""
+    from safetensors import safe_open
+
+    res = runner.invoke(app, ["export", str(sample_ckpt), str(tmp_path / "hf"), "--save-dtype", typed])
+    assert res.exit_code == 2 and res.stdout == "" and not (tmp_path / "hf").exists(), res.output
+    error, hint = res.stderr.splitlines()
+    assert error == f"error: [E100] --save-dtype {typed!r} is not one of preserve, bfloat16, float16, float32"
+    assert hint.startswith("hint: an FP8 export is --quantize fp8-block (or fp8-channel): float8_e4m3fn"), hint
+    res = runner.invoke(app, ["export", str(sample_ckpt), str(tmp_path / "hf"), "--quantize", "fp8-block", "-q"])
+    assert res.exit_code == 0, res.output
+    with safe_open(str(tmp_path / "hf" / "model.safetensors"), "pt") as f:
+        w = f.get_tensor("model.layers.0.self_attn.q_proj.weight")
+    assert str(w.dtype) == "torch.float8_e4m3fn"
+    # a dtype that is no FP8 keeps the aliases
+    res = runner.invoke(app, ["export", str(sample_ckpt), str(tmp_path / "x"), "--save-dtype", "int8"])
+    assert res.exit_code == 2 and res.stderr.splitlines()[-1] == "hint: dtype aliases: bf16, fp16/half, fp32/float"
+
+
+def test_import_of_a_file_names_what_its_folder_is(sample_ckpt: Path, tmp_path: Path) -> None:
+    """``import FILE OUT``: the hint said "pass the Hugging Face model directory, not a file in it: FOLDER" whatever
+    the folder held, so a DCP checkpoint's ``.metadata`` or a stray file sent the user to a folder import refuses
+    next. The folder is named as what to pass only where it holds safetensors files; a DCP checkpoint's file gets
+    the export that converts it (which runs as pasted), any other file what the directory to pass holds."""
+    import shlex
+
+    ckpt = copy_checkpoint(sample_ckpt, tmp_path / "my ckpt")
+    res = runner.invoke(app, ["import", str(ckpt / ".metadata"), str(tmp_path / "out")])
+    assert res.exit_code == 2 and res.stdout == "", res.output
+    hint = res.stderr.splitlines()[-1]
+    q = shlex.quote(str(ckpt))
+    assert hint == f"hint: {q} is a DCP checkpoint: did you mean `ckpttool export {q} OUT` (DCP to safetensors)?"
+    pasted = shlex.split(hint.split("`")[1].replace("OUT", shlex.quote(str(tmp_path / "hf"))))
+    assert runner.invoke(app, [*pasted[1:], "-q"]).exit_code == 0
+    res = runner.invoke(app, ["import", str(tmp_path / "hf" / "model.safetensors"), str(tmp_path / "out")])
+    assert (
+        res.stderr.splitlines()[-1]
+        == f"hint: pass the Hugging Face model directory, not a file in it: {tmp_path / 'hf'}"
+    )
+    (tmp_path / "notes.txt").write_text("x")
+    res = runner.invoke(app, ["import", str(tmp_path / "notes.txt"), str(tmp_path / "out")])
+    assert res.exit_code == 2 and res.stderr.splitlines()[-1] == (
+        "hint: pass the Hugging Face model directory (the one holding its model*.safetensors files and config.json); "
+        f"{tmp_path} holds no .safetensors file"
+    ), res.stderr
+    assert not (tmp_path / "out").exists()
+
+
+def test_json_after_the_command_is_what_it_is_before_it() -> None:
+    """docs/cli.md: ``ckpttool --json CMD`` = ``ckpttool CMD --json``. ``ckpttool --json schema inspect`` printed the
+    schema while ``ckpttool schema inspect --json`` was ``No such option: --json``, and ``sample x --json`` said
+    that where ``--json sample x`` said "has no JSON output". Both spellings now give the same result."""
+    before = runner.invoke(app, ["--json", "schema", "inspect"])
+    after = runner.invoke(app, ["schema", "inspect", "--json"])
+    assert before.exit_code == after.exit_code == 0 and after.stdout == before.stdout, after.output
+    assert json.loads(after.stdout)["$schema"].startswith("https://json-schema.org/")
+    for argv in (["schema"], ["sample", "x"]):
+        before = runner.invoke(app, ["--json", *argv])
+        after = runner.invoke(app, [*argv, "--json"])
+        assert before.exit_code == after.exit_code == 2 and after.stdout == "", after.output
+        assert after.stderr == before.stderr, (before.stderr, after.stderr)
+    assert runner.invoke(app, ["sample", "x", "--json"]).stderr.splitlines() == [
+        "error: [E100] `ckpttool sample` has no JSON output (--json)",
+        "hint: see `ckpttool sample --help`",
+    ]
+    assert not Path("x").exists()
+
+
+def test_inspect_names_torchtitan_fused_qkv_state_as_recognised_not_orphaned(titan_root: Path) -> None:
+    """torchtitan's ``FusedQKVLinear`` steps ``wqkv`` while its state dict stores ``wq``/``wk``/``wv``: validate
+    says ``K005`` (info, "nothing to fix") and ``O003`` leaves it out, but inspect listed it under "state for fqns not
+    in the model" (and in ``orphan_state``), the line of lost state. It names it as state stepped fused, stored split."""
+    step = titan_root / "llama3" / "checkpoint" / "step-2"  # written by torchtitan's own CheckpointManager
+    res = runner.invoke(app, ["inspect", str(step)], env={"COLUMNS": "100"})
+    assert res.exit_code == 0, res.output
+    assert "state for fqns not in the model" not in res.stdout
+    assert (
+        "fused state 2 parameters stepped fused, stored split (e.g. layers.0.attention.qkv_linear.wqkv.weight as "
+        "layers.0.attention.qkv_linear.wq.weight, layers.0.attention.qkv_linear.wk.weight, "
+        "layers.0.attention.qkv_linear.wv.weight): recognised, not orphans"
+    ) in res.stdout.splitlines()
+    doc = json.loads(runner.invoke(app, ["inspect", str(step), "--json"]).stdout)
+    assert doc["optimizer"]["orphan_state"] == [] and "_stored_split" not in doc["optimizer"]
+    res = runner.invoke(app, ["validate", str(step), "--json"])
+    assert [f["code"] for f in json.loads(res.stdout)["findings"]] == ["K005"]
+
+
+@pytest.mark.parametrize(
+    ("argv", "count"),
+    [
+        (["inspect", "{ckpt}"], "10 model tensors"),
+        (["replay-step", "{ckpt}"], "10 parameters"),
+        (["export", "{ckpt}", "{out}"], "10 model tensors"),
+        (["stats", "{ckpt}"], "10 keys"),
+    ],
+)
+def test_a_filter_without_a_wildcard_names_the_glob_that_matches(
+    sample_ckpt: Path, tmp_path: Path, argv: list[str], count: str
+) -> None:
+    """``--filter experts`` (a word, no ``*``) matches a key named ``experts`` only, so it selected nothing; the hints
+    said how globs match in general (one suggested ``'model.*'``). They name ``'*experts*'`` and how many it
+    matches, and the command with it pasted runs; a glob that has a wildcard keeps the general hint."""
+    import shlex
+
+    args = [a.format(ckpt=sample_ckpt, out=tmp_path / "out") for a in argv]
+    res = runner.invoke(app, [*args, "--filter", "experts"])
+    assert res.exit_code == 2 and res.stdout == "" and not (tmp_path / "out").exists(), res.output
+    hint = res.stderr.splitlines()[-1]
+    assert hint == (
+        "hint: a glob matches whole keys and 'experts' has no wildcard, so it names one whole key; "
+        f"'*experts*' matches {count}"
+    )
+    pasted = runner.invoke(app, [*args, "--filter", *shlex.split(hint.split("; ")[-1].split(" matches ")[0]), "-q"])
+    assert pasted.exit_code == 0, pasted.output
+    res = runner.invoke(app, [*args, "--filter", "nothing*"])
+    assert res.exit_code == 2 and "has no wildcard" not in res.stderr, res.output

@@ -9,7 +9,7 @@ from ckpttool.errors import UsageError
 from ckpttool.format.directory import checkpoints_below_url
 from ckpttool.format.storage import is_url, local_path
 from ckpttool.model.checkpoint import Checkpoint, CheckpointOrPath, OpenOptions
-from ckpttool.model.discovery import CheckpointSelection, is_checkpoint_dir
+from ckpttool.model.discovery import CheckpointSelection, is_checkpoint_dir, step_given_hint
 from ckpttool.ops.diff.result import DiffOptions
 
 __all__ = ["side_openings"]
@@ -54,7 +54,11 @@ def side_openings(
             raise UsageError(
                 f"`{side}_step` {own} given, but {where} is a checkpoint itself",
                 param=f"{side}_step",
-                hint=f"pass the directory that holds the step directories, or drop `{side}_step`",
+                hint=(
+                    f"pass the directory that holds the step directories, or drop `{side}_step`"
+                    if path is None
+                    else step_given_hint(path, f"{side}_step")
+                ),
             )
     sa = opts.a_step if opts.a_step is not None else (opts.step if _is_run_root(pa) else None)
     sb = opts.b_step if opts.b_step is not None else (opts.step if _is_run_root(pb) else None)

@@ -51,9 +51,10 @@ from ckpttool.format.unpickler import short_repr
 from ckpttool.layouts.declaration import ResolvedLayout
 from ckpttool.layouts.record import SIDECAR_NAME
 from ckpttool.model.adapters import AdapterConfig, ModelAdapter, detect_adapter, get_adapter
-from ckpttool.model.catalog import Catalog, TensorEntry
+from ckpttool.model.catalog import Catalog, TensorEntry, bare_glob_hint, match_filter
 from ckpttool.model.checkpoint import Checkpoint, CheckpointOrPath, gc_held, open_source
 from ckpttool.model.hfconfig import read_hf_config, tie_word_embeddings
+from ckpttool.model.schemas.base import canonical_model_key
 from ckpttool.model.schemas.detect import detect_schema
 from ckpttool.ops import distributed
 from ckpttool.ops.export.expected import MISMATCH_KINDS, ModelCheck, compare_with_model
@@ -1150,7 +1151,8 @@ def _select(
             f"{ckpt.path}: no {out_format.tensors_noun} to export"
             + (f" (`filter_glob` {opts.filter_glob!r} matched none)" if opts.filter_glob else ""),
             param="filter_glob" if opts.filter_glob else None,
-            hint=(opts.filter_glob and ckpt.catalog.state_only_hint((opts.filter_glob,)))
+            hint=_bare_glob_hint(cat, opts.filter_glob)
+            or (opts.filter_glob and ckpt.catalog.state_only_hint((opts.filter_glob,)))
             or "check the keys with `ckpttool inspect`"
             + (" and the `filter_glob` glob" if opts.filter_glob else "")
             + (
@@ -1914,3 +1916,15 @@ def _by_checkpoint_key(e: ExportError, plan: ExportPlan) -> ExportError:
             e.fqn = key
             break
     return e
+
+
+def _bare_glob_hint(cat: Catalog, glob: str | None) -> str | None:
+    """:func:`bare_glob_hint` of ``filter_glob`` over the model keys (as stored, or as ``model.<fqn>``)."""
+    prefix = cat.schema.model_prefix
+    return bare_glob_hint(
+        glob,
+        lambda g: sum(
+            match_filter(k, g, prefix) or match_filter(canonical_model_key(cat.fqn_of(k)), g) for k in cat.model
+        ),
+        "model tensor",
+    )

@@ -34,6 +34,7 @@ from ckpttool.layouts.record import LayoutRecord
 from ckpttool.model.catalog import (
     Catalog,
     TensorEntry,
+    bare_glob_hint,
     frozen_params,
     leaf_key,
     listed_twice,
@@ -772,7 +773,14 @@ def _select(
                 f"`filter_glob` {filter_glob!r} matches none of the {len(params_in_model)} parameter(s)"
                 + (f" (with `select` {select!r})" if select else ""),
                 param="filter_glob",
-                hint=cat.state_only_hint((filter_glob,))
+                hint=(
+                    None
+                    if select
+                    else bare_glob_hint(
+                        filter_glob, lambda g: sum(_glob_matches(cat, f, g) for f in params_in_model), "parameter"
+                    )
+                )
+                or cat.state_only_hint((filter_glob,))
                 or f"globs match checkpoint keys with or without 'model.', e.g. '*experts*' or '{example}'",
             )
         raise UsageError(

@@ -24,7 +24,7 @@ from ckpttool.engine.pool import map_ordered, worker_count
 from ckpttool.engine.stats import SlabStats
 from ckpttool.errors import CkptError, UsageError, at_least
 from ckpttool.format.metadata import TRAINABLE_DTYPES, ChunkMeta
-from ckpttool.model.catalog import Catalog, TensorEntry, match_filter, saved_by_counts
+from ckpttool.model.catalog import Catalog, TensorEntry, bare_glob_hint, match_filter, saved_by_counts
 from ckpttool.model.checkpoint import Checkpoint, CheckpointOrPath, OpenOptions, open_source
 from ckpttool.model.discovery import NEWER_INCOMPLETE, Located, named_step
 from ckpttool.ops.fields import PhaseFn, options_of, same_named
@@ -428,8 +428,15 @@ def _nothing_to_measure(ckpt: Checkpoint, opts: StatsOptions, notes: dict[str, l
     elif empty:
         hint = "pass a checkpoint that holds tensors (`ckpttool inspect` shows what this one holds)"
     else:
+        cat = ckpt.catalog
+        bare = (
+            bare_glob_hint(opts.filters[0], lambda g: sum(_selected(cat.fqn_of(k), k, (g,)) for k in cat.model))
+            if len(opts.filters) == 1
+            else None
+        )
         hint = (
-            ckpt.catalog.state_only_hint(opts.filters)
+            bare
+            or cat.state_only_hint(opts.filters)
             or "check --filter against `ckpttool inspect` (globs match fqns and keys)"
         )
     return UsageError(
