@@ -148,3 +148,23 @@ def test_consolidated_copy_proves_or_refuses_the_shards(hf_shards_root: Path, tm
     assert rc == 2 and "E202" in json.dumps(doc["findings"]) and "consolidated copy" in json.dumps(doc)
     res = runner.invoke(app, ["export", str(copy / "sharded"), str(tmp_path / "out")])
     assert res.exit_code == 2 and "[E202]" in res.stderr and not (tmp_path / "out").exists()
+
+
+def test_a_rank_without_one_of_the_files_the_others_wrote_is_named(hf_shards_root: Path, tmp_path: Path) -> None:
+    """``fqn_to_index_mapping``: every rank writes ``model-00001`` and ``model-00002``; the last rank's second file
+    deleted leaves pieces that tile (no rank number missing): the finding names the file index it lacks."""
+    src = hf_shards_root / "w3" / "indexed"
+    assert len(list(src.glob("shard-*"))) == 6
+    rc, doc = validate(src)
+    assert rc == 0 and codes(doc) == {"S017"} and "wrote no model-" not in doc["findings"][0]["message"]
+    cut = tmp_path / "cut"
+    shutil.copytree(src, cut)
+    (cut / "shard-00003-model-00002-of-00002.safetensors").unlink()
+    md = load_hf_storage_metadata(cut)
+    assert md.shards is not None and md.shards.ranks == (0, 1, 2) and md.shards.index_gaps == ((2, 2),)
+    rc, doc = validate(cut, "--strict")
+    assert rc == 1 and codes(doc) == {"S017"}, doc["findings"]
+    assert "rank 2 wrote no model-00002 file while other ranks did" in doc["findings"][0]["message"]
+    cfg = hf_shards_root / "w3" / "with_config" / "config.json"
+    rc, doc = validate(cut, "--config", cfg)
+    assert rc == 1 and codes(doc) == {"M010"}, doc["findings"]
