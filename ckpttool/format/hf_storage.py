@@ -285,20 +285,36 @@ def rank_shards(path: Path, files: list[str], entries: dict[str, TensorMeta | By
     return RankShards(ranks, _consolidated_proof(path, entries), gaps)
 
 
+#: NeMo Automodel's consolidated HF copy inside its per-rank model folder (``model/consolidated/``).
+NEMO_CONSOLIDATED_DIR = "consolidated"
+
+
 def _consolidated_proof(path: Path, entries: dict[str, TensorMeta | BytesMeta]) -> str | None:
-    """The consolidated copy above a ``sharded`` folder whose keys and shapes the shards' ``entries`` equal (its
-    path), ``None`` where there is no readable copy.
+    """The consolidated copy whose keys and shapes the shards' ``entries`` equal (its path): torch's above a
+    ``sharded`` folder, or NeMo Automodel's ``consolidated/`` inside the folder; ``None`` where there is no
+    readable copy, or (NeMo's) one that differs.
 
     Raises:
-        IncompleteCheckpointError: ``E202``, a key or shape of the copy the shards do not hold.
+        IncompleteCheckpointError: ``E202``, a key or shape of torch's copy the shards do not hold.
     """
-    parent = path.parent
-    if path.name != SHARDED_DIR or not any(not _SHARD_RE.match(n) for n in hf_storage_files(parent)):
+    if path.name == SHARDED_DIR:
+        return _proof_of(path, path.parent, entries, strict=True)
+    return _proof_of(path, path / NEMO_CONSOLIDATED_DIR, entries, strict=False)
+
+
+def _proof_of(path: Path, copy: Path, entries: dict[str, TensorMeta | BytesMeta], *, strict: bool) -> str | None:
+    """``str(copy)`` where the consolidated files in ``copy`` hold exactly the keys and shapes of ``entries``;
+    ``None`` for no readable copy, or (not ``strict``) one that differs; ``strict``: a difference is ``E202``."""
+    if not os.path.isdir(copy) or not any(not _SHARD_RE.match(n) for n in hf_storage_files(copy)):
         return None
     try:
-        full = load_hf_storage_metadata(parent).entries
+        full = load_hf_storage_metadata(copy).entries
     except CkptError:  # an unreadable copy proves nothing (and is not the folder opened)
         return None
+    if not strict:
+        same = set(full) == set(entries) and all(_size(full[k]) == _size(entries[k]) for k in full)
+        return str(copy) if same else None
+    parent = copy
     for key, meta in full.items():
         ours = entries.get(key)
         got = ours.size if isinstance(ours, TensorMeta) else None
@@ -313,6 +329,10 @@ def _consolidated_proof(path: Path, entries: dict[str, TensorMeta | BytesMeta]) 
             )
     extra = sorted(set(entries) - set(full))
     return None if extra else str(parent)
+
+
+def _size(meta: TensorMeta | BytesMeta) -> tuple[int, ...] | None:
+    return meta.size if isinstance(meta, TensorMeta) else None
 
 
 #: ``save_pretrained``'s single-file save; with it beside an index, transformers loads it alone.

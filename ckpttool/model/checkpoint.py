@@ -28,6 +28,7 @@ from ckpttool.errors import (
     UsageError,
     check_field_types,
     check_path,
+    shell_arg,
 )
 from ckpttool.format import limits
 from ckpttool.format.directory import checkpoints_below_url
@@ -269,12 +270,21 @@ class Checkpoint:
         gaps = "".join(
             f"; rank {r} wrote no model-{i:05d} file while other ranks did" for r, i in shards.index_gaps[:3]
         )
+        try:
+            beside = self.hf_config_beside()
+        except CkptError:  # a config.json linked out of the folder: not one to name
+            beside = None
+        fix = (
+            f"check them against the model class of {beside / 'config.json'} (`ckpttool validate` does; export: "
+            f"--model-assets {shell_arg(beside)})"
+            if beside is not None
+            else "pass the model's config.json (--config / --model-assets, or keep it beside the shards) or use "
+            "torch's consolidated copy (enable_consolidation=True) to prove them"
+        )
         return (
             f"{self.located.model}: the shard files of {n} writing rank(s) (HuggingFaceStorageWriter "
             "save_distributed) record neither the world size nor the full shapes: the shapes are those of the pieces "
-            f"present, so a last rank's files missing would not show{gaps}; pass the model's config.json "
-            "(--config / --model-assets, or keep it beside the shards) or use torch's consolidated copy "
-            "(enable_consolidation=True) to prove them"
+            f"present, so a last rank's files missing would not show{gaps}; {fix}"
         )
 
     def own_hf_config(self) -> dict[str, Any] | None:

@@ -292,14 +292,14 @@ def _refuse_when_nothing_selected_ran(statuses: list[RuleStatus], ctx: Context, 
 
 
 def _shards_config(ckpt: Checkpoint) -> dict[str, Any] | None:
-    """The ``config.json`` beside the per-rank shards of a ``save_distributed`` folder that nothing else proves
-    complete: the config rules (``M010``: shapes against the model class) check it as if given with ``--config``,
-    so a shortfall is an error and a match proves the shapes (``S017``); ``None`` for any other checkpoint, or an
-    unreadable config (``S017`` then says the shapes are not proven)."""
+    """The ``config.json`` saved with the per-rank shards of a ``save_distributed`` folder that nothing else proves
+    complete (its own, or NeMo Automodel's ``.hf_metadata/``: :meth:`Checkpoint.hf_config_beside`): the config rules
+    (``M010``: shapes against the model class) check it as if given with ``--config``, so a shortfall is an error
+    and a match proves the shapes (``S017``); ``None`` for any other checkpoint, or an unreadable config (``S017``
+    then says the shapes are not proven)."""
     try:
-        if ckpt.unproven_shards() is None:
-            return None
-        return ckpt.own_hf_config()
+        folder = ckpt.hf_config_beside() if ckpt.unproven_shards() is not None else None
+        return read_hf_config(folder, param=None) if folder is not None else None
     except errors.CkptError:
         return None
 

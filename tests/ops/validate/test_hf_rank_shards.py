@@ -168,3 +168,12 @@ def test_a_rank_without_one_of_the_files_the_others_wrote_is_named(hf_shards_roo
     cfg = hf_shards_root / "w3" / "with_config" / "config.json"
     rc, doc = validate(cut, "--config", cfg)
     assert rc == 1 and codes(doc) == {"M010"}, doc["findings"]
+
+
+def test_config_beside_is_named_where_inspect_cannot_check_it(hf_shards_root: Path, tmp_path: Path) -> None:
+    """inspect reads no model class: with the config beside the shards, its warning names that config (what
+    validate checks them against) and export's --model-assets, not "pass a config"."""
+    src = hf_shards_root / "w3" / "with_config"
+    res = runner.invoke(app, ["inspect", str(src), "--json"])
+    note = json.loads(res.stdout)["unproven_shards"]
+    assert f"check them against the model class of {src / 'config.json'}" in note and "--model-assets" in note
