@@ -177,3 +177,13 @@ def test_config_beside_is_named_where_inspect_cannot_check_it(hf_shards_root: Pa
     res = runner.invoke(app, ["inspect", str(src), "--json"])
     note = json.loads(res.stdout)["unproven_shards"]
     assert f"check them against the model class of {src / 'config.json'}" in note and "--model-assets" in note
+
+
+def test_files_that_disagree_on_the_number_of_model_files_are_two_saves(hf_shards_root: Path, tmp_path: Path) -> None:
+    """torch's writer names every rank's files with the same ``of-0000N``: a file saying otherwise is another save's."""
+    cut = tmp_path / "mixed"
+    shutil.copytree(hf_shards_root / "w3" / "sharded", cut)
+    (cut / "shard-00003-model-00001-of-00001.safetensors").rename(cut / "shard-00003-model-00001-of-00002.safetensors")
+    res = runner.invoke(app, ["export", str(cut), str(tmp_path / "out")])
+    assert res.exit_code == 2 and "[E200]" in res.stderr and "disagree on the number of model files" in res.stderr
+    assert not (tmp_path / "out").exists()
