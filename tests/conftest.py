@@ -109,6 +109,17 @@ def acc_root(fixture_root: Path) -> Path:
 
 
 @pytest.fixture(scope="session")
+def hf_shards_root(fixture_root: Path) -> Path:
+    """w2/, w3/: HuggingFaceStorageWriter(save_distributed=True) DTensor saves on 2 and 3 ranks (tests/fixtures/hf_shards.py)."""
+    from tests.fixtures import hf_shards, writers
+
+    why = writers.missing("transformers")
+    if why:
+        pytest.skip(why)
+    return cached_build(fixture_root, "hf_shards", hf_shards.build_hf_shards)
+
+
+@pytest.fixture(scope="session")
 def moe4_root(fixture_root: Path) -> Path:
     """moe_fsdp4/: a transformers Qwen3-MoE under plain FSDP2 on 4 ranks."""
     return _writer(fixture_root, "writers_moe4", "build_moe4", "transformers")

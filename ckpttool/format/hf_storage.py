@@ -19,10 +19,18 @@ import re
 from pathlib import Path
 from typing import Any
 
-from ckpttool.errors import IncompleteCheckpointError, MetadataError, Refusal
+from ckpttool.errors import CkptError, IncompleteCheckpointError, MetadataError, Refusal
 from ckpttool.format.files import resolve_inside
 from ckpttool.format.jsonfile import unique_pairs
-from ckpttool.format.metadata import BytesMeta, CheckpointMetadata, ChunkMeta, DType, StorageInfo, TensorMeta
+from ckpttool.format.metadata import (
+    BytesMeta,
+    CheckpointMetadata,
+    ChunkMeta,
+    DType,
+    RankShards,
+    StorageInfo,
+    TensorMeta,
+)
 from ckpttool.format.safetensors import SAFETENSORS_TAGS, HeaderError, read_header
 
 __all__ = [
@@ -33,6 +41,7 @@ __all__ = [
     "mistral_consolidated",
     "load_hf_storage_metadata",
     "read_safetensors_header",
+    "rank_shards",
     "shard_rank",
 ]
 
@@ -41,7 +50,10 @@ HF_INDEX_NAME = "model.safetensors.index.json"
 ADAPTER_PREFIX = "adapter_model"
 _SHARDING_KEY = "DCP_SHARDING_INFO"
 _OFFSETS_KEY = "saved_offsets"
-_SHARD_RE = re.compile(r"^shard-(\d+)-model-\d+-of-\d+\.safetensors$")
+_SHARD_RE = re.compile(r"^shard-(\d+)-model-(\d+)-of-(\d+)\.safetensors$")
+#: The folder ``enable_consolidation`` writes the per-rank shards to, below the consolidated copy
+#: (``_hf_utils.SHARDED_DIR_NAME``).
+SHARDED_DIR = "sharded"
 
 
 _bad = Refusal(
@@ -219,7 +231,108 @@ def load_hf_storage_metadata(path: Path, files: list[str] | None = None) -> Chec
             )
         size_ = tuple(max(c.offsets[d] + c.sizes[d] for c in cs) for d in range(ndim))
         entries[key] = TensorMeta(DType(found.dtypes[key]), size_, tuple(cs))
-    return CheckpointMetadata(entries=entries, storage=found.storage, serialization="safetensors")
+    shards = None if alone else rank_shards(path, files, entries)
+    return CheckpointMetadata(entries=entries, storage=found.storage, serialization="safetensors", shards=shards)
+
+
+#: The hint of a ``save_distributed`` folder proven incomplete.
+_RANK_MISSING_HINT = (
+    "a rank's shard files were deleted or not copied: copy every shard-0000R-model-...safetensors file the save "
+    "wrote (or use torch's consolidated copy, written with enable_consolidation=True)"
+)
+
+
+def rank_shards(path: Path, files: list[str], entries: dict[str, TensorMeta | BytesMeta]) -> RankShards | None:
+    """What the per-rank files of a ``HuggingFaceStorageWriter(save_distributed=True)`` folder prove; ``None`` when
+    ``files`` are not all ``shard-0000R-model-0000I-of-0000N.safetensors`` files.
+
+    torch records no world size and no global shape (each tensor's size is the largest extent of the pieces
+    present), so the evidence is: the rank numbers of the files (a gap is a rank missing); the file indices each
+    rank wrote (one file per index holding its items; an index that some ranks wrote and another not is noted);
+    and, for a folder named ``sharded`` below torch's consolidated copy (``enable_consolidation``), the
+    consolidated files' full shapes, which must equal those of the shards.
+
+    Raises:
+        IncompleteCheckpointError: ``E202``, a gap in the rank numbers, or keys or shapes that differ from the
+            consolidated copy's.
+        MetadataError: ``E200``, files of one folder that disagree on the number of model files (``of-0000N``).
+    """
+    parsed = [_SHARD_RE.match(n) for n in files]
+    if not files or not all(parsed):
+        return None
+    per_rank: dict[int, set[int]] = {}
+    for m in parsed:
+        assert m is not None
+        per_rank.setdefault(int(m.group(1)) - 1, set()).add(int(m.group(2)))
+    if len({int(m.group(3)) for m in parsed if m is not None}) > 1:
+        raise MetadataError(
+            f"{path}: its shard files disagree on the number of model files (of-0000N): files of several saves",
+            path=path,
+            hint="a folder holds one save: move the other save's shard files out of it",
+        )
+    ranks = tuple(sorted(per_rank))
+    missing = sorted(set(range(ranks[-1] + 1)) - set(ranks))
+    if missing:
+        r = missing[0]
+        raise IncompleteCheckpointError(
+            f"{path}: no file of writing rank {r} (shard-{r + 1:05d}-model-*.safetensors) while rank {ranks[-1]} "
+            f"wrote its files: {len(missing)} rank(s) of at least {ranks[-1] + 1} missing",
+            path=path,
+            hint=_RANK_MISSING_HINT,
+        )
+    every = set().union(*per_rank.values())
+    gaps = tuple((r, i) for r in ranks for i in sorted(every - per_rank[r]))
+    return RankShards(ranks, _consolidated_proof(path, entries), gaps)
+
+
+#: NeMo Automodel's consolidated HF copy inside its per-rank model folder (``model/consolidated/``).
+NEMO_CONSOLIDATED_DIR = "consolidated"
+
+
+def _consolidated_proof(path: Path, entries: dict[str, TensorMeta | BytesMeta]) -> str | None:
+    """The consolidated copy whose keys and shapes the shards' ``entries`` equal (its path): torch's above a
+    ``sharded`` folder, or NeMo Automodel's ``consolidated/`` inside the folder; ``None`` where there is no
+    readable copy, or (NeMo's) one that differs.
+
+    Raises:
+        IncompleteCheckpointError: ``E202``, a key or shape of torch's copy the shards do not hold.
+    """
+    if path.name == SHARDED_DIR:
+        return _proof_of(path, path.parent, entries, strict=True)
+    return _proof_of(path, path / NEMO_CONSOLIDATED_DIR, entries, strict=False)
+
+
+def _proof_of(path: Path, copy: Path, entries: dict[str, TensorMeta | BytesMeta], *, strict: bool) -> str | None:
+    """``str(copy)`` where the consolidated files in ``copy`` hold exactly the keys and shapes of ``entries``;
+    ``None`` for no readable copy, or (not ``strict``) one that differs; ``strict``: a difference is ``E202``."""
+    if not os.path.isdir(copy) or not any(not _SHARD_RE.match(n) for n in hf_storage_files(copy)):
+        return None
+    try:
+        full = load_hf_storage_metadata(copy).entries
+    except CkptError:  # an unreadable copy proves nothing (and is not the folder opened)
+        return None
+    if not strict:
+        same = set(full) == set(entries) and all(_size(full[k]) == _size(entries[k]) for k in full)
+        return str(copy) if same else None
+    parent = copy
+    for key, meta in full.items():
+        ours = entries.get(key)
+        got = ours.size if isinstance(ours, TensorMeta) else None
+        want = meta.size if isinstance(meta, TensorMeta) else None
+        if got != want:
+            held = f"as {list(got)}" if got is not None else "not at all"
+            raise IncompleteCheckpointError(
+                f"{path}: the shards hold {key!r:.80} {held}, torch's consolidated copy {parent} as "
+                f"{list(want) if want is not None else '-'}: shard files are missing",
+                path=path,
+                hint=f"{_RANK_MISSING_HINT}; the consolidated copy in {parent} holds the full tensors",
+            )
+    extra = sorted(set(entries) - set(full))
+    return None if extra else str(parent)
+
+
+def _size(meta: TensorMeta | BytesMeta) -> tuple[int, ...] | None:
+    return meta.size if isinstance(meta, TensorMeta) else None
 
 
 #: ``save_pretrained``'s single-file save; with it beside an index, transformers loads it alone.

@@ -29,6 +29,7 @@ __all__ = [
     "BytesMeta",
     "StorageInfo",
     "CheckpointMetadata",
+    "RankShards",
     "DTYPE_ITEMSIZE",
 ]
 
@@ -160,6 +161,32 @@ class StorageInfo(NamedTuple):
 
 
 @dataclass(frozen=True)
+class RankShards:
+    """What the file names of a ``HuggingFaceStorageWriter(save_distributed=True)`` folder say of its completeness.
+
+    torch records no world size and no global shape there (``hf_storage.py``, ``_hf_utils.py``): a tensor's size is
+    the largest extent of the pieces present, so a last rank's files deleted leave a smaller model that tiles.
+
+    Attributes:
+        ranks: the writing ranks (0-based, ``shard-0000R`` is rank ``R - 1``) whose files are present, sorted.
+        verified_by: the folder of torch's consolidated copy (``enable_consolidation``) whose keys and full shapes
+            the shards were found to equal; ``None``: not proven.
+        index_gaps: ``(rank, file index)`` of a model file index some ranks wrote and this rank did not.
+    """
+
+    ranks: tuple[int, ...]
+    verified_by: str | None = None
+    index_gaps: tuple[tuple[int, int], ...] = ()
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "ranks": list(self.ranks),
+            "verified_by": self.verified_by,
+            "index_gaps": [list(g) for g in self.index_gaps],
+        }
+
+
+@dataclass(frozen=True)
 class CheckpointMetadata:
     """The validated content of ``.metadata``.
 
@@ -178,6 +205,8 @@ class CheckpointMetadata:
             higher ranks wrote of a chunk or byte item a lower rank wrote too (:mod:`.rank_local`): not read
             (``storage`` names the lowest rank's), but each rank's ``dcp.load`` reads its own, so they are
             data files of the checkpoint all the same.
+        shards: a ``HuggingFaceStorageWriter(save_distributed=True)`` folder's per-rank files (:class:`RankShards`:
+            the ranks present, and the consolidated copy that proved the shapes, if any); ``None`` otherwise.
         writer: the storage writer the pickle names when not torch's: ``"olmo-core"`` where it resolves
             OLMo-core's ``olmo_core.distributed.checkpoint.filesystem._StorageInfo`` (its
             ``RemoteFileSystemWriter``, which every OLMo-core save goes through); ``None``: torch's own.
@@ -192,6 +221,7 @@ class CheckpointMetadata:
     serialization: str = "torch_save"
     replicas: tuple[tuple[str, tuple[int, ...] | None, StorageInfo], ...] = ()
     writer: str | None = None
+    shards: RankShards | None = None
 
     def storage_for(self, fqn: str, chunk: ChunkMeta | None = None) -> StorageInfo | None:
         """Storage info of a tensor chunk (``chunk`` given) or of a byte item."""

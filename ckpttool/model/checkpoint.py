@@ -28,6 +28,7 @@ from ckpttool.errors import (
     UsageError,
     check_field_types,
     check_path,
+    shell_arg,
 )
 from ckpttool.format import limits
 from ckpttool.format.directory import checkpoints_below_url
@@ -256,6 +257,35 @@ class Checkpoint:
         """
         folder = self.local_folder
         return None if folder is None else hf_config_beside(folder)
+
+    def unproven_shards(self) -> str | None:
+        """Why this checkpoint cannot be known complete, where it is a ``HuggingFaceStorageWriter(save_distributed=True)``
+        folder whose shapes no consolidated copy proved (:class:`~ckpttool.format.metadata.RankShards`): one line naming
+        the folder, the ranks present and what to pass; ``None`` otherwise (a ``.metadata`` records every global shape).
+        A config checked against the model class proves it too: validate's rule ``S017`` asks that itself."""
+        shards = getattr(self.metadata, "shards", None)
+        if shards is None or shards.verified_by is not None:
+            return None
+        n = len(shards.ranks)
+        gaps = "".join(
+            f"; rank {r} wrote no model-{i:05d} file while other ranks did" for r, i in shards.index_gaps[:3]
+        )
+        try:
+            beside = self.hf_config_beside()
+        except CkptError:  # a config.json linked out of the folder: not one to name
+            beside = None
+        fix = (
+            f"check them against the model class of {beside / 'config.json'} (`ckpttool validate` does; export: "
+            f"--model-assets {shell_arg(beside)})"
+            if beside is not None
+            else "pass the model's config.json (--config / --model-assets, or keep it beside the shards) or use "
+            "torch's consolidated copy (enable_consolidation=True) to prove them"
+        )
+        return (
+            f"{self.located.model}: the shard files of {n} writing rank(s) (HuggingFaceStorageWriter "
+            "save_distributed) record neither the world size nor the full shapes: the shapes are those of the pieces "
+            f"present, so a last rank's files missing would not show{gaps}; {fix}"
+        )
 
     def own_hf_config(self) -> dict[str, Any] | None:
         """The ``config.json`` in the checkpoint's own folder (a Hugging Face safetensors folder's, with its

@@ -74,10 +74,11 @@ def run_inspect(
 
 def data_file_warnings(result: InspectResult) -> list[str]:
     """Warning texts for ``result``'s data files that are missing, short or not referenced (``[]``: none;
-    :func:`~ckpttool.ops.inspect.file_warnings`)."""
+    :func:`~ckpttool.ops.inspect.file_warnings`), and why a per-rank shard folder cannot be known complete
+    (:attr:`~ckpttool.ops.inspect.InspectResult.unproven_shards`)."""
     from ckpttool.ops.inspect import file_warnings
 
-    return file_warnings(result.files)
+    return [*file_warnings(result.files), *filter(None, [result.unproven_shards])]
 
 
 def split_param_group_items(

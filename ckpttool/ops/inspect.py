@@ -315,6 +315,7 @@ class InspectResult:
     hf_copies: tuple[str, ...] = ()
     trainer_state: tuple[TrainerState, ...] = ()
     unread_beside: tuple[str, ...] = ()
+    unproven_shards: str | None = None
 
     def to_dict(self) -> dict[str, Any]:
         """The JSON document, schema ``ckpttool.inspect/1``."""
@@ -351,6 +352,8 @@ class InspectResult:
         d["hf_copies"] = list(self.hf_copies)
         d["trainer_state"] = [t.to_dict() for t in self.trainer_state]
         d["unread_beside"] = list(self.unread_beside)
+        if self.unproven_shards is not None:  # only where it applies: other documents are unchanged
+            d["unproven_shards"] = self.unproven_shards
         return d
 
     def json_chunks(self, rows_per_chunk: int = 8192) -> Iterator[str]:
@@ -850,6 +853,7 @@ def _build(ckpt: Checkpoint, opts: InspectOptions) -> InspectResult:
         hf_copies=tuple(hf_copies(ckpt.reader.path, ckpt.located.model)),
         trainer_state=(*_common_state(ckpt), *read_training_state_beside(ckpt.located.model)),
         unread_beside=ckpt.unread_beside(),
+        unproven_shards=ckpt.unproven_shards(),
     )
 
 

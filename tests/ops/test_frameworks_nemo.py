@@ -14,6 +14,7 @@ import pytest
 from typer.testing import CliRunner
 
 from ckpttool.cli.app import app
+from ckpttool.format.hf_storage import load_hf_storage_metadata
 from tests.fixtures.cache import cached_build
 
 pytestmark = pytest.mark.slow
@@ -307,6 +308,13 @@ def test_model_folder_opened_alone_names_its_optimizer_folder(nemo_root: Path) -
     doc = json.loads(cli("validate", "--strict", "--json", str(step / "model"), code=1))
     (k012,) = [f for f in doc["findings"] if f["code"] == "K012"]
     assert k012["message"].endswith(f"open {step} to read them together"), k012
+    # per-rank shards with the config.json NeMo saved in .hf_metadata/: its model class proves the shapes (no S017)
+    assert {f["code"] for f in doc["findings"]} == {"K012"}, doc["findings"]
+    model = nemo_root / "steps" / "run" / "epoch_0_step_2" / "model"  # save_consolidated=True: model/consolidated/
+    shards = load_hf_storage_metadata(model).shards
+    assert shards is not None and shards.verified_by == str(model / "consolidated")
+    doc = json.loads(cli("validate", "--strict", "--json", str(model), code=1))
+    assert {f["code"] for f in doc["findings"]} == {"K012"}, doc["findings"]
     assert json.loads(cli("inspect", "--json", str(step)))["unread_beside"] == []  # the pair: both read
 
 

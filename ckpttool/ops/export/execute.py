@@ -1286,10 +1286,7 @@ def _prepare(
     request = PrepareRequest(plan, cat, reader, given.adapter, opts.lora_alpha, model_config, beside)
     adapter = out_format.prepare(request)
     assets = _asset_files(Path(opts.model_assets), out_format) if opts.model_assets is not None else []
-    check = None
-    if out_format.checks_model_class and model_config:
-        say(f"building model class {_model_class_name(model_config)}")
-        check = _check_against_model(plan, model_config, opts)
+    check = _model_check(ckpt, plan, model_config, opts, out_format, say)
     merges = out_format.transforms(request)
     if quantizer is not None:  # a merged weight that is quantized: its delta is added to each band (quantize.py)
         quantizer.merges = {k: m for k, m in merges.items() if k in quantizer.tasks}
@@ -1779,6 +1776,31 @@ def without_fp8_scales(written: dict[str, tuple[tuple[int, ...], str]]) -> dict[
             del out[k], out[x + "_scales"]
             out.setdefault(x, ((e, g * 2 * b, n), "uint8"))
     return out
+
+
+def _model_check(
+    ckpt: Checkpoint,
+    plan: ExportPlan,
+    model_config: dict[str, Any] | None,
+    opts: ExportOptions,
+    out_format: OutputFormat,
+    say: PhaseFn,
+) -> ModelCheck | None:
+    """The plan checked against the model class of ``model_config`` where the format checks it (else ``None``);
+    where that did not prove the shapes, the warning of a per-rank shard folder that cannot be known complete
+    (:meth:`~ckpttool.model.checkpoint.Checkpoint.unproven_shards`) added to the plan's warnings.
+
+    Raises:
+        ModelMismatchError (E605): as :func:`_check_against_model` (a shortfall of the shards' shapes included).
+    """
+    check = None
+    if out_format.checks_model_class and model_config:
+        say(f"building model class {_model_class_name(model_config)}")
+        check = _check_against_model(plan, model_config, opts)
+    unproven = None if check is not None and check.checked else ckpt.unproven_shards()
+    if unproven is not None:
+        plan.warnings.append(unproven)
+    return check
 
 
 def _check_against_model(plan: ExportPlan, config: dict[str, Any], opts: ExportOptions) -> ModelCheck:

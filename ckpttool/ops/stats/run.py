@@ -680,7 +680,7 @@ def _stats_one(ckpt: Checkpoint, opts: StatsOptions, progress: Progress) -> Chec
         + _newer_incomplete(ckpt),
         bytes_read=read,
         seconds=time.perf_counter() - t0,
-        warnings=tuple(file_warnings(file_rows(ckpt))),
+        warnings=(*file_warnings(file_rows(ckpt)), *filter(None, [ckpt.unproven_shards()])),
     )
 
 

@@ -220,6 +220,8 @@ def _validate_open(
     t0 = time.perf_counter()
     rules = select_rules(opts.select, opts.ignore)
     cfg = opts.config if isinstance(opts.config, dict) or opts.config is None else read_hf_config(opts.config)
+    if cfg is None:
+        cfg = _shards_config(ckpt)
     ref = load_reference(opts.against) if opts.against is not None else None
     man = None
     if opts.manifest is not None:
@@ -287,6 +289,19 @@ def _refuse_when_nothing_selected_ran(statuses: list[RuleStatus], ctx: Context, 
         param="select",
         hint="fix what the reason names (the --config, the reference), or select rules that run here",
     )
+
+
+def _shards_config(ckpt: Checkpoint) -> dict[str, Any] | None:
+    """The ``config.json`` saved with the per-rank shards of a ``save_distributed`` folder that nothing else proves
+    complete (its own, or NeMo Automodel's ``.hf_metadata/``: :meth:`Checkpoint.hf_config_beside`): the config rules
+    (``M010``: shapes against the model class) check it as if given with ``--config``, so a shortfall is an error
+    and a match proves the shapes (``S017``); ``None`` for any other checkpoint, or an unreadable config (``S017``
+    then says the shapes are not proven)."""
+    try:
+        folder = ckpt.hf_config_beside() if ckpt.unproven_shards() is not None else None
+        return read_hf_config(folder, param=None) if folder is not None else None
+    except errors.CkptError:
+        return None
 
 
 def _refuse_selection_that_cannot_run(rules: list[Rule], ctx: Context, opts: ValidateOptions) -> None:

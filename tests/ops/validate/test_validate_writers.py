@@ -107,9 +107,14 @@ def test_a_newest_step_without_its_optimizer_folder_is_not_latest(acc_root: Path
 
 
 def test_app_state_and_hf_storage_pass(acc_root: Path) -> None:
-    for where in ("app_state", "hf_sharded", "hf_consolidated", "moe_fsdp2"):
+    for where in ("app_state", "hf_consolidated", "moe_fsdp2"):
         rc, doc, _ = run(acc_root / where, "--strict", "--deep")
         assert rc == 0, (where, doc["findings"])
+    # per-rank shards alone record no full shape (S017: a last rank missing would not show), proven by its copy
+    rc, doc, _ = run(acc_root / "hf_sharded", "--strict", "--deep")
+    assert rc == 1 and failing(doc) == {"S017"} and len(doc["findings"]) == 1, doc["findings"]
+    rc, doc, _ = run(acc_root / "hf_consolidated" / "sharded", "--strict", "--deep")
+    assert rc == 0 and doc["findings"] == [], doc["findings"]
 
 
 def test_plain_optimizer_state_dict_is_one_finding(plain_root: Path) -> None:

@@ -508,6 +508,18 @@ def model_class_mismatch(ctx: Context) -> Iterator[tuple[str, str]]:
             yield key, f"{kind}: {line} ({check.model_class})"
 
 
+@rule("S017")
+def rank_shards_unproven(ctx: Context) -> Iterator[tuple[str, str]]:
+    why = ctx.ckpt.unproven_shards()
+    if why is None:
+        return
+    if ctx.config is not None:
+        check, problem = _model_class_check(ctx)
+        if problem is None and check is not None and check.checked:
+            return  # M010 compared every key and shape with the model class: any shortfall is its error
+    yield str(ctx.ckpt.located.model), why
+
+
 @rule("M011")
 def model_class_not_checked(ctx: Context) -> Iterator[tuple[str, str]]:
     check, why = _model_class_check(ctx)
