@@ -106,6 +106,38 @@ def test_mxfp4_folder(tmp_path: Path) -> None:
     assert rc == 1 and [c for c, _ in found] == ["M023"] and "with no" in found[0][1]
 
 
+def test_inspect_names_mxfp4_groups_not_fp8_blocks(tmp_path: Path) -> None:
+    """inspect of an MXFP4-only (gpt-oss) folder said "(128x128 blocks for FP8)", and ``--json`` ``block``
+    ``[128, 128]``: no FP8 weight is stored. Now the wording is the format present: MXFP4 groups of as many values as
+    transformers' ``convert_moe_packed_tensors`` unpacks under one E8M0 scale (32), ``block`` null; beside block-FP8
+    weights both are named."""
+    import jsonschema
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+    from ckpttool.commands.schema import load_schema
+
+    t = _mxfp4_tensors()
+    p = "model.layers.0.mlp.experts.gate_up_proj"
+    ref = convert_moe_packed_tensors(t[p + "_blocks"], t[p + "_scales"], dtype=torch.float32)
+    group = ref.shape[1] // t[p + "_scales"].shape[-1]  # values per scale: dims [E, G * group, N]
+    src = _write_folder(tmp_path / "mx", t, {"model_type": "gpt_oss", "quantization_config": {"quant_method": "mxfp4"}})
+    doc = json.loads(runner.invoke(app, ["inspect", str(src), "--json"]).stdout)
+    jsonschema.validate(doc, load_schema("inspect"))
+    q = doc["quantized"]
+    assert q["block"] is None and q["schemes"] == [f"MXFP4 groups of {group} values, one E8M0 scale each"], q
+    assert q["pairs"][0]["dequantized_shape"] == list(ref.shape)
+    text = runner.invoke(app, ["inspect", str(src)]).stdout
+    assert f"quantized   1 mxfp4 weight(s) with scales (MXFP4 groups of {group} values, one E8M0 scale each)" in text
+    assert "FP8" not in text
+    both = {**t, **_deepseek_tensors(16)}
+    src = _write_folder(tmp_path / "both", both, _DS_CONFIG)
+    q = json.loads(runner.invoke(app, ["inspect", str(src), "--json"]).stdout)["quantized"]
+    assert q["block"] == [16, 16] and q["schemes"] == [
+        "16x16 blocks for FP8",
+        f"MXFP4 groups of {group} values, one E8M0 scale each",
+    ]
+
+
 def test_own_export_is_clean(tmp_path: Path, fixture_root: Path) -> None:
     from tests.fixtures import hf_models
     from tests.fixtures.cache import cached_build
