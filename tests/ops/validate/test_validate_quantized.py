@@ -393,6 +393,54 @@ def test_a_config_without_quantization_config_keeps_the_folders_own(own_fp8: tup
     assert res.exit_code == 2 and "[E612]" in res.stderr and "in 32x32 blocks" in res.stderr
 
 
+@pytest.mark.parametrize(
+    ("field", "entries", "n"),
+    [
+        ("modules_to_not_convert", ["lm_head", "model.embed_tokens", "model.layers.0.self_attn.q_proj"], 1),
+        ("modules_to_not_convert", ["lm_head", "model.layers.1"], 7),  # a whole layer, up to a module boundary
+        ("modules_to_not_convert", ["lm_head", "down_proj"], 2),  # a suffix: every layer's
+        ("modules_to_not_convert", ["lm_head", "model.layers.0.self_attn.q"], 0),  # no boundary: q_proj converted
+        ("ignored_layers", ["model.layers.0.mlp.up_proj"], 1),  # vLLM's own list
+    ],
+)
+def test_fp8_weights_their_config_lists_unconverted(
+    own_fp8: tuple[Path, Path], tmp_path: Path, field: str, entries: list[str], n: int
+) -> None:
+    """validate passed an FP8 folder whose ``modules_to_not_convert`` lists modules holding FP8 weights and scales:
+    transformers' FineGrainedFP8 quantizer (and vLLM) builds them as plain ``nn.Linear``, whose BF16 weight takes the
+    FP8 codes as values, the scale an unexpected key. Now M027 names each such weight: exactly the FP8 weights whose
+    module transformers' own quantizer leaves unconverted (its meta model; vLLM's ``ignored_layers`` judged alike)."""
+    import shutil
+
+    from safetensors import safe_open
+    from transformers import AutoConfig
+    from transformers.integrations.finegrained_fp8 import FP8Linear
+
+    from tests.fixtures import hf_models
+
+    _, fp8 = own_fp8
+    out = tmp_path / "edited"
+    shutil.copytree(fp8, out)
+    cfg = json.loads((out / "config.json").read_text())
+    cfg["quantization_config"][field] = entries
+    (out / "config.json").write_text(json.dumps(cfg))
+    res = runner.invoke(app, ["validate", str(out), "--json"])
+    found = sorted(f["key"] for f in json.loads(res.stdout)["findings"] if f["code"] == "M027")
+    as_transformers = dict(cfg["quantization_config"], modules_to_not_convert=entries)
+    tf_cfg = AutoConfig.from_pretrained(str(out))
+    tf_cfg.quantization_config = as_transformers
+    model = hf_models.fp8_meta_model(tf_cfg)
+    with safe_open(str(out / "model.safetensors"), "pt") as f:
+        fp8_weights = {k for k in f.keys() if f.get_slice(k).get_dtype() == "F8_E4M3"}
+    want = sorted(
+        f"{name}.weight"
+        for name, mod in model.named_modules()
+        if isinstance(mod, torch.nn.Linear) and not isinstance(mod, FP8Linear) and f"{name}.weight" in fp8_weights
+    )
+    assert found == want and len(want) == n, (found, want)
+    assert res.exit_code == (1 if want else 0), res.stdout
+
+
 def test_per_expert_folders_fit_their_fused_model_class(fixture_root: Path, tmp_path: Path) -> None:
     """``validate --config`` of a per-expert MoE folder (``export --quantize``'s default layout, a BF16
     ``--experts per-expert`` export, Qwen3-MoE's own checkpoints) failed M010 52 times: every
