@@ -33,6 +33,7 @@ __all__ = [
     "SCALE_DTYPES",
     "block_size",
     "block_size_problem",
+    "blocks_of_scales",
     "compressed_tensors_block",
     "compressed_tensors_fp8",
     "find_quantized",
@@ -88,6 +89,64 @@ def block_size(config: Mapping[str, Any] | None) -> tuple[int, int]:
     if isinstance(wbs, list) and len(wbs) == 2 and all(type(b) is int and b > 0 for b in wbs):
         return wbs[0], wbs[1]
     return 128, 128
+
+
+@dataclass(frozen=True)
+class ScaleBlocks:
+    """The block sizes on which every stored block-FP8 scale fits its weight (:func:`blocks_of_scales`)."""
+
+    ranges: tuple[tuple[int, int | None], tuple[int, int | None]]
+    """Per axis (rows, columns), the least and greatest block size that gives each scale's shape (``None``: any
+    larger one, where every weight is one block along that axis)."""
+    block: tuple[int, int] | None
+    """The block the scales name: the only size in range, or the only one in range that tiles a weight exactly
+    (``D / n`` of a dimension ``D`` cut into ``n`` blocks: how a quantizer's grid over whole blocks looks); ``None``
+    where several fit (dequantizing on another of them gives other values)."""
+    example: str
+    """A scale key (for messages)."""
+
+    @property
+    def named(self) -> str:
+        """``16-23 x 16`` (``128+``: any block of at least 128)."""
+        return " x ".join(f"{lo}+" if hi is None else (f"{lo}" if lo == hi else f"{lo}-{hi}") for lo, hi in self.ranges)
+
+
+def _axis_blocks(sizes: list[tuple[int, int]]) -> tuple[tuple[int, int | None], int | None] | None:
+    """Block sizes ``B`` with ``ceil(D / B) == n`` for every ``(D, n)``: the range and the one it names, if any."""
+    lo, hi = 1, None
+    for d, n in sizes:
+        if n < 1 or d < 1 or n > d:
+            return None
+        lo = max(lo, -(-d // n))
+        top = -(-d // (n - 1)) - 1 if n > 1 else None  # ceil(d / B) == n  <=>  d / n <= B < d / (n - 1)
+        hi = top if hi is None else (hi if top is None else min(hi, top))
+    if hi is not None and lo > hi:
+        return None
+    if hi is None:  # every weight one block along this axis: any B >= lo dequantizes alike; 128 where it fits
+        return (lo, None), max(lo, 128)
+    exact = {d // n for d, n in sizes if n > 1 and d % n == 0 and lo <= d // n <= hi}
+    return (lo, hi), lo if lo == hi else (exact.pop() if len(exact) == 1 else None)
+
+
+def blocks_of_scales(tensors: Mapping[str, tuple[str, tuple[int, ...]]]) -> ScaleBlocks | None:
+    """The block sizes the stored block-FP8 scales (``x.weight_scale_inv`` of a 2-D ``float8_e4m3fn`` weight, fused
+    ``x_scale_inv`` ``[E, ...]`` of ``x`` ``[E, out, in]``) fit, read from their shapes alone: what a folder without a
+    ``quantization_config.weight_block_size`` can still say of its grid. ``None``: no such scale, or no block size
+    fits them all."""
+    rows: list[tuple[int, int]] = []
+    cols: list[tuple[int, int]] = []
+    example = None
+    for key, (_, shape) in sorted(tensors.items()):
+        w = tensors.get(key[: -len(FP8_SCALE_SUFFIX)]) if key.endswith(FP8_SCALE_SUFFIX) else None
+        if w is None or w[0] != "float8_e4m3fn" or len(w[1]) not in (2, 3) or len(shape) != len(w[1]):
+            continue
+        rows.append((w[1][-2], shape[-2]))
+        cols.append((w[1][-1], shape[-1]))
+        example = example or key
+    r, c = _axis_blocks(rows), _axis_blocks(cols)
+    if example is None or r is None or c is None:
+        return None
+    return ScaleBlocks((r[0], c[0]), (r[1], c[1]) if r[1] is not None and c[1] is not None else None, example)
 
 
 def block_size_problem(config: Mapping[str, Any] | None) -> str | None:

@@ -27,6 +27,7 @@ zero, NaN bytes in an FP8 weight, an MXFP4 exponent ``0xFF``, finite pieces whos
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import tempfile
@@ -42,6 +43,7 @@ from ckpttool.model.quantized import (
     QuantKind,
     QuantPair,
     block_size_problem,
+    blocks_of_scales,
     packed_integer_weights,
     scale_grid,
     scaled_pairs,
@@ -92,6 +94,33 @@ def _bad(msg: str, key: str, hint: str | None = None) -> QuantizedSourceError:
     )
 
 
+def _unconfigured_blocks(
+    tensors: dict[str, tuple[str, tuple[int, ...]]], config: dict[str, Any] | None, key: str
+) -> tuple[str, str] | None:
+    """What is missing when a block-FP8 scale (``key``) misfits the default 128x128 grid of a folder whose config
+    has no ``quantization_config`` (an export as stored without ``--model-assets``; a DCP's FP8 weights): the
+    block size, which the scales' shapes may name. ``(message tail, hint)``; ``None`` where a config gives one."""
+    if not key.endswith(FP8_SCALE_SUFFIX) or isinstance((config or {}).get("quantization_config"), dict):
+        return None
+    fit = blocks_of_scales(tensors)
+    where = "config.json has" if config is not None else "the folder has no config.json, so"
+    tail = f"; {where} no quantization_config.weight_block_size, and 128x128 was assumed"
+    example = '{"quant_method": "fp8", "weight_block_size": [B0, B1]}'
+    if fit is None:
+        return tail, f"no block size fits every scale stored: pass `config` a config.json with {example}"
+    if fit.block is None:
+        return tail, (
+            f"the scales' shapes fit blocks of {fit.named} (rows x columns), which dequantize differently: pass "
+            f"`config` the model's config.json with the quantization_config it was quantized with ({example})"
+        )
+    qc = json.dumps({"quant_method": "fp8", "weight_block_size": list(fit.block)})
+    return tail, (
+        f"the scales fit weight_block_size {list(fit.block)} (blocks of {fit.named} fit their shapes): pass `config` "
+        f"the model's config.json with \"quantization_config\": {qc} added (the quantizer's own block size where "
+        "it is known)"
+    )
+
+
 def plan_dequantize(
     sources: dict[str, Any], config: dict[str, Any] | None, dtype: str | None
 ) -> tuple[dict[str, Dequantized], list[str]]:
@@ -124,6 +153,9 @@ def plan_dequantize(
     if problems:
         key, why = problems[0]
         more = f" (+{len(problems) - 1} more)" if len(problems) > 1 else ""
+        unconfigured = _unconfigured_blocks(tensors, config, key)
+        if unconfigured is not None:
+            raise _bad(why + more + unconfigured[0], key, hint=unconfigured[1])
         raise _bad(why + more, key)
     plans: dict[str, Dequantized] = {}
     consumed: list[str] = []

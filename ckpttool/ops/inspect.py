@@ -879,6 +879,7 @@ def _quantized(ckpt: Checkpoint, cat: Catalog) -> dict[str, Any] | None:
     (:func:`~ckpttool.model.quantized.packed_integer_weights`: AWQ/GPTQ, bitsandbytes, compressed-tensors packed or
     int), whose stored integers are codes, not values."""
     from ckpttool.model.quantized import (
+        FP8_SCALE_SUFFIX,
         PACKED_DTYPES,
         block_size,
         compressed_tensors_block,
@@ -909,14 +910,34 @@ def _quantized(ckpt: Checkpoint, cat: Catalog) -> dict[str, Any] | None:
     ct = compressed_tensors_block(config)
     if ct is not None:
         extra["compressed_tensors"] = scheme_name(ct)
+    fp8_blocks = any(p.kind in ("fp8-block", "fp8-experts") for p in pairs) or any(
+        k.endswith(FP8_SCALE_SUFFIX) for k, _ in problems
+    )
     return {
         **extra,
-        "block": list(block),
+        "block": list(block) if fp8_blocks else None,
+        "schemes": _quant_schemes(pairs, block if fp8_blocks else None, extra.get("compressed_tensors")),
         "pairs": [
             {"kind": p.kind, "weight": p.weight, "scale": p.scale, "dequantized_shape": list(p.shape)} for p in pairs
         ],
         "problems": [{"key": k, "message": m} for k, m in problems],
     }
+
+
+def _quant_schemes(pairs: list[Any], block: tuple[int, int] | None, ct: str | None) -> list[str]:
+    """How the quantized weights present are scaled, one phrase per format (``inspect``'s ``quantized`` line and
+    ``--json`` ``schemes``): FP8 blocks (``block``: only where block-FP8 ``x_scale_inv`` tensors are stored),
+    compressed-tensors' scheme, vLLM's per-tensor FP8, MXFP4 groups (``2 * B`` FP4 values under one E8M0 scale)."""
+    kinds = {p.kind for p in pairs}
+    out = [f"compressed-tensors {'one scale per tensor' if ct == 'tensor' else ct}"] if ct else []
+    if "fp8-tensor" in kinds:  # vLLM's per-tensor FP8: one scale a weight, no grid
+        out.append("one FP8 scale per tensor")
+    if block is not None:
+        out.append(f"{block[0]}x{block[1]} blocks for FP8")
+    groups = sorted({p.block[1] for p in pairs if p.kind == "mxfp4"})
+    if groups:
+        out.append(f"MXFP4 groups of {'/'.join(map(str, groups))} values, one E8M0 scale each")
+    return out
 
 
 #: Training-state leaves whose value ``inspect`` shows: the step counters (``train_state.step``,

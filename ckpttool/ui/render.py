@@ -1349,14 +1349,8 @@ def _overview_provenance(con: Console, ov: InspectResult) -> None:
             if q["problems"]
             else ""
         )
-        ct = q.get("compressed_tensors")
-        schemes = [f"compressed-tensors {'one scale per tensor' if ct == 'tensor' else ct}"] if ct else []
-        if "fp8-tensor" in kinds:  # vLLM's per-tensor FP8: one scale a weight, no grid
-            schemes.append("one FP8 scale per tensor")
-        if not schemes or kinds.keys() - {"fp8-compressed-tensors", "fp8-tensor"}:
-            schemes.append(f"{q['block'][0]}x{q['block'][1]} blocks for FP8")
-        grid = "; ".join(schemes)
-        con.print(f"quantized   {what} weight(s) with scales ({grid}){bad}")
+        grid = f" ({'; '.join(q['schemes'])})" if q["schemes"] else ""
+        con.print(f"quantized   {what} weight(s) with scales{grid}{bad}")
     if ov.derived_from is not None:
         src = ov.derived_from
         con.print(

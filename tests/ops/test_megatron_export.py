@@ -127,12 +127,18 @@ def test_quantized_fused_experts_warning_gives_advice_that_works(tmp_path: Path)
     """``--quantize`` of megatron's stacked experts writes fused FP8 experts (the adapter has no per-expert split);
     the warning that vLLM refuses them told the user to export with ``--experts per-expert``, which this adapter
     refuses (E601 "fused expert tensors only"). It now names ``--quantize-skip '*.experts.*'``, which exports
-    the experts unquantized, with no warning, and lists their modules in ``modules_to_not_convert``."""
+    the experts unquantized, with no warning, and lists their modules in ``modules_to_not_convert``. The default
+    128 blocks hold all 96 rows of a fused ``gate_up_proj`` in one (E100: transformers' FP8Experts takes a scale row
+    per half); the hint names a block, without ``--experts per-expert``, and the export with it is written."""
     from safetensors import safe_open
 
     doc = json.loads((DATA / "moe_ep2" / "model.json").read_text())
     assets = _assets(tmp_path, True, doc)
     args = ["--model-assets", str(assets), "--quantize", "fp8-block", "--json"]
+    r = runner.invoke(app, ["export", str(DATA / "moe_ep2"), str(tmp_path / "fp8"), *args])
+    assert r.exit_code == 2 and "[E100] --quantize-block 128: fused" in r.stderr, r.output
+    assert r.stderr.splitlines()[-1] == "hint: quantize with --quantize-block 16 (blocks within each half)"
+    args += ["--quantize-block", "16"]
     r = runner.invoke(app, ["export", str(DATA / "moe_ep2"), str(tmp_path / "fp8"), *args])
     assert r.exit_code == 0, r.output
     (w,) = [w for w in json.loads(r.stdout)["warnings"] if "fused expert tensor(s) quantized" in w]

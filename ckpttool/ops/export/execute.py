@@ -1291,8 +1291,8 @@ def _prepare(
     if quantizer is not None:  # a merged weight that is quantized: its delta is added to each band (quantize.py)
         quantizer.merges = {k: m for k, m in merges.items() if k in quantizer.tasks}
     config, notes = _serving_assets(opts, out_format, plan, assets, (embed, lm_head), model_config, check)
-    # Every source's chunks tile it and fit their stored bytes: checked before any output exists.
-    say("checking chunks")
+    warnings.extend(w for w in [quantizer is None and _unconfigured_fp8(plan, config, opts)] if w)
+    say("checking chunks")  # every source's chunks tile it and fit their stored bytes, before any output exists
     chunks = _checked_chunks(reader, [t.selected.source.key for t in plan.tasks])
     if quantizer is not None and quantizer.other_sources:  # a fused piece's band reads its later sources' rows
         quantizer.sources = {
@@ -1737,6 +1737,45 @@ def _spool_batches(reader: CheckpointReader, plan: ExportPlan, mine: set[int]) -
         held += need
     last = {plan.tasks[i].source_key: b for b, batch in enumerate(batches) for i in batch}
     return [(batch, sorted(k for k, lb in last.items() if lb == b)) for b, batch in enumerate(batches)]
+
+
+def _unconfigured_fp8(plan: ExportPlan, config: tuple[bytes, Any] | None, opts: ExportOptions) -> str | None:
+    """A warning when float8 weights are written as stored (an export that quantizes writes its own
+    ``quantization_config`` with `model_assets`, and is not asked this) with block scales (``x.weight_scale_inv``, fused
+    ``x_scale_inv``) and no ``quantization_config`` beside them (no `model_assets`, or its ``config.json`` has none):
+    vLLM, transformers and ``import`` take the block size from its ``weight_block_size`` (import assumes 128x128
+    and refuses scales that do not fit it), so the folder loads nowhere as written. Names the block the scales'
+    shapes give (:func:`~ckpttool.model.quantized.blocks_of_scales`) where they give one."""
+    from ckpttool.model.quantized import FP8_SCALE_SUFFIX, blocks_of_scales
+
+    written = {k: (dtype, shape) for k, (shape, dtype) in written_tensors(plan).items()}
+    scaled = [k for k, (dtype, _) in written.items() if dtype == "float8_e4m3fn" and k + FP8_SCALE_SUFFIX in written]
+    if not scaled:
+        return None
+    if config is not None:
+        doc = json.loads(config[0])
+        if isinstance(doc, dict) and isinstance(doc.get("quantization_config"), dict):
+            return None
+    where = (
+        "no config.json is written (no `model_assets`)"
+        if config is None
+        else f"{opts.model_assets}/config.json, copied, has no quantization_config"
+    )
+    fit = blocks_of_scales(written)
+    block = (
+        f"the scales fit weight_block_size {list(fit.block)} (blocks of {fit.named} fit their shapes)"
+        if fit is not None and fit.block is not None
+        else f"the scales' shapes fit blocks of {fit.named}, which dequantize differently"
+        if fit is not None
+        else "no block size fits every scale"
+    )
+    return (
+        f"{len(scaled)} float8 weight(s) written as stored with block scales (e.g. {scaled[0] + FP8_SCALE_SUFFIX!r}) "
+        f"and no quantization_config beside them: {where}; vLLM, transformers and `ckpttool import` read the block "
+        f"size from its weight_block_size and cannot load them without it (import assumes 128x128); {block}: give "
+        "`model_assets` a config.json with the quantization_config they were quantized with (the source folder's "
+        'own, where it has one; e.g. {"quant_method": "fp8", "weight_block_size": [B0, B1]})'
+    )
 
 
 def written_tensors(plan: ExportPlan) -> dict[str, tuple[tuple[int, ...], str]]:

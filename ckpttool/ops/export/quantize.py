@@ -423,6 +423,7 @@ class QuantizedFormat(OutputFormat):
         self.kept: list[str] = []  # modules of 2-D weights (and of fused experts) left unquantized
         self._shared: dict[str, _Shared] = {}  # fused piece written by several sources -> its plan so far
         self._experts: tuple[list[str], list[str]] = ([], [])  # (kept, quantized) fused expert tensors
+        self._fused_rows: dict[str, int] = {}  # quantized fused expert tensor -> its rows (`out` of [E, out, in])
         self._names: set[str] = set()  # every output tensor planned (what the `quantize_skip` globs are matched to)
         self._fused_only = False  # a model adapter writes fused expert tensors only (megatron's stacked experts)
 
@@ -516,6 +517,7 @@ class QuantizedFormat(OutputFormat):
             out.append(Piece(scale, self.spec.scale_shape(p.shape), "float32", shared=p.shared))
             if record and fused_experts(p.name, p.shape):
                 self._experts[1].append(p.name)
+                self._fused_rows[p.name] = p.shape[1]
         return tuple(out)
 
     def _keep(self, pieces: tuple[Piece, ...]) -> None:
@@ -636,7 +638,29 @@ class QuantizedFormat(OutputFormat):
                 hint="transformers converts an experts module as a whole: skip all its tensors or none "
                 f"(e.g. `quantize_skip` '{both[0]}.*')",
             )
+        self._check_gate_up_rows()
         return self.quantized
+
+    def _check_gate_up_rows(self) -> None:
+        """Raises UsageError: a fused ``gate_up_proj`` ``[E, 2I, H]`` quantized with ``2I <= B`` gets one scale row
+        (``[E, 1, ceil(H/B)]``), but transformers' ``FP8Experts`` allocates at least two (``min_sf_out=2``: one per
+        half, gate and up) and its loader does not fit the one into them: the folder loads nowhere as FP8 experts
+        (vLLM and torch's reader take no fused experts; transformers without a GPU drops their scales)."""
+        block = self.spec.block
+        small = sorted(n for n, rows in self._fused_rows.items() if n.endswith("gate_up_proj") and rows <= block)
+        if not small:
+            return
+        rows = self._fused_rows[small[0]]
+        half = rows // 2
+        fit = half & -half if half > 0 else 1  # the largest power of two dividing each half: blocks within one half
+        raise UsageError(
+            f"`quantize_block` {block}: fused {small[0]} has {rows} rows (gate and up, {half} each), all in one "
+            f"block, so its scale would be [E, 1, ...], but transformers' FP8Experts holds [E, 2, ...] (a scale row "
+            "per half) and does not load it",
+            param="quantize_block",
+            hint=f"quantize with `quantize_block` {fit} (blocks within each half)"
+            + ("" if self._fused_only else ", or export `experts` per-expert (the default with `quantize`)"),
+        )
 
     def warnings(self) -> list[str]:
         """Plan warnings: a `quantize_skip` glob that matches no output tensor (a typo, or a checkpoint key's

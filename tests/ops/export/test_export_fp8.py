@@ -949,3 +949,46 @@ def test_export_drops_any_quantization_config_it_writes_no_quantized_weight_for(
     assert "quantization_config" not in json.loads((out / "config.json").read_text())
     model = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)
     assert type(model).__name__ == "Dots1ForCausalLM"
+
+
+def test_an_fp8_folder_exported_without_its_quantization_config_warns_and_import_names_the_block_missing(
+    master_ckpt: Path, tmp_path: Path
+) -> None:
+    """An FP8 folder (or a DCP of FP8 weights + block scales) exported as stored without a ``quantization_config``
+    beside it said nothing of the ``weight_block_size`` it lost, and ``import`` of the copy was E612 "the quantized
+    checkpoint is damaged". The export now warns (also in ``--json``), naming the block the scales' shapes give, and
+    import's E612 says the block size is missing with a hint whose config imports the folder: to torch's own
+    ``QuantizedHuggingFaceStorageReader`` values. A ``model_assets`` config.json with a ``quantization_config`` gets
+    no warning."""
+    from tests.ops.test_import_quantized import _check_against_reader
+    from tests.ops.validate.test_validate_quantized import _fp8_dcp
+
+    fp8 = tmp_path / "fp8"
+    _export(master_ckpt, fp8, "--quantize-block", "16", "--model-assets", str(master_ckpt / "model_assets"))
+    assets = master_ckpt / "model_assets"
+    for name, args in (("bare", ()), ("plain", ("--model-assets", str(assets)))):
+        res = runner.invoke(app, ["export", str(fp8), str(tmp_path / name), "--json", *args])
+        assert res.exit_code == 0, res.stderr
+        (w,) = [w for w in json.loads(res.stdout)["warnings"] if "quantization_config" in w]
+        assert w.startswith("14 float8 weight(s) written as stored with block scales") and "[16, 16]" in w, w
+        assert ("no config.json is written" if name == "bare" else "config.json, copied, has no") in w, w
+    src = {p.name: p.read_bytes() for p in (tmp_path / "bare").iterdir()}
+    res = runner.invoke(app, ["import", str(tmp_path / "bare"), str(tmp_path / "dcp")])
+    assert res.exit_code == 2 and "Traceback" not in res.stderr, res.stderr
+    first, hint = res.stderr.splitlines()[:2]
+    assert first.startswith("error: [E612]") and "no quantization_config.weight_block_size" in first, first
+    assert "damaged" not in res.stderr and '"weight_block_size": [16, 16]' in hint, hint
+    cfg = json.loads((assets / "config.json").read_text())
+    cfg["quantization_config"] = {"quant_method": "fp8", "weight_block_size": [16, 16]}  # as the hint says
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    args = ["--config", str(tmp_path / "config.json"), "--dtype", "float32"]
+    res = runner.invoke(app, ["import", str(tmp_path / "bare"), str(tmp_path / "dcp"), *args])
+    assert res.exit_code == 0, res.stderr
+    assert _check_against_reader(fp8, tmp_path / "dcp", torch.float32, 16) == 14
+    assert {p.name: p.read_bytes() for p in (tmp_path / "bare").iterdir()} == src  # the source is never modified
+    res = runner.invoke(app, ["export", str(fp8), str(tmp_path / "own"), "--json", "--model-assets", str(fp8)])
+    assert res.exit_code == 0 and not [w for w in json.loads(res.stdout)["warnings"] if "quantization_config" in w]
+    res = runner.invoke(app, ["export", str(_fp8_dcp(tmp_path / "dcp_fp8")), str(tmp_path / "from_dcp"), "--json"])
+    assert res.exit_code == 0, res.stderr
+    (w,) = [w for w in json.loads(res.stdout)["warnings"] if "quantization_config" in w]
+    assert w.startswith("2 float8 weight(s)") and "weight_block_size [16, 16]" in w, w

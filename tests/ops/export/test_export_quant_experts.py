@@ -300,3 +300,35 @@ def test_per_expert_skip_of_some_experts_is_refused(tmp_path: Path, glob: str, k
     assert files[p + "experts.3.down_proj.weight"].dtype == torch.bfloat16
     assert files[p + "experts.3.up_proj.weight"].dtype == torch.float8_e4m3fn
     assert json.loads(res.stdout)["quantization"]["quantized"] == 1 + 8
+
+
+def test_fused_gate_up_in_one_block_is_refused_and_the_hinted_block_loads_into_fp8_experts(
+    fixture_root: Path, tmp_path: Path
+) -> None:
+    """A fused FP8 export whose ``gate_up_proj`` ``[E, 2I, H]`` fits one block (``2I <= B``) wrote a ``[E, 1, ...]``
+    scale, exit 0, no warning: transformers' ``FP8Experts`` holds ``[E, 2, ...]`` (one row per half) and its
+    ``load_state_dict`` refuses the shape. Now E100 naming the tensor and a block that works, nothing written; the
+    hinted block's folder loads, every key and shape, into the FP8 model class transformers' own FineGrainedFP8
+    quantizer builds from the written config.json."""
+    from safetensors.torch import load_file
+    from transformers import AutoConfig
+
+    src = cached_build(fixture_root, "export_qwen_moe", hf_models.build_qwen_moe)
+    args = ["--model-assets", str(src / "model_assets")]
+    out = tmp_path / "b32"
+    rc, _, err = _export(src, out, "--quantize-block", "32", *args)  # moe_intermediate_size 16: 2I = 32 rows
+    assert rc == 2 and "Traceback" not in err, err
+    first, hint = err.splitlines()[-2:]
+    assert first.startswith("error: [E100] --quantize-block 32: fused model.layers.0.mlp.experts.gate_up_proj"), err
+    assert "--quantize-block 16" in hint and "--experts per-expert" in hint, hint
+    assert not out.exists() and not list(tmp_path.glob("b32?*"))
+    cfg = AutoConfig.from_pretrained(str(src / "model_assets"))
+    cfg.quantization_config = {"quant_method": "fp8", "weight_block_size": [32, 32]}
+    want = hf_models.fp8_meta_model(cfg).state_dict()["model.layers.0.mlp.experts.gate_up_proj_scale_inv"].shape
+    assert list(want) == [8, 2, 1]  # transformers' own allocation: two rows where ceil(32 / 32) is one
+    rc, _, err = _export(src, tmp_path / "b16", "--quantize-block", "16", *args)
+    assert rc == 0, err
+    model = hf_models.fp8_meta_model(AutoConfig.from_pretrained(str(tmp_path / "b16")))
+    assert type(model.model.layers[0].mlp.experts).__name__ == "FP8Experts"
+    model.load_state_dict(load_file(str(tmp_path / "b16" / "model.safetensors")), strict=True, assign=True)
+    assert list(model.model.layers[0].mlp.experts.gate_up_proj_scale_inv.shape) == [8, 2, 2]

@@ -106,6 +106,38 @@ def test_mxfp4_folder(tmp_path: Path) -> None:
     assert rc == 1 and [c for c, _ in found] == ["M023"] and "with no" in found[0][1]
 
 
+def test_inspect_names_mxfp4_groups_not_fp8_blocks(tmp_path: Path) -> None:
+    """inspect of an MXFP4-only (gpt-oss) folder said "(128x128 blocks for FP8)", and ``--json`` ``block``
+    ``[128, 128]``: no FP8 weight is stored. Now the wording is the format present: MXFP4 groups of as many values as
+    transformers' ``convert_moe_packed_tensors`` unpacks under one E8M0 scale (32), ``block`` null; beside block-FP8
+    weights both are named."""
+    import jsonschema
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+    from ckpttool.commands.schema import load_schema
+
+    t = _mxfp4_tensors()
+    p = "model.layers.0.mlp.experts.gate_up_proj"
+    ref = convert_moe_packed_tensors(t[p + "_blocks"], t[p + "_scales"], dtype=torch.float32)
+    group = ref.shape[1] // t[p + "_scales"].shape[-1]  # values per scale: dims [E, G * group, N]
+    src = _write_folder(tmp_path / "mx", t, {"model_type": "gpt_oss", "quantization_config": {"quant_method": "mxfp4"}})
+    doc = json.loads(runner.invoke(app, ["inspect", str(src), "--json"]).stdout)
+    jsonschema.validate(doc, load_schema("inspect"))
+    q = doc["quantized"]
+    assert q["block"] is None and q["schemes"] == [f"MXFP4 groups of {group} values, one E8M0 scale each"], q
+    assert q["pairs"][0]["dequantized_shape"] == list(ref.shape)
+    text = runner.invoke(app, ["inspect", str(src)]).stdout
+    assert f"quantized   1 mxfp4 weight(s) with scales (MXFP4 groups of {group} values, one E8M0 scale each)" in text
+    assert "FP8" not in text
+    both = {**t, **_deepseek_tensors(16)}
+    src = _write_folder(tmp_path / "both", both, _DS_CONFIG)
+    q = json.loads(runner.invoke(app, ["inspect", str(src), "--json"]).stdout)["quantized"]
+    assert q["block"] == [16, 16] and q["schemes"] == [
+        "16x16 blocks for FP8",
+        f"MXFP4 groups of {group} values, one E8M0 scale each",
+    ]
+
+
 def test_own_export_is_clean(tmp_path: Path, fixture_root: Path) -> None:
     from tests.fixtures import hf_models
     from tests.fixtures.cache import cached_build
@@ -359,6 +391,54 @@ def test_a_config_without_quantization_config_keeps_the_folders_own(own_fp8: tup
     assert rc == 1 and {c for c, _ in found} == {"M020"}
     res = runner.invoke(app, ["import", str(out), str(tmp_path / "dcp2"), "--config", str(other)])
     assert res.exit_code == 2 and "[E612]" in res.stderr and "in 32x32 blocks" in res.stderr
+
+
+@pytest.mark.parametrize(
+    ("field", "entries", "n"),
+    [
+        ("modules_to_not_convert", ["lm_head", "model.embed_tokens", "model.layers.0.self_attn.q_proj"], 1),
+        ("modules_to_not_convert", ["lm_head", "model.layers.1"], 7),  # a whole layer, up to a module boundary
+        ("modules_to_not_convert", ["lm_head", "down_proj"], 2),  # a suffix: every layer's
+        ("modules_to_not_convert", ["lm_head", "model.layers.0.self_attn.q"], 0),  # no boundary: q_proj converted
+        ("ignored_layers", ["model.layers.0.mlp.up_proj"], 1),  # vLLM's own list
+    ],
+)
+def test_fp8_weights_their_config_lists_unconverted(
+    own_fp8: tuple[Path, Path], tmp_path: Path, field: str, entries: list[str], n: int
+) -> None:
+    """validate passed an FP8 folder whose ``modules_to_not_convert`` lists modules holding FP8 weights and scales:
+    transformers' FineGrainedFP8 quantizer (and vLLM) builds them as plain ``nn.Linear``, whose BF16 weight takes the
+    FP8 codes as values, the scale an unexpected key. Now M027 names each such weight: exactly the FP8 weights whose
+    module transformers' own quantizer leaves unconverted (its meta model; vLLM's ``ignored_layers`` judged alike)."""
+    import shutil
+
+    from safetensors import safe_open
+    from transformers import AutoConfig
+    from transformers.integrations.finegrained_fp8 import FP8Linear
+
+    from tests.fixtures import hf_models
+
+    _, fp8 = own_fp8
+    out = tmp_path / "edited"
+    shutil.copytree(fp8, out)
+    cfg = json.loads((out / "config.json").read_text())
+    cfg["quantization_config"][field] = entries
+    (out / "config.json").write_text(json.dumps(cfg))
+    res = runner.invoke(app, ["validate", str(out), "--json"])
+    found = sorted(f["key"] for f in json.loads(res.stdout)["findings"] if f["code"] == "M027")
+    as_transformers = dict(cfg["quantization_config"], modules_to_not_convert=entries)
+    tf_cfg = AutoConfig.from_pretrained(str(out))
+    tf_cfg.quantization_config = as_transformers
+    model = hf_models.fp8_meta_model(tf_cfg)
+    with safe_open(str(out / "model.safetensors"), "pt") as f:
+        fp8_weights = {k for k in f.keys() if f.get_slice(k).get_dtype() == "F8_E4M3"}
+    want = sorted(
+        f"{name}.weight"
+        for name, mod in model.named_modules()
+        if isinstance(mod, torch.nn.Linear) and not isinstance(mod, FP8Linear) and f"{name}.weight" in fp8_weights
+    )
+    assert found == want and len(want) == n, (found, want)
+    assert res.exit_code == (1 if want else 0), res.stdout
 
 
 def test_per_expert_folders_fit_their_fused_model_class(fixture_root: Path, tmp_path: Path) -> None:

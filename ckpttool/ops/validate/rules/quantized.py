@@ -259,6 +259,45 @@ def packed_integer(ctx: Context) -> Iterator[tuple[str, str]]:
         )
 
 
+#: The ``quantization_config`` lists of modules an FP8 reader leaves unconverted: vLLM's ``Fp8Config`` reads
+#: ``ignored_layers``, else ``modules_to_not_convert``; transformers' ``FineGrainedFP8`` the latter.
+_NOT_CONVERTED = ("ignored_layers", "modules_to_not_convert")
+
+
+def _kept_by(module: str, patterns: Any) -> str | None:
+    """The entry of ``patterns`` that leaves ``module`` unconverted, as transformers' ``should_convert_module`` matches
+    a plain name: from the start up to a module boundary (``layers.1`` keeps ``layers.1.attn``, not ``layers.11``), or
+    as a suffix. Entries are read literally (a regex one is not evaluated: an untrusted config's pattern)."""
+    for pat in patterns if isinstance(patterns, list) else ():
+        if isinstance(pat, str) and pat and (module == pat or module.startswith(pat + ".") or module.endswith(pat)):
+            return pat
+    return None
+
+
+@rule("M027")
+def fp8_weights_listed_unconverted(ctx: Context) -> Iterator[tuple[str, str]]:
+    """FP8 weights (with their scales) whose module a ``quant_method: fp8`` config lists as not converted: its
+    readers build that module unquantized (``nn.Linear``), load the FP8 codes into it as values and leave the scale
+    unread. One finding a weight."""
+    cfg = ctx.quant_config
+    qc = cfg.get("quantization_config") if isinstance(cfg, dict) else None
+    if not isinstance(qc, dict) or qc.get("quant_method") != "fp8":
+        return
+    pairs, _ = _pairs(ctx)
+    for p in pairs:
+        if p.kind not in ("fp8-block", "fp8-tensor", "fp8-experts"):
+            continue
+        module = p.weight.removesuffix(".weight") if p.kind != "fp8-experts" else p.weight.rpartition(".")[0]
+        hit = next(((n, pat) for n in _NOT_CONVERTED if (pat := _kept_by(module, qc.get(n))) is not None), None)
+        if hit is not None:
+            yield (
+                p.weight,
+                f"{p.weight} is stored FP8 with its scale {p.scale!r}, but quantization_config.{hit[0]} entry "
+                f"{hit[1]!r} leaves module {module!r} unconverted: vLLM and transformers' FineGrainedFP8 (loading "
+                "FP8 layers) build it unquantized, read its FP8 codes as values and leave the scale unread",
+            )
+
+
 @rule("M022")
 def fp8_nan_bytes(ctx: Context) -> Iterator[tuple[str, str]]:
     assert ctx.deep_result is not None
