@@ -137,6 +137,7 @@ def test_data_file_warnings() -> None:
             F("d", "short", 5, 9),
             F("e", "unreferenced"),
         ]
+        unproven_shards = None
 
     assert data_file_warnings(R()) == [  # type: ignore[arg-type]
         "data file b is missing",
