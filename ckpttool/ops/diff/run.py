@@ -44,7 +44,7 @@ from ckpttool.format.perrank_formats import detect_layout
 from ckpttool.format.storage import UrlPath, is_url, local_path, url_path
 from ckpttool.layouts.permute import legacy_to_canonical_perm
 from ckpttool.layouts.record import LAYOUT_KEY
-from ckpttool.model.catalog import Catalog, TensorEntry, match_filter, saved_by_counts
+from ckpttool.model.catalog import Catalog, TensorEntry, bare_glob_hint, match_filter, saved_by_counts
 from ckpttool.model.checkpoint import (
     Checkpoint,
     CheckpointOrPath,
@@ -1553,6 +1553,7 @@ def _diff(
     items_a, items_b = _dequantized(a, items_a, b, items_b, notes)
     items_a, items_b = _experts_dequantized(a, items_a, b, items_b, notes)
     seen = (len(items_a), len(items_b))
+    bare = _bare_filter_hint(opts.filters, items_a)
     items_a, items_b, excluded, filtered_out = _filter(opts.filters, items_a, items_b, excluded)
     by_b: dict[str, Item] = {}
     for i in items_b:
@@ -1589,7 +1590,7 @@ def _diff(
         if changed is not None:
             notes.append(changed)
     kept = (len(items_a), len(items_b))
-    _fail_closed(a, b, opts, tally, seen, kept, len(pairs) - sum(ib is None for _, ib in pairs), excluded)
+    _fail_closed(a, b, opts, tally, seen, kept, len(pairs) - sum(ib is None for _, ib in pairs), excluded, bare)
     notes.extend(_cross_dtype_notes(tally.stats, opts))
     notes.extend(_beside_notes(a, b, opts))
     notes.extend(_newer_incomplete_notes(a, b))
@@ -1862,6 +1863,7 @@ def _fail_closed(
     kept: tuple[int, int],
     common: int,
     excluded: list[Excluded],
+    bare: str | None = None,
 ) -> None:
     """Refuse a result that compared no tensor value nor hyperparameter and found no difference on a common name.
 
@@ -1881,7 +1883,7 @@ def _fail_closed(
         hint = _no_tensor_hint(a, b, opts)
     elif kept == (0, 0):
         why = f"`filters` {' '.join(opts.filters)} matched none of the {seen[0]} names of A and {seen[1]} of B"
-        hint = _nothing_kept_hint(a, b, opts)
+        hint = _nothing_kept_hint(a, b, opts, bare)
     elif common == 0:
         why, hint = _no_common_name(a, b, opts, seen, kept, excluded)
     elif tally.stats and all(0 in st.shape for st in tally.stats):  # every tensor compared empty: no value to compare
@@ -1952,18 +1954,40 @@ def _training_state_only(side: Side) -> bool:
     return bool(keys) and all(cat.category(k) == "training_state" for k in keys)
 
 
-def _nothing_kept_hint(a: Side, b: Side, opts: DiffOptions) -> str:
-    """The E611 hint where ``filters`` kept no name: the optimizer state it matches, else what names look like."""
-    return _optimizer_filter_hint(a, b, opts) or (
-        "names look like " + ", ".join(repr(n) for n in _examples(a, b)) + "; `ckpttool inspect` lists them"
+def _nothing_kept_hint(a: Side, b: Side, opts: DiffOptions, bare: str | None = None) -> str:
+    """The E611 hint where ``filters`` kept no name: the optimizer state it matches, else ``bare`` (a wildcard-free
+    filter's wider glob, see :func:`_bare_filter_hint`), else the optimizer state that wider glob matches, else what
+    names look like."""
+    wide = _wider(opts.filters)
+    return (
+        _optimizer_filter_hint(a, b, opts)
+        or bare
+        or (_optimizer_filter_hint(a, b, opts, wide) if wide else None)
+        or ("names look like " + ", ".join(repr(n) for n in _examples(a, b)) + "; `ckpttool inspect` lists them")
     )
 
 
-def _optimizer_filter_hint(a: Side, b: Side, opts: DiffOptions) -> str | None:
-    """The E611 hint where ``filters`` matched no model name but names of a DCP side's optimizer state (its state
-    fields, its param groups' items), which ``what`` model leaves out; ``None`` otherwise."""
+def _wider(globs: tuple[str, ...]) -> tuple[str, ...] | None:
+    """``('*word*',)`` for a single ``--filter`` without a wildcard (a glob matches whole names), else ``None``."""
+    if len(globs) != 1 or any(c in globs[0] for c in "*?["):
+        return None
+    return (f"*{globs[0]}*",)
+
+
+def _bare_filter_hint(globs: tuple[str, ...], items: list[Item]) -> str | None:
+    """:func:`bare_glob_hint` of a single wildcard-free ``--filter`` over A's names before filtering."""
+    if len(globs) != 1:
+        return None
+    return bare_glob_hint(globs[0], lambda g: sum(_matches((g,), i.name, i.key) for i in items), "name")
+
+
+def _optimizer_filter_hint(a: Side, b: Side, opts: DiffOptions, globs: tuple[str, ...] | None = None) -> str | None:
+    """The E611 hint where ``globs`` (default ``opts.filters``) matched no model name but names of a DCP side's
+    optimizer state (its state fields, its param groups' items), which ``what`` model leaves out; ``None``
+    otherwise."""
     if opts.what != "model":
         return None
+    globs = opts.filters if globs is None else globs
     for side in (a, b):
         if side.kind != "dcp":
             continue
@@ -1975,12 +1999,15 @@ def _optimizer_filter_hint(a: Side, b: Side, opts: DiffOptions) -> str | None:
             for name in (canonical_state_key(fqn, fld), cat.state_key(fqn, fld))
         ]
         names += [k for g in cat.param_groups for k in g.keys.values()]
-        hit = next((n for n in names if _matches(opts.filters, n)), None)
+        hit = next((n for n in names if _matches(globs, n)), None)
         if hit is None:
             continue
-        found = (
-            f"`filters` {' '.join(opts.filters)} matches names of the optimizer state (e.g. {hit!r} of {side.label})"
-        )
+        found = f"`filters` {' '.join(globs)} matches names of the optimizer state (e.g. {hit!r} of {side.label})"
+        if globs != opts.filters:  # the wider glob of a wildcard-free filter
+            found = (
+                f"a glob matches whole keys and {opts.filters[0]!r} has no wildcard, so it names one whole key; "
+                f"{shell_arg(globs[0])} matches names of the optimizer state (e.g. {hit!r} of {side.label})"
+            )
         if a.kind != b.kind:
             return f"{found}, which a safetensors side does not hold: compare it against another DCP checkpoint"
         return f"{found}, which `what` model leaves out: pass `what` optimizer (or `what` all)"

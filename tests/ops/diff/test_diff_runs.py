@@ -654,6 +654,37 @@ def test_a_filter_matching_optimizer_names_names_what(tmp_path: Path) -> None:
     assert res.stderr.splitlines()[1].startswith("hint: names look like 'model."), res.stderr
 
 
+def test_a_filter_without_wildcard_names_the_wider_glob(tmp_path: Path) -> None:
+    """``diff a b --filter attn`` (a word, no wildcard: a glob matches whole names) was E611 with the hint "names look
+    like 'model.embed.weight'", as inspect/stats/export no longer say. The hint now names ``'*attn*'`` and how many
+    names of A it matches (counted here with fnmatch over torch's own state dict keys), and a word matching only
+    optimizer state (``exp_avg``) names the wider glob with ``--what optimizer``; with the wider glob the diff
+    compares."""
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    model, optim, gen = _train(1)
+    model.loss(torch.randint(0, builders.DENSE["vocab"], (2, 8), generator=gen)).backward()
+    optim.step()
+    msd, osd = get_state_dict(model, optim)
+    a = _save({"model": msd, "optimizer": osd}, tmp_path / "a")
+    word = next(p for p in ("attn", "attention", "mlp") if any(p in k for k in msd))
+    n = sum(fnmatch.fnmatchcase(f"model.{k}", f"*{word}*") for k in msd)
+    res, err = refused(a, a, "--filter", word)
+    assert err[0].startswith(f"error: [E611] nothing compared, so no verdict: --filter {word} matched none"), err
+    assert err[1] == (
+        f"hint: a glob matches whole keys and {word!r} has no wildcard, so it names one whole key; "
+        f"'*{word}*' matches {n} names"
+    ), err
+    assert diff_json(a, a, "--filter", f"*{word}*", code=0)["counts"]["tensors"] == n
+    res, err = refused(a, a, "--filter", "exp_avg")
+    assert err[1].startswith(
+        "hint: a glob matches whole keys and 'exp_avg' has no wildcard, so it names one whole key; '*exp_avg*' "
+        "matches names of the optimizer state (e.g. 'optimizer.state."
+    ), err
+    assert err[1].endswith("of A), which --what model leaves out: pass --what optimizer (or --what all)"), err
+    assert diff_json(a, a, "--filter", "*exp_avg*", "--what", "optimizer", code=0)["counts"]["tensors"] > 0
+
+
 def test_training_state_only_against_safetensors_says_what_diff_found(tmp_path: Path) -> None:
     """``dcp.save({"optimizer": ...})`` or ``{"train_state": ...}`` against an HF safetensors folder was E601 "no model
     tensors to export", export's wording (diff exports nothing). It is now one E611 line naming the side, its path and
