@@ -28,7 +28,6 @@ from ckpttool.errors import (
     UsageError,
     check_field_types,
     check_path,
-    shell_arg,
 )
 from ckpttool.format import limits
 from ckpttool.format.directory import checkpoints_below_url
@@ -275,8 +274,7 @@ class Checkpoint:
         except CkptError:  # a config.json linked out of the folder: not one to name
             beside = None
         fix = (
-            f"check them against the model class of {beside / 'config.json'} (`ckpttool validate` does; export: "
-            f"--model-assets {shell_arg(beside)})"
+            f"check them against the model class of {beside / 'config.json'} (`ckpttool validate` and `export` do)"
             if beside is not None
             else "pass the model's config.json (--config / --model-assets, or keep it beside the shards) or use "
             "torch's consolidated copy (enable_consolidation=True) to prove them"

@@ -1836,10 +1836,44 @@ def _model_check(
     if out_format.checks_model_class and model_config:
         say(f"building model class {_model_class_name(model_config)}")
         check = _check_against_model(plan, model_config, opts)
+    elif out_format.checks_model_class and ckpt.unproven_shards() is not None:
+        check = _check_shards_beside(ckpt, plan, opts, say)
     unproven = None if check is not None and check.checked else ckpt.unproven_shards()
     if unproven is not None:
         plan.warnings.append(unproven)
     return check
+
+
+def _check_shards_beside(ckpt: Checkpoint, plan: ExportPlan, opts: ExportOptions, say: PhaseFn) -> ModelCheck | None:
+    """The shapes of a per-rank shard folder (``HuggingFaceStorageWriter(save_distributed=True)``, which records
+    neither the world size nor the full shapes) checked against the model class of the ``config.json`` saved beside
+    it (:meth:`~ckpttool.model.checkpoint.Checkpoint.hf_config_beside`), as ``validate`` does: a rank's files missing
+    export a model of short shapes otherwise. Only a shortfall (``shape``, ``missing``) is refused; other
+    differences from a config nobody passed are the plan's warnings. ``None``: no readable config beside.
+
+    Raises:
+        ModelMismatchError (E605): a tensor's shape or a key of the model class the shards do not hold, naming the
+            config used.
+    """
+    try:
+        folder = ckpt.hf_config_beside()
+        config = read_hf_config(folder, param=None) if folder is not None else None
+    except CkptError:  # unreadable: the unproven-shards warning stays
+        return None
+    if config is None or folder is None:
+        return None
+    say(f"building model class {_model_class_name(config)} (config.json beside the shards)")
+    lenient = tuple(dict.fromkeys((*opts.allow_mismatch, "unexpected", "dtype")))
+    try:
+        return _check_against_model(plan, config, dataclasses.replace(opts, allow_mismatch=lenient))
+    except ModelMismatchError as e:
+        raise ModelMismatchError(
+            e.message.replace("built from config.json", f"built from {folder / 'config.json'}", 1),
+            param="model_assets",
+            hint="a rank's shard files are missing or the shards are of another model: restore them (each rank writes "
+            "shard-0000R-*), or pass the config.json of the model they were saved from (`model_assets`); "
+            "`allow_mismatch` shape,missing writes them anyway",
+        ) from None
 
 
 def _check_against_model(plan: ExportPlan, config: dict[str, Any], opts: ExportOptions) -> ModelCheck:

@@ -176,7 +176,40 @@ def test_config_beside_is_named_where_inspect_cannot_check_it(hf_shards_root: Pa
     src = hf_shards_root / "w3" / "with_config"
     res = runner.invoke(app, ["inspect", str(src), "--json"])
     note = json.loads(res.stdout)["unproven_shards"]
-    assert f"check them against the model class of {src / 'config.json'}" in note and "--model-assets" in note
+    assert f"check them against the model class of {src / 'config.json'} (`ckpttool validate` and `export` do)" in note
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_export_checks_the_shards_against_the_config_beside_them(
+    hf_shards_root: Path, tmp_path: Path, world: int
+) -> None:
+    """export of a save_distributed folder whose last rank's files were deleted, with the model's config.json beside
+    the shards (validate: M010), wrote a model of short shapes, exit 0, with a warning only. It now checks the shards
+    against that config as validate does: E605 naming the config and the shortfall, nothing written; the intact
+    folder exports with no warning, the tensors equal to torch's own reader's."""
+    from safetensors.torch import load_file
+    from torch.distributed.checkpoint import HuggingFaceStorageReader
+
+    src = hf_shards_root / f"w{world}" / "with_config"
+    res = runner.invoke(app, ["export", str(src), str(tmp_path / "ok"), "--json"])
+    assert res.exit_code == 0, res.stderr
+    assert not [w for w in json.loads(res.stdout)["warnings"] if "shard files" in w]
+    got = {}
+    for f in sorted((tmp_path / "ok").glob("*.safetensors")):
+        got.update(load_file(f))
+    assert {k: tuple(v.shape) for k, v in got.items()} == full_shapes()
+    reader = HuggingFaceStorageReader(str(src))
+    assert {k: tuple(v.size) for k, v in reader.read_metadata().state_dict_metadata.items()} == full_shapes()
+    cut = without_rank(src, tmp_path / "cut", world - 1)
+    before = sorted((p.name, p.stat().st_size) for p in cut.iterdir())
+    res = runner.invoke(app, ["export", str(cut), str(tmp_path / "out")])
+    assert res.exit_code == 2 and not (tmp_path / "out").exists(), res.stderr
+    err = res.stderr.splitlines()
+    assert err[0].startswith(f"error: [E605] the export does not fit LlamaForCausalLM built from {cut / 'config.json'}")
+    assert "shape " in err[0] and err[1].startswith("hint: a rank's shard files are missing"), err
+    res = runner.invoke(app, ["export", str(cut), str(tmp_path / "out"), "--allow-mismatch", "shape,missing"])
+    assert res.exit_code == 0, res.stderr
+    assert sorted((p.name, p.stat().st_size) for p in cut.iterdir()) == before  # the source is never modified
 
 
 def test_files_that_disagree_on_the_number_of_model_files_are_two_saves(hf_shards_root: Path, tmp_path: Path) -> None:
