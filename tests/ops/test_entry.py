@@ -124,29 +124,32 @@ def test_ops_take_an_opened_checkpoint_or_a_path(dense_ckpt: Path) -> None:
             inspect(ck, opening=OpenOptions(trust_pickle=True))
 
 
-def test_data_file_warnings() -> None:
-    class F:
-        def __init__(self, path: str, status: str, size: int = 0, needed: int = 0) -> None:
-            self.path, self.status, self.size, self.needed = path, status, size, needed
+def test_data_file_warnings(tmp_path: Path) -> None:
+    """The warnings of a real ``dcp.save`` (one file per writer thread) whose files were damaged the ways users meet:
+    one deleted, one cut short, two left over from another save (one empty); an intact save has none."""
+    import torch
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import FileSystemWriter
 
-    class R:
-        files = [
-            F("a", "ok"),
-            F("b", "missing"),
-            F("c", "unreferenced", 7),
-            F("d", "short", 5, 9),
-            F("e", "unreferenced"),
-        ]
-        unproven_shards = None
+    from ckpttool.ops.inspect import inspect
 
-    assert data_file_warnings(R()) == [  # type: ignore[arg-type]
-        "data file b is missing",
-        "data file c is not referenced by .metadata",
-        "data file d is shorter than its records need (5 < 9 bytes; truncated?)",
+    sd = {f"w{i}": torch.arange(64 * (i + 1), dtype=torch.float32) for i in range(4)}
+    dcp.save(sd, storage_writer=FileSystemWriter(str(tmp_path), thread_count=4), no_dist=True)
+    files = sorted(p.name for p in tmp_path.glob("*.distcp"))
+    assert len(files) == 4
+    assert data_file_warnings(inspect(tmp_path)) == []
+    (tmp_path / files[1]).unlink()
+    size = (tmp_path / files[3]).stat().st_size
+    with open(tmp_path / files[3], "r+b") as f:
+        f.truncate(size - 4)
+    (tmp_path / "__0_9.distcp").write_bytes(b"leftover")
+    (tmp_path / "__1_0.distcp").write_bytes(b"")
+    assert data_file_warnings(inspect(tmp_path)) == [
+        f"data file {files[1]} is missing",
+        f"data file {files[3]} is shorter than its records need ({size - 4} < {size} bytes; truncated?)",
+        "data file __0_9.distcp is not referenced by .metadata",
         "run `ckpttool validate --strict` for the full list of problems",
     ]
-    R.files = [F("a", "ok")]
-    assert data_file_warnings(R()) == []  # type: ignore[arg-type]
 
 
 def test_split_param_group_items() -> None:
