@@ -28,7 +28,11 @@ child's CPU time (user + sys), the figure to compare on a loaded machine.
 with torch's ``HuggingFaceStorageWriter`` (safetensors data files, which store no CRC-32: the scan
 computes none there). Rounds alternate the order of the cases (ABBA), so no tree always runs first.
 
-Usage: python bench/bench_stats.py [--gb 4] [--workdir /tmp/ckpttool-bench] [--baseline DIR] [--hf-storage]
+``--cold``: every timed run (and each bound) starts with the checkpoint's pages dropped from the page cache
+(``os.sync`` then ``posix_fadvise(POSIX_FADV_DONTNEED)`` of each data file; no root needed, other files' pages
+stay): the files come from the disk, as for a checkpoint not read since it was written out.
+
+Usage: python bench/bench_stats.py [--gb 4] [--workdir /tmp/ckpttool-bench] [--baseline DIR] [--hf-storage] [--cold]
 """
 
 from __future__ import annotations
@@ -103,6 +107,17 @@ def _bare(files: list[str], reductions: bool) -> tuple[float, float]:
     return time.perf_counter() - w0, time.process_time() - c0
 
 
+def _drop(files: list[str]) -> None:
+    """Drop ``files``' clean pages from the page cache (after ``os.sync``, so none is dirty): the next read is the disk's."""
+    os.sync()
+    for f in files:
+        fd = os.open(f, os.O_RDONLY)
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+
+
 def _hf_storage(out: Path, gb: float) -> Path:
     """``out``: FP32 ``[4096, 4096]`` weights, ``gb`` GB in all, saved by ``dcp.save`` through torch's
     ``HuggingFaceStorageWriter`` (one process); built once, then reused."""
@@ -128,6 +143,7 @@ def main() -> None:
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--baseline", type=Path, help="another revision's package directory, run beside this one")
     ap.add_argument("--hf-storage", action="store_true", help="FP32 weights saved with HuggingFaceStorageWriter")
+    ap.add_argument("--cold", action="store_true", help="drop the checkpoint's pages from the cache before each run")
     a = ap.parse_args()
     from _ckpts import build, dense_rank, layers_for
 
@@ -172,6 +188,8 @@ def main() -> None:
         _timed(argv, env)
     for r in range(a.repeat):  # interleaved: every case once per round, every other round in reverse
         for name, argv, env in cases if r % 2 == 0 else cases[:1] + cases[:0:-1]:
+            if a.cold:
+                _drop(files)
             runs[name].append(_timed(argv, env))
     bounds: dict[str, list[tuple[float, float]]] = {"read + CRC-32 (bound)": [], "bare numpy (bound)": []}
     import numpy as np
@@ -179,6 +197,8 @@ def main() -> None:
     with np.errstate(all="ignore"):  # the bytes of BF16 parameters read as float32: NaN and overflow
         for _ in range(a.repeat):
             for name, red in zip(bounds, (False, True)):
+                if a.cold:
+                    _drop(files)
                 bounds[name].append(_bare(files, red))
     shutil.rmtree(pyc, ignore_errors=True)
     rows = []
@@ -190,12 +210,13 @@ def main() -> None:
         best = min(r[0] for r in rs)
         rows.append((f"{name}, in process, 1 thread", best, size / best / 1e9, 0, min(r[1] for r in rs)))
     base = rows[0][1]
-    print(f"checkpoint {ckpt} ({size / 1e9:.2f} GB in {len(files)} files), best of {a.repeat}, warm cache")
+    cache = "cold cache (pages dropped before each run)" if a.cold else "warm cache"
+    print(f"checkpoint {ckpt} ({size / 1e9:.2f} GB in {len(files)} files), best of {a.repeat}, {cache}")
     print(f"{'':48} {'seconds':>8} {'GB/s':>6} {'x cat':>6} {'CPU s':>6} {'peak RSS MiB':>12}")
     for name, s_, gbs, rss, cpu in rows:
         print(f"{name:48} {s_:8.2f} {gbs:6.2f} {s_ / base:6.2f} {cpu:6.2f} {rss:12d}")
     keys = ("name", "s", "gbps", "rss_mib", "cpu_s")
-    print(json.dumps({"gb": size / 1e9, "rows": [dict(zip(keys, r)) for r in rows]}))
+    print(json.dumps({"gb": size / 1e9, "cold": a.cold, "rows": [dict(zip(keys, r)) for r in rows]}))
 
 
 if __name__ == "__main__":
