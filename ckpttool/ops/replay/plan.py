@@ -70,6 +70,13 @@ ITEMSIZE = {"float64": 8, "float32": 4, "bfloat16": 2, "float16": 2}
 _FP32_MASTER_TYPES = ("full_fp32_adamw", "master_fp32_adamw", "cpu_offload_adamw")
 # torch.optim.AdamW switches that change the arithmetic; replay-step replays the default.
 _UNSUPPORTED_SWITCHES = ("amsgrad", "maximize")
+#: The param-group keys of torch.optim.Adam/AdamW (torch 2.13): a switch set beside them is no AdamW's.
+_ADAMW_GROUP_KEYS = frozenset(
+    "lr betas eps weight_decay amsgrad decoupled_weight_decay foreach maximize capturable differentiable fused".split()
+)
+#: Switches a trainer tags its groups with that the optimizer's step never reads: Megatron-core's
+#: (``megatron/core/optimizer/__init__.py``: ``is_expert_parallel``, ``default_config``, ``is_decoupled_lr``).
+_GROUP_TAGS = frozenset(("is_expert_parallel", "default_config", "is_decoupled_lr"))
 
 
 @dataclass(frozen=True)
@@ -202,6 +209,10 @@ def _betas_dtype(betas: Sequence[Any]) -> str | None:
     return None
 
 
+#: Optimizers whose groups and state are Adam's or AdamW's (SparseAdam, NAdam and RAdam are told by their groups
+#: below), so that only another optimizer's state beside Adam-like keys (Adamax's ``exp_inf``) is refused by name.
+_ADAM_LIKE = tuple("torch.optim." + n for n in ("AdamW", "Adam", "SparseAdam", "NAdam", "RAdam"))
+
 _ANY_OPTIMIZER = (
     "replay-step replays AdamW steps only; `ckpttool validate` and `ckpttool inspect` read checkpoints of any optimizer"
 )
@@ -221,6 +232,13 @@ def _refuse_non_adam(group: Any, fqn: str, missing: list[str], state_fields: Ite
             hint=_ANY_OPTIMIZER,
         )
     who = saved_by(fields, group.keys, group.values)
+    if "betas" not in missing and who not in _ADAM_LIKE and who != "unknown" and not who.startswith("ambiguous"):
+        raise HyperparameterError(  # Adamax: betas, eps and weight_decay as Adam's, exp_inf for exp_avg_sq
+            f"param group of {fqn} (keys {keys}) and its state {', '.join(fields)}: it was saved by {who}, "
+            "not Adam/AdamW",
+            fqn=fqn,
+            hint=_hint_for(who),
+        )
     if "betas" not in missing and who != "torch.optim.SparseAdam":
         return
     state = f"state {', '.join(fields)}" if fields else "no state"
@@ -251,6 +269,21 @@ def _hint_for(who: str) -> str:
     )
 
 
+def _refuse_unknown_switches(values: Mapping[str, Any], fqn: str) -> None:
+    """Refuse (E514) a group with a switch set that AdamW has not (``nesterov=True``, ``centered=True``, a custom
+    AdamW's own ``use_kahan=True``): torch.optim.AdamW ignores it, so its step is no proof of the step the run
+    took (another optimizer's, or a subclass's that reads it). Trainers' group tags (:data:`_GROUP_TAGS`) pass."""
+    unknown = sorted(k for k, v in values.items() if v is True and k not in _ADAMW_GROUP_KEYS | _GROUP_TAGS)
+    if unknown:
+        raise HyperparameterError(
+            f"param group of {fqn} was saved with {', '.join(f'{k}=True' for k in unknown)}, "
+            "which torch.optim.AdamW has not; replay-step replays plain AdamW and cannot tell what the run's "
+            "optimizer did with it",
+            fqn=fqn,
+            hint="replay only parameters of groups without it (`filter_glob`); `ckpttool inspect` shows the group",
+        )
+
+
 def _hyper(
     group: Any, fqn: str, group_id: int | str, lr_dtype: str | None = None, state_fields: Iterable[str] = ()
 ) -> Hyper:
@@ -278,6 +311,7 @@ def _hyper(
                 fqn=fqn,
                 hint=f"replay only parameters of groups without {switch} (`filter_glob`)",
             )
+    _refuse_unknown_switches(values, fqn)
     other = other_adam_family(values)
     if other is not None:
         raise HyperparameterError(
@@ -814,6 +848,17 @@ def _record_base(cat: Catalog, record: LayoutRecord | None, optimizer: str) -> t
     return record_type, base_cfg, fused
 
 
+def _fields_hint(cat: Catalog, fqn: str, fields: set[str]) -> str:
+    """The hint of state fields no AdamW variant saves (Muon's ``momentum_buffer``, amsgrad's ``max_exp_avg_sq``):
+    no declared type replays them, so it names the optimizer where the state tells it; else the declared type."""
+    if fields <= set(STATE_FIELDS):
+        return "run `ckpttool validate --strict` on the checkpoint; pass `optimizer` to declare the type"
+    group = cat.group_of(fqn)
+    who = saved_by(sorted(fields), *((group.keys, group.values) if group is not None else ()))
+    said = "" if who == "unknown" else f" (saved by {who.removeprefix('ambiguous: ')})"
+    return f"state no AdamW variant saves{said}: {_ANY_OPTIMIZER}"
+
+
 def _infer_type(
     cat: Catalog, selected: list[str], offload_patterns: Sequence[str] | None, object_steps: Mapping[str, float]
 ) -> tuple[str, str, dict[str, str]]:
@@ -832,7 +877,7 @@ def _infer_type(
                 raise (StateFieldsError if fields_wrong else StateDtypeError)(
                     f"optimizer state of {f}: {e.message}",
                     fqn=f,
-                    hint="run `ckpttool validate --strict` on the checkpoint; pass `optimizer` to declare the type",
+                    hint=_fields_hint(cat, f, keys),
                 ) from e
     kinds = sorted(set(inferred.values()))
     per_param_type: dict[str, str] = {}

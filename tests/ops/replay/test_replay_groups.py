@@ -1,5 +1,5 @@
-"""``ckpttool replay-step`` on param groups saved with torch.optim.AdamW's switches (``differentiable``,
-``capturable``), against torch's own steps."""
+"""``ckpttool replay-step`` on param groups saved with switches: torch.optim.AdamW's own (``differentiable``), ones
+AdamW has not (``nesterov``), and another Adam-like optimizer's group (Adamax), against torch's own steps."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-from tests.ops.replay.test_replay import _adamw_linear_with, replay_collect, run
+from tests.ops.replay.test_replay import _adamw_linear_with, assert_no_traceback, replay_collect, run
 
 
 def _manual_run(tmp_path: Path, **flags: Any) -> tuple[Path, Path, Any, Any]:
@@ -57,6 +57,46 @@ def test_a_differentiable_groups_replay_is_torchs_own_next_step(tmp_path: Path) 
     assert run(ck, "--device", "cpu", "--grads", grads, "--steps", "2").exit_code == 0
 
 
+def test_a_switch_adamw_has_not_is_refused_by_name(tmp_path: Path) -> None:
+    """An Adam-family group saved with nesterov=True (a subclass's or another optimizer's switch over AdamW's keys and
+    state) replayed as plain AdamW and said OK (exit 0): torch.optim.AdamW ignores the key, so its step is no proof of
+    the step the run took. It is E514 naming the switch; a group tag Megatron sets (is_expert_parallel=True) and a
+    switch set False still replay."""
+
+    def nesterov(osd: dict[str, Any]) -> None:
+        osd["param_groups"][0]["nesterov"] = True
+
+    ck, grads, _, _ = _adamw_linear_with(tmp_path / "nesterov", nesterov)
+    res = run(ck, "--device", "cpu", "--grads", grads)
+    assert res.exit_code == 2, res.output
+    assert res.stderr.startswith(
+        "error: [E514] param group of weight was saved with nesterov=True, which torch.optim.AdamW has not; "
+    ), res.stderr
+    assert_no_traceback(res)
+
+    def tagged(osd: dict[str, Any]) -> None:
+        osd["param_groups"][0].update(is_expert_parallel=True, default_config=True, nesterov=False)
+
+    ck, grads, _, _ = _adamw_linear_with(tmp_path / "tagged", tagged)
+    res = run(ck, "--device", "cpu", "--grads", grads, "--reference", "torch")
+    assert res.exit_code == 0, res.output
+
+
+def test_an_adamax_checkpoint_is_refused_by_its_name(tmp_path: Path) -> None:
+    """torch.optim.Adamax saves betas, eps and weight_decay as Adam does and exp_inf for exp_avg_sq: replay-step said
+    'E510 ... unknown optimizer state field(s) exp_inf' with a hint to pass --optimizer-type, which no type fixes. It
+    names the optimizer, as it does SGD's or RMSprop's (E514, exit 2)."""
+    ck, grads, _, _ = _adamw_linear_with(tmp_path, lambda osd: None, lambda p: torch.optim.Adamax(p, lr=1e-2))
+    res = run(ck, "--device", "cpu", "--grads", grads, "--json")
+    assert res.exit_code == 2, res.output
+    assert res.stderr.startswith("error: [E514] param group of weight (keys betas, ") and (
+        "and its state exp_avg, exp_inf, step: it was saved by torch.optim.Adamax, not Adam/AdamW" in res.stderr
+    ), res.stderr
+    assert "--optimizer-type" not in res.stderr and "`ckpttool validate` checks the torch.optim.Adamax" in res.stderr
+    assert not res.stdout.strip() or json.loads(res.stdout)["ok"] is False
+    assert_no_traceback(res)
+
+
 def test_a_capturable_group_replayed_on_the_cpu_says_it_is_not_the_runs_arithmetic(tmp_path: Path) -> None:
     """A group saved with capturable=True (a CUDA-graph run's AdamW; torch refuses it for CPU tensors) replayed on the
     CPU with --reference torch said 'torch.optim.AdamW with the saved flags (bitwise ...)' and OK, with no word that
@@ -78,3 +118,32 @@ def test_a_capturable_group_replayed_on_the_cpu_says_it_is_not_the_runs_arithmet
     ck, grads, _, _ = _adamw_linear_with(tmp_path / "plain", lambda osd: None)
     notes = json.loads(run(ck, "--device", "cpu", "--grads", grads, "--json").stdout)["notes"]
     assert not any("capturable" in n for n in notes), notes
+
+
+def test_state_no_adamw_variant_saves_is_not_sent_to_a_declared_type(tmp_path: Path) -> None:
+    """Muon-like state (momentum_buffer alone) under an Adam-keyed group was E510 with the hint 'pass --optimizer-type
+    to declare the type', which no type fixes: every type replays AdamW's fields. The hint names the optimizers that
+    save such state and the commands that read it; a missing field keeps the declared-type hint."""
+
+    def muon_like(osd: dict[str, Any]) -> None:
+        for st in osd["state"].values():
+            st["momentum_buffer"] = st.pop("exp_avg")
+            del st["exp_avg_sq"], st["step"]
+
+    ck, grads, _, _ = _adamw_linear_with(tmp_path / "muon", muon_like)
+    res = run(ck, "--device", "cpu", "--grads", grads)
+    assert res.exit_code == 2, res.output
+    assert res.stderr.startswith(
+        "error: [E510] optimizer state of weight: unknown optimizer state field(s) momentum_buffer; "
+    ), res.stderr
+    assert "hint: state no AdamW variant saves (saved by torch.optim.SGD or torch.optim.Muon): " in res.stderr
+    assert "--optimizer-type" not in res.stderr
+    assert_no_traceback(res)
+
+    def lost(osd: dict[str, Any]) -> None:
+        for st in osd["state"].values():
+            del st["exp_avg_sq"]
+
+    ck, grads, _, _ = _adamw_linear_with(tmp_path / "lost", lost)
+    res = run(ck, "--device", "cpu", "--grads", grads)
+    assert res.exit_code == 2 and "pass --optimizer-type to declare the type" in res.stderr, res.stderr
