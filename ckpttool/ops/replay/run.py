@@ -1198,11 +1198,17 @@ def for_loop_scalar_dtypes(group: dict[str, Any], param: Any) -> tuple[Any, Any]
     """The dtypes of a group's tensor ``lr`` and tensor ``betas`` (each else ``None``) where ``torch.optim.AdamW``
     takes its for-loop step (not fused, not foreach, not capturable: ``_single_tensor_adam`` forms the decay factor
     in the ``lr``'s dtype, the bias corrections in the betas', the step size in that of ``lr / (1 - beta1**t)``),
-    else ``(None, None)``."""
+    else ``(None, None)``. A ``differentiable`` group's step (always the for-loop one) forms the bias corrections and
+    the step size as tensors of the step's dtype (FP32; beside FP32 betas: BF16 betas are promoted), so its second
+    dtype is that one, float betas or not."""
     import torch
 
     if group.get("fused") or group.get("capturable"):
         return None, None
+    if group.get("differentiable"):
+        lr, beta1 = group.get("lr"), group.get("betas", (None,))[0]
+        betas = beta1.dtype if isinstance(beta1, torch.Tensor) else torch.float32
+        return (lr.dtype if isinstance(lr, torch.Tensor) else None), torch.promote_types(betas, torch.float32)
     foreach = group.get("foreach")
     if not (foreach is False or (foreach is None and param.device.type == "cpu")):
         return None, None

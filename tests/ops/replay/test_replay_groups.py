@@ -7,6 +7,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+import pytest
 import torch
 
 from tests.ops.replay.test_replay import _adamw_linear_with, assert_no_traceback, replay_collect, run
@@ -24,7 +25,7 @@ def _manual_run(tmp_path: Path, **flags: Any) -> tuple[Path, Path, Any, Any]:
 
     torch.manual_seed(0)
     model = torch.nn.Linear(8, 4).requires_grad_(False)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1, **flags)
+    opt = torch.optim.AdamW(model.parameters(), **{"lr": 1e-2, "weight_decay": 0.1, **flags})
     gen = torch.Generator().manual_seed(1)
     for _ in range(3):
         for p in model.parameters():
@@ -55,6 +56,35 @@ def test_a_differentiable_groups_replay_is_torchs_own_next_step(tmp_path: Path) 
         assert torch.equal(got[n]["exp_avg_sq"], opt.state[p]["exp_avg_sq"]), n
     assert all(r.torch_unequal == {"param": 0, "exp_avg": 0, "exp_avg_sq": 0, "step": 0} for r in res.params)
     assert run(ck, "--device", "cpu", "--grads", grads, "--steps", "2").exit_code == 0
+
+
+@pytest.mark.parametrize(
+    "scalars",
+    [
+        {"lr": torch.tensor(1e-2, dtype=torch.bfloat16)},
+        {"lr": torch.tensor(1e-2, dtype=torch.float16)},
+        {"betas": (torch.tensor(0.9, dtype=torch.bfloat16), torch.tensor(0.95, dtype=torch.bfloat16))},
+    ],
+    ids=["bf16-lr", "fp16-lr", "bf16-betas"],
+)
+def test_a_differentiable_groups_half_precision_scalars_match_the_reference(tmp_path: Path, scalars: dict) -> None:
+    """differentiable=True beside a BF16/FP16 tensor lr or BF16 tensor betas: torch forms the bias corrections and the
+    step size as FP32 tensors (the step's dtype), not in the lr's or betas' dtype as its plain for-loop step does. The
+    replay (keeping the switch) was torch's own step, but the formula reference rounded the step size as the for-loop
+    step does and failed a sound state: 'param: 28 element(s) beyond tolerance (max abs 1.75e-05, max rel 0.0574)'.
+    One step (native), three steps and the torch reference pass; the replay is the run's next step, bitwise."""
+    from safetensors.torch import load_file
+
+    ck, grads, model, opt = _manual_run(tmp_path, differentiable=True, **scalars)
+    for extra in ([], ["--steps", "3"], ["--reference", "torch"]):
+        res = run(ck, "--device", "cpu", "--grads", grads, *extra)
+        assert res.exit_code == 0, (extra, res.output)
+    g = load_file(str(grads))
+    for n, p in model.named_parameters():
+        p.grad = g[n].clone()
+    opt.step()
+    _, got = replay_collect(ck, grads=str(grads))
+    assert all(torch.equal(got[n]["param"], p.detach()) for n, p in model.named_parameters())
 
 
 def test_a_switch_adamw_has_not_is_refused_by_name(tmp_path: Path) -> None:
