@@ -791,6 +791,15 @@ def _select(
             )
         from ckpttool.model.beside import model_folder_hint
 
+        ungrouped = [f for f in members.stepped_orphans if f not in members.grouped and cat.model_key(f) in cat.model]
+        if ungrouped:  # the state names model tensors; the groups do not list them
+            raise HyperparameterError(
+                f"{cat.path}: none of the {len(members.grouped)} parameter(s) of the param groups is a model tensor "
+                f"of the checkpoint, while {len(ungrouped)} model tensor(s) with optimizer state are in "
+                f"no param group (e.g. {ungrouped[0]}; validate: P004), so their hyperparameters are "
+                "unknown; nothing to replay",
+                hint="save each param group's params list with the state (get_optimizer_state_dict names them)",
+            )
         raise HyperparameterError(
             f"{cat.path}: none of the {len(members.grouped)} parameter(s) of the param groups is a model tensor "
             "of the checkpoint; nothing to replay",

@@ -177,3 +177,32 @@ def test_state_no_adamw_variant_saves_is_not_sent_to_a_declared_type(tmp_path: P
     ck, grads, _, _ = _adamw_linear_with(tmp_path / "lost", lost)
     res = run(ck, "--device", "cpu", "--grads", grads)
     assert res.exit_code == 2 and "pass --optimizer-type to declare the type" in res.stderr, res.stderr
+
+
+def test_param_groups_that_do_not_list_the_stepped_parameters_are_named_as_such(tmp_path: Path) -> None:
+    """Param groups whose params lists name none of the parameters the state holds (emptied, or renamed by a bad
+    conversion) while the state keeps the model's fqns: E514 said 'the optimizer state does not name this
+    checkpoint's model tensors', which it does. It says the groups list none of them, names one (P004) and keeps E514
+    (exit 2); state that names no model tensor keeps the old message."""
+    for name, listed in (("empty", []), ("renamed", ["module.weight", "module.bias"])):
+
+        def regroup(osd: dict[str, Any], listed: list[str] = listed) -> None:
+            osd["param_groups"][0]["params"] = listed
+
+        ck, grads, _, _ = _adamw_linear_with(tmp_path / name, regroup)
+        res = run(ck, "--device", "cpu", "--grads", grads)
+        assert res.exit_code == 2, res.output
+        assert (
+            f"none of the {len(listed)} parameter(s) of the param groups is a model tensor of the checkpoint, while 2 "
+            "model tensor(s) with optimizer state are in no param group (e.g. weight; validate: P004)"
+        ) in res.stderr, res.stderr
+        assert "does not name this checkpoint's model tensors" not in res.stderr
+        assert_no_traceback(res)
+
+    def rename_all(osd: dict[str, Any]) -> None:
+        osd["state"] = {f"module.{k}": v for k, v in osd["state"].items()}
+        osd["param_groups"][0]["params"] = [f"module.{k}" for k in osd["param_groups"][0]["params"]]
+
+    ck, grads, _, _ = _adamw_linear_with(tmp_path / "all", rename_all)
+    res = run(ck, "--device", "cpu", "--grads", grads)
+    assert res.exit_code == 2 and "does not name this checkpoint's model tensors" in res.stderr, res.stderr
