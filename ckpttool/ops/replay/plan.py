@@ -75,8 +75,12 @@ _ADAMW_GROUP_KEYS = frozenset(
     "lr betas eps weight_decay amsgrad decoupled_weight_decay foreach maximize capturable differentiable fused".split()
 )
 #: Switches a trainer tags its groups with that the optimizer's step never reads: Megatron-core's
-#: (``megatron/core/optimizer/__init__.py``: ``is_expert_parallel``, ``default_config``, ``is_decoupled_lr``).
-_GROUP_TAGS = frozenset(("is_expert_parallel", "default_config", "is_decoupled_lr"))
+#: (``megatron/core/optimizer/__init__.py``: ``is_expert_parallel``, ``default_config``, ``is_decoupled_lr``),
+#: DeepSpeed's and InternLM's MoE grouping (``moe``, ``norm``, ``gate``); and apex's / DeepSpeed's ``FusedAdam``
+#: ``bias_correction=True``, the bias correction AdamW applies.
+_GROUP_TAGS = frozenset(
+    ("is_expert_parallel", "default_config", "is_decoupled_lr", "moe", "norm", "gate", "bias_correction")
+)
 
 
 @dataclass(frozen=True)
@@ -273,10 +277,11 @@ def _refuse_unknown_switches(values: Mapping[str, Any], fqn: str) -> None:
     """Refuse (E514) a group with a switch set that AdamW has not (``nesterov=True``, ``centered=True``, a custom
     AdamW's own ``use_kahan=True``): torch.optim.AdamW ignores it, so its step is no proof of the step the run
     took (another optimizer's, or a subclass's that reads it). Trainers' group tags (:data:`_GROUP_TAGS`) pass."""
-    unknown = sorted(k for k, v in values.items() if v is True and k not in _ADAMW_GROUP_KEYS | _GROUP_TAGS)
+    unknown = [f"{k}=True" for k, v in sorted(values.items()) if v is True and k not in _ADAMW_GROUP_KEYS | _GROUP_TAGS]
+    unknown += ["bias_correction=False"] if values.get("bias_correction") is False else []  # FusedAdam without it
     if unknown:
         raise HyperparameterError(
-            f"param group of {fqn} was saved with {', '.join(f'{k}=True' for k in unknown)}, "
+            f"param group of {fqn} was saved with {', '.join(unknown)}, "
             "which torch.optim.AdamW has not; replay-step replays plain AdamW and cannot tell what the run's "
             "optimizer did with it",
             fqn=fqn,

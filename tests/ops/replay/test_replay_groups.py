@@ -90,8 +90,8 @@ def test_a_differentiable_groups_half_precision_scalars_match_the_reference(tmp_
 def test_a_switch_adamw_has_not_is_refused_by_name(tmp_path: Path) -> None:
     """An Adam-family group saved with nesterov=True (a subclass's or another optimizer's switch over AdamW's keys and
     state) replayed as plain AdamW and said OK (exit 0): torch.optim.AdamW ignores the key, so its step is no proof of
-    the step the run took. It is E514 naming the switch; a group tag Megatron sets (is_expert_parallel=True) and a
-    switch set False still replay."""
+    the step the run took. It is E514 naming the switch; group tags Megatron and DeepSpeed set (is_expert_parallel=True,
+    moe=True) and a switch set False still replay."""
 
     def nesterov(osd: dict[str, Any]) -> None:
         osd["param_groups"][0]["nesterov"] = True
@@ -104,8 +104,17 @@ def test_a_switch_adamw_has_not_is_refused_by_name(tmp_path: Path) -> None:
     ), res.stderr
     assert_no_traceback(res)
 
+    def uncorrected(osd: dict[str, Any]) -> None:  # apex's FusedAdam(bias_correction=False)
+        osd["param_groups"][0]["bias_correction"] = False
+
+    ck, grads, _, _ = _adamw_linear_with(tmp_path / "uncorrected", uncorrected)
+    res = run(ck, "--device", "cpu", "--grads", grads)
+    assert res.exit_code == 2 and "was saved with bias_correction=False, which" in res.stderr, res.stderr
+
     def tagged(osd: dict[str, Any]) -> None:
-        osd["param_groups"][0].update(is_expert_parallel=True, default_config=True, nesterov=False)
+        osd["param_groups"][0].update(
+            is_expert_parallel=True, default_config=True, nesterov=False, moe=True, bias_correction=True
+        )
 
     ck, grads, _, _ = _adamw_linear_with(tmp_path / "tagged", tagged)
     res = run(ck, "--device", "cpu", "--grads", grads, "--reference", "torch")
