@@ -649,6 +649,8 @@ def _membership(
         for f in params
         if wanted is None or wanted(f)  # another optimizer's groups beside AdamW's (Muon's) are not asked
     }
+    for f in hypers:
+        _refuse_half_weight_decay(cat, group_of[f], f)
     _check_listed_once(cat, hypers, wanted)
     notes.extend(_adam_or_adamw(group_of, hypers))
     return _Membership(grouped, params, group_of, hypers, fused, stepped)
@@ -689,6 +691,21 @@ def _lr_dtype(cat: Catalog, group: Any) -> str | None:
     """The dtype of the group's ``lr`` where it is saved as a one-element tensor (``Catalog.group_tensors``)."""
     entry = cat.group_tensors.get(group.keys.get("lr", ""))
     return str(entry.dtype) if entry is not None else None
+
+
+def _refuse_half_weight_decay(cat: Catalog, group: Any, fqn: str) -> None:
+    """Refuse (E514) a ``weight_decay`` saved as a BF16/FP16 tensor (made under a half-precision default dtype) in a
+    group not stepped fused: torch forms the decay factor ``1 - lr * weight_decay`` in that dtype (8 or 11 bits:
+    1 - 0.01 * 0.1 is 1.0 in BF16, no decay at all), which the replay, taking the number, does not."""
+    entry = cat.group_tensors.get(group.keys.get("weight_decay", ""))
+    dtype = str(entry.dtype).removeprefix("torch.") if entry is not None else ""
+    if dtype in ("bfloat16", "float16") and group.values.get("fused") is not True:
+        raise HyperparameterError(
+            f"param group of {fqn}: weight_decay is saved as a {dtype} tensor; torch forms the decay factor "
+            f"1 - lr * weight_decay in {dtype}, and replay-step replays it from the number, which is not the run's step",
+            fqn=fqn,
+            hint="replay only parameters of other groups (`filter_glob`); `ckpttool inspect` shows the group",
+        )
 
 
 def split_qkv(parts: tuple[str, ...]) -> bool:

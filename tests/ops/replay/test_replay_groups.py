@@ -215,3 +215,34 @@ def test_param_groups_that_do_not_list_the_stepped_parameters_are_named_as_such(
     ck, grads, _, _ = _adamw_linear_with(tmp_path / "all", rename_all)
     res = run(ck, "--device", "cpu", "--grads", grads)
     assert res.exit_code == 2 and "does not name this checkpoint's model tensors" in res.stderr, res.stderr
+
+
+@pytest.mark.parametrize("flags", [{}, {"foreach": True}], ids=["for-loop", "foreach"])
+def test_a_half_precision_tensor_weight_decay_is_refused_where_torch_rounds_the_decay(
+    tmp_path: Path, flags: dict[str, bool]
+) -> None:
+    """AdamW(weight_decay=torch.tensor(0.1, dtype=torch.bfloat16)): torch forms 1 - lr * weight_decay in BF16
+    (1 - 0.01 * 0.1 is 1.0: no decay), so its next step is not the replay's, which takes the number. replay-step said OK and, with
+    --reference torch, 'bitwise' (its torch.optim.AdamW built from the number too) while the run's own next step
+    differs in all 36 elements. It is refused (E514, exit 2) naming the dtype."""
+    ck, grads, _, _ = _manual_run(tmp_path, weight_decay=torch.tensor(0.1, dtype=torch.bfloat16), **flags)
+    res = run(ck, "--device", "cpu", "--grads", grads, "--reference", "torch")
+    assert res.exit_code == 2, res.output
+    assert res.stderr.startswith(
+        "error: [E514] param group of weight: weight_decay is saved as a bfloat16 tensor; torch forms the decay factor"
+    ), res.stderr
+    assert_no_traceback(res)
+
+
+def test_a_half_precision_tensor_weight_decay_of_a_fused_group_replays_bitwise(tmp_path: Path) -> None:
+    """The fused kernel reads weight_decay as a double: a BF16 tensor weight_decay replays as torch's own fused step."""
+    from safetensors.torch import load_file
+
+    ck, grads, model, opt = _manual_run(tmp_path, weight_decay=torch.tensor(0.1, dtype=torch.bfloat16), fused=True)
+    g = load_file(str(grads))
+    for n, p in model.named_parameters():
+        p.grad = g[n].clone()
+    opt.step()
+    res, got = replay_collect(ck, grads=str(grads), reference="torch")
+    assert res.ok, [(r.fqn, r.problems) for r in res.params]
+    assert all(torch.equal(got[n]["param"], p.detach()) for n, p in model.named_parameters())
