@@ -70,6 +70,17 @@ ITEMSIZE = {"float64": 8, "float32": 4, "bfloat16": 2, "float16": 2}
 _FP32_MASTER_TYPES = ("full_fp32_adamw", "master_fp32_adamw", "cpu_offload_adamw")
 # torch.optim.AdamW switches that change the arithmetic; replay-step replays the default.
 _UNSUPPORTED_SWITCHES = ("amsgrad", "maximize")
+#: The param-group keys of torch.optim.Adam/AdamW (torch 2.13): a switch set beside them is no AdamW's.
+_ADAMW_GROUP_KEYS = frozenset(
+    "lr betas eps weight_decay amsgrad decoupled_weight_decay foreach maximize capturable differentiable fused".split()
+)
+#: Switches a trainer tags its groups with that the optimizer's step never reads: Megatron-core's
+#: (``megatron/core/optimizer/__init__.py``: ``is_expert_parallel``, ``default_config``, ``is_decoupled_lr``),
+#: DeepSpeed's and InternLM's MoE grouping (``moe``, ``norm``, ``gate``); and apex's / DeepSpeed's ``FusedAdam``
+#: ``bias_correction=True``, the bias correction AdamW applies.
+_GROUP_TAGS = frozenset(
+    ("is_expert_parallel", "default_config", "is_decoupled_lr", "moe", "norm", "gate", "bias_correction")
+)
 
 
 @dataclass(frozen=True)
@@ -202,6 +213,10 @@ def _betas_dtype(betas: Sequence[Any]) -> str | None:
     return None
 
 
+#: Optimizers whose groups and state are Adam's or AdamW's (SparseAdam, NAdam and RAdam are told by their groups
+#: below), so that only another optimizer's state beside Adam-like keys (Adamax's ``exp_inf``) is refused by name.
+_ADAM_LIKE = tuple("torch.optim." + n for n in ("AdamW", "Adam", "SparseAdam", "NAdam", "RAdam"))
+
 _ANY_OPTIMIZER = (
     "replay-step replays AdamW steps only; `ckpttool validate` and `ckpttool inspect` read checkpoints of any optimizer"
 )
@@ -221,6 +236,13 @@ def _refuse_non_adam(group: Any, fqn: str, missing: list[str], state_fields: Ite
             hint=_ANY_OPTIMIZER,
         )
     who = saved_by(fields, group.keys, group.values)
+    if "betas" not in missing and who not in _ADAM_LIKE and who != "unknown" and not who.startswith("ambiguous"):
+        raise HyperparameterError(  # Adamax: betas, eps and weight_decay as Adam's, exp_inf for exp_avg_sq
+            f"param group of {fqn} (keys {keys}) and its state {', '.join(fields)}: it was saved by {who}, "
+            "not Adam/AdamW",
+            fqn=fqn,
+            hint=_hint_for(who),
+        )
     if "betas" not in missing and who != "torch.optim.SparseAdam":
         return
     state = f"state {', '.join(fields)}" if fields else "no state"
@@ -251,6 +273,22 @@ def _hint_for(who: str) -> str:
     )
 
 
+def _refuse_unknown_switches(values: Mapping[str, Any], fqn: str) -> None:
+    """Refuse (E514) a group with a switch set that AdamW has not (``nesterov=True``, ``centered=True``, a custom
+    AdamW's own ``use_kahan=True``): torch.optim.AdamW ignores it, so its step is no proof of the step the run
+    took (another optimizer's, or a subclass's that reads it). Trainers' group tags (:data:`_GROUP_TAGS`) pass."""
+    unknown = [f"{k}=True" for k, v in sorted(values.items()) if v is True and k not in _ADAMW_GROUP_KEYS | _GROUP_TAGS]
+    unknown += ["bias_correction=False"] if values.get("bias_correction") is False else []  # FusedAdam without it
+    if unknown:
+        raise HyperparameterError(
+            f"param group of {fqn} was saved with {', '.join(unknown)}, "
+            "which torch.optim.AdamW has not; replay-step replays plain AdamW and cannot tell what the run's "
+            "optimizer did with it",
+            fqn=fqn,
+            hint="replay only parameters of groups without it (`filter_glob`); `ckpttool inspect` shows the group",
+        )
+
+
 def _hyper(
     group: Any, fqn: str, group_id: int | str, lr_dtype: str | None = None, state_fields: Iterable[str] = ()
 ) -> Hyper:
@@ -278,6 +316,7 @@ def _hyper(
                 fqn=fqn,
                 hint=f"replay only parameters of groups without {switch} (`filter_glob`)",
             )
+    _refuse_unknown_switches(values, fqn)
     other = other_adam_family(values)
     if other is not None:
         raise HyperparameterError(
@@ -610,6 +649,8 @@ def _membership(
         for f in params
         if wanted is None or wanted(f)  # another optimizer's groups beside AdamW's (Muon's) are not asked
     }
+    for f in hypers:
+        _refuse_half_weight_decay(cat, group_of[f], f)
     _check_listed_once(cat, hypers, wanted)
     notes.extend(_adam_or_adamw(group_of, hypers))
     return _Membership(grouped, params, group_of, hypers, fused, stepped)
@@ -650,6 +691,21 @@ def _lr_dtype(cat: Catalog, group: Any) -> str | None:
     """The dtype of the group's ``lr`` where it is saved as a one-element tensor (``Catalog.group_tensors``)."""
     entry = cat.group_tensors.get(group.keys.get("lr", ""))
     return str(entry.dtype) if entry is not None else None
+
+
+def _refuse_half_weight_decay(cat: Catalog, group: Any, fqn: str) -> None:
+    """Refuse (E514) a ``weight_decay`` saved as a BF16/FP16 tensor (made under a half-precision default dtype) in a
+    group not stepped fused: torch forms the decay factor ``1 - lr * weight_decay`` in that dtype (8 or 11 bits:
+    1 - 0.01 * 0.1 is 1.0 in BF16, no decay at all), which the replay, taking the number, does not."""
+    entry = cat.group_tensors.get(group.keys.get("weight_decay", ""))
+    dtype = str(entry.dtype).removeprefix("torch.") if entry is not None else ""
+    if dtype in ("bfloat16", "float16") and group.values.get("fused") is not True:
+        raise HyperparameterError(
+            f"param group of {fqn}: weight_decay is saved as a {dtype} tensor; torch forms the decay factor "
+            f"1 - lr * weight_decay in {dtype}, and replay-step replays it from the number, which is not the run's step",
+            fqn=fqn,
+            hint="replay only parameters of other groups (`filter_glob`); `ckpttool inspect` shows the group",
+        )
 
 
 def split_qkv(parts: tuple[str, ...]) -> bool:
@@ -757,6 +813,15 @@ def _select(
             )
         from ckpttool.model.beside import model_folder_hint
 
+        ungrouped = [f for f in members.stepped_orphans if f not in members.grouped and cat.model_key(f) in cat.model]
+        if ungrouped:  # the state names model tensors; the groups do not list them
+            raise HyperparameterError(
+                f"{cat.path}: none of the {len(members.grouped)} parameter(s) of the param groups is a model tensor "
+                f"of the checkpoint, while {len(ungrouped)} model tensor(s) with optimizer state are in "
+                f"no param group (e.g. {ungrouped[0]}; validate: P004), so their hyperparameters are "
+                "unknown; nothing to replay",
+                hint="save each param group's params list with the state (get_optimizer_state_dict names them)",
+            )
         raise HyperparameterError(
             f"{cat.path}: none of the {len(members.grouped)} parameter(s) of the param groups is a model tensor "
             "of the checkpoint; nothing to replay",
@@ -814,6 +879,17 @@ def _record_base(cat: Catalog, record: LayoutRecord | None, optimizer: str) -> t
     return record_type, base_cfg, fused
 
 
+def _fields_hint(cat: Catalog, fqn: str, fields: set[str]) -> str:
+    """The hint of state fields no AdamW variant saves (Muon's ``momentum_buffer``, amsgrad's ``max_exp_avg_sq``):
+    no declared type replays them, so it names the optimizer where the state tells it; else the declared type."""
+    if fields <= set(STATE_FIELDS):
+        return "run `ckpttool validate --strict` on the checkpoint; pass `optimizer` to declare the type"
+    group = cat.group_of(fqn)
+    who = saved_by(sorted(fields), *((group.keys, group.values) if group is not None else ()))
+    said = "" if who == "unknown" else f" (saved by {who.removeprefix('ambiguous: ')})"
+    return f"state no AdamW variant saves{said}: {_ANY_OPTIMIZER}"
+
+
 def _infer_type(
     cat: Catalog, selected: list[str], offload_patterns: Sequence[str] | None, object_steps: Mapping[str, float]
 ) -> tuple[str, str, dict[str, str]]:
@@ -832,7 +908,7 @@ def _infer_type(
                 raise (StateFieldsError if fields_wrong else StateDtypeError)(
                     f"optimizer state of {f}: {e.message}",
                     fqn=f,
-                    hint="run `ckpttool validate --strict` on the checkpoint; pass `optimizer` to declare the type",
+                    hint=_fields_hint(cat, f, keys),
                 ) from e
     kinds = sorted(set(inferred.values()))
     per_param_type: dict[str, str] = {}

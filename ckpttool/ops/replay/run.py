@@ -77,6 +77,9 @@ _REF_DTYPES = ("float64", "float32")
 #: ``--reference``: the formula reference alone, or also ``torch.optim.AdamW`` with the saved flags (bitwise).
 REFERENCES = ("formula", "torch")
 #: Saved param-group switches of ``torch.optim.AdamW`` that select its implementation or arithmetic.
+#: The saved switches that choose torch.optim.AdamW's arithmetic (``differentiable``: the capturable form's bias
+#: corrections and step size as tensors), kept in the replay's own group.
+IMPLEMENTATION_FLAGS = ("fused", "foreach", "capturable", "differentiable")
 TORCH_FLAGS = ("fused", "foreach", "capturable", "maximize", "amsgrad")
 
 
@@ -403,7 +406,7 @@ class ReplayOptions:
         reference_dtype: ``float64`` (default) or ``float32``.
         reference: ``formula`` (the independent reference alone) or ``torch``: besides it,
             ``torch.optim.AdamW`` built with the flags saved in each parameter's group (``fused``,
-            ``foreach``, ``capturable``, ``maximize``, ``amsgrad``) steps a copy of the saved
+            ``foreach``, ``capturable``, ``differentiable``, ``maximize``, ``amsgrad``) steps a copy of the saved
             state, and the replay must equal it bitwise (``adamw``-type parameters; the copy
             doubles the batch's memory).
         head_dim: attention head dim, to assemble fused ``wqkv`` parameters stored as
@@ -637,6 +640,21 @@ def _prepare(ckpt: Checkpoint, opts: ReplayOptions) -> _Prepared:
     if layout.version == 1 and any(layout.is_permuted(p.key) for p in plan.params):
         notes.append("legacy (version 1) EP tensors are replayed in true expert order (block permutation undone)")
     return _Prepared(layout, plan, notes, grad_file, ambiguous, len(synth))
+
+
+def _capturable_note(params: Sequence[ParamPlan], dev: Any) -> list[str]:
+    """Where parameters saved with ``capturable=True`` (an accelerator run's) replay on the CPU, which torch refuses
+    it on: the replay and ``--reference torch`` take the non-capturable arithmetic, not the run's."""
+    if dev.type != "cpu":
+        return []
+    saved = [p.fqn for p in params if p.optimizer_type == "adamw" and dict(p.hyper.extra).get("capturable") is True]
+    if not saved:
+        return []
+    return [
+        f"{len(saved)} parameter(s) saved with capturable=True (an accelerator run's step), e.g. {saved[0]}: torch "
+        "steps it on an accelerator only, so the CPU replay and `reference` torch take the non-capturable step, which "
+        "may differ from the run's own in the last bit; replay on the run's device (`device` cuda) for its arithmetic"
+    ]
 
 
 def _lr_before_step_note(how: str, params: Sequence[ParamPlan]) -> list[str]:
@@ -886,6 +904,7 @@ def _replay(
     say("planning")
     prep = _prepare(ckpt, opts)
     layout, plan, notes, grad_file = prep.layout, prep.plan, prep.notes, prep.grad_file
+    notes.extend(_capturable_note(plan.params, dev))
     ref_dtype = getattr(torch, opts.reference_dtype)
     ref_itemsize = 8 if opts.reference_dtype == "float64" else 4
     batches = make_batches(plan.params, budget, ref_itemsize, steps=opts.steps)
@@ -1136,7 +1155,7 @@ def _build_optimizers(
         group = {"params": [(m.fqn, params[m.fqn]) for m in members], **hyper.as_kwargs()}
         if type_name == "adamw":
             if "fused" not in plan_config.get(type_name, {}):
-                group.update(saved_flags(hyper, dev, ("fused", "foreach", "capturable")))  # the run's implementation
+                group.update(saved_flags(hyper, dev, IMPLEMENTATION_FLAGS))  # the run's implementation
             flags = {**group, **plan_config.get(type_name, {})}
             group["lr"], group["betas"] = torch_lr(hyper, dev, flags), torch_betas(hyper, dev, flags)
         opt = build_optimizer(type_name, [group], **plan_config.get(type_name, {}))
@@ -1179,11 +1198,17 @@ def for_loop_scalar_dtypes(group: dict[str, Any], param: Any) -> tuple[Any, Any]
     """The dtypes of a group's tensor ``lr`` and tensor ``betas`` (each else ``None``) where ``torch.optim.AdamW``
     takes its for-loop step (not fused, not foreach, not capturable: ``_single_tensor_adam`` forms the decay factor
     in the ``lr``'s dtype, the bias corrections in the betas', the step size in that of ``lr / (1 - beta1**t)``),
-    else ``(None, None)``."""
+    else ``(None, None)``. A ``differentiable`` group's step (always the for-loop one) forms the bias corrections and
+    the step size as tensors of the step's dtype (FP32; beside FP32 betas: BF16 betas are promoted), so its second
+    dtype is that one, float betas or not."""
     import torch
 
     if group.get("fused") or group.get("capturable"):
         return None, None
+    if group.get("differentiable"):
+        lr, beta1 = group.get("lr"), group.get("betas", (None,))[0]
+        betas = beta1.dtype if isinstance(beta1, torch.Tensor) else torch.float32
+        return (lr.dtype if isinstance(lr, torch.Tensor) else None), torch.promote_types(betas, torch.float32)
     foreach = group.get("foreach")
     if not (foreach is False or (foreach is None and param.device.type == "cpu")):
         return None, None
@@ -1232,6 +1257,7 @@ def _torch_reference(
         if saved is None:
             continue
         flags = saved_flags(p.hyper, dev)
+        flags.update({k: True for k, v in saved_flags(p.hyper, dev, ("differentiable",)).items() if v})
         theta = torch.nn.Parameter(saved["param"].to(dev, copy=True))
         kwargs: dict[str, Any] = {
             **p.hyper.as_kwargs(),
@@ -1239,7 +1265,8 @@ def _torch_reference(
             "lr": torch_lr(p.hyper, dev, flags),
             "betas": torch_betas(p.hyper, dev, flags),
         }
-        opt = torch.optim.AdamW([theta], **kwargs)
+        # a group's differentiable, not the constructor's: that would step with autograd on (in place on a leaf)
+        opt = torch.optim.AdamW([{"params": [theta], "differentiable": kwargs.pop("differentiable", False)}], **kwargs)
         if not p.fresh:
             st = {k: v.to(dev) if k != "step" else v for k, v in saved.items() if k != "param"}
             group = {**opt.param_groups[0], "params": [0]}
