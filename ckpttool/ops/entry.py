@@ -160,8 +160,9 @@ def replay_mismatch(result: ReplayResult) -> ReplayMismatchError | None:
             f"{len(result.skipped)} parameter(s) with saved optimizer state were not replayed "
             f"(e.g. {result.skipped[0]}); {len(result.params)} replayed parameter(s) match",
             fqn=result.skipped[0],
-            hint="not a mismatch: the notes say why they were left out and what replays them (a fused q/k/v: "
-            "`head_dim` N); or leave them out of the run with `filter_glob`",
+            hint="not a mismatch: the notes say why they were left out and what replays them"
+            + (" (a fused q/k/v: `head_dim` N)" if any("qkv" in f for f in result.skipped) else "")
+            + "; or leave them out of the run with `filter_glob`",
         )
     worst = result.failed[0]
     return ReplayMismatchError(
