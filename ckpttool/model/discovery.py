@@ -1246,6 +1246,8 @@ def _latest_of(
         done = [u.step for u in units if u.step is not None and u.step < want and u.step not in bad]
         if not done:
             raise _incomplete_error(root, bad[want], "latest")
+        if pointer is not None and pointer[1] not in registry.derived().discovery.latest_fallback:
+            raise _tracked_incomplete(root, pointer[1], bad[want], max(done))
         skipped = bad[want]
         want = max(done)
         source = f"the highest complete step; step {skipped.step} is incomplete: {skipped.reason}"
@@ -1258,6 +1260,22 @@ def _latest_of(
             hint="pass one of the listed directories",
         )
     return want, f"`step` latest: step {want} ({source}{_staged_note(root, units, want)})"
+
+
+def _tracked_incomplete(root: Path, name: str, inc: IncompleteStep, done: int) -> IncompleteCheckpointError:
+    """E202 for a ``latest`` file ``name`` (Megatron-LM's and verl's ``latest_checkpointed_iteration.txt``,
+    DeepSpeed's ``latest``) naming step ``inc.step``, whose save did not finish: those trainers' resume follows the
+    file and loads that step (Megatron-LM and DeepSpeed fail on it, verl's ``find_latest_ckpt_path`` returns it
+    because the directory exists), never the older complete step ``done`` (NeMo Automodel's ``LATEST``, which its
+    resume passes over, is not refused: the schemas' ``latest_fallback``)."""
+    return IncompleteCheckpointError(
+        f"{root / name}: names step {inc.step}, whose save did not finish: {inc.path} has {inc.reason}; a resume "
+        f"that follows {name} loads step {inc.step} and fails (the newest complete step is {done})",
+        path=root / name,
+        param="step",
+        hint=f"wait for the save to finish, or point {name} at step {done} (the newest complete one), or pass "
+        f"`step` {done}",
+    )
 
 
 def _staged_note(root: Path, units: list[_Unit], want: int) -> str:

@@ -33,10 +33,12 @@ def newer_step_incomplete(ctx: Context) -> Iterator[tuple[str, str]]:
 
 @rule("R005")
 def latest_names_no_checkpoint(ctx: Context) -> Iterator[tuple[str, str]]:
-    """The run root given names a latest step (its ``latest`` file) that no checkpoint below it has, while the
-    checkpoint checked was chosen without it (its only one, or ``--step N``): ``--step latest`` is ``E205`` there."""
-    from ckpttool.errors import StepNotFoundError
+    """The run root given names a latest step (its ``latest`` file) that no checkpoint below it has, or one whose
+    save did not finish (Megatron-LM, verl, DeepSpeed follow the file and fail there), while the checkpoint checked
+    was chosen without it (its only one, or ``--step N``): ``--step latest`` is ``E205`` / ``E202`` there."""
+    from ckpttool.errors import IncompleteCheckpointError, StepNotFoundError
     from ckpttool.model.discovery import CheckpointSelection, locate
+    from ckpttool.model.schemas import registry
 
     loc = ctx.ckpt.located
     given = Path(loc.given)
@@ -44,9 +46,10 @@ def latest_names_no_checkpoint(ctx: Context) -> Iterator[tuple[str, str]]:
         return
     try:
         locate(given, CheckpointSelection(step="latest"))
-    except StepNotFoundError as e:
-        if e.path is not None and Path(e.path).parent == given:  # the latest file's own complaint
-            yield str(e.path), e.message
+    except (StepNotFoundError, IncompleteCheckpointError) as e:
+        p = Path(e.path) if e.path is not None else None
+        if p is not None and p.parent == given and p.name in registry.derived().discovery.latest_files:
+            yield str(e.path), e.message  # the latest file's own complaint
     except CkptError:
         return  # another reason --step latest fails there: not this rule's
 
