@@ -905,6 +905,8 @@ def _locate(path: str | os.PathLike[str], selection: CheckpointSelection | None)
     units = _units(root, found)
     units, incomplete = _lone_models(root, units, incomplete)
     how = ""
+    if sel.step == "latest":  # steps the trainer's own latest-step search skips are passed over as it does
+        incomplete = sorted([*incomplete, *_resume_skipped(units, incomplete)], key=lambda i: i.step)
     if sel.step is not None:
         units, how = _of_step(root, units, sel.step, incomplete)
     if len(units) > 1:
@@ -925,6 +927,31 @@ def _locate(path: str | os.PathLike[str], selection: CheckpointSelection | None)
         how += ", model folder paired with its optimizer folder"
     newer = tuple(i for i in reversed(incomplete) if u.step is None or i.step > u.step)
     return Located(root, u.model, u.optimizer or opt, u.step, how, newer)
+
+
+#: Why OLMo-core's ``Checkpointer.latest_checkpoint`` skips a published step directory (``dir_is_checkpoint``).
+_NO_RANK0 = (
+    "model_and_optim/ and .metadata.json but no train/rank0.pt, which OLMo-core's latest_checkpoint requires of a "
+    "checkpoint (it skips this directory; the step opened itself loads without trainer state)"
+)
+
+
+def _resume_skipped(units: list[_Unit], incomplete: list[IncompleteStep]) -> list[IncompleteStep]:
+    """The step directories of ``units`` that their trainer's own search for the latest step does not list, though
+    their save finished: OLMo-core's ``stepN/`` holding ``model_and_optim/`` and ``.metadata.json`` but no
+    ``train/rank0.pt`` (``Checkpointer.dir_is_checkpoint`` requires all three). ``--step latest`` passes over them
+    to the step that search finds, as a step whose save did not finish (``R001`` names them); ``--step N`` opens
+    one (``validate``'s ``K011``)."""
+    done = {i.step for i in incomplete}
+    out: list[IncompleteStep] = []
+    for u in units:
+        step_dir = u.model.parent
+        if u.step is None or u.step in done or u.optimizer is not None or u.model.name != "model_and_optim":
+            continue
+        if os.path.lexists(step_dir / ".metadata.json") and not os.path.lexists(step_dir / "train" / "rank0.pt"):
+            out.append(IncompleteStep(u.step, step_dir, _NO_RANK0))
+            done.add(u.step)
+    return out
 
 
 def _steps_of_pair(model: Path, opt: Path) -> tuple[tuple[int, Path], tuple[int, Path]] | None:
