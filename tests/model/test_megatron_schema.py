@@ -288,6 +288,35 @@ def test_tracker_naming_an_unfinished_iteration_is_e202_not_the_older_one(tmp_pa
     assert r.exit_code == 0 and [f["code"] for f in json.loads(r.stdout)["findings"]] == ["R001"], r.output
 
 
+def test_a_step_of_another_run_copied_in_is_r007(tmp_path: Path) -> None:
+    """A run root (dense1: iter_0000003) with another run's save copied in as its newest iteration (moe_ep2's, an
+    MoE model) and the tracker naming it: Megatron-LM's resume builds the dense model and fails loading it, yet
+    ``validate --step latest`` checked iter_0000005 and found nothing about the model (R002 only, for the copied
+    common.pt's iteration). Now R007 names the step and the keys only in one of the two, as torch's own reader
+    lists them; the run's own iteration copied to iter_0000005 gets no R007."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    run = shutil.copytree(DATA / "dense1", tmp_path / "run")
+    (run / "latest_checkpointed_iteration.txt").write_text("5")
+    shutil.copytree(DATA / "dense1" / "iter_0000003", run / "iter_0000005")
+    doc = json.loads(runner.invoke(app, ["validate", "--json", str(run), "--step", "latest"]).stdout)
+    assert doc["path"] == str(run / "iter_0000005") and "R007" not in {f["code"] for f in doc["findings"]}
+    shutil.rmtree(run / "iter_0000005")
+    shutil.copytree(DATA / "moe_ep2" / "iter_0000002", run / "iter_0000005")
+    mine = set(FileSystemReader(str(run / "iter_0000005")).read_metadata().state_dict_metadata)
+    theirs = set(FileSystemReader(str(run / "iter_0000003")).read_metadata().state_dict_metadata)
+    r = runner.invoke(app, ["validate", "--json", str(run), "--step", "latest"])
+    (f,) = [f for f in json.loads(r.stdout)["findings"] if f["code"] == "R007"]
+    assert f["severity"] == "warning" and f["key"] == str(run / "iter_0000005"), f
+    head = f"{run / 'iter_0000005'}: step 5 holds another model than step 3 before it ({run / 'iter_0000003'}): "
+    assert f["message"].startswith(head), f["message"]
+    new_key = f["message"].split("only in it (e.g. ", 1)[1].split(")", 1)[0]
+    old_key = f["message"].split("only in step 3 (e.g. ", 1)[1].split(")", 1)[0]
+    assert new_key in mine - theirs and old_key in theirs - mine, f["message"]
+    r = runner.invoke(app, ["validate", "--strict", "--json", str(run), "--step", "3"])  # the run's own step
+    assert "R007" not in {f["code"] for f in json.loads(r.stdout)["findings"]}, r.stdout
+
+
 def test_latest_release_opens_the_release_directory(tmp_path: Path) -> None:
     """Megatron-LM's latest_checkpointed_iteration.txt holding ``release`` makes its resume load ``<save>/release/``;
     ``--step latest`` passed over the word and opened the highest iter_N instead (and with release/ alone
