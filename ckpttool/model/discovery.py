@@ -102,17 +102,29 @@ class CheckpointSelection:
             elif text.isdecimal() and len(text) <= _MAX_STEP_DIGITS:  # what int() reads (not a superscript '²')
                 step = int(text)
             else:
-                digits = re.search(rf"(?<!\d)(\d{{1,{_MAX_STEP_DIGITS}}})$", text)  # a step directory's name (step-200)
                 raise UsageError(
                     f"`step` {step!r} is not a step number or 'latest'"
                     if len(step) <= 80
                     else f"`step` {step[:40]!r}... ({len(step):,} characters) is not a step number or 'latest'",
                     param="step",
-                    hint=f"give the step's number, `step` {int(digits.group(1))}, or pass that directory itself"
-                    if digits
-                    else "e.g. `step` 200, or `step` latest for the newest complete step",
+                    hint=_bad_step_hint(text),
                 )
         return cls(step, Path(optimizer_dir) if optimizer_dir is not None else None, schema)
+
+
+def _bad_step_hint(text: str) -> str:
+    """The hint for ``--step`` ``text`` (lower-cased) that is neither a number nor ``latest``: a step directory's name
+    (``step-200``, letters before its number) hints its number; ``-1`` (torchtitan's ``load_step`` for its newest
+    step) hints ``latest``, never step 1; anything else (``10.0``) an example."""
+    digits = re.search(rf"(?<!\d)(\d{{1,{_MAX_STEP_DIGITS}}})$", text)  # a step directory's name (step-200)
+    if digits and re.search(r"[^\W\d]", text[: digits.start()]):
+        return f"give the step's number, `step` {int(digits.group(1))}, or pass that directory itself"
+    if re.fullmatch(r"-\d+", text):
+        return (
+            "a step number is 0 or more (torchtitan's load_step -1 means its newest step): `step` latest for the "
+            "newest complete step, or e.g. `step` 200"
+        )
+    return "e.g. `step` 200, or `step` latest for the newest complete step"
 
 
 #: How :meth:`Located.newer_incomplete_note` begins (a run root's newer step whose save did not finish).
@@ -503,9 +515,14 @@ def unpublished(path: Path) -> str | None:
 
 def _unfinished(path: Path) -> str | None:
     """What shows that the save in ``path`` did not finish (data files or ``.metadata.tmp``, no ``.metadata``;
-    a trainer's in-progress marker, or the file it writes last missing)."""
+    a trainer's in-progress marker, or the file it writes last missing); a step directory that cannot be listed
+    (permissions) is not known to be finished either: said so, never passed over in silence."""
     try:
         names = os.listdir(path)
+    except PermissionError as e:
+        if step_of(path.name) is None:
+            return None
+        return f"no listing this user may read ({e.strerror}), so whether its save finished is not known"
     except OSError:
         return None
     marker = next((m for m in registry.derived().discovery.incomplete_markers if m in names), None)

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import os
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -764,3 +766,48 @@ def test_step_n_of_a_finished_save_under_a_staging_name_names_that_folder(tmp_pa
     assert "staging name" in ei.value.hint
     res = CliRunner().invoke(app, ["inspect", str(run), "--step", "3"])
     assert res.exit_code == 2 and "step-3.tmp" in res.stderr and "Traceback" not in res.output, res.output
+
+
+def _as_user_without_dac_override(args: list[str]) -> subprocess.CompletedProcess[str]:
+    """``ckpttool ARGS`` in a subprocess that the permission bits bind: as root, with CAP_DAC_OVERRIDE and
+    CAP_DAC_READ_SEARCH dropped (``setpriv``), else as the user itself."""
+    cmd = [sys.executable, "-m", "ckpttool", *args]
+    if os.geteuid() == 0:
+        if shutil.which("setpriv") is None:
+            pytest.skip("root without setpriv: permission bits cannot be made to bind")
+        caps = "-dac_override,-dac_read_search"
+        cmd = ["setpriv", f"--bounding-set={caps}", f"--inh-caps={caps}", *cmd]
+    env = {**os.environ, "COLUMNS": "200"}
+    return subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300, check=False)
+
+
+def test_a_newest_step_that_cannot_be_read_is_named_not_passed_over(dense_ckpt: Path, tmp_path: Path) -> None:
+    """A run root whose newest step directory (step-3) this user may not list (chmod 000: another user's job, a
+    restrictive umask): ``--step latest`` validated step-2, OK with no finding, as if step-3 were not there, and
+    ``--step 3`` said 'no checkpoint of step 3 below it; steps found: 1, 2'. Now step-3 is a step not known to be
+    complete: ``--step latest`` still checks step-2 and R001 names step-3 (``--strict`` fails), ``--step 3`` is
+    E202 saying it cannot be read."""
+    import json
+
+    run = tmp_path / "run"
+    for n in (1, 2, 3):
+        shutil.copytree(dense_ckpt, run / f"step-{n}")
+    (run / "step-3").chmod(0)
+    try:
+        r = _as_user_without_dac_override(["validate", "--json", str(run), "--step", "latest"])
+        assert r.returncode == 0, r.stderr
+        doc = json.loads(r.stdout)
+        assert doc["path"] == str(run / "step-2")
+        (r001,) = [f for f in doc["findings"] if f["code"] == "R001"]
+        assert r001["message"] == (
+            f"{run / 'step-3'}: step 3 is newer than the checked step 2 but incomplete (no listing this user may read "
+            "(Permission denied), so whether its save finished is not known)"
+        )
+        assert _as_user_without_dac_override(["validate", "--strict", str(run), "--step", "latest"]).returncode == 1
+        r = _as_user_without_dac_override(["inspect", str(run), "--step", "3"])
+        assert r.returncode == 2 and r.stderr.startswith(f"error: [E202] {run}: --step 3: step 3 is incomplete"), (
+            r.stderr
+        )
+        assert f"{run / 'step-3'} has no listing this user may read (Permission denied)" in r.stderr
+    finally:
+        (run / "step-3").chmod(0o755)
