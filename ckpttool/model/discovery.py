@@ -350,11 +350,18 @@ def _has_word(name: str, words: tuple[str, ...]) -> bool:
     return name.lower().startswith(tuple(w.lower() for w in words))
 
 
-def _walk(root: Path, max_depth: int, visit: Callable[[Path], bool], whole: bool = False) -> None:
+def _walk(
+    root: Path,
+    max_depth: int,
+    visit: Callable[[Path], bool],
+    whole: bool = False,
+    dangling: Callable[[Path], None] | None = None,
+) -> None:
     """Visit the directories below ``root`` breadth first, sorted by name; descend into those for
     which ``visit(path)`` is true. Hidden and symlinked directories are skipped, but for a link named as a step
     directory (``checkpoint-300 -> /scratch/run/checkpoint-300``: the trainers' resume lists it as any step; a
-    ``latest`` link is :func:`_latest_step`'s); at most 10,000 directories are visited.
+    ``latest`` link is :func:`_latest_step`'s); at most 10,000 directories are visited. ``dangling`` (when given)
+    is called for each link named as a step directory whose target does not exist.
 
     Raises:
         AmbiguousCheckpointError (E204): with ``whole``, more directories than that below ``root`` (the newest step
@@ -371,6 +378,8 @@ def _walk(root: Path, max_depth: int, visit: Callable[[Path], bool], whole: bool
                 continue
             for e in entries:
                 if e.name.startswith(".") or not _followed(e):
+                    if dangling is not None and _dangling_step(e):
+                        dangling(Path(e.path))
                     continue
                 visited += 1
                 if visited > _MAX_DIRS:
@@ -400,6 +409,14 @@ def _followed(e: os.DirEntry[str]) -> bool:
             target, here = Path(os.path.realpath(e.path)), Path(os.path.realpath(os.path.dirname(e.path)))
             return not here.is_relative_to(target)
         return e.is_dir()
+    except OSError:
+        return False
+
+
+def _dangling_step(e: os.DirEntry[str]) -> bool:
+    """Whether directory entry ``e`` is a link named as a step directory whose target does not exist."""
+    try:
+        return e.is_symlink() and step_of(e.name) is not None and not os.path.exists(e.path)
     except OSError:
         return False
 
@@ -617,7 +634,13 @@ def find_incomplete(root: Path, max_depth: int = MAX_DEPTH, whole: bool = False)
             return False
         return True
 
-    _walk(root, max_depth, visit, whole)
+    def dangling(p: Path) -> None:  # checkpoint-300 -> /scratch/run/checkpoint-300, that storage gone or unmounted
+        step = _step_near(p, root)
+        if step is not None:
+            why = f"no target: it links to {os.readlink(p)!r}, which does not exist (storage removed or not mounted)"
+            found.setdefault(step, IncompleteStep(step, p, f"{why}, so whether its save finished is not known"))
+
+    _walk(root, max_depth, visit, whole, dangling)
     return sorted(found.values(), key=lambda i: i.step)
 
 

@@ -811,3 +811,32 @@ def test_a_newest_step_that_cannot_be_read_is_named_not_passed_over(dense_ckpt: 
         assert f"{run / 'step-3'} has no listing this user may read (Permission denied)" in r.stderr
     finally:
         (run / "step-3").chmod(0o755)
+
+
+def test_a_newest_step_linked_to_storage_that_is_gone_is_named(dense_ckpt: Path, tmp_path: Path) -> None:
+    """A run root whose newest step directory is a link to storage that is gone or not mounted (step-3 ->
+    /scratch/.../step-3): ``--step latest`` validated step-2 OK with no finding, as if step-3 had never been saved,
+    and ``--step 3`` said 'no checkpoint of step 3 below it'. Now R001 names the link (``--strict`` fails) and
+    ``--step 3`` is E202 naming its missing target."""
+    import json
+
+    run = tmp_path / "run"
+    for n in (1, 2):
+        shutil.copytree(dense_ckpt, run / f"step-{n}")
+    gone = tmp_path / "scratch" / "step-3"
+    (run / "step-3").symlink_to(gone)
+    runner = CliRunner()
+    r = runner.invoke(app, ["validate", "--json", str(run), "--step", "latest"])
+    assert r.exit_code == 0, r.output
+    doc = json.loads(r.stdout)
+    assert doc["path"] == str(run / "step-2")
+    (r001,) = [f for f in doc["findings"] if f["code"] == "R001"]
+    assert r001["message"] == (
+        f"{run / 'step-3'}: step 3 is newer than the checked step 2 but incomplete (no target: it links to "
+        f"{str(gone)!r}, which does not exist (storage removed or not mounted), so whether its save finished is not "
+        "known)"
+    )
+    assert runner.invoke(app, ["validate", "--strict", str(run), "--step", "latest"]).exit_code == 1
+    r = runner.invoke(app, ["inspect", str(run), "--step", "3"])
+    assert r.exit_code == 2 and r.stderr.startswith(f"error: [E202] {run}: --step 3: step 3 is incomplete"), r.output
+    assert f"{run / 'step-3'} has no target: it links to {str(gone)!r}" in r.stderr
