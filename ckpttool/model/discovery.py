@@ -981,7 +981,8 @@ def _resume_skipped(units: list[_Unit], incomplete: list[IncompleteStep]) -> lis
     their save finished: OLMo-core's ``stepN/`` holding ``model_and_optim/`` and ``.metadata.json`` but no
     ``train/rank0.pt`` (``Checkpointer.dir_is_checkpoint`` requires all three). ``--step latest`` passes over them
     to the step that search finds, as a step whose save did not finish (``R001`` names them); ``--step N`` opens
-    one (``validate``'s ``K011``)."""
+    one (``validate``'s ``K011``). Also a finished save in a folder torchtitan's resume takes as a step by its name
+    (``step-3.tmp``, ``step-20-backup``) with no ``step-N`` directory beside it: that resume fails loading ``step-N``."""
     done = {i.step for i in incomplete}
     out: list[IncompleteStep] = []
     for u in units:
@@ -991,7 +992,28 @@ def _resume_skipped(units: list[_Unit], incomplete: list[IncompleteStep]) -> lis
         if os.path.lexists(step_dir / ".metadata.json") and not os.path.lexists(step_dir / "train" / "rank0.pt"):
             out.append(IncompleteStep(u.step, step_dir, _NO_RANK0))
             done.add(u.step)
+    for u in units:
+        m = _TITAN_STEP.search(u.model.name) if u.step is None and u.optimizer is None else None
+        n = int(m.group(1)) if m is not None else None
+        if n is None or n in done or (u.model.parent / f"step-{n}").is_dir():
+            continue
+        out.append(IncompleteStep(n, u.model, _titan_misnamed(u.model.name, n)))
+        done.add(n)
     return out
+
+
+#: torchtitan's ``CheckpointManager._find_load_step``: ``re.search`` of this in each folder's name of its checkpoint
+#: folder (with ``.metadata`` or an HF index), whose highest number it then loads as ``step-N``.
+_TITAN_STEP = re.compile(r"step-(\d+)")
+
+
+def _titan_misnamed(name: str, n: int) -> str:
+    """Why a finished save in folder ``name`` (``step-3.tmp``, ``step-20-backup``) with no ``step-N`` beside it is a
+    step ``n`` no resume loads."""
+    return (
+        f"a finished save under the name {name}, not step-{n}: torchtitan's resume, which matches step-N anywhere in "
+        f"a folder's name, takes step {n} from it and fails (it loads step-{n}, which is not there)"
+    )
 
 
 def _steps_of_pair(model: Path, opt: Path) -> tuple[tuple[int, Path], tuple[int, Path]] | None:
@@ -1352,13 +1374,12 @@ def _staged_note(root: Path, units: list[_Unit], want: int) -> str:
     staged = [(n, m, name) for n, m, name in staged if n > want]
     if not staged:
         return ""
+    # one torchtitan's resume takes as its step (step-3.tmp) is a newer step not loaded (_resume_skipped, R001)
+    staged = [(n, m, name) for n, m, name in staged if not ((t := _TITAN_STEP.search(m.name)) and int(t.group(1)) == n)]
+    if not staged:
+        return ""
     n, m, name = max(staged)
-    titan = re.search(r"step-(\d+)", name)  # torchtitan's _find_load_step: each name in its checkpoint folder
-    return f"; {_rel(m, root)} holds a finished save of step {n} under a staging name, not renamed" + (
-        f": torchtitan's resume, which matches step-N anywhere in a folder's name, loads it as step {n}"
-        if titan is not None and int(titan.group(1)) == n
-        else " (no trainer's resume lists it)"
-    )
+    return f"; {_rel(m, root)} holds a finished save of step {n} under a staging name, not renamed (no trainer's resume lists it)"
 
 
 def _staged_hint(root: Path, units: list[_Unit], want: int | str | None) -> str | None:
