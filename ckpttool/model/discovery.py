@@ -995,7 +995,7 @@ def _resume_skipped(units: list[_Unit], incomplete: list[IncompleteStep]) -> lis
     for u in units:
         m = _TITAN_STEP.search(u.model.name) if u.step is None and u.optimizer is None else None
         n = int(m.group(1)) if m is not None else None
-        if n is None or n in done or (u.model.parent / f"step-{n}").is_dir():
+        if n is None or n in done or (u.model.parent / f"step-{n}").is_dir() or not _titan_series(u.model.parent):
             continue
         out.append(IncompleteStep(n, u.model, _titan_misnamed(u.model.name, n)))
         done.add(n)
@@ -1005,6 +1005,14 @@ def _resume_skipped(units: list[_Unit], incomplete: list[IncompleteStep]) -> lis
 #: torchtitan's ``CheckpointManager._find_load_step``: ``re.search`` of this in each folder's name of its checkpoint
 #: folder (with ``.metadata`` or an HF index), whose highest number it then loads as ``step-N``.
 _TITAN_STEP = re.compile(r"step-(\d+)")
+
+
+def _titan_series(folder: Path) -> bool:
+    """Whether ``folder`` holds a ``step-N`` directory (torchtitan's checkpoint folder, which its resume scans)."""
+    try:
+        return any(re.fullmatch(r"step-[0-9]+", e.name) and e.is_dir() for e in os.scandir(folder))
+    except OSError:
+        return False
 
 
 def _titan_misnamed(name: str, n: int) -> str:
