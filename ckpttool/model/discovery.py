@@ -102,17 +102,29 @@ class CheckpointSelection:
             elif text.isdecimal() and len(text) <= _MAX_STEP_DIGITS:  # what int() reads (not a superscript '²')
                 step = int(text)
             else:
-                digits = re.search(rf"(?<!\d)(\d{{1,{_MAX_STEP_DIGITS}}})$", text)  # a step directory's name (step-200)
                 raise UsageError(
                     f"`step` {step!r} is not a step number or 'latest'"
                     if len(step) <= 80
                     else f"`step` {step[:40]!r}... ({len(step):,} characters) is not a step number or 'latest'",
                     param="step",
-                    hint=f"give the step's number, `step` {int(digits.group(1))}, or pass that directory itself"
-                    if digits
-                    else "e.g. `step` 200, or `step` latest for the newest complete step",
+                    hint=_bad_step_hint(text),
                 )
         return cls(step, Path(optimizer_dir) if optimizer_dir is not None else None, schema)
+
+
+def _bad_step_hint(text: str) -> str:
+    """The hint for ``--step`` ``text`` (lower-cased) that is neither a number nor ``latest``: a step directory's name
+    (``step-200``, letters before its number) hints its number; ``-1`` (torchtitan's ``load_step`` for its newest
+    step) hints ``latest``, never step 1; anything else (``10.0``) an example."""
+    digits = re.search(rf"(?<!\d)(\d{{1,{_MAX_STEP_DIGITS}}})$", text)  # a step directory's name (step-200)
+    if digits and re.search(r"[^\W\d]", text[: digits.start()]):
+        return f"give the step's number, `step` {int(digits.group(1))}, or pass that directory itself"
+    if re.fullmatch(r"-\d+", text):
+        return (
+            "a step number is 0 or more (torchtitan's load_step -1 means its newest step): `step` latest for the "
+            "newest complete step, or e.g. `step` 200"
+        )
+    return "e.g. `step` 200, or `step` latest for the newest complete step"
 
 
 #: How :meth:`Located.newer_incomplete_note` begins (a run root's newer step whose save did not finish).
@@ -338,11 +350,18 @@ def _has_word(name: str, words: tuple[str, ...]) -> bool:
     return name.lower().startswith(tuple(w.lower() for w in words))
 
 
-def _walk(root: Path, max_depth: int, visit: Callable[[Path], bool], whole: bool = False) -> None:
+def _walk(
+    root: Path,
+    max_depth: int,
+    visit: Callable[[Path], bool],
+    whole: bool = False,
+    dangling: Callable[[Path], None] | None = None,
+) -> None:
     """Visit the directories below ``root`` breadth first, sorted by name; descend into those for
     which ``visit(path)`` is true. Hidden and symlinked directories are skipped, but for a link named as a step
     directory (``checkpoint-300 -> /scratch/run/checkpoint-300``: the trainers' resume lists it as any step; a
-    ``latest`` link is :func:`_latest_step`'s); at most 10,000 directories are visited.
+    ``latest`` link is :func:`_latest_step`'s); at most 10,000 directories are visited. ``dangling`` (when given)
+    is called for each link named as a step directory whose target does not exist.
 
     Raises:
         AmbiguousCheckpointError (E204): with ``whole``, more directories than that below ``root`` (the newest step
@@ -359,6 +378,8 @@ def _walk(root: Path, max_depth: int, visit: Callable[[Path], bool], whole: bool
                 continue
             for e in entries:
                 if e.name.startswith(".") or not _followed(e):
+                    if dangling is not None and _dangling_step(e):
+                        dangling(Path(e.path))
                     continue
                 visited += 1
                 if visited > _MAX_DIRS:
@@ -388,6 +409,14 @@ def _followed(e: os.DirEntry[str]) -> bool:
             target, here = Path(os.path.realpath(e.path)), Path(os.path.realpath(os.path.dirname(e.path)))
             return not here.is_relative_to(target)
         return e.is_dir()
+    except OSError:
+        return False
+
+
+def _dangling_step(e: os.DirEntry[str]) -> bool:
+    """Whether directory entry ``e`` is a link named as a step directory whose target does not exist."""
+    try:
+        return e.is_symlink() and step_of(e.name) is not None and not os.path.exists(e.path)
     except OSError:
         return False
 
@@ -503,9 +532,14 @@ def unpublished(path: Path) -> str | None:
 
 def _unfinished(path: Path) -> str | None:
     """What shows that the save in ``path`` did not finish (data files or ``.metadata.tmp``, no ``.metadata``;
-    a trainer's in-progress marker, or the file it writes last missing)."""
+    a trainer's in-progress marker, or the file it writes last missing); a step directory that cannot be listed
+    (permissions) is not known to be finished either: said so, never passed over in silence."""
     try:
         names = os.listdir(path)
+    except PermissionError as e:
+        if step_of(path.name) is None:
+            return None
+        return f"no listing this user may read ({e.strerror}), so whether its save finished is not known"
     except OSError:
         return None
     marker = next((m for m in registry.derived().discovery.incomplete_markers if m in names), None)
@@ -600,7 +634,13 @@ def find_incomplete(root: Path, max_depth: int = MAX_DEPTH, whole: bool = False)
             return False
         return True
 
-    _walk(root, max_depth, visit, whole)
+    def dangling(p: Path) -> None:  # checkpoint-300 -> /scratch/run/checkpoint-300, that storage gone or unmounted
+        step = _step_near(p, root)
+        if step is not None:
+            why = f"no target: it links to {os.readlink(p)!r}, which does not exist (storage removed or not mounted)"
+            found.setdefault(step, IncompleteStep(step, p, f"{why}, so whether its save finished is not known"))
+
+    _walk(root, max_depth, visit, whole, dangling)
     return sorted(found.values(), key=lambda i: i.step)
 
 
@@ -905,6 +945,8 @@ def _locate(path: str | os.PathLike[str], selection: CheckpointSelection | None)
     units = _units(root, found)
     units, incomplete = _lone_models(root, units, incomplete)
     how = ""
+    if sel.step == "latest":  # steps the trainer's own latest-step search skips are passed over as it does
+        incomplete = sorted([*incomplete, *_resume_skipped(units, incomplete)], key=lambda i: i.step)
     if sel.step is not None:
         units, how = _of_step(root, units, sel.step, incomplete)
     if len(units) > 1:
@@ -925,6 +967,61 @@ def _locate(path: str | os.PathLike[str], selection: CheckpointSelection | None)
         how += ", model folder paired with its optimizer folder"
     newer = tuple(i for i in reversed(incomplete) if u.step is None or i.step > u.step)
     return Located(root, u.model, u.optimizer or opt, u.step, how, newer)
+
+
+#: Why OLMo-core's ``Checkpointer.latest_checkpoint`` skips a published step directory (``dir_is_checkpoint``).
+_NO_RANK0 = (
+    "model_and_optim/ and .metadata.json but no train/rank0.pt, which OLMo-core's latest_checkpoint requires of a "
+    "checkpoint (it skips this directory; the step opened itself loads without trainer state)"
+)
+
+
+def _resume_skipped(units: list[_Unit], incomplete: list[IncompleteStep]) -> list[IncompleteStep]:
+    """The step directories of ``units`` that their trainer's own search for the latest step does not list, though
+    their save finished: OLMo-core's ``stepN/`` holding ``model_and_optim/`` and ``.metadata.json`` but no
+    ``train/rank0.pt`` (``Checkpointer.dir_is_checkpoint`` requires all three). ``--step latest`` passes over them
+    to the step that search finds, as a step whose save did not finish (``R001`` names them); ``--step N`` opens
+    one (``validate``'s ``K011``). Also a finished save in a folder torchtitan's resume takes as a step by its name
+    (``step-3.tmp``, ``step-20-backup``) with no ``step-N`` directory beside it: that resume fails loading ``step-N``."""
+    done = {i.step for i in incomplete}
+    out: list[IncompleteStep] = []
+    for u in units:
+        step_dir = u.model.parent
+        if u.step is None or u.step in done or u.optimizer is not None or u.model.name != "model_and_optim":
+            continue
+        if os.path.lexists(step_dir / ".metadata.json") and not os.path.lexists(step_dir / "train" / "rank0.pt"):
+            out.append(IncompleteStep(u.step, step_dir, _NO_RANK0))
+            done.add(u.step)
+    for u in units:
+        m = _TITAN_STEP.search(u.model.name) if u.step is None and u.optimizer is None else None
+        n = int(m.group(1)) if m is not None else None
+        if n is None or n in done or (u.model.parent / f"step-{n}").is_dir() or not _titan_series(u.model.parent):
+            continue
+        out.append(IncompleteStep(n, u.model, _titan_misnamed(u.model.name, n)))
+        done.add(n)
+    return out
+
+
+#: torchtitan's ``CheckpointManager._find_load_step``: ``re.search`` of this in each folder's name of its checkpoint
+#: folder (with ``.metadata`` or an HF index), whose highest number it then loads as ``step-N``.
+_TITAN_STEP = re.compile(r"step-(\d+)")
+
+
+def _titan_series(folder: Path) -> bool:
+    """Whether ``folder`` holds a ``step-N`` directory (torchtitan's checkpoint folder, which its resume scans)."""
+    try:
+        return any(re.fullmatch(r"step-[0-9]+", e.name) and e.is_dir() for e in os.scandir(folder))
+    except OSError:
+        return False
+
+
+def _titan_misnamed(name: str, n: int) -> str:
+    """Why a finished save in folder ``name`` (``step-3.tmp``, ``step-20-backup``) with no ``step-N`` beside it is a
+    step ``n`` no resume loads."""
+    return (
+        f"a finished save under the name {name}, not step-{n}: torchtitan's resume, which matches step-N anywhere in "
+        f"a folder's name, takes step {n} from it and fails (it loads step-{n}, which is not there)"
+    )
 
 
 def _steps_of_pair(model: Path, opt: Path) -> tuple[tuple[int, Path], tuple[int, Path]] | None:
@@ -1246,6 +1343,8 @@ def _latest_of(
         done = [u.step for u in units if u.step is not None and u.step < want and u.step not in bad]
         if not done:
             raise _incomplete_error(root, bad[want], "latest")
+        if pointer is not None and pointer[1] not in registry.derived().discovery.latest_fallback:
+            raise _tracked_incomplete(root, pointer[1], bad[want], max(done))
         skipped = bad[want]
         want = max(done)
         source = f"the highest complete step; step {skipped.step} is incomplete: {skipped.reason}"
@@ -1260,6 +1359,22 @@ def _latest_of(
     return want, f"`step` latest: step {want} ({source}{_staged_note(root, units, want)})"
 
 
+def _tracked_incomplete(root: Path, name: str, inc: IncompleteStep, done: int) -> IncompleteCheckpointError:
+    """E202 for a ``latest`` file ``name`` (Megatron-LM's and verl's ``latest_checkpointed_iteration.txt``,
+    DeepSpeed's ``latest``) naming step ``inc.step``, whose save did not finish: those trainers' resume follows the
+    file and loads that step (Megatron-LM and DeepSpeed fail on it, verl's ``find_latest_ckpt_path`` returns it
+    because the directory exists), never the older complete step ``done`` (NeMo Automodel's ``LATEST``, which its
+    resume passes over, is not refused: the schemas' ``latest_fallback``)."""
+    return IncompleteCheckpointError(
+        f"{root / name}: names step {inc.step}, whose save did not finish: {inc.path} has {inc.reason}; a resume "
+        f"that follows {name} loads step {inc.step} and fails (the newest complete step is {done})",
+        path=root / name,
+        param="step",
+        hint=f"wait for the save to finish, or point {name} at step {done} (the newest complete one), or pass "
+        f"`step` {done}",
+    )
+
+
 def _staged_note(root: Path, units: list[_Unit], want: int) -> str:
     """What ``latest`` (step ``want``) says of a finished save of a newer step under a staging name (``step-3.tmp``
     with its ``.metadata``), else ``""``."""
@@ -1267,13 +1382,12 @@ def _staged_note(root: Path, units: list[_Unit], want: int) -> str:
     staged = [(n, m, name) for n, m, name in staged if n > want]
     if not staged:
         return ""
+    # one torchtitan's resume takes as its step (step-3.tmp) is a newer step not loaded (_resume_skipped, R001)
+    staged = [(n, m, name) for n, m, name in staged if not ((t := _TITAN_STEP.search(m.name)) and int(t.group(1)) == n)]
+    if not staged:
+        return ""
     n, m, name = max(staged)
-    titan = re.search(r"step-(\d+)", name)  # torchtitan's _find_load_step: each name in its checkpoint folder
-    return f"; {_rel(m, root)} holds a finished save of step {n} under a staging name, not renamed" + (
-        f": torchtitan's resume, which matches step-N anywhere in a folder's name, loads it as step {n}"
-        if titan is not None and int(titan.group(1)) == n
-        else " (no trainer's resume lists it)"
-    )
+    return f"; {_rel(m, root)} holds a finished save of step {n} under a staging name, not renamed (no trainer's resume lists it)"
 
 
 def _staged_hint(root: Path, units: list[_Unit], want: int | str | None) -> str | None:

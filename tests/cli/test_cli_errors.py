@@ -115,6 +115,13 @@ def test_step_given_as_a_directory_name_hints_its_number(tmp_path: Path) -> None
         ("lates", "hint: e.g. --step 200, or --step latest for the newest complete step"),
         # a superscript is a digit to str.isdigit, not to int(): it was E999 'internal error: ValueError'
         ("\u00b2", "hint: e.g. --step 200, or --step latest for the newest complete step"),
+        # torchtitan's load_step -1 (its newest step) hinted --step 1, the oldest; 10.0 hinted --step 0
+        (
+            "-1",
+            "hint: a step number is 0 or more (torchtitan's load_step -1 means its newest step): --step latest for "
+            "the newest complete step, or e.g. --step 200",
+        ),
+        ("10.0", "hint: e.g. --step 200, or --step latest for the newest complete step"),
     ):
         res = runner.invoke(app, ["inspect", str(tmp_path), "--step", given])
         assert res.exit_code == 2 and res.stderr.splitlines() == [

@@ -7,8 +7,11 @@ DeepSpeed-style names and ``latest`` files are laid out by copying a real checkp
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -585,15 +588,23 @@ def test_a_step_directory_staged_under_a_suffix_is_an_unfinished_step(tmp_path: 
     assert CheckpointManager._find_load_step(None, str(run)) == 3  # type: ignore[arg-type]
     loc = locate(run, CheckpointSelection(step="latest"))
     assert loc.model == run / "step-3" and not loc.newer_incomplete
-    # its save finished under the staging name: torchtitan's resume loads it as step 3, other trainers' never list it;
-    # `step` latest keeps step 2 and says so
+    # its save finished under the staging name: torchtitan's resume takes step 3 from that name and fails, as it loads
+    # step-3 (it was said to load the folder as step 3, and validate passed): `step` latest keeps step 2, R001 names it
     shutil.rmtree(run / "step-3")
     shutil.copy(run / "step-2" / ".metadata", staged / ".metadata")
     assert CheckpointManager._find_load_step(None, str(run)) == 3  # type: ignore[arg-type]
+    assert CheckpointManager._create_checkpoint_id(None, 3, str(run)) == str(run / "step-3")  # type: ignore[arg-type]
     loc = locate(run, CheckpointSelection(step="latest"))
-    assert loc.model == run / "step-2" and not loc.newer_incomplete
-    assert "step-3.tmp holds a finished save of step 3 under a staging name" in loc.how, loc.how
-    assert "torchtitan's resume" in loc.how and "loads it as step 3" in loc.how, loc.how
+    why = (
+        "a finished save under the name step-3.tmp, not step-3: torchtitan's resume, which matches step-N anywhere in "
+        "a folder's name, takes step 3 from it and fails (it loads step-3, which is not there)"
+    )
+    assert loc.model == run / "step-2" and [(i.step, i.path, i.reason) for i in loc.newer_incomplete] == [
+        (3, staged, why)
+    ]
+    assert "loads it as step 3" not in loc.how and f"step 3 is incomplete: {why}" in loc.how, loc.how
+    res = CliRunner().invoke(app, ["validate", "--strict", "--json", "--step", "latest", str(run)])
+    assert res.exit_code == 1 and [f["code"] for f in json.loads(res.stdout)["findings"]] == ["R001"], res.output
 
 
 def test_latest_file_naming_another_runs_step_directory(acc_root: Path, tmp_path: Path) -> None:
@@ -764,3 +775,95 @@ def test_step_n_of_a_finished_save_under_a_staging_name_names_that_folder(tmp_pa
     assert "staging name" in ei.value.hint
     res = CliRunner().invoke(app, ["inspect", str(run), "--step", "3"])
     assert res.exit_code == 2 and "step-3.tmp" in res.stderr and "Traceback" not in res.output, res.output
+
+
+def _as_user_without_dac_override(args: list[str]) -> subprocess.CompletedProcess[str]:
+    """``ckpttool ARGS`` in a subprocess that the permission bits bind: as root, with CAP_DAC_OVERRIDE and
+    CAP_DAC_READ_SEARCH dropped (``setpriv``), else as the user itself."""
+    cmd = [sys.executable, "-m", "ckpttool", *args]
+    if os.geteuid() == 0:
+        if shutil.which("setpriv") is None:
+            pytest.skip("root without setpriv: permission bits cannot be made to bind")
+        caps = "-dac_override,-dac_read_search"
+        cmd = ["setpriv", f"--bounding-set={caps}", f"--inh-caps={caps}", *cmd]
+    env = {**os.environ, "COLUMNS": "200"}
+    return subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300, check=False)
+
+
+def test_a_newest_step_that_cannot_be_read_is_named_not_passed_over(dense_ckpt: Path, tmp_path: Path) -> None:
+    """A run root whose newest step directory (step-3) this user may not list (chmod 000: another user's job, a
+    restrictive umask): ``--step latest`` validated step-2, OK with no finding, as if step-3 were not there, and
+    ``--step 3`` said 'no checkpoint of step 3 below it; steps found: 1, 2'. Now step-3 is a step not known to be
+    complete: ``--step latest`` still checks step-2 and R001 names step-3 (``--strict`` fails), ``--step 3`` is
+    E202 saying it cannot be read."""
+    run = tmp_path / "run"
+    for n in (1, 2, 3):
+        shutil.copytree(dense_ckpt, run / f"step-{n}")
+    (run / "step-3").chmod(0)
+    try:
+        r = _as_user_without_dac_override(["validate", "--json", str(run), "--step", "latest"])
+        assert r.returncode == 0, r.stderr
+        doc = json.loads(r.stdout)
+        assert doc["path"] == str(run / "step-2")
+        (r001,) = [f for f in doc["findings"] if f["code"] == "R001"]
+        assert r001["message"] == (
+            f"{run / 'step-3'}: step 3 is newer than the checked step 2 but incomplete (no listing this user may read "
+            "(Permission denied), so whether its save finished is not known)"
+        )
+        assert _as_user_without_dac_override(["validate", "--strict", str(run), "--step", "latest"]).returncode == 1
+        r = _as_user_without_dac_override(["inspect", str(run), "--step", "3"])
+        assert r.returncode == 2 and r.stderr.startswith(f"error: [E202] {run}: --step 3: step 3 is incomplete"), (
+            r.stderr
+        )
+        assert f"{run / 'step-3'} has no listing this user may read (Permission denied)" in r.stderr
+    finally:
+        (run / "step-3").chmod(0o755)
+
+
+def test_a_newest_step_linked_to_storage_that_is_gone_is_named(dense_ckpt: Path, tmp_path: Path) -> None:
+    """A run root whose newest step directory is a link to storage that is gone or not mounted (step-3 ->
+    /scratch/.../step-3): ``--step latest`` validated step-2 OK with no finding, as if step-3 had never been saved,
+    and ``--step 3`` said 'no checkpoint of step 3 below it'. Now R001 names the link (``--strict`` fails) and
+    ``--step 3`` is E202 naming its missing target."""
+    run = tmp_path / "run"
+    for n in (1, 2):
+        shutil.copytree(dense_ckpt, run / f"step-{n}")
+    gone = tmp_path / "scratch" / "step-3"
+    (run / "step-3").symlink_to(gone)
+    runner = CliRunner()
+    r = runner.invoke(app, ["validate", "--json", str(run), "--step", "latest"])
+    assert r.exit_code == 0, r.output
+    doc = json.loads(r.stdout)
+    assert doc["path"] == str(run / "step-2")
+    (r001,) = [f for f in doc["findings"] if f["code"] == "R001"]
+    assert r001["message"] == (
+        f"{run / 'step-3'}: step 3 is newer than the checked step 2 but incomplete (no target: it links to "
+        f"{str(gone)!r}, which does not exist (storage removed or not mounted), so whether its save finished is not "
+        "known)"
+    )
+    assert runner.invoke(app, ["validate", "--strict", str(run), "--step", "latest"]).exit_code == 1
+    r = runner.invoke(app, ["inspect", str(run), "--step", "3"])
+    assert r.exit_code == 2 and r.stderr.startswith(f"error: [E202] {run}: --step 3: step 3 is incomplete"), r.output
+    assert f"{run / 'step-3'} has no target: it links to {str(gone)!r}" in r.stderr
+
+
+def test_a_finished_copy_named_step_n_something_is_the_step_torchtitan_fails_on(tmp_path: Path) -> None:
+    """``step-1``, ``step-2`` and a finished save in ``step-5-backup`` (no ``step-5``): torchtitan's resume takes 5 from
+    that name (``re.search("step-(\\d+)")``) and fails loading ``step-5``; ``--step latest`` checked step 2 and
+    said OK in silence. Now R001 names the folder (``--strict`` fails); beside a real ``step-5`` it is a copy, and
+    step 5 is chosen."""
+    import torch.distributed.checkpoint as dcp
+    from torchtitan.components.checkpoint import CheckpointManager
+
+    run = tmp_path / "run"
+    for name in ("step-1", "step-2", "step-5-backup"):
+        dcp.save({"model": {"w": torch.ones(4)}}, checkpoint_id=str(run / name), no_dist=True)
+    assert CheckpointManager._find_load_step(None, str(run)) == 5  # type: ignore[arg-type]
+    assert not (run / "step-5").exists()  # what its resume loads: CheckpointManager._create_checkpoint_id(5)
+    res = CliRunner().invoke(app, ["validate", "--json", "--step", "latest", str(run)])
+    doc = json.loads(res.stdout)
+    assert res.exit_code == 0 and doc["path"] == str(run / "step-2"), res.output
+    (r001,) = [f for f in doc["findings"] if f["code"] == "R001"]
+    assert r001["key"] == str(run / "step-5-backup") and "takes step 5 from it and fails" in r001["message"]
+    shutil.copytree(run / "step-5-backup", run / "step-5")
+    assert locate(run, CheckpointSelection(step="latest")).model == run / "step-5"

@@ -257,6 +257,66 @@ def test_iteration_without_metadata_json_is_an_unfinished_save(tmp_path: Path) -
     assert [f["code"] for f in json.loads(r.stdout)["findings"]] == ["R001"]
 
 
+def test_tracker_naming_an_unfinished_iteration_is_e202_not_the_older_one(tmp_path: Path) -> None:
+    """latest_checkpointed_iteration.txt naming iter_0000005, whose save did not finish (no metadata.json), beside
+    the complete iter_0000003: Megatron-LM's resume follows the tracker to iteration 5 and fails there, yet
+    ``--step latest`` passed over it and validated (and exported) iteration 3, OK without --strict, and R001 said a
+    resume picks the older step. Now ``--step latest`` is E202 naming the tracker, nothing is exported, and the run
+    root (its only complete iteration) gets R005 naming the tracker beside R001."""
+    run = shutil.copytree(DATA / "dense1", tmp_path / "run")
+    cut = shutil.copytree(run / "iter_0000003", run / "iter_0000005")
+    (cut / "metadata.json").unlink()
+    tracker = run / "latest_checkpointed_iteration.txt"
+    tracker.write_text("5")
+    for argv in (["validate", str(run)], ["inspect", str(run)], ["export", str(run), str(tmp_path / "out")]):
+        r = runner.invoke(app, [*argv, "--step", "latest"])
+        assert r.exit_code == 2, r.output
+        assert r.stderr.startswith(
+            f"error: [E202] {tracker}: names step 5, whose save did not finish: {cut} has common.pt but no "
+            "metadata.json"
+        ), r.stderr
+        assert "a resume that follows latest_checkpointed_iteration.txt loads step 5 and fails" in r.stderr
+        assert "pass --step 3" in r.stderr
+    assert not (tmp_path / "out").exists()
+    r = runner.invoke(app, ["validate", "--json", str(run)])
+    assert r.exit_code == 0, r.output
+    codes = {f["code"]: f for f in json.loads(r.stdout)["findings"]}
+    assert set(codes) == {"R001", "R005"} and codes["R005"]["key"] == str(tracker), r.stdout
+    assert runner.invoke(app, ["validate", "--strict", str(run)]).exit_code == 1
+    tracker.write_text("3")  # the tracker naming the complete iteration: followed, R001 names the newer one
+    r = runner.invoke(app, ["validate", "--json", str(run), "--step", "latest"])
+    assert r.exit_code == 0 and [f["code"] for f in json.loads(r.stdout)["findings"]] == ["R001"], r.output
+
+
+def test_a_step_of_another_run_copied_in_is_r007(tmp_path: Path) -> None:
+    """A run root (dense1: iter_0000003) with another run's save copied in as its newest iteration (moe_ep2's, an
+    MoE model) and the tracker naming it: Megatron-LM's resume builds the dense model and fails loading it, yet
+    ``validate --step latest`` checked iter_0000005 and found nothing about the model (R002 only, for the copied
+    common.pt's iteration). Now R007 names the step and the keys only in one of the two, as torch's own reader
+    lists them; the run's own iteration copied to iter_0000005 gets no R007."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    run = shutil.copytree(DATA / "dense1", tmp_path / "run")
+    (run / "latest_checkpointed_iteration.txt").write_text("5")
+    shutil.copytree(DATA / "dense1" / "iter_0000003", run / "iter_0000005")
+    doc = json.loads(runner.invoke(app, ["validate", "--json", str(run), "--step", "latest"]).stdout)
+    assert doc["path"] == str(run / "iter_0000005") and "R007" not in {f["code"] for f in doc["findings"]}
+    shutil.rmtree(run / "iter_0000005")
+    shutil.copytree(DATA / "moe_ep2" / "iter_0000002", run / "iter_0000005")
+    mine = set(FileSystemReader(str(run / "iter_0000005")).read_metadata().state_dict_metadata)
+    theirs = set(FileSystemReader(str(run / "iter_0000003")).read_metadata().state_dict_metadata)
+    r = runner.invoke(app, ["validate", "--json", str(run), "--step", "latest"])
+    (f,) = [f for f in json.loads(r.stdout)["findings"] if f["code"] == "R007"]
+    assert f["severity"] == "warning" and f["key"] == str(run / "iter_0000005"), f
+    head = f"{run / 'iter_0000005'}: step 5 holds another model than step 3 before it ({run / 'iter_0000003'}): "
+    assert f["message"].startswith(head), f["message"]
+    new_key = f["message"].split("only in it (e.g. ", 1)[1].split(")", 1)[0]
+    old_key = f["message"].split("only in step 3 (e.g. ", 1)[1].split(")", 1)[0]
+    assert new_key in mine - theirs and old_key in theirs - mine, f["message"]
+    r = runner.invoke(app, ["validate", "--strict", "--json", str(run), "--step", "3"])  # the run's own step
+    assert "R007" not in {f["code"] for f in json.loads(r.stdout)["findings"]}, r.stdout
+
+
 def test_latest_release_opens_the_release_directory(tmp_path: Path) -> None:
     """Megatron-LM's latest_checkpointed_iteration.txt holding ``release`` makes its resume load ``<save>/release/``;
     ``--step latest`` passed over the word and opened the highest iter_N instead (and with release/ alone

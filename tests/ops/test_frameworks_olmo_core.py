@@ -77,6 +77,32 @@ def test_a_step_without_train_rank0_is_named(olmo_root: Path, tmp_path: Path) ->
     assert [f["code"] for f in doc["findings"]] == ["K011"] and "(no train/rank*.pt)" in doc["findings"][0]["message"]
 
 
+def test_latest_passes_over_a_step_without_train_rank0_as_olmo_core_does(fixture_root: Path, tmp_path: Path) -> None:
+    """OLMo-core's ``Checkpointer.latest_checkpoint`` (what its trainer resumes from) lists a step directory only
+    when it holds train/rank0.pt beside model_and_optim/ and .metadata.json: a run whose step2 lost that file (a
+    copy of the weights only) resumes from step1. ``--step latest`` validated (and exported) step2, warning only
+    K011 for the file. Now it chooses step1, as OLMo-core's own search does, and R001 names step2; ``--step 2``
+    still opens step2 (K011)."""
+    from olmo_core.train.checkpoint import Checkpointer
+
+    steps = _olmo_run(fixture_root, "olmo_core_steps", "build_olmo_core_steps")
+    run = shutil.copytree(steps / "run", tmp_path / "run")
+    (run / "step2" / "train" / "rank0.pt").unlink()
+    assert Checkpointer.latest_checkpoint(run) == str(run / "step1")  # the reference: OLMo-core's own choice
+    doc = json.loads(cli("inspect", str(run), "--step", "latest", "--json"))
+    assert doc["location"]["model"] == str(run / "step1" / "model_and_optim"), doc["location"]
+    assert [i["step"] for i in doc["location"]["newer_incomplete"]] == [2]
+    doc = json.loads(cli("validate", str(run), "--step", "latest", "--json"))
+    assert doc["path"] == str(run / "step1" / "model_and_optim")
+    (r001,) = [f for f in doc["findings"] if f["code"] == "R001"]
+    assert r001["message"].startswith(f"{run / 'step2'}: step 2 is newer than the checked step 1 but incomplete (")
+    assert "no train/rank0.pt, which OLMo-core's latest_checkpoint requires" in r001["message"]
+    cli("validate", "--strict", str(run), "--step", "latest", code=1)
+    doc = json.loads(cli("validate", str(run), "--step", "2", "--json"))
+    assert doc["path"] == str(run / "step2" / "model_and_optim")
+    assert [f["code"] for f in doc["findings"] if f["severity"] != "info"] == ["K011"]
+
+
 def test_training_state_beside_model_and_optim_is_named(olmo_root: Path, tmp_path: Path) -> None:
     """A pickle of training state saved into stepN/ beside model_and_optim/ and train/ (a callback's
     torch.save, a folder of per-rank data loader states) was passed over in silence: validate --strict OK

@@ -604,6 +604,35 @@ def test_a_newer_step_missing_a_rank_file_is_passed_over(verl_root: Path, tmp_pa
         assert res.stderr.startswith("error: [E202] ") and f"{run / 'global_step_4' / 'actor'} has {why}" in res.stderr
 
 
+def test_a_tracker_naming_a_step_missing_a_rank_file_is_e202(verl_root: Path, tmp_path: Path) -> None:
+    """verl's trainer writes latest_checkpointed_iteration.txt and its resume (find_latest_ckpt_path) loads the
+    step it names whenever that directory exists: naming global_step_4, whose rank 1 lost its model file, the
+    resume fails there. ``--step latest`` passed over it and validated global_step_2 (OK, exit 0) and R001 said a
+    resume picks the older step. Now ``--step latest`` is E202 naming the tracker (validate, inspect, export:
+    nothing written), and the run root with global_step_2 its only complete step gets R005 naming it."""
+    run = tmp_path / "run"
+    shutil.copytree(_actor(verl_root, 2).parent, run / "global_step_2")
+    shutil.copytree(_actor(verl_root, 2).parent, run / "global_step_4")
+    (run / "global_step_4" / "actor" / "model_world_size_2_rank_1.pt").unlink()
+    tracker = run / "latest_checkpointed_iteration.txt"
+    tracker.write_text("4")
+    out = tmp_path / "out"
+    for argv in (["validate", str(run)], ["inspect", str(run)], ["export", str(run), str(out)]):
+        r = runner.invoke(app, [*argv, "--step", "latest"])
+        assert r.exit_code == 2, r.output
+        assert r.stderr.splitlines()[0] == (
+            f"error: [E202] {tracker}: names step 4, whose save did not finish: {run / 'global_step_4' / 'actor'} "
+            "has model files of ranks [1] missing for world size 2; a resume that follows "
+            "latest_checkpointed_iteration.txt loads step 4 and fails (the newest complete step is 2)"
+        ), r.stderr
+    assert not out.exists()
+    r = runner.invoke(app, ["validate", "--json", str(run)])
+    assert r.exit_code == 0, r.output
+    assert sorted(f["code"] for f in json.loads(r.stdout)["findings"] if f["code"][0] == "R") == ["R001", "R005"]
+    r = runner.invoke(app, ["validate", "--json", str(run), "--step", "2"])  # the step asked for: checked as asked
+    assert r.exit_code == 0 and json.loads(r.stdout)["path"] == str(run / "global_step_2" / "actor"), r.output
+
+
 def test_a_copied_step_missing_a_rank_file_is_incomplete_not_no_checkpoint(verl_root: Path, tmp_path: Path) -> None:
     """global_step_2/ copied under another name (``cp -r run/global_step_2 backup``), then a rank file lost: no
     step-named directory says which step it is, and every command said E200 'no DCP checkpoint in the 3 directory

@@ -33,10 +33,12 @@ def newer_step_incomplete(ctx: Context) -> Iterator[tuple[str, str]]:
 
 @rule("R005")
 def latest_names_no_checkpoint(ctx: Context) -> Iterator[tuple[str, str]]:
-    """The run root given names a latest step (its ``latest`` file) that no checkpoint below it has, while the
-    checkpoint checked was chosen without it (its only one, or ``--step N``): ``--step latest`` is ``E205`` there."""
-    from ckpttool.errors import StepNotFoundError
+    """The run root given names a latest step (its ``latest`` file) that no checkpoint below it has, or one whose
+    save did not finish (Megatron-LM, verl, DeepSpeed follow the file and fail there), while the checkpoint checked
+    was chosen without it (its only one, or ``--step N``): ``--step latest`` is ``E205`` / ``E202`` there."""
+    from ckpttool.errors import IncompleteCheckpointError, StepNotFoundError
     from ckpttool.model.discovery import CheckpointSelection, locate
+    from ckpttool.model.schemas import registry
 
     loc = ctx.ckpt.located
     given = Path(loc.given)
@@ -44,11 +46,59 @@ def latest_names_no_checkpoint(ctx: Context) -> Iterator[tuple[str, str]]:
         return
     try:
         locate(given, CheckpointSelection(step="latest"))
-    except StepNotFoundError as e:
-        if e.path is not None and Path(e.path).parent == given:  # the latest file's own complaint
-            yield str(e.path), e.message
+    except (StepNotFoundError, IncompleteCheckpointError) as e:
+        p = Path(e.path) if e.path is not None else None
+        if p is not None and p.parent == given and p.name in registry.derived().discovery.latest_files:
+            yield str(e.path), e.message  # the latest file's own complaint
     except CkptError:
         return  # another reason --step latest fails there: not this rule's
+
+
+@rule("R007")
+def step_model_differs(ctx: Context) -> Iterator[tuple[str, str]]:
+    """The step chosen below a run root (``DIR --step N|latest``, or the root's only complete step) holds another
+    model than the newest complete step before it in the same folder: model keys only in one of them, or a key
+    whose global shape differs (a step of another run copied in; the model config changed between saves). One
+    resume builds one model, which cannot load both."""
+    from ckpttool.model.checkpoint import open_checkpoint
+    from ckpttool.model.discovery import older_steps
+
+    loc = ctx.ckpt.located
+    here = Path(loc.model)
+    if Path(loc.given) == here or loc.step is None or loc.optimizer is not None:
+        return
+    older = older_steps(here)[:1]
+    if not older:
+        return
+    step, path = older[0]
+    try:
+        other = open_checkpoint(path).catalog
+    except CkptError:
+        return  # an older step that cannot be read is not this checkpoint's finding
+    if other.schema.naming != ctx.ckpt.catalog.schema.naming:
+        return  # one model under two namings (torchtitan's last_save_in_hf: the last step in HF names)
+    theirs = {k: e.shape for k, e in other.model.items()}
+    mine = {k: e.shape for k, e in ctx.ckpt.catalog.model.items()}
+    if not mine or not theirs:
+        return
+    only_here = sorted(set(mine) - set(theirs))
+    only_there = sorted(set(theirs) - set(mine))
+    shaped = sorted(k for k in set(mine) & set(theirs) if tuple(mine[k]) != tuple(theirs[k]))
+    if not (only_here or only_there or shaped):
+        return
+    parts = []
+    if only_here:
+        parts.append(f"{len(only_here)} model key(s) only in it (e.g. {only_here[0]})")
+    if only_there:
+        parts.append(f"{len(only_there)} only in step {step} (e.g. {only_there[0]})")
+    if shaped:
+        k = shaped[0]
+        shape_here, shape_there = list(mine[k]), list(theirs[k])
+        parts.append(f"{len(shaped)} of another shape (e.g. {k}: {shape_here} here, {shape_there} in step {step})")
+    yield (
+        str(here),
+        f"{here}: step {loc.step} holds another model than step {step} before it ({path}): " + "; ".join(parts),
+    )
 
 
 def _optimizer_step(ctx: Context) -> counters.Counter | None:
