@@ -816,6 +816,82 @@ def _tie_lm_head(sources: dict[str, _Source], config: Any, warnings: list[str]) 
         warnings.append(_tied_note(found))
 
 
+_TIE_BLOCK = 16 << 20  # bytes of the head (and of the embedding) compared at a time
+
+
+def _check_tied_head(src_dir: Path, sources: dict[str, _Source], config: Any, cfg_path: Path | None) -> None:
+    """Under ``tie_word_embeddings``, a stored ``lm_head.weight`` must hold the values of the stored embedding the
+    model class ties it to (:func:`~ckpttool.model.hfconfig.tied_embedding_key`), compared as transformers'
+    ``from_pretrained`` compares them (``torch.equal`` of the values; streamed, 16 MiB at a time).
+
+    ``from_pretrained`` leaves the two untied where they differ; a model built from the config (what ``dcp.load``
+    of the import fills) holds one tensor for both, which would then get the values of only one of them.
+    Another shape is left to the check against the model class (E605).
+
+    Raises:
+        ExportError (E601): the head differs from the embedding; the message counts the elements.
+    """
+    head, emb_key = sources.get("lm_head.weight"), tied_embedding_key(sources)
+    if tie_word_embeddings(config) is not True or head is None or emb_key is None:
+        return
+    emb = sources[emb_key]
+    if head.shape != emb.shape:
+        return
+    differ = _count_differing(src_dir, head, emb)
+    if differ:
+        numel = math.prod(head.shape)
+        raise ExportError(
+            f"{src_dir}: lm_head.weight differs from {emb_key} in {differ:,} of {numel:,} elements, but "
+            f"{_config_file(cfg_path)} ties them (tie_word_embeddings): "
+            "from_pretrained loads them untied, while the model this config builds holds one tensor for both",
+            path=src_dir,
+            param="config",
+            hint="the head was trained untied: pass `config` with tie_word_embeddings false (the model "
+            "from_pretrained builds, which loads both); to tie it, import the model without the stored lm_head.weight",
+        )
+
+
+def _config_file(path: Path | None) -> str:
+    """How messages name the config read from ``path`` (a ``config.json`` or the folder holding one)."""
+    if path is None:
+        return "the config"
+    return str(path / "config.json" if path.is_dir() else path)
+
+
+def _count_differing(src_dir: Path, a: _Source, b: _Source) -> int:
+    """How many elements of the stored tensors ``a`` and ``b`` (one shape) hold other values (NaN on both sides is
+    alike), their bytes compared first; values of two dtypes are compared in float64."""
+    import torch
+
+    from ckpttool.engine.io import read_exact
+
+    fa = open_regular(resolve_inside(src_dir, a.file, what="safetensors file"))
+    try:
+        fb = open_regular(resolve_inside(src_dir, b.file, what="safetensors file"))
+        try:
+            ia, ib = DType(a.dtype).itemsize, DType(b.dtype).itemsize
+            numel, step = math.prod(a.shape), max(1, _TIE_BLOCK // max(ia, ib))
+            differ = 0
+            for start in range(0, numel, step):
+                n = min(step, numel - start)
+                ra, rb = read_exact(fa, n * ia, a.offset + start * ia), read_exact(fb, n * ib, b.offset + start * ib)
+                if a.dtype == b.dtype and ra == rb:
+                    continue
+                ta = torch.frombuffer(bytearray(ra), dtype=DType(a.dtype).to_torch())
+                tb = torch.frombuffer(bytearray(rb), dtype=DType(b.dtype).to_torch())
+                if a.dtype != b.dtype:
+                    ta, tb = ta.to(torch.float64), tb.to(torch.float64)
+                ne = torch.ne(ta, tb)
+                if ta.is_floating_point() and tb.is_floating_point():
+                    ne &= ~(torch.isnan(ta) & torch.isnan(tb))
+                differ += int(ne.sum())
+            return differ
+        finally:
+            os.close(fb)
+    finally:
+        os.close(fa)
+
+
 def _tied_note(embedding: str) -> str:
     return f"tied lm_head.weight written from {embedding} (tie_word_embeddings)"
 
@@ -1128,6 +1204,14 @@ def _warn_unread_beside(src_dir: Path, warnings: list[str]) -> None:
         )
 
 
+def _check_sources(src_dir: Path, sources: dict[str, _Source], config: Any, cfg_path: Path | None) -> None:
+    """The stored tensors are some (:func:`_check_not_empty`), those the index lists (:func:`_check_index`) and, under
+    a tying config, a stored head holds its embedding's values (:func:`_check_tied_head`: before any is dequantized)."""
+    _check_not_empty(src_dir, sources)
+    _check_index(src_dir, sources)
+    _check_tied_head(src_dir, sources, config, cfg_path)
+
+
 def _check_not_empty(src_dir: Path, sources: dict[str, _Source]) -> None:
     """Refuse safetensors files that hold no tensor: an empty checkpoint would load into no model.
 
@@ -1164,8 +1248,7 @@ def _import_plain(
     warnings: list[str] = []
     _warn_left_out(src_dir, adapters, warnings)
     sources = _hf_sources(src_dir, md)
-    _check_not_empty(src_dir, sources)
-    _check_index(src_dir, sources)
+    _check_sources(src_dir, sources, config, cfg_path)
     real_files = sorted({s.file for s in sources.values()})
     plans = _dequantize_sources(src_dir, sources, _quant_config(src_dir, config, opts), opts, warnings)
     _tie_lm_head(sources, config, warnings)

@@ -1058,3 +1058,63 @@ def test_per_rank_hf_storage_shards_hint_pastes_as_is_for_a_path_with_a_space(ac
     cli(*argv[1:])
     cli("import", str(tmp_path / "hf"), str(tmp_path / "d"))
     assert cli("diff", str(src), str(tmp_path / "d"))["equal"]
+
+
+def test_a_stored_head_that_differs_from_the_embedding_it_is_tied_to_is_refused(hf_dirs: Path, tmp_path: Path) -> None:
+    """An untied model's folder (save_pretrained stores lm_head.weight) imported with the tied config of its base
+    model (`--config`): transformers' from_pretrained sees both stored with different values and leaves them untied,
+    but the model that config builds holds one tensor for both, so `dcp.load` of the import gave that tensor the
+    head's values (the embedding's lost; logits unlike from_pretrained's). Before, the import said OK; now E601
+    names both keys, nothing is written, and with the untied config the import loads with from_pretrained's logits."""
+    import transformers
+
+    src, tied_cfg = hf_dirs / "llama", hf_dirs / "llama_tied" / "config.json"
+    res = runner.invoke(app, ["import", str(src), str(tmp_path / "dcp"), "--config", str(tied_cfg)])
+    assert res.exit_code == 2, res.output
+    lines = res.stderr.strip().splitlines()
+    assert lines[0].startswith("error: [E601] ") and "lm_head.weight differs from model.embed_tokens.weight" in lines[0]
+    assert "in 3,072 of 3,072 elements" in lines[0] and str(tied_cfg) in lines[0], lines
+    assert lines[1].startswith("hint: ") and "tie_word_embeddings false" in lines[1] and len(lines) == 2, lines
+    assert not (tmp_path / "dcp").exists() and [p.name for p in tmp_path.iterdir()] == []
+    # what from_pretrained builds from the folder and that config: untied, the stored head kept
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        src, config=transformers.AutoConfig.from_pretrained(tied_cfg)
+    )
+    assert not torch.equal(model.lm_head.weight, model.model.embed_tokens.weight)
+    cli("import", str(src), str(tmp_path / "dcp"))  # the folder's own (untied) config: that very model
+    mine = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.from_pretrained(src))
+    sd = {"model": mine.state_dict()}
+    dcp.load(sd, checkpoint_id=str(tmp_path / "dcp"), no_dist=True)
+    mine.load_state_dict(sd["model"])
+    ref = torch.load(src / "reference.pt", weights_only=True)
+    model.eval(), mine.eval()
+    with torch.no_grad():
+        torch.testing.assert_close(mine(ref["ids"]).logits, model(ref["ids"]).logits, rtol=0, atol=0)
+
+
+def test_a_tied_head_stored_beside_its_embedding_with_equal_values_imports(hf_dirs: Path, tmp_path: Path) -> None:
+    """torch's HuggingFaceStorageWriter saves a tied model's state_dict() with both lm_head.weight and the embedding
+    (equal values): imported as they are, and `dcp.load` into the tied model gives transformers' logits."""
+    import shutil
+    import warnings
+
+    import transformers
+    from torch.distributed.checkpoint import HuggingFaceStorageWriter
+
+    src = hf_dirs / "llama_tied"
+    model = transformers.AutoModelForCausalLM.from_pretrained(src)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        state = {k: v.clone() for k, v in model.state_dict().items()}  # the writer refuses shared storage
+        dcp.save(state, storage_writer=HuggingFaceStorageWriter(path=str(tmp_path / "hf")), no_dist=True)
+    shutil.copy(src / "config.json", tmp_path / "hf")
+    assert "lm_head.weight" in hf_tensors(tmp_path / "hf")
+    cli("import", str(tmp_path / "hf"), str(tmp_path / "dcp"))
+    mine = transformers.AutoModelForCausalLM.from_config(model.config)
+    sd = {"model": mine.state_dict()}
+    dcp.load(sd, checkpoint_id=str(tmp_path / "dcp"), no_dist=True)
+    mine.load_state_dict(sd["model"])
+    ref = torch.load(src / "reference.pt", weights_only=True)
+    mine.eval()
+    with torch.no_grad():
+        torch.testing.assert_close(mine(ref["ids"]).logits, ref["logits"], rtol=0, atol=0)
