@@ -437,8 +437,8 @@ def _megatron_tensors(
     if ep is not None:
         raise UsageError("`schema` megatron takes no EP sizes (megatron's keys are global)", param="ep_size")
     if "lm_head.weight" in sources and "lm_head.weight" not in md.entries:
-        del sources["lm_head.weight"]
-        warnings.remove(_tied_note("model.embed_tokens.weight"))
+        del sources["lm_head.weight"]  # written from whichever embedding the class ties it to (GPT-2's wte, ...)
+        warnings[:] = [w for w in warnings if not w.startswith(_TIED_NOTE)]
     tensors, skipped, objects = megatron_natives(_generic_expert_names(sources, acfg), config, acfg)
     return [_Native(t.key, t.dtype, t.shape, t.rows, (t.key,), flat=t.flat) for t in tensors], skipped, objects
 
@@ -892,8 +892,11 @@ def _count_differing(src_dir: Path, a: _Source, b: _Source) -> int:
         os.close(fa)
 
 
+_TIED_NOTE = "tied lm_head.weight written from "
+
+
 def _tied_note(embedding: str) -> str:
-    return f"tied lm_head.weight written from {embedding} (tie_word_embeddings)"
+    return f"{_TIED_NOTE}{embedding} (tie_word_embeddings)"
 
 
 def _model_check(natives: list[_Native], config: Any, opts: ImportOptions, warnings: list[str]) -> ModelCheck | None:
