@@ -56,7 +56,7 @@ from ckpttool.model.adapters import (
     import_adapters,
     rope_from_hf_rows,
 )
-from ckpttool.model.beside import hf_config_beside
+from ckpttool.model.beside import hf_config_beside, is_training_state_file
 from ckpttool.model.catalog import refuse_long_numbers
 from ckpttool.model.discovery import find_checkpoints, step_of
 from ckpttool.model.hf_forms import FORMS, ExpertForm, forms_for
@@ -685,14 +685,27 @@ def _check_import_options(hf_dir: str | os.PathLike[str], opts: ImportOptions) -
         raise MetadataError(
             f"{src_dir}: no .metadata and no .safetensors files",
             path=src_dir,
-            hint=f"import reads safetensors files only ({pickled[0]} is a torch.save file): load the model with "
-            "transformers and save it again with save_pretrained (it writes safetensors), then import that"
-            if pickled
-            else hub
-            if hub is not None
-            else _below_hint(src_dir),
+            hint=_pickled_hint(pickled) or hub or _below_hint(src_dir, tuple(pickled)),
         )
     return src_dir
+
+
+def _pickled_hint(pickled: list[str]) -> str | None:
+    """The hint of a folder holding ``torch.save`` files (``.bin``, ``.pt``, ``.pth``) and no safetensors file: the
+    weights file to re-save with ``save_pretrained`` or the PEFT adapter to merge; ``None`` where they are all a
+    trainer's training state (``optimizer.pt``, ``rng_state.pth``: never named as weights)."""
+    weights = [n for n in pickled if not is_training_state_file(n)]
+    if not weights:
+        return None
+    if all(n.startswith(ADAPTER_PREFIX) for n in weights):
+        return (
+            f"{weights[0]} is a PEFT adapter (a torch.save file), not a model: import the base model, or merge the "
+            "adapter into it first (PEFT's merge_and_unload, then save_pretrained)"
+        )
+    return (
+        f"import reads safetensors files only ({weights[0]} is a torch.save file): load the model with "
+        "transformers and save it again with save_pretrained (it writes safetensors), then import that"
+    )
 
 
 def _file_given_hint(folder: Path) -> str:
@@ -712,12 +725,19 @@ def _file_given_hint(folder: Path) -> str:
     )
 
 
-def _below_hint(src_dir: Path) -> str:
+def _below_hint(src_dir: Path, state: tuple[str, ...] = ()) -> str:
     """The hint for a folder without safetensors files: the model folders below it, if any (a Trainer run's
-    ``checkpoint-N/``, ``HuggingFaceStorageWriter(enable_consolidation=True)``'s ``sharded/``, NeMo's ``model/``)."""
+    ``checkpoint-N/``, ``HuggingFaceStorageWriter(enable_consolidation=True)``'s ``sharded/``, NeMo's ``model/``);
+    else the training-state files ``state`` it holds instead of weights, if any."""
     below = sorted(
         (p for p in find_checkpoints(src_dir) if hf_storage_files(p)), key=lambda p: _newest_step_first(p, src_dir)
     )
+    if not below and state:
+        more = f", ... ({len(state)} in all)" if len(state) > 3 else ""
+        return (
+            f"the folder holds training state ({', '.join(state[:3])}{more}), no model weights: pass the Hugging "
+            "Face model directory, the one holding model*.safetensors and config.json"
+        )
     if not below:
         return "pass the Hugging Face model directory, the one holding model*.safetensors and config.json"
     if len(below) == 1:

@@ -1118,3 +1118,58 @@ def test_a_tied_head_stored_beside_its_embedding_with_equal_values_imports(hf_di
     mine.eval()
     with torch.no_grad():
         torch.testing.assert_close(mine(ref["ids"]).logits, ref["logits"], rtol=0, atol=0)
+
+
+def test_a_folder_of_torch_save_files_is_refused_naming_the_weights_not_the_optimizer(tmp_path: Path) -> None:
+    """No safetensors file, only torch.save files (never unpickled): the hint named the first in name order as the
+    model to re-save with save_pretrained, which in a Trainer checkpoint is `optimizer.pt`. Now it names the weights
+    (`pytorch_model.bin`, as transformers 4 saved them), a PEFT adapter saved with `safe_serialization=False` as an
+    adapter to merge, and a folder of training state alone (a Trainer checkpoint-N without its model.safetensors)
+    as holding no weights."""
+    import shutil
+
+    import peft
+    from transformers import LlamaConfig, LlamaForCausalLM, Trainer, TrainingArguments
+
+    cfg = LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2)
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(cfg)
+    data = [{"input_ids": torch.arange(8), "labels": torch.arange(8)} for _ in range(2)]
+    args = TrainingArguments(
+        output_dir=str(tmp_path / "run"),
+        max_steps=1,
+        save_steps=1,
+        per_device_train_batch_size=2,
+        report_to=[],
+        use_cpu=True,
+        disable_tqdm=True,
+    )
+    Trainer(model=model, args=args, train_dataset=data).train()
+    step = tmp_path / "run" / "checkpoint-1"
+    state = tmp_path / "state"  # the training state, its weights left out (rsync --exclude '*.safetensors')
+    shutil.copytree(step, state, ignore=shutil.ignore_patterns("*.safetensors"))
+    assert (state / "optimizer.pt").is_file() and (state / "rng_state.pth").is_file()
+    v4 = tmp_path / "v4"  # the same checkpoint as transformers 4 saved it (save_safetensors=False)
+    shutil.copytree(state, v4)
+    torch.save(model.state_dict(), v4 / "pytorch_model.bin")
+    lora = tmp_path / "lora"
+    peft.get_peft_model(model, peft.LoraConfig(r=2, target_modules=["q_proj"])).save_pretrained(
+        lora, safe_serialization=False
+    )
+    assert (lora / "adapter_model.bin").is_file()
+
+    def refused(folder: Path) -> str:
+        res = runner.invoke(app, ["import", str(folder), str(tmp_path / "out")])
+        assert res.exit_code == 2, res.output
+        lines = res.stderr.strip().splitlines()
+        assert lines[0].startswith("error: [E200] ") and lines[1].startswith("hint: ") and len(lines) == 2, lines
+        assert not (tmp_path / "out").exists()
+        return lines[1]
+
+    hint = refused(v4)
+    assert "pytorch_model.bin is a torch.save file" in hint and "optimizer.pt" not in hint, hint
+    hint = refused(lora)
+    assert "adapter_model.bin is a PEFT adapter" in hint and "merge" in hint, hint
+    hint = refused(state)
+    assert "holds training state (optimizer.pt, " in hint and "no model weights" in hint, hint
+    assert "save it again with save_pretrained" not in hint, hint
