@@ -1227,12 +1227,61 @@ def _warn_unread_beside(src_dir: Path, warnings: list[str]) -> None:
         )
 
 
-def _check_sources(src_dir: Path, sources: dict[str, _Source], config: Any, cfg_path: Path | None) -> None:
-    """The stored tensors are some (:func:`_check_not_empty`), those the index lists (:func:`_check_index`) and, under
-    a tying config, a stored head holds its embedding's values (:func:`_check_tied_head`: before any is dequantized)."""
+def _prepare_sources(
+    src_dir: Path,
+    sources: dict[str, _Source],
+    config: Any,
+    cfg_path: Path | None,
+    opts: ImportOptions,
+    warnings: list[str],
+) -> None:
+    """The stored tensors are some (:func:`_check_not_empty`) and those the index lists (:func:`_check_index`); a base
+    model's keys get the prefix the config's model class holds them under (:func:`_add_base_model_prefix`); under a
+    tying config a stored head holds its embedding's values (:func:`_check_tied_head`: before any is dequantized)."""
     _check_not_empty(src_dir, sources)
     _check_index(src_dir, sources)
+    _add_base_model_prefix(sources, config, opts, warnings)
     _check_tied_head(src_dir, sources, config, cfg_path)
+
+
+def _add_base_model_prefix(sources: dict[str, _Source], config: Any, opts: ImportOptions, warnings: list[str]) -> None:
+    """A base model's save loaded into the config's causal LM (the hub's ``openai-community/gpt2`` stores
+    ``GPT2Model``'s ``wte.weight``, ``h.0.attn.c_attn.weight``, ... under a ``GPT2LMHeadModel`` config): every stored
+    key the model class holds only one level down, under the one prefix ``P.`` that no stored key has
+    (``transformer.``, its ``base_model_prefix``), is written as ``P.<key>``, as ``from_pretrained`` adds that prefix
+    (``core_model_loading.py``); a warning says so. For the schemas that check against the HF model class
+    (``torch-native``) with a config; the model class comes from the same cache as the check."""
+    if config is None or not registry.get(opts.schema).import_checks_hf_model:
+        return
+    from ckpttool.errors import SizeLimitError
+    from ckpttool.ops.export.expected import check_config_bounds, expected_state_dict
+
+    try:
+        check_config_bounds(config, len(sources))
+    except SizeLimitError:  # the check against the model class says so
+        return
+    got = expected_state_dict(config)
+    if isinstance(got, str):
+        return
+    below: dict[str, set[str]] = {}  # key one level down -> the prefixes the model holds it under
+    for e in got.tensors:
+        head, _, rest = e.partition(".")
+        if rest:
+            below.setdefault(rest, set()).add(head)
+    moved = [k for k in sources if k not in got.tensors and k in below]
+    prefixes = {p for k in moved for p in below[k]}
+    if len(prefixes) != 1:
+        return
+    (prefix,) = prefixes
+    if any(k.startswith(prefix + ".") for k in sources):  # some stored under it already: not a base model's save
+        return
+    for k in moved:
+        s = sources.pop(k)
+        sources[f"{prefix}.{k}"] = _Source(f"{prefix}.{k}", s.file, s.offset, s.dtype, s.shape)
+    warnings.append(
+        f"{len(moved)} stored key(s) of the base model ({_first(moved, 2)}) written under {prefix}., where "
+        f"{got.model_class} holds them, as from_pretrained loads them"
+    )
 
 
 def _check_not_empty(src_dir: Path, sources: dict[str, _Source]) -> None:
@@ -1271,7 +1320,7 @@ def _import_plain(
     warnings: list[str] = []
     _warn_left_out(src_dir, adapters, warnings)
     sources = _hf_sources(src_dir, md)
-    _check_sources(src_dir, sources, config, cfg_path)
+    _prepare_sources(src_dir, sources, config, cfg_path, opts, warnings)
     real_files = sorted({s.file for s in sources.values()})
     plans = _dequantize_sources(src_dir, sources, _quant_config(src_dir, config, opts), opts, warnings)
     _tie_lm_head(sources, config, warnings)

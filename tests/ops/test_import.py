@@ -1173,3 +1173,31 @@ def test_a_folder_of_torch_save_files_is_refused_naming_the_weights_not_the_opti
     hint = refused(state)
     assert "holds training state (optimizer.pt, " in hint and "no model weights" in hint, hint
     assert "save it again with save_pretrained" not in hint, hint
+
+
+def test_a_base_model_save_imports_under_the_prefix_from_pretrained_adds(tmp_path: Path) -> None:
+    """A `GPT2Model` saved by save_pretrained (`wte.weight`, `h.0.attn.c_attn.weight`: the layout of the hub's
+    openai-community/gpt2) is what AutoModelForCausalLM.from_pretrained loads into GPT2LMHeadModel, adding the
+    `transformer.` prefix and tying lm_head to wte. The import refused it (E605, all 28 keys missing) and suggested
+    `--allow-mismatch`, whose output loads nothing. Now the keys are written under `transformer.`, with a warning,
+    and `dcp.load` into the causal LM gives from_pretrained's logits."""
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(7)
+    lm = hf_models.tiny_tied_model("gpt2").eval()
+    lm.transformer.save_pretrained(tmp_path / "hf")
+    assert "wte.weight" in hf_tensors(tmp_path / "hf")
+    doc = cli("import", str(tmp_path / "hf"), str(tmp_path / "dcp"))
+    assert any("28 stored key(s) of the base model" in w and "under transformer." in w for w in doc["warnings"])
+    assert doc["model_check"]["checked"] and not doc["model_check"].get("findings"), doc["model_check"]
+    ref = AutoModelForCausalLM.from_pretrained(tmp_path / "hf").eval()
+    mine = AutoModelForCausalLM.from_config(ref.config)
+    sd = {"model": mine.state_dict()}
+    dcp.load(sd, checkpoint_id=str(tmp_path / "dcp"), no_dist=True)
+    mine.load_state_dict(sd["model"])
+    mine.eval()
+    ids = torch.randint(0, 96, (2, 12), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        want = ref(ids).logits
+        torch.testing.assert_close(mine(ids).logits, want, rtol=0, atol=0)
+        torch.testing.assert_close(lm(ids).logits, want, rtol=0, atol=0)
