@@ -1201,3 +1201,19 @@ def test_a_base_model_save_imports_under_the_prefix_from_pretrained_adds(tmp_pat
         want = ref(ids).logits
         torch.testing.assert_close(mine(ids).logits, want, rtol=0, atol=0)
         torch.testing.assert_close(lm(ids).logits, want, rtol=0, atol=0)
+
+
+def test_a_config_transformers_rejects_is_named_on_one_line(hf_dirs: Path, tmp_path: Path) -> None:
+    """A config.json whose field transformers' config class rejects (`hidden_size` a string): the warning that the
+    model class was not built carried transformers' multi-line message, printed with a literal `\\x0a` in it. Now
+    its lines are joined by spaces."""
+    import shutil
+
+    src = tmp_path / "hf"
+    shutil.copytree(hf_dirs / "llama", src)
+    cfg = json.loads((src / "config.json").read_text())
+    (src / "config.json").write_text(json.dumps(dict(cfg, hidden_size="big")))
+    res = runner.invoke(app, ["import", str(src), str(tmp_path / "out"), "--no-cache"])
+    assert res.exit_code == 0, res.output
+    (line,) = [x for x in res.stderr.splitlines() if "cannot build a causal LM" in x]
+    assert "\\x0a" not in line and "Validation error for field 'hidden_size': TypeError" in line, line
