@@ -307,8 +307,7 @@ def _fuse_per_expert(sources: dict[str, _Source], out: dict[str, _Native], acfg:
                 for p, g in zip(parts, got):
                     _expert_count(f"{prefix}.experts.*.{p}.weight", f"{prefix}.experts.0.{p}.weight", g, n)
                 first = got[0][0]
-                if any(s.shape != first.shape or s.dtype != first.dtype for g in got for s in g.values()):
-                    raise ExportError(f"{prefix}: per-expert {fused} parts differ in shape or dtype", fqn=prefix)
+                _check_parts_alike(f"{prefix}.experts.{fused}", first, got)
                 a, b = _expert_matrix(prefix, f"{prefix}.experts.0.{parts[0]}.weight", first)
                 nb = DType(first.dtype).itemsize * a * b
                 rows = [[(g[j].file, g[j].offset, nb) for g in got] for j in range(n)]
@@ -317,6 +316,25 @@ def _fuse_per_expert(sources: dict[str, _Source], out: dict[str, _Native], acfg:
                 out[key] = _Native(key, first.dtype, (n, a * len(parts), b), rows, ("model", name))
                 used.update(s.key for g in got for s in g.values())
     return used
+
+
+def _check_parts_alike(fused: str, first: _Source, got: list[dict[int, _Source]]) -> None:
+    """The per-expert parts of one fused tensor (``got``: each part's experts) share ``first``'s dtype and shape.
+
+    Raises:
+        ExportError (E601): naming the first part (by expert, then part) that differs, and ``first``.
+    """
+    parts = [s for j in sorted(got[0]) for g in got if (s := g.get(j)) is not None]
+    odd = [s for s in parts if (s.shape, s.dtype) != (first.shape, first.dtype)]
+    if odd:
+        more = f" (+{len(odd) - 1} more)" if len(odd) > 1 else ""
+        raise ExportError(
+            f"{odd[0].key}: {odd[0].dtype} {list(odd[0].shape)}{more}, but {first.key} is {first.dtype} "
+            f"{list(first.shape)}: the per-expert tensors are fused into one {fused} of one dtype and shape",
+            fqn=odd[0].key,
+            hint="every expert's tensors must share one dtype and shape: load the model with transformers and save "
+            "it again with save_pretrained (one dtype), or check that the folder holds one model's experts",
+        )
 
 
 def _generic_expert_names(sources: dict[str, _Source], acfg: AdapterConfig) -> dict[str, _Source]:

@@ -1217,3 +1217,31 @@ def test_a_config_transformers_rejects_is_named_on_one_line(hf_dirs: Path, tmp_p
     assert res.exit_code == 0, res.output
     (line,) = [x for x in res.stderr.splitlines() if "cannot build a causal LM" in x]
     assert "\\x0a" not in line and "Validation error for field 'hidden_size': TypeError" in line, line
+
+
+def test_per_expert_tensors_of_another_dtype_are_refused_naming_the_key(hf_dirs: Path, tmp_path: Path) -> None:
+    """A Qwen3-MoE folder (save_pretrained: per-expert keys) in which one expert's gate_proj was re-saved in
+    bfloat16: the parts cannot be fused into one tensor. The refusal said only `model.layers.0.mlp: per-expert
+    gate_up_proj parts differ in shape or dtype` with export's hint (`see ckpttool export --help`); it now names the
+    key, its dtype and shape against expert 0's, with a hint for import."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    src = tmp_path / "hf"
+    shutil.copytree(hf_dirs / "qwen_moe", src)
+    key = "model.layers.0.mlp.experts.3.gate_proj.weight"
+    shard = src / json.loads((src / "model.safetensors.index.json").read_text())["weight_map"][key]
+    tensors = load_file(shard)
+    tensors[key] = tensors[key].to(torch.bfloat16)
+    save_file(tensors, shard, metadata={"format": "pt"})
+    res = runner.invoke(app, ["import", str(src), str(tmp_path / "out")])
+    assert res.exit_code == 2, res.output
+    lines = res.stderr.strip().splitlines()
+    assert lines[0] == (
+        f"error: [E601] {key}: bfloat16 [16, 32], but model.layers.0.mlp.experts.0.gate_proj.weight is float32 "
+        "[16, 32]: the per-expert tensors are fused into one model.layers.0.mlp.experts.gate_up_proj of one dtype "
+        "and shape"
+    ), lines
+    assert lines[1].startswith("hint: every expert's tensors must share one dtype") and len(lines) == 2, lines
+    assert not (tmp_path / "out").exists()
