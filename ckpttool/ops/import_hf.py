@@ -359,7 +359,11 @@ def _generic_expert_names(sources: dict[str, _Source], acfg: AdapterConfig) -> d
             else:
                 name = form.rename(name)
         if name in out:
-            raise ExportError(f"{k}: stored beside another tensor named {name!r}", fqn=k)
+            raise ExportError(
+                f"{k}: stored beside another tensor named {name!r}",
+                fqn=k,
+                hint="the folder mixes two naming forms of one model; re-save it with save_pretrained",
+            )
         out[name] = replace(src, key=name)
     return out
 
@@ -408,8 +412,7 @@ def _native_tensors(
     for nk, parts in stacked.items():
         n = _expert_count(nk, nk, parts, acfg.num_experts)
         first = parts[0]
-        if any(p.shape != first.shape or p.dtype != first.dtype for p in parts.values()):
-            raise ExportError(f"{nk}: per-expert HF tensors differ in shape or dtype", fqn=nk)
+        _check_parts_alike(nk, first, [parts])
         nb = DType(first.dtype).itemsize * math.prod(first.shape)
         rows = [[(parts[j].file, parts[j].offset, nb)] for j in range(n)]
         out[nk] = _Native(nk, first.dtype, (n, *first.shape), rows, (nk,))

@@ -1245,3 +1245,10 @@ def test_per_expert_tensors_of_another_dtype_are_refused_naming_the_key(hf_dirs:
     ), lines
     assert lines[1].startswith("hint: every expert's tensors must share one dtype") and len(lines) == 2, lines
     assert not (tmp_path / "out").exists()
+    # torchtitan stacks them into w1 [E, I, H]: the same refusal (was "per-expert HF tensors differ in shape or dtype")
+    res = runner.invoke(app, ["import", str(src), str(tmp_path / "out"), "--schema", "torchtitan"])
+    assert res.exit_code == 2, res.output
+    lines = res.stderr.strip().splitlines()
+    assert lines[0].startswith(f"error: [E601] {key}: bfloat16 [16, 32], but model.layers.0.mlp.experts.0."), lines
+    assert lines[1].startswith("hint: every expert's tensors must share one dtype") and len(lines) == 2, lines
+    assert not (tmp_path / "out").exists()
