@@ -142,12 +142,15 @@ def hub_snapshot(repo: Path) -> Path | None:
 
 
 def hub_hint(directory: Path) -> str | None:
-    """A hint for a Hugging Face hub repository folder (``models--ORG--NAME``) or a hub cache root (the folder
-    holding them) given where a model folder is wanted: the snapshot to pass (:func:`hub_snapshot`); ``None``
+    """A hint for a Hugging Face hub repository folder (``models--ORG--NAME``), its ``blobs/``, or a hub cache root
+    (the folder holding them) given where a model folder is wanted: the snapshot to pass (:func:`hub_snapshot`); ``None``
     when ``directory`` is neither (or no snapshot of it is clear)."""
     snapshot = hub_snapshot(directory)
     if snapshot is not None:
         return f"a Hugging Face hub repository folder: pass its snapshot, {snapshot}"
+    blobs_of = hub_snapshot(directory.parent) if directory.name == "blobs" else None
+    if blobs_of is not None:  # the files by content hash, no names: the snapshot names them
+        return f"the blobs of a Hugging Face hub repository (files named by hash): pass its snapshot, {blobs_of}"
     if directory.name.startswith(_HUB_REPOS) and (directory / "snapshots").is_dir():  # no refs/main to choose by
         revs = sorted(str(d) for d in (directory / "snapshots").iterdir() if d.is_dir())
         if revs:

@@ -29,6 +29,7 @@ __all__ = [
     "TRAINER_STEP_KEY",
     "TrainerState",
     "hf_config_beside",
+    "is_training_state_file",
     "read_training_state_beside",
     "trainer_state_missing",
     "training_state_beside",
@@ -75,6 +76,12 @@ _DCP_METADATA = ".metadata"
 #: Pickles beside a checkpoint that ckpttool reads: NeMo Automodel's ``step_scheduler.pt`` (beside ``model/``).
 #: Megatron's ``common.pt`` is read with its key schema: the checkpoint passes it in ``read``.
 _READ_BESIDE = frozenset({NEMO_STEP_SCHEDULER})
+
+
+def is_training_state_file(name: str) -> bool:
+    """Whether a file named ``name`` is one of the trainers' own training-state files (``optimizer.pt``,
+    ``scheduler.pt``, ``rng_state.pth``, ``training_args.bin``, ...: :data:`_UNREAD_FILE`), not model weights."""
+    return bool(_UNREAD_FILE.match(name))
 
 
 def _unread_file(name: str, any_pickle: bool = True) -> bool:

@@ -56,7 +56,7 @@ from ckpttool.model.adapters import (
     import_adapters,
     rope_from_hf_rows,
 )
-from ckpttool.model.beside import hf_config_beside
+from ckpttool.model.beside import hf_config_beside, is_training_state_file
 from ckpttool.model.catalog import refuse_long_numbers
 from ckpttool.model.discovery import find_checkpoints, step_of
 from ckpttool.model.hf_forms import FORMS, ExpertForm, forms_for
@@ -307,8 +307,7 @@ def _fuse_per_expert(sources: dict[str, _Source], out: dict[str, _Native], acfg:
                 for p, g in zip(parts, got):
                     _expert_count(f"{prefix}.experts.*.{p}.weight", f"{prefix}.experts.0.{p}.weight", g, n)
                 first = got[0][0]
-                if any(s.shape != first.shape or s.dtype != first.dtype for g in got for s in g.values()):
-                    raise ExportError(f"{prefix}: per-expert {fused} parts differ in shape or dtype", fqn=prefix)
+                _check_parts_alike(f"{prefix}.experts.{fused}", first, got)
                 a, b = _expert_matrix(prefix, f"{prefix}.experts.0.{parts[0]}.weight", first)
                 nb = DType(first.dtype).itemsize * a * b
                 rows = [[(g[j].file, g[j].offset, nb) for g in got] for j in range(n)]
@@ -317,6 +316,25 @@ def _fuse_per_expert(sources: dict[str, _Source], out: dict[str, _Native], acfg:
                 out[key] = _Native(key, first.dtype, (n, a * len(parts), b), rows, ("model", name))
                 used.update(s.key for g in got for s in g.values())
     return used
+
+
+def _check_parts_alike(fused: str, first: _Source, got: list[dict[int, _Source]]) -> None:
+    """The per-expert parts of one fused tensor (``got``: each part's experts) share ``first``'s dtype and shape.
+
+    Raises:
+        ExportError (E601): naming the first part (by expert, then part) that differs, and ``first``.
+    """
+    parts = [s for j in sorted(got[0]) for g in got if (s := g.get(j)) is not None]
+    odd = [s for s in parts if (s.shape, s.dtype) != (first.shape, first.dtype)]
+    if odd:
+        more = f" (+{len(odd) - 1} more)" if len(odd) > 1 else ""
+        raise ExportError(
+            f"{odd[0].key}: {odd[0].dtype} {list(odd[0].shape)}{more}, but {first.key} is {first.dtype} "
+            f"{list(first.shape)}: the per-expert tensors are fused into one {fused} of one dtype and shape",
+            fqn=odd[0].key,
+            hint="every expert's tensors must share one dtype and shape: load the model with transformers and save "
+            "it again with save_pretrained (one dtype), or check that the folder holds one model's experts",
+        )
 
 
 def _generic_expert_names(sources: dict[str, _Source], acfg: AdapterConfig) -> dict[str, _Source]:
@@ -341,7 +359,11 @@ def _generic_expert_names(sources: dict[str, _Source], acfg: AdapterConfig) -> d
             else:
                 name = form.rename(name)
         if name in out:
-            raise ExportError(f"{k}: stored beside another tensor named {name!r}", fqn=k)
+            raise ExportError(
+                f"{k}: stored beside another tensor named {name!r}",
+                fqn=k,
+                hint="the folder mixes two naming forms of one model; re-save it with save_pretrained",
+            )
         out[name] = replace(src, key=name)
     return out
 
@@ -390,8 +412,7 @@ def _native_tensors(
     for nk, parts in stacked.items():
         n = _expert_count(nk, nk, parts, acfg.num_experts)
         first = parts[0]
-        if any(p.shape != first.shape or p.dtype != first.dtype for p in parts.values()):
-            raise ExportError(f"{nk}: per-expert HF tensors differ in shape or dtype", fqn=nk)
+        _check_parts_alike(nk, first, [parts])
         nb = DType(first.dtype).itemsize * math.prod(first.shape)
         rows = [[(parts[j].file, parts[j].offset, nb)] for j in range(n)]
         out[nk] = _Native(nk, first.dtype, (n, *first.shape), rows, (nk,))
@@ -437,8 +458,8 @@ def _megatron_tensors(
     if ep is not None:
         raise UsageError("`schema` megatron takes no EP sizes (megatron's keys are global)", param="ep_size")
     if "lm_head.weight" in sources and "lm_head.weight" not in md.entries:
-        del sources["lm_head.weight"]
-        warnings.remove(_tied_note("model.embed_tokens.weight"))
+        del sources["lm_head.weight"]  # written from whichever embedding the class ties it to (GPT-2's wte, ...)
+        warnings[:] = [w for w in warnings if not w.startswith(_TIED_NOTE)]
     tensors, skipped, objects = megatron_natives(_generic_expert_names(sources, acfg), config, acfg)
     return [_Native(t.key, t.dtype, t.shape, t.rows, (t.key,), flat=t.flat) for t in tensors], skipped, objects
 
@@ -685,14 +706,27 @@ def _check_import_options(hf_dir: str | os.PathLike[str], opts: ImportOptions) -
         raise MetadataError(
             f"{src_dir}: no .metadata and no .safetensors files",
             path=src_dir,
-            hint=f"import reads safetensors files only ({pickled[0]} is a torch.save file): load the model with "
-            "transformers and save it again with save_pretrained (it writes safetensors), then import that"
-            if pickled
-            else hub
-            if hub is not None
-            else _below_hint(src_dir),
+            hint=_pickled_hint(pickled) or hub or _below_hint(src_dir, tuple(pickled)),
         )
     return src_dir
+
+
+def _pickled_hint(pickled: list[str]) -> str | None:
+    """The hint of a folder holding ``torch.save`` files (``.bin``, ``.pt``, ``.pth``) and no safetensors file: the
+    weights file to re-save with ``save_pretrained`` or the PEFT adapter to merge; ``None`` where they are all a
+    trainer's training state (``optimizer.pt``, ``rng_state.pth``: never named as weights)."""
+    weights = [n for n in pickled if not is_training_state_file(n)]
+    if not weights:
+        return None
+    if all(n.startswith(ADAPTER_PREFIX) for n in weights):
+        return (
+            f"{weights[0]} is a PEFT adapter (a torch.save file), not a model: import the base model, or merge the "
+            "adapter into it first (PEFT's merge_and_unload, then save_pretrained)"
+        )
+    return (
+        f"import reads safetensors files only ({weights[0]} is a torch.save file): load the model with "
+        "transformers and save it again with save_pretrained (it writes safetensors), then import that"
+    )
 
 
 def _file_given_hint(folder: Path) -> str:
@@ -712,12 +746,19 @@ def _file_given_hint(folder: Path) -> str:
     )
 
 
-def _below_hint(src_dir: Path) -> str:
+def _below_hint(src_dir: Path, state: tuple[str, ...] = ()) -> str:
     """The hint for a folder without safetensors files: the model folders below it, if any (a Trainer run's
-    ``checkpoint-N/``, ``HuggingFaceStorageWriter(enable_consolidation=True)``'s ``sharded/``, NeMo's ``model/``)."""
+    ``checkpoint-N/``, ``HuggingFaceStorageWriter(enable_consolidation=True)``'s ``sharded/``, NeMo's ``model/``);
+    else the training-state files ``state`` it holds instead of weights, if any."""
     below = sorted(
         (p for p in find_checkpoints(src_dir) if hf_storage_files(p)), key=lambda p: _newest_step_first(p, src_dir)
     )
+    if not below and state:
+        more = f", ... ({len(state)} in all)" if len(state) > 3 else ""
+        return (
+            f"the folder holds training state ({', '.join(state[:3])}{more}), no model weights: pass the Hugging "
+            "Face model directory, the one holding model*.safetensors and config.json"
+        )
     if not below:
         return "pass the Hugging Face model directory, the one holding model*.safetensors and config.json"
     if len(below) == 1:
@@ -816,8 +857,87 @@ def _tie_lm_head(sources: dict[str, _Source], config: Any, warnings: list[str]) 
         warnings.append(_tied_note(found))
 
 
+_TIE_BLOCK = 16 << 20  # bytes of the head (and of the embedding) compared at a time
+
+
+def _check_tied_head(src_dir: Path, sources: dict[str, _Source], config: Any, cfg_path: Path | None) -> None:
+    """Under ``tie_word_embeddings``, a stored ``lm_head.weight`` must hold the values of the stored embedding the
+    model class ties it to (:func:`~ckpttool.model.hfconfig.tied_embedding_key`), compared as transformers'
+    ``from_pretrained`` compares them (``torch.equal`` of the values; streamed, 16 MiB at a time).
+
+    ``from_pretrained`` leaves the two untied where they differ; a model built from the config (what ``dcp.load``
+    of the import fills) holds one tensor for both, which would then get the values of only one of them.
+    Another shape is left to the check against the model class (E605).
+
+    Raises:
+        ExportError (E601): the head differs from the embedding; the message counts the elements.
+    """
+    head, emb_key = sources.get("lm_head.weight"), tied_embedding_key(sources)
+    if tie_word_embeddings(config) is not True or head is None or emb_key is None:
+        return
+    emb = sources[emb_key]
+    if head.shape != emb.shape:
+        return
+    differ = _count_differing(src_dir, head, emb)
+    if differ:
+        numel = math.prod(head.shape)
+        raise ExportError(
+            f"{src_dir}: lm_head.weight differs from {emb_key} in {differ:,} of {numel:,} elements, but "
+            f"{_config_file(cfg_path)} ties them (tie_word_embeddings): "
+            "from_pretrained loads them untied, while the model this config builds holds one tensor for both",
+            path=src_dir,
+            param="config",
+            hint="the head was trained untied: pass `config` with tie_word_embeddings false (the model "
+            "from_pretrained builds, which loads both); to tie it, import the model without the stored lm_head.weight",
+        )
+
+
+def _config_file(path: Path | None) -> str:
+    """How messages name the config read from ``path`` (a ``config.json`` or the folder holding one)."""
+    if path is None:
+        return "the config"
+    return str(path / "config.json" if path.is_dir() else path)
+
+
+def _count_differing(src_dir: Path, a: _Source, b: _Source) -> int:
+    """How many elements of the stored tensors ``a`` and ``b`` (one shape) hold other values (NaN on both sides is
+    alike), their bytes compared first; values of two dtypes are compared in float64."""
+    import torch
+
+    from ckpttool.engine.io import read_exact
+
+    fa = open_regular(resolve_inside(src_dir, a.file, what="safetensors file"))
+    try:
+        fb = open_regular(resolve_inside(src_dir, b.file, what="safetensors file"))
+        try:
+            ia, ib = DType(a.dtype).itemsize, DType(b.dtype).itemsize
+            numel, step = math.prod(a.shape), max(1, _TIE_BLOCK // max(ia, ib))
+            differ = 0
+            for start in range(0, numel, step):
+                n = min(step, numel - start)
+                ra, rb = read_exact(fa, n * ia, a.offset + start * ia), read_exact(fb, n * ib, b.offset + start * ib)
+                if a.dtype == b.dtype and ra == rb:
+                    continue
+                ta = torch.frombuffer(bytearray(ra), dtype=DType(a.dtype).to_torch())
+                tb = torch.frombuffer(bytearray(rb), dtype=DType(b.dtype).to_torch())
+                if a.dtype != b.dtype:
+                    ta, tb = ta.to(torch.float64), tb.to(torch.float64)
+                ne = torch.ne(ta, tb)
+                if ta.is_floating_point() and tb.is_floating_point():
+                    ne &= ~(torch.isnan(ta) & torch.isnan(tb))
+                differ += int(ne.sum())
+            return differ
+        finally:
+            os.close(fb)
+    finally:
+        os.close(fa)
+
+
+_TIED_NOTE = "tied lm_head.weight written from "
+
+
 def _tied_note(embedding: str) -> str:
-    return f"tied lm_head.weight written from {embedding} (tie_word_embeddings)"
+    return f"{_TIED_NOTE}{embedding} (tie_word_embeddings)"
 
 
 def _model_check(natives: list[_Native], config: Any, opts: ImportOptions, warnings: list[str]) -> ModelCheck | None:
@@ -1128,6 +1248,63 @@ def _warn_unread_beside(src_dir: Path, warnings: list[str]) -> None:
         )
 
 
+def _prepare_sources(
+    src_dir: Path,
+    sources: dict[str, _Source],
+    config: Any,
+    cfg_path: Path | None,
+    opts: ImportOptions,
+    warnings: list[str],
+) -> None:
+    """The stored tensors are some (:func:`_check_not_empty`) and those the index lists (:func:`_check_index`); a base
+    model's keys get the prefix the config's model class holds them under (:func:`_add_base_model_prefix`); under a
+    tying config a stored head holds its embedding's values (:func:`_check_tied_head`: before any is dequantized)."""
+    _check_not_empty(src_dir, sources)
+    _check_index(src_dir, sources)
+    _add_base_model_prefix(sources, config, opts, warnings)
+    _check_tied_head(src_dir, sources, config, cfg_path)
+
+
+def _add_base_model_prefix(sources: dict[str, _Source], config: Any, opts: ImportOptions, warnings: list[str]) -> None:
+    """A base model's save loaded into the config's causal LM (the hub's ``openai-community/gpt2`` stores
+    ``GPT2Model``'s ``wte.weight``, ``h.0.attn.c_attn.weight``, ... under a ``GPT2LMHeadModel`` config): every stored
+    key the model class holds only one level down, under the one prefix ``P.`` that no stored key has
+    (``transformer.``, its ``base_model_prefix``), is written as ``P.<key>``, as ``from_pretrained`` adds that prefix
+    (``core_model_loading.py``); a warning says so. For the schemas that check against the HF model class
+    (``torch-native``) with a config; the model class comes from the same cache as the check."""
+    if config is None or not registry.get(opts.schema).import_checks_hf_model:
+        return
+    from ckpttool.errors import SizeLimitError
+    from ckpttool.ops.export.expected import check_config_bounds, expected_state_dict
+
+    try:
+        check_config_bounds(config, len(sources))
+    except SizeLimitError:  # the check against the model class says so
+        return
+    got = expected_state_dict(config)
+    if isinstance(got, str):
+        return
+    below: dict[str, set[str]] = {}  # key one level down -> the prefixes the model holds it under
+    for e in got.tensors:
+        head, _, rest = e.partition(".")
+        if rest:
+            below.setdefault(rest, set()).add(head)
+    moved = [k for k in sources if k not in got.tensors and k in below]
+    prefixes = {p for k in moved for p in below[k]}
+    if len(prefixes) != 1:
+        return
+    (prefix,) = prefixes
+    if any(k.startswith(prefix + ".") for k in sources):  # some stored under it already: not a base model's save
+        return
+    for k in moved:
+        s = sources.pop(k)
+        sources[f"{prefix}.{k}"] = _Source(f"{prefix}.{k}", s.file, s.offset, s.dtype, s.shape)
+    warnings.append(
+        f"{len(moved)} stored key(s) of the base model ({_first(moved, 2)}) written under {prefix}., where "
+        f"{got.model_class} holds them, as from_pretrained loads them"
+    )
+
+
 def _check_not_empty(src_dir: Path, sources: dict[str, _Source]) -> None:
     """Refuse safetensors files that hold no tensor: an empty checkpoint would load into no model.
 
@@ -1164,8 +1341,7 @@ def _import_plain(
     warnings: list[str] = []
     _warn_left_out(src_dir, adapters, warnings)
     sources = _hf_sources(src_dir, md)
-    _check_not_empty(src_dir, sources)
-    _check_index(src_dir, sources)
+    _prepare_sources(src_dir, sources, config, cfg_path, opts, warnings)
     real_files = sorted({s.file for s in sources.values()})
     plans = _dequantize_sources(src_dir, sources, _quant_config(src_dir, config, opts), opts, warnings)
     _tie_lm_head(sources, config, warnings)

@@ -145,6 +145,16 @@ def test_import_of_the_hub_repository_folder_names_its_snapshot(hf_dirs: Path, t
     assert not (tmp_path / "dcp").exists()
 
 
+def test_import_of_the_hub_repositorys_blobs_names_its_snapshot(hf_dirs: Path, tmp_path: Path) -> None:
+    """`blobs/` holds the snapshot's files under their hashes: the import said to pass a folder holding
+    model*.safetensors; it now names the snapshot that names them, as for the repository folder."""
+    snap = hub_snapshot(hf_dirs / "llama", tmp_path / "hub")
+    out = cli("import", str(snap.parent.parent / "blobs"), str(tmp_path / "dcp"), code=2)
+    assert "[E200]" in out and f"pass its snapshot, {snap}" in out.replace("\n", ""), out
+    assert "the blobs of a Hugging Face hub repository" in out.replace("\n", " "), out
+    assert not (tmp_path / "dcp").exists()
+
+
 @pytest.mark.parametrize("command", ["inspect", "validate", "stats"])
 def test_a_hub_repository_folder_of_two_revisions_names_the_one_refs_main_names(
     hf_dirs: Path, tmp_path: Path, command: str

@@ -1058,3 +1058,197 @@ def test_per_rank_hf_storage_shards_hint_pastes_as_is_for_a_path_with_a_space(ac
     cli(*argv[1:])
     cli("import", str(tmp_path / "hf"), str(tmp_path / "d"))
     assert cli("diff", str(src), str(tmp_path / "d"))["equal"]
+
+
+def test_a_stored_head_that_differs_from_the_embedding_it_is_tied_to_is_refused(hf_dirs: Path, tmp_path: Path) -> None:
+    """An untied model's folder (save_pretrained stores lm_head.weight) imported with the tied config of its base
+    model (`--config`): transformers' from_pretrained sees both stored with different values and leaves them untied,
+    but the model that config builds holds one tensor for both, so `dcp.load` of the import gave that tensor the
+    head's values (the embedding's lost; logits unlike from_pretrained's). Before, the import said OK; now E601
+    names both keys, nothing is written, and with the untied config the import loads with from_pretrained's logits."""
+    import transformers
+
+    src, tied_cfg = hf_dirs / "llama", hf_dirs / "llama_tied" / "config.json"
+    res = runner.invoke(app, ["import", str(src), str(tmp_path / "dcp"), "--config", str(tied_cfg)])
+    assert res.exit_code == 2, res.output
+    lines = res.stderr.strip().splitlines()
+    assert lines[0].startswith("error: [E601] ") and "lm_head.weight differs from model.embed_tokens.weight" in lines[0]
+    assert "in 3,072 of 3,072 elements" in lines[0] and str(tied_cfg) in lines[0], lines
+    assert lines[1].startswith("hint: ") and "tie_word_embeddings false" in lines[1] and len(lines) == 2, lines
+    assert not (tmp_path / "dcp").exists() and [p.name for p in tmp_path.iterdir()] == []
+    # what from_pretrained builds from the folder and that config: untied, the stored head kept
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        src, config=transformers.AutoConfig.from_pretrained(tied_cfg)
+    )
+    assert not torch.equal(model.lm_head.weight, model.model.embed_tokens.weight)
+    cli("import", str(src), str(tmp_path / "dcp"))  # the folder's own (untied) config: that very model
+    mine = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.from_pretrained(src))
+    sd = {"model": mine.state_dict()}
+    dcp.load(sd, checkpoint_id=str(tmp_path / "dcp"), no_dist=True)
+    mine.load_state_dict(sd["model"])
+    ref = torch.load(src / "reference.pt", weights_only=True)
+    model.eval(), mine.eval()
+    with torch.no_grad():
+        torch.testing.assert_close(mine(ref["ids"]).logits, model(ref["ids"]).logits, rtol=0, atol=0)
+
+
+def test_a_tied_head_stored_beside_its_embedding_with_equal_values_imports(hf_dirs: Path, tmp_path: Path) -> None:
+    """torch's HuggingFaceStorageWriter saves a tied model's state_dict() with both lm_head.weight and the embedding
+    (equal values): imported as they are, and `dcp.load` into the tied model gives transformers' logits."""
+    import shutil
+    import warnings
+
+    import transformers
+    from torch.distributed.checkpoint import HuggingFaceStorageWriter
+
+    src = hf_dirs / "llama_tied"
+    model = transformers.AutoModelForCausalLM.from_pretrained(src)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        state = {k: v.clone() for k, v in model.state_dict().items()}  # the writer refuses shared storage
+        dcp.save(state, storage_writer=HuggingFaceStorageWriter(path=str(tmp_path / "hf")), no_dist=True)
+    shutil.copy(src / "config.json", tmp_path / "hf")
+    assert "lm_head.weight" in hf_tensors(tmp_path / "hf")
+    cli("import", str(tmp_path / "hf"), str(tmp_path / "dcp"))
+    mine = transformers.AutoModelForCausalLM.from_config(model.config)
+    sd = {"model": mine.state_dict()}
+    dcp.load(sd, checkpoint_id=str(tmp_path / "dcp"), no_dist=True)
+    mine.load_state_dict(sd["model"])
+    ref = torch.load(src / "reference.pt", weights_only=True)
+    mine.eval()
+    with torch.no_grad():
+        torch.testing.assert_close(mine(ref["ids"]).logits, ref["logits"], rtol=0, atol=0)
+
+
+def test_a_folder_of_torch_save_files_is_refused_naming_the_weights_not_the_optimizer(tmp_path: Path) -> None:
+    """No safetensors file, only torch.save files (never unpickled): the hint named the first in name order as the
+    model to re-save with save_pretrained, which in a Trainer checkpoint is `optimizer.pt`. Now it names the weights
+    (`pytorch_model.bin`, as transformers 4 saved them), a PEFT adapter saved with `safe_serialization=False` as an
+    adapter to merge, and a folder of training state alone (a Trainer checkpoint-N without its model.safetensors)
+    as holding no weights."""
+    import shutil
+
+    import peft
+    from transformers import LlamaConfig, LlamaForCausalLM, Trainer, TrainingArguments
+
+    cfg = LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2)
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(cfg)
+    data = [{"input_ids": torch.arange(8), "labels": torch.arange(8)} for _ in range(2)]
+    args = TrainingArguments(
+        output_dir=str(tmp_path / "run"),
+        max_steps=1,
+        save_steps=1,
+        per_device_train_batch_size=2,
+        report_to=[],
+        use_cpu=True,
+        disable_tqdm=True,
+    )
+    Trainer(model=model, args=args, train_dataset=data).train()
+    step = tmp_path / "run" / "checkpoint-1"
+    state = tmp_path / "state"  # the training state, its weights left out (rsync --exclude '*.safetensors')
+    shutil.copytree(step, state, ignore=shutil.ignore_patterns("*.safetensors"))
+    assert (state / "optimizer.pt").is_file() and (state / "rng_state.pth").is_file()
+    v4 = tmp_path / "v4"  # the same checkpoint as transformers 4 saved it (save_safetensors=False)
+    shutil.copytree(state, v4)
+    torch.save(model.state_dict(), v4 / "pytorch_model.bin")
+    lora = tmp_path / "lora"
+    peft.get_peft_model(model, peft.LoraConfig(r=2, target_modules=["q_proj"])).save_pretrained(
+        lora, safe_serialization=False
+    )
+    assert (lora / "adapter_model.bin").is_file()
+
+    def refused(folder: Path) -> str:
+        res = runner.invoke(app, ["import", str(folder), str(tmp_path / "out")])
+        assert res.exit_code == 2, res.output
+        lines = res.stderr.strip().splitlines()
+        assert lines[0].startswith("error: [E200] ") and lines[1].startswith("hint: ") and len(lines) == 2, lines
+        assert not (tmp_path / "out").exists()
+        return lines[1]
+
+    hint = refused(v4)
+    assert "pytorch_model.bin is a torch.save file" in hint and "optimizer.pt" not in hint, hint
+    hint = refused(lora)
+    assert "adapter_model.bin is a PEFT adapter" in hint and "merge" in hint, hint
+    hint = refused(state)
+    assert "holds training state (optimizer.pt, " in hint and "no model weights" in hint, hint
+    assert "save it again with save_pretrained" not in hint, hint
+
+
+def test_a_base_model_save_imports_under_the_prefix_from_pretrained_adds(tmp_path: Path) -> None:
+    """A `GPT2Model` saved by save_pretrained (`wte.weight`, `h.0.attn.c_attn.weight`: the layout of the hub's
+    openai-community/gpt2) is what AutoModelForCausalLM.from_pretrained loads into GPT2LMHeadModel, adding the
+    `transformer.` prefix and tying lm_head to wte. The import refused it (E605, all 28 keys missing) and suggested
+    `--allow-mismatch`, whose output loads nothing. Now the keys are written under `transformer.`, with a warning,
+    and `dcp.load` into the causal LM gives from_pretrained's logits."""
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(7)
+    lm = hf_models.tiny_tied_model("gpt2").eval()
+    lm.transformer.save_pretrained(tmp_path / "hf")
+    assert "wte.weight" in hf_tensors(tmp_path / "hf")
+    doc = cli("import", str(tmp_path / "hf"), str(tmp_path / "dcp"))
+    assert any("28 stored key(s) of the base model" in w and "under transformer." in w for w in doc["warnings"])
+    assert doc["model_check"]["checked"] and not doc["model_check"].get("findings"), doc["model_check"]
+    ref = AutoModelForCausalLM.from_pretrained(tmp_path / "hf").eval()
+    mine = AutoModelForCausalLM.from_config(ref.config)
+    sd = {"model": mine.state_dict()}
+    dcp.load(sd, checkpoint_id=str(tmp_path / "dcp"), no_dist=True)
+    mine.load_state_dict(sd["model"])
+    mine.eval()
+    ids = torch.randint(0, 96, (2, 12), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        want = ref(ids).logits
+        torch.testing.assert_close(mine(ids).logits, want, rtol=0, atol=0)
+        torch.testing.assert_close(lm(ids).logits, want, rtol=0, atol=0)
+
+
+def test_a_config_transformers_rejects_is_named_on_one_line(hf_dirs: Path, tmp_path: Path) -> None:
+    """A config.json whose field transformers' config class rejects (`hidden_size` a string): the warning that the
+    model class was not built carried transformers' multi-line message, printed with a literal `\\x0a` in it. Now
+    its lines are joined by spaces."""
+    import shutil
+
+    src = tmp_path / "hf"
+    shutil.copytree(hf_dirs / "llama", src)
+    cfg = json.loads((src / "config.json").read_text())
+    (src / "config.json").write_text(json.dumps(dict(cfg, hidden_size="big")))
+    res = runner.invoke(app, ["import", str(src), str(tmp_path / "out"), "--no-cache"])
+    assert res.exit_code == 0, res.output
+    (line,) = [x for x in res.stderr.splitlines() if "cannot build a causal LM" in x]
+    assert "\\x0a" not in line and "Validation error for field 'hidden_size': TypeError" in line, line
+
+
+def test_per_expert_tensors_of_another_dtype_are_refused_naming_the_key(hf_dirs: Path, tmp_path: Path) -> None:
+    """A Qwen3-MoE folder (save_pretrained: per-expert keys) in which one expert's gate_proj was re-saved in
+    bfloat16: the parts cannot be fused into one tensor. The refusal said only `model.layers.0.mlp: per-expert
+    gate_up_proj parts differ in shape or dtype` with export's hint (`see ckpttool export --help`); it now names the
+    key, its dtype and shape against expert 0's, with a hint for import."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    src = tmp_path / "hf"
+    shutil.copytree(hf_dirs / "qwen_moe", src)
+    key = "model.layers.0.mlp.experts.3.gate_proj.weight"
+    shard = src / json.loads((src / "model.safetensors.index.json").read_text())["weight_map"][key]
+    tensors = load_file(shard)
+    tensors[key] = tensors[key].to(torch.bfloat16)
+    save_file(tensors, shard, metadata={"format": "pt"})
+    res = runner.invoke(app, ["import", str(src), str(tmp_path / "out")])
+    assert res.exit_code == 2, res.output
+    lines = res.stderr.strip().splitlines()
+    assert lines[0] == (
+        f"error: [E601] {key}: bfloat16 [16, 32], but model.layers.0.mlp.experts.0.gate_proj.weight is float32 "
+        "[16, 32]: the per-expert tensors are fused into one model.layers.0.mlp.experts.gate_up_proj of one dtype "
+        "and shape"
+    ), lines
+    assert lines[1].startswith("hint: every expert's tensors must share one dtype") and len(lines) == 2, lines
+    assert not (tmp_path / "out").exists()
+    # torchtitan stacks them into w1 [E, I, H]: the same refusal (was "per-expert HF tensors differ in shape or dtype")
+    res = runner.invoke(app, ["import", str(src), str(tmp_path / "out"), "--schema", "torchtitan"])
+    assert res.exit_code == 2, res.output
+    lines = res.stderr.strip().splitlines()
+    assert lines[0].startswith(f"error: [E601] {key}: bfloat16 [16, 32], but model.layers.0.mlp.experts.0."), lines
+    assert lines[1].startswith("hint: every expert's tensors must share one dtype") and len(lines) == 2, lines
+    assert not (tmp_path / "out").exists()

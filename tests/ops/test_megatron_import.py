@@ -214,6 +214,21 @@ def test_import_megatron_refuses_what_megatron_has_no_place_for(hf_dirs: Path, t
     assert not (tmp_path / "o2").exists()
 
 
+@pytest.mark.parametrize("family", ["gpt2", "opt"])
+def test_import_megatron_of_a_model_tied_to_another_embedding_is_refused_by_key(tmp_path: Path, family: str) -> None:
+    """GPT-2 (`transformer.wte.weight`) and OPT (`model.decoder.embed_tokens.weight`) saved by save_pretrained, their
+    tied head left out: `import --schema megatron` stopped with `[E999] internal error: ValueError: list.remove(x)`
+    (it dropped the tied head's note as written from `model.embed_tokens.weight` only). Now the one line E601 names
+    the first tensor megatron's GPTModel has no key for; nothing is written."""
+    hf_models.tiny_tied_model(family).save_pretrained(tmp_path / "hf")
+    r = runner.invoke(app, ["import", str(tmp_path / "hf"), str(tmp_path / "mg"), "--schema", "megatron"])
+    assert r.exit_code == 2, r.output
+    lines = r.stderr.strip().splitlines()
+    assert lines[0].startswith("error: [E601] ") and "not a tensor of a megatron-core GPTModel" in lines[0], lines
+    assert lines[1].startswith("hint: ") and len(lines) == 2, lines
+    assert not (tmp_path / "mg").exists()
+
+
 def test_import_megatron_of_a_mixtral_saved_by_transformers(tmp_path: Path) -> None:
     """transformers 5 saves Mixtral's experts as `block_sparse_moe.experts.{j}.w1/w3/w2.weight`: `import --schema
     megatron` refused them (E601 'not a tensor of a megatron-core GPTModel') though its hint names Mixtral. Now

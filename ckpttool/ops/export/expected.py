@@ -230,7 +230,8 @@ def _meta_model(config: dict[str, Any], mt: str) -> tuple[Any, Any] | str:
                     return head(cfg), cfg
                 return AutoModelForCausalLM.from_config(cfg), cfg  # type: ignore[no-untyped-call]
     except Exception as e:  # a model_type transformers does not know, a config its class rejects
-        return f"transformers cannot build a causal LM from this config ({type(e).__name__}: {str(e)[:160]})"
+        why = " ".join(str(e).split())[:160]  # one line: pydantic-style errors span several
+        return f"transformers cannot build a causal LM from this config ({type(e).__name__}: {why})"
 
 
 def _head_class(config: dict[str, Any]) -> Any:
