@@ -406,6 +406,47 @@ def test_a_dot_dot_url_leaving_its_bucket_is_refused_without_naming_another_buck
     assert r.exit_code == 2 and "hint: name the prefix itself: s3://ckpts/b\n" in r.output, r.output
 
 
+def test_a_url_with_an_empty_or_dot_component_is_refused_not_read_as_another_prefix(
+    s3_server: Any, tmp_path: Path
+) -> None:
+    """torch's own FsspecWriter to `s3://b//run` writes the keys `/run/...` (S3 keeps the empty component), and
+    dcp.load from that URL reads them back. ckpttool collapsed the URL to `s3://b/run` and reported another
+    checkpoint saved there (stats: all zeros, exit 0), and `export ... s3://b//hf` wrote to `s3://b/hf`. Now E140
+    naming the URL as given, the hint the prefix without the component; nothing read, nothing written."""
+    import warnings
+
+    import torch
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter
+
+    bucket, name = s3_server.bucket("ckpts"), f"t-{uuid.uuid4().hex[:8]}"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dcp.save({"w": torch.arange(4.0)}, storage_writer=FsspecWriter(f"s3://{bucket}//{name}", **s3_server.options()))
+        dcp.save({"w": torch.zeros(4)}, storage_writer=FsspecWriter(f"s3://{bucket}/{name}", **s3_server.options()))
+    assert f"/{name}/.metadata" in s3_server.keys(bucket, "/")  # the writer kept the empty component
+    before = s3_server.keys(bucket)
+    for given in (f"s3://{bucket}//{name}", f"s3://{bucket}/./{name}"):
+        for args in (
+            ["stats", given],
+            ["inspect", given],
+            ["diff", given, f"s3://{bucket}/{name}"],
+            ["export", f"s3://{bucket}/{name}", given + "-hf"],
+            ["validate", f"s3://{bucket}/{name}", "--manifest", given + "/manifest.json"],
+        ):
+            r = cli(s3_server, *args)
+            shown = next(a for a in args if a.startswith(given))
+            assert r.exit_code == 2 and "Traceback" not in r.output, (args, r.output)
+            assert r.stderr.startswith(f"error: [E140] {shown}: an empty or '.' component in a URL"), (args, r.output)
+            meant = shown.replace("//" + name, "/" + name).replace("/./", "/")
+            assert f"hint: name the prefix without it: {meant} " in r.stderr, r.output
+            assert len(r.stderr.splitlines()) == 2
+    assert s3_server.keys(bucket) == before
+    # a trailing slash is no component
+    r = cli(s3_server, "--json", "stats", f"s3://{bucket}/{name}/")
+    assert r.exit_code == 0 and json.loads(r.stdout)["checkpoints"][0]["tensors"][0]["abs_max"] == 0.0
+
+
 def test_url_of_an_object_names_its_prefix(sample_ckpt: Path, s3_server: Any) -> None:
     """The URL of a checkpoint's ``.metadata`` (copied from a console listing) said "no object below this prefix":
     it now says the URL is an object and names the prefix to pass."""
