@@ -179,12 +179,19 @@ class RemoteOutputDir(OutputTarget):
                 path=t,
                 hint="choose a new or empty output prefix (OUT names a prefix; the object is left as it is)",
             )
-        existing = dict(self.store.sizes())
+        self._check_existing(dict(self.store.sizes()))
+
+    def _check_existing(self, existing: dict[str, int], since: str = "") -> None:
+        """Refuse a target prefix holding ``existing`` (its listing): non-empty without ``overwrite``, or not
+        provably a ckpttool output with it. ``since``: said of objects found by the re-check before publishing."""
+        assert self.store is not None
+        t = self.target
         if existing and not self.overwrite:
             raise OutputError(
-                f"{t}: the output prefix already holds {len(existing)} object(s)",
+                f"{t}: the output prefix {'now' if since else 'already'} holds {len(existing)} object(s){since}",
                 path=t,
-                hint="choose a new output prefix, or pass --overwrite to replace a previous output",
+                hint="choose a new output prefix, or pass --overwrite to replace a previous output"
+                + ("; nothing was published, the new objects are left as they are" if since else ""),
             )
         if existing:
             found = _remote_ownership(self.store, existing)
@@ -235,7 +242,12 @@ class RemoteOutputDir(OutputTarget):
 
         self._pool(upload, files)
         log.info("uploaded %d file(s) to %s", len(files), tmp_store.path)
-        old = set(self.store.sizes())
+        # listed again: a save (a trainer's, another ckpttool run's) may have written into the target prefix while
+        # this run wrote its output, which the listing of entry did not hold (the local rename re-checks the same)
+        self.store.forget_listing()
+        listed = dict(self.store.sizes())
+        self._check_existing(listed, since=", written there while this run wrote its output")
+        old = set(listed)
         new = set(files)
         if old:  # our marker first: from here on, the prefix is not provably a complete output
             self.store.remove(sorted(m for m in (marker.MARKER_NAME, *MARKERS) if m in old))

@@ -886,6 +886,58 @@ def test_an_object_deleted_after_the_listing_is_a_data_file_error(sample_ckpt: P
     assert requests == 3  # the listing, .metadata, one range request: not retried
 
 
+def test_a_save_landing_in_the_output_prefix_during_the_run_is_not_overwritten(
+    sample_ckpt: Path, s3_server: Any
+) -> None:
+    """The output prefix was checked only on entry: a checkpoint that torch's FsspecWriter saved into it while
+    ckpttool wrote its output (a trainer pointed at the same prefix) had its `.metadata` and data files replaced
+    by the output's, without --overwrite (the local output's rename re-checks the target and fails). Now the
+    prefix is listed again before anything is published: E600 without --overwrite, E606 with it over a previous
+    output that the save wrote into; the save's objects keep their bytes, the temporary prefix is removed."""
+    import warnings
+
+    import torch
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader, FsspecWriter
+
+    from ckpttool.errors import ForeignOutputError, OutputError
+    from ckpttool.format.outputs import output_dir
+
+    bucket = s3_server.bucket("ckpts")
+    previous = f"s3://{bucket}/t-{uuid.uuid4().hex[:8]}"
+    assert cli(s3_server, "export", str(sample_ckpt), previous).exit_code == 0  # an output of ckpttool
+    for target, overwrite, error, code in (
+        (f"s3://{bucket}/t-{uuid.uuid4().hex[:8]}", False, OutputError, "E600"),
+        (previous, True, ForeignOutputError, "E606"),
+    ):
+        prefix = target.split("/", 3)[3]
+        with storage_config(options=s3_server.options()), pytest.raises(error) as got:
+            with output_dir(target, overwrite=overwrite, kind="reshard") as tmp:
+                (tmp / ".metadata").write_bytes(b"the output's metadata")
+                (tmp / "__0_0.distcp").write_bytes(b"the output's data")
+                with warnings.catch_warnings():
+                    warnings.simplefilter("ignore")
+                    writer = FsspecWriter(target, **s3_server.options())
+                    dcp.save({"w": torch.arange(4.0)}, storage_writer=writer, no_dist=True)
+                saved = {
+                    k: s3_server.client().get_object(Bucket=bucket, Key=k)["Body"].read()
+                    for k in s3_server.keys(bucket, prefix + "/")
+                    if k.rsplit("/", 1)[1] in (".metadata", "__0_0.distcp")
+                }
+                assert len(saved) == 2
+        assert got.value.code == code and got.value.message.startswith(f"{target}: "), got.value.message
+        if code == "E600":
+            assert "2 object(s), written there while this run wrote its output" in got.value.message
+        for key, body in saved.items():  # the save's objects are its own
+            assert s3_server.client().get_object(Bucket=bucket, Key=key)["Body"].read() == body, key
+        assert not [k for k in s3_server.keys(bucket) if "ckpttool-tmp" in k]
+        sd = {"w": torch.zeros(4)}
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            dcp.load(sd, storage_reader=FsspecReader(target, **s3_server.options()), no_dist=True)
+        assert torch.equal(sd["w"], torch.arange(4.0))
+
+
 def test_overwrite_of_a_prefix_holding_only_sub_prefixes_names_them(sample_ckpt: Path, s3_server: Any) -> None:
     """export --overwrite onto a prefix whose objects all lie below sub-prefixes (a run root: step folders, logs)
     is E606 naming its folders, as the local refusal names a directory's entries (it said 'it holds nothing');
