@@ -44,6 +44,7 @@ from ckpttool.format.locator import ChunkLocation
 from ckpttool.format.manifest_file import MANIFEST_FORMAT, MANIFEST_NAME, is_manifest_head
 from ckpttool.format.marker import MARKER_NAME, recording
 from ckpttool.format.metadata import BytesMeta, ChunkMeta, StorageInfo, TensorMeta
+from ckpttool.format.outputs import remote_recording
 from ckpttool.format.perrank import PerRankReader
 from ckpttool.format.reader import CheckpointReader
 from ckpttool.format.unpickler import short_repr
@@ -1014,11 +1015,7 @@ def write_manifest(
         hashed = done[0] + _bytes_read(man.sidecars) + _bytes_read(man.training_state)  # digested whole too
         say(f"writing {target}")
         data = man.to_bytes()
-        if remote is not None:
-            remote.write_bytes(MANIFEST_NAME, data)
-        else:
-            with recording(target.parent, target.name):  # an output of ckpttool: its marker lists the manifest
-                _replace_file(target, data)
+        _put_manifest(remote, target, data)
         seconds = time.perf_counter() - t0
         log.info("manifest: %d entries, %d bytes hashed in %.3f s (%s)", len(man.entries), hashed, seconds, algorithm)
         return ManifestResult(
@@ -1141,6 +1138,21 @@ def _a_checkpoint_folder(folder: Path) -> bool:
             return any(e.name.endswith(".safetensors") for e in it)
     except OSError:
         return False
+
+
+def _put_manifest(remote: RemoteStore | None, target: Path, data: bytes) -> None:
+    """Write the manifest: one PUT beside ``.metadata`` on the prefix of ``remote``, else the local file ``target``
+    (temporary name, renamed into place). In an output of ckpttool, its marker lists the manifest either way.
+
+    Raises:
+        OutputError: the local file cannot be written; the storage errors (``E140``-``E144``).
+    """
+    if remote is not None:
+        with remote_recording(remote, MANIFEST_NAME, data):
+            remote.write_bytes(MANIFEST_NAME, data)
+    else:
+        with recording(target.parent, target.name):
+            _replace_file(target, data)
 
 
 def _check_remote_target(store: RemoteStore) -> None:

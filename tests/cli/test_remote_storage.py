@@ -1055,6 +1055,35 @@ def test_manifest_of_a_remote_checkpoint_is_written_beside_its_metadata_and_veri
     assert s3_server.client().get_object(Bucket="ckpts", Key=f"{prefix}/manifest.json")["Body"].read() == b'{"mine": 1}'
 
 
+def test_a_manifest_written_into_a_remote_output_keeps_it_replaceable_as_locally(
+    sample_ckpt: Path, s3_server: Any, tmp_path: Path
+) -> None:
+    """`manifest s3://b/out` of a reshard output PUT manifest.json without listing it in the output's
+    .ckpttool-output.json, so the next `reshard ... s3://b/out --overwrite` was E606 'manifest.json is not listed
+    ... (ckpttool did not write it)', while the same steps on a local folder replace it (the local manifest is
+    recorded in the marker). Now the marker lists it: the overwrite succeeds as locally, and the replaced output
+    reads back; a prefix that is no ckpttool output gets no marker."""
+    args = ["--to", "canonical", "--with-optimizer", "--target-ep-size", "2", "--target-ep-fsdp-size", "2"]
+    local = tmp_path / "local"
+    out = f"s3://ckpts/t-{uuid.uuid4().hex[:8]}"
+    s3_server.bucket("ckpts")
+    for target in (str(local), out):
+        assert cli(s3_server, "reshard", str(sample_ckpt), target, *args).exit_code == 0
+        r = cli(s3_server, "manifest", target)
+        assert r.exit_code == 0, r.output
+        r = cli(s3_server, "reshard", str(sample_ckpt), target, *args, "--overwrite")
+        assert r.exit_code == 0, (target, r.output)
+        assert cli(s3_server, "validate", target, "--deep").exit_code == 0
+    assert sorted(download(s3_server, "ckpts", out.split("/", 3)[3], tmp_path / "dl")) == sorted(files_of(local))
+    # a checkpoint that ckpttool did not write: the manifest is written, no marker appears
+    url = upload(s3_server, sample_ckpt)
+    s3_server.client().delete_object(Bucket="ckpts", Key=url.split("/", 3)[3] + "/.ckpttool-output.json")
+    assert cli(s3_server, "manifest", url).exit_code == 0
+    assert ".ckpttool-output.json" not in [
+        k.rsplit("/", 1)[1] for k in s3_server.keys("ckpts", url.split("/", 3)[3] + "/")
+    ]
+
+
 def test_a_remote_data_object_grown_since_the_manifest_is_changed_as_its_local_copy(
     sample_ckpt: Path, s3_server: Any, tmp_path: Path
 ) -> None:
