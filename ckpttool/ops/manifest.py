@@ -2232,7 +2232,9 @@ def _pinned_to(opening: OpenOptions | None, located: Located | None) -> OpenOpti
 
 
 def remote_manifest(url: str | os.PathLike[str], name: str = MANIFEST_NAME) -> tuple[Path, bytes]:
-    """``URL/name`` (named as a UrlPath) and its bytes, capped by ``--max-object-size``.
+    """``URL/name`` (named as a UrlPath) and its bytes, capped by ``--max-object-size``. Where no object
+    ``URL/name`` exists but the prefix ``URL/name/`` holds a ``manifest.json`` (``--manifest s3://b/run``, the
+    checkpoint's prefix), that one, as ``--manifest DIR`` reads ``DIR/manifest.json``.
 
     Raises:
         UsageError: no such object; the storage errors (``E140``-``E144``).
@@ -2240,6 +2242,10 @@ def remote_manifest(url: str | os.PathLike[str], name: str = MANIFEST_NAME) -> t
     from ckpttool.format.storage import RemoteStore
 
     store = RemoteStore(url)
+    if name != MANIFEST_NAME and store.size(name) is None:
+        inner = RemoteStore(store.path / name, store.config)
+        if inner.size(MANIFEST_NAME) is not None:
+            store, name = inner, MANIFEST_NAME
     where = cast(Path, store.path / name)
     if store.size(name) is None:
         raise UsageError(

@@ -1223,6 +1223,27 @@ def test_validate_manifest_of_a_remote_checkpoint_reads_the_one_manifest_wrote(
     assert [f["key"] for f in s015] == ["model.model.embed_tokens.weight"]
 
 
+def test_validate_manifest_naming_the_remote_prefix_reads_its_manifest_as_a_local_dir(
+    sample_ckpt: Path, s3_server: Any, tmp_path: Path
+) -> None:
+    """`validate DIR --manifest DIR` reads DIR/manifest.json; `validate URL --manifest URL` (the prefix that
+    `manifest URL` wrote its manifest.json into) was E100 'URL: no such manifest file, write one with `ckpttool
+    manifest URL`', about a prefix holding one. Now it reads URL/manifest.json: the findings of the local copy."""
+    local = copy_checkpoint(sample_ckpt, tmp_path / "local")
+    url = upload(s3_server, local)
+    assert cli(s3_server, "manifest", url).exit_code == 0
+    assert runner.invoke(app, ["manifest", str(local)]).exit_code == 0
+    corrupt_chunk_bytes(local, "model.model.embed_tokens.weight")
+    s3_server.client().upload_file(str(local / "__0_0.distcp"), "ckpts", f"{url.split('/', 3)[3]}/__0_0.distcp")
+    want = runner.invoke(app, ["validate", "--json", str(local), "--manifest", str(local)])
+    for given in (url, url + "/"):
+        r = cli(s3_server, "validate", "--json", url, "--manifest", given)
+        assert r.exit_code == want.exit_code == 1, r.output
+        got = [(f["code"], f["key"]) for f in json.loads(r.stdout)["findings"] if f["code"] == "S015"]
+        assert got == [(f["code"], f["key"]) for f in json.loads(want.stdout)["findings"] if f["code"] == "S015"]
+        assert got == [("S015", "model.model.embed_tokens.weight")]
+
+
 def test_manifest_output_that_is_a_url_is_refused_not_written_as_a_local_s3_folder(
     sample_ckpt: Path, s3_server: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

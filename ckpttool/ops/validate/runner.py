@@ -395,7 +395,7 @@ def validate(
 def _load_manifest_of(manifest: str | os.PathLike[str], ckpt: Checkpoint) -> Manifest | None:
     """The manifest of :attr:`ValidateOptions.manifest` in object storage: for ``""`` (no value) the remote
     checkpoint's own ``URL/manifest.json`` (what ``manifest URL`` writes), a URL of a file that object
-    (``URL/DIR`` is taken as a file: object stores have no directories); ``None``: a local file."""
+    (``URL/DIR``: the object, else ``URL/DIR/manifest.json``, as for a local directory); ``None``: a local file."""
     from ckpttool.ops.manifest import load_manifest, remote_manifest
 
     if manifest == "" and ckpt.reader.remote is not None:
