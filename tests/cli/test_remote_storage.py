@@ -447,6 +447,26 @@ def test_a_url_with_an_empty_or_dot_component_is_refused_not_read_as_another_pre
     assert r.exit_code == 0 and json.loads(r.stdout)["checkpoints"][0]["tensors"][0]["abs_max"] == 0.0
 
 
+def test_a_remote_safetensors_export_is_refused_with_a_hint_that_says_so(sample_ckpt: Path, s3_server: Any) -> None:
+    """`export CKPT s3://b/hf` then `diff s3://b/hf CKPT` (or inspect) was E200 with the hint 'pass the URL of the
+    prefix that dcp.save wrote (it holds .metadata and __R_N.distcp)', about ckpttool's own export. The hint now
+    says the prefix holds safetensors files, read from a local folder only; a prefix without them keeps its hint."""
+    out = f"s3://ckpts/t-{uuid.uuid4().hex[:8]}-hf"
+    s3_server.bucket("ckpts")
+    assert cli(s3_server, "export", str(sample_ckpt), out).exit_code == 0
+    for args in (["inspect", out], ["diff", out, str(sample_ckpt)]):
+        r = cli(s3_server, *args)
+        assert r.exit_code == 2 and "Traceback" not in r.output, r.output
+        assert r.stderr.splitlines()[0].startswith(f"error: [E200] {out}: no .metadata object"), r.output
+        assert r.stderr.splitlines()[1] == (
+            "hint: it holds safetensors files (a Hugging Face save or a ckpttool export), which are read from a "
+            "local folder only: copy the prefix to a local directory and pass that"
+        )
+    s3_server.client().put_object(Bucket="ckpts", Key=out.split("/", 3)[3] + "-notes/readme.txt", Body=b"notes")
+    r = cli(s3_server, "inspect", out + "-notes")
+    assert r.exit_code == 2 and "hint: pass the URL of the prefix that dcp.save wrote" in r.stderr, r.output
+
+
 def test_url_of_an_object_names_its_prefix(sample_ckpt: Path, s3_server: Any) -> None:
     """The URL of a checkpoint's ``.metadata`` (copied from a console listing) said "no object below this prefix":
     it now says the URL is an object and names the prefix to pass."""
