@@ -344,10 +344,11 @@ def confine_key(
 
 # --------------------------------------------------------------------------- errors
 # credentials missing, wrong or expired: botocore's NoCredentialsError / PartialCredentialsError /
-# InvalidAccessKeyId / SignatureDoesNotMatch / ExpiredToken, google-auth's DefaultCredentialsError,
-# azure's ClientAuthenticationError, besides a plain 403
+# InvalidAccessKeyId / SignatureDoesNotMatch / ExpiredToken / ProfileNotFound (AWS_PROFILE naming no profile),
+# google-auth's DefaultCredentialsError, azure's ClientAuthenticationError, besides a plain 403
 _PERMISSION_WORDS = (
     "accessdenied",
+    "profilenotfound",
     "forbidden",
     "credentials",
     "invalidaccesskeyid",

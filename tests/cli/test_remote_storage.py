@@ -494,6 +494,38 @@ def test_missing_credentials_are_a_permission_error(
     assert "pip install" not in r.output and "Traceback" not in r.output
 
 
+def test_a_profile_that_does_not_exist_is_a_credentials_error(
+    s3_server: Any, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """AWS_PROFILE naming no profile (botocore's ProfileNotFound) was E140 'storage request failed' with the hint
+    'check the URL and --storage-option', about a URL that was right; it is E142 with the credentials hint, one
+    error line, at once."""
+    import s3fs
+
+    s3_server.bucket("ckpts")
+    for var, value in s3_server.env().items():  # keys in the environment too: the profile is looked up first
+        monkeypatch.setenv(var, value)
+    monkeypatch.setenv("AWS_PROFILE", "no-such-profile")
+    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", os.fspath(tmp_path / "none"))
+    monkeypatch.setenv("AWS_CONFIG_FILE", os.fspath(tmp_path / "none"))
+    s3fs.S3FileSystem.clear_instance_cache()  # fsspec keeps a filesystem per options: one of an earlier environment
+    try:
+        got = [
+            runner.invoke(app, ["--storage-option", f"client_kwargs.endpoint_url={s3_server.endpoint}", *args])
+            for args in (["inspect", "s3://ckpts/x"], ["export", "s3://ckpts/x", "s3://ckpts/y"])
+        ]
+    finally:
+        s3fs.S3FileSystem.clear_instance_cache()  # none of this environment is left to the tests after this one
+    for r in got:
+        assert r.exit_code == 2 and "Traceback" not in r.output, r.output
+        lines = r.stderr.splitlines()
+        assert lines[0].startswith("error: [E142] s3://ckpts/x: listing: permission denied (ProfileNotFound: ")
+        assert "no-such-profile" in lines[0] and len(lines) == 2
+        assert lines[1] == (
+            "hint: check the credentials (environment, config files, --storage-option) and the bucket policy"
+        )
+
+
 def test_a_policy_denying_the_data_objects_is_told_with_the_credentials_hint(sample_ckpt: Path, s3_server: Any) -> None:
     """An IAM user whose policy allows the listing and `.metadata` but not the data objects (moto's IAM enforcement
     on): `validate --deep` fails (exit 1, never OK) with its findings' hints on the credentials and the policy, not
