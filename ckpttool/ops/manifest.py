@@ -46,6 +46,7 @@ from ckpttool.format.marker import MARKER_NAME, recording
 from ckpttool.format.metadata import BytesMeta, ChunkMeta, StorageInfo, TensorMeta
 from ckpttool.format.outputs import remote_recording
 from ckpttool.format.perrank import PerRankReader
+from ckpttool.format.rank_local import rank_metadata_names
 from ckpttool.format.reader import CheckpointReader
 from ckpttool.format.unpickler import short_repr
 from ckpttool.model.checkpoint import Checkpoint, CheckpointOrPath, OpenOptions, check_source, open_source
@@ -100,6 +101,10 @@ HEADERS_NAME = "safetensors headers"
 #: the ``metadata.file`` of a manifest of a per-rank save (no ``.metadata``; dtypes, shapes and placements are in
 #: each rank file's pickle): the digest is of the assembled tensors' dtypes, shapes and chunks, in key order.
 PERRANK_NAME = "per-rank tensor metadata"
+#: the ``metadata.file`` of a manifest of a rank-local DCP save in object storage (``dcp.save(...,
+#: use_collectives=False)``: ``__R.metadata`` files, no ``.metadata``; locally they are ``sidecars``, which are not
+#: digested through object storage): the digest of each ``__R.metadata`` object's name, size and bytes, by rank.
+RANKLOCAL_NAME = "rank-local .metadata files"
 _WORKERS = 2  # reader/digest threads of build_manifest
 log = logging.getLogger(__name__)
 #: ``on_entry(length)``: called with the bytes of each entry once it is hashed or checked (progress).
@@ -463,7 +468,34 @@ def _metadata_file(reader: CheckpointReader) -> str:
     """What :func:`_metadata_digest` digests for ``reader``: ``.metadata``, :data:`PERRANK_NAME` or :data:`HEADERS_NAME`."""
     if isinstance(reader, PerRankReader):
         return PERRANK_NAME
-    return METADATA_NAME if _has_metadata(reader) else HEADERS_NAME
+    if _has_metadata(reader):
+        return METADATA_NAME
+    return RANKLOCAL_NAME if _remote_rank_metadata(reader) else HEADERS_NAME
+
+
+def _remote_rank_metadata(reader: CheckpointReader) -> list[str]:
+    """The ``__R.metadata`` objects of a remote rank-local save, by rank (``[]``: local, or not one)."""
+    if reader.remote is None or reader.parts:
+        return []
+    return [name for _, name in rank_metadata_names(set(reader.remote.sizes()))]
+
+
+def _ranklocal_digest(reader: CheckpointReader, names: list[str], algorithm: str) -> tuple[str, int]:
+    """Digest and total size of a remote rank-local save's ``__R.metadata`` objects (each read whole, capped by
+    ``--max-metadata-size``, pinned to the listing): their names, sizes and bytes, by rank.
+
+    Raises:
+        DataFileError: (E300) an object changed since the listing; the storage errors (``E140``-``E144``).
+    """
+    assert reader.remote is not None
+    h = new_hasher(algorithm)
+    total = 0
+    for name in names:
+        data = reader.remote.read_whole(name, limits.current().max_metadata_bytes, what="rank metadata")
+        h.update(f"{name}\0{len(data)}\0".encode())
+        h.update(data)
+        total += len(data)
+    return h.hexdigest(), total
 
 
 def _has_metadata(reader: CheckpointReader) -> bool:
@@ -492,6 +524,9 @@ def _metadata_digest(reader: CheckpointReader, algorithm: str) -> tuple[str | No
     if isinstance(reader, PerRankReader):
         return _perrank_digest(reader, algorithm)
     if not _has_metadata(reader):
+        ranks = _remote_rank_metadata(reader)  # locally the sidecars cover them: not digested through storage
+        if ranks:
+            return _ranklocal_digest(reader, ranks, algorithm)
         return _headers_digest(reader, algorithm)  # (None, None) for a remote one: not digested, as its sidecars
     known = reader.metadata_file_digest(algorithm)  # digested as read at open: no second read
     if known is not None:
@@ -1533,6 +1568,7 @@ _DESCRIBED = {
     METADATA_NAME: "a DCP checkpoint (its .metadata digested)",
     HEADERS_NAME: "a safetensors model folder (its headers digested)",
     PERRANK_NAME: "a per-rank save (its rank files' tensor metadata digested)",
+    RANKLOCAL_NAME: "a rank-local DCP save in object storage (its __R.metadata objects digested)",
 }
 _EXPORT = "a safetensors export (export --manifest)"
 
@@ -1544,7 +1580,9 @@ def _manifest_made_of(manifest: Manifest) -> tuple[str, str] | None:
         return "safetensors", _EXPORT
     if manifest.metadata_digest is None:
         return None
-    what = {METADATA_NAME: "dcp", HEADERS_NAME: "safetensors", PERRANK_NAME: "per-rank"}[manifest.metadata_file]
+    what = {METADATA_NAME: "dcp", HEADERS_NAME: "safetensors", PERRANK_NAME: "per-rank", RANKLOCAL_NAME: "rank-local"}[
+        manifest.metadata_file
+    ]
     return what, _DESCRIBED[manifest.metadata_file]
 
 
@@ -1813,6 +1851,8 @@ def _metadata_problems(reader: CheckpointReader, manifest: Manifest) -> list[Man
                 f"the rank files' tensor dtypes, shapes or chunks differ from the manifest's ({name})",
             )
         ]
+    if name == RANKLOCAL_NAME:
+        return [ManifestProblem("metadata", name, None, f"the {name} (__R.metadata) differ from the manifest's")]
     return [
         ManifestProblem("metadata", HEADERS_NAME, None, f"{HEADERS_NAME} differ from the ones the manifest was made of")
     ]

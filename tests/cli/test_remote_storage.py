@@ -1136,6 +1136,41 @@ def test_a_manifest_written_into_a_remote_output_keeps_it_replaceable_as_locally
     ]
 
 
+def test_a_remote_rank_local_save_has_its_rank_metadata_covered_by_its_manifest(
+    ep_suite: Path, s3_server: Any, tmp_path: Path
+) -> None:
+    """A rank-local DCP save (`dcp.save(..., use_collectives=False)`: `__R.metadata`, no `.metadata`) in object
+    storage: its manifest recorded `metadata: null` and no sidecars, so a dtype rewritten in the `__R.metadata` files
+    (every data window unchanged) passed `manifest --verify` and `validate --manifest` (exit 0), while the local copy's
+    manifest names the file changed. Now the `__R.metadata` objects are digested: a `metadata` problem, exit 1."""
+    import pickle
+
+    import torch
+
+    local = copy_checkpoint(ep_suite / "legacy_rank_local", tmp_path / "rl")
+    url = upload(s3_server, local)
+    for target in (str(local), url):
+        assert cli(s3_server, "manifest", target).exit_code == 0
+        assert cli(s3_server, "manifest", target, "--verify").exit_code == 0
+    prefix = url.split("/", 3)[3]
+    key = "model.model.layers.0.mlp.experts.down_proj"
+    for rank in range(4):  # the dtype of one tensor rewritten in every rank's metadata: no data window changes
+        md = pickle.loads((local / f"__{rank}.metadata").read_bytes())  # torch's own Metadata of our fixture
+        assert md.state_dict_metadata[key].properties.dtype == torch.bfloat16
+        md.state_dict_metadata[key].properties.dtype = torch.float16
+        (local / f"__{rank}.metadata").write_bytes(pickle.dumps(md))
+        s3_server.client().upload_file(str(local / f"__{rank}.metadata"), "ckpts", f"{prefix}/__{rank}.metadata")
+    for target in (str(local), url):
+        r = cli(s3_server, "manifest", target, "--verify")
+        assert r.exit_code == 1, (target, r.output)
+        v = cli(s3_server, "validate", "--json", target, "--manifest", "--" if target == url else str(local))
+        assert v.exit_code == 1, (target, v.output)
+        assert "S015" in {f["code"] for f in json.loads(v.stdout)["findings"]}
+    assert "metadata the rank-local .metadata files (__R.metadata) differ from the manifest's" in r.stdout
+    doc = json.loads(s3_server.client().get_object(Bucket="ckpts", Key=f"{prefix}/manifest.json")["Body"].read())
+    assert doc["metadata"]["file"] == "rank-local .metadata files"
+
+
 def test_a_remote_data_object_grown_since_the_manifest_is_changed_as_its_local_copy(
     sample_ckpt: Path, s3_server: Any, tmp_path: Path
 ) -> None:
