@@ -850,6 +850,9 @@ class CkptGroup(TyperGroup):
             else:
                 print_error(_usage_error(e, ctx))
                 code = 2 if isinstance(e, _CLICK_USAGE_ERROR) else e.exit_code
+        except CkptError as e:  # a parameter type's own coded refusal (ui.options.location: a URL with a '//' key)
+            print_error(e)
+            code = e.exit_code
         except typer.Abort:
             sys.stderr.write("error: interrupted\n")
             code = 130

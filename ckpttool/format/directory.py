@@ -311,7 +311,12 @@ class CheckpointDir:
                     "at their own prefix, without step discovery or safetensors-only storage)",
                     path=store.path / METADATA_NAME,
                     hint=_checkpoints_below(store.path, sizes)
-                    or "pass the URL of the prefix that dcp.save wrote (it holds .metadata and __R_N.distcp)",
+                    or (
+                        "it holds safetensors files (a Hugging Face save or a ckpttool export), which are read from a "
+                        "local folder only: copy the prefix to a local directory and pass that"
+                        if any(n.endswith(".safetensors") and "/" not in n for n in sizes)
+                        else "pass the URL of the prefix that dcp.save wrote (it holds .metadata and __R_N.distcp)"
+                    ),
                 )
             shown = store.path / METADATA_NAME
             self.metadata = parse_metadata_taken(

@@ -129,9 +129,14 @@ def temp_name(target_name: str, run: RunId) -> str:
     return f".{target_name}.ckpttool-tmp-{run.pid}-{run.token}"
 
 
+def marker_bytes(doc: dict[str, Any]) -> bytes:
+    """The bytes of a marker document, as written locally and to a URL prefix."""
+    return json.dumps(doc, sort_keys=True, separators=(",", ":")).encode()
+
+
 def _write_json(directory: Path, doc: dict[str, Any]) -> None:
     """Write the marker in ``directory`` through a temporary name and ``os.replace`` (never half-written)."""
-    data = json.dumps(doc, sort_keys=True, separators=(",", ":")).encode()
+    data = marker_bytes(doc)
     part = directory / f"{MARKER_NAME}.part"
     with open(part, "wb") as f:
         f.write(data)

@@ -19,6 +19,8 @@ import logging
 import os
 import shutil
 import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from types import TracebackType
 from typing import Any, Protocol, cast
@@ -37,7 +39,15 @@ from ckpttool.format.atomic import (
 )
 from ckpttool.format.storage import RemoteStore, check_url_key, is_url, local_path, same_store, url_path
 
-__all__ = ["OutputDir", "RemoteOutputDir", "check_target", "output_dir", "output_location", "MARKERS"]
+__all__ = [
+    "OutputDir",
+    "RemoteOutputDir",
+    "check_target",
+    "output_dir",
+    "output_location",
+    "remote_recording",
+    "MARKERS",
+]
 
 log = logging.getLogger(__name__)
 
@@ -110,6 +120,35 @@ def _remote_ownership(store: RemoteStore, existing: dict[str, int]) -> marker.Ow
     return marker.Ownership(not why, found, why)
 
 
+@contextmanager
+def remote_recording(store: RemoteStore, relative: str, data: bytes) -> Iterator[None]:
+    """Keep the marker of a ckpttool output on a URL prefix true while the body writes ``data`` as the object
+    ``relative`` into it (``manifest``, ``stamp``): the remote counterpart of :func:`marker.recording`. If the
+    prefix was provably ckpttool's before (its ``.ckpttool-output.json`` agrees with the listing), the marker
+    lists the new object afterwards (one PUT), so that ``--overwrite`` still replaces the output; a prefix that
+    was not is left as it is. A marker that cannot be rewritten is logged (``--overwrite`` then refuses the
+    prefix, which is safe).
+
+    Raises:
+        RemoteStorageError (E14x): the listing or a range read of the ownership check failed.
+    """
+    own = RemoteStore(store.path, store.config)  # a listing of its own: the reader's stays pinned to its ETags
+    listed = dict(own.sizes())
+    doc = None
+    if marker.MARKER_NAME in listed and _remote_ownership(own, listed).owned:
+        doc = marker.parse_marker(own.read_whole(marker.MARKER_NAME, marker.MAX_MARKER_BYTES, what="marker"))
+    yield
+    if doc is None:
+        return
+    size = len(data)
+    head, tail = (data, b"") if size <= 2 * marker.WINDOW else (data[: marker.WINDOW], data[-marker.WINDOW :])
+    doc["files"] = dict(sorted({**doc["files"], relative: [size, marker.digest_parts(size, head, tail)]}.items()))
+    try:
+        own.write_bytes(marker.MARKER_NAME, marker.marker_bytes(doc))
+    except Exception as e:  # the output no longer proves itself ours: --overwrite refuses it (safe)
+        log.warning("%s: could not add %s to %s (%s)", store.path, relative, marker.MARKER_NAME, type(e).__name__)
+
+
 class RemoteOutputDir(OutputTarget):
     """An output written below a URL prefix, published only when complete (see the module docstring).
 
@@ -179,12 +218,19 @@ class RemoteOutputDir(OutputTarget):
                 path=t,
                 hint="choose a new or empty output prefix (OUT names a prefix; the object is left as it is)",
             )
-        existing = dict(self.store.sizes())
+        self._check_existing(dict(self.store.sizes()))
+
+    def _check_existing(self, existing: dict[str, int], since: str = "") -> None:
+        """Refuse a target prefix holding ``existing`` (its listing): non-empty without ``overwrite``, or not
+        provably a ckpttool output with it. ``since``: said of objects found by the re-check before publishing."""
+        assert self.store is not None
+        t = self.target
         if existing and not self.overwrite:
             raise OutputError(
-                f"{t}: the output prefix already holds {len(existing)} object(s)",
+                f"{t}: the output prefix {'now' if since else 'already'} holds {len(existing)} object(s){since}",
                 path=t,
-                hint="choose a new output prefix, or pass --overwrite to replace a previous output",
+                hint="choose a new output prefix, or pass --overwrite to replace a previous output"
+                + ("; nothing was published, the new objects are left as they are" if since else ""),
             )
         if existing:
             found = _remote_ownership(self.store, existing)
@@ -235,7 +281,12 @@ class RemoteOutputDir(OutputTarget):
 
         self._pool(upload, files)
         log.info("uploaded %d file(s) to %s", len(files), tmp_store.path)
-        old = set(self.store.sizes())
+        # listed again: a save (a trainer's, another ckpttool run's) may have written into the target prefix while
+        # this run wrote its output, which the listing of entry did not hold (the local rename re-checks the same)
+        self.store.forget_listing()
+        listed = dict(self.store.sizes())
+        self._check_existing(listed, since=", written there while this run wrote its output")
+        old = set(listed)
         new = set(files)
         if old:  # our marker first: from here on, the prefix is not provably a complete output
             self.store.remove(sorted(m for m in (marker.MARKER_NAME, *MARKERS) if m in old))

@@ -222,6 +222,7 @@ class UrlPath(PurePosixPath):
 
     scheme = ""
     _by_scheme: dict[str, type[UrlPath]] = {}
+    _given = ""  # the URL as given, where its key had an empty or '.' component (see check_url_key)
 
     @staticmethod
     def of(url: str) -> UrlPath:
@@ -234,7 +235,11 @@ class UrlPath(PurePosixPath):
             cls = type(f"UrlPath_{scheme}", (UrlPath,), {"scheme": scheme})
             UrlPath._by_scheme[scheme] = cls
         rest = m.group("rest").strip("/")
-        return cls("/" + rest)
+        path = cls("/" + rest)
+        if any(part in ("", ".") for part in rest.split("/")[1:]):
+            # the key holds an empty or '.' component, which the path collapsed: check_url_key refuses it
+            path._given = f"{scheme}://{rest}"
+        return path
 
     def __str__(self) -> str:
         return f"{self.scheme}://{super().__str__().lstrip('/')}"
@@ -274,9 +279,20 @@ def check_url_key(path: UrlPath) -> None:
     """Refuse a URL with a ``..`` component: an object store takes it as characters of the key (``s3://b/x/../hf``
     is not ``s3://b/hf``), so it would read nothing, or write objects whose keys hold ``x/../hf/``.
 
+    An empty or ``.`` component (``s3://b//run``, ``s3://b/./run``) is refused too: S3 keeps it in the key
+    (torch's ``FsspecWriter`` to ``s3://b//run`` writes the keys ``/run/...``), while the path would read
+    ``s3://b/run``, another checkpoint or none.
+
     Raises:
         RemoteStorageError: (E140) the hint names the prefix meant.
     """
+    if path._given:
+        raise RemoteStorageError(
+            f"{path._given}: an empty or '.' component in a URL is part of the object key (s3://b//run names the"
+            " keys '/run/...'), not a separator",
+            path=path._given,
+            hint=f"name the prefix without it: {path} (ckpttool reads no key with an empty or '.' component)",
+        )
     if ".." in path.key.split("/"):
         meant = posixpath.normpath(path.key)
         bucket = path.key.split("/")[0]
@@ -328,10 +344,11 @@ def confine_key(
 
 # --------------------------------------------------------------------------- errors
 # credentials missing, wrong or expired: botocore's NoCredentialsError / PartialCredentialsError /
-# InvalidAccessKeyId / SignatureDoesNotMatch / ExpiredToken, google-auth's DefaultCredentialsError,
-# azure's ClientAuthenticationError, besides a plain 403
+# InvalidAccessKeyId / SignatureDoesNotMatch / ExpiredToken / ProfileNotFound (AWS_PROFILE naming no profile),
+# google-auth's DefaultCredentialsError, azure's ClientAuthenticationError, besides a plain 403
 _PERMISSION_WORDS = (
     "accessdenied",
+    "profilenotfound",
     "forbidden",
     "credentials",
     "invalidaccesskeyid",

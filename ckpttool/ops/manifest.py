@@ -44,7 +44,9 @@ from ckpttool.format.locator import ChunkLocation
 from ckpttool.format.manifest_file import MANIFEST_FORMAT, MANIFEST_NAME, is_manifest_head
 from ckpttool.format.marker import MARKER_NAME, recording
 from ckpttool.format.metadata import BytesMeta, ChunkMeta, StorageInfo, TensorMeta
+from ckpttool.format.outputs import remote_recording
 from ckpttool.format.perrank import PerRankReader
+from ckpttool.format.rank_local import rank_metadata_names
 from ckpttool.format.reader import CheckpointReader
 from ckpttool.format.unpickler import short_repr
 from ckpttool.model.checkpoint import Checkpoint, CheckpointOrPath, OpenOptions, check_source, open_source
@@ -99,6 +101,10 @@ HEADERS_NAME = "safetensors headers"
 #: the ``metadata.file`` of a manifest of a per-rank save (no ``.metadata``; dtypes, shapes and placements are in
 #: each rank file's pickle): the digest is of the assembled tensors' dtypes, shapes and chunks, in key order.
 PERRANK_NAME = "per-rank tensor metadata"
+#: the ``metadata.file`` of a manifest of a rank-local DCP save in object storage (``dcp.save(...,
+#: use_collectives=False)``: ``__R.metadata`` files, no ``.metadata``; locally they are ``sidecars``, which are not
+#: digested through object storage): the digest of each ``__R.metadata`` object's name, size and bytes, by rank.
+RANKLOCAL_NAME = "rank-local .metadata files"
 _WORKERS = 2  # reader/digest threads of build_manifest
 log = logging.getLogger(__name__)
 #: ``on_entry(length)``: called with the bytes of each entry once it is hashed or checked (progress).
@@ -462,7 +468,34 @@ def _metadata_file(reader: CheckpointReader) -> str:
     """What :func:`_metadata_digest` digests for ``reader``: ``.metadata``, :data:`PERRANK_NAME` or :data:`HEADERS_NAME`."""
     if isinstance(reader, PerRankReader):
         return PERRANK_NAME
-    return METADATA_NAME if _has_metadata(reader) else HEADERS_NAME
+    if _has_metadata(reader):
+        return METADATA_NAME
+    return RANKLOCAL_NAME if _remote_rank_metadata(reader) else HEADERS_NAME
+
+
+def _remote_rank_metadata(reader: CheckpointReader) -> list[str]:
+    """The ``__R.metadata`` objects of a remote rank-local save, by rank (``[]``: local, or not one)."""
+    if reader.remote is None or reader.parts:
+        return []
+    return [name for _, name in rank_metadata_names(set(reader.remote.sizes()))]
+
+
+def _ranklocal_digest(reader: CheckpointReader, names: list[str], algorithm: str) -> tuple[str, int]:
+    """Digest and total size of a remote rank-local save's ``__R.metadata`` objects (each read whole, capped by
+    ``--max-metadata-size``, pinned to the listing): their names, sizes and bytes, by rank.
+
+    Raises:
+        DataFileError: (E300) an object changed since the listing; the storage errors (``E140``-``E144``).
+    """
+    assert reader.remote is not None
+    h = new_hasher(algorithm)
+    total = 0
+    for name in names:
+        data = reader.remote.read_whole(name, limits.current().max_metadata_bytes, what="rank metadata")
+        h.update(f"{name}\0{len(data)}\0".encode())
+        h.update(data)
+        total += len(data)
+    return h.hexdigest(), total
 
 
 def _has_metadata(reader: CheckpointReader) -> bool:
@@ -491,6 +524,9 @@ def _metadata_digest(reader: CheckpointReader, algorithm: str) -> tuple[str | No
     if isinstance(reader, PerRankReader):
         return _perrank_digest(reader, algorithm)
     if not _has_metadata(reader):
+        ranks = _remote_rank_metadata(reader)  # locally the sidecars cover them: not digested through storage
+        if ranks:
+            return _ranklocal_digest(reader, ranks, algorithm)
         return _headers_digest(reader, algorithm)  # (None, None) for a remote one: not digested, as its sidecars
     known = reader.metadata_file_digest(algorithm)  # digested as read at open: no second read
     if known is not None:
@@ -1014,11 +1050,7 @@ def write_manifest(
         hashed = done[0] + _bytes_read(man.sidecars) + _bytes_read(man.training_state)  # digested whole too
         say(f"writing {target}")
         data = man.to_bytes()
-        if remote is not None:
-            remote.write_bytes(MANIFEST_NAME, data)
-        else:
-            with recording(target.parent, target.name):  # an output of ckpttool: its marker lists the manifest
-                _replace_file(target, data)
+        _put_manifest(remote, target, data)
         seconds = time.perf_counter() - t0
         log.info("manifest: %d entries, %d bytes hashed in %.3f s (%s)", len(man.entries), hashed, seconds, algorithm)
         return ManifestResult(
@@ -1141,6 +1173,21 @@ def _a_checkpoint_folder(folder: Path) -> bool:
             return any(e.name.endswith(".safetensors") for e in it)
     except OSError:
         return False
+
+
+def _put_manifest(remote: RemoteStore | None, target: Path, data: bytes) -> None:
+    """Write the manifest: one PUT beside ``.metadata`` on the prefix of ``remote``, else the local file ``target``
+    (temporary name, renamed into place). In an output of ckpttool, its marker lists the manifest either way.
+
+    Raises:
+        OutputError: the local file cannot be written; the storage errors (``E140``-``E144``).
+    """
+    if remote is not None:
+        with remote_recording(remote, MANIFEST_NAME, data):
+            remote.write_bytes(MANIFEST_NAME, data)
+    else:
+        with recording(target.parent, target.name):
+            _replace_file(target, data)
 
 
 def _check_remote_target(store: RemoteStore) -> None:
@@ -1521,6 +1568,7 @@ _DESCRIBED = {
     METADATA_NAME: "a DCP checkpoint (its .metadata digested)",
     HEADERS_NAME: "a safetensors model folder (its headers digested)",
     PERRANK_NAME: "a per-rank save (its rank files' tensor metadata digested)",
+    RANKLOCAL_NAME: "a rank-local DCP save in object storage (its __R.metadata objects digested)",
 }
 _EXPORT = "a safetensors export (export --manifest)"
 
@@ -1532,7 +1580,9 @@ def _manifest_made_of(manifest: Manifest) -> tuple[str, str] | None:
         return "safetensors", _EXPORT
     if manifest.metadata_digest is None:
         return None
-    what = {METADATA_NAME: "dcp", HEADERS_NAME: "safetensors", PERRANK_NAME: "per-rank"}[manifest.metadata_file]
+    what = {METADATA_NAME: "dcp", HEADERS_NAME: "safetensors", PERRANK_NAME: "per-rank", RANKLOCAL_NAME: "rank-local"}[
+        manifest.metadata_file
+    ]
     return what, _DESCRIBED[manifest.metadata_file]
 
 
@@ -1801,6 +1851,8 @@ def _metadata_problems(reader: CheckpointReader, manifest: Manifest) -> list[Man
                 f"the rank files' tensor dtypes, shapes or chunks differ from the manifest's ({name})",
             )
         ]
+    if name == RANKLOCAL_NAME:
+        return [ManifestProblem("metadata", name, None, f"the {name} (__R.metadata) differ from the manifest's")]
     return [
         ManifestProblem("metadata", HEADERS_NAME, None, f"{HEADERS_NAME} differ from the ones the manifest was made of")
     ]
@@ -2220,7 +2272,9 @@ def _pinned_to(opening: OpenOptions | None, located: Located | None) -> OpenOpti
 
 
 def remote_manifest(url: str | os.PathLike[str], name: str = MANIFEST_NAME) -> tuple[Path, bytes]:
-    """``URL/name`` (named as a UrlPath) and its bytes, capped by ``--max-object-size``.
+    """``URL/name`` (named as a UrlPath) and its bytes, capped by ``--max-object-size``. Where no object
+    ``URL/name`` exists but the prefix ``URL/name/`` holds a ``manifest.json`` (``--manifest s3://b/run``, the
+    checkpoint's prefix), that one, as ``--manifest DIR`` reads ``DIR/manifest.json``.
 
     Raises:
         UsageError: no such object; the storage errors (``E140``-``E144``).
@@ -2228,6 +2282,10 @@ def remote_manifest(url: str | os.PathLike[str], name: str = MANIFEST_NAME) -> t
     from ckpttool.format.storage import RemoteStore
 
     store = RemoteStore(url)
+    if name != MANIFEST_NAME and store.size(name) is None:
+        inner = RemoteStore(store.path / name, store.config)
+        if inner.size(MANIFEST_NAME) is not None:
+            store, name = inner, MANIFEST_NAME
     where = cast(Path, store.path / name)
     if store.size(name) is None:
         raise UsageError(

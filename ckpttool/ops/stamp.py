@@ -30,6 +30,7 @@ from ckpttool.format import limits
 from ckpttool.format.atomic import atomic_write_text, unwritable_reason
 from ckpttool.format.manifest_file import MANIFEST_NAME, is_manifest_head
 from ckpttool.format.marker import recording
+from ckpttool.format.outputs import remote_recording
 from ckpttool.layouts.declaration import (
     LayoutDeclaration,
     LayoutRecords,
@@ -175,7 +176,8 @@ def _stamp(ckpt: Checkpoint, declaration: LayoutDeclaration | None) -> StampResu
     parse_layout_record(record, "new layout record")
     text = json.dumps(record, sort_keys=True, indent=2) + "\n"
     if ckpt.reader.remote is not None:  # object storage: one PUT of the sidecar (docs/storage.md)
-        ckpt.reader.remote.write_bytes(SIDECAR_NAME, text.encode())
+        with remote_recording(ckpt.reader.remote, SIDECAR_NAME, text.encode()):  # a ckpttool output's marker lists it
+            ckpt.reader.remote.write_bytes(SIDECAR_NAME, text.encode())
     else:
         why = unwritable_reason(sidecar.parent)
         if why is not None:  # a checkpoint on a read-only mount or of another user: the declaration still works

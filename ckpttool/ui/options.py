@@ -70,14 +70,19 @@ def location(value: str | PurePath) -> PurePath:
     Raises:
         typer.BadParameter (E100): an empty string (``Path("")`` is the current directory: an unset shell
             variable, ``"$CKPT"``, would read or write there).
+        RemoteStorageError (E140): a URL whose key has a ``..``, ``.`` or empty component.
     """
     if isinstance(value, PurePath):
         return value
     if not value:
         raise typer.BadParameter("an empty path (an unset shell variable?); pass '.' for the current directory")
-    from ckpttool.format.storage import is_url, local_path, url_path
+    from ckpttool.format.storage import check_url_key, is_url, local_path, url_path
 
-    return url_path(value) if is_url(value) else Path(local_path(value))
+    if not is_url(value):
+        return Path(local_path(value))
+    path = url_path(value)
+    check_url_key(path)  # here, while the URL is as given: s3://b//run prints (and is passed on) as s3://b/run
+    return path
 
 
 def given_path(value: str | PurePath) -> Path:

@@ -406,6 +406,67 @@ def test_a_dot_dot_url_leaving_its_bucket_is_refused_without_naming_another_buck
     assert r.exit_code == 2 and "hint: name the prefix itself: s3://ckpts/b\n" in r.output, r.output
 
 
+def test_a_url_with_an_empty_or_dot_component_is_refused_not_read_as_another_prefix(
+    s3_server: Any, tmp_path: Path
+) -> None:
+    """torch's own FsspecWriter to `s3://b//run` writes the keys `/run/...` (S3 keeps the empty component), and
+    dcp.load from that URL reads them back. ckpttool collapsed the URL to `s3://b/run` and reported another
+    checkpoint saved there (stats: all zeros, exit 0), and `export ... s3://b//hf` wrote to `s3://b/hf`. Now E140
+    naming the URL as given, the hint the prefix without the component; nothing read, nothing written."""
+    import warnings
+
+    import torch
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter
+
+    bucket, name = s3_server.bucket("ckpts"), f"t-{uuid.uuid4().hex[:8]}"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dcp.save({"w": torch.arange(4.0)}, storage_writer=FsspecWriter(f"s3://{bucket}//{name}", **s3_server.options()))
+        dcp.save({"w": torch.zeros(4)}, storage_writer=FsspecWriter(f"s3://{bucket}/{name}", **s3_server.options()))
+    assert f"/{name}/.metadata" in s3_server.keys(bucket, "/")  # the writer kept the empty component
+    before = s3_server.keys(bucket)
+    for given in (f"s3://{bucket}//{name}", f"s3://{bucket}/./{name}"):
+        for args in (
+            ["stats", given],
+            ["inspect", given],
+            ["diff", given, f"s3://{bucket}/{name}"],
+            ["export", f"s3://{bucket}/{name}", given + "-hf"],
+            ["validate", f"s3://{bucket}/{name}", "--manifest", given + "/manifest.json"],
+        ):
+            r = cli(s3_server, *args)
+            shown = next(a for a in args if a.startswith(given))
+            assert r.exit_code == 2 and "Traceback" not in r.output, (args, r.output)
+            assert r.stderr.startswith(f"error: [E140] {shown}: an empty or '.' component in a URL"), (args, r.output)
+            meant = shown.replace("//" + name, "/" + name).replace("/./", "/")
+            assert f"hint: name the prefix without it: {meant} " in r.stderr, r.output
+            assert len(r.stderr.splitlines()) == 2
+    assert s3_server.keys(bucket) == before
+    # a trailing slash is no component
+    r = cli(s3_server, "--json", "stats", f"s3://{bucket}/{name}/")
+    assert r.exit_code == 0 and json.loads(r.stdout)["checkpoints"][0]["tensors"][0]["abs_max"] == 0.0
+
+
+def test_a_remote_safetensors_export_is_refused_with_a_hint_that_says_so(sample_ckpt: Path, s3_server: Any) -> None:
+    """`export CKPT s3://b/hf` then `diff s3://b/hf CKPT` (or inspect) was E200 with the hint 'pass the URL of the
+    prefix that dcp.save wrote (it holds .metadata and __R_N.distcp)', about ckpttool's own export. The hint now
+    says the prefix holds safetensors files, read from a local folder only; a prefix without them keeps its hint."""
+    out = f"s3://ckpts/t-{uuid.uuid4().hex[:8]}-hf"
+    s3_server.bucket("ckpts")
+    assert cli(s3_server, "export", str(sample_ckpt), out).exit_code == 0
+    for args in (["inspect", out], ["diff", out, str(sample_ckpt)]):
+        r = cli(s3_server, *args)
+        assert r.exit_code == 2 and "Traceback" not in r.output, r.output
+        assert r.stderr.splitlines()[0].startswith(f"error: [E200] {out}: no .metadata object"), r.output
+        assert r.stderr.splitlines()[1] == (
+            "hint: it holds safetensors files (a Hugging Face save or a ckpttool export), which are read from a "
+            "local folder only: copy the prefix to a local directory and pass that"
+        )
+    s3_server.client().put_object(Bucket="ckpts", Key=out.split("/", 3)[3] + "-notes/readme.txt", Body=b"notes")
+    r = cli(s3_server, "inspect", out + "-notes")
+    assert r.exit_code == 2 and "hint: pass the URL of the prefix that dcp.save wrote" in r.stderr, r.output
+
+
 def test_url_of_an_object_names_its_prefix(sample_ckpt: Path, s3_server: Any) -> None:
     """The URL of a checkpoint's ``.metadata`` (copied from a console listing) said "no object below this prefix":
     it now says the URL is an object and names the prefix to pass."""
@@ -431,6 +492,38 @@ def test_missing_credentials_are_a_permission_error(
     )
     assert r.exit_code == 2 and "[E142]" in r.output and "credentials" in r.output
     assert "pip install" not in r.output and "Traceback" not in r.output
+
+
+def test_a_profile_that_does_not_exist_is_a_credentials_error(
+    s3_server: Any, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """AWS_PROFILE naming no profile (botocore's ProfileNotFound) was E140 'storage request failed' with the hint
+    'check the URL and --storage-option', about a URL that was right; it is E142 with the credentials hint, one
+    error line, at once."""
+    import s3fs
+
+    s3_server.bucket("ckpts")
+    for var, value in s3_server.env().items():  # keys in the environment too: the profile is looked up first
+        monkeypatch.setenv(var, value)
+    monkeypatch.setenv("AWS_PROFILE", "no-such-profile")
+    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", os.fspath(tmp_path / "none"))
+    monkeypatch.setenv("AWS_CONFIG_FILE", os.fspath(tmp_path / "none"))
+    s3fs.S3FileSystem.clear_instance_cache()  # fsspec keeps a filesystem per options: one of an earlier environment
+    try:
+        got = [
+            runner.invoke(app, ["--storage-option", f"client_kwargs.endpoint_url={s3_server.endpoint}", *args])
+            for args in (["inspect", "s3://ckpts/x"], ["export", "s3://ckpts/x", "s3://ckpts/y"])
+        ]
+    finally:
+        s3fs.S3FileSystem.clear_instance_cache()  # none of this environment is left to the tests after this one
+    for r in got:
+        assert r.exit_code == 2 and "Traceback" not in r.output, r.output
+        lines = r.stderr.splitlines()
+        assert lines[0].startswith("error: [E142] s3://ckpts/x: listing: permission denied (ProfileNotFound: ")
+        assert "no-such-profile" in lines[0] and len(lines) == 2
+        assert lines[1] == (
+            "hint: check the credentials (environment, config files, --storage-option) and the bucket policy"
+        )
 
 
 def test_a_policy_denying_the_data_objects_is_told_with_the_credentials_hint(sample_ckpt: Path, s3_server: Any) -> None:
@@ -845,6 +938,58 @@ def test_an_object_deleted_after_the_listing_is_a_data_file_error(sample_ckpt: P
     assert requests == 3  # the listing, .metadata, one range request: not retried
 
 
+def test_a_save_landing_in_the_output_prefix_during_the_run_is_not_overwritten(
+    sample_ckpt: Path, s3_server: Any
+) -> None:
+    """The output prefix was checked only on entry: a checkpoint that torch's FsspecWriter saved into it while
+    ckpttool wrote its output (a trainer pointed at the same prefix) had its `.metadata` and data files replaced
+    by the output's, without --overwrite (the local output's rename re-checks the target and fails). Now the
+    prefix is listed again before anything is published: E600 without --overwrite, E606 with it over a previous
+    output that the save wrote into; the save's objects keep their bytes, the temporary prefix is removed."""
+    import warnings
+
+    import torch
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader, FsspecWriter
+
+    from ckpttool.errors import ForeignOutputError, OutputError
+    from ckpttool.format.outputs import output_dir
+
+    bucket = s3_server.bucket("ckpts")
+    previous = f"s3://{bucket}/t-{uuid.uuid4().hex[:8]}"
+    assert cli(s3_server, "export", str(sample_ckpt), previous).exit_code == 0  # an output of ckpttool
+    for target, overwrite, error, code in (
+        (f"s3://{bucket}/t-{uuid.uuid4().hex[:8]}", False, OutputError, "E600"),
+        (previous, True, ForeignOutputError, "E606"),
+    ):
+        prefix = target.split("/", 3)[3]
+        with storage_config(options=s3_server.options()), pytest.raises(error) as got:
+            with output_dir(target, overwrite=overwrite, kind="reshard") as tmp:
+                (tmp / ".metadata").write_bytes(b"the output's metadata")
+                (tmp / "__0_0.distcp").write_bytes(b"the output's data")
+                with warnings.catch_warnings():
+                    warnings.simplefilter("ignore")
+                    writer = FsspecWriter(target, **s3_server.options())
+                    dcp.save({"w": torch.arange(4.0)}, storage_writer=writer, no_dist=True)
+                saved = {
+                    k: s3_server.client().get_object(Bucket=bucket, Key=k)["Body"].read()
+                    for k in s3_server.keys(bucket, prefix + "/")
+                    if k.rsplit("/", 1)[1] in (".metadata", "__0_0.distcp")
+                }
+                assert len(saved) == 2
+        assert got.value.code == code and got.value.message.startswith(f"{target}: "), got.value.message
+        if code == "E600":
+            assert "2 object(s), written there while this run wrote its output" in got.value.message
+        for key, body in saved.items():  # the save's objects are its own
+            assert s3_server.client().get_object(Bucket=bucket, Key=key)["Body"].read() == body, key
+        assert not [k for k in s3_server.keys(bucket) if "ckpttool-tmp" in k]
+        sd = {"w": torch.zeros(4)}
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            dcp.load(sd, storage_reader=FsspecReader(target, **s3_server.options()), no_dist=True)
+        assert torch.equal(sd["w"], torch.arange(4.0))
+
+
 def test_overwrite_of_a_prefix_holding_only_sub_prefixes_names_them(sample_ckpt: Path, s3_server: Any) -> None:
     """export --overwrite onto a prefix whose objects all lie below sub-prefixes (a run root: step folders, logs)
     is E606 naming its folders, as the local refusal names a directory's entries (it said 'it holds nothing');
@@ -960,6 +1105,70 @@ def test_manifest_of_a_remote_checkpoint_is_written_beside_its_metadata_and_veri
     assert r.exit_code == 2 and "[E600]" in r.output and f"{url}/manifest.json" in r.output, r.output
     assert "Traceback" not in r.output
     assert s3_server.client().get_object(Bucket="ckpts", Key=f"{prefix}/manifest.json")["Body"].read() == b'{"mine": 1}'
+
+
+def test_a_manifest_written_into_a_remote_output_keeps_it_replaceable_as_locally(
+    sample_ckpt: Path, s3_server: Any, tmp_path: Path
+) -> None:
+    """`manifest s3://b/out` of a reshard output PUT manifest.json without listing it in the output's
+    .ckpttool-output.json, so the next `reshard ... s3://b/out --overwrite` was E606 'manifest.json is not listed
+    ... (ckpttool did not write it)', while the same steps on a local folder replace it (the local manifest is
+    recorded in the marker). Now the marker lists it: the overwrite succeeds as locally, and the replaced output
+    reads back; a prefix that is no ckpttool output gets no marker."""
+    args = ["--to", "canonical", "--with-optimizer", "--target-ep-size", "2", "--target-ep-fsdp-size", "2"]
+    local = tmp_path / "local"
+    out = f"s3://ckpts/t-{uuid.uuid4().hex[:8]}"
+    s3_server.bucket("ckpts")
+    for target in (str(local), out):
+        assert cli(s3_server, "reshard", str(sample_ckpt), target, *args).exit_code == 0
+        r = cli(s3_server, "manifest", target)
+        assert r.exit_code == 0, r.output
+        r = cli(s3_server, "reshard", str(sample_ckpt), target, *args, "--overwrite")
+        assert r.exit_code == 0, (target, r.output)
+        assert cli(s3_server, "validate", target, "--deep").exit_code == 0
+    assert sorted(download(s3_server, "ckpts", out.split("/", 3)[3], tmp_path / "dl")) == sorted(files_of(local))
+    # a checkpoint that ckpttool did not write: the manifest is written, no marker appears
+    url = upload(s3_server, sample_ckpt)
+    s3_server.client().delete_object(Bucket="ckpts", Key=url.split("/", 3)[3] + "/.ckpttool-output.json")
+    assert cli(s3_server, "manifest", url).exit_code == 0
+    assert ".ckpttool-output.json" not in [
+        k.rsplit("/", 1)[1] for k in s3_server.keys("ckpts", url.split("/", 3)[3] + "/")
+    ]
+
+
+def test_a_remote_rank_local_save_has_its_rank_metadata_covered_by_its_manifest(
+    ep_suite: Path, s3_server: Any, tmp_path: Path
+) -> None:
+    """A rank-local DCP save (`dcp.save(..., use_collectives=False)`: `__R.metadata`, no `.metadata`) in object
+    storage: its manifest recorded `metadata: null` and no sidecars, so a dtype rewritten in the `__R.metadata` files
+    (every data window unchanged) passed `manifest --verify` and `validate --manifest` (exit 0), while the local copy's
+    manifest names the file changed. Now the `__R.metadata` objects are digested: a `metadata` problem, exit 1."""
+    import pickle
+
+    import torch
+
+    local = copy_checkpoint(ep_suite / "legacy_rank_local", tmp_path / "rl")
+    url = upload(s3_server, local)
+    for target in (str(local), url):
+        assert cli(s3_server, "manifest", target).exit_code == 0
+        assert cli(s3_server, "manifest", target, "--verify").exit_code == 0
+    prefix = url.split("/", 3)[3]
+    key = "model.model.layers.0.mlp.experts.down_proj"
+    for rank in range(4):  # the dtype of one tensor rewritten in every rank's metadata: no data window changes
+        md = pickle.loads((local / f"__{rank}.metadata").read_bytes())  # torch's own Metadata of our fixture
+        assert md.state_dict_metadata[key].properties.dtype == torch.bfloat16
+        md.state_dict_metadata[key].properties.dtype = torch.float16
+        (local / f"__{rank}.metadata").write_bytes(pickle.dumps(md))
+        s3_server.client().upload_file(str(local / f"__{rank}.metadata"), "ckpts", f"{prefix}/__{rank}.metadata")
+    for target in (str(local), url):
+        r = cli(s3_server, "manifest", target, "--verify")
+        assert r.exit_code == 1, (target, r.output)
+        v = cli(s3_server, "validate", "--json", target, "--manifest", "--" if target == url else str(local))
+        assert v.exit_code == 1, (target, v.output)
+        assert "S015" in {f["code"] for f in json.loads(v.stdout)["findings"]}
+    assert "metadata the rank-local .metadata files (__R.metadata) differ from the manifest's" in r.stdout
+    doc = json.loads(s3_server.client().get_object(Bucket="ckpts", Key=f"{prefix}/manifest.json")["Body"].read())
+    assert doc["metadata"]["file"] == "rank-local .metadata files"
 
 
 def test_a_remote_data_object_grown_since_the_manifest_is_changed_as_its_local_copy(
@@ -1099,6 +1308,27 @@ def test_validate_manifest_of_a_remote_checkpoint_reads_the_one_manifest_wrote(
     assert r.exit_code == 1, r.output
     s015 = [f for f in json.loads(r.stdout)["findings"] if f["code"] == "S015"]
     assert [f["key"] for f in s015] == ["model.model.embed_tokens.weight"]
+
+
+def test_validate_manifest_naming_the_remote_prefix_reads_its_manifest_as_a_local_dir(
+    sample_ckpt: Path, s3_server: Any, tmp_path: Path
+) -> None:
+    """`validate DIR --manifest DIR` reads DIR/manifest.json; `validate URL --manifest URL` (the prefix that
+    `manifest URL` wrote its manifest.json into) was E100 'URL: no such manifest file, write one with `ckpttool
+    manifest URL`', about a prefix holding one. Now it reads URL/manifest.json: the findings of the local copy."""
+    local = copy_checkpoint(sample_ckpt, tmp_path / "local")
+    url = upload(s3_server, local)
+    assert cli(s3_server, "manifest", url).exit_code == 0
+    assert runner.invoke(app, ["manifest", str(local)]).exit_code == 0
+    corrupt_chunk_bytes(local, "model.model.embed_tokens.weight")
+    s3_server.client().upload_file(str(local / "__0_0.distcp"), "ckpts", f"{url.split('/', 3)[3]}/__0_0.distcp")
+    want = runner.invoke(app, ["validate", "--json", str(local), "--manifest", str(local)])
+    for given in (url, url + "/"):
+        r = cli(s3_server, "validate", "--json", url, "--manifest", given)
+        assert r.exit_code == want.exit_code == 1, r.output
+        got = [(f["code"], f["key"]) for f in json.loads(r.stdout)["findings"] if f["code"] == "S015"]
+        assert got == [(f["code"], f["key"]) for f in json.loads(want.stdout)["findings"] if f["code"] == "S015"]
+        assert got == [("S015", "model.model.embed_tokens.weight")]
 
 
 def test_manifest_output_that_is_a_url_is_refused_not_written_as_a_local_s3_folder(

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any, cast
 
 from ckpttool import errors
 from ckpttool.errors import at_least
-from ckpttool.format.storage import is_url, url_path
+from ckpttool.format.storage import check_url_key, is_url, url_path
 from ckpttool.model.checkpoint import Checkpoint, CheckpointOrPath, OpenOptions, check_source, gc_held, open_checkpoint
 from ckpttool.model.hfconfig import read_hf_config
 from ckpttool.ops.fields import Hooks, ProgressFn, Unpack, hooks_of, options_of
@@ -395,13 +395,14 @@ def validate(
 def _load_manifest_of(manifest: str | os.PathLike[str], ckpt: Checkpoint) -> Manifest | None:
     """The manifest of :attr:`ValidateOptions.manifest` in object storage: for ``""`` (no value) the remote
     checkpoint's own ``URL/manifest.json`` (what ``manifest URL`` writes), a URL of a file that object
-    (``URL/DIR`` is taken as a file: object stores have no directories); ``None``: a local file."""
+    (``URL/DIR``: the object, else ``URL/DIR/manifest.json``, as for a local directory); ``None``: a local file."""
     from ckpttool.ops.manifest import load_manifest, remote_manifest
 
     if manifest == "" and ckpt.reader.remote is not None:
         return load_manifest(*remote_manifest(ckpt.reader.path))
     if is_url(manifest):
         where = url_path(manifest)
+        check_url_key(where)  # s3://b//run/manifest.json is no object of s3://b/run
         return load_manifest(*remote_manifest(where.parent, where.name))
     return None
 
