@@ -53,7 +53,8 @@ from ckpttool.layouts.record import SIDECAR_NAME
 from ckpttool.model.adapters import AdapterConfig, ModelAdapter, detect_adapter, get_adapter
 from ckpttool.model.catalog import Catalog, TensorEntry, bare_glob_hint, match_filter
 from ckpttool.model.checkpoint import Checkpoint, CheckpointOrPath, gc_held, open_source
-from ckpttool.model.hfconfig import read_hf_config, tie_word_embeddings
+from ckpttool.model.hf_forms import fold_expert_forms
+from ckpttool.model.hfconfig import config_value, read_hf_config, tie_word_embeddings
 from ckpttool.model.schemas.base import canonical_model_key
 from ckpttool.model.schemas.detect import detect_schema
 from ckpttool.ops import distributed
@@ -1865,7 +1866,7 @@ def _check_shards_beside(ckpt: Checkpoint, plan: ExportPlan, opts: ExportOptions
     say(f"building model class {_model_class_name(config)} (config.json beside the shards)")
     lenient = tuple(dict.fromkeys((*opts.allow_mismatch, "unexpected", "dtype")))
     try:
-        return _check_against_model(plan, config, dataclasses.replace(opts, allow_mismatch=lenient))
+        return _check_against_model(plan, config, dataclasses.replace(opts, allow_mismatch=lenient), fold=True)
     except ModelMismatchError as e:
         raise ModelMismatchError(
             e.message.replace("built from config.json", f"built from {folder / 'config.json'}", 1),
@@ -1876,8 +1877,13 @@ def _check_shards_beside(ckpt: Checkpoint, plan: ExportPlan, opts: ExportOptions
         ) from None
 
 
-def _check_against_model(plan: ExportPlan, config: dict[str, Any], opts: ExportOptions) -> ModelCheck:
+def _check_against_model(
+    plan: ExportPlan, config: dict[str, Any], opts: ExportOptions, *, fold: bool = False
+) -> ModelCheck:
     """Compare the plan with the model class of ``config`` (:mod:`.expected`); refuse unallowed differences.
+    ``fold``: compare per-expert tensors as transformers loads them into the model class
+    (:func:`~ckpttool.model.hf_forms.fold_expert_forms`, as validate's ``M010`` does), so that the per-expert names
+    ``save_pretrained`` and the trainers' HF adapters write are not a shortfall of the fused ``experts.gate_up_proj``.
 
     Raises:
         ModelMismatchError (E605): missing / unexpected keys, wrong shapes or dtypes not in ``allow_mismatch``
@@ -1887,7 +1893,16 @@ def _check_against_model(plan: ExportPlan, config: dict[str, Any], opts: ExportO
     if opts.quantize is not None:  # the scales are not parameters of the model class; the FP8 dtype was asked for
         suffix = "_scale_inv" if opts.quant_format == "fp8" else "_scale"
         written = {k: v for k, v in written.items() if not k.endswith(suffix)}
-    check = compare_with_model(without_fp8_scales(written), config)
+    written = without_fp8_scales(written)
+    if fold:
+        mt, want = (
+            config_value(config, "model_type"),
+            config_value(config, "dtype") or config_value(config, "torch_dtype"),
+        )
+        written = fold_expert_forms(
+            written, mt if isinstance(mt, str) else None, want if isinstance(want, str) else None
+        )
+    check = compare_with_model(written, config)
     if not check.checked:
         plan.warnings.append(f"keys and shapes were not checked against the model class: {check.not_checked}")
         return check

@@ -442,6 +442,7 @@ def _export_plan(ctx: Context, config: dict[str, Any] | None, *, drop_tied: bool
 def _model_class_check(ctx: Context) -> tuple[Any, str | None]:
     """The export plan's tensors (names as ``export`` writes them) compared with the config's model class."""
     from ckpttool.errors import CkptError
+    from ckpttool.model.hf_forms import fold_expert_forms
     from ckpttool.ops.export.execute import without_fp8_scales, written_tensors
     from ckpttool.ops.export.expected import compare_with_model
 
@@ -452,49 +453,12 @@ def _model_class_check(ctx: Context) -> tuple[Any, str | None]:
         return None, f"the tensors cannot be mapped to Hugging Face names ({e.message})"
     mt = config_value(ctx.config, "model_type")
     want = config_value(ctx.config, "dtype") or config_value(ctx.config, "torch_dtype")
-    fused = _fused_experts(
+    fused = fold_expert_forms(
         without_fp8_scales(written_tensors(plan)),
         mt if isinstance(mt, str) else None,
         want if isinstance(want, str) else None,
     )
     return compare_with_model(fused, ctx.config), None
-
-
-def _fused_experts(
-    written: dict[str, tuple[tuple[int, ...], str]], model_type: str | None, want_dtype: str | None = None
-) -> dict[str, tuple[tuple[int, ...], str]]:
-    """``written`` as transformers' weight conversion loads it into the model class of ``model_type``: each
-    per-expert form that applies (:func:`~ckpttool.model.hf_forms.forms_for`: the generic
-    ``<p>.experts.<j>.{gate,up,down}_proj.weight``, Mixtral's ``<p>.block_sparse_moe.experts.<j>.{w1,w3,w2}.weight``)
-    with every expert ``0..E-1``, parts of one shape, folded into the fused ``<p>.experts.gate_up_proj``
-    ``[E, 2I, H]`` / ``down_proj`` (as ``import`` fuses them), then the form's renames applied to every key
-    (Mixtral's ``.block_sparse_moe.`` -> ``.mlp.``); anything else as it is. Experts of one shape but several
-    dtypes fold too (transformers casts them as it loads): the fused tensor carries a dtype other than the config's
-    ``want_dtype`` where one expert's is, so the dtype finding names it (not M010 shape errors of right shapes)."""
-    from ckpttool.model.hf_forms import forms_for
-
-    out = dict(written)
-    for form in forms_for(model_type):
-        groups: dict[str, dict[str, dict[int, str]]] = {}
-        for k in out:
-            m = form.pattern.match(k) if ".experts." in k else None
-            if m is not None:
-                groups.setdefault(m["p"], {}).setdefault(m["proj"], {})[int(m["j"])] = k
-        for prefix, projs in groups.items():
-            for fused, parts in form.fused():
-                got = [projs.get(x, {}) for x in parts]
-                n = len(got[0])
-                keys = [g[j] for g in got for j in range(n) if j in g]
-                if not n or len(keys) != n * len(parts) or len({out[k][0] for k in keys}) != 1:
-                    continue  # experts missing or of different shapes: compared as stored (M010 names them)
-                (rows, cols), dtype = out[keys[0]]
-                dtype = next((d for d in sorted({out[k][1] for k in keys}) if d != want_dtype), dtype)
-                for k in keys:
-                    del out[k]
-                out.setdefault(f"{prefix}.experts.{fused}", ((n, rows * len(parts), cols), dtype))
-        if form.renames:
-            out = {form.rename(k): v for k, v in out.items()}
-    return out
 
 
 @rule("M010")
