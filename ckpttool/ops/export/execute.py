@@ -1836,7 +1836,7 @@ def _model_check(
     check = None
     if out_format.checks_model_class and model_config:
         say(f"building model class {_model_class_name(model_config)}")
-        check = _check_against_model(plan, model_config, opts)
+        check = _check_against_model(plan, model_config, opts, fold=True)
     elif out_format.checks_model_class and ckpt.unproven_shards() is not None:
         check = _check_shards_beside(ckpt, plan, opts, say)
     unproven = None if check is not None and check.checked else ckpt.unproven_shards()

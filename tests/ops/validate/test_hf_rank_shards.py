@@ -262,7 +262,24 @@ def test_export_of_per_expert_shards_with_their_config_beside_is_not_a_shortfall
         got.update(load_file(f))
     assert got.keys() == sd.keys() and all(got[k].equal(v) for k, v in sd.items())
 
+    # the model's config given (--model-assets): checked the same way (was E605 'missing experts.gate_up_proj'),
+    # and the folder loads in transformers with the logits of the per-expert folder saved
+    res = runner.invoke(app, ["export", str(shards), str(tmp_path / "given"), "--model-assets", str(src)])
+    assert res.exit_code == 0, res.stderr
+    import torch
+    import transformers
+
+    ids = torch.tensor([[1, 5, 9, 2, 7]])
+    logits = []
+    for folder in (src, tmp_path / "given"):
+        model = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+        with torch.no_grad():
+            logits.append(model(ids).logits)
+    assert torch.equal(logits[0], logits[1])
+
     cut = save({k: v for k, v in sd.items() if ".experts.3." not in k}, tmp_path / "cut")
     res = runner.invoke(app, ["export", str(cut), str(tmp_path / "cut_out")])
     assert res.exit_code == 2 and not (tmp_path / "cut_out").exists(), res.stderr
     assert res.stderr.startswith("error: [E605] the export does not fit ") and "missing " in res.stderr, res.stderr
+    res = runner.invoke(app, ["export", str(cut), str(tmp_path / "cut_given"), "--model-assets", str(src)])
+    assert res.exit_code == 2 and "[E605]" in res.stderr and not (tmp_path / "cut_given").exists(), res.stderr
