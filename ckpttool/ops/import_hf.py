@@ -997,7 +997,7 @@ def _check_index(src_dir: Path, sources: dict[str, _Source]) -> None:
                 )
 
 
-def _choose_adapter(opts: ImportOptions, config: Any) -> ModelAdapter | None:
+def _choose_adapter(opts: ImportOptions, config: Any, cfg_path: Any = None) -> ModelAdapter | None:
     """The adapter of ``schema`` torchtitan (``adapter``, else from ``model_type``); ``None`` for torch-native.
 
     ``adapter`` must be one import writes through (:func:`~ckpttool.model.adapters.import_adapters`, the
@@ -1017,7 +1017,7 @@ def _choose_adapter(opts: ImportOptions, config: Any) -> ModelAdapter | None:
     adapter: ModelAdapter | None = None
     spec = registry.get(opts.schema)
     if spec.import_adapters_by_model_type:  # torchtitan: its adapter named by the config's model_type
-        adapter = get_adapter(_adapter_by_model_type(opts, spec, own, config))
+        adapter = get_adapter(_adapter_by_model_type(opts, spec, own, config, cfg_path))
     elif spec.import_through_own_adapter:  # megatron: its one adapter
         if opts.adapter is not None and opts.adapter not in own:
             raise UsageError(f"`schema` {spec.name} imports through the {' or '.join(own)} adapter", param="adapter")
@@ -1028,19 +1028,30 @@ def _choose_adapter(opts: ImportOptions, config: Any) -> ModelAdapter | None:
     return adapter
 
 
-def _adapter_by_model_type(opts: ImportOptions, spec: SchemaSpec, own: dict[str, Any], config: Any) -> str:
+def _adapter_by_model_type(
+    opts: ImportOptions, spec: SchemaSpec, own: dict[str, Any], config: Any, cfg_path: Any = None
+) -> str:
     """``adapter``, else the one :attr:`~ckpttool.model.schemas.base.SchemaSpec.import_adapters_by_model_type` names for
     the config's ``model_type``; one of the schema's own (``own``)."""
     name = opts.adapter
+    mt = None
     if name is None:
         mt = config_value(config, "model_type")
         if isinstance(mt, str):
             name = next((a for pat, a in spec.import_adapters_by_model_type if fnmatchcase(mt, pat)), None)
     if name is None:
+        which = f"model_type {mt!r}" if isinstance(mt, str) else "no model_type"
+        where = "no config (none beside the weights, no `config`)"
+        if cfg_path is not None:  # the file, or the folder holding it
+            where = str(cfg_path) if str(cfg_path).endswith(".json") else f"{str(cfg_path).rstrip('/')}/config.json"
+        by_type = ", ".join(f"{a} ({pat})" for pat, a in spec.import_adapters_by_model_type)
         raise UsageError(
-            f"`schema` {spec.name} needs a model adapter: the config's model_type does not name a built-in one",
+            f"`schema` {spec.name} needs a model adapter: {where} holds {which}, which none of its adapters "
+            f"converts ({by_type})"
+            if cfg_path is not None
+            else f"`schema` {spec.name} needs a model adapter, and there is {where} to name one",
             param="adapter",
-            hint=f"pass `adapter` {' or '.join(own)} (and `config`)",
+            hint=f"pass `adapter` {' or '.join(own)} (and `config`) only for a model of that architecture",
         )
     if name not in own:  # another naming: its keys are not the schema's
         raise UsageError(
@@ -1345,7 +1356,7 @@ def _import_plain(
     real_files = sorted({s.file for s in sources.values()})
     plans = _dequantize_sources(src_dir, sources, _quant_config(src_dir, config, opts), opts, warnings)
     _tie_lm_head(sources, config, warnings)
-    adapter = _choose_adapter(opts, config)
+    adapter = _choose_adapter(opts, config, cfg_path)
     acfg = AdapterConfig.from_hf_config(config)
     report.phase("planning")
     objects: tuple[str, ...] = ()

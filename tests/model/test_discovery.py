@@ -867,3 +867,33 @@ def test_a_finished_copy_named_step_n_something_is_the_step_torchtitan_fails_on(
     assert r001["key"] == str(run / "step-5-backup") and "takes step 5 from it and fails" in r001["message"]
     shutil.copytree(run / "step-5-backup", run / "step-5")
     assert locate(run, CheckpointSelection(step="latest")).model == run / "step-5"
+
+
+def test_r007_names_a_step_of_unknown_naming_beside_an_hf_named_step(tmp_path: Path) -> None:
+    """A run root whose newest step is another run's plain ``nn.Linear`` save (torch's dcp.save, keys of no known
+    naming) beside a step of the sample's HF-named MoE: ``validate --step latest`` said OK (0 warnings), R007 skipped
+    the pair as 'one model under two namings'. Now R007 names the step and a key only in each of the two, as torch's
+    own reader lists them."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    from ckpttool.ops.sample import write_sample
+
+    run = tmp_path / "run"
+    write_sample(run / "step-10")
+    m = torch.nn.Linear(4, 3)
+    opt = torch.optim.AdamW(m.parameters())
+    m(torch.randn(2, 4)).sum().backward()
+    opt.step()
+    msd, osd = get_state_dict(m, opt)
+    dcp.save({"model": msd, "optimizer": osd}, checkpoint_id=str(run / "step-20"))
+    mine = set(FileSystemReader(str(run / "step-20")).read_metadata().state_dict_metadata)
+    theirs = set(FileSystemReader(str(run / "step-10")).read_metadata().state_dict_metadata)
+    r = CliRunner().invoke(app, ["validate", "--json", str(run), "--step", "latest"])
+    (f,) = [f for f in json.loads(r.stdout)["findings"] if f["code"] == "R007"]
+    assert f["severity"] == "warning" and f["key"] == str(run / "step-20"), f
+    assert f["message"].startswith(f"{run / 'step-20'}: step 20 holds another model than step 10 before it"), f
+    new_key = f["message"].split("only in it (e.g. ", 1)[1].split(")", 1)[0]
+    old_key = f["message"].split("only in step 10 (e.g. ", 1)[1].split(")", 1)[0]
+    assert new_key in mine - theirs and old_key in theirs - mine, f["message"]

@@ -1252,3 +1252,34 @@ def test_per_expert_tensors_of_another_dtype_are_refused_naming_the_key(hf_dirs:
     assert lines[0].startswith(f"error: [E601] {key}: bfloat16 [16, 32], but model.layers.0.mlp.experts.0."), lines
     assert lines[1].startswith("hint: every expert's tensors must share one dtype") and len(lines) == 2, lines
     assert not (tmp_path / "out").exists()
+
+
+def test_torchtitan_schema_of_a_model_type_no_adapter_converts_names_it(tmp_path: Path) -> None:
+    """``import --schema torchtitan`` of the sample's export (a dots1 model, which no torchtitan adapter converts) said
+    only 'the config's model_type does not name a built-in one', hinting the llama3/qwen3 adapters as if any model
+    took them. It now names the config.json, its model_type and which model_type each adapter converts; the hint
+    gives those adapters for a model of that architecture only. Nothing is written, exit 2."""
+    from ckpttool.ops.sample import write_sample
+
+    write_sample(tmp_path / "ckpt")
+    res = runner.invoke(
+        app,
+        [
+            "export",
+            str(tmp_path / "ckpt"),
+            str(tmp_path / "hf"),
+            "--model-assets",
+            str(tmp_path / "ckpt" / "model_assets"),
+        ],
+    )
+    assert res.exit_code == 0, res.output
+    with (tmp_path / "hf" / "config.json").open() as f:
+        model_type = json.load(f)["model_type"]
+    res = runner.invoke(app, ["import", str(tmp_path / "hf"), str(tmp_path / "out"), "--schema", "torchtitan"])
+    assert res.exit_code == 2 and not (tmp_path / "out").exists(), res.output
+    err = res.stderr.splitlines()
+    assert err[0] == (
+        f"error: [E100] --schema torchtitan needs a model adapter: {tmp_path / 'hf' / 'config.json'} holds model_type "
+        f"'{model_type}', which none of its adapters converts (torchtitan-qwen3 (qwen3*), torchtitan-llama3 (llama))"
+    ), err
+    assert err[1].endswith("only for a model of that architecture"), err

@@ -75,7 +75,8 @@ def step_model_differs(ctx: Context) -> Iterator[tuple[str, str]]:
         other = open_checkpoint(path).catalog
     except CkptError:
         return  # an older step that cannot be read is not this checkpoint's finding
-    if other.schema.naming != ctx.ckpt.catalog.schema.naming:
+    namings = {other.schema.naming, ctx.ckpt.catalog.schema.naming}
+    if len(namings) > 1 and "unknown" not in namings:
         return  # one model under two namings (torchtitan's last_save_in_hf: the last step in HF names)
     theirs = {k: e.shape for k, e in other.model.items()}
     mine = {k: e.shape for k, e in ctx.ckpt.catalog.model.items()}
