@@ -13,6 +13,8 @@ import pytest
 from typer.testing import CliRunner
 
 from ckpttool.cli.app import app
+from tests.fixtures import hf_models
+from tests.fixtures.cache import cached_build
 
 runner = CliRunner()
 
@@ -59,3 +61,34 @@ def test_unreadable_config_beside_shards_is_not_named_as_the_proof(
     warnings = "\n".join(json.loads(res.stdout)["warnings"])
     assert "the config.json beside them was not read" in warnings and "`export` do" not in warnings
     assert "Traceback" not in res.output and _digest(src) == before
+
+
+@pytest.fixture(scope="session")
+def hf_dirs(fixture_root: Path) -> Path:
+    return cached_build(fixture_root, "import_hf_dirs", hf_models.build_hf_dirs)
+
+
+def test_a_complex_head_is_not_called_tied_by_its_real_part(hf_dirs: Path, tmp_path: Path) -> None:
+    """A tying config and a stored complex64 lm_head.weight whose real part is the embedding: the tied-head check
+    compared the two in float64, which drops the imaginary part (torch's UserWarning on stderr), called them equal
+    and imported a head that is not the embedding. Now they are compared in complex128: E601, nothing written."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    src = tmp_path / "hf"
+    src.mkdir()
+    sd: dict[str, torch.Tensor] = {}
+    for f in sorted((hf_dirs / "llama").glob("*.safetensors")):
+        sd.update(load_file(f))
+    sd["lm_head.weight"] = sd["model.embed_tokens.weight"].to(torch.complex64) + 1j
+    save_file(sd, src / "model.safetensors", metadata={"format": "pt"})
+    cfg = json.loads((hf_dirs / "llama" / "config.json").read_text())
+    (src / "config.json").write_text(json.dumps({**cfg, "tie_word_embeddings": True}))
+    before = _digest(src)
+    res = runner.invoke(app, ["import", str(src), str(tmp_path / "dcp")])
+    assert res.exit_code == 2, res.output
+    lines = res.stderr.strip().splitlines()
+    assert len(lines) == 2 and lines[0].startswith("error: [E601] "), lines
+    assert "lm_head.weight differs from model.embed_tokens.weight in 3,072 of 3,072 elements" in lines[0]
+    assert not (tmp_path / "dcp").exists() and _digest(src) == before
+
