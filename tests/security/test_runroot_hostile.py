@@ -92,3 +92,26 @@ def test_a_complex_head_is_not_called_tied_by_its_real_part(hf_dirs: Path, tmp_p
     assert "lm_head.weight differs from model.embed_tokens.weight in 3,072 of 3,072 elements" in lines[0]
     assert not (tmp_path / "dcp").exists() and _digest(src) == before
 
+
+@pytest.mark.parametrize("damage", ["truncated", "zeros"])
+def test_r007_over_an_unreadable_step_before_is_skipped_not_passed(
+    sample_ckpt: Path, tmp_path: Path, damage: str
+) -> None:
+    """R007 compares the step chosen with the step before it: a step before it whose .metadata cannot be read was
+    passed over in silence and R007 reported "passed" (OK over a comparison never made). Now it is skipped, its
+    reason naming the step and the error."""
+    run = tmp_path / "run"
+    for s in (1, 2):
+        shutil.copytree(sample_ckpt, run / f"step-{s}")
+    md = run / "step-1" / ".metadata"
+    if damage == "truncated":
+        md.write_bytes(md.read_bytes()[:100])
+    else:  # a FIFO is no .metadata to the trainers (torchtitan's isfile): no step before, R007 passes
+        md.write_bytes(bytes(4096))
+    before = _digest(run)
+    res = runner.invoke(app, ["validate", str(run), "--step", "latest", "--json"])
+    assert res.exit_code == 0, res.output
+    doc = json.loads(res.stdout)
+    (r007,) = [r for r in doc["rules"] if r["code"] == "R007"]
+    assert r007["status"] == "skipped" and r007["reason"].startswith("step 1 before it ("), r007
+    assert str(run / "step-1") in r007["reason"] and _digest(run) == before
