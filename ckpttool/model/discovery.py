@@ -12,6 +12,7 @@ their common parent, each path confined to its part. Torch-free. ``docs/design.m
 
 from __future__ import annotations
 
+import errno
 import os
 import re
 import stat
@@ -413,6 +414,16 @@ def _followed(e: os.DirEntry[str]) -> bool:
         return False
 
 
+def _no_target(p: Path) -> str:
+    """Why link ``p`` leads nowhere: links that lead back to themselves (``step-3 -> step-3``), or a missing target."""
+    try:
+        os.stat(p)
+    except OSError as e:
+        if e.errno == errno.ELOOP:
+            return "which only leads back to itself (a symlink loop, no directory at its end)"
+    return "which does not exist (storage removed or not mounted)"
+
+
 def _dangling_step(e: os.DirEntry[str]) -> bool:
     """Whether directory entry ``e`` is a link named as a step directory whose target does not exist."""
     try:
@@ -637,7 +648,7 @@ def find_incomplete(root: Path, max_depth: int = MAX_DEPTH, whole: bool = False)
     def dangling(p: Path) -> None:  # checkpoint-300 -> /scratch/run/checkpoint-300, that storage gone or unmounted
         step = _step_near(p, root)
         if step is not None:
-            why = f"no target: it links to {os.readlink(p)!r}, which does not exist (storage removed or not mounted)"
+            why = f"no target: it links to {os.readlink(p)!r}, {_no_target(p)}"
             found.setdefault(step, IncompleteStep(step, p, f"{why}, so whether its save finished is not known"))
 
     _walk(root, max_depth, visit, whole, dangling)

@@ -115,3 +115,18 @@ def test_r007_over_an_unreadable_step_before_is_skipped_not_passed(
     (r007,) = [r for r in doc["rules"] if r["code"] == "R007"]
     assert r007["status"] == "skipped" and r007["reason"].startswith("step 1 before it ("), r007
     assert str(run / "step-1") in r007["reason"] and _digest(run) == before
+
+
+def test_a_step_link_loop_is_named_a_loop_not_missing_storage(sample_ckpt: Path, tmp_path: Path) -> None:
+    """A step directory link that leads back to itself (step-3 -> step-3): `--step latest` passes over it to step 2
+    as an unknown save, and said its target "does not exist (storage removed or not mounted)", sending the user to
+    remount storage for a link loop. Now the loop is named."""
+    run = tmp_path / "run"
+    for s in (1, 2):
+        shutil.copytree(sample_ckpt, run / f"step-{s}")
+    (run / "step-3").symlink_to("step-3")
+    res = runner.invoke(app, ["inspect", str(run), "--step", "latest"])
+    assert res.exit_code == 0, res.output
+    (opened,) = [line for line in res.stdout.splitlines() if line.startswith("opened")]
+    assert str(run / "step-2") in opened and "step 3 is incomplete: no target: it links to 'step-3'" in opened
+    assert "which only leads back to itself (a symlink loop" in opened and "not mounted" not in opened
