@@ -115,10 +115,12 @@ class CheckpointSelection:
 
 def _bad_step_hint(text: str) -> str:
     """The hint for ``--step`` ``text`` (lower-cased) that is neither a number nor ``latest``: a step directory's name
-    (``step-200``, letters before its number) hints its number; ``-1`` (torchtitan's ``load_step`` for its newest
-    step) hints ``latest``, never step 1; anything else (``10.0``) an example."""
+    (``step-200``, letters before its number) hints its number, never a number in another notation (``1e3`` is no
+    step 3); ``-1`` (torchtitan's ``load_step`` for its newest step) hints ``latest``, never step 1; anything else
+    (``10.0``) an example."""
     digits = re.search(rf"(?<!\d)(\d{{1,{_MAX_STEP_DIGITS}}})$", text)  # a step directory's name (step-200)
-    if digits and re.search(r"[^\W\d]", text[: digits.start()]):
+    # letters before the number name a step directory; a number in another notation (1e3, 0x10) begins with a digit
+    if digits and not text[:1].isdigit() and re.search(r"[^\W\d]", text[: digits.start()]):
         return f"give the step's number, `step` {int(digits.group(1))}, or pass that directory itself"
     if re.fullmatch(r"-\d+", text):
         return (
