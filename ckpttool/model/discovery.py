@@ -1005,10 +1005,15 @@ def _resume_skipped(units: list[_Unit], incomplete: list[IncompleteStep]) -> lis
         if os.path.lexists(step_dir / ".metadata.json") and not os.path.lexists(step_dir / "train" / "rank0.pt"):
             out.append(IncompleteStep(u.step, step_dir, _NO_RANK0))
             done.add(u.step)
+    series: dict[Path, bool] = {}  # each folder listed once: 9,000 step-N-backup folders took 9,000 listings of it
     for u in units:
         m = _TITAN_STEP.search(u.model.name) if u.step is None and u.optimizer is None else None
         n = int(m.group(1)) if m is not None else None
-        if n is None or n in done or (u.model.parent / f"step-{n}").is_dir() or not _titan_series(u.model.parent):
+        if n is None or n in done or (u.model.parent / f"step-{n}").is_dir():
+            continue
+        if u.model.parent not in series:
+            series[u.model.parent] = _titan_series(u.model.parent)
+        if not series[u.model.parent]:
             continue
         out.append(IncompleteStep(n, u.model, _titan_misnamed(u.model.name, n)))
         done.add(n)
