@@ -794,8 +794,8 @@ def _latest_step(root: Path) -> tuple[int | str, str] | None:
             ) from None
         if text is None:
             continue
-        # decimal digits, as int() (Megatron's own reading) takes them; a superscript is a digit to isdigit(), not to int()
-        s = int(text) if text.isdecimal() else step_of(text)
+        s = _tracker_int(text)
+        s = s if s is not None else step_of(text)
         if s is None and text and not _leads_below(root, text):
             # DeepSpeed joins the tag to the run's folder: ../other/checkpoint-1 is another run's save, not this one's
             raise StepNotFoundError(
@@ -819,6 +819,15 @@ def _latest_step(root: Path) -> tuple[int | str, str] | None:
             "remove it, or pass `step` N",
         )
     return None
+
+
+def _tracker_int(text: str) -> int | None:
+    """The step number in a ``latest`` file's ``text`` as ``int()`` (Megatron-LM's and verl's own reading of it) takes
+    it: decimal digits (a superscript is a digit to ``isdigit()``, not to ``int()``), with a leading ``+`` or ``_``
+    between digits (``+200``, ``1_000``: loaded as steps 200 and 1000 by those trainers); ``None`` otherwise."""
+    if not re.fullmatch(r"\+?\d+(?:_\d+)*", text) or not text.lstrip("+").replace("_", "").isdecimal():
+        return None
+    return int(text)
 
 
 def _pointer_text(p: Path) -> str | None:

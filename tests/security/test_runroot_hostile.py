@@ -148,3 +148,20 @@ def test_many_misnamed_step_folders_beside_a_step_are_each_passed_over(sample_ck
     (opened,) = [line for line in res.stdout.splitlines() if line.startswith("opened")]
     assert opened.startswith(f"opened      {run / 'step-1'} (`step` latest: step 1".replace("`step`", "--step"))
     assert "step 2000 is incomplete: a finished save under the name step-2000-backup, not step-2000" in opened
+
+
+@pytest.mark.parametrize("text", ["+2\n", "0_2", " +1 \r\n", "0_0_1"])
+def test_tracker_number_int_reads_is_the_step_megatron_loads(sample_ckpt: Path, tmp_path: Path, text: str) -> None:
+    """Megatron-LM and verl read latest_checkpointed_iteration.txt with int() (the reference here): '+2' and '0_2'
+    are step 2 to them. `--step latest` refused both (E205, "the trainer's resume stops on it"), which it does not."""
+    run = tmp_path / "run"
+    for s in (1, 2):
+        shutil.copytree(sample_ckpt, run / f"step-{s}")
+    (run / "latest_checkpointed_iteration.txt").write_text(text)
+    want = int(text.strip())  # Megatron's read_metadata: int(f.read().strip())
+    res = runner.invoke(app, ["inspect", str(run), "--step", "latest"])
+    assert res.exit_code == 0, res.output
+    (opened,) = [line for line in res.stdout.splitlines() if line.startswith("opened")]
+    assert opened.startswith(
+        f"opened      {run / f'step-{want}'} (--step latest: step {want} (named by latest_checkpointed_iteration.txt"
+    ), opened
