@@ -269,13 +269,22 @@ class Checkpoint:
         gaps = "".join(
             f"; rank {r} wrote no model-{i:05d} file while other ranks did" for r, i in shards.index_gaps[:3]
         )
+        unread = None
         try:
             beside = self.hf_config_beside()
-        except CkptError:  # a config.json linked out of the folder: not one to name
-            beside = None
+            if beside is not None:
+                from ckpttool.model.hfconfig import read_hf_config
+
+                read_hf_config(beside, param=None)  # validate and export check only a config they can read
+        except CkptError as e:  # a config.json linked out of the folder, a FIFO, malformed, too large
+            beside, unread = None, e.message
         fix = (
             f"check them against the model class of {beside / 'config.json'} (`ckpttool validate` and `export` do)"
             if beside is not None
+            else f"the config.json beside them was not read, so it proves nothing ({unread}): restore it, or pass the "
+            "model's config.json (--config / --model-assets) or use torch's consolidated copy "
+            "(enable_consolidation=True) to prove them"
+            if unread is not None
             else "pass the model's config.json (--config / --model-assets, or keep it beside the shards) or use "
             "torch's consolidated copy (enable_consolidation=True) to prove them"
         )

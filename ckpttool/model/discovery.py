@@ -12,6 +12,7 @@ their common parent, each path confined to its part. Torch-free. ``docs/design.m
 
 from __future__ import annotations
 
+import errno
 import os
 import re
 import stat
@@ -114,10 +115,12 @@ class CheckpointSelection:
 
 def _bad_step_hint(text: str) -> str:
     """The hint for ``--step`` ``text`` (lower-cased) that is neither a number nor ``latest``: a step directory's name
-    (``step-200``, letters before its number) hints its number; ``-1`` (torchtitan's ``load_step`` for its newest
-    step) hints ``latest``, never step 1; anything else (``10.0``) an example."""
+    (``step-200``, letters before its number) hints its number, never a number in another notation (``1e3`` is no
+    step 3); ``-1`` (torchtitan's ``load_step`` for its newest step) hints ``latest``, never step 1; anything else
+    (``10.0``) an example."""
     digits = re.search(rf"(?<!\d)(\d{{1,{_MAX_STEP_DIGITS}}})$", text)  # a step directory's name (step-200)
-    if digits and re.search(r"[^\W\d]", text[: digits.start()]):
+    # letters before the number name a step directory; a number in another notation (1e3, 0x10) begins with a digit
+    if digits and not text[:1].isdigit() and re.search(r"[^\W\d]", text[: digits.start()]):
         return f"give the step's number, `step` {int(digits.group(1))}, or pass that directory itself"
     if re.fullmatch(r"-\d+", text):
         return (
@@ -413,6 +416,16 @@ def _followed(e: os.DirEntry[str]) -> bool:
         return False
 
 
+def _no_target(p: Path) -> str:
+    """Why link ``p`` leads nowhere: links that lead back to themselves (``step-3 -> step-3``), or a missing target."""
+    try:
+        os.stat(p)
+    except OSError as e:
+        if e.errno == errno.ELOOP:
+            return "which only leads back to itself (a symlink loop, no directory at its end)"
+    return "which does not exist (storage removed or not mounted)"
+
+
 def _dangling_step(e: os.DirEntry[str]) -> bool:
     """Whether directory entry ``e`` is a link named as a step directory whose target does not exist."""
     try:
@@ -637,7 +650,7 @@ def find_incomplete(root: Path, max_depth: int = MAX_DEPTH, whole: bool = False)
     def dangling(p: Path) -> None:  # checkpoint-300 -> /scratch/run/checkpoint-300, that storage gone or unmounted
         step = _step_near(p, root)
         if step is not None:
-            why = f"no target: it links to {os.readlink(p)!r}, which does not exist (storage removed or not mounted)"
+            why = f"no target: it links to {os.readlink(p)!r}, {_no_target(p)}"
             found.setdefault(step, IncompleteStep(step, p, f"{why}, so whether its save finished is not known"))
 
     _walk(root, max_depth, visit, whole, dangling)
@@ -781,8 +794,8 @@ def _latest_step(root: Path) -> tuple[int | str, str] | None:
             ) from None
         if text is None:
             continue
-        # decimal digits, as int() (Megatron's own reading) takes them; a superscript is a digit to isdigit(), not to int()
-        s = int(text) if text.isdecimal() else step_of(text)
+        s = _tracker_int(text)
+        s = s if s is not None else step_of(text)
         if s is None and text and not _leads_below(root, text):
             # DeepSpeed joins the tag to the run's folder: ../other/checkpoint-1 is another run's save, not this one's
             raise StepNotFoundError(
@@ -806,6 +819,15 @@ def _latest_step(root: Path) -> tuple[int | str, str] | None:
             "remove it, or pass `step` N",
         )
     return None
+
+
+def _tracker_int(text: str) -> int | None:
+    """The step number in a ``latest`` file's ``text`` as ``int()`` (Megatron-LM's and verl's own reading of it) takes
+    it: decimal digits (a superscript is a digit to ``isdigit()``, not to ``int()``), with a leading ``+`` or ``_``
+    between digits (``+200``, ``1_000``: loaded as steps 200 and 1000 by those trainers); ``None`` otherwise."""
+    if not re.fullmatch(r"\+?\d+(?:_\d+)*", text) or not text.lstrip("+").replace("_", "").isdecimal():
+        return None
+    return int(text)
 
 
 def _pointer_text(p: Path) -> str | None:
@@ -992,10 +1014,15 @@ def _resume_skipped(units: list[_Unit], incomplete: list[IncompleteStep]) -> lis
         if os.path.lexists(step_dir / ".metadata.json") and not os.path.lexists(step_dir / "train" / "rank0.pt"):
             out.append(IncompleteStep(u.step, step_dir, _NO_RANK0))
             done.add(u.step)
+    series: dict[Path, bool] = {}  # each folder listed once: 9,000 step-N-backup folders took 9,000 listings of it
     for u in units:
         m = _TITAN_STEP.search(u.model.name) if u.step is None and u.optimizer is None else None
         n = int(m.group(1)) if m is not None else None
-        if n is None or n in done or (u.model.parent / f"step-{n}").is_dir() or not _titan_series(u.model.parent):
+        if n is None or n in done or (u.model.parent / f"step-{n}").is_dir():
+            continue
+        if u.model.parent not in series:
+            series[u.model.parent] = _titan_series(u.model.parent)
+        if not series[u.model.parent]:
             continue
         out.append(IncompleteStep(n, u.model, _titan_misnamed(u.model.name, n)))
         done.add(n)

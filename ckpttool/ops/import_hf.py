@@ -901,7 +901,8 @@ def _config_file(path: Path | None) -> str:
 
 def _count_differing(src_dir: Path, a: _Source, b: _Source) -> int:
     """How many elements of the stored tensors ``a`` and ``b`` (one shape) hold other values (NaN on both sides is
-    alike), their bytes compared first; values of two dtypes are compared in float64."""
+    alike), their bytes compared first; values of two dtypes are compared in float64 (complex128 where one is
+    complex)."""
     import torch
 
     from ckpttool.engine.io import read_exact
@@ -920,10 +921,11 @@ def _count_differing(src_dir: Path, a: _Source, b: _Source) -> int:
                     continue
                 ta = torch.frombuffer(bytearray(ra), dtype=DType(a.dtype).to_torch())
                 tb = torch.frombuffer(bytearray(rb), dtype=DType(b.dtype).to_torch())
-                if a.dtype != b.dtype:
-                    ta, tb = ta.to(torch.float64), tb.to(torch.float64)
+                if a.dtype != b.dtype:  # a complex side in complex128: its imaginary part is never dropped
+                    wide = torch.complex128 if ta.is_complex() or tb.is_complex() else torch.float64
+                    ta, tb = ta.to(wide), tb.to(wide)
                 ne = torch.ne(ta, tb)
-                if ta.is_floating_point() and tb.is_floating_point():
+                if (ta.is_floating_point() or ta.is_complex()) and (tb.is_floating_point() or tb.is_complex()):
                     ne &= ~(torch.isnan(ta) & torch.isnan(tb))
                 differ += int(ne.sum())
             return differ

@@ -122,6 +122,9 @@ def test_step_given_as_a_directory_name_hints_its_number(tmp_path: Path) -> None
             "the newest complete step, or e.g. --step 200",
         ),
         ("10.0", "hint: e.g. --step 200, or --step latest for the newest complete step"),
+        # a number in another notation hinted the digits after its letter: 1e3 (1000) hinted --step 3
+        ("1e3", "hint: e.g. --step 200, or --step latest for the newest complete step"),
+        ("0x10", "hint: e.g. --step 200, or --step latest for the newest complete step"),
     ):
         res = runner.invoke(app, ["inspect", str(tmp_path), "--step", given])
         assert res.exit_code == 2 and res.stderr.splitlines() == [

@@ -86,3 +86,22 @@ def test_gradient_file_with_non_finite_values_is_e120_not_blamed_on_the_state(
         "E120",
         f"--grads {tmp_path / 'bad.safetensors'}: gradient {FQN} holds 1 of 1024 value(s) that are not finite",
     )
+
+
+def test_many_unknown_group_switches_are_named_in_one_short_line(full_fx: Path, tmp_path: Path) -> None:
+    """A param group tagged with 5,000 switches set True that AdamW has not: E514 listed every one of them in its one
+    line (an unbounded message from the checkpoint's own keys); now the first three and how many more."""
+
+    def tag(d: dict[str, Any]) -> None:
+        for i in range(5000):
+            d[f"{GROUP}use_trick_{i:04d}"] = True
+
+    bad = resave(full_fx / "ckpt", tmp_path / "bad", tag)
+    res = _replay(bad)
+    _assert_one_error(
+        res,
+        "E514",
+        "was saved with use_trick_0000=True, use_trick_0001=True, use_trick_0002=True (+4,997 more), which "
+        "torch.optim.AdamW has not",
+    )
+    assert len(res.stderr.splitlines()[0]) < 400, len(res.stderr)

@@ -280,8 +280,9 @@ def _refuse_unknown_switches(values: Mapping[str, Any], fqn: str) -> None:
     unknown = [f"{k}=True" for k, v in sorted(values.items()) if v is True and k not in _ADAMW_GROUP_KEYS | _GROUP_TAGS]
     unknown += ["bias_correction=False"] if values.get("bias_correction") is False else []  # FusedAdam without it
     if unknown:
+        more = f" (+{len(unknown) - 3:,} more)" if len(unknown) > 3 else ""  # a group's keys are the checkpoint's own
         raise HyperparameterError(
-            f"param group of {fqn} was saved with {', '.join(unknown)}, "
+            f"param group of {fqn} was saved with {', '.join(unknown[:3])}{more}, "
             "which torch.optim.AdamW has not; replay-step replays plain AdamW and cannot tell what the run's "
             "optimizer did with it",
             fqn=fqn,

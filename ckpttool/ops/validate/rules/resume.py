@@ -15,7 +15,7 @@ from pathlib import Path
 
 from ckpttool.errors import CkptError
 from ckpttool.model import counters
-from ckpttool.ops.validate.base import rule
+from ckpttool.ops.validate.base import RuleSkipped, rule
 from ckpttool.ops.validate.context import Context
 from ckpttool.ops.validate.rules.data import saved_steps, synthesized_from_stats
 
@@ -73,8 +73,8 @@ def step_model_differs(ctx: Context) -> Iterator[tuple[str, str]]:
     step, path = older[0]
     try:
         other = open_checkpoint(path).catalog
-    except CkptError:
-        return  # an older step that cannot be read is not this checkpoint's finding
+    except CkptError as e:  # not this checkpoint's finding, but never passed as compared
+        raise RuleSkipped(f"step {step} before it ({path}) could not be read: [{e.code}] {e.message}") from None
     namings = {other.schema.naming, ctx.ckpt.catalog.schema.naming}
     if len(namings) > 1 and "unknown" not in namings:
         return  # one model under two namings (torchtitan's last_save_in_hf: the last step in HF names)
