@@ -934,7 +934,7 @@ def test_a_step_saved_as_a_python_number_replays_as_torch_loads_it(tmp_path: Pat
     assert_no_traceback(res)
 
 
-def _assert_replay_is_the_runs_next_step(ck: Path, grads: Path, model: Any, opt: Any) -> None:
+def assert_replay_is_the_runs_next_step(ck: Path, grads: Path, model: Any, opt: Any) -> None:
     """Step ``opt`` with the gradients file (the run's own next step), replay the checkpoint against torch with the
     same file: every parameter and moment equal to the run's, bitwise."""
     from safetensors.torch import load_file
@@ -984,7 +984,7 @@ def test_a_tensor_lr_replays_torchs_own_step_bitwise(tmp_path: Path) -> None:
         tmp_path, lambda osd: None, lambda p: torch.optim.AdamW(p, lr=torch.tensor(1e-2), weight_decay=0.1)
     )
     assert torch.is_tensor(opt.param_groups[0]["lr"])
-    _assert_replay_is_the_runs_next_step(ck, grads, model, opt)
+    assert_replay_is_the_runs_next_step(ck, grads, model, opt)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
@@ -1002,7 +1002,7 @@ def test_a_half_precision_tensor_lr_matches_the_reference(tmp_path: Path, dtype:
         lambda p: torch.optim.AdamW(p, lr=torch.tensor(1e-2, dtype=dtype), weight_decay=0.1, **flags),
     )
     assert opt.param_groups[0]["lr"].dtype == dtype
-    _assert_replay_is_the_runs_next_step(ck, grads, model, opt)
+    assert_replay_is_the_runs_next_step(ck, grads, model, opt)
     res = run(ck, "--device", "cpu", "--grads", grads)  # one step: the one-pass native reference where built
     assert res.exit_code == 0, res.output
     res = run(ck, "--device", "cpu", "--grads", grads, "--steps", "2")  # the torch reference path
@@ -1026,7 +1026,7 @@ def test_a_half_precision_tensor_lr_beside_tensor_betas_matches_the_reference(tm
     for extra in ([], ["--steps", "3"], ["--reference", "torch"]):
         res = run(ck, "--device", "cpu", "--grads", grads, *extra)
         assert res.exit_code == 0, (extra, res.output)
-    _assert_replay_is_the_runs_next_step(ck, grads, model, opt)
+    assert_replay_is_the_runs_next_step(ck, grads, model, opt)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
@@ -1050,7 +1050,7 @@ def test_half_precision_tensor_betas_match_the_reference(
     for extra in ([], ["--steps", "3"], ["--reference", "torch"]):
         res = run(ck, "--device", "cpu", "--grads", grads, *extra)
         assert res.exit_code == 0, (extra, res.output)
-    _assert_replay_is_the_runs_next_step(ck, grads, model, opt)
+    assert_replay_is_the_runs_next_step(ck, grads, model, opt)
 
 
 @pytest.mark.parametrize("flags", [{}, {"fused": True}], ids=["single-tensor", "fused"])
@@ -1064,7 +1064,7 @@ def test_tensor_betas_replay_torchs_own_step_bitwise(tmp_path: Path, flags: dict
         tmp_path, lambda osd: None, lambda p: torch.optim.AdamW(p, lr=1e-2, betas=betas, weight_decay=0.1, **flags)
     )
     assert all(torch.is_tensor(b) for b in opt.param_groups[0]["betas"])
-    _assert_replay_is_the_runs_next_step(ck, grads, model, opt)
+    assert_replay_is_the_runs_next_step(ck, grads, model, opt)
 
 
 def test_a_grad_scale_whose_gradients_overflow_is_an_option_error_not_a_failed_checkpoint(tmp_path: Path) -> None:

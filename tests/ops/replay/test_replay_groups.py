@@ -10,7 +10,13 @@ from typing import Any
 import pytest
 import torch
 
-from tests.ops.replay.test_replay import _adamw_linear_with, assert_no_traceback, replay_collect, run
+from tests.ops.replay.test_replay import (
+    _adamw_linear_with,
+    assert_no_traceback,
+    assert_replay_is_the_runs_next_step,
+    replay_collect,
+    run,
+)
 
 
 def _manual_run(tmp_path: Path, **flags: Any) -> tuple[Path, Path, Any, Any]:
@@ -42,19 +48,8 @@ def test_a_differentiable_groups_replay_is_torchs_own_next_step(tmp_path: Path) 
     size as tensors): 1 ulp away from the plain for-loop step in most elements. replay-step dropped the saved switch,
     and --reference torch built its AdamW without it too: 'OK', torch_unequal 0, while torch's own next step differed
     in 45 of 48 elements of a 3-layer MLP. Both now keep it: the replay is the run's next step, bitwise."""
-    from safetensors.torch import load_file
-
     ck, grads, model, opt = _manual_run(tmp_path, differentiable=True)
-    g = load_file(str(grads))
-    for n, p in model.named_parameters():
-        p.grad = g[n].clone()
-    opt.step()
-    res, got = replay_collect(ck, grads=str(grads), reference="torch")
-    assert res.ok, [(r.fqn, r.problems) for r in res.params]
-    for n, p in model.named_parameters():
-        assert torch.equal(got[n]["param"], p.detach()), n
-        assert torch.equal(got[n]["exp_avg_sq"], opt.state[p]["exp_avg_sq"]), n
-    assert all(r.torch_unequal == {"param": 0, "exp_avg": 0, "exp_avg_sq": 0, "step": 0} for r in res.params)
+    assert_replay_is_the_runs_next_step(ck, grads, model, opt)
     assert run(ck, "--device", "cpu", "--grads", grads, "--steps", "2").exit_code == 0
 
 
@@ -236,13 +231,5 @@ def test_a_half_precision_tensor_weight_decay_is_refused_where_torch_rounds_the_
 
 def test_a_half_precision_tensor_weight_decay_of_a_fused_group_replays_bitwise(tmp_path: Path) -> None:
     """The fused kernel reads weight_decay as a double: a BF16 tensor weight_decay replays as torch's own fused step."""
-    from safetensors.torch import load_file
-
     ck, grads, model, opt = _manual_run(tmp_path, weight_decay=torch.tensor(0.1, dtype=torch.bfloat16), fused=True)
-    g = load_file(str(grads))
-    for n, p in model.named_parameters():
-        p.grad = g[n].clone()
-    opt.step()
-    res, got = replay_collect(ck, grads=str(grads), reference="torch")
-    assert res.ok, [(r.fqn, r.problems) for r in res.params]
-    assert all(torch.equal(got[n]["param"], p.detach()) for n, p in model.named_parameters())
+    assert_replay_is_the_runs_next_step(ck, grads, model, opt)
