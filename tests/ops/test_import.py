@@ -790,24 +790,18 @@ def test_mixtral_per_expert_export_loads_into_mixtral_with_identical_logits(tmp_
         assert torch.equal(back.eval()(ids).logits, logits)
 
 
-def test_a_trainer_checkpoint_folder_imports_its_weights_and_names_the_training_state_left_out(tmp_path: Path) -> None:
-    """A Hugging Face ``Trainer`` ``checkpoint-N/`` (written by transformers' own ``Trainer``: model.safetensors beside
-    optimizer.pt, scheduler.pt, rng_state.pth, trainer_state.json, training_args.bin): the import wrote the weights
-    and said nothing of the optimizer state it left behind; it now names those files in a warning."""
+def _trainer_run(out: Path, **config: Any) -> Any:
+    """transformers' own ``Trainer`` after one step of a tiny ``LlamaForCausalLM`` (``config`` over its fields) on the
+    CPU, saved at that step (``out/checkpoint-1/``: model.safetensors, optimizer.pt, scheduler.pt, rng_state.pth,
+    trainer_state.json, training_args.bin)."""
     from transformers import LlamaConfig, LlamaForCausalLM, Trainer, TrainingArguments
 
-    cfg = LlamaConfig(
-        vocab_size=64,
-        hidden_size=16,
-        intermediate_size=32,
-        num_hidden_layers=1,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-    )
+    fields = {"vocab_size": 64, "hidden_size": 16, "intermediate_size": 32, "num_hidden_layers": 1}
+    fields["num_attention_heads"] = 2
     torch.manual_seed(0)
     data = [{"input_ids": torch.arange(8), "labels": torch.arange(8)} for _ in range(2)]
     args = TrainingArguments(
-        output_dir=str(tmp_path / "run"),
+        output_dir=str(out),
         max_steps=1,
         save_steps=1,
         per_device_train_batch_size=2,
@@ -815,8 +809,16 @@ def test_a_trainer_checkpoint_folder_imports_its_weights_and_names_the_training_
         use_cpu=True,
         disable_tqdm=True,
     )
-    trainer = Trainer(model=LlamaForCausalLM(cfg), args=args, train_dataset=data)
+    trainer = Trainer(model=LlamaForCausalLM(LlamaConfig(**{**fields, **config})), args=args, train_dataset=data)
     trainer.train()
+    return trainer
+
+
+def test_a_trainer_checkpoint_folder_imports_its_weights_and_names_the_training_state_left_out(tmp_path: Path) -> None:
+    """A Hugging Face ``Trainer`` ``checkpoint-N/`` (written by transformers' own ``Trainer``: model.safetensors beside
+    optimizer.pt, scheduler.pt, rng_state.pth, trainer_state.json, training_args.bin): the import wrote the weights
+    and said nothing of the optimizer state it left behind; it now names those files in a warning."""
+    trainer = _trainer_run(tmp_path / "run", num_key_value_heads=1)
     trainer.save_model(str(tmp_path / "final"))  # weights, config.json, training_args.bin: no state to warn of
     assert (tmp_path / "final" / "training_args.bin").is_file()
     assert not [
@@ -1129,22 +1131,8 @@ def test_a_folder_of_torch_save_files_is_refused_naming_the_weights_not_the_opti
     import shutil
 
     import peft
-    from transformers import LlamaConfig, LlamaForCausalLM, Trainer, TrainingArguments
 
-    cfg = LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2)
-    torch.manual_seed(0)
-    model = LlamaForCausalLM(cfg)
-    data = [{"input_ids": torch.arange(8), "labels": torch.arange(8)} for _ in range(2)]
-    args = TrainingArguments(
-        output_dir=str(tmp_path / "run"),
-        max_steps=1,
-        save_steps=1,
-        per_device_train_batch_size=2,
-        report_to=[],
-        use_cpu=True,
-        disable_tqdm=True,
-    )
-    Trainer(model=model, args=args, train_dataset=data).train()
+    model = _trainer_run(tmp_path / "run").model
     step = tmp_path / "run" / "checkpoint-1"
     state = tmp_path / "state"  # the training state, its weights left out (rsync --exclude '*.safetensors')
     shutil.copytree(step, state, ignore=shutil.ignore_patterns("*.safetensors"))
