@@ -796,8 +796,13 @@ def _trainer_run(out: Path, **config: Any) -> Any:
     trainer_state.json, training_args.bin)."""
     from transformers import LlamaConfig, LlamaForCausalLM, Trainer, TrainingArguments
 
-    fields = {"vocab_size": 64, "hidden_size": 16, "intermediate_size": 32, "num_hidden_layers": 1}
-    fields["num_attention_heads"] = 2
+    fields = {
+        "vocab_size": 64,
+        "hidden_size": 16,
+        "intermediate_size": 32,
+        "num_hidden_layers": 1,
+        "num_attention_heads": 2,
+    }
     torch.manual_seed(0)
     data = [{"input_ids": torch.arange(8), "labels": torch.arange(8)} for _ in range(2)]
     args = TrainingArguments(
