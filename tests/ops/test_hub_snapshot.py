@@ -16,7 +16,6 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.distributed.checkpoint as dcp
 from safetensors.torch import save_file
 from typer.testing import CliRunner
 
@@ -69,13 +68,7 @@ def test_import_of_a_hub_snapshot_loads_with_identical_logits(hf_dirs: Path, tmp
     doc = json.loads(cli("import", str(snap), str(tmp_path / "dcp"), "--json"))
     assert doc["tensors"] > 0
     model = transformers.LlamaForCausalLM(transformers.AutoConfig.from_pretrained(src))
-    sd = {"model": model.state_dict()}
-    dcp.load(sd, checkpoint_id=str(tmp_path / "dcp"), no_dist=True)
-    model.load_state_dict(sd["model"])
-    ref = torch.load(src / "reference.pt", weights_only=True)
-    model.eval()
-    with torch.no_grad():
-        torch.testing.assert_close(model(ref["ids"]).logits, ref["logits"], rtol=0, atol=0)
+    hf_models.assert_dcp_logits(model, tmp_path / "dcp", src / "reference.pt")
 
 
 def test_every_reader_of_a_hf_folder_reads_a_hub_snapshot(hf_dirs: Path, tmp_path: Path) -> None:

@@ -72,14 +72,9 @@ def test_import_loads_into_the_model_with_identical_logits(hf_dirs: Path, tmp_pa
     doc = cli("import", str(src), str(tmp_path / "dcp"))
     assert doc["key_schema"] == "torch-native"
     model_cls = getattr(transformers, cls)
-    model = model_cls(transformers.AutoConfig.from_pretrained(src))
-    sd = {"model": model.state_dict()}
-    dcp.load(sd, checkpoint_id=str(tmp_path / "dcp"), no_dist=True)
-    model.load_state_dict(sd["model"])
-    ref = torch.load(src / "reference.pt", weights_only=True)
-    model.eval()
-    with torch.no_grad():
-        torch.testing.assert_close(model(ref["ids"]).logits, ref["logits"], rtol=0, atol=0)
+    hf_models.assert_dcp_logits(
+        model_cls(transformers.AutoConfig.from_pretrained(src)), tmp_path / "dcp", src / "reference.pt"
+    )
 
 
 def test_hf_dcp_hf_round_trip_is_bitwise(hf_dirs: Path, tmp_path: Path) -> None:
@@ -1118,13 +1113,7 @@ def test_a_tied_head_stored_beside_its_embedding_with_equal_values_imports(hf_di
     assert "lm_head.weight" in hf_tensors(tmp_path / "hf")
     cli("import", str(tmp_path / "hf"), str(tmp_path / "dcp"))
     mine = transformers.AutoModelForCausalLM.from_config(model.config)
-    sd = {"model": mine.state_dict()}
-    dcp.load(sd, checkpoint_id=str(tmp_path / "dcp"), no_dist=True)
-    mine.load_state_dict(sd["model"])
-    ref = torch.load(src / "reference.pt", weights_only=True)
-    mine.eval()
-    with torch.no_grad():
-        torch.testing.assert_close(mine(ref["ids"]).logits, ref["logits"], rtol=0, atol=0)
+    hf_models.assert_dcp_logits(mine, tmp_path / "dcp", src / "reference.pt")
 
 
 def test_a_folder_of_torch_save_files_is_refused_naming_the_weights_not_the_optimizer(tmp_path: Path) -> None:
