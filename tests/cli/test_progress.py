@@ -8,6 +8,7 @@ import json
 import re
 import shutil
 from pathlib import Path
+from typing import Any
 
 import pytest
 from typer.testing import CliRunner
@@ -59,12 +60,19 @@ def test_no_phase_line_and_no_bar_when_asked(flag: str, sample_ckpt: Path, tmp_p
     assert "export: " not in out and "…" not in out and "B/s " not in out  # no phase line, no bar
 
 
+def _phase_of_the_run(doc: dict[str, Any], phase: str, nbytes: str | None = None) -> None:
+    """``doc[phase]`` is a part of the run's ``doc["seconds"]`` (relations only: no duration is asserted), and
+    ``doc["gb_per_s"]``, where given, is the rate of ``doc[nbytes]`` over that phase alone."""
+    assert 0 <= doc[phase] <= doc["seconds"], doc
+    if nbytes is not None and doc[phase] > 0:
+        assert doc["gb_per_s"] == pytest.approx(doc[nbytes] / doc[phase] / 1e9, rel=0.01, abs=1e-3)
+
+
 def test_export_json_carries_the_whole_time_and_the_write_time(sample_ckpt: Path, tmp_path: Path) -> None:
     res = runner.invoke(app, ["export", str(sample_ckpt), str(tmp_path / "hf"), "--json"])
     assert res.exit_code == 0, res.stderr
     doc = json.loads(res.stdout)
-    assert doc["write_seconds"] > 0 and doc["seconds"] >= doc["write_seconds"]  # a phase of the run, not a threshold
-    assert doc["gb_per_s"] == pytest.approx(doc["bytes"] / doc["write_seconds"] / 1e9, rel=0.01, abs=1e-4)
+    _phase_of_the_run(doc, "write_seconds", "bytes")
     assert "export:" not in res.stderr  # not a terminal: no phase line
     dry = runner.invoke(app, ["export", str(sample_ckpt), str(tmp_path / "dry"), "--json", "--dry-run"])
     assert dry.exit_code == 0, dry.stderr
@@ -120,8 +128,7 @@ def test_stats_manifest_and_diff_name_their_phases(sample_ckpt: Path, tmp_path: 
         "matches its manifest",
     )
     doc = json.loads(runner.invoke(app, ["manifest", str(b), "--json"]).stdout)
-    assert 0 < doc["hash_seconds"] <= doc["seconds"]
-    assert doc["gb_per_s"] == pytest.approx(doc["bytes_hashed"] / doc["hash_seconds"] / 1e9, rel=0.01, abs=1e-3)
+    _phase_of_the_run(doc, "hash_seconds", "bytes_hashed")
     text = _shown(["diff", str(a), str(b)])
     _in_order(text, f"diff: opening A ({a})…", f"diff: opening B ({b})…", "diff: matching names…", "diff: comparing ━")
 
@@ -144,7 +151,7 @@ def test_validate_deep_names_its_phases_and_rates_the_reading_alone(sample_ckpt:
         ", read ",
     )
     stats = json.loads(runner.invoke(app, ["validate", str(sample_ckpt), "--deep", "--json"]).stdout)["stats"]
-    assert 0 < stats["deep_seconds"] <= stats["seconds"]
+    _phase_of_the_run(stats, "deep_seconds")
 
 
 def test_reshard_names_its_phases_and_rates_the_writing_alone(sample_ckpt: Path, tmp_path: Path) -> None:
@@ -162,7 +169,7 @@ def test_reshard_names_its_phases_and_rates_the_writing_alone(sample_ckpt: Path,
     )
     assert (tmp_path / "r" / ".metadata").is_file()
     doc = json.loads(runner.invoke(app, [*argv[:2], str(tmp_path / "j"), *argv[3:], "--json"]).stdout)
-    assert 0 < doc["write_seconds"] <= doc["seconds"]
+    _phase_of_the_run(doc, "write_seconds")
     res = runner.invoke(app, [*argv[:2], str(tmp_path / "p"), *argv[3:]])  # not a terminal: nothing on stderr
     assert res.exit_code == 0 and res.stderr == "", res.stderr
 
