@@ -1414,7 +1414,10 @@ def _staged_note(root: Path, units: list[_Unit], want: int) -> str:
     if not staged:
         return ""
     n, m, name = max(staged)
-    return f"; {_rel(m, root)} holds a finished save of step {n} under a staging name, not renamed (no trainer's resume lists it)"
+    return (
+        f"; {_rel(m, root)} holds a finished save of step {n} under a staging name, not renamed "
+        "(no trainer's resume lists it)"
+    )
 
 
 def _staged_hint(root: Path, units: list[_Unit], want: int | str | None) -> str | None:

@@ -134,8 +134,9 @@ def fold_expert_forms(
     ``[E, 2I, H]`` / ``down_proj`` (as ``import`` fuses them), then the form's renames applied to every key
     (Mixtral's ``.block_sparse_moe.`` -> ``.mlp.``); anything else as it is. Experts of one shape but several
     dtypes fold too (transformers casts them as it loads): the fused tensor carries a dtype other than the config's
-    ``want_dtype`` where one expert's is, so the dtype finding names it (not M010 shape errors of right shapes). Used by validate's M010 and by export's check of a
-    ``save_distributed`` folder against the ``config.json`` beside it."""
+    ``want_dtype`` where one expert's is, so the dtype finding names it (not M010 shape errors of right shapes).
+    Used by validate's M010 and by export's check against a config (``--model-assets``', or the ``config.json``
+    beside a ``save_distributed`` folder's shards)."""
     out = dict(written)
     for form in forms_for(model_type):
         groups: dict[str, dict[str, dict[int, str]]] = {}
