@@ -1543,8 +1543,12 @@ def _ambiguous(
         pick = next((u for u in units if main is not None and u.model == main), None)
         hint = f"pass one of them, e.g. {shell_arg((pick or units[0]).model)}"
         hint += " (the snapshot refs/main names)" if pick is not None else ""
+    what = f"no .metadata; {len(units)} checkpoints below it"
+    if step is not None and len(steps) == 1 and all(u.step == steps[0] for u in units):
+        # one step number in several directories (``step-10`` beside ``step-010``): `step` cannot pick one
+        what = f"step {steps[0]} is saved in {len(units)} directories below it"
     err = AmbiguousCheckpointError(
-        f"{root}: no .metadata; {len(units)} checkpoints below it: {shown}",
+        f"{root}: {what}: {shown}",
         path=root,
         hint=hint,
     )

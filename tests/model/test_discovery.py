@@ -897,3 +897,18 @@ def test_r007_names_a_step_of_unknown_naming_beside_an_hf_named_step(tmp_path: P
     new_key = f["message"].split("only in it (e.g. ", 1)[1].split(")", 1)[0]
     old_key = f["message"].split("only in step 10 (e.g. ", 1)[1].split(")", 1)[0]
     assert new_key in mine - theirs and old_key in theirs - mine, f["message"]
+
+
+def test_one_step_in_two_directories_is_named_so(titan_root: Path, tmp_path: Path) -> None:
+    """``step-10`` beside ``step-010`` (a step copied under a zero-padded name): `step` 10 or latest finds the one
+    step number in two directories. E204 said "no .metadata; 2 checkpoints below it", as for a root given without
+    `step`; it now says the step is saved in two directories, which `step` cannot tell apart."""
+    run = tmp_path / "run"
+    for name in ("step-10", "step-010"):
+        shutil.copytree(titan_root / "llama3" / "checkpoint" / "step-3", run / name)
+    for step in (10, "latest"):
+        with pytest.raises(AmbiguousCheckpointError) as ei:
+            locate(run, CheckpointSelection(step=step))
+        assert ei.value.message == f"{run}: step 10 is saved in 2 directories below it: step-010; step-10"
+    with pytest.raises(AmbiguousCheckpointError, match="no .metadata; 2 checkpoints below it"):
+        locate(run)  # no step given: as for any two checkpoints
