@@ -1094,6 +1094,44 @@ def test_a_stored_head_that_differs_from_the_embedding_it_is_tied_to_is_refused(
         torch.testing.assert_close(mine(ref["ids"]).logits, model(ref["ids"]).logits, rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("emb_dtype", [torch.float32, torch.bfloat16])
+def test_a_tied_head_differing_in_a_few_elements_is_counted_across_slabs(
+    hf_dirs: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, emb_dtype: torch.dtype
+) -> None:
+    """The head is compared with the embedding on the byte engine slab by slab (made 1 KiB here, so the 3,072
+    elements span many): a head equal to the embedding but in 5 elements scattered over several slabs, and NaN on
+    both sides in one more, is E601 counting exactly those 5, as torch counts them; a float32 head beside a
+    bfloat16 embedding is compared in float64 (the embedding's values widened exactly)."""
+    from safetensors.torch import load_file, save_file
+
+    import ckpttool.ops.import_hf as import_hf
+
+    monkeypatch.setattr(import_hf, "_TIE_BLOCK", 1024)
+    src = tmp_path / "src"
+    src.mkdir()
+    for f in (hf_dirs / "llama_tied").iterdir():
+        if f.suffix != ".safetensors" and f.name != "model.safetensors.index.json" and f.is_file():
+            (src / f.name).write_bytes(f.read_bytes())
+    tensors = {}
+    for f in sorted((hf_dirs / "llama_tied").glob("*.safetensors")):
+        tensors.update(load_file(f))
+    emb = tensors["model.embed_tokens.weight"].to(emb_dtype).clone()
+    emb.view(-1)[7] = float("nan")
+    tensors["model.embed_tokens.weight"] = emb
+    head = emb.to(torch.float32).clone()
+    flat = head.view(-1)
+    for i in (0, 300, 301, 1500, flat.numel() - 1):
+        flat[i] = flat[i] + 1
+    tensors["lm_head.weight"] = head
+    save_file(tensors, src / "model.safetensors")
+    want = int((head.to(torch.float64) != emb.to(torch.float64)).sum()) - 1  # the NaN in both is alike
+    assert want == 5
+    res = runner.invoke(app, ["import", str(src), str(tmp_path / "dcp")])
+    assert res.exit_code == 2, res.output
+    assert f"in {want} of {flat.numel():,} elements" in res.stderr, res.stderr
+    assert not (tmp_path / "dcp").exists()
+
+
 def test_a_tied_head_stored_beside_its_embedding_with_equal_values_imports(hf_dirs: Path, tmp_path: Path) -> None:
     """torch's HuggingFaceStorageWriter saves a tied model's state_dict() with both lm_head.weight and the embedding
     (equal values): imported as they are, and `dcp.load` into the tied model gives transformers' logits."""
