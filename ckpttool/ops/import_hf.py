@@ -900,44 +900,20 @@ def _config_file(path: Path | None) -> str:
 
 
 def _count_differing(src_dir: Path, a: _Source, b: _Source) -> int:
-    """How many elements of the stored tensors ``a`` and ``b`` (one shape) hold other values (NaN on both sides is
-    alike), on the engine: ``a`` read as one stream, ``b``'s elements beside each slab
-    (:class:`~ckpttool.engine.plan.PairedSlabs`, 16 MiB of the wider side at a time); equal bytes of one dtype are
-    skipped, values of two dtypes are compared in float64 (complex128 where one is complex).
+    """How many elements of the stored tensors ``a`` and ``b`` (one shape) hold other values, as
+    :func:`~ckpttool.engine.differ.differing_values` compares them (NaN on both sides alike; two dtypes in float64,
+    complex128 where one is complex), 16 MiB of the wider side at a time."""
+    from ckpttool.engine.differ import differing_values
+    from ckpttool.engine.plan import Window
 
-    Raises:
-        ShortReadError: a file ends before its tensor's bytes (the header's offsets were checked beforehand).
-    """
-    import torch
-
-    from ckpttool.engine.execute import run_item
-    from ckpttool.engine.memcmp import first_difference
-    from ckpttool.engine.plan import Item, PairedSlabs, Window
-
-    ta_dtype, tb_dtype = DType(a.dtype).to_torch(), DType(b.dtype).to_torch()
-    ia, ib, numel = ta_dtype.itemsize, tb_dtype.itemsize, math.prod(a.shape)
-    differ = 0
-
-    def fold(mine: memoryview, theirs: memoryview, first: int) -> None:
-        nonlocal differ
-        if a.dtype == b.dtype and first_difference(mine, theirs) is None:
-            return
-        ta, tb = torch.frombuffer(mine, dtype=ta_dtype), torch.frombuffer(theirs, dtype=tb_dtype)
-        if a.dtype != b.dtype:  # a complex side in complex128: its imaginary part is never dropped
-            wide = torch.complex128 if ta.is_complex() or tb.is_complex() else torch.float64
-            ta, tb = ta.to(wide), tb.to(wide)
-        ne = torch.ne(ta, tb)
-        if (ta.is_floating_point() or ta.is_complex()) and (tb.is_floating_point() or tb.is_complex()):
-            ne &= ~(torch.isnan(ta) & torch.isnan(tb))
-        differ += int(ne.sum())
-
+    da, db = DType(a.dtype).to_torch(), DType(b.dtype).to_torch()
+    numel = math.prod(a.shape)
     fa = open_regular(resolve_inside(src_dir, a.file, what="safetensors file"))
     try:
         fb = open_regular(resolve_inside(src_dir, b.file, what="safetensors file"))
         try:
-            pair = PairedSlabs((Window(fb, b.offset, numel * ib),), ia, ib, max(1, _TIE_BLOCK // max(ia, ib)), fold)
-            run_item(Item.of(fa, a.offset, numel * ia, pair))
-            return differ
+            wa, wb = Window(fa, a.offset, numel * da.itemsize), Window(fb, b.offset, numel * db.itemsize)
+            return differing_values(wa, da, wb, db, slab_bytes=_TIE_BLOCK).count
         finally:
             os.close(fb)
     finally:

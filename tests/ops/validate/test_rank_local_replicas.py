@@ -92,6 +92,45 @@ def test_a_rank_whose_copy_drifted_is_d014_with_deep(replicated: Path) -> None:
     ), msgs
 
 
+def _rank_dtypes(rank: int, world: int, out: str) -> None:
+    import torch
+    import torch.distributed.checkpoint as dcp
+
+    g = torch.Generator().manual_seed(0)
+    state = {
+        "rope.table": torch.randn(16, dtype=torch.complex64, generator=g),  # rotary tables are complex
+        "fp8": torch.randn(16, generator=g).to(torch.float8_e4m3fn),
+        "tokens": torch.arange(16, dtype=torch.int64) * 2**58,  # beyond float64's 53 bits
+    }
+    if rank == 1:  # each drifted where a float64 comparison of real values cannot see it
+        state["rope.table"][3] += 0.5j
+        state["fp8"][5] = torch.tensor(7.0).to(torch.float8_e4m3fn)
+        state["tokens"][9] += 1
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dcp.save(state, checkpoint_id=out, use_collectives=False)
+
+
+def test_drift_in_complex_fp8_and_int64_copies_is_d014(tmp_path_factory: pytest.TempPathFactory) -> None:
+    """Rank copies differing only in a complex value's imaginary part, in an FP8 value, or in an int64 above 2**53:
+    before, the imaginary part was cast away (no finding, NumPy's ComplexWarning printed), the int64s compared equal
+    in float64, and FP8 stopped validate with E999 (NumPy has no float8 dtype). Each is D014 now, counting the one
+    value that differs."""
+    root = Path(os.environ.get("CKPTTOOL_FIXTURE_CACHE") or tmp_path_factory.mktemp("fx"))
+    ck = cached_build(root, "rank_local_replicated_dtypes", lambda out: run_ranks(2, _rank_dtypes, str(out / "c")))
+    rc, found = _validate(ck / "c", "--deep")
+    assert rc == 1 and [(c, e) for c, e, _ in found] == [("D014", None)] * 3, found
+    msgs = sorted(m for _, _, m in found)
+    assert msgs[0].startswith("fp8 at [0]: __1_0.distcp against __0_0.distcp: 1 of 16 elements differ"), msgs
+    assert msgs[0].endswith("first at element 5: 7 against " + msgs[0].rsplit(" ", 1)[1]), msgs
+    assert msgs[1].startswith("rope.table at [0]: __1_0.distcp against __0_0.distcp: 1 of 16 elements differ"), msgs
+    assert "(max |diff| 0.5); first at element 3: " in msgs[1], msgs
+    assert msgs[2] == (
+        "tokens at [0]: __1_0.distcp against __0_0.distcp: 1 of 16 elements differ (max |diff| 1); "
+        f"first at element 9: {9 * 2**58 + 1} against {9 * 2**58}"
+    ), msgs
+
+
 def test_a_higher_rank_file_missing_or_short_is_found(replicated: Path, tmp_path: Path) -> None:
     ck = copy_checkpoint(replicated, tmp_path / "short")
     size = (ck / "__1_0.distcp").stat().st_size

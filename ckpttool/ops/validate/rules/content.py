@@ -391,16 +391,16 @@ def uninitialised_values(ctx: Context) -> Iterator[tuple[str, str]]:
 def _replica_difference(ctx: Context, key: str, offsets: tuple[int, ...], first: Any, other: Any) -> str | None:
     """What differs between two rank files' copies of one replicated chunk (``None``: nothing).
 
-    Both storage windows are read block by block with the engine's read helper and compared
-    bytewise; values that differ are counted (NaN equals NaN) with the largest ``|a - b|``.
+    Both storage windows are compared on the engine (:func:`~ckpttool.engine.differ.differing_values`: bytes first,
+    then values, NaN equal to NaN, integers bit for bit, complex values with both parts); the message counts the
+    values that differ, with the largest ``|a - b|`` and the first one.
 
     Raises:
         DataFileError: a rank file is shorter than the window (it changed since it was opened).
     """
-    import numpy as np
-
-    from ckpttool.engine.io import BLOCK_BYTES, ShortReadError, read_into
-    from ckpttool.engine.kernels import IEEE_BITS, float_values
+    from ckpttool.engine.differ import differing_values
+    from ckpttool.engine.io import ShortReadError
+    from ckpttool.engine.plan import Window
     from ckpttool.errors import DataFileError
 
     where = f"{key} at {list(offsets)}: {other.relative_path} against {first.relative_path}"
@@ -408,40 +408,26 @@ def _replica_difference(ctx: Context, key: str, offsets: tuple[int, ...], first:
         return f"{where}: {other.length} bytes against {first.length}"
     meta = ctx.reader.metadata.entries[key]
     assert isinstance(meta, TensorMeta)
-    dtype, item = meta.dtype.name, meta.dtype.itemsize
+    dtype = meta.dtype.to_torch()
     fa, fb = ctx.reader.fd(first.relative_path), ctx.reader.fd(other.relative_path)
-    per = max(item, BLOCK_BYTES // item * item)
-    a, b = np.empty(per, np.uint8), np.empty(per, np.uint8)
-    numel, differ, top, example = first.length // item, 0, 0.0, ""
-    for pos in range(0, first.length, per):
-        n = min(per, first.length - pos)
-        try:
-            read_into(fa, a[:n], first.offset + pos)
-            read_into(fb, b[:n], other.offset + pos)
-        except ShortReadError:
-            raise DataFileError(f"{ctx.reader.path}: short read of {key!r}", fqn=key) from None
-        if np.array_equal(a[:n], b[:n]):
-            continue
-        if dtype in IEEE_BITS:
-            va, vb = float_values(a[:n], dtype).astype(np.float64), float_values(b[:n], dtype).astype(np.float64)
-            ne = (va != vb) & ~(np.isnan(va) & np.isnan(vb))
-        else:
-            va = a[:n].view(np.bool_ if dtype == "bool" else dtype).astype(np.float64)
-            vb = b[:n].view(np.bool_ if dtype == "bool" else dtype).astype(np.float64)
-            ne = va != vb
-        k = int(np.count_nonzero(ne))
-        if k:
-            with np.errstate(invalid="ignore"):
-                d = np.abs(va[ne] - vb[ne])
-            d = d[~np.isnan(d)]
-            top = max(top, float(d.max())) if d.size else top
-            if not example:
-                i = int(np.flatnonzero(ne)[0])
-                example = f"; first at element {pos // item + i}: {vb[i]:.6g} against {va[i]:.6g}"  # other, first
-            differ += k
-    if not differ:
+    try:
+        d = differing_values(
+            Window(fa, first.offset, first.length), dtype, Window(fb, other.offset, other.length), dtype
+        )
+    except ShortReadError:
+        raise DataFileError(f"{ctx.reader.path}: short read of {key!r}", fqn=key) from None
+    if not d.count:
         return None
-    return f"{where}: {differ} of {numel} elements differ (max |diff| {top:.4g}){example}"
+    example = ""
+    if d.first is not None and d.first_values is not None:
+        va, vb = d.first_values
+        example = f"; first at element {d.first}: {_number(vb)} against {_number(va)}"  # other, first
+    return f"{where}: {d.count} of {d.numel} elements differ (max |diff| {d.max_abs:.4g}){example}"
+
+
+def _number(v: Any) -> str:
+    """A value for a message: an integer in full (int64 beyond 2**53 included), a float or complex to 6 digits."""
+    return str(v) if isinstance(v, int) else f"{v:.6g}"
 
 
 class _StorageOf:
