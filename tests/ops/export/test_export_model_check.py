@@ -211,3 +211,58 @@ def test_a_special_file_as_cache_entry_neither_blocks_nor_is_read(
     make_special(path, special)
     with fails_instead_of_hanging():
         assert ex._load_entry(path, key) is None
+
+
+class _ByteStateLinear(torch.nn.Linear):
+    """An ``nn.Linear`` whose ``get_extra_state`` is Transformer Engine's (>= 2.0) form: its state pickled into a
+    ``uint8`` tensor, which ``state_dict`` saves as ``<module>._extra_state``."""
+
+    def get_extra_state(self) -> torch.Tensor:
+        import pickle
+
+        return torch.frombuffer(
+            bytearray(pickle.dumps({"scale_fwd": [1.0, 2.0], "recipe": "delayed"})), dtype=torch.uint8
+        )
+
+    def set_extra_state(self, state: torch.Tensor) -> None:
+        pass
+
+
+def test_a_module_extra_state_saved_as_a_tensor_is_listed_not_written(tmp_path: Path) -> None:
+    """Transformer Engine (>= 2.0) saves a module's FP8 state as a pickled uint8 tensor ``<module>._extra_state``,
+    which torch's state_dict puts among the model's tensors. Before, `export` wrote it into model.safetensors as a
+    weight (no word said) and, with `--model-assets`, refused the export (E605 "unexpected"), although docs/export.md
+    says extra state is never exported. Now it is listed under "not exported" with its reason and the export loads
+    in transformers with the model's logits."""
+    from transformers import LlamaForCausalLM
+
+    hf_models._quiet()
+    torch.manual_seed(7)
+    cfg = hf_models.llama_config()
+    model = LlamaForCausalLM(cfg).eval()
+    old = model.model.layers[0].mlp.down_proj
+    te = _ByteStateLinear(old.in_features, old.out_features, bias=False)
+    te.weight = old.weight
+    model.model.layers[0].mlp.down_proj = te
+    sd = dict(model.state_dict())
+    key = "model.layers.0.mlp.down_proj._extra_state"
+    assert sd[key].dtype == torch.uint8 and sd[key].numel() > 0
+    dcp.save({"model": sd}, checkpoint_id=str(tmp_path / "ckpt"))
+    cfg.save_pretrained(tmp_path / "assets")
+
+    for out, extra in (("plain", ()), ("checked", ("--model-assets", str(tmp_path / "assets")))):
+        res = export_cli(str(tmp_path / "ckpt"), str(tmp_path / out), "--json", *extra)
+        assert res.exit_code == 0, res.stderr
+        doc = json.loads(res.stdout)
+        assert doc["skipped"] == {
+            "a module's extra state (`_extra_state`: Transformer Engine's FP8 scaling state), not weights": {
+                "count": 1,
+                "keys": ["model." + key],
+            }
+        }
+        written = json.loads((tmp_path / out / "model.safetensors.index.json").read_text())["weight_map"]
+        assert sorted(written) == sorted(k for k in sd if k != key)
+    ids = torch.randint(0, cfg.vocab_size, (2, 9), generator=torch.Generator().manual_seed(3))
+    loaded = LlamaForCausalLM.from_pretrained(tmp_path / "checked").eval()
+    with torch.no_grad():
+        assert torch.equal(loaded(ids).logits, model(ids).logits)
