@@ -479,17 +479,20 @@ def _tied_by_peft(cfg: dict[str, Any], model_config: dict[str, Any] | None) -> t
     the base model ties its head to the input embedding (``tie_word_embeddings`` of ``model_config``): ``("saved",
     head)`` when ``modules_to_save`` names an embedding (PEFT then saves the head as a tied copy too, though its
     saved config lists the embedding alone), ``("target", head)`` when ``target_modules`` does (the head gets a LoRA
-    tied to the embedding's); ``("", "")`` otherwise."""
-    if not cfg.get("ensure_weight_tying") or tie_word_embeddings(model_config) is not True:
+    tied to the embedding's); ``("", "")`` otherwise; the kind is prefixed ``?`` where ``model_config`` does not
+    say whether the head is tied (none given, or one that leaves it to an unknown model class)."""
+    tied = tie_word_embeddings(model_config)
+    if not cfg.get("ensure_weight_tying") or tied is False:
         return ("", "")
+    known = "" if tied else "?"
     if any(isinstance(m, str) and m.split(".")[-1] in _EMBEDDING_NAMES for m in cfg.get("modules_to_save") or []):
-        return ("saved", _TIED_HEAD)
+        return (known + "saved", _TIED_HEAD)
     target = cfg.get("target_modules")
     if isinstance(target, str):
         embedded = any(re.fullmatch(target, m) for m in _EMBEDDING_NAMES)
     else:
         embedded = any(isinstance(m, str) and m.split(".")[-1] in _EMBEDDING_NAMES for m in target or [])
-    return ("target", _TIED_HEAD) if embedded else ("", "")
+    return (known + "target", _TIED_HEAD) if embedded else ("", "")
 
 
 def _checked_given(
@@ -508,6 +511,14 @@ def _checked_given(
             ``modules_to_save``), or no ``lora_alpha`` anywhere.
     """
     cfg = dict(given)
+    if tied[0].startswith("?") and any(_in_list(m.removeprefix(_PEFT_PREFIX), [tied[1]]) for m in [*saved, *ranks]):
+        raise ExportError(
+            f"the adapter config sets ensure_weight_tying and the checkpoint holds {tied[1]!r} "
+            f"({'a modules_to_save copy' if tied[0] == '?saved' else 'a LoRA'}): PEFT loads it tied to the "
+            "embedding's only where the base model ties its embeddings, which no config.json says here",
+            fqn=_PEFT_PREFIX + tied[1],
+            hint="pass the base model's folder (its config.json) as `model_assets`",
+        )
     listed = cfg.get("modules_to_save") or []
     listed = [*listed, tied[1]] if tied[0] == "saved" else listed
     unlisted = [m for m in saved if not any(isinstance(t, str) and (m == t or m.endswith("." + t)) for t in listed)]

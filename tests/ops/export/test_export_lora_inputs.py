@@ -878,7 +878,8 @@ def test_an_adapter_peft_ties_to_the_embedding_exports_with_peft_s_own_config(tm
     copy (``modules_to_save``) or a LoRA (``target_modules``) tied to the embedding's, and saves a config that names
     the embedding alone (it ties the head again when it loads). Before, `--format lora` with that run's own
     adapter_config.json was refused (E601: "does not name 'lm_head'" / "lm_head (not matched by the adapter config)"),
-    although PEFT loads it; now it exports PEFT's tensors and loads with the trained logits."""
+    although PEFT loads it; now it exports PEFT's tensors and loads with the trained logits. Without the base model's
+    config.json (the tie unknown) the refusal names ensure_weight_tying and asks for it."""
     from peft import LoraConfig, PeftModel
     from safetensors.torch import load_file
     from transformers import LlamaForCausalLM
@@ -910,3 +911,8 @@ def test_an_adapter_peft_ties_to_the_embedding_exports_with_peft_s_own_config(tm
     loaded = PeftModel.from_pretrained(load_hf(tmp_path / "base", LlamaForCausalLM), tmp_path / "o").eval()
     with torch.no_grad():
         assert torch.equal(loaded(ids).logits, want)
+
+    # without the base model's config.json, whether PEFT ties the head (and so loads it) is unknown: said so
+    res = export_cli(str(tmp_path / "ckpt"), str(tmp_path / "o2"), "--format", "lora", "--adapter-config", given)
+    assert_clean_failure(res, "E601", "ensure_weight_tying", "'lm_head'")
+    assert "--model-assets" in res.stderr.splitlines()[-1] and not (tmp_path / "o2").exists()
