@@ -803,7 +803,7 @@ def check_against_model(
             hint="keys the model lacks are a warning, and dcp.load casts dtypes: neither needs allowing",
         )
     try:
-        check = compare_with_model(tensors, config)
+        check = compare_with_model(tensors, config, loaded_by_hf=False)
     except SizeLimitError as e:  # a config far larger than the folder (its model class is not built)
         check = ModelCheck(False, not_checked=e.message)
     if not check.checked:

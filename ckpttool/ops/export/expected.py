@@ -15,6 +15,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import re
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -35,7 +36,7 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 _FOLDER = "model-shapes-v1"
-_ENTRY_FORMAT = 3  # 2: ``not_linear``; 3: task-head classes (entries of older formats are ignored and rebuilt)
+_ENTRY_FORMAT = 4  # 2: ``not_linear``; 3: task-head classes; 4: ``ignored`` (older entries are ignored and rebuilt)
 #: ``architectures`` classes built as named, not as the causal LM: their head (``score``, ``classifier``,
 #: ``qa_outputs``) replaces ``lm_head``
 HEAD_SUFFIXES = ("ForSequenceClassification", "ForTokenClassification", "ForQuestionAnswering")
@@ -56,6 +57,9 @@ class Expected(NamedTuple):
     not_linear: frozenset[str]
     """``<module>.weight`` keys of 2-D weights whose module is no ``torch.nn.Linear`` (GPT-2's ``Conv1D``,
     embeddings): what transformers' FP8 quantizers (``FineGrainedFP8``, compressed-tensors) do not convert"""
+    ignored: tuple[str, ...] = ()
+    """regular expressions (``re.search``) of keys the class has no tensor for that ``from_pretrained`` drops without
+    a word (:func:`_ignored_on_load`): no ``unexpected`` finding"""
 
 
 #: the kinds of difference, each allowed with ``allow_mismatch`` (``--allow-mismatch``).
@@ -126,7 +130,7 @@ def _load_entry(path: Path, key: str) -> Expected | None:
         if not isinstance(doc, dict) or doc.get("format") != _ENTRY_FORMAT or doc.get("key") != key:
             raise ValueError("format or key differs")
         cls, tensors, optional = doc.get("model_class"), doc.get("tensors"), doc.get("optional")
-        not_linear = doc.get("not_linear")
+        not_linear, ignored = doc.get("not_linear"), doc.get("ignored")
         if not isinstance(cls, str) or not cls.isidentifier() or not isinstance(tensors, dict):
             raise ValueError("model_class or tensors malformed")
         out = _entry_tensors(tensors)
@@ -134,10 +138,23 @@ def _load_entry(path: Path, key: str) -> Expected | None:
             raise ValueError("optional keys malformed")
         if not isinstance(not_linear, list) or not all(isinstance(k, str) and k in out for k in not_linear):
             raise ValueError("not_linear keys malformed")
+        if not isinstance(ignored, list) or len(ignored) > 64 or not all(_is_pattern(p) for p in ignored):
+            raise ValueError("ignored patterns malformed")
     except (ValueError, RecursionError) as e:  # json.JSONDecodeError and UnicodeDecodeError are ValueErrors
         log.info("model shape cache entry %s ignored (%s); building the model again", path, e)
         return None
-    return Expected(out, set(optional), cls, frozenset(not_linear))
+    return Expected(out, set(optional), cls, frozenset(not_linear), tuple(ignored))
+
+
+def _is_pattern(p: Any) -> bool:
+    """A cache entry's ``ignored`` item: a short string that compiles as a regular expression."""
+    if not isinstance(p, str) or len(p) > 512:
+        return False
+    try:
+        re.compile(p)
+    except re.error:
+        return False
+    return True
 
 
 def _entry_tensors(tensors: dict[str, Any]) -> dict[str, tuple[tuple[int, ...], str]]:
@@ -170,6 +187,7 @@ def _store_entry(path: Path, key: str, got: Expected) -> None:
         "tensors": {k: [list(shape), dtype] for k, (shape, dtype) in got.tensors.items()},
         "optional": sorted(got.optional),
         "not_linear": sorted(got.not_linear),
+        "ignored": list(got.ignored),
     }
     from ckpttool.format.cache import store_entry
 
@@ -285,7 +303,27 @@ def _build_expected(config: dict[str, Any], mt: str) -> Expected | str:
         and isinstance(mod._parameters.get("weight"), torch.Tensor)
         and mod._parameters["weight"].dim() == 2
     }
-    return Expected(out, {k for k in optional if k in out}, type(model).__name__, frozenset(not_linear & out.keys()))
+    return Expected(
+        out,
+        {k for k in optional if k in out},
+        type(model).__name__,
+        frozenset(not_linear & out.keys()),
+        _ignored_on_load(model),
+    )
+
+
+def _ignored_on_load(model: Any) -> tuple[str, ...]:
+    """The patterns of keys ``from_pretrained`` drops silently (``PreTrainedModel._adjust_missing_and_unexpected_keys``):
+    the class's ``_keys_to_ignore_on_load_unexpected``, and ``rotary_emb.inv_freq`` / ``position_ids`` where the model
+    has such buffers (non-persistent now; older transformers versions saved them, e.g. Llama's per-layer
+    ``self_attn.rotary_emb.inv_freq``)."""
+    pats = [p for p in getattr(model, "_keys_to_ignore_on_load_unexpected", None) or [] if _is_pattern(p)]
+    buffers = [name for name, _ in model.named_buffers()]
+    if any(b.endswith("rotary_emb.inv_freq") for b in buffers):
+        pats.append(r"rotary_emb\.inv_freq")
+    if any(b.endswith("position_ids") for b in buffers):
+        pats.append(r"(^|\.)position_ids$")
+    return tuple(sorted(set(pats)))
 
 
 #: Config fields that count layers, and experts per layer (top level and nested text/decoder configs).
@@ -352,8 +390,12 @@ def _floating(dtype: str) -> bool:
 def compare_with_model(
     written: dict[str, tuple[tuple[int, ...], str]],
     config: dict[str, Any],
+    *,
+    loaded_by_hf: bool = True,
 ) -> ModelCheck:
     """Compare ``written`` (key -> (shape, dtype)) with the model class of ``config`` (see the module docstring).
+    ``loaded_by_hf``: the keys ``from_pretrained`` drops without a word (:attr:`Expected.ignored`) are no
+    ``unexpected`` finding (an export's files; ``False`` for an import, which ``dcp.load`` reads).
 
     Raises:
         SizeLimitError: ``E307``, a config past :func:`check_config_bounds` (before anything is built).
@@ -363,6 +405,7 @@ def compare_with_model(
     if isinstance(got, str):
         return ModelCheck(False, not_checked=got)
     expected, optional, cls = got.tensors, got.optional, got.model_class
+    ignored = re.compile("|".join(f"({p})" for p in got.ignored)) if got.ignored and loaded_by_hf else None
     want_dtype = config.get("dtype") or config.get("torch_dtype")
     findings: dict[str, list[str]] = {}
     for k, (shape, _) in expected.items():
@@ -370,7 +413,8 @@ def compare_with_model(
             findings.setdefault("missing", []).append(f"{k} {list(shape)}")
     for k, (shape, dtype) in written.items():
         if k not in expected:
-            findings.setdefault("unexpected", []).append(f"{k} {list(shape)}")
+            if ignored is None or ignored.search(k) is None:  # else a key from_pretrained drops without a word
+                findings.setdefault("unexpected", []).append(f"{k} {list(shape)}")
             continue
         if shape != expected[k][0]:
             findings.setdefault("shape", []).append(f"{k}: {list(shape)}, {cls} has {list(expected[k][0])}")

@@ -19,6 +19,7 @@ from typing import Any
 from ckpttool.errors import ExportError, UsageError, shell_arg
 from ckpttool.format.unpickler import short_repr
 from ckpttool.model.catalog import Catalog
+from ckpttool.model.hfconfig import tie_word_embeddings
 from ckpttool.model.schemas.base import canonical_model_key
 from ckpttool.model.wrappers import strip_wrapper_segments
 from ckpttool.ops.export.plan import ExportPlan
@@ -37,6 +38,11 @@ _FACTOR_RE = re.compile(r"^(?P<module>.+)\.(?P<part>lora_A|lora_B|lora_embedding
 _BIAS_RE = re.compile(r"\.lora_B\.bias$")
 _TOKENS = ".token_adapter.trainable_tokens_delta"
 _NOT_COPIES = (".bias", _TOKENS)  # output keys of a module that are not a modules_to_save copy
+#: PEFT's ``EMBEDDING_LAYER_NAMES``: the module names ``ensure_weight_tying`` takes for the input embedding
+_EMBEDDING_NAMES = ("embed_tokens", "lm_head")
+#: the module transformers' causal LM classes tie to the input embedding (``_tied_weights_keys``), which
+#: ``ensure_weight_tying`` gives the embedding's adapter or ``modules_to_save`` copy
+_TIED_HEAD = "lm_head"
 _ADAPTER_PART_RE = re.compile(
     r"\.(?:lora_A|lora_B|lora_embedding_A|lora_embedding_B|lora_magnitude_vector)(?:\.weight)?$"
 )
@@ -231,7 +237,7 @@ def adapter_config(
                 "to infer one",
             )
         _check_given_bias(given, bias)
-        return _checked_given(given, ranks, lora_alpha, saved)
+        return _checked_given(given, ranks, lora_alpha, saved, _tied_by_peft(given, model_config))
     if lora_alpha is None:
         raise _alpha_unknown(cat, beside)
     _warn_inferred(plan, cat, bias[0])
@@ -468,10 +474,36 @@ def _modules_to_save(plan: ExportPlan, ranks: dict[str, int]) -> list[str]:
     return sorted(out)
 
 
+def _tied_by_peft(cfg: dict[str, Any], model_config: dict[str, Any] | None) -> tuple[str, str]:
+    """What PEFT adds to the embedding's adapter under ``ensure_weight_tying`` (``LoraModel._check_tied_modules``) when
+    the base model ties its head to the input embedding (``tie_word_embeddings`` of ``model_config``): ``("saved",
+    head)`` when ``modules_to_save`` names an embedding (PEFT then saves the head as a tied copy too, though its
+    saved config lists the embedding alone), ``("target", head)`` when ``target_modules`` does (the head gets a LoRA
+    tied to the embedding's); ``("", "")`` otherwise; the kind is prefixed ``?`` where ``model_config`` does not
+    say whether the head is tied (none given, or one that leaves it to an unknown model class)."""
+    tied = tie_word_embeddings(model_config)
+    if not cfg.get("ensure_weight_tying") or tied is False:
+        return ("", "")
+    known = "" if tied else "?"
+    if any(isinstance(m, str) and m.split(".")[-1] in _EMBEDDING_NAMES for m in cfg.get("modules_to_save") or []):
+        return (known + "saved", _TIED_HEAD)
+    target = cfg.get("target_modules")
+    if isinstance(target, str):
+        embedded = any(re.fullmatch(target, m) for m in _EMBEDDING_NAMES)
+    else:
+        embedded = any(isinstance(m, str) and m.split(".")[-1] in _EMBEDDING_NAMES for m in target or [])
+    return (known + "target", _TIED_HEAD) if embedded else ("", "")
+
+
 def _checked_given(
-    given: dict[str, Any], ranks: dict[str, int], lora_alpha: float | None, saved: list[str]
+    given: dict[str, Any],
+    ranks: dict[str, int],
+    lora_alpha: float | None,
+    saved: list[str],
+    tied: tuple[str, str] = ("", ""),
 ) -> dict[str, Any]:
-    """A given adapter config, checked against the tensors' ranks and modules, ``lora_alpha`` applied.
+    """A given adapter config, checked against the tensors' ranks and modules, ``lora_alpha`` applied; ``tied``: what
+    PEFT ties to the embedding's adapter (:func:`_tied_by_peft`), a module it loads whatever the config lists.
 
     Raises:
         ExportError: its ``r`` disagrees with a module's rank (no ``rank_pattern``), PEFT would not
@@ -479,7 +511,16 @@ def _checked_given(
             ``modules_to_save``), or no ``lora_alpha`` anywhere.
     """
     cfg = dict(given)
+    if tied[0].startswith("?") and any(_in_list(m.removeprefix(_PEFT_PREFIX), [tied[1]]) for m in [*saved, *ranks]):
+        raise ExportError(
+            f"the adapter config sets ensure_weight_tying and the checkpoint holds {tied[1]!r} "
+            f"({'a modules_to_save copy' if tied[0] == '?saved' else 'a LoRA'}): PEFT loads it tied to the "
+            "embedding's only where the base model ties its embeddings, which no config.json says here",
+            fqn=_PEFT_PREFIX + tied[1],
+            hint="pass the base model's folder (its config.json) as `model_assets`",
+        )
     listed = cfg.get("modules_to_save") or []
+    listed = [*listed, tied[1]] if tied[0] == "saved" else listed
     unlisted = [m for m in saved if not any(isinstance(t, str) and (m == t or m.endswith("." + t)) for t in listed)]
     if unlisted:
         raise ExportError(
@@ -501,7 +542,7 @@ def _checked_given(
                 fqn=module,
                 hint="pass the adapter_config.json that belongs to this checkpoint",
             )
-    _check_peft_matches(sorted(ranks), cfg)
+    _check_peft_matches(sorted(ranks), cfg, tied[1] if tied[0] == "target" else None)
     if lora_alpha is not None:
         cfg["lora_alpha"] = lora_alpha
     if "lora_alpha" not in cfg:
@@ -599,8 +640,9 @@ def _in_list(module: str, names: list[Any]) -> bool:
     return any(isinstance(t, str) and (module == t or module.endswith("." + t)) for t in names)
 
 
-def _check_peft_matches(modules: list[str], config: dict[str, Any] | None) -> None:
-    """Refuse LoRA output modules that PEFT would not load (``set_peft_model_state_dict`` drops them silently).
+def _check_peft_matches(modules: list[str], config: dict[str, Any] | None, tied: str | None = None) -> None:
+    """Refuse LoRA output modules that PEFT would not load (``set_peft_model_state_dict`` drops them silently);
+    ``tied``: a module PEFT adapts as the embedding's tied partner (:func:`_tied_by_peft`).
 
     Raises:
         ExportError: a module outside ``base_model.model.`` or one the config's ``target_modules``,
@@ -610,7 +652,9 @@ def _check_peft_matches(modules: list[str], config: dict[str, Any] | None) -> No
     for m in modules:
         if not m.startswith(_PEFT_PREFIX):
             bad.append(f"{m} (not under {_PEFT_PREFIX})")
-        elif not peft_target_matches(m[len(_PEFT_PREFIX) :], config):
+        elif not peft_target_matches(m[len(_PEFT_PREFIX) :], config) and not (
+            tied and _in_list(m[len(_PEFT_PREFIX) :], [tied])
+        ):
             bad.append(f"{m} (not matched by the adapter config)")
     if bad:
         shown = "; ".join(bad[:3]) + (f" (+{len(bad) - 3} more)" if len(bad) > 3 else "")

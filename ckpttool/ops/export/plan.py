@@ -51,6 +51,7 @@ __all__ = [
     "unaccounted_tensors",
     "SKIP_TRAINING_STATE",
     "SKIP_OUTSIDE_SCHEMA",
+    "SKIP_EXTRA_STATE",
 ]
 
 SAVE_DTYPES = ("preserve", "bfloat16", "float16", "float32")
@@ -248,6 +249,9 @@ def filtered(key: str, canonical: str, out_key: str, glob: str | None, prefix: s
 #: ``skipped`` reasons of tensors that are not model weights (``docs/export.md``).
 SKIP_TRAINING_STATE = "training state (scheduler, data loader, step), not weights"
 SKIP_OUTSIDE_SCHEMA = "outside the key schema (not model weights)"
+#: a module's ``get_extra_state()`` saved as a tensor under the model's own prefix (Transformer Engine >= 2.0 keeps
+#: its FP8 scaling state as a pickled ``uint8`` tensor ``<module>._extra_state``): no weight of any HF model class
+SKIP_EXTRA_STATE = "a module's extra state (`_extra_state`: Transformer Engine's FP8 scaling state), not weights"
 
 
 def check_exportable_names(cat: Catalog, fmt: str, adapter: ModelAdapter | None = None) -> None:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import math
 import re
-from typing import Any, Protocol
+from typing import Any, NoReturn, Protocol
 
 from ckpttool.errors import ExportError, ExportNamingError
 from ckpttool.model.adapters import AdapterConfig, HFTensor, ModelAdapter, Skip
@@ -19,6 +19,7 @@ from ckpttool.model.catalog import Catalog, TensorEntry
 from ckpttool.model.schemas.base import CANONICAL_MODEL_PREFIX
 from ckpttool.model.wrappers import strip_wrapper_segments, wrapper_segments_of
 from ckpttool.ops.export.plan import (
+    SKIP_EXTRA_STATE,
     SKIP_OUTSIDE_SCHEMA,
     SKIP_TRAINING_STATE,
     Origin,
@@ -294,6 +295,9 @@ def select_model(cat: Catalog, keys: KeyMap, *, weights: str, filter_glob: str |
                 unwrapped.append(key)
                 segments.update(removed)
                 fqn = strip_wrapper_segments(fqn, wrappers)[0]
+        if fqn.endswith("_extra_state") and (fqn == "_extra_state" or fqn.endswith("._extra_state")):
+            skipped.setdefault(SKIP_EXTRA_STATE, []).append(key)  # a module's extra state saved as a tensor
+            continue
         mapped = map_one(key, fqn, canonical, entry)
         if mapped is None:
             continue
@@ -317,19 +321,7 @@ def select_model(cat: Catalog, keys: KeyMap, *, weights: str, filter_glob: str |
                 masters_found += 1
         add(Selected(key, out_key, source, origin, hf))
     if master and masters_found == 0 and selected:  # none selected: the caller's "matched none" error
-        if filter_glob and selected and any("master_weight" in ps.fields for ps in cat.optimizer_state.values()):
-            raise ExportError(
-                f"{cat.path}: `weights` master but none of the {len(selected)} tensor(s) `filter_glob` "
-                f"{filter_glob!r} selects has an optimizer.state.<fqn>.master_weight (e.g. {selected[0].model_key})",
-                param="filter_glob",
-                hint="the checkpoint keeps FP32 masters for other parameters (a frozen parameter or buffer has none; "
-                "a tied lm_head's master is kept under the embedding's fqn): export these with `weights` params, "
-                "or widen `filter_glob`",
-            )
-        raise ExportError(
-            f"{cat.path}: `weights` master but no parameter has an optimizer.state.<fqn>.master_weight",
-            hint="this checkpoint's optimizer keeps no FP32 masters (e.g. torch AdamW); export with `weights` params",
-        )
+        _no_masters(cat, selected, filter_glob)
     if unwrapped:
         warnings.append(
             f"wrapper segment(s) {', '.join(sorted(segments))} removed from {len(unwrapped)} key(s): {shown(unwrapped, 3)}"
@@ -343,6 +335,27 @@ def select_model(cat: Catalog, keys: KeyMap, *, weights: str, filter_glob: str |
         )
     _check_unique(selected)
     return selected, warnings, skipped, tags
+
+
+def _no_masters(cat: Catalog, selected: list[Selected], filter_glob: str | None) -> NoReturn:
+    """Refuse `weights` master where none of the ``selected`` tensors has a ``master_weight``.
+
+    Raises:
+        ExportError: always (its hint says whether other parameters have masters).
+    """
+    if filter_glob and selected and any("master_weight" in ps.fields for ps in cat.optimizer_state.values()):
+        raise ExportError(
+            f"{cat.path}: `weights` master but none of the {len(selected)} tensor(s) `filter_glob` "
+            f"{filter_glob!r} selects has an optimizer.state.<fqn>.master_weight (e.g. {selected[0].model_key})",
+            param="filter_glob",
+            hint="the checkpoint keeps FP32 masters for other parameters (a frozen parameter or buffer has none; "
+            "a tied lm_head's master is kept under the embedding's fqn): export these with `weights` params, "
+            "or widen `filter_glob`",
+        )
+    raise ExportError(
+        f"{cat.path}: `weights` master but no parameter has an optimizer.state.<fqn>.master_weight",
+        hint="this checkpoint's optimizer keeps no FP32 masters (e.g. torch AdamW); export with `weights` params",
+    )
 
 
 def _master_weight(cat: Catalog, param_fqn: str, entry: TensorEntry) -> TensorEntry | None:

@@ -870,3 +870,49 @@ def test_an_adapter_saved_with_peft_names_keeps_the_biases_its_bias_option_train
     )
     assert_clean_failure(res, "E601", key, f"sets bias {odd!r}")
     assert not (tmp_path / "o3").exists()
+
+
+@pytest.mark.parametrize("tied_part", ["modules_to_save", "target_modules"])
+def test_an_adapter_peft_ties_to_the_embedding_exports_with_peft_s_own_config(tmp_path: Path, tied_part: str) -> None:
+    """LoraConfig(ensure_weight_tying=True) on a model whose lm_head is tied to the embedding: PEFT gives the lm_head a
+    copy (``modules_to_save``) or a LoRA (``target_modules``) tied to the embedding's, and saves a config that names
+    the embedding alone (it ties the head again when it loads). Before, `--format lora` with that run's own
+    adapter_config.json was refused (E601: "does not name 'lm_head'" / "lm_head (not matched by the adapter config)"),
+    although PEFT loads it; now it exports PEFT's tensors and loads with the trained logits. Without the base model's
+    config.json (the tie unknown) the refusal names ensure_weight_tying and asks for it."""
+    from peft import LoraConfig, PeftModel
+    from safetensors.torch import load_file
+    from transformers import LlamaForCausalLM
+
+    if tied_part == "modules_to_save":
+        lcfg = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj"], modules_to_save=["lm_head"])
+    else:
+        lcfg = LoraConfig(r=4, lora_alpha=8, target_modules=["embed_tokens", "q_proj"])
+    lcfg.ensure_weight_tying = True
+    ids, want = _trained_peft(tmp_path, 13, lcfg, tied=True)
+    given = str(tmp_path / "peft" / "adapter_config.json")
+    res = export_cli(
+        str(tmp_path / "ckpt"),
+        str(tmp_path / "o"),
+        "--format",
+        "lora",
+        "--adapter-config",
+        given,
+        "--model-assets",
+        str(tmp_path / "base"),
+    )
+    assert res.exit_code == 0, res.stderr
+    ours = load_file(tmp_path / "o" / "adapter_model.safetensors")
+    peft = load_file(tmp_path / "peft" / "adapter_model.safetensors")
+    assert any(k.startswith("base_model.model.lm_head.") for k in ours)
+    # PEFT's own save also stores the embedding matrices (`save_embedding_layers`); ckpttool does not (docs/export.md)
+    assert sorted(ours) == sorted(k for k in peft if not k.endswith(".base_layer.weight"))
+    assert all(torch.equal(ours[k], peft[k]) for k in ours)
+    loaded = PeftModel.from_pretrained(load_hf(tmp_path / "base", LlamaForCausalLM), tmp_path / "o").eval()
+    with torch.no_grad():
+        assert torch.equal(loaded(ids).logits, want)
+
+    # without the base model's config.json, whether PEFT ties the head (and so loads it) is unknown: said so
+    res = export_cli(str(tmp_path / "ckpt"), str(tmp_path / "o2"), "--format", "lora", "--adapter-config", given)
+    assert_clean_failure(res, "E601", "ensure_weight_tying", "'lm_head'")
+    assert "--model-assets" in res.stderr.splitlines()[-1] and not (tmp_path / "o2").exists()

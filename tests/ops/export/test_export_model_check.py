@@ -171,6 +171,9 @@ def test_model_shapes_are_cached_and_a_hit_imports_neither_torch_nor_transformer
         b'{"format": 1, "key": "@", "model_class": "X", "tensors": {}, "optional": []}',  # before not_linear
         b'{"format": 2, "key": "@", "model_class": "X", "tensors": {"a": [[2, 2], "float32"]}, "optional": [], "not_linear": ["b"]}',
         b'{"format": 2, "key": "@", "model_class": "X", "tensors": {}, "optional": [], "not_linear": "a"}',
+        b'{"format": 4, "key": "@", "model_class": "X", "tensors": {}, "optional": [], "not_linear": []}',
+        b'{"format": 4, "key": "@", "model_class": "X", "tensors": {}, "optional": [], "not_linear": [], "ignored": ["("]}',
+        b'{"format": 4, "key": "@", "model_class": "X", "tensors": {}, "optional": [], "not_linear": [], "ignored": [1]}',
     ],
 )
 def test_a_broken_or_hostile_cache_entry_is_ignored_and_rewritten(
@@ -211,3 +214,93 @@ def test_a_special_file_as_cache_entry_neither_blocks_nor_is_read(
     make_special(path, special)
     with fails_instead_of_hanging():
         assert ex._load_entry(path, key) is None
+
+
+class _ByteStateLinear(torch.nn.Linear):
+    """An ``nn.Linear`` whose ``get_extra_state`` is Transformer Engine's (>= 2.0) form: its state pickled into a
+    ``uint8`` tensor, which ``state_dict`` saves as ``<module>._extra_state``."""
+
+    def get_extra_state(self) -> torch.Tensor:
+        import pickle
+
+        return torch.frombuffer(
+            bytearray(pickle.dumps({"scale_fwd": [1.0, 2.0], "recipe": "delayed"})), dtype=torch.uint8
+        )
+
+    def set_extra_state(self, state: torch.Tensor) -> None:
+        pass
+
+
+def test_a_module_extra_state_saved_as_a_tensor_is_listed_not_written(tmp_path: Path) -> None:
+    """Transformer Engine (>= 2.0) saves a module's FP8 state as a pickled uint8 tensor ``<module>._extra_state``,
+    which torch's state_dict puts among the model's tensors. Before, `export` wrote it into model.safetensors as a
+    weight (no word said) and, with `--model-assets`, refused the export (E605 "unexpected"), although docs/export.md
+    says extra state is never exported. Now it is listed under "not exported" with its reason and the export loads
+    in transformers with the model's logits."""
+    from transformers import LlamaForCausalLM
+
+    hf_models._quiet()
+    torch.manual_seed(7)
+    cfg = hf_models.llama_config()
+    model = LlamaForCausalLM(cfg).eval()
+    old = model.model.layers[0].mlp.down_proj
+    te = _ByteStateLinear(old.in_features, old.out_features, bias=False)
+    te.weight = old.weight
+    model.model.layers[0].mlp.down_proj = te
+    sd = dict(model.state_dict())
+    key = "model.layers.0.mlp.down_proj._extra_state"
+    assert sd[key].dtype == torch.uint8 and sd[key].numel() > 0
+    dcp.save({"model": sd}, checkpoint_id=str(tmp_path / "ckpt"))
+    cfg.save_pretrained(tmp_path / "assets")
+
+    for out, extra in (("plain", ()), ("checked", ("--model-assets", str(tmp_path / "assets")))):
+        res = export_cli(str(tmp_path / "ckpt"), str(tmp_path / out), "--json", *extra)
+        assert res.exit_code == 0, res.stderr
+        doc = json.loads(res.stdout)
+        assert doc["skipped"] == {
+            "a module's extra state (`_extra_state`: Transformer Engine's FP8 scaling state), not weights": {
+                "count": 1,
+                "keys": ["model." + key],
+            }
+        }
+        written = json.loads((tmp_path / out / "model.safetensors.index.json").read_text())["weight_map"]
+        assert sorted(written) == sorted(k for k in sd if k != key)
+    ids = torch.randint(0, cfg.vocab_size, (2, 9), generator=torch.Generator().manual_seed(3))
+    loaded = LlamaForCausalLM.from_pretrained(tmp_path / "checked").eval()
+    with torch.no_grad():
+        assert torch.equal(loaded(ids).logits, model(ids).logits)
+
+
+def test_rotary_inv_freq_buffers_from_pretrained_drops_are_exported_not_refused(tmp_path: Path) -> None:
+    """Llama checkpoints saved by transformers < 4.31 hold each layer's ``self_attn.rotary_emb.inv_freq`` buffer (now
+    a non-persistent ``model.rotary_emb.inv_freq``); ``from_pretrained`` drops such keys without a word. Before,
+    `export --model-assets` refused them (E605 "unexpected", although the export without a config wrote them);
+    now they are exported, the model check passes and transformers loads the export with the model's logits. A key
+    transformers would not drop stays E605."""
+    from transformers import LlamaForCausalLM
+
+    hf_models._quiet()
+    torch.manual_seed(8)
+    cfg = hf_models.llama_config()
+    model = LlamaForCausalLM(cfg).eval()
+    sd = dict(model.state_dict())
+    inv_freq = model.model.rotary_emb.inv_freq.clone()
+    sd.update({f"model.layers.{i}.self_attn.rotary_emb.inv_freq": inv_freq for i in range(cfg.num_hidden_layers)})
+    dcp.save({"model": sd}, checkpoint_id=str(tmp_path / "ckpt"))
+    cfg.save_pretrained(tmp_path / "assets")
+
+    res = export_cli(str(tmp_path / "ckpt"), str(tmp_path / "o"), "--model-assets", str(tmp_path / "assets"), "--json")
+    assert res.exit_code == 0, res.stderr
+    doc = json.loads(res.stdout)
+    assert doc["model_check"]["checked"] and doc["model_check"]["findings"] == {}
+    assert doc["tensors"] == len(sd) and doc["skipped"] == {}
+    loaded, info = LlamaForCausalLM.from_pretrained(tmp_path / "o", output_loading_info=True)
+    assert not info["unexpected_keys"] and not info["missing_keys"]
+    ids = torch.randint(0, cfg.vocab_size, (2, 9), generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        assert torch.equal(loaded.eval()(ids).logits, model(ids).logits)
+
+    sd["model.layers.0.self_attn.rotary_emb.scale"] = inv_freq
+    dcp.save({"model": sd}, checkpoint_id=str(tmp_path / "ckpt2"))
+    res = export_cli(str(tmp_path / "ckpt2"), str(tmp_path / "o2"), "--model-assets", str(tmp_path / "assets"))
+    assert_clean_failure(res, "E605", "unexpected 1: model.layers.0.self_attn.rotary_emb.scale")
