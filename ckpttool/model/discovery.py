@@ -1383,7 +1383,35 @@ def _latest_of(
             param="step",
             hint="pass one of the listed directories",
         )
-    return want, f"`step` latest: step {want} ({source}{_staged_note(root, units, want)})"
+    untracked = _untracked_note(root, units, want) if pointer is None else ""
+    return want, f"`step` latest: step {want} ({source}{untracked}{_staged_note(root, units, want)})"
+
+
+def _untracked_note(root: Path, units: list[_Unit], want: int) -> str:
+    """What ``latest`` (step ``want``, the highest) says where the trainer of that step resumes only from its
+    ``latest`` file and ``root`` holds none (:func:`missing_latest`), else ``""``."""
+    for u in units:
+        if u.step == want and (missing := missing_latest(root, u.model)) is not None:
+            return f"; no {missing[0].name} in {root}: {missing[1]}"
+    return ""
+
+
+def missing_latest(given: Path, model: Path) -> tuple[Path, str] | None:
+    """``(file, what the resume does without it)`` where checkpoint ``model`` lies in a step directory of run root
+    ``given`` and is of a format whose trainer resumes only from a ``latest`` file (the schema's
+    ``latest_required``: verl's ``latest_checkpointed_iteration.txt``) that ``given`` does not hold; else ``None``.
+    Validate's ``R008`` names it."""
+    found = detect_layout(model)
+    spec = registry.find(found[0].schema) if found is not None else None
+    required = spec.discovery.latest_required if spec is not None else ()
+    if not required or any(os.path.lexists(given / name) for name, _ in required):
+        return None
+    q = model
+    while q != given and q != q.parent and step_of(q.name) is None:
+        q = q.parent
+    if q == given or q.parent != given:
+        return None
+    return given / required[0][0], required[0][1]
 
 
 def _tracked_incomplete(root: Path, name: str, inc: IncompleteStep, done: int) -> IncompleteCheckpointError:

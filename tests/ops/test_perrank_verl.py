@@ -738,3 +738,43 @@ def test_r006_of_every_group_alike_is_one_finding(verl_root: Path, tmp_path: Pat
     assert res.exit_code == 1, res.output
     (problem,) = json.loads(res.stdout)["problems"]
     assert problem.startswith("param group lm_head.weight and 20 more saved lr 0.00075 but lr_scheduler._last_lr")
+
+
+def test_a_run_root_without_the_tracker_says_verl_trains_from_scratch(verl_root: Path, tmp_path: Path) -> None:
+    """verl's trainer resumes (resume_mode auto) from find_latest_ckpt_path, which reads only
+    latest_checkpointed_iteration.txt and returns None without it: "Training from scratch", no step loaded (verl
+    writes none with async_save; a copy of the step directories leaves it behind). ``--step latest`` picked the
+    highest step as "the highest step" and validate said OK with no word of it. Now the choice says what verl's
+    resume does (inspect, export's source note) and validate names the missing file (R008, warning); with the file
+    written, or a step directory given, there is no R008."""
+    run = tmp_path / "run"
+    for step in (2, 4):
+        shutil.copytree(_actor(verl_root, 2).parent, run / f"global_step_{step}")
+    tracker = run / "latest_checkpointed_iteration.txt"
+    why = (
+        "verl's resume (resume_mode auto: find_latest_ckpt_path) loads no step and trains from scratch; resume_mode "
+        "resume_path with resume_from_path set to the step directory loads it"
+    )
+    r = runner.invoke(app, ["validate", "--json", str(run), "--step", "latest"])
+    assert r.exit_code == 0, r.output
+    doc = json.loads(r.stdout)
+    (r008,) = [f for f in doc["findings"] if f["code"] == "R008"]
+    assert r008["key"] == str(tracker) and r008["severity"] == "warning"
+    assert r008["message"] == (
+        f"{run}: no latest_checkpointed_iteration.txt, so the checked step 4 is not what a resume of this run loads: "
+        + why
+    )
+    assert runner.invoke(app, ["validate", str(run), "--step", "latest", "--strict"]).exit_code == 1
+    loc = json.loads(runner.invoke(app, ["inspect", "--json", str(run), "--step", "latest"]).stdout)["location"]
+    assert loc["model"] == str(run / "global_step_4" / "actor")
+    assert loc["how"].startswith(f"`step` latest: step 4 (the highest step; no {tracker.name} in {run}: {why})")
+    r = runner.invoke(app, ["export", str(run), str(tmp_path / "out"), "--step", "latest", "--allow-mismatch", "dtype"])
+    assert r.exit_code == 0, r.output
+    assert f"the highest step; no {tracker.name} in {run}: {why}" in r.stderr
+    for argv in ([str(run / "global_step_4")], [str(run / "global_step_4" / "actor")]):
+        doc = json.loads(runner.invoke(app, ["validate", "--json", *argv]).stdout)
+        assert "R008" not in {f["code"] for f in doc["findings"]}
+    tracker.write_text("4")
+    doc = json.loads(runner.invoke(app, ["validate", "--json", str(run), "--step", "latest"]).stdout)
+    assert "R008" not in {f["code"] for f in doc["findings"]} and doc["path"] == str(run / "global_step_4" / "actor")
+    assert "no latest_checkpointed" not in runner.invoke(app, ["inspect", str(run), "--step", "latest"]).stdout
