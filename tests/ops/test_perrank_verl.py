@@ -778,3 +778,37 @@ def test_a_run_root_without_the_tracker_says_verl_trains_from_scratch(verl_root:
     doc = json.loads(runner.invoke(app, ["validate", "--json", str(run), "--step", "latest"]).stdout)
     assert "R008" not in {f["code"] for f in doc["findings"]} and doc["path"] == str(run / "global_step_4" / "actor")
     assert "no latest_checkpointed" not in runner.invoke(app, ["inspect", str(run), "--step", "latest"]).stdout
+
+
+def test_a_lora_only_save_says_so_not_that_two_saves_were_mixed(fixture_root: Path, tmp_path: Path) -> None:
+    """verl's save_lora_only writes the LoRA adapter tensors alone into the model files and the whole optimizer
+    (every parameter of the PEFT model, the frozen base's included) into the optimizer files, as verl's own save
+    code does here. Every command refused it with E280 'the optimizer steps 29 parameters, the model file holds 8'
+    and the hint that both must come from one save (they do). Now the refusal names the LoRA-only save and why its
+    optimizer state cannot be read; nothing is said OK and export writes nothing."""
+    import importlib.util
+
+    from tests.fixtures import perrank
+
+    if any(importlib.util.find_spec(m) is None for m in ("verl", "ray", "peft")):
+        pytest.skip("verl (with ray) and peft are needed for verl's LoRA-only save")
+    root = cached_build(fixture_root, "perrank_verl_lora", perrank.build_verl_lora)
+    actor = root / "global_step_2" / "actor"
+    assert {"lora_train_meta.json", "optim_world_size_2_rank_1.pt"} <= {p.name for p in actor.iterdir()}
+    why = (
+        "optim_world_size_2_rank_0.pt: a LoRA-only save (verl's checkpoint save_lora_only): the model file holds "
+        "only the 8 adapter tensors (lora_/adapter_ keys), the optimizer steps all 29 parameters of the PEFT model, "
+        "the frozen base model's included; which of its indices is which adapter tensor is not saved, so its state "
+        "cannot be read"
+    )
+    out = tmp_path / "out"
+    for argv in (["inspect", str(actor)], ["export", str(actor), str(out)]):
+        r = runner.invoke(app, argv)
+        assert r.exit_code == 2 and r.stdout == "", r.output
+        assert r.stderr.splitlines()[0] == f"error: [E280] {why}", r.stderr
+        assert "both must come from one save" not in r.stderr
+    assert not out.exists()
+    r = runner.invoke(app, ["validate", "--json", str(root)])
+    assert r.exit_code == 2, r.output
+    doc = json.loads(r.stdout)
+    assert doc["ok"] is False and [f["message"] for f in doc["findings"] if f["severity"] == "error"] == [why]
