@@ -780,20 +780,24 @@ def test_a_run_root_without_the_tracker_says_verl_trains_from_scratch(verl_root:
     assert "no latest_checkpointed" not in runner.invoke(app, ["inspect", str(run), "--step", "latest"]).stdout
 
 
+def _verl_lora(fixture_root: Path) -> Path:
+    import importlib.util
+
+    from tests.fixtures import perrank
+
+    if any(importlib.util.find_spec(m) is None for m in ("verl", "ray", "peft")):
+        pytest.skip("verl (with ray) and peft are needed for verl's LoRA saves")
+    return cached_build(fixture_root, "perrank_verl_lora", perrank.build_verl_lora)
+
+
 def test_a_lora_only_save_says_so_not_that_two_saves_were_mixed(fixture_root: Path, tmp_path: Path) -> None:
     """verl's save_lora_only writes the LoRA adapter tensors alone into the model files and the whole optimizer
     (every parameter of the PEFT model, the frozen base's included) into the optimizer files, as verl's own save
     code does here. Every command refused it with E280 'the optimizer steps 29 parameters, the model file holds 8'
     and the hint that both must come from one save (they do). Now the refusal names the LoRA-only save and why its
     optimizer state cannot be read; nothing is said OK and export writes nothing."""
-    import importlib.util
-
-    from tests.fixtures import perrank
-
-    if any(importlib.util.find_spec(m) is None for m in ("verl", "ray", "peft")):
-        pytest.skip("verl (with ray) and peft are needed for verl's LoRA-only save")
-    root = cached_build(fixture_root, "perrank_verl_lora", perrank.build_verl_lora)
-    actor = root / "global_step_2" / "actor"
+    root = _verl_lora(fixture_root)
+    actor = root / "lora_only" / "global_step_2" / "actor"
     assert {"lora_train_meta.json", "optim_world_size_2_rank_1.pt"} <= {p.name for p in actor.iterdir()}
     why = (
         "optim_world_size_2_rank_0.pt: a LoRA-only save (verl's checkpoint save_lora_only): the model file holds "
@@ -808,7 +812,49 @@ def test_a_lora_only_save_says_so_not_that_two_saves_were_mixed(fixture_root: Pa
         assert r.stderr.splitlines()[0] == f"error: [E280] {why}", r.stderr
         assert "both must come from one save" not in r.stderr
     assert not out.exists()
-    r = runner.invoke(app, ["validate", "--json", str(root)])
+    r = runner.invoke(app, ["validate", "--json", str(root / "lora_only")])
     assert r.exit_code == 2, r.output
     doc = json.loads(r.stdout)
     assert doc["ok"] is False and [f["message"] for f in doc["findings"] if f["severity"] == "error"] == [why]
+
+
+def test_a_lora_adapter_export_names_verls_lora_alpha_and_peft_loads_it(fixture_root: Path, tmp_path: Path) -> None:
+    """A LoRA model saved whole by verl (base and adapter tensors; the base frozen) beside verl's
+    lora_train_meta.json ({r, lora_alpha, task_type}). ``export --format lora`` without ``--lora-alpha`` said only
+    'pass `lora_alpha` A (the LoraConfig lora_alpha used in training)', though the trainer recorded it beside the
+    checkpoint; now the hint names it. With it, peft's own PeftModel.from_pretrained loads the adapter and its
+    tensors are the live model's (torch-gathered), and its logits are the live PEFT model's."""
+    import torch
+    from peft import PeftModel
+
+    from tests.fixtures.writers import hf_llama
+
+    root = _verl_lora(fixture_root)
+    actor = root / "full" / "global_step_2" / "actor"
+    out = tmp_path / "adapter"
+    r = runner.invoke(app, ["export", str(actor), str(out), "--format", "lora"])
+    assert r.exit_code == 2 and not out.exists(), r.output
+    assert r.stderr.splitlines()[1] == (
+        "hint: pass --lora-alpha 8 (verl's lora_train_meta.json beside the checkpoint records r 4, lora_alpha 8) or "
+        "--adapter-config FILE"
+    ), r.stderr
+    r = runner.invoke(app, ["export", str(actor), str(out), "--format", "lora", "--lora-alpha", "8"])
+    assert r.exit_code == 0, r.output
+    ref = torch.load(root / "params.pt")
+    base = hf_llama()
+    prefix = "base_model.model."
+    base.load_state_dict(
+        {k[len(prefix) :].replace(".base_layer.", "."): v for k, v in ref.items() if "lora_" not in k}, strict=True
+    )
+    ids = torch.arange(16).reshape(2, 8)
+    peft_model = PeftModel.from_pretrained(base, str(out))
+    got = dict(peft_model.named_parameters())
+    for k, v in ref.items():
+        assert torch.equal(got[k], v), k
+    live = hf_llama()
+    from peft import LoraConfig, get_peft_model
+
+    live = get_peft_model(live, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]))
+    live.load_state_dict(ref, strict=False)
+    with torch.no_grad():
+        assert torch.equal(peft_model(input_ids=ids).logits, live(input_ids=ids).logits)
