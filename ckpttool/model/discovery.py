@@ -41,6 +41,7 @@ from ckpttool.format.metadata import CheckpointMetadata, StorageInfo
 from ckpttool.format.perrank_formats import detect_layout, staging_of, unfinished_layout
 from ckpttool.format.rank_local import rank_metadata_names, ranks_without_metadata
 from ckpttool.model.schemas import registry
+from ckpttool.model.schemas.base import SchemaSpec
 from ckpttool.model.schemas.keyschema import SchemaOverride
 
 __all__ = [
@@ -1396,13 +1397,26 @@ def _untracked_note(root: Path, units: list[_Unit], want: int) -> str:
     return ""
 
 
+def _published_by(model: Path) -> SchemaSpec | None:
+    """The spec whose trainer wrote checkpoint ``model``, told by its publish markers (megatron-core's
+    ``metadata.json`` beside ``common.pt``), among the specs that name a ``latest_required`` file; else ``None``."""
+    for spec in registry.specs():
+        if spec.discovery.latest_required and any(
+            os.path.lexists(model / marker) and all(os.path.lexists(model / h) for h in holds)
+            for marker, holds in spec.discovery.publish_markers
+        ):
+            return spec
+    return None
+
+
 def missing_latest(given: Path, model: Path) -> tuple[Path, str] | None:
     """``(file, what the resume does without it)`` where checkpoint ``model`` lies in a step directory of run root
     ``given`` and is of a format whose trainer resumes only from a ``latest`` file (the schema's
-    ``latest_required``: verl's ``latest_checkpointed_iteration.txt``) that ``given`` does not hold; else ``None``.
+    ``latest_required``: verl's and Megatron-LM's ``latest_checkpointed_iteration.txt``) that ``given`` does not
+    hold; else ``None``.
     Validate's ``R008`` names it."""
     found = detect_layout(model)
-    spec = registry.find(found[0].schema) if found is not None else None
+    spec = registry.find(found[0].schema) if found is not None else _published_by(model)
     required = spec.discovery.latest_required if spec is not None else ()
     if not required or any(os.path.lexists(given / name) for name, _ in required):
         return None
