@@ -796,6 +796,8 @@ def _latest_step(root: Path) -> tuple[int | str, str] | None:
         if text is None:
             continue
         s = _tracker_int(text)
+        if s is None and name in _INT_TRACKERS and step_of(text) is not None:
+            raise _not_an_iteration(p, text, step_of(text))
         s = s if s is not None else step_of(text)
         if s is None and text and not _leads_below(root, text):
             # DeepSpeed joins the tag to the run's folder: ../other/checkpoint-1 is another run's save, not this one's
@@ -820,6 +822,24 @@ def _latest_step(root: Path) -> tuple[int | str, str] | None:
             "remove it, or pass `step` N",
         )
     return None
+
+
+#: ``latest`` files their trainers read with ``int()`` alone (Megatron-LM's ``read_metadata``, which also takes
+#: ``release``; verl's ``find_latest_ckpt_path``): a step directory's name there (``global_step_4``) stops the resume,
+#: never followed as DeepSpeed's ``latest`` tag is.
+_INT_TRACKERS = ("latest_checkpointed_iteration.txt",)
+
+
+def _not_an_iteration(p: Path, text: str, step: int | None) -> StepNotFoundError:
+    """E205 for tracker ``p`` (:data:`_INT_TRACKERS`) holding ``text``, a step directory's name (of ``step``), which
+    ``int()`` does not read."""
+    return StepNotFoundError(
+        f"{p}: holds {text[:40]!r}, which is not an iteration number (the trainer's resume stops on it: Megatron-LM's "
+        "'Invalid metadata file', verl's int() raises ValueError)",
+        path=p,
+        param="step",
+        hint=f"write the step number alone into {p.name} ({step}), remove it, or pass `step` N",
+    )
 
 
 def _tracker_int(text: str) -> int | None:

@@ -858,3 +858,39 @@ def test_a_lora_adapter_export_names_verls_lora_alpha_and_peft_loads_it(fixture_
     live.load_state_dict(ref, strict=False)
     with torch.no_grad():
         assert torch.equal(peft_model(input_ids=ids).logits, live(input_ids=ids).logits)
+
+
+def test_a_tracker_holding_a_step_directory_name_is_refused_as_verl_refuses_it(verl_root: Path, tmp_path: Path) -> None:
+    """verl's find_latest_ckpt_path reads latest_checkpointed_iteration.txt with int() (Megatron-LM's read_metadata
+    too): 'global_step_2' there raises ValueError, and the resume stops. ``--step latest`` read it as DeepSpeed's
+    ``latest`` tag and opened global_step_2 ('named by latest_checkpointed_iteration.txt'). Now it is E205 naming the
+    file and the number to write; validate from the run root names it (R005); the step directory itself is fine."""
+    from verl.utils.checkpoint.checkpoint_manager import find_latest_ckpt_path
+
+    run = tmp_path / "run"
+    shutil.copytree(_actor(verl_root, 2).parent, run / "global_step_2")
+    tracker = run / "latest_checkpointed_iteration.txt"
+    tracker.write_text("global_step_2")
+    with pytest.raises(ValueError):  # verl's own resume
+        find_latest_ckpt_path(str(run))
+    said = (
+        f"{tracker}: holds 'global_step_2', which is not an iteration number (the trainer's resume stops on it: "
+        "Megatron-LM's 'Invalid metadata file', verl's int() raises ValueError)"
+    )
+    for argv in (
+        ["inspect", str(run), "--step", "latest"],
+        ["export", str(run), str(tmp_path / "out"), "--step", "latest"],
+    ):
+        r = runner.invoke(app, argv)
+        assert r.exit_code == 2 and r.stdout == "", r.output
+        assert r.stderr.splitlines() == [
+            f"error: [E205] {said}",
+            "hint: write the step number alone into latest_checkpointed_iteration.txt (2), remove it, or pass --step N",
+        ]
+    assert not (tmp_path / "out").exists()
+    doc = json.loads(runner.invoke(app, ["validate", "--json", str(run)]).stdout)
+    assert [f["message"] for f in doc["findings"] if f["code"] == "R005"] == [said]
+    tracker.write_text("2\n")  # what verl writes: its resume and --step latest open global_step_2
+    assert find_latest_ckpt_path(str(run)) == str(run / "global_step_2")
+    loc = json.loads(runner.invoke(app, ["inspect", "--json", str(run), "--step", "latest"]).stdout)["location"]
+    assert loc["model"] == str(run / "global_step_2" / "actor")
