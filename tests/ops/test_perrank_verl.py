@@ -403,7 +403,9 @@ def test_no_optimizer_state_after_steps_fails_r002(verl_root: Path, tmp_path: Pa
     moments from zero. Now R002 names it and replay-step fails on it; the real save passes both."""
     import torch
 
-    doc = json.loads(runner.invoke(app, ["validate", "--strict", "--deep", "--json", str(verl_root / "w2")]).stdout)
+    # the step directory (w2/ holds no latest_checkpointed_iteration.txt: from there R008 fails --strict)
+    real = verl_root / "w2" / "global_step_2"
+    doc = json.loads(runner.invoke(app, ["validate", "--strict", "--deep", "--json", str(real)]).stdout)
     assert doc["ok"] and "R002" not in {f["code"] for f in doc["findings"]}
     run = shutil.copytree(verl_root / "w2", tmp_path / "w2")
     actor = run / "global_step_2" / "actor"
