@@ -195,6 +195,28 @@ def _verl_frozen(a: Assembled, names: list[str]) -> None:
         )
 
 
+def _lora_name(fqn: str) -> bool:
+    """verl's test of a LoRA-only model file's keys (``BaseCheckpointManager.is_lora_only_state_dict``)."""
+    return "lora_" in fqn or ".adapter_" in fqn
+
+
+def _lora_only(where: str, held: int, stepped: int) -> str:
+    """Why the optimizer file ``where`` of a LoRA-only save (verl's ``save_lora_only``) cannot be read."""
+    return (
+        f"{where}: a LoRA-only save (verl's checkpoint save_lora_only): the model file holds only the {held} "
+        f"adapter tensors (lora_/adapter_ keys), the optimizer steps all {stepped} parameters of the PEFT model, the "
+        "frozen base model's included; which of its indices is which adapter tensor is not saved, so its state "
+        "cannot be read"
+    )
+
+
+#: What to do with a LoRA-only verl save (:func:`_lora_only`).
+_LORA_ONLY_HINT = (
+    "verl's own load restores it only into the PEFT model that saved it (the base model rebuilt from its config); "
+    "to check the optimizer state with ckpttool, save without save_lora_only (the whole model: base and adapters)"
+)
+
+
 def _verl_optim(
     a: Assembled, ro: RankObject, names: list[str], fields: dict[str, tuple[str, list[str]]] | None = None
 ) -> None:
@@ -209,6 +231,8 @@ def _verl_optim(
         raise PerRankError(f"{where}: not an optimizer state_dict (state, param_groups)", path=where)
     ids = [i for g in obj["param_groups"] if isinstance(g, dict) for i in g.get("params", [])]
     if sorted(ids) != list(range(len(names))) if ids and all(type(i) is int for i in ids) else True:
+        if names and len(ids) > len(names) and all(_lora_name(n) for n in names):
+            raise PerRankError(_lora_only(where, len(names), len(ids)), path=where, hint=_LORA_ONLY_HINT)
         raise PerRankError(
             f"{where}: the optimizer steps {len(ids)} parameters, the model file holds {len(names)}",
             path=where,

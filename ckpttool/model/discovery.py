@@ -41,6 +41,7 @@ from ckpttool.format.metadata import CheckpointMetadata, StorageInfo
 from ckpttool.format.perrank_formats import detect_layout, staging_of, unfinished_layout
 from ckpttool.format.rank_local import rank_metadata_names, ranks_without_metadata
 from ckpttool.model.schemas import registry
+from ckpttool.model.schemas.base import SchemaSpec
 from ckpttool.model.schemas.keyschema import SchemaOverride
 
 __all__ = [
@@ -795,6 +796,8 @@ def _latest_step(root: Path) -> tuple[int | str, str] | None:
         if text is None:
             continue
         s = _tracker_int(text)
+        if s is None and name in _INT_TRACKERS and step_of(text) is not None:
+            raise _not_an_iteration(p, text, step_of(text))
         s = s if s is not None else step_of(text)
         if s is None and text and not _leads_below(root, text):
             # DeepSpeed joins the tag to the run's folder: ../other/checkpoint-1 is another run's save, not this one's
@@ -819,6 +822,24 @@ def _latest_step(root: Path) -> tuple[int | str, str] | None:
             "remove it, or pass `step` N",
         )
     return None
+
+
+#: ``latest`` files their trainers read with ``int()`` alone (Megatron-LM's ``read_metadata``, which also takes
+#: ``release``; verl's ``find_latest_ckpt_path``): a step directory's name there (``global_step_4``) stops the resume,
+#: never followed as DeepSpeed's ``latest`` tag is.
+_INT_TRACKERS = ("latest_checkpointed_iteration.txt",)
+
+
+def _not_an_iteration(p: Path, text: str, step: int | None) -> StepNotFoundError:
+    """E205 for tracker ``p`` (:data:`_INT_TRACKERS`) holding ``text``, a step directory's name (of ``step``), which
+    ``int()`` does not read."""
+    return StepNotFoundError(
+        f"{p}: holds {text[:40]!r}, which is not an iteration number (the trainer's resume stops on it: Megatron-LM's "
+        "'Invalid metadata file', verl's int() raises ValueError)",
+        path=p,
+        param="step",
+        hint=f"write the step number alone into {p.name} ({step}), remove it, or pass `step` N",
+    )
 
 
 def _tracker_int(text: str) -> int | None:
@@ -1383,7 +1404,48 @@ def _latest_of(
             param="step",
             hint="pass one of the listed directories",
         )
-    return want, f"`step` latest: step {want} ({source}{_staged_note(root, units, want)})"
+    untracked = _untracked_note(root, units, want) if pointer is None else ""
+    return want, f"`step` latest: step {want} ({source}{untracked}{_staged_note(root, units, want)})"
+
+
+def _untracked_note(root: Path, units: list[_Unit], want: int) -> str:
+    """What ``latest`` (step ``want``, the highest) says where the trainer of that step resumes only from its
+    ``latest`` file and ``root`` holds none (:func:`missing_latest`), else ``""``."""
+    for u in units:
+        if u.step == want and (missing := missing_latest(root, u.model)) is not None:
+            return f"; no {missing[0].name} in {root}: {missing[1]}"
+    return ""
+
+
+def _published_by(model: Path) -> SchemaSpec | None:
+    """The spec whose trainer wrote checkpoint ``model``, told by its publish markers (megatron-core's
+    ``metadata.json`` beside ``common.pt``), among the specs that name a ``latest_required`` file; else ``None``."""
+    for spec in registry.specs():
+        if spec.discovery.latest_required and any(
+            os.path.lexists(model / marker) and all(os.path.lexists(model / h) for h in holds)
+            for marker, holds in spec.discovery.publish_markers
+        ):
+            return spec
+    return None
+
+
+def missing_latest(given: Path, model: Path) -> tuple[Path, str] | None:
+    """``(file, what the resume does without it)`` where checkpoint ``model`` lies in a step directory of run root
+    ``given`` and is of a format whose trainer resumes only from a ``latest`` file (the schema's
+    ``latest_required``: verl's and Megatron-LM's ``latest_checkpointed_iteration.txt``) that ``given`` does not
+    hold; else ``None``.
+    Validate's ``R008`` names it."""
+    found = detect_layout(model)
+    spec = registry.find(found[0].schema) if found is not None else _published_by(model)
+    required = spec.discovery.latest_required if spec is not None else ()
+    if not required or any(os.path.lexists(given / name) for name, _ in required):
+        return None
+    q = model
+    while q != given and q != q.parent and step_of(q.name) is None:
+        q = q.parent
+    if q == given or q.parent != given:
+        return None
+    return given / required[0][0], required[0][1]
 
 
 def _tracked_incomplete(root: Path, name: str, inc: IncompleteStep, done: int) -> IncompleteCheckpointError:

@@ -254,7 +254,35 @@ def test_iteration_without_metadata_json_is_an_unfinished_save(tmp_path: Path) -
     assert [i["step"] for i in loc["newer_incomplete"]] == [5]
     r = runner.invoke(app, ["validate", "--strict", "--json", str(run), "--step", "latest"])
     assert r.exit_code == 1, r.output
-    assert [f["code"] for f in json.loads(r.stdout)["findings"]] == ["R001"]
+    # R008: no tracker, so Megatron-LM's own resume loads neither iteration (it starts from random)
+    assert [f["code"] for f in json.loads(r.stdout)["findings"]] == ["R001", "R008"]
+
+
+def test_run_without_tracker_says_megatron_lm_starts_from_random(tmp_path: Path) -> None:
+    """Megatron-LM's load (``_load_base_checkpoint``) reads the iteration only from
+    latest_checkpointed_iteration.txt (or ``--ckpt-step``): without it, "will not load any checkpoints and will start
+    from random". ``--step latest`` on such a save folder picked the highest iteration as "the highest step" and
+    validate said OK with no word of it. Now the choice says what Megatron-LM's resume does and validate names the
+    missing tracker (R008, warning); the run with its tracker gets none."""
+    run = shutil.copytree(DATA / "dense1", tmp_path / "run")
+    tracker = run / "latest_checkpointed_iteration.txt"
+    tracker.unlink()
+    why = "Megatron-LM's load_checkpoint loads no iteration and starts from random; --ckpt-step N loads iteration N"
+    loc = json.loads(runner.invoke(app, ["inspect", "--json", str(run), "--step", "latest"]).stdout)["location"]
+    assert loc["how"].startswith(f"`step` latest: step 3 (the highest step; no {tracker.name} in {run}: {why})")
+    for argv in ([str(run)], [str(run), "--step", "latest"], [str(run), "--step", "3"]):
+        r = runner.invoke(app, ["validate", "--json", *argv])
+        assert r.exit_code == 0, r.output
+        (r008,) = [f for f in json.loads(r.stdout)["findings"] if f["code"] == "R008"]
+        assert r008["key"] == str(tracker)
+        assert r008["message"] == (
+            f"{run}: no {tracker.name}, so the checked step 3 is not what a resume of this run loads: {why}"
+        )
+    r = runner.invoke(app, ["validate", "--json", str(run / "iter_0000003")])
+    assert "R008" not in {f["code"] for f in json.loads(r.stdout)["findings"]}
+    tracker.write_text("3")
+    r = runner.invoke(app, ["validate", "--json", str(run), "--step", "latest"])
+    assert "R008" not in {f["code"] for f in json.loads(r.stdout)["findings"]}
 
 
 def test_tracker_naming_an_unfinished_iteration_is_e202_not_the_older_one(tmp_path: Path) -> None:

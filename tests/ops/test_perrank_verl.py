@@ -403,7 +403,9 @@ def test_no_optimizer_state_after_steps_fails_r002(verl_root: Path, tmp_path: Pa
     moments from zero. Now R002 names it and replay-step fails on it; the real save passes both."""
     import torch
 
-    doc = json.loads(runner.invoke(app, ["validate", "--strict", "--deep", "--json", str(verl_root / "w2")]).stdout)
+    # the step directory (w2/ holds no latest_checkpointed_iteration.txt: from there R008 fails --strict)
+    real = verl_root / "w2" / "global_step_2"
+    doc = json.loads(runner.invoke(app, ["validate", "--strict", "--deep", "--json", str(real)]).stdout)
     assert doc["ok"] and "R002" not in {f["code"] for f in doc["findings"]}
     run = shutil.copytree(verl_root / "w2", tmp_path / "w2")
     actor = run / "global_step_2" / "actor"
@@ -738,3 +740,159 @@ def test_r006_of_every_group_alike_is_one_finding(verl_root: Path, tmp_path: Pat
     assert res.exit_code == 1, res.output
     (problem,) = json.loads(res.stdout)["problems"]
     assert problem.startswith("param group lm_head.weight and 20 more saved lr 0.00075 but lr_scheduler._last_lr")
+
+
+def test_a_run_root_without_the_tracker_says_verl_trains_from_scratch(verl_root: Path, tmp_path: Path) -> None:
+    """verl's trainer resumes (resume_mode auto) from find_latest_ckpt_path, which reads only
+    latest_checkpointed_iteration.txt and returns None without it: "Training from scratch", no step loaded (verl
+    writes none with async_save; a copy of the step directories leaves it behind). ``--step latest`` picked the
+    highest step as "the highest step" and validate said OK with no word of it. Now the choice says what verl's
+    resume does (inspect, export's source note) and validate names the missing file (R008, warning); with the file
+    written, or a step directory given, there is no R008."""
+    run = tmp_path / "run"
+    for step in (2, 4):
+        shutil.copytree(_actor(verl_root, 2).parent, run / f"global_step_{step}")
+    tracker = run / "latest_checkpointed_iteration.txt"
+    why = (
+        "verl's resume (resume_mode auto: find_latest_ckpt_path) loads no step and trains from scratch; resume_mode "
+        "resume_path with resume_from_path set to the step directory loads it"
+    )
+    r = runner.invoke(app, ["validate", "--json", str(run), "--step", "latest"])
+    assert r.exit_code == 0, r.output
+    doc = json.loads(r.stdout)
+    (r008,) = [f for f in doc["findings"] if f["code"] == "R008"]
+    assert r008["key"] == str(tracker) and r008["severity"] == "warning"
+    assert r008["message"] == (
+        f"{run}: no latest_checkpointed_iteration.txt, so the checked step 4 is not what a resume of this run loads: "
+        + why
+    )
+    assert runner.invoke(app, ["validate", str(run), "--step", "latest", "--strict"]).exit_code == 1
+    loc = json.loads(runner.invoke(app, ["inspect", "--json", str(run), "--step", "latest"]).stdout)["location"]
+    assert loc["model"] == str(run / "global_step_4" / "actor")
+    assert loc["how"].startswith(f"`step` latest: step 4 (the highest step; no {tracker.name} in {run}: {why})")
+    r = runner.invoke(app, ["export", str(run), str(tmp_path / "out"), "--step", "latest", "--allow-mismatch", "dtype"])
+    assert r.exit_code == 0, r.output
+    assert f"the highest step; no {tracker.name} in {run}: {why}" in r.stderr
+    for argv in ([str(run / "global_step_4")], [str(run / "global_step_4" / "actor")]):
+        doc = json.loads(runner.invoke(app, ["validate", "--json", *argv]).stdout)
+        assert "R008" not in {f["code"] for f in doc["findings"]}
+    tracker.write_text("4")
+    doc = json.loads(runner.invoke(app, ["validate", "--json", str(run), "--step", "latest"]).stdout)
+    assert "R008" not in {f["code"] for f in doc["findings"]} and doc["path"] == str(run / "global_step_4" / "actor")
+    assert "no latest_checkpointed" not in runner.invoke(app, ["inspect", str(run), "--step", "latest"]).stdout
+
+
+def _verl_lora(fixture_root: Path) -> Path:
+    import importlib.util
+
+    from tests.fixtures import perrank
+
+    if any(importlib.util.find_spec(m) is None for m in ("verl", "ray", "peft")):
+        pytest.skip("verl (with ray) and peft are needed for verl's LoRA saves")
+    return cached_build(fixture_root, "perrank_verl_lora", perrank.build_verl_lora)
+
+
+def test_a_lora_only_save_says_so_not_that_two_saves_were_mixed(fixture_root: Path, tmp_path: Path) -> None:
+    """verl's save_lora_only writes the LoRA adapter tensors alone into the model files and the whole optimizer
+    (every parameter of the PEFT model, the frozen base's included) into the optimizer files, as verl's own save
+    code does here. Every command refused it with E280 'the optimizer steps 29 parameters, the model file holds 8'
+    and the hint that both must come from one save (they do). Now the refusal names the LoRA-only save and why its
+    optimizer state cannot be read; nothing is said OK and export writes nothing."""
+    root = _verl_lora(fixture_root)
+    actor = root / "lora_only" / "global_step_2" / "actor"
+    assert {"lora_train_meta.json", "optim_world_size_2_rank_1.pt"} <= {p.name for p in actor.iterdir()}
+    why = (
+        "optim_world_size_2_rank_0.pt: a LoRA-only save (verl's checkpoint save_lora_only): the model file holds "
+        "only the 8 adapter tensors (lora_/adapter_ keys), the optimizer steps all 29 parameters of the PEFT model, "
+        "the frozen base model's included; which of its indices is which adapter tensor is not saved, so its state "
+        "cannot be read"
+    )
+    out = tmp_path / "out"
+    for argv in (["inspect", str(actor)], ["export", str(actor), str(out)]):
+        r = runner.invoke(app, argv)
+        assert r.exit_code == 2 and r.stdout == "", r.output
+        assert r.stderr.splitlines()[0] == f"error: [E280] {why}", r.stderr
+        assert "both must come from one save" not in r.stderr
+    assert not out.exists()
+    r = runner.invoke(app, ["validate", "--json", str(root / "lora_only")])
+    assert r.exit_code == 2, r.output
+    doc = json.loads(r.stdout)
+    assert doc["ok"] is False and [f["message"] for f in doc["findings"] if f["severity"] == "error"] == [why]
+
+
+def test_a_lora_adapter_export_names_verls_lora_alpha_and_peft_loads_it(fixture_root: Path, tmp_path: Path) -> None:
+    """A LoRA model saved whole by verl (base and adapter tensors; the base frozen) beside verl's
+    lora_train_meta.json ({r, lora_alpha, task_type}). ``export --format lora`` without ``--lora-alpha`` said only
+    'pass `lora_alpha` A (the LoraConfig lora_alpha used in training)', though the trainer recorded it beside the
+    checkpoint; now the hint names it. With it, peft's own PeftModel.from_pretrained loads the adapter and its
+    tensors are the live model's (torch-gathered), and its logits are the live PEFT model's."""
+    import torch
+    from peft import PeftModel
+
+    from tests.fixtures.writers import hf_llama
+
+    root = _verl_lora(fixture_root)
+    actor = root / "full" / "global_step_2" / "actor"
+    out = tmp_path / "adapter"
+    r = runner.invoke(app, ["export", str(actor), str(out), "--format", "lora"])
+    assert r.exit_code == 2 and not out.exists(), r.output
+    assert r.stderr.splitlines()[1] == (
+        "hint: pass --lora-alpha 8 (verl's lora_train_meta.json beside the checkpoint records r 4, lora_alpha 8) or "
+        "--adapter-config FILE"
+    ), r.stderr
+    r = runner.invoke(app, ["export", str(actor), str(out), "--format", "lora", "--lora-alpha", "8"])
+    assert r.exit_code == 0, r.output
+    ref = torch.load(root / "params.pt")
+    base = hf_llama()
+    prefix = "base_model.model."
+    base.load_state_dict(
+        {k[len(prefix) :].replace(".base_layer.", "."): v for k, v in ref.items() if "lora_" not in k}, strict=True
+    )
+    ids = torch.arange(16).reshape(2, 8)
+    peft_model = PeftModel.from_pretrained(base, str(out))
+    got = dict(peft_model.named_parameters())
+    for k, v in ref.items():
+        assert torch.equal(got[k], v), k
+    live = hf_llama()
+    from peft import LoraConfig, get_peft_model
+
+    live = get_peft_model(live, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]))
+    live.load_state_dict(ref, strict=False)
+    with torch.no_grad():
+        assert torch.equal(peft_model(input_ids=ids).logits, live(input_ids=ids).logits)
+
+
+def test_a_tracker_holding_a_step_directory_name_is_refused_as_verl_refuses_it(verl_root: Path, tmp_path: Path) -> None:
+    """verl's find_latest_ckpt_path reads latest_checkpointed_iteration.txt with int() (Megatron-LM's read_metadata
+    too): 'global_step_2' there raises ValueError, and the resume stops. ``--step latest`` read it as DeepSpeed's
+    ``latest`` tag and opened global_step_2 ('named by latest_checkpointed_iteration.txt'). Now it is E205 naming the
+    file and the number to write; validate from the run root names it (R005); the step directory itself is fine."""
+    from verl.utils.checkpoint.checkpoint_manager import find_latest_ckpt_path
+
+    run = tmp_path / "run"
+    shutil.copytree(_actor(verl_root, 2).parent, run / "global_step_2")
+    tracker = run / "latest_checkpointed_iteration.txt"
+    tracker.write_text("global_step_2")
+    with pytest.raises(ValueError):  # verl's own resume
+        find_latest_ckpt_path(str(run))
+    said = (
+        f"{tracker}: holds 'global_step_2', which is not an iteration number (the trainer's resume stops on it: "
+        "Megatron-LM's 'Invalid metadata file', verl's int() raises ValueError)"
+    )
+    for argv in (
+        ["inspect", str(run), "--step", "latest"],
+        ["export", str(run), str(tmp_path / "out"), "--step", "latest"],
+    ):
+        r = runner.invoke(app, argv)
+        assert r.exit_code == 2 and r.stdout == "", r.output
+        assert r.stderr.splitlines() == [
+            f"error: [E205] {said}",
+            "hint: write the step number alone into latest_checkpointed_iteration.txt (2), remove it, or pass --step N",
+        ]
+    assert not (tmp_path / "out").exists()
+    doc = json.loads(runner.invoke(app, ["validate", "--json", str(run)]).stdout)
+    assert [f["message"] for f in doc["findings"] if f["code"] == "R005"] == [said]
+    tracker.write_text("2\n")  # what verl writes: its resume and --step latest open global_step_2
+    assert find_latest_ckpt_path(str(run)) == str(run / "global_step_2")
+    loc = json.loads(runner.invoke(app, ["inspect", "--json", str(run), "--step", "latest"]).stdout)["location"]
+    assert loc["model"] == str(run / "global_step_2" / "actor")

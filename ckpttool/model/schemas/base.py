@@ -128,6 +128,11 @@ class Discovery:
         latest_fallback: those of ``latest_files`` whose trainer's resume, when the step they name is not there,
             loads the highest complete step instead of failing (NeMo Automodel's ``find_latest_checkpoint``:
             ``LATEST`` whose target is no directory).
+        latest_required: ``(file, without)``: a ``latest`` file the trainer's resume needs to load any step, and
+            what that resume does without it (verl's ``find_latest_ckpt_path`` returns ``None`` when
+            ``latest_checkpointed_iteration.txt`` is not there, and its ``resume_mode`` ``auto`` trains from
+            scratch): ``--step latest`` from a run root of such steps without the file says so, and ``validate``
+            names it (``R008``).
     """
 
     step_words: tuple[str, ...] = ()
@@ -140,6 +145,7 @@ class Discovery:
     step_folders: tuple[tuple[str, tuple[str, ...]], ...] = ()
     latest_fallback: tuple[str, ...] = ()
     staging_prefixes: tuple[str, ...] = ()
+    latest_required: tuple[tuple[str, str], ...] = ()
 
 
 #: Layouts that belong to no key schema (DeepSpeed / Megatron-style step directories, split saves).

@@ -408,7 +408,19 @@ SPEC = SchemaSpec(
     # dist_checkpointing.save writes common.pt first, then the shards (.metadata), then metadata.json
     # "only if the checkpoint is complete"; its load refuses a directory without it ("is not a
     # distributed checkpoint"), and Megatron-LM writes latest_checkpointed_iteration.txt after it
-    discovery=Discovery(step_words=("iter",), publish_markers=((METADATA_JSON, (COMMON_FILE,)),)),
+    discovery=Discovery(
+        step_words=("iter",),
+        publish_markers=((METADATA_JSON, (COMMON_FILE,)),),
+        # megatron/training/checkpointing.py::_load_base_checkpoint: without the tracker (and --ckpt-step) it prints
+        # "will not load any checkpoints and will start from random"
+        latest_required=(
+            (
+                "latest_checkpointed_iteration.txt",
+                "Megatron-LM's load_checkpoint loads no iteration and starts from random; --ckpt-step N loads "
+                "iteration N",
+            ),
+        ),
+    ),
     model_prefix="",
     claims=_claims,
     priority=40,

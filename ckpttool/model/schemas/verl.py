@@ -22,6 +22,15 @@ SPEC = per_rank_spec(
     discovery=Discovery(
         step_words=("global_step",),
         step_folders=(("actor", ("critic",)), ("critic", ("actor",))),
+        # ray_trainer._load_checkpoint: find_latest_ckpt_path reads only the tracker (written after each save,
+        # not with async_save); without it resume_mode auto prints "Training from scratch" and loads no step
+        latest_required=(
+            (
+                "latest_checkpointed_iteration.txt",
+                "verl's resume (resume_mode auto: find_latest_ckpt_path) loads no step and trains from scratch; "
+                "resume_mode resume_path with resume_from_path set to the step directory loads it",
+            ),
+        ),
     ),
     # ray_trainer.fit saves global_step_N after the N-th training step; the actor's LR scheduler steps once per
     # update_actor (engine_workers.train_mini_batch: update_lr_scheduler on its last mini-batch), which skips the

@@ -272,14 +272,44 @@ def adapter_config(
 
 
 def _alpha_unknown(cat: Catalog, beside: Path | None) -> ExportError:
-    """E601: no ``lora_alpha`` given; the hint names the adapter config saved with the checkpoint, if any."""
-    return ExportError(
-        f"{cat.path}: lora_alpha cannot be inferred from the adapter weights",
-        hint=f"pass `adapter_config` {shell_arg(beside)} (the adapter config saved with the checkpoint) or "
-        "`lora_alpha` A"
-        if beside is not None
-        else "pass `lora_alpha` A (the LoraConfig lora_alpha used in training) or `adapter_config` FILE",
-    )
+    """E601: no ``lora_alpha`` given; the hint names the adapter config saved with the checkpoint, if any, else the
+    ``lora_alpha`` verl's ``lora_train_meta.json`` beside it records."""
+    meta = _verl_lora_meta(cat.path)
+    hint = "pass `lora_alpha` A (the LoraConfig lora_alpha used in training) or `adapter_config` FILE"
+    if beside is not None:
+        hint = f"pass `adapter_config` {shell_arg(beside)} (the adapter config saved with the checkpoint) or `lora_alpha` A"
+    elif meta is not None:
+        hint = (
+            f"pass `lora_alpha` {meta[1]:g} (verl's {_VERL_LORA_META} beside the checkpoint records r {meta[0]}, "
+            f"lora_alpha {meta[1]:g}) or `adapter_config` FILE"
+        )
+    return ExportError(f"{cat.path}: lora_alpha cannot be inferred from the adapter weights", hint=hint)
+
+
+#: verl's FSDP checkpoint manager writes the PEFT model's ``{"r", "lora_alpha", "task_type"}`` here, in the checkpoint
+#: folder (``FSDPCheckpointManager._save_lora_train_meta``).
+_VERL_LORA_META = "lora_train_meta.json"
+
+
+def _verl_lora_meta(path: Any) -> tuple[int, float] | None:
+    """``(r, lora_alpha)`` from verl's :data:`_VERL_LORA_META` in local checkpoint folder ``path``; ``None`` when there
+    is none or it does not hold both as numbers (it is a hint's source, never an error's)."""
+    from ckpttool.errors import CkptError
+    from ckpttool.format.files import read_regular
+    from ckpttool.format.jsonfile import parse_json
+
+    if not isinstance(path, Path) or not (path / _VERL_LORA_META).is_file():
+        return None
+    try:
+        doc = parse_json(read_regular(path / _VERL_LORA_META, 1 << 16), str(path / _VERL_LORA_META))
+    except (CkptError, OSError):
+        return None
+    r, alpha = (doc.get("r"), doc.get("lora_alpha")) if isinstance(doc, dict) else (None, None)
+    if not isinstance(r, int) or isinstance(r, bool) or r <= 0:
+        return None
+    if not isinstance(alpha, (int, float)) or isinstance(alpha, bool) or not math.isfinite(alpha) or alpha <= 0:
+        return None
+    return r, float(alpha)
 
 
 def _trained_bias(plan: ExportPlan, saved: list[str]) -> tuple[str, str | None]:

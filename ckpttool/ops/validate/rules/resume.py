@@ -54,6 +54,27 @@ def latest_names_no_checkpoint(ctx: Context) -> Iterator[tuple[str, str]]:
         return  # another reason --step latest fails there: not this rule's
 
 
+@rule("R008")
+def latest_file_missing(ctx: Context) -> Iterator[tuple[str, str]]:
+    """The checkpoint was chosen below a run root (its step directory is one of the root's) whose trainer resumes only
+    from its ``latest`` file (verl: ``latest_checkpointed_iteration.txt``), and the root holds none: the trainer's
+    resume loads no step (verl trains from scratch), whichever step was checked."""
+    from ckpttool.model.discovery import missing_latest
+
+    loc = ctx.ckpt.located
+    given = Path(loc.given)
+    if given == Path(loc.model) or not given.is_dir():
+        return
+    missing = missing_latest(given, Path(loc.model))
+    if missing is None:
+        return
+    chosen = f"step {loc.step}" if loc.step is not None else str(loc.model)
+    yield (
+        str(missing[0]),
+        f"{given}: no {missing[0].name}, so the checked {chosen} is not what a resume of this run loads: {missing[1]}",
+    )
+
+
 @rule("R007")
 def step_model_differs(ctx: Context) -> Iterator[tuple[str, str]]:
     """The step chosen below a run root (``DIR --step N|latest``, or the root's only complete step) holds another
