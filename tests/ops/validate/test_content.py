@@ -573,3 +573,40 @@ def test_a_complex_tensor_all_zero_is_known_whole_and_its_nan_counted_per_part(t
     dcp.save({"model": msd, "optimizer": osd}, checkpoint_id=str(tmp_path / "z"), no_dist=True)
     code, doc = run(tmp_path / "z", "--deep")
     assert [f["key"] for f in findings(doc, "D011")] == ["model.rot"], doc["findings"]
+
+
+def _copy_chunk(ckpt: Path, key: str, src: int, dst: int) -> None:
+    """Write the stored archive of ``key``'s chunk at row ``src`` over the chunk's at row ``dst``, in place: the
+    bytes of another rank's file in a window of the same length (a restore that mixed up rank files)."""
+    md = damage.load_md(ckpt)
+    infos = {i.offset[0]: md.storage_data[i] for i in md.storage_data if i.fqn == key}
+    a, b = infos[src], infos[dst]
+    assert a.relative_path != b.relative_path and a.length == b.length, (a, b)
+    data = (ckpt / a.relative_path).read_bytes()[a.offset : a.offset + a.length]
+    with open(ckpt / b.relative_path, "r+b") as f:
+        f.seek(b.offset)
+        f.write(data)
+
+
+def test_a_shard_copied_from_another_ranks_file_is_D017(fsdp_ckpt: Path, tmp_path: Path) -> None:
+    """A 4-rank FSDP2 AdamW save (2 steps) whose rank-2 chunk of the embedding holds rank 1's archive (valid, its
+    CRC-32 matching, its window of the same length) was "OK" under ``validate --strict --deep``: torch's own
+    reader loads it without error, rows 16..23 a copy of rows 8..15. Now D017 names the tensor and both chunks;
+    the clean save stays silent."""
+    code, doc = run(fsdp_ckpt, "--strict", "--deep")
+    assert code == 0 and not findings(doc, "D017"), doc["findings"]
+    ckpt = copy_checkpoint(fsdp_ckpt, tmp_path / "c")
+    key = "model.model.embed_tokens.weight"
+    _copy_chunk(ckpt, key, 8, 16)
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    dcp_to_torch_save(ckpt, tmp_path / "full.pt")  # torch's own reader: no error, the copy loaded
+    emb = torch.load(tmp_path / "full.pt", weights_only=True)["model"]["model.embed_tokens.weight"]
+    assert torch.equal(emb[16:24], emb[8:16]) and not torch.equal(emb[16:24], damage.read_tensor(fsdp_ckpt, key)[16:24])
+    code, doc = run(ckpt, "--strict", "--deep")
+    assert code == 1, doc["findings"]
+    assert [(f["key"], f["severity"]) for f in findings(doc, "D017")] == [(key, "warning")], doc["findings"]
+    assert (
+        "chunks at (8, 0) and (16, 0) hold bitwise identical values (128 float32 each)"
+        in findings(doc, "D017")[0]["message"]
+    )
