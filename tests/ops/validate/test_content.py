@@ -610,3 +610,19 @@ def test_a_shard_copied_from_another_ranks_file_is_D017(fsdp_ckpt: Path, tmp_pat
         "chunks at (8, 0) and (16, 0) hold bitwise identical values (128 float32 each)"
         in findings(doc, "D017")[0]["message"]
     )
+
+
+def test_a_ranks_moments_copied_over_anothers_are_D017(fsdp_ckpt: Path, tmp_path: Path) -> None:
+    """Only the optimizer state of a rank copied (an optimizer folder saved apart from the model, as Accelerate's
+    ``optimizer_N``): rank 2's ``exp_avg`` and ``exp_avg_sq`` chunks of ``lm_head.weight`` hold rank 1's. The pair
+    stays consistent (within Adam's bound: no D007) and every chunk's CRC-32 matches, so the save was "OK"; now each
+    moment is a D017 finding, and the untouched weight is not."""
+    ckpt = copy_checkpoint(fsdp_ckpt, tmp_path / "c")
+    keys = [f"optimizer.state.lm_head.weight.{m}" for m in ("exp_avg", "exp_avg_sq")]
+    for key in keys:
+        _copy_chunk(ckpt, key, 8, 16)
+        moment = damage.read_tensor(ckpt, key)
+        assert torch.equal(moment[16:24], moment[8:16]), key
+    code, doc = run(ckpt, "--strict", "--deep")
+    assert code == 1, doc["findings"]
+    assert [f["key"] for f in doc["findings"] if f["severity"] != "info"] == keys, doc["findings"]

@@ -1,6 +1,7 @@
 """Content rules (``D009``-``D011``, ``D013``, ``D017``): copies, zeros and uninitialised memory that the metadata cannot show.
 
-The ``--deep`` pass records, for each floating model tensor it streams, the CRC-32 of every
+The ``--deep`` pass records, for each floating model tensor it streams (and each master weight and moment), the
+CRC-32 of every
 chunk (and of every expert's part of a chunk for fused expert tensors ``[E, ...]``) with its
 place in global C order (:attr:`~ckpttool.ops.validate.stats.TensorStats.digests`); nothing
 is read a second time and no data is kept. Two slices are *identical* when their runs (offset
@@ -392,14 +393,15 @@ def _chunk_at(meta: TensorMeta, start: int) -> str:
 
 @rule("D017")
 def duplicated_chunks(ctx: Context) -> Iterator[tuple[str, str]]:
-    """Two chunks (different offsets) of one floating model tensor whose stored values are bitwise identical, from
-    the deep pass's chunk digests; chunks of fewer than :data:`DUPLICATE_MIN_VALUES` values, all 0 or all 1.0, fused
-    expert tensors (``D009``), layer-stacked ones (``D010``) and checkpoints with no training step are left out."""
+    """Two chunks (different offsets) of one floating model tensor, or of a parameter's master weight or moment,
+    whose stored values are bitwise identical, from the deep pass's chunk digests; chunks of fewer than
+    :data:`DUPLICATE_MIN_VALUES` values, all 0 or all 1.0, fused expert tensors (``D009``), layer-stacked ones
+    (``D010``) and checkpoints with no training step are left out."""
     assert ctx.deep_result is not None
     if not _trained(ctx):
         return
     stacked = ctx.stacked_keys()
-    for key in ctx.cat.model:
+    for key in [*ctx.cat.model, *sorted(ctx.state_tensor_keys())]:
         meta = ctx.reader.metadata.entries.get(key)
         st = ctx.deep_result.stats.get(key)
         if not isinstance(meta, TensorMeta) or st is None or not st.digests or st.zero or key in stacked:
