@@ -626,3 +626,49 @@ def test_a_ranks_moments_copied_over_anothers_are_D017(fsdp_ckpt: Path, tmp_path
     code, doc = run(ckpt, "--strict", "--deep")
     assert code == 1, doc["findings"]
     assert [f["key"] for f in doc["findings"] if f["severity"] != "info"] == keys, doc["findings"]
+
+
+def _frozen_scale_rank(rank: int, world: int, out: str) -> None:
+    """FSDP2 over ``world`` gloo ranks: two linears and a LayerScale-style ``gamma`` (``1e-5`` everywhere, as ViT's
+    and ConvNeXt's ``init_values * torch.ones(dim)``) kept frozen (``requires_grad=False``), 3 AdamW steps."""
+    from torch import nn
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    torch.manual_seed(3)
+
+    class Net(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a = nn.Linear(32, 256, bias=False)
+            self.gamma = nn.Parameter(torch.full((256,), 1e-5), requires_grad=False)
+            self.b = nn.Linear(256, 32, bias=False)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            h = torch.tanh(self.a(x))
+            return self.b(h + h * self.gamma)
+
+    net = Net()
+    fully_shard(net, mesh=init_device_mesh("cpu", (world,)))
+    opt = torch.optim.AdamW([p for p in net.parameters() if p.requires_grad], lr=1e-2)
+    gen = torch.Generator().manual_seed(4 + rank)
+    for _ in range(3):
+        opt.zero_grad()
+        net(torch.randn(4, 32, generator=gen)).pow(2).mean().backward()
+        opt.step()
+    msd, osd = get_state_dict(net, opt)
+    dcp.save({"model": msd, "optimizer": osd}, checkpoint_id=out)
+
+
+def test_a_frozen_constant_parameter_is_not_D017(tmp_path: Path) -> None:
+    """A frozen LayerScale ``gamma`` (all ``1e-5``) sharded over 2 ranks holds two equal chunks by its
+    initialisation, not by a copy: no optimizer state beside the trained parameters' says it never stepped, so
+    D017 leaves it alone, as D009 leaves frozen experts (a healthy save must pass ``--strict``)."""
+    from tests.fixtures.distributed import run_ranks
+
+    run_ranks(2, _frozen_scale_rank, str(tmp_path / "c"))
+    gamma = damage.read_tensor(tmp_path / "c", "model.gamma")
+    assert torch.equal(gamma[:128], gamma[128:]) and float(gamma[0]) == pytest.approx(1e-5), gamma
+    code, doc = run(tmp_path / "c", "--strict", "--deep")
+    assert code == 0, doc["findings"]

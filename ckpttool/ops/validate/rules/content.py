@@ -395,17 +395,20 @@ def _chunk_at(meta: TensorMeta, start: int) -> str:
 def duplicated_chunks(ctx: Context) -> Iterator[tuple[str, str]]:
     """Two chunks (different offsets) of one floating model tensor, or of a parameter's master weight or moment,
     whose stored values are bitwise identical, from the deep pass's chunk digests; chunks of fewer than
-    :data:`DUPLICATE_MIN_VALUES` values, all 0 or all 1.0, fused expert tensors (``D009``), layer-stacked ones
-    (``D010``) and checkpoints with no training step are left out."""
+    :data:`DUPLICATE_MIN_VALUES` values, all 0 or all 1.0, model tensors without optimizer state beside others with
+    some (frozen, buffers), fused expert tensors (``D009``), layer-stacked ones (``D010``) and checkpoints with no
+    training step are left out."""
     assert ctx.deep_result is not None
     if not _trained(ctx):
         return
-    stacked = ctx.stacked_keys()
+    stacked, any_state = ctx.stacked_keys(), _any_state(ctx)
     for key in [*ctx.cat.model, *sorted(ctx.state_tensor_keys())]:
         meta = ctx.reader.metadata.entries.get(key)
         st = ctx.deep_result.stats.get(key)
         if not isinstance(meta, TensorMeta) or st is None or not st.digests or st.zero or key in stacked:
             continue
+        if key in ctx.cat.model and _frozen(ctx, key, any_state):
+            continue  # never stepped (a frozen LayerScale of 1e-5, a buffer): still its initialisation's copies
         if ctx.expert_grid(key, tuple(meta.size))[1] or (st.min is not None and st.min == st.max):
             continue
         by: dict[tuple[int, int], set[int]] = defaultdict(set)
