@@ -628,9 +628,11 @@ def test_a_ranks_moments_copied_over_anothers_are_D017(fsdp_ckpt: Path, tmp_path
     assert [f["key"] for f in doc["findings"] if f["severity"] != "info"] == keys, doc["findings"]
 
 
-def _frozen_scale_rank(rank: int, world: int, out: str) -> None:
-    """FSDP2 over ``world`` gloo ranks: two linears and a LayerScale-style ``gamma`` (``1e-5`` everywhere, as ViT's
-    and ConvNeXt's ``init_values * torch.ones(dim)``) kept frozen (``requires_grad=False``), 3 AdamW steps."""
+def _frozen_scale_rank(rank: int, world: int, out: str, how: str) -> None:
+    """FSDP2 over ``world`` gloo ranks: two linears and a LayerScale-style ``gamma``, 3 AdamW steps. ``how``:
+    ``"frozen"``, ``gamma`` ``1e-5`` everywhere (as ViT's and ConvNeXt's ``init_values * torch.ones(dim)``) with
+    ``requires_grad=False``; ``"lr0"``, ``gamma`` all 1.0 in a param group of its own at ``lr`` 0 (stepped, with
+    state, never moved)."""
     from torch import nn
     from torch.distributed.checkpoint.state_dict import get_state_dict
     from torch.distributed.device_mesh import init_device_mesh
@@ -642,7 +644,8 @@ def _frozen_scale_rank(rank: int, world: int, out: str) -> None:
         def __init__(self) -> None:
             super().__init__()
             self.a = nn.Linear(32, 256, bias=False)
-            self.gamma = nn.Parameter(torch.full((256,), 1e-5), requires_grad=False)
+            frozen = how == "frozen"
+            self.gamma = nn.Parameter(torch.full((256,), 1e-5 if frozen else 1.0), requires_grad=not frozen)
             self.b = nn.Linear(256, 32, bias=False)
 
         def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -651,7 +654,9 @@ def _frozen_scale_rank(rank: int, world: int, out: str) -> None:
 
     net = Net()
     fully_shard(net, mesh=init_device_mesh("cpu", (world,)))
-    opt = torch.optim.AdamW([p for p in net.parameters() if p.requires_grad], lr=1e-2)
+    rest = [p for n, p in net.named_parameters() if n != "gamma"]
+    groups = [{"params": rest}] + ([{"params": [net.gamma], "lr": 0.0}] if how == "lr0" else [])
+    opt = torch.optim.AdamW(groups, lr=1e-2)
     gen = torch.Generator().manual_seed(4 + rank)
     for _ in range(3):
         opt.zero_grad()
@@ -661,14 +666,16 @@ def _frozen_scale_rank(rank: int, world: int, out: str) -> None:
     dcp.save({"model": msd, "optimizer": osd}, checkpoint_id=out)
 
 
-def test_a_frozen_constant_parameter_is_not_D017(tmp_path: Path) -> None:
-    """A frozen LayerScale ``gamma`` (all ``1e-5``) sharded over 2 ranks holds two equal chunks by its
-    initialisation, not by a copy: no optimizer state beside the trained parameters' says it never stepped, so
-    D017 leaves it alone, as D009 leaves frozen experts (a healthy save must pass ``--strict``)."""
+@pytest.mark.parametrize("how", ["frozen", "lr0"])
+def test_a_parameter_at_its_constant_initialisation_is_not_D017(tmp_path: Path, how: str) -> None:
+    """A LayerScale ``gamma`` sharded over 2 ranks holds two equal chunks by its initialisation, not by a copy:
+    frozen (all ``1e-5``; no optimizer state beside the trained parameters' says it never stepped, as D009 leaves
+    frozen experts), or all 1.0 in a group stepped at ``lr`` 0. D017 leaves both alone: a healthy save passes
+    ``--strict``."""
     from tests.fixtures.distributed import run_ranks
 
-    run_ranks(2, _frozen_scale_rank, str(tmp_path / "c"))
+    run_ranks(2, _frozen_scale_rank, str(tmp_path / "c"), how)
     gamma = damage.read_tensor(tmp_path / "c", "model.gamma")
-    assert torch.equal(gamma[:128], gamma[128:]) and float(gamma[0]) == pytest.approx(1e-5), gamma
+    assert torch.equal(gamma, torch.full((256,), 1e-5 if how == "frozen" else 1.0)), gamma
     code, doc = run(tmp_path / "c", "--strict", "--deep")
     assert code == 0, doc["findings"]

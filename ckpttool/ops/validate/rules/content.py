@@ -371,12 +371,19 @@ _ONE_BYTES = {"float32": struct.pack("<f", 1.0), "float64": struct.pack("<d", 1.
 _ONE_BYTES["bfloat16"] = _ONE_BYTES["float32"][2:]
 
 
-@functools.lru_cache(maxsize=64)
-def _constant_crcs(n: int, dtype: str) -> frozenset[int]:
-    """The CRC-32s of ``n`` values all 0, or all 1.0 (a frozen norm weight), of ``dtype``: chunks that equal each
-    other by their initialisation, not by a copy."""
+def _constant(crc: int, n: int, dtype: str) -> bool:
+    """``crc`` is the CRC-32 of ``n`` values all 0, or all 1.0 (a norm weight at its initialisation), of ``dtype``:
+    chunks equal by their initialisation, not by a copy (computed in 64 KiB pieces, only for chunks found equal)."""
+    if crc == _zero_crc(n * DTYPE_ITEMSIZE[dtype]):
+        return True
     one = _ONE_BYTES.get(dtype)
-    return frozenset({_zero_crc(n * DTYPE_ITEMSIZE[dtype])} | ({zlib.crc32(one * n)} if one else set()))
+    if one is None:
+        return False
+    piece, left, ones = one * (len(_ZEROS) // len(one)), n * len(one), 0
+    while left:
+        k = min(left, len(piece))
+        ones, left = zlib.crc32(memoryview(piece)[:k], ones), left - k
+    return crc == ones
 
 
 def _chunk_at(meta: TensorMeta, start: int) -> str:
@@ -413,9 +420,11 @@ def duplicated_chunks(ctx: Context) -> Iterator[tuple[str, str]]:
             continue
         by: dict[tuple[int, int], set[int]] = defaultdict(set)
         for start, n, crc in st.digests:
-            if n >= DUPLICATE_MIN_VALUES and crc not in _constant_crcs(n, meta.dtype.name):
+            if n >= DUPLICATE_MIN_VALUES:
                 by[(n, crc)].add(start)
-        same = sorted((sorted(v), n) for (n, _), v in by.items() if len(v) > 1)
+        same = sorted(
+            (sorted(v), n) for (n, crc), v in by.items() if len(v) > 1 and not _constant(crc, n, meta.dtype.name)
+        )
         if same:
             starts, n = same[0]
             yield (
