@@ -283,6 +283,21 @@ class Context:
             self._expert_state = out
         return self._expert_state
 
+    def state_tensor_keys(self) -> frozenset[str]:
+        """Keys of every parameter's ``master_weight``/``exp_avg``/``exp_avg_sq``: the deep pass digests their chunks
+        as a model tensor's (``D017``; of fused expert parameters also each expert's slice, ``D009``)."""
+
+        def make() -> frozenset[str]:
+            return frozenset(
+                t.key
+                for ps in self.cat.optimizer_state.values()
+                for name in ("master_weight", "exp_avg", "exp_avg_sq")
+                if (t := ps.fields.get(name)) is not None
+            )
+
+        keys: frozenset[str] = self.once("state_tensor_keys", make)
+        return keys
+
     def stacked_keys(self) -> frozenset[str]:
         """Model keys, and their optimizer-state keys, of parameters the key schema stores with every layer stacked
         on dim 0 (:attr:`~ckpttool.model.schemas.base.SchemaSpec.stacked_layers`: Megatron-core's

@@ -647,11 +647,10 @@ def _contiguous_start(size: tuple[int, ...], chunk: ChunkMeta) -> int | None:
 
 
 def _digest_plan(ctx: Context, key: str, meta: TensorMeta, chunk: ChunkMeta) -> _Digest | None:
-    """A :class:`_Digest` for a floating model tensor's chunk that spans whole rows (of fused experts: whole
-    rows of each expert's matrix, dims 2.. complete; also the master weight and moments of fused experts), else
-    ``None``."""
+    """A :class:`_Digest` for a chunk that spans whole rows of a floating model tensor or of a parameter's master
+    weight or moments (of fused experts: whole rows of each expert's matrix, dims 2.. complete), else ``None``."""
     if (
-        (key not in ctx.cat.model and key not in ctx.expert_state_keys())
+        (key not in ctx.cat.model and key not in ctx.state_tensor_keys())
         or meta.dtype.name not in IEEE_BITS
         or not meta.size
     ):

@@ -52,7 +52,8 @@ class TensorStats:
         beyond: finite values with ``|x| > UNINIT_BOUND`` (model tensors, ``D013``); beyond_max:
             the largest such ``|x|`` (0.0: none); subnormal: subnormal values (model tensors of
             bfloat16/float32/float64).
-        digests: ``(flat start, length, CRC-32)`` runs of a model tensor's bytes in global C
+        digests: ``(flat start, length, CRC-32)`` runs of a model tensor's (or a parameter's master weight's or
+            moment's) bytes in global C
             order (a chunk, or for fused expert tensors ``[E, ...]`` the part of a chunk inside
             one expert), when it was streamed; lengths summing to ``numel`` mean complete.
     """

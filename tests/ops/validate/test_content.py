@@ -573,3 +573,109 @@ def test_a_complex_tensor_all_zero_is_known_whole_and_its_nan_counted_per_part(t
     dcp.save({"model": msd, "optimizer": osd}, checkpoint_id=str(tmp_path / "z"), no_dist=True)
     code, doc = run(tmp_path / "z", "--deep")
     assert [f["key"] for f in findings(doc, "D011")] == ["model.rot"], doc["findings"]
+
+
+def _copy_chunk(ckpt: Path, key: str, src: int, dst: int) -> None:
+    """Write the stored archive of ``key``'s chunk at row ``src`` over the chunk's at row ``dst``, in place: the
+    bytes of another rank's file in a window of the same length (a restore that mixed up rank files)."""
+    md = damage.load_md(ckpt)
+    infos = {i.offset[0]: md.storage_data[i] for i in md.storage_data if i.fqn == key}
+    a, b = infos[src], infos[dst]
+    assert a.relative_path != b.relative_path and a.length == b.length, (a, b)
+    data = (ckpt / a.relative_path).read_bytes()[a.offset : a.offset + a.length]
+    with open(ckpt / b.relative_path, "r+b") as f:
+        f.seek(b.offset)
+        f.write(data)
+
+
+def test_a_shard_copied_from_another_ranks_file_is_D017(fsdp_ckpt: Path, tmp_path: Path) -> None:
+    """A 4-rank FSDP2 AdamW save (2 steps) whose rank-2 chunk of the embedding holds rank 1's archive (valid, its
+    CRC-32 matching, its window of the same length) was "OK" under ``validate --strict --deep``: torch's own
+    reader loads it without error, rows 16..23 a copy of rows 8..15. Now D017 names the tensor and both chunks;
+    the clean save stays silent."""
+    code, doc = run(fsdp_ckpt, "--strict", "--deep")
+    assert code == 0 and not findings(doc, "D017"), doc["findings"]
+    ckpt = copy_checkpoint(fsdp_ckpt, tmp_path / "c")
+    key = "model.model.embed_tokens.weight"
+    _copy_chunk(ckpt, key, 8, 16)
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    dcp_to_torch_save(ckpt, tmp_path / "full.pt")  # torch's own reader: no error, the copy loaded
+    emb = torch.load(tmp_path / "full.pt", weights_only=True)["model"]["model.embed_tokens.weight"]
+    assert torch.equal(emb[16:24], emb[8:16]) and not torch.equal(emb[16:24], damage.read_tensor(fsdp_ckpt, key)[16:24])
+    code, doc = run(ckpt, "--strict", "--deep")
+    assert code == 1, doc["findings"]
+    assert [(f["key"], f["severity"]) for f in findings(doc, "D017")] == [(key, "warning")], doc["findings"]
+    assert (
+        "chunks at (8, 0) and (16, 0) hold bitwise identical values (128 float32 each)"
+        in findings(doc, "D017")[0]["message"]
+    )
+
+
+def test_a_ranks_moments_copied_over_anothers_are_D017(fsdp_ckpt: Path, tmp_path: Path) -> None:
+    """Only the optimizer state of a rank copied (an optimizer folder saved apart from the model, as Accelerate's
+    ``optimizer_N``): rank 2's ``exp_avg`` and ``exp_avg_sq`` chunks of ``lm_head.weight`` hold rank 1's. The pair
+    stays consistent (within Adam's bound: no D007) and every chunk's CRC-32 matches, so the save was "OK"; now each
+    moment is a D017 finding, and the untouched weight is not."""
+    ckpt = copy_checkpoint(fsdp_ckpt, tmp_path / "c")
+    keys = [f"optimizer.state.lm_head.weight.{m}" for m in ("exp_avg", "exp_avg_sq")]
+    for key in keys:
+        _copy_chunk(ckpt, key, 8, 16)
+        moment = damage.read_tensor(ckpt, key)
+        assert torch.equal(moment[16:24], moment[8:16]), key
+    code, doc = run(ckpt, "--strict", "--deep")
+    assert code == 1, doc["findings"]
+    assert [f["key"] for f in doc["findings"] if f["severity"] != "info"] == keys, doc["findings"]
+
+
+def _frozen_scale_rank(rank: int, world: int, out: str, how: str) -> None:
+    """FSDP2 over ``world`` gloo ranks: two linears and a LayerScale-style ``gamma``, 3 AdamW steps. ``how``:
+    ``"frozen"``, ``gamma`` ``1e-5`` everywhere (as ViT's and ConvNeXt's ``init_values * torch.ones(dim)``) with
+    ``requires_grad=False``; ``"lr0"``, ``gamma`` all 1.0 in a param group of its own at ``lr`` 0 (stepped, with
+    state, never moved)."""
+    from torch import nn
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    torch.manual_seed(3)
+
+    class Net(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a = nn.Linear(32, 256, bias=False)
+            frozen = how == "frozen"
+            self.gamma = nn.Parameter(torch.full((256,), 1e-5 if frozen else 1.0), requires_grad=not frozen)
+            self.b = nn.Linear(256, 32, bias=False)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            h = torch.tanh(self.a(x))
+            return self.b(h + h * self.gamma)
+
+    net = Net()
+    fully_shard(net, mesh=init_device_mesh("cpu", (world,)))
+    rest = [p for n, p in net.named_parameters() if n != "gamma"]
+    groups = [{"params": rest}] + ([{"params": [net.gamma], "lr": 0.0}] if how == "lr0" else [])
+    opt = torch.optim.AdamW(groups, lr=1e-2)
+    gen = torch.Generator().manual_seed(4 + rank)
+    for _ in range(3):
+        opt.zero_grad()
+        net(torch.randn(4, 32, generator=gen)).pow(2).mean().backward()
+        opt.step()
+    msd, osd = get_state_dict(net, opt)
+    dcp.save({"model": msd, "optimizer": osd}, checkpoint_id=out)
+
+
+@pytest.mark.parametrize("how", ["frozen", "lr0"])
+def test_a_parameter_at_its_constant_initialisation_is_not_D017(tmp_path: Path, how: str) -> None:
+    """A LayerScale ``gamma`` sharded over 2 ranks holds two equal chunks by its initialisation, not by a copy:
+    frozen (all ``1e-5``; no optimizer state beside the trained parameters' says it never stepped, as D009 leaves
+    frozen experts), or all 1.0 in a group stepped at ``lr`` 0. D017 leaves both alone: a healthy save passes
+    ``--strict``."""
+    from tests.fixtures.distributed import run_ranks
+
+    run_ranks(2, _frozen_scale_rank, str(tmp_path / "c"), how)
+    gamma = damage.read_tensor(tmp_path / "c", "model.gamma")
+    assert torch.equal(gamma, torch.full((256,), 1e-5 if how == "frozen" else 1.0)), gamma
+    code, doc = run(tmp_path / "c", "--strict", "--deep")
+    assert code == 0, doc["findings"]

@@ -1,6 +1,7 @@
-"""Content rules (``D009``-``D011``, ``D013``): copies, zeros and uninitialised memory that the metadata cannot show.
+"""Content rules (``D009``-``D011``, ``D013``, ``D017``): copies, zeros and uninitialised memory that the metadata cannot show.
 
-The ``--deep`` pass records, for each floating model tensor it streams, the CRC-32 of every
+The ``--deep`` pass records, for each floating model tensor it streams (and each master weight and moment), the
+CRC-32 of every
 chunk (and of every expert's part of a chunk for fused expert tensors ``[E, ...]``) with its
 place in global C order (:attr:`~ckpttool.ops.validate.stats.TensorStats.digests`); nothing
 is read a second time and no data is kept. Two slices are *identical* when their runs (offset
@@ -13,6 +14,7 @@ from __future__ import annotations
 
 import functools
 import re
+import struct
 import zlib
 from collections import defaultdict
 from collections.abc import Callable, Iterator
@@ -360,6 +362,80 @@ def all_zero_weight(ctx: Context) -> Iterator[tuple[str, str]]:
         st = ctx.deep_result.stats.get(key)
         if st is not None and st.zero and st.covers(entry.numel):
             yield key, f"{key}: all {entry.numel} values are 0 (shape {list(entry.shape)}, {entry.dtype})"
+
+
+#: The fewest values a chunk needs for ``D017`` to compare it with the tensor's other chunks: a few trained values
+#: (norm weights near 1.0 in bfloat16) can coincide by chance, a shard of this many cannot.
+DUPLICATE_MIN_VALUES = 64
+_ONE_BYTES = {"float32": struct.pack("<f", 1.0), "float64": struct.pack("<d", 1.0), "float16": struct.pack("<e", 1.0)}
+_ONE_BYTES["bfloat16"] = _ONE_BYTES["float32"][2:]
+
+
+def _constant(crc: int, n: int, dtype: str) -> bool:
+    """``crc`` is the CRC-32 of ``n`` values all 0, or all 1.0 (a norm weight at its initialisation), of ``dtype``:
+    chunks equal by their initialisation, not by a copy (computed in 64 KiB pieces, only for chunks found equal)."""
+    if crc == _zero_crc(n * DTYPE_ITEMSIZE[dtype]):
+        return True
+    one = _ONE_BYTES.get(dtype)
+    if one is None:
+        return False
+    piece, left, ones = one * (len(_ZEROS) // len(one)), n * len(one), 0
+    while left:
+        k = min(left, len(piece))
+        ones, left = zlib.crc32(memoryview(piece)[:k], ones), left - k
+    return crc == ones
+
+
+def _chunk_at(meta: TensorMeta, start: int) -> str:
+    """The offsets of ``meta``'s chunk whose first value is at flat index ``start`` (C order), as a finding names it."""
+    size = tuple(meta.size)
+    for c in meta.chunks:
+        flat, stride = 0, 1
+        for d in reversed(range(len(size))):
+            flat, stride = flat + c.offsets[d] * stride, stride * size[d]
+        if flat == start and all(c.sizes):
+            return str(tuple(c.offsets))
+    return f"flat index {start}"
+
+
+@rule("D017")
+def duplicated_chunks(ctx: Context) -> Iterator[tuple[str, str]]:
+    """Two chunks (different offsets) of one floating model tensor, or of a parameter's master weight or moment,
+    whose stored values are bitwise identical, from the deep pass's chunk digests; chunks of fewer than
+    :data:`DUPLICATE_MIN_VALUES` values, all 0 or all 1.0, model tensors without optimizer state beside others with
+    some (frozen, buffers), fused expert tensors (``D009``), layer-stacked ones (``D010``) and checkpoints with no
+    training step are left out."""
+    assert ctx.deep_result is not None
+    if not _trained(ctx):
+        return
+    stacked, any_state = ctx.stacked_keys(), _any_state(ctx)
+    for key in [*ctx.cat.model, *sorted(ctx.state_tensor_keys())]:
+        meta = ctx.reader.metadata.entries.get(key)
+        st = ctx.deep_result.stats.get(key)
+        if not isinstance(meta, TensorMeta) or st is None or not st.digests or st.zero or key in stacked:
+            continue
+        if key in ctx.cat.model and _frozen(ctx, key, any_state):
+            continue  # never stepped (a frozen LayerScale of 1e-5, a buffer): still its initialisation's copies
+        if ctx.expert_grid(key, tuple(meta.size))[1] or (st.min is not None and st.min == st.max):
+            continue
+        by: dict[tuple[int, int], set[int]] = defaultdict(set)
+        for start, n, crc in st.digests:
+            if n >= DUPLICATE_MIN_VALUES:
+                by[(n, crc)].add(start)
+        same = sorted(
+            (sorted(v), n) for (n, crc), v in by.items() if len(v) > 1 and not _constant(crc, n, meta.dtype.name)
+        )
+        if same:
+            starts, n = same[0]
+            yield (
+                key,
+                (
+                    f"{key}: chunks at {' and '.join(_chunk_at(meta, s) for s in starts[:4])} hold bitwise identical "
+                    f"values ({n} {meta.dtype.name} each)"
+                    + (f"; {len(same) - 1} more such groups" if len(same) > 1 else "")
+                    + ": one shard's bytes stored in another's place"
+                ),
+            )
 
 
 #: Model tensors whose values may legitimately lie beyond ``UNINIT_BOUND`` (``D013`` leaves them
