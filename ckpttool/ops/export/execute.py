@@ -77,7 +77,13 @@ from ckpttool.ops.export.plan import (
 from ckpttool.ops.export.rules import ExportRules, load_rules
 from ckpttool.ops.export.transform import Cast, Run, RunMap, SlabTransform, env_slab_bytes, stream_chunk
 from ckpttool.ops.fields import Hooks, OutputOptions, PhaseFn, ProgressFn, Unpack, hooks_of, options_of, same_named
-from ckpttool.ops.manifest import MANIFEST_NAME, SOURCE_METADATA_KEY, safetensors_manifest, source_identity
+from ckpttool.ops.manifest import (
+    MANIFEST_NAME,
+    SOURCE_METADATA_KEY,
+    check_algorithm,
+    safetensors_manifest,
+    source_identity,
+)
 
 if TYPE_CHECKING:
     import torch
@@ -801,6 +807,7 @@ def _check_options(opts: ExportOptions) -> None:
                 hint=f"add `quantize` fp8-block (or fp8-channel) for FP8 weights, or drop `{given[0]}`",
             )
     check_lora_alpha(opts.lora_alpha)
+    check_algorithm(opts.algorithm)  # of the source identity and the manifest: a dry run refuses it too
     if not out_format.reads_adapter_config:  # a LoRA setting alone would be ignored: a plain export, silently
         lora = [name for name in ("lora_alpha", "adapter_config") if getattr(opts, name) is not None]
         if lora:
