@@ -97,8 +97,11 @@ def absolute_path(path: str | os.PathLike[str]) -> Path:
 def foreign_output_error(target: Path, found: marker.Ownership) -> ForeignOutputError:
     """The E606 refusal of ``--overwrite`` for ``target``, naming what it holds and why it is not ours."""
     why = f"; {found.why}" if found.why else ""
+    # a marker of a kind that disagrees with the files: an output of ckpttool with a file added since (a plot, a
+    # report), or a marker copied into another folder; neither is provably ckpttool's
+    ours = "not an output of ckpttool" if found.kind is None else "not provably an output of ckpttool"
     return ForeignOutputError(
-        f"{target}: `overwrite` refused: it holds {found.found}, not an output of ckpttool{why}",
+        f"{target}: `overwrite` refused: it holds {found.found}, {ours}{why}",
         path=target,
         hint="ckpttool replaces only a directory it wrote itself (one whose "
         f"{marker.MARKER_NAME} agrees with its files) or an empty one; choose another output "

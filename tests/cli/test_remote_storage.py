@@ -1112,7 +1112,7 @@ def test_a_manifest_written_into_a_remote_output_keeps_it_replaceable_as_locally
 ) -> None:
     """`manifest s3://b/out` of a reshard output PUT manifest.json without listing it in the output's
     .ckpttool-output.json, so the next `reshard ... s3://b/out --overwrite` was E606 'manifest.json is not listed
-    ... (ckpttool did not write it)', while the same steps on a local folder replace it (the local manifest is
+    ... (ckpttool did not write it)' (now '(not part of the output ckpttool wrote)'), while the same steps on a local folder replace it (the local manifest is
     recorded in the marker). Now the marker lists it: the overwrite succeeds as locally, and the replaced output
     reads back; a prefix that is no ckpttool output gets no marker."""
     args = ["--to", "canonical", "--with-optimizer", "--target-ep-size", "2", "--target-ep-fsdp-size", "2"]
