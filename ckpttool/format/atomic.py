@@ -168,8 +168,9 @@ def check_output_target(target: Path, *, overwrite: bool, source: Path | None = 
                 path=target,
                 hint="choose another output directory or pass `overwrite` to replace this previous output"
                 if found.owned
-                else f"choose another output directory (it holds {found.found}, which ckpttool did not write: "
-                "`overwrite` would not replace it)",
+                else f"choose another output directory (it holds {found.found}, "
+                + ("which ckpttool did not write" if found.kind is None else "not provably an output of ckpttool")
+                + ": `overwrite` would not replace it)",
             )
         if not found.owned:
             raise foreign_output_error(target, found)

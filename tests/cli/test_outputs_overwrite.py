@@ -145,6 +145,12 @@ def test_a_report_ckpttool_wrote_into_its_own_output_is_named_as_added_not_as_fo
     )
     assert line.endswith(f"; report.xml is not listed in {MARKER} (not part of the output ckpttool wrote)")
     assert "did not write" not in line and "not an output" not in line
+    # without --overwrite: E600, whose hint said the same of the folder
+    res = cli("export", sample_ckpt, out)
+    assert res.exit_code == 2 and res.stderr.splitlines()[-1] == (
+        "hint: choose another output directory (it holds a model folder (model.safetensors.index.json, 1 weight file), "
+        "not provably an output of ckpttool: --overwrite would not replace it)"
+    )
     assert snapshot(out) == before and leftovers(tmp_path) == []
 
 
