@@ -228,6 +228,14 @@ class ExportResult:
 # ---------------------------------------------------------------------------------------------- helpers
 
 
+def _assets_file_hint(assets: Path, what: str) -> str:
+    """The hint of a file given as ``model_assets``: its folder where it is that folder's ``config.json`` (or a file
+    beside one), as a checkpoint's file given for the checkpoint names its directory."""
+    if (assets.parent / "config.json").is_file():
+        return f"pass {what}, not a file in it: {assets.parent}"
+    return f"pass {what}"
+
+
 def _read_model_config(assets: Path | None) -> dict[str, Any] | None:
     if assets is None:
         return None
@@ -239,7 +247,7 @@ def _read_model_config(assets: Path | None) -> dict[str, Any] | None:
             else f"`model_assets` {assets}: no such directory",
             path=assets,
             param="model_assets",
-            hint=f"pass {what}" if assets.exists() else missing_path_hint(assets, what),
+            hint=_assets_file_hint(assets, what) if assets.exists() else missing_path_hint(assets, what),
         )
     if not (assets / "config.json").exists():
         hub = hub_hint(assets)
