@@ -324,6 +324,23 @@ def test_rules_command_is_validate_list_rules() -> None:
     assert human.exit_code == 0 and "S001" in human.stdout and "D001" in human.stdout
 
 
+def test_rules_command_takes_select_and_ignore_as_validate_list_rules() -> None:
+    """`ckpttool rules` says "(select them with --select/--ignore)" and cli.md makes it `validate --list-rules`, yet
+    `rules --select O` was "No such option: --select" (exit 2). It now lists what `validate --list-rules` lists
+    with the same options, repeated or comma-separated; an unknown code is the same E100."""
+    for args in (["--select", "O,P", "--ignore", "O004"], ["--select", "O", "--select", "P", "--ignore", "O004"]):
+        a = runner.invoke(app, ["rules", "--json", *args])
+        b = runner.invoke(app, ["validate", "--list-rules", "--json", "--select", "O,P", "--ignore", "O004"])
+        assert a.exit_code == b.exit_code == 0 and a.stdout == b.stdout, a.output
+        codes = [r["code"] for r in json.loads(a.stdout)["rules"]]
+        assert codes and all(c[0] in "OP" for c in codes) and "O004" not in codes and "O001" in codes
+    human = runner.invoke(app, ["rules", "--select", "P"])
+    assert human.exit_code == 0 and "P002" in human.stdout and "O001" not in human.stdout
+    bad = runner.invoke(app, ["rules", "--select", "ZZZ"])
+    assert (bad.exit_code, bad.stdout) == (2, "")
+    assert bad.stderr.startswith("error: [E100] --select 'ZZZ' matches no rule code")
+
+
 def test_project_urls_and_docs_references_resolve() -> None:
     from importlib.metadata import metadata
 
