@@ -711,6 +711,31 @@ def _plain_type_names(message: str) -> str:
     )
 
 
+#: The shells Typer writes a completion script for.
+COMPLETION_SHELLS = ("bash", "zsh", "fish", "powershell", "pwsh")
+
+
+def _named_shell_completion(argv: list[str]) -> str | None:
+    """The completion script of the shell named in ``ckpttool --show-completion SHELL`` (``None``: not that
+    command line). Typer's flag detects the running shell and took a shell named after it for no argument at all:
+    ``--show-completion zsh`` run from bash printed bash's script, ``--show-completion tcsh`` too.
+
+    Raises:
+        UsageError: a shell Typer writes no script for.
+    """
+    if len(argv) != 2 or argv[0] != "--show-completion" or argv[1].startswith("-"):
+        return None
+    shell = argv[1]
+    if shell not in COMPLETION_SHELLS:
+        raise UsageError(
+            f"--show-completion {shell}: no completion script for this shell",
+            hint=f"name one of {', '.join(COMPLETION_SHELLS)}, or none for the shell ckpttool runs in",
+        )
+    from typer._completion_shared import get_completion_script
+
+    return get_completion_script(prog_name="ckpttool", complete_var="_CKPTTOOL_COMPLETE", shell=shell)
+
+
 def _print_help(text: str) -> int:
     """Print ``text`` (the help ``ckpttool`` alone shows) and return the exit code: 0, also when the reader of
     stdout went away; 2 with :func:`~ckpttool.ui.output.stdout_write_error`'s line when stdout could not be written."""
@@ -839,8 +864,18 @@ class CkptGroup(TyperGroup):
             atomic.forget_published()
         configure_logging(0)
         try:
-            rv = super().main(
-                args, prog_name, complete_var, standalone_mode=False, windows_expand_args=windows_expand_args, **extra
+            script = _named_shell_completion(sys.argv[1:] if args is None else list(args))
+            rv = (
+                _print_help(script)
+                if script is not None
+                else super().main(
+                    args,
+                    prog_name,
+                    complete_var,
+                    standalone_mode=False,
+                    windows_expand_args=windows_expand_args,
+                    **extra,
+                )
             )
             code = rv if isinstance(rv, int) else 0
         except _CLICK_EXCEPTION as e:

@@ -341,6 +341,20 @@ def test_rules_command_takes_select_and_ignore_as_validate_list_rules() -> None:
     assert bad.stderr.startswith("error: [E100] --select 'ZZZ' matches no rule code")
 
 
+def test_show_completion_prints_the_script_of_the_shell_named() -> None:
+    """cli.md gives `--show-completion [SHELL]`, but Typer detects the running shell and dropped the name: from bash,
+    `--show-completion zsh` printed bash's script (which zsh cannot source), `--show-completion tcsh` too, exit 0.
+    The shell named is the script printed now; one without a script is E100."""
+    first = {"bash": "_ckpttool_completion() {", "zsh": "#compdef ckpttool", "fish": "complete --command ckpttool"}
+    for shell, line in first.items():
+        res = runner.invoke(app, ["--show-completion", shell])
+        assert res.exit_code == 0 and res.stdout.splitlines()[0].startswith(line), (shell, res.output)
+        assert "_CKPTTOOL_COMPLETE" in res.stdout and res.stderr == ""
+    res = runner.invoke(app, ["--show-completion", "tcsh"])
+    assert (res.exit_code, res.stdout) == (2, "")
+    assert res.stderr.splitlines()[0] == "error: [E100] --show-completion tcsh: no completion script for this shell"
+
+
 def test_project_urls_and_docs_references_resolve() -> None:
     from importlib.metadata import metadata
 
