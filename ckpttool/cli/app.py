@@ -716,24 +716,29 @@ COMPLETION_SHELLS = ("bash", "zsh", "fish", "powershell", "pwsh")
 
 
 def _named_shell_completion(argv: list[str]) -> str | None:
-    """The completion script of the shell named in ``ckpttool --show-completion SHELL`` (``None``: not that
-    command line). Typer's flag detects the running shell and took a shell named after it for no argument at all:
-    ``--show-completion zsh`` run from bash printed bash's script, ``--show-completion tcsh`` too.
+    """What ``ckpttool --show-completion SHELL`` / ``--install-completion SHELL`` print for the shell named: its
+    completion script, or where it was installed (``None``: not such a command line). Typer's flags detect the
+    running shell and took a shell named after them for no argument at all: ``--show-completion zsh`` run from
+    bash printed bash's script, ``--install-completion zsh`` installed bash's, ``tcsh`` too.
 
     Raises:
         UsageError: a shell Typer writes no script for.
     """
-    if len(argv) != 2 or argv[0] != "--show-completion" or argv[1].startswith("-"):
+    if len(argv) != 2 or argv[0] not in ("--show-completion", "--install-completion") or argv[1].startswith("-"):
         return None
-    shell = argv[1]
+    flag, shell = argv
     if shell not in COMPLETION_SHELLS:
         raise UsageError(
-            f"--show-completion {shell}: no completion script for this shell",
+            f"{flag} {shell}: no completion script for this shell",
             hint=f"name one of {', '.join(COMPLETION_SHELLS)}, or none for the shell ckpttool runs in",
         )
-    from typer._completion_shared import get_completion_script
+    from typer._completion_shared import get_completion_script, install
 
-    return get_completion_script(prog_name="ckpttool", complete_var="_CKPTTOOL_COMPLETE", shell=shell)
+    names = {"prog_name": "ckpttool", "complete_var": "_CKPTTOOL_COMPLETE", "shell": shell}
+    if flag == "--show-completion":
+        return get_completion_script(**names)
+    _, path = install(**names)  # Typer's own lines of a detected shell's install
+    return f"{shell} completion installed in {path}\nCompletion will take effect once you restart the terminal"
 
 
 def _print_help(text: str) -> int:

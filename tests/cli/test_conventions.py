@@ -355,6 +355,19 @@ def test_show_completion_prints_the_script_of_the_shell_named() -> None:
     assert res.stderr.splitlines()[0] == "error: [E100] --show-completion tcsh: no completion script for this shell"
 
 
+def test_install_completion_installs_for_the_shell_named(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`--install-completion zsh` from bash installed bash's completion (in ~/.bashrc): the name was dropped as
+    `--show-completion`'s was. The shell named gets it now (a home directory of the test's own)."""
+    monkeypatch.setenv("HOME", str(tmp_path))
+    res = runner.invoke(app, ["--install-completion", "zsh"])
+    assert res.exit_code == 0, res.output
+    assert res.stdout.splitlines()[0] == f"zsh completion installed in {tmp_path / '.zfunc' / '_ckpttool'}"
+    assert (tmp_path / ".zfunc" / "_ckpttool").read_text().startswith("#compdef ckpttool")
+    assert "compinit" in (tmp_path / ".zshrc").read_text() and not (tmp_path / ".bashrc").exists()
+    res = runner.invoke(app, ["--install-completion", "tcsh"])
+    assert (res.exit_code, res.stdout) == (2, "") and "[E100] --install-completion tcsh" in res.stderr
+
+
 def test_project_urls_and_docs_references_resolve() -> None:
     from importlib.metadata import metadata
 
