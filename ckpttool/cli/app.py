@@ -711,6 +711,36 @@ def _plain_type_names(message: str) -> str:
     )
 
 
+#: The shells Typer writes a completion script for.
+COMPLETION_SHELLS = ("bash", "zsh", "fish", "powershell", "pwsh")
+
+
+def _named_shell_completion(argv: list[str]) -> str | None:
+    """What ``ckpttool --show-completion SHELL`` / ``--install-completion SHELL`` print for the shell named: its
+    completion script, or where it was installed (``None``: not such a command line). Typer's flags detect the
+    running shell and took a shell named after them for no argument at all: ``--show-completion zsh`` run from
+    bash printed bash's script, ``--install-completion zsh`` installed bash's, ``tcsh`` too.
+
+    Raises:
+        UsageError: a shell Typer writes no script for.
+    """
+    if len(argv) != 2 or argv[0] not in ("--show-completion", "--install-completion") or argv[1].startswith("-"):
+        return None
+    flag, shell = argv
+    if shell not in COMPLETION_SHELLS:
+        raise UsageError(
+            f"{flag} {shell}: no completion script for this shell",
+            hint=f"name one of {', '.join(COMPLETION_SHELLS)}, or none for the shell ckpttool runs in",
+        )
+    from typer._completion_shared import get_completion_script, install
+
+    names = {"prog_name": "ckpttool", "complete_var": "_CKPTTOOL_COMPLETE", "shell": shell}
+    if flag == "--show-completion":
+        return get_completion_script(**names)
+    _, path = install(**names)  # Typer's own lines of a detected shell's install
+    return f"{shell} completion installed in {path}\nCompletion will take effect once you restart the terminal"
+
+
 def _print_help(text: str) -> int:
     """Print ``text`` (the help ``ckpttool`` alone shows) and return the exit code: 0, also when the reader of
     stdout went away; 2 with :func:`~ckpttool.ui.output.stdout_write_error`'s line when stdout could not be written."""
@@ -839,8 +869,18 @@ class CkptGroup(TyperGroup):
             atomic.forget_published()
         configure_logging(0)
         try:
-            rv = super().main(
-                args, prog_name, complete_var, standalone_mode=False, windows_expand_args=windows_expand_args, **extra
+            script = _named_shell_completion(sys.argv[1:] if args is None else list(args))
+            rv = (
+                _print_help(script)
+                if script is not None
+                else super().main(
+                    args,
+                    prog_name,
+                    complete_var,
+                    standalone_mode=False,
+                    windows_expand_args=windows_expand_args,
+                    **extra,
+                )
             )
             code = rv if isinstance(rv, int) else 0
         except _CLICK_EXCEPTION as e:

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 
-from ckpttool.errors import shell_arg
+from ckpttool.errors import UsageError, shell_arg
 from ckpttool.model.adapters import adapter_metavar
 from ckpttool.ops.export.outputs import OUTPUT_FORMATS, format_help
 from ckpttool.ui.options import (
@@ -293,11 +293,17 @@ def export_options(cli: ExportCLIOptions) -> ExportOptions:
     """The library's :class:`~ckpttool.ops.export.ExportOptions` of the parsed flags.
 
     Raises:
-        UsageError: a ``--save-dtype`` or ``--shard-size`` that does not parse.
+        UsageError: a ``--save-dtype`` or ``--shard-size`` that does not parse; ``--merge-lora`` with ``--format lora``.
     """
     from ckpttool.ops.export import ExportOptions
     from ckpttool.ops.fields import same_named
 
+    if cli.merge_lora and cli.fmt.value == "lora":  # one would silently win: --merge-lora, merging the adapter
+        raise UsageError(
+            "--merge-lora (= --format hf-merged) and --format lora are exclusive",
+            hint="--format lora writes the PEFT adapter as it is; --merge-lora merges it into the base weights: "
+            "give one",
+        )
     alpha: float | int | None = cli.lora_alpha
     if alpha is not None and float(alpha).is_integer():
         alpha = int(alpha)

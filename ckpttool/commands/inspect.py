@@ -50,9 +50,8 @@ def inspect_command(
     sink = Output(json_output)
 
     def report(result: InspectResult) -> None:
-        if not json_output:
-            for line in data_file_warnings(result):
-                sink.warning(line)
+        for line in data_file_warnings(result):  # on stderr with --json too (files[].status), as stats' warnings
+            sink.warning(line)
         sink.result(result, lambda r: render_overview(r, flags=with_flags))
 
     run_inspect(

@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING, Annotated
 
 import typer
 
+from ckpttool.errors import UsageError
 from ckpttool.ui.options import CheckpointArg, JsonOpt, StepOpt, TrustPickleOpt, examples, manifest_file, selection
 from ckpttool.ui.output import Output, command_boundary
 
@@ -29,26 +30,50 @@ OutputOpt = Annotated[
 ]
 
 
+#: What a manifest is written with when ``--hash`` / ``--covers`` are not given.
+DEFAULT_HASH = "xxh3-128"
+DEFAULT_COVERS = "window"
+
+
+def _refuse_writing_options(hash_name: str | None, covers: str | None) -> None:
+    """``--verify`` checks with the algorithm and coverage its manifest records: a ``--hash`` or ``--covers``
+    given with it would be ignored (``--verify --hash blake3`` over an xxh3-128 manifest reads as a
+    cryptographic check it is not; a typo, ``--hash md6``, as accepted).
+
+    Raises:
+        UsageError: either was given.
+    """
+    given = [f"{flag} {value}" for flag, value in (("--hash", hash_name), ("--covers", covers)) if value is not None]
+    if given:
+        raise UsageError(
+            f"{' and '.join(given)} given with --verify, which checks with the digest and coverage its manifest records",
+            hint="drop it: `ckpttool manifest DIR --verify` reads them from the manifest "
+            "(--json: its algorithm); --hash/--covers choose them when writing one",
+        )
+
+
 @command_boundary
 def manifest_command(
     checkpoint: CheckpointArg,
     output: OutputOpt = None,
     hash_name: Annotated[
-        str,
+        str | None,
         typer.Option(
             "--hash",
             metavar="ALGO",
-            help="Digest: xxh3-128 (fast, detects damage), blake3 or blake2b-256 (cryptographic).",
+            help="Digest: xxh3-128 (fast, detects damage), blake3 or blake2b-256 (cryptographic).  [default: xxh3-128]",
+            show_default=False,  # None tells a --hash given from none (refused with --verify); shown as written
         ),
-    ] = "xxh3-128",
+    ] = None,
     covers: Annotated[
-        str,
+        str | None,
         typer.Option(
             "--covers",
             metavar="<window|record>",
-            help="window: each chunk's whole stored window; record: its raw storage record only (what reshard digests while writing).",
+            help="window: each chunk's whole stored window; record: its raw storage record only (what reshard digests while writing).  [default: window]",
+            show_default=False,
         ),
-    ] = "window",
+    ] = None,
     verify: Annotated[
         bool,
         typer.Option(
@@ -74,6 +99,8 @@ def manifest_command(
     if verify:
         from ckpttool.ops.manifest import check_against_manifest
 
+        _refuse_writing_options(hash_name, covers)
+
         # reading the manifest, opening, then the byte bar of the verifying from its total on
         with PhaseProgress.on_stderr("manifest --verify", enabled, bar_text="verifying") as shown:
             checked = check_against_manifest(
@@ -96,7 +123,7 @@ def manifest_command(
             shown.phase(f"opening {checkpoint}")
         res = write_manifest(
             checkpoint,
-            ManifestOptions(out=output, algorithm=hash_name, covers=covers),
+            ManifestOptions(out=output, algorithm=hash_name or DEFAULT_HASH, covers=covers or DEFAULT_COVERS),
             opening=opening,
             progress=shown.progress if shown is not None else None,
             phase=shown.phase if shown is not None else None,

@@ -6,7 +6,9 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import Annotated, Any
+
+import typer
 
 from ckpttool.ui.options import JsonOpt, examples
 from ckpttool.ui.output import command_boundary, emit_json, writing_stdout
@@ -59,14 +61,29 @@ def print_rules(json_output: bool, select: Sequence[str] = (), ignore: Sequence[
         )
 
 
+#: ``--select`` / ``--ignore`` as ``validate`` takes them (``validate --list-rules --select O`` lists the same rules).
+SelectOpt = Annotated[
+    list[str] | None,
+    typer.Option(
+        "--select",
+        help="List only rules whose code starts with one of these (comma list or repeated), as validate runs them.",
+    ),
+]
+IgnoreOpt = Annotated[
+    list[str] | None,
+    typer.Option("--ignore", help="Leave out rules whose code starts with one of these (comma list or repeated)."),
+]
+
+
 @command_boundary
-def rules_command(json_output: JsonOpt = False) -> None:
+def rules_command(select: SelectOpt = None, ignore: IgnoreOpt = None, json_output: JsonOpt = False) -> None:
     """List the rules of `ckpttool validate`: code, severity, what each checks (select them with --select/--ignore)."""
-    print_rules(json_output)
+    print_rules(json_output, select or (), ignore or ())
 
 
 EPILOG = examples(
     "ckpttool rules",
     "ckpttool rules --json",
+    "ckpttool rules --select O,P --ignore O004",
     "ckpttool validate ckpt/ --select O,L --ignore O004",
 )

@@ -97,8 +97,11 @@ def absolute_path(path: str | os.PathLike[str]) -> Path:
 def foreign_output_error(target: Path, found: marker.Ownership) -> ForeignOutputError:
     """The E606 refusal of ``--overwrite`` for ``target``, naming what it holds and why it is not ours."""
     why = f"; {found.why}" if found.why else ""
+    # a marker of a kind that disagrees with the files: an output of ckpttool with a file added since (a plot, a
+    # report), or a marker copied into another folder; neither is provably ckpttool's
+    ours = "not an output of ckpttool" if found.kind is None else "not provably an output of ckpttool"
     return ForeignOutputError(
-        f"{target}: `overwrite` refused: it holds {found.found}, not an output of ckpttool{why}",
+        f"{target}: `overwrite` refused: it holds {found.found}, {ours}{why}",
         path=target,
         hint="ckpttool replaces only a directory it wrote itself (one whose "
         f"{marker.MARKER_NAME} agrees with its files) or an empty one; choose another output "
@@ -165,8 +168,9 @@ def check_output_target(target: Path, *, overwrite: bool, source: Path | None = 
                 path=target,
                 hint="choose another output directory or pass `overwrite` to replace this previous output"
                 if found.owned
-                else f"choose another output directory (it holds {found.found}, which ckpttool did not write: "
-                "`overwrite` would not replace it)",
+                else f"choose another output directory (it holds {found.found}, "
+                + ("which ckpttool did not write" if found.kind is None else "not provably an output of ckpttool")
+                + ": `overwrite` would not replace it)",
             )
         if not found.owned:
             raise foreign_output_error(target, found)

@@ -332,7 +332,7 @@ def _disagreement(directory: Path, doc: dict[str, Any]) -> str:
         return f"symbolic links differ from what {MARKER_NAME} records" + (f" ({bad[0]})" if bad else "")
     extra = sorted(set(w.files) - set(files)) or sorted(set(w.dirs) - set(dirs))
     if extra:
-        return f"{extra[0]} is not listed in {MARKER_NAME} (ckpttool did not write it)"
+        return f"{extra[0]} is not listed in {MARKER_NAME} (not part of the output ckpttool wrote)"
     missing = sorted(set(files) - set(w.files)) or sorted(set(dirs) - set(w.dirs))
     if missing:
         return f"{missing[0]}, listed in {MARKER_NAME}, is missing"
@@ -364,7 +364,7 @@ def listing_disagreement(doc: dict[str, Any] | None, sizes: dict[str, int], read
         return f"its {MARKER_NAME} is not a complete output's"
     extra = sorted(set(sizes) - set(files))
     if extra:
-        return f"{extra[0]} is not listed in {MARKER_NAME} (ckpttool did not write it)"
+        return f"{extra[0]} is not listed in {MARKER_NAME} (not part of the output ckpttool wrote)"
     missing = sorted(set(files) - set(sizes))
     if missing:
         return f"{missing[0]}, listed in {MARKER_NAME}, is missing"

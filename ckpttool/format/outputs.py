@@ -117,7 +117,8 @@ def _remote_ownership(store: RemoteStore, existing: dict[str, int]) -> marker.Ow
     why = marker.listing_disagreement(doc, sizes, store.read_range)
     # the top-level names, as a directory's entries: an object below a sub-prefix names its folder
     found = marker.describe_names({n.split("/", 1)[0] for n in existing})
-    return marker.Ownership(not why, found, why)
+    kind = doc.get("kind") if doc is not None and isinstance(doc.get("kind"), str) else None  # as a folder's
+    return marker.Ownership(not why, found, why, kind)
 
 
 @contextmanager

@@ -682,11 +682,33 @@ def _row_chunks(shape: tuple[int, ...], rows: list[tuple[int, int]]) -> list[tup
     return [(rank, ChunkMeta((start, *rest), (length, *shape[1:]))) for rank, (start, length) in enumerate(rows)]
 
 
+def _check_digest(opts: ImportOptions) -> None:
+    """``algorithm`` one ckpttool knows, and given only with ``manifest``: import records no source identity
+    without its manifest, so another digest alone would be ignored (a typo too, which the run with a manifest
+    refuses).
+
+    Raises:
+        UsageError: an unknown ``algorithm``, or one other than the default without ``manifest``.
+    """
+    from ckpttool.format.digest import DEFAULT_ALGORITHM
+    from ckpttool.ops.manifest import check_algorithm
+
+    check_algorithm(opts.algorithm)
+    if not opts.manifest and opts.algorithm != DEFAULT_ALGORITHM:
+        raise UsageError(
+            f"`algorithm` {opts.algorithm} is given without `manifest`: import digests nothing else, "
+            "so it would be ignored",
+            param="algorithm",
+            hint="add `manifest` to write the output's manifest.json with that digest, or drop `algorithm`",
+        )
+
+
 def _check_import_options(hf_dir: str | os.PathLike[str], opts: ImportOptions) -> Path:
     """``schema`` and ``world_size`` usable and ``hf_dir`` a directory holding safetensors files; returns it."""
     if opts.schema not in SCHEMAS:
         raise UsageError(f"`schema` {opts.schema!r} is not one of {', '.join(SCHEMAS)}", param="schema")
     check_output_ranks(opts.world_size, f"`world_size` {opts.world_size}", "world_size")
+    _check_digest(opts)
     src_dir = Path(hf_dir)
     if not src_dir.is_dir():
         if src_dir.exists():  # (a link that leads nowhere lexists: it is "no such directory" below, said to be a link)

@@ -285,7 +285,14 @@ class ManifestResult:
         return _MANIFEST_VIEW.render(self, warnings=list(self.warnings))
 
 
-def _check_algorithm(algorithm: str) -> None:
+def check_algorithm(algorithm: str) -> None:
+    """Refuse a digest ``algorithm`` that is not a key of :data:`~ckpttool.format.digest.ALGORITHMS`
+    (``xxh3-128``, ``blake3``, ``blake2b-256``), before any work: the ``hash`` of manifest, export, reshard
+    and import, a dry run's too.
+
+    Raises:
+        UsageError: ``algorithm`` is not one of them (E100, not a ``KeyError``).
+    """
     if type(algorithm) is not str or algorithm not in ALGORITHMS:  # a list or object is no dict key
         raise UsageError(
             f"`algorithm` {algorithm!r} is not one of {', '.join(ALGORITHMS)}",
@@ -620,7 +627,7 @@ def build_manifest(
         UsageError: unknown ``algorithm``.
         DataFileError, ChunkError: a window outside its file, a damaged archive (chunk locator).
     """
-    _check_algorithm(algorithm)
+    check_algorithm(algorithm)
     _check_covers(covers)
 
     def one(item: tuple[str, ChunkMeta | None]) -> ManifestEntry:
@@ -957,7 +964,7 @@ def source_identity(reader: CheckpointReader, algorithm: str = DEFAULT_ALGORITHM
         the reader's errors for an unreadable ``.metadata``; SizeLimitError: an oversized manifest.
     """
 
-    _check_algorithm(algorithm)  # `hash` of export/reshard: E100, not a KeyError
+    check_algorithm(algorithm)  # `hash` of export/reshard: E100, not a KeyError
     md: str | None = None
     size: int | None = None
     if not reader.parts:  # a model/optimizer pair has two: named by neither alone
@@ -1012,7 +1019,7 @@ def write_manifest(
     opening, progress, phase = hooks_of("write_manifest", hooks)
     opts = options_of(options, ManifestOptions)
     algorithm, covers, out = opts.algorithm, opts.covers, opts.out
-    _check_algorithm(algorithm)
+    check_algorithm(algorithm)
     _check_covers(covers)
     t0 = time.perf_counter()
     say = phase or (lambda text: None)
@@ -2590,7 +2597,7 @@ def safetensors_source_identity(
     """
     from ckpttool.format.files import resolve_inside
 
-    _check_algorithm(algorithm)  # `hash` of import: E100, not a KeyError
+    check_algorithm(algorithm)  # `hash` of import: E100, not a KeyError
     h = new_hasher(algorithm)
     size = _digest_headers(directory, files, h)
     man: str | None = None

@@ -324,6 +324,50 @@ def test_rules_command_is_validate_list_rules() -> None:
     assert human.exit_code == 0 and "S001" in human.stdout and "D001" in human.stdout
 
 
+def test_rules_command_takes_select_and_ignore_as_validate_list_rules() -> None:
+    """`ckpttool rules` says "(select them with --select/--ignore)" and cli.md makes it `validate --list-rules`, yet
+    `rules --select O` was "No such option: --select" (exit 2). It now lists what `validate --list-rules` lists
+    with the same options, repeated or comma-separated; an unknown code is the same E100."""
+    for args in (["--select", "O,P", "--ignore", "O004"], ["--select", "O", "--select", "P", "--ignore", "O004"]):
+        a = runner.invoke(app, ["rules", "--json", *args])
+        b = runner.invoke(app, ["validate", "--list-rules", "--json", "--select", "O,P", "--ignore", "O004"])
+        assert a.exit_code == b.exit_code == 0 and a.stdout == b.stdout, a.output
+        codes = [r["code"] for r in json.loads(a.stdout)["rules"]]
+        assert codes and all(c[0] in "OP" for c in codes) and "O004" not in codes and "O001" in codes
+    human = runner.invoke(app, ["rules", "--select", "P"])
+    assert human.exit_code == 0 and "P002" in human.stdout and "O001" not in human.stdout
+    bad = runner.invoke(app, ["rules", "--select", "ZZZ"])
+    assert (bad.exit_code, bad.stdout) == (2, "")
+    assert bad.stderr.startswith("error: [E100] --select 'ZZZ' matches no rule code")
+
+
+def test_show_completion_prints_the_script_of_the_shell_named() -> None:
+    """cli.md gives `--show-completion [SHELL]`, but Typer detects the running shell and dropped the name: from bash,
+    `--show-completion zsh` printed bash's script (which zsh cannot source), `--show-completion tcsh` too, exit 0.
+    The shell named is the script printed now; one without a script is E100."""
+    first = {"bash": "_ckpttool_completion() {", "zsh": "#compdef ckpttool", "fish": "complete --command ckpttool"}
+    for shell, line in first.items():
+        res = runner.invoke(app, ["--show-completion", shell])
+        assert res.exit_code == 0 and res.stdout.splitlines()[0].startswith(line), (shell, res.output)
+        assert "_CKPTTOOL_COMPLETE" in res.stdout and res.stderr == ""
+    res = runner.invoke(app, ["--show-completion", "tcsh"])
+    assert (res.exit_code, res.stdout) == (2, "")
+    assert res.stderr.splitlines()[0] == "error: [E100] --show-completion tcsh: no completion script for this shell"
+
+
+def test_install_completion_installs_for_the_shell_named(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`--install-completion zsh` from bash installed bash's completion (in ~/.bashrc): the name was dropped as
+    `--show-completion`'s was. The shell named gets it now (a home directory of the test's own)."""
+    monkeypatch.setenv("HOME", str(tmp_path))
+    res = runner.invoke(app, ["--install-completion", "zsh"])
+    assert res.exit_code == 0, res.output
+    assert res.stdout.splitlines()[0] == f"zsh completion installed in {tmp_path / '.zfunc' / '_ckpttool'}"
+    assert (tmp_path / ".zfunc" / "_ckpttool").read_text().startswith("#compdef ckpttool")
+    assert "compinit" in (tmp_path / ".zshrc").read_text() and not (tmp_path / ".bashrc").exists()
+    res = runner.invoke(app, ["--install-completion", "tcsh"])
+    assert (res.exit_code, res.stdout) == (2, "") and "[E100] --install-completion tcsh" in res.stderr
+
+
 def test_project_urls_and_docs_references_resolve() -> None:
     from importlib.metadata import metadata
 

@@ -948,3 +948,24 @@ def test_a_filter_without_a_wildcard_names_the_glob_that_matches(
     assert pasted.exit_code == 0, pasted.output
     res = runner.invoke(app, [*args, "--filter", "nothing*"])
     assert res.exit_code == 2 and "has no wildcard" not in res.stderr, res.output
+
+
+def test_model_assets_naming_its_config_json_names_the_folder(sample_ckpt: Path, tmp_path: Path) -> None:
+    """`export --model-assets ckpt/model_assets/config.json` (the file, tab-completed) said "is not a directory"
+    with the hint to pass "the directory holding config.json": the hint now names it, as a checkpoint's file given
+    for the checkpoint does; a file beside no config.json keeps the plain hint. Nothing is written either way."""
+    assets = sample_ckpt / "model_assets"
+    out = tmp_path / "hf"
+    for given, tail in ((assets / "config.json", f", not a file in it: {assets}"), (sample_ckpt / ".metadata", "")):
+        res = runner.invoke(app, ["export", str(sample_ckpt), str(out), "--model-assets", str(given)])
+        assert (res.exit_code, res.stdout, res.stderr.splitlines()) == (
+            2,
+            "",
+            [
+                f"error: [E100] {given}: --model-assets is not a directory",
+                f"hint: pass the directory holding config.json and the tokenizer files{tail}",
+            ],
+        ), res.stderr
+        assert not out.exists()
+    res = runner.invoke(app, ["export", str(sample_ckpt), str(out), "--model-assets", str(assets), "-q"])
+    assert res.exit_code == 0 and (out / "config.json").is_file(), res.output

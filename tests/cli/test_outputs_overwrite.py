@@ -128,6 +128,32 @@ def test_random_files_and_a_repository_are_refused(sample_ckpt: Path, tmp_path: 
     assert snapshot(out) == before
 
 
+def test_a_report_ckpttool_wrote_into_its_own_output_is_named_as_added_not_as_foreign(
+    sample_ckpt: Path, tmp_path: Path
+) -> None:
+    """`validate --junit` (or `stats --plot`) into an export folder, then `export --overwrite`: E606 said the folder
+    was "not an output of ckpttool" and the report "(ckpttool did not write it)", both untrue. The refusal stays
+    (the folder no longer holds only the output), in words that are true of it and of a copied marker alike."""
+    out = tmp_path / "hf"
+    assert cli("export", sample_ckpt, out).exit_code == 0
+    assert cli("validate", sample_ckpt, "--junit", out / "report.xml").exit_code == 0
+    before = snapshot(out)
+    line = assert_refused(cli("export", sample_ckpt, out, "--overwrite"))
+    assert (
+        "it holds a model folder (model.safetensors.index.json, 1 weight file), not provably an output of ckpttool"
+        in line
+    )
+    assert line.endswith(f"; report.xml is not listed in {MARKER} (not part of the output ckpttool wrote)")
+    assert "did not write" not in line and "not an output" not in line
+    # without --overwrite: E600, whose hint said the same of the folder
+    res = cli("export", sample_ckpt, out)
+    assert res.exit_code == 2 and res.stderr.splitlines()[-1] == (
+        "hint: choose another output directory (it holds a model folder (model.safetensors.index.json, 1 weight file), "
+        "not provably an output of ckpttool: --overwrite would not replace it)"
+    )
+    assert snapshot(out) == before and leftovers(tmp_path) == []
+
+
 def test_a_marker_copied_into_a_real_checkpoint_is_refused(
     dense_ckpt: Path, sample_ckpt: Path, hf_export: Path, tmp_path: Path
 ) -> None:
@@ -136,7 +162,10 @@ def test_a_marker_copied_into_a_real_checkpoint_is_refused(
     shutil.copy(hf_export / MARKER, out / MARKER)
     before = snapshot(out)
     line = assert_refused(cli("import", hf_export, out, "--overwrite"))
-    assert "it holds a DCP checkpoint" in line and f"is not listed in {MARKER} (ckpttool did not write it)" in line
+    assert (
+        "it holds a DCP checkpoint" in line
+        and f"is not listed in {MARKER} (not part of the output ckpttool wrote)" in line
+    )
     assert snapshot(out) == before
 
 

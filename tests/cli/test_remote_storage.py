@@ -1006,6 +1006,26 @@ def test_overwrite_of_a_prefix_holding_only_sub_prefixes_names_them(sample_ckpt:
     assert s3_server.keys(bucket, prefix + "/") == sorted(before)
 
 
+def test_overwrite_of_an_output_prefix_with_an_object_added_says_so_as_locally(
+    sample_ckpt: Path, s3_server: Any
+) -> None:
+    """An export to a prefix, a report PUT beside it, then export --overwrite: E606 said the prefix was "not an
+    output of ckpttool" and the report "(ckpttool did not write it)", where the same steps on a folder now say
+    "not provably an output of ckpttool" and "(not part of the output ckpttool wrote)". Nothing is touched."""
+    bucket, prefix = "ckpts", f"t-{uuid.uuid4().hex[:8]}"
+    s3_server.bucket(bucket)
+    url = f"s3://{bucket}/{prefix}"
+    assert cli(s3_server, "export", str(sample_ckpt), url).exit_code == 0
+    s3_server.client().put_object(Bucket=bucket, Key=f"{prefix}/report.xml", Body=b"<testsuites/>")
+    before = s3_server.keys(bucket, prefix + "/")
+    r = cli(s3_server, "export", "--overwrite", str(sample_ckpt), url)
+    assert r.exit_code == 2, r.output
+    line = next(x for x in r.stderr.splitlines() if x.startswith("error: [E606]"))
+    assert "not provably an output of ckpttool" in line, line
+    assert line.endswith("report.xml is not listed in .ckpttool-output.json (not part of the output ckpttool wrote)")
+    assert s3_server.keys(bucket, prefix + "/") == before
+
+
 def test_an_object_replaced_by_one_of_the_same_size_after_the_listing_is_said_to_have_changed(
     s3_server: Any, tmp_path: Path
 ) -> None:
@@ -1112,7 +1132,7 @@ def test_a_manifest_written_into_a_remote_output_keeps_it_replaceable_as_locally
 ) -> None:
     """`manifest s3://b/out` of a reshard output PUT manifest.json without listing it in the output's
     .ckpttool-output.json, so the next `reshard ... s3://b/out --overwrite` was E606 'manifest.json is not listed
-    ... (ckpttool did not write it)', while the same steps on a local folder replace it (the local manifest is
+    ... (ckpttool did not write it)' (now '(not part of the output ckpttool wrote)'), while the same steps on a local folder replace it (the local manifest is
     recorded in the marker). Now the marker lists it: the overwrite succeeds as locally, and the replaced output
     reads back; a prefix that is no ckpttool output gets no marker."""
     args = ["--to", "canonical", "--with-optimizer", "--target-ep-size", "2", "--target-ep-fsdp-size", "2"]

@@ -77,7 +77,13 @@ from ckpttool.ops.export.plan import (
 from ckpttool.ops.export.rules import ExportRules, load_rules
 from ckpttool.ops.export.transform import Cast, Run, RunMap, SlabTransform, env_slab_bytes, stream_chunk
 from ckpttool.ops.fields import Hooks, OutputOptions, PhaseFn, ProgressFn, Unpack, hooks_of, options_of, same_named
-from ckpttool.ops.manifest import MANIFEST_NAME, SOURCE_METADATA_KEY, safetensors_manifest, source_identity
+from ckpttool.ops.manifest import (
+    MANIFEST_NAME,
+    SOURCE_METADATA_KEY,
+    check_algorithm,
+    safetensors_manifest,
+    source_identity,
+)
 
 if TYPE_CHECKING:
     import torch
@@ -222,6 +228,14 @@ class ExportResult:
 # ---------------------------------------------------------------------------------------------- helpers
 
 
+def _assets_file_hint(assets: Path, what: str) -> str:
+    """The hint of a file given as ``model_assets``: its folder where it is that folder's ``config.json`` (or a file
+    beside one), as a checkpoint's file given for the checkpoint names its directory."""
+    if (assets.parent / "config.json").is_file():
+        return f"pass {what}, not a file in it: {assets.parent}"
+    return f"pass {what}"
+
+
 def _read_model_config(assets: Path | None) -> dict[str, Any] | None:
     if assets is None:
         return None
@@ -233,7 +247,7 @@ def _read_model_config(assets: Path | None) -> dict[str, Any] | None:
             else f"`model_assets` {assets}: no such directory",
             path=assets,
             param="model_assets",
-            hint=f"pass {what}" if assets.exists() else missing_path_hint(assets, what),
+            hint=_assets_file_hint(assets, what) if assets.exists() else missing_path_hint(assets, what),
         )
     if not (assets / "config.json").exists():
         hub = hub_hint(assets)
@@ -801,6 +815,7 @@ def _check_options(opts: ExportOptions) -> None:
                 hint=f"add `quantize` fp8-block (or fp8-channel) for FP8 weights, or drop `{given[0]}`",
             )
     check_lora_alpha(opts.lora_alpha)
+    check_algorithm(opts.algorithm)  # of the source identity and the manifest: a dry run refuses it too
     if not out_format.reads_adapter_config:  # a LoRA setting alone would be ignored: a plain export, silently
         lora = [name for name in ("lora_alpha", "adapter_config") if getattr(opts, name) is not None]
         if lora:

@@ -162,3 +162,39 @@ def test_extents_with_a_gap_are_refused_even_when_their_lengths_add_up(llama_ckp
     bad.write_text(json.dumps(raw))
     res = runner.invoke(app, ["manifest", str(out), "--verify", "--output", str(bad)])
     assert res.exit_code == 1 and "do not tile" in res.stdout
+
+
+def test_a_digest_that_would_not_be_used_or_is_unknown_is_refused_before_any_work(
+    dense_ckpt: Path, tmp_path: Path
+) -> None:
+    """Two `--hash` values went unchecked: `export --dry-run --manifest --hash md6` printed a plan that would write a
+    manifest (exit 0) while the same export refuses the digest (E100); `import --hash blake3` without `--manifest`
+    (and `--hash md6`) imported with exit 0, the digest ignored, as import records no source identity without its
+    manifest. Both are E100 before anything is written; export's `--hash` alone still digests the source identity."""
+    hf, out = tmp_path / "hf", tmp_path / "ckpt"
+
+    def refused(args: list[str], line: str) -> None:
+        res = runner.invoke(app, args)
+        assert res.exit_code == 2 and res.stdout == "", res.output
+        assert res.stderr.splitlines()[0] == f"error: [E100] {line}", res.stderr
+        assert not Path(args[2]).exists()  # the output: nothing written
+
+    unknown = "--hash 'md6' is not one of xxh3-128, blake3, blake2b-256"
+    for dry in ([], ["--dry-run"]):
+        refused(["export", str(dense_ckpt), str(hf), "--manifest", "--hash", "md6", *dry], unknown)
+    doc = export_json(["export", str(dense_ckpt), str(hf), "--hash", "blake3", "--json"])
+    assert doc["manifest"] is None and doc["source_identity"]["algorithm"] == "blake3"
+    for dry in ([], ["--dry-run"]):
+        refused(["import", str(hf), str(out), "--hash", "md6", *dry], unknown)
+        refused(
+            ["import", str(hf), str(out), "--hash", "blake3", *dry],
+            "--hash blake3 is given without --manifest: import digests nothing else, so it would be ignored",
+        )
+    doc = export_json(["import", str(hf), str(out), "--hash", "blake3", "--manifest", "--json"])
+    assert doc["manifest"] is not None and load_manifest(out / "manifest.json").algorithm == "blake3"
+
+
+def export_json(args: list[str]) -> dict:
+    res = runner.invoke(app, args)
+    assert res.exit_code == 0, res.stderr
+    return json.loads(res.stdout)

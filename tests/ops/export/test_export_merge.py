@@ -58,6 +58,19 @@ def test_merge_without_alpha_is_refused(lora_ckpt: Path, tmp_path: Path) -> None
     assert_clean_failure(res, "E601", "lora_alpha is unknown")
 
 
+def test_merge_lora_with_format_lora_is_refused_not_merged(lora_ckpt: Path, tmp_path: Path) -> None:  # noqa: F811
+    """`--merge-lora --format lora` asks for the adapter and for the merged model at once: --merge-lora silently won
+    (a merged model where the adapter was asked for). It is E100 naming both, nothing written; each alone works."""
+    out = tmp_path / "o"
+    for args in (["--merge-lora", "--format", "lora"], ["--format", "lora", "--merge-lora", "--dry-run"]):
+        res = export_cli(str(lora_ckpt), str(out), *args, "--lora-alpha", str(hf_models.LORA_ALPHA))
+        assert_clean_failure(res, "E100", "--merge-lora (= --format hf-merged) and --format lora are exclusive")
+        assert not out.exists()
+    for args in (["--merge-lora"], ["--format", "lora"]):
+        res = export_cli(str(lora_ckpt), str(out), *args, "--lora-alpha", str(hf_models.LORA_ALPHA), "--dry-run")
+        assert res.exit_code == 0, res.stderr
+
+
 def test_dora_is_refused_by_name(lora_ckpt: Path, tmp_path: Path) -> None:  # noqa: F811
     cfg = {
         "peft_type": "LORA",

@@ -758,3 +758,33 @@ def test_check_against_manifest_takes_an_opened_checkpoint(dense_ckpt: Path, tmp
         changed = ckpttool.check_against_manifest(ck).to_dict()
     assert changed == ckpttool.check_against_manifest(a).to_dict() and changed["ok"] is False
     assert [p["key"] for p in changed["problems"]] == [e0["key"]]
+
+
+def test_verify_refuses_hash_and_covers_it_would_ignore(dense_ckpt: Path, tmp_path: Path) -> None:
+    """`manifest --verify` checks with the digest and coverage its manifest records, and took a `--hash` or
+    `--covers` silently: `--verify --hash blake3` over an xxh3-128 manifest passed as if checked with a
+    cryptographic digest, and a typo (`--hash md6`, refused when writing) passed with exit 0. Both are E100 now;
+    the manifest's own algorithm still verifies (--json names it)."""
+    man = tmp_path / "m.json"
+    assert invoke("manifest", dense_ckpt, "-o", man).exit_code == 0
+    assert json.loads(man.read_text())["algorithm"] == "xxh3-128"
+    for extra, named in (
+        (["--hash", "blake3"], "--hash blake3"),
+        (["--hash", "md6"], "--hash md6"),
+        (["--covers", "record"], "--covers record"),
+    ):
+        res = invoke("manifest", dense_ckpt, "--verify", "-o", man, *extra)
+        assert res.exit_code == 2 and res.stdout == "", res.output
+        lines = res.stderr.splitlines()
+        assert (
+            lines[0]
+            == f"error: [E100] {named} given with --verify, which checks with the digest and coverage its manifest records"
+        )
+        assert lines[1].startswith("hint: drop it") and len(lines) == 2
+    res = invoke("manifest", dense_ckpt, "--verify", "-o", man, "--json")
+    assert res.exit_code == 0 and json.loads(res.stdout)["algorithm"] == "xxh3-128"
+    # writing still takes both, and verifying reads them back from the manifest
+    assert invoke("manifest", dense_ckpt, "-o", man, "--hash", "blake3", "--covers", "record").exit_code == 0
+    res = invoke("manifest", dense_ckpt, "--verify", "-o", man, "--json")
+    assert res.exit_code == 0 and json.loads(res.stdout)["algorithm"] == "blake3"
+    assert "record" in {e.get("covers") for e in json.loads(man.read_text())["entries"]}
