@@ -32,6 +32,7 @@ from ckpttool.layouts.geometry import (
     dim_intervals,
     ep_split_candidates,
     infer_fsdp_dim,
+    nested_shard_intervals,
     tensor_geometry,
 )
 from ckpttool.layouts.permute import legacy_to_canonical_perm
@@ -46,7 +47,7 @@ from ckpttool.layouts.record import (
 
 if TYPE_CHECKING:
     from ckpttool.format.reader import CheckpointReader
-    from ckpttool.model.catalog import Catalog
+    from ckpttool.model.catalog import Catalog, TensorEntry
 
 __all__ = [
     "LayoutDeclaration",
@@ -323,6 +324,37 @@ def detect_ep_tensors(cat: Catalog) -> dict[str, EPTensorSpec]:
     return out
 
 
+def _refuse_uneven_legacy_slabs(
+    entry: TensorEntry, key: str, spec: EPTensorSpec, declaration: LayoutDeclaration
+) -> None:
+    """E406 when ``entry``'s chunks are exactly what the declared legacy mesh saves but its pieces are unequal.
+
+    A legacy ``(ep_fsdp=F, ep=P)`` save with FSDP on the expert dim and ``num_experts`` not divisible by
+    ``P*F`` (10 experts over ``P=2, F=3``: pieces ``2, 2, 2, 2, 1, 1`` block-transposed) fits the
+    declaration; only equal slabs are un-permuted, so it is refused as unsupported, not as a contradiction.
+
+    Raises:
+        LayoutSizeError (E406): the declaration fits the chunks, the slabs are unequal.
+    """
+    p, f = declaration.ep_size, declaration.ep_fsdp_size
+    if declaration.version != 1 or p is None or f is None or p < 2 or f < 2 or spec.fsdp_dim != spec.ep_dim:
+        return
+    n = entry.shape[spec.ep_dim] if 0 <= spec.ep_dim < len(entry.shape) else 0
+    if not n or spec.num_experts != n or n % p or not n % (p * f):
+        return
+    if set(dim_intervals(entry, spec.ep_dim)) != {iv for iv in nested_shard_intervals(n, (f, p)) if iv[1]}:
+        return
+    raise LayoutSizeError(
+        f"{key}: the chunks fit the declared legacy mesh (ep_size {p}, ep_fsdp_size {f}), but its "
+        f"{n} experts are stored as pieces of unequal size (ep_size*ep_fsdp_size = {p * f} does not "
+        "divide them) and block-transposed; ckpttool un-permutes only equal slabs, so it cannot read "
+        "their true order",
+        fqn=key,
+        hint=f"load it with the saving mesh (ep_fsdp={f}, ep={p}) and save it again from a canonical "
+        "(ep, ep_fsdp) mesh; declaring other sizes or --no-ep would read the experts out of order",
+    )
+
+
 def _check_record_lists_ep_tensors(cat: Catalog, rec: LayoutRecord, where: str) -> None:
     """A record of an EP mesh lists every fused expert tensor split on its expert dim.
 
@@ -522,6 +554,7 @@ def resolve_layout(
     for key, spec in ep.items():
         geo = tensor_geometry(cat.model[key], key, spec, declaration)
         if geo.problems:
+            _refuse_uneven_legacy_slabs(cat.model[key], key, spec, declaration)
             raise LayoutContradictionError(
                 f"{key}: the declared layout ({declaration.source_layout}, ep_size {declaration.ep_size}, "
                 f"ep_fsdp_size {declaration.ep_fsdp_size}) contradicts the chunk geometry: {geo.problems[0]}",

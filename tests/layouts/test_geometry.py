@@ -290,7 +290,43 @@ def test_uneven_legacy_save_is_ambiguous_not_exported_in_its_stored_order(
     assert "ep_size 2 x ep_fsdp_size 3" in res.stderr
     decl = ["--source-layout", "legacy", "--ep-size", "2", "--ep-fsdp-size", "3"]
     res = runner.invoke(app, ["export", str(ck), str(out), *decl])
+    assert res.exit_code == 2 and res.stderr.startswith(f"error: [E406] model.{key}: ") and not out.exists()
+    assert "the chunks fit the declared legacy mesh (ep_size 2, ep_fsdp_size 3)" in res.stderr, res.stderr
+
+
+def test_uneven_legacy_save_declared_as_saved_is_e406_not_a_contradiction(
+    ep_uneven_legacy: Path, tmp_path: Path
+) -> None:
+    """The E405 on the 10-expert legacy (ep_fsdp=3, ep=2) save names ep_size 2 x ep_fsdp_size 3; declaring exactly
+    that was E404 'contradicts the chunk geometry' with the hint 'check the mesh sizes of the job that saved the
+    checkpoint', though torch's chunks are those of that mesh: the user was sent back and forth. It is E406 (sizes
+    that do not split the experts into equal slabs, which only are un-permuted), one line, the hint saying how to
+    convert it (validate: an L001 finding); a declaration the chunks do contradict stays E404. Nothing is written."""
+    from typer.testing import CliRunner
+
+    from ckpttool.cli.app import app
+    from tests.fixtures.moe_ep import UNEVEN_KEY as key
+
+    ck = ep_uneven_legacy / "p2f3"
+    before = {p.name: p.read_bytes() for p in ck.iterdir()}
+    runner = CliRunner()
+    out = tmp_path / "o"
+    decl = ["--source-layout", "legacy", "--ep-size", "2", "--ep-fsdp-size", "3"]
+    res = runner.invoke(app, ["validate", str(ck), *decl])
+    assert res.exit_code == 1 and "L001 E406" in res.stdout and "check the mesh sizes" not in res.stdout, res.stdout
+    for cmd in (["reshard", str(ck), str(out), "--to", "canonical"], ["diff", str(ck), str(ck)]):
+        res = runner.invoke(app, [*cmd, *decl])
+        assert res.exit_code == 2 and res.stdout == "" and not out.exists(), (cmd, res.stdout, res.stderr)
+        line, hint = res.stderr.splitlines()
+        assert line.startswith("error: [E406] ") and f"model.{key}: the chunks fit the declared legacy mesh" in line, (
+            line
+        )
+        assert "save it again from a canonical (ep, ep_fsdp) mesh" in hint and "check the mesh sizes" not in hint
+    res = runner.invoke(
+        app, ["reshard", str(ck), str(out), "--to", "canonical", *decl[:2], "--ep-size", "3", *decl[4:]]
+    )
     assert res.exit_code == 2 and res.stderr.startswith("error: [E404] ") and not out.exists(), res.stderr
+    assert {p.name: p.read_bytes() for p in ck.iterdir()} == before
 
 
 def test_legacy_record_without_ep_and_uneven_experts_is_read_in_stored_order(

@@ -685,7 +685,7 @@ def _result(
         permuted=plan.permuted_keys,
         optimizer_tensors=kinds["ep_state"],
         passthrough_tensors=kinds["passthrough"],
-        byte_items=len(plan.byte_items),
+        byte_items=sum(1 for bp in plan.byte_items if bp.value is None),  # the new layout record is no copy
         chunks_copied=counts["copied"],
         chunks_rewritten=counts["rewritten"],
         files=files,

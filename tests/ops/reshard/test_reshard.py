@@ -768,3 +768,37 @@ def test_a_target_mesh_of_millions_of_ranks_is_refused_before_planning(ep_suite:
     assert res.returncode == 2 and len(err) == 2, res.stderr
     assert err[0].startswith("error: [E100] --target-ep-size 8 x --target-ep-fsdp-size 100000000 is 800,000,000 ")
     assert "131,072" in err[0] and not out.exists()
+
+
+def test_byte_items_copied_unchanged_counts_the_source_items_not_the_new_record(ep_suite: Path, tmp_path: Path) -> None:
+    """`reshard` said "6 byte items copied unchanged" of the canonical save's 5 (its param groups): the layout record
+    it writes was counted as a copy. Twice over: a source with an embedded record has it replaced, not copied. The
+    count is the source's byte items torch's own reader lists that the output holds with the same bytes."""
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.metadata import BytesStorageMetadata
+
+    def byte_items(path: Path) -> set[str]:
+        md = FileSystemReader(str(path)).read_metadata().state_dict_metadata
+        return {k for k, v in md.items() if isinstance(v, BytesStorageMetadata)}
+
+    src = ep_suite / "canonical"
+    decl = ["--source-layout", "canonical", "--ep-size", "2", "--ep-fsdp-size", "2"]
+    first, second = tmp_path / "a", tmp_path / "b"
+    res = cli(
+        src,
+        first,
+        "--to",
+        "canonical",
+        "--with-optimizer",
+        "--target-ep-size",
+        "1",
+        "--target-ep-fsdp-size",
+        "1",
+        *decl,
+    )
+    assert res.exit_code == 0, res.stderr
+    assert "and 5 byte items copied unchanged" in res.stdout and len(byte_items(src)) == 5, res.stdout
+    assert byte_items(first) == byte_items(src) | {"layout"}
+    res = cli(first, second, "--to", "legacy", "--with-optimizer", "--json")  # the embedded record is replaced
+    assert res.exit_code == 0, res.stderr
+    assert json.loads(res.stdout)["byte_items"] == 5 and byte_items(second) == byte_items(first)
