@@ -21,7 +21,7 @@ from collections.abc import Callable, Iterator
 from typing import Any, cast
 
 from ckpttool.errors import CkptError
-from ckpttool.format.metadata import DTYPE_ITEMSIZE, TensorMeta
+from ckpttool.format.metadata import DTYPE_ITEMSIZE, ChunkMeta, TensorMeta
 from ckpttool.model.catalog import TensorEntry
 from ckpttool.model.discovery import named_step
 from ckpttool.model.schemas.base import SchemaSpec
@@ -386,16 +386,48 @@ def _constant(crc: int, n: int, dtype: str) -> bool:
     return crc == ones
 
 
-def _chunk_at(meta: TensorMeta, start: int) -> str:
-    """The offsets of ``meta``'s chunk whose first value is at flat index ``start`` (C order), as a finding names it."""
+def _chunk_of(meta: TensorMeta, start: int) -> ChunkMeta | None:
+    """``meta``'s chunk whose first value is at flat index ``start`` (C order); ``None``: none starts there."""
     size = tuple(meta.size)
     for c in meta.chunks:
         flat, stride = 0, 1
         for d in reversed(range(len(size))):
             flat, stride = flat + c.offsets[d] * stride, stride * size[d]
         if flat == start and all(c.sizes):
-            return str(tuple(c.offsets))
-    return f"flat index {start}"
+            return c
+    return None
+
+
+def _chunk_at(meta: TensorMeta, start: int) -> str:
+    """The offsets of ``meta``'s chunk whose first value is at flat index ``start`` (C order), as a finding names it."""
+    c = _chunk_of(meta, start)
+    return str(tuple(c.offsets)) if c is not None else f"flat index {start}"
+
+
+def _same_values(ctx: Context, key: str, meta: TensorMeta, starts: list[int]) -> bool:
+    """Whether the chunks of ``key`` starting at the first two of ``starts`` hold the same bytes: equal CRC-32s
+    (32 bits: among a thousand ranks' shards of a thousand tensors a coincidence is likely) checked on the bytes,
+    on the engine for raw records (:func:`~ckpttool.engine.differ.differing_values`), read whole otherwise."""
+    from ckpttool.engine.differ import differing_values
+    from ckpttool.engine.plan import Window
+
+    ca, cb = _chunk_of(meta, starts[0]), _chunk_of(meta, starts[1])
+    if ca is None or cb is None:
+        return False  # not chunk starts: nothing to read them by, no finding on the CRC-32 alone
+    try:
+        la, lb = ctx.reader.locate(key, ca), ctx.reader.locate(key, cb)
+    except CkptError:
+        return False  # a damaged record: the read's own finding names it
+    if la.raw and lb.raw:
+        dtype = meta.dtype.to_torch()
+        wa = Window(ctx.reader.fd(la.info.relative_path), la.data_start, la.nbytes)
+        wb = Window(ctx.reader.fd(lb.info.relative_path), lb.data_start, lb.nbytes)
+        d = differing_values(wa, dtype, wb, dtype)
+        return d.count == 0 and d.numel == ca.numel
+    import torch
+
+    a, b = ctx.reader.read_chunk(key, ca).reshape(-1), ctx.reader.read_chunk(key, cb).reshape(-1)
+    return a.dtype == b.dtype and torch.equal(a.view(torch.uint8), b.view(torch.uint8))
 
 
 @rule("D017")
@@ -425,6 +457,7 @@ def duplicated_chunks(ctx: Context) -> Iterator[tuple[str, str]]:
         same = sorted(
             (sorted(v), n) for (n, crc), v in by.items() if len(v) > 1 and not _constant(crc, n, meta.dtype.name)
         )
+        same = [(starts, n) for starts, n in same if _same_values(ctx, key, meta, starts)]
         if same:
             starts, n = same[0]
             yield (
