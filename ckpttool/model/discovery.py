@@ -1432,8 +1432,8 @@ def _published_by(model: Path) -> SchemaSpec | None:
 def missing_latest(given: Path, model: Path) -> tuple[Path, str] | None:
     """``(file, what the resume does without it)`` where checkpoint ``model`` lies in a step directory of run root
     ``given`` and is of a format whose trainer resumes only from a ``latest`` file (the schema's
-    ``latest_required``: verl's and Megatron-LM's ``latest_checkpointed_iteration.txt``) that ``given`` does not
-    hold; else ``None``.
+    ``latest_required``: verl's and Megatron-LM's ``latest_checkpointed_iteration.txt``; for megatron-core iterations
+    Megatron Bridge's ``latest_train_state.pt`` too) of which ``given`` holds none; else ``None``.
     Validate's ``R008`` names it."""
     found = detect_layout(model)
     spec = registry.find(found[0].schema) if found is not None else _published_by(model)
