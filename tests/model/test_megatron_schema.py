@@ -321,6 +321,22 @@ def test_megatron_bridge_run_with_its_own_tracker_is_no_r008(tmp_path: Path) -> 
     assert r008["key"] == str(run / "latest_checkpointed_iteration.txt")
 
 
+def test_megatron_core_save_in_another_trainers_step_folder_is_no_r008(tmp_path: Path) -> None:
+    """A megatron-core ``dist_checkpointing`` save in a step directory Megatron-LM does not name (SkyRL's megatron
+    backend: ``global_step_N/policy/`` beside its own tracker ``latest_ckpt_global_step.txt``) was R008 "no
+    latest_checkpointed_iteration.txt: Megatron-LM's load_checkpoint starts from random": that trainer is not
+    Megatron-LM and resumes from its own file. R008 now speaks only of ``iter_N`` directories."""
+    run = tmp_path / "run"
+    shutil.copytree(DATA / "dense1" / "iter_0000003", run / "global_step_3" / "policy")
+    (run / "latest_ckpt_global_step.txt").write_text("3")
+    for argv in ([str(run)], [str(run), "--step", "latest"]):
+        r = runner.invoke(app, ["validate", "--strict", "--json", *argv])
+        assert r.exit_code == 0, r.output
+        assert json.loads(r.stdout)["path"] == str(run / "global_step_3" / "policy")
+    loc = json.loads(runner.invoke(app, ["inspect", "--json", str(run), "--step", "latest"]).stdout)["location"]
+    assert "from random" not in loc["how"]
+
+
 def test_tracker_naming_an_unfinished_iteration_is_e202_not_the_older_one(tmp_path: Path) -> None:
     """latest_checkpointed_iteration.txt naming iter_0000005, whose save did not finish (no metadata.json), beside
     the complete iter_0000003: Megatron-LM's resume follows the tracker to iteration 5 and fails there, yet
