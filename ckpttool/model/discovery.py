@@ -1432,8 +1432,9 @@ def _published_by(model: Path) -> SchemaSpec | None:
 def missing_latest(given: Path, model: Path) -> tuple[Path, str] | None:
     """``(file, what the resume does without it)`` where checkpoint ``model`` lies in a step directory of run root
     ``given`` and is of a format whose trainer resumes only from a ``latest`` file (the schema's
-    ``latest_required``: verl's and Megatron-LM's ``latest_checkpointed_iteration.txt``) that ``given`` does not
-    hold; else ``None``.
+    ``latest_required``: verl's and Megatron-LM's ``latest_checkpointed_iteration.txt``; for megatron-core iterations
+    Megatron Bridge's ``latest_train_state.pt`` too) of which ``given`` holds none, the step directory named as that
+    trainer names them (the schema's ``step_words``: ``iter_N``, ``global_step_N``); else ``None``.
     Validate's ``R008`` names it."""
     found = detect_layout(model)
     spec = registry.find(found[0].schema) if found is not None else _published_by(model)
@@ -1443,8 +1444,8 @@ def missing_latest(given: Path, model: Path) -> tuple[Path, str] | None:
     q = model
     while q != given and q != q.parent and step_of(q.name) is None:
         q = q.parent
-    if q == given or q.parent != given:
-        return None
+    if q == given or q.parent != given or spec is None or not _has_word(q.name, spec.discovery.step_words):
+        return None  # a step directory of another trainer's naming (SkyRL's global_step_N/ of megatron-core saves)
     return given / required[0][0], required[0][1]
 
 

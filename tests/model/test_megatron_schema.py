@@ -285,6 +285,58 @@ def test_run_without_tracker_says_megatron_lm_starts_from_random(tmp_path: Path)
     assert "R008" not in {f["code"] for f in json.loads(r.stdout)["findings"]}
 
 
+def test_megatron_bridge_run_with_its_own_tracker_is_no_r008(tmp_path: Path) -> None:
+    """Megatron Bridge saves megatron-core ``torch_dist`` iterations as Megatron-LM does, but resumes from its own
+    tracker, ``latest_train_state.pt`` (``torch.save`` of its ``TrainState.state_dict()``, copied from the
+    iteration's ``train_state.pt``), and reads ``latest_checkpointed_iteration.txt`` only without it; its versions
+    before the Megatron-LM compatibility tracker write no ``.txt``. Such a save folder was R008 ("Megatron-LM's
+    load_checkpoint loads no iteration and starts from random", validate --strict failed) and ``--step latest``
+    said so, while Bridge's resume loads the iteration its tracker names. Now either tracker is the run's."""
+    run = shutil.copytree(DATA / "dense1", tmp_path / "run")
+    (run / "latest_checkpointed_iteration.txt").unlink()
+    # megatron.bridge.training.state.TrainState.state_dict() at iteration 3, saved as Bridge's save_checkpoint does
+    state = {
+        "step": torch.tensor(3, dtype=torch.int32),
+        "consumed_train_samples": torch.tensor(24, dtype=torch.int32),
+        "skipped_train_samples": torch.tensor(0, dtype=torch.int32),
+        "consumed_valid_samples": torch.tensor(0, dtype=torch.int32),
+        "floating_point_operations_so_far": torch.tensor(0.0, dtype=torch.float64),
+        "do_train": torch.tensor(True),
+        "do_valid": torch.tensor(False),
+        "do_test": torch.tensor(False),
+    }
+    torch.save(state, run / "iter_0000003" / "train_state.pt")
+    shutil.copy(run / "iter_0000003" / "train_state.pt", run / "latest_train_state.pt")
+    loc = json.loads(runner.invoke(app, ["inspect", "--json", str(run), "--step", "latest"]).stdout)["location"]
+    assert loc["how"].startswith("`step` latest: step 3 (the highest step")
+    assert "latest_checkpointed_iteration.txt" not in loc["how"] and "from random" not in loc["how"]
+    for argv in ([str(run)], [str(run), "--step", "latest"]):
+        r = runner.invoke(app, ["validate", "--json", *argv])
+        assert r.exit_code == 0, r.output
+        # the iteration's train_state.pt is named as not read (K012), the run's tracker found
+        assert [f["code"] for f in json.loads(r.stdout)["findings"]] == ["K012"]
+    (run / "latest_train_state.pt").unlink()  # neither tracker: R008 names Megatron-LM's
+    r = runner.invoke(app, ["validate", "--json", str(run), "--step", "latest"])
+    (r008,) = [f for f in json.loads(r.stdout)["findings"] if f["code"] == "R008"]
+    assert r008["key"] == str(run / "latest_checkpointed_iteration.txt")
+
+
+def test_megatron_core_save_in_another_trainers_step_folder_is_no_r008(tmp_path: Path) -> None:
+    """A megatron-core ``dist_checkpointing`` save in a step directory Megatron-LM does not name (SkyRL's megatron
+    backend: ``global_step_N/policy/`` beside its own tracker ``latest_ckpt_global_step.txt``) was R008 "no
+    latest_checkpointed_iteration.txt: Megatron-LM's load_checkpoint starts from random": that trainer is not
+    Megatron-LM and resumes from its own file. R008 now speaks only of ``iter_N`` directories."""
+    run = tmp_path / "run"
+    shutil.copytree(DATA / "dense1" / "iter_0000003", run / "global_step_3" / "policy")
+    (run / "latest_ckpt_global_step.txt").write_text("3")
+    for argv in ([str(run)], [str(run), "--step", "latest"]):
+        r = runner.invoke(app, ["validate", "--strict", "--json", *argv])
+        assert r.exit_code == 0, r.output
+        assert json.loads(r.stdout)["path"] == str(run / "global_step_3" / "policy")
+    loc = json.loads(runner.invoke(app, ["inspect", "--json", str(run), "--step", "latest"]).stdout)["location"]
+    assert "from random" not in loc["how"]
+
+
 def test_tracker_naming_an_unfinished_iteration_is_e202_not_the_older_one(tmp_path: Path) -> None:
     """latest_checkpointed_iteration.txt naming iter_0000005, whose save did not finish (no metadata.json), beside
     the complete iter_0000003: Megatron-LM's resume follows the tracker to iteration 5 and fails there, yet

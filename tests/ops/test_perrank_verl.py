@@ -782,6 +782,27 @@ def test_a_run_root_without_the_tracker_says_verl_trains_from_scratch(verl_root:
     assert "no latest_checkpointed" not in runner.invoke(app, ["inspect", str(run), "--step", "latest"]).stdout
 
 
+def test_a_skyrl_run_root_with_its_own_tracker_is_no_r008(verl_root: Path, tmp_path: Path) -> None:
+    """SkyRL (derived from verl) saves verl's per-rank files (``model_world_size_W_rank_R.pt`` ...) in
+    ``global_step_N/policy/`` and resumes (``resume_mode: latest``) from its own tracker,
+    ``latest_ckpt_global_step.txt``, in the run root: such a root was R008 ("no latest_checkpointed_iteration.txt:
+    verl's resume trains from scratch", validate --strict failed) though SkyRL's resume loads the step its tracker
+    names. Now the SkyRL tracker is the run's; without either file R008 stays (SkyRL starts from scratch too)."""
+    run = tmp_path / "run"
+    shutil.copytree(_actor(verl_root, 2), run / "global_step_2" / "policy")
+    (run / "latest_ckpt_global_step.txt").write_text("2")  # SkyRL's trainer writes str(global_step)
+    for argv in ([str(run)], [str(run), "--step", "latest"]):
+        doc = json.loads(runner.invoke(app, ["validate", "--json", *argv]).stdout)
+        assert doc["path"] == str(run / "global_step_2" / "policy")
+        assert "R008" not in {f["code"] for f in doc["findings"]}
+    loc = json.loads(runner.invoke(app, ["inspect", "--json", str(run), "--step", "latest"]).stdout)["location"]
+    assert "latest_checkpointed_iteration.txt" not in loc["how"]
+    (run / "latest_ckpt_global_step.txt").unlink()
+    doc = json.loads(runner.invoke(app, ["validate", "--json", str(run)]).stdout)
+    (r008,) = [f for f in doc["findings"] if f["code"] == "R008"]
+    assert r008["key"] == str(run / "latest_checkpointed_iteration.txt")
+
+
 def _verl_lora(fixture_root: Path) -> Path:
     import importlib.util
 

@@ -132,7 +132,9 @@ class Discovery:
             what that resume does without it (verl's ``find_latest_ckpt_path`` returns ``None`` when
             ``latest_checkpointed_iteration.txt`` is not there, and its ``resume_mode`` ``auto`` trains from
             scratch): ``--step latest`` from a run root of such steps without the file says so, and ``validate``
-            names it (``R008``).
+            names it (``R008``). Several entries: the trainers that save such steps each resume from one of the
+            files (Megatron-LM's ``latest_checkpointed_iteration.txt``, Megatron Bridge's ``latest_train_state.pt``),
+            so a root holding any of them is resumed; the first is the one named.
     """
 
     step_words: tuple[str, ...] = ()

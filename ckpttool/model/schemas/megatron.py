@@ -412,12 +412,19 @@ SPEC = SchemaSpec(
         step_words=("iter",),
         publish_markers=((METADATA_JSON, (COMMON_FILE,)),),
         # megatron/training/checkpointing.py::_load_base_checkpoint: without the tracker (and --ckpt-step) it prints
-        # "will not load any checkpoints and will start from random"
+        # "will not load any checkpoints and will start from random". Megatron Bridge (megatron.bridge.training.
+        # checkpointing) saves the same iterations and resumes from its own tracker, latest_train_state.pt (a
+        # torch.save of its TrainState), falling back to Megatron-LM's: its versions before the compatibility
+        # tracker write only that one, so either file is the run's
         latest_required=(
             (
                 "latest_checkpointed_iteration.txt",
                 "Megatron-LM's load_checkpoint loads no iteration and starts from random; --ckpt-step N loads "
                 "iteration N",
+            ),
+            (
+                "latest_train_state.pt",
+                "Megatron Bridge's load_checkpoint loads no iteration and starts from random",
             ),
         ),
     ),

@@ -23,12 +23,18 @@ SPEC = per_rank_spec(
         step_words=("global_step",),
         step_folders=(("actor", ("critic",)), ("critic", ("actor",))),
         # ray_trainer._load_checkpoint: find_latest_ckpt_path reads only the tracker (written after each save,
-        # not with async_save); without it resume_mode auto prints "Training from scratch" and loads no step
+        # not with async_save); without it resume_mode auto prints "Training from scratch" and loads no step.
+        # SkyRL (derived from verl) saves the same per-rank files in global_step_N/policy/ and resumes
+        # (resume_mode latest) from its own tracker, latest_ckpt_global_step.txt: a root holding it is SkyRL's run
         latest_required=(
             (
                 "latest_checkpointed_iteration.txt",
                 "verl's resume (resume_mode auto: find_latest_ckpt_path) loads no step and trains from scratch; "
                 "resume_mode resume_path with resume_from_path set to the step directory loads it",
+            ),
+            (
+                "latest_ckpt_global_step.txt",
+                "SkyRL's resume (resume_mode latest) loads no step and trains from scratch",
             ),
         ),
     ),
