@@ -26,7 +26,7 @@ from typing import Any, NoReturn
 import typer
 from typer.core import TyperGroup, TyperOption
 
-from ckpttool.cli.completion import add_completions
+from ckpttool.cli.completion import add_completions, install_completion
 from ckpttool.errors import CkptError, UsageError
 from ckpttool.ui.output import caused_by_interrupt, configure_logging, interrupted, print_error, stdout_write_error
 from ckpttool.ui.render import UI
@@ -724,6 +724,16 @@ def _named_shell_completion(argv: list[str]) -> str | None:
     Raises:
         UsageError: a shell Typer writes no script for.
     """
+    if argv == ["--install-completion"]:  # Typer's install of the shell detected rewrote ~/.bashrc: ours appends
+        from typer._completion_shared import _get_shell_name
+
+        detected = _get_shell_name()
+        if detected is None:
+            raise UsageError(
+                "--install-completion: the shell ckpttool runs in was not detected",
+                hint=f"name it: --install-completion SHELL, one of {', '.join(COMPLETION_SHELLS)}",
+            )
+        argv = [*argv, detected]
     if len(argv) != 2 or argv[0] not in ("--show-completion", "--install-completion") or argv[1].startswith("-"):
         return None
     flag, shell = argv
@@ -732,12 +742,11 @@ def _named_shell_completion(argv: list[str]) -> str | None:
             f"{flag} {shell}: no completion script for this shell",
             hint=f"name one of {', '.join(COMPLETION_SHELLS)}, or none for the shell ckpttool runs in",
         )
-    from typer._completion_shared import get_completion_script, install
-
-    names = {"prog_name": "ckpttool", "complete_var": "_CKPTTOOL_COMPLETE", "shell": shell}
     if flag == "--show-completion":
-        return get_completion_script(**names)
-    _, path = install(**names)  # Typer's own lines of a detected shell's install
+        from typer._completion_shared import get_completion_script
+
+        return get_completion_script(prog_name="ckpttool", complete_var="_CKPTTOOL_COMPLETE", shell=shell)
+    path = install_completion(shell)  # appends to ~/.bashrc / ~/.zshrc, never rewrites them
     return f"{shell} completion installed in {path}\nCompletion will take effect once you restart the terminal"
 
 
