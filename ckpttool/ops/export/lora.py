@@ -293,7 +293,7 @@ _VERL_LORA_META = "lora_train_meta.json"
 
 def _verl_lora_meta(path: Any) -> tuple[int, float] | None:
     """``(r, lora_alpha)`` from verl's :data:`_VERL_LORA_META` in local checkpoint folder ``path``; ``None`` when there
-    is none or it does not hold both as numbers (it is a hint's source, never an error's)."""
+    is none, it is not JSON or it does not hold both as numbers (it is a hint's source, never an error's)."""
     from ckpttool.errors import CkptError
     from ckpttool.format.files import read_regular
     from ckpttool.format.jsonfile import parse_json
@@ -302,7 +302,7 @@ def _verl_lora_meta(path: Any) -> tuple[int, float] | None:
         return None
     try:
         doc = parse_json(read_regular(path / _VERL_LORA_META, 1 << 16), str(path / _VERL_LORA_META))
-    except (CkptError, OSError):
+    except (CkptError, OSError, ValueError):  # ValueError: not JSON (empty, cut short by a killed save), not UTF-8
         return None
     r, alpha = (doc.get("r"), doc.get("lora_alpha")) if isinstance(doc, dict) else (None, None)
     if not isinstance(r, int) or isinstance(r, bool) or r <= 0:
