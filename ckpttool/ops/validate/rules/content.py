@@ -430,8 +430,9 @@ def duplicated_chunks(ctx: Context) -> Iterator[tuple[str, str]]:
             yield (
                 key,
                 (
-                    f"{key}: chunks at {' and '.join(_chunk_at(meta, s) for s in starts[:4])} hold bitwise identical "
-                    f"values ({n} {meta.dtype.name} each)"
+                    f"{key}: chunks at {' and '.join(_chunk_at(meta, s) for s in starts[:4])}"
+                    + (f" and {len(starts) - 4} more" if len(starts) > 4 else "")
+                    + f" hold bitwise identical values ({n} {meta.dtype.name} each)"
                     + (f"; {len(same) - 1} more such groups" if len(same) > 1 else "")
                     + ": one shard's bytes stored in another's place"
                 ),
