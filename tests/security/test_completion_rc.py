@@ -70,3 +70,19 @@ def test_install_completion_refuses_a_startup_file_that_is_not_a_file(tmp_path: 
     lines = res.stderr.splitlines()
     assert lines[0].startswith(("error: [E102] ", "error: [E100] ")) and str(rc) in lines[0], res.stderr
     assert lines[1].startswith("hint: ") and "Traceback" not in res.stderr
+
+
+@pytest.mark.parametrize("argv", [["zsh", "-q"], ["zsh", "extra"], ["-q", "--install-completion", "zsh"]])
+def test_install_completion_with_other_words_installs_nothing(tmp_path: Path, argv: list[str]) -> None:
+    """Typer took `--install-completion zsh -q` (or `zsh extra`) as its flag alone: it installed the running shell's
+    completion (bash's, rewriting ~/.bashrc), the shell named dropped. Now E100 and no file is touched."""
+    (tmp_path / ".bashrc").write_bytes(USER_RC)
+    env = {**os.environ, "HOME": str(tmp_path), "SHELL": "/bin/bash"}
+    full = argv if argv[0] == "-q" else ["--install-completion", *argv]
+    res = subprocess.run(
+        [sys.executable, "-m", "ckpttool", *full], capture_output=True, text=True, timeout=120, env=env, check=False
+    )
+    assert res.returncode == 2 and res.stdout == "", res.stdout
+    assert res.stderr.startswith("error: [E100] --install-completion takes a SHELL and nothing else: "), res.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".bashrc"]
+    assert (tmp_path / ".bashrc").read_bytes() == USER_RC
