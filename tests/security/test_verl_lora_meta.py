@@ -44,3 +44,29 @@ def test_an_unreadable_lora_train_meta_is_no_internal_error(verl_lora_actor: Pat
         "hint: pass --lora-alpha A (the LoraConfig lora_alpha used in training) or --adapter-config FILE",
     ], r.stderr
     assert {p.name: p.read_bytes() for p in actor.iterdir() if p.is_file()} == before
+
+
+@pytest.mark.parametrize(("meta", "named"), [(None, True), (b"{", False)], ids=["verls", "not-json"])
+def test_merge_lora_without_alpha_names_verls_lora_alpha(
+    verl_lora_actor: Path, tmp_path: Path, meta: bytes | None, named: bool
+) -> None:
+    """`export --merge-lora` of the same save without --lora-alpha gave only the generic hint, though `--format lora`
+    names the lora_alpha verl recorded; both name it now (and neither reads a broken file as one)."""
+    actor = tmp_path / "actor"
+    shutil.copytree(verl_lora_actor, actor)
+    if meta is not None:
+        (actor / "lora_train_meta.json").write_bytes(meta)
+    out = tmp_path / "merged"
+    r = runner.invoke(app, ["export", str(actor), str(out), "--merge-lora"])
+    assert r.exit_code == 2 and r.stdout == "" and not out.exists(), r.output
+    lines = r.stderr.splitlines()
+    assert lines[0] == (
+        "error: [E601] model.layers.0.self_attn.q_proj: lora_alpha is unknown, so the merge scale alpha / r cannot "
+        "be computed"
+    ), r.stderr
+    assert lines[1] == (
+        "hint: pass --lora-alpha 8 (verl's lora_train_meta.json beside the checkpoint records r 4, lora_alpha 8) or "
+        "--adapter-config FILE"
+        if named
+        else "hint: pass --lora-alpha A (the LoraConfig lora_alpha used in training) or --adapter-config FILE"
+    ), r.stderr
