@@ -26,7 +26,7 @@ from typing import Any, NoReturn
 import typer
 from typer.core import TyperGroup, TyperOption
 
-from ckpttool.cli.completion import add_completions
+from ckpttool.cli.completion import add_completions, install_completion
 from ckpttool.errors import CkptError, UsageError
 from ckpttool.ui.output import caused_by_interrupt, configure_logging, interrupted, print_error, stdout_write_error
 from ckpttool.ui.render import UI
@@ -719,25 +719,44 @@ def _named_shell_completion(argv: list[str]) -> str | None:
     """What ``ckpttool --show-completion SHELL`` / ``--install-completion SHELL`` print for the shell named: its
     completion script, or where it was installed (``None``: not such a command line). Typer's flags detect the
     running shell and took a shell named after them for no argument at all: ``--show-completion zsh`` run from
-    bash printed bash's script, ``--install-completion zsh`` installed bash's, ``tcsh`` too.
+    bash printed bash's script, ``--install-completion zsh`` installed bash's, ``tcsh`` too; with another word
+    (``--install-completion zsh -q``) Typer installed the running shell's as well, rewriting ``~/.bashrc``.
 
     Raises:
-        UsageError: a shell Typer writes no script for.
+        UsageError: a shell Typer writes no script for, or other arguments beside the flag and its SHELL.
     """
-    if len(argv) != 2 or argv[0] not in ("--show-completion", "--install-completion") or argv[1].startswith("-"):
+    flags = ("--show-completion", "--install-completion")
+    at = next((i for i, a in enumerate(argv) if a in flags), None)
+    if at is None or any(not a.startswith("-") for a in argv[:at]):  # a command's argument or option: not ours
         return None
-    flag, shell = argv
+    flag, shell = argv[at], argv[at + 1] if at + 1 < len(argv) and not argv[at + 1].startswith("-") else None
+    others = argv[:at] + argv[at + 1 + (shell is not None) :]
+    if others:  # Typer took `--install-completion zsh -q` as the running shell's install, the name dropped
+        raise UsageError(
+            f"{flag} takes a SHELL and nothing else: {' '.join(others)!r} given with it",
+            hint=f"run `ckpttool {flag} [SHELL]` alone",
+        )
+    if shell is None and flag == "--show-completion":
+        return None  # Typer's: the script of the shell detected
+    if shell is None:  # Typer's install of the shell detected rewrote ~/.bashrc: ours appends
+        from typer._completion_shared import _get_shell_name
+
+        shell = _get_shell_name()
+        if shell is None:
+            raise UsageError(
+                "--install-completion: the shell ckpttool runs in was not detected",
+                hint=f"name it: --install-completion SHELL, one of {', '.join(COMPLETION_SHELLS)}",
+            )
     if shell not in COMPLETION_SHELLS:
         raise UsageError(
             f"{flag} {shell}: no completion script for this shell",
             hint=f"name one of {', '.join(COMPLETION_SHELLS)}, or none for the shell ckpttool runs in",
         )
-    from typer._completion_shared import get_completion_script, install
-
-    names = {"prog_name": "ckpttool", "complete_var": "_CKPTTOOL_COMPLETE", "shell": shell}
     if flag == "--show-completion":
-        return get_completion_script(**names)
-    _, path = install(**names)  # Typer's own lines of a detected shell's install
+        from typer._completion_shared import get_completion_script
+
+        return get_completion_script(prog_name="ckpttool", complete_var="_CKPTTOOL_COMPLETE", shell=shell)
+    path = install_completion(shell)  # appends to ~/.bashrc / ~/.zshrc, never rewrites them
     return f"{shell} completion installed in {path}\nCompletion will take effect once you restart the terminal"
 
 

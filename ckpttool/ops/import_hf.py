@@ -924,9 +924,15 @@ def _config_file(path: Path | None) -> str:
 def _count_differing(src_dir: Path, a: _Source, b: _Source) -> int:
     """How many elements of the stored tensors ``a`` and ``b`` (one shape) hold other values, as
     :func:`~ckpttool.engine.differ.differing_values` compares them (NaN on both sides alike; two dtypes in float64,
-    complex128 where one is complex), 16 MiB of the wider side at a time."""
+    complex128 where one is complex), 16 MiB of the wider side at a time.
+
+    Raises:
+        DataFileError (E300): a file ends before a tensor's data (it changed since its header was read).
+    """
     from ckpttool.engine.differ import differing_values
+    from ckpttool.engine.io import ShortReadError
     from ckpttool.engine.plan import Window
+    from ckpttool.errors import DataFileError
 
     da, db = DType(a.dtype).to_torch(), DType(b.dtype).to_torch()
     numel = math.prod(a.shape)
@@ -935,7 +941,15 @@ def _count_differing(src_dir: Path, a: _Source, b: _Source) -> int:
         fb = open_regular(resolve_inside(src_dir, b.file, what="safetensors file"))
         try:
             wa, wb = Window(fa, a.offset, numel * da.itemsize), Window(fb, b.offset, numel * db.itemsize)
-            return differing_values(wa, da, wb, db, slab_bytes=_TIE_BLOCK).count
+            try:
+                return differing_values(wa, da, wb, db, slab_bytes=_TIE_BLOCK).count
+            except ShortReadError:  # its header was read whole: the file changed since
+                raise DataFileError(
+                    f"{src_dir / a.file} or {src_dir / b.file}: ends before the data of {a.key} / {b.key} "
+                    "(truncated or replaced while import read it)",
+                    path=src_dir / a.file,
+                    fqn=a.key,
+                ) from None
         finally:
             os.close(fb)
     finally:

@@ -341,6 +341,16 @@ def test_rules_command_takes_select_and_ignore_as_validate_list_rules() -> None:
     assert bad.stderr.startswith("error: [E100] --select 'ZZZ' matches no rule code")
 
 
+def test_rules_whose_ignore_covers_the_selection_is_refused_as_validate_refuses_it() -> None:
+    """`validate CKPT --select O --ignore O` is E100 (nothing would be checked), but `rules` / `validate --list-rules`
+    with the same options listed no rule at exit 0, an empty table as their answer. They give validate's E100 now."""
+    line = "error: [E100] --ignore O, P leaves none of the rules --select O, P chose: nothing would be checked"
+    for argv in (["rules"], ["rules", "--json"], ["validate", "--list-rules"]):
+        r = runner.invoke(app, [*argv, "--select", "O,P", "--ignore", "O", "--ignore", "P"])
+        assert (r.exit_code, r.stdout) == (2, ""), r.output
+        assert r.stderr.splitlines()[0] == line, r.stderr
+
+
 def test_show_completion_prints_the_script_of_the_shell_named() -> None:
     """cli.md gives `--show-completion [SHELL]`, but Typer detects the running shell and dropped the name: from bash,
     `--show-completion zsh` printed bash's script (which zsh cannot source), `--show-completion tcsh` too, exit 0.

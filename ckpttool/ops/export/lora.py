@@ -274,16 +274,24 @@ def adapter_config(
 def _alpha_unknown(cat: Catalog, beside: Path | None) -> ExportError:
     """E601: no ``lora_alpha`` given; the hint names the adapter config saved with the checkpoint, if any, else the
     ``lora_alpha`` verl's ``lora_train_meta.json`` beside it records."""
-    meta = _verl_lora_meta(cat.path)
     hint = "pass `lora_alpha` A (the LoraConfig lora_alpha used in training) or `adapter_config` FILE"
     if beside is not None:
         hint = f"pass `adapter_config` {shell_arg(beside)} (the adapter config saved with the checkpoint) or `lora_alpha` A"
-    elif meta is not None:
-        hint = (
-            f"pass `lora_alpha` {meta[1]:g} (verl's {_VERL_LORA_META} beside the checkpoint records r {meta[0]}, "
-            f"lora_alpha {meta[1]:g}) or `adapter_config` FILE"
-        )
+    else:
+        hint = verl_alpha_hint(cat.path) or hint
     return ExportError(f"{cat.path}: lora_alpha cannot be inferred from the adapter weights", hint=hint)
+
+
+def verl_alpha_hint(path: Any) -> str | None:
+    """The hint of an unknown ``lora_alpha`` that names the one verl's :data:`_VERL_LORA_META` in checkpoint folder
+    ``path`` records (``None``: no such file, or not one that holds ``r`` and ``lora_alpha``)."""
+    meta = _verl_lora_meta(path)
+    if meta is None:
+        return None
+    return (
+        f"pass `lora_alpha` {meta[1]:g} (verl's {_VERL_LORA_META} beside the checkpoint records r {meta[0]}, "
+        f"lora_alpha {meta[1]:g}) or `adapter_config` FILE"
+    )
 
 
 #: verl's FSDP checkpoint manager writes the PEFT model's ``{"r", "lora_alpha", "task_type"}`` here, in the checkpoint
@@ -293,7 +301,7 @@ _VERL_LORA_META = "lora_train_meta.json"
 
 def _verl_lora_meta(path: Any) -> tuple[int, float] | None:
     """``(r, lora_alpha)`` from verl's :data:`_VERL_LORA_META` in local checkpoint folder ``path``; ``None`` when there
-    is none or it does not hold both as numbers (it is a hint's source, never an error's)."""
+    is none, it is not JSON or it does not hold both as numbers (it is a hint's source, never an error's)."""
     from ckpttool.errors import CkptError
     from ckpttool.format.files import read_regular
     from ckpttool.format.jsonfile import parse_json
@@ -302,7 +310,7 @@ def _verl_lora_meta(path: Any) -> tuple[int, float] | None:
         return None
     try:
         doc = parse_json(read_regular(path / _VERL_LORA_META, 1 << 16), str(path / _VERL_LORA_META))
-    except (CkptError, OSError):
+    except (CkptError, OSError, ValueError):  # ValueError: not JSON (empty, cut short by a killed save), not UTF-8
         return None
     r, alpha = (doc.get("r"), doc.get("lora_alpha")) if isinstance(doc, dict) else (None, None)
     if not isinstance(r, int) or isinstance(r, bool) or r <= 0:

@@ -40,9 +40,12 @@ UNMERGED_VARIANTS = {
 }
 
 
-def lora_scaling(module: str, r: int, config: dict[str, Any] | None, lora_alpha: float | None) -> float:
+def lora_scaling(
+    module: str, r: int, config: dict[str, Any] | None, lora_alpha: float | None, alpha_hint: str | None = None
+) -> float:
     """``alpha / r`` for ``module`` (``alpha_pattern`` first, then ``lora_alpha``; ``lora_alpha`` arg overrides);
     ``alpha / sqrt(r)`` when the config sets ``use_rslora`` (rsLoRA, Kalajdzievski 2023, as PEFT scales it).
+    ``alpha_hint``: the hint of an unknown alpha (default: pass ``lora_alpha`` or ``adapter_config``).
 
     Raises:
         ExportError: alpha unknown, DoRA or a variant of :data:`UNMERGED_VARIANTS` in the config, ``r`` / ``rank_pattern`` not the factors' rank.
@@ -71,7 +74,8 @@ def lora_scaling(module: str, r: int, config: dict[str, Any] | None, lora_alpha:
         raise ExportError(
             f"{module}: lora_alpha is unknown, so the merge scale alpha / r cannot be computed",
             fqn=module,
-            hint="pass `lora_alpha` A (the LoraConfig lora_alpha used in training) or `adapter_config` FILE",
+            hint=alpha_hint
+            or "pass `lora_alpha` A (the LoraConfig lora_alpha used in training) or `adapter_config` FILE",
         )
     rank_pattern = cfg.get("rank_pattern") or {}
     key = pattern_key(rank_pattern, module)

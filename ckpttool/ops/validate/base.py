@@ -228,8 +228,17 @@ def listed_rules(select: Iterable[str] | None = None, ignore: Iterable[str] | No
     """The rules ``select``/``ignore`` name, by code, without the fatal rules a run adds (``--list-rules``).
 
     Raises:
-        UsageError: a code or prefix that matches no rule.
+        UsageError: a code or prefix that matches no rule, or ``ignore`` leaves none of the rules ``select`` chose (as
+            a run refuses it: ``rules --select O --ignore O`` listed no rule, exit 0).
     """
     select_rules(select, ignore)  # the codes checked as a run checks them
     sel, ign = split_codes(select), split_codes(ignore)
-    return [RULES[c] for c in sorted(RULES) if _chosen(c, sel, ign)]
+    listed = [RULES[c] for c in sorted(RULES) if _chosen(c, sel, ign)]
+    if sel and not listed:
+        raise UsageError(
+            f"`ignore` {', '.join(ign)} leaves none of the rules `select` {', '.join(sel)} chose: nothing would be "
+            "checked",
+            param="select",
+            hint="drop the `ignore` codes that cover the selection, or select other rules",
+        )
+    return listed

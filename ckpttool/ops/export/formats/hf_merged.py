@@ -251,7 +251,7 @@ def lora_merges(
     import numpy as np
 
     from ckpttool.ops.export.execute import _read_whole
-    from ckpttool.ops.export.lora import INFERRED_SCALING
+    from ckpttool.ops.export.lora import INFERRED_SCALING, verl_alpha_hint
     from ckpttool.ops.export.merge import LoraMerge, lora_scaling
 
     out: dict[str, SlabTransform] = {}
@@ -264,6 +264,7 @@ def lora_merges(
             a = _read_whole(reader, pair.a_key).float().numpy()
             read.append((t, pair, a, _read_whole(reader, pair.b_key).float().numpy()))
     conv = _conv1d_weights(read, config, model_config, plan.warnings)
+    hint = verl_alpha_hint(getattr(reader, "path", None)) if lora_alpha is None else None
     for t, pair, a, b in read:
         w = t.selected.source
         fits = len(w.shape) == 2 and a.ndim == 2 and b.ndim == 2 and b.shape[1] == a.shape[0]
@@ -276,7 +277,7 @@ def lora_merges(
                 fqn=w.key,
                 hint="the lora_A / lora_B tensors do not belong to this base weight",
             )
-        scale = lora_scaling(pair.module, a.shape[0], config, lora_alpha)
+        scale = lora_scaling(pair.module, a.shape[0], config, lora_alpha, hint)
         m = LoraMerge(a, b, scale, w.dtype, t.pieces[0].dtype)
         m.nonzero = bool(a.any() and b.any())  # type: ignore[attr-defined]
         out[w.key] = m

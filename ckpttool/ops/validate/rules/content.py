@@ -20,7 +20,7 @@ from collections import defaultdict
 from collections.abc import Callable, Iterator
 from typing import Any, cast
 
-from ckpttool.errors import CkptError
+from ckpttool.errors import ChunkError, CkptError
 from ckpttool.format.metadata import DTYPE_ITEMSIZE, ChunkMeta, TensorMeta
 from ckpttool.model.catalog import TensorEntry
 from ckpttool.model.discovery import named_step
@@ -463,8 +463,9 @@ def duplicated_chunks(ctx: Context) -> Iterator[tuple[str, str]]:
             yield (
                 key,
                 (
-                    f"{key}: chunks at {' and '.join(_chunk_at(meta, s) for s in starts[:4])} hold bitwise identical "
-                    f"values ({n} {meta.dtype.name} each)"
+                    f"{key}: chunks at {' and '.join(_chunk_at(meta, s) for s in starts[:4])}"
+                    + (f" and {len(starts) - 4} more" if len(starts) > 4 else "")
+                    + f" hold bitwise identical values ({n} {meta.dtype.name} each)"
                     + (f"; {len(same) - 1} more such groups" if len(same) > 1 else "")
                     + ": one shard's bytes stored in another's place"
                 ),
@@ -554,7 +555,8 @@ class _StorageOf:
 
 def _rank_local_replicas(ctx: Context) -> Iterator[tuple[str, str]]:
     """The copies a ``dcp.save(use_collectives=False)`` save's higher ranks wrote of a chunk a lower rank wrote too
-    (each rank's ``dcp.load`` reads its own), compared with the lowest rank's on their values (``--deep``)."""
+    (each rank's ``dcp.load`` reads its own), compared with the lowest rank's on their values (``--deep``); a copy
+    whose archive cannot be read (``E301``: only that rank reads it, so no other rule does) is named too."""
     from ckpttool.format.locator import locate_chunk
     from ckpttool.format.metadata import StorageInfo
 
@@ -568,10 +570,20 @@ def _rank_local_replicas(ctx: Context) -> Iterator[tuple[str, str]]:
         if chunk is None or not chunk.numel:
             continue
         try:
-            mine, other = (
-                ctx.reader.locate(key, chunk),
-                locate_chunk(cast(Any, _StorageOf(ctx.reader, info)), key, chunk),
+            mine = ctx.reader.locate(key, chunk)
+        except CkptError:  # the lowest rank's copy: S010 names it
+            continue
+        try:
+            other = locate_chunk(cast(Any, _StorageOf(ctx.reader, info)), key, chunk)
+        except ChunkError as e:  # read by that rank's dcp.load alone: never passed over as equal
+            yield (
+                key,
+                f"{key} at {list(offsets)}: {info.relative_path}'s copy cannot be read ({e.message}), so that rank's dcp.load fails on it",
             )
+            continue
+        except CkptError:  # its file missing or short: S002/S003 name it
+            continue
+        try:
             if not (mine.raw and other.raw):  # compressed or strided records: not compared
                 continue
             msg = _replica_difference(
