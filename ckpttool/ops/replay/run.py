@@ -66,7 +66,7 @@ from ckpttool.ops.replay.plan import ITEMSIZE, Hyper, ParamPlan, make_batches, p
 from ckpttool.ops.replay.slabs import StackedSlabs, TensorSlabs
 from ckpttool.ops.state_checks import MOMENTS, exp_avg_lost, step_not_count, synthesized_params
 from ckpttool.ops.tensors import to_canonical
-from ckpttool.optim_state.bounds import adam_ratio_bound, beta1_span
+from ckpttool.optim_state.bounds import adam_ratio_bound, beta1_span, fp16_step_factor, fp16_underflow_margin
 
 # the public names are re-exported (and listed in ``__all__``) by ``ckpttool.ops.replay``
 
@@ -102,8 +102,9 @@ class UpdateSize:
         rel_to_param: ``max_update / max_param`` (0 when the tensor has no scale to compare with: ``max_param``
             is 0, or between ``UPDATE_ZERO_INIT_FLOOR * lr`` and ``step_before * lr * direction_bound *
             UPDATE_BOUND_SLACK``, the distance its saved steps can have moved it from zero, as a zero-initialised
-            bias early in training).
-        direction: ``max |m_hat| / (sqrt(v_hat) + eps)`` of the last step (the update in units of lr).
+            bias early in training; with FP16 moments times :func:`~ckpttool.optim_state.bounds.fp16_step_factor`).
+        direction: ``max |m_hat| / (sqrt(v_hat) + eps)`` of the last step (the update in units of lr); with FP16
+            moments ``v`` takes :func:`~ckpttool.optim_state.bounds.fp16_underflow_margin` (what underflow took).
         direction_bound: :func:`~ckpttool.optim_state.bounds.adam_ratio_bound` at that step.
     """
 
@@ -1536,6 +1537,8 @@ class _SlabContext:
 
         if self.steps != 1 or self.ref_dtype != torch.float64 or slab_kernel() is None:
             return None
+        if self.p.moment_dtype == "float16":  # FP16 moments: rounded and given the underflow margin (torch path)
+            return None
         if self.has_master and "master_weight" not in self.actual:
             return None
         live = [self.param, self.grads[0], *self.actual.values()]
@@ -1605,7 +1608,10 @@ class _SlabContext:
         d = float((rs["theta"] - theta.to(rs["theta"].dtype)).abs_().max().item())
         pmax = float(theta.abs().max().item())
         m_hat = rs["m"].abs() / (1 - h.beta1**t)
-        denom = (rs["v"] / (1 - h.beta2**t)).sqrt_().add_(h.eps)
+        v = rs["v"]
+        if self.p.moment_dtype == "float16":  # what underflow took from v (docs/replay.md, "Update size")
+            v = v + fp16_underflow_margin(t, h.beta2)
+        denom = (v / (1 - h.beta2**t)).sqrt_().add_(h.eps)
         u = float(m_hat.div_(denom).max().item())
         return d, pmax, (u if u == u else math.inf)
 
@@ -1658,6 +1664,7 @@ class _SlabContext:
                 dtype=ref,
                 lr_dtype=self.lr_dtype,
                 betas_dtype=self.betas_dtype,
+                moment_dtype=torch.float16 if p.moment_dtype == "float16" else None,
             )
             if k < self.steps - 1:  # the optimizer stores its state in these dtypes between steps
                 new_theta = new_theta.to(torch.float32 if self.has_master else pt).to(ref)
@@ -1845,6 +1852,8 @@ class _SlabContext:
         # than lr is not (a saved lr far beyond the weights' scale: judged).
         lr = abs(p.hyper.lr)
         reach = r.step_before * lr * bound * UPDATE_BOUND_SLACK
+        if p.moment_dtype == "float16":  # an underflowed FP16 exp_avg_sq moved elements beyond lr * bound
+            reach *= fp16_step_factor(p.hyper.beta2, p.hyper.eps)
         rel = d / pmax if pmax > 0 and not lr * UPDATE_ZERO_INIT_FLOOR <= pmax <= reach else 0.0
         r.update = UpdateSize(d, pmax, rel, u, bound)
         if r.update.ok:
