@@ -12,10 +12,10 @@ from ckpttool.ops.replay import ReplayOptions, replay_step
 
 
 def _fp16_run(
-    tmp_path: Path, steps: int, eps: float, zero_exp_avg_sq: str | None = None
+    tmp_path: Path, steps: int, eps: float, zero_exp_avg_sq: str | None = None, fused: bool = False
 ) -> tuple[Path, Path, Any, Any]:
     """A model in FP16 stepped ``steps`` times by ``torch.optim.AdamW(lr=1e-3, eps=eps)`` and saved by ``dcp.save`` of
-    ``get_state_dict`` (``zero_exp_avg_sq``: that parameter's saved ``exp_avg_sq`` zeroed); the next step's gradients
+    ``get_state_dict`` (``fused``: torch's fused kernel; ``zero_exp_avg_sq``: that parameter's saved ``exp_avg_sq`` zeroed); the next step's gradients
     in ``g.safetensors``. Returns (checkpoint, gradients file, model, optimizer) before that step.
 
     With ``eps`` 1e-4 an embedding, a LayerNorm and two Linears whose gradients are small: many ``exp_avg_sq``
@@ -36,7 +36,7 @@ def _fp16_run(
     else:
         model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Linear(32, 8)).half()
         batch, scale, loss_scale = (lambda: torch.randn(4, 16).half()), 1e-3, 1e4
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, eps=eps)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, eps=eps, **({"fused": True} if fused else {}))
     for _ in range(steps):
         opt.zero_grad()
         (model(batch()).float().pow(2).mean() * loss_scale).backward()
@@ -62,19 +62,23 @@ def _replay(ck: Path, grads: Path, **kw: Any) -> tuple[Any, dict[str, dict[str, 
     return res, got
 
 
-@pytest.mark.parametrize("eps", [1e-8, 1e-4])
+@pytest.mark.parametrize(
+    ("eps", "fused"), [(1e-8, False), (1e-4, False), (1e-4, True)], ids=["eps1e-8", "eps1e-4", "eps1e-4-fused"]
+)
 @pytest.mark.parametrize("steps", [1, 4, 10])
 def test_a_healthy_fp16_adamw_save_replays_ok_and_equals_torchs_next_step(
-    tmp_path: Path, steps: int, eps: float
+    tmp_path: Path, steps: int, eps: float, fused: bool
 ) -> None:
     """A pure-FP16 AdamW save (model.half(), a few real steps) FAILED (E700) although the replay was torch's own
     next step bitwise: '3.weight: update size [R003]: max |m_hat|/(sqrt(v_hat)+eps) 31.3 (update/lr) beyond 1.01'
     (torch's FP16 exp_avg_sq underflows to subnormals and 0) and 'exp_avg_sq: 4 element(s) beyond tolerance (max abs
     1.66e-08 ...); param: 943 element(s) beyond tolerance' (the float64 reference kept values FP16 cannot hold, e.g.
     1.7e-8 where 0 is stored, and took another update). The reference now rounds FP16 moments as torch does
-    before the parameter update, and R003 allows what underflow took from v: OK, with the formula reference,
-    one step and two, and the replayed values equal torch.optim.AdamW's next step bitwise."""
-    ck, grads, model, opt = _fp16_run(tmp_path, steps, eps)
+    before the parameter update (the fused kernel updates from the unrounded ones: not rounded there), allows an
+    FP16 subnormal ulp in the moments, and R003 allows what underflow took from v: OK, with the formula reference,
+    one step and two, with replay-step's own seeded gradients too, and the replayed values equal
+    torch.optim.AdamW's next step bitwise."""
+    ck, grads, model, opt = _fp16_run(tmp_path, steps, eps, fused=fused)
     sq = torch.cat([s["exp_avg_sq"].reshape(-1) for s in opt.state.values()])
     # the saved state holds FP16 subnormals or zeros (what the fix is about); eps 1e-8's later steps no longer do
     assert bool((sq < 2.0**-14).any()) == (eps == 1e-4 or steps == 1)
@@ -83,6 +87,8 @@ def test_a_healthy_fp16_adamw_save_replays_ok_and_equals_torchs_next_step(
     assert all(r.update is not None and r.update.direction <= r.update.direction_bound for r in res.params)
     res2, _ = _replay(ck, grads, steps=2)
     assert res2.ok, [(r.fqn, r.problems) for r in res2.failed]
+    seeded = replay_step(ck, ReplayOptions(device="cpu"))  # generated gradients (scale 1e-3), as the CLI's default
+    assert seeded.ok, [(r.fqn, r.problems) for r in seeded.failed]
     from safetensors.torch import load_file
 
     g = load_file(str(grads))
