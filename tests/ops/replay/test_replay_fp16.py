@@ -12,10 +12,11 @@ from ckpttool.ops.replay import ReplayOptions, replay_step
 
 
 def _fp16_run(
-    tmp_path: Path, steps: int, eps: float, zero_exp_avg_sq: str | None = None, fused: bool = False
+    tmp_path: Path, steps: int, eps: float, mutate: Any = None, fused: bool = False
 ) -> tuple[Path, Path, Any, Any]:
     """A model in FP16 stepped ``steps`` times by ``torch.optim.AdamW(lr=1e-3, eps=eps)`` and saved by ``dcp.save`` of
-    ``get_state_dict`` (``fused``: torch's fused kernel; ``zero_exp_avg_sq``: that parameter's saved ``exp_avg_sq`` zeroed); the next step's gradients
+    ``get_state_dict`` (``fused``: torch's fused kernel; ``mutate(state)`` first changes a copy of the optimizer
+    state's ``state`` entries); the next step's gradients
     in ``g.safetensors``. Returns (checkpoint, gradients file, model, optimizer) before that step.
 
     With ``eps`` 1e-4 an embedding, a LayerNorm and two Linears whose gradients are small: many ``exp_avg_sq``
@@ -43,10 +44,9 @@ def _fp16_run(
         opt.step()
     assert all(bool(p.isfinite().all()) for p in model.parameters())
     msd, osd = get_state_dict(model, opt)
-    if zero_exp_avg_sq is not None:
-        osd = {**osd, "state": {**osd["state"]}}
-        osd["state"][zero_exp_avg_sq] = {**osd["state"][zero_exp_avg_sq]}
-        osd["state"][zero_exp_avg_sq]["exp_avg_sq"] = torch.zeros_like(osd["state"][zero_exp_avg_sq]["exp_avg_sq"])
+    if mutate is not None:  # a copy: the live optimizer keeps its own state
+        osd = {**osd, "state": {k: dict(v) for k, v in osd["state"].items()}}
+        mutate(osd["state"])
     save_quiet({"model": msd, "optimizer": osd}, tmp_path / "ck")
     gen = torch.Generator().manual_seed(7)
     grads = {n: torch.randn(p.shape, generator=gen) * scale for n, p in model.named_parameters()}
@@ -104,10 +104,30 @@ def test_a_healthy_fp16_adamw_save_replays_ok_and_equals_torchs_next_step(
 def test_a_zeroed_fp16_exp_avg_sq_still_fails(tmp_path: Path) -> None:
     """The FP16 underflow allowance does not excuse a zeroed FP16 exp_avg_sq beside a trained exp_avg: the update of
     1.weight is beyond Adam's bound even with what underflow can take from v (R003, E700)."""
-    ck, grads, _, _ = _fp16_run(tmp_path, 4, 1e-4, zero_exp_avg_sq="1.weight")
+
+    def zero(state: dict[str, Any]) -> None:
+        state["1.weight"]["exp_avg_sq"] = torch.zeros_like(state["1.weight"]["exp_avg_sq"])
+
+    ck, grads, _, _ = _fp16_run(tmp_path, 4, 1e-4, mutate=zero)
     res, _ = _replay(ck, grads)
     assert not res.ok
     assert [r.fqn for r in res.failed] == ["1.weight"]
     (bad,) = res.failed
     assert bad.problems[0].startswith("update size [R003]: max |m_hat|/(sqrt(v_hat)+eps) ")
     assert bad.update.direction > 1.5 * bad.update.direction_bound
+
+
+def test_a_reset_step_on_an_fp16_save_still_fails(tmp_path: Path) -> None:
+    """Ten steps of FP16 AdamW saved with every step reset to 1 (a resume that kept the moments, not the counter):
+    the bias correction of step 2 makes the update beyond Adam's bound (R003), the underflow allowance
+    notwithstanding."""
+
+    def reset(state: dict[str, Any]) -> None:
+        for entry in state.values():
+            entry["step"] = torch.tensor(1.0)
+
+    ck, grads, _, _ = _fp16_run(tmp_path, 10, 1e-4, mutate=reset)
+    res, _ = _replay(ck, grads)
+    assert not res.ok
+    assert res.failed and all(r.update is not None for r in res.failed)
+    assert any(r.update.direction > r.update.direction_bound * 1.1 for r in res.failed)
