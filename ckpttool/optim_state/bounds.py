@@ -16,6 +16,11 @@ between a param group's ``base_momentum`` and ``max_momentum``), each weight of 
 ``(1-b1_i) * prod_{j>i} b1_j``, is at most ``(1-lo) hi^(t-i)``, so the same steps give the bound with
 ``(1-lo)`` for ``(1-b1)`` and ``hi^2/b2`` for ``b1^2/b2``; the bias correction is the saved ``b1``'s (torch's
 ``1 - b1^t`` with the ``b1`` of the step).
+
+An FP16 ``exp_avg_sq`` (``model.half()`` with torch's AdamW) holds no value below ``2**-24`` but zero: torch rounds
+``v`` to FP16 twice a step (``mul_(beta2)``, ``addcmul_``), each time losing up to half a subnormal ulp, ``2**-25``,
+so the stored ``v_t`` is below Adam's by at most :func:`fp16_underflow_margin`; the bound holds for the stored
+moments with that margin added to ``v_t`` (``validate``'s ``D007`` allows an underflowed FP16 ``v`` likewise).
 """
 
 from __future__ import annotations
@@ -23,7 +28,10 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping
 
-__all__ = ["adam_ratio_bound", "beta1_span"]
+__all__ = ["FP16_SUBNORMAL", "adam_ratio_bound", "beta1_span", "fp16_step_factor", "fp16_underflow_margin"]
+
+#: The smallest positive FP16 value (its subnormal ulp): an FP16 ``exp_avg_sq`` rounds to a multiple of it below 2**-14.
+FP16_SUBNORMAL = 2.0**-24
 
 
 def beta1_span(group: Mapping[str, object]) -> tuple[float, float] | None:
@@ -73,3 +81,39 @@ def adam_ratio_bound(
     if not bias_corrected:
         return raw
     return raw * math.sqrt(1 - beta2**t) / (1 - beta1**t)
+
+
+def fp16_underflow_margin(step: float, beta2: float) -> float:
+    """How far below Adam's own ``v_t`` an FP16-stored ``exp_avg_sq`` can be after ``step`` steps from underflow alone.
+
+    Each step rounds ``v`` twice (``2**-25`` at most each below 2**-14: :data:`FP16_SUBNORMAL` a step), and
+    ``beta2`` decays what earlier steps lost: ``2**-24 * sum_{k<t} beta2^k``. Above 2**-14 the rounding is relative
+    (an FP16 ulp), as BF16's, and is not counted here.
+
+    Args:
+        step: steps taken (``t >= 1``; smaller values count as 1).
+        beta2: the group's ``betas[1]``.
+
+    Returns:
+        The margin (``2**-24 * t`` for ``beta2`` outside ``[0, 1)``).
+    """
+    t = max(1, int(step))
+    if not 0 <= beta2 < 1:
+        return FP16_SUBNORMAL * t
+    return FP16_SUBNORMAL * (1 - beta2**t) / (1 - beta2)
+
+
+def fp16_step_factor(beta2: float, eps: float) -> float:
+    """How many times ``lr * adam_ratio_bound`` one step can move an element whose ``exp_avg_sq`` is stored in FP16.
+
+    :func:`fp16_underflow_margin` over ``1 - beta2^t`` is at most ``c = 2**-24 / (1 - beta2)`` at every step, so
+    ``|m_hat| <= bound * sqrt(v_hat + c)`` with the stored ``v_hat``, and ``|m_hat| / (sqrt(v_hat) + eps)`` is at most
+    ``bound * (1 + sqrt(c) / eps)``: about 78 with ``beta2`` 0.999 and ``eps`` 1e-4 (torch's own first step of an
+    element whose ``(1 - beta2) * g**2`` underflows moves it by ``lr * |g| / eps``, not ``lr``).
+
+    Returns:
+        The factor; ``inf`` for ``beta2`` outside ``[0, 1)`` or ``eps <= 0``.
+    """
+    if not (0 <= beta2 < 1 and eps > 0):
+        return math.inf
+    return 1 + math.sqrt(FP16_SUBNORMAL / (1 - beta2)) / eps

@@ -67,6 +67,7 @@ def reference_adamw_step(
     via: Literal["formula", "torch"] = "formula",
     lr_dtype: torch.dtype | None = None,
     betas_dtype: torch.dtype | None = None,
+    moment_dtype: torch.dtype | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, float]:
     """One AdamW step from the formula (or, ``via="torch"``, by ``torch.optim.AdamW``), on widened clones.
 
@@ -85,6 +86,10 @@ def reference_adamw_step(
             ``foreach=False``, ``fused=False``: the formula's cross-check).
         lr_dtype: the dtype of an ``lr`` the run passed as a tensor to a for-loop step (formula only):
             :func:`tensor_lr_scalars`; ``betas_dtype``: that of betas it passed as tensors, likewise.
+        moment_dtype: the dtype the run stores the moments in, where its step rounds them to it between the moment
+            update and the parameter update (formula only; ``torch.float16``: torch's FP16 moments, whose underflow
+            to subnormals and zero changes the update; ``None``: unrounded). The returned moments are the rounded
+            ones.
 
     Returns:
         ``(new_master, new_exp_avg, new_exp_avg_sq, new_step)``: three new tensors of shape
@@ -118,6 +123,8 @@ def reference_adamw_step(
     theta = theta * decay
     m = beta1 * m + (1.0 - beta1) * g
     v = beta2 * v + (1.0 - beta2) * g * g
+    if moment_dtype is not None:  # the moments as the run stores them, which its parameter update reads
+        m, v = m.to(moment_dtype).to(dtype), v.to(moment_dtype).to(dtype)
     m_hat = m / bias_correction1
     v_hat = v / bias_correction2
     theta = theta - lr * m_hat / (torch.sqrt(v_hat) + eps)

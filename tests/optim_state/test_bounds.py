@@ -152,3 +152,33 @@ def test_a_run_whose_scheduler_cycled_beta1_is_not_beyond_the_bound(tmp_path: Pa
     d007 = [f["message"] for f in json.loads(res.stdout)["findings"] if f["code"] == "D007"]
     lo, hi = beta1_span(opt.param_groups[0]) or (0, 0)
     assert len(d007) == 2 and all(f"betas[0] cycled within [{lo:g}, {hi:g}]" in m for m in d007), d007
+
+
+@pytest.mark.parametrize("b2", [0.999, 0.95])
+@pytest.mark.parametrize("t", [1, 3, 20])
+def test_fp16_underflow_margin_bounds_what_torchs_fp16_exp_avg_sq_loses(b2: float, t: int) -> None:
+    """torch.optim.AdamW on an FP16 parameter fed gradients whose (1 - b2) g^2 lies around FP16's subnormals stores an
+    exp_avg_sq below Adam's float64 recursion by at most fp16_underflow_margin (subnormal rounding; above it by no
+    more than that and an FP16 ulp); and its update is within lr * bound * fp16_step_factor (eps 1e-4), far beyond lr."""
+    from ckpttool.optim_state.bounds import fp16_step_factor, fp16_underflow_margin
+
+    gen = torch.Generator().manual_seed(t)
+    p = torch.nn.Parameter(torch.zeros(4096, dtype=torch.float16))
+    opt = torch.optim.AdamW([p], lr=1e-3, betas=(0.9, b2), eps=1e-4, weight_decay=0.0)
+    v64 = torch.zeros(4096, dtype=torch.float64)
+    moved = 0.0
+    for k in range(1, t + 1):
+        g = (torch.randn(4096, generator=gen) * math.sqrt(2.0**-24 / (1 - b2))).half()
+        before = p.detach().double().clone()
+        p.grad = g
+        opt.step()
+        moved = max(moved, float((p.detach().double() - before).abs().max()))
+        v64 = b2 * v64 + (1 - b2) * g.double() ** 2
+        assert moved <= 1e-3 * adam_ratio_bound(k, 0.9, b2) * fp16_step_factor(b2, 1e-4)
+        if k == 1:  # underflow happened: some v rounded to 0
+            assert bool((opt.state[p]["exp_avg_sq"] == 0).any())
+    v16 = opt.state[p]["exp_avg_sq"].double()
+    lost = float((v64 - v16).max())
+    assert 0 < lost <= fp16_underflow_margin(t, b2)
+    assert bool(((v16 - v64).abs() <= fp16_underflow_margin(t, b2) + 2.0**-10 * v64).all())  # rounded either way
+    assert moved > 1e-3 * 2  # torch's own update of an underflowed element is beyond lr

@@ -66,7 +66,13 @@ from ckpttool.ops.replay.plan import ITEMSIZE, Hyper, ParamPlan, make_batches, p
 from ckpttool.ops.replay.slabs import StackedSlabs, TensorSlabs
 from ckpttool.ops.state_checks import MOMENTS, exp_avg_lost, step_not_count, synthesized_params
 from ckpttool.ops.tensors import to_canonical
-from ckpttool.optim_state.bounds import adam_ratio_bound, beta1_span
+from ckpttool.optim_state.bounds import (
+    FP16_SUBNORMAL,
+    adam_ratio_bound,
+    beta1_span,
+    fp16_step_factor,
+    fp16_underflow_margin,
+)
 
 # the public names are re-exported (and listed in ``__all__``) by ``ckpttool.ops.replay``
 
@@ -102,8 +108,9 @@ class UpdateSize:
         rel_to_param: ``max_update / max_param`` (0 when the tensor has no scale to compare with: ``max_param``
             is 0, or between ``UPDATE_ZERO_INIT_FLOOR * lr`` and ``step_before * lr * direction_bound *
             UPDATE_BOUND_SLACK``, the distance its saved steps can have moved it from zero, as a zero-initialised
-            bias early in training).
-        direction: ``max |m_hat| / (sqrt(v_hat) + eps)`` of the last step (the update in units of lr).
+            bias early in training; with FP16 moments times :func:`~ckpttool.optim_state.bounds.fp16_step_factor`).
+        direction: ``max |m_hat| / (sqrt(v_hat) + eps)`` of the last step (the update in units of lr); with FP16
+            moments ``v`` takes :func:`~ckpttool.optim_state.bounds.fp16_underflow_margin` (what underflow took).
         direction_bound: :func:`~ckpttool.optim_state.bounds.adam_ratio_bound` at that step.
     """
 
@@ -1385,7 +1392,18 @@ def _reference_pass(
                     st = opt.state.get(param, {})
                     dtypes = for_loop_scalar_dtypes(opt.param_groups[0], param)
                     ctx = _SlabContext(
-                        member, r, param.detach(), st, grads, slabs, steps, rtol, atol, ref_dtype, dtypes
+                        member,
+                        r,
+                        param.detach(),
+                        st,
+                        grads,
+                        slabs,
+                        steps,
+                        rtol,
+                        atol,
+                        ref_dtype,
+                        dtypes,
+                        fused=bool(opt.param_groups[0].get("fused")),
                     )
                     bounds = [(a, min(a + ctx.slab, member.numel)) for a in range(0, member.numel, ctx.slab)]
                     parts = map_ordered(ctx.run, bounds, workers=workers)
@@ -1496,8 +1514,14 @@ class _SlabContext:
         atol: float,
         ref_dtype: Any,
         scalar_dtypes: tuple[Any, Any] = (None, None),
+        *,
+        fused: bool = False,
     ) -> None:
         self.p, self.r, self.st, self.steps = p, r, st, steps
+        # torch.optim.AdamW's for-loop and foreach steps read FP16 moments as stored (rounded) in the parameter
+        # update; its fused kernel computes the update from the unrounded ones (docs/replay.md, "Tolerance")
+        self.fp16_moments = p.moment_dtype == "float16"
+        self.rounds_moments = self.fp16_moments and p.optimizer_type == "adamw" and not fused
         self.rtol, self.atol, self.ref_dtype = rtol, atol, ref_dtype
         # the dtypes of a tensor lr and tensor betas where the run's step formed its scalars in them
         self.lr_dtype, self.betas_dtype = scalar_dtypes  # for_loop_scalar_dtypes
@@ -1535,6 +1559,8 @@ class _SlabContext:
         from ckpttool.ops.replay.kernel import KINDS, constants, slab_kernel
 
         if self.steps != 1 or self.ref_dtype != torch.float64 or slab_kernel() is None:
+            return None
+        if self.fp16_moments:  # FP16 moments: rounded, their underflow allowed for (the torch path)
             return None
         if self.has_master and "master_weight" not in self.actual:
             return None
@@ -1605,7 +1631,10 @@ class _SlabContext:
         d = float((rs["theta"] - theta.to(rs["theta"].dtype)).abs_().max().item())
         pmax = float(theta.abs().max().item())
         m_hat = rs["m"].abs() / (1 - h.beta1**t)
-        denom = (rs["v"] / (1 - h.beta2**t)).sqrt_().add_(h.eps)
+        v = rs["v"]
+        if self.fp16_moments:  # what underflow took from v (docs/replay.md, "Update size")
+            v = v + fp16_underflow_margin(t, h.beta2)
+        denom = (v / (1 - h.beta2**t)).sqrt_().add_(h.eps)
         u = float(m_hat.div_(denom).max().item())
         return d, pmax, (u if u == u else math.inf)
 
@@ -1658,6 +1687,7 @@ class _SlabContext:
                 dtype=ref,
                 lr_dtype=self.lr_dtype,
                 betas_dtype=self.betas_dtype,
+                moment_dtype=torch.float16 if self.rounds_moments else None,
             )
             if k < self.steps - 1:  # the optimizer stores its state in these dtypes between steps
                 new_theta = new_theta.to(torch.float32 if self.has_master else pt).to(ref)
@@ -1682,16 +1712,17 @@ class _SlabContext:
         steps = self.steps
 
         def check(
-            actual: Any, ref: str, stored: str, arithmetic: str, carried: str, late_path: Any = None
+            actual: Any, ref: str, stored: str, arithmetic: str, carried: str, late_path: Any = None, atol: float = 0.0
         ) -> FieldError:
             """``actual`` against the reference ``rs[ref]`` (its scale ``rs["scale_" + ref]``); ``carried``: the
-            dtype whose per-step rounding the saved value carries; ``late_path``: the master's and param's."""
+            dtype whose per-step rounding the saved value carries; ``late_path``: the master's and param's; ``atol``:
+            added to the user's."""
             return compare_field(
                 actual,
                 rs[ref],
                 rs[f"scale_{ref}"],
                 rtol=self.rtol,
-                atol=self.atol,
+                atol=self.atol + atol,
                 stored=stored,
                 arithmetic=arithmetic,
                 late_path=late_path,
@@ -1705,8 +1736,10 @@ class _SlabContext:
             fields["master_weight"] = check(master, "theta", "float32", "float32", "float32", late)
             res["writeback_unequal"] = count_unequal(param, master.to(pt))
             res["param_vs_reference_unequal"] = count_unequal(param, rs["theta"].to(pt))
+        # an FP16 moment below 2**-14 rounds to a multiple of 2**-24: torch's may be the reference's neighbour
+        sub = FP16_SUBNORMAL * steps if self.fp16_moments else 0.0
         for f, key in (("exp_avg", "m"), ("exp_avg_sq", "v")):
-            fields[f] = check(self.actual[f][a:b].cpu(), key, p.moment_dtype, arith, p.moment_dtype)
+            fields[f] = check(self.actual[f][a:b].cpu(), key, p.moment_dtype, arith, p.moment_dtype, atol=sub)
         fields["param"] = check(param, "theta", p.dtype, arith, "float32" if self.has_master else p.dtype, late)
         return fields
 
@@ -1845,6 +1878,8 @@ class _SlabContext:
         # than lr is not (a saved lr far beyond the weights' scale: judged).
         lr = abs(p.hyper.lr)
         reach = r.step_before * lr * bound * UPDATE_BOUND_SLACK
+        if self.fp16_moments:  # an underflowed FP16 exp_avg_sq moved elements beyond lr * bound
+            reach *= fp16_step_factor(p.hyper.beta2, p.hyper.eps)
         rel = d / pmax if pmax > 0 and not lr * UPDATE_ZERO_INIT_FLOOR <= pmax <= reach else 0.0
         r.update = UpdateSize(d, pmax, rel, u, bound)
         if r.update.ok:
