@@ -6,11 +6,9 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Annotated, Any
+from typing import Any
 
-import typer
-
-from ckpttool.ui.options import JsonOpt, examples
+from ckpttool.ui.options import IgnoreOpt, JsonOpt, SelectOpt, examples
 from ckpttool.ui.output import command_boundary, emit_json, writing_stdout
 
 RULES_SCHEMA = "ckpttool.rules/1"
@@ -59,20 +57,6 @@ def print_rules(json_output: bool, select: Sequence[str] = (), ignore: Sequence[
             ],
             [[r["code"], r["name"], r["severity"], ",".join(r["needs"]) or "-", r["summary"]] for r in doc["rules"]],
         )
-
-
-#: ``--select`` / ``--ignore`` as ``validate`` takes them (``validate --list-rules --select O`` lists the same rules).
-SelectOpt = Annotated[
-    list[str] | None,
-    typer.Option(
-        "--select",
-        help="List only rules whose code starts with one of these (comma list or repeated), as validate runs them.",
-    ),
-]
-IgnoreOpt = Annotated[
-    list[str] | None,
-    typer.Option("--ignore", help="Leave out rules whose code starts with one of these (comma list or repeated)."),
-]
 
 
 @command_boundary

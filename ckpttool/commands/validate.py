@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Annotated
 import typer
 
 from ckpttool.ui import options as opt
-from ckpttool.ui.options import declaration, examples, selection
+from ckpttool.ui.options import IgnoreOpt, SelectOpt, declaration, examples, selection
 from ckpttool.ui.output import Output, command_boundary, print_error, with_flags
 
 if TYPE_CHECKING:
@@ -176,17 +176,6 @@ DeepOpt = Annotated[
         "--deep",
         help="Also read every data byte once (files in parallel): non-finite values, negative exp_avg_sq, step values, master/param divergence, tied head, corrupt chunks.",
     ),
-]
-SelectOpt = Annotated[
-    list[str] | None,
-    typer.Option(
-        "--select",
-        help="Run only rules whose code starts with one of these (comma list or repeated): S, O00, D004.",
-    ),
-]
-IgnoreOpt = Annotated[
-    list[str] | None,
-    typer.Option("--ignore", help="Skip rules whose code starts with one of these (comma list or repeated)."),
 ]
 ConfigOpt = Annotated[
     Path | None,

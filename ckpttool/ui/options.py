@@ -207,6 +207,19 @@ JsonOpt = Annotated[
         help="Write one JSON document to stdout (its JSON Schema: `ckpttool schema CMD`).",
     ),
 ]
+
+#: ``--select`` / ``--ignore`` of the rules (``validate`` runs them, ``rules`` / ``validate --list-rules`` list them).
+SelectOpt = Annotated[
+    list[str] | None,
+    typer.Option(
+        "--select",
+        help="Only rules whose code starts with one of these (comma list or repeated): S, O00, D004.",
+    ),
+]
+IgnoreOpt = Annotated[
+    list[str] | None,
+    typer.Option("--ignore", help="Leave out rules whose code starts with one of these (comma list or repeated)."),
+]
 FilterOpt = Annotated[
     str | None,
     typer.Option(
