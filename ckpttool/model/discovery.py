@@ -760,6 +760,10 @@ def _latest_step(root: Path) -> tuple[int | str, str] | None:
     """
     for name in registry.derived().discovery.latest_files:
         p = root / name
+        if (own := _tracker_not_text(root, p)) is not None:  # Bridge's torch.save; a folder or link to one
+            if own[0] is not None:
+                return own[0], name
+            continue
         try:
             if p.is_symlink() and p.is_file():  # a link to the file (a hub snapshot's blob): read as open() reads it
                 try:
@@ -825,9 +829,111 @@ def _latest_step(root: Path) -> tuple[int | str, str] | None:
 
 
 #: ``latest`` files their trainers read with ``int()`` alone (Megatron-LM's ``read_metadata``, which also takes
-#: ``release``; verl's ``find_latest_ckpt_path``): a step directory's name there (``global_step_4``) stops the resume,
-#: never followed as DeepSpeed's ``latest`` tag is.
-_INT_TRACKERS = ("latest_checkpointed_iteration.txt",)
+#: ``release``; verl's ``find_latest_ckpt_path``; SkyRL's ``load_checkpoints``, ``resume_mode: latest``): a step
+#: directory's name there (``global_step_4``) stops the resume, never followed as DeepSpeed's ``latest`` tag is; so
+#: does a folder of that name, or a link to a step directory (``open()`` raises ``IsADirectoryError``).
+_INT_TRACKERS = ("latest_checkpointed_iteration.txt", "latest_ckpt_global_step.txt")
+
+#: ``latest`` files that are a ``torch.save`` of the trainer's state, not text: Megatron Bridge's
+#: ``latest_train_state.pt`` (``TrainState.state_dict()``, its ``step`` the iteration), which its ``load_checkpoint``
+#: reads first when it is a file (``os.path.isfile``), before Megatron-LM's ``latest_checkpointed_iteration.txt``.
+_TRAIN_STATE_TRACKERS = ("latest_train_state.pt",)
+
+#: The most bytes of a ``latest_train_state.pt`` read (Bridge's is about 1.5 KB: eight 0-d tensors).
+_TRAIN_STATE_CAP = 1 << 20
+
+
+def _tracker_not_text(root: Path, p: Path) -> tuple[int | None] | None:
+    """``(iteration,)`` of tracker ``p`` that is not a text file (Megatron Bridge's ``latest_train_state.pt``:
+    :func:`_train_state_step`, ``(None,)`` when there is no file), else ``None`` (read it as text).
+
+    Raises:
+        StepNotFoundError (E205): an ``int()`` tracker (:data:`_INT_TRACKERS`) that is a folder or a link to one
+            (verl's, Megatron-LM's and SkyRL's ``open()`` fails on it); a train state naming no iteration.
+    """
+    if p.name in _TRAIN_STATE_TRACKERS:
+        return (_train_state_step(root, p),)
+    if p.name in _INT_TRACKERS and os.path.isdir(p):
+        raise _tracker_is_folder(root, p)
+    return None
+
+
+def _tracker_is_folder(root: Path, p: Path) -> StepNotFoundError:
+    """E205 for tracker ``p`` (:data:`_INT_TRACKERS`) that is a folder or a link to one (a step directory): the
+    trainers read it with ``open()`` and ``int()``, which fails there (``IsADirectoryError``)."""
+    target = os.readlink(p) if p.is_symlink() else None
+    s = _linked_step(root, target) if target is not None else None
+    what = f"a link to {target!r}, a directory" if target is not None else "a directory"
+    return StepNotFoundError(
+        f"{p}: is {what}, not a file holding the iteration (the trainer's resume reads it with open() and fails: "
+        "verl's find_latest_ckpt_path and Megatron-LM's read_metadata raise IsADirectoryError)",
+        path=p,
+        param="step",
+        hint=f"replace {p.name} with a file holding the step number alone"
+        + (f" ({s})" if s is not None else " (e.g. 100)")
+        + ", or pass `step` N",
+    )
+
+
+def _train_state_step(root: Path, p: Path) -> int | None:
+    """The iteration Megatron Bridge's ``latest_train_state.pt`` ``p`` names (its ``TrainState.state_dict()``'s
+    ``step``, a 0-d integer tensor), read by :func:`~ckpttool.format.reader.load_saved_object` (ckpttool's
+    allow-list unpickler, else ``torch.load(weights_only=True)``: no code in it runs); ``None`` when ``p`` is no file
+    (Bridge's ``os.path.isfile`` passes over it).
+
+    Raises:
+        StepNotFoundError (E205): it cannot be read, or holds no integer ``step`` of 0 or more (Bridge's resume
+            fails on it); NotRegularFileError (E102): a FIFO, device or socket; PathEscapeError (E101): a link to a
+            file outside ``root``.
+    """
+    from ckpttool.errors import CkptError
+    from ckpttool.format.files import read_regular
+    from ckpttool.format.reader import load_saved_object
+
+    try:
+        mode = os.stat(p).st_mode
+    except OSError:
+        return None
+    if stat.S_ISDIR(mode):
+        return None
+    src = resolve_inside(root, p.name, what=p.name)
+    try:
+        obj = load_saved_object(read_regular(src, _TRAIN_STATE_CAP, shown=p, what=p.name), str(p))
+        step = _saved_int(obj.get("step")) if isinstance(obj, dict) else None
+    except (CkptError, OSError) as e:
+        if isinstance(e, (NotRegularFileError, PathEscapeError)):
+            raise
+        why = e.strerror if isinstance(e, OSError) and e.strerror else str(e).splitlines()[0][:200]
+        raise StepNotFoundError(
+            f"{p}: cannot be read as Megatron Bridge's TrainState ({why}), so the iteration it names is not known "
+            "(`step` latest cannot follow it)",
+            path=p,
+            param="step",
+            hint=f"pass `step` N, or remove {p.name} (Bridge's resume then reads latest_checkpointed_iteration.txt)",
+        ) from None
+    if step is None or step < 0:
+        raise StepNotFoundError(
+            f"{p}: holds no iteration (Megatron Bridge's TrainState keeps it as an integer 'step' of 0 or more; "
+            f"found {type(obj).__name__}{' without it' if isinstance(obj, dict) and 'step' not in obj else ''}): "
+            "Bridge's resume fails on it",
+            path=p,
+            param="step",
+            hint=f"pass `step` N, or copy the train_state.pt of the iteration to resume into {p.name}",
+        )
+    return step
+
+
+def _saved_int(v: Any) -> int | None:
+    """``v`` as the int Bridge's ``TrainState.load_state_dict`` takes (``.item()`` of a one-element integer tensor,
+    or a plain int), else ``None`` (a float, bool or several elements)."""
+    if type(v) is int:
+        return v
+    if not all(callable(getattr(v, a, None)) for a in ("item", "numel", "is_floating_point", "is_complex")):
+        return None
+    if v.numel() != 1 or v.is_floating_point() or v.is_complex():
+        return None
+    x = v.item()
+    return x if type(x) is int else None
 
 
 def _not_an_iteration(p: Path, text: str, step: int | None) -> StepNotFoundError:

@@ -308,8 +308,7 @@ def test_megatron_bridge_run_with_its_own_tracker_is_no_r008(tmp_path: Path) -> 
     torch.save(state, run / "iter_0000003" / "train_state.pt")
     shutil.copy(run / "iter_0000003" / "train_state.pt", run / "latest_train_state.pt")
     loc = json.loads(runner.invoke(app, ["inspect", "--json", str(run), "--step", "latest"]).stdout)["location"]
-    assert loc["how"].startswith("`step` latest: step 3 (the highest step")
-    assert "latest_checkpointed_iteration.txt" not in loc["how"] and "from random" not in loc["how"]
+    assert loc["how"] == "`step` latest: step 3 (named by latest_train_state.pt)"  # the iteration Bridge loads
     for argv in ([str(run)], [str(run), "--step", "latest"]):
         r = runner.invoke(app, ["validate", "--json", *argv])
         assert r.exit_code == 0, r.output
@@ -535,3 +534,74 @@ def test_a_key_per_layer_saved_by_megatrons_planner_is_megatron(tmp_path: Path) 
         assert doc["key_schema"]["id"] == schema, name
     res = runner.invoke(app, ["validate", "--strict", str(tmp_path / "mcore"), "--json"])
     assert res.exit_code == 1 and [f["code"] for f in json.loads(res.stdout)["findings"]] == ["K014"], res.output
+
+
+def _bridge_train_state(step: object) -> dict:
+    """megatron.bridge.training.state.TrainState.state_dict() at ``step``, as Bridge's save_checkpoint torch.saves it
+    into iter_N/train_state.pt and copies to the save folder's latest_train_state.pt."""
+    return {
+        "step": step,
+        "consumed_train_samples": torch.tensor(24, dtype=torch.int32),
+        "skipped_train_samples": torch.tensor(0, dtype=torch.int32),
+        "consumed_valid_samples": torch.tensor(0, dtype=torch.int32),
+        "floating_point_operations_so_far": torch.tensor(0.0, dtype=torch.float64),
+        "do_train": torch.tensor(True),
+        "do_valid": torch.tensor(False),
+        "do_test": torch.tensor(False),
+    }
+
+
+def test_step_latest_follows_megatron_bridges_own_tracker(tmp_path: Path) -> None:
+    """Megatron Bridge's load_checkpoint takes the iteration from ``latest_train_state.pt`` (``read_train_state``:
+    its TrainState's ``step``), never the highest ``iter_N``. ``--step latest`` on its save folder holding iterations
+    3 and 5 with the tracker naming 3 (an interrupted run restarted from 3) took iteration 5, "the highest step". Now
+    it takes iteration 3, says step 5 is newer, and refuses a tracker naming an iteration not there (E205), one whose
+    save did not finish (E202), or one that holds no integer step (E205), each naming the file."""
+    run = shutil.copytree(DATA / "dense1", tmp_path / "run")
+    (run / "latest_checkpointed_iteration.txt").unlink()  # Bridge before its compatibility tracker writes none
+    shutil.copytree(run / "iter_0000003", run / "iter_0000005")
+    tracker = run / "latest_train_state.pt"
+    torch.save(_bridge_train_state(torch.tensor(3, dtype=torch.int32)), tracker)
+    r = runner.invoke(app, ["inspect", "--json", str(run), "--step", "latest"])
+    assert r.exit_code == 0, r.output
+    loc = json.loads(r.stdout)["location"]
+    assert loc["model"] == str(run / "iter_0000003") and loc["step"] == 3
+    assert loc["how"].startswith("`step` latest: step 3 (named by latest_train_state.pt; step 5 below it is newer")
+    (run / "latest_checkpointed_iteration.txt").write_text("5")  # Bridge reads its own tracker first
+    loc = json.loads(runner.invoke(app, ["inspect", "--json", str(run), "--step", "latest"]).stdout)["location"]
+    assert loc["step"] == 3
+    torch.save(_bridge_train_state(torch.tensor(7, dtype=torch.int32)), tracker)
+    r = runner.invoke(app, ["inspect", str(run), "--step", "latest"])
+    assert r.exit_code == 2 and "[E205]" in r.stderr and f"{tracker}: names step 7" in r.stderr, r.output
+    torch.save(_bridge_train_state(torch.tensor(5, dtype=torch.int32)), tracker)
+    (run / "iter_0000005" / "metadata.json").unlink()  # its save did not finish
+    r = runner.invoke(app, ["export", str(run), str(tmp_path / "out"), "--step", "latest"])
+    assert r.exit_code == 2 and "[E202]" in r.stderr and str(tracker) in r.stderr, r.output
+    assert not (tmp_path / "out").exists()
+    for bad in (torch.tensor(3.0), torch.tensor(True), torch.tensor([3, 5])):
+        torch.save(_bridge_train_state(bad), tracker)
+        r = runner.invoke(app, ["inspect", str(run), "--step", "latest"])
+        assert r.exit_code == 2 and "[E205]" in r.stderr and f"{tracker}: holds no iteration" in r.stderr, r.output
+        assert "Traceback" not in r.output
+
+
+def test_bridge_tracker_is_read_without_running_its_pickle(tmp_path: Path) -> None:
+    """latest_train_state.pt is a torch.save (a pickle): read by ckpttool's allow-list unpickler, a global off the
+    list (os.system) is never called; the tracker is refused (E205) naming it, not followed nor passed over."""
+    run = shutil.copytree(DATA / "dense1", tmp_path / "run")
+    flag = tmp_path / "ran"
+
+    class _Run:
+        def __reduce__(self):  # type: ignore[no-untyped-def]
+            import os
+
+            return (os.system, (f"touch {flag}",))
+
+    torch.save({"step": _Run()}, run / "latest_train_state.pt")
+    r = runner.invoke(app, ["inspect", str(run), "--step", "latest"])
+    assert r.exit_code == 2 and "[E205]" in r.stderr and str(run / "latest_train_state.pt") in r.stderr, r.output
+    assert not flag.exists()
+    (run / "latest_train_state.pt").unlink()
+    (run / "latest_train_state.pt").mkdir()  # Bridge's os.path.isfile passes over a folder: the .txt is followed
+    loc = json.loads(runner.invoke(app, ["inspect", "--json", str(run), "--step", "latest"]).stdout)["location"]
+    assert loc["how"].startswith("`step` latest: step 3 (named by latest_checkpointed_iteration.txt")

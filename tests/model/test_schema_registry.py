@@ -93,6 +93,8 @@ def test_step_directory_names() -> None:
     assert registry.derived().discovery.latest_files == (
         "LATEST",
         "LATEST.txt",
+        "latest_train_state.pt",  # Megatron Bridge's, read before Megatron-LM's .txt as Bridge's resume reads them
+        "latest_ckpt_global_step.txt",  # SkyRL's
         "latest",
         "latest_checkpointed_iteration.txt",
     )

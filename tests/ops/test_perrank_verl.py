@@ -917,3 +917,54 @@ def test_a_tracker_holding_a_step_directory_name_is_refused_as_verl_refuses_it(v
     assert find_latest_ckpt_path(str(run)) == str(run / "global_step_2")
     loc = json.loads(runner.invoke(app, ["inspect", "--json", str(run), "--step", "latest"]).stdout)["location"]
     assert loc["model"] == str(run / "global_step_2" / "actor")
+
+
+def test_step_latest_follows_skyrls_own_tracker(verl_root: Path, tmp_path: Path) -> None:
+    """SkyRL's ``load_checkpoints`` (``resume_mode: latest``) loads ``global_step_<int(latest_ckpt_global_step.txt)>``,
+    never the highest step directory. ``--step latest`` over its run root holding steps 2 and 4 with the tracker
+    naming 2 took step 4 ("the highest step"). Now it takes step 2 and says step 4 is newer; a tracker naming a step
+    not there, or a step directory's name (``int()`` fails on it), is E205 naming the file."""
+    run = tmp_path / "run"
+    for step in (2, 4):
+        shutil.copytree(_actor(verl_root, 2), run / f"global_step_{step}" / "policy")
+    tracker = run / "latest_ckpt_global_step.txt"
+    tracker.write_text("2")  # SkyRL's trainer writes str(global_step)
+    r = runner.invoke(app, ["inspect", "--json", str(run), "--step", "latest"])
+    assert r.exit_code == 0, r.output
+    loc = json.loads(r.stdout)["location"]
+    assert loc["model"] == str(run / "global_step_2" / "policy") and loc["step"] == 2
+    assert loc["how"].startswith(
+        "`step` latest: step 2 (named by latest_ckpt_global_step.txt; step 4 below it is newer"
+    )
+    for text, said in (("6", f"{tracker}: names step 6"), ("global_step_4", "is not an iteration number")):
+        tracker.write_text(text)
+        r = runner.invoke(app, ["inspect", str(run), "--step", "latest"])
+        assert r.exit_code == 2 and "[E205]" in r.stderr and said in r.stderr, r.output
+
+
+@pytest.mark.parametrize("kind", ["folder", "link"])
+def test_a_tracker_that_is_a_directory_is_e205_as_verls_resume_fails(
+    verl_root: Path, tmp_path: Path, kind: str
+) -> None:
+    """verl's ``find_latest_ckpt_path`` opens ``latest_checkpointed_iteration.txt`` and ``int()`` s its text: a folder
+    of that name, or a link to a step directory, raises IsADirectoryError, and no step is resumed. ``--step latest``
+    passed over the folder (the highest step) and followed the link as NeMo's ``LATEST`` link is. Now both are E205
+    naming the file; nothing is exported."""
+    from verl.utils.checkpoint.checkpoint_manager import find_latest_ckpt_path
+
+    run = tmp_path / "run"
+    for step in (2, 4):
+        shutil.copytree(_actor(verl_root, 2), run / f"global_step_{step}" / "actor")
+    tracker = run / "latest_checkpointed_iteration.txt"
+    if kind == "folder":
+        tracker.mkdir()
+    else:
+        tracker.symlink_to("global_step_2")
+    with pytest.raises(IsADirectoryError):  # the trainer's own resume
+        find_latest_ckpt_path(str(run))
+    r = runner.invoke(app, ["export", str(run), str(tmp_path / "out"), "--step", "latest"])
+    assert r.exit_code == 2 and "[E205]" in r.stderr and f"{tracker}: is " in r.stderr, r.output
+    assert "IsADirectoryError" in r.stderr and "Traceback" not in r.output
+    assert not (tmp_path / "out").exists()
+    r = runner.invoke(app, ["inspect", str(run), "--step", "4"])  # a step named is still opened
+    assert r.exit_code == 0, r.output

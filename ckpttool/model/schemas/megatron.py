@@ -416,6 +416,8 @@ SPEC = SchemaSpec(
         # checkpointing) saves the same iterations and resumes from its own tracker, latest_train_state.pt (a
         # torch.save of its TrainState), falling back to Megatron-LM's: its versions before the compatibility
         # tracker write only that one, so either file is the run's
+        # Bridge's load_checkpoint reads latest_train_state.pt first (its TrainState's step is the iteration)
+        latest_files=("latest_train_state.pt",),
         latest_required=(
             (
                 "latest_checkpointed_iteration.txt",

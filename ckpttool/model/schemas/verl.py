@@ -26,6 +26,8 @@ SPEC = per_rank_spec(
         # not with async_save); without it resume_mode auto prints "Training from scratch" and loads no step.
         # SkyRL (derived from verl) saves the same per-rank files in global_step_N/policy/ and resumes
         # (resume_mode latest) from its own tracker, latest_ckpt_global_step.txt: a root holding it is SkyRL's run
+        # SkyRL's load_checkpoints (resume_mode latest) loads global_step_<int(file)>
+        latest_files=("latest_ckpt_global_step.txt",),
         latest_required=(
             (
                 "latest_checkpointed_iteration.txt",
