@@ -900,10 +900,11 @@ def _train_state_step(root: Path, p: Path) -> int | None:
     try:
         obj = load_saved_object(read_regular(src, _TRAIN_STATE_CAP, shown=p, what=p.name), str(p))
         step = _saved_int(obj.get("step")) if isinstance(obj, dict) else None
-    except (CkptError, OSError) as e:
+    except (CkptError, OSError, ImportError) as e:  # ImportError: no torch for its tensors
         if isinstance(e, (NotRegularFileError, PathEscapeError)):
             raise
-        why = e.strerror if isinstance(e, OSError) and e.strerror else str(e).splitlines()[0][:200]
+        why = e.strerror if isinstance(e, OSError) and e.strerror else (getattr(e, "message", None) or str(e))
+        why = why.splitlines()[0].removeprefix(str(p)).lstrip(": ")[:200]  # the file is named once, below
         raise StepNotFoundError(
             f"{p}: cannot be read as Megatron Bridge's TrainState ({why}), so the iteration it names is not known "
             "(`step` latest cannot follow it)",

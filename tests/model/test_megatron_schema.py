@@ -600,7 +600,10 @@ def test_bridge_tracker_is_read_without_running_its_pickle(tmp_path: Path) -> No
     torch.save({"step": _Run()}, run / "latest_train_state.pt")
     r = runner.invoke(app, ["inspect", str(run), "--step", "latest"])
     assert r.exit_code == 2 and "[E205]" in r.stderr and str(run / "latest_train_state.pt") in r.stderr, r.output
-    assert not flag.exists()
+    assert not flag.exists() and "cannot be read as Megatron Bridge's TrainState" in r.stderr
+    (run / "latest_train_state.pt").write_bytes(b"3")  # not a torch.save: no iteration known, not passed over
+    r = runner.invoke(app, ["inspect", str(run), "--step", "latest"])
+    assert r.exit_code == 2 and "[E205]" in r.stderr and "not a torch.save archive" in r.stderr, r.output
     (run / "latest_train_state.pt").unlink()
     (run / "latest_train_state.pt").mkdir()  # Bridge's os.path.isfile passes over a folder: the .txt is followed
     loc = json.loads(runner.invoke(app, ["inspect", "--json", str(run), "--step", "latest"]).stdout)["location"]
