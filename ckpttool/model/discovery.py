@@ -945,7 +945,7 @@ def _not_an_iteration(p: Path, text: str, step: int | None) -> StepNotFoundError
         "'Invalid metadata file', verl's int() raises ValueError)",
         path=p,
         param="step",
-        hint=f"write the step number alone into {p.name} ({step}), remove it, or pass `step` N",
+        hint=f"write the step number alone into {p.name} ({step}), or pass `step` N",
     )
 
 
@@ -1442,8 +1442,8 @@ def _of_step(
                 path=root / pointer[1],
                 param="step",
                 hint=f"a resume that follows {pointer[1]} does not load step {want} either (the trainer fails, or "
-                f"starts from scratch): write an existing step into {pointer[1]} (or remove it "
-                "to make `step` latest the highest complete step), or pass `step` N",
+                f"starts from scratch): write an existing step into {pointer[1]}, or pass `step` N (removing the file "
+                "does not make the trainer take the highest step: Megatron-LM and verl then train from scratch)",
             )
         raise StepNotFoundError(
             f"{root}: no checkpoint of step {want} below it; steps found: {found}",

@@ -908,7 +908,7 @@ def test_a_tracker_holding_a_step_directory_name_is_refused_as_verl_refuses_it(v
         assert r.exit_code == 2 and r.stdout == "", r.output
         assert r.stderr.splitlines() == [
             f"error: [E205] {said}",
-            "hint: write the step number alone into latest_checkpointed_iteration.txt (2), remove it, or pass --step N",
+            "hint: write the step number alone into latest_checkpointed_iteration.txt (2), or pass --step N",
         ]
     assert not (tmp_path / "out").exists()
     doc = json.loads(runner.invoke(app, ["validate", "--json", str(run)]).stdout)
