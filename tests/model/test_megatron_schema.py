@@ -294,17 +294,8 @@ def test_megatron_bridge_run_with_its_own_tracker_is_no_r008(tmp_path: Path) -> 
     said so, while Bridge's resume loads the iteration its tracker names. Now either tracker is the run's."""
     run = shutil.copytree(DATA / "dense1", tmp_path / "run")
     (run / "latest_checkpointed_iteration.txt").unlink()
-    # megatron.bridge.training.state.TrainState.state_dict() at iteration 3, saved as Bridge's save_checkpoint does
-    state = {
-        "step": torch.tensor(3, dtype=torch.int32),
-        "consumed_train_samples": torch.tensor(24, dtype=torch.int32),
-        "skipped_train_samples": torch.tensor(0, dtype=torch.int32),
-        "consumed_valid_samples": torch.tensor(0, dtype=torch.int32),
-        "floating_point_operations_so_far": torch.tensor(0.0, dtype=torch.float64),
-        "do_train": torch.tensor(True),
-        "do_valid": torch.tensor(False),
-        "do_test": torch.tensor(False),
-    }
+    # Bridge's TrainState at iteration 3, saved as Bridge's save_checkpoint does
+    state = _bridge_train_state(torch.tensor(3, dtype=torch.int32))
     torch.save(state, run / "iter_0000003" / "train_state.pt")
     shutil.copy(run / "iter_0000003" / "train_state.pt", run / "latest_train_state.pt")
     loc = json.loads(runner.invoke(app, ["inspect", "--json", str(run), "--step", "latest"]).stdout)["location"]
