@@ -735,3 +735,50 @@ def test_a_parameter_at_its_constant_initialisation_is_not_D017(tmp_path: Path, 
     assert torch.equal(gamma, torch.full((256,), 1e-5 if how == "frozen" else 1.0)), gamma
     code, doc = run(tmp_path / "c", "--strict", "--deep")
     assert code == 0, doc["findings"]
+
+
+def _forged_at(t: torch.Tensor, start: int, nbytes: int = 16) -> torch.Tensor:
+    """``t`` with ``nbytes`` of its bytes from flat byte ``start`` changed so that the CRC-32 of every run holding them
+    stays the same (:func:`_crc_forged`: CRC-32 is affine in the bytes, so equal CRC-32s of a piece of equal length
+    keep the whole run's)."""
+    raw = bytearray(t.contiguous().view(torch.uint8).reshape(-1).numpy().tobytes())
+    raw[start : start + nbytes] = _crc_forged(bytes(raw[start : start + nbytes]))
+    return torch.frombuffer(raw, dtype=torch.uint8).view(t.dtype).reshape(t.shape).clone()
+
+
+def test_equal_crcs_of_different_experts_are_not_D009(ep_suite: Path, tmp_path: Path) -> None:
+    """D009 groups expert slices by their CRC-32 runs (32 bits each: among the expert pairs of 256 experts in 60
+    layers a coincidence is likely). Expert 6 made a copy of expert 1 and then 16 of its bytes changed without
+    changing the CRC-32 (forged) was named a bitwise copy; the bytes are compared now. The plain copy still is."""
+    key = "model.model.layers.1.mlp.experts.down_proj"
+
+    def copy_1_to_6(forge: bool) -> Any:
+        def fn(t: torch.Tensor) -> torch.Tensor:
+            t = t.clone()
+            t[6] = t[1]
+            return _forged_at(t, 6 * t[0].numel() * t.element_size()) if forge else t
+
+        return fn
+
+    for forge in (False, True):
+        ck = copy_checkpoint(ep_suite / "canonical", tmp_path / f"ck{forge}")
+        damage.rewrite_tensor(ck, key, copy_1_to_6(forge))
+        if forge:
+            t = damage.read_tensor(ck, key)
+            assert not torch.equal(t[6].view(torch.uint8), t[1].view(torch.uint8))
+        rc, doc = run(ck, "--deep", "--ignore", "L003")
+        assert [f["key"] for f in findings(doc, "D009")] == ([] if forge else [key]), doc["findings"]
+
+
+def test_equal_crcs_of_different_layers_are_not_D010(titan_root: Path, tmp_path: Path) -> None:
+    """Layer 1 written as a copy of layer 0, then 16 bytes of its ``wq.weight`` changed without changing
+    any CRC-32 (forged): no longer a copy, and not named one (D010 compares the bytes of digest-equal layers)."""
+    src = titan_root / "llama3" / "checkpoint" / "step-2"
+    ck = copy_checkpoint(src, tmp_path / "ck")
+    for key in [k for k in damage.load_md(src).state_dict_metadata if k.startswith("layers.1.")]:
+        layer0 = damage.read_tensor(src, key.replace("layers.1.", "layers.0."))
+        if key.endswith(".wq.weight"):
+            layer0 = _forged_at(layer0, 64)
+        damage.rewrite_tensor(ck, key, lambda _t, v=layer0: v)
+    rc, doc = run(ck, "--deep")
+    assert not findings(doc, "D010"), doc["findings"]

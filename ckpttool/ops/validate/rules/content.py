@@ -1,13 +1,11 @@
 """Content rules (``D009``-``D011``, ``D013``, ``D017``): copies, zeros and uninitialised memory that the metadata cannot show.
 
 The ``--deep`` pass records, for each floating model tensor it streams (and each master weight and moment), the
-CRC-32 of every
-chunk (and of every expert's part of a chunk for fused expert tensors ``[E, ...]``) with its
-place in global C order (:attr:`~ckpttool.ops.validate.stats.TensorStats.digests`); nothing
-is read a second time and no data is kept. Two slices are *identical* when their runs (offset
-inside the slice, length, CRC-32) are the same. Both rules stay silent on a checkpoint that
-shows no training step (sparse upcycling and depth up-scaling copy weights on purpose at step
-0). ``docs/rules.md``.
+CRC-32 of every chunk (and of every expert's part of a chunk for fused expert tensors ``[E, ...]``) with its place in
+global C order (:attr:`~ckpttool.ops.validate.stats.TensorStats.digests`); no data is kept. Two slices are
+*identical* when their runs (offset inside the slice, length, CRC-32) are the same and their bytes, read again for
+those candidates only, are equal. The rules stay silent on a checkpoint that shows no training step (sparse
+upcycling and depth up-scaling copy weights on purpose at step 0). ``docs/rules.md``.
 """
 
 from __future__ import annotations
@@ -68,6 +66,83 @@ def _groups(digests: dict[int, Any]) -> list[list[int]]:
         if d is not None:
             by[d].append(i)
     return [v for v in by.values() if len(v) > 1]
+
+
+def _run_window(ctx: Context, key: str, meta: TensorMeta, start: int, n: int) -> Any:
+    """The bytes of ``key``'s flat values ``[start, start + n)`` (global C order) as an engine
+    :class:`~ckpttool.engine.plan.Window`: a run of a digest lies inside one chunk and is contiguous in it (as the
+    deep pass cut it). ``None`` where no raw chunk holds it so (a compressed record, a damaged one: their own
+    findings say so)."""
+    from ckpttool.engine.plan import Window
+
+    size = tuple(meta.size)
+    first, last = _unravel(start, size), _unravel(start + n - 1, size)
+    for c in meta.chunks:
+        ends = [o + k for o, k in zip(c.offsets, c.sizes, strict=True)]
+        if not all(o <= a <= b < e for o, a, b, e in zip(c.offsets, first, last, ends, strict=True)):
+            continue
+        lo = _ravel([a - o for a, o in zip(first, c.offsets, strict=True)], c.sizes)
+        hi = _ravel([b - o for b, o in zip(last, c.offsets, strict=True)], c.sizes)
+        if hi - lo != n - 1:
+            return None
+        try:
+            loc = ctx.reader.locate(key, c)
+        except CkptError:
+            return None
+        if not loc.raw:
+            return None
+        item = DTYPE_ITEMSIZE[meta.dtype.name]
+        return Window(ctx.reader.fd(loc.info.relative_path), loc.data_start + lo * item, n * item)
+    return None
+
+
+def _unravel(flat: int, size: tuple[int, ...]) -> list[int]:
+    out = []
+    for d in reversed(size):
+        flat, r = divmod(flat, d) if d else (flat, 0)
+        out.append(r)
+    return out[::-1]
+
+
+def _ravel(coords: list[int], size: Any) -> int:
+    flat = 0
+    for c, d in zip(coords, size, strict=True):
+        flat = flat * d + c
+    return flat
+
+
+#: A slice of a stored tensor: its key and the flat index (global C order) of its first value.
+_Slice = tuple[str, int]
+
+
+def _same_slices(ctx: Context, a: _Slice, b: _Slice, digest: Digest) -> bool:
+    """Whether the slices at ``a`` and ``b`` whose runs both have ``digest`` hold the same values: equal CRC-32s
+    (32 bits each: among the pairs of 256 experts in 60 layers of weights and moments a coincidence is likely)
+    checked on the bytes, run by run, on the engine (:func:`~ckpttool.engine.differ.differing_values`). ``False``
+    where a run cannot be read so: no finding on the CRC-32 alone."""
+    from ckpttool.engine.differ import differing_values
+
+    ma, mb = ctx.reader.metadata.entries.get(a[0]), ctx.reader.metadata.entries.get(b[0])
+    if not isinstance(ma, TensorMeta) or not isinstance(mb, TensorMeta) or ma.dtype != mb.dtype:
+        return False
+    dtype = ma.dtype.to_torch()
+    for rel, n, _ in digest:
+        wa, wb = _run_window(ctx, a[0], ma, a[1] + rel, n), _run_window(ctx, b[0], mb, b[1] + rel, n)
+        if wa is None or wb is None:
+            return False
+        try:
+            d = differing_values(wa, dtype, wb, dtype)
+        except (OSError, EOFError, ValueError, CkptError):
+            return False
+        if d.count:
+            return False
+    return True
+
+
+def _verified(ctx: Context, digests: dict[int, Digest | None], where: dict[int, _Slice]) -> list[list[int]]:
+    """The groups of indices with equal digests (:func:`_groups`) whose first two slices (``where``) hold the same
+    bytes (:func:`_same_slices`)."""
+    return [g for g in _groups(digests) if _same_slices(ctx, where[g[0]], where[g[1]], cast(Digest, digests[g[0]]))]
 
 
 def _describe(groups: list[list[int]], what: str) -> str:
@@ -181,11 +256,8 @@ def _fused_expert_copies(ctx: Context) -> Iterator[tuple[str, str]]:
                 for i in _never_stepped_experts(ctx, moments[owner], e, layer, layers):
                     digests.pop(i, None)
             if key in state:  # experts that never got a gradient have all-zero moments: not copies
-                item = DTYPE_ITEMSIZE[meta.dtype.name]
-                digests = {
-                    i: d for i, d in digests.items() if d is None or any(c != _zero_crc(n * item) for _, n, c in d)
-                }
-            groups = _groups(digests)
+                digests = _without_zero(digests, DTYPE_ITEMSIZE[meta.dtype.name])
+            groups = _verified(ctx, digests, {true(i): (key, base + i * pe) for i in range(e)})
             if groups:
                 flagged.add(key)
                 n = sum(len(g) for g in groups)
@@ -194,6 +266,12 @@ def _fused_expert_copies(ctx: Context) -> Iterator[tuple[str, str]]:
                     key,
                     f"{where}: {n} of {e} expert slices are bitwise copies of another: {_describe(groups, 'expert')}",
                 )
+
+
+def _without_zero(digests: dict[int, Digest | None], item: int) -> dict[int, Digest | None]:
+    """``digests`` without the slices known to be all zero (every run the CRC-32 of zero bytes; ``item``: bytes a
+    value)."""
+    return {i: d for i, d in digests.items() if d is None or any(c != _zero_crc(n * item) for _, n, c in d)}
 
 
 def _frozen(ctx: Context, key: str, any_state: bool) -> bool:
@@ -230,7 +308,8 @@ def _per_expert_copies(ctx: Context) -> Iterator[tuple[str, str]]:
             keys = {i: k for i, k in keys.items() if k in moments and not never_stepped(k)}
         if len(keys) < 2:
             continue
-        groups = _groups({i: _tensor_digest(ctx, k) for i, k in keys.items()})
+        digests = {i: _tensor_digest(ctx, k) for i, k in keys.items()}
+        groups = _verified(ctx, digests, {i: (k, 0) for i, k in keys.items()})
         if groups:
             yield keys[groups[0][0]], f"{pattern}: bitwise copies across experts: {_describe(groups, 'expert')}"
 
@@ -311,12 +390,26 @@ def identical_layers(ctx: Context) -> Iterator[tuple[str, str]]:
                 continue
             parts = tuple((rel, _member_digest(ctx, k)) for rel, k in sorted(members.items()))
             sig[i] = parts if all(d is not None for _, d in parts) else None
-        for g in filter(None, (_separate_parameters(ctx, by_index, g) for g in _groups(sig))):
+        groups = [g for g in _groups(sig) if _same_layers(ctx, by_index[g[0]], by_index[g[1]], sig[g[0]])]
+        for g in filter(None, (_separate_parameters(ctx, by_index, g) for g in groups)):
             yield (
                 f"{prefix}{g[1]}",
                 f"{prefix}{g[1]}.*: every tensor is bitwise identical to {prefix}{g[0]}.* "
                 f"({_describe([g], 'layer')}, {len(by_index[g[0]])} tensors each)",
             )
+
+
+def _member_start(ctx: Context, member: _Member) -> _Slice:
+    """Where a layer's tensor starts: the whole tensor, or a stacked one's dim-0 slice of its layer."""
+    key, i = member
+    shape = ctx.cat.model[key].shape
+    return key, (0 if i is None else i * (ctx.cat.model[key].numel // shape[0]))
+
+
+def _same_layers(ctx: Context, a: dict[str, _Member], b: dict[str, _Member], parts: Any) -> bool:
+    """Whether two layers whose tensors have equal digests (``parts``: relative name -> digest) hold the same bytes
+    in every tensor (:func:`_same_slices`)."""
+    return all(_same_slices(ctx, _member_start(ctx, a[rel]), _member_start(ctx, b[rel]), d) for rel, d in parts)
 
 
 def _separate_parameters(ctx: Context, by_index: dict[int, dict[str, _Member]], group: list[int]) -> list[int] | None:
