@@ -20,6 +20,7 @@ from typing import Any, cast
 
 from ckpttool.errors import ChunkError, CkptError
 from ckpttool.format.metadata import DTYPE_ITEMSIZE, ChunkMeta, TensorMeta
+from ckpttool.format.tiling import row_major_stride, unravel
 from ckpttool.model.catalog import TensorEntry
 from ckpttool.model.discovery import named_step
 from ckpttool.model.schemas.base import SchemaSpec
@@ -76,13 +77,14 @@ def _run_window(ctx: Context, key: str, meta: TensorMeta, start: int, n: int) ->
     from ckpttool.engine.plan import Window
 
     size = tuple(meta.size)
-    first, last = _unravel(start, size), _unravel(start + n - 1, size)
+    first, last = unravel(start, size), unravel(start + n - 1, size)
     for c in meta.chunks:
         ends = [o + k for o, k in zip(c.offsets, c.sizes, strict=True)]
         if not all(o <= a <= b < e for o, a, b, e in zip(c.offsets, first, last, ends, strict=True)):
             continue
-        lo = _ravel([a - o for a, o in zip(first, c.offsets, strict=True)], c.sizes)
-        hi = _ravel([b - o for b, o in zip(last, c.offsets, strict=True)], c.sizes)
+        stride = row_major_stride(tuple(c.sizes))
+        lo = sum((a - o) * k for a, o, k in zip(first, c.offsets, stride, strict=True))
+        hi = sum((b - o) * k for b, o, k in zip(last, c.offsets, stride, strict=True))
         if hi - lo != n - 1:
             return None
         try:
@@ -94,21 +96,6 @@ def _run_window(ctx: Context, key: str, meta: TensorMeta, start: int, n: int) ->
         item = DTYPE_ITEMSIZE[meta.dtype.name]
         return Window(ctx.reader.fd(loc.info.relative_path), loc.data_start + lo * item, n * item)
     return None
-
-
-def _unravel(flat: int, size: tuple[int, ...]) -> list[int]:
-    out = []
-    for d in reversed(size):
-        flat, r = divmod(flat, d) if d else (flat, 0)
-        out.append(r)
-    return out[::-1]
-
-
-def _ravel(coords: list[int], size: Any) -> int:
-    flat = 0
-    for c, d in zip(coords, size, strict=True):
-        flat = flat * d + c
-    return flat
 
 
 #: A slice of a stored tensor: its key and the flat index (global C order) of its first value.
