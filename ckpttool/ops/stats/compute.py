@@ -15,7 +15,7 @@ checkpoints for their difference). Performance: docs/performance.md, "ckpttool s
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -57,6 +57,7 @@ __all__ = [
     "centered_squares",
     "chunk_slices",
     "chunk_sums",
+    "exact_update",
     "expert_sums",
     "pair_slabs",
     "read_pair",
@@ -406,6 +407,32 @@ def adam_update(m: np.ndarray, v: np.ndarray, h: AdamHyper, acc: Moments, v_nega
     acc.numel += u.size
     acc.s2 += sum_squares(u) * c * c
     acc.max = max(acc.max, max(hi, -lo) * c)
+
+
+def exact_update(pairs: Iterable[tuple[Slice, Slice]], h: AdamHyper) -> Moments:
+    """The update sizes of a parameter whose moments hold NaN or infinity, element by element as torch's step
+    computes ``lr * |m_hat| / (sqrt(v_hat) + eps)`` (IEEE: a finite ``m`` over an ``exp_avg_sq`` overflowed to
+    ``+inf`` is an update of 0; NaN or an infinite ``m`` makes it ``nan`` or ``inf``), from the slab pairs
+    ``pairs`` of raw ``exp_avg`` / ``exp_avg_sq`` bytes (:func:`read_pair`): as :func:`adam_update`'s figures
+    (float32 for BF16/FP16/FP32 moments, float64 for FP64; squares summed in float64), with ``s2`` and ``max``
+    ``nan`` where any element's size is NaN and ``inf`` where one is infinite.
+    """
+    acc = Moments()
+    r, c = _adam_scale(h)
+    for (m_raw, m_dtype), (v_raw, v_dtype) in pairs:
+        wide = np.float64 if "float64" in (m_dtype, v_dtype) else np.float32
+        m = float_values(m_raw, m_dtype).astype(wide)
+        v = float_values(v_raw, v_dtype).astype(wide)
+        if m.size == 0:
+            continue
+        with np.errstate(invalid="ignore", divide="ignore", over="ignore"):
+            u = np.abs(m) / (np.sqrt(v) + wide(h.eps * r))
+        if np.isnan(u).any():
+            return Moments(acc.numel + m.size, math.nan, math.nan)
+        acc.numel += u.size
+        acc.s2 += float(np.square(u, dtype=np.float64).sum()) * c * c
+        acc.max = max(acc.max, float(u.max()) * c)
+    return acc
 
 
 def _adam_scale(h: AdamHyper) -> tuple[float, float]:
