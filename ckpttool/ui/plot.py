@@ -308,7 +308,16 @@ def _experts(ax: Any, res: StatsResult) -> None:
         return
     width = max(len(v) for v in rows.values())
     grid = [[(v[i] ** 0.5) if i < len(v) else float("nan") for i in range(width)] for v in rows.values()]
-    im = ax.imshow(grid, aspect="auto", interpolation="nearest")
+    # an expert of no finite value (its norm nan): red, said in the title, not blank as a cell of no expert
+    broken = any(math.isnan(x) for v in rows.values() for x in v)
+    from matplotlib import colormaps
+
+    im = ax.imshow(
+        grid,
+        aspect="auto",
+        interpolation="nearest",
+        cmap=colormaps["viridis"].with_extremes(bad="red") if broken else None,
+    )
     names = list(rows)
     at = _every(len(names), 48)
     ax.set_yticks(at, [_plain(names[i]) for i in at], fontsize=6)
@@ -321,7 +330,8 @@ def _experts(ax: Any, res: StatsResult) -> None:
     stored = any(n.startswith(STORED_ORDER_NOTE) for n in last.notes)  # the EP layout does not say the true order
     ax.set_title(
         f"expert weight L2 per layer and expert ({_label(res, len(res.checkpoints) - 1)})"
-        + ("\nexperts in stored order: the EP layout is not known (ckpttool stamp declares it)" if stored else ""),
+        + ("\nexperts in stored order: the EP layout is not known (ckpttool stamp declares it)" if stored else "")
+        + ("\nred: an expert of NaN/Inf values only (no norm)" if broken else ""),
         fontsize=9,
     )
     ax.figure.colorbar(im, ax=ax).set_label("L2 norm of the expert's weights", fontsize=8)

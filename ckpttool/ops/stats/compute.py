@@ -58,6 +58,7 @@ __all__ = [
     "chunk_slices",
     "chunk_sums",
     "exact_update",
+    "expert_nonfinite",
     "expert_sums",
     "pair_slabs",
     "read_pair",
@@ -350,6 +351,25 @@ def scaled_expert_squares(
             expert_sums(experts, y * y, e0, inner, chunk.offsets[dim])
             e0 += y.size
     return experts
+
+
+def expert_nonfinite(reader: CheckpointReader, key: str, chunks: tuple[ChunkMeta, ...], dim: int) -> set[int]:
+    """The experts (on ``dim``) of ``key``'s ``chunks`` whose every value is NaN or infinite, read again slice by slice.
+
+    Raises:
+        as :func:`chunk_slices`.
+    """
+    counts: dict[int, float] = {}
+    sizes: dict[int, int] = {}
+    for chunk in chunks:
+        inner, e0 = math.prod(chunk.sizes[dim + 1 :]), 0
+        for e in range(chunk.offsets[dim], chunk.offsets[dim] + chunk.sizes[dim]):
+            sizes[e] = sizes.get(e, 0) + chunk.numel // max(chunk.sizes[dim], 1)
+        for raw, dt in chunk_slices(reader, key, chunk):
+            bad = ~np.isfinite(float_values(raw, dt))
+            expert_sums(counts, bad.astype(np.float64), e0, inner, chunk.offsets[dim])
+            e0 += bad.size
+    return {e for e, n in counts.items() if n and n == sizes.get(e)}
 
 
 def expert_sums(experts: dict[int, float], sq: np.ndarray, e0: int, inner: int, first_expert: int) -> None:

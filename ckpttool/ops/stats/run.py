@@ -40,6 +40,7 @@ from ckpttool.ops.stats.compute import (
     chunk_slices,
     chunk_sums,
     exact_update,
+    expert_nonfinite,
     expert_sums,
     moment_sums,
     pair_slabs,
@@ -406,13 +407,18 @@ def _expert_norms(
 ) -> tuple[float, ...]:
     """The per-expert norms of ``s`` (``key``'s experts on ``dim``, over ``chunks``, default all): where a float64
     sum of squares overflowed or underflowed (values below :data:`~ckpttool.ops.stats.compute.TINY_ABS_MAX`), taken
-    of the values scaled by their largest ``|x|``, read again."""
+    of the values scaled by their largest ``|x|``, read again. An expert with no finite value (found by a read again)
+    has the norm ``nan`` (JSON ``null``): of its finite values, none, it would read 0, a dead expert."""
     n, scale = ckpt.catalog.tensors[key].shape[dim], s.acc.abs_max
+    chunks = chunks or ckpt.catalog.tensors[key].chunks
+    bad = expert_nonfinite(ckpt.reader, key, chunks, dim) if s.acc.nonfinite else set()
     fine = all(math.isfinite(v) for v in s.experts.values()) and scale >= TINY_ABS_MAX
     if fine or not 0 < scale < math.inf:
-        return tuple(math.sqrt(s.experts.get(e, 0.0)) for e in range(n))
-    sq = scaled_expert_squares(ckpt.reader, key, chunks or ckpt.catalog.tensors[key].chunks, dim, scale)
-    return tuple(math.sqrt(sq.get(e, 0.0)) * scale for e in range(n))
+        norms = [math.sqrt(s.experts.get(e, 0.0)) for e in range(n)]
+    else:
+        sq = scaled_expert_squares(ckpt.reader, key, chunks, dim, scale)
+        norms = [math.sqrt(sq.get(e, 0.0)) * scale for e in range(n)]
+    return tuple(math.nan if e in bad else v for e, v in enumerate(norms))
 
 
 def _nothing_to_measure(ckpt: Checkpoint, opts: StatsOptions, notes: dict[str, list[str]]) -> UsageError:

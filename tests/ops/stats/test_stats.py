@@ -1291,3 +1291,34 @@ def test_integer_buffers_are_rows_of_their_own_not_part_of_a_layers_sums(tmp_pat
     assert any(s.startswith("1.num_batches_tracked: int64 values") for s in res.skipped), res.skipped
     rows = {t.fqn: t for t in res.checkpoints[1].tensors}
     assert rows["1.num_batches_tracked"].abs_max == 80  # still measured as a tensor of its own
+
+
+def test_an_expert_of_nan_only_has_no_norm_not_a_dead_experts_zero(sample_ckpt: Path, tmp_path: Path) -> None:
+    """Expert 2 of layer 1 diverged (all NaN): its norm, of its finite values (none), was 0.0 in JSON and the darkest
+    cell of the heat map, a dead expert, with nothing said. It is ``null`` (no norm), drawn red and said in the title;
+    every other expert's norm is torch's of its finite values (expert 5 holds one infinity)."""
+    bad = copy_checkpoint(sample_ckpt, tmp_path / "bad")
+    key = "model.model.layers.1.mlp.experts.gate_up_proj"
+
+    def poison(t: torch.Tensor) -> torch.Tensor:
+        t[2].fill_(math.nan)
+        t[5].view(-1)[7] = math.inf  # one value of expert 5
+        return t
+
+    damage.rewrite_tensor(bad, key, poison)
+    ref = torch_state(bad, tmp_path)[key].double()
+    c = collect_stats([bad], StatsOptions(optimizer=False)).checkpoints[0]
+    (e,) = [e for e in c.experts if e.key == key]
+    got = e.to_dict()["norms"]
+    for i in range(ref.shape[0]):
+        finite = ref[i][torch.isfinite(ref[i])]
+        if finite.numel():
+            assert close(got[i], float(finite.norm())), i
+        else:
+            assert got[i] is None, (i, got[i])
+    assert [i for i, v in enumerate(got) if v is None] == [2]
+    out = tmp_path / "p.svg"
+    res = runner.invoke(app, ["stats", str(bad), "--no-optimizer", "--plot", str(out), "-q"])
+    assert res.exit_code == 0, res.output
+    ET.parse(out)  # the SVG parses; matplotlib names each text it draws in a comment
+    assert "red: an expert of NaN/Inf values only" in " ".join(re.findall(r"<!-- (.*?) -->", out.read_text()))
