@@ -152,16 +152,74 @@ def layer_axis(res: StatsResult) -> list[str]:
 _LEGEND_MOST = 8
 
 
-def _layer_lines(ax: Any, res: StatsResult, value: Any, title: str, ylabel: str, empty: str = "") -> bool:
+def _nonfinite_layers(res: StatsResult, roles: tuple[str, ...]) -> list[set[str]]:
+    """Per checkpoint of ``res``, the layers whose tensors of ``roles`` hold NaN or infinity (a layer stacked on dim 0,
+    Megatron-core's ``decoder.layers.*``: each of its layers whose tensors of any role do)."""
+    out = []
+    for c in res.checkpoints:
+        found = {t.layer for t in c.tensors if t.nonfinite and t.role in roles}
+        if any(n.endswith("*") for n in found):
+            found |= {g.name for g in c.layers if g.nonfinite}
+        out.append(found)
+    return out
+
+
+#: How a panel says what its ``x`` marks are (a layer's figure is of its finite values, or none where they decide it).
+_NONFINITE_KEY = "x at the top: the layer holds NaN/Inf"
+
+
+def _mark_nonfinite(ax: Any, at: list[int], height: float, color: Any, label: str | None) -> None:
+    """Mark the layer positions ``at`` with an ``x`` at ``height`` (a fraction of the panel's height) in ``color``."""
+    ax.plot(
+        at,
+        [height] * len(at),
+        linestyle="none",
+        marker="x",
+        markersize=6,
+        color=color,
+        label=label,
+        transform=ax.get_xaxis_transform(),  # x: the layer; y: a fraction of the panel's height
+        clip_on=False,
+    )
+
+
+def _draw_series(
+    ax: Any, series: list[tuple[str, dict[str, float]]], bad: list[set[str]], names: list[str], scale: Any
+) -> None:
+    """Each checkpoint's line (``series``: its label and values per layer) over the layers ``names``, and its layers
+    holding NaN/Inf (``bad``) marked; coloured by ``scale`` (a colour scale of many checkpoints), else ``C0``..."""
+    for i, (label, pts) in enumerate(series):
+        # the same colour in every panel, whichever lines a panel lacks
+        color = scale.get_cmap()(i / (len(series) - 1)) if scale is not None else f"C{i % 10}"
+        if pts:
+            ax.plot(
+                range(len(names)),
+                [pts.get(n, math.nan) for n in names],
+                marker="o",
+                markersize=3,
+                label=label,
+                color=color,
+            )
+        if bad[i]:  # a checkpoint with no value here is still named, by its marks
+            at = [j for j, n in enumerate(names) if n in bad[i]]
+            _mark_nonfinite(ax, at, 0.97 - 0.025 * (i % 8), color, None if pts else label)
+
+
+def _layer_lines(
+    ax: Any, res: StatsResult, value: Any, title: str, ylabel: str, empty: str = "", roles: tuple[str, ...] = ()
+) -> bool:
     """One line per checkpoint of ``value(layer)`` over the layers of :func:`layer_axis` that have one: each value
     at its own layer's position (a layer without a value in a checkpoint, say one whose parameters were frozen, is
-    a gap in that line, not a shift of the values after it)."""
+    a gap in that line, not a shift of the values after it). A layer whose tensors of ``roles`` hold NaN/Inf in a
+    checkpoint is marked ``x`` at the top of the panel in that checkpoint's colour (its norm, of the finite values
+    only, would read as a layer of small or zero weights; its update size, ``nan``, as no value at all)."""
     series: list[tuple[str, dict[str, float]]] = []
     for i, c in enumerate(res.checkpoints):
         # 0 is a value (a zero-initialised LoRA B or gate, moments torch made up before the first step): drawn
         pts = {g.name: v for g in c.layers if (v := value(g)) is not None and math.isfinite(v) and v >= 0}
         series.append((_label(res, i), pts))
-    names = [n for n in layer_axis(res) if any(n in pts for _, pts in series)]
+    bad = _nonfinite_layers(res, roles)
+    names = [n for n in layer_axis(res) if any(n in pts for _, pts in series) or any(n in b for b in bad)]
     shown = [v for _, pts in series for v in pts.values()]
     many = len(series) > _LEGEND_MOST
     if many:  # a legend of dozens of entries is taller than the panel and hides the lines: a colour scale instead
@@ -170,25 +228,15 @@ def _layer_lines(ax: Any, res: StatsResult, value: Any, title: str, ylabel: str,
         from matplotlib.colors import Normalize
 
         scale = ScalarMappable(norm=Normalize(0, len(series) - 1), cmap=colormaps["viridis"])
-    for i, (label, pts) in enumerate(series):
-        if pts:
-            ax.plot(
-                range(len(names)),
-                [pts.get(n, math.nan) for n in names],
-                marker="o",
-                markersize=3,
-                label=label,
-                # the same colour in every panel, whichever lines a panel lacks
-                color=scale.get_cmap()(i / (len(series) - 1)) if many else f"C{i % 10}",
-            )
-    drawn = bool(shown)
-    ax.set_title(title, fontsize=9)
+    _draw_series(ax, series, bad, names, scale if many else None)
+    drawn = bool(shown) or any(bad)
+    ax.set_title(title + (f"\n({_NONFINITE_KEY})" if any(bad) else ""), fontsize=9)
     if drawn:
         at = _every(len(names), 64)
         ax.set_xticks(at, [_plain(names[i]) for i in at], rotation=90, fontsize=6)
         ax.set_xlabel("layer", fontsize=8)
         ax.set_ylabel(ylabel, fontsize=8)
-        _value_scale(ax, shown)
+        _value_scale(ax, shown or [0.0])
         if many:
             bar = ax.figure.colorbar(scale, ax=ax)
             at = sorted({*_every(len(series) - 1, 9), len(series) - 1})  # the first and the last named
@@ -260,7 +308,16 @@ def _experts(ax: Any, res: StatsResult) -> None:
         return
     width = max(len(v) for v in rows.values())
     grid = [[(v[i] ** 0.5) if i < len(v) else float("nan") for i in range(width)] for v in rows.values()]
-    im = ax.imshow(grid, aspect="auto", interpolation="nearest")
+    # an expert of no finite value (its norm nan): red, said in the title, not blank as a cell of no expert
+    broken = any(math.isnan(x) for v in rows.values() for x in v)
+    from matplotlib import colormaps
+
+    im = ax.imshow(
+        grid,
+        aspect="auto",
+        interpolation="nearest",
+        cmap=colormaps["viridis"].with_extremes(bad="red") if broken else None,
+    )
     names = list(rows)
     at = _every(len(names), 48)
     ax.set_yticks(at, [_plain(names[i]) for i in at], fontsize=6)
@@ -273,7 +330,8 @@ def _experts(ax: Any, res: StatsResult) -> None:
     stored = any(n.startswith(STORED_ORDER_NOTE) for n in last.notes)  # the EP layout does not say the true order
     ax.set_title(
         f"expert weight L2 per layer and expert ({_label(res, len(res.checkpoints) - 1)})"
-        + ("\nexperts in stored order: the EP layout is not known (ckpttool stamp declares it)" if stored else ""),
+        + ("\nexperts in stored order: the EP layout is not known (ckpttool stamp declares it)" if stored else "")
+        + ("\nred: an expert of NaN/Inf values only (no norm)" if broken else ""),
         fontsize=9,
     )
     ax.figure.colorbar(im, ax=ax).set_label("L2 norm of the expert's weights", fontsize=8)
@@ -289,7 +347,7 @@ def write_stats_plot(res: StatsResult, path: Path, *, optimizer: bool = True) ->
     check_plot_target(path)
     plt = _pyplot()
     fig, axes = plt.subplots(2, 2, figsize=(12, 8), constrained_layout=True)
-    _layer_lines(axes[0][0], res, lambda g: g.norms.get("weight"), "weight L2 per layer", "L2 norm")
+    _layer_lines(axes[0][0], res, lambda g: g.norms.get("weight"), "weight L2 per layer", "L2 norm", roles=("weight",))
     skipped = "not measured (--no-optimizer)"
     _layer_lines(
         axes[0][1],
@@ -298,6 +356,7 @@ def write_stats_plot(res: StatsResult, path: Path, *, optimizer: bool = True) ->
         "exp_avg L2 per layer",
         "L2 norm",
         "no exp_avg in the checkpoint" if optimizer else skipped,
+        roles=("exp_avg",),
     )
     _layer_lines(
         axes[1][0],
@@ -308,6 +367,7 @@ def write_stats_plot(res: StatsResult, path: Path, *, optimizer: bool = True) ->
         "no update size\n(it needs exp_avg, exp_avg_sq, step\nand an AdamW param group: see the notes)"
         if optimizer
         else skipped,
+        roles=("exp_avg", "exp_avg_sq"),
     )
     _experts(axes[1][1], res)
     _save(fig, plt, path, ", ".join(Path(c.path).name for c in res.checkpoints))

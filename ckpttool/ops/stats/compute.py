@@ -15,7 +15,7 @@ checkpoints for their difference). Performance: docs/performance.md, "ckpttool s
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -57,6 +57,8 @@ __all__ = [
     "centered_squares",
     "chunk_slices",
     "chunk_sums",
+    "exact_update",
+    "expert_nonfinite",
     "expert_sums",
     "pair_slabs",
     "read_pair",
@@ -351,6 +353,25 @@ def scaled_expert_squares(
     return experts
 
 
+def expert_nonfinite(reader: CheckpointReader, key: str, chunks: tuple[ChunkMeta, ...], dim: int) -> set[int]:
+    """The experts (on ``dim``) of ``key``'s ``chunks`` whose every value is NaN or infinite, read again slice by slice.
+
+    Raises:
+        as :func:`chunk_slices`.
+    """
+    counts: dict[int, float] = {}
+    sizes: dict[int, int] = {}
+    for chunk in chunks:
+        inner, e0 = math.prod(chunk.sizes[dim + 1 :]), 0
+        for e in range(chunk.offsets[dim], chunk.offsets[dim] + chunk.sizes[dim]):
+            sizes[e] = sizes.get(e, 0) + chunk.numel // max(chunk.sizes[dim], 1)
+        for raw, dt in chunk_slices(reader, key, chunk):
+            bad = ~np.isfinite(float_values(raw, dt))
+            expert_sums(counts, bad.astype(np.float64), e0, inner, chunk.offsets[dim])
+            e0 += bad.size
+    return {e for e, n in counts.items() if n and n == sizes.get(e)}
+
+
 def expert_sums(experts: dict[int, float], sq: np.ndarray, e0: int, inner: int, first_expert: int) -> None:
     """Add the squares ``sq`` of a slice starting at chunk element ``e0`` to the per-expert sums ``experts``
     (``inner`` elements per expert in the chunk, the chunk's first expert ``first_expert``)."""
@@ -406,6 +427,32 @@ def adam_update(m: np.ndarray, v: np.ndarray, h: AdamHyper, acc: Moments, v_nega
     acc.numel += u.size
     acc.s2 += sum_squares(u) * c * c
     acc.max = max(acc.max, max(hi, -lo) * c)
+
+
+def exact_update(pairs: Iterable[tuple[Slice, Slice]], h: AdamHyper) -> Moments:
+    """The update sizes of a parameter whose moments hold NaN or infinity, element by element as torch's step
+    computes ``lr * |m_hat| / (sqrt(v_hat) + eps)`` (IEEE: a finite ``m`` over an ``exp_avg_sq`` overflowed to
+    ``+inf`` is an update of 0; NaN or an infinite ``m`` makes it ``nan`` or ``inf``), from the slab pairs
+    ``pairs`` of raw ``exp_avg`` / ``exp_avg_sq`` bytes (:func:`read_pair`): as :func:`adam_update`'s figures
+    (float32 for BF16/FP16/FP32 moments, float64 for FP64; squares summed in float64), with ``s2`` and ``max``
+    ``nan`` where any element's size is NaN and ``inf`` where one is infinite.
+    """
+    acc = Moments()
+    r, c = _adam_scale(h)
+    for (m_raw, m_dtype), (v_raw, v_dtype) in pairs:
+        wide = np.float64 if "float64" in (m_dtype, v_dtype) else np.float32
+        m = float_values(m_raw, m_dtype).astype(wide)
+        v = float_values(v_raw, v_dtype).astype(wide)
+        if m.size == 0:
+            continue
+        with np.errstate(invalid="ignore", divide="ignore", over="ignore"):
+            u = np.abs(m) / (np.sqrt(v) + wide(h.eps * r))
+        if np.isnan(u).any():
+            return Moments(acc.numel + m.size, math.nan, math.nan)
+        acc.numel += u.size
+        acc.s2 += float(np.square(u, dtype=np.float64).sum()) * c * c
+        acc.max = max(acc.max, float(u.max()) * c)
+    return acc
 
 
 def _adam_scale(h: AdamHyper) -> tuple[float, float]:

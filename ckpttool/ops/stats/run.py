@@ -39,9 +39,12 @@ from ckpttool.ops.stats.compute import (
     centered_squares,
     chunk_slices,
     chunk_sums,
+    exact_update,
+    expert_nonfinite,
     expert_sums,
     moment_sums,
     pair_slabs,
+    read_pair,
     release_buffers,
     scaled_expert_squares,
     scaled_sums,
@@ -404,13 +407,18 @@ def _expert_norms(
 ) -> tuple[float, ...]:
     """The per-expert norms of ``s`` (``key``'s experts on ``dim``, over ``chunks``, default all): where a float64
     sum of squares overflowed or underflowed (values below :data:`~ckpttool.ops.stats.compute.TINY_ABS_MAX`), taken
-    of the values scaled by their largest ``|x|``, read again."""
+    of the values scaled by their largest ``|x|``, read again. An expert with no finite value (found by a read again)
+    has the norm ``nan`` (JSON ``null``): of its finite values, none, it would read 0, a dead expert."""
     n, scale = ckpt.catalog.tensors[key].shape[dim], s.acc.abs_max
+    chunks = chunks or ckpt.catalog.tensors[key].chunks
+    bad = expert_nonfinite(ckpt.reader, key, chunks, dim) if s.acc.nonfinite else set()
     fine = all(math.isfinite(v) for v in s.experts.values()) and scale >= TINY_ABS_MAX
     if fine or not 0 < scale < math.inf:
-        return tuple(math.sqrt(s.experts.get(e, 0.0)) for e in range(n))
-    sq = scaled_expert_squares(ckpt.reader, key, chunks or ckpt.catalog.tensors[key].chunks, dim, scale)
-    return tuple(math.sqrt(sq.get(e, 0.0)) * scale for e in range(n))
+        norms = [math.sqrt(s.experts.get(e, 0.0)) for e in range(n)]
+    else:
+        sq = scaled_expert_squares(ckpt.reader, key, chunks, dim, scale)
+        norms = [math.sqrt(sq.get(e, 0.0)) * scale for e in range(n)]
+    return tuple(math.nan if e in bad else v for e, v in enumerate(norms))
 
 
 def _nothing_to_measure(ckpt: Checkpoint, opts: StatsOptions, notes: dict[str, list[str]]) -> UsageError:
@@ -663,7 +671,8 @@ def _stats_one(ckpt: Checkpoint, opts: StatsOptions, progress: Progress) -> Chec
         if s.experts and roles[k][1] == "weight" and k not in stacked
     ) + layers.experts(ckpt, roles)
     negative = {roles[k][0] for k, s in sums.items() if roles[k][1] == "exp_avg_sq" and s.acc.negative}
-    _judge_moments(moments, hypers, rows, notes, negative)
+    exact = _exact_updates(ckpt, work, roles, rows, stacked)
+    _judge_moments(moments, hypers, rows, notes, negative, exact)
     updates = _updates(ckpt, moments, hypers, rows)
     layer_updates = layers.updates(moments, slices)
     read = ckpt.reader.bytes_read - before
@@ -697,15 +706,22 @@ def _judge_moments(
     rows: list[TensorValueStats],
     notes: dict[str, list[str]],
     negative: set[str],
+    exact: dict[str, Moments],
 ) -> None:
     """The update sizes that are no training step's, said in ``notes``: moments holding NaN/Inf, or an
     ``exp_avg_sq`` holding negative values (the parameters ``negative``) (the size made ``nan`` in ``moments``, as
-    torch's next step there; the kernels read them as 0) and state torch made up before the first step (``D005``)."""
+    torch's next step there; the kernels read them as 0) and state torch made up before the first step (``D005``).
+    The parameters ``exact`` (:func:`_exact_updates`: moments holding infinities whose update is finite) take
+    those sizes instead, said in a note of their own."""
     of: dict[str, list[TensorValueStats]] = {}  # each parameter's moment rows, in one pass over the rows
     for r in rows:
         if r.role in ("exp_avg", "exp_avg_sq") and r.fqn in moments:
             of.setdefault(r.fqn, []).append(r)
-    broken = [fqn for fqn in moments if any(r.nonfinite for r in of.get(fqn, ()))]
+    broken = [fqn for fqn in moments if any(r.nonfinite for r in of.get(fqn, ())) and fqn not in exact]
+    for fqn, u in exact.items():
+        moments[fqn] = u
+    if exact:
+        notes[OVERFLOWED_MOMENTS_NOTE] = list(exact)
     for fqn in broken:
         moments[fqn] = Moments(moments[fqn].numel, math.nan, math.nan)
     if broken:
@@ -727,6 +743,40 @@ def _zero_moments(found: list[TensorValueStats]) -> list[bool | None]:
     return zeros if len(zeros) == 2 else [None, None]
 
 
+def _exact_updates(
+    ckpt: Checkpoint,
+    work: list[_Work],
+    roles: dict[str, tuple[str, str]],
+    rows: list[TensorValueStats],
+    stacked: dict[str, str],
+) -> dict[str, Moments]:
+    """The update sizes of the parameters whose moments hold NaN/Inf (a diverged run's save; their layers not stacked
+    on dim 0), read once more element by element as torch's step takes them (:func:`exact_update`), of those whose
+    size is finite: an ``exp_avg_sq`` overflowed to ``+inf`` under a finite ``exp_avg`` (an update of 0 there)."""
+    suspects = {r.fqn for r in rows if r.role in ("exp_avg", "exp_avg_sq") and r.nonfinite and r.key not in stacked}
+    per: dict[str, list[_Work]] = {}
+    for w in work:
+        if w.moment_key is not None and w.hyper is not None and roles[w.key][0] in suspects:
+            per.setdefault(roles[w.key][0], []).append(w)
+    out: dict[str, Moments] = {}
+    for fqn, ws in per.items():
+        pairs = (
+            pair
+            for w in ws
+            if w.moment_key is not None
+            for pair in read_pair(
+                (ckpt.reader, w.key, w.entry.chunks[w.chunk_index]),
+                (ckpt.reader, w.moment_key, ckpt.catalog.tensors[w.moment_key].chunks[w.chunk_index]),
+            )
+        )
+        hyper = ws[0].hyper
+        assert hyper is not None  # the works gathered have one
+        u = exact_update(pairs, hyper)
+        if math.isfinite(u.s2) and math.isfinite(u.max):
+            out[fqn] = u
+    return out
+
+
 #: A run root's newer step whose save did not finish (validate's ``R001``): ``--step latest`` measured an older one.
 NEWER_INCOMPLETE_NOTE = NEWER_INCOMPLETE
 
@@ -740,6 +790,11 @@ def _newer_incomplete(ckpt: Checkpoint) -> tuple[str, ...]:
 
 #: Complex tensors (RoPE's ``freqs_cis``) are measured by their moduli ``|z|``: said, not passed off as their values.
 COMPLEX_NOTE = "complex tensors measured by their moduli |z| (mean and std are of |z|; abs max, L2 and zeros exact)"
+#: Parameters whose exp_avg_sq overflowed to +inf under a finite exp_avg: torch's step there is 0, a finite size.
+OVERFLOWED_MOMENTS_NOTE = (
+    "update size 0 where exp_avg_sq overflowed to +inf under a finite exp_avg (lr*|m_hat|/inf, as torch's step: "
+    "those values move by weight decay only; the rest measured as any; validate --deep: D001)"
+)
 #: Parameters whose moments hold NaN/Inf: their update size is not a number, as torch's next step there (a ``note:``).
 NONFINITE_MOMENTS_NOTE = (
     "update size nan: exp_avg or exp_avg_sq holds NaN/Inf "
@@ -760,6 +815,7 @@ _SELF_SAID = (
     STORED_ORDER_NOTE,
     COMPLEX_NOTE,
     NONFINITE_MOMENTS_NOTE,
+    OVERFLOWED_MOMENTS_NOTE,
     NEGATIVE_MOMENTS_NOTE,
     NEWER_INCOMPLETE_NOTE,
     SYNTHESIZED_NOTE,

@@ -418,3 +418,51 @@ def test_values_of_zero_are_drawn_and_each_checkpoint_keeps_its_colour(tmp_path:
         res.checkpoints[0].layers
         and next(g for g in res.checkpoints[0].layers if g.name == "lora_b").norms["weight"] == 0
     )
+
+
+def test_layers_holding_nan_are_marked_not_drawn_as_zero_weights(tmp_path: Path) -> None:
+    """A diverged step (a NaN gradient in layer 1) leaves layer 1's weights and moments all NaN: the weight panel drew
+    its norm, of no finite value, at 0 (a layer that blew up read as one that collapsed to zero) and the update panel
+    left that checkpoint out, not even in its legend, with no word of NaN anywhere in the picture. Each such layer
+    is marked ``x`` in its checkpoint's colour and the panel says what the marks are."""
+    import matplotlib
+
+    matplotlib.use("Agg", force=True)
+    import matplotlib.pyplot as plt
+
+    from ckpttool.ui.plot import _label, _layer_lines, write_stats_plot
+
+    torch.manual_seed(0)
+    m = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 4))
+    opt = torch.optim.AdamW(m.parameters(), lr=1e-2)
+    for step, poison in ((1, False), (2, True)):
+        opt.zero_grad()
+        m(torch.randn(3, 4)).sum().backward()
+        if poison:  # a diverged step in layer 1 only
+            m[1].weight.grad.fill_(math.nan)
+            m[1].bias.grad.fill_(math.nan)
+        opt.step()
+        msd, osd = get_state_dict(m, opt)
+        save_quiet({"model": msd, "optimizer": osd}, tmp_path / f"step-{step}")
+    res = collect_stats([tmp_path / "step-1", tmp_path / "step-2"], StatsOptions())
+    second = res.checkpoints[1]
+    assert torch.isnan(m[1].weight).all() and next(g for g in second.layers if g.name == "1").norms["weight"] == 0
+    out = tmp_path / "p.svg"
+    write_stats_plot(res, out)
+    assert sum("the layer holds NaN/Inf" in t for t in _svg_texts(out)) == 3  # each line panel says it
+    for value, roles in (
+        (lambda g: g.norms.get("weight"), ("weight",)),
+        (lambda g: g.update_rms, ("exp_avg", "exp_avg_sq")),
+    ):
+        fig, ax = plt.subplots()
+        assert _layer_lines(ax, res, value, "t", "y", roles=roles)
+        ticks = {round(t): lbl.get_text() for t, lbl in zip(ax.get_xticks(), ax.get_xticklabels())}
+        marks = [ln for ln in ax.get_lines() if ln.get_marker() == "x"]
+        colours = {ln.get_label(): ln.get_color() for ln in ax.get_lines() if ln.get_marker() == "o"}
+        legend = [t.get_text() for t in ax.get_legend().get_texts()]
+        title = ax.get_title()
+        plt.close(fig)
+        (mark,) = marks  # step-2 only, at layer 1 only
+        assert [ticks[round(x)] for x in mark.get_xdata()] == ["1"]
+        assert mark.get_color() == "C1" and colours.get(_label(res, 1), "C1") == "C1"
+        assert _label(res, 1) in legend and "NaN/Inf" in title

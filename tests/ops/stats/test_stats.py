@@ -324,6 +324,57 @@ def test_update_size_of_moments_with_nan_is_nan(dense_ckpt: Path, tmp_path: Path
     assert "no update size" not in res.stderr
 
 
+def test_update_size_where_exp_avg_sq_overflowed_is_torchs_step_not_nan(tmp_path: Path) -> None:
+    """A gradient spike of 1e30 (a diverging run) overflows exp_avg_sq to +inf in float32 while exp_avg stays finite:
+    torch's step there is lr * |m_hat| / inf = 0 (the weights move by weight decay only, checked below with
+    torch.optim.AdamW on the loaded state). stats said "update size nan ... the next step writes non-finite weights
+    there" for every such parameter; its size is the one torch computes, element by element, with a note."""
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    from tests.fixtures.builders import save_quiet
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Linear(3, 2))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    for scale in (1.0, 1e30):  # a normal step, then the spike
+        opt.zero_grad()
+        (model(torch.randn(5, 4)).pow(2).sum() * scale).backward()
+        opt.step()
+    msd, osd = get_state_dict(model, opt)
+    save_quiet({"model": msd, "optimizer": osd}, tmp_path / "ckpt")
+    ref = torch_state(tmp_path / "ckpt", tmp_path)
+    m, v = ref["optimizer.state.0.weight.exp_avg"], ref["optimizer.state.0.weight.exp_avg_sq"]
+    assert torch.isfinite(m).all() and torch.isinf(v).any() and not torch.isnan(v).any()
+    c = collect_stats([tmp_path / "ckpt"], StatsOptions()).checkpoints[0]
+    assert not any(n.startswith("update size nan") for n in c.notes)
+    (note,) = [n for n in c.notes if n.startswith("update size 0 where exp_avg_sq overflowed")]
+    assert "D001" in note and "4 parameter(s)" in note
+    b1, b2 = ref["optimizer.param_groups.0.betas"]
+    lr, eps = ref["optimizer.param_groups.0.lr"], ref["optimizer.param_groups.0.eps"]
+    sizes: dict[str, list[torch.Tensor]] = {}
+    for u in c.updates:
+        step = float(ref[f"optimizer.state.{u.fqn}.step"])
+        mh = ref[f"optimizer.state.{u.fqn}.exp_avg"].double() / (1 - b1**step)
+        vh = ref[f"optimizer.state.{u.fqn}.exp_avg_sq"].double() / (1 - b2**step)
+        want = lr * mh.abs() / (vh.sqrt() + eps)  # 0 where vh is +inf
+        assert math.isclose(u.rms, float(want.pow(2).mean().sqrt()), rel_tol=1e-6, abs_tol=1e-30), u.fqn
+        assert math.isclose(u.max, float(want.max()), rel_tol=1e-6, abs_tol=1e-30), u.fqn
+        sizes.setdefault(u.layer, []).append(want.reshape(-1))
+    for g in c.layers:  # the layer's RMS over its parameters' elements
+        assert g.update_rms is not None and math.isclose(
+            g.update_rms, float(torch.cat(sizes[g.name]).pow(2).mean().sqrt()), rel_tol=1e-6
+        ), g.name
+    assert json.loads(json.dumps(c.to_dict(), allow_nan=False))["updates"][0]["rms"] is not None
+    # torch's own next step from this state: finite weights, moved by weight decay alone where exp_avg_sq is +inf
+    before = model[0].weight.detach().clone()
+    opt.zero_grad()
+    model(torch.randn(5, 4)).sum().backward()
+    opt.step()
+    inf = torch.isinf(v)
+    assert torch.isfinite(model[0].weight).all()
+    assert torch.equal(model[0].weight.detach()[inf], (before * (1 - lr * 0.01))[inf])
+
+
 def test_update_size_of_a_negative_second_moment_is_nan(dense_ckpt: Path, tmp_path: Path) -> None:
     """A negative value in one parameter's exp_avg_sq (a damaged moment: a sum of squares never is) was read as 0:
     ``lr * |m_hat| / eps``, an update RMS of thousands for a step of 1e-3, without a word, a divergence that never
@@ -1240,3 +1291,34 @@ def test_integer_buffers_are_rows_of_their_own_not_part_of_a_layers_sums(tmp_pat
     assert any(s.startswith("1.num_batches_tracked: int64 values") for s in res.skipped), res.skipped
     rows = {t.fqn: t for t in res.checkpoints[1].tensors}
     assert rows["1.num_batches_tracked"].abs_max == 80  # still measured as a tensor of its own
+
+
+def test_an_expert_of_nan_only_has_no_norm_not_a_dead_experts_zero(sample_ckpt: Path, tmp_path: Path) -> None:
+    """Expert 2 of layer 1 diverged (all NaN): its norm, of its finite values (none), was 0.0 in JSON and the darkest
+    cell of the heat map, a dead expert, with nothing said. It is ``null`` (no norm), drawn red and said in the title;
+    every other expert's norm is torch's of its finite values (expert 5 holds one infinity)."""
+    bad = copy_checkpoint(sample_ckpt, tmp_path / "bad")
+    key = "model.model.layers.1.mlp.experts.gate_up_proj"
+
+    def poison(t: torch.Tensor) -> torch.Tensor:
+        t[2].fill_(math.nan)
+        t[5].view(-1)[7] = math.inf  # one value of expert 5
+        return t
+
+    damage.rewrite_tensor(bad, key, poison)
+    ref = torch_state(bad, tmp_path)[key].double()
+    c = collect_stats([bad], StatsOptions(optimizer=False)).checkpoints[0]
+    (e,) = [e for e in c.experts if e.key == key]
+    got = e.to_dict()["norms"]
+    for i in range(ref.shape[0]):
+        finite = ref[i][torch.isfinite(ref[i])]
+        if finite.numel():
+            assert close(got[i], float(finite.norm())), i
+        else:
+            assert got[i] is None, (i, got[i])
+    assert [i for i, v in enumerate(got) if v is None] == [2]
+    out = tmp_path / "p.svg"
+    res = runner.invoke(app, ["stats", str(bad), "--no-optimizer", "--plot", str(out), "-q"])
+    assert res.exit_code == 0, res.output
+    ET.parse(out)  # the SVG parses; matplotlib names each text it draws in a comment
+    assert "red: an expert of NaN/Inf values only" in " ".join(re.findall(r"<!-- (.*?) -->", out.read_text()))
