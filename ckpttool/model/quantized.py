@@ -38,6 +38,7 @@ __all__ = [
     "compressed_tensors_fp8",
     "find_quantized",
     "fused_experts",
+    "method_disagreements",
     "packed_integer_weights",
     "per_tensor_fp8",
     "scale_grid",
@@ -482,7 +483,8 @@ def scaled_pairs(
 
     Block FP8, fused experts and MXFP4 (:func:`find_quantized`, the block from :func:`block_size`), then
     compressed-tensors FP8 (:func:`compressed_tensors_fp8`) and vLLM's per-tensor FP8
-    (:func:`per_tensor_fp8`), which only their ``quantization_config`` admits. The caller checks
+    (:func:`per_tensor_fp8`), which only their ``quantization_config`` admits; block FP8 under a ``quant_method``
+    other than ``fp8`` is a problem (:func:`method_disagreements`). The caller checks
     :func:`block_size_problem` first where a wrong grid must not fall back to the default.
     """
     qc = config.get("quantization_config") if isinstance(config, Mapping) else None
@@ -490,11 +492,35 @@ def scaled_pairs(
     # compressed-tensors and vLLM's per-tensor FP8 scale x.weight by x.weight_scale: a weight with none lacks that
     per_weight = qm == "compressed-tensors" or (qm == "fp8" and wbs is None)
     pairs, problems = find_quantized(tensors, block_size(config), CT_SCALE_SUFFIX if per_weight else FP8_SCALE_SUFFIX)
+    disagree = method_disagreements(pairs, config)
+    pairs = [p for p in pairs if p.scale not in dict(disagree)]
     found = [compressed_tensors_fp8(tensors, config), per_tensor_fp8(tensors, config)]
     for more, unfit in found:
         pairs += more
         problems += unfit
-    return pairs, problems + unclaimed_scales(tensors, config, found) + unscaled_fused_experts(tensors, config)
+    others = unclaimed_scales(tensors, config, found) + unscaled_fused_experts(tensors, config)
+    return pairs, problems + others + disagree
+
+
+def method_disagreements(pairs: list[QuantPair], config: Mapping[str, Any] | None) -> list[tuple[str, str]]:
+    """``(scale key, why)`` for each block-FP8 pair of ``pairs`` (:func:`find_quantized`'s: ``x.weight_scale_inv``,
+    fused ``x_scale_inv``) under a ``quantization_config`` whose ``quant_method`` is not ``fp8``: the config does not
+    describe the weights, and the block grid is not known (a compressed-tensors ``block_structure`` of ``[100, 100]``
+    gives the ``[3, 2]`` scales of a ``[300, 200]`` weight, as the default 128x128 grid does, dequantizing to other
+    values). A config without ``quant_method`` (or without a ``quantization_config``) says nothing against them.
+    MXFP4 is not judged so: its groups are the blocks' own shape, whatever the config says."""
+    qc = config.get("quantization_config") if isinstance(config, Mapping) else None
+    if not isinstance(qc, dict) or "quant_method" not in qc or qc["quant_method"] == "fp8":
+        return []
+    return [
+        (
+            p.scale,
+            f"{p.scale}: block FP8 scales of {p.weight!r}, but config.json quantization_config's quant_method is "
+            f"{qc['quant_method']!r:.40}, not 'fp8': the config does not give their block size",
+        )
+        for p in pairs
+        if p.kind in ("fp8-block", "fp8-experts")
+    ]
 
 
 def unscaled_fused_experts(

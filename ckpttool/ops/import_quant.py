@@ -42,8 +42,11 @@ from ckpttool.model.quantized import (
     FP8_SCALE_SUFFIX,
     QuantKind,
     QuantPair,
+    block_size,
     block_size_problem,
     blocks_of_scales,
+    find_quantized,
+    method_disagreements,
     packed_integer_weights,
     scale_grid,
     scaled_pairs,
@@ -156,6 +159,13 @@ def plan_dequantize(
         unconfigured = _unconfigured_blocks(tensors, config, key)
         if unconfigured is not None:
             raise _bad(why + more + unconfigured[0], key, hint=unconfigured[1])
+        if dict(method_disagreements(find_quantized(tensors, block_size(config))[0], config)).get(key) == why:
+            raise _bad(
+                why + more,
+                key,
+                hint="pass `config` a config.json with the quantization_config the weights were quantized with "
+                '(block FP8: {"quant_method": "fp8", "weight_block_size": [B0, B1]}), or correct the folder\'s',
+            )
         raise _bad(why + more, key)
     plans: dict[str, Dequantized] = {}
     consumed: list[str] = []

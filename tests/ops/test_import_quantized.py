@@ -877,3 +877,35 @@ def test_an_own_config_json_that_cannot_be_read_is_refused_not_taken_for_none(
         assert res.exit_code == 2 and str(cfg) in res.stderr, (args[0], res.exit_code, res.stderr)
         assert "E612" not in res.stderr and "Traceback" not in res.stderr, res.stderr
     assert not (tmp_path / "out").exists()
+
+
+_CT_BLOCK_100 = {
+    "quant_method": "compressed-tensors",
+    "format": "float-quantized",
+    "config_groups": {
+        "group_0": {
+            "targets": ["Linear"],
+            "weights": {"num_bits": 8, "type": "float", "strategy": "block", "block_structure": [100, 100]},
+        }
+    },
+}
+
+
+@pytest.mark.parametrize("quant_method", ["compressed-tensors", "mxfp4"])
+def test_block_fp8_scales_under_another_quant_method_are_refused(tmp_path: Path, quant_method: str) -> None:
+    """Block-FP8 ``weight_scale_inv`` under a compressed-tensors config whose ``[100, 100]`` blocks give a
+    ``[300, 200]`` weight the same ``[3, 2]`` scale grid as the default 128x128 was dequantized on 128x128 blocks, the
+    config's grid ignored (and under ``mxfp4``, which gives none): now E612 naming the scale and the config's
+    quant_method, a hint, nothing published; ``validate --deep`` reports it (M020)."""
+    q = torch.randint(0, 0x7E, (300, 200), dtype=torch.uint8).view(torch.float8_e4m3fn)
+    key = "model.layers.0.mlp.up_proj.weight_scale_inv"
+    t = {"model.layers.0.mlp.up_proj.weight": q, key: torch.rand(3, 2) + 0.5}
+    qc = _CT_BLOCK_100 if quant_method == "compressed-tensors" else {"quant_method": "mxfp4"}
+    src = _write_folder(tmp_path / "src", t, {"quantization_config": qc})
+    err = _import(src, tmp_path / "dcp", "--dtype", "float32", code=2)
+    assert f"[E612] {key}:" in err and f"quant_method is {quant_method!r}, not 'fp8'" in err, err
+    assert "hint: pass --config" in err and "Traceback" not in err and len(err.strip().splitlines()) == 2, err
+    assert not (tmp_path / "dcp").exists()
+    res = runner.invoke(app, ["validate", "--deep", str(src), "--json"])
+    found = [(f["code"], f["key"]) for f in json.loads(res.stdout)["findings"]]
+    assert res.exit_code == 1 and ("M020", key) in found, res.stdout
