@@ -529,8 +529,10 @@ def unscaled_fused_experts(
     """``(key, why)`` under a block-FP8 ``quantization_config`` (``quant_method`` ``fp8`` with ``weight_block_size``)
     for a fused expert tensor ``x`` ``float8_e4m3fn`` ``[E, out, in]`` with no ``x_scale_inv``, and for an ``x_scale_inv``
     ``[E, ...]`` whose ``x`` is missing: as a 2-D ``x.weight`` with no scale (:func:`find_quantized`), its codes would be
-    read as its values (``dcp.load`` casts them), its siblings dequantized. Without such a config an unscaled float8
-    tensor is read as stored (nothing says it is quantized)."""
+    read as its values (``dcp.load`` casts them), its siblings dequantized. So is a 2-D ``float8_e4m3fn`` tensor not
+    named ``*.weight`` (``x.w1``), with or without an ``x_scale_inv`` beside it: block FP8 pairs a scale only with an
+    ``x.weight`` or fused experts. Without such a config an unscaled float8 tensor is read as stored (nothing says it is
+    quantized)."""
     qc = config.get("quantization_config") if isinstance(config, Mapping) else None
     if not isinstance(qc, dict) or qc.get("quant_method") != "fp8" or qc.get("weight_block_size") is None:
         return []
@@ -539,6 +541,16 @@ def unscaled_fused_experts(
         if dt == "float8_e4m3fn" and len(shape) == 3 and key + FP8_SCALE_SUFFIX not in tensors:
             problems.append(
                 (key, f"{key}: a float8_e4m3fn fused expert tensor {list(shape)} with no {key + FP8_SCALE_SUFFIX!r}")
+            )
+        elif dt == "float8_e4m3fn" and len(shape) == 2 and not key.endswith(".weight"):
+            beside = "beside" if key + FP8_SCALE_SUFFIX in tensors else "with no"
+            problems.append(
+                (
+                    key,
+                    f"{key}: a float8_e4m3fn tensor {list(shape)} {beside} {key + FP8_SCALE_SUFFIX!r}, under a block-FP8 "
+                    "config: block FP8 scales an x.weight (x.weight_scale_inv) or fused experts [E, out, in] "
+                    "(x_scale_inv), and its codes would be read as values",
+                )
             )
         elif len(shape) == 3 and key.endswith(FP8_SCALE_SUFFIX) and not key.endswith(".weight" + FP8_SCALE_SUFFIX):
             if key[: -len(FP8_SCALE_SUFFIX)] not in tensors:

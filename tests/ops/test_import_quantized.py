@@ -909,3 +909,23 @@ def test_block_fp8_scales_under_another_quant_method_are_refused(tmp_path: Path,
     res = runner.invoke(app, ["validate", "--deep", str(src), "--json"])
     found = [(f["code"], f["key"]) for f in json.loads(res.stdout)["findings"]]
     assert res.exit_code == 1 and ("M020", key) in found, res.stdout
+
+
+@pytest.mark.parametrize("scaled", [True, False])
+def test_a_2d_float8_tensor_not_named_weight_under_a_block_fp8_config_is_refused(tmp_path: Path, scaled: bool) -> None:
+    """Under a block-FP8 config, a 2-D float8 ``x.w1`` (with an ``x.w1_scale_inv`` [3, 2] beside it, or none) was
+    imported as its raw FP8 codes, which ``dcp.load`` casts into the model's weight as values, the scale a stray
+    tensor; ``validate --deep`` passed it. Block FP8 scales only ``x.weight`` and fused experts: now E612 naming the
+    tensor, nothing published, and M020."""
+    t = _deepseek_tensors(16)
+    key = "model.layers.0.mlp.w1"
+    t[key] = torch.randint(0, 0x7E, (40, 30), dtype=torch.uint8).view(torch.float8_e4m3fn)
+    if scaled:
+        t[key + "_scale_inv"] = torch.rand(3, 2) + 0.5
+    src = _write_folder(tmp_path / "src", t, _DS_CONFIG)
+    err = _import(src, tmp_path / "dcp", code=2)
+    assert f"[E612] {key}: a float8_e4m3fn tensor [40, 30]" in err and "Traceback" not in err, err
+    assert len(err.strip().splitlines()) == 2 and not (tmp_path / "dcp").exists()
+    res = runner.invoke(app, ["validate", "--deep", str(src), "--json"])
+    found = [(f["code"], f["key"]) for f in json.loads(res.stdout)["findings"]]
+    assert res.exit_code == 1 and ("M020", key) in found, res.stdout
