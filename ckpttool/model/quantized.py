@@ -354,23 +354,34 @@ def compressed_tensors_block(config: Mapping[str, Any] | None) -> tuple[int, int
     if not isinstance(qc, dict) or qc.get("quant_method") != "compressed-tensors":
         return None
     groups = qc.get("config_groups")
-    found: set[tuple[int, int]] = set()
+    found: set[tuple[int, int] | None] = set()
     for g in groups.values() if isinstance(groups, dict) else ():
-        w = g.get("weights") if isinstance(g, dict) else None
-        if not isinstance(w, dict) or w.get("type") != "float" or w.get("num_bits") != 8:
-            return None
-        bs = w.get("block_structure")
-        if w.get("strategy") == "block" and isinstance(bs, list) and len(bs) == 2:
-            if not all(type(b) is int and b > 0 for b in bs):
-                return None
-            found.add((bs[0], bs[1]))
-        elif w.get("strategy") == "channel":
-            found.add((1, WHOLE_ROW))
-        elif w.get("strategy") == "tensor":
-            found.add(_PER_TENSOR)
-        else:
-            return None
+        found.add(_ct_weights_block(g.get("weights") if isinstance(g, dict) else None))
     return found.pop() if len(found) == 1 else None
+
+
+def _lower(value: Any) -> Any:
+    return value.lower() if isinstance(value, str) else value
+
+
+def _ct_weights_block(w: Any) -> tuple[int, int] | None:
+    """The FP8 block of one config group's ``weights`` (``QuantizationArgs``), read as compressed-tensors' validators
+    read it: ``type`` and ``strategy`` in any case, a missing ``strategy`` inferred from ``group_size`` (``-1``:
+    ``channel``; none: ``tensor``), ``block_structure`` ``[rows, cols]`` or its older string form ``"128x128"``."""
+    if not isinstance(w, dict) or _lower(w.get("type")) != "float" or w.get("num_bits", 8) != 8:
+        return None
+    strategy = _lower(w.get("strategy"))
+    if strategy is None:
+        strategy = {None: "tensor", -1: "channel"}.get(w.get("group_size"))
+    bs = w.get("block_structure")
+    if bs is not None and strategy != "block":  # compressed-tensors refuses such args
+        return None
+    if isinstance(bs, str):
+        parts = bs.split("x")
+        bs = [int(p) for p in parts] if all(p.isascii() and p.isdigit() for p in parts) else None
+    if strategy == "block" and isinstance(bs, list) and len(bs) == 2:
+        return (bs[0], bs[1]) if all(type(b) is int and b > 0 for b in bs) else None
+    return {"channel": (1, WHOLE_ROW), "tensor": _PER_TENSOR}.get(strategy)
 
 
 def compressed_tensors_fp8(

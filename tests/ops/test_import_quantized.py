@@ -929,3 +929,44 @@ def test_a_2d_float8_tensor_not_named_weight_under_a_block_fp8_config_is_refused
     res = runner.invoke(app, ["validate", "--deep", str(src), "--json"])
     found = [(f["code"], f["key"]) for f in json.loads(res.stdout)["findings"]]
     assert res.exit_code == 1 and ("M020", key) in found, res.stdout
+
+
+@pytest.mark.parametrize(
+    ("weights", "grid"),
+    [
+        ({"num_bits": 8, "type": "FLOAT", "strategy": "BLOCK", "block_structure": "16x8"}, (16, 8)),
+        # num_bits 8 and strategy channel, as compressed-tensors infers them
+        ({"type": "float", "group_size": -1}, (1, None)),
+    ],
+)
+def test_compressed_tensors_args_read_as_compressed_tensors_reads_them(
+    tmp_path: Path, weights: dict[str, Any], grid: tuple[int, int | None]
+) -> None:
+    """Weight args compressed-tensors' ``QuantizationArgs`` accepts (``type`` / ``strategy`` in upper case, the older
+    ``"16x8"`` string of ``block_structure``, ``num_bits`` left to its default 8, ``strategy`` inferred from
+    ``group_size`` -1) were E612 ("config_groups give no one block, channel or tensor FP8 scheme"). Now the import
+    equals compressed-tensors' own decompression of the folder, bit for bit."""
+    from compressed_tensors.compressors.naive_quantized import FloatQuantizationCompressor
+    from compressed_tensors.quantization import QuantizationConfig
+
+    g = torch.Generator().manual_seed(11)
+    q = torch.randint(0, 0x7E, (40, 30), generator=g, dtype=torch.uint8).view(torch.float8_e4m3fn)
+    rows, cols = -(-40 // grid[0]), 1 if grid[1] is None else -(-30 // grid[1])
+    t = {
+        "model.layers.0.mlp.up_proj.weight": q,
+        "model.layers.0.mlp.up_proj.weight_scale": torch.rand(rows, cols) + 0.1,
+    }
+    qc = {
+        "quant_method": "compressed-tensors",
+        "format": "float-quantized",
+        "config_groups": {"group_0": {"targets": ["Linear"], "weights": weights}},
+    }
+    src = _write_folder(tmp_path / "src", t, {"quantization_config": qc})
+    r = _import(src, tmp_path / "dcp", "--dtype", "float32")
+    assert r["dequantized"]["kinds"] == {"fp8-compressed-tensors": 1}
+    scheme = QuantizationConfig.model_validate(qc).config_groups["group_0"]
+    ref = FloatQuantizationCompressor.decompress(
+        {"weight": q, "weight_scale": t["model.layers.0.mlp.up_proj.weight_scale"]}, scheme
+    )["weight"]
+    got = _torch_load(tmp_path / "dcp")["model.model.layers.0.mlp.up_proj.weight"]
+    assert got.dtype == ref.dtype == torch.float32 and torch.equal(_bits(got), _bits(ref))
