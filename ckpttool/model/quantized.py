@@ -366,8 +366,9 @@ def _lower(value: Any) -> Any:
 
 def _ct_weights_block(w: Any) -> tuple[int, int] | None:
     """The FP8 block of one config group's ``weights`` (``QuantizationArgs``), read as compressed-tensors' validators
-    read it: ``type`` and ``strategy`` in any case, a missing ``strategy`` inferred from ``group_size`` (``-1``:
-    ``channel``; none: ``tensor``), ``block_structure`` ``[rows, cols]`` or its older string form ``"128x128"``."""
+    read it: ``type`` and ``strategy`` in any case, ``num_bits`` 8 where missing, a missing ``strategy`` inferred from
+    ``group_size`` (``-1``: ``channel``; none: ``tensor``), ``block_structure`` ``[rows, cols]`` or its older string
+    form ``"128x128"``. ``None``: not one FP8 block, channel or tensor scheme, or args compressed-tensors refuses."""
     if not isinstance(w, dict) or _lower(w.get("type")) != "float" or w.get("num_bits", 8) != 8:
         return None
     strategy = _lower(w.get("strategy"))

@@ -21,7 +21,8 @@ import's memory is bounded by the largest dequantized tensor. Refused (E612, not
 published): a scale that does not fit its weight (missing weight, not float32, bfloat16 or float16
 (:data:`~ckpttool.model.quantized.SCALE_DTYPES`), shape other than
 ``ceil(out / B0) x ceil(in / B1)``), a NaN / infinite / negative scale, a zero scale of a block that is not all
-zero, NaN bytes in an FP8 weight, an MXFP4 exponent ``0xFF``, finite pieces whose product is beyond the range of ``--dtype`` (torch's reader would load infinity there).
+zero, NaN bytes in an FP8 weight, an MXFP4 exponent ``0xFF``, block-FP8 scales under a ``quant_method`` other than
+``fp8`` (:func:`~ckpttool.model.quantized.method_disagreements`: the config does not give their grid), finite pieces whose product is beyond the range of ``--dtype`` (torch's reader would load infinity there).
 ``docs/import.md``, "Quantized checkpoints".
 """
 

@@ -99,7 +99,7 @@ def fp8_scale_mismatch(ctx: Context) -> Iterator[tuple[str, str]]:
                 yield key, f"{key}: a float8_e4m3fn weight with no {key + _SUFFIX!r} (nor a per-tensor weight_scale)"
     yield from fused_problems
     block_pairs = find_quantized(tensors, block_size(ctx.quant_config))[0]
-    yield from ((k, why) for k, why in method_disagreements(block_pairs, ctx.quant_config) if k.endswith(_SUFFIX))
+    yield from method_disagreements(block_pairs, ctx.quant_config)  # block FP8 under another quant_method
     found = [compressed_tensors_fp8(tensors, ctx.quant_config), per_tensor_fp8(tensors, ctx.quant_config)]
     for _, unfit in found:
         yield from unfit
