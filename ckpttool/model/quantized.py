@@ -38,6 +38,7 @@ __all__ = [
     "compressed_tensors_fp8",
     "find_quantized",
     "fused_experts",
+    "method_disagreements",
     "packed_integer_weights",
     "per_tensor_fp8",
     "scale_grid",
@@ -353,23 +354,35 @@ def compressed_tensors_block(config: Mapping[str, Any] | None) -> tuple[int, int
     if not isinstance(qc, dict) or qc.get("quant_method") != "compressed-tensors":
         return None
     groups = qc.get("config_groups")
-    found: set[tuple[int, int]] = set()
+    found: set[tuple[int, int] | None] = set()
     for g in groups.values() if isinstance(groups, dict) else ():
-        w = g.get("weights") if isinstance(g, dict) else None
-        if not isinstance(w, dict) or w.get("type") != "float" or w.get("num_bits") != 8:
-            return None
-        bs = w.get("block_structure")
-        if w.get("strategy") == "block" and isinstance(bs, list) and len(bs) == 2:
-            if not all(type(b) is int and b > 0 for b in bs):
-                return None
-            found.add((bs[0], bs[1]))
-        elif w.get("strategy") == "channel":
-            found.add((1, WHOLE_ROW))
-        elif w.get("strategy") == "tensor":
-            found.add(_PER_TENSOR)
-        else:
-            return None
+        found.add(_ct_weights_block(g.get("weights") if isinstance(g, dict) else None))
     return found.pop() if len(found) == 1 else None
+
+
+def _lower(value: Any) -> Any:
+    return value.lower() if isinstance(value, str) else value
+
+
+def _ct_weights_block(w: Any) -> tuple[int, int] | None:
+    """The FP8 block of one config group's ``weights`` (``QuantizationArgs``), read as compressed-tensors' validators
+    read it: ``type`` and ``strategy`` in any case, ``num_bits`` 8 where missing, a missing ``strategy`` inferred from
+    ``group_size`` (``-1``: ``channel``; none: ``tensor``), ``block_structure`` ``[rows, cols]`` or its older string
+    form ``"128x128"``. ``None``: not one FP8 block, channel or tensor scheme, or args compressed-tensors refuses."""
+    if not isinstance(w, dict) or _lower(w.get("type")) != "float" or w.get("num_bits", 8) != 8:
+        return None
+    strategy = _lower(w.get("strategy"))
+    if strategy is None:
+        strategy = {None: "tensor", -1: "channel"}.get(w.get("group_size"))
+    bs = w.get("block_structure")
+    if bs is not None and strategy != "block":  # compressed-tensors refuses such args
+        return None
+    if isinstance(bs, str):
+        parts = bs.split("x")
+        bs = [int(p) for p in parts] if all(p.isascii() and p.isdigit() for p in parts) else None
+    if strategy == "block" and isinstance(bs, list) and len(bs) == 2:
+        return (bs[0], bs[1]) if all(type(b) is int and b > 0 for b in bs) else None
+    return {"channel": (1, WHOLE_ROW), "tensor": _PER_TENSOR}.get(strategy)
 
 
 def compressed_tensors_fp8(
@@ -482,7 +495,8 @@ def scaled_pairs(
 
     Block FP8, fused experts and MXFP4 (:func:`find_quantized`, the block from :func:`block_size`), then
     compressed-tensors FP8 (:func:`compressed_tensors_fp8`) and vLLM's per-tensor FP8
-    (:func:`per_tensor_fp8`), which only their ``quantization_config`` admits. The caller checks
+    (:func:`per_tensor_fp8`), which only their ``quantization_config`` admits; block FP8 under a ``quant_method``
+    other than ``fp8`` is a problem (:func:`method_disagreements`). The caller checks
     :func:`block_size_problem` first where a wrong grid must not fall back to the default.
     """
     qc = config.get("quantization_config") if isinstance(config, Mapping) else None
@@ -490,11 +504,35 @@ def scaled_pairs(
     # compressed-tensors and vLLM's per-tensor FP8 scale x.weight by x.weight_scale: a weight with none lacks that
     per_weight = qm == "compressed-tensors" or (qm == "fp8" and wbs is None)
     pairs, problems = find_quantized(tensors, block_size(config), CT_SCALE_SUFFIX if per_weight else FP8_SCALE_SUFFIX)
+    disagree = method_disagreements(pairs, config)
+    pairs = [p for p in pairs if p.scale not in dict(disagree)]
     found = [compressed_tensors_fp8(tensors, config), per_tensor_fp8(tensors, config)]
     for more, unfit in found:
         pairs += more
         problems += unfit
-    return pairs, problems + unclaimed_scales(tensors, config, found) + unscaled_fused_experts(tensors, config)
+    others = unclaimed_scales(tensors, config, found) + unscaled_fused_experts(tensors, config)
+    return pairs, problems + others + disagree
+
+
+def method_disagreements(pairs: list[QuantPair], config: Mapping[str, Any] | None) -> list[tuple[str, str]]:
+    """``(scale key, why)`` for each block-FP8 pair of ``pairs`` (:func:`find_quantized`'s: ``x.weight_scale_inv``,
+    fused ``x_scale_inv``) under a ``quantization_config`` whose ``quant_method`` is not ``fp8``: the config does not
+    describe the weights, and the block grid is not known (a compressed-tensors ``block_structure`` of ``[100, 100]``
+    gives the ``[3, 2]`` scales of a ``[300, 200]`` weight, as the default 128x128 grid does, dequantizing to other
+    values). A config without ``quant_method`` (or without a ``quantization_config``) says nothing against them.
+    MXFP4 is not judged so: its groups are the blocks' own shape, whatever the config says."""
+    qc = config.get("quantization_config") if isinstance(config, Mapping) else None
+    if not isinstance(qc, dict) or "quant_method" not in qc or qc["quant_method"] == "fp8":
+        return []
+    return [
+        (
+            p.scale,
+            f"{p.scale}: block FP8 scales of {p.weight!r}, but config.json quantization_config's quant_method is "
+            f"{qc['quant_method']!r:.40}, not 'fp8': the config does not give their block size",
+        )
+        for p in pairs
+        if p.kind in ("fp8-block", "fp8-experts")
+    ]
 
 
 def unscaled_fused_experts(
@@ -503,8 +541,10 @@ def unscaled_fused_experts(
     """``(key, why)`` under a block-FP8 ``quantization_config`` (``quant_method`` ``fp8`` with ``weight_block_size``)
     for a fused expert tensor ``x`` ``float8_e4m3fn`` ``[E, out, in]`` with no ``x_scale_inv``, and for an ``x_scale_inv``
     ``[E, ...]`` whose ``x`` is missing: as a 2-D ``x.weight`` with no scale (:func:`find_quantized`), its codes would be
-    read as its values (``dcp.load`` casts them), its siblings dequantized. Without such a config an unscaled float8
-    tensor is read as stored (nothing says it is quantized)."""
+    read as its values (``dcp.load`` casts them), its siblings dequantized. So is a 2-D ``float8_e4m3fn`` tensor not
+    named ``*.weight`` (``x.w1``), with or without an ``x_scale_inv`` beside it: block FP8 pairs a scale only with an
+    ``x.weight`` or fused experts. Without such a config an unscaled float8 tensor is read as stored (nothing says it is
+    quantized)."""
     qc = config.get("quantization_config") if isinstance(config, Mapping) else None
     if not isinstance(qc, dict) or qc.get("quant_method") != "fp8" or qc.get("weight_block_size") is None:
         return []
@@ -513,6 +553,16 @@ def unscaled_fused_experts(
         if dt == "float8_e4m3fn" and len(shape) == 3 and key + FP8_SCALE_SUFFIX not in tensors:
             problems.append(
                 (key, f"{key}: a float8_e4m3fn fused expert tensor {list(shape)} with no {key + FP8_SCALE_SUFFIX!r}")
+            )
+        elif dt == "float8_e4m3fn" and len(shape) == 2 and not key.endswith(".weight"):
+            beside = "beside" if key + FP8_SCALE_SUFFIX in tensors else "with no"
+            problems.append(
+                (
+                    key,
+                    f"{key}: a float8_e4m3fn tensor {list(shape)} {beside} {key + FP8_SCALE_SUFFIX!r}, under a block-FP8 "
+                    "config: block FP8 scales an x.weight (x.weight_scale_inv) or fused experts [E, out, in] "
+                    "(x_scale_inv), and its codes would be read as values",
+                )
             )
         elif len(shape) == 3 and key.endswith(FP8_SCALE_SUFFIX) and not key.endswith(".weight" + FP8_SCALE_SUFFIX):
             if key[: -len(FP8_SCALE_SUFFIX)] not in tensors:

@@ -21,7 +21,8 @@ import's memory is bounded by the largest dequantized tensor. Refused (E612, not
 published): a scale that does not fit its weight (missing weight, not float32, bfloat16 or float16
 (:data:`~ckpttool.model.quantized.SCALE_DTYPES`), shape other than
 ``ceil(out / B0) x ceil(in / B1)``), a NaN / infinite / negative scale, a zero scale of a block that is not all
-zero, NaN bytes in an FP8 weight, an MXFP4 exponent ``0xFF``, finite pieces whose product is beyond the range of ``--dtype`` (torch's reader would load infinity there).
+zero, NaN bytes in an FP8 weight, an MXFP4 exponent ``0xFF``, block-FP8 scales under a ``quant_method`` other than
+``fp8`` (:func:`~ckpttool.model.quantized.method_disagreements`: the config does not give their grid), finite pieces whose product is beyond the range of ``--dtype`` (torch's reader would load infinity there).
 ``docs/import.md``, "Quantized checkpoints".
 """
 
@@ -42,8 +43,11 @@ from ckpttool.model.quantized import (
     FP8_SCALE_SUFFIX,
     QuantKind,
     QuantPair,
+    block_size,
     block_size_problem,
     blocks_of_scales,
+    find_quantized,
+    method_disagreements,
     packed_integer_weights,
     scale_grid,
     scaled_pairs,
@@ -156,6 +160,13 @@ def plan_dequantize(
         unconfigured = _unconfigured_blocks(tensors, config, key)
         if unconfigured is not None:
             raise _bad(why + more + unconfigured[0], key, hint=unconfigured[1])
+        if dict(method_disagreements(find_quantized(tensors, block_size(config))[0], config)).get(key) == why:
+            raise _bad(
+                why + more,
+                key,
+                hint="pass `config` a config.json with the quantization_config the weights were quantized with "
+                '(block FP8: {"quant_method": "fp8", "weight_block_size": [B0, B1]}), or correct the folder\'s',
+            )
         raise _bad(why + more, key)
     plans: dict[str, Dequantized] = {}
     consumed: list[str] = []

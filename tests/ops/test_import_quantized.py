@@ -877,3 +877,96 @@ def test_an_own_config_json_that_cannot_be_read_is_refused_not_taken_for_none(
         assert res.exit_code == 2 and str(cfg) in res.stderr, (args[0], res.exit_code, res.stderr)
         assert "E612" not in res.stderr and "Traceback" not in res.stderr, res.stderr
     assert not (tmp_path / "out").exists()
+
+
+_CT_BLOCK_100 = {
+    "quant_method": "compressed-tensors",
+    "format": "float-quantized",
+    "config_groups": {
+        "group_0": {
+            "targets": ["Linear"],
+            "weights": {"num_bits": 8, "type": "float", "strategy": "block", "block_structure": [100, 100]},
+        }
+    },
+}
+
+
+@pytest.mark.parametrize("quant_method", ["compressed-tensors", "mxfp4"])
+def test_block_fp8_scales_under_another_quant_method_are_refused(tmp_path: Path, quant_method: str) -> None:
+    """Block-FP8 ``weight_scale_inv`` under a compressed-tensors config whose ``[100, 100]`` blocks give a
+    ``[300, 200]`` weight the same ``[3, 2]`` scale grid as the default 128x128 was dequantized on 128x128 blocks, the
+    config's grid ignored (and under ``mxfp4``, which gives none): now E612 naming the scale and the config's
+    quant_method, a hint, nothing published; ``validate --deep`` reports it (M020)."""
+    q = torch.randint(0, 0x7E, (300, 200), dtype=torch.uint8).view(torch.float8_e4m3fn)
+    key = "model.layers.0.mlp.up_proj.weight_scale_inv"
+    t = {"model.layers.0.mlp.up_proj.weight": q, key: torch.rand(3, 2) + 0.5}
+    qc = _CT_BLOCK_100 if quant_method == "compressed-tensors" else {"quant_method": "mxfp4"}
+    src = _write_folder(tmp_path / "src", t, {"quantization_config": qc})
+    err = _import(src, tmp_path / "dcp", "--dtype", "float32", code=2)
+    assert f"[E612] {key}:" in err and f"quant_method is {quant_method!r}, not 'fp8'" in err, err
+    assert "hint: pass --config" in err and "Traceback" not in err and len(err.strip().splitlines()) == 2, err
+    assert not (tmp_path / "dcp").exists()
+    res = runner.invoke(app, ["validate", "--deep", str(src), "--json"])
+    found = [(f["code"], f["key"]) for f in json.loads(res.stdout)["findings"]]
+    assert res.exit_code == 1 and ("M020", key) in found, res.stdout
+
+
+@pytest.mark.parametrize("scaled", [True, False])
+def test_a_2d_float8_tensor_not_named_weight_under_a_block_fp8_config_is_refused(tmp_path: Path, scaled: bool) -> None:
+    """Under a block-FP8 config, a 2-D float8 ``x.w1`` (with an ``x.w1_scale_inv`` [3, 2] beside it, or none) was
+    imported as its raw FP8 codes, which ``dcp.load`` casts into the model's weight as values, the scale a stray
+    tensor; ``validate --deep`` passed it. Block FP8 scales only ``x.weight`` and fused experts: now E612 naming the
+    tensor, nothing published, and M020."""
+    t = _deepseek_tensors(16)
+    key = "model.layers.0.mlp.w1"
+    t[key] = torch.randint(0, 0x7E, (40, 30), dtype=torch.uint8).view(torch.float8_e4m3fn)
+    if scaled:
+        t[key + "_scale_inv"] = torch.rand(3, 2) + 0.5
+    src = _write_folder(tmp_path / "src", t, _DS_CONFIG)
+    err = _import(src, tmp_path / "dcp", code=2)
+    assert f"[E612] {key}: a float8_e4m3fn tensor [40, 30]" in err and "Traceback" not in err, err
+    assert len(err.strip().splitlines()) == 2 and not (tmp_path / "dcp").exists()
+    res = runner.invoke(app, ["validate", "--deep", str(src), "--json"])
+    found = [(f["code"], f["key"]) for f in json.loads(res.stdout)["findings"]]
+    assert res.exit_code == 1 and ("M020", key) in found, res.stdout
+
+
+@pytest.mark.parametrize(
+    ("weights", "grid"),
+    [
+        ({"num_bits": 8, "type": "FLOAT", "strategy": "BLOCK", "block_structure": "16x8"}, (16, 8)),
+        # num_bits 8 and strategy channel, as compressed-tensors infers them
+        ({"type": "float", "group_size": -1}, (1, None)),
+    ],
+)
+def test_compressed_tensors_args_read_as_compressed_tensors_reads_them(
+    tmp_path: Path, weights: dict[str, Any], grid: tuple[int, int | None]
+) -> None:
+    """Weight args compressed-tensors' ``QuantizationArgs`` accepts (``type`` / ``strategy`` in upper case, the older
+    ``"16x8"`` string of ``block_structure``, ``num_bits`` left to its default 8, ``strategy`` inferred from
+    ``group_size`` -1) were E612 ("config_groups give no one block, channel or tensor FP8 scheme"). Now the import
+    equals compressed-tensors' own decompression of the folder, bit for bit."""
+    from compressed_tensors.compressors.naive_quantized import FloatQuantizationCompressor
+    from compressed_tensors.quantization import QuantizationConfig
+
+    g = torch.Generator().manual_seed(11)
+    q = torch.randint(0, 0x7E, (40, 30), generator=g, dtype=torch.uint8).view(torch.float8_e4m3fn)
+    rows, cols = -(-40 // grid[0]), 1 if grid[1] is None else -(-30 // grid[1])
+    t = {
+        "model.layers.0.mlp.up_proj.weight": q,
+        "model.layers.0.mlp.up_proj.weight_scale": torch.rand(rows, cols) + 0.1,
+    }
+    qc = {
+        "quant_method": "compressed-tensors",
+        "format": "float-quantized",
+        "config_groups": {"group_0": {"targets": ["Linear"], "weights": weights}},
+    }
+    src = _write_folder(tmp_path / "src", t, {"quantization_config": qc})
+    r = _import(src, tmp_path / "dcp", "--dtype", "float32")
+    assert r["dequantized"]["kinds"] == {"fp8-compressed-tensors": 1}
+    scheme = QuantizationConfig.model_validate(qc).config_groups["group_0"]
+    ref = FloatQuantizationCompressor.decompress(
+        {"weight": q, "weight_scale": t["model.layers.0.mlp.up_proj.weight_scale"]}, scheme
+    )["weight"]
+    got = _torch_load(tmp_path / "dcp")["model.model.layers.0.mlp.up_proj.weight"]
+    assert got.dtype == ref.dtype == torch.float32 and torch.equal(_bits(got), _bits(ref))

@@ -33,7 +33,9 @@ from ckpttool.model.quantized import (
     block_size,
     block_size_problem,
     compressed_tensors_fp8,
+    find_quantized,
     fused_experts,
+    method_disagreements,
     packed_integer_weights,
     per_tensor_fp8,
     scale_grid,
@@ -96,6 +98,8 @@ def fp8_scale_mismatch(ctx: Context) -> Iterator[tuple[str, str]]:
             if key + _SUFFIX not in ctx.cat.model and key + "_scale" not in ctx.cat.model:
                 yield key, f"{key}: a float8_e4m3fn weight with no {key + _SUFFIX!r} (nor a per-tensor weight_scale)"
     yield from fused_problems
+    block_pairs = find_quantized(tensors, block_size(ctx.quant_config))[0]
+    yield from method_disagreements(block_pairs, ctx.quant_config)  # block FP8 under another quant_method
     found = [compressed_tensors_fp8(tensors, ctx.quant_config), per_tensor_fp8(tensors, ctx.quant_config)]
     for _, unfit in found:
         yield from unfit
