@@ -291,10 +291,12 @@ def step_given_hint(root: Path, param: str) -> str:
 
 
 def named_step(located: Located) -> tuple[int | None, bool]:
-    """``(step, named by an epoch)`` of the nearest step-named directory from the checkpoint up to the directory
+    """``(step, named by no step)`` of the nearest step-named directory from the checkpoint up to the directory
     given (its parent when the checkpoint folder of a step directory is given itself: verl's ``actor/``). Paths are
     made absolute lexically first (links kept): ``.`` given inside ``checkpoint-100/`` is named by ``checkpoint-100``;
-    where those names hold no step, the paths with links resolved (``run/latest`` -> ``checkpoint-100``)."""
+    where those names hold no step, the paths with links resolved (``run/latest`` -> ``checkpoint-100``). A
+    directory named by an epoch (torchtune's ``dist_epoch_N``, :data:`EPOCH_DIR`) or by a save index (Accelerate's
+    ``checkpoints/checkpoint_N``, :data:`SAVE_INDEX_DIR`) gives ``(None, True)``."""
     for absolute in (os.path.abspath, os.path.realpath):
         found = _step_named(*(PurePath(absolute(p)) for p in (located.given, located.model)))
         if found != (None, False):
@@ -312,7 +314,10 @@ def _step_named(given: PurePath, q: PurePath) -> tuple[int | None, bool]:
         given = q.parent
     while q.is_relative_to(given):
         if (s := step_of(q.name)) is not None:
-            return (None, True) if EPOCH_DIR.match(q.name) else (s, False)
+            counts_no_step = EPOCH_DIR.match(q.name) or (
+                SAVE_INDEX_DIR.match(q.name) and q.parent.name == "checkpoints"
+            )
+            return (None, True) if counts_no_step else (s, False)
         if q == given or q == q.parent:
             break
         q = q.parent
@@ -1457,6 +1462,9 @@ def _of_step(
 #: A directory named by the epoch it ends (torchtune's ``dist_epoch_N``): its number orders the saves like a step
 #: but counts epochs, not optimizer steps.
 EPOCH_DIR = re.compile(r"(?:dist_)?epoch[-_]?[0-9]+\Z")
+#: Accelerate's automatic checkpoint naming (``ProjectConfiguration(automatic_checkpoint_naming=True)``), inside a
+#: folder ``checkpoints``: ``checkpoint_<i>`` numbers the ``save_state`` calls (0, 1, ...), not optimizer steps.
+SAVE_INDEX_DIR = re.compile(r"checkpoint_[0-9]+\Z")
 
 
 def _epoch_words(root: Path, units: list[_Unit], how: str, want: int | str | None) -> str:

@@ -138,7 +138,7 @@ def training_state_beside_checkpoint(ctx: Context) -> Iterator[tuple[str | None,
 
 
 @rule("K012")
-def training_state_not_read(ctx: Context) -> Iterator[tuple[str | None, str]]:
+def training_state_not_read(ctx: Context) -> Iterator[tuple[str | None, str] | tuple[str | None, str, str]]:
     located = ctx.ckpt.located
     unread = ctx.ckpt.unread_beside()
     if unread:
@@ -152,10 +152,18 @@ def training_state_not_read(ctx: Context) -> Iterator[tuple[str | None, str]]:
             if opt is not None and opt in unread
             else ""
         )
-        yield (
-            None,
-            f"{located.given}: training state beside {model.name}/ that ckpttool does not read: {shown}{both}",
-        )
+        message = f"{located.given}: training state beside {model.name}/ that ckpttool does not read: {shown}{both}"
+        if ctx.cat.optimizer_state:  # read and checked here: the rule's hint to bring it to DCP does not apply
+            yield None, message, _READ_OPTIMIZER_HINT
+        else:
+            yield None, message
+
+
+#: K012's hint where the opened checkpoint holds optimizer state (Accelerate's ``save_state``: ``optimizer_0/`` read,
+#: ``scheduler.bin`` and ``random_states_R.pkl`` beside it not).
+_READ_OPTIMIZER_HINT = (
+    "check those files with the trainer's own loader (the model and the optimizer state saved here were checked)"
+)
 
 
 @rule("K013")
