@@ -1800,6 +1800,9 @@ def compose_pair(
         save_id=model_md.save_id,
         serialization=serialization,
         writer=model_md.writer if model_md.writer == optim_md.writer else None,
+        # NeMo Automodel's model/ of 2+ ranks: HuggingFaceStorageWriter's per-rank shards, whose completeness the
+        # pair must keep proving (a rank's file missing leaves tensors of the pieces present)
+        shards=model_md.shards if model_md.shards is not None else optim_md.shards,
     )
     if not model_md.entries:
         raise MetadataError(f"{model_dir}: the checkpoint holds no entries", path=model_dir)
