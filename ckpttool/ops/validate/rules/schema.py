@@ -38,12 +38,28 @@ def nothing_recognised(ctx: Context) -> Iterator[tuple[str | None, str]]:
 
 
 @rule("K002")
-def uncategorized_tensors(ctx: Context) -> Iterator[tuple[str, str]]:
+def uncategorized_tensors(ctx: Context) -> Iterator[tuple[str, str] | tuple[str, str, str]]:
     if not (ctx.cat.model or ctx.cat.optimizer_state):
         return  # K001
     odd = ctx.cat.uncategorized_tensors()
     if odd:
-        yield odd[0], f"{len(odd)} tensor(s) outside the {ctx.cat.schema.id} key schema: {_examples(odd)}"
+        message = f"{len(odd)} tensor(s) outside the {ctx.cat.schema.id} key schema: {_examples(odd)}"
+        per_param = ctx.cat.per_parameter_optimizer_state()
+        if per_param:
+            yield odd[0], f"{message}; {len(per_param)} of them are {PER_PARAMETER_OPTIMIZERS}", PER_PARAMETER_HINT
+        else:
+            yield odd[0], message
+
+
+#: K002's words for the state of one optimizer per parameter (torchtune's ``optimizer_in_bwd``)
+PER_PARAMETER_OPTIMIZERS = (
+    "the state of one optimizer per parameter (<fqn>.state.0.<field>, as torchtune's OptimizerInBackwardWrapper saves "
+    "with optimizer_in_bwd), which ckpttool does not read: the optimizer state was not checked"
+)
+PER_PARAMETER_HINT = (
+    "check the optimizer state with the trainer's own resume; to check it here, save with one optimizer "
+    "(torchtune: optimizer_in_bwd False)"
+)
 
 
 @rule("K003")
