@@ -314,10 +314,7 @@ def _step_named(given: PurePath, q: PurePath) -> tuple[int | None, bool]:
         given = q.parent
     while q.is_relative_to(given):
         if (s := step_of(q.name)) is not None:
-            counts_no_step = EPOCH_DIR.match(q.name) or (
-                SAVE_INDEX_DIR.match(q.name) and q.parent.name == "checkpoints"
-            )
-            return (None, True) if counts_no_step else (s, False)
+            return (None, True) if EPOCH_DIR.match(q.name) or _save_index_dir(q) else (s, False)
         if q == given or q == q.parent:
             break
         q = q.parent
@@ -1470,18 +1467,28 @@ SAVE_INDEX_DIR = re.compile(r"checkpoint_[0-9]+\Z")
 def _epoch_words(root: Path, units: list[_Unit], how: str, want: int | str | None) -> str:
     """``how`` with ``step N`` said as ``epoch N`` where the chosen saves lie in directories named by an epoch
     (``--step latest: step 0`` of torchtune's ``dist_epoch_0`` read as the step count, 0, of a trained model)."""
-    names = set()
+    dirs = set()
     for u in units:
         q = u.model
         while q != root and q != q.parent and step_of(q.name) is None:
             q = q.parent
-        names.add(q.name if q != root else "")
-    if not names or not all(EPOCH_DIR.match(n) for n in names):
-        return how
+        dirs.add(q if q != root else None)
+    names = {q.name if q is not None else "" for q in dirs}
     shown = ", ".join(sorted(names))
-    return how.replace(f"step {want} (the highest step)", f"epoch {want} ({shown}, the highest epoch)", 1).replace(
-        f"`step` {want}", f"`step` {want} (epoch {want}: {shown})", 1
+    if names and all(EPOCH_DIR.match(n) for n in names):
+        word, highest = "epoch", "the highest epoch"
+    elif dirs and all(q is not None and _save_index_dir(q) for q in dirs):
+        word, highest = "save", "the highest save index: Accelerate numbers its saves, not steps"
+    else:
+        return how
+    return how.replace(f"step {want} (the highest step)", f"{word} {want} ({shown}, {highest})", 1).replace(
+        f"`step` {want}", f"`step` {want} ({word} {want}: {shown})", 1
     )
+
+
+def _save_index_dir(q: PurePath) -> bool:
+    """``q`` is named by Accelerate's automatic checkpoint naming (:data:`SAVE_INDEX_DIR` in ``checkpoints/``)."""
+    return bool(SAVE_INDEX_DIR.match(q.name)) and q.parent.name == "checkpoints"
 
 
 def _latest_of(

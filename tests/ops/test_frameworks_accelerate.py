@@ -67,3 +67,11 @@ def test_training_state_beside_is_named_without_an_optimizer_hint(acc_state_root
         assert name in k012["message"]
     assert "dcp.save" not in k012["hint"] and "--optimizer-dir" not in k012["hint"], k012["hint"]
     assert "trainer's own loader" in k012["hint"]
+
+
+def test_latest_is_said_as_accelerates_save_index(acc_state_root: Path) -> None:
+    """--step latest said 'step 1 (the highest step)' for checkpoint_1, saved after step 4: now the choice is said
+    as Accelerate's save index, as torchtune's dist_epoch_N is said as an epoch."""
+    doc = cli("inspect", "--json", str(acc_state_root / "checkpoints"), "--step", "latest")
+    assert doc["location"]["model"].endswith("checkpoints/checkpoint_1/pytorch_model_fsdp_0")
+    assert doc["location"]["how"].startswith("`step` latest: save 1 (checkpoint_1, the highest save index"), doc
