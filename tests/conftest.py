@@ -109,6 +109,14 @@ def acc_root(fixture_root: Path) -> Path:
 
 
 @pytest.fixture(scope="session")
+def acc_state_root(fixture_root: Path) -> Path:
+    """Accelerator.save_state (FSDP2) run: checkpoints/checkpoint_{0,1} (after steps 2 and 4) and expected.pt."""
+    return _writer(
+        fixture_root, "writers_accelerate_state", "build_accelerate_save_state", "accelerate", "transformers"
+    )
+
+
+@pytest.fixture(scope="session")
 def hf_shards_root(fixture_root: Path) -> Path:
     """w2/, w3/: HuggingFaceStorageWriter(save_distributed=True) DTensor saves on 2 and 3 ranks (tests/fixtures/hf_shards.py)."""
     from tests.fixtures import hf_shards, writers

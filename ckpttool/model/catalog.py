@@ -373,6 +373,19 @@ class Catalog:
         """Tensors in no known category: not model, optimizer state, layout or training state."""
         return [k for k in self.other_tensors if self.category(k) == "other"]
 
+    def per_parameter_optimizer_state(self) -> list[str]:
+        """Uncategorized tensors that are the state of one optimizer per parameter, ``<prefix><fqn>.state.<i>.<field>``
+        with ``<fqn>`` a model fqn: the state dict of torchtune's ``OptimizerInBackwardWrapper`` (``optimizer_in_bwd``:
+        ``{fqn: optimizer.state_dict()}`` under ``optimizer.``), which no schema reads; ``[]`` for none."""
+        fqns = set(self.param_fqns)
+        out = []
+        for key in self.uncategorized_tensors():
+            head, sep, tail = key.rpartition(".state.")
+            index, dot, field = tail.partition(".")
+            if sep and dot and field and index.isdigit() and any(_suffixes(head, fqns)):
+                out.append(key)
+        return out
+
     def non_persistent_buffers(self) -> list[str]:
         """Model keys of buffers models register as non-persistent (:data:`KNOWN_NON_PERSISTENT_BUFFERS`).
 
@@ -1451,3 +1464,12 @@ def group_by_prefix(keys: list[tuple[str, int, int]], depth: int) -> dict[str, t
         agg[1] += numel
         agg[2] += nbytes
     return {k: (v[0], v[1], v[2]) for k, v in out.items()}
+
+
+def _suffixes(head: str, fqns: set[str]) -> Iterator[str]:
+    """The fqns in ``fqns`` that ``head`` is, or ends with after a ``.`` (``optimizer.layers.0.w`` -> ``layers.0.w``)."""
+    parts = head.split(".")
+    for i in range(len(parts)):
+        cand = ".".join(parts[i:])
+        if cand in fqns:
+            yield cand

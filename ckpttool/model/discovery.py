@@ -291,10 +291,12 @@ def step_given_hint(root: Path, param: str) -> str:
 
 
 def named_step(located: Located) -> tuple[int | None, bool]:
-    """``(step, named by an epoch)`` of the nearest step-named directory from the checkpoint up to the directory
+    """``(step, named by no step)`` of the nearest step-named directory from the checkpoint up to the directory
     given (its parent when the checkpoint folder of a step directory is given itself: verl's ``actor/``). Paths are
     made absolute lexically first (links kept): ``.`` given inside ``checkpoint-100/`` is named by ``checkpoint-100``;
-    where those names hold no step, the paths with links resolved (``run/latest`` -> ``checkpoint-100``)."""
+    where those names hold no step, the paths with links resolved (``run/latest`` -> ``checkpoint-100``). A
+    directory named by an epoch (torchtune's ``dist_epoch_N``, :data:`EPOCH_DIR`) or by a save index (Accelerate's
+    ``checkpoints/checkpoint_N``, :data:`SAVE_INDEX_DIR`) gives ``(None, True)``."""
     for absolute in (os.path.abspath, os.path.realpath):
         found = _step_named(*(PurePath(absolute(p)) for p in (located.given, located.model)))
         if found != (None, False):
@@ -312,7 +314,7 @@ def _step_named(given: PurePath, q: PurePath) -> tuple[int | None, bool]:
         given = q.parent
     while q.is_relative_to(given):
         if (s := step_of(q.name)) is not None:
-            return (None, True) if EPOCH_DIR.match(q.name) else (s, False)
+            return (None, True) if EPOCH_DIR.match(q.name) or _save_index_dir(q) else (s, False)
         if q == given or q == q.parent:
             break
         q = q.parent
@@ -1457,23 +1459,36 @@ def _of_step(
 #: A directory named by the epoch it ends (torchtune's ``dist_epoch_N``): its number orders the saves like a step
 #: but counts epochs, not optimizer steps.
 EPOCH_DIR = re.compile(r"(?:dist_)?epoch[-_]?[0-9]+\Z")
+#: Accelerate's automatic checkpoint naming (``ProjectConfiguration(automatic_checkpoint_naming=True)``), inside a
+#: folder ``checkpoints``: ``checkpoint_<i>`` numbers the ``save_state`` calls (0, 1, ...), not optimizer steps.
+SAVE_INDEX_DIR = re.compile(r"checkpoint_[0-9]+\Z")
 
 
 def _epoch_words(root: Path, units: list[_Unit], how: str, want: int | str | None) -> str:
     """``how`` with ``step N`` said as ``epoch N`` where the chosen saves lie in directories named by an epoch
     (``--step latest: step 0`` of torchtune's ``dist_epoch_0`` read as the step count, 0, of a trained model)."""
-    names = set()
+    dirs = set()
     for u in units:
         q = u.model
         while q != root and q != q.parent and step_of(q.name) is None:
             q = q.parent
-        names.add(q.name if q != root else "")
-    if not names or not all(EPOCH_DIR.match(n) for n in names):
-        return how
+        dirs.add(q if q != root else None)
+    names = {q.name if q is not None else "" for q in dirs}
     shown = ", ".join(sorted(names))
-    return how.replace(f"step {want} (the highest step)", f"epoch {want} ({shown}, the highest epoch)", 1).replace(
-        f"`step` {want}", f"`step` {want} (epoch {want}: {shown})", 1
+    if names and all(EPOCH_DIR.match(n) for n in names):
+        word, highest = "epoch", "the highest epoch"
+    elif dirs and all(q is not None and _save_index_dir(q) for q in dirs):
+        word, highest = "save", "the highest save index: Accelerate numbers its saves, not steps"
+    else:
+        return how
+    return how.replace(f"step {want} (the highest step)", f"{word} {want} ({shown}, {highest})", 1).replace(
+        f"`step` {want}", f"`step` {want} ({word} {want}: {shown})", 1
     )
+
+
+def _save_index_dir(q: PurePath) -> bool:
+    """``q`` is named by Accelerate's automatic checkpoint naming (:data:`SAVE_INDEX_DIR` in ``checkpoints/``)."""
+    return bool(SAVE_INDEX_DIR.match(q.name)) and q.parent.name == "checkpoints"
 
 
 def _latest_of(
@@ -1792,6 +1807,9 @@ def compose_pair(
         save_id=model_md.save_id,
         serialization=serialization,
         writer=model_md.writer if model_md.writer == optim_md.writer else None,
+        # NeMo Automodel's model/ of 2+ ranks: HuggingFaceStorageWriter's per-rank shards, whose completeness the
+        # pair must keep proving (a rank's file missing leaves tensors of the pieces present)
+        shards=model_md.shards if model_md.shards is not None else optim_md.shards,
     )
     if not model_md.entries:
         raise MetadataError(f"{model_dir}: the checkpoint holds no entries", path=model_dir)

@@ -439,3 +439,59 @@ def test_torch_save_format_missing_optimizer_file_or_metadata_fails(nemo_root: P
             assert [f["key"] for f in doc["findings"] if f["code"] == "S002"] == [gone], doc["findings"]
         else:
             assert "[E202]" in res.stderr and "epoch_0_step_2/optim has 1 data file(s), no .metadata" in res.stderr
+
+
+@pytest.fixture(scope="module")
+def nemo_fsdp2_root(fixture_root: Path) -> Path:
+    from tests.fixtures.writers import missing
+
+    why = missing("nemo_automodel.components.checkpoint.checkpointing", "transformers")
+    if why:
+        pytest.skip(why)
+    from tests.fixtures.nemo_writer import build_nemo_fsdp2
+
+    return cached_build(fixture_root, "writers_nemo_fsdp2", build_nemo_fsdp2)
+
+
+def test_fsdp2_save_of_two_ranks_exports_as_saved(nemo_fsdp2_root: Path, tmp_path: Path) -> None:
+    import torch
+    from safetensors.torch import load_file
+
+    step = nemo_fsdp2_root / "run" / "epoch_0_step_2"
+    assert sorted(p.name for p in (step / "model").glob("*.safetensors")) == [
+        "shard-00001-model-00001-of-00001.safetensors",
+        "shard-00002-model-00001-of-00001.safetensors",
+    ]
+    doc = json.loads(cli("validate", str(nemo_fsdp2_root / "run"), "--strict", "--deep", "--json"))
+    assert doc["ok"] and doc["counts"]["error"] == doc["counts"]["warning"] == 0
+    cli("export", str(step), str(tmp_path / "hf"))
+    got = load_file(tmp_path / "hf" / "model.safetensors")
+    want = torch.load(nemo_fsdp2_root / "expected.pt", weights_only=True)["model"]
+    assert sorted(got) == sorted(want) and all(got[k].equal(v) for k, v in want.items())
+    doc = json.loads(cli("replay-step", str(step), "--device", "cpu", "--json"))
+    assert doc["ok"] and len(doc["params"]) == 21
+
+
+def test_fsdp2_save_missing_the_last_ranks_shard_is_refused_not_exported_halved(
+    nemo_fsdp2_root: Path, tmp_path: Path
+) -> None:
+    """Without rank 1's shard-00002 file the step directory (model/ + optim/) exported 21 tensors of half their rows
+    at exit 0: the pair's metadata dropped what the shard files prove (nothing: no world size, no global shape), so
+    neither the check against .hf_metadata/config.json ran nor a warning was said. Now export is E605 naming the
+    shapes and writes nothing, and validate's M010 names each tensor, as for model/ opened alone."""
+    import shutil
+
+    run = tmp_path / "run"
+    shutil.copytree(nemo_fsdp2_root / "run", run)
+    step = run / "epoch_0_step_2"
+    (step / "model" / "shard-00002-model-00001-of-00001.safetensors").unlink()
+    res = runner.invoke(app, ["export", str(step), str(tmp_path / "hf")])
+    assert res.exit_code == 2, res.output
+    assert (
+        "[E605]" in res.stderr and "model.embed_tokens.weight: [64, 32], LlamaForCausalLM has [128, 32]" in res.stderr
+    )
+    assert not (tmp_path / "hf").exists()
+    res = runner.invoke(app, ["validate", str(run), "--step", "latest", "--json"])
+    assert res.exit_code == 1, res.output
+    m010 = [f["key"] for f in json.loads(res.stdout)["findings"] if f["code"] == "M010"]
+    assert len(m010) == 21 and "model.embed_tokens.weight" in m010

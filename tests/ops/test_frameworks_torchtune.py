@@ -187,3 +187,32 @@ def test_step_of_an_epoch_directory_is_said_as_an_epoch() -> None:
     assert json.loads(r.stdout)["location"]["how"] == "`step` latest: epoch 0 (dist_epoch_0, the highest epoch)"
     r = runner.invoke(app, ["inspect", "--json", str(run), "--step", "0"])
     assert json.loads(r.stdout)["location"]["how"] == "`step` 0 (epoch 0: dist_epoch_0)"
+
+
+def test_optimizer_in_backward_state_is_named_as_not_read() -> None:
+    """torchtune's optimizer_in_bwd saves {fqn: optimizer.state_dict()} (``optimizer.<fqn>.state.0.<field>``):
+    validate skipped the O rules as "no optimizer state (model weights only)" beside a bare K002, and replay-step
+    hinted at --optimizer-dir for a checkpoint that holds its optimizer state. Now K002 and the skip reason say the
+    state is there, saved per parameter and not read, and replay-step says so (E514)."""
+    ckpt = DATA / "run_optim_in_bwd" / "dist_epoch_0"
+    doc = json.loads(cli("validate", str(ckpt), "--deep", "--json"))
+    k002 = [f for f in doc["findings"] if f["code"] == "K002"]
+    assert len(k002) == 1 and "63 of them are the state of one optimizer per parameter" in k002[0]["message"]
+    assert "optimizer state was not checked" in k002[0]["message"] and "optimizer_in_bwd" in k002[0]["hint"]
+    reasons = {r["reason"] for r in doc["rules"] if r["status"] == "skipped" and r["code"].startswith("O")}
+    assert reasons == {"optimizer state saved per parameter, not read (K002)"}, reasons
+    res = runner.invoke(app, ["replay-step", str(ckpt), "--device", "cpu"])
+    assert res.exit_code == 2 and "[E514]" in res.stderr, res.output
+    assert "saved per parameter" in res.stderr and "optimizer_dir" not in res.stderr
+
+
+def test_optimizer_in_backward_save_exports_the_model_as_saved(tmp_path: Path) -> None:
+    """The model of an optimizer_in_bwd save is read and exported whole (the optimizer state left out)."""
+    from safetensors.torch import load_file
+
+    ckpt = DATA / "run_optim_in_bwd" / "dist_epoch_0"
+    cli("export", str(ckpt), str(tmp_path / "hf"), "--model-assets", str(DATA / "hf"))
+    got = load_file(tmp_path / "hf" / "model.safetensors")
+    ref = load_with_torch(ckpt, tmp_path)["model"]
+    assert len(got) == len(ref) == 21
+    assert got["model.embed_tokens.weight"].equal(ref["tok_embeddings.weight"])

@@ -533,6 +533,14 @@ def _check_arguments(
 
         here = Path(str(cat.path))
         opt = None if is_url(str(cat.path)) else unpaired_optimizer(here, here)  # NeMo's optim/ beside model/
+        per_param = cat.per_parameter_optimizer_state()
+        if per_param:
+            raise HyperparameterError(
+                f"{cat.path}: the optimizer state is saved per parameter (e.g. {per_param[0]!r}: one optimizer per "
+                "parameter, as torchtune's OptimizerInBackwardWrapper saves with optimizer_in_bwd), which replay-step "
+                "does not read; nothing to replay",
+                hint="replay a save with one optimizer (torchtune: optimizer_in_bwd False)",
+            )
         raise HyperparameterError(
             f"{cat.path}: the checkpoint holds no optimizer param groups; nothing to replay",
             hint=f"its optimizer folder {shell_arg(opt)} lies beside it: pass the step directory {shell_arg(here.parent)}, which holds both"

@@ -246,7 +246,8 @@ def _saved_step(ckpt: Checkpoint, located: Located) -> int | None:
     (``train_state.step``, ``iteration``, ``global_step``, OLMo-core's ``train/rankR.pt``:
     :func:`~ckpttool.model.counters.trainer_steps`) when its counters agree; else the step the trainer named its
     step directory by (verl's ``global_step_2/actor``, NeMo's ``epoch_0_step_2/model``, ``step-2``); else ``None``.
-    A directory named by an epoch (torchtune's ``dist_epoch_N``) names no step, with ``--step`` too."""
+    A directory named by an epoch (torchtune's ``dist_epoch_N``) or a save index (Accelerate's
+    ``checkpoints/checkpoint_N``) names no step, with ``--step`` too."""
     from ckpttool.model.counters import trainer_steps
 
     named, epoch = named_step(located)

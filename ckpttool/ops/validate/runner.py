@@ -171,6 +171,8 @@ def _skip_reason(r: Rule, ctx: Context) -> str | None:
     if "manifest" in r.needs and ctx.manifest is None:
         return "needs --manifest"
     if r.code.startswith("O") and _model_only(ctx):  # never "passed" over state that is not there
+        if ctx.cat.per_parameter_optimizer_state():  # there, in a form not read: K002 names it
+            return "optimizer state saved per parameter, not read (K002)"
         return "no optimizer state (model weights only)"
     return None
 

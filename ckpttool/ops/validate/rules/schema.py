@@ -38,12 +38,28 @@ def nothing_recognised(ctx: Context) -> Iterator[tuple[str | None, str]]:
 
 
 @rule("K002")
-def uncategorized_tensors(ctx: Context) -> Iterator[tuple[str, str]]:
+def uncategorized_tensors(ctx: Context) -> Iterator[tuple[str, str] | tuple[str, str, str]]:
     if not (ctx.cat.model or ctx.cat.optimizer_state):
         return  # K001
     odd = ctx.cat.uncategorized_tensors()
     if odd:
-        yield odd[0], f"{len(odd)} tensor(s) outside the {ctx.cat.schema.id} key schema: {_examples(odd)}"
+        message = f"{len(odd)} tensor(s) outside the {ctx.cat.schema.id} key schema: {_examples(odd)}"
+        per_param = ctx.cat.per_parameter_optimizer_state()
+        if per_param:
+            yield odd[0], f"{message}; {len(per_param)} of them are {PER_PARAMETER_OPTIMIZERS}", PER_PARAMETER_HINT
+        else:
+            yield odd[0], message
+
+
+#: K002's words for the state of one optimizer per parameter (torchtune's ``optimizer_in_bwd``)
+PER_PARAMETER_OPTIMIZERS = (
+    "the state of one optimizer per parameter (<fqn>.state.0.<field>, as torchtune's OptimizerInBackwardWrapper saves "
+    "with optimizer_in_bwd), which ckpttool does not read: the optimizer state was not checked"
+)
+PER_PARAMETER_HINT = (
+    "check the optimizer state with the trainer's own resume; to check it here, save with one optimizer "
+    "(torchtune: optimizer_in_bwd False)"
+)
 
 
 @rule("K003")
@@ -138,7 +154,7 @@ def training_state_beside_checkpoint(ctx: Context) -> Iterator[tuple[str | None,
 
 
 @rule("K012")
-def training_state_not_read(ctx: Context) -> Iterator[tuple[str | None, str]]:
+def training_state_not_read(ctx: Context) -> Iterator[tuple[str | None, str] | tuple[str | None, str, str]]:
     located = ctx.ckpt.located
     unread = ctx.ckpt.unread_beside()
     if unread:
@@ -152,10 +168,18 @@ def training_state_not_read(ctx: Context) -> Iterator[tuple[str | None, str]]:
             if opt is not None and opt in unread
             else ""
         )
-        yield (
-            None,
-            f"{located.given}: training state beside {model.name}/ that ckpttool does not read: {shown}{both}",
-        )
+        message = f"{located.given}: training state beside {model.name}/ that ckpttool does not read: {shown}{both}"
+        if ctx.cat.optimizer_state:  # read and checked here: the rule's hint to bring it to DCP does not apply
+            yield None, message, _READ_OPTIMIZER_HINT
+        else:
+            yield None, message
+
+
+#: K012's hint where the opened checkpoint holds optimizer state (Accelerate's ``save_state``: ``optimizer_0/`` read,
+#: ``scheduler.bin`` and ``random_states_R.pkl`` beside it not).
+_READ_OPTIMIZER_HINT = (
+    "check those files with the trainer's own loader (the model and the optimizer state saved here were checked)"
+)
 
 
 @rule("K013")
