@@ -369,6 +369,61 @@ def test_secrets_never_in_logs_or_errors(sample_ckpt: Path, s3_server: Any, tmp_
         assert s3fx.SECRET not in (r.stderr or "")
 
 
+def test_an_https_endpoint_on_a_plain_http_port_fails_at_once_naming_the_endpoint(
+    sample_ckpt: Path, s3_server: Any, tmp_path: Path
+) -> None:
+    """A wrong endpoint (``https://`` for moto's plain-HTTP port): one connection, one line ``E140`` saying the
+    endpoint does not speak TLS and how to fix it; not retried --remote-retries times as a network blip (was
+    ``E144`` "failed after 5 attempt(s)", hint "run again"), and nothing written."""
+    url = upload(s3_server, sample_ckpt)
+    proxy = s3fx.DroppingProxy(s3_server.port)  # forwards every byte; counts the connections
+    try:
+        r = cli(
+            s3_server,
+            "--remote-retries",
+            "5",
+            "export",
+            url,
+            str(tmp_path / "out"),
+            endpoint=f"https://127.0.0.1:{proxy.port}",
+        )
+        seen = proxy.seen
+    finally:
+        proxy.close()
+    assert r.exit_code == 2, r.output
+    lines = r.output.strip().splitlines()
+    assert lines[0].startswith(f"error: [E140] {url}: listing: the endpoint cannot be used: it does not speak TLS"), (
+        r.output
+    )
+    assert f"https://127.0.0.1:{proxy.port}" in lines[0] and "not retried" in lines[0]
+    assert lines[1].startswith("hint: check the endpoint (--storage-option client_kwargs.endpoint_url=URL")
+    assert len(lines) == 2 and "Traceback" not in r.output
+    assert seen == 1  # one attempt
+    assert not (tmp_path / "out").exists()
+
+
+def test_an_endpoint_whose_host_does_not_resolve_fails_at_once(sample_ckpt: Path, s3_server: Any) -> None:
+    """``client_kwargs.endpoint_url`` naming a host that does not exist (``.invalid``, RFC 6761): one line ``E140``
+    saying its host name does not resolve, not retried (was ``E144`` after 5 attempts, "check the network")."""
+    import socket
+
+    host = "no-such-host.ckpttool.invalid"
+    try:
+        socket.getaddrinfo(host, 9000)
+        pytest.skip(f"{host} resolves here")
+    except socket.gaierror as e:
+        if e.errno != socket.EAI_NONAME:
+            pytest.skip(f"the resolver answers {e} for {host} (not 'no such name')")
+    url = upload(s3_server, sample_ckpt)
+    r = cli(s3_server, "--remote-retries", "5", "inspect", url, endpoint=f"http://{host}:9000")
+    assert r.exit_code == 2, r.output
+    first = r.output.strip().splitlines()[0]
+    assert first.startswith(
+        f"error: [E140] {url}: listing: the endpoint cannot be used: its host name does not resolve"
+    )
+    assert "not retried" in first and host in first and "Traceback" not in r.output
+
+
 def test_missing_prefix_is_not_found(s3_server: Any) -> None:
     s3_server.bucket("ckpts")
     r = cli(s3_server, "inspect", "s3://ckpts/no/such/prefix")
