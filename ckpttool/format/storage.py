@@ -283,9 +283,20 @@ def check_url_key(path: UrlPath) -> None:
     (torch's ``FsspecWriter`` to ``s3://b//run`` writes the keys ``/run/...``), while the path would read
     ``s3://b/run``, another checkpoint or none.
 
+    ``?versionId=`` in an ``s3://`` key is refused as well: s3fs reads it as an object version and cuts the key
+    there, so ``s3://b/p?versionId=x/step-1`` would be listed as ``s3://b/p/`` (its objects said to be absent) and
+    written as the one object ``p``.
+
     Raises:
         RemoteStorageError: (E140) the hint names the prefix meant.
     """
+    if path.scheme in ("s3", "s3a") and "?versionId=" in path.key:
+        raise RemoteStorageError(
+            f"{path}: '?versionId=' in an s3:// URL names an object version to s3fs, which cuts the key there: "
+            "this prefix can be neither read nor written as named",
+            path=str(path),
+            hint="copy or move the objects to a prefix without '?versionId=' in its name, and pass that",
+        )
     if path._given:
         raise RemoteStorageError(
             f"{path._given}: an empty or '.' component in a URL is part of the object key (s3://b//run names the"

@@ -448,6 +448,29 @@ def test_a_url_with_a_dot_dot_component_is_refused_naming_the_prefix_meant(sampl
     assert not any(".." in k for k in s3_server.keys(bucket))
 
 
+def test_a_url_with_version_id_in_its_key_is_refused_not_read_or_written_at_the_cut_key(
+    sample_ckpt: Path, s3_server: Any
+) -> None:
+    """``?versionId=`` in a key is an object version to s3fs, which cuts the key there: a checkpoint uploaded below
+    ``p?versionId=x/step-1`` was said to hold no object (E141, a false statement) and an export to
+    ``q?versionId=y/out`` uploaded its files as the one object ``q`` until the copy failed (E144 after every retry,
+    hint "check the network"). Both are E140 before any request, the hint saying what to do; nothing is written."""
+    bucket = s3_server.bucket("ckpts")
+    tag = uuid.uuid4().hex[:8]
+    src = s3_server.upload_dir(sample_ckpt, bucket, f"p{tag}?versionId=x/step-1")
+    plain = upload(s3_server, sample_ckpt)
+    before = s3_server.keys(bucket)
+    out = f"s3://{bucket}/q{tag}?versionId=y/out"
+    for args, url in ((["inspect", src], src), (["validate", "--deep", src], src), (["export", plain, out], out)):
+        r = cli(s3_server, *args)
+        assert r.exit_code == 2, r.output
+        lines = r.output.strip().splitlines()
+        assert lines[0].startswith(f"error: [E140] {url}: '?versionId=' in an s3:// URL"), r.output
+        assert lines[1].startswith("hint: copy or move the objects to a prefix without '?versionId='"), r.output
+        assert len(lines) == 2, r.output
+    assert s3_server.keys(bucket) == before
+
+
 def test_a_dot_dot_url_leaving_its_bucket_is_refused_without_naming_another_bucket(s3_server: Any) -> None:
     """`s3://b/..` hinted 'name the prefix itself: s3://' (no bucket) and `s3://b/../c` 's3://c', another bucket the
     user never named. The hint now says a '..' cannot leave the bucket; a '..' inside it still names the prefix."""
