@@ -240,6 +240,32 @@ def test_diff_of_a_remote_checkpoint_is_the_diff_of_its_local_copy(s3_server: An
     assert verdict(str(tmp_path / "b"), url) == verdict(str(tmp_path / "b"), str(tmp_path / "a"))
 
 
+def test_diff_all_with_a_remote_side_names_the_files_beside_it_that_were_not_compared(
+    sample_ckpt: Path, s3_server: Any, tmp_path: Path
+) -> None:
+    """``diff --what all`` of a checkpoint against a copy whose ``extra_state`` differs: two local folders give a note
+    and "equal; files beside the checkpoints differ"; with the copy in a bucket (its files beside are not fetched) the
+    verdict was a bare "equal", claiming files it never read. It now names them and says they were not compared."""
+    copy = copy_checkpoint(sample_ckpt, tmp_path / "copy")
+    state = copy / "extra_state" / "extra_state_rank_0.pt"
+    state.write_bytes(state.read_bytes() + b"\0")
+    local = runner.invoke(app, ["diff", str(sample_ckpt), str(copy), "--what", "all"])
+    assert local.exit_code == 0 and "files beside the checkpoints differ" in local.output, local.output
+    url = upload(s3_server, copy)
+    r = cli(s3_server, "diff", str(sample_ckpt), url, "--what", "all")
+    assert r.exit_code == 0, r.output
+    assert r.output.strip().splitlines()[-1].startswith("equal; files beside the checkpoints not compared (note above)")
+    doc = json.loads(cli(s3_server, "--json", "diff", str(sample_ckpt), url, "--what", "all").stdout)
+    assert doc["equal"]
+    (note,) = [n for n in doc["notes"] if n.startswith("files beside the checkpoints not compared: ")]
+    beside = "extra_state/extra_state_rank_0.pt, model_assets/config.json"
+    assert f"2 beside A ({beside}); 2 beside B ({beside})" in note, note
+    assert f"the files beside B ({url}) are not fetched" in note, note
+    # the model alone (no files beside compared, local or not): unchanged
+    model = cli(s3_server, "--json", "diff", str(sample_ckpt), url)
+    assert not [n for n in json.loads(model.stdout)["notes"] if "files beside" in n]
+
+
 def test_diff_of_a_remote_checkpoint_holds_one_tensor_in_the_spool(s3_server: Any, tmp_path: Path) -> None:
     """diff of a remote side fetched each window as it was read and kept every one until the end (the spool in
     $TMPDIR grew to the bytes of all compared tensors); it now holds one tensor's windows at a time."""
