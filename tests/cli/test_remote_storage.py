@@ -1231,6 +1231,26 @@ def test_manifest_of_a_remote_checkpoint_is_written_beside_its_metadata_and_veri
     assert s3_server.client().get_object(Bucket="ckpts", Key=f"{prefix}/manifest.json")["Body"].read() == b'{"mine": 1}'
 
 
+def test_manifest_of_a_remote_checkpoint_names_the_files_beside_it_that_it_does_not_cover(
+    sample_ckpt: Path, s3_server: Any
+) -> None:
+    """A local manifest digests ``extra_state/`` and ``model_assets/config.json`` (its ``sidecars``); one of the same
+    checkpoint in a bucket cannot (they are not fetched), and said nothing: ``--verify`` answered a bare "matches"
+    while those objects could hold anything. Writing and verifying now warn, naming them, and the verdict says so."""
+    url = upload(s3_server, sample_ckpt)
+    beside = "2 files beside the data of a remote checkpoint {} (extra_state/extra_state_rank_0.pt, model_assets/config.json)"
+    w = cli(s3_server, "manifest", url)
+    assert w.exit_code == 0, w.output
+    assert f"warning: {url}/manifest.json: {beside.format('not digested')}" in w.stderr, w.output
+    v = cli(s3_server, "manifest", url, "--verify")
+    assert v.exit_code == 0, v.output
+    assert f"warning: {url}/manifest.json: {beside.format('not checked')}" in v.stderr, v.output
+    assert v.stdout.strip().endswith("; files beside the data or bytes after it not checked (see the warning)")
+    doc = json.loads(cli(s3_server, "--json", "manifest", url, "--verify").stdout)
+    assert [x for x in doc["warnings"] if "beside the data of a remote checkpoint" in x]
+    assert not doc["problems"]
+
+
 def test_a_manifest_written_into_a_remote_output_keeps_it_replaceable_as_locally(
     sample_ckpt: Path, s3_server: Any, tmp_path: Path
 ) -> None:
