@@ -456,9 +456,14 @@ def _hash_entry(
 
 def _release(reader: CheckpointReader, key: str, chunk: ChunkMeta | None) -> None:
     """A remote checkpoint: give a chunk's window back to the spool once digested, so it holds the entries being
-    hashed, not every one (docs/storage.md); byte items stay (small, capped). A local one: nothing."""
+    hashed, not every one (docs/storage.md); byte items stay (small, capped). A local one: nothing. A window past
+    its object's listed end (the object cut short: the entry's problem, said already) was never fetched."""
     if chunk is not None and chunk.numel and getattr(reader, "spool", None) is not None:
-        reader.evict([reader.storage_info(key, chunk)])
+        try:
+            info = reader.storage_info(key, chunk)
+        except DataFileError:
+            return
+        reader.evict([info])
 
 
 def _items(reader: CheckpointReader) -> list[tuple[str, ChunkMeta | None]]:
@@ -1788,7 +1793,8 @@ def _stored_entry_problem(
         kind, digest = _hash_entry(reader, e.key, chunk, e.covers, algorithm)
     except DataFileError as err:  # a data file deleted or cut short since: this entry's bytes are not there
         rel = stored.relative_path if stored is not None else e.file
-        gone = reader.remote is None and not (Path(reader.path) / rel).exists()
+        store = reader.remote  # a remote one: its listing says whether the object is there
+        gone = store.size(rel) is None if store is not None else not (Path(reader.path) / rel).exists()
         said = f"{e.where()} in {rel}: " + ("its data file is missing" if gone else err.message)
         return ManifestProblem("missing" if gone else "changed", e.key, e.offsets, said)
     if kind != e.covers:

@@ -1251,6 +1251,41 @@ def test_manifest_of_a_remote_checkpoint_names_the_files_beside_it_that_it_does_
     assert not doc["problems"]
 
 
+def test_manifest_verify_of_a_remote_data_object_cut_short_or_deleted_reports_what_its_local_copy_does(
+    sample_ckpt: Path, s3_server: Any, tmp_path: Path
+) -> None:
+    """``manifest --verify`` after the data object was cut short since the manifest: the local copy lists each entry
+    whose window is gone as ``changed`` (exit 1); the bucket's failed with one E300 (exit 2, no report: the spool's
+    eviction asked the cut window's storage info again). Deleted: the local copy says ``missing``, the bucket said
+    ``changed``. Both now report the local copy's problems, word for word but the path."""
+    local = copy_checkpoint(sample_ckpt, tmp_path / "local")
+    url = upload(s3_server, local)
+    bucket, prefix = url[len("s3://") :].split("/", 1)
+    assert runner.invoke(app, ["manifest", str(local)]).exit_code == 0
+    assert cli(s3_server, "manifest", url).exit_code == 0
+    data = (local / "__0_0.distcp").read_bytes()
+
+    def problems(*args: str) -> tuple[int, list[dict[str, Any]]]:
+        r = cli(s3_server, "--json", "manifest", *args, "--verify")
+        assert "Traceback" not in r.output
+        got = json.loads(r.stdout)["problems"] if r.stdout.strip() else r.output
+        return r.exit_code, got
+
+    for cut in (len(data) * 2 // 3, None):
+        if cut is None:
+            s3_server.client().delete_object(Bucket=bucket, Key=f"{prefix}/__0_0.distcp")
+            (local / "__0_0.distcp").unlink()
+        else:
+            s3_server.client().put_object(Bucket=bucket, Key=f"{prefix}/__0_0.distcp", Body=data[:cut])
+            (local / "__0_0.distcp").write_bytes(data[:cut])
+        want_rc, want = problems(str(local))
+        assert want_rc == 1 and want, want
+        rc, got = problems(url)
+        assert rc == 1, got
+        assert json.dumps(got).replace(url, "P") == json.dumps(want).replace(str(local), "P")
+        assert {p["kind"] for p in got} == ({"changed"} if cut else {"missing"})
+
+
 def test_a_manifest_written_into_a_remote_output_keeps_it_replaceable_as_locally(
     sample_ckpt: Path, s3_server: Any, tmp_path: Path
 ) -> None:
