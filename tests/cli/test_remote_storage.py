@@ -1249,6 +1249,13 @@ def test_manifest_of_a_remote_checkpoint_names_the_files_beside_it_that_it_does_
     doc = json.loads(cli(s3_server, "--json", "manifest", url, "--verify").stdout)
     assert [x for x in doc["warnings"] if "beside the data of a remote checkpoint" in x]
     assert not doc["problems"]
+    # validate --manifest: S016 names them (it passed, as if the manifest vouched for them)
+    val = json.loads(cli(s3_server, "--json", "validate", url, "--manifest").stdout)
+    (s016,) = [f for f in val["findings"] if f["code"] == "S016"]
+    assert s016["message"] == (
+        f"{url}/manifest.json: 2 file(s) beside the data of a remote checkpoint not checked (not fetched through "
+        "object storage): extra_state/extra_state_rank_0.pt, model_assets/config.json"
+    )
 
 
 def test_manifest_verify_of_a_remote_data_object_cut_short_or_deleted_reports_what_its_local_copy_does(
