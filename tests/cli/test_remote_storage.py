@@ -1110,6 +1110,21 @@ def test_overwrite_of_a_prefix_holding_only_sub_prefixes_names_them(sample_ckpt:
     assert s3_server.keys(bucket, prefix + "/") == sorted(before)
 
 
+def test_overwrite_of_a_prefix_holding_a_folder_named_object_with_bytes_names_it(
+    sample_ckpt: Path, s3_server: Any
+) -> None:
+    """An object named like the output prefix with a trailing '/' that holds bytes (not a folder marker: those are
+    empty) is refused (E606) naming it '/' (it said 'it holds 1 entry ()', naming nothing); it is left as it is."""
+    src = upload(s3_server, sample_ckpt)
+    bucket, prefix = "ckpts", f"t-{uuid.uuid4().hex[:8]}"
+    s3_server.client().put_object(Bucket=bucket, Key=f"{prefix}/", Body=b"mine")
+    r = cli(s3_server, "export", "--overwrite", src, f"s3://{bucket}/{prefix}")
+    assert r.exit_code == 2, r.output
+    assert f"[E606] s3://{bucket}/{prefix}: --overwrite refused: it holds 1 entry (/), not an output" in r.output
+    assert s3_server.keys(bucket, prefix) == [f"{prefix}/"]
+    assert s3_server.client().get_object(Bucket=bucket, Key=f"{prefix}/")["Body"].read() == b"mine"
+
+
 def test_overwrite_of_an_output_prefix_with_an_object_added_says_so_as_locally(
     sample_ckpt: Path, s3_server: Any
 ) -> None:
