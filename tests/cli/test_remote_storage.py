@@ -260,7 +260,12 @@ def test_diff_all_with_a_remote_side_names_the_files_beside_it_that_were_not_com
     (note,) = [n for n in doc["notes"] if n.startswith("files beside the checkpoints not compared: ")]
     beside = "extra_state/extra_state_rank_0.pt, model_assets/config.json"
     assert f"2 beside A ({beside}); 2 beside B ({beside})" in note, note
-    assert f"the files beside B ({url}) are not fetched" in note, note
+    assert f"the files beside B ({url}) are not fetched: copy it to a local directory and diff that" in note, note
+    both = json.loads(
+        cli(s3_server, "--json", "diff", url, url2 := upload(s3_server, sample_ckpt), "--what", "all").stdout
+    )
+    (note,) = [n for n in both["notes"] if n.startswith("files beside the checkpoints not compared: ")]
+    assert f"beside A ({url}) and B ({url2}) are not fetched: copy them to local directories and diff those" in note
     # the model alone (no files beside compared, local or not): unchanged
     model = cli(s3_server, "--json", "diff", str(sample_ckpt), url)
     assert not [n for n in json.loads(model.stdout)["notes"] if "files beside" in n]

@@ -1680,8 +1680,9 @@ def _remote_beside_note(a: Side, b: Side, fa: dict[str, str] | None, fb: dict[st
         return []
     urls = " and ".join(f"{s.label} ({store.path})" for s in remote if (store := s.ckpt.reader.remote) is not None)
     return [
-        f"{REMOTE_BESIDE_NOTE}: {'; '.join(held)}; the files beside {urls} are not fetched: copy it to a local "
-        "directory and diff that to compare them"
+        f"{REMOTE_BESIDE_NOTE}: {'; '.join(held)}; the files beside {urls} are not fetched: copy "
+        f"{'them to local directories and diff those' if len(remote) > 1 else 'it to a local directory and diff that'} "
+        "to compare them"
     ]
 
 
