@@ -307,10 +307,12 @@ def render_diff(res: DiffResult, *, max_rows: int = _ROWS) -> None:
         verdict = f"equal within tolerance: {_plural(within, 'tensor')} not bitwise equal"
         if res.options.as_dtype and res.options.rtol is None and res.options.atol is None:
             verdict = f"equal as {res.options.as_dtype} ({_plural(within, 'tensor')} not bitwise equal as stored)"
-    from ckpttool.ops.diff.result import BESIDE_NOTE, MODEL_ONLY_NOTE, SELF_NOTE
+    from ckpttool.ops.diff.result import BESIDE_NOTE, MODEL_ONLY_NOTE, REMOTE_BESIDE_NOTE, SELF_NOTE
 
     if res.equal and any(n.startswith(BESIDE_NOTE) for n in res.notes):
         verdict += "; files beside the checkpoints differ (note above)"
+    elif res.equal and any(n.startswith(REMOTE_BESIDE_NOTE) for n in res.notes):
+        verdict += "; files beside the checkpoints not compared (note above)"
     if res.equal and any(n.startswith(SELF_NOTE) for n in res.notes):
         verdict += f" to itself: {SELF_NOTE} (note above)"
     elif res.equal and any(n.startswith(MODEL_ONLY_NOTE) for n in res.notes):

@@ -115,8 +115,9 @@ def _remote_ownership(store: RemoteStore, existing: dict[str, int]) -> marker.Ow
         doc = marker.parse_marker(store.read_whole(marker.MARKER_NAME, marker.MAX_MARKER_BYTES, what="marker"))
     sizes = {k: v for k, v in existing.items() if k != marker.MARKER_NAME}
     why = marker.listing_disagreement(doc, sizes, store.read_range)
-    # the top-level names, as a directory's entries: an object below a sub-prefix names its folder
-    found = marker.describe_names({n.split("/", 1)[0] for n in existing})
+    # the top-level names, as a directory's entries: an object below a sub-prefix names its folder; an object named
+    # like the prefix itself with a trailing '/' that holds bytes (no folder marker: those are not listed) is '/'
+    found = marker.describe_names({n.split("/", 1)[0] or "/" for n in existing})
     kind = doc.get("kind") if doc is not None and isinstance(doc.get("kind"), str) else None  # as a folder's
     return marker.Ownership(not why, found, why, kind)
 

@@ -283,9 +283,20 @@ def check_url_key(path: UrlPath) -> None:
     (torch's ``FsspecWriter`` to ``s3://b//run`` writes the keys ``/run/...``), while the path would read
     ``s3://b/run``, another checkpoint or none.
 
+    ``?versionId=`` in an ``s3://`` key is refused as well: s3fs reads it as an object version and cuts the key
+    there, so ``s3://b/p?versionId=x/step-1`` would be listed as ``s3://b/p/`` (its objects said to be absent) and
+    written as the one object ``p``.
+
     Raises:
         RemoteStorageError: (E140) the hint names the prefix meant.
     """
+    if path.scheme in ("s3", "s3a") and "?versionId=" in path.key:
+        raise RemoteStorageError(
+            f"{path}: '?versionId=' in an s3:// URL names an object version to s3fs, which cuts the key there: "
+            "this prefix can be neither read nor written as named",
+            path=str(path),
+            hint="copy or move the objects to a prefix without '?versionId=' in its name, and pass that",
+        )
     if path._given:
         raise RemoteStorageError(
             f"{path._given}: an empty or '.' component in a URL is part of the object key (s3://b//run names the"
@@ -360,11 +371,36 @@ _URL_RE = re.compile(r"[A-Za-z][A-Za-z0-9+.-]*://[^\s\"'<>]*")
 _THROTTLE_WORDS = ("slowdown", "slow down", "throttl", "toomanyrequests", "too many requests", "requestlimitexceeded")
 
 
+def _wrong_endpoint(e: BaseException) -> str | None:
+    """What makes the endpoint unusable, when ``e`` (or an exception it was raised from) says so for good: a host name
+    that does not resolve (``EAI_NONAME``/``EAI_NODATA``, not ``EAI_AGAIN``, which a retry may mend), or a TLS
+    handshake that cannot succeed (``https://`` to a plain-HTTP port, a certificate that does not verify). ``None``
+    otherwise. botocore wraps either in an ``EndpointConnectionError`` / ``SSLError`` whose message says neither."""
+    import socket
+    import ssl
+
+    final = {getattr(socket, n) for n in ("EAI_NONAME", "EAI_NODATA") if hasattr(socket, n)}
+    seen: set[int] = set()
+    cur: BaseException | None = e
+    while cur is not None and id(cur) not in seen:
+        seen.add(id(cur))
+        if isinstance(cur, socket.gaierror) and cur.errno in final:
+            return "its host name does not resolve"
+        if isinstance(cur, ssl.SSLCertVerificationError):
+            return "its TLS certificate does not verify"
+        if isinstance(cur, ssl.SSLError) and getattr(cur, "reason", None) == "WRONG_VERSION_NUMBER":
+            return "it does not speak TLS (an https:// URL for a plain-HTTP port?)"
+        cur = cur.__cause__ or cur.__context__
+    return None
+
+
 def _classify(e: BaseException) -> str:
-    """``not_found`` | ``permission`` | ``throttled`` | ``changed`` | ``transient`` | ``fatal`` for a backend
-    exception."""
+    """``not_found`` | ``permission`` | ``throttled`` | ``changed`` | ``endpoint`` | ``transient`` | ``fatal`` for a
+    backend exception."""
     if isinstance(e, CkptError):
         return "fatal"
+    if _wrong_endpoint(e) is not None:
+        return "endpoint"  # a wrong endpoint: every retry would fail alike (was retried --remote-retries times)
     if isinstance(e, FileNotFoundError):
         return "not_found"
     if isinstance(e, PermissionError):
@@ -385,14 +421,18 @@ def _classify(e: BaseException) -> str:
     # a read pinned to the listed ETag (If-Match) of an object rewritten since, whatever its new size: HTTP 412
     if "pre-conditions you specified did not hold" in text or "preconditionfailed" in text or " 412" in text:
         return "replaced"
+    return "transient" if _transient(e, text) else "fatal"
+
+
+def _transient(e: BaseException, text: str) -> bool:
+    """Whether ``e`` (``text``: its lower-cased words, URLs left out) is a failure a retry may mend: a connection
+    reset or refused, a timeout, a 5xx."""
     if isinstance(e, (ConnectionError, TimeoutError, OSError, EOFError)):
-        return "transient"
+        return True
     name = type(e).__name__
     if any(w in name for w in ("Connection", "Timeout", "EndpointConnection", "ReadTimeout", "IncompleteRead")):
-        return "transient"
-    if any(w in text for w in ("internalerror", "serviceunavailable", " 500", " 502", " 503", " 504")):
-        return "transient"
-    return "fatal"
+        return True
+    return any(w in text for w in ("internalerror", "serviceunavailable", " 500", " 502", " 503", " 504"))
 
 
 def _error_for(
@@ -418,6 +458,13 @@ def _error_for(
             f"({detail})",
             path=where,
             hint="a save or copy may still be writing this checkpoint: run again once it is finished and unchanged",
+        )
+    if kind == "endpoint":
+        return RemoteStorageError(
+            f"{where}: the endpoint cannot be used: {_wrong_endpoint(e)}; not retried ({detail})",
+            path=where,
+            hint="check the endpoint (--storage-option client_kwargs.endpoint_url=URL: its scheme, host and port) "
+            "and the network's name resolution",
         )
     if kind == "transient":
         return RemoteTransientError(f"{where}: failed after {attempts} attempt(s) ({detail})", path=where)

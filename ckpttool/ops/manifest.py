@@ -456,9 +456,14 @@ def _hash_entry(
 
 def _release(reader: CheckpointReader, key: str, chunk: ChunkMeta | None) -> None:
     """A remote checkpoint: give a chunk's window back to the spool once digested, so it holds the entries being
-    hashed, not every one (docs/storage.md); byte items stay (small, capped). A local one: nothing."""
+    hashed, not every one (docs/storage.md); byte items stay (small, capped). A local one: nothing. A window past
+    its object's listed end (the object cut short: the entry's problem, said already) was never fetched."""
     if chunk is not None and chunk.numel and getattr(reader, "spool", None) is not None:
-        reader.evict([reader.storage_info(key, chunk)])
+        try:
+            info = reader.storage_info(key, chunk)
+        except DataFileError:
+            return
+        reader.evict([info])
 
 
 def _items(reader: CheckpointReader) -> list[tuple[str, ChunkMeta | None]]:
@@ -861,6 +866,31 @@ def unchecked_beside(reader: CheckpointReader, manifest: Manifest) -> list[str]:
     return [rel for _, rel in islice(_files_below(root, skip), 1000)]
 
 
+def remote_beside(reader: CheckpointReader, exclude: Iterable[str] = ()) -> list[str]:
+    """Objects beside a remote checkpoint's data (its prefix's listing but ``.metadata``, the data files, a rank-local
+    save's ``__R.metadata``, ``manifest.json``, ckpttool's marker and ``exclude``): ``extra_state/``, a config, which
+    no manifest of it digests (they are not fetched through object storage), in name order, at most 1,000.
+    ``[]`` for a local checkpoint."""
+    store = reader.remote
+    if store is None:
+        return []
+    held = {reader.storage_info(k, c).relative_path for k, c in _items(reader) if _has_storage(reader, k, c)}
+    skip = {METADATA_NAME, MANIFEST_NAME, MARKER_NAME, *held, *_remote_rank_metadata(reader), *exclude}
+    return [name for name in sorted(store.sizes()) if name not in skip][:1000]
+
+
+def _remote_beside_warning(where: str, names: list[str], done: str) -> list[str]:
+    """The ``warning:`` line of :func:`remote_beside`'s ``names`` (none when there are none)."""
+    if not names:
+        return []
+    more = ", ..." if len(names) > 5 else ""
+    return [
+        f"{where}: {_plural_files(len(names))} beside the data of a remote checkpoint {done} "
+        f"({', '.join(names[:5])}{more}): they are not fetched through object storage; copy the checkpoint to a "
+        "local directory to cover them"
+    ]
+
+
 def unchecked_sizes(reader: CheckpointReader, manifest: Manifest) -> list[str]:
     """Data files of a checkpoint whose size ``manifest`` cannot vouch for because it has no ``data_files`` list
     (written by an older ckpttool, or edited), or because its ``data_files`` leaves them out (edited: this ckpttool
@@ -1069,7 +1099,8 @@ def write_manifest(
             seconds,
             manifest_digest(data, algorithm),
             man.metadata_digest,
-            warnings=[n for n in [ckpt.located.newer_incomplete_note("digested")] if n],
+            warnings=[n for n in [ckpt.located.newer_incomplete_note("digested")] if n]
+            + _remote_beside_warning(str(target), remote_beside(reader), "not digested"),
             covers=covers,
             hash_seconds=hash_seconds,
         )
@@ -1762,7 +1793,8 @@ def _stored_entry_problem(
         kind, digest = _hash_entry(reader, e.key, chunk, e.covers, algorithm)
     except DataFileError as err:  # a data file deleted or cut short since: this entry's bytes are not there
         rel = stored.relative_path if stored is not None else e.file
-        gone = reader.remote is None and not (Path(reader.path) / rel).exists()
+        store = reader.remote  # a remote one: its listing says whether the object is there
+        gone = store.size(rel) is None if store is not None else not (Path(reader.path) / rel).exists()
         said = f"{e.where()} in {rel}: " + ("its data file is missing" if gone else err.message)
         return ManifestProblem("missing" if gone else "changed", e.key, e.offsets, said)
     if kind != e.covers:
@@ -2365,14 +2397,12 @@ def check_against_manifest(
             opened, against the manifest :func:`write_manifest` writes for it by default).
         manifest_path: the manifest (default ``directory/manifest.json``).
         opening: how to open a DCP checkpoint (``trust_pickle``, ``selection``); not with an opened one.
-        progress: ``progress(bytes done, bytes total)`` of the entries the manifest lists: ``(0, total)``
-            before the first is read, then after each.
+        progress: ``progress(bytes done, bytes total)`` of the entries the manifest lists: ``(0, total)``, then each.
         phase: ``phase(text)`` as each step starts: ``reading manifest FILE``, ``opening DIR`` (a DCP
             checkpoint), then the bytes of ``progress``.
 
     Raises:
-        UsageError: no manifest; a closed :class:`Checkpoint`, or one given with ``opening``; ManifestError: a
-            malformed manifest; the readers' errors.
+        UsageError: no manifest; a closed :class:`Checkpoint` or one with ``opening``. ManifestError: malformed.
     """
     say = phase or (lambda text: None)
     source: CheckpointOrPath = directory
@@ -2392,6 +2422,7 @@ def check_against_manifest(
     untracked: list[str] = []
     unsized: list[str] = []
     unvalued: list[str] = []
+    remote: list[str] = []  # files beside the data of a remote checkpoint (not fetched): not checked
     newer: str | None = None  # validate's R001: a newer step of the run root whose save did not finish
     if man.kind == "safetensors":
         step(0)
@@ -2409,6 +2440,7 @@ def check_against_manifest(
                 shown = str(ckpt.path)
                 folder = folder_kind(ckpt.reader)
                 unchecked = unchecked_beside(ckpt.reader, man)
+                remote = _remote_beside_warning(str(target), remote_beside(ckpt.reader), "not checked")
                 unsized = unchecked_sizes(ckpt.reader, man)
                 unvalued = unchecked_values(ckpt.reader, man)
                 untracked = unchecked_training_state(ckpt.reader, man, Path(ckpt.located.model))
@@ -2427,7 +2459,7 @@ def check_against_manifest(
         problems,
         man.source,
         folder=folder,
-        warnings=warnings + ([newer] if newer else []),
+        warnings=warnings + remote + ([newer] if newer else []),
         newer_incomplete=newer is not None,
     )
 

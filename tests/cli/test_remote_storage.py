@@ -240,6 +240,37 @@ def test_diff_of_a_remote_checkpoint_is_the_diff_of_its_local_copy(s3_server: An
     assert verdict(str(tmp_path / "b"), url) == verdict(str(tmp_path / "b"), str(tmp_path / "a"))
 
 
+def test_diff_all_with_a_remote_side_names_the_files_beside_it_that_were_not_compared(
+    sample_ckpt: Path, s3_server: Any, tmp_path: Path
+) -> None:
+    """``diff --what all`` of a checkpoint against a copy whose ``extra_state`` differs: two local folders give a note
+    and "equal; files beside the checkpoints differ"; with the copy in a bucket (its files beside are not fetched) the
+    verdict was a bare "equal", claiming files it never read. It now names them and says they were not compared."""
+    copy = copy_checkpoint(sample_ckpt, tmp_path / "copy")
+    state = copy / "extra_state" / "extra_state_rank_0.pt"
+    state.write_bytes(state.read_bytes() + b"\0")
+    local = runner.invoke(app, ["diff", str(sample_ckpt), str(copy), "--what", "all"])
+    assert local.exit_code == 0 and "files beside the checkpoints differ" in local.output, local.output
+    url = upload(s3_server, copy)
+    r = cli(s3_server, "diff", str(sample_ckpt), url, "--what", "all")
+    assert r.exit_code == 0, r.output
+    assert r.output.strip().splitlines()[-1].startswith("equal; files beside the checkpoints not compared (note above)")
+    doc = json.loads(cli(s3_server, "--json", "diff", str(sample_ckpt), url, "--what", "all").stdout)
+    assert doc["equal"]
+    (note,) = [n for n in doc["notes"] if n.startswith("files beside the checkpoints not compared: ")]
+    beside = "extra_state/extra_state_rank_0.pt, model_assets/config.json"
+    assert f"2 beside A ({beside}); 2 beside B ({beside})" in note, note
+    assert f"the files beside B ({url}) are not fetched: copy it to a local directory and diff that" in note, note
+    both = json.loads(
+        cli(s3_server, "--json", "diff", url, url2 := upload(s3_server, sample_ckpt), "--what", "all").stdout
+    )
+    (note,) = [n for n in both["notes"] if n.startswith("files beside the checkpoints not compared: ")]
+    assert f"beside A ({url}) and B ({url2}) are not fetched: copy them to local directories and diff those" in note
+    # the model alone (no files beside compared, local or not): unchanged
+    model = cli(s3_server, "--json", "diff", str(sample_ckpt), url)
+    assert not [n for n in json.loads(model.stdout)["notes"] if "files beside" in n]
+
+
 def test_diff_of_a_remote_checkpoint_holds_one_tensor_in_the_spool(s3_server: Any, tmp_path: Path) -> None:
     """diff of a remote side fetched each window as it was read and kept every one until the end (the spool in
     $TMPDIR grew to the bytes of all compared tensors); it now holds one tensor's windows at a time."""
@@ -369,6 +400,61 @@ def test_secrets_never_in_logs_or_errors(sample_ckpt: Path, s3_server: Any, tmp_
         assert s3fx.SECRET not in (r.stderr or "")
 
 
+def test_an_https_endpoint_on_a_plain_http_port_fails_at_once_naming_the_endpoint(
+    sample_ckpt: Path, s3_server: Any, tmp_path: Path
+) -> None:
+    """A wrong endpoint (``https://`` for moto's plain-HTTP port): one connection, one line ``E140`` saying the
+    endpoint does not speak TLS and how to fix it; not retried --remote-retries times as a network blip (was
+    ``E144`` "failed after 5 attempt(s)", hint "run again"), and nothing written."""
+    url = upload(s3_server, sample_ckpt)
+    proxy = s3fx.DroppingProxy(s3_server.port)  # forwards every byte; counts the connections
+    try:
+        r = cli(
+            s3_server,
+            "--remote-retries",
+            "5",
+            "export",
+            url,
+            str(tmp_path / "out"),
+            endpoint=f"https://127.0.0.1:{proxy.port}",
+        )
+        seen = proxy.seen
+    finally:
+        proxy.close()
+    assert r.exit_code == 2, r.output
+    lines = r.output.strip().splitlines()
+    assert lines[0].startswith(f"error: [E140] {url}: listing: the endpoint cannot be used: it does not speak TLS"), (
+        r.output
+    )
+    assert f"https://127.0.0.1:{proxy.port}" in lines[0] and "not retried" in lines[0]
+    assert lines[1].startswith("hint: check the endpoint (--storage-option client_kwargs.endpoint_url=URL")
+    assert len(lines) == 2 and "Traceback" not in r.output
+    assert seen == 1  # one attempt
+    assert not (tmp_path / "out").exists()
+
+
+def test_an_endpoint_whose_host_does_not_resolve_fails_at_once(sample_ckpt: Path, s3_server: Any) -> None:
+    """``client_kwargs.endpoint_url`` naming a host that does not exist (``.invalid``, RFC 6761): one line ``E140``
+    saying its host name does not resolve, not retried (was ``E144`` after 5 attempts, "check the network")."""
+    import socket
+
+    host = "no-such-host.ckpttool.invalid"
+    try:
+        socket.getaddrinfo(host, 9000)
+        pytest.skip(f"{host} resolves here")
+    except socket.gaierror as e:
+        if e.errno != socket.EAI_NONAME:
+            pytest.skip(f"the resolver answers {e} for {host} (not 'no such name')")
+    url = upload(s3_server, sample_ckpt)
+    r = cli(s3_server, "--remote-retries", "5", "inspect", url, endpoint=f"http://{host}:9000")
+    assert r.exit_code == 2, r.output
+    first = r.output.strip().splitlines()[0]
+    assert first.startswith(
+        f"error: [E140] {url}: listing: the endpoint cannot be used: its host name does not resolve"
+    )
+    assert "not retried" in first and host in first and "Traceback" not in r.output
+
+
 def test_missing_prefix_is_not_found(s3_server: Any) -> None:
     s3_server.bucket("ckpts")
     r = cli(s3_server, "inspect", "s3://ckpts/no/such/prefix")
@@ -391,6 +477,29 @@ def test_a_url_with_a_dot_dot_component_is_refused_naming_the_prefix_meant(sampl
         assert "'..'" in r.output
     assert f"hint: name the prefix itself: {url}\n" in read.output
     assert not any(".." in k for k in s3_server.keys(bucket))
+
+
+def test_a_url_with_version_id_in_its_key_is_refused_not_read_or_written_at_the_cut_key(
+    sample_ckpt: Path, s3_server: Any
+) -> None:
+    """``?versionId=`` in a key is an object version to s3fs, which cuts the key there: a checkpoint uploaded below
+    ``p?versionId=x/step-1`` was said to hold no object (E141, a false statement) and an export to
+    ``q?versionId=y/out`` uploaded its files as the one object ``q`` until the copy failed (E144 after every retry,
+    hint "check the network"). Both are E140 before any request, the hint saying what to do; nothing is written."""
+    bucket = s3_server.bucket("ckpts")
+    tag = uuid.uuid4().hex[:8]
+    src = s3_server.upload_dir(sample_ckpt, bucket, f"p{tag}?versionId=x/step-1")
+    plain = upload(s3_server, sample_ckpt)
+    before = s3_server.keys(bucket)
+    out = f"s3://{bucket}/q{tag}?versionId=y/out"
+    for args, url in ((["inspect", src], src), (["validate", "--deep", src], src), (["export", plain, out], out)):
+        r = cli(s3_server, *args)
+        assert r.exit_code == 2, r.output
+        lines = r.output.strip().splitlines()
+        assert lines[0].startswith(f"error: [E140] {url}: '?versionId=' in an s3:// URL"), r.output
+        assert lines[1].startswith("hint: copy or move the objects to a prefix without '?versionId='"), r.output
+        assert len(lines) == 2, r.output
+    assert s3_server.keys(bucket) == before
 
 
 def test_a_dot_dot_url_leaving_its_bucket_is_refused_without_naming_another_bucket(s3_server: Any) -> None:
@@ -1006,6 +1115,21 @@ def test_overwrite_of_a_prefix_holding_only_sub_prefixes_names_them(sample_ckpt:
     assert s3_server.keys(bucket, prefix + "/") == sorted(before)
 
 
+def test_overwrite_of_a_prefix_holding_a_folder_named_object_with_bytes_names_it(
+    sample_ckpt: Path, s3_server: Any
+) -> None:
+    """An object named like the output prefix with a trailing '/' that holds bytes (not a folder marker: those are
+    empty) is refused (E606) naming it '/' (it said 'it holds 1 entry ()', naming nothing); it is left as it is."""
+    src = upload(s3_server, sample_ckpt)
+    bucket, prefix = "ckpts", f"t-{uuid.uuid4().hex[:8]}"
+    s3_server.client().put_object(Bucket=bucket, Key=f"{prefix}/", Body=b"mine")
+    r = cli(s3_server, "export", "--overwrite", src, f"s3://{bucket}/{prefix}")
+    assert r.exit_code == 2, r.output
+    assert f"[E606] s3://{bucket}/{prefix}: --overwrite refused: it holds 1 entry (/), not an output" in r.output
+    assert s3_server.keys(bucket, prefix) == [f"{prefix}/"]
+    assert s3_server.client().get_object(Bucket=bucket, Key=f"{prefix}/")["Body"].read() == b"mine"
+
+
 def test_overwrite_of_an_output_prefix_with_an_object_added_says_so_as_locally(
     sample_ckpt: Path, s3_server: Any
 ) -> None:
@@ -1125,6 +1249,68 @@ def test_manifest_of_a_remote_checkpoint_is_written_beside_its_metadata_and_veri
     assert r.exit_code == 2 and "[E600]" in r.output and f"{url}/manifest.json" in r.output, r.output
     assert "Traceback" not in r.output
     assert s3_server.client().get_object(Bucket="ckpts", Key=f"{prefix}/manifest.json")["Body"].read() == b'{"mine": 1}'
+
+
+def test_manifest_of_a_remote_checkpoint_names_the_files_beside_it_that_it_does_not_cover(
+    sample_ckpt: Path, s3_server: Any
+) -> None:
+    """A local manifest digests ``extra_state/`` and ``model_assets/config.json`` (its ``sidecars``); one of the same
+    checkpoint in a bucket cannot (they are not fetched), and said nothing: ``--verify`` answered a bare "matches"
+    while those objects could hold anything. Writing and verifying now warn, naming them, and the verdict says so."""
+    url = upload(s3_server, sample_ckpt)
+    beside = "2 files beside the data of a remote checkpoint {} (extra_state/extra_state_rank_0.pt, model_assets/config.json)"
+    w = cli(s3_server, "manifest", url)
+    assert w.exit_code == 0, w.output
+    assert f"warning: {url}/manifest.json: {beside.format('not digested')}" in w.stderr, w.output
+    v = cli(s3_server, "manifest", url, "--verify")
+    assert v.exit_code == 0, v.output
+    assert f"warning: {url}/manifest.json: {beside.format('not checked')}" in v.stderr, v.output
+    assert v.stdout.strip().endswith("; files beside the data or bytes after it not checked (see the warning)")
+    doc = json.loads(cli(s3_server, "--json", "manifest", url, "--verify").stdout)
+    assert [x for x in doc["warnings"] if "beside the data of a remote checkpoint" in x]
+    assert not doc["problems"]
+    # validate --manifest: S016 names them (it passed, as if the manifest vouched for them)
+    val = json.loads(cli(s3_server, "--json", "validate", url, "--manifest").stdout)
+    (s016,) = [f for f in val["findings"] if f["code"] == "S016"]
+    assert s016["message"] == (
+        f"{url}/manifest.json: 2 file(s) beside the data of a remote checkpoint not checked (not fetched through "
+        "object storage): extra_state/extra_state_rank_0.pt, model_assets/config.json"
+    )
+
+
+def test_manifest_verify_of_a_remote_data_object_cut_short_or_deleted_reports_what_its_local_copy_does(
+    sample_ckpt: Path, s3_server: Any, tmp_path: Path
+) -> None:
+    """``manifest --verify`` after the data object was cut short since the manifest: the local copy lists each entry
+    whose window is gone as ``changed`` (exit 1); the bucket's failed with one E300 (exit 2, no report: the spool's
+    eviction asked the cut window's storage info again). Deleted: the local copy says ``missing``, the bucket said
+    ``changed``. Both now report the local copy's problems, word for word but the path."""
+    local = copy_checkpoint(sample_ckpt, tmp_path / "local")
+    url = upload(s3_server, local)
+    bucket, prefix = url[len("s3://") :].split("/", 1)
+    assert runner.invoke(app, ["manifest", str(local)]).exit_code == 0
+    assert cli(s3_server, "manifest", url).exit_code == 0
+    data = (local / "__0_0.distcp").read_bytes()
+
+    def problems(*args: str) -> tuple[int, list[dict[str, Any]]]:
+        r = cli(s3_server, "--json", "manifest", *args, "--verify")
+        assert "Traceback" not in r.output
+        got = json.loads(r.stdout)["problems"] if r.stdout.strip() else r.output
+        return r.exit_code, got
+
+    for cut in (len(data) * 2 // 3, None):
+        if cut is None:
+            s3_server.client().delete_object(Bucket=bucket, Key=f"{prefix}/__0_0.distcp")
+            (local / "__0_0.distcp").unlink()
+        else:
+            s3_server.client().put_object(Bucket=bucket, Key=f"{prefix}/__0_0.distcp", Body=data[:cut])
+            (local / "__0_0.distcp").write_bytes(data[:cut])
+        want_rc, want = problems(str(local))
+        assert want_rc == 1 and want, want
+        rc, got = problems(url)
+        assert rc == 1, got
+        assert json.dumps(got).replace(url, "P") == json.dumps(want).replace(str(local), "P")
+        assert {p["kind"] for p in got} == ({"changed"} if cut else {"missing"})
 
 
 def test_a_manifest_written_into_a_remote_output_keeps_it_replaceable_as_locally(

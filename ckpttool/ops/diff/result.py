@@ -27,6 +27,10 @@ WHAT = ("model", "optimizer", "all")
 #: which no item comparison covers (``extra_state/``, a trainer's state file).
 BESIDE_NOTE = "files beside the checkpoint, not compared as items"
 
+#: How the note begins that names the files beside the checkpoints (``what`` all) where a side is a URL, whose files
+#: beside it are not fetched: they were not compared at all.
+REMOTE_BESIDE_NOTE = "files beside the checkpoints not compared"
+
 
 def as_side_b(text: str) -> str:
     """``text`` with side A's layout declaration parameters (`` `source_layout` ``, `` `ep_size` ``,

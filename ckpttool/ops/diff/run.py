@@ -69,6 +69,7 @@ from ckpttool.ops.diff.gather import gathered_values, short_tensor
 from ckpttool.ops.diff.result import (
     BESIDE_NOTE,
     MODEL_ONLY_NOTE,
+    REMOTE_BESIDE_NOTE,
     SELF_NOTE,
     SIDE_B_DECLARED,
     WHAT,
@@ -1625,7 +1626,6 @@ def _files_beside(side: Side) -> dict[str, str] | None:
     (``extra_state/``, a trainer's ``trainer_state.json``, unreferenced data files) and of the training state a
     trainer saved beside it (OLMo-core's ``train/rankR.pt``): what ``manifest`` lists as sidecars and training
     state. ``None``: not a local checkpoint of one folder (a URL, a model/optimizer pair in other folders)."""
-    from ckpttool.format.manifest_file import MANIFEST_NAME
     from ckpttool.ops.manifest import sidecar_digests, training_state_digests
 
     reader = side.ckpt.reader
@@ -1633,6 +1633,19 @@ def _files_beside(side: Side) -> dict[str, str] | None:
         p.resolve().parent != Path(reader.path).resolve() for p in reader.parts.values()
     ):
         return None
+    skip = _not_beside(side)
+    out = {f["file"]: f"{f['size']}:{f['digest']}" for f in sidecar_digests(Path(reader.path), skip, "xxh3-128")}
+    for f in training_state_digests(Path(side.ckpt.located.model), "xxh3-128"):
+        out[f"../{f['file']}"] = f"{f['size']}:{f['digest']}"
+    return out
+
+
+def _not_beside(side: Side) -> set[str]:
+    """The relative names below a DCP side's folder (or prefix) that are its items, metadata or index, not files
+    beside it (:func:`_files_beside`)."""
+    from ckpttool.format.manifest_file import MANIFEST_NAME
+
+    reader = side.ckpt.reader
     md = side.ckpt.metadata
     skip = {".metadata", MANIFEST_NAME, "layout.json", *(info.relative_path for info in md.storage.values())}
     skip |= set(getattr(reader, "rank_metadata_files", ()))  # __R.metadata: the metadata, compared as items
@@ -1640,10 +1653,37 @@ def _files_beside(side: Side) -> dict[str, str] | None:
     skip -= set(getattr(getattr(reader, "assembled", None), "partial", ()))  # rank files of state in no item
     if reader.parts:
         skip |= {f"{name}/.metadata" for name in (p.name for p in reader.parts.values())}
-    out = {f["file"]: f"{f['size']}:{f['digest']}" for f in sidecar_digests(Path(reader.path), skip, "xxh3-128")}
-    for f in training_state_digests(Path(side.ckpt.located.model), "xxh3-128"):
-        out[f"../{f['file']}"] = f"{f['size']}:{f['digest']}"
-    return out
+    return skip
+
+
+def _remote_beside_note(a: Side, b: Side, fa: dict[str, str] | None, fb: dict[str, str] | None) -> list[str]:
+    """With ``what`` all where a side is a URL: a note naming the files beside the checkpoints (a remote side's from
+    its listing, never fetched) that were not compared, so that "equal" does not claim them; none when neither side
+    has any."""
+    from ckpttool.format.marker import MARKER_NAME
+
+    remote = [s for s in (a, b) if s.ckpt.reader.remote is not None]
+    if not remote:
+        return []
+    held = []
+    for side, local in ((a, fa), (b, fb)):
+        store = side.ckpt.reader.remote
+        if store is not None:
+            skip = _not_beside(side) | {MARKER_NAME}
+            names = sorted(n for n in store.sizes() if n not in skip)
+        else:
+            names = sorted(local or ())
+        if names:
+            shown = ", ".join(names[:3]) + (f", ... (+{len(names) - 3} more)" if len(names) > 3 else "")
+            held.append(f"{len(names)} beside {side.label} ({shown})")
+    if not held:
+        return []
+    urls = " and ".join(f"{s.label} ({store.path})" for s in remote if (store := s.ckpt.reader.remote) is not None)
+    return [
+        f"{REMOTE_BESIDE_NOTE}: {'; '.join(held)}; the files beside {urls} are not fetched: copy "
+        f"{'them to local directories and diff those' if len(remote) > 1 else 'it to a local directory and diff that'} "
+        "to compare them"
+    ]
 
 
 def _self_note(a: Side, b: Side) -> list[str]:
@@ -1741,7 +1781,7 @@ def _beside_notes(a: Side, b: Side, opts: DiffOptions) -> list[str]:
         return []
     fa, fb = _files_beside(a), _files_beside(b)
     if fa is None or fb is None:
-        return []
+        return _remote_beside_note(a, b, fa, fb)
 
     def shown(names: list[str]) -> str:
         return ", ".join(names[:5]) + (f", ... (+{len(names) - 5} more)" if len(names) > 5 else "")

@@ -340,11 +340,27 @@ def manifest_mismatch(ctx: Context) -> Iterator[tuple[str, str]]:
 
 @rule("S016")
 def manifest_beside_unchecked(ctx: Context) -> Iterator[tuple[str | None, str]]:
-    from ckpttool.ops.manifest import unchecked_beside, unchecked_sizes, unchecked_training_state, unchecked_values
+    from ckpttool.ops.manifest import (
+        remote_beside,
+        unchecked_beside,
+        unchecked_sizes,
+        unchecked_training_state,
+        unchecked_values,
+    )
 
     if ctx.manifest.kind == "safetensors":  # an export's manifest lists its files itself
         return
     where = ctx.manifest.path or "the manifest"
+    remote = remote_beside(ctx.reader)  # a remote checkpoint's files beside its data: not fetched, whatever it lists
+    if remote:
+        shown = ", ".join(remote[:5]) + (f" (+{len(remote) - 5} more)" if len(remote) > 5 else "")
+        yield (
+            None,
+            (
+                f"{where}: {len(remote)} file(s) beside the data of a remote checkpoint not checked (not fetched through "
+                f"object storage): {shown}"
+            ),
+        )
     for what, names in (
         ("files beside the data", unchecked_beside(ctx.reader, ctx.manifest)),
         ("training_state", unchecked_training_state(ctx.reader, ctx.manifest, Path(ctx.ckpt.located.model))),
