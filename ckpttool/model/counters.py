@@ -96,6 +96,19 @@ def trainer_steps(ckpt: Checkpoint) -> list[Counter]:
     return out
 
 
+def record_steps(ckpt: Checkpoint) -> list[Counter]:
+    """The ``global_step`` of ckpttool's layout record (docs/design.md §4: the training step its writer recorded for
+    the save), as a trainer counter beside :func:`trainer_steps`' (after them): ``layout.global_step`` for the byte
+    item, ``layout.json:global_step`` for the sidecar; empty without one. ``validate``'s ``R002`` and
+    ``replay-step`` compare the optimizer's ``step`` with it."""
+    record = ckpt.layout.record if ckpt.layout is not None else None
+    if record is None or record.global_step is None:
+        return []
+    where = "layout.json" if ckpt.layout is not None and ckpt.layout.source == "sidecar" else "layout"
+    sep = ":" if where == "layout.json" else "."
+    return [Counter(f"{where}{sep}global_step", record.global_step)]
+
+
 def _phase_of_a_sequence(key: str, entries: Mapping[str, object]) -> bool:
     """``key`` is a counter of a scheduler nested in ``<parent>._schedulers.<i>.`` whose parent saves its own
     ``last_epoch``: torch's ``SequentialLR`` (warmup, then cosine) steps one child at a time and keeps the run's

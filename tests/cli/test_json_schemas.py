@@ -138,6 +138,20 @@ def test_reshard_stamp_and_replay_json(sample_ckpt: Path, ep_suite: Path, tmp_pa
     assert doc["ok"] and doc["params_total"] == 31
 
 
+def test_replay_schema_requires_every_field_a_replay_document_has(sample_ckpt: Path) -> None:
+    """replay-step --json always writes ``problems`` (the saved state's findings: R002, R006, lost state: ``ok`` is
+    false through them alone), ``params_skipped``, ``params_frozen`` and each parameter's ``update`` (R003) and
+    ``torch_unequal``, as docs/replay.md lists them; its schema did not require them, so a document without
+    ``problems`` (a consumer's only word on why ``ok`` is false with ``params_failed`` 0) validated."""
+    doc = validated("replay", ["replay-step", str(sample_ckpt), "--json"])
+    schema = load_schema("replay")
+    assert set(schema["required"]) == set(doc)
+    assert set(schema["properties"]["params"]["items"]["required"]) == set(doc["params"][0])
+    validator = jsonschema.Draft202012Validator(schema)
+    del doc["problems"]
+    assert any(e.validator == "required" for e in validator.iter_errors(doc))
+
+
 def test_rules_json() -> None:
     a = validated("rules", ["rules", "--json"])
     b = validated("rules", ["validate", "--list-rules", "--json"])

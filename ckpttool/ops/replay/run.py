@@ -44,6 +44,7 @@ from ckpttool.model.counters import (
     directory_step_disagrees,
     lost_optimizer_state,
     optimizer_step_disagrees,
+    record_steps,
     scheduler_counters,
     scheduler_disagrees,
     scheduler_lr_disagrees,
@@ -732,13 +733,14 @@ def _grad_description(grad_file: Any, opts: ReplayOptions) -> dict[str, Any]:
 
 
 def _step_mismatch_note(results: list[ParamResult], record: Any, notes: list[str]) -> None:
-    """Note the first loaded parameter whose saved step differs from the layout record's ``global_step``."""
+    """Note the first loaded parameter whose saved step is behind the layout record's ``global_step`` (one ahead of it
+    is a problem of the saved state: :func:`_state_problems`, ``R002``)."""
     for r in results:
         if (
             r.state == "loaded"
             and record is not None
             and record.global_step is not None
-            and r.step_before != float(record.global_step)
+            and r.step_before < float(record.global_step)
         ):
             notes.append(
                 f"saved step of {r.fqn} is {r.step_before:g} but the layout record's global_step is "
@@ -1008,7 +1010,7 @@ def _state_problems(
         return ()  # nothing loaded to compare; or saved before the first step (D005), as R002 skips it
     top = max(loaded, key=lambda r: r.step_before)
     opt = Counter(f"{ckpt.catalog.schema.optimizer_prefix or ''}state.{top.fqn}.step", int(top.step_before))
-    trains = trainer_steps(ckpt)
+    trains = trainer_steps(ckpt) + record_steps(ckpt)
     if trains:
         bad = optimizer_step_disagrees(ckpt, opt, trains[0], all_params=complete)
         why = f"the optimizer state is not the trainer's step, and a resume would bias-correct for step {opt.value}"

@@ -202,6 +202,36 @@ def test_bf16_step_is_a_dtype_policy_violation(full_fx: Path, tmp_path: Path) ->
     assert_no_traceback(res)
 
 
+def test_optimizer_steps_ahead_of_the_layout_records_global_step_are_not_ok(full_fx: Path, tmp_path: Path) -> None:
+    """The optimizer state of a later save (step 5 for every parameter) beside weights and a layout record whose
+    ``global_step`` is 3 (the save's training step): no parameter can have been stepped more often than the trainer
+    stepped. replay-step said OK with a note blaming 'parameters that missed gradients' (which count fewer, not more),
+    and validate --deep was silent; the record's global_step is now a trainer counter (R002) for both."""
+
+    def mutate(d: dict[str, Any]) -> None:
+        for key in [k for k in d if k.startswith("optimizer.state.") and k.endswith(".step")]:
+            d[key] = torch.tensor(float(TRAIN_STEPS + 2))
+
+    bad = resave(full_fx / "ckpt", tmp_path / "bad", mutate)
+    res = run(bad, "--device", "cpu", "--json")
+    assert res.exit_code == 1, res.output
+    doc = json.loads(res.stdout)
+    assert not doc["ok"] and doc["params_failed"] == 0
+    assert len(doc["problems"]) == 1
+    assert f"optimizer step {TRAIN_STEPS + 2} (" in doc["problems"][0]
+    assert f"but layout.global_step = {TRAIN_STEPS}" in doc["problems"][0]
+    assert not any("missed gradients" in n for n in doc["notes"]), doc["notes"]
+    assert "error: [E700]" in res.stderr
+    assert_no_traceback(res)
+    val = runner.invoke(app, ["validate", "--deep", "--json", str(bad)])
+    assert val.exit_code == 1, val.output
+    r002 = [f for f in json.loads(val.stdout)["findings"] if f["code"] == "R002"]
+    assert r002 and f"layout.global_step = {TRAIN_STEPS}" in r002[0]["message"], r002
+    # the same steps as the record: OK, as before
+    same = run(full_fx / "ckpt", "--device", "cpu", "--json")
+    assert same.exit_code == 0 and json.loads(same.stdout)["problems"] == []
+
+
 def test_bf16_moments_where_fp32_is_declared_exit_2(full_fx: Path, tmp_path: Path) -> None:
     def mutate(d: dict[str, Any]) -> None:
         for f in ("exp_avg", "exp_avg_sq"):

@@ -146,7 +146,7 @@ def train_step_mismatch(ctx: Context) -> Iterator[tuple[str, str]]:
         return
     # verl: the optimizer steps once per PPO mini-batch, the scheduler and the directory count training steps
     opt = None if counters.several_optimizer_steps(ctx.ckpt) else _optimizer_step(ctx)
-    trains = counters.trainer_steps(ctx.ckpt)
+    trains = counters.trainer_steps(ctx.ckpt) + counters.record_steps(ctx.ckpt)
     epochs, counts = counters.scheduler_counters(ctx.ckpt)
     yield from _no_optimizer_state(ctx, trains + epochs)
     ref = trains[0] if trains else (opt if opt is not None else (epochs[0] if epochs else None))
