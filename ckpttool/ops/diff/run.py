@@ -1461,6 +1461,7 @@ def diff_checkpoints(
             state (safetensors, a PEFT adapter), a legacy EP layout on an expert dim other than 0.
         NothingComparedError (E611): no tensor value compared and no difference found (never "equal").
         LayoutError (E405): an undeclared ambiguous EP layout.
+        DataFileError (E300): a data file written to or replaced while it was read (no verdict).
         plus the reader's errors for damaged inputs (E1xx-E3xx).
     """
     opts = options_of(options, DiffOptions)
@@ -1479,6 +1480,8 @@ def diff_checkpoints(
     try:
         say("matching names")
         res = _diff(sa, sb, opts, progress, t0, say)
+        for side in (sa, sb):  # a data file written meanwhile: no verdict on bytes of two states
+            side.ckpt.reader.check_unchanged()
     finally:
         sa.close()
         sb.close()
