@@ -2120,6 +2120,16 @@ def _no_common_name_hint(a: Side, b: Side, kept: tuple[int, int], opts: DiffOpti
             f"filter, or check that {none.label} holds those tensors (an export written with a filter holds only its "
             "part)"
         )
+    empty = [s for s in (a, b) if not s.tensor_keys()]  # a side of no tensor at all: no naming to tell apart
+    if len(empty) == 1:
+        none, some = empty[0], (b if empty[0] is a else a)
+        return (
+            f"{none.label} holds no tensor at all, none to pair with {some.label}'s ("
+            + ", ".join(repr(n) for n in _examples(some))
+            + (", ..." if len(some.tensor_keys()) > 2 else "")
+            + f"): an empty save, or not the checkpoint meant (`ckpttool inspect {shell_arg(none.path)}` shows "
+            "what it holds)"
+        )
     names = (
         "A's names look like "
         + ", ".join(repr(n) for n in _examples(a))
