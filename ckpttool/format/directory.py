@@ -562,9 +562,15 @@ class CheckpointDir:
             except OSError:
                 named = ()
             if now != before or named != before[:2]:
-                how = "written to" if now != before else "replaced by another file" if named else "removed"
+                if named != before[:2]:  # the bytes read are those of a file the name no longer holds
+                    how = "replaced by another file during the run" if named else "removed during the run"
+                elif now[:4] != before[:4]:
+                    how = "written to during the run"
+                else:
+                    how = "its status changed during the run: a write, a chmod or a hard link"
+
                 raise DataFileError(
-                    f"{self.path / rel}: changed while it was read ({how} during the run): no result is given for it",
+                    f"{self.path / rel}: changed while it was read ({how}): no result is given for it",
                     path=rel,
                     hint="another process is writing this checkpoint; rerun when that save or copy is complete",
                 )

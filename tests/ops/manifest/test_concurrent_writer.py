@@ -96,3 +96,18 @@ def test_reading_a_checkpoint_left_alone_is_unchanged(saved: Path, tmp_path: Pat
     res = write_manifest(saved)
     assert res.entries > 0 and check_against_manifest(saved).ok
     assert diff_checkpoints(saved, saved).equal
+
+
+def test_a_data_file_replaced_by_another_meanwhile_is_named(saved: Path, tmp_path: Path) -> None:
+    """A save that writes a new file and renames it over the old name: the bytes read are the old file's."""
+    copy = tmp_path / "copy.distcp"
+    shutil.copyfile(saved / DATA, copy)
+
+    def progress(done: int, total: int) -> None:
+        if total and done == total:
+            copy.replace(saved / DATA)
+
+    with pytest.raises(DataFileError) as err:
+        write_manifest(saved, progress=progress)
+    assert err.value.code == "E300" and "replaced by another file during the run" in str(err.value)
+    assert not (saved / "manifest.json").exists()
