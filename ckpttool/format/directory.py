@@ -125,6 +125,11 @@ def checkpoints_below_url(url: str | os.PathLike[str]) -> str | None:
     return _checkpoints_below(store.path, store.sizes())
 
 
+def _file_state(st: os.stat_result) -> tuple[int, ...]:
+    """What identifies a file's content without reading it: device, inode, size, mtime and ctime (ns)."""
+    return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
+
+
 def _close_descriptors(fds: dict[str, int]) -> None:
     """Close the data file descriptors of a local checkpoint no longer referenced (its :meth:`CheckpointDir.close`
     was not called; after it, ``fds`` is empty)."""
@@ -164,6 +169,8 @@ class CheckpointDir:
         self._resolved: dict[str, Path] = {}
         self._sizes: dict[str, int] = {}
         self._fds: dict[str, int] = {}
+        # (device, inode, size, mtime, ctime) of each local data file as opened: see check_unchanged
+        self._opened: dict[str, tuple[int, ...]] = {}
         self.closed = False  # after close(): no data file is opened again (a read is UsageError, not a leak)
         self._lock = threading.Lock()
         self.parts: dict[str, Path] = dict(parts or {})
@@ -530,8 +537,43 @@ class CheckpointDir:
                             f"{self.path / relative_path}: cannot open data file ({e.strerror})",
                             path=relative_path,
                         ) from e
+                    self._opened[relative_path] = _file_state(os.fstat(fd))
                     self._fds[relative_path] = fd
         return fd
+
+    def check_unchanged(self) -> None:
+        """Check that no local data file read so far changed since it was opened (a writer meanwhile).
+
+        A result built from bytes read while another process wrote to a data file (or renamed another
+        file over its name) would certify, or call equal, a state the checkpoint never had as a whole:
+        called before a manifest is written and before a verdict. A remote checkpoint's objects are
+        checked by their ETags instead (docs/storage.md).
+
+        Raises:
+            DataFileError (E300): the file changed while it was read (its size, modification or status
+                change time), or its name now holds another file.
+        """
+        with self._lock:
+            opened = [(rel, fd, self._opened[rel]) for rel, fd in self._fds.items() if rel in self._opened]
+        for rel, fd, before in opened:
+            now = _file_state(os.fstat(fd))
+            try:
+                named = _file_state(os.stat(self.resolve(rel)))[:2]
+            except OSError:
+                named = ()
+            if now != before or named != before[:2]:
+                if named != before[:2]:  # the bytes read are those of a file the name no longer holds
+                    how = "replaced by another file during the run" if named else "removed during the run"
+                elif now[:4] != before[:4]:
+                    how = "written to during the run"
+                else:
+                    how = "its status changed during the run: a write, a chmod or a hard link"
+
+                raise DataFileError(
+                    f"{self.path / rel}: changed while it was read ({how}): no result is given for it",
+                    path=rel,
+                    hint="another process is writing this checkpoint; rerun when that save or copy is complete",
+                )
 
     def data_files(self) -> list[str]:
         """Relative paths referenced by ``storage_data`` (sorted, unique)."""

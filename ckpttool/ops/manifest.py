@@ -630,7 +630,8 @@ def build_manifest(
 
     Raises:
         UsageError: unknown ``algorithm``.
-        DataFileError, ChunkError: a window outside its file, a damaged archive (chunk locator).
+        DataFileError, ChunkError: a window outside its file, a damaged archive (chunk locator); a data file
+            written to or replaced while it was read (E300: :meth:`~ckpttool.format.directory.CheckpointDir.check_unchanged`).
     """
     check_algorithm(algorithm)
     _check_covers(covers)
@@ -680,14 +681,9 @@ def build_manifest(
                 on_entry(entry.length)
     md, size = _metadata_digest(reader, algorithm)
     md_file = METADATA_NAME if md is None else _metadata_file(reader)
-    return Manifest(
-        algorithm,
-        tuple(entries),
-        md,
-        size,
-        metadata_file=md_file,
-        **_files_beside(reader, entries, algorithm, exclude, beside_of),
-    )
+    beside = _files_beside(reader, entries, algorithm, exclude, beside_of)
+    reader.check_unchanged()  # a data file written meanwhile: its digests name no state the checkpoint had
+    return Manifest(algorithm, tuple(entries), md, size, metadata_file=md_file, **beside)
 
 
 def _files_beside(
@@ -1673,7 +1669,8 @@ def verify_manifest(
         ``changed`` chunks and a changed ``.metadata``; empty when the checkpoint matches.
 
     Raises:
-        the reader's errors for a damaged archive (a data file missing or cut short is a problem).
+        the reader's errors for a damaged archive (a data file missing or cut short is a problem);
+        DataFileError (E300): a data file written to or replaced while it was read (no verdict).
     """
     check_manifest_kind(reader, manifest)
     problems: list[ManifestProblem] = []
@@ -1709,6 +1706,7 @@ def verify_manifest(
         now = {f["file"]: f for f in training_state_digests(beside_of, manifest.algorithm)}
         said = {(p.kind, p.key) for p in problems}  # a pair's step_scheduler.pt is a sidecar too
         problems.extend(p for p in _file_problems(manifest.training_state, now) if (p.kind, p.key) not in said)
+    reader.check_unchanged()  # a data file written meanwhile: no verdict on bytes of two states
     return problems
 
 

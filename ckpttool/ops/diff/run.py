@@ -1462,6 +1462,7 @@ def diff_checkpoints(
             state (safetensors, a PEFT adapter), a legacy EP layout on an expert dim other than 0.
         NothingComparedError (E611): no tensor value compared and no difference found (never "equal").
         LayoutError (E405): an undeclared ambiguous EP layout.
+        DataFileError (E300): a data file written to or replaced while it was read (no verdict).
         plus the reader's errors for damaged inputs (E1xx-E3xx).
     """
     opts = options_of(options, DiffOptions)
@@ -1480,6 +1481,8 @@ def diff_checkpoints(
     try:
         say("matching names")
         res = _diff(sa, sb, opts, progress, t0, say)
+        for side in (sa, sb):  # a data file written meanwhile: no verdict on bytes of two states
+            side.ckpt.reader.check_unchanged()
     finally:
         sa.close()
         sb.close()
@@ -2156,6 +2159,16 @@ def _no_common_name_hint(a: Side, b: Side, kept: tuple[int, int], opts: DiffOpti
             f"it ({none.label}'s names look like " + ", ".join(repr(n) for n in _examples(none)) + "); widen the "
             f"filter, or check that {none.label} holds those tensors (an export written with a filter holds only its "
             "part)"
+        )
+    empty = [s for s in (a, b) if not s.tensor_keys()]  # a side of no tensor at all: no naming to tell apart
+    if len(empty) == 1:
+        none, some = empty[0], (b if empty[0] is a else a)
+        return (
+            f"{none.label} holds no tensor at all, none to pair with {some.label}'s ("
+            + ", ".join(repr(n) for n in _examples(some))
+            + (", ..." if len(some.tensor_keys()) > 2 else "")
+            + f"): an empty save, or not the checkpoint meant (`ckpttool inspect {shell_arg(none.path)}` shows "
+            "what it holds)"
         )
     names = (
         "A's names look like "
