@@ -307,7 +307,13 @@ def render_diff(res: DiffResult, *, max_rows: int = _ROWS) -> None:
         verdict = f"equal within tolerance: {_plural(within, 'tensor')} not bitwise equal"
         if res.options.as_dtype and res.options.rtol is None and res.options.atol is None:
             verdict = f"equal as {res.options.as_dtype} ({_plural(within, 'tensor')} not bitwise equal as stored)"
-    from ckpttool.ops.diff.result import BESIDE_NOTE, MODEL_ONLY_NOTE, REMOTE_BESIDE_NOTE, SELF_NOTE
+    from ckpttool.ops.diff.result import (
+        BESIDE_NOTE,
+        MODEL_ONLY_NOTE,
+        REMOTE_BESIDE_NOTE,
+        SELF_NOTE,
+        TRAINING_STATE_NOTE,
+    )
 
     if res.equal and any(n.startswith(BESIDE_NOTE) for n in res.notes):
         verdict += "; files beside the checkpoints differ (note above)"
@@ -315,9 +321,22 @@ def render_diff(res: DiffResult, *, max_rows: int = _ROWS) -> None:
         verdict += "; files beside the checkpoints not compared (note above)"
     if res.equal and any(n.startswith(SELF_NOTE) for n in res.notes):
         verdict += f" to itself: {SELF_NOTE} (note above)"
-    elif res.equal and any(n.startswith(MODEL_ONLY_NOTE) for n in res.notes):
-        verdict += " as models; optimizer state not compared (note above)"
+    elif res.equal:
+        verdict += _left_out(res.notes, MODEL_ONLY_NOTE, TRAINING_STATE_NOTE, res.options.what)
     con.print(f"{verdict} ({res.seconds:.2f} s)")
+
+
+def _left_out(notes: list[str], optimizer: str, training: str, what: str) -> str:
+    """What the verdict adds when the notes say optimizer state (``optimizer``) or training state (``training``)
+    were left out: "equal" then holds for the model only (for the optimizer state only with ``what`` optimizer)."""
+    opt, train = (any(n.startswith(prefix) for n in notes) for prefix in (optimizer, training))
+    if what == "optimizer":
+        return "; training state not compared (note above)" if train else ""
+    if opt and train:
+        return " as models; optimizer and training state not compared (notes above)"
+    if opt:
+        return " as models; optimizer state not compared (note above)"
+    return " as models; training state not compared (note above)" if train else ""
 
 
 def _plural(n: int, word: str) -> str:

@@ -53,6 +53,9 @@ SELF_NOTE = "A and B are one checkpoint"
 #: How the note on two DCP checkpoints compared with ``what`` model (the default) begins when either holds optimizer
 #: state or param groups: "equal" then speaks of the model tensors only; the verdict says so.
 MODEL_ONLY_NOTE = "optimizer state and param groups not compared"
+#: The note naming the training-state items (train_state, lr_scheduler, data loader) that ``what`` model or
+#: optimizer left out, so that "equal" is not read as "resumes the same" (``--what all`` compares them).
+TRAINING_STATE_NOTE = "training state not compared"
 
 #: How the note on quantized weights compared dequantized begins: against an unquantized side they are compared
 #: within their quantization step without ``rtol``/``atol``; the header says so.

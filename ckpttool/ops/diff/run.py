@@ -72,6 +72,7 @@ from ckpttool.ops.diff.result import (
     REMOTE_BESIDE_NOTE,
     SELF_NOTE,
     SIDE_B_DECLARED,
+    TRAINING_STATE_NOTE,
     WHAT,
     Difference,
     DiffOptions,
@@ -1600,6 +1601,7 @@ def _diff(
     notes.extend(_newer_incomplete_notes(a, b))
     notes.extend(_self_note(a, b))
     notes.extend(_model_only_note(a, b, opts))
+    notes.extend(_training_state_note(a, b, opts))
     seconds = time.perf_counter() - t0
     log.info("diff: %d compared (%d raw), %d differences in %.3f s", tally.compared, tally.raw, tally.count, seconds)
     return DiffResult(
@@ -1753,6 +1755,30 @@ def _model_only_note(a: Side, b: Side, opts: DiffOptions) -> list[str]:
         f"{MODEL_ONLY_NOTE} ({told}): {st.label} is a {kind}, which holds none; --what all against "
         "another DCP checkpoint compares them"
     ]
+
+
+def _training_state_note(a: Side, b: Side, opts: DiffOptions) -> list[str]:
+    """A note naming the training-state items of a DCP side (``train_state``, ``lr_scheduler``, a data loader's
+    state: the catalog's ``training_state``) that were left out, so that "equal" is not read as "resumes the same":
+    with ``what`` model or optimizer, and with ``what`` all where the other side is a safetensors or PEFT input."""
+    mixed = a.kind != b.kind
+    if opts.what == "all" and not mixed:
+        return []
+    held = [sorted(side.ckpt.catalog.training_state) if side.kind == "dcp" else [] for side in (a, b)]
+    if not any(held):
+        return []
+
+    def shown(items: list[str]) -> str:
+        return ", ".join(items[:4]) + (f" and {len(items) - 4} more" if len(items) > 4 else "")
+
+    if held[0] == held[1]:
+        told = f"A and B each hold {shown(held[0])}"
+    else:
+        told = "; ".join(f"{side.label} holds {shown(h)}" for side, h in zip((a, b), held, strict=True) if h)
+    if not mixed:
+        return [f"{TRAINING_STATE_NOTE} ({told}): --what all compares them"]
+    other = b if a.kind == "dcp" else a
+    return [f"{TRAINING_STATE_NOTE} ({told}): {other.label} holds none to compare them with"]
 
 
 def _one_file(side: Side) -> str | None:

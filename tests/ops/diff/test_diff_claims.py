@@ -193,3 +193,39 @@ def test_a_training_state_against_its_safetensors_export_says_the_state_was_not_
             jsonschema.validate(doc, load_schema("diff"))
         text = invoke("diff", tmp_path / dcp_side, tmp_path / "m.safetensors", "--what", what).stdout
         assert text.splitlines()[-1].startswith("equal as models; optimizer state not compared (note above) ("), text
+
+
+def test_equal_models_of_two_training_steps_say_the_training_state_was_not_compared(tmp_path: Path) -> None:
+    """Two saves of one model at ``train_state.step`` 5 and 6 (with and without AdamW state and an LR scheduler):
+    ``diff`` (``--what model``) said a plain "equal" over the training state it left out. A note names the items,
+    the verdict says so, and ``--what all`` finds the steps."""
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 3)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    model(torch.randn(2, 4)).sum().backward()
+    opt.step()
+    msd, osd = get_state_dict(model, opt)
+    for step in (5, 6):
+        state = {"model": msd, "optim": osd, "train_state": {"step": step}, "lr_scheduler": {"last_epoch": step}}
+        dcp.save(state, checkpoint_id=str(tmp_path / f"full{step}"), no_dist=True)
+        dcp.save({"model": msd, "train_state": {"step": step}}, checkpoint_id=str(tmp_path / f"m{step}"), no_dist=True)
+    res = invoke("diff", tmp_path / "m5", tmp_path / "m6")
+    assert res.exit_code == 0, res.output
+    note = "training state not compared (A and B each hold train_state): --what all compares them"
+    assert f"  note: {note}" in res.stdout.splitlines(), res.stdout
+    assert res.stdout.splitlines()[-1].startswith("equal as models; training state not compared (note above) (")
+    doc = json.loads(invoke("diff", tmp_path / "m5", tmp_path / "m6", "--json").stdout)
+    assert doc["equal"] is True and doc["notes"] == [note]
+    jsonschema.validate(doc, load_schema("diff"))
+    res = invoke("diff", tmp_path / "full5", tmp_path / "full6")
+    assert res.stdout.splitlines()[-1].startswith(
+        "equal as models; optimizer and training state not compared (notes above) ("
+    ), res.stdout
+    assert "  note: training state not compared (A and B each hold lr_scheduler, train_state): --what all" in res.stdout
+    res = invoke("diff", tmp_path / "full5", tmp_path / "full6", "--what", "optimizer")
+    assert res.stdout.splitlines()[-1].startswith("equal; training state not compared (note above) ("), res.stdout
+    full = invoke("diff", tmp_path / "m5", tmp_path / "m6", "--what", "all")
+    assert full.exit_code == 1 and "train_state.step: 5 in A, 6 in B" in full.stdout, full.stdout
+    assert "not compared (" not in full.stdout
