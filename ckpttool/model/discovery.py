@@ -59,6 +59,7 @@ __all__ = [
     "named_step",
     "step_given_hint",
     "step_of",
+    "unfinished_save_hint",
     "unpublished",
 ]
 
@@ -1065,6 +1066,29 @@ def locate(path: str | os.PathLike[str], selection: CheckpointSelection | None =
     return found
 
 
+def unfinished_save_hint(file: Path) -> str | None:
+    """The hint of a file given where a checkpoint directory belongs whose folder holds a save that did not finish
+    (``__0_0.distcp`` beside no ``.metadata``): it names that folder and why it cannot be opened yet; ``None`` when
+    the folder shows no unfinished save."""
+    folder = file.parent
+    why = _unfinished(folder)
+    if why is None:
+        return None
+    return (
+        f"{shell_arg(folder)} holds {why}: its save did not finish (or an async save is still running); wait "
+        f"for it and pass {shell_arg(folder)}, or pass an earlier complete checkpoint directory"
+    )
+
+
+def _file_given_hint(file: Path) -> str:
+    """The hint of a file given where a checkpoint directory belongs, its folder being no checkpoint: a data file
+    of a save that did not finish (:func:`unfinished_save_hint`); any other file is no distributed checkpoint."""
+    return unfinished_save_hint(file) or (
+        f"pass the directory that dcp.save wrote (it holds .metadata and __R_N.distcp files; {file.parent} "
+        "holds none): a single torch.save file (.pt, .bin) is not a distributed checkpoint"
+    )
+
+
 def _locate(path: str | os.PathLike[str], selection: CheckpointSelection | None) -> Located:
     """:func:`locate` but for the step of ``optimizer_dir``."""
     root = Path(path)
@@ -1073,12 +1097,7 @@ def _locate(path: str | os.PathLike[str], selection: CheckpointSelection | None)
     _check_optimizer_dir(opt)
     _refuse_marked(root)
     if root.is_file() and not is_checkpoint_dir(root.parent):  # (a file inside a checkpoint: the reader names it)
-        raise UsageError(
-            f"{root} is not a directory",
-            path=root,
-            hint=f"pass the directory that dcp.save wrote (it holds .metadata and __R_N.distcp files; {root.parent} "
-            "holds none): a single torch.save file (.pt, .bin) is not a distributed checkpoint",
-        )
+        raise UsageError(f"{root} is not a directory", path=root, hint=_file_given_hint(root))
     if not root.is_dir() or is_checkpoint_dir(root):
         if sel.step is not None and root.is_dir():
             raise UsageError(

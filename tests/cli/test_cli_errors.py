@@ -69,6 +69,33 @@ def test_a_torch_save_file_is_not_sent_to_its_directory(tmp_path: Path, dense_ck
     )
 
 
+def test_a_data_file_of_an_unfinished_save_names_its_folder_and_why(tmp_path: Path, dense_ckpt: Path) -> None:
+    """`inspect step-3/__0_0.distcp` where step-3's save did not finish (data file, no .metadata) hinted
+    "(it holds .metadata and __R_N.distcp files; step-3 holds none): a single torch.save file (.pt, .bin) is not a
+    distributed checkpoint": step-3 holds a data file, and the file is one. The hint now says what step-3 holds and
+    why it cannot be opened; `diff` (which takes safetensors files) says the same."""
+    step = tmp_path / "run" / "step-3"
+    shutil.copytree(dense_ckpt, step)
+    (step / ".metadata").unlink()  # dcp.save writes .metadata last: the save was interrupted before it
+    data = sorted(step.glob("__*.distcp"))
+    hint = (
+        f"hint: {step} holds {len(data)} data file(s), no .metadata: its save did not finish (or an async save is "
+        f"still running); wait for it and pass {step}, or pass an earlier complete checkpoint directory"
+    )
+    before = {p.name: p.read_bytes() for p in step.iterdir() if p.is_file()}
+    for argv in (["inspect", str(data[0])], ["validate", str(data[0])], ["export", str(data[0]), str(tmp_path / "o")]):
+        res = runner.invoke(app, argv)
+        assert res.exit_code == 2 and res.stdout == ""
+        assert res.stderr.splitlines() == [f"error: [E100] {data[0]} is not a directory", hint]
+    res = runner.invoke(app, ["diff", str(data[0]), str(dense_ckpt)])
+    assert res.exit_code == 2 and res.stderr.splitlines() == [
+        f"error: [E610] {data[0]}: a file that is not a .safetensors file",
+        hint,
+    ]
+    assert {p.name: p.read_bytes() for p in step.iterdir() if p.is_file()} == before  # the source untouched
+    assert not (tmp_path / "o").exists()
+
+
 def test_missing_path_hint_names_the_close_directory(tmp_path: Path) -> None:
     """A typo'd path: the hint names the directory it most likely meant (the rest of the path kept), a file
     given in place of the directory names that directory, and a path with nothing close lists what is there."""
