@@ -1738,7 +1738,7 @@ def _ambiguous(
         named = ", ".join(f"{s} (incomplete)" if s in incomplete else str(s) for s in listed[:10])
         example = next((u for u in reversed(units) if u.step not in incomplete), units[-1])
         hint = (
-            f"pick one with `step` N|latest (steps {named}), "
+            f"pick one with `step` latest or `step` N (steps {named}), "
             f"or pass a directory, e.g. "
             f"{shell_arg(example.model if example.optimizer is None else example.model.parent)}"
         )

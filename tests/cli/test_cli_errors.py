@@ -96,6 +96,25 @@ def test_a_data_file_of_an_unfinished_save_names_its_folder_and_why(tmp_path: Pa
     assert not (tmp_path / "o").exists()
 
 
+def test_a_run_root_hint_can_be_followed_as_written(tmp_path: Path, dense_ckpt: Path) -> None:
+    """`inspect run/` (step-1, step-2, an interrupted step-3) hinted "pick one with --step N|latest": pasted as
+    written, the shell pipes into a command `latest`. The hint now spells both forms, and `--step latest` as
+    written opens the newest complete step."""
+    root = tmp_path / "run"
+    for s in (1, 2, 3):
+        shutil.copytree(dense_ckpt, root / f"step-{s}")
+    (root / "step-3" / ".metadata").unlink()  # the last save was interrupted before its .metadata
+    res = inspect(root)
+    assert res.exit_code == 2 and res.stdout == ""
+    hint = res.stderr.splitlines()[1]
+    assert hint == (
+        f"hint: pick one with --step latest or --step N (steps 1, 2, 3 (incomplete)), or pass a directory, e.g. "
+        f"{root / 'step-2'}"
+    )
+    ok = runner.invoke(app, ["inspect", str(root), "--step", "latest"])
+    assert ok.exit_code == 0 and f"checkpoint  {root / 'step-2'}" in ok.stdout, ok.stderr
+
+
 def test_missing_path_hint_names_the_close_directory(tmp_path: Path) -> None:
     """A typo'd path: the hint names the directory it most likely meant (the rest of the path kept), a file
     given in place of the directory names that directory, and a path with nothing close lists what is there."""
