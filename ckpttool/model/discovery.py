@@ -1736,7 +1736,8 @@ def _ambiguous(
     if len(steps) > 1 and step is None:
         listed = sorted({*steps, *incomplete})  # a newer step whose save did not finish too: not a silent gap
         named = ", ".join(f"{s} (incomplete)" if s in incomplete else str(s) for s in listed[:10])
-        example = next((u for u in reversed(units) if u.step not in incomplete), units[-1])
+        # the newest complete step (not a stepless folder beside the steps, such as an export written into the run)
+        example = next((u for u in reversed(units) if u.step is not None and u.step not in incomplete), units[-1])
         hint = (
             f"pick one with `step` latest or `step` N (steps {named}), "
             f"or pass a directory, e.g. "

@@ -115,6 +115,22 @@ def test_a_run_root_hint_can_be_followed_as_written(tmp_path: Path, dense_ckpt: 
     assert ok.exit_code == 0 and f"checkpoint  {root / 'step-2'}" in ok.stdout, ok.stderr
 
 
+def test_a_run_root_hint_names_a_step_not_an_export_beside_the_steps(tmp_path: Path, dense_ckpt: Path) -> None:
+    """An export written into the run's folder (`export run/step-2 run/hf`), listed after the steps, was the
+    hint's example: "or pass a directory, e.g. run/hf", the export instead of a training step. The example is
+    now the newest complete step."""
+    root = tmp_path / "run"
+    for s in (1, 2):
+        shutil.copytree(dense_ckpt, root / f"step-{s}")
+    res = runner.invoke(app, ["export", str(root / "step-2"), str(root / "hf"), "-q"])
+    assert res.exit_code == 0, res.stderr
+    res = inspect(root)
+    assert res.exit_code == 2 and res.stderr.splitlines() == [
+        f"error: [E204] {root}: no .metadata; 3 checkpoints below it: step-1; step-2; hf",
+        f"hint: pick one with --step latest or --step N (steps 1, 2), or pass a directory, e.g. {root / 'step-2'}",
+    ]
+
+
 def test_missing_path_hint_names_the_close_directory(tmp_path: Path) -> None:
     """A typo'd path: the hint names the directory it most likely meant (the rest of the path kept), a file
     given in place of the directory names that directory, and a path with nothing close lists what is there."""
