@@ -1356,6 +1356,7 @@ def _nothing_below(root: Path, opt: Path | None) -> Located:
     except OSError:
         partial = True
     if partial:
+        _refuse_partial_step(root)
         return Located(root, root, opt)
     # a folder inside a checkpoint (its model_assets/, extra_state/): the checkpoint is the directory to pass,
     # looked for above the absolute path (`inspect .` run inside model_assets/ has no parent as given), named as given
@@ -1379,6 +1380,32 @@ def _nothing_below(root: Path, opt: Path | None) -> Located:
         else _model_folder_hint(root)
         or "pass the directory that dcp.save wrote (it holds .metadata and __R_N.distcp files), "
         "or the run's checkpoint folder above the step directories",
+    )
+
+
+def _refuse_partial_step(root: Path) -> None:
+    """Refuse the step directory ``root`` whose save did not finish (data files, no ``.metadata``) when a step
+    directory beside it holds an earlier complete save: the hint names the newest of those, the one to pass.
+
+    Raises:
+        IncompleteCheckpointError (E202): such an earlier step is there (else opening ``root`` reports E202).
+    """
+    step = step_of(root.name)
+    if step is None:
+        return
+    try:
+        siblings = [(s, p) for p in root.parent.iterdir() if (s := step_of(p.name)) is not None and s < step]
+    except OSError:
+        return
+    done = [(s, p) for s, p in siblings if is_checkpoint_dir(p) and _unfinished(p) is None]
+    if not done:
+        return
+    older = max(done, key=lambda sp: sp[0])[1]
+    raise IncompleteCheckpointError(
+        f"{root}: has .distcp data files but no .metadata (incomplete save)",
+        path=root,
+        hint="the save did not finish (crashed or async save still running); wait for it, or pass the newest "
+        f"complete step before it: {shell_arg(older)}",
     )
 
 

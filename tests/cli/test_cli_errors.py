@@ -115,6 +115,29 @@ def test_a_run_root_hint_can_be_followed_as_written(tmp_path: Path, dense_ckpt: 
     assert ok.exit_code == 0 and f"checkpoint  {root / 'step-2'}" in ok.stdout, ok.stderr
 
 
+def test_an_interrupted_step_given_itself_names_the_step_to_pass(tmp_path: Path, dense_ckpt: Path) -> None:
+    """`inspect run/step-3`, whose save was interrupted (data files, no .metadata), hinted "use an earlier
+    checkpoint" without naming one though step-2 beside it is complete. The hint now names it, and the command
+    as the hint says runs."""
+    root = tmp_path / "run"
+    for s in (1, 2, 3):
+        shutil.copytree(dense_ckpt, root / f"step-{s}")
+    (root / "step-3" / ".metadata").unlink()
+    for argv in (["inspect"], ["validate", "--strict"]):
+        res = runner.invoke(app, [*argv, str(root / "step-3")])
+        assert res.exit_code == 2, res.output
+        assert res.stderr.splitlines() == [
+            f"error: [E202] {root / 'step-3'}: has .distcp data files but no .metadata (incomplete save)",
+            "hint: the save did not finish (crashed or async save still running); wait for it, or pass the newest "
+            f"complete step before it: {root / 'step-2'}",
+        ]
+    ok = inspect(Path(res.stderr.rsplit(": ", 1)[1].strip()))
+    assert ok.exit_code == 0 and f"checkpoint  {root / 'step-2'}" in ok.stdout, ok.stderr
+    (root / "step-2" / ".metadata").unlink()  # no complete step after step-1 either: step-1 is named
+    res = inspect(root / "step-3")
+    assert res.stderr.splitlines()[1].endswith(f"before it: {root / 'step-1'}")
+
+
 def test_a_run_root_hint_names_a_step_not_an_export_beside_the_steps(tmp_path: Path, dense_ckpt: Path) -> None:
     """An export written into the run's folder (`export run/step-2 run/hf`), listed after the steps, was the
     hint's example: "or pass a directory, e.g. run/hf", the export instead of a training step. The example is
