@@ -210,7 +210,7 @@ _HINTS: dict[str, str] = {
     "E200": "re-save the checkpoint or restore .metadata from a good copy",
     "E201": "the file may run code when loaded by torch; do not load it with torch.load(weights_only=False)",
     "E202": "the save did not finish (crashed or async save still running); use an earlier checkpoint",
-    "E204": "pass one of the listed directories, or pick a step with --step N|latest",
+    "E204": "pass one of the listed directories, or pick a step with --step latest or --step N",
     "E205": "pass one of the listed steps, or --step latest",
     "E206": "the checkpoint holds impossible numbers; it is damaged or was crafted",
     "E207": "re-save the checkpoint with torch's DefaultSavePlanner, or remove the broken planner_data",

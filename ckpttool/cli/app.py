@@ -1136,7 +1136,9 @@ def entry() -> None:
     It leaves that way only when nothing is left to finish: every other non-daemon thread has ended (the
     pool's, told to end by ``_run``, are joined for up to a second each) and stdout and stderr flush; the
     ``atexit`` handlers (``logging.shutdown``, a library's) run first. Otherwise the exit is the
-    interpreter's own (``sys.exit``). :func:`main` raises ``SystemExit`` (for callers that go on).
+    interpreter's own (``sys.exit``). A Ctrl-C as the command ends (its pool told to end, those threads joined)
+    is answered as one during the command (``error: interrupted``, saying so where the output was already
+    written; exit 130), not with a traceback. :func:`main` raises ``SystemExit`` (for callers that go on).
 
     numpy's OpenBLAS threads spin 2^28 cycles for work before they sleep (~0.07 CPU s of a command that
     imports numpy; only the LoRA merge multiplies matrices): the program sets ``OPENBLAS_THREAD_TIMEOUT``
@@ -1148,7 +1150,13 @@ def entry() -> None:
         code: Any = 0
     except SystemExit as e:
         code = e.code
-    if not _threads_ended() or not _flushed():
+    except KeyboardInterrupt:  # Ctrl-C as the command ended (while ``_run`` told the pool's threads to end)
+        code = interrupted()
+    try:
+        ended = _threads_ended() and _flushed()
+    except KeyboardInterrupt:  # Ctrl-C while a finished command's threads end: its line (once), exit 130
+        sys.exit(code if code == 130 else interrupted())
+    if not ended:
         sys.exit(code)
     if code is None:
         code = 0

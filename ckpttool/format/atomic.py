@@ -48,6 +48,7 @@ __all__ = [
     "published",
     "signal_received",
     "signals_deferred",
+    "signals_held",
     "stop_signals",
     "restore_signals",
 ]
@@ -254,6 +255,26 @@ def signals_deferred() -> Iterator[None]:
         if _defer_depth == 0 and _deferred_signal is not None:
             signum, _deferred_signal = _deferred_signal, None
             _raise_for(signum)
+
+
+@contextlib.contextmanager
+def signals_held() -> Iterator[None]:
+    """:func:`signals_deferred` outside an :class:`AtomicOutputDir` too: :func:`stop_signals`' handlers for the
+    body (the previous ones put back after it), a signal that arrived meanwhile raised on exit.
+
+    For a step that a signal must not cut short though no output is open: loading torch, whose
+    ``torch.distributed`` initialisation runs Python code from C++ (pybind11), where a ``KeyboardInterrupt``
+    aborts the process (SIGABRT) instead of unwinding. Off the main thread this holds nothing.
+
+    Raises:
+        KeyboardInterrupt: (or :class:`Terminated`) on exit, for a held signal.
+    """
+    old = stop_signals()
+    try:
+        with signals_deferred():
+            yield
+    finally:
+        restore_signals(old)
 
 
 def published() -> tuple[Path, ...]:

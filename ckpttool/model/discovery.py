@@ -59,6 +59,7 @@ __all__ = [
     "named_step",
     "step_given_hint",
     "step_of",
+    "unfinished_save_hint",
     "unpublished",
 ]
 
@@ -1065,6 +1066,29 @@ def locate(path: str | os.PathLike[str], selection: CheckpointSelection | None =
     return found
 
 
+def unfinished_save_hint(file: Path) -> str | None:
+    """The hint of a file given where a checkpoint directory belongs whose folder holds a save that did not finish
+    (``__0_0.distcp`` beside no ``.metadata``): it names that folder and why it cannot be opened yet; ``None`` when
+    the folder shows no unfinished save."""
+    folder = file.parent
+    why = _unfinished(folder)
+    if why is None:
+        return None
+    return (
+        f"{shell_arg(folder)} holds {why}: its save did not finish (or an async save is still running); wait "
+        f"for it and pass {shell_arg(folder)}, or pass an earlier complete checkpoint directory"
+    )
+
+
+def _file_given_hint(file: Path) -> str:
+    """The hint of a file given where a checkpoint directory belongs, its folder being no checkpoint: a data file
+    of a save that did not finish (:func:`unfinished_save_hint`); any other file is no distributed checkpoint."""
+    return unfinished_save_hint(file) or (
+        f"pass the directory that dcp.save wrote (it holds .metadata and __R_N.distcp files; {file.parent} "
+        "holds none): a single torch.save file (.pt, .bin) is not a distributed checkpoint"
+    )
+
+
 def _locate(path: str | os.PathLike[str], selection: CheckpointSelection | None) -> Located:
     """:func:`locate` but for the step of ``optimizer_dir``."""
     root = Path(path)
@@ -1073,12 +1097,7 @@ def _locate(path: str | os.PathLike[str], selection: CheckpointSelection | None)
     _check_optimizer_dir(opt)
     _refuse_marked(root)
     if root.is_file() and not is_checkpoint_dir(root.parent):  # (a file inside a checkpoint: the reader names it)
-        raise UsageError(
-            f"{root} is not a directory",
-            path=root,
-            hint=f"pass the directory that dcp.save wrote (it holds .metadata and __R_N.distcp files; {root.parent} "
-            "holds none): a single torch.save file (.pt, .bin) is not a distributed checkpoint",
-        )
+        raise UsageError(f"{root} is not a directory", path=root, hint=_file_given_hint(root))
     if not root.is_dir() or is_checkpoint_dir(root):
         if sel.step is not None and root.is_dir():
             raise UsageError(
@@ -1337,6 +1356,7 @@ def _nothing_below(root: Path, opt: Path | None) -> Located:
     except OSError:
         partial = True
     if partial:
+        _refuse_partial_step(root)
         return Located(root, root, opt)
     # a folder inside a checkpoint (its model_assets/, extra_state/): the checkpoint is the directory to pass,
     # looked for above the absolute path (`inspect .` run inside model_assets/ has no parent as given), named as given
@@ -1360,6 +1380,32 @@ def _nothing_below(root: Path, opt: Path | None) -> Located:
         else _model_folder_hint(root)
         or "pass the directory that dcp.save wrote (it holds .metadata and __R_N.distcp files), "
         "or the run's checkpoint folder above the step directories",
+    )
+
+
+def _refuse_partial_step(root: Path) -> None:
+    """Refuse the step directory ``root`` whose save did not finish (data files, no ``.metadata``) when a step
+    directory beside it holds an earlier complete save: the hint names the newest of those, the one to pass.
+
+    Raises:
+        IncompleteCheckpointError (E202): such an earlier step is there (else opening ``root`` reports E202).
+    """
+    step = step_of(root.name)
+    if step is None:
+        return
+    try:
+        siblings = [(s, p) for p in root.parent.iterdir() if (s := step_of(p.name)) is not None and s < step]
+    except OSError:
+        return
+    done = [(s, p) for s, p in siblings if is_checkpoint_dir(p) and _unfinished(p) is None]
+    if not done:
+        return
+    older = max(done, key=lambda sp: sp[0])[1]
+    raise IncompleteCheckpointError(
+        f"{root}: has .distcp data files but no .metadata (incomplete save)",
+        path=root,
+        hint="the save did not finish (crashed or async save still running); wait for it, or pass the newest "
+        f"complete step before it: {shell_arg(older)}",
     )
 
 
@@ -1717,9 +1763,10 @@ def _ambiguous(
     if len(steps) > 1 and step is None:
         listed = sorted({*steps, *incomplete})  # a newer step whose save did not finish too: not a silent gap
         named = ", ".join(f"{s} (incomplete)" if s in incomplete else str(s) for s in listed[:10])
-        example = next((u for u in reversed(units) if u.step not in incomplete), units[-1])
+        # the newest complete step (not a stepless folder beside the steps, such as an export written into the run)
+        example = next((u for u in reversed(units) if u.step is not None and u.step not in incomplete), units[-1])
         hint = (
-            f"pick one with `step` N|latest (steps {named}), "
+            f"pick one with `step` latest or `step` N (steps {named}), "
             f"or pass a directory, e.g. "
             f"{shell_arg(example.model if example.optimizer is None else example.model.parent)}"
         )

@@ -458,12 +458,16 @@ def write_sample(path: str | os.PathLike[str], options: SampleOptions | None = N
 def _train_and_save(tmp: Path, final: Path, *, steps: int, seed: int, config: SampleConfig, optimizer: str) -> None:
     import warnings
 
-    import torch
-    import torch.distributed.checkpoint.state_dict_saver as dcp
-    from torch.distributed.checkpoint.api import CheckpointException
-    from torch.distributed.checkpoint.state_dict import get_state_dict
-
     from ckpttool.errors import OutputError
+    from ckpttool.format.atomic import signals_deferred
+
+    # A Ctrl-C inside torch.distributed's C++ initialisation (pybind11 running Python) aborts the process
+    # (SIGABRT, the temporary output left behind): held until the imports end, then raised as any interrupt.
+    with signals_deferred():
+        import torch
+        import torch.distributed.checkpoint.state_dict_saver as dcp
+        from torch.distributed.checkpoint.api import CheckpointException
+        from torch.distributed.checkpoint.state_dict import get_state_dict
 
     c = config
     torch.manual_seed(seed)

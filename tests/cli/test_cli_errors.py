@@ -69,6 +69,91 @@ def test_a_torch_save_file_is_not_sent_to_its_directory(tmp_path: Path, dense_ck
     )
 
 
+def test_a_data_file_of_an_unfinished_save_names_its_folder_and_why(tmp_path: Path, dense_ckpt: Path) -> None:
+    """`inspect step-3/__0_0.distcp` where step-3's save did not finish (data file, no .metadata) hinted
+    "(it holds .metadata and __R_N.distcp files; step-3 holds none): a single torch.save file (.pt, .bin) is not a
+    distributed checkpoint": step-3 holds a data file, and the file is one. The hint now says what step-3 holds and
+    why it cannot be opened; `diff` (which takes safetensors files) says the same."""
+    step = tmp_path / "run" / "step-3"
+    shutil.copytree(dense_ckpt, step)
+    (step / ".metadata").unlink()  # dcp.save writes .metadata last: the save was interrupted before it
+    data = sorted(step.glob("__*.distcp"))
+    hint = (
+        f"hint: {step} holds {len(data)} data file(s), no .metadata: its save did not finish (or an async save is "
+        f"still running); wait for it and pass {step}, or pass an earlier complete checkpoint directory"
+    )
+    before = {p.name: p.read_bytes() for p in step.iterdir() if p.is_file()}
+    for argv in (["inspect", str(data[0])], ["validate", str(data[0])], ["export", str(data[0]), str(tmp_path / "o")]):
+        res = runner.invoke(app, argv)
+        assert res.exit_code == 2 and res.stdout == ""
+        assert res.stderr.splitlines() == [f"error: [E100] {data[0]} is not a directory", hint]
+    res = runner.invoke(app, ["diff", str(data[0]), str(dense_ckpt)])
+    assert res.exit_code == 2 and res.stderr.splitlines() == [
+        f"error: [E610] {data[0]}: a file that is not a .safetensors file",
+        hint,
+    ]
+    assert {p.name: p.read_bytes() for p in step.iterdir() if p.is_file()} == before  # the source untouched
+    assert not (tmp_path / "o").exists()
+
+
+def test_a_run_root_hint_can_be_followed_as_written(tmp_path: Path, dense_ckpt: Path) -> None:
+    """`inspect run/` (step-1, step-2, an interrupted step-3) hinted "pick one with --step N|latest": pasted as
+    written, the shell pipes into a command `latest`. The hint now spells both forms, and `--step latest` as
+    written opens the newest complete step."""
+    root = tmp_path / "run"
+    for s in (1, 2, 3):
+        shutil.copytree(dense_ckpt, root / f"step-{s}")
+    (root / "step-3" / ".metadata").unlink()  # the last save was interrupted before its .metadata
+    res = inspect(root)
+    assert res.exit_code == 2 and res.stdout == ""
+    hint = res.stderr.splitlines()[1]
+    assert hint == (
+        f"hint: pick one with --step latest or --step N (steps 1, 2, 3 (incomplete)), or pass a directory, e.g. "
+        f"{root / 'step-2'}"
+    )
+    ok = runner.invoke(app, ["inspect", str(root), "--step", "latest"])
+    assert ok.exit_code == 0 and f"checkpoint  {root / 'step-2'}" in ok.stdout, ok.stderr
+
+
+def test_an_interrupted_step_given_itself_names_the_step_to_pass(tmp_path: Path, dense_ckpt: Path) -> None:
+    """`inspect run/step-3`, whose save was interrupted (data files, no .metadata), hinted "use an earlier
+    checkpoint" without naming one though step-2 beside it is complete. The hint now names it, and the command
+    as the hint says runs."""
+    root = tmp_path / "run"
+    for s in (1, 2, 3):
+        shutil.copytree(dense_ckpt, root / f"step-{s}")
+    (root / "step-3" / ".metadata").unlink()
+    for argv in (["inspect"], ["validate", "--strict"]):
+        res = runner.invoke(app, [*argv, str(root / "step-3")])
+        assert res.exit_code == 2, res.output
+        assert res.stderr.splitlines() == [
+            f"error: [E202] {root / 'step-3'}: has .distcp data files but no .metadata (incomplete save)",
+            "hint: the save did not finish (crashed or async save still running); wait for it, or pass the newest "
+            f"complete step before it: {root / 'step-2'}",
+        ]
+    ok = inspect(Path(res.stderr.rsplit(": ", 1)[1].strip()))
+    assert ok.exit_code == 0 and f"checkpoint  {root / 'step-2'}" in ok.stdout, ok.stderr
+    (root / "step-2" / ".metadata").unlink()  # no complete step after step-1 either: step-1 is named
+    res = inspect(root / "step-3")
+    assert res.stderr.splitlines()[1].endswith(f"before it: {root / 'step-1'}")
+
+
+def test_a_run_root_hint_names_a_step_not_an_export_beside_the_steps(tmp_path: Path, dense_ckpt: Path) -> None:
+    """An export written into the run's folder (`export run/step-2 run/hf`), listed after the steps, was the
+    hint's example: "or pass a directory, e.g. run/hf", the export instead of a training step. The example is
+    now the newest complete step."""
+    root = tmp_path / "run"
+    for s in (1, 2):
+        shutil.copytree(dense_ckpt, root / f"step-{s}")
+    res = runner.invoke(app, ["export", str(root / "step-2"), str(root / "hf"), "-q"])
+    assert res.exit_code == 0, res.stderr
+    res = inspect(root)
+    assert res.exit_code == 2 and res.stderr.splitlines() == [
+        f"error: [E204] {root}: no .metadata; 3 checkpoints below it: step-1; step-2; hf",
+        f"hint: pick one with --step latest or --step N (steps 1, 2), or pass a directory, e.g. {root / 'step-2'}",
+    ]
+
+
 def test_missing_path_hint_names_the_close_directory(tmp_path: Path) -> None:
     """A typo'd path: the hint names the directory it most likely meant (the rest of the path kept), a file
     given in place of the directory names that directory, and a path with nothing close lists what is there."""

@@ -51,7 +51,7 @@ def test_torchtitan_root_lists_the_steps_and_the_command(titan_root: Path) -> No
         locate(root)
     e = ei.value
     assert e.code == "E204" and "step-1; step-2; step-3" in e.message
-    assert "`step` N|latest (steps 1, 2, 3)" in e.hint and str(root / "step-3") in e.hint
+    assert "`step` latest or `step` N (steps 1, 2, 3)" in e.hint and str(root / "step-3") in e.hint
 
 
 def test_step_and_latest_pick_a_step_dir(titan_root: Path) -> None:

@@ -60,7 +60,7 @@ def test_several_steps_hint_marks_the_unpublished_save_and_never_offers_it(nemo_
     r = runner.invoke(app, ["inspect", str(nemo_run)])
     assert r.exit_code == 2 and r.stderr.startswith("error: [E204]")
     assert r.stderr.splitlines()[1] == (
-        f"hint: pick one with --step N|latest (steps 2, 4, 6 (incomplete)), or pass a directory, e.g. "
+        f"hint: pick one with --step latest or --step N (steps 2, 4, 6 (incomplete)), or pass a directory, e.g. "
         f"{nemo_run / 'epoch_1_step_4'}"
     )
 

@@ -284,7 +284,7 @@ def _open_side(
     where = p
     if p.is_file():
         if p.suffix != ".safetensors":
-            from ckpttool.model.discovery import is_checkpoint_dir
+            from ckpttool.model.discovery import is_checkpoint_dir, unfinished_save_hint
 
             inside = is_checkpoint_dir(p.parent)  # .metadata, a data file, config.json of a checkpoint
             raise DiffError(
@@ -292,7 +292,8 @@ def _open_side(
                 path=p,
                 hint=f"pass the checkpoint directory, not a file in it: {shell_arg(p.parent)}"
                 if inside
-                else "pass a DCP checkpoint directory, a safetensors directory or file, or a PEFT adapter directory",
+                else unfinished_save_hint(p)  # a data file of a save that did not finish
+                or "pass a DCP checkpoint directory, a safetensors directory or file, or a PEFT adapter directory",
             )
         where, only_file = p.parent, p.name
     chosen = opening.selection

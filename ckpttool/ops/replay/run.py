@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import ctypes
 import dataclasses
+import importlib
 import logging
 import math
 import numbers
@@ -35,6 +36,7 @@ from ckpttool.errors import (
     at_least,
     shell_arg,
 )
+from ckpttool.format.atomic import signals_held
 from ckpttool.format.jsonview import json_fields, json_number
 from ckpttool.format.metadata import TensorMeta
 from ckpttool.model.catalog import Catalog, leaf_key
@@ -505,6 +507,8 @@ def replay_step(
     opts.check()
     rtol, atol = opts.tolerance  # plain floats in the result and its JSON (a NumPy scalar is not serializable)
     opts = dataclasses.replace(opts, tolerance=(float(rtol), float(atol)), grad_scale=float(opts.grad_scale))
+    with signals_held():  # a Ctrl-C inside torch.distributed's C++ init aborts the process: held until torch loaded
+        importlib.import_module("torch")
     with open_source(source, opening) as ckpt:
         return _replay(ckpt, opts, on_param, progress, phase or (lambda text: None))
 

@@ -703,6 +703,54 @@ def test_ctrl_c_after_an_overwrite_was_published_says_the_output_is_complete(sam
     assert new.keys() == want.keys() and all(torch.equal(new[k], want[k]) for k in want)  # float32, not the bf16
 
 
+_CTRL_C_AS_THE_COMMAND_ENDS = """
+import concurrent.futures, os, signal, sys, threading, time
+
+when = sys.argv.pop(1)
+if when == "pool":  # Ctrl-C while the CLI tells the pool's idle threads to end (the command has finished)
+    real_shutdown = concurrent.futures.ThreadPoolExecutor.shutdown
+
+    def shutdown(self, *args, **kwargs):
+        os.kill(os.getpid(), signal.SIGINT)
+        real_shutdown(self, *args, **kwargs)
+
+    concurrent.futures.ThreadPoolExecutor.shutdown = shutdown
+else:  # Ctrl-C while the CLI joins a thread still running after the command (a library's I/O thread)
+
+    class Lingering(threading.Thread):
+        def join(self, timeout=None):
+            os.kill(os.getpid(), signal.SIGINT)
+            return super().join(timeout)
+
+    Lingering(target=time.sleep, args=(3,)).start()  # outlives the export
+sys.argv = ["ckpttool", *sys.argv[1:]]
+from ckpttool.cli import entry
+entry()
+"""
+
+
+@pytest.mark.parametrize("when", ["pool", "join"])
+def test_ctrl_c_as_the_command_ends_says_the_output_is_complete(sample_ckpt: Path, tmp_path: Path, when: str) -> None:
+    """`timeout -s INT 1 ckpttool export ...` landing just after the export was written (while the CLI told its
+    pool's threads to end, or joined the threads left running) printed a KeyboardInterrupt traceback. It is now
+    the documented interrupt: exit 130, 'error: interrupted after OUT was written: it is complete', no traceback,
+    and the output is the export of the source."""
+    from safetensors.torch import load_file
+
+    out = tmp_path / "o"
+    cmd = [sys.executable, "-c", _CTRL_C_AS_THE_COMMAND_ENDS, when, "export", str(sample_ckpt), str(out), "-q"]
+    proc = subprocess.run([*cmd, "--workers", "2"], capture_output=True, text=True, timeout=300)
+    assert "Traceback" not in proc.stderr, proc.stderr
+    assert proc.returncode == 130, proc.stderr
+    assert proc.stderr.splitlines()[-1] == f"error: interrupted after {out} was written: it is complete"
+    assert proc.stderr.count("error: interrupted") == 1, proc.stderr
+    again = tmp_path / "again"
+    subprocess.run([sys.executable, "-m", "ckpttool", "export", str(sample_ckpt), str(again), "-q"], check=True)
+    new, want = load_file(out / "model.safetensors"), load_file(again / "model.safetensors")
+    assert new.keys() == want.keys() and all(torch.equal(new[k], want[k]) for k in want)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["again", "o"]
+
+
 def test_killed_export_leaves_no_stray_temp_after_next_run(large_ckpt: Path, tmp_path: Path) -> None:
     out = tmp_path / "o"
     cmd = [

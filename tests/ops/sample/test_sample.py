@@ -188,6 +188,45 @@ def test_interrupted_leaves_nothing(sig: str, tmp_path: Path) -> None:
     assert os.listdir(tmp_path) == []
 
 
+CTRL_C_IN_TORCH_DISTRIBUTED_INIT = """
+import os, signal, sys
+
+inside = False
+
+def profile(frame, event, arg):  # Ctrl-C as torch.distributed's C++ init runs Python code (through pybind11)
+    global inside
+    if event == "c_call" and getattr(arg, "__name__", "") == "_c10d_init":
+        inside = True
+    elif event == "call" and inside:
+        sys.setprofile(None)
+        os.kill(os.getpid(), signal.SIGINT)
+
+assert "torch" not in sys.modules
+sys.setprofile(profile)
+sys.argv = ["ckpttool", *sys.argv[1:]]
+from ckpttool.cli import entry
+entry()
+"""
+
+
+@pytest.mark.parametrize("command", ["sample", "replay-step"])
+def test_ctrl_c_while_torch_loads_is_an_interrupt_not_an_abort(command: str, tmp_path: Path, sample_ckpt: Path) -> None:
+    """`timeout -s INT 2 ckpttool sample DIR` (or replay-step CKPT): a Ctrl-C landing inside torch.distributed's C++
+    initialisation (pybind11 calling Python) ended the process with SIGABRT ("terminate called after throwing an
+    instance of 'python_error'", exit 134, a core file), sample's temporary output left behind. The signal is now
+    held until torch has loaded: exit 130, 'error: interrupted', nothing left, the checkpoint untouched."""
+    before = {p.name: p.stat().st_mtime_ns for p in sample_ckpt.iterdir()}
+    args = ["sample", str(tmp_path / "s")] if command == "sample" else ["replay-step", str(sample_ckpt)]
+    res = subprocess.run(
+        [sys.executable, "-c", CTRL_C_IN_TORCH_DISTRIBUTED_INIT, *args], capture_output=True, text=True, timeout=300
+    )
+    assert res.returncode == 130, res.stderr[-2000:]
+    assert res.stderr.splitlines() == ["error: interrupted"], res.stderr[-2000:]
+    assert res.stdout == ""
+    assert os.listdir(tmp_path) == []
+    assert {p.name: p.stat().st_mtime_ns for p in sample_ckpt.iterdir()} == before
+
+
 def test_sample_on_a_full_disk_is_e600_without_traceback(tmp_path: Path) -> None:
     """torch's CheckpointException is a BaseException: the failure inside it (EFBIG here) is what the user sees."""
     from tests.fixtures.file_size_limit import run_capped
