@@ -1508,6 +1508,9 @@ EPOCH_DIR = re.compile(r"(?:dist_)?epoch[-_]?[0-9]+\Z")
 #: Accelerate's automatic checkpoint naming (``ProjectConfiguration(automatic_checkpoint_naming=True)``), inside a
 #: folder ``checkpoints``: ``checkpoint_<i>`` numbers the ``save_state`` calls (0, 1, ...), not optimizer steps.
 SAVE_INDEX_DIR = re.compile(r"checkpoint_[0-9]+\Z")
+#: The file every ``Accelerator.save_state`` writes into its save (``random_states_<process index>.pkl``, process 0's):
+#: a loop of its own that names its saves ``checkpoints/checkpoint_<step>`` writes none.
+ACCELERATE_RNG_FILE = "random_states_0.pkl"
 
 
 def _epoch_words(root: Path, units: list[_Unit], how: str, want: int | str | None) -> str:
@@ -1533,8 +1536,14 @@ def _epoch_words(root: Path, units: list[_Unit], how: str, want: int | str | Non
 
 
 def _save_index_dir(q: PurePath) -> bool:
-    """``q`` is named by Accelerate's automatic checkpoint naming (:data:`SAVE_INDEX_DIR` in ``checkpoints/``)."""
-    return bool(SAVE_INDEX_DIR.match(q.name)) and q.parent.name == "checkpoints"
+    """``q`` is named by Accelerate's automatic checkpoint naming (:data:`SAVE_INDEX_DIR` in ``checkpoints/``) and
+    holds the :data:`ACCELERATE_RNG_FILE` its ``save_state`` writes (``checkpoints/checkpoint_1000`` of a ``dcp.save``
+    loop naming its saves by step keeps step 1000)."""
+    return (
+        bool(SAVE_INDEX_DIR.match(q.name))
+        and q.parent.name == "checkpoints"
+        and os.path.lexists(os.path.join(q, ACCELERATE_RNG_FILE))
+    )
 
 
 def _latest_of(

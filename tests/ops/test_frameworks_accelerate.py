@@ -75,3 +75,18 @@ def test_latest_is_said_as_accelerates_save_index(acc_state_root: Path) -> None:
     doc = cli("inspect", "--json", str(acc_state_root / "checkpoints"), "--step", "latest")
     assert doc["location"]["model"].endswith("checkpoints/checkpoint_1/pytorch_model_fsdp_0")
     assert doc["location"]["how"].startswith("`step` latest: save 1 (checkpoint_1, the highest save index"), doc
+
+
+def test_a_loop_of_its_own_naming_checkpoints_by_step_keeps_the_step(dense_ckpt: Path, tmp_path: Path) -> None:
+    """``checkpoints/checkpoint_1000`` written by a loop's own ``dcp.save`` (no ``random_states_0.pkl``, which every
+    ``save_state`` writes) was read as Accelerate's save index: stats said step null and --step latest 'save 1000
+    (... Accelerate numbers its saves ...)'; its name's step is the step."""
+    import shutil
+
+    run = tmp_path / "checkpoints"
+    for step in (500, 1000):
+        shutil.copytree(dense_ckpt, run / f"checkpoint_{step}")
+    assert cli("stats", "--json", str(run / "checkpoint_1000"))["checkpoints"][0]["step"] == 1000
+    assert cli("stats", "--json", str(run), "--step", "latest")["checkpoints"][0]["step"] == 1000
+    doc = cli("inspect", "--json", str(run), "--step", "latest")
+    assert doc["location"]["how"].startswith("`step` latest: step 1000 (the highest step)"), doc
