@@ -373,13 +373,16 @@ def _ct_weights_block(w: Any) -> tuple[int, int] | None:
         return None
     strategy = _lower(w.get("strategy"))
     if strategy is None:
-        strategy = {None: "tensor", -1: "channel"}.get(w.get("group_size"))
+        gs = w.get("group_size")
+        strategy = "tensor" if gs is None else "channel" if isinstance(gs, (int, float)) and gs == -1 else None
+    if not isinstance(strategy, str):  # a list, a number: compressed-tensors refuses such args
+        return None
     bs = w.get("block_structure")
     if bs is not None and strategy != "block":  # compressed-tensors refuses such args
         return None
-    if isinstance(bs, str):
+    if isinstance(bs, str):  # "128x128"; digits past 18 are no block size (and int() refuses over 4300 of them)
         parts = bs.split("x")
-        bs = [int(p) for p in parts] if all(p.isascii() and p.isdigit() for p in parts) else None
+        bs = [int(p) for p in parts] if all(p.isascii() and p.isdigit() and len(p) < 19 for p in parts) else None
     if strategy == "block" and isinstance(bs, list) and len(bs) == 2:
         return (bs[0], bs[1]) if all(type(b) is int and b > 0 for b in bs) else None
     return {"channel": (1, WHOLE_ROW), "tensor": _PER_TENSOR}.get(strategy)

@@ -109,6 +109,31 @@ def test_per_tensor_scales_under_a_config_no_reader_pairs_are_refused(
     _refused(_folder(tmp_path, _tensors(), config), tmp_path, f"{UP}.weight_scale", want)
 
 
+def _with_ct_weights(**weights: Any) -> dict[str, Any]:
+    c = copy.deepcopy(CT)
+    c["quantization_config"]["config_groups"]["group_0"]["weights"] = {"num_bits": 8, "type": "float", **weights}
+    return c
+
+
+@pytest.mark.parametrize(
+    "weights",
+    [
+        {"group_size": [1]},
+        {"group_size": {"a": 1}},
+        {"strategy": ["tensor"]},
+        {"strategy": "block", "block_structure": "9" * 5000 + "x128"},
+    ],
+    ids=["group_size-list", "group_size-dict", "strategy-list", "block_structure-5000-digits"],
+)
+def test_compressed_tensors_weight_args_of_wrong_types_are_refused_by_key(
+    tmp_path: Path, weights: dict[str, Any]
+) -> None:
+    """Args compressed-tensors' QuantizationArgs refuses (an unhashable group_size or strategy, a block size of
+    more digits than int() reads) are no FP8 scheme: M020/E612 on the scale, not E999."""
+    config = _with_ct_weights(**weights)
+    _refused(_folder(tmp_path, _tensors(), config), tmp_path, f"{UP}.weight_scale", "give no one block")
+
+
 @pytest.mark.parametrize("config", [FP8, CT], ids=["fp8", "compressed-tensors"])
 @pytest.mark.parametrize("shape", [(), (8,), (2, 3, 4)], ids=["0-d", "1-d", "3-d"])
 def test_a_scaled_weight_that_is_not_2d_is_refused(
