@@ -10,16 +10,17 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
 REPO = Path(__file__).resolve().parents[2]
 
 
-def _ckpttool(*args: str) -> subprocess.CompletedProcess[str]:
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
+def _ckpttool(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    full = {**os.environ, "PYTHONPATH": str(REPO), **(env or {})}
     return subprocess.run(
-        [sys.executable, "-m", "ckpttool", *args], env=env, capture_output=True, text=True, timeout=60, check=False
+        [sys.executable, "-m", "ckpttool", *args], env=full, capture_output=True, text=True, timeout=60, check=False
     )
 
 
@@ -36,3 +37,26 @@ def test_a_per_parameter_optimizer_key_of_100k_dots_is_named_by_k002(tmp_path: P
     assert res.returncode == 0 and "Traceback" not in res.stderr, res.stderr[-2000:]
     k002 = [f for f in json.loads(res.stdout)["findings"] if f["code"] == "K002"]
     assert len(k002) == 1 and "2 of them are the state of one optimizer per parameter" in k002[0]["message"]
+
+
+@pytest.mark.parametrize("native", ["1", "0"])
+@pytest.mark.parametrize("overflowed", [False, True], ids=["finite", "exp_avg_sq-inf"])
+def test_a_complex_exp_avg_beside_a_real_exp_avg_sq_is_no_adam_pair(
+    tmp_path: Path, native: str, overflowed: bool
+) -> None:
+    """``exp_avg`` complex64 (read as its real and imaginary parts, twice the values) beside a real ``exp_avg_sq`` of
+    the same chunks: no update size, said in a note. Was: E999 (numpy broadcast) in the pure-Python path and in the
+    element-by-element read of an overflowed ``exp_avg_sq``; the native kernels paired values of the two at
+    random (an update rms of 163)."""
+    g = torch.Generator().manual_seed(1)
+    m = torch.randn(8, 8, generator=g) * 1e-3
+    v = torch.rand(8, 8, generator=g) * 1e-6
+    if overflowed:
+        v[0, 0] = float("inf")
+    groups = [{"lr": 1e-3, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.0, "params": ["w"]}]
+    state = {"w": {"step": torch.tensor(5.0), "exp_avg": torch.complex(m, m), "exp_avg_sq": v}}
+    sd = {"model": {"w": torch.randn(8, 8, generator=g)}, "optimizer": {"state": state, "param_groups": groups}}
+    dcp.save(sd, checkpoint_id=str(tmp_path / "ck"), no_dist=True)
+    res = _ckpttool("stats", str(tmp_path / "ck"), "--json", env={"CKPTTOOL_NATIVE": native})
+    assert res.returncode == 0 and "Traceback" not in res.stderr, res.stderr[-2000:]
+    assert "one moment complex and the other real, not AdamW's pair" in res.stdout, res.stdout[-3000:]
