@@ -882,6 +882,7 @@ def _quantized(ckpt: Checkpoint, cat: Catalog) -> dict[str, Any] | None:
         FP8_SCALE_SUFFIX,
         PACKED_DTYPES,
         block_size,
+        block_size_problem,
         compressed_tensors_block,
         packed_integer_weights,
         scaled_pairs,
@@ -904,14 +905,19 @@ def _quantized(ckpt: Checkpoint, cat: Catalog) -> dict[str, Any] | None:
         config = read_hf_config(ckpt.located.model, param=None)
     block = block_size(config)
     pairs, problems = scaled_pairs(tensors, config)
+    unusable = block_size_problem(config)
+    if unusable is not None:  # as validate's M020 and import's E612: no grid to read block scales on, not 128x128
+        problems += [(p.scale, f"{p.scale}: {unusable}") for p in pairs if p.kind in ("fp8-block", "fp8-experts")]
+        pairs = [p for p in pairs if p.kind not in ("fp8-block", "fp8-experts")]
     if not pairs and not problems and not packed:
         return None
     extra: dict[str, Any] = {"packed": packed} if packed else {}
     ct = compressed_tensors_block(config)
     if ct is not None:
         extra["compressed_tensors"] = scheme_name(ct)
-    fp8_blocks = any(p.kind in ("fp8-block", "fp8-experts") for p in pairs) or any(
-        k.endswith(FP8_SCALE_SUFFIX) for k, _ in problems
+    fp8_blocks = unusable is None and (
+        any(p.kind in ("fp8-block", "fp8-experts") for p in pairs)
+        or any(k.endswith(FP8_SCALE_SUFFIX) for k, _ in problems)
     )
     return {
         **extra,

@@ -109,6 +109,24 @@ def test_per_tensor_scales_under_a_config_no_reader_pairs_are_refused(
     _refused(_folder(tmp_path, _tensors(), config), tmp_path, f"{UP}.weight_scale", want)
 
 
+@pytest.mark.parametrize("wbs", [[float("nan"), 1e308], [128], "128x128"], ids=["nan-1e308", "one", "string"])
+def test_block_scales_under_an_unreadable_weight_block_size_are_named_by_inspect_too(tmp_path: Path, wbs: Any) -> None:
+    """A block-FP8 weight and its ``weight_scale_inv`` under ``weight_block_size`` no quantizer writes: validate
+    (M020) and import (E612) refuse the grid, and inspect names the scale as not pairing. Was: inspect listed a
+    usable pair on '128x128 blocks', a grid the config does not give."""
+    g = torch.Generator().manual_seed(5)
+    w = torch.randn(256, 128, generator=g) * 0.05
+    t = {
+        f"{UP}.weight": (w / 1e-3).to(torch.float8_e4m3fn),
+        f"{UP}.weight_scale_inv": torch.full((2, 1), 1e-3),
+        "model.norm.weight": torch.ones(128, dtype=torch.bfloat16),
+    }
+    d = _folder(tmp_path, t, _with_qc(FP8, weight_block_size=wbs))
+    doc = json.loads(runner.invoke(app, ["inspect", str(d), "--json"]).stdout)["quantized"]
+    assert doc["pairs"] == [] and doc["block"] is None, doc
+    _refused(d, tmp_path, f"{UP}.weight_scale_inv", "not two positive integers")
+
+
 def _with_ct_weights(**weights: Any) -> dict[str, Any]:
     c = copy.deepcopy(CT)
     c["quantization_config"]["config_groups"]["group_0"]["weights"] = {"num_bits": 8, "type": "float", **weights}
