@@ -113,7 +113,8 @@ def test_per_tensor_scales_under_a_config_no_reader_pairs_are_refused(
 def test_block_scales_under_an_unreadable_weight_block_size_are_named_by_inspect_too(tmp_path: Path, wbs: Any) -> None:
     """A block-FP8 weight and its ``weight_scale_inv`` under ``weight_block_size`` no quantizer writes: validate
     (M020) and import (E612) refuse the grid, and inspect names the scale as not pairing. Was: inspect listed a
-    usable pair on '128x128 blocks', a grid the config does not give."""
+    usable pair on '128x128 blocks', a grid the config does not give, and diff compared it dequantized on that grid
+    (equal to the same codes under a config that does give 128x128)."""
     g = torch.Generator().manual_seed(5)
     w = torch.randn(256, 128, generator=g) * 0.05
     t = {
@@ -124,6 +125,14 @@ def test_block_scales_under_an_unreadable_weight_block_size_are_named_by_inspect
     d = _folder(tmp_path, t, _with_qc(FP8, weight_block_size=wbs))
     doc = json.loads(runner.invoke(app, ["inspect", str(d), "--json"]).stdout)["quantized"]
     assert doc["pairs"] == [] and doc["block"] is None, doc
+    good = tmp_path / "good"
+    good.mkdir()
+    save_file(t, str(good / "model.safetensors"))
+    (good / "config.json").write_text(json.dumps(_with_qc(FP8, weight_block_size=[128, 128])))
+    res = runner.invoke(app, ["diff", str(d), str(good), "--json"])
+    assert res.exit_code == 1 and "Traceback" not in res.stderr, (res.stdout, res.stderr)
+    notes = json.loads(res.stdout)["notes"]
+    assert any("do not pair up" in n and "not two positive integers" in n for n in notes), notes
     _refused(d, tmp_path, f"{UP}.weight_scale_inv", "not two positive integers")
 
 
