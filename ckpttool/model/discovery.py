@@ -565,7 +565,10 @@ def _unfinished(path: Path) -> str | None:
     if unpublished is not None:
         return unpublished
     if METADATA_NAME in names:
-        return None
+        if os.path.isfile(path / METADATA_NAME) or step_of(path.name) is None:
+            return None
+        # a FIFO, a folder, a dangling link: no checkpoint (is_checkpoint_dir), and not passed over in silence
+        return f"{METADATA_NAME} that is not a regular file (a FIFO, a folder or a dangling link)"
     data = sum(1 for n in names if DATA_FILE_RE.match(n))
     tmp = _METADATA_TMP in names
     if not data and not tmp:

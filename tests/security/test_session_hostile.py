@@ -60,3 +60,24 @@ def test_a_complex_exp_avg_beside_a_real_exp_avg_sq_is_no_adam_pair(
     res = _ckpttool("stats", str(tmp_path / "ck"), "--json", env={"CKPTTOOL_NATIVE": native})
     assert res.returncode == 0 and "Traceback" not in res.stderr, res.stderr[-2000:]
     assert "one moment complex and the other real, not AdamW's pair" in res.stdout, res.stdout[-3000:]
+
+
+def test_a_newer_step_whose_metadata_is_a_fifo_is_said_incomplete_not_passed_over(tmp_path: Path) -> None:
+    """``run/checkpoint_2/.metadata`` a FIFO (its data file beside it): no checkpoint, and not a finished save. Was:
+    passed over in silence (``--step latest`` opened checkpoint_1 as the newest save, R001 silent, ``--step 2`` said
+    no such step); now an incomplete step, as one with no ``.metadata``. Nothing reads the FIFO (no hang)."""
+    run_root = tmp_path / "run"
+    w = {"model": {"w": torch.randn(4, 4)}}
+    dcp.save(w, checkpoint_id=str(run_root / "checkpoint_1"), no_dist=True)
+    newer = run_root / "checkpoint_2"
+    newer.mkdir()
+    (newer / "__0_0.distcp").write_bytes((run_root / "checkpoint_1" / "__0_0.distcp").read_bytes())
+    os.mkfifo(newer / ".metadata")
+    res = _ckpttool("inspect", str(run_root), "--step", "latest")
+    assert res.returncode == 0, res.stderr
+    assert "step 2 is incomplete: .metadata that is not a regular file" in res.stdout, res.stdout[:1000]
+    res = _ckpttool("validate", str(run_root), "--step", "latest", "--json")
+    r001 = [f for f in json.loads(res.stdout)["findings"] if f["code"] == "R001"]
+    assert len(r001) == 1 and "checkpoint_2" in r001[0]["message"], r001
+    res = _ckpttool("inspect", str(run_root), "--step", "2")
+    assert res.returncode == 2 and res.stderr.startswith("error: [E202] "), res.stderr
