@@ -81,3 +81,19 @@ def test_a_newer_step_whose_metadata_is_a_fifo_is_said_incomplete_not_passed_ove
     assert len(r001) == 1 and "checkpoint_2" in r001[0]["message"], r001
     res = _ckpttool("inspect", str(run_root), "--step", "2")
     assert res.returncode == 2 and res.stderr.startswith("error: [E202] "), res.stderr
+
+
+def test_accelerate_latest_past_an_incomplete_save_says_save_indexes(tmp_path: Path) -> None:
+    """Accelerate's ``checkpoints/checkpoint_N`` with the newest save unfinished (its data file, no ``.metadata``):
+    ``--step latest`` names both as save indexes. Was: 'step 0 (the highest complete step; step 1 is incomplete'
+    (the save-index wording only matched a latest with nothing skipped)."""
+    saves = tmp_path / "run" / "checkpoints"
+    dcp.save({"model": {"w": torch.randn(4, 4)}}, checkpoint_id=str(saves / "checkpoint_0"), no_dist=True)
+    (saves / "checkpoint_1").mkdir()
+    (saves / "checkpoint_1" / "__0_0.distcp").write_bytes((saves / "checkpoint_0" / "__0_0.distcp").read_bytes())
+    res = _ckpttool("inspect", str(tmp_path / "run"), "--step", "latest")
+    assert res.returncode == 0, res.stderr
+    assert (
+        "--step latest: save 0 (checkpoint_0, the highest complete save index: Accelerate numbers its saves, not steps;"
+        " save 1 is incomplete: " in " ".join(res.stdout.split())
+    ), res.stdout[:1000]
