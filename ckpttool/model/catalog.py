@@ -378,11 +378,12 @@ class Catalog:
         with ``<fqn>`` a model fqn: the state dict of torchtune's ``OptimizerInBackwardWrapper`` (``optimizer_in_bwd``:
         ``{fqn: optimizer.state_dict()}`` under ``optimizer.``), which no schema reads; ``[]`` for none."""
         fqns = set(self.param_fqns)
+        lengths = {len(f) for f in fqns}
         out = []
         for key in self.uncategorized_tensors():
             head, sep, tail = key.rpartition(".state.")
             index, dot, field = tail.partition(".")
-            if sep and dot and field and index.isdigit() and any(_suffixes(head, fqns)):
+            if sep and dot and field and index.isdigit() and any(_suffixes(head, fqns, lengths)):
                 out.append(key)
         return out
 
@@ -1466,10 +1467,13 @@ def group_by_prefix(keys: list[tuple[str, int, int]], depth: int) -> dict[str, t
     return {k: (v[0], v[1], v[2]) for k, v in out.items()}
 
 
-def _suffixes(head: str, fqns: set[str]) -> Iterator[str]:
-    """The fqns in ``fqns`` that ``head`` is, or ends with after a ``.`` (``optimizer.layers.0.w`` -> ``layers.0.w``)."""
-    parts = head.split(".")
-    for i in range(len(parts)):
-        cand = ".".join(parts[i:])
-        if cand in fqns:
+def _suffixes(head: str, fqns: set[str], lengths: set[int]) -> Iterator[str]:
+    """The fqns in ``fqns`` (``lengths``: theirs) that ``head`` is, or ends with after a ``.``
+    (``optimizer.layers.0.w`` -> ``layers.0.w``).
+
+    Only the tails as long as some fqn are cut and looked up: a key of 10^5 dots costs its length, not its length
+    squared (each tail joined anew)."""
+    starts = [0] + [m.end() for m in re.finditer(r"\.", head)]
+    for k in starts:
+        if len(head) - k in lengths and (cand := head[k:]) in fqns:
             yield cand

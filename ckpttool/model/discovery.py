@@ -566,7 +566,10 @@ def _unfinished(path: Path) -> str | None:
     if unpublished is not None:
         return unpublished
     if METADATA_NAME in names:
-        return None
+        if os.path.isfile(path / METADATA_NAME) or step_of(path.name) is None:
+            return None
+        # a FIFO, a folder, a dangling link: no checkpoint (is_checkpoint_dir), and not passed over in silence
+        return f"{METADATA_NAME} that is not a regular file (a FIFO, a folder or a dangling link)"
     data = sum(1 for n in names if DATA_FILE_RE.match(n))
     tmp = _METADATA_TMP in names
     if not data and not tmp:
@@ -1515,7 +1518,8 @@ ACCELERATE_RNG_FILE = "random_states_0.pkl"
 
 def _epoch_words(root: Path, units: list[_Unit], how: str, want: int | str | None) -> str:
     """``how`` with ``step N`` said as ``epoch N`` where the chosen saves lie in directories named by an epoch
-    (``--step latest: step 0`` of torchtune's ``dist_epoch_0`` read as the step count, 0, of a trained model)."""
+    (``--step latest: step 0`` of torchtune's ``dist_epoch_0`` read as the step count, 0, of a trained model), or as
+    ``save N`` in Accelerate's ``checkpoints/checkpoint_N``; a newer incomplete one skipped is named so too."""
     dirs = set()
     for u in units:
         q = u.model
@@ -1525,13 +1529,16 @@ def _epoch_words(root: Path, units: list[_Unit], how: str, want: int | str | Non
     names = {q.name if q is not None else "" for q in dirs}
     shown = ", ".join(sorted(names))
     if names and all(EPOCH_DIR.match(n) for n in names):
-        word, highest = "epoch", "the highest epoch"
+        word, highest, complete = "epoch", "the highest epoch", "the highest complete epoch"
     elif dirs and all(q is not None and _save_index_dir(q) for q in dirs):
-        word, highest = "save", "the highest save index: Accelerate numbers its saves, not steps"
+        why = "Accelerate numbers its saves, not steps"
+        word, highest, complete = "save", f"the highest save index: {why}", f"the highest complete save index: {why}"
     else:
         return how
-    return how.replace(f"step {want} (the highest step)", f"{word} {want} ({shown}, {highest})", 1).replace(
-        f"`step` {want}", f"`step` {want} ({word} {want}: {shown})", 1
+    return (
+        how.replace(f"step {want} (the highest step)", f"{word} {want} ({shown}, {highest})", 1)
+        .replace(f"step {want} (the highest complete step; step ", f"{word} {want} ({shown}, {complete}; {word} ", 1)
+        .replace(f"`step` {want}", f"`step` {want} ({word} {want}: {shown})", 1)
     )
 
 

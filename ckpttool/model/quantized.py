@@ -46,6 +46,7 @@ __all__ = [
     "scheme_name",
     "unclaimed_scales",
     "unscaled_fused_experts",
+    "without_unusable_blocks",
 ]
 
 FP8_SCALE_SUFFIX = "_scale_inv"
@@ -161,6 +162,22 @@ def block_size_problem(config: Mapping[str, Any] | None) -> str | None:
     if isinstance(wbs, list) and len(wbs) == 2 and all(type(b) is int and b > 0 for b in wbs):
         return None
     return f"config.json quantization_config.weight_block_size is {wbs!r:.40}, not two positive integers"
+
+
+def without_unusable_blocks(
+    pairs: list[QuantPair], config: Mapping[str, Any] | None
+) -> tuple[list[QuantPair], list[tuple[str, str]]]:
+    """``pairs`` less the block-FP8 ones (``fp8-block``, ``fp8-experts``) where :func:`block_size_problem` finds the
+    config's ``weight_block_size`` unusable, and ``(scale key, why)`` for each pair left out: their grid is not
+    known (read on the default 128x128 one they would dequantize to other values). For the readers that list or
+    compare pairs (inspect, diff), as validate's ``M020`` and import's ``E612`` refuse them."""
+    why = block_size_problem(config)
+    if why is None:
+        return pairs, []
+    blocks = ("fp8-block", "fp8-experts")
+    return [p for p in pairs if p.kind not in blocks], [
+        (p.scale, f"{p.scale}: {why}") for p in pairs if p.kind in blocks
+    ]
 
 
 _Spec = tuple[str, tuple[int, ...]]  # (dtype name, shape) of a stored tensor
@@ -373,13 +390,16 @@ def _ct_weights_block(w: Any) -> tuple[int, int] | None:
         return None
     strategy = _lower(w.get("strategy"))
     if strategy is None:
-        strategy = {None: "tensor", -1: "channel"}.get(w.get("group_size"))
+        gs = w.get("group_size")
+        strategy = "tensor" if gs is None else "channel" if isinstance(gs, (int, float)) and gs == -1 else None
+    if not isinstance(strategy, str):  # a list, a number: compressed-tensors refuses such args
+        return None
     bs = w.get("block_structure")
     if bs is not None and strategy != "block":  # compressed-tensors refuses such args
         return None
-    if isinstance(bs, str):
+    if isinstance(bs, str):  # "128x128"; digits past 18 are no block size (and int() refuses over 4300 of them)
         parts = bs.split("x")
-        bs = [int(p) for p in parts] if all(p.isascii() and p.isdigit() for p in parts) else None
+        bs = [int(p) for p in parts] if all(p.isascii() and p.isdigit() and len(p) < 19 for p in parts) else None
     if strategy == "block" and isinstance(bs, list) and len(bs) == 2:
         return (bs[0], bs[1]) if all(type(b) is int and b > 0 for b in bs) else None
     return {"channel": (1, WHOLE_ROW), "tensor": _PER_TENSOR}.get(strategy)

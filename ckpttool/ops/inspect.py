@@ -882,10 +882,12 @@ def _quantized(ckpt: Checkpoint, cat: Catalog) -> dict[str, Any] | None:
         FP8_SCALE_SUFFIX,
         PACKED_DTYPES,
         block_size,
+        block_size_problem,
         compressed_tensors_block,
         packed_integer_weights,
         scaled_pairs,
         scheme_name,
+        without_unusable_blocks,
     )
 
     dtypes = {*map(_dtype, cat.model.values())}
@@ -904,14 +906,18 @@ def _quantized(ckpt: Checkpoint, cat: Catalog) -> dict[str, Any] | None:
         config = read_hf_config(ckpt.located.model, param=None)
     block = block_size(config)
     pairs, problems = scaled_pairs(tensors, config)
+    pairs, unusable = without_unusable_blocks(pairs, config)  # as validate's M020, import's E612: no grid known
+    problems += unusable
+    unusable_grid = block_size_problem(config) is not None
     if not pairs and not problems and not packed:
         return None
     extra: dict[str, Any] = {"packed": packed} if packed else {}
     ct = compressed_tensors_block(config)
     if ct is not None:
         extra["compressed_tensors"] = scheme_name(ct)
-    fp8_blocks = any(p.kind in ("fp8-block", "fp8-experts") for p in pairs) or any(
-        k.endswith(FP8_SCALE_SUFFIX) for k, _ in problems
+    fp8_blocks = not unusable_grid and (
+        any(p.kind in ("fp8-block", "fp8-experts") for p in pairs)
+        or any(k.endswith(FP8_SCALE_SUFFIX) for k, _ in problems)
     )
     return {
         **extra,

@@ -109,6 +109,58 @@ def test_per_tensor_scales_under_a_config_no_reader_pairs_are_refused(
     _refused(_folder(tmp_path, _tensors(), config), tmp_path, f"{UP}.weight_scale", want)
 
 
+@pytest.mark.parametrize("wbs", [[float("nan"), 1e308], [128], "128x128"], ids=["nan-1e308", "one", "string"])
+def test_block_scales_under_an_unreadable_weight_block_size_are_named_by_inspect_too(tmp_path: Path, wbs: Any) -> None:
+    """A block-FP8 weight and its ``weight_scale_inv`` under ``weight_block_size`` no quantizer writes: validate
+    (M020) and import (E612) refuse the grid, and inspect names the scale as not pairing. Was: inspect listed a
+    usable pair on '128x128 blocks', a grid the config does not give, and diff compared it dequantized on that grid
+    (equal to the same codes under a config that does give 128x128)."""
+    g = torch.Generator().manual_seed(5)
+    w = torch.randn(256, 128, generator=g) * 0.05
+    t = {
+        f"{UP}.weight": (w / 1e-3).to(torch.float8_e4m3fn),
+        f"{UP}.weight_scale_inv": torch.full((2, 1), 1e-3),
+        "model.norm.weight": torch.ones(128, dtype=torch.bfloat16),
+    }
+    d = _folder(tmp_path, t, _with_qc(FP8, weight_block_size=wbs))
+    doc = json.loads(runner.invoke(app, ["inspect", str(d), "--json"]).stdout)["quantized"]
+    assert doc["pairs"] == [] and doc["block"] is None, doc
+    good = tmp_path / "good"
+    good.mkdir()
+    save_file(t, str(good / "model.safetensors"))
+    (good / "config.json").write_text(json.dumps(_with_qc(FP8, weight_block_size=[128, 128])))
+    res = runner.invoke(app, ["diff", str(d), str(good), "--json"])
+    assert res.exit_code == 1 and "Traceback" not in res.stderr, (res.stdout, res.stderr)
+    notes = json.loads(res.stdout)["notes"]
+    assert any("do not pair up" in n and "not two positive integers" in n for n in notes), notes
+    _refused(d, tmp_path, f"{UP}.weight_scale_inv", "not two positive integers")
+
+
+def _with_ct_weights(**weights: Any) -> dict[str, Any]:
+    c = copy.deepcopy(CT)
+    c["quantization_config"]["config_groups"]["group_0"]["weights"] = {"num_bits": 8, "type": "float", **weights}
+    return c
+
+
+@pytest.mark.parametrize(
+    "weights",
+    [
+        {"group_size": [1]},
+        {"group_size": {"a": 1}},
+        {"strategy": ["tensor"]},
+        {"strategy": "block", "block_structure": "9" * 5000 + "x128"},
+    ],
+    ids=["group_size-list", "group_size-dict", "strategy-list", "block_structure-5000-digits"],
+)
+def test_compressed_tensors_weight_args_of_wrong_types_are_refused_by_key(
+    tmp_path: Path, weights: dict[str, Any]
+) -> None:
+    """Args compressed-tensors' QuantizationArgs refuses (an unhashable group_size or strategy, a block size of
+    more digits than int() reads) are no FP8 scheme: M020/E612 on the scale, not E999."""
+    config = _with_ct_weights(**weights)
+    _refused(_folder(tmp_path, _tensors(), config), tmp_path, f"{UP}.weight_scale", "give no one block")
+
+
 @pytest.mark.parametrize("config", [FP8, CT], ids=["fp8", "compressed-tensors"])
 @pytest.mark.parametrize("shape", [(), (8,), (2, 3, 4)], ids=["0-d", "1-d", "3-d"])
 def test_a_scaled_weight_that_is_not_2d_is_refused(

@@ -29,7 +29,13 @@ from collections.abc import Callable
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
-from ckpttool.model.quantized import PACKED_DTYPES, packed_integer_weights, scale_grid, scaled_pairs
+from ckpttool.model.quantized import (
+    PACKED_DTYPES,
+    packed_integer_weights,
+    scale_grid,
+    scaled_pairs,
+    without_unusable_blocks,
+)
 from ckpttool.ops.diff.result import DEQUANTIZED_NOTE
 
 if TYPE_CHECKING:
@@ -73,7 +79,10 @@ def dequantize_items(side: Side, items: list[Item], notes: list[str] | None = No
         notes.extend(packed_note(side, tensors))
     if not any(d in ("float8_e4m3fn", "float8_e5m2", "uint8") for d, _ in tensors.values()):
         return items, 0
-    pairs, problems = scaled_pairs(tensors, _side_config(side))
+    config = _side_config(side)
+    pairs, problems = scaled_pairs(tensors, config)
+    pairs, unusable = without_unusable_blocks(pairs, config)  # no grid known: compared as stored, not on 128x128
+    problems += unusable
     if problems and notes is not None:  # each problem names the grid or scheme it was checked against
         notes.append(
             f"{side.label}: {len(problems)} quantized weight(s) or scale(s) do not pair up, compared as stored "

@@ -339,7 +339,7 @@ def _plan(
         if not _selected(fqn, cat.state_key(fqn, ""), opts.filters):
             continue
         m, v = ps.fields.get("exp_avg"), ps.fields.get("exp_avg_sq")
-        paired = m is not None and v is not None and m.chunks == v.chunks
+        paired = m is not None and v is not None and m.chunks == v.chunks and _complex(m) == _complex(v)
         for name, field_entry in ps.fields.items():
             if field_entry is None or name == "step" or (paired and name in ("exp_avg", "exp_avg_sq")):
                 continue
@@ -358,15 +358,22 @@ def _plan(
 
 
 def _unpaired_note(cat: Catalog, fqn: str, m: TensorEntry | None, v: TensorEntry | None) -> str:
-    """Why a parameter with state has no update size: AdamW's two moments ``m``, ``v`` stored in different chunks;
-    else its state has not both (SGD's ``momentum_buffer``, RMSprop's ``square_avg``, Lion's lone ``exp_avg``) and
+    """Why a parameter with state has no update size: AdamW's two moments ``m``, ``v`` stored in different chunks, or
+    one complex and the other real (torch's AdamW keeps both complex, or both real); else its state has not both (SGD's ``momentum_buffer``, RMSprop's ``square_avg``, Lion's lone ``exp_avg``) and
     the optimizer that saved it (``inspect``'s ``saved_by``) steps otherwise."""
-    if m is not None and v is not None:
+    if m is not None and v is not None and m.chunks != v.chunks:
         return "moments stored with different chunks (no update size)"
+    if m is not None and v is not None:
+        return "one moment complex and the other real, not AdamW's pair"
     (who,) = saved_by_counts(cat, (fqn,))
     if who == "unknown":
         return "optimizer state that no known optimizer saves (validate: O008), not AdamW's two moments"
     return f"optimizer state of {who}, whose step is not AdamW's"
+
+
+def _complex(e: TensorEntry) -> bool:
+    """``e`` is stored complex (read as its moduli, or as its real and imaginary parts beside another tensor)."""
+    return e.dtype.startswith("complex")
 
 
 #: A variance ``sum x^2 / n - mean^2`` below this fraction of ``sum x^2 / n`` (a spread under 1e-3 of the values'
