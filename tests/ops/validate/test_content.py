@@ -782,3 +782,56 @@ def test_equal_crcs_of_different_layers_are_not_D010(titan_root: Path, tmp_path:
         damage.rewrite_tensor(ck, key, lambda _t, v=layer0: v)
     rc, doc = run(ck, "--deep")
     assert not findings(doc, "D010"), doc["findings"]
+
+
+def _nan_payload_twin(raw: bytes, at: list[int], item: int, free: int) -> bytes:
+    """``raw`` with the payloads of the NaNs at byte offsets ``at`` (values of ``item`` bytes, little-endian) changed
+    so that its CRC-32 stays the same: other bytes, the same values (NaN), for a check that calls slices "bitwise"
+    copies. The ``free`` lowest mantissa bits of each NaN may change (the quiet bit above them stays set); a change
+    whose CRC-32 image is 0 is found by Gaussian elimination over GF(2) (CRC-32 is affine in the bytes)."""
+    import zlib
+
+    def apply(delta: int) -> bytes:
+        out = bytearray(raw)
+        for j, o in enumerate(at):
+            word = (delta >> (free * j)) & ((1 << free) - 1)
+            out[o : o + item] = (int.from_bytes(raw[o : o + item], "little") ^ word).to_bytes(item, "little")
+        return bytes(out)
+
+    base = zlib.crc32(raw)
+    done: list[tuple[int, int]] = []  # (CRC-32 change, payload change), each pivot on its image's lowest set bit
+    for i in range(free * len(at)):
+        img, pre = zlib.crc32(apply(1 << i)) ^ base, 1 << i
+        for dimg, dpre in done:
+            if img & (dimg & -dimg):
+                img, pre = img ^ dimg, pre ^ dpre
+        if img == 0:  # a payload change that leaves the CRC-32 as it was
+            return apply(pre)
+        done = [((d ^ img, p ^ pre) if d & (img & -img) else (d, p)) for d, p in done] + [(img, pre)]
+    raise AssertionError("no CRC-preserving payload change: too few NaNs")
+
+
+def test_experts_equal_in_value_but_not_in_bits_are_not_bitwise_copies(ep_suite: Path, tmp_path: Path) -> None:
+    """Expert 6 made a copy of expert 1 whose eight NaNs carry other payloads, chosen so that the CRC-32 is the
+    same: equal values, different bytes. D009 says "bitwise copies", so it compares the stored bytes, not values."""
+    key = "model.model.layers.1.mlp.experts.down_proj"
+
+    def fn(t: torch.Tensor) -> torch.Tensor:
+        assert t.dtype == torch.bfloat16
+        t = t.clone()
+        t[1].view(-1)[:8] = float("nan")
+        t[6] = t[1]
+        raw = t[6].contiguous().view(torch.uint8).reshape(-1).numpy().tobytes()
+        twin = _nan_payload_twin(raw, list(range(0, 16, 2)), 2, 6)  # BF16: 7 mantissa bits, the top one quiet
+        t[6] = torch.frombuffer(bytearray(twin), dtype=torch.bfloat16).reshape(t[6].shape)
+        return t
+
+    ck = copy_checkpoint(ep_suite / "canonical", tmp_path / "ck")
+    damage.rewrite_tensor(ck, key, fn)
+    t = damage.read_tensor(ck, key)
+    a, b = (t[i].contiguous().view(torch.uint8).reshape(-1).numpy().tobytes() for i in (1, 6))
+    import zlib
+
+    assert a != b and zlib.crc32(a) == zlib.crc32(b) and torch.equal(t[1].nan_to_num(), t[6].nan_to_num())
+    rc, doc = run(ck, "--deep", "--ignore", "L003")
+    assert not findings(doc, "D009"), doc["findings"]

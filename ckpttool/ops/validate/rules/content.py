@@ -103,16 +103,18 @@ _Slice = tuple[str, int]
 
 
 def _same_slices(ctx: Context, a: _Slice, b: _Slice, digest: Digest) -> bool:
-    """Whether the slices at ``a`` and ``b`` whose runs both have ``digest`` hold the same values: equal CRC-32s
+    """Whether the slices at ``a`` and ``b`` whose runs both have ``digest`` hold the same bytes: equal CRC-32s
     (32 bits each: among the pairs of 256 experts in 60 layers of weights and moments a coincidence is likely)
     checked on the bytes, run by run, on the engine (:func:`~ckpttool.engine.differ.differing_values`). ``False``
     where a run cannot be read so: no finding on the CRC-32 alone."""
+    import torch
+
     from ckpttool.engine.differ import differing_values
 
     ma, mb = ctx.reader.metadata.entries.get(a[0]), ctx.reader.metadata.entries.get(b[0])
     if not isinstance(ma, TensorMeta) or not isinstance(mb, TensorMeta) or ma.dtype != mb.dtype:
         return False
-    dtype = ma.dtype.to_torch()
+    dtype = torch.uint8  # the stored bytes: bitwise, as the finding says (NaN payloads and -0.0 told apart)
     for rel, n, _ in digest:
         wa, wb = _run_window(ctx, a[0], ma, a[1] + rel, n), _run_window(ctx, b[0], mb, b[1] + rel, n)
         if wa is None or wb is None:
@@ -498,14 +500,12 @@ def _same_values(ctx: Context, key: str, meta: TensorMeta, starts: list[int]) ->
         la, lb = ctx.reader.locate(key, ca), ctx.reader.locate(key, cb)
     except CkptError:
         return False  # a damaged record: the read's own finding names it
-    if la.raw and lb.raw:
-        dtype = meta.dtype.to_torch()
-        wa = Window(ctx.reader.fd(la.info.relative_path), la.data_start, la.nbytes)
-        wb = Window(ctx.reader.fd(lb.info.relative_path), lb.data_start, lb.nbytes)
-        d = differing_values(wa, dtype, wb, dtype)
-        return d.count == 0 and d.numel == ca.numel
     import torch
 
+    if la.raw and lb.raw:  # compared as bytes: bitwise, as the finding says (NaN payloads and -0.0 told apart)
+        wa = Window(ctx.reader.fd(la.info.relative_path), la.data_start, la.nbytes)
+        wb = Window(ctx.reader.fd(lb.info.relative_path), lb.data_start, lb.nbytes)
+        return la.nbytes == lb.nbytes and differing_values(wa, torch.uint8, wb, torch.uint8).count == 0
     a, b = ctx.reader.read_chunk(key, ca).reshape(-1), ctx.reader.read_chunk(key, cb).reshape(-1)
     return a.dtype == b.dtype and torch.equal(a.view(torch.uint8), b.view(torch.uint8))
 
