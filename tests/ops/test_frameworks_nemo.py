@@ -22,16 +22,22 @@ pytestmark = pytest.mark.slow
 runner = CliRunner()
 
 
-@pytest.fixture(scope="module")
-def nemo_root(fixture_root: Path) -> Path:
+def _nemo_build(fixture_root: Path, name: str, builder: str) -> Path:
+    """A run written by NeMo Automodel's own checkpoint code (``tests.fixtures.nemo_writer.<builder>``), cached as
+    ``name``; skipped where NeMo Automodel or transformers is not installed."""
+    import importlib
+
     from tests.fixtures.writers import missing
 
     why = missing("nemo_automodel.components.checkpoint.checkpointing", "transformers")
     if why:
         pytest.skip(why)
-    from tests.fixtures.nemo_writer import build_nemo
+    return cached_build(fixture_root, name, getattr(importlib.import_module("tests.fixtures.nemo_writer"), builder))
 
-    return cached_build(fixture_root, "writers_nemo", build_nemo)
+
+@pytest.fixture(scope="module")
+def nemo_root(fixture_root: Path) -> Path:
+    return _nemo_build(fixture_root, "writers_nemo", "build_nemo")
 
 
 def cli(*args: str, code: int = 0) -> str:
@@ -443,14 +449,7 @@ def test_torch_save_format_missing_optimizer_file_or_metadata_fails(nemo_root: P
 
 @pytest.fixture(scope="module")
 def nemo_fsdp2_root(fixture_root: Path) -> Path:
-    from tests.fixtures.writers import missing
-
-    why = missing("nemo_automodel.components.checkpoint.checkpointing", "transformers")
-    if why:
-        pytest.skip(why)
-    from tests.fixtures.nemo_writer import build_nemo_fsdp2
-
-    return cached_build(fixture_root, "writers_nemo_fsdp2", build_nemo_fsdp2)
+    return _nemo_build(fixture_root, "writers_nemo_fsdp2", "build_nemo_fsdp2")
 
 
 def test_fsdp2_save_of_two_ranks_exports_as_saved(nemo_fsdp2_root: Path, tmp_path: Path) -> None:

@@ -120,17 +120,23 @@ def test_manifest_verify_of_a_run_root_asks_for_a_step(tmp_path: Path) -> None:
     assert gone.exit_code == 2 and "no such directory" in gone.stderr, gone.stderr
 
 
+def _one_adamw_step() -> tuple[torch.nn.Linear, torch.optim.AdamW]:
+    """A ``Linear(4, 3)`` and its AdamW (lr 1e-3) after one step (seed 0)."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 3)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    model(torch.randn(2, 4)).sum().backward()
+    opt.step()
+    return model, opt
+
+
 def test_equal_models_of_two_training_states_do_not_read_as_the_same_state(tmp_path: Path) -> None:
     """Two saves of one AdamW run that differ only in the scheduler's lr: ``diff`` (``--what model``, the default)
     said a plain "equal". It compared the model only; a note and the verdict now say that the optimizer state and
     param groups were left out, and ``--what all`` finds the lr."""
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
-    torch.manual_seed(0)
-    model = torch.nn.Linear(4, 3)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    model(torch.randn(2, 4)).sum().backward()
-    opt.step()
+    model, opt = _one_adamw_step()
     for name, lr in (("a", 1e-3), ("b", 5e-4)):
         opt.param_groups[0]["lr"] = lr
         msd, osd = get_state_dict(model, opt)
@@ -201,11 +207,7 @@ def test_equal_models_of_two_training_steps_say_the_training_state_was_not_compa
     the verdict says so, and ``--what all`` finds the steps."""
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
-    torch.manual_seed(0)
-    model = torch.nn.Linear(4, 3)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    model(torch.randn(2, 4)).sum().backward()
-    opt.step()
+    model, opt = _one_adamw_step()
     msd, osd = get_state_dict(model, opt)
     for step in (5, 6):
         state = {"model": msd, "optim": osd, "train_state": {"step": step}, "lr_scheduler": {"last_epoch": step}}
