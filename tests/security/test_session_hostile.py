@@ -89,6 +89,8 @@ def test_accelerate_latest_past_an_incomplete_save_says_save_indexes(tmp_path: P
     (the save-index wording only matched a latest with nothing skipped)."""
     saves = tmp_path / "run" / "checkpoints"
     dcp.save({"model": {"w": torch.randn(4, 4)}}, checkpoint_id=str(saves / "checkpoint_0"), no_dist=True)
+    # the RNG states every save_state writes (last, after the model and optimizer): what marks an Accelerate save
+    torch.save({"torch_manual_seed": torch.get_rng_state()}, saves / "checkpoint_0" / "random_states_0.pkl")
     (saves / "checkpoint_1").mkdir()
     (saves / "checkpoint_1" / "__0_0.distcp").write_bytes((saves / "checkpoint_0" / "__0_0.distcp").read_bytes())
     res = _ckpttool("inspect", str(tmp_path / "run"), "--step", "latest")
