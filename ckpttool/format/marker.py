@@ -1,7 +1,7 @@
 """The marker that proves a directory is ckpttool's own: ``.ckpttool-output.json`` (``docs/security.md``, outputs).
 
 Every output directory ckpttool writes (``export``, ``import``, ``reshard``, ``sample``) holds this
-file at its top level, and so does every temporary directory it writes into. It is written in two
+file at its top level, and so does every temporary directory it writes into. It is written in these
 states:
 
 - ``"writing"``, right after the temporary directory is created: the run that owns it (a random
@@ -11,6 +11,9 @@ states:
 - ``"complete"``, just before the output is published: the same fields plus ``kind`` (the
   command), the ckpttool ``version``, and every file and directory it wrote with the file's size
   and an ``xxh3-128`` digest of its size, first and last MiB (:func:`file_digest`).
+- ``"replacing"``, on an object-store prefix only, while ``--overwrite`` publishes a new output over an old
+  one (:func:`replacing_doc`): the new output's fields and files plus ``previous``, the old output's
+  entries, so that a replacement cut short is still provably ckpttool's and ``--overwrite`` finishes it.
 
 ``--overwrite`` replaces a directory only when its marker agrees with its contents: the same
 files, directories and symbolic links (never followed), the same sizes and digests, nothing else
@@ -52,6 +55,7 @@ __all__ = [
     "describe_names",
     "digest_parts",
     "listing_disagreement",
+    "replacing_doc",
     "parse_marker",
     "file_digest",
     "new_run",
@@ -349,34 +353,85 @@ def _disagreement(directory: Path, doc: dict[str, Any]) -> str:
     return ""
 
 
-def listing_disagreement(doc: dict[str, Any] | None, sizes: dict[str, int], read: Any) -> str:
+def replacing_doc(new: dict[str, Any], old: dict[str, Any]) -> dict[str, Any]:
+    """The marker a URL prefix holds while ``--overwrite`` replaces the output of marker ``old`` with ``new``.
+
+    State ``"replacing"``: ``new``'s fields, its ``files`` (what the prefix will hold), and ``previous``: name ->
+    the ``[size, digest]`` entries an object of that name may still have from the outputs it replaces (``old``'s
+    files, and its own ``previous`` when ``old`` is itself an interrupted replacement). Never a complete output;
+    ``--overwrite`` may replace a prefix that agrees with it (:func:`listing_disagreement`), so an interrupted
+    replacement is finished by running it again.
+    """
+    previous: dict[str, list[Any]] = {}
+    old_files, old_prev = old.get("files"), old.get("previous")
+    old_files = old_files if isinstance(old_files, dict) else {}
+    old_prev = old_prev if isinstance(old_prev, dict) else {}
+    for rel, entries in [*((r, [e]) for r, e in old_files.items()), *old_prev.items()]:
+        for entry in entries if isinstance(entries, list) else ():
+            if _entry_ok(entry) and entry not in previous.setdefault(rel, []):
+                previous[rel].append(entry)
+    return {**new, "state": "replacing", "previous": dict(sorted((r, e) for r, e in previous.items() if e))}
+
+
+def _entry_ok(entry: Any) -> bool:
+    """A marker's ``[size, digest]`` file entry."""
+    return (
+        isinstance(entry, list)
+        and len(entry) == 2
+        and isinstance(entry[0], int)
+        and not isinstance(entry[0], bool)
+        and isinstance(entry[1], str)
+    )
+
+
+def _listing_entries(doc: dict[str, Any], replacing: bool) -> dict[str, list[Any]] | None:
+    """Name -> the ``[size, digest]`` entries an object of the listing may have under marker ``doc`` (``None``: the
+    marker proves no output: not complete, nor, with ``replacing``, an interrupted replacement)."""
+    files, state = doc.get("files"), doc.get("state")
+    if not isinstance(files, dict) or state not in ("complete", *(("replacing",) if replacing else ())):
+        return None
+    entries = {rel: [e] for rel, e in files.items()}
+    if state == "replacing":
+        previous = doc.get("previous")
+        if not isinstance(previous, dict) or not all(isinstance(v, list) for v in previous.values()):
+            return None
+        for rel, alts in previous.items():
+            entries.setdefault(rel, []).extend(alts)
+    return entries
+
+
+def listing_disagreement(
+    doc: dict[str, Any] | None, sizes: dict[str, int], read: Any, *, replacing: bool = False
+) -> str:
     """How a marker ``doc`` disagrees with an object-store listing (``""``: it agrees).
 
     Args:
         doc: the parsed marker (``None``: none could be read).
         sizes: object name (relative, ``/``-separated) -> size, the marker excluded.
         read: ``read(name, start, end) -> bytes``, a range read of one object.
+        replacing: accept an interrupted replacement's marker (:func:`replacing_doc`): every object is one its
+            marker names, of the new output or of one it replaces; objects may be missing (``--overwrite``).
     """
     if doc is None:
         return f"no {MARKER_NAME}"
-    files = doc.get("files")
-    if doc.get("state") != "complete" or not isinstance(files, dict):
+    entries = _listing_entries(doc, replacing)
+    if entries is None:
         return f"its {MARKER_NAME} is not a complete output's"
-    extra = sorted(set(sizes) - set(files))
+    extra = sorted(set(sizes) - set(entries))
     if extra:
         return f"{extra[0]} is not listed in {MARKER_NAME} (not part of the output ckpttool wrote)"
-    missing = sorted(set(files) - set(sizes))
-    if missing:
+    missing = sorted(set(doc["files"]) - set(sizes))
+    if missing and doc.get("state") == "complete":
         return f"{missing[0]}, listed in {MARKER_NAME}, is missing"
     for rel, size in sorted(sizes.items()):
-        entry = files[rel]
-        if not (isinstance(entry, list) and len(entry) == 2 and entry[0] == size):
+        alts = [e for e in entries[rel] if _entry_ok(e) and e[0] == size]
+        if not alts:
             return f"{rel} differs in size from what {MARKER_NAME} records"
         if size <= 2 * WINDOW:
             got = digest_parts(size, read(rel, 0, size) if size else b"", b"")
         else:
             got = digest_parts(size, read(rel, 0, WINDOW), read(rel, size - WINDOW, size))
-        if got != entry[1]:
+        if all(got != e[1] for e in alts):
             return f"{rel} differs in content from what {MARKER_NAME} records"
     return ""
 

@@ -107,14 +107,15 @@ def check_target(
     check_output_target(Path(local_path(target)), overwrite=overwrite, source=local_source)
 
 
-def _remote_ownership(store: RemoteStore, existing: dict[str, int]) -> marker.Ownership:
+def _remote_ownership(store: RemoteStore, existing: dict[str, int], *, replacing: bool = False) -> marker.Ownership:
     """Whether the objects below an output prefix are provably a ckpttool output (its marker agrees with the
-    listing: names, sizes, digests of each object's first and last MiB by range requests)."""
+    listing: names, sizes, digests of each object's first and last MiB by range requests); ``replacing``: or an
+    interrupted ``--overwrite`` of one (:func:`marker.replacing_doc`), which ``--overwrite`` may finish."""
     doc = None
     if marker.MARKER_NAME in existing:
         doc = marker.parse_marker(store.read_whole(marker.MARKER_NAME, marker.MAX_MARKER_BYTES, what="marker"))
     sizes = {k: v for k, v in existing.items() if k != marker.MARKER_NAME}
-    why = marker.listing_disagreement(doc, sizes, store.read_range)
+    why = marker.listing_disagreement(doc, sizes, store.read_range, replacing=replacing)
     # the top-level names, as a directory's entries: an object below a sub-prefix names its folder; an object named
     # like the prefix itself with a trailing '/' that holds bytes (no folder marker: those are not listed) is '/'
     found = marker.describe_names({n.split("/", 1)[0] or "/" for n in existing})
@@ -235,7 +236,7 @@ class RemoteOutputDir(OutputTarget):
                 + ("; nothing was published, the new objects are left as they are" if since else ""),
             )
         if existing:
-            found = _remote_ownership(self.store, existing)
+            found = _remote_ownership(self.store, existing, replacing=True)
             if not found.owned:
                 raise foreign_output_error(cast(Path, t), found)
 
@@ -290,8 +291,9 @@ class RemoteOutputDir(OutputTarget):
         self._check_existing(listed, since=", written there while this run wrote its output")
         old = set(listed)
         new = set(files)
-        if old:  # our marker first: from here on, the prefix is not provably a complete output
-            self.store.remove(sorted(m for m in (marker.MARKER_NAME, *MARKERS) if m in old))
+        if old:  # our marker first: from here on, the prefix is not a complete output, but still provably ours
+            self._mark_replacing(staging)
+            self.store.remove(sorted(m for m in MARKERS if m in old))
         markers = [f for f in files if f in MARKERS]
         body = [f for f in files if f not in MARKERS and f != marker.MARKER_NAME]
         store = self.store
@@ -303,15 +305,31 @@ class RemoteOutputDir(OutputTarget):
                 self.published.append(rel)
 
         self._pool(publish, body)
+        stale = sorted(old - new)  # before the markers: the complete marker will not list them
+        if stale:
+            self.store.remove(stale)
         self._pool(publish, markers)  # last: the output looks complete only now
         self._pool(publish, [marker.MARKER_NAME])  # and is provably ckpttool's only now
         self.published = []  # complete: kept whatever happens next
-        stale = sorted(old - new)
-        if stale:
-            self.store.remove(stale)
         self._remove_tmp()
         self.store.forget_listing()
         log.info("published %d object(s) to %s (%d stale removed)", len(files), t, len(stale))
+
+    def _mark_replacing(self, staging: Path) -> None:
+        """Replace the old output's marker with one in state ``"replacing"`` (:func:`marker.replacing_doc`): a run
+        cut short from here on (a kill, a lost link) leaves a prefix of old and new objects that ``--overwrite``
+        still recognises as ckpttool's and replaces, where without a marker it refused it (E606)."""
+        assert self.store is not None
+        raw = self.store.read_whole(marker.MARKER_NAME, marker.MAX_MARKER_BYTES, what="marker")
+        old = marker.parse_marker(raw)
+        new = marker.parse_marker((staging / marker.MARKER_NAME).read_bytes())
+        if old is None or new is None:  # checked just before: the prefix changed under this run
+            raise OutputError(
+                f"{self.target}: its {marker.MARKER_NAME} changed while this run wrote its output",
+                path=self.target,
+                hint="another run writes there; nothing was published, the objects are left as they are",
+            )
+        self.store.write_bytes(marker.MARKER_NAME, marker.marker_bytes(marker.replacing_doc(new, old)))
 
     def _remove_published(self) -> None:
         """Delete what this run copied into a target prefix that was empty before, the output not complete yet."""

@@ -837,6 +837,68 @@ def test_signal_during_upload_publishes_nothing_and_cleans_up(
     assert not list(tmpdir.iterdir())  # staging and spool removed
 
 
+@pytest.mark.slow
+def test_an_overwrite_killed_while_publishing_is_finished_by_the_next_overwrite(
+    sample_ckpt: Path, s3_server: Any, tmp_path: Path
+) -> None:
+    """`export --overwrite` to a prefix holding an earlier export, killed (SIGKILL: no cleanup) at its first
+    server-side copy into the prefix: the old markers were deleted, so the prefix held old data objects and no
+    `.ckpttool-output.json`, and the next `--overwrite` refused it (E606: not provably ckpttool's) until the user
+    deleted the objects by hand. Now the prefix holds a `replacing` marker naming both outputs' objects: it never
+    looks complete (no index), and the next `--overwrite` replaces it with the complete new output."""
+    import signal
+    import subprocess
+    import sys
+
+    url = upload(s3_server, sample_ckpt)
+    out = url + "-ow"
+    assert cli(s3_server, "export", url, out, "--shard-size", "20KB").exit_code == 0
+    new_args = ["--save-dtype", "float32", "--shard-size", "30KB"]
+    local = runner.invoke(app, ["export", str(sample_ckpt), str(tmp_path / "local"), *new_args])
+    assert local.exit_code == 0, local.output
+    prefix = out.split("/", 3)[3]
+
+    def copy_into_target(piece: bytes) -> bool:
+        first = piece.split(b"\r\n", 1)[0]
+        return first.startswith(b"PUT ") and prefix.encode() in first and b"x-amz-copy-source" in piece.lower()
+
+    proxy = s3fx.DroppingProxy(s3_server.port)
+    proxy.hold_on = copy_into_target
+    opts = s3_server.cli_options()
+    opts[1] = f"client_kwargs.endpoint_url={proxy.endpoint}"
+    cmd = [sys.executable, "-m", "ckpttool", *opts, "--remote-workers", "1", "export", url, out, "--overwrite"]
+    try:
+        proc = subprocess.Popen([*cmd, *new_args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        try:
+            _interrupt_when(proc, proxy.held.is_set, signal.SIGKILL, timeout_s=300)
+            proc.communicate(timeout=300)  # a hang guard
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+        proxy.release.set()
+    finally:
+        proxy.close()
+    left = [k.split("/", 3)[-1] for k in s3_server.keys("ckpts", prefix + "/")]
+    assert "model.safetensors.index.json" not in [k.rsplit("/", 1)[-1] for k in left], left  # never complete
+    doc = json.loads(
+        s3_server.client().get_object(Bucket="ckpts", Key=f"{prefix}/.ckpttool-output.json")["Body"].read()
+    )
+    assert doc["state"] == "replacing", doc
+    assert set(left) - {".ckpttool-output.json"} <= set(doc["files"]) | set(doc["previous"]), left
+
+    again = cli(s3_server, "export", url, out, "--overwrite", *new_args)
+    assert again.exit_code == 0, again.output
+    assert download(s3_server, "ckpts", prefix, tmp_path / "dl") == files_of(tmp_path / "local")
+    doc = json.loads(
+        s3_server.client().get_object(Bucket="ckpts", Key=f"{prefix}/.ckpttool-output.json")["Body"].read()
+    )
+    assert doc["state"] == "complete" and "previous" not in doc
+    # the killed run's temporary objects stay beside the output (docs/storage.md); removed for the other tests
+    tmp = s3_server.keys("ckpts", f".{prefix}.ckpttool-tmp-")
+    assert tmp
+    s3_server.client().delete_objects(Bucket="ckpts", Delete={"Objects": [{"Key": k} for k in tmp]})
+
+
 # ------------------------------------------------------------------ the local spool of remote reads
 def test_spool_is_bounded_and_evicted(sample_ckpt: Path, s3_server: Any, tmp_path: Path) -> None:
     """An export from s3:// holds about `--remote-spool-size` of windows at a time (fetched, written,
