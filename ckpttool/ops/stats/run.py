@@ -478,7 +478,8 @@ def _tensor_row(key: str, fqn: str, role: str, entry: TensorEntry, s: SlabStats,
         module=module_of(fqn),
         dtype=entry.dtype,
         shape=entry.shape,
-        l2=math.sqrt(s.s2),
+        # no finite value: no norm (null), as an expert's; 0 would read as a zeroed tensor. No element: 0, a sum of none
+        l2=math.sqrt(s.s2) if s.nonfinite < s.numel or not s.numel else math.nan,
         zero_fraction=(s.zeros / s.numel) if s.numel else math.nan,  # no share of no values: null
         std=std,
         # no finite value (an all-NaN/inf tensor): no largest one either (the engine's 0.0), null in JSON
@@ -496,7 +497,9 @@ class _Group:
         self.upd = Moments()
 
     def add(self, row: TensorValueStats) -> None:
-        self.norms.setdefault(row.role, []).append(row.l2)  # summed by math.hypot: no overflow of l2 * l2
+        norms = self.norms.setdefault(row.role, [])  # summed by math.hypot: no overflow of l2 * l2
+        if not math.isnan(row.l2):  # of the finite values: a role whose every value is NaN/inf has no norm
+            norms.append(row.l2)
         self.nonfinite += row.nonfinite
         if row.role == "weight":
             self.params += row.numel
@@ -506,7 +509,12 @@ class _Group:
     def result(self, name: str) -> GroupStats:
         rms = math.sqrt(self.upd.s2 / self.upd.numel) if self.upd.numel else None
         return GroupStats(
-            name, self.params, {k: math.hypot(*v) for k, v in self.norms.items()}, self.abs_max, self.nonfinite, rms
+            name,
+            self.params,
+            {k: math.hypot(*v) if v else math.nan for k, v in self.norms.items()},
+            self.abs_max,
+            self.nonfinite,
+            rms,
         )
 
 

@@ -867,7 +867,9 @@ def test_a_tensor_new_in_the_later_checkpoint_is_named_as_not_compared(tmp_path:
 
 def test_a_tensor_with_no_finite_value_has_no_abs_max(tmp_path: Path) -> None:
     """An all-inf/NaN weight: abs max null in JSON and nan in the table, for the tensor and its layer (was 0.0:
-    the engine's 'none', shown as if the largest value were 0)."""
+    the engine's 'none', shown as if the largest value were 0). Its L2, and its layer's weight norm where every
+    parameter value is non-finite, likewise (was 0: a zeroed layer, as a dead expert's was); a layer with some
+    finite parameter values (a bias) has their norm (torch's, of the finite values)."""
     import torch.distributed.checkpoint as dcp
 
     sd = {"layers.0.weight": torch.full((4, 4), math.inf), "layers.1.weight": torch.full((4,), math.nan)}
@@ -881,8 +883,14 @@ def test_a_tensor_with_no_finite_value_has_no_abs_max(tmp_path: Path) -> None:
     assert got == {"layers.0.weight": (None, 16), "layers.1.weight": (None, 4), "layers.1.bias": (2.0, 0)}
     layers = {g["name"]: g["abs_max"] for g in doc["checkpoints"][0]["layers"]}
     assert layers == {"layers.0": None, "layers.1": 2.0}
+    l2 = {t["fqn"]: t["l2"] for t in doc["checkpoints"][0]["tensors"]}
+    assert l2["layers.0.weight"] is None and l2["layers.1.weight"] is None
+    assert close(l2["layers.1.bias"], float(sd["layers.1.bias"].double().norm()))
+    norms = {g["name"]: g["norms"] for g in doc["checkpoints"][0]["layers"]}
+    assert norms["layers.0"] == {"weight": None}
+    assert list(norms["layers.1"]) == ["weight"] and close(norms["layers.1"]["weight"], l2["layers.1.bias"])
     table = runner.invoke(app, ["stats", "--wide", str(tmp_path / "c")]).stdout
-    assert re.search(r"│ layers\.0 +│ +16 │ +0 │ +nan │ +16 │", table), table
+    assert re.search(r"│ layers\.0 +│ +16 │ +nan │ +nan │ +16 │", table), table
 
 
 def test_an_empty_tensor_has_no_share_of_zeros_and_int_tensors_match_torch(tmp_path: Path) -> None:
