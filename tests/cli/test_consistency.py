@@ -373,6 +373,12 @@ def test_errors_md_lists_every_error_code_with_the_class_that_raises_it() -> Non
     assert len(rows) == len({c for c, _ in rows}), "a code listed twice"
     assert sorted(c for c, _ in rows) == sorted(classes)
     assert [(c, classes[c].__name__) for c, _ in rows] == rows
+    # the exit code: 2 (the table above the codes), 1 where the row says "(exit 1)"
+    says = {
+        c: int(m[0]) if (m := re.findall(r"\(exit (\d)\)", row)) else 2
+        for c, row in re.findall(r"^\| (E\d{3}) \|(.*)$", text, re.M)
+    }
+    assert says == {c: cls.exit_code for c, cls in classes.items()}
     package = Path(errors.__file__).parent
     sources = "\n".join(p.read_text() for p in package.rglob("*.py") if p.name != "errors.py")
     assert [c for c, cls in classes.items() if not re.search(rf"\b{cls.__name__}\(", sources)] == []
