@@ -368,7 +368,16 @@ _PERMISSION_WORDS = (
     "clientauthenticationerror",
 )
 _URL_RE = re.compile(r"[A-Za-z][A-Za-z0-9+.-]*://[^\s\"'<>]*")
-_THROTTLE_WORDS = ("slowdown", "slow down", "throttl", "toomanyrequests", "too many requests", "requestlimitexceeded")
+# s3fs turns S3's SlowDown into ``OSError(EBUSY, "Please reduce your request rate.")``: the code is gone, S3's message stays
+_THROTTLE_WORDS = (
+    "slowdown",
+    "slow down",
+    "reduce your request rate",
+    "throttl",
+    "toomanyrequests",
+    "too many requests",
+    "requestlimitexceeded",
+)
 
 
 def _wrong_endpoint(e: BaseException) -> str | None:

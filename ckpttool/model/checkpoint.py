@@ -580,8 +580,8 @@ def check_source(source: object, opening: object) -> OpenOptions:
 
     Raises:
         UsageError (E100): ``source`` is no :class:`Checkpoint`, path or URL; ``opening`` is no
-            :class:`OpenOptions` (or ``trust_pickle`` in it is no bool); ``source`` is a closed :class:`Checkpoint`; or ``opening`` is given
-            with an already opened checkpoint (its
+            :class:`OpenOptions` (or ``trust_pickle`` in it is no bool); ``source`` is a closed :class:`Checkpoint`; or ``opening`` other than
+            the default ``OpenOptions()`` is given with an already opened checkpoint (its
             declaration, ``trust_pickle`` and selection were fixed when it was opened).
     """
     if not isinstance(source, (Checkpoint, str, os.PathLike)):

@@ -360,7 +360,8 @@ def _code_range(text: str) -> set[str]:
 
 def test_errors_md_lists_every_error_code_with_the_class_that_raises_it() -> None:
     """docs/errors.md has one row per error code, naming the class ``error_class(code)`` returns; every class is
-    raised somewhere in the package; the groups the page says one ``except`` catches are subclasses."""
+    raised somewhere in the package and asserted by a test; the groups the page says one ``except`` catches are
+    subclasses."""
     import ckpttool.errors as errors
 
     # the classes of ckpttool.errors (ops/distributed.py's private carrier of another rank's error has no code)
@@ -372,9 +373,23 @@ def test_errors_md_lists_every_error_code_with_the_class_that_raises_it() -> Non
     assert len(rows) == len({c for c, _ in rows}), "a code listed twice"
     assert sorted(c for c, _ in rows) == sorted(classes)
     assert [(c, classes[c].__name__) for c, _ in rows] == rows
+    # the exit code: 2 (the table above the codes), 1 where the row says "(exit 1)"
+    says = {
+        c: int(m[0]) if (m := re.findall(r"\(exit (\d)\)", row)) else 2
+        for c, row in re.findall(r"^\| (E\d{3}) \|(.*)$", text, re.M)
+    }
+    assert says == {c: cls.exit_code for c, cls in classes.items()}
     package = Path(errors.__file__).parent
     sources = "\n".join(p.read_text() for p in package.rglob("*.py") if p.name != "errors.py")
     assert [c for c, cls in classes.items() if not re.search(rf"\b{cls.__name__}\(", sources)] == []
+    # every code is asserted by a test of its own (the code or its class named in a test that is not about the docs;
+    # E604 is an internal invariant no input can break)
+    tests = Path(__file__).parents[1]
+    asserted = "\n".join(
+        p.read_text() for p in tests.rglob("*.py") if p.name not in {Path(__file__).name, "test_doc_refs.py"}
+    )
+    untested = [c for c, cls in classes.items() if not re.search(rf"\b(?:{c}|{cls.__name__})\b", asserted)]
+    assert untested == ["E604"]
     groups = re.findall(r"`(\w+)` \(((?:E\d{3}(?:-E\d{3})?(?:, )?)+)\)", " ".join(text.split()))
     assert len(groups) >= 10
     for name, codes in groups:

@@ -388,6 +388,43 @@ def test_outage_mid_run_fails_with_a_code_and_publishes_nothing(sample_ckpt: Pat
     assert not [k for k in s3_server.keys("ckpts") if k.startswith(prefix) or "ckpttool-tmp" in k]
 
 
+def test_a_store_that_keeps_throttling_is_e143_after_the_retries(s3_server: Any) -> None:
+    """An endpoint that answers every request with S3's ``503 SlowDown`` (a real HTTP server, the real s3fs and
+    botocore client): exit 2, one ``E143`` line naming the URL and the attempts, nothing on stdout
+    (docs/errors.md: the store kept throttling through every retry)."""
+    import threading
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    body = b'<?xml version="1.0" encoding="UTF-8"?><Error><Code>SlowDown</Code><Message>Please reduce your request rate.</Message></Error>'
+
+    class SlowDown(BaseHTTPRequestHandler):
+        def _reply(self) -> None:
+            self.send_response(503)
+            self.send_header("Content-Type", "application/xml")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            if self.command != "HEAD":
+                self.wfile.write(body)
+
+        do_GET = do_HEAD = do_PUT = do_POST = _reply
+
+        def log_message(self, *args: Any) -> None:
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), SlowDown)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        endpoint = f"http://127.0.0.1:{server.server_address[1]}"
+        r = cli(s3_server, "--remote-retries", "2", "inspect", "s3://ckpts/throttled/step-1", endpoint=endpoint)
+    finally:
+        server.shutdown()
+        server.server_close()
+    assert r.exit_code == 2 and r.stdout == "", r.output
+    lines = r.stderr.splitlines()
+    assert lines[0].startswith("error: [E143] s3://ckpts/throttled/step-1"), r.stderr
+    assert "still throttled after 2 attempt(s)" in lines[0] and lines[1].startswith("hint: ")
+
+
 def test_secrets_never_in_logs_or_errors(sample_ckpt: Path, s3_server: Any, tmp_path: Path) -> None:
     url = upload(s3_server, sample_ckpt)
     ok = cli(s3_server, "-vv", "export", url, str(tmp_path / "out"))

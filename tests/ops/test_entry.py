@@ -122,6 +122,8 @@ def test_ops_take_an_opened_checkpoint_or_a_path(dense_ckpt: Path) -> None:
         assert validate(ck).counts == validate(dense_ckpt, opening=OpenOptions()).counts
         with pytest.raises(UsageError, match="open already"):
             inspect(ck, opening=OpenOptions(trust_pickle=True))
+        # the default OpenOptions() asks for nothing the open did not fix: taken with an opened checkpoint too
+        assert inspect(ck, opening=OpenOptions()).to_dict() == inspect(dense_ckpt).to_dict()
 
 
 def test_data_file_warnings(tmp_path: Path) -> None:

@@ -275,6 +275,23 @@ def test_missing_exp_avg_sq_exit_2(offload_fx: Path, tmp_path: Path) -> None:
     assert_no_traceback(res)
 
 
+def test_a_moment_of_another_shape_than_its_parameter_is_e512(full_fx: Path, tmp_path: Path) -> None:
+    """A saved exp_avg stored flattened (torch's dcp.save of a moment of another shape than its parameter): exit 2,
+    one E512 line naming the key and both shapes (docs/errors.md), nothing on stdout."""
+
+    def mutate(d: dict[str, Any]) -> None:
+        key = _state_key(DENSE_FQN, "exp_avg")
+        d[key] = d[key].flatten()
+
+    bad = resave(full_fx / "ckpt", tmp_path / "bad", mutate)
+    res = run(bad, "--device", "cpu")
+    assert res.exit_code == 2 and res.stdout == "", res.output
+    assert res.stderr.startswith(
+        f"error: [E512] optimizer state {DENSE_FQN}.exp_avg has shape [1024], the parameter needs [32, 32]"
+    ), res.stderr
+    assert_no_traceback(res)
+
+
 def test_corrupt_second_moment_values_are_a_mismatch(full_fx: Path, tmp_path: Path) -> None:
     def mutate(d: dict[str, Any]) -> None:
         d[_state_key(DENSE_FQN, "exp_avg_sq")][1, 1] = -1.0  # sqrt of a negative second moment

@@ -10,6 +10,7 @@ from __future__ import annotations
 import copy
 import datetime
 import json
+import re
 from pathlib import Path
 from typing import Any
 
@@ -609,6 +610,14 @@ def test_every_rule_is_documented_in_docs_rules_md() -> None:
     text = (Path(__file__).resolve().parents[3] / "docs" / "rules.md").read_text()
     for code, r in RULES.items():
         assert f"`{code}`" in text and r.name in text, code
+    # the table's row of each rule: its name, its severity (", fatal" for the fatal ones) and the options it needs
+    rows = re.findall(r"^\| `([A-Z]\d{3})` \| ([\w-]+) \| ([^|]+) \|([^|]*)\|", text, re.M)
+    assert sorted(c for c, *_ in rows) == sorted(RULES)
+    for code, name, severity, needs in rows:
+        r = RULES[code]
+        assert name == r.name, code
+        assert re.match(rf"{r.severity.value}(, fatal)?\b", severity) and ("fatal" in severity) == r.fatal, code
+        assert set(re.findall(r"--(\w+)", needs)) == set(r.needs), code
 
 
 def test_every_row_of_the_rule_table_is_a_registered_rule() -> None:
