@@ -255,6 +255,42 @@ def test_optimizer_in_backward_damaged_moment_is_found(tmp_path: Path) -> None:
     assert "32 of 512 values are negative" in doc["findings"][0]["message"]
 
 
+def _resave_in_bwd(tmp: Path, index: int, with_state: bool = True) -> Path:
+    """The committed optimizer_in_bwd save as torch's reader loads it, saved again by ``dcp.save`` with each
+    parameter's optimizer keying its state and ``params`` by ``index`` (``with_state`` False: groups alone, the
+    save of optimizers that never stepped)."""
+    import torch.distributed.checkpoint as dcp
+
+    sd = load_with_torch(IN_BWD, tmp)
+    for opt in sd["optimizer"].values():
+        opt["state"] = {index: opt["state"]["0"]} if with_state else {}
+        opt["param_groups"][0]["params"] = [index]
+    out = tmp / f"ck_{index}_{with_state}"
+    dcp.save(sd, checkpoint_id=str(out), no_dist=True)
+    return out
+
+
+def test_optimizer_in_backward_layouts_not_read_keep_k002(tmp_path: Path) -> None:
+    """Per-parameter state at an index other than 0 (an optimizer over several parameters) is not that layout: still
+    K002, the O rules skipped as not read, replay-step E514. A save of optimizers that never stepped (param groups,
+    no state) is read: 21 groups, no state, no K002."""
+    ck = _resave_in_bwd(tmp_path, 1)
+    doc = json.loads(cli("validate", str(ck), "--deep", "--json"))
+    k002 = [f for f in doc["findings"] if f["code"] == "K002"]
+    assert len(k002) == 1 and "63 of them are the state of one optimizer per parameter" in k002[0]["message"]
+    reasons = {r["reason"] for r in doc["rules"] if r["status"] == "skipped" and r["code"].startswith("O")}
+    assert reasons == {"optimizer state saved per parameter, not read (K002)"}, reasons
+    res = runner.invoke(app, ["replay-step", str(ck), "--device", "cpu"])
+    assert res.exit_code == 2 and "[E514]" in res.stderr and "saved per parameter" in res.stderr, res.output
+    fresh = _resave_in_bwd(tmp_path, 0, with_state=False)
+    doc = json.loads(cli("inspect", str(fresh), "--json"))
+    assert doc["key_schema"]["optimizer_prefix"] == "optimizer." and doc["optimizer"]["params_with_state"] == 0
+    groups = doc["optimizer"]["param_groups"]
+    assert len(groups) == 1 and groups[0]["params"] == 21 and not groups[0]["has_state"], groups
+    res = runner.invoke(app, ["validate", str(fresh), "--json"])
+    assert "K002" not in {f["code"] for f in json.loads(res.stdout)["findings"]}, res.stdout
+
+
 def test_torchtunes_resume_restores_the_state_read() -> None:
     """torchtune's own resume (CheckpointClient.load_distributed_checkpoint, optimizer_in_bwd: dcp.load into
     OptimizerInBackwardWrapper.state_dict(), then its load_state_dict), with each parameter's AdamW state first

@@ -697,13 +697,28 @@ def _per_parameter(
 def _per_parameter_item(md: CheckpointMetadata, sid: str) -> str:
     """The optimizer item of schema ``sid`` saved as one optimizer per parameter
     (:attr:`~ckpttool.model.schemas.base.SchemaSpec.per_parameter_optimizers`: torchtune's ``optimizer_in_bwd``)
-    where some key is such an optimizer's state, else ``""``."""
+    where some key is such an optimizer's state or param group (optimizers that never stepped save their groups
+    alone) and none holds an index other than 0 (an optimizer of several parameters: a layout not read, ``K002``),
+    else ``""``."""
     spec = registry.find(sid)
     item = spec.per_parameter_optimizers if spec is not None else ""
     if not item:
         return ""
-    found = (split_per_parameter_key(k, item) for k, m in md.entries.items() if type(m) is TensorMeta)
-    return item if any(p is not None and p[0] == "state" for p in found) else ""
+    keys = [k for k in md.entries if k.startswith(item)]
+    if any(_other_index(k) for k in keys):  # an optimizer of several parameters: not this layout, none of it read
+        return ""
+    return item if any(split_per_parameter_key(k, item) is not None for k in keys) else ""
+
+
+def _other_index(key: str) -> bool:
+    """``key`` is ``<...>.state.<i>.<field>`` or ``<...>.param_groups.<i>.<hyper>`` with ``i`` a number other than
+    0 (``field``/``hyper`` without dots)."""
+    for part in (".state.", ".param_groups."):
+        _, sep, tail = key.rpartition(part)
+        index, dot, name = tail.partition(".")
+        if sep and dot and name and "." not in name and index.isdecimal() and index != "0":
+            return True
+    return False
 
 
 def _model_sample(scan: _Scan, test: Any, get: Any, voted: str | None) -> tuple[int, list[str]]:
