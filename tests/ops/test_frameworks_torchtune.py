@@ -255,6 +255,17 @@ def test_optimizer_in_backward_damaged_moment_is_found(tmp_path: Path) -> None:
     assert "32 of 512 values are negative" in doc["findings"][0]["message"]
 
 
+def test_optimizer_in_backward_state_equals_one_optimizers_of_the_same_run() -> None:
+    """The two committed runs train the same model with the same seed and batches, one with torch.optim.AdamW over
+    model.parameters() (state by index), one with an AdamW per parameter stepped in backward: diff --what all reads
+    both optimizers' state and groups under torch-native names and finds them bitwise equal, 63 state tensors and
+    every hyperparameter. Was: B's state not read (only the 21 model tensors compared)."""
+    doc = json.loads(cli("diff", str(CKPT), str(IN_BWD), "--what", "all", "--json"))
+    assert doc["equal"] and doc["counts"]["different"] == 0 and doc["counts"]["tensors"] == 84, doc["counts"]
+    names = {t["name"] for t in doc["tensors"]}
+    assert "optimizer.state.output.weight.exp_avg_sq" in names and len(names) == 84, sorted(names)[:4]
+
+
 def _resave_in_bwd(tmp: Path, index: int, with_state: bool = True) -> Path:
     """The committed optimizer_in_bwd save as torch's reader loads it, saved again by ``dcp.save`` with each
     parameter's optimizer keying its state and ``params`` by ``index`` (``with_state`` False: groups alone, the
