@@ -388,7 +388,8 @@ class Catalog:
     def per_parameter_optimizer_state(self) -> list[str]:
         """Uncategorized tensors that are the state of one optimizer per parameter, ``<prefix><fqn>.state.<i>.<field>``
         with ``<fqn>`` a model fqn: the state dict of torchtune's ``OptimizerInBackwardWrapper`` (``optimizer_in_bwd``:
-        ``{fqn: optimizer.state_dict()}`` under ``optimizer.``), which no schema reads; ``[]`` for none."""
+        ``{fqn: optimizer.state_dict()}`` under ``optimizer.``) where the key schema does not read it (a schema other
+        than ``torchtune``, or optimizers of several parameters: ``state.<i>`` with ``i`` not 0); ``[]`` for none."""
         fqns = set(self.param_fqns)
         lengths = {len(f) for f in fqns}
         out = []

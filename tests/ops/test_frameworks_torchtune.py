@@ -5,7 +5,10 @@ which cannot live beside the test suite's peft, so CI does not install it; it wa
 ``tests/fixtures/torchtune_writer.py`` (torchtune's own Llama builder, AdamW steps, the recipe's
 async save path). References: torch's own reader (``dcp_to_torch_save``), the parameter order of
 torchtune's model (``param_order.json``, its ``named_parameters()``), torchtune's own forward
-(``reference.pt``) against transformers' ``LlamaForCausalLM`` on the export.
+(``reference.pt``) against transformers' ``LlamaForCausalLM`` on the export. The ``optimizer_in_bwd`` run's
+per-parameter state against torch's reader, ``torch.optim.AdamW`` (``replay-step --reference torch``), the
+one-optimizer run of the same training (``diff --what all``) and, where torchtune is installed, torchtune's own
+resume into its ``OptimizerInBackwardWrapper``.
 """
 
 from __future__ import annotations
