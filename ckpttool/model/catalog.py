@@ -48,7 +48,12 @@ from ckpttool.format.metadata import (
 from ckpttool.format.storage import UrlPath, is_url, url_path
 from ckpttool.layouts.record import LAYOUT_KEY, SIDECAR_NAME
 from ckpttool.model.schemas import registry
-from ckpttool.model.schemas.base import CANONICAL_MODEL_PREFIX, CommonState
+from ckpttool.model.schemas.base import (
+    CANONICAL_MODEL_PREFIX,
+    CommonState,
+    per_parameter_key,
+    split_per_parameter_key,
+)
 from ckpttool.model.schemas.detect import detect_schema, fused_parts, planner_paths
 from ckpttool.model.schemas.keyschema import KeySchema, SchemaOverride
 from ckpttool.model.wrappers import pair_wrapped
@@ -341,6 +346,8 @@ class Catalog:
                 return t.key
             fqns = self.param_fqns
             return f"{self.schema.state_prefix}{fqns.index(fqn) if fqn in fqns else fqn}.{field_name}"
+        if item := per_parameter_item(self.schema):  # one optimizer per parameter: optimizer.<fqn>.state.0.<field>
+            return per_parameter_key(item, "state", fqn, field_name)
         if _state_splitter(self.schema) is not None:  # a schema with its own grammar (Megatron: field first)
             ps = self.optimizer_state.get(fqn)
             t = ps.fields.get(field_name) if ps is not None else None
@@ -348,7 +355,10 @@ class Catalog:
         return f"{self.schema.state_prefix or 'optimizer.state.'}{fqn}.{field_name}"
 
     def group_key(self, group_id: int | str) -> str:
-        """The key prefix of param group ``group_id`` (``optimizer.param_groups.<id>``)."""
+        """The key prefix of param group ``group_id`` (``optimizer.param_groups.<id>``; one optimizer per parameter:
+        ``optimizer.<fqn>.param_groups.0``)."""
+        if (item := per_parameter_item(self.schema)) and isinstance(group_id, str) and group_id != "*":
+            return per_parameter_key(item, "param_groups", group_id)
         return f"{self.schema.groups_prefix or 'optimizer.param_groups.'}{group_id}"
 
     def category(self, key: str) -> str:
@@ -358,6 +368,8 @@ class Catalog:
         split = _state_splitter(self.schema)
         if split is not None and split(key) is not None:
             return "optimizer_state"
+        if (item := per_parameter_item(self.schema)) and (parts := split_per_parameter_key(key, item)) is not None:
+            return "optimizer_state" if parts[0] == "state" else "param_groups"
         sp, gp = self.schema.state_prefix, self.schema.groups_prefix
         if sp is not None and key.startswith(sp):
             return "optimizer_state"
@@ -376,7 +388,8 @@ class Catalog:
     def per_parameter_optimizer_state(self) -> list[str]:
         """Uncategorized tensors that are the state of one optimizer per parameter, ``<prefix><fqn>.state.<i>.<field>``
         with ``<fqn>`` a model fqn: the state dict of torchtune's ``OptimizerInBackwardWrapper`` (``optimizer_in_bwd``:
-        ``{fqn: optimizer.state_dict()}`` under ``optimizer.``), which no schema reads; ``[]`` for none."""
+        ``{fqn: optimizer.state_dict()}`` under ``optimizer.``) where the key schema does not read it (a schema other
+        than ``torchtune``, or optimizers of several parameters: ``state.<i>`` with ``i`` not 0); ``[]`` for none."""
         fqns = set(self.param_fqns)
         lengths = {len(f) for f in fqns}
         out = []
@@ -757,14 +770,18 @@ class _Sorter:
         state_prefix, groups_prefix = self.sch.state_prefix, self.sch.groups_prefix
         storage, planner, byte_items = self.md.storage, self.planner, self.byte_items
         split = _state_splitter(self.sch)
+        item = per_parameter_item(self.sch)
         for key, meta in items:
             if isinstance(meta, BytesMeta):
                 info = storage.get((key, None))
                 byte_items[key] = info.length if info is not None else 0
             path = planner.get(key)
             parts = split(key) if split is not None else None
+            own = split_per_parameter_key(key, item) if item else None
             if parts is not None:
                 self._state_parts(key, meta, parts)
+            elif own is not None:
+                self._per_parameter(key, meta, own)
             elif state_prefix is not None and key.startswith(state_prefix):
                 self._state(key, meta, path, state_prefix)
             elif groups_prefix is not None and key.startswith(groups_prefix):
@@ -827,6 +844,21 @@ class _Sorter:
         if ps is None:
             ps = self.optimizer_state[fqn] = ParamState(fqn, in_model=self.sch.model_key(fqn) in self.model)
         ps.fields[fld] = self.entry(key, meta) if isinstance(meta, TensorMeta) else None
+
+    def _per_parameter(self, key: str, meta: Any, parts: tuple[str, str, str]) -> None:
+        """A key of one optimizer per parameter (:func:`per_parameter_item`): ``("state", fqn, field)`` is that
+        parameter's state, ``("param_groups", fqn, hyper)`` its own group (flattened flavor: group id ``fqn``)."""
+        part, fqn, name = parts
+        if part == "state":
+            self._state_parts(key, meta, (fqn, name))
+            return
+        self.flavors.add("flattened")
+        g = self.groups.get(fqn)
+        if g is None:
+            g = self.groups[fqn] = ParamGroup(fqn, "flattened", params=[fqn])
+        g.keys[name] = key
+        if isinstance(meta, TensorMeta):  # a tensor hyperparameter (lr=torch.tensor(...))
+            self.group_tensors[key] = self.entry(key, meta)
 
     def _group(self, key: str, path: tuple[Any, ...] | None, groups_prefix: str) -> None:
         rest = key[len(groups_prefix) :]
@@ -1116,6 +1148,15 @@ def _index_mapped(
     )
     reasons = tuple(why if "keyed by parameter index" in r else r for r in sch.reasons)
     return replace(sch, optimizer_keying=INDEX_MAPPED, reasons=reasons), mapped
+
+
+def per_parameter_item(sch: KeySchema) -> str:
+    """The optimizer item of ``sch`` saved as one optimizer per parameter (``optimizer.``: torchtune's
+    ``optimizer_in_bwd``, :attr:`~ckpttool.model.schemas.base.SchemaSpec.per_parameter_optimizers`), where detection
+    chose it as the optimizer prefix (or the schema was given with it); ``""`` otherwise."""
+    spec = sch.spec
+    item = spec.per_parameter_optimizers if spec is not None else ""
+    return item if item and sch.optimizer_prefix == item and sch.optimizer_keying == "fqn" else ""
 
 
 def _state_splitter(sch: KeySchema) -> Any:

@@ -30,7 +30,9 @@ __all__ = [
     "GroupMembers",
     "SchemaSpec",
     "canonical_model_key",
+    "per_parameter_key",
     "per_rank_spec",
+    "split_per_parameter_key",
 ]
 
 #: The model prefix of the torch-native spelling ``model.<fqn>`` (what export rules match, whatever the schema).
@@ -304,6 +306,11 @@ class SchemaSpec:
             own skip-step optimizer, which leaves a step whose loss or gradient norm spikes out of its ``step`` while the
             trainer counts it (OLMo-core's ``SkipStepAdamW``): the optimizer's step may then be behind (``R002``), and
             its moments are in the dtype it was configured with (``dtype``), not the parameter's (``O005``).
+        per_parameter_optimizers: the optimizer item (``optimizer.``) its trainer may save as ``{fqn:
+            optimizer.state_dict()}`` of one optimizer per parameter (torchtune's ``OptimizerInBackwardWrapper``,
+            ``optimizer_in_bwd``): keys ``<item><fqn>.state.0.<field>`` and ``<item><fqn>.param_groups.0.<hyper>``
+            (:func:`split_per_parameter_key`), read as that parameter's state and its own param group (flattened
+            flavor) where no other optimizer state is found; ``""``: none.
         index_state_by_param_order: optimizer state keyed by parameter index is the parameters' order in the
             model's state dict (torchtune builds its optimizer from ``model.parameters()``): renamed to the fqns.
         reshard_refusal: ``(why, hint)`` when ``reshard`` cannot rewrite its checkpoints (E602), else ``None``.
@@ -360,6 +367,7 @@ class SchemaSpec:
     skips_overflow_steps: bool = False
     skip_step_groups: Callable[[Sequence[ParamGroup]], bool] | None = None
     index_state_by_param_order: bool = False
+    per_parameter_optimizers: str = ""
     reshard_refusal: tuple[str, str] | None = None
     config_file: str = ""
     config_problem: Callable[[Path], str | None] | None = None
@@ -393,6 +401,33 @@ class SchemaSpec:
         layers, ``moe_layer_freq``: ``TransformerBlock.sharded_state_dict``'s ``non_homogeneous_layers``)."""
         p = next((p for p in self.stacked_layers if fqn.startswith(p)), None)
         return None if p is None or fqn[len(p) :].split(".", 1)[0].isdecimal() else p
+
+
+#: The parts of one parameter's optimizer state dict in a save of one optimizer per parameter
+#: (:attr:`SchemaSpec.per_parameter_optimizers`), each holding that optimizer's parameter 0 / group 0 only.
+PER_PARAMETER_PARTS = ("state", "param_groups")
+
+
+def split_per_parameter_key(key: str, item: str) -> tuple[str, str, str] | None:
+    """``(part, fqn, name)`` of a key of one optimizer per parameter under ``item`` (``optimizer.``):
+    ``optimizer.<fqn>.state.0.<field>`` -> ``("state", fqn, field)``, ``optimizer.<fqn>.param_groups.0.<hyper>`` ->
+    ``("param_groups", fqn, hyper)``; ``None`` for any other key (torch's ``optimizer.state.<i>.<field>``, an index
+    other than 0: an optimizer over several parameters). The last such part wins (field and hyperparameter names
+    hold no dots), so an fqn may hold ``.state.0.`` itself. Linear in the key's length."""
+    if not item or not key.startswith(item):
+        return None
+    rest = key[len(item) :]
+    for part in PER_PARAMETER_PARTS:
+        fqn, sep, name = rest.rpartition(f".{part}.0.")
+        if sep and fqn and name and "." not in name:
+            return part, fqn, name
+    return None
+
+
+def per_parameter_key(item: str, part: str, fqn: str, name: str = "") -> str:
+    """The key :func:`split_per_parameter_key` splits into ``(part, fqn, name)`` (``name`` ``""``: the part's
+    prefix without a trailing dot, ``optimizer.<fqn>.param_groups.0``)."""
+    return f"{item}{fqn}.{part}.0" + (f".{name}" if name else "")
 
 
 def per_rank_spec(

@@ -28,7 +28,7 @@ from ckpttool.errors import SchemaError
 from ckpttool.format.metadata import CheckpointMetadata, TensorMeta
 from ckpttool.model.nested_state import describe_nested, nested_state_items
 from ckpttool.model.schemas import registry
-from ckpttool.model.schemas.base import COUNTER_ITEMS, Detected
+from ckpttool.model.schemas.base import COUNTER_ITEMS, Detected, split_per_parameter_key
 from ckpttool.model.schemas.keyschema import KeySchema, SchemaOverride, model_head
 from ckpttool.model.schemas.registry import Derived
 from ckpttool.model.wrappers import WRAPPER_SEGMENTS, strip_wrapper_segments
@@ -553,8 +553,10 @@ def _closing_reasons(
     counted: tuple[int, bool],
     keying: str | None,
     fqns: list[str],
+    per_parameter: str = "",
 ) -> list[str]:
-    """The reasons after the prefixes' (``counted``: the number of model tensors, found by planner paths)."""
+    """The reasons after the prefixes' (``counted``: the number of model tensors, found by planner paths;
+    ``per_parameter``: the optimizer item saved as one optimizer per parameter, :func:`_per_parameter_item`)."""
     reasons = []
     n_model, use_paths = counted
     how = "planner_data (the nesting of the saved state dict)" if planner else "key prefixes (no planner_data)"
@@ -579,7 +581,9 @@ def _closing_reasons(
         reasons.append("no model tensors: optimizer state only (pair it with its model checkpoint)")
     if opt_prefix is not None:
         where = f"under {opt_prefix!r}" if opt_prefix else "at the top level (torch's optimizer state dict as it is)"
-        if keying == "index":
+        if per_parameter:
+            reasons.append(PER_PARAMETER_REASON.format(item=per_parameter))
+        elif keying == "index":
             reasons.append(f"optimizer state {where} is keyed by parameter index (a plain optimizer.state_dict())")
         else:
             reasons.append(f"optimizer state {where}, keyed by parameter fqn")
@@ -655,18 +659,66 @@ def detect_schema(md: CheckpointMetadata, override: SchemaOverride | None = None
     # a prefix ending in wrapper segments (model._orig_mod.) is its trainer's prefix with a wrapped model's keys
     unwrapped = strip_wrapper_segments(model_prefix + "x")[0][:-1] if model_prefix else model_prefix
     sid = _schema_id(found if unwrapped == model_prefix else replace(found, model_prefix=unwrapped))
-    reasons += _closing_reasons(md, bool(planner), found, (n_model, use_paths), keying, fqns)
+    opt_prefix, keying, found, item = _per_parameter(md, sid, found, keying)  # one optimizer per parameter
+    reasons += _closing_reasons(md, bool(planner), found, (n_model, use_paths), keying, fqns, item)
     head = model_head(model_prefix or "")
     return replace(
         sch,
         id=sid,
         model_prefix=model_prefix,
+        optimizer_prefix=opt_prefix,
         optimizer_keying=keying,
         naming=found.naming,
         reasons=tuple(reasons),
         training_state=training,
         _model_head=head,
     )
+
+
+#: The key schema's reason for an optimizer saved as one optimizer per parameter (:func:`_per_parameter_item`).
+PER_PARAMETER_REASON = (
+    "optimizer state under {item!r} saved as one optimizer per parameter ({item}<fqn>.state.0.<field>, "
+    "{item}<fqn>.param_groups.0.*: torchtune's OptimizerInBackwardWrapper, optimizer_in_bwd), keyed by parameter fqn"
+)
+
+
+def _per_parameter(
+    md: CheckpointMetadata, sid: str, found: Detected, keying: str | None
+) -> tuple[str | None, str | None, Detected, str]:
+    """``(optimizer prefix, keying, found, item)``: where detection found no optimizer and schema ``sid`` reads one
+    saved as one optimizer per parameter (:func:`_per_parameter_item`), its item as the prefix, keyed by fqn; else
+    as found (``item`` ``""``)."""
+    item = _per_parameter_item(md, sid) if found.optimizer_prefix is None else ""
+    if not item:
+        return found.optimizer_prefix, keying, found, ""
+    return item, "fqn", replace(found, optimizer_prefix=item), item
+
+
+def _per_parameter_item(md: CheckpointMetadata, sid: str) -> str:
+    """The optimizer item of schema ``sid`` saved as one optimizer per parameter
+    (:attr:`~ckpttool.model.schemas.base.SchemaSpec.per_parameter_optimizers`: torchtune's ``optimizer_in_bwd``)
+    where some key is such an optimizer's state or param group (optimizers that never stepped save their groups
+    alone) and none holds an index other than 0 (an optimizer of several parameters: a layout not read, ``K002``),
+    else ``""``."""
+    spec = registry.find(sid)
+    item = spec.per_parameter_optimizers if spec is not None else ""
+    if not item:
+        return ""
+    keys = [k for k in md.entries if k.startswith(item)]
+    if any(_other_index(k) for k in keys):  # an optimizer of several parameters: not this layout, none of it read
+        return ""
+    return item if any(split_per_parameter_key(k, item) is not None for k in keys) else ""
+
+
+def _other_index(key: str) -> bool:
+    """``key`` is ``<...>.state.<i>.<field>`` or ``<...>.param_groups.<i>.<hyper>`` with ``i`` a number other than
+    0 (``field``/``hyper`` without dots)."""
+    for part in (".state.", ".param_groups."):
+        _, sep, tail = key.rpartition(part)
+        index, dot, name = tail.partition(".")
+        if sep and dot and name and "." not in name and index.isdecimal() and index != "0":
+            return True
+    return False
 
 
 def _model_sample(scan: _Scan, test: Any, get: Any, voted: str | None) -> tuple[int, list[str]]:

@@ -12,6 +12,13 @@ order ``torch.optim.Optimizer.state_dict()`` numbers them (the groups' ``params`
 order); torchtune builds its optimizer from ``model.parameters()`` and its models hold no
 persistent buffers, so that is the order of the model's state dict (checked when the groups are
 read: :func:`ckpttool.model.catalog.load_param_groups`).
+
+With ``optimizer_in_bwd: True`` (the full-finetune recipes' optimizer in the backward pass) the ``optimizer``
+item is ``OptimizerInBackwardWrapper.state_dict()`` (``torchtune/training/memory.py``, 0.6.1): ``{fqn:
+optimizer.state_dict()}`` of one optimizer per parameter, flattened to ``optimizer.<fqn>.state.0.<field>`` and
+``optimizer.<fqn>.param_groups.0.<hyper>`` (each optimizer's one parameter is its index 0); its
+``load_state_dict`` gives each parameter's optimizer back its own entry
+(:attr:`~ckpttool.model.schemas.base.SchemaSpec.per_parameter_optimizers`).
 """
 
 from __future__ import annotations
@@ -34,8 +41,11 @@ SPEC = SchemaSpec(
     priority=4,
     training_state_items=ITEMS,
     index_state_by_param_order=True,  # its optimizer is built from model.parameters(): state i is parameter i
+    per_parameter_optimizers="optimizer.",  # optimizer_in_bwd: OptimizerInBackwardWrapper's {fqn: state_dict()}
     discovery=Discovery(step_words=("dist_epoch",)),
     doc_model="`model.<fqn>` (torchtune names: `layers.N.attn.q_proj.weight`, `sa_norm.scale`)",
-    doc_optimizer="`optimizer.state.<i>.<field>` (index -> fqn by parameter order), `optimizer.param_groups.<g>.*`",
+    doc_optimizer="`optimizer.state.<i>.<field>` (index -> fqn by parameter order), `optimizer.param_groups.<g>.*`; "
+    "with `optimizer_in_bwd`: `optimizer.<fqn>.state.0.<field>`, `optimizer.<fqn>.param_groups.0.*` (one optimizer "
+    "per parameter)",
     doc_written_by="torchtune's `DistributedCheckpointer` (`dist_epoch_N/`)",
 )

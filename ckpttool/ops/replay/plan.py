@@ -537,8 +537,9 @@ def _check_arguments(
         if per_param:
             raise HyperparameterError(
                 f"{cat.path}: the optimizer state is saved per parameter (e.g. {per_param[0]!r}: one optimizer per "
-                "parameter, as torchtune's OptimizerInBackwardWrapper saves with optimizer_in_bwd), which replay-step "
-                "does not read; nothing to replay",
+                "parameter, as torchtune's OptimizerInBackwardWrapper saves with optimizer_in_bwd) in a layout "
+                "replay-step does not read (it reads torchtune's own, state.0 of one parameter per optimizer); nothing "
+                "to replay",
                 hint="replay a save with one optimizer (torchtune: optimizer_in_bwd False)",
             )
         raise HyperparameterError(

@@ -53,8 +53,9 @@ def uncategorized_tensors(ctx: Context) -> Iterator[tuple[str, str] | tuple[str,
 
 #: K002's words for the state of one optimizer per parameter (torchtune's ``optimizer_in_bwd``)
 PER_PARAMETER_OPTIMIZERS = (
-    "the state of one optimizer per parameter (<fqn>.state.0.<field>, as torchtune's OptimizerInBackwardWrapper saves "
-    "with optimizer_in_bwd), which ckpttool does not read: the optimizer state was not checked"
+    "the state of one optimizer per parameter (<fqn>.state.<i>.<field>, as torchtune's OptimizerInBackwardWrapper saves "
+    "with optimizer_in_bwd) in a layout ckpttool does not read (it reads torchtune's own, state.0 of one parameter per "
+    "optimizer): the optimizer state was not checked"
 )
 PER_PARAMETER_HINT = (
     "check the optimizer state with the trainer's own resume; to check it here, save with one optimizer "
