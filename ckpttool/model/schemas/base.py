@@ -311,6 +311,8 @@ class SchemaSpec:
             ``optimizer_in_bwd``): keys ``<item><fqn>.state.0.<field>`` and ``<item><fqn>.param_groups.0.<hyper>``
             (:func:`split_per_parameter_key`), read as that parameter's state and its own param group (flattened
             flavor) where no other optimizer state is found; ``""``: none.
+        per_parameter_resume: what the trainer's own resume does with that per-parameter state, where it does not
+            restore it all (``K007``, info); ``""``: it does.
         index_state_by_param_order: optimizer state keyed by parameter index is the parameters' order in the
             model's state dict (torchtune builds its optimizer from ``model.parameters()``): renamed to the fqns.
         reshard_refusal: ``(why, hint)`` when ``reshard`` cannot rewrite its checkpoints (E602), else ``None``.
@@ -368,6 +370,7 @@ class SchemaSpec:
     skip_step_groups: Callable[[Sequence[ParamGroup]], bool] | None = None
     index_state_by_param_order: bool = False
     per_parameter_optimizers: str = ""
+    per_parameter_resume: str = ""
     reshard_refusal: tuple[str, str] | None = None
     config_file: str = ""
     config_problem: Callable[[Path], str | None] | None = None

@@ -42,6 +42,11 @@ SPEC = SchemaSpec(
     training_state_items=ITEMS,
     index_state_by_param_order=True,  # its optimizer is built from model.parameters(): state i is parameter i
     per_parameter_optimizers="optimizer.",  # optimizer_in_bwd: OptimizerInBackwardWrapper's {fqn: state_dict()}
+    # torchtune 0.6.1 CheckpointClient.load_distributed_checkpoint: the wrapper's state_dict() of fresh optimizers
+    # (no state) is the load target, so dcp.load fills their param groups only
+    per_parameter_resume="torchtune 0.6's own resume (load_distributed_checkpoint with optimizer_in_bwd) loads into the "
+    "fresh optimizers' state dicts, which hold no state: it restores the param groups but not exp_avg, exp_avg_sq and "
+    "step, so the moments restart from zero",
     discovery=Discovery(step_words=("dist_epoch",)),
     doc_model="`model.<fqn>` (torchtune names: `layers.N.attn.q_proj.weight`, `sa_norm.scale`)",
     doc_optimizer="`optimizer.state.<i>.<field>` (index -> fqn by parameter order), `optimizer.param_groups.<g>.*`; "

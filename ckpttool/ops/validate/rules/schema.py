@@ -13,6 +13,7 @@ from pathlib import Path
 
 from ckpttool.format.unpickler import short_repr
 from ckpttool.model.beside import read_training_state_beside, trainer_state_missing
+from ckpttool.model.catalog import per_parameter_item
 from ckpttool.model.discovery import unpublished
 from ckpttool.model.nested_state import describe_nested, nested_state_items
 from ckpttool.model.schemas.detect import planner_paths
@@ -119,6 +120,17 @@ def planner_path_mismatch(ctx: Context) -> Iterator[tuple[str, str]]:
         k = bad[0]
         more = f" (+{len(bad) - 1} more: {_examples(bad[1:])})" if len(bad) > 1 else ""
         yield k, f"{len(bad)} planner_data path(s) lead to no key: {k!r} has {short_repr(md.planner_data[k])}{more}"
+
+
+@rule("K007")
+def per_parameter_optimizers_resume(ctx: Context) -> Iterator[tuple[str, str]]:
+    item = per_parameter_item(ctx.cat.schema)
+    spec = ctx.cat.schema.spec
+    note = spec.per_parameter_resume if spec is not None else ""
+    if not (item and note and ctx.cat.optimizer_state):
+        return
+    n = len(ctx.cat.optimizer_state)
+    yield f"{item}*", f"the optimizer state of {n} parameter(s), one optimizer each ({item}<fqn>.state.0.*): {note}"
 
 
 @rule("K010")
