@@ -183,3 +183,32 @@ def test_a_mixed_export_says_which_tensors_dtype_auto_rounds(llama_ckpt: Path, t
     assert not [n for n in json.loads(res.stdout)["notes"] if "config.json names" in n]
     assert rounded_on_load("float32", [HeaderEntry("n", "bfloat16", (4,)), HeaderEntry("w", "float32", (9,))]) is None
     assert rounded_on_load("bfloat16", [HeaderEntry("n", "float16", (4,))]) is not None  # F16 -> BF16 rounds
+
+
+def test_a_filter_leaving_out_the_lm_head_does_not_declare_it_tied(llama_ckpt: Path, tmp_path: Path) -> None:
+    """An untied Llama (its stored ``lm_head.weight`` differs from the embedding) whose config leaves
+    ``tie_word_embeddings`` to the class default, exported with ``--filter`` that leaves the head out: the copy
+    must not say ``tie_word_embeddings: true``, or ``from_pretrained`` ties the embedding in as the head and
+    reports nothing missing (a head that was never trained as one); left as given, transformers names
+    ``lm_head.weight`` missing (the partial export's own warning says so too)."""
+    import torch
+    from transformers import LlamaForCausalLM
+
+    hf_models._quiet()
+    assets = tmp_path / "assets"
+    assets.mkdir()
+    cfg = json.loads((llama_ckpt / "model_assets" / "config.json").read_text())
+    cfg.pop("tie_word_embeddings", None)  # left to LlamaConfig's default (untied)
+    (assets / "config.json").write_text(json.dumps(cfg))
+    out = tmp_path / "out"
+    res = export(llama_ckpt, out, "--model-assets", assets, "--filter", "model.model.*", "--json")
+    doc = json.loads(res.stdout)
+    assert doc["skipped"]["excluded by `filter_glob`"]["keys"] == ["model.lm_head.weight"]
+    assert "tie_word_embeddings" not in doc["config_edits"]
+    assert json.loads((out / "config.json").read_text()).get("tie_word_embeddings") is None
+    model, info = LlamaForCausalLM.from_pretrained(out, output_loading_info=True)
+    assert info["missing_keys"] == {"lm_head.weight"} or list(info["missing_keys"]) == ["lm_head.weight"]
+    assert not torch.equal(model.lm_head.weight, model.model.embed_tokens.weight)
+    # without the filter the whole model is written and the untied config says so explicitly
+    res = export(llama_ckpt, tmp_path / "all", "--model-assets", assets, "--json")
+    assert json.loads(res.stdout)["config_edits"]["tie_word_embeddings"] == [None, False]

@@ -64,6 +64,7 @@ from ckpttool.ops.export.lora import check_lora_alpha, read_adapter_config
 from ckpttool.ops.export.outputs import OutputFormat, PrepareRequest, get_format
 from ckpttool.ops.export.plan import (
     SAVE_DTYPES,
+    SKIP_FILTERED,
     ExportPlan,
     Selected,
     SourceTask,
@@ -1126,6 +1127,7 @@ def _serving_assets(
         lm_head_written=lm_head is not None and lm_head.out_key in names,
         embedding_written=embed is not None and embed.out_key in names,
         architecture=check.model_class if check is not None and check.checked else None,
+        filtered=bool(plan.skipped.get(SKIP_FILTERED)),
         quantized_written=any(
             e.dtype.startswith("float8_") or e.dtype in PACKED_DTYPES for entries in plan.entries for e in entries
         ),

@@ -22,7 +22,7 @@ from ckpttool.model.catalog import Catalog
 from ckpttool.model.hfconfig import tie_word_embeddings
 from ckpttool.model.schemas.base import canonical_model_key
 from ckpttool.model.wrappers import strip_wrapper_segments
-from ckpttool.ops.export.plan import ExportPlan
+from ckpttool.ops.export.plan import SKIP_FILTERED, ExportPlan
 
 __all__ = ["INFERRED_SCALING", "adapter_config", "check_lora_alpha", "read_adapter_config"]
 
@@ -228,16 +228,12 @@ def adapter_config(
                 hint="pass the adapter_config.json that belongs to this checkpoint, or leave `adapter_config` out "
                 "to infer one",
             )
-        if biased and not given.get("lora_bias"):
-            raise ExportError(
-                f"{biased[0]}: the checkpoint holds lora_B biases (LoraConfig lora_bias=True) but the adapter config "
-                "does not set lora_bias: PEFT would load the adapter without them",
-                fqn=biased[0],
-                hint="pass the adapter_config.json that belongs to this checkpoint, or leave `adapter_config` out "
-                "to infer one",
-            )
+        _check_lora_bias(given, biased)
         _check_given_bias(given, bias)
-        return _checked_given(given, ranks, lora_alpha, saved, _tied_by_peft(given, model_config))
+        checked = _checked_given(given, ranks, lora_alpha, saved, _tied_by_peft(given, model_config))
+        if not plan.skipped.get(SKIP_FILTERED):  # a `filter_glob` export leaves adapters out on purpose
+            _refuse_untrained_targets(cat, given)
+        return checked
     if lora_alpha is None:
         raise _alpha_unknown(cat, beside)
     _warn_inferred(plan, cat, bias[0])
@@ -484,6 +480,60 @@ def _refuse_parameter_targets(cat: Catalog, ranks: dict[str, int]) -> None:
                 fqn=module,
                 hint="save the adapter with PEFT's save_pretrained, or leave these modules out with `filter_glob`",
             )
+
+
+def _check_lora_bias(given: dict[str, Any], biased: list[str]) -> None:
+    """Raises ExportError: the checkpoint holds ``lora_B`` biases (``biased``) and ``given`` does not set ``lora_bias``."""
+    if biased and not given.get("lora_bias"):
+        raise ExportError(
+            f"{biased[0]}: the checkpoint holds lora_B biases (LoraConfig lora_bias=True) but the adapter config "
+            "does not set lora_bias: PEFT would load the adapter without them",
+            fqn=biased[0],
+            hint="pass the adapter_config.json that belongs to this checkpoint, or leave `adapter_config` out "
+            "to infer one",
+        )
+
+
+def _refuse_untrained_targets(cat: Catalog, given: dict[str, Any]) -> None:
+    """Refuse a given adapter config that targets modules the checkpoint holds no adapter for: PEFT would put a
+    freshly initialised adapter on each (random ``lora_B`` too with ``init_lora_weights: false``: other logits
+    than the trained model's), and the config would name modules that were never trained.
+
+    The modules looked at are the checkpoint's un-adapted 2-D ``<module>.weight`` under ``base_model.model.``
+    (layers PEFT can wrap; norms are 1-D); an ``all-linear`` or ``target_parameters`` config is not checked
+    (which of them PEFT takes depends on the layer classes, which the checkpoint does not record), nor one without
+    ``target_modules`` (PEFT fills them from its own per-model table).
+
+    Raises:
+        ExportError (E601): such a module, naming it and the settings that match it.
+    """
+    if given.get("target_modules") in (None, "all-linear") or given.get("target_parameters"):
+        return
+    prefix = canonical_model_key(_PEFT_PREFIX)
+    bad: list[str] = []
+    for key, entry in cat.model.items():
+        canonical = strip_wrapper_segments(cat.schema.canonical_key(key))[0]
+        if (
+            not canonical.startswith(prefix)
+            or not canonical.endswith(".weight")
+            or len(entry.shape) != 2
+            or ".base_layer." in canonical
+            or ".lora_" in canonical
+            or _ADAPTER_PART_RE.search(canonical)
+        ):
+            continue
+        module = canonical[len(prefix) : -len(".weight")]
+        if peft_target_matches(module, given):
+            bad.append(module)
+    if bad:
+        shown = ", ".join(bad[:3]) + (f" (+{len(bad) - 3} more)" if len(bad) > 3 else "")
+        raise ExportError(
+            f"the adapter config targets {len(bad)} module(s) the checkpoint holds no LoRA adapter for ({shown}): "
+            f"PEFT would give each an untrained adapter; {_matching_settings(given)}",
+            fqn=_PEFT_PREFIX + bad[0],
+            hint="pass the adapter_config.json that belongs to this checkpoint, or leave `adapter_config` out to "
+            "infer one",
+        )
 
 
 def _base_shapes(cat: Catalog) -> dict[str, tuple[int, ...]]:

@@ -52,6 +52,7 @@ __all__ = [
     "SKIP_TRAINING_STATE",
     "SKIP_OUTSIDE_SCHEMA",
     "SKIP_EXTRA_STATE",
+    "SKIP_FILTERED",
 ]
 
 SAVE_DTYPES = ("preserve", "bfloat16", "float16", "float32")
@@ -249,6 +250,8 @@ def filtered(key: str, canonical: str, out_key: str, glob: str | None, prefix: s
 #: ``skipped`` reasons of tensors that are not model weights (``docs/export.md``).
 SKIP_TRAINING_STATE = "training state (scheduler, data loader, step), not weights"
 SKIP_OUTSIDE_SCHEMA = "outside the key schema (not model weights)"
+#: the reason of the keys ``filter_glob`` left out
+SKIP_FILTERED = "excluded by `filter_glob`"
 #: a module's ``get_extra_state()`` saved as a tensor under the model's own prefix (Transformer Engine >= 2.0 keeps
 #: its FP8 scaling state as a pickled ``uint8`` tensor ``<module>._extra_state``): no weight of any HF model class
 SKIP_EXTRA_STATE = "a module's extra state (`_extra_state`: Transformer Engine's FP8 scaling state), not weights"

@@ -20,6 +20,7 @@ from ckpttool.model.schemas.base import CANONICAL_MODEL_PREFIX
 from ckpttool.model.wrappers import strip_wrapper_segments, wrapper_segments_of
 from ckpttool.ops.export.plan import (
     SKIP_EXTRA_STATE,
+    SKIP_FILTERED,
     SKIP_OUTSIDE_SCHEMA,
     SKIP_TRAINING_STATE,
     Origin,
@@ -308,7 +309,7 @@ def select_model(cat: Catalog, keys: KeyMap, *, weights: str, filter_glob: str |
         else:
             out_key, hf, tag = mapped
         if filter_glob and filtered(key, canonical, out_key, filter_glob, prefix):
-            skipped.setdefault("excluded by `filter_glob`", []).append(key)
+            skipped.setdefault(SKIP_FILTERED, []).append(key)
             continue
         if tag is not None:
             tags[out_key] = tag

@@ -15,7 +15,9 @@ config, the copy is edited (``docs/export.md``, "config.json"):
   refuses a config without one; ``save_pretrained`` always writes it.
 - ``tie_word_embeddings`` is made explicit when the config leaves it to the model class's
   default: ``false`` when ``lm_head`` was written, ``true`` when only the embedding was (so the
-  class never builds an untrained ``lm_head``, nor ties away the one written).
+  class never builds an untrained ``lm_head``, nor ties away the one written), unless ``--filter`` left
+  tensors out (the checkpoint's own, untied head may be one of them: ``true`` would have ``from_pretrained``
+  use the embedding as the head and report nothing missing).
 
 Anything the config already says right is left byte-for-byte as given.
 """
@@ -102,6 +104,7 @@ def serving_config(
     embedding_written: bool,
     architecture: str | None = None,
     quantized_written: bool = True,
+    filtered: bool = False,
 ) -> tuple[bytes, dict[str, list[Any]]]:
     """``config.json`` bytes as they should be beside the written weights, and what was changed.
 
@@ -111,6 +114,8 @@ def serving_config(
         dtype: :func:`dominant_dtype` of the written tensors (``None``: leave the dtype keys).
         lm_head_written: the export wrote the output-embedding tensor (``lm_head.weight``).
         embedding_written: it wrote the input embedding.
+        filtered: ``--filter`` left model tensors out: without a written ``lm_head`` the config's tie is then not
+            made ``true`` (the head left out may be the checkpoint's own, untied one).
         architecture: the model class the tensors were checked against (``None``: not checked), written as
             ``architectures`` when the config names none.
         quantized_written: the export wrote quantized tensors (float8, or packed integers: AWQ/GPTQ ``qweight``
@@ -157,7 +162,7 @@ def serving_config(
     if all(s.get("tie_word_embeddings") is None for s in scopes):
         if lm_head_written:
             put(doc, "tie_word_embeddings", False)
-        elif embedding_written:
+        elif embedding_written and not filtered:
             put(doc, "tie_word_embeddings", True)
     if not edits:
         return data, {}

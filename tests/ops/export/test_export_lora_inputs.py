@@ -916,3 +916,35 @@ def test_an_adapter_peft_ties_to_the_embedding_exports_with_peft_s_own_config(tm
     res = export_cli(str(tmp_path / "ckpt"), str(tmp_path / "o2"), "--format", "lora", "--adapter-config", given)
     assert_clean_failure(res, "E601", "ensure_weight_tying", "'lm_head'")
     assert "--model-assets" in res.stderr.splitlines()[-1] and not (tmp_path / "o2").exists()
+
+
+def test_an_adapter_config_targeting_modules_without_factors_is_refused(
+    lora_partial_ckpt: Path,  # noqa: F811
+    tmp_path: Path,
+) -> None:
+    """The checkpoint holds adapters on layer 0 only; a given config without its ``layers_to_transform`` targets
+    layer 1's q_proj / v_proj too. Before, it was written beside the factors: PEFT then gives those modules fresh
+    adapters (random ``lora_B`` with ``init_lora_weights: false``) and computes other logits than the trained
+    model's. Now E601 names the modules, nothing written."""
+    from peft import PeftModel
+    from transformers import LlamaForCausalLM
+
+    wrong = _peft_config(tmp_path, rank_pattern={"v_proj": 2}, init_lora_weights=False)
+    res = export_cli(str(lora_partial_ckpt), str(tmp_path / "o"), "--format", "lora", "--adapter-config", str(wrong))
+    assert_clean_failure(res, "E601", "holds no LoRA adapter for", "model.layers.1.self_attn.q_proj")
+    assert not (tmp_path / "o").exists()
+    wrong_text = wrong.read_text()  # (_peft_config writes one given.json)
+    # the reference: PEFT's own load of the same factors with that config is not the trained model
+    right = _peft_config(tmp_path, rank_pattern={"v_proj": 2}, layers_to_transform=[0], init_lora_weights=False)
+    res = export_cli(str(lora_partial_ckpt), str(tmp_path / "ok"), "--format", "lora", "--adapter-config", str(right))
+    assert res.exit_code == 0, res.stderr
+    assert_same_logits(
+        PeftModel.from_pretrained(load_hf(lora_partial_ckpt / "base", LlamaForCausalLM), tmp_path / "ok"),
+        lora_partial_ckpt,
+    )
+    (tmp_path / "ok" / "adapter_config.json").write_text(wrong_text)
+    with pytest.raises(AssertionError):
+        assert_same_logits(
+            PeftModel.from_pretrained(load_hf(lora_partial_ckpt / "base", LlamaForCausalLM), tmp_path / "ok"),
+            lora_partial_ckpt,
+        )

@@ -111,7 +111,9 @@ class HFMergedFormat(HFFormat):
             skipped[_MERGED] = [k for k in merged if k not in factors]
             if not skipped[_MERGED]:
                 del skipped[_MERGED]
-            skipped.setdefault("excluded by `filter_glob`", []).extend(k for k in merged if k in factors)
+            from ckpttool.ops.export.plan import SKIP_FILTERED
+
+            skipped.setdefault(SKIP_FILTERED, []).extend(k for k in merged if k in factors)
         skip_other_tensors(cat, skipped)
         return selected, [], skipped, {}
 
@@ -220,14 +222,14 @@ def _merged_key(
         module, _, tail = plain.partition(".base_layer.")
         plain = f"{module}.{tail}"
         module = module[len(CANONICAL_MODEL_PREFIX) :]
-    from ckpttool.ops.export.plan import filtered
+    from ckpttool.ops.export.plan import SKIP_FILTERED, filtered
 
     out, matched, _ = rules.map_key(plain)
     if not matched or out is None:
         skipped.setdefault("no key rule matches" if not matched else "skipped by a key rule", []).append(key)
         return None
     if filtered(key, plain, out, filter_glob, cat.schema.model_prefix):
-        skipped.setdefault("excluded by `filter_glob`", []).append(key)
+        skipped.setdefault(SKIP_FILTERED, []).append(key)
         return None
     return out, plain, module
 
