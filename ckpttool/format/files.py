@@ -83,11 +83,15 @@ def missing_path_hint(path: Path, what: str) -> str:
     is (quoted, or after ``--option=``) is named with its expansion."""
     import difflib
 
-    if os.path.islink(path):  # a link that leads nowhere: dangling, or a loop (a -> b -> a)
+    # a link that leads nowhere (dangling, or a loop: a -> b -> a): the path itself, or a folder of it (a/x, a a loop)
+    link = next((p for p in (path, *path.parents) if os.path.islink(p) and not os.path.exists(p)), None)
+    if link is not None:
         try:
-            target = os.readlink(path)
+            target = os.readlink(link)
         except OSError:
             target = "?"
+        if link != path:
+            return f"{link}, in the path, is a symbolic link to {target} that leads to nothing (dangling, or a loop)"
         return f"{path} is a symbolic link to {target} that leads to nothing (dangling, or a loop): pass {what} itself"
     tilde = unexpanded_tilde_hint(path)
     if tilde is not None:

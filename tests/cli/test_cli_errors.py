@@ -951,6 +951,16 @@ def test_a_checkpoint_path_that_is_a_link_to_nothing_says_so(command: str, kind:
     target = "b" if kind == "loop" else "gone"
     assert hint.startswith(f"hint: {tmp_path / 'a'} is a symbolic link to {target} that leads to nothing"), hint
     assert not (tmp_path / "out").exists()
+    # a folder of the path that is such a link (a/step-1): named, where the hint listed other folders
+    argv = [command, str(tmp_path / "a" / "step-1")] + ([str(tmp_path / "out")] if command == "import" else [])
+    res = runner.invoke(app, argv)
+    assert res.exit_code == 2 and res.stdout == "", res.stderr
+    hint = res.stderr.splitlines()[-1]
+    assert (
+        hint
+        == f"hint: {tmp_path / 'a'}, in the path, is a symbolic link to {target} that leads to nothing (dangling, or a loop)"
+    ), hint
+    assert not (tmp_path / "out").exists()
 
 
 @pytest.mark.parametrize("argv", [["--max-object-size", "1GiB"], ["--max-metadata-size=2GiB"]])
