@@ -114,7 +114,22 @@ def _verl_world(path: Path, files: list[RankFile]) -> int:
         if not isinstance(data, dict) or data.get("world_size") not in (None, world):
             what = f"world_size {data.get('world_size')!r:.20}" if isinstance(data, dict) else "not a JSON object"
             raise PerRankError(f"{cfg}: {what}, but rank files of {world} rank(s)", path=cfg)
+        if data.get("FSDP_version") == 1:
+            raise PerRankError(f"{cfg}: {FSDP1_SAVE}", path=cfg, hint=FSDP1_HINT)
     return world
+
+
+#: What a verl save of an FSDP1 model is, and why it is not read (``fsdp_config.json``'s ``FSDP_version`` 1).
+FSDP1_SAVE = (
+    "a verl save of an FSDP1 model (FSDP_version 1, verl's actor strategy 'fsdp'): its rank files hold FSDP's "
+    "SHARDED_STATE_DICT (ShardedTensor model shards) and the optimizer's state over FSDP1's flat parameters, whose "
+    "layout (which elements are which parameter) is not saved; ckpttool does not read it"
+)
+#: What to do with a verl FSDP1 save (:data:`FSDP1_SAVE`).
+FSDP1_HINT = (
+    "train with verl's actor strategy fsdp2 (FSDP2 DTensor shards, which ckpttool reads); for this save, load it "
+    "with verl on its world size and re-save it with torch's dcp.save (get_state_dict) to check it"
+)
 
 
 def _param_order(obj: dict[str, Any]) -> list[str]:
