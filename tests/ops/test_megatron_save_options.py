@@ -46,14 +46,22 @@ def _export_logits(run: Path, tmp_path: Path, moe: bool) -> tuple[torch.Tensor, 
 
 @pytest.mark.parametrize(
     ("name", "moe", "atol"),
-    [("dense_pp2", False, 1e-5), ("moe_gg", True, 1e-2), ("moe_tp2_ep2", True, 1e-5), ("dense_tp2_fp32", False, 1e-5)],
+    [
+        ("dense_pp2", False, 1e-5),
+        ("moe_gg", True, 1e-2),
+        ("moe_tp2_ep2", True, 1e-5),
+        ("dense_tp2_fp32", False, 1e-5),
+        ("moe_pp2", True, 1e-5),
+        ("moe_ep2_async", True, 1e-5),
+    ],
 )
 def test_pipeline_and_grouped_gemm_saves_read_validate_export(
     name: str, moe: bool, atol: float, tmp_path: Path
 ) -> None:
     """PP 2 (each stage saves its layers at their global index; embedding on stage 0, output layer on stage 1),
     grouped GEMM experts (saved in SequentialMLP's layout), MoE with TP 2 beside EP 2 (expert tensor parallel 1: the
-    dense layers split by TP, the experts by EP) and fp32 TP 2 (FP32Optimizer): validate --strict --deep passes,
+    dense layers split by TP, the experts by EP), fp32 TP 2 (FP32Optimizer), MoE with PP 2 and MoE saved with
+    ``async_sharded_save`` (Megatron-LM's --async-save): validate --strict --deep passes,
     replay-step matches torch's AdamW, the export gives megatron's logits."""
     run = megatron_run(f"megatron-{name}", name)
     doc = json.loads(cli("validate", str(run), "--strict", "--deep", "--json"))
