@@ -24,7 +24,7 @@ import re
 from pathlib import Path
 from typing import Any
 
-from ckpttool.errors import DataFileError, FormatVersionError, IncompleteCheckpointError, PerRankError
+from ckpttool.errors import CkptError, DataFileError, FormatVersionError, IncompleteCheckpointError, PerRankError
 from ckpttool.format import limits
 from ckpttool.format.files import read_regular, resolve_inside
 from ckpttool.format.hf_storage import read_safetensors_header
@@ -114,7 +114,22 @@ def _verl_world(path: Path, files: list[RankFile]) -> int:
         if not isinstance(data, dict) or data.get("world_size") not in (None, world):
             what = f"world_size {data.get('world_size')!r:.20}" if isinstance(data, dict) else "not a JSON object"
             raise PerRankError(f"{cfg}: {what}, but rank files of {world} rank(s)", path=cfg)
+        if data.get("FSDP_version") == 1:
+            raise PerRankError(f"{cfg}: {FSDP1_SAVE}", path=cfg, hint=FSDP1_HINT)
     return world
+
+
+#: What a verl save of an FSDP1 model is, and why it is not read (``fsdp_config.json``'s ``FSDP_version`` 1).
+FSDP1_SAVE = (
+    "a verl save of an FSDP1 model (FSDP_version 1, verl's actor strategy 'fsdp'): its rank files hold FSDP's "
+    "SHARDED_STATE_DICT (ShardedTensor model shards) and the optimizer's state over FSDP1's flat parameters, whose "
+    "layout (which elements are which parameter) is not saved; ckpttool does not read it"
+)
+#: What to do with a verl FSDP1 save (:data:`FSDP1_SAVE`).
+FSDP1_HINT = (
+    "train with verl's actor strategy fsdp2 (FSDP2 DTensor shards, which ckpttool reads); for this save, load it "
+    "with verl on its world size and re-save it with torch's dcp.save (get_state_dict) to check it"
+)
 
 
 def _param_order(obj: dict[str, Any]) -> list[str]:
@@ -700,6 +715,32 @@ def _tc_unread(path: Path, read: set[str]) -> list[str]:
     return out
 
 
+#: The index torch-checkpointing's ``consolidate_hf_safetensors_checkpoint`` (its hf consolidation) writes beside the rank
+#: files (its default ``output_dir``, ``item_key`` ``model``), last, atomically, over its
+#: ``model-0000K-of-0000N.safetensors`` files.
+TC_HF_INDEX = "model.safetensors.index.json"
+_TC_HF_FILE = re.compile(r"model-[0-9]{5}-of-[0-9]{5}\.safetensors\Z")
+
+
+def _tc_consolidated(path: Path, unread: list[str]) -> tuple[list[str], list[str]]:
+    """``(HF copy files, still unread)``: where ``unread`` holds :data:`TC_HF_INDEX` and every file its
+    ``weight_map`` names (``model-0000K-of-0000N.safetensors``), those files are the full model that
+    torch-checkpointing's consolidation wrote (``validate --deep`` compares them with the shards, ``D012``); any
+    other index (unreadable, naming another file or one that is not there) leaves everything unread (``K020``)."""
+    if TC_HF_INDEX not in unread:
+        return [], unread
+    try:
+        raw = read_regular(resolve_inside(path, TC_HF_INDEX, what="HF index"), 1 << 26, what=TC_HF_INDEX)
+        doc = parse_json(raw, str(path / TC_HF_INDEX))
+    except (OSError, ValueError, CkptError):
+        return [], unread
+    wm = doc.get("weight_map") if isinstance(doc, dict) else None
+    names = set(wm.values()) if isinstance(wm, dict) and wm else set()
+    if not names or not all(isinstance(n, str) and _TC_HF_FILE.match(n) and n in unread for n in names):
+        return [], unread
+    return sorted(names), [u for u in unread if u not in names and u != TC_HF_INDEX]
+
+
 def _all_ranks(ranks: list[int], world: Any) -> bool:
     """``ranks`` (sorted) are exactly ``0..world-1``; compared by length first: a world size declared by a file
     name or ``metadata.pkl`` (10**9) never becomes a list of that size."""
@@ -770,6 +811,12 @@ def _tc_assemble(path: Path, files: list[RankFile]) -> Assembled:
     a.describe_placements()
     log.info("%s: %s", path, "; ".join(a.notes))
     a.unread = _tc_unread(path, {*a.files, TC_METADATA, *_own_manifest(path)})
+    a.companions, a.unread = _tc_consolidated(path, a.unread)
+    if a.companions:
+        a.notes.append(
+            f"{TC_HF_INDEX} and {', '.join(a.companions[:4])} beside it: the full model torch-checkpointing's "
+            "consolidate_hf_safetensors_checkpoint wrote, compared with the shards by validate --deep"
+        )
     if a.unread:
         a.notes.append(f"{len(a.unread)} file(s) no item names, not read: {', '.join(a.unread[:4])}")
     items = sorted({f.role for f in files})

@@ -16,7 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
-from ckpttool.errors import UnsafePickleError
+from ckpttool.errors import CkptError, PerRankError, UnsafePickleError
 from ckpttool.format.archive import STORAGE_DTYPES
 from ckpttool.format.metadata import DTYPE_ITEMSIZE
 from ckpttool.format.pickleframes import pickle_input
@@ -194,6 +194,7 @@ def _opaque(*args: Any) -> Opaque:
 
 
 _TENSOR_MOD = "torch.distributed.tensor"
+_SHARDED_TENSOR = "torch.distributed._shard.sharded_tensor"
 _SPEC_MOD = "torch.distributed.tensor._dtensor_spec"
 _PLACEMENTS = ("torch.distributed.tensor.placement_types", "torch.distributed._tensor.placement_types")
 _ALLOWED: dict[tuple[str, str], Any] = {
@@ -237,6 +238,18 @@ class RankUnpickler(AllowListUnpickler):
     """
 
     allowed = _ALLOWED
+
+    def refused(self, module: str, name: str) -> CkptError:
+        if isinstance(module, str) and module.startswith(_SHARDED_TENSOR):
+            # refused all the same (never resolved), but named for what it is: FSDP1's sharded state dict
+            return PerRankError(
+                f"{self._source}: a ShardedTensor ({module}.{name}), what FSDP1's SHARDED_STATE_DICT saves (verl's "
+                "actor strategy 'fsdp'); ckpttool reads the DTensors of FSDP2 and torch's DCP checkpoints, not these",
+                path=self._source,
+                hint="save with FSDP2 (verl: actor strategy fsdp2) or with torch's dcp.save (get_state_dict), whose "
+                "checkpoints ckpttool reads",
+            )
+        return super().refused(module, name)
 
     def persistent_load(self, pid: Any) -> Any:
         if not (isinstance(pid, tuple) and len(pid) == 5 and pid[0] == "storage"):

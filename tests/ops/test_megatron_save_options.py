@@ -44,13 +44,25 @@ def _export_logits(run: Path, tmp_path: Path, moe: bool) -> tuple[torch.Tensor, 
     return logits, torch.tensor(doc["logits"])
 
 
-@pytest.mark.parametrize(("name", "moe", "atol"), [("dense_pp2", False, 1e-5), ("moe_gg", True, 1e-2)])
+@pytest.mark.parametrize(
+    ("name", "moe", "atol"),
+    [
+        ("dense_pp2", False, 1e-5),
+        ("moe_gg", True, 1e-2),
+        ("moe_tp2_ep2", True, 1e-5),
+        ("dense_tp2_fp32", False, 1e-5),
+        ("moe_pp2", True, 1e-5),
+        ("moe_ep2_async", True, 1e-5),
+    ],
+)
 def test_pipeline_and_grouped_gemm_saves_read_validate_export(
     name: str, moe: bool, atol: float, tmp_path: Path
 ) -> None:
-    """PP 2 (each stage saves its layers at their global index; embedding on stage 0, output layer on stage 1) and
-    grouped GEMM experts (saved in SequentialMLP's layout): validate --strict --deep passes, replay-step matches
-    torch's AdamW, the export gives megatron's logits."""
+    """PP 2 (each stage saves its layers at their global index; embedding on stage 0, output layer on stage 1),
+    grouped GEMM experts (saved in SequentialMLP's layout), MoE with TP 2 beside EP 2 (expert tensor parallel 1: the
+    dense layers split by TP, the experts by EP), fp32 TP 2 (FP32Optimizer), MoE with PP 2 and MoE saved with
+    ``async_sharded_save`` (Megatron-LM's --async-save): validate --strict --deep passes,
+    replay-step matches torch's AdamW, the export gives megatron's logits."""
     run = megatron_run(f"megatron-{name}", name)
     doc = json.loads(cli("validate", str(run), "--strict", "--deep", "--json"))
     assert doc["ok"] and doc["counts"]["warning"] == 0, doc["findings"]
@@ -111,3 +123,14 @@ def test_unprefixed_chained_optimizer_groups_hold_the_expert_parameters() -> Non
     assert doc["ok"] and doc["counts"]["warning"] == 0, doc["findings"]
     doc = json.loads(cli("replay-step", str(run), "--device", "cpu", "--json"))
     assert doc["ok"] and len(doc["params"]) == 10, doc
+
+
+def test_model_only_save_is_read_as_weights_only() -> None:
+    """Megatron-LM's ``--no-save-optim``: ``dist_checkpointing.save`` of the model alone (``common.pt`` without an
+    optimizer). validate passes and says the optimizer rules were skipped for want of state; replay-step refuses
+    (E514), never a replay over state that is not there."""
+    run = megatron_run("megatron-dense1-noopt", "dense1_noopt")
+    doc = json.loads(cli("validate", str(run), "--strict", "--deep", "--json"))
+    assert doc["ok"] and not doc["findings"], doc["findings"]
+    res = runner.invoke(app, ["replay-step", str(run), "--device", "cpu"])
+    assert res.exit_code == 2 and "[E514]" in res.stderr and "no optimizer param groups" in res.stderr, res.output

@@ -706,3 +706,32 @@ def test_an_older_manifests_empty_window_of_a_value_item_is_warned_of(tc_root: P
     res = runner.invoke(app, ["validate", "--json", "--manifest", str(d / "manifest.json"), str(d)])
     s016 = [f["message"] for f in json.loads(res.stdout)["findings"] if f["code"] == "S016"]
     assert any("read as values" in m and "blob.rank_0" in m for m in s016), s016
+
+
+def test_hf_consolidation_beside_the_shards_is_the_hf_copy(tc_root: Path, tmp_path: Path) -> None:
+    """torch-checkpointing's own ``consolidate_hf_safetensors_checkpoint`` writes the full model beside the rank
+    files (its default output: ``model-00001-of-00001.safetensors`` + ``model.safetensors.index.json``). Before:
+    ``validate --strict --deep`` failed the save, K020 '2 file(s) not read' (move them out); now they are the HF copy,
+    compared with the assembled shards (D012): OK as saved, one changed element named."""
+    from safetensors.torch import load_file, save_file
+    from torch_checkpointing.hf.consolidation import consolidate_hf_safetensors_checkpoint
+    from torch_checkpointing.storage.filesystem import LocalFileSystemStorageConfig
+
+    step = tmp_path / "step-2"
+    shutil.copytree(tc_root / "w2st" / "step-2", step)
+    storage = LocalFileSystemStorageConfig(use_direct_io=False)
+    consolidate_hf_safetensors_checkpoint(str(step), storage_config=storage)
+    hf = step / "model-00001-of-00001.safetensors"
+    assert hf.is_file() and (step / "model.safetensors.index.json").is_file()
+    r = runner.invoke(app, ["validate", "--strict", "--deep", "--json", str(step)])
+    doc = json.loads(r.stdout)
+    assert r.exit_code == 0 and doc["ok"], doc["findings"]
+    assert not [f for f in doc["findings"] if f["code"] in ("K020", "D012")], doc["findings"]
+    r = runner.invoke(app, ["inspect", str(step)])
+    assert r.exit_code == 0 and "model-00001-of-00001.safetensors beside it" in " ".join(r.stdout.split()), r.stdout
+    tensors = load_file(hf)
+    tensors["model.norm.weight"][3] += 1.0
+    save_file(tensors, hf, metadata={"format": "pt"})
+    r = runner.invoke(app, ["validate", "--deep", "--json", str(step)])
+    found = [(f["code"], f["key"]) for f in json.loads(r.stdout)["findings"] if f["code"] == "D012"]
+    assert r.exit_code == 1 and found == [("D012", "model.model.norm.weight")], r.stdout

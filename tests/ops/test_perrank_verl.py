@@ -968,3 +968,39 @@ def test_a_tracker_that_is_a_directory_is_e205_as_verls_resume_fails(
     assert not (tmp_path / "out").exists()
     r = runner.invoke(app, ["inspect", str(run), "--step", "4"])  # a step named is still opened
     assert r.exit_code == 0, r.output
+
+
+@pytest.fixture(scope="session")
+def verl_fsdp1(verl_root: Path, fixture_root: Path) -> Path:
+    from tests.fixtures import perrank
+
+    return cached_build(fixture_root, "perrank_verl_fsdp1", perrank.build_verl_fsdp1)
+
+
+def test_fsdp1_save_is_named_not_called_unsafe(verl_fsdp1: Path, tmp_path: Path) -> None:
+    """verl's default actor strategy ``fsdp`` (FSDP1) saves ShardedTensor model shards and the optimizer's state over
+    FSDP1's flat parameters (which elements are which parameter is not saved). Before: every command refused it as a
+    pickle naming a global off the allow-list (E201, 'the file may run code when loaded by torch'); now E280 names
+    the FSDP1 save by its ``fsdp_config.json`` (without that file, by the model rank file's ShardedTensor), never an
+    OK, nothing written."""
+    actor = verl_fsdp1 / "global_step_2" / "actor"
+    before = {p.name: p.read_bytes() for p in actor.iterdir() if p.is_file()}
+    assert json.loads((actor / "fsdp_config.json").read_text())["FSDP_version"] == 1
+    cfg = f"{actor / 'fsdp_config.json'}: a verl save of an FSDP1 model (FSDP_version 1"
+    for args in (
+        ["inspect", str(verl_fsdp1)],
+        ["validate", "--strict", "--deep", str(actor)],
+        ["stats", str(actor)],
+        ["replay-step", str(actor), "--device", "cpu"],
+        ["export", str(actor), str(tmp_path / "out")],
+    ):
+        r = runner.invoke(app, args)
+        assert r.exit_code == 2 and "E280" in r.output and cfg in " ".join(r.output.split()), (args, r.output)
+        assert "E201" not in r.output and "Traceback" not in r.output, r.output
+    assert not (tmp_path / "out").exists()
+    copy = tmp_path / "older" / "actor"  # verl before fsdp_config.json: the rank files alone
+    shutil.copytree(actor, copy, ignore=shutil.ignore_patterns("fsdp_config.json"))
+    r = runner.invoke(app, ["inspect", str(copy)])
+    said = f"{copy / 'model_world_size_2_rank_0.pt'}: a ShardedTensor (torch.distributed._shard.sharded_tensor"
+    assert r.exit_code == 2 and "[E280]" in r.stderr and said in r.stderr, r.output
+    assert {p.name: p.read_bytes() for p in actor.iterdir() if p.is_file()} == before
