@@ -325,7 +325,9 @@ def _strided_order(entry: TensorEntry, ep_dim: int, want: set[tuple[int, int]], 
     ``(ep_fsdp, ep)`` mesh: rank ``f*P + e`` wrote slab ``e*F + f`` (FSDP2 over EP, ``_StridedShard``, as
     torchtitan saves). A block-transposed save has rank ``f*P + e`` write slab ``f*P + e``, as a canonical save
     does; the chunk offsets of all three are equal, only the writing ranks tell this one apart. Each slab's lowest
-    writing rank is compared (a slab may be split by TP ranks or replicated); nothing is said where a rank is
+    writing rank is compared (a slab may be split by TP ranks), in the order of the ranks and of the ranks modulo
+    ``P*F`` (the mesh position under outer replicas, whose slabs dcp.save's deduplication may take from several
+    replicas); said only where one of the two is that order and neither is the slab order, never where a rank is
     unknown or two slabs share one."""
     slabs = sorted(want)
     lowest: dict[tuple[int, int], int] = {}
@@ -340,10 +342,14 @@ def _strided_order(entry: TensorEntry, ep_dim: int, want: set[tuple[int, int]], 
         if slab is None:
             return []
         lowest[slab] = min(rank, lowest.get(slab, rank))
-    if len(lowest) != len(slabs) or len(set(lowest.values())) != len(slabs):
+    if len(lowest) != len(slabs):
         return []
-    by_rank = sorted(range(len(slabs)), key=lambda j: lowest[slabs[j]])
-    if by_rank != [(k % p) * f + k // p for k in range(p * f)]:
+    strided, plain = [(k % p) * f + k // p for k in range(p * f)], list(range(p * f))
+    orders = []
+    for ranks in ([lowest[s] for s in slabs], [lowest[s] % (p * f) for s in slabs]):
+        if len(set(ranks)) == len(slabs):
+            orders.append(sorted(plain, key=ranks.__getitem__))
+    if strided not in orders or plain in orders:
         return []
     return [
         f"rank {lowest[slabs[1]]} wrote slab 1 of {len(slabs)} along dim {ep_dim}: the slabs were written in true "

@@ -132,3 +132,50 @@ def test_fsdp2_over_ep_declared_canonical_reshards_to_the_values_torch_reads(str
         assert set(got) == set(truth)
         for k, v in truth.items():
             assert torch.equal(got[k].reshape(-1).view(torch.uint8), v.reshape(-1).view(torch.uint8)), (out.name, k)
+
+
+def _true_experts(n: int) -> torch.Tensor:
+    return torch.arange(8 * 3 * (n + 1), dtype=torch.float32).view(8, 3, n + 1)
+
+
+def _save_hsdp(rank: int, world: int, out: str) -> None:
+    """8 ranks, mesh ``(rep 2, ep_fsdp 2, ep 2)``: ``legacy/`` block-transposed (``Shard(0), Shard(0)``: rank
+    ``(f, e)`` holds true slab ``e*F + f`` at position ``f*P + e``), ``strided/`` FSDP2's ``_StridedShard(0, sf=2),
+    Shard(0)`` (true order); dcp.save's deduplication takes each tensor's slabs from either replica."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    mesh = init_device_mesh("cpu", (2, 2, 2), mesh_dim_names=("rep", "ep_fsdp", "ep"))
+    f, e = divmod(rank % 4, 2)
+    for name, inner in (("legacy", Shard(0)), ("strided", _StridedShard(0, split_factor=2))):
+        sd = {}
+        for n in range(4):
+            t = _true_experts(n)
+            local = t.narrow(0, (e * 2 + f) * 2, 2).clone()
+            placements = [Replicate(), inner, Shard(0)]
+            sd[f"model.layers.{n}.mlp.experts.down_proj"] = DTensor.from_local(
+                local, mesh, placements, run_check=False, shape=t.shape, stride=t.stride()
+            )
+        dcp.save({"model": sd}, checkpoint_id=str(Path(out) / name))
+
+
+def test_replicated_legacy_saves_are_told_from_strided_ones_by_the_mesh_position(tmp_path: Path) -> None:
+    """With replicas the writing ranks of a block-transposed save are not the slab order (dcp.save balances the
+    slabs over the replicas, ranks 4..7 for some tensors): the ranks modulo ``P*F`` are. The legacy save declared
+    legacy reshards to the true experts torch's reader gives; the strided one declared legacy is E404."""
+    from tests.fixtures.distributed import run_ranks
+
+    run_ranks(8, _save_hsdp, str(tmp_path / "hsdp"))
+    legacy, strided = tmp_path / "hsdp" / "legacy", tmp_path / "hsdp" / "strided"
+    keys = [f"model.model.layers.{n}.mlp.experts.down_proj" for n in range(4)]
+    assert all(torch.equal(torch_load(strided)[k], _true_experts(n)) for n, k in enumerate(keys))
+    out = tmp_path / "o"
+    res = runner.invoke(app, ["reshard", str(legacy), str(out), "--to", "canonical", *_decl("legacy")])
+    assert res.exit_code == 0, res.stderr
+    got = torch_load(out)
+    assert all(torch.equal(got[k], _true_experts(n)) for n, k in enumerate(keys))
+    res = runner.invoke(app, ["reshard", str(strided), str(tmp_path / "s"), "--to", "canonical", *_decl("legacy")])
+    assert res.exit_code == 2 and res.stderr.startswith("error: [E404] model.model.layers."), res.stderr
+    assert "its layout is canonical" in res.stderr and not (tmp_path / "s").exists()
