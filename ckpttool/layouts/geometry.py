@@ -32,7 +32,21 @@ __all__ = [
     "expected_ep_intervals",
     "ep_split_candidates",
     "refines",
+    "STRIDED_HINT",
+    "is_strided_order",
 ]
+
+# What to do about a legacy declaration or record contradicted by the writing order of FSDP2 over EP
+# (:func:`_strided_order`); the problem text names ``_StridedShard`` (:func:`is_strided_order`).
+STRIDED_HINT = (
+    "FSDP2 over EP (_StridedShard) saves the experts in true order from its (ep_fsdp, ep) mesh: declare it "
+    "`source_layout` canonical with the same `ep_size` and `ep_fsdp_size`"
+)
+
+
+def is_strided_order(problem: str) -> bool:
+    """Whether a geometry problem (or a message quoting one) is the FSDP2-over-EP writing order."""
+    return "(FSDP2 over EP, _StridedShard" in problem
 
 
 @dataclass(frozen=True)

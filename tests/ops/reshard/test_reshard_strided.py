@@ -82,7 +82,8 @@ def test_a_legacy_declaration_of_fsdp2_over_ep_is_refused_not_permuted(strided: 
     """The saving mesh is ``(ep_fsdp, ep)``, the legacy mesh order, so ``--source-layout legacy`` is what its user
     declares: validate said OK and reshard un-permuted experts that were already in true order (exit 0; torch's
     reader of the output gave experts 0, 1, 4, 5, 2, 3, 6, 7). The writing ranks contradict a block-transposed
-    save: E404 naming canonical, nothing written, the source unchanged; validate fails (L005)."""
+    save: E404 naming canonical (the hint says to declare it so; stamp's too), nothing written, the source unchanged;
+    validate fails (L005)."""
     before = {p.name: p.read_bytes() for p in strided.iterdir()}
     out = tmp_path / "o"
     res = runner.invoke(
@@ -92,6 +93,12 @@ def test_a_legacy_declaration_of_fsdp2_over_ep_is_refused_not_permuted(strided: 
     line = res.stderr.splitlines()[0]
     assert line.startswith(f"error: [E404] {EXPERTS}") and "rank 2 wrote slab 1 of 4" in line, line
     assert "its layout is canonical" in line
+    assert res.stderr.splitlines()[1] == (
+        "hint: FSDP2 over EP (_StridedShard) saves the experts in true order from its (ep_fsdp, ep) mesh: declare it "
+        "--source-layout canonical with the same --ep-size and --ep-fsdp-size"
+    )
+    res = runner.invoke(app, ["stamp", str(strided), *_decl("legacy")])  # refused before anything is written
+    assert res.exit_code == 2 and "rank 2 wrote slab 1 of 4" in res.stderr and "--source-layout canonical" in res.stderr
     res = runner.invoke(app, ["validate", str(strided), *_decl("legacy")])
     assert res.exit_code == 1 and "L005" in res.stdout and "_StridedShard" in res.stdout, res.stdout
     assert {p.name: p.read_bytes() for p in strided.iterdir()} == before
