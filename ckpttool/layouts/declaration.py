@@ -28,10 +28,12 @@ from ckpttool.errors import (
 )
 from ckpttool.format import limits
 from ckpttool.layouts.geometry import (
+    STRIDED_HINT,
     EPGeometry,
     dim_intervals,
     ep_split_candidates,
     infer_fsdp_dim,
+    is_strided_order,
     nested_shard_intervals,
     tensor_geometry,
 )
@@ -236,7 +238,7 @@ class ResolvedLayout:
                 raise LayoutContradictionError(
                     f"{geo.key}: the chunk geometry contradicts the {self.source} layout: {geo.problems[0]}",
                     fqn=geo.key,
-                    hint=hint,
+                    hint=STRIDED_HINT if is_strided_order(geo.problems[0]) else hint,
                 )
 
     def spec_for(self, key: str) -> EPTensorSpec | None:
@@ -560,6 +562,7 @@ def resolve_layout(
                 f"ep_fsdp_size {declaration.ep_fsdp_size}) contradicts the chunk geometry: {geo.problems[0]}",
                 fqn=key,
                 param="source_layout",
+                **({"hint": STRIDED_HINT} if is_strided_order(geo.problems[0]) else {}),
             )
     return ResolvedLayout(
         declaration.version,

@@ -32,7 +32,21 @@ __all__ = [
     "expected_ep_intervals",
     "ep_split_candidates",
     "refines",
+    "STRIDED_HINT",
+    "is_strided_order",
 ]
+
+# What to do about a legacy declaration or record contradicted by the writing order of FSDP2 over EP
+# (:func:`_strided_order`); the problem text names ``_StridedShard`` (:func:`is_strided_order`).
+STRIDED_HINT = (
+    "FSDP2 over EP (_StridedShard) saves the experts in true order from its (ep_fsdp, ep) mesh: declare it "
+    "`source_layout` canonical with the same `ep_size` and `ep_fsdp_size`"
+)
+
+
+def is_strided_order(problem: str) -> bool:
+    """Whether a geometry problem (or a message quoting one) is the FSDP2-over-EP writing order."""
+    return "(FSDP2 over EP, _StridedShard" in problem
 
 
 @dataclass(frozen=True)
@@ -312,7 +326,50 @@ def _mesh_problems(entry: TensorEntry, spec: EPTensorSpec, version: int, ep_size
                 f"dim {d} is split into {len(got)} chunk interval(s) {sorted(got)[:4]}, "
                 f"ep_size {ep_size} x ep_fsdp_size {ep_fsdp_size} gives {len(want)} {sorted(want)[:4]}"
             )
-    return problems or _one_block_per_rank(entry, spec.ep_dim, expected.get(spec.ep_dim, set()))
+    want_ep = expected.get(spec.ep_dim, set())
+    if problems:
+        return problems
+    return _one_block_per_rank(entry, spec.ep_dim, want_ep) or (
+        _strided_order(entry, spec.ep_dim, want_ep, ep_size, ep_fsdp_size) if permuted else []
+    )
+
+
+def _strided_order(entry: TensorEntry, ep_dim: int, want: set[tuple[int, int]], p: int, f: int) -> list[str]:
+    """A legacy (block-transposed) layout whose slabs were written in the order of a true-order save by a
+    ``(ep_fsdp, ep)`` mesh: rank ``f*P + e`` wrote slab ``e*F + f`` (FSDP2 over EP, ``_StridedShard``, as
+    torchtitan saves). A block-transposed save has rank ``f*P + e`` write slab ``f*P + e``, as a canonical save
+    does; the chunk offsets of all three are equal, only the writing ranks tell this one apart. Each slab's lowest
+    writing rank is compared (a slab may be split by TP ranks), in the order of the ranks and of the ranks modulo
+    ``P*F`` (the mesh position under outer replicas, whose slabs dcp.save's deduplication may take from several
+    replicas); said only where one of the two is that order and neither is the slab order, never where a rank is
+    unknown or two slabs share one."""
+    slabs = sorted(want)
+    lowest: dict[tuple[int, int], int] = {}
+    for i, c in enumerate(entry.chunks):
+        if not c.numel:
+            continue
+        rank = entry.chunk_rank(i)
+        if rank is None:
+            return []
+        o = c.offsets[ep_dim]
+        slab = next((w for w in slabs if w[0] <= o < w[0] + w[1]), None)
+        if slab is None:
+            return []
+        lowest[slab] = min(rank, lowest.get(slab, rank))
+    if len(lowest) != len(slabs):
+        return []
+    strided, plain = [(k % p) * f + k // p for k in range(p * f)], list(range(p * f))
+    orders = []
+    for ranks in ([lowest[s] for s in slabs], [lowest[s] % (p * f) for s in slabs]):
+        if len(set(ranks)) == len(slabs):
+            orders.append(sorted(plain, key=ranks.__getitem__))
+    if strided not in orders or plain in orders:
+        return []
+    return [
+        f"rank {lowest[slabs[1]]} wrote slab 1 of {len(slabs)} along dim {ep_dim}: the slabs were written in true "
+        f"expert order by an (ep_fsdp {f}, ep {p}) mesh (FSDP2 over EP, _StridedShard, as torchtitan saves), not "
+        "block-transposed; its layout is canonical"
+    ]
 
 
 def _one_block_per_rank(entry: TensorEntry, ep_dim: int, want: set[tuple[int, int]]) -> list[str]:

@@ -37,7 +37,7 @@ from ckpttool.layouts.declaration import (
     check_declaration_against_record,
     read_layout_records,
 )
-from ckpttool.layouts.geometry import EPGeometry, dim_intervals
+from ckpttool.layouts.geometry import STRIDED_HINT, EPGeometry, dim_intervals, is_strided_order
 from ckpttool.layouts.record import SIDECAR_NAME, parse_layout_record
 from ckpttool.model.catalog import Catalog
 from ckpttool.model.checkpoint import Checkpoint, CheckpointOrPath, OpenOptions, open_source
@@ -319,6 +319,8 @@ def _contradiction_hint(ckpt: Checkpoint, err: LayoutError, sidecar: Path) -> st
             f"{sidecar} already records {recorded}; if that record is wrong, delete {sidecar} and stamp "
             "again with the right declaration"
         )
+    if is_strided_order(err.message):
+        return STRIDED_HINT
     suggestion = _geometry_suggestion(cat, err.fqn)
     return (
         f"{suggestion}check the mesh of the job that saved the checkpoint "

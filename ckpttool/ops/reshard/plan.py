@@ -600,6 +600,7 @@ def plan_reshard(
     _plan_entries(plan, ckpt, ep_state)
     _refuse_indexed_state(cat, plan)
     _refuse_unknown_expert_tensors(cat, plan)
+    _refuse_unpermuted_per_expert_tensors(cat, plan)
     _refuse_orphan_expert_state(cat, plan)
     _converted_record(plan, cat, source)
     return plan
@@ -668,6 +669,35 @@ def _refuse_unknown_expert_tensors(cat: Catalog, plan: ReshardPlan) -> None:
                 fqn=key,
                 hint="reshard a checkpoint without it, or save it under the model or the optimizer state "
                 "(`model_prefix` / `optimizer_prefix` name where they are)",
+            )
+
+
+def _refuse_unpermuted_per_expert_tensors(cat: Catalog, plan: ReshardPlan) -> None:
+    """A 1-D ``...experts.<name>`` tensor of the model (a per-expert scale or bias ``[E]``), or its optimizer state, split
+    over ranks along its expert dim like the EP tensors whose expert order changes: EP tensors are fused weights
+    of at least 2 dims, so it would pass through in the old expert order while they get the new one.
+
+    Raises:
+        ReshardError (E602): naming the first such tensor.
+    """
+    counts = {plan.layout.ep_tensors[k].num_experts for k in plan.permuted_keys if k in plan.layout.ep_tensors}
+    if not counts:
+        return
+    handled = {t.key for t in plan.tensors if t.kind != "passthrough"}
+    keys = [k for k in cat.model if EP_NAME_RE.search(k)]
+    for ps in cat.optimizer_state.values():
+        if EP_NAME_RE.search(ps.fqn):
+            keys.extend(t.key for t in ps.fields.values() if t is not None)
+    for key in keys:
+        entry = cat.tensors.get(key)
+        if key in handled or entry is None or len(entry.shape) != 1 or entry.shape[0] not in counts:
+            continue
+        if len(dim_intervals(entry, 0)) > 1:
+            raise ReshardError(
+                f"{key}: a per-expert tensor [{entry.shape[0]}] split over ranks along its expert dim; the experts of "
+                f"{len(plan.permuted_keys)} tensor(s) get a new order, and this one would keep the old order",
+                fqn=key,
+                hint="reshard a checkpoint without it, or reshard to the layout and mesh it was saved with",
             )
 
 

@@ -398,3 +398,45 @@ def test_an_output_path_through_dotdot_means_what_the_shell_means(
     assert not (tmp_path / "X").exists() and (tmp_path / "real" / "X" / ".metadata").is_file()
     res = runner.invoke(app, ["inspect", "link/../X"])
     assert res.exit_code == 0, res.stderr
+
+
+def _save_with_expert_bias(rank: int, world: int, out: str) -> None:
+    """The legacy 2 x 2 EP save of the suite (model only) with a per-expert bias
+    ``model.layers.0.mlp.experts.down_proj_bias [8]`` (expert ``j`` holds ``j``) sharded like the experts:
+    ``(Shard(0), Shard(0))`` on the ``(ep_fsdp, ep)`` mesh, so its stored order is block-transposed too."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.tensor import DTensor
+
+    from tests.fixtures.moe_ep import _meshes, _sharded_state, ep_local
+
+    msd, _ = _sharded_state(true_state(8, optimizer=False), "legacy", rank, 2, 2, 0)
+    _, ep_mesh, _, shard = _meshes("legacy", 2, 2)
+    bias = torch.arange(8, dtype=torch.float32)
+    local = ep_local(bias, "legacy", rank, 2, 2, 0).clone()
+    msd["model.layers.0.mlp.experts.down_proj_bias"] = DTensor.from_local(
+        local, ep_mesh, [shard(0), shard(0)], run_check=False, shape=bias.shape, stride=bias.stride()
+    )
+    dcp.save({"model": msd}, checkpoint_id=out)
+
+
+@pytest.mark.slow  # a 4-rank gloo save
+def test_a_one_dim_per_expert_tensor_is_refused_when_the_order_changes(tmp_path: Path) -> None:
+    """A 1-D per-expert tensor under ``experts.`` (a bias or scale ``[E]``) is no fused EP tensor (those have at
+    least 2 dims): it was copied in the legacy order while the expert weights were put in the canonical one,
+    exit 0 (torch's reader of the output: biases 0, 1, 4, 5, 2, 3, 6, 7 beside weights 0..7). It is E602 now,
+    nothing written; a target in the same order still copies it."""
+    from tests.fixtures.distributed import run_ranks
+    from tests.ops.export.test_export import torch_load
+
+    src = tmp_path / "bias"
+    run_ranks(4, _save_with_expert_bias, str(src))
+    key = "model.model.layers.0.mlp.experts.down_proj_bias"
+    assert torch_load(src, [key])[key].tolist() == [0, 1, 4, 5, 2, 3, 6, 7]  # stored block-transposed
+    res = runner.invoke(app, ["reshard", str(src), str(tmp_path / "o"), "--to", "canonical", *DECL])
+    assert res.exit_code == 2 and res.stdout == "", res.stdout
+    assert res.stderr.startswith(f"error: [E602] {key}: a per-expert tensor [8] split over ranks"), res.stderr
+    assert not (tmp_path / "o").exists()
+    res = runner.invoke(app, ["reshard", str(src), str(tmp_path / "same"), "--to", "legacy", *DECL])
+    assert res.exit_code == 0, res.stderr
+    assert "0 with a new expert order" in res.stdout
+    assert torch_load(tmp_path / "same", [key])[key].tolist() == [0, 1, 4, 5, 2, 3, 6, 7]
