@@ -11,7 +11,8 @@ metadata are refused (``E405``) unless ``--source-layout`` declares the layout.
 from __future__ import annotations
 
 from ckpttool.errors import ExportError
-from ckpttool.layouts.declaration import ResolvedLayout
+from ckpttool.layouts.declaration import EP_NAME_RE, ResolvedLayout
+from ckpttool.layouts.geometry import dim_intervals
 from ckpttool.layouts.permute import legacy_to_canonical_perm
 from ckpttool.ops.export.plan import Selected
 
@@ -34,7 +35,8 @@ def expert_orders(selected: list[Selected], layout: ResolvedLayout) -> dict[str,
         LayoutError (E405): an unversioned EP tensor sharded on the expert dim by both EP
             and EP-FSDP (legacy and canonical store different bytes) that is not declared.
         LayoutError (E406): the expert count is not a multiple of ``ep_size * ep_fsdp_size``.
-        ExportError: the expert dim disagrees with the layout record's ``num_experts``.
+        ExportError: the expert dim disagrees with the layout record's ``num_experts``; (E601) a 1-D per-expert
+            tensor split along its expert dim that would keep the stored order.
     """
     orders: dict[str, tuple[int, ...]] = {}
     if not layout.ep_tensors:
@@ -63,4 +65,31 @@ def expert_orders(selected: list[Selected], layout: ResolvedLayout) -> dict[str,
             )
         assert layout.ep_size is not None and layout.ep_fsdp_size is not None
         orders[s.model_key] = tuple(legacy_to_canonical_perm(shape[0], layout.ep_size, layout.ep_fsdp_size))
+    _refuse_unpermuted_per_expert(selected, orders)
     return orders
+
+
+def _refuse_unpermuted_per_expert(selected: list[Selected], orders: dict[str, tuple[int, ...]]) -> None:
+    """A selected 1-D ``...experts.<name>`` tensor ``[E]`` (a per-expert bias or scale) split over ranks along its
+    expert dim beside EP tensors that are un-permuted: EP tensors are fused weights of at least 2 dims, so it would
+    be written in the stored (legacy) order while they are written in true order.
+
+    Raises:
+        ExportError (E601): naming the first such tensor.
+    """
+    counts = {len(o) for o in orders.values()}
+    if not counts:
+        return
+    for s in selected:
+        shape = s.source.shape
+        if s.model_key in orders or len(shape) != 1 or shape[0] not in counts or not EP_NAME_RE.search(s.model_key):
+            continue
+        if len(dim_intervals(s.source, 0)) > 1:
+            raise ExportError(
+                f"{s.source.key}: a per-expert tensor [{shape[0]}] split over ranks along its expert dim, stored in "
+                f"the legacy EP order; the experts of {len(orders)} tensor(s) are written in true order, and this "
+                "one would keep the stored order",
+                fqn=s.source.key,
+                hint="ckpttool re-orders fused expert tensors (2 or more dims) only: select the other tensors with "
+                "--filter, or re-save the checkpoint in the canonical layout with the trainer",
+            )

@@ -440,3 +440,32 @@ def test_a_one_dim_per_expert_tensor_is_refused_when_the_order_changes(tmp_path:
     assert res.exit_code == 0, res.stderr
     assert "0 with a new expert order" in res.stdout
     assert torch_load(tmp_path / "same", [key])[key].tolist() == [0, 1, 4, 5, 2, 3, 6, 7]
+
+
+@pytest.mark.slow  # a 4-rank gloo save
+def test_export_refuses_a_one_dim_per_expert_tensor_it_would_leave_in_the_stored_order(tmp_path: Path) -> None:
+    """`export --source-layout legacy` of that save wrote the expert weights in true order and the bias
+    `[8]` in the stored one (0, 1, 4, 5, 2, 3, 6, 7), exit 0: the bias of expert 2 beside the weights of expert 4.
+    It is E601 now, naming the tensor, nothing written; without the bias (`--filter` on the weights) the export
+    runs and writes the weights in true order (torch's reader of the source, un-permuted, is the reference)."""
+    from safetensors.torch import load_file
+
+    from tests.fixtures.distributed import run_ranks
+    from tests.ops.export.test_export import torch_load
+
+    src = tmp_path / "bias"
+    run_ranks(4, _save_with_expert_bias, str(src))
+    key = "model.model.layers.0.mlp.experts.down_proj_bias"
+    res = runner.invoke(app, ["export", str(src), str(tmp_path / "hf"), *DECL])
+    assert res.exit_code == 2 and res.stdout == "", res.stdout
+    assert res.stderr.startswith(f"error: [E601] {key}: a per-expert tensor [8] split over ranks"), res.stderr
+    assert not (tmp_path / "hf").exists()
+    res = runner.invoke(app, ["export", str(src), str(tmp_path / "w"), *DECL, "--filter", "*experts.*_proj"])
+    assert res.exit_code == 0, res.stderr
+    out = load_file(str(tmp_path / "w" / "model.safetensors"))
+    assert out and not any(k.endswith("_bias") for k in out), sorted(out)
+    stored = torch_load(src, ["model.model.layers.0.mlp.experts.down_proj"])[
+        "model.model.layers.0.mlp.experts.down_proj"
+    ]
+    true = stored[[0, 1, 4, 5, 2, 3, 6, 7]]  # legacy 2 x 2: stored position of true expert j
+    assert torch.equal(out["model.layers.0.mlp.experts.down_proj"], true)
