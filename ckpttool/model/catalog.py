@@ -1198,9 +1198,11 @@ def load_param_groups(cat: Catalog, reader: CheckpointReader, errors: dict[str, 
     Raises:
         CkptError: a byte item cannot be read safely (only without ``errors``).
     """
+    own = per_parameter_item(cat.schema)
     for g in cat.param_groups:
         for hyper, key in g.keys.items():
-            if hyper in g.values or (hyper == "params" and g.params):
+            # a per-parameter optimizer's group has its fqn as params already; its saved params is still checked
+            if hyper in g.values or (hyper == "params" and g.params and not (own and g.flavor == "flattened")):
                 continue  # loaded already
             try:
                 value = _group_value(reader, key)
@@ -1212,6 +1214,9 @@ def load_param_groups(cat: Catalog, reader: CheckpointReader, errors: dict[str, 
             if hyper == "params":
                 try:
                     _check_params(cat, g, value)
+                    if own and g.flavor == "flattened":
+                        _check_own_params(cat, g, value)
+                        continue
                 except CkptError as e:
                     if errors is None:
                         raise
@@ -1254,6 +1259,25 @@ def _check_params(cat: Catalog, group: ParamGroup, value: Any) -> None:
                 "parameter name",
                 hint=hint,
             )
+
+
+def _check_own_params(cat: Catalog, group: ParamGroup, value: Any) -> None:
+    """Refuse the ``params`` of one optimizer per parameter (:func:`per_parameter_item`) that is not ``[0]``: that
+    optimizer held other parameters than the one its state is read for (``state.0``), which torch's
+    ``load_state_dict`` of a one-parameter optimizer refuses, and which parameter is its index 0 is not recorded.
+
+    Raises:
+        HyperparameterError (E514): naming the group (the parameter's fqn) and what its ``params`` lists.
+    """
+    if len(value) != 1 or value[0] != 0:
+        shown = repr(list(value[:4]))[:-1] + (", ...]" if len(value) > 4 else "]")
+        raise HyperparameterError(
+            f"{cat.path}: param group {group.group_id} (one optimizer per parameter): params lists {len(value)} "
+            f"parameter(s) {shown}, not that parameter alone ([0]): its optimizer held other parameters, so its "
+            "state.0 is not known to be this parameter's",
+            hint="save with one optimizer per parameter as torchtune's optimizer_in_bwd does, or with one optimizer "
+            "(optimizer_in_bwd False); or use an earlier checkpoint",
+        )
 
 
 def _group_value(reader: CheckpointReader, key: str) -> Any:
