@@ -363,13 +363,15 @@ def replacing_doc(new: dict[str, Any], old: dict[str, Any]) -> dict[str, Any]:
     replacement is finished by running it again.
     """
     previous: dict[str, list[Any]] = {}
+    seen: set[tuple[str, int, str]] = set()  # a set, not `in` on the lists: a planted marker's 10^6 entries stay linear
     old_files, old_prev = old.get("files"), old.get("previous")
     old_files = old_files if isinstance(old_files, dict) else {}
     old_prev = old_prev if isinstance(old_prev, dict) else {}
     for rel, entries in [*((r, [e]) for r, e in old_files.items()), *old_prev.items()]:
         for entry in entries if isinstance(entries, list) else ():
-            if _entry_ok(entry) and entry not in previous.setdefault(rel, []):
-                previous[rel].append(entry)
+            if _entry_ok(entry) and (rel, entry[0], entry[1]) not in seen:
+                seen.add((rel, entry[0], entry[1]))
+                previous.setdefault(rel, []).append(entry)
     return {**new, "state": "replacing", "previous": dict(sorted((r, e) for r, e in previous.items() if e))}
 
 

@@ -111,11 +111,14 @@ def _remote_ownership(store: RemoteStore, existing: dict[str, int], *, replacing
     """Whether the objects below an output prefix are provably a ckpttool output (its marker agrees with the
     listing: names, sizes, digests of each object's first and last MiB by range requests); ``replacing``: or an
     interrupted ``--overwrite`` of one (:func:`marker.replacing_doc`), which ``--overwrite`` may finish."""
-    doc = None
-    if marker.MARKER_NAME in existing:
+    doc, why = None, ""
+    size = existing.get(marker.MARKER_NAME)
+    if size is not None and size > marker.MAX_MARKER_BYTES:  # as a local one (read_marker): too large to be ours
+        why = f"its {marker.MARKER_NAME} of {size} bytes is larger than any ckpttool marker"
+    elif size is not None:
         doc = marker.parse_marker(store.read_whole(marker.MARKER_NAME, marker.MAX_MARKER_BYTES, what="marker"))
     sizes = {k: v for k, v in existing.items() if k != marker.MARKER_NAME}
-    why = marker.listing_disagreement(doc, sizes, store.read_range, replacing=replacing)
+    why = why or marker.listing_disagreement(doc, sizes, store.read_range, replacing=replacing)
     # the top-level names, as a directory's entries: an object below a sub-prefix names its folder; an object named
     # like the prefix itself with a trailing '/' that holds bytes (no folder marker: those are not listed) is '/'
     found = marker.describe_names({n.split("/", 1)[0] or "/" for n in existing})

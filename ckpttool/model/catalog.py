@@ -269,6 +269,8 @@ class Catalog:
     _unwrapped: dict[str, str] = field(default_factory=dict, repr=False, compare=False)  # the reverse of wrapped
     _group_index: dict[str, ParamGroup] | None = field(default=None, repr=False, compare=False)
     _group_index_size: int = field(default=-1, repr=False, compare=False)
+    # the groups whose params loading may change (all but flattened ones, which keep [fqn]), keyed by the list's id, len
+    _loadable_groups: tuple[int, int, list[ParamGroup]] | None = field(default=None, repr=False, compare=False)
     _fqns: tuple[tuple[int, int, str | None, int], list[str]] | None = field(default=None, repr=False, compare=False)
     _paths: dict[str, tuple[Any, ...]] | None = field(default=None, repr=False, compare=False)  # planner_paths
     _common: dict[tuple[str, PurePath], tuple[CommonState | None, CkptError | None]] = field(
@@ -458,7 +460,12 @@ class Catalog:
 
         Rebuilt when the number of listed params changed (after loading); do not keep it across loads.
         """
-        size = sum(len(g.params) for g in self.param_groups)
+        # O(nested groups) per call, not O(all groups): one flattened group per parameter (torchtune's optimizer_in_bwd,
+        # flatten_optimizer_state_dict) made a group_of per parameter quadratic (minutes at 10^4 parameters)
+        groups, cached = self.param_groups, self._loadable_groups
+        if cached is None or cached[:2] != (id(groups), len(groups)):
+            cached = self._loadable_groups = (id(groups), len(groups), [g for g in groups if g.flavor != "flattened"])
+        size = len(groups) + sum(len(g.params) - 1 for g in cached[2])
         if self._group_index is None or self._group_index_size != size:
             index: dict[str, ParamGroup] = {}
             for g in self.param_groups:  # the first group listing an fqn holds it (setdefault, at C speed)
@@ -1198,9 +1205,11 @@ def load_param_groups(cat: Catalog, reader: CheckpointReader, errors: dict[str, 
     Raises:
         CkptError: a byte item cannot be read safely (only without ``errors``).
     """
+    own = per_parameter_item(cat.schema)
     for g in cat.param_groups:
         for hyper, key in g.keys.items():
-            if hyper in g.values or (hyper == "params" and g.params):
+            # a per-parameter optimizer's group has its fqn as params already; its saved params is still checked
+            if hyper in g.values or (hyper == "params" and g.params and not (own and g.flavor == "flattened")):
                 continue  # loaded already
             try:
                 value = _group_value(reader, key)
@@ -1212,6 +1221,9 @@ def load_param_groups(cat: Catalog, reader: CheckpointReader, errors: dict[str, 
             if hyper == "params":
                 try:
                     _check_params(cat, g, value)
+                    if own and g.flavor == "flattened":
+                        _check_own_params(cat, g, value)
+                        continue
                 except CkptError as e:
                     if errors is None:
                         raise
@@ -1254,6 +1266,25 @@ def _check_params(cat: Catalog, group: ParamGroup, value: Any) -> None:
                 "parameter name",
                 hint=hint,
             )
+
+
+def _check_own_params(cat: Catalog, group: ParamGroup, value: Any) -> None:
+    """Refuse the ``params`` of one optimizer per parameter (:func:`per_parameter_item`) that is not ``[0]``: that
+    optimizer held other parameters than the one its state is read for (``state.0``), which torch's
+    ``load_state_dict`` of a one-parameter optimizer refuses, and which parameter is its index 0 is not recorded.
+
+    Raises:
+        HyperparameterError (E514): naming the group (the parameter's fqn) and what its ``params`` lists.
+    """
+    if len(value) != 1 or value[0] != 0:
+        shown = repr(list(value[:4]))[:-1] + (", ...]" if len(value) > 4 else "]")
+        raise HyperparameterError(
+            f"{cat.path}: param group {group.group_id} (one optimizer per parameter): params lists {len(value)} "
+            f"parameter(s) {shown}, not that parameter alone ([0]): its optimizer held other parameters, so its "
+            "state.0 is not known to be this parameter's",
+            hint="save with one optimizer per parameter as torchtune's optimizer_in_bwd does, or with one optimizer "
+            "(optimizer_in_bwd False); or use an earlier checkpoint",
+        )
 
 
 def _group_value(reader: CheckpointReader, key: str) -> Any:

@@ -1992,3 +1992,27 @@ def test_a_remote_checkpoint_dropped_without_close_deletes_its_spool(s3_server: 
     assert not folder.exists()
     for fd in fds:
         assert not os.path.exists(f"/proc/self/fd/{fd}") or os.readlink(f"/proc/self/fd/{fd}").find(folder.name) < 0
+
+
+def test_an_overwrite_over_a_marker_larger_than_any_of_ckpttools_is_e606_as_locally(
+    sample_ckpt: Path, s3_server: Any, tmp_path: Path
+) -> None:
+    """A prefix holding a user's object and a `.ckpttool-output.json` over the 64 MiB marker cap: `--overwrite` is
+    E606 (not provably ckpttool's), as a local directory with that file is; both objects are left as they are. Was
+    E307 with a hint to raise `--max-object-size`, which does not move the fixed marker cap."""
+    url = upload(s3_server, sample_ckpt)
+    big = b" " * (64 << 20) + b"{}"
+    s3 = s3_server.client()
+    s3.put_object(Bucket="ckpts", Key="big/notes.txt", Body=b"my notes")
+    s3.put_object(Bucket="ckpts", Key="big/.ckpttool-output.json", Body=big)
+    res = cli(s3_server, "--max-object-size", "1GB", "export", url, "s3://ckpts/big", "--overwrite")
+    assert res.exit_code == 2 and "[E606]" in res.stderr and "Traceback" not in res.output, res.output
+    assert "its .ckpttool-output.json of 67108866 bytes is larger than any ckpttool marker" in res.stderr
+    assert sorted(s3_server.keys("ckpts", "big/")) == ["big/.ckpttool-output.json", "big/notes.txt"]
+    assert s3.get_object(Bucket="ckpts", Key="big/notes.txt")["Body"].read() == b"my notes"
+    local = tmp_path / "big"
+    local.mkdir()
+    (local / "notes.txt").write_bytes(b"my notes")
+    (local / ".ckpttool-output.json").write_bytes(big)
+    res = runner.invoke(app, ["export", str(sample_ckpt), str(local), "--overwrite"])
+    assert res.exit_code == 2 and "[E606]" in res.stderr, res.output

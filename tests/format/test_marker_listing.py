@@ -61,3 +61,31 @@ def test_a_complete_marker_keeps_its_exact_listing() -> None:
     doc = _doc(NEW)
     assert _check(doc, NEW, replacing=True) == _check(doc, NEW, replacing=False) == ""
     assert "is missing" in _check(doc, {"x": NEW["x"]}, replacing=True)
+
+
+def test_a_planted_replacing_marker_of_a_million_entries_is_carried_over_without_hanging() -> None:
+    """A `replacing` marker (up to the 64 MiB cap) whose `previous` repeats one name's entries 10^6 times: the next
+    cut-short `--overwrite` carries each distinct entry over once, in a fresh interpreter that must finish (the
+    list membership test made it quadratic: hours for a marker under the cap)."""
+    code = """
+import json, sys
+from ckpttool.format import marker
+n = 10**6
+old = {"format": "ckpttool-output/1", "state": "replacing", "files": {"x": [1, "d"]},
+       "previous": {"x": [[i % 1000, "d%d" % i] for i in range(n)] + [[1, "d"]] * n, "y": [[2, "e"]] * n}}
+assert len(marker.marker_bytes(old)) < marker.MAX_MARKER_BYTES
+doc = marker.replacing_doc({"format": "ckpttool-output/1", "files": {"z": [3, "f"]}}, old)
+print(json.dumps([doc["state"], doc["files"], len(doc["previous"]["x"]), doc["previous"]["x"][:2], doc["previous"]["y"]]))
+"""
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
+    res = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0, res.stderr[-2000:]
+    state, files, n_x, first, y = json.loads(res.stdout)
+    assert (state, files, y) == ("replacing", {"z": [3, "f"]}, [[2, "e"]])
+    assert n_x == 10**6 + 1 and first == [[1, "d"], [0, "d0"]]  # old files first, then previous, each once

@@ -380,3 +380,74 @@ def test_optimizer_in_backward_save_exports_the_model_as_saved(tmp_path: Path) -
     ref = load_with_torch(ckpt, tmp_path)["model"]
     assert len(got) == len(ref) == 21
     assert got["model.embed_tokens.weight"].equal(ref["tok_embeddings.weight"])
+
+
+def test_a_per_parameter_optimizer_listing_other_parameters_is_refused(tmp_path: Path) -> None:
+    """Each per-parameter optimizer's group saved with ``params`` [0, 1, 2] (an optimizer of three parameters, its
+    state at index 0 only) is not torchtune's layout: torch's own load_state_dict into the one-parameter optimizer
+    refuses it, and which parameter index 0 is goes unrecorded. Was: read silently as each parameter's own (validate
+    K007 alone, replay-step replayed it). Now E514 naming the group: validate S011, inspect and replay-step exit 2."""
+    import torch
+    import torch.distributed.checkpoint as dcp
+
+    sd = load_with_torch(IN_BWD, tmp_path)
+    fqn = "layers.0.attn.k_proj.weight"
+    opts = sd["optimizer"]
+    opts[fqn]["param_groups"][0]["params"] = [0, 1, 2]
+    ck = tmp_path / "ck"
+    dcp.save(sd, checkpoint_id=str(ck), no_dist=True)
+    one = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(opts[fqn]["state"]["0"]["exp_avg"].shape))])
+    with pytest.raises(ValueError, match="doesn't match the size"):  # torch's own resume of that optimizer
+        one.load_state_dict({"state": {0: opts[fqn]["state"]["0"]}, "param_groups": opts[fqn]["param_groups"]})
+    doc = json.loads(cli("validate", str(ck), "--json", code=1))
+    key = f"optimizer.{fqn}.param_groups.0.params"
+    assert [(f["code"], f["key"]) for f in doc["findings"] if f["severity"] == "error"] == [("S011", key)], doc
+    assert (
+        f"param group {fqn} (one optimizer per parameter): params lists 3 parameter(s) [0, 1, 2]"
+        in (doc["findings"][0]["message"])
+    )
+    for cmd in (["inspect", str(ck)], ["replay-step", str(ck), "--device", "cpu"]):
+        res = runner.invoke(app, cmd)
+        assert res.exit_code == 2 and "[E514]" in res.stderr and "Traceback" not in res.output, (cmd, res.output)
+        assert len(res.stderr.strip().splitlines()) == 2 and fqn in res.stderr, res.stderr
+
+
+def test_the_group_of_each_of_many_per_parameter_optimizers_is_found_in_linear_time(tmp_path: Path) -> None:
+    """10^5 more parameters with one optimizer each (``model.<fqn>``, ``optimizer.<fqn>.state.0.exp_avg`` and
+    ``optimizer.<fqn>.param_groups.0.lr``, added to the committed save's .metadata): each parameter's own group is found, in a fresh interpreter that must finish.
+    Was quadratic (each lookup summed every group's params: one flattened group per parameter), minutes at 10^4
+    parameters for validate and hours at 10^5."""
+    import itertools
+    import os
+    import shutil
+    import subprocess
+    import sys
+
+    import torch
+
+    from tests.fixtures import hostile
+
+    ck = shutil.copytree(IN_BWD, tmp_path / "dist_epoch_0")
+    st = (hostile.DATA_FILE, *hostile.append_bytes(ck, hostile.DATA_FILE, hostile.torch_save_archive(torch.ones(1))))
+    tensors, byte_items, planner = hostile.metadata_specs(hostile.load_torch_metadata(ck))
+    n = 10**5
+    many = (
+        (f"{item}layers.{i + 2}.attn.q_proj.weight{tail}", "float32", (1,), [((0,), (1,), st)])
+        for i in range(n)
+        for item, tail in (("model.", ""), ("optimizer.", ".state.0.exp_avg"))
+    )
+    lr = dict(byte_items)["optimizer.output.weight.param_groups.0.lr"]  # each one's group: its lr, the saved bytes
+    groups = [(f"optimizer.layers.{i + 2}.attn.q_proj.weight.param_groups.0.lr", lr) for i in range(n)]
+    md = hostile.fast_metadata_pickle(itertools.chain(tensors, many), [*byte_items, *groups], planner)
+    (ck / ".metadata").write_bytes(md)
+    code = """
+import sys
+from ckpttool.model.catalog import build_catalog
+cat = build_catalog(sys.argv[1])
+fqns = sorted(cat.optimizer_state)
+print(cat.schema.optimizer_prefix, len(fqns), sum(1 for f in fqns if (g := cat.group_of(f)) is not None and g.params == [f]))
+"""
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
+    res = subprocess.run([sys.executable, "-c", code, str(ck)], env=env, capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert res.stdout.split() == ["optimizer.", str(n + 21), str(n + 21)], res.stdout
