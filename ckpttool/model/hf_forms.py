@@ -15,7 +15,17 @@ import functools
 import re
 from dataclasses import dataclass
 
-__all__ = ["FORMS", "ExpertForm", "fold_expert_forms", "forms_for", "register_form"]
+__all__ = [
+    "FORMS",
+    "KEY_RENAMES",
+    "ExpertForm",
+    "KeyRename",
+    "fold_expert_forms",
+    "forms_for",
+    "model_key",
+    "register_form",
+    "register_rename",
+]
 
 
 @dataclass(frozen=True)
@@ -120,6 +130,55 @@ register_form(
         module=r".+\.block_sparse_moe",
         renames=((".block_sparse_moe.", ".mlp."), (".gate.weight", ".router.weight")),
         reference="transformers/conversion_mapping.py 'phimoe'",
+    )
+)
+
+
+@dataclass(frozen=True)
+class KeyRename:
+    """A stored key name that transformers' loader renames for the model classes of some ``model_type`` values (a
+    ``WeightRenaming`` of ``conversion_mapping.py`` outside any expert form): ``save_pretrained`` writes ``stored``
+    (the name the family's hub checkpoints hold), the model's ``state_dict()`` holds ``model``.
+
+    Attributes:
+        model_types: the config ``model_type`` values it applies to.
+        stored: the stored key (whole key, matched exactly).
+        model: the model's own key.
+        reference: where transformers defines it.
+    """
+
+    model_types: tuple[str, ...]
+    stored: str
+    model: str
+    reference: str = ""
+
+
+#: the whole-key renames, in registration order.
+KEY_RENAMES: list[KeyRename] = []
+
+
+def register_rename(rename: KeyRename) -> KeyRename:
+    KEY_RENAMES.append(rename)
+    return rename
+
+
+def model_key(key: str, model_type: str | None) -> str:
+    """The model's own name of the stored ``key`` under a config of ``model_type``: the :data:`KEY_RENAMES` that
+    apply (GPT-NeoX's ``embed_out.weight`` -> ``lm_head.weight``), else ``key``."""
+    for r in KEY_RENAMES:
+        if key == r.stored and model_type in r.model_types:
+            return r.model
+    return key
+
+
+# transformers v5 names GPT-NeoX's output projection `lm_head` (it was `embed_out`); `save_pretrained` still writes
+# `embed_out.weight`, the name of the hub's Pythia / GPT-NeoX checkpoints, and `from_pretrained` renames it.
+register_rename(
+    KeyRename(
+        ("gpt_neox",),
+        "embed_out.weight",
+        "lm_head.weight",
+        reference="transformers/conversion_mapping.py 'GPTNeoXForCausalLM'",
     )
 )
 

@@ -1303,3 +1303,31 @@ def test_torchtitan_schema_of_a_model_type_no_adapter_converts_names_it(tmp_path
         f"'{model_type}', which none of its adapters converts (torchtitan-qwen3 (qwen3*), torchtitan-llama3 (llama))"
     ), err
     assert err[1].endswith("only for a model of that architecture"), err
+
+
+def test_gpt_neox_embed_out_imports_as_the_lm_head_from_pretrained_loads_it_into(tmp_path: Path) -> None:
+    """transformers v5's GPTNeoXForCausalLM holds its output projection as lm_head.weight, but save_pretrained writes
+    it as embed_out.weight (the hub's Pythia name) and from_pretrained renames it on load (conversion_mapping.py).
+    Before, the import kept embed_out.weight and refused the folder (E605: lm_head.weight missing; with
+    --allow-mismatch dcp.load failed); now it is written as model.lm_head.weight and the model dcp.load fills holds
+    from_pretrained's tensors bit for bit and gives its logits."""
+    import transformers
+
+    hf_models._quiet()
+    cfg = transformers.GPTNeoXConfig(
+        hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=48, vocab_size=96
+    )
+    torch.manual_seed(67)
+    transformers.GPTNeoXForCausalLM(cfg).save_pretrained(tmp_path / "hf")
+    assert "embed_out.weight" in hf_tensors(tmp_path / "hf")
+    cli("import", str(tmp_path / "hf"), str(tmp_path / "dcp"))
+    ref = transformers.GPTNeoXForCausalLM.from_pretrained(tmp_path / "hf").eval()
+    model = transformers.GPTNeoXForCausalLM(cfg).eval()
+    sd = {"model": model.state_dict()}
+    dcp.load(sd, checkpoint_id=str(tmp_path / "dcp"), no_dist=True)
+    model.load_state_dict(sd["model"])
+    want = ref.state_dict()
+    assert all(bitwise(model.state_dict()[k], v) for k, v in want.items())
+    ids = torch.tensor([[3, 17, 42, 5, 88]])
+    with torch.no_grad():
+        torch.testing.assert_close(model(ids).logits, ref(ids).logits, rtol=0, atol=0)
