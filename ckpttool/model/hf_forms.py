@@ -137,13 +137,13 @@ register_form(
 @dataclass(frozen=True)
 class KeyRename:
     """A stored key name that transformers' loader renames for the model classes of some ``model_type`` values (a
-    ``WeightRenaming`` of ``conversion_mapping.py`` outside any expert form): ``save_pretrained`` writes ``stored``
-    (the name the family's hub checkpoints hold), the model's ``state_dict()`` holds ``model``.
+    ``WeightRenaming`` of ``conversion_mapping.py`` outside any expert form): ``save_pretrained`` writes the name
+    ``stored`` matches (the name the family's hub checkpoints hold), the model's ``state_dict()`` holds ``model``.
 
     Attributes:
         model_types: the config ``model_type`` values it applies to.
-        stored: the stored key (whole key, matched exactly).
-        model: the model's own key.
+        stored: a regex the whole stored key matches.
+        model: the model's own key (``re.Match.expand`` template: ``\\1`` is the first group).
         reference: where transformers defines it.
     """
 
@@ -151,6 +151,13 @@ class KeyRename:
     stored: str
     model: str
     reference: str = ""
+
+    def apply(self, key: str, model_type: str | None) -> str | None:
+        """The model's key for the stored ``key``, or ``None`` where this rename does not apply to it."""
+        if model_type not in self.model_types:
+            return None
+        m = re.fullmatch(self.stored, key)
+        return m.expand(self.model) if m is not None else None
 
 
 #: the whole-key renames, in registration order.
@@ -163,12 +170,27 @@ def register_rename(rename: KeyRename) -> KeyRename:
 
 
 def model_key(key: str, model_type: str | None) -> str:
-    """The model's own name of the stored ``key`` under a config of ``model_type``: the :data:`KEY_RENAMES` that
-    apply (GPT-NeoX's ``embed_out.weight`` -> ``lm_head.weight``), else ``key``."""
+    """The model's own name of the stored ``key`` under a config of ``model_type``: the first of the
+    :data:`KEY_RENAMES` that applies (GPT-NeoX's ``embed_out.weight`` -> ``lm_head.weight``), else ``key``."""
     for r in KEY_RENAMES:
-        if key == r.stored and model_type in r.model_types:
-            return r.model
+        name = r.apply(key, model_type)
+        if name is not None:
+            return name
     return key
+
+
+# transformers' "lfm2_moe" conversion: Mixtral's projection names under `feed_forward`, no renames.
+register_form(
+    ExpertForm(
+        "lfm2_moe",
+        ("lfm2_moe",),
+        "w1",
+        "w3",
+        "w2",
+        module=r".+\.feed_forward",
+        reference="transformers/conversion_mapping.py 'lfm2_moe'",
+    )
+)
 
 
 # transformers v5 names GPT-NeoX's output projection `lm_head` (it was `embed_out`); `save_pretrained` still writes
@@ -176,11 +198,27 @@ def model_key(key: str, model_type: str | None) -> str:
 register_rename(
     KeyRename(
         ("gpt_neox",),
-        "embed_out.weight",
+        r"embed_out\.weight",
         "lm_head.weight",
         reference="transformers/conversion_mapping.py 'GPTNeoXForCausalLM'",
     )
 )
+# Granite MoE stores its experts fused under the names of its own MoE module (`input_linear` [E, 2I, H], gate rows
+# first, `output_linear` [E, H, I], `router.layer`); the v5 model holds them as `experts.gate_up_proj` / `down_proj`.
+_GRANITE_MOE = ("granitemoe", "granitemoeshared", "granitemoehybrid")
+for _stored, _model in (
+    ("input_linear.weight", "experts.gate_up_proj"),
+    ("output_linear.weight", "experts.down_proj"),
+    ("router.layer.weight", "router.weight"),
+):
+    register_rename(
+        KeyRename(
+            _GRANITE_MOE,
+            rf"(.+\.block_sparse_moe)\.{re.escape(_stored)}",
+            rf"\1.{_model}",
+            reference="transformers/conversion_mapping.py 'granitemoe'",
+        )
+    )
 
 
 def fold_expert_forms(

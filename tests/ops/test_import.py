@@ -1305,25 +1305,56 @@ def test_torchtitan_schema_of_a_model_type_no_adapter_converts_names_it(tmp_path
     assert err[1].endswith("only for a model of that architecture"), err
 
 
-def test_gpt_neox_embed_out_imports_as_the_lm_head_from_pretrained_loads_it_into(tmp_path: Path) -> None:
-    """transformers v5's GPTNeoXForCausalLM holds its output projection as lm_head.weight, but save_pretrained writes
-    it as embed_out.weight (the hub's Pythia name) and from_pretrained renames it on load (conversion_mapping.py).
-    Before, the import kept embed_out.weight and refused the folder (E605: lm_head.weight missing; with
-    --allow-mismatch dcp.load failed); now it is written as model.lm_head.weight and the model dcp.load fills holds
-    from_pretrained's tensors bit for bit and gives its logits."""
+def _renamed_family(family: str) -> Any:
+    import transformers
+
+    dims = {"hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 4, "vocab_size": 96}
+    if family == "gpt_neox":
+        return transformers.GPTNeoXForCausalLM(transformers.GPTNeoXConfig(**dims, intermediate_size=48))
+    if family == "granitemoe":
+        cfg = transformers.GraniteMoeConfig(**dims, intermediate_size=48, num_local_experts=4, num_experts_per_tok=2)
+        return transformers.GraniteMoeForCausalLM(cfg)
+    assert family == "lfm2_moe", family
+    cfg = transformers.Lfm2MoeConfig(
+        **dims,
+        num_key_value_heads=2,
+        intermediate_size=48,
+        moe_intermediate_size=16,
+        num_experts=4,
+        num_experts_per_tok=2,
+        num_dense_layers=1,
+        layer_types=["full_attention", "conv"],
+    )
+    return transformers.Lfm2MoeForCausalLM(cfg)
+
+
+@pytest.mark.parametrize(
+    "family,stored",
+    [
+        ("gpt_neox", "embed_out.weight"),
+        ("granitemoe", "model.layers.1.block_sparse_moe.input_linear.weight"),
+        ("lfm2_moe", "model.layers.1.feed_forward.experts.3.w3.weight"),
+    ],
+)
+def test_keys_from_pretrained_renames_import_under_the_models_own_names(
+    tmp_path: Path, family: str, stored: str
+) -> None:
+    """save_pretrained writes the names transformers' loader renames on load (conversion_mapping.py): GPT-NeoX's
+    embed_out.weight (the model's lm_head.weight), Granite MoE's block_sparse_moe.input_linear / output_linear /
+    router.layer (experts.gate_up_proj / down_proj, router), LFM2-MoE's per-expert feed_forward.experts.<j>.w1/w3/w2
+    (fused experts). Before, the import kept the stored names and refused the folder (E605: the model's keys missing;
+    with --allow-mismatch dcp.load failed); now the model dcp.load fills holds from_pretrained's tensors bit for bit
+    and gives its logits."""
     import transformers
 
     hf_models._quiet()
-    cfg = transformers.GPTNeoXConfig(
-        hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=48, vocab_size=96
-    )
     torch.manual_seed(67)
-    transformers.GPTNeoXForCausalLM(cfg).save_pretrained(tmp_path / "hf")
-    assert "embed_out.weight" in hf_tensors(tmp_path / "hf")
+    _renamed_family(family).save_pretrained(tmp_path / "hf")
+    assert stored in hf_tensors(tmp_path / "hf")
     cli("import", str(tmp_path / "hf"), str(tmp_path / "dcp"))
-    ref = transformers.GPTNeoXForCausalLM.from_pretrained(tmp_path / "hf").eval()
-    model = transformers.GPTNeoXForCausalLM(cfg).eval()
-    sd = {"model": model.state_dict()}
+    ref = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf").eval()
+    model = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf").eval()
+    sd = {"model": {k: torch.zeros_like(v) for k, v in model.state_dict().items()}}
     dcp.load(sd, checkpoint_id=str(tmp_path / "dcp"), no_dist=True)
     model.load_state_dict(sd["model"])
     want = ref.state_dict()
