@@ -203,6 +203,21 @@ register_rename(
         reference="transformers/conversion_mapping.py 'GPTNeoXForCausalLM'",
     )
 )
+# Qwen2-VL / Qwen2.5-VL: `save_pretrained` writes the language model at the top level (`model.layers.N...`) and the
+# vision tower as `visual.*`; the v5 `Qwen2VLForConditionalGeneration` holds them under `model.language_model.` and
+# `model.visual.` (`lm_head.weight` stays).
+for _stored, _model in (
+    (r"visual\.(.+)", r"model.visual.\1"),
+    (r"model\.(?!language_model\.|visual\.)(.+)", r"model.language_model.\1"),
+):
+    register_rename(
+        KeyRename(
+            ("qwen2_vl", "qwen2_5_vl"),
+            _stored,
+            _model,
+            reference="transformers/conversion_mapping.py 'Qwen2VLForConditionalGeneration'",
+        )
+    )
 # Granite MoE stores its experts fused under the names of its own MoE module (`input_linear` [E, 2I, H], gate rows
 # first, `output_linear` [E, H, I], `router.layer`); the v5 model holds them as `experts.gate_up_proj` / `down_proj`.
 _GRANITE_MOE = ("granitemoe", "granitemoeshared", "granitemoehybrid")

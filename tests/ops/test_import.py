@@ -1314,6 +1314,12 @@ def _renamed_family(family: str) -> Any:
     if family == "granitemoe":
         cfg = transformers.GraniteMoeConfig(**dims, intermediate_size=48, num_local_experts=4, num_experts_per_tok=2)
         return transformers.GraniteMoeForCausalLM(cfg)
+    if family == "qwen2_vl":
+        text = {**dims, "num_key_value_heads": 2, "intermediate_size": 48}
+        rope = {"rope_type": "default", "mrope_section": [1, 1, 2]}
+        vision = {"depth": 1, "embed_dim": 16, "hidden_size": 32, "num_heads": 2, "mlp_ratio": 2}
+        cfg = transformers.Qwen2VLConfig(text_config={**text, "rope_scaling": rope}, vision_config=vision)
+        return transformers.Qwen2VLForConditionalGeneration(cfg)
     assert family == "lfm2_moe", family
     cfg = transformers.Lfm2MoeConfig(
         **dims,
@@ -1334,6 +1340,7 @@ def _renamed_family(family: str) -> Any:
         ("gpt_neox", "embed_out.weight"),
         ("granitemoe", "model.layers.1.block_sparse_moe.input_linear.weight"),
         ("lfm2_moe", "model.layers.1.feed_forward.experts.3.w3.weight"),
+        ("qwen2_vl", "visual.patch_embed.proj.weight"),
     ],
 )
 def test_keys_from_pretrained_renames_import_under_the_models_own_names(
@@ -1342,8 +1349,9 @@ def test_keys_from_pretrained_renames_import_under_the_models_own_names(
     """save_pretrained writes the names transformers' loader renames on load (conversion_mapping.py): GPT-NeoX's
     embed_out.weight (the model's lm_head.weight), Granite MoE's block_sparse_moe.input_linear / output_linear /
     router.layer (experts.gate_up_proj / down_proj, router), LFM2-MoE's per-expert feed_forward.experts.<j>.w1/w3/w2
-    (fused experts). Before, the import kept the stored names and refused the folder (E605: the model's keys missing;
-    with --allow-mismatch dcp.load failed); now the model dcp.load fills holds from_pretrained's tensors bit for bit
+    (fused experts), Qwen2-VL's model.layers.N / visual.* (model.language_model.layers.N / model.visual.*). Before,
+    the import kept the stored names and refused the folder (E605: the model's keys missing; with --allow-mismatch
+    dcp.load failed), or for Qwen2-VL (no causal LM to check against) wrote keys dcp.load could not load; now the model dcp.load fills holds from_pretrained's tensors bit for bit
     and gives its logits."""
     import transformers
 
@@ -1352,8 +1360,9 @@ def test_keys_from_pretrained_renames_import_under_the_models_own_names(
     _renamed_family(family).save_pretrained(tmp_path / "hf")
     assert stored in hf_tensors(tmp_path / "hf")
     cli("import", str(tmp_path / "hf"), str(tmp_path / "dcp"))
-    ref = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf").eval()
-    model = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf").eval()
+    cls = getattr(transformers, transformers.AutoConfig.from_pretrained(tmp_path / "hf").architectures[0])
+    ref = cls.from_pretrained(tmp_path / "hf").eval()
+    model = cls.from_pretrained(tmp_path / "hf").eval()
     sd = {"model": {k: torch.zeros_like(v) for k, v in model.state_dict().items()}}
     dcp.load(sd, checkpoint_id=str(tmp_path / "dcp"), no_dist=True)
     model.load_state_dict(sd["model"])
