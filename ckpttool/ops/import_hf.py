@@ -862,7 +862,8 @@ def _tie_lm_head(sources: dict[str, _Source], config: Any, warnings: list[str]) 
         return
     head = sources.get("lm_head.weight")
     if head is not None:
-        emb = untied_embedding_key(sources) if tied_embedding_key(sources) is None else None
+        model_type = config.get("model_type") if isinstance(config, dict) else None
+        emb = untied_embedding_key(sources, model_type=model_type) if tied_embedding_key(sources) is None else None
         # an embedding of the head's shape stored under a name of its own (InternLM2's tok_embeddings): never a second
         if emb is not None and not any(
             k != head.key and "emb" in k and v.shape == head.shape for k, v in sources.items()
