@@ -244,7 +244,8 @@ def fold_expert_forms(
     ``<p>.experts.<j>.{gate,up,down}_proj.weight``, Mixtral's ``<p>.block_sparse_moe.experts.<j>.{w1,w3,w2}.weight``)
     with every expert ``0..E-1``, parts of one shape, folded into the fused ``<p>.experts.gate_up_proj``
     ``[E, 2I, H]`` / ``down_proj`` (as ``import`` fuses them), then the form's renames applied to every key
-    (Mixtral's ``.block_sparse_moe.`` -> ``.mlp.``); anything else as it is. Experts of one shape but several
+    (Mixtral's ``.block_sparse_moe.`` -> ``.mlp.``) and the :data:`KEY_RENAMES` of ``model_type``; anything else as
+    it is. Experts of one shape but several
     dtypes fold too (transformers casts them as it loads): the fused tensor carries a dtype other than the config's
     ``want_dtype`` where one expert's is, so the dtype finding names it (not M010 shape errors of right shapes).
     Used by validate's M010 and by export's check against a config (``--model-assets``', or the ``config.json``
@@ -270,4 +271,5 @@ def fold_expert_forms(
                 out.setdefault(f"{prefix}.experts.{fused}", ((n, rows * len(parts), cols), dtype))
         if form.renames:
             out = {form.rename(k): v for k, v in out.items()}
-    return out
+    renamed = {model_key(k, model_type): v for k, v in out.items()}  # KEY_RENAMES (GPT-NeoX's embed_out)
+    return renamed if len(renamed) == len(out) else out
