@@ -218,6 +218,29 @@ for _stored, _model in (
             reference="transformers/conversion_mapping.py 'Qwen2VLForConditionalGeneration'",
         )
     )
+# The Llava-style vision-language models (Gemma 3, Mistral 3, PaliGemma, ...): `save_pretrained` writes
+# `language_model.model.*`, `language_model.lm_head.*`, `vision_tower.*`, `multi_modal_projector.*`; the v5
+# `...ForConditionalGeneration` holds `model.language_model.*`, `lm_head.*`, `model.vision_tower.*`,
+# `model.multi_modal_projector.*` (its `llava` conversion, with `LlavaModel`'s `language_model.model` -> `language_model`).
+_LLAVA = (
+    "llava",
+    "aria",
+    "paligemma",
+    "aya_vision",
+    "got_ocr2",
+    "gemma3",
+    "internvl",
+    "vipllava",
+    "mistral3",
+    "pp_chart2table",
+)
+for _stored, _model in (
+    (r"language_model\.model\.(.+)", r"model.language_model.\1"),
+    (r"language_model\.lm_head\.(.+)", r"lm_head.\1"),
+    (r"vision_tower\.(.+)", r"model.vision_tower.\1"),
+    (r"multi_modal_projector\.(.+)", r"model.multi_modal_projector.\1"),
+):
+    register_rename(KeyRename(_LLAVA, _stored, _model, reference="transformers/conversion_mapping.py 'llava'"))
 # Granite MoE stores its experts fused under the names of its own MoE module (`input_linear` [E, 2I, H], gate rows
 # first, `output_linear` [E, H, I], `router.layer`); the v5 model holds them as `experts.gate_up_proj` / `down_proj`.
 _GRANITE_MOE = ("granitemoe", "granitemoeshared", "granitemoehybrid")

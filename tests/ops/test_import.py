@@ -1320,6 +1320,20 @@ def _renamed_family(family: str) -> Any:
         vision = {"depth": 1, "embed_dim": 16, "hidden_size": 32, "num_heads": 2, "mlp_ratio": 2}
         cfg = transformers.Qwen2VLConfig(text_config={**text, "rope_scaling": rope}, vision_config=vision)
         return transformers.Qwen2VLForConditionalGeneration(cfg)
+    text = {**dims, "num_key_value_heads": 2, "intermediate_size": 48}
+    vision = {"hidden_size": 16, "intermediate_size": 32, "num_hidden_layers": 1, "num_attention_heads": 2}
+    vision |= {"image_size": 28, "patch_size": 14}
+    if family == "gemma3":
+        cfg = transformers.Gemma3Config(
+            text_config={**text, "head_dim": 8}, vision_config=vision, mm_tokens_per_image=4
+        )
+        return transformers.Gemma3ForConditionalGeneration(cfg)
+    if family == "mistral3":
+        cfg = transformers.Mistral3Config(
+            text_config={"model_type": "mistral", **text},
+            vision_config={"model_type": "pixtral", **vision, "head_dim": 8},
+        )
+        return transformers.Mistral3ForConditionalGeneration(cfg)
     assert family == "lfm2_moe", family
     cfg = transformers.Lfm2MoeConfig(
         **dims,
@@ -1341,6 +1355,8 @@ def _renamed_family(family: str) -> Any:
         ("granitemoe", "model.layers.1.block_sparse_moe.input_linear.weight"),
         ("lfm2_moe", "model.layers.1.feed_forward.experts.3.w3.weight"),
         ("qwen2_vl", "visual.patch_embed.proj.weight"),
+        ("gemma3", "language_model.model.embed_tokens.weight"),
+        ("mistral3", "multi_modal_projector.linear_1.weight"),
     ],
 )
 def test_keys_from_pretrained_renames_import_under_the_models_own_names(
@@ -1351,7 +1367,8 @@ def test_keys_from_pretrained_renames_import_under_the_models_own_names(
     router.layer (experts.gate_up_proj / down_proj, router), LFM2-MoE's per-expert feed_forward.experts.<j>.w1/w3/w2
     (fused experts), Qwen2-VL's model.layers.N / visual.* (model.language_model.layers.N / model.visual.*). Before,
     the import kept the stored names and refused the folder (E605: the model's keys missing; with --allow-mismatch
-    dcp.load failed), or for Qwen2-VL (no causal LM to check against) wrote keys dcp.load could not load; now the model dcp.load fills holds from_pretrained's tensors bit for bit
+    dcp.load failed), or for Qwen2-VL (no causal LM to check against) wrote keys dcp.load could not load, as the Llava-style Gemma 3 / Mistral 3 folders (language_model.model.*, vision_tower.*,
+    multi_modal_projector.*; Gemma 3 refused, E605); now the model dcp.load fills holds from_pretrained's tensors bit for bit
     and gives its logits."""
     import transformers
 
