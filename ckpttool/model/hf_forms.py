@@ -15,7 +15,17 @@ import functools
 import re
 from dataclasses import dataclass
 
-__all__ = ["FORMS", "ExpertForm", "fold_expert_forms", "forms_for", "register_form"]
+__all__ = [
+    "FORMS",
+    "KEY_RENAMES",
+    "ExpertForm",
+    "KeyRename",
+    "fold_expert_forms",
+    "forms_for",
+    "model_key",
+    "register_form",
+    "register_rename",
+]
 
 
 @dataclass(frozen=True)
@@ -124,6 +134,131 @@ register_form(
 )
 
 
+@dataclass(frozen=True)
+class KeyRename:
+    """A stored key name that transformers' loader renames for the model classes of some ``model_type`` values (a
+    ``WeightRenaming`` of ``conversion_mapping.py`` outside any expert form): ``save_pretrained`` writes the name
+    ``stored`` matches (the name the family's hub checkpoints hold), the model's ``state_dict()`` holds ``model``.
+
+    Attributes:
+        model_types: the config ``model_type`` values it applies to.
+        stored: a regex the whole stored key matches.
+        model: the model's own key (``re.Match.expand`` template: ``\\1`` is the first group).
+        reference: where transformers defines it.
+    """
+
+    model_types: tuple[str, ...]
+    stored: str
+    model: str
+    reference: str = ""
+
+    def apply(self, key: str, model_type: str | None) -> str | None:
+        """The model's key for the stored ``key``, or ``None`` where this rename does not apply to it."""
+        if model_type not in self.model_types:
+            return None
+        m = re.fullmatch(self.stored, key)
+        return m.expand(self.model) if m is not None else None
+
+
+#: the whole-key renames, in registration order.
+KEY_RENAMES: list[KeyRename] = []
+
+
+def register_rename(rename: KeyRename) -> KeyRename:
+    KEY_RENAMES.append(rename)
+    return rename
+
+
+def model_key(key: str, model_type: str | None) -> str:
+    """The model's own name of the stored ``key`` under a config of ``model_type``: the first of the
+    :data:`KEY_RENAMES` that applies (GPT-NeoX's ``embed_out.weight`` -> ``lm_head.weight``), else ``key``."""
+    for r in KEY_RENAMES:
+        name = r.apply(key, model_type)
+        if name is not None:
+            return name
+    return key
+
+
+# transformers' "lfm2_moe" conversion: Mixtral's projection names under `feed_forward`, no renames.
+register_form(
+    ExpertForm(
+        "lfm2_moe",
+        ("lfm2_moe",),
+        "w1",
+        "w3",
+        "w2",
+        module=r".+\.feed_forward",
+        reference="transformers/conversion_mapping.py 'lfm2_moe'",
+    )
+)
+
+
+# transformers v5 names GPT-NeoX's output projection `lm_head` (it was `embed_out`); `save_pretrained` still writes
+# `embed_out.weight`, the name of the hub's Pythia / GPT-NeoX checkpoints, and `from_pretrained` renames it.
+register_rename(
+    KeyRename(
+        ("gpt_neox",),
+        r"embed_out\.weight",
+        "lm_head.weight",
+        reference="transformers/conversion_mapping.py 'GPTNeoXForCausalLM'",
+    )
+)
+# Qwen2-VL / Qwen2.5-VL: `save_pretrained` writes the language model at the top level (`model.layers.N...`) and the
+# vision tower as `visual.*`; the v5 `Qwen2VLForConditionalGeneration` holds them under `model.language_model.` and
+# `model.visual.` (`lm_head.weight` stays).
+for _stored, _model in (
+    (r"visual\.(.+)", r"model.visual.\1"),
+    (r"model\.(?!language_model\.|visual\.)(.+)", r"model.language_model.\1"),
+):
+    register_rename(
+        KeyRename(
+            ("qwen2_vl", "qwen2_5_vl"),
+            _stored,
+            _model,
+            reference="transformers/conversion_mapping.py 'Qwen2VLForConditionalGeneration'",
+        )
+    )
+# The Llava-style vision-language models (Gemma 3, Mistral 3, PaliGemma, ...): `save_pretrained` writes
+# `language_model.model.*`, `language_model.lm_head.*`, `vision_tower.*`, `multi_modal_projector.*`; the v5
+# `...ForConditionalGeneration` holds `model.language_model.*`, `lm_head.*`, `model.vision_tower.*`,
+# `model.multi_modal_projector.*` (its `llava` conversion, with `LlavaModel`'s `language_model.model` -> `language_model`).
+_LLAVA = (
+    "llava",
+    "aria",
+    "paligemma",
+    "aya_vision",
+    "got_ocr2",
+    "gemma3",
+    "internvl",
+    "vipllava",
+    "mistral3",
+    "pp_chart2table",
+)
+for _stored, _model in (
+    (r"language_model\.model\.(.+)", r"model.language_model.\1"),
+    (r"language_model\.lm_head\.(.+)", r"lm_head.\1"),
+    (r"vision_tower\.(.+)", r"model.vision_tower.\1"),
+    (r"multi_modal_projector\.(.+)", r"model.multi_modal_projector.\1"),
+):
+    register_rename(KeyRename(_LLAVA, _stored, _model, reference="transformers/conversion_mapping.py 'llava'"))
+# Granite MoE stores its experts fused under the names of its own MoE module (`input_linear` [E, 2I, H], gate rows
+# first, `output_linear` [E, H, I], `router.layer`); the v5 model holds them as `experts.gate_up_proj` / `down_proj`.
+_GRANITE_MOE = ("granitemoe", "granitemoeshared", "granitemoehybrid")
+for _stored, _model in (
+    ("input_linear.weight", "experts.gate_up_proj"),
+    ("output_linear.weight", "experts.down_proj"),
+    ("router.layer.weight", "router.weight"),
+):
+    register_rename(
+        KeyRename(
+            _GRANITE_MOE,
+            rf"(.+\.block_sparse_moe)\.{re.escape(_stored)}",
+            rf"\1.{_model}",
+            reference="transformers/conversion_mapping.py 'granitemoe'",
+        )
+    )
+
+
 def fold_expert_forms(
     written: dict[str, tuple[tuple[int, ...], str]], model_type: str | None, want_dtype: str | None = None
 ) -> dict[str, tuple[tuple[int, ...], str]]:
@@ -132,7 +267,8 @@ def fold_expert_forms(
     ``<p>.experts.<j>.{gate,up,down}_proj.weight``, Mixtral's ``<p>.block_sparse_moe.experts.<j>.{w1,w3,w2}.weight``)
     with every expert ``0..E-1``, parts of one shape, folded into the fused ``<p>.experts.gate_up_proj``
     ``[E, 2I, H]`` / ``down_proj`` (as ``import`` fuses them), then the form's renames applied to every key
-    (Mixtral's ``.block_sparse_moe.`` -> ``.mlp.``); anything else as it is. Experts of one shape but several
+    (Mixtral's ``.block_sparse_moe.`` -> ``.mlp.``) and the :data:`KEY_RENAMES` of ``model_type``; anything else as
+    it is. Experts of one shape but several
     dtypes fold too (transformers casts them as it loads): the fused tensor carries a dtype other than the config's
     ``want_dtype`` where one expert's is, so the dtype finding names it (not M010 shape errors of right shapes).
     Used by validate's M010 and by export's check against a config (``--model-assets``', or the ``config.json``
@@ -158,4 +294,5 @@ def fold_expert_forms(
                 out.setdefault(f"{prefix}.experts.{fused}", ((n, rows * len(parts), cols), dtype))
         if form.renames:
             out = {form.rename(k): v for k, v in out.items()}
-    return out
+    renamed = {model_key(k, model_type): v for k, v in out.items()}  # KEY_RENAMES (GPT-NeoX's embed_out)
+    return renamed if len(renamed) == len(out) else out

@@ -21,6 +21,7 @@ __all__ = [
     "tie_word_embeddings",
     "tied_embedding_key",
     "untied_embedding_key",
+    "TIED_EMBEDDING_OF_MODEL_TYPE",
     "TIE_DEFAULTS",
     "TIED_EMBEDDING_KEYS",
 ]
@@ -46,12 +47,26 @@ def tied_embedding_key(names: Container[str], candidates: Iterable[str] = TIED_E
     return found[0] if len(found) == 1 else None
 
 
-def untied_embedding_key(names: Collection[str], candidates: Iterable[str] = TIED_EMBEDDING_KEYS) -> str | None:
+#: The embedding of :data:`TIED_EMBEDDING_KEYS` that the model class of a ``model_type`` ties ``lm_head.weight`` to,
+#: for the families whose candidates lie equally deep (``transformer.wte`` beside ``transformer.word_embeddings``).
+TIED_EMBEDDING_OF_MODEL_TYPE: dict[str, str] = {
+    "gpt2": "transformer.wte.weight",
+    "gptj": "transformer.wte.weight",
+    "gpt_bigcode": "transformer.wte.weight",
+    "bloom": "transformer.word_embeddings.weight",
+    "falcon": "transformer.word_embeddings.weight",
+}
+
+
+def untied_embedding_key(
+    names: Collection[str], candidates: Iterable[str] = TIED_EMBEDDING_KEYS, model_type: str | None = None
+) -> str | None:
     """The embedding a tied ``lm_head.weight`` stands for in a folder that stores the head and none of ``candidates``
     (safetensors' ``save_model`` keeps the first name of shared tensors in sorted order: ``lm_head.weight``): the
     candidate whose module (its key less the last two names: ``model.decoder.`` of OPT's) holds keys of ``names``,
     the deepest (OPT's ``model.decoder.`` before Llama's ``model.``); ``None`` where none does or several at one depth
-    (GPT-2's ``transformer.wte`` beside BLOOM's ``transformer.word_embeddings``)."""
+    (GPT-2's ``transformer.wte`` beside BLOOM's ``transformer.word_embeddings``), unless the config's ``model_type``
+    names one of them (:data:`TIED_EMBEDDING_OF_MODEL_TYPE`)."""
     hits = [
         c for c in candidates if any(n.startswith(c.rsplit(".", 2)[0] + ".") for n in names if n != "lm_head.weight")
     ]
@@ -59,7 +74,10 @@ def untied_embedding_key(names: Collection[str], candidates: Iterable[str] = TIE
         return None
     depth = max(c.count(".") for c in hits)
     deepest = [c for c in hits if c.count(".") == depth]
-    return deepest[0] if len(deepest) == 1 else None
+    if len(deepest) == 1:
+        return deepest[0]
+    named = TIED_EMBEDDING_OF_MODEL_TYPE.get(model_type or "")
+    return named if named in deepest else None
 
 
 #: The ``tie_word_embeddings`` default of transformers' config class for each ``model_type`` (what

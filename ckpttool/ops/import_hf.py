@@ -59,7 +59,7 @@ from ckpttool.model.adapters import (
 from ckpttool.model.beside import hf_config_beside, is_training_state_file
 from ckpttool.model.catalog import refuse_long_numbers
 from ckpttool.model.discovery import find_checkpoints, step_of
-from ckpttool.model.hf_forms import FORMS, ExpertForm, forms_for
+from ckpttool.model.hf_forms import FORMS, ExpertForm, forms_for, model_key
 from ckpttool.model.hfconfig import (
     config_value,
     read_hf_config,
@@ -862,7 +862,8 @@ def _tie_lm_head(sources: dict[str, _Source], config: Any, warnings: list[str]) 
         return
     head = sources.get("lm_head.weight")
     if head is not None:
-        emb = untied_embedding_key(sources) if tied_embedding_key(sources) is None else None
+        model_type = config.get("model_type") if isinstance(config, dict) else None
+        emb = untied_embedding_key(sources, model_type=model_type) if tied_embedding_key(sources) is None else None
         # an embedding of the head's shape stored under a name of its own (InternLM2's tok_embeddings): never a second
         if emb is not None and not any(
             k != head.key and "emb" in k and v.shape == head.shape for k, v in sources.items()
@@ -1295,8 +1296,30 @@ def _prepare_sources(
     tying config a stored head holds its embedding's values (:func:`_check_tied_head`: before any is dequantized)."""
     _check_not_empty(src_dir, sources)
     _check_index(src_dir, sources)
+    _rename_stored_keys(sources, config)
     _add_base_model_prefix(sources, config, opts, warnings)
     _check_tied_head(src_dir, sources, config, cfg_path)
+
+
+def _rename_stored_keys(sources: dict[str, _Source], config: Any) -> None:
+    """Stored keys the config's model class holds under another name (GPT-NeoX's ``embed_out.weight``, which
+    transformers v5 loads as ``lm_head.weight``: :data:`ckpttool.model.hf_forms.KEY_RENAMES`) under the model's name,
+    as ``from_pretrained`` renames them.
+
+    Raises:
+        ExportError (E601): a stored key beside the model's own name of it (two tensors for one key).
+    """
+    model_type = config.get("model_type") if config is not None else None
+    for key in [k for k in sources if model_key(k, model_type) != k]:
+        name = model_key(key, model_type)
+        if name in sources:
+            raise ExportError(
+                f"{key}: stored beside another tensor of the model key {name!r}",
+                fqn=key,
+                hint="the folder mixes two naming forms of one model; re-save it with save_pretrained",
+            )
+        s = sources.pop(key)
+        sources[name] = replace(s, key=name)
 
 
 def _add_base_model_prefix(sources: dict[str, _Source], config: Any, opts: ImportOptions, warnings: list[str]) -> None:

@@ -1303,3 +1303,88 @@ def test_torchtitan_schema_of_a_model_type_no_adapter_converts_names_it(tmp_path
         f"'{model_type}', which none of its adapters converts (torchtitan-qwen3 (qwen3*), torchtitan-llama3 (llama))"
     ), err
     assert err[1].endswith("only for a model of that architecture"), err
+
+
+def _renamed_family(family: str) -> Any:
+    import transformers
+
+    dims = {"hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 4, "vocab_size": 96}
+    if family == "gpt_neox":
+        return transformers.GPTNeoXForCausalLM(transformers.GPTNeoXConfig(**dims, intermediate_size=48))
+    if family == "granitemoe":
+        cfg = transformers.GraniteMoeConfig(**dims, intermediate_size=48, num_local_experts=4, num_experts_per_tok=2)
+        return transformers.GraniteMoeForCausalLM(cfg)
+    if family == "qwen2_vl":
+        text = {**dims, "num_key_value_heads": 2, "intermediate_size": 48}
+        rope = {"rope_type": "default", "mrope_section": [1, 1, 2]}
+        vision = {"depth": 1, "embed_dim": 16, "hidden_size": 32, "num_heads": 2, "mlp_ratio": 2}
+        cfg = transformers.Qwen2VLConfig(text_config={**text, "rope_scaling": rope}, vision_config=vision)
+        return transformers.Qwen2VLForConditionalGeneration(cfg)
+    text = {**dims, "num_key_value_heads": 2, "intermediate_size": 48}
+    vision = {"hidden_size": 16, "intermediate_size": 32, "num_hidden_layers": 1, "num_attention_heads": 2}
+    vision |= {"image_size": 28, "patch_size": 14}
+    if family == "gemma3":
+        cfg = transformers.Gemma3Config(
+            text_config={**text, "head_dim": 8}, vision_config=vision, mm_tokens_per_image=4
+        )
+        return transformers.Gemma3ForConditionalGeneration(cfg)
+    if family == "mistral3":
+        cfg = transformers.Mistral3Config(
+            text_config={"model_type": "mistral", **text},
+            vision_config={"model_type": "pixtral", **vision, "head_dim": 8},
+        )
+        return transformers.Mistral3ForConditionalGeneration(cfg)
+    assert family == "lfm2_moe", family
+    cfg = transformers.Lfm2MoeConfig(
+        **dims,
+        num_key_value_heads=2,
+        intermediate_size=48,
+        moe_intermediate_size=16,
+        num_experts=4,
+        num_experts_per_tok=2,
+        num_dense_layers=1,
+        layer_types=["full_attention", "conv"],
+    )
+    return transformers.Lfm2MoeForCausalLM(cfg)
+
+
+@pytest.mark.parametrize(
+    "family,stored",
+    [
+        ("gpt_neox", "embed_out.weight"),
+        ("granitemoe", "model.layers.1.block_sparse_moe.input_linear.weight"),
+        ("lfm2_moe", "model.layers.1.feed_forward.experts.3.w3.weight"),
+        ("qwen2_vl", "visual.patch_embed.proj.weight"),
+        ("gemma3", "language_model.model.embed_tokens.weight"),
+        ("mistral3", "multi_modal_projector.linear_1.weight"),
+    ],
+)
+def test_keys_from_pretrained_renames_import_under_the_models_own_names(
+    tmp_path: Path, family: str, stored: str
+) -> None:
+    """save_pretrained writes the names transformers' loader renames on load (conversion_mapping.py): GPT-NeoX's
+    embed_out.weight (the model's lm_head.weight), Granite MoE's block_sparse_moe.input_linear / output_linear /
+    router.layer (experts.gate_up_proj / down_proj, router), LFM2-MoE's per-expert feed_forward.experts.<j>.w1/w3/w2
+    (fused experts), Qwen2-VL's model.layers.N / visual.* (model.language_model.layers.N / model.visual.*). Before,
+    the import kept the stored names and refused the folder (E605: the model's keys missing; with --allow-mismatch
+    dcp.load failed), or for Qwen2-VL (no causal LM to check against) wrote keys dcp.load could not load, as the Llava-style Gemma 3 / Mistral 3 folders (language_model.model.*, vision_tower.*,
+    multi_modal_projector.*; Gemma 3 refused, E605); now the model dcp.load fills holds from_pretrained's tensors bit for bit
+    and gives its logits."""
+    import transformers
+
+    hf_models._quiet()
+    torch.manual_seed(67)
+    _renamed_family(family).save_pretrained(tmp_path / "hf")
+    assert stored in hf_tensors(tmp_path / "hf")
+    cli("import", str(tmp_path / "hf"), str(tmp_path / "dcp"))
+    cls = getattr(transformers, transformers.AutoConfig.from_pretrained(tmp_path / "hf").architectures[0])
+    ref = cls.from_pretrained(tmp_path / "hf").eval()
+    model = cls.from_pretrained(tmp_path / "hf").eval()
+    sd = {"model": {k: torch.zeros_like(v) for k, v in model.state_dict().items()}}
+    dcp.load(sd, checkpoint_id=str(tmp_path / "dcp"), no_dist=True)
+    model.load_state_dict(sd["model"])
+    want = ref.state_dict()
+    assert all(bitwise(model.state_dict()[k], v) for k, v in want.items())
+    ids = torch.tensor([[3, 17, 42, 5, 88]])
+    with torch.no_grad():
+        torch.testing.assert_close(model(ids).logits, ref(ids).logits, rtol=0, atol=0)

@@ -321,7 +321,14 @@ def test_a_quantized_export_refuses_fp8_weights_of_gpt2s_conv1d_modules(tmp_path
 
 
 @pytest.mark.parametrize(
-    ("family", "embedding"), [("llama", "model.embed_tokens.weight"), ("opt", "model.decoder.embed_tokens.weight")]
+    ("family", "embedding"),
+    [
+        ("llama", "model.embed_tokens.weight"),
+        ("opt", "model.decoder.embed_tokens.weight"),
+        ("gpt2", "transformer.wte.weight"),
+        ("bloom", "transformer.word_embeddings.weight"),
+        ("falcon", "transformer.word_embeddings.weight"),
+    ],
 )
 def test_a_tied_folder_that_stores_only_the_head_imports_its_embedding_from_it(
     tmp_path: Path, family: str, embedding: str
@@ -329,7 +336,9 @@ def test_a_tied_folder_that_stores_only_the_head_imports_its_embedding_from_it(
     """safetensors' own ``save_model`` keeps one name of shared tensors, the first in sorted order: ``lm_head.weight``,
     the embedding left out. transformers' ``from_pretrained`` loads such a folder (the embedding tied from the head);
     import refused it (E605, the embedding missing). Now the embedding is written from the head, with a warning,
-    and ``dcp.load`` into the model gives ``from_pretrained``'s tensors bit for bit."""
+    and ``dcp.load`` into the model gives ``from_pretrained``'s tensors bit for bit. GPT-2's ``transformer.wte`` and
+    BLOOM's / Falcon's ``transformer.word_embeddings`` lie equally deep: the config's ``model_type`` names the one
+    (before, E605 refused those folders, which ``from_pretrained`` loads)."""
     from safetensors.torch import save_model
     from transformers import AutoModelForCausalLM, LlamaForCausalLM
 

@@ -214,6 +214,11 @@ def untied_head_missing(ctx: Context) -> Iterator[tuple[str, str]]:
         return  # not a language-model config
     head, emb = ctx.cat.tied_keys()
     if head is None and emb is not None:
+        from ckpttool.model.hf_forms import model_key
+
+        model_type = config_value(ctx.config, "model_type")
+        if any(model_key(k, model_type) == "lm_head.weight" for k in ctx.cat.model):
+            return  # stored under the name from_pretrained renames (GPT-NeoX's embed_out.weight)
         key = ctx.cat.model_key("lm_head.weight")
         yield key, f"{key} is missing and tie_word_embeddings is not true"
 
