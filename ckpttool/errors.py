@@ -34,6 +34,19 @@ def _folded(text: str, path: str) -> str:
     return "".join(part if i % 2 else _SPACES.sub(" ", part) for i, part in enumerate(parts)).strip()
 
 
+#: :func:`short_key`: a key longer than this is shown by its start and end in a message.
+KEY_SHOWN_CHARS = 200
+
+
+def short_key(key: str) -> str:
+    """``key`` as a message names it: whole up to :data:`KEY_SHOWN_CHARS` characters, else its first 120 and last
+    60 characters around ``...`` and its length (``a.a.a...a.a.weight (200,007 characters)``): a message stays one
+    readable line, and the end (the parameter's own name) is kept."""
+    if len(key) <= KEY_SHOWN_CHARS:
+        return key
+    return f"{key[:120]}...{key[-60:]} ({len(key):,} characters)"
+
+
 def shell_arg(path: str | PathLike[str]) -> str:
     """``path`` as one shell argument to paste from a hint (POSIX shells; bash and zsh for ``$'...'``).
 
@@ -133,6 +146,7 @@ __all__ = [
     "ReplayMismatchError",
     "error_class",
     "shell_arg",
+    "short_key",
     "check_bool",
     "check_field_types",
     "check_path",

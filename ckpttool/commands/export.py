@@ -39,6 +39,7 @@ from ckpttool.ui.options import (
     TrustPickleOpt,
     VerifyCrcOpt,
     declaration,
+    dtype_aliases_help,
     examples,
     given_path,
     parse_dtype,
@@ -81,7 +82,7 @@ class ExportCLIOptions:
             "--save-dtype",
             metavar="<preserve|bfloat16|float16|float32>",
             help="preserve: each tensor in its stored dtype, bit-exact; else cast floating tensors only "
-            "(aliases bf16, fp16, fp32).",
+            f"({dtype_aliases_help(('bfloat16', 'float16', 'float32'))}).",
         ),
     ] = "preserve"
     weights: Annotated[

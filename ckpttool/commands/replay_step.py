@@ -14,7 +14,15 @@ import typer
 from ckpttool.errors import ReplayMismatchError, UsageError
 from ckpttool.optim_state.schema import OPTIMIZER_TYPES
 from ckpttool.ui import options as opt
-from ckpttool.ui.options import declaration, examples, parse_dtype, parse_size, parse_tolerance, selection
+from ckpttool.ui.options import (
+    declaration,
+    dtype_aliases_help,
+    examples,
+    parse_dtype,
+    parse_size,
+    parse_tolerance,
+    selection,
+)
 from ckpttool.ui.output import Output, command_boundary, deprecated, print_error, with_flags
 
 if TYPE_CHECKING:
@@ -115,7 +123,7 @@ ReferenceDtypeOpt = Annotated[
     typer.Option(
         "--reference-dtype",
         metavar="<float64|float32>",
-        help="Dtype of the independent reference step (aliases fp64/double, fp32/float).",
+        help=f"Dtype of the independent reference step ({dtype_aliases_help(('float64', 'float32'))}).",
     ),
 ]
 

@@ -246,6 +246,12 @@ _DTYPE_ALIASES = {
 }
 
 
+def dtype_aliases(name: str) -> tuple[str, ...]:
+    """The other names :func:`dtype_name` reads as the canonical ``name`` (``"float16"`` -> ``("fp16", "f16",
+    "half")``), in the alias table's order; ``()`` for a name not in the table."""
+    return tuple(k for k, v in _DTYPE_ALIASES.items() if v == name and k != name)
+
+
 def dtype_name(dtype: Any) -> str:
     """Canonical name (``"float32"``, ``"bfloat16"``, ...) of a dtype given as ``torch.dtype`` or string.
 

@@ -1460,7 +1460,9 @@ def listed_twice(cat: Catalog) -> Iterator[tuple[str, str]]:
 def saved_by_counts(cat: Catalog, fqns: Iterable[str] | None = None) -> dict[str, int]:
     """The optimizer that saved the state of each parameter of ``fqns`` that has state (every parameter with state
     where ``None``; :func:`ckpttool.optim_state.known.saved_by`, told from its fields and its param group) ->
-    parameters, most first (then by name): ``{"torch.optim.RMSprop": 4}``; ``{}`` where none has state."""
+    parameters, most first (then by name): ``{"torch.optim.RMSprop": 4}``; ``{}`` where none has state. AdamW's
+    state in a group of the trainer's own skip-step optimizer (``SchemaSpec.skip_step_groups``: OLMo-core's groups
+    without ``amsgrad``) is named as that optimizer (``olmo_core.optim.SkipStepAdamW``)."""
     groups = cat.group_index() if cat.param_groups else {}
     state = cat.optimizer_state
     by: Counter[str] = Counter()
@@ -1475,9 +1477,21 @@ def saved_by_counts(cat: Catalog, fqns: Iterable[str] | None = None) -> dict[str
         if name is None:
             if len(seen) >= 4096:  # a group per parameter (flattened): no hits to keep
                 seen.clear()
-            name = seen[k] = saved_by(ps.fields, None if g is None else g.keys, None if g is None else g.values)
+            name = seen[k] = _skip_step_named(
+                cat, g, saved_by(ps.fields, None if g is None else g.keys, None if g is None else g.values)
+            )
         by[name] += 1
     return dict(sorted(by.items(), key=lambda kv: (-kv[1], kv[0])))
+
+
+def _skip_step_named(cat: Catalog, group: ParamGroup | None, name: str) -> str:
+    """``name`` (``saved_by``'s), or the schema's skip-step optimizer (``SchemaSpec.skip_step_saved_by``) where
+    ``name`` is torch's AdamW and ``group`` is one of that optimizer's groups (``SchemaSpec.skip_step_groups``)."""
+    spec = cat.schema.spec
+    if name != "torch.optim.AdamW" or group is None or spec is None or spec.skip_step_saved_by is None:
+        return name
+    told = spec.skip_step_groups is not None and spec.skip_step_groups((group,))
+    return spec.skip_step_saved_by if told else name
 
 
 def implied_optimizer_type(fields: dict[str, str]) -> str | None:

@@ -145,7 +145,7 @@ def run_replay(
 
 def replay_mismatch(result: ReplayResult) -> ReplayMismatchError | None:
     """The error naming the worst parameter when some do not reproduce the reference step (``None``: all do)."""
-    from ckpttool.errors import ReplayMismatchError
+    from ckpttool.errors import ReplayMismatchError, short_key
 
     if result.ok:
         return None
@@ -158,7 +158,7 @@ def replay_mismatch(result: ReplayResult) -> ReplayMismatchError | None:
     if not result.failed:  # every replayed parameter passed, but stepped parameters were left out
         return ReplayMismatchError(
             f"{len(result.skipped)} parameter(s) with saved optimizer state were not replayed "
-            f"(e.g. {result.skipped[0]}); {len(result.params)} replayed parameter(s) match",
+            f"(e.g. {short_key(result.skipped[0])}); {len(result.params)} replayed parameter(s) match",
             fqn=result.skipped[0],
             hint="not a mismatch: the notes say why they were left out and what replays them"
             + (" (a fused q/k/v: `head_dim` N)" if any("qkv" in f for f in result.skipped) else "")
@@ -167,7 +167,7 @@ def replay_mismatch(result: ReplayResult) -> ReplayMismatchError | None:
     worst = result.failed[0]
     return ReplayMismatchError(
         f"{len(result.failed)} of {len(result.params)} parameter(s) do not reproduce the reference step; "
-        f"worst {worst.fqn}: {worst.problems[0]}",
+        f"worst {short_key(worst.fqn)}: {worst.problems[0]}",
         fqn=worst.fqn,
     )
 

@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Annotated
 import typer
 
 from ckpttool.errors import UsageError
-from ckpttool.format.metadata import dtype_name
+from ckpttool.format.metadata import dtype_aliases, dtype_name
 from ckpttool.model.schemas import registry as schema_registry
 
 if TYPE_CHECKING:
@@ -420,6 +420,13 @@ def parse_dtype(
             hint = float8_hint
         raise UsageError(f"{flag} {text!r} is not one of {', '.join((*extra, *allowed))}", hint=hint)
     return name
+
+
+def dtype_aliases_help(allowed: tuple[str, ...]) -> str:
+    """The aliases :func:`parse_dtype` accepts for ``allowed``, from the alias table, as ``--help`` words:
+    ``"aliases bf16; fp16, f16, half; any case, torch. prefix optional"``."""
+    words = "; ".join(", ".join(a) for a in map(dtype_aliases, allowed) if a)
+    return f"aliases {words}; any case, torch. prefix optional"
 
 
 def examples(*lines: str) -> str:

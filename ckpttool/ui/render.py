@@ -570,6 +570,29 @@ def _dot_offsets(line: str, width: int) -> list[int]:
     return [o for o in offsets if 0 < o < len(line)]
 
 
+def _lines_by_line(text: Any, console: Any, options: Any) -> Any:
+    """``Text.__rich_console__`` of a folding cell, but each line rendered as its own segments: rich joins the
+    wrapped lines into one text, whose one segment of N lines its line splitter then copies N times (quadratic in
+    a key of 10^5 parts); the same segments otherwise."""
+    from rich.segment import Segment
+    from rich.text import DEFAULT_JUSTIFY, DEFAULT_OVERFLOW
+
+    tab_size = console.tab_size if text.tab_size is None else text.tab_size
+    lines = text.wrap(
+        console,
+        options.max_width,
+        justify=text.justify or options.justify or DEFAULT_JUSTIFY,
+        overflow=text.overflow or options.overflow or DEFAULT_OVERFLOW,
+        tab_size=tab_size or 8,
+        no_wrap=options.no_wrap if text.no_wrap is None else text.no_wrap,
+    )
+    for i, line in enumerate(lines):
+        if i:
+            yield Segment.line()
+        yield from line.render(console, end="")
+    yield Segment(text.end)
+
+
 @functools.cache
 def _key_text_class() -> type:
     from rich.containers import Lines
@@ -578,6 +601,9 @@ def _key_text_class() -> type:
 
     class KeyText(Text):
         """A table cell of checkpoint keys (one per line) that folds at ``.`` boundaries, not mid-word."""
+
+        def __rich_console__(self, console: Any, options: Any) -> Any:
+            return _lines_by_line(self, console, options)
 
         def wrap(self, console: Any, width: int, **kwargs: Any) -> Lines:
             lines = Lines()
@@ -603,6 +629,9 @@ def _prose_text_class() -> type:
     class ProseText(Text):
         """A table cell of prose that wraps at spaces and folds a word longer than the column (a key in a
         message) at its ``.`` boundaries, as key cells fold, not mid-word."""
+
+        def __rich_console__(self, console: Any, options: Any) -> Any:
+            return _lines_by_line(self, console, options)
 
         def wrap(self, console: Any, width: int, **kwargs: Any) -> Lines:
             words = self.plain.split()

@@ -233,6 +233,20 @@ def test_import_dtype_takes_the_aliases_every_dtype_option_takes(sample_ckpt: Pa
     assert "--dtype <bfloat16|float32>" in runner.invoke(app, ["import", "--help"], env={"COLUMNS": "200"}).stdout
 
 
+def test_export_help_names_every_save_dtype_alias_it_takes(sample_ckpt: Path, tmp_path: Path) -> None:
+    from safetensors import safe_open
+
+    out = runner.invoke(app, ["export", "--help"], env={"COLUMNS": "300"}).stdout
+    line = " ".join(out.split())  # the help as one line, however it wraps
+    assert "aliases bf16; fp16, f16, half; fp32, f32, float; any case, torch. prefix optional" in line, line
+    for word, dtype in (("half", "F16"), ("F32", "F32"), ("torch.float", "F32")):
+        hf = tmp_path / word
+        res = runner.invoke(app, ["export", str(sample_ckpt), str(hf), "--save-dtype", word])
+        assert res.exit_code == 0, res.stderr
+        with safe_open(str(next(hf.glob("*.safetensors"))), "np") as f:
+            assert {f.get_slice(k).get_dtype() for k in f.keys()} == {dtype}
+
+
 def test_export_json_has_no_config_note_beside_it(sample_ckpt: Path, tmp_path: Path) -> None:
     res = runner.invoke(app, ["export", str(sample_ckpt), str(tmp_path / "hf"), "--json"])
     # the sample's MoE experts are written fused: the one note is that one (--experts per-expert)

@@ -258,6 +258,19 @@ def test_verl_and_torch_checkpointing_saves_of_one_training_are_equal(verl_root:
     res = runner.invoke(app, ["diff", "--json", str(_actor(verl_root, 2)), str(tc / "w2st" / "step-2")])
     assert res.exit_code == 0, res.output
     assert json.loads(res.output)["equal"] is True
+    args = ["diff", "--json", "--what", "all", str(_actor(verl_root, 2)), str(tc / "w2st" / "step-2")]
+    res = runner.invoke(app, args)
+    assert res.exit_code == 0, res.output
+    report = json.loads(res.output)
+    assert report["equal"] is True
+    # rank 0's extra_state holds the lr_scheduler diff compared (beside its rng, which it did not); rank 1's copy and
+    # torch-checkpointing's lr_scheduler_1.pt were not read
+    assert report["notes"] == [
+        "files beside the checkpoint, not compared as items: 6 only in A (extra_state_world_size_2_rank_0.pt (its "
+        "lr_scheduler compared, the rest not), extra_state_world_size_2_rank_1.pt, fsdp_config.json, "
+        "huggingface/config.json, huggingface/generation_config.json, ... (+1 more))",
+        "files beside the checkpoint, not compared as items: 2 only in B (lr_scheduler_1.pt, metadata.pkl)",
+    ]
 
 
 def test_frozen_parameters_are_not_lost_state(verl_root: Path) -> None:

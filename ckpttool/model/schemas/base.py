@@ -306,6 +306,8 @@ class SchemaSpec:
             own skip-step optimizer, which leaves a step whose loss or gradient norm spikes out of its ``step`` while the
             trainer counts it (OLMo-core's ``SkipStepAdamW``): the optimizer's step may then be behind (``R002``), and
             its moments are in the dtype it was configured with (``dtype``), not the parameter's (``O005``).
+        skip_step_saved_by: the class of that optimizer, as ``inspect``'s ``saved_by`` names it for a parameter of
+            such a group whose state torch's AdamW would save too (``olmo_core.optim.SkipStepAdamW``).
         per_parameter_optimizers: the optimizer item (``optimizer.``) its trainer may save as ``{fqn:
             optimizer.state_dict()}`` of one optimizer per parameter (torchtune's ``OptimizerInBackwardWrapper``,
             ``optimizer_in_bwd``): keys ``<item><fqn>.state.0.<field>`` and ``<item><fqn>.param_groups.0.<hyper>``
@@ -368,6 +370,7 @@ class SchemaSpec:
     inferred_groups_note: Callable[[Sequence[ParamGroup], set[str], list[str]], str] | None = None
     skips_overflow_steps: bool = False
     skip_step_groups: Callable[[Sequence[ParamGroup]], bool] | None = None
+    skip_step_saved_by: str | None = None
     index_state_by_param_order: bool = False
     per_parameter_optimizers: str = ""
     per_parameter_resume: str = ""

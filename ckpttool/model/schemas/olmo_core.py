@@ -63,6 +63,7 @@ SPEC = SchemaSpec(
     ),
     # SkipStepAdamW's step counts the steps it took; the trainer's global_step the skipped ones too
     skip_step_groups=_skip_step_groups,
+    skip_step_saved_by="olmo_core.optim.SkipStepAdamW",
     # Checkpointer.load reads train/rank{R}.pt (else rank0.pt): without it no trainer state is restored
     restores_trainer_state_beside=True,
     own_names_warning=(

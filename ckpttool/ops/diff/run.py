@@ -1813,7 +1813,10 @@ def _beside_notes(a: Side, b: Side, opts: DiffOptions) -> list[str]:
     if fa is None or fb is None:
         return _remote_beside_note(a, b, fa, fb)
 
+    read = {**_read_in_part(b), **_read_in_part(a)}
+
     def shown(names: list[str]) -> str:
+        names = [f"{n} (its {', '.join(read[n])} compared, the rest not)" if n in read else n for n in names]
         return ", ".join(names[:5]) + (f", ... (+{len(names) - 5} more)" if len(names) > 5 else "")
 
     out = []
@@ -1825,6 +1828,17 @@ def _beside_notes(a: Side, b: Side, opts: DiffOptions) -> list[str]:
         if names:
             out.append(f"{BESIDE_NOTE}: {len(names)} {label} ({shown(names)})")
     return out
+
+
+def _read_in_part(side: Side) -> dict[str, list[str]]:
+    """The rank files of a per-rank side read in part (verl's ``extra_state_*_rank_0.pt``: its ``lr_scheduler`` an
+    item, its ``rng`` none) -> the items read from each, which were compared: the rest of the file was not."""
+    partial = set(getattr(getattr(side.ckpt.reader, "assembled", None), "partial", ()))
+    out: dict[str, set[str]] = {}
+    for (key, _), info in side.ckpt.metadata.storage.items():
+        if info.relative_path in partial:
+            out.setdefault(info.relative_path, set()).add(key.split(".", 1)[0])
+    return {name: sorted(items) for name, items in out.items()}
 
 
 def _cross_dtype_notes(stats: list[TensorStat], opts: DiffOptions) -> list[str]:

@@ -64,7 +64,11 @@ def _cli(*args: str) -> tuple[int, str, str]:
 def test_skipped_steps_of_skip_step_adamw_are_not_another_saves_state(tmp_path: Path) -> None:
     step = _olmo_save(tmp_path, skip_step=True, global_step=5)
     assert step < 5  # OLMo-core skipped the spike (and any step it judged one): its own count, independently
-    assert '"olmo-core"' in _cli("inspect", str(tmp_path / "run"), "--step", "latest", "--json")[1]
+    report = json.loads(_cli("inspect", str(tmp_path / "run"), "--step", "latest", "--json")[1])
+    assert report["key_schema"]["id"] == "olmo-core", report["key_schema"]
+    # its groups hold lr, betas, eps, weight_decay alone (no amsgrad): OLMo-core's optimizer, not torch's AdamW
+    assert report["optimizer"]["saved_by_counts"] == {"olmo_core.optim.SkipStepAdamW": 6}
+    assert "saved by    olmo_core.optim.SkipStepAdamW\n" in _cli("inspect", str(tmp_path / "run"), "--step", "5")[1]
 
     code, out, err = _cli("validate", str(tmp_path / "run"), "--step", "latest", "--deep", "--strict", "--json")
     report = json.loads(out)
@@ -79,6 +83,8 @@ def test_skipped_steps_of_skip_step_adamw_are_not_another_saves_state(tmp_path: 
 def test_torch_adamw_behind_the_trainer_is_still_named(tmp_path: Path) -> None:
     step = _olmo_save(tmp_path, skip_step=False, global_step=5)
     assert step == 3
+    report = json.loads(_cli("inspect", str(tmp_path / "run"), "--step", "latest", "--json")[1])
+    assert report["optimizer"]["saved_by_counts"] == {"torch.optim.AdamW": 6}  # its groups hold amsgrad
 
     code, out, _ = _cli("validate", str(tmp_path / "run"), "--step", "latest", "--deep", "--json")
     assert code == 1
