@@ -598,10 +598,8 @@ def plan_reshard(
     ep_state = _ep_state(cat, layout, o.with_optimizer)
     plan = ReshardPlan(ckpt.path, layout, to_version, p2, f2, p2 * f2)
     _plan_entries(plan, ckpt, ep_state)
-    _refuse_indexed_state(cat, plan)
-    _refuse_unknown_expert_tensors(cat, plan)
-    _refuse_unpermuted_per_expert_tensors(cat, plan)
-    _refuse_orphan_expert_state(cat, plan)
+    for refuse in _REFUSALS:  # state the plan would leave in the old expert order, or could not place
+        refuse(cat, plan)
     _converted_record(plan, cat, source)
     return plan
 
@@ -800,3 +798,12 @@ def _plan_ep_tensor(
         assert sum(pc.numel for pc in pieces) == math.prod(sizes), (key, offs, sizes)
         chunks.append(OutChunk(ChunkMeta(offs, sizes), rank, pieces))
     return TensorPlan(key, meta.dtype, meta.size, kind, permuted, tuple(chunks))
+
+
+#: The checks :func:`plan_reshard` runs on a finished plan, in order; each raises ReshardError (E602).
+_REFUSALS = (
+    _refuse_indexed_state,
+    _refuse_unknown_expert_tensors,
+    _refuse_unpermuted_per_expert_tensors,
+    _refuse_orphan_expert_state,
+)
