@@ -153,8 +153,9 @@ class KeyRename:
     reference: str = ""
 
     def apply(self, key: str, model_type: str | None) -> str | None:
-        """The model's key for the stored ``key``, or ``None`` where this rename does not apply to it."""
-        if model_type not in self.model_types:
+        """The model's key for the stored ``key``, or ``None`` where this rename does not apply to it (a ``model_type``
+        not a string, as an untrusted config.json may hold, is none of its ``model_types``)."""
+        if not isinstance(model_type, str) or model_type not in self.model_types:
             return None
         m = re.fullmatch(self.stored, key)
         return m.expand(self.model) if m is not None else None

@@ -66,7 +66,8 @@ def untied_embedding_key(
     candidate whose module (its key less the last two names: ``model.decoder.`` of OPT's) holds keys of ``names``,
     the deepest (OPT's ``model.decoder.`` before Llama's ``model.``); ``None`` where none does or several at one depth
     (GPT-2's ``transformer.wte`` beside BLOOM's ``transformer.word_embeddings``), unless the config's ``model_type``
-    names one of them (:data:`TIED_EMBEDDING_OF_MODEL_TYPE`)."""
+    names one of them (:data:`TIED_EMBEDDING_OF_MODEL_TYPE`; a ``model_type`` not a string, as an untrusted config.json
+    may hold, names none)."""
     hits = [
         c for c in candidates if any(n.startswith(c.rsplit(".", 2)[0] + ".") for n in names if n != "lm_head.weight")
     ]
@@ -76,7 +77,7 @@ def untied_embedding_key(
     deepest = [c for c in hits if c.count(".") == depth]
     if len(deepest) == 1:
         return deepest[0]
-    named = TIED_EMBEDDING_OF_MODEL_TYPE.get(model_type or "")
+    named = TIED_EMBEDDING_OF_MODEL_TYPE.get(model_type) if isinstance(model_type, str) else None
     return named if named in deepest else None
 
 

@@ -31,6 +31,7 @@ from ckpttool.errors import (
     at_least,
     check_path,
     shell_arg,
+    short_key,
 )
 from ckpttool.format.atomic import absolute_path
 from ckpttool.format.files import hub_hint, missing_path_hint, open_regular, resolve_inside
@@ -391,7 +392,7 @@ def _native_tensors(
             nk = canonical_model_key(name)
             if nk in out:  # two stored keys of one model key (a legacy name beside its renamed one)
                 raise ExportError(
-                    f"{key}: stored beside another tensor of the model key {name!r}",
+                    f"{short_key(key)}: stored beside another tensor of the model key {short_key(name)!r}",
                     fqn=key,
                     hint="the folder mixes two naming forms of one model; re-save it with save_pretrained",
                 )
@@ -1307,14 +1308,15 @@ def _rename_stored_keys(sources: dict[str, _Source], config: Any) -> None:
     as ``from_pretrained`` renames them.
 
     Raises:
-        ExportError (E601): a stored key beside the model's own name of it (two tensors for one key).
+        ExportError (E601): a stored key beside the model's own name of it (two tensors for one key); both named
+            by :func:`~ckpttool.errors.short_key` (a message of one readable line).
     """
     model_type = config.get("model_type") if config is not None else None
     for key in [k for k in sources if model_key(k, model_type) != k]:
         name = model_key(key, model_type)
         if name in sources:
             raise ExportError(
-                f"{key}: stored beside another tensor of the model key {name!r}",
+                f"{short_key(key)}: stored beside another tensor of the model key {short_key(name)!r}",
                 fqn=key,
                 hint="the folder mixes two naming forms of one model; re-save it with save_pretrained",
             )

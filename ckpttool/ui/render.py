@@ -267,7 +267,9 @@ def output_width(stream: Any) -> int:
     return PIPE_WIDTH
 
 
-_TRAILING_WS = re.compile(r"[ \t]+((?:\x1b\[[0-9;]*m)*)(?=\n)")
+# a run of spaces is tried from its first one only (the lookbehind): tried from each of them, a run of N spaces that
+# no newline follows (a --wide table's padding beside a key of 10^5 characters) took N^2 steps
+_TRAILING_WS = re.compile(r"(?<![ \t])[ \t]+((?:\x1b\[[0-9;]*m)*)(?=\n)")
 
 
 class _NoTrailingWhitespace:

@@ -1388,3 +1388,36 @@ def test_keys_from_pretrained_renames_import_under_the_models_own_names(
     ids = torch.tensor([[3, 17, 42, 5, 88]])
     with torch.no_grad():
         torch.testing.assert_close(model(ids).logits, ref(ids).logits, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("planted", ["short", "long"])
+def test_a_stored_key_beside_the_models_own_name_of_it_is_refused_in_one_short_line(
+    tmp_path: Path, planted: str
+) -> None:
+    """Two stored tensors for one model key (GPT-NeoX's ``embed_out.weight`` beside a planted ``lm_head.weight``;
+    a Qwen2-VL folder's ``visual.<k>`` beside ``model.visual.<k>``, ``<k>`` 10^6 characters with ANSI escapes) are
+    refused, never one of them kept silently: E601 (exit 2) on one line naming both keys, no traceback, nothing
+    written. Before, the 10^6-character key was printed whole, twice (a 2 MB line)."""
+    from safetensors.torch import save_file
+
+    hf_models._quiet()
+    torch.manual_seed(3)
+    src = tmp_path / "hf"
+    if planted == "short":
+        _renamed_family("gpt_neox").save_pretrained(src)
+        sd = hf_tensors(src)
+        sd["lm_head.weight"] = sd["embed_out.weight"] + 1
+        save_file(sd, str(src / "model.safetensors"))
+        first, second = "embed_out.weight", "'lm_head.weight'"
+    else:
+        key = "visual." + "blocks." * 150_000 + "\x1b[2J\x1b[31mproj.weight"
+        src.mkdir()
+        save_file({key: torch.zeros(2), "model." + key: torch.ones(2)}, str(src / "model.safetensors"))
+        (src / "config.json").write_text(json.dumps({"model_type": "qwen2_vl"}))
+        first, second = "visual.blocks.blocks.", "'model.visual.blocks."
+    res = runner.invoke(app, ["import", str(src), str(tmp_path / "out")])
+    assert res.exit_code == 2 and "Traceback" not in res.stderr and "\x1b" not in res.stderr, res.stderr[:2000]
+    err = res.stderr.splitlines()
+    assert len(err) == 2 and err[0].startswith(f"error: [E601] {first}") and second in err[0], err[0][:2000]
+    assert "stored beside another tensor of the model key" in err[0] and len(err[0]) < 1000, len(err[0])
+    assert err[1].startswith("hint: ") and not (tmp_path / "out").exists()

@@ -360,3 +360,35 @@ def test_a_tied_folder_that_stores_only_the_head_imports_its_embedding_from_it(
     assert sd.keys() == ref.keys()
     for k, v in ref.items():
         assert torch.equal(sd[k], v), k
+
+
+@pytest.mark.parametrize("model_type", [["gpt2"], {"gpt2": 1}, 5])
+def test_a_head_only_folder_whose_model_type_is_not_a_string_imports_as_one_without_model_type(
+    tmp_path: Path, model_type: Any
+) -> None:
+    """An untrusted config.json whose ``model_type`` is a list or an object (not a string): the tied head-only
+    folder's embedding is picked by no model_type, as where it is a number or missing (the same keys written, the
+    same warning that the keys were not checked). Before, a list or object was ``E999 internal error: TypeError:
+    unhashable type`` (the embedding looked up by ``model_type`` in a dict)."""
+    from safetensors.torch import save_model
+    from torch.distributed.checkpoint import FileSystemReader
+
+    hf_models._quiet()
+    torch.manual_seed(5)
+    model = hf_models.tiny_tied_model("gpt2")
+    (tmp_path / "hf").mkdir()
+    save_model(model, str(tmp_path / "hf" / "model.safetensors"))
+    model.config.save_pretrained(tmp_path / "hf")
+    cfg = json.loads((tmp_path / "hf/config.json").read_text())
+    cfg["model_type"] = model_type
+    (tmp_path / "hf/config.json").write_text(json.dumps(cfg))
+    del cfg["model_type"]
+    (tmp_path / "none").mkdir()
+    (tmp_path / "none/model.safetensors").write_bytes((tmp_path / "hf/model.safetensors").read_bytes())
+    (tmp_path / "none/config.json").write_text(json.dumps(cfg))
+    got = runner.invoke(app, ["import", str(tmp_path / "hf"), str(tmp_path / "dcp"), "--json"])
+    want = runner.invoke(app, ["import", str(tmp_path / "none"), str(tmp_path / "dcp-none"), "--json"])
+    assert got.exit_code == want.exit_code == 0 and "E999" not in got.stderr, got.stderr
+    assert json.loads(got.stdout)["warnings"] == json.loads(want.stdout)["warnings"]
+    keys = FileSystemReader(str(tmp_path / "dcp")).read_metadata().state_dict_metadata.keys()
+    assert keys == FileSystemReader(str(tmp_path / "dcp-none")).read_metadata().state_dict_metadata.keys()

@@ -36,6 +36,7 @@ from ckpttool.errors import (
     NothingComparedError,
     UsageError,
     shell_arg,
+    short_key,
 )
 from ckpttool.format.locator import ChunkLocation
 from ckpttool.format.metadata import TensorMeta
@@ -2250,7 +2251,8 @@ def _what_words(what: str) -> str:
 
 
 def _examples(*sides: Side) -> list[str]:
+    """Two names of each side, as a hint shows them (:func:`~ckpttool.errors.short_key`: a long key by its ends)."""
     out: list[str] = []
     for s in sides:
-        out.extend(k for k in sorted(s.tensor_keys())[:2] if k not in out)
+        out.extend(short for short in map(short_key, sorted(s.tensor_keys())[:2]) if short not in out)
     return out

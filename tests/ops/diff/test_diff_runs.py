@@ -1067,3 +1067,16 @@ def test_a_save_of_training_state_only_is_pointed_to_what_all(tmp_path: Path) ->
     ), res.stderr
     doc = diff_json(a, b, "--what", "all", code=1)
     assert [d["name"] for d in doc["differences"]] == ["train_state.step"], doc["differences"]
+
+
+def test_no_common_name_hint_names_a_key_of_a_million_characters_by_its_ends(tmp_path: Path) -> None:
+    """E611's hint shows two names of each side: a key of 10^6 characters (with control characters) is shown by its
+    start, end and length, on one line with no control character reaching the terminal. Before, it was printed
+    whole (a 1 MB hint line)."""
+    key = "blocks." * 150_000 + "\x1b]0;title\x07proj.weight"
+    a = _save({"model": {key: torch.zeros(2), "norm.weight": torch.ones(2)}}, tmp_path / "a")
+    b = _save({"model": {"other.weight": torch.zeros(2)}}, tmp_path / "b")
+    res, err = refused(a, b)
+    assert len(err) == 2 and err[0].startswith("error: [E611]") and "\x1b" not in res.stderr, err[0]
+    assert err[1].startswith("hint: A's names look like 'model.blocks.blocks.") and len(err[1]) < 1000, len(err[1])
+    assert f"proj.weight ({len('model.' + key):,} characters)" in err[1] and "'model.norm.weight'" in err[1], err[1]
