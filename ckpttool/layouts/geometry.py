@@ -44,9 +44,13 @@ STRIDED_HINT = (
 )
 
 
+#: The words of :func:`_strided_order`'s problem that :func:`is_strided_order` finds in it (one string, not two copies).
+_STRIDED_WORDS = "(FSDP2 over EP, _StridedShard, as torchtitan saves)"
+
+
 def is_strided_order(problem: str) -> bool:
     """Whether a geometry problem (or a message quoting one) is the FSDP2-over-EP writing order."""
-    return "(FSDP2 over EP, _StridedShard" in problem
+    return _STRIDED_WORDS in problem
 
 
 @dataclass(frozen=True)
@@ -367,8 +371,7 @@ def _strided_order(entry: TensorEntry, ep_dim: int, want: set[tuple[int, int]], 
         return []
     return [
         f"rank {lowest[slabs[1]]} wrote slab 1 of {len(slabs)} along dim {ep_dim}: the slabs were written in true "
-        f"expert order by an (ep_fsdp {f}, ep {p}) mesh (FSDP2 over EP, _StridedShard, as torchtitan saves), not "
-        "block-transposed; its layout is canonical"
+        f"expert order by an (ep_fsdp {f}, ep {p}) mesh {_STRIDED_WORDS}, not block-transposed; its layout is canonical"
     ]
 
 

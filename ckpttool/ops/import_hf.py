@@ -391,11 +391,7 @@ def _native_tensors(
             name = _model_name(key, acfg)
             nk = canonical_model_key(name)
             if nk in out:  # two stored keys of one model key (a legacy name beside its renamed one)
-                raise ExportError(
-                    f"{short_key(key)}: stored beside another tensor of the model key {short_key(name)!r}",
-                    fqn=key,
-                    hint="the folder mixes two naming forms of one model; re-save it with save_pretrained",
-                )
+                raise _two_tensors_of_one_key(key, name)
             out[nk] = _plain(nk, src, src.shape, ("model", name))
             continue
         targets = adapter.from_hf(key, src.shape, acfg)
@@ -1311,17 +1307,23 @@ def _rename_stored_keys(sources: dict[str, _Source], config: Any) -> None:
         ExportError (E601): a stored key beside the model's own name of it (two tensors for one key); both named
             by :func:`~ckpttool.errors.short_key` (a message of one readable line).
     """
-    model_type = config.get("model_type") if config is not None else None
-    for key in [k for k in sources if model_key(k, model_type) != k]:
-        name = model_key(key, model_type)
+    model_type = config.get("model_type") if isinstance(config, dict) else None
+    renamed = {k: name for k in sources if (name := model_key(k, model_type)) != k}
+    for key, name in renamed.items():
         if name in sources:
-            raise ExportError(
-                f"{short_key(key)}: stored beside another tensor of the model key {short_key(name)!r}",
-                fqn=key,
-                hint="the folder mixes two naming forms of one model; re-save it with save_pretrained",
-            )
+            raise _two_tensors_of_one_key(key, name)
         s = sources.pop(key)
         sources[name] = replace(s, key=name)
+
+
+def _two_tensors_of_one_key(key: str, name: str) -> ExportError:
+    """E601: the stored ``key`` names the model key ``name`` that another stored tensor holds already (a legacy name
+    beside its renamed one); both by :func:`~ckpttool.errors.short_key`."""
+    return ExportError(
+        f"{short_key(key)}: stored beside another tensor of the model key {short_key(name)!r}",
+        fqn=key,
+        hint="the folder mixes two naming forms of one model; re-save it with save_pretrained",
+    )
 
 
 def _add_base_model_prefix(sources: dict[str, _Source], config: Any, opts: ImportOptions, warnings: list[str]) -> None:
