@@ -38,6 +38,7 @@ __all__ = [
     "HF_INDEX_NAME",
     "check_hf_index",
     "hf_storage_files",
+    "read_hf_index",
     "mistral_consolidated",
     "load_hf_storage_metadata",
     "read_safetensors_header",
@@ -352,7 +353,7 @@ def _check_one_save(path: Path, files: list[str]) -> None:
     """
     if HF_SINGLE_NAME not in files:
         return
-    wm = _read_index(path)
+    wm = read_hf_index(path)
     others = sorted(set(wm.values()) - {HF_SINGLE_NAME}) if wm is not None else []
     if not others:
         return
@@ -366,7 +367,7 @@ def _check_one_save(path: Path, files: list[str]) -> None:
     )
 
 
-def _read_index(path: Path) -> dict[str, str] | None:
+def read_hf_index(path: Path) -> dict[str, str] | None:
     """``weight_map`` of ``path/model.safetensors.index.json`` (``None``: no index), bounded and checked.
 
     Raises:
@@ -408,7 +409,7 @@ def check_hf_index(path: Path, files: list[str], storage: dict[tuple[str, Any], 
         IncompleteCheckpointError: ``E202``, a shard the index names is missing.
         MetadataError: ``E200``, any other disagreement (named, with counts).
     """
-    wm = _read_index(path)
+    wm = read_hf_index(path)
     if wm is None:
         return
     shown = path / HF_INDEX_NAME

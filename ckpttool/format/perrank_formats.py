@@ -27,7 +27,7 @@ from typing import Any
 from ckpttool.errors import CkptError, DataFileError, FormatVersionError, IncompleteCheckpointError, PerRankError
 from ckpttool.format import limits
 from ckpttool.format.files import read_regular, resolve_inside
-from ckpttool.format.hf_storage import read_safetensors_header
+from ckpttool.format.hf_storage import HF_INDEX_NAME, read_hf_index, read_safetensors_header
 from ckpttool.format.jsonfile import parse_json
 from ckpttool.format.manifest_file import MANIFEST_NAME, is_manifest_head
 from ckpttool.format.metadata import DType, TensorMeta
@@ -715,30 +715,27 @@ def _tc_unread(path: Path, read: set[str]) -> list[str]:
     return out
 
 
-#: The index torch-checkpointing's ``consolidate_hf_safetensors_checkpoint`` (its hf consolidation) writes beside the rank
-#: files (its default ``output_dir``, ``item_key`` ``model``), last, atomically, over its
-#: ``model-0000K-of-0000N.safetensors`` files.
-TC_HF_INDEX = "model.safetensors.index.json"
+#: torch-checkpointing's ``consolidate_hf_safetensors_checkpoint`` (its hf consolidation) writes
+#: :data:`~ckpttool.format.hf_storage.HF_INDEX_NAME` beside the rank files (its default ``output_dir``, ``item_key``
+#: ``model``), last, atomically, over its ``model-0000K-of-0000N.safetensors`` files.
 _TC_HF_FILE = re.compile(r"model-[0-9]{5}-of-[0-9]{5}\.safetensors\Z")
 
 
 def _tc_consolidated(path: Path, unread: list[str]) -> tuple[list[str], list[str]]:
-    """``(HF copy files, still unread)``: where ``unread`` holds :data:`TC_HF_INDEX` and every file its
+    """``(HF copy files, still unread)``: where ``unread`` holds the index and every file its
     ``weight_map`` names (``model-0000K-of-0000N.safetensors``), those files are the full model that
     torch-checkpointing's consolidation wrote (``validate --deep`` compares them with the shards, ``D012``); any
     other index (unreadable, naming another file or one that is not there) leaves everything unread (``K020``)."""
-    if TC_HF_INDEX not in unread:
+    if HF_INDEX_NAME not in unread:
         return [], unread
     try:
-        raw = read_regular(resolve_inside(path, TC_HF_INDEX, what="HF index"), 1 << 26, what=TC_HF_INDEX)
-        doc = parse_json(raw, str(path / TC_HF_INDEX))
+        wm = read_hf_index(path)  # bounded, a weight_map of str -> str, or MetadataError
     except (OSError, ValueError, CkptError):
         return [], unread
-    wm = doc.get("weight_map") if isinstance(doc, dict) else None
-    names = set(wm.values()) if isinstance(wm, dict) and wm else set()
+    names = set(wm.values()) if wm else set()
     if not names or not all(isinstance(n, str) and _TC_HF_FILE.match(n) and n in unread for n in names):
         return [], unread
-    return sorted(names), [u for u in unread if u not in names and u != TC_HF_INDEX]
+    return sorted(names), [u for u in unread if u not in names and u != HF_INDEX_NAME]
 
 
 def _all_ranks(ranks: list[int], world: Any) -> bool:
@@ -814,7 +811,7 @@ def _tc_assemble(path: Path, files: list[RankFile]) -> Assembled:
     a.companions, a.unread = _tc_consolidated(path, a.unread)
     if a.companions:
         a.notes.append(
-            f"{TC_HF_INDEX} and {', '.join(a.companions[:4])} beside it: the full model torch-checkpointing's "
+            f"{HF_INDEX_NAME} and {', '.join(a.companions[:4])} beside it: the full model torch-checkpointing's "
             "consolidate_hf_safetensors_checkpoint wrote, compared with the shards by validate --deep"
         )
     if a.unread:

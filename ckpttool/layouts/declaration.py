@@ -12,6 +12,7 @@ dim is the expert dim stay ambiguous until declared
 from __future__ import annotations
 
 import re
+from collections.abc import Collection
 from dataclasses import dataclass, field
 from enum import Enum
 from typing import TYPE_CHECKING, Any
@@ -52,6 +53,7 @@ if TYPE_CHECKING:
     from ckpttool.model.catalog import Catalog, TensorEntry
 
 __all__ = [
+    "split_per_expert_vector",
     "LayoutDeclaration",
     "ResolvedLayout",
     "resolve_layout",
@@ -69,6 +71,19 @@ LAYOUT_VERSIONS = {"legacy": 1, "canonical": 2}
 # `moe.experts.w1` and `moe.routed_experts.inner_experts.w1_EFD`): the component after `experts.`
 # is a parameter name, not a per-expert module index. Shared experts are not expert-parallel.
 EP_NAME_RE = re.compile(r"(?:^|\.)(?:inner_|routed_|grouped_|local_)?experts\.(?P<name>[A-Za-z_][A-Za-z0-9_]*)$")
+
+
+def split_per_expert_vector(key: str, entry: TensorEntry, counts: Collection[int]) -> bool:
+    """Whether ``key`` is a 1-D ``...experts.<name>`` tensor ``[E]`` (a per-expert bias or scale; ``E`` in ``counts``)
+    split over ranks along its expert dim: EP tensors are fused weights of at least 2 dims, so a change of the
+    experts' order (reshard, export's un-permutation) would leave it in the stored order."""
+    shape = entry.shape
+    return (
+        len(shape) == 1
+        and shape[0] in counts
+        and EP_NAME_RE.search(key) is not None
+        and len(dim_intervals(entry, 0)) > 1
+    )
 
 
 @dataclass(frozen=True)

@@ -11,8 +11,7 @@ metadata are refused (``E405``) unless ``--source-layout`` declares the layout.
 from __future__ import annotations
 
 from ckpttool.errors import ExportError
-from ckpttool.layouts.declaration import EP_NAME_RE, ResolvedLayout
-from ckpttool.layouts.geometry import dim_intervals
+from ckpttool.layouts.declaration import ResolvedLayout, split_per_expert_vector
 from ckpttool.layouts.permute import legacy_to_canonical_perm
 from ckpttool.ops.export.plan import Selected
 
@@ -82,9 +81,7 @@ def _refuse_unpermuted_per_expert(selected: list[Selected], orders: dict[str, tu
         return
     for s in selected:
         shape = s.source.shape
-        if s.model_key in orders or len(shape) != 1 or shape[0] not in counts or not EP_NAME_RE.search(s.model_key):
-            continue
-        if len(dim_intervals(s.source, 0)) > 1:
+        if s.model_key not in orders and split_per_expert_vector(s.model_key, s.source, counts):
             raise ExportError(
                 f"{s.source.key}: a per-expert tensor [{shape[0]}] split over ranks along its expert dim, stored in "
                 f"the legacy EP order; the experts of {len(orders)} tensor(s) are written in true order, and this "

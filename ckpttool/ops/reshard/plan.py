@@ -32,7 +32,7 @@ from ckpttool.errors import (
 from ckpttool.format.directory import CheckpointDir, rank_of_file
 from ckpttool.format.metadata import BytesMeta, ChunkMeta, DType, TensorMeta
 from ckpttool.format.tiling import tiling_problem
-from ckpttool.layouts.declaration import EP_NAME_RE, LAYOUT_VERSIONS, ResolvedLayout
+from ckpttool.layouts.declaration import EP_NAME_RE, LAYOUT_VERSIONS, ResolvedLayout, split_per_expert_vector
 from ckpttool.layouts.geometry import dim_intervals, nested_shard_intervals, tensor_geometry
 from ckpttool.layouts.permute import canonical_to_legacy_perm, legacy_to_canonical_perm
 from ckpttool.layouts.record import LAYOUT_FORMAT, LAYOUT_KEY, SIDECAR_NAME, EPTensorSpec, parse_layout_record
@@ -688,9 +688,7 @@ def _refuse_unpermuted_per_expert_tensors(cat: Catalog, plan: ReshardPlan) -> No
             keys.extend(t.key for t in ps.fields.values() if t is not None)
     for key in keys:
         entry = cat.tensors.get(key)
-        if key in handled or entry is None or len(entry.shape) != 1 or entry.shape[0] not in counts:
-            continue
-        if len(dim_intervals(entry, 0)) > 1:
+        if key not in handled and entry is not None and split_per_expert_vector(key, entry, counts):
             raise ReshardError(
                 f"{key}: a per-expert tensor [{entry.shape[0]}] split over ranks along its expert dim; the experts of "
                 f"{len(plan.permuted_keys)} tensor(s) get a new order, and this one would keep the old order",
