@@ -1083,9 +1083,25 @@ def unfinished_save_hint(file: Path) -> str | None:
     )
 
 
+def _checkpoint_above(root: Path) -> tuple[Path, Path] | None:
+    """The checkpoint directory one or two levels above ``root`` (a folder or file inside a checkpoint: its
+    ``model_assets/``, ``extra_state/extra_state_rank_0.pt``) and ``root`` relative to it, or ``None``. It is looked
+    for above the absolute path (``inspect .`` run inside ``model_assets/`` has no parent as given) and named as
+    given (relative when ``root`` is)."""
+    here = Path(os.path.abspath(root))
+    found = next((p for p in (here.parent, here.parent.parent) if p != here and is_checkpoint_dir(p)), None)
+    if found is None:
+        return None
+    return (found if root.is_absolute() else Path(os.path.relpath(found))), here.relative_to(found)
+
+
 def _file_given_hint(file: Path) -> str:
-    """The hint of a file given where a checkpoint directory belongs, its folder being no checkpoint: a data file
-    of a save that did not finish (:func:`unfinished_save_hint`); any other file is no distributed checkpoint."""
+    """The hint of a file given where a checkpoint directory belongs, its folder being no checkpoint: a file in a
+    folder of a checkpoint (``extra_state/extra_state_rank_0.pt``: that checkpoint is named), a data file of a save
+    that did not finish (:func:`unfinished_save_hint`); any other file is no distributed checkpoint."""
+    above = _checkpoint_above(file)
+    if above is not None:
+        return f"pass the checkpoint directory {shell_arg(above[0])} ({above[1]} is a file inside it)"
     return unfinished_save_hint(file) or (
         f"pass the directory that dcp.save wrote (it holds .metadata and __R_N.distcp files; {file.parent} "
         "holds none): a single torch.save file (.pt, .bin) is not a distributed checkpoint"
@@ -1361,12 +1377,9 @@ def _nothing_below(root: Path, opt: Path | None) -> Located:
     if partial:
         _refuse_partial_step(root)
         return Located(root, root, opt)
-    # a folder inside a checkpoint (its model_assets/, extra_state/): the checkpoint is the directory to pass,
-    # looked for above the absolute path (`inspect .` run inside model_assets/ has no parent as given), named as given
-    here = Path(os.path.abspath(root))
-    found = next((p for p in (here.parent, here.parent.parent) if p != here and is_checkpoint_dir(p)), None)
-    above = found if found is None or root.is_absolute() else Path(os.path.relpath(found))
-    inside = here.relative_to(found) if found is not None else None
+    # a folder inside a checkpoint (its model_assets/, extra_state/): the checkpoint is the directory to pass
+    checkpoint = _checkpoint_above(root)
+    above, inside = checkpoint if checkpoint is not None else (None, None)
     if above is None and step_of(root.name) is not None and _holds_no_file(root):
         raise MetadataError(
             f"{root}: an empty directory (no .metadata, no data files, in it or below it)",

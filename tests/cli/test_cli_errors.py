@@ -193,6 +193,26 @@ def test_a_folder_inside_a_checkpoint_hints_the_checkpoint(cmd: str, sample_ckpt
     assert res.stderr.splitlines()[-1].startswith("hint: pass the directory that dcp.save wrote"), res.stderr
 
 
+@pytest.mark.parametrize("cmd", ["inspect", "validate", "export", "stats", "manifest"])
+def test_a_file_in_a_folder_of_a_checkpoint_hints_the_checkpoint(cmd: str, sample_ckpt: Path, tmp_path: Path) -> None:
+    """``inspect CKPT/model_assets/config.json`` (a file one folder down in the checkpoint) hinted ``pass the
+    directory that dcp.save wrote (... CKPT/model_assets holds none): a single torch.save file (.pt, .bin) is not a
+    distributed checkpoint`` -- the checkpoint right above went unnamed, and config.json is no torch.save file. The
+    hint names the checkpoint, as for its folder; a file in a folder that is no checkpoint keeps the general hint."""
+    extra = [str(tmp_path / "out")] if cmd == "export" else []
+    for inner in ("model_assets/config.json", "extra_state/extra_state_rank_0.pt"):
+        res = runner.invoke(app, [cmd, str(sample_ckpt / inner), *extra])
+        assert res.exit_code == 2 and not (tmp_path / "out").exists(), res.stderr
+        assert res.stderr.splitlines()[-2:] == [
+            f"error: [E100] {sample_ckpt / inner} is not a directory",
+            f"hint: pass the checkpoint directory {sample_ckpt} ({inner} is a file inside it)",
+        ], res.stderr
+    (tmp_path / "plain").mkdir()
+    (tmp_path / "plain" / "model.pt").write_bytes(b"x")
+    res = runner.invoke(app, [cmd, str(tmp_path / "plain" / "model.pt"), *extra])
+    assert res.stderr.splitlines()[-1].startswith("hint: pass the directory that dcp.save wrote"), res.stderr
+
+
 def test_step_given_as_a_directory_name_hints_its_number(tmp_path: Path) -> None:
     for given, hint in (
         ("step-200", "hint: give the step's number, --step 200, or pass that directory itself"),
