@@ -715,6 +715,21 @@ def _plain_type_names(message: str) -> str:
 COMPLETION_SHELLS = ("bash", "zsh", "fish", "powershell", "pwsh")
 
 
+def _completion_help(cmd: Any) -> None:
+    """Typer's help of ``--install-completion`` / ``--show-completion`` names only the shell ckpttool runs in; both
+    also take a SHELL (:func:`_named_shell_completion`), which the help names with the shells it takes."""
+    shells = ", ".join(COMPLETION_SHELLS)
+    helps = {
+        "install_completion": f"Install completion for the current shell, or for the SHELL given after the flag "
+        f"({shells}).",
+        "show_completion": "Show completion for the current shell, or for the SHELL given after the flag, to copy "
+        "it or customize the installation.",
+    }
+    for p in cmd.params:
+        if p.name in helps:
+            p.help = helps[p.name]
+
+
 def _named_shell_completion(argv: list[str]) -> str | None:
     """What ``ckpttool --show-completion SHELL`` / ``--install-completion SHELL`` print for the shell named: its
     completion script, or where it was installed (``None``: not such a command line). Typer's flags detect the
@@ -887,6 +902,7 @@ class CkptGroup(TyperGroup):
         if atomic is not None:
             atomic.forget_published()
         configure_logging(0)
+        _completion_help(self)  # Typer appends its completion flags after the group is built
         try:
             script = _named_shell_completion(sys.argv[1:] if args is None else list(args))
             rv = (

@@ -365,6 +365,20 @@ def test_show_completion_prints_the_script_of_the_shell_named() -> None:
     assert res.stderr.splitlines()[0] == "error: [E100] --show-completion tcsh: no completion script for this shell"
 
 
+def test_completion_flags_help_names_the_shell_argument() -> None:
+    """`ckpttool --help` described `--install-completion` / `--show-completion` with Typer's words alone ("for the
+    current shell"), so a user reading the help could not learn that both take a SHELL (cli.md: `[SHELL]`), the way
+    to get zsh's script from bash. The help names the argument and the shells it takes."""
+    res = runner.invoke(app, ["--help"])
+    assert res.exit_code == 0, res.output
+    words = " ".join(res.stdout.split())  # the help as wrapped at any width
+    assert (
+        "--install-completion Install completion for the current shell, or for the SHELL given after the flag "
+        "(bash, zsh, fish, powershell, pwsh). --show-completion Show completion for the current shell, or for the "
+        "SHELL given after the flag, to copy it or customize the installation. -h, --help"
+    ) in words, res.stdout
+
+
 def test_install_completion_installs_for_the_shell_named(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """`--install-completion zsh` from bash installed bash's completion (in ~/.bashrc): the name was dropped as
     `--show-completion`'s was. The shell named gets it now (a home directory of the test's own)."""
