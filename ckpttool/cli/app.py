@@ -805,6 +805,26 @@ def _closed_stdout() -> NoReturn:
 _ROOT_ONLY = {"--max-metadata-size": " SIZE", "--max-object-size": " SIZE", "-V": "", "--version": ""}
 
 
+#: Options of ``ckpttool`` itself that print something and exit, given after a command name (no command takes them).
+_ROOT_FLAGS = ("--install-completion", "--show-completion")
+
+
+_AFTER_COMMAND = "ckpttool.after_command"
+
+
+def _word_for_flag_hint(message: str, ctx: Any) -> str | None:
+    """The hint of ``ckpttool version`` / ``ckpttool help [CMD]``, words other CLIs take as commands (click's
+    "No such command 'version'." found no near name to suggest): the flag that does it; ``None`` otherwise."""
+    m = re.fullmatch(r"No such command '(version|help)'\.", message)
+    if m is None:
+        return None
+    if m[1] == "version":
+        return "the versions are printed by `ckpttool --version` (-V)"
+    after = list(ctx.meta.get(_AFTER_COMMAND, ())) if ctx is not None else []
+    command = after[0] if after and after[0] in COMMANDS else None
+    return f"a command's help is `ckpttool {command} --help`" if command else "help is `ckpttool --help` (-h)"
+
+
 def _usage_error(e: Any, ctx: Any) -> UsageError:
     """Click's usage error ``e`` as ckpttool's E100; a root-only option given after the command name
     (``ckpttool inspect DIR --max-object-size 1GiB``, ``ckpttool validate DIR -V``) is named as such, with where
@@ -818,6 +838,14 @@ def _usage_error(e: Any, ctx: Any) -> UsageError:
             if _ROOT_ONLY[option]
             else f"put it before the command: `ckpttool {option}` (it prints the versions and exits)",
         )
+    if type(e).__name__ == "NoSuchOption" and option in _ROOT_FLAGS and ctx is not None and ctx.parent is not None:
+        return UsageError(
+            f"{option} is an option of ckpttool itself, given after the command name",
+            hint=f"run `ckpttool {option} [SHELL]` alone",
+        )
+    flag_hint = _word_for_flag_hint(e.format_message(), ctx)
+    if flag_hint is not None:
+        return UsageError(e.format_message(), hint=flag_hint)
     if type(e).__name__ == "NoSuchOption" and option == "--json" and ctx is not None and ctx.parent is not None:
         # as `ckpttool --json CMD` says it (was click's "No such option: --json")
         return UsageError(f"`{where}` has no JSON output (--json)", hint=f"see `{where} --help`")
@@ -874,6 +902,7 @@ class CkptGroup(TyperGroup):
             raise
 
     def resolve_command(self, ctx: Any, args: list[str]) -> Any:
+        ctx.meta[_AFTER_COMMAND] = args[1:]  # what follows a word that is no command (`help inspect`)
         name, cmd, rest = super().resolve_command(ctx, args)
         # `schema NAME` prints a JSON Schema anyway
         if UI.json and cmd is not None and name != "schema" and not any(p.name == "json_output" for p in cmd.params):

@@ -213,6 +213,31 @@ def test_a_file_in_a_folder_of_a_checkpoint_hints_the_checkpoint(cmd: str, sampl
     assert res.stderr.splitlines()[-1].startswith("hint: pass the directory that dcp.save wrote"), res.stderr
 
 
+def test_version_and_help_given_as_commands_hint_their_flags(sample_ckpt: Path) -> None:
+    """`ckpttool version` and `ckpttool help inspect` (commands in other CLIs) got no did-you-mean, only `see
+    ckpttool --help`; `ckpttool inspect DIR --install-completion` was "No such option", though --version there says
+    where it goes. Each hint now names the flag that does it."""
+    cases = {
+        ("version",): ("No such command 'version'.", "the versions are printed by `ckpttool --version` (-V)"),
+        ("help",): ("No such command 'help'.", "help is `ckpttool --help` (-h)"),
+        ("help", "replay-step"): ("No such command 'help'.", "a command's help is `ckpttool replay-step --help`"),
+        ("inspect", str(sample_ckpt), "--install-completion"): (
+            "--install-completion is an option of ckpttool itself, given after the command name",
+            "run `ckpttool --install-completion [SHELL]` alone",
+        ),
+        ("validate", "--show-completion", "zsh"): (
+            "--show-completion is an option of ckpttool itself, given after the command name",
+            "run `ckpttool --show-completion [SHELL]` alone",
+        ),
+    }
+    for args, (error, hint) in cases.items():
+        res = runner.invoke(app, list(args))
+        assert (res.exit_code, res.stdout) == (2, ""), res.output
+        assert res.stderr.splitlines() == [f"error: [E100] {error}", f"hint: {hint}"], res.stderr
+    res = runner.invoke(app, ["versoin"])  # any other word keeps the general hint
+    assert res.stderr.splitlines()[-1] == "hint: see `ckpttool --help`", res.stderr
+
+
 def test_step_given_as_a_directory_name_hints_its_number(tmp_path: Path) -> None:
     for given, hint in (
         ("step-200", "hint: give the step's number, --step 200, or pass that directory itself"),
