@@ -22,7 +22,7 @@ OutputOpt = Annotated[
     typer.Option(
         "--output",
         "-o",
-        help="Write the manifest here instead of DIR/manifest.json.",
+        help="Write the manifest here instead of CHECKPOINT/manifest.json.",
         show_default=False,
         parser=manifest_file,
         metavar="FILE",
@@ -78,7 +78,7 @@ def manifest_command(
         bool,
         typer.Option(
             "--verify",
-            help="Check DIR against its manifest (DIR/manifest.json or --output) instead of writing one: a DCP checkpoint or a safetensors export made with a manifest. Exit 1 names each changed, missing or added chunk or byte range.",
+            help="Check CHECKPOINT against its manifest (CHECKPOINT/manifest.json or --output) instead of writing one: a DCP checkpoint or a safetensors export made with a manifest. Exit 1 names each changed, missing or added chunk or byte range.",
         ),
     ] = False,
     json_output: JsonOpt = False,

@@ -226,7 +226,7 @@ ValidateOptimizerDirOpt = Annotated[
     typer.Option(
         "--optimizer-dir",
         "--optimizer",
-        help="A separate optimizer checkpoint (e.g. checkpoint-N/optimizer_0) validated together with DIR's model.",
+        help="A separate optimizer checkpoint (e.g. checkpoint-N/optimizer_0) validated together with CHECKPOINT's model.",
         show_default=False,
         parser=opt.given_path,
     ),

@@ -154,7 +154,7 @@ def manifest_file(value: str | PurePath) -> Path:
     if not value:
         raise typer.BadParameter(
             "an empty path (an unset shell variable?); name the manifest file (e.g. ./manifest.json), "
-            "or leave --output out for DIR/manifest.json"
+            "or leave --output out for CHECKPOINT/manifest.json"
         )
     from ckpttool.format.storage import is_url, local_path
 
@@ -330,7 +330,7 @@ OptimizerDirOpt = Annotated[
     Path | None,
     typer.Option(
         "--optimizer-dir",
-        help="A separate optimizer checkpoint (e.g. checkpoint-N/optimizer_0) read together with DIR's model.",
+        help="A separate optimizer checkpoint (e.g. checkpoint-N/optimizer_0) read together with CHECKPOINT's model.",
         show_default=False,
         parser=given_path,
     ),

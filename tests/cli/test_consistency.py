@@ -79,6 +79,22 @@ def test_metavars_are_uppercase_everywhere(name: str) -> None:
         assert missing.exit_code == 2 and re.search(r"Missing argument '[A-Z_]+'", missing.stderr), missing.stderr
 
 
+@pytest.mark.parametrize("name", ["inspect", "validate", "export", "replay-step", "manifest"])
+def test_help_names_the_checkpoint_argument_as_its_usage_line_does(name: str) -> None:
+    """The usage line names the argument CHECKPOINT, but `--optimizer-dir` read "together with DIR's model" and
+    `manifest --verify` / `--output` "DIR/manifest.json": a DIR the command does not have. The help says
+    CHECKPOINT."""
+    res = runner.invoke(app, [name, "--help"])
+    assert res.exit_code == 0 and res.stdout.startswith(f"Usage: ckpttool {name} [OPTIONS] "), res.output
+    words = " ".join(res.stdout.split())
+    assert not re.search(r"\bDIR's|Check DIR\b|instead of DIR/|\(DIR/manifest", words), words
+    want = ["CHECKPOINT/manifest.json"] if name == "manifest" else ["together with CHECKPOINT's model."]
+    assert all(w in words for w in want), words
+    if name == "manifest":
+        res = runner.invoke(app, [name, "unused", "--output", ""])
+        assert res.stderr.splitlines()[0].endswith("or leave --output out for CHECKPOINT/manifest.json"), res.stderr
+
+
 @pytest.mark.parametrize("name", COMMANDS)
 def test_help_fits_a_narrow_terminal(name: str) -> None:
     """At 60 columns no help line is wider than the terminal (the examples aside: they stay whole to copy): a
