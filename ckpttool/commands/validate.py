@@ -267,7 +267,11 @@ def validate_command(
     if checkpoint is None and manifest:  # `validate --manifest DIR`: the option took the checkpoint as its value
         checkpoint, manifest = opt.location(manifest), ""
     if checkpoint is None:
-        raise UsageError("missing CHECKPOINT argument", hint="ckpttool validate DIR [--strict] [--deep]")
+        raise UsageError(
+            "Missing argument 'CHECKPOINT'.",
+            hint="ckpttool validate CHECKPOINT [--strict] [--deep], or ckpttool validate --list-rules; see "
+            "`ckpttool validate --help`",
+        )
     from ckpttool.model.checkpoint import OpenOptions
     from ckpttool.ops.entry import run_validate, validation_error
     from ckpttool.ops.validate import ValidateOptions

@@ -95,6 +95,20 @@ def test_help_names_the_checkpoint_argument_as_its_usage_line_does(name: str) ->
         assert res.stderr.splitlines()[0].endswith("or leave --output out for CHECKPOINT/manifest.json"), res.stderr
 
 
+def test_validate_without_a_checkpoint_says_so_as_every_command_does() -> None:
+    """`ckpttool validate` (CHECKPOINT is optional there, for --list-rules) said `missing CHECKPOINT argument` with
+    the hint `ckpttool validate DIR [--strict] [--deep]`, where every other command says `Missing argument
+    'CHECKPOINT'.` and its usage line names no DIR. Now the same words, and the hint names --list-rules too."""
+    res = runner.invoke(app, ["validate"])
+    assert (res.exit_code, res.stdout) == (2, ""), res.output
+    assert res.stderr.splitlines() == [
+        "error: [E100] Missing argument 'CHECKPOINT'.",
+        "hint: ckpttool validate CHECKPOINT [--strict] [--deep], or ckpttool validate --list-rules; see "
+        "`ckpttool validate --help`",
+    ], res.stderr
+    assert runner.invoke(app, ["inspect"]).stderr.splitlines()[0] == res.stderr.splitlines()[0]
+
+
 @pytest.mark.parametrize("name", COMMANDS)
 def test_help_fits_a_narrow_terminal(name: str) -> None:
     """At 60 columns no help line is wider than the terminal (the examples aside: they stay whole to copy): a
