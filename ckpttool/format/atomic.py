@@ -167,7 +167,8 @@ def check_output_target(target: Path, *, overwrite: bool, source: Path | None = 
             raise OutputError(
                 f"{target} exists and is not empty",
                 path=target,
-                hint="choose another output directory or pass `overwrite` to replace this previous output"
+                hint="choose another output directory, or pass `overwrite` to replace this previous output "
+                f"({found.found}: {marker.describe_contents(target)})"
                 if found.owned
                 else f"choose another output directory (it holds {found.found}, "
                 + ("which ckpttool did not write" if found.kind is None else "not provably an output of ckpttool")

@@ -223,6 +223,25 @@ def test_a_previous_output_is_replaced_and_carries_a_marker(
     assert second["token"] != first["token"] and leftovers(tmp_path) == []
 
 
+def test_a_previous_output_given_without_overwrite_is_named_by_what_it_holds(
+    sample_ckpt: Path, hf_export: Path, tmp_path: Path
+) -> None:
+    """`ckpttool export HF CKPT` (the arguments swapped; CKPT a checkpoint `reshard` wrote) answered only "pass
+    --overwrite to replace this previous output", which would replace the checkpoint with an export. The hint now
+    says what it holds, and the checkpoint stays untouched."""
+    ckpt = tmp_path / "resharded"
+    assert cli("reshard", sample_ckpt, ckpt, "--to", "legacy", "--with-optimizer").exit_code == 0
+    before = snapshot(ckpt)
+    res = cli("export", hf_export, ckpt)
+    assert (res.exit_code, res.stdout) == (2, ""), res.output
+    assert res.stderr.splitlines() == [
+        f"error: [E600] {ckpt} exists and is not empty",
+        "hint: choose another output directory, or pass --overwrite to replace this previous output (a ckpttool "
+        "reshard output: a DCP checkpoint (.metadata, 1 data file))",
+    ], res.stderr
+    assert snapshot(ckpt) == before
+
+
 def test_an_empty_directory_is_replaced(sample_ckpt: Path, tmp_path: Path) -> None:
     out = tmp_path / "empty"
     out.mkdir()
