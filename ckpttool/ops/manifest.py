@@ -1816,6 +1816,8 @@ def _stored_entry_problem(
         info = reader.storage_info(e.key, chunk)
         kind, digest = _hash_entry(reader, e.key, chunk, e.covers, algorithm)
     except DataFileError as err:  # a data file deleted or cut short since: this entry's bytes are not there
+        if isinstance(err.__cause__, PermissionError):
+            raise  # one this user may not read is not a changed one: no verdict (E300 naming it)
         rel = stored.relative_path if stored is not None else e.file
         store = reader.remote  # a remote one: its listing says whether the object is there
         gone = store.size(rel) is None if store is not None else not (Path(reader.path) / rel).exists()

@@ -121,3 +121,23 @@ def test_a_file_beside_the_data_that_cannot_be_read_is_named(
     _refused(res, d / name, "cannot read")
     assert (d / "manifest.json").exists() == verify
     assert _tree(d) == before
+
+
+def test_a_data_file_that_cannot_be_read_is_no_verdict_not_changed_chunks(fsdp_ckpt: Path, tmp_path: Path) -> None:
+    """A rank's data file this user may not read: ``--verify`` listed each of its chunks as ``changed`` (exit 1,
+    'differs from its manifest': a checkpoint that was never altered called damaged); now E300 naming the file,
+    exit 2, no verdict, and the hint says to make it readable (not 'the checkpoint is incomplete')."""
+    d = copy_checkpoint(fsdp_ckpt, tmp_path / "c")
+    assert _run("manifest", str(d)).returncode == 0
+    before = _tree(d)
+    (d / "__1_0.distcp").chmod(0)
+    try:
+        verify = _run("manifest", str(d), "--verify")
+        write = _run("manifest", str(d), "-o", str(tmp_path / "m.json"))
+    finally:
+        (d / "__1_0.distcp").chmod(0o644)
+    for res in (verify, write):
+        _refused(res, d / "__1_0.distcp", "cannot open data file")
+    assert "changed" not in verify.stdout + verify.stderr and "differs" not in verify.stdout + verify.stderr
+    assert not (tmp_path / "m.json").exists() and _tree(d) == before
+    assert _run("manifest", str(d), "--verify").returncode == 0
