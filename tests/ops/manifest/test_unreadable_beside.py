@@ -141,3 +141,25 @@ def test_a_data_file_that_cannot_be_read_is_no_verdict_not_changed_chunks(fsdp_c
     assert "changed" not in verify.stdout + verify.stderr and "differs" not in verify.stdout + verify.stderr
     assert not (tmp_path / "m.json").exists() and _tree(d) == before
     assert _run("manifest", str(d), "--verify").returncode == 0
+
+
+@pytest.mark.parametrize("command", [["manifest", "--verify"], ["inspect"]], ids=["verify", "inspect"])
+def test_an_index_that_cannot_be_read_is_named_as_such_not_as_damaged(
+    dense_ckpt: Path, tmp_path: Path, command: list[str]
+) -> None:
+    """A Hugging Face folder's ``model.safetensors.index.json`` this user may not read was 'not a readable index
+    (PermissionError)' with the hint that the index is damaged and should be restored or re-downloaded."""
+    out = tmp_path / "hf"
+    assert _run("export", str(dense_ckpt), str(out), "--shard-size", "4KB", "-q").returncode == 0
+    assert _run("manifest", str(out)).returncode == 0
+    before = _tree(out)
+    index = out / "model.safetensors.index.json"
+    index.chmod(0)
+    try:
+        res = _run(command[0], str(out), *command[1:])
+    finally:
+        index.chmod(0o644)
+    assert res.returncode == 2, res.stdout + res.stderr
+    assert f"error: [E200] {index}: cannot read (Permission denied)" in res.stderr, res.stderr
+    assert "hint: check the file's permissions" in res.stderr and "damaged" not in res.stderr, res.stderr
+    assert _tree(out) == before
