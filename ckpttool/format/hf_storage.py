@@ -387,6 +387,8 @@ def read_hf_index(path: Path) -> dict[str, str] | None:
             resolve_inside(path, HF_INDEX_NAME, what="index"), limits.current().max_object_bytes, what="index"
         )
         index = parse_json(raw, str(shown))
+    except PermissionError as e:  # another user's file, chmod 000: not a damaged index
+        raise MetadataError(f"{shown}: cannot read ({e.strerror})", path=shown, hint=_UNREADABLE) from None
     except (ValueError, OSError) as e:  # not JSON / not UTF-8 / unreadable
         raise MetadataError(
             f"{shown}: not a readable index ({type(e).__name__})", path=shown, hint=_BAD_INDEX

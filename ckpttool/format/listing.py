@@ -12,10 +12,13 @@ import stat
 from dataclasses import dataclass
 from pathlib import Path
 
-from ckpttool.errors import CkptError, NotRegularFileError
+from ckpttool.errors import CkptError, DataFileError, NotRegularFileError
 from ckpttool.format.directory import DATA_FILE_RE, CheckpointDir
 
 __all__ = ["FileListing", "list_files"]
+
+#: The hint of an ``extra_state`` folder or file that cannot be read.
+_UNREADABLE_HINT = "make it readable by this user (chmod/chown) and run again"
 
 
 @dataclass(frozen=True)
@@ -58,15 +61,25 @@ def _local_extra_state(cd: CheckpointDir) -> list[tuple[str, int, str]]:
     Raises:
         PathEscapeError: ``extra_state`` or a file in it links out of the checkpoint.
         NotRegularFileError: a device, FIFO or socket in it.
+        DataFileError: ``extra_state`` cannot be listed, or a file in it cannot be stat'ed (permissions).
     """
     extra: list[tuple[str, int, str]] = []
     extra_dir = cd.path / "extra_state"
     if not extra_dir.is_dir():
         return extra
     cd.resolve("extra_state")  # a symlink out of the checkpoint: PathEscapeError
-    for p in sorted(extra_dir.iterdir()):
+    try:
+        entries = sorted(extra_dir.iterdir())
+    except OSError as e:  # a folder of another user, chmod 000: named, not an internal error
+        raise DataFileError(
+            f"{extra_dir}: cannot list the folder ({e.strerror})", path=extra_dir, hint=_UNREADABLE_HINT
+        ) from e
+    for p in entries:
         rel = f"extra_state/{p.name}"
-        st = cd.resolve(rel).stat() if p.is_symlink() else p.lstat()  # symlinks: confined, then followed
+        try:
+            st = cd.resolve(rel).stat() if p.is_symlink() else p.lstat()  # symlinks: confined, then followed
+        except OSError as e:
+            raise DataFileError(f"{cd.path / rel}: cannot read ({e.strerror})", path=rel, hint=_UNREADABLE_HINT) from e
         if stat.S_ISDIR(st.st_mode):
             continue
         if not stat.S_ISREG(st.st_mode):
@@ -87,7 +100,7 @@ def list_files(cd: CheckpointDir, referenced: set[str], sidecar_name: str) -> Fi
         sidecar_name: the layout sidecar's file name.
 
     Raises:
-        PathEscapeError, NotRegularFileError: as :func:`_local_extra_state`.
+        PathEscapeError, NotRegularFileError, DataFileError: as :func:`_local_extra_state`.
     """
     listing = cd.remote.sizes() if cd.remote is not None else None  # an object store: one listing, no stat
     on_disk: dict[str, int | None]

@@ -749,7 +749,6 @@ def training_state_digests(model_dir: Path, algorithm: str) -> list[dict[str, An
     """
     import stat
 
-    from ckpttool.format.files import open_regular
     from ckpttool.model.beside import files_beside
 
     out: list[dict[str, Any]] = []
@@ -759,7 +758,7 @@ def training_state_digests(model_dir: Path, algorithm: str) -> list[dict[str, An
         if stat.S_ISLNK(st.st_mode) or not stat.S_ISREG(st.st_mode):
             out.append(_link_or_special(full, rel, st.st_mode, algorithm))
             continue
-        fd = open_regular(full)
+        fd = _open_beside(full)
         try:
             out.append({"file": rel, "size": st.st_size, "digest": _hash_fd(fd, 0, st.st_size, algorithm, full, rel)})
         finally:
@@ -798,7 +797,6 @@ def sidecar_digests(root: Path, skip: set[str], algorithm: str) -> list[dict[str
     import stat
 
     from ckpttool.errors import SizeLimitError
-    from ckpttool.format.files import open_regular
 
     out: list[dict[str, Any]] = []
     for full, rel in _files_below(root, skip):
@@ -808,13 +806,41 @@ def sidecar_digests(root: Path, skip: set[str], algorithm: str) -> list[dict[str
         if stat.S_ISLNK(st.st_mode) or not stat.S_ISREG(st.st_mode):
             out.append(_link_or_special(full, rel, st.st_mode, algorithm))
             continue
-        fd = open_regular(Path(full))
+        fd = _open_beside(Path(full))
         try:
             digest = _hash_fd(fd, 0, st.st_size, algorithm, Path(full), rel)
         finally:
             os.close(fd)
         out.append({"file": rel, "size": st.st_size, "digest": digest})
     return out
+
+
+#: The hint of a file or folder beside the data that cannot be read (a manifest vouches for every one).
+_UNREADABLE_HINT = (
+    "make it readable by this user (chmod/chown) and run again: a manifest digests every file below the checkpoint"
+)
+
+
+def _open_beside(full: Path) -> int:
+    """A read descriptor of ``full``, a regular file beside the data (a sidecar, a training-state file).
+
+    Raises:
+        DataFileError (E300): it cannot be opened (permissions), naming it: no manifest or verdict leaves it out.
+        NotRegularFileError (E102): it is no longer a regular file.
+    """
+    from ckpttool.format.files import open_regular
+
+    try:
+        return open_regular(full)
+    except OSError as e:
+        raise DataFileError(f"{full}: cannot read ({e.strerror})", path=full, hint=_UNREADABLE_HINT) from e
+
+
+def _unlistable(e: OSError) -> None:
+    """``os.walk``'s ``onerror``: a folder below the checkpoint that cannot be listed is ``E300`` naming it (the
+    walk would skip it, and its files would be neither digested nor checked)."""
+    where = e.filename if e.filename is not None else "a folder below the checkpoint"
+    raise DataFileError(f"{where}: cannot list the folder ({e.strerror})", path=where, hint=_UNREADABLE_HINT) from e
 
 
 #: The ``digest`` of a symlink listed by a manifest of an older ckpttool (its target not recorded).
@@ -836,7 +862,7 @@ def _link_or_special(full: str | Path, rel: str, mode: int, algorithm: str) -> d
 def _files_below(root: Path, skip: set[str]) -> Iterator[tuple[str, str]]:
     """``(path, name relative to root)`` of every file below ``root`` (a symlinked folder as one file, never
     followed) but ``skip`` and ckpttool's output marker, in name order: what ``sidecars`` lists."""
-    for dirpath, dirnames, filenames in os.walk(root, followlinks=False):
+    for dirpath, dirnames, filenames in os.walk(root, followlinks=False, onerror=_unlistable):
         dirnames.sort()
         for name in sorted(filenames) + [d for d in dirnames if os.path.islink(os.path.join(dirpath, d))]:
             full = os.path.join(dirpath, name)
@@ -1790,6 +1816,8 @@ def _stored_entry_problem(
         info = reader.storage_info(e.key, chunk)
         kind, digest = _hash_entry(reader, e.key, chunk, e.covers, algorithm)
     except DataFileError as err:  # a data file deleted or cut short since: this entry's bytes are not there
+        if isinstance(err.__cause__, PermissionError):
+            raise  # one this user may not read is not a changed one: no verdict (E300 naming it)
         rel = stored.relative_path if stored is not None else e.file
         store = reader.remote  # a remote one: its listing says whether the object is there
         gone = store.size(rel) is None if store is not None else not (Path(reader.path) / rel).exists()
