@@ -347,7 +347,12 @@ _TC_MODEL_RE = re.compile(r"^model_\d+\.(?:pt|safetensors)$")
 
 
 def _tc_claims(path: Path, names: list[str]) -> list[RankFile] | None:
-    if ".metadata" in names or not (TC_METADATA in names or any(_TC_MODEL_RE.match(n) for n in names)):
+    """torch-checkpointing's files: ``metadata.pkl`` or a ``model_{rank}`` file; in its ``tmp_<name>`` staging
+    directory any ``<item>_{rank}.pt``/``.safetensors`` file (a save stopped before its model item was written, or
+    whose model write failed, leaves the other items there: :func:`staging_of` names it unfinished)."""
+    if ".metadata" in names:
+        return None
+    if not (TC_METADATA in names or any(_TC_MODEL_RE.match(n) for n in names) or _tc_staged_items(path, names)):
         return None
     files = []
     for n in names:
@@ -355,6 +360,14 @@ def _tc_claims(path: Path, names: list[str]) -> list[RankFile] | None:
         if m:
             files.append(RankFile(m.group("item"), int(m.group("rank")), n))
     return sorted(files, key=lambda f: (f.role != "model", f.role, f.rank))
+
+
+def _tc_staged_items(path: Path, names: list[str]) -> bool:
+    """``path`` is named as torch-checkpointing's staging directory (``tmp_<name>``) and holds an item's rank file
+    in one of its binary serializations (``<item>_{rank}.pt`` / ``.safetensors``)."""
+    if not path.name.startswith(TC_STAGING_PREFIX) or len(path.name) == len(TC_STAGING_PREFIX):
+        return False
+    return any((m := _TC_FILE_RE.match(n)) is not None and m.group("ext") in ("pt", "safetensors") for n in names)
 
 
 def _tc_metadata(path: Path) -> dict[str, Any] | None:

@@ -378,7 +378,7 @@ def test_export_of_non_hf_names_says_what_serving_needs(olmo_root: Path, tmp_pat
         "warning: no model adapter: 21 model tensor(s) were written under OLMo-core's own names, not HF's "
         "(embeddings.weight, blocks.0.attention.w_q.weight, blocks.0.attention.w_k.weight (+18 more)): transformers "
         "and vLLM do not load them; export again with --model-assets DIR holding the model's HF config.json "
-        "(model_type llama picks adapter olmo-core-llama, olmo2 picks olmo-core-olmo2), or --adapter "
+        "(model_type llama picks adapter olmo-core-llama, olmo2 or olmo3 picks olmo-core-olmo2), or --adapter "
         "olmo-core-llama|olmo-core-olmo2"
     ), line
     from safetensors import safe_open
@@ -392,17 +392,18 @@ def test_export_of_non_hf_names_says_what_serving_needs(olmo_root: Path, tmp_pat
 def test_inspect_names_the_adapter_a_config_picks(olmo_root: Path, olmo2_root: Path) -> None:
     """inspect said nothing of an adapter (``model_adapter`` null: the names alone pick none), so nothing told the
     user that export needs a config or ``--adapter``; now it names the adapter that fits and how it is chosen."""
-    for root, adapter, model_type in (
-        (olmo_root, "olmo-core-llama", "llama"),
-        (olmo2_root, "olmo-core-olmo2", "olmo2"),
+    for root, adapter, model_types in (
+        (olmo_root, "olmo-core-llama", ("llama",)),
+        (olmo2_root, "olmo-core-olmo2", ("olmo2", "olmo3")),  # OLMo-3's tensors are OLMo-2's
     ):
         doc = json.loads(cli("inspect", str(root / "run"), "--json"))
         assert doc["model_adapter"] is None
-        assert doc["adapter_choices"] == [{"adapter": adapter, "model_type": model_type}]
+        assert doc["adapter_choices"] == [{"adapter": adapter, "model_type": t} for t in model_types]
         text = cli("inspect", str(root / "run"))
         line = next(ln for ln in text.splitlines() if ln.startswith("adapter "))
+        picks = " or ".join(f"{adapter} (model_type {t})" for t in model_types)
         assert " ".join(line.split()) == (
-            f"adapter none from the names alone: export applies {adapter} (model_type {model_type}) where the "
+            f"adapter none from the names alone: export applies {picks} where the "
             "config.json of --model-assets DIR has that model_type, or named with --adapter; without either it "
             "writes the names as stored, which transformers does not load"
         ), line
@@ -584,6 +585,28 @@ def test_export_as_olmo2_matches_olmo_core_converter_and_logits(olmo2_root: Path
     err = res.stderr.splitlines()[0]
     assert err.startswith("error: [E601] blocks.0.attention.q_norm.weight: OLMo-core tensor with no place in HF ")
     assert not (tmp_path / "l").exists()
+
+
+def test_export_as_olmo3_matches_olmo_core_converter_and_logits(fixture_root: Path, tmp_path: Path) -> None:
+    """An OLMo-3 model (OLMo-2's block with sliding-window attention) saved by OLMo-core's Checkpointer, exported
+    with the config.json OLMo-core's own get_hf_config writes for it (Olmo3Config: model_type olmo3), was refused
+    (E605: the OLMo-core names did not fit Olmo3ForCausalLM, no adapter picked). OLMo-3's tensors are OLMo-2's (the
+    windows are config only; OLMo-core converts both with one map): the olmo-core-olmo2 adapter is detected, the
+    tensors are OLMo-core's convert_state_to_hf's bit for bit and Olmo3ForCausalLM gives OLMo-core's logits over a
+    sequence longer than the window; inspect names model_type olmo3 among the configs that pick the adapter."""
+    from olmo_core.nn.hf.config import get_hf_config
+    from transformers import Olmo3ForCausalLM
+
+    from tests.fixtures.olmo_core_writer import model_config
+
+    root = _olmo_run(fixture_root, "writers_olmo_core_olmo3", "build_olmo_core_olmo3")
+    olmo_config = model_config("olmo3")
+    hf_config = get_hf_config(olmo_config.build(init_device="cpu"))  # type: ignore[attr-defined]
+    assert hf_config.model_type == "olmo3" and hf_config.sliding_window == 8
+    hf_config.max_position_embeddings = 64  # get_hf_config's -1: unbounded
+    _export_and_check(root, tmp_path, hf_config, olmo_config, Olmo3ForCausalLM, "olmo-core-olmo2")
+    doc = json.loads(cli("inspect", str(root / "run"), "--json"))
+    assert {"adapter": "olmo-core-olmo2", "model_type": "olmo3"} in doc["adapter_choices"]
 
 
 def test_olmo2_adapter_named_on_a_llama_like_model_is_refused(olmo_root: Path, tmp_path: Path) -> None:

@@ -735,3 +735,38 @@ def test_hf_consolidation_beside_the_shards_is_the_hf_copy(tc_root: Path, tmp_pa
     r = runner.invoke(app, ["validate", "--deep", "--json", str(step)])
     found = [(f["code"], f["key"]) for f in json.loads(r.stdout)["findings"] if f["code"] == "D012"]
     assert r.exit_code == 1 and found == [("D012", "model.model.norm.weight")], r.stdout
+
+
+@pytest.fixture(scope="module")
+def tc_no_model(fixture_root: Path) -> Path:
+    import importlib.util
+
+    from tests.fixtures import perrank
+
+    if importlib.util.find_spec("torch_checkpointing") is None:
+        pytest.skip("torch-checkpointing is not installed (pip install --no-deps torch-checkpointing==0.1.1)")
+    return cached_build(fixture_root, "perrank_tc_no_model", perrank.build_torch_checkpointing_no_model) / "run"
+
+
+def test_a_staging_dir_without_the_model_item_is_an_unfinished_save(tc_no_model: Path) -> None:
+    """torch-checkpointing's own writer failed a save at its model item (safetensors refuses the tied lm_head) after
+    writing the optimizer and scheduler items: tmp_step-3 holds optimizer_0.pt and lr_scheduler_0.pt, no model file,
+    no metadata.pkl. Opened, it was E200 "no .metadata" with a hint to re-save the .pt file with transformers'
+    save_pretrained; from the run root step-2 was validated OK with no word of the newer unfinished save. It is
+    torch-checkpointing's staging directory of a save that did not finish (E202), and the run root's R001 names it."""
+    res = runner.invoke(app, ["validate", str(tc_no_model / "tmp_step-3")])
+    assert res.exit_code == 2, res.output
+    assert res.stderr.splitlines()[0] == (
+        f"error: [E202] {tc_no_model / 'tmp_step-3'}: torch-checkpointing's staging directory of a save that did not "
+        "finish (a finished save is renamed to 'step-3')"
+    )
+    res = runner.invoke(app, ["inspect", "--json", str(tc_no_model)])
+    assert res.exit_code == 0, res.output
+    loc = json.loads(res.output)["location"]
+    assert loc["model"] == str(tc_no_model / "step-2")
+    assert [(i["step"], i["path"]) for i in loc["newer_incomplete"]] == [(3, str(tc_no_model / "tmp_step-3"))]
+    res = runner.invoke(app, ["validate", "--strict", "--json", str(tc_no_model)])
+    assert res.exit_code == 1, res.output
+    assert [f["key"] for f in json.loads(res.output)["findings"] if f["code"] == "R001"] == [
+        str(tc_no_model / "tmp_step-3")
+    ]

@@ -8,9 +8,10 @@ not show: a ``default`` block (``TransformerConfig.llama_like``: pre-norm) is Ll
 ``attention_norm -> input_layernorm``, ``feed_forward_norm -> post_attention_layernorm``; a
 ``reordered_norm`` block (OLMo-2: post-norm, q/k norm over all heads) is Olmo2's ``attention_norm ->
 post_attention_layernorm``, ``feed_forward_norm -> post_feedforward_layernorm`` (OLMo-core's default map, model
-type ``olmo2``, as its own ``get_hf_config`` names such a model). So neither is detected from the keys alone:
-the config's ``model_type`` (``llama`` / ``olmo2``, the ``model_assets`` config.json) or ``--adapter`` says
-which. A tensor the family has no place for (MoE ``feed_forward_moe``, biases, Gemma-3's extra norms, q/k
+type ``olmo2``, as its own ``get_hf_config`` names such a model; ``olmo3`` where the blocks have sliding-window
+attention, OLMo-3: the same tensors, converted by OLMo-core with the same map, the windows in the config only). So
+neither is detected from the keys alone: the config's ``model_type`` (``llama`` / ``olmo2`` / ``olmo3``, the
+``model_assets`` config.json) or ``--adapter`` says which. A tensor the family has no place for (MoE ``feed_forward_moe``, biases, Gemma-3's extra norms, q/k
 norms under Llama, head-wise q/k norms under Olmo2) is refused (E601), never dropped or renamed; Olmo2 is
 detected only when the keys hold its q/k norms.
 """
@@ -51,16 +52,18 @@ _COMMON = (
 
 
 class _OlmoCore(ModelAdapter):
-    """The shared detection and refusal; subclasses set :attr:`maps` and :attr:`hf_model_type`."""
+    """The shared detection and refusal; subclasses set :attr:`maps` and :attr:`hf_model_types`."""
 
     naming = "unknown"
-    hf_model_type, hf_class = "", ""  # the HF model type that picks the subclass, and the class it writes for
+    hf_model_types: tuple[str, ...] = ()  # the HF model types that pick the subclass
+    hf_class = ""  # the HF class it writes for (the first model type's)
 
     @classmethod
     def detects(cls, evidence: Any) -> bool:
         """OLMo-core's names (no naming ckpttool knows, ``.attention.w_q.`` and ``lm_head.w_out.``) and a config
-        whose ``model_type`` is :attr:`hf_model_type`: without a config the keys do not say where the norms sit."""
-        if evidence.naming != "unknown" or evidence.model_type != cls.hf_model_type:
+        whose ``model_type`` is one of :attr:`hf_model_types`: without a config the keys do not say where the norms
+        sit."""
+        if evidence.naming != "unknown" or evidence.model_type not in cls.hf_model_types:
             return False
         if not all(evidence.any_fqn_contains(f) for f in _OLMO_CORE):
             return False
@@ -68,7 +71,7 @@ class _OlmoCore(ModelAdapter):
 
     @classmethod
     def config_model_types(cls) -> tuple[str, ...]:
-        return (cls.hf_model_type,) if cls.hf_model_type else ()
+        return cls.hf_model_types
 
     def misfit(self, fqns: Any) -> str | None:
         """Names that are not OLMo-core's (no ``blocks.N.attention.w_q`` or ``lm_head.w_out``): another trainer's."""
@@ -105,7 +108,7 @@ class _OlmoCore(ModelAdapter):
 class OlmoCoreLlama(_OlmoCore):
     name = "olmo-core-llama"
     description = "OLMo-core dense Transformer, default (pre-norm) block, as llama_like -> HF LlamaForCausalLM"
-    hf_model_type, hf_class = "llama", "LlamaForCausalLM"
+    hf_model_types, hf_class = ("llama",), "LlamaForCausalLM"
     foreign = (".attention.q_norm.", ".attention.k_norm.", ".feed_forward_moe.", ".post_attention_norm.")
 
     maps = (
@@ -119,7 +122,8 @@ class OlmoCoreLlama(_OlmoCore):
 class OlmoCoreOlmo2(_OlmoCore):
     name = "olmo-core-olmo2"
     description = "OLMo-core dense Transformer, reordered_norm (post-norm, q/k norm) block -> HF Olmo2ForCausalLM"
-    hf_model_type, hf_class = "olmo2", "Olmo2ForCausalLM"
+    # OLMo-3 (``olmo3``: sliding-window attention) has OLMo-2's tensors; its HF Olmo3ForCausalLM their names
+    hf_model_types, hf_class = ("olmo2", "olmo3"), "Olmo2ForCausalLM"
     foreign = (".feed_forward_moe.", ".post_attention_norm.")
 
     maps = (

@@ -70,7 +70,7 @@ SPEC = SchemaSpec(
         "no model adapter: {count} model tensor(s) were written under OLMo-core's own names, "
         "not HF's ({shown}): transformers and vLLM do not load them; export again with "
         "`model_assets` DIR holding the model's HF config.json (model_type llama picks adapter "
-        "olmo-core-llama, olmo2 picks olmo-core-olmo2), or `adapter` olmo-core-llama|olmo-core-olmo2"
+        "olmo-core-llama, olmo2 or olmo3 picks olmo-core-olmo2), or `adapter` olmo-core-llama|olmo-core-olmo2"
     ),
     publish_note="OLMo-core's Checkpointer writes .metadata.json last; its latest_checkpoint skips this directory",
     doc_model="`model.<fqn>`",

@@ -74,7 +74,9 @@ def test_adapters_detect_themselves() -> None:
         ("unknown", [*_OLMO_CORE, "blocks.0.attention.q_norm.weight"], {"model_type": "olmo2"}, "olmo-core-olmo2"),
         ("unknown", _OLMO_CORE, {"model_type": "olmo2"}, None),
         ("unknown", [*_OLMO_CORE, "blocks.0.attention.q_norm.weight"], None, None),
-        ("unknown", [*_OLMO_CORE, "blocks.0.attention.q_norm.weight"], {"model_type": "olmo3"}, None),
+        # OLMo-3 (sliding windows, config only) has OLMo-2's tensors: OLMo-core converts both with one map
+        ("unknown", [*_OLMO_CORE, "blocks.0.attention.q_norm.weight"], {"model_type": "olmo3"}, "olmo-core-olmo2"),
+        ("unknown", _OLMO_CORE, {"model_type": "olmo3"}, None),
         (
             "unknown",
             [*_OLMO_CORE, "blocks.0.attention.q_norm.weight", "blocks.0.feed_forward_moe.router.weight"],
