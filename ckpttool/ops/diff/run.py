@@ -15,6 +15,7 @@ from __future__ import annotations
 import logging
 import math
 import os
+import struct
 import sys
 import time
 from collections.abc import Callable
@@ -64,6 +65,7 @@ from ckpttool.ops.diff.compare import (
     ValueCompare,
     ValueDiff,
     compare_tensors,
+    same_bytes,
     unravel,
 )
 from ckpttool.ops.diff.gather import gathered_values, short_tensor
@@ -1281,7 +1283,9 @@ def _compare_objects(name: str, a: Side, ia: Item, b: Side, ib: Item) -> Differe
 
 def _same_object(x: Any, y: Any, *, any_sequence: bool = False, any_number: bool = False) -> bool:
     """Equal values of one type (``any_sequence``: a list equals a tuple of the same values; ``any_number``: an int
-    equals a float of the same value, ``weight_decay: 0`` in one run's YAML and ``0.0`` in the other's; not a bool)."""
+    equals a float of the same value, ``weight_decay: 0`` in one run's YAML and ``0.0`` in the other's; not a bool).
+    A NaN equals a NaN of the same bits (a float, or a tensor's element), as the tensors' bitwise comparison has it:
+    a diverged run's ``lr: nan`` against its own copy is no difference."""
     try:
         import torch
 
@@ -1291,7 +1295,7 @@ def _same_object(x: Any, y: Any, *, any_sequence: bool = False, any_number: bool
                 and isinstance(y, torch.Tensor)
                 and x.shape == y.shape
                 and x.dtype == y.dtype
-                and bool(torch.equal(x, y))
+                and (bool(torch.equal(x, y)) or same_bytes(x.contiguous(), y.contiguous()))  # NaN: as stored
             )
     except ImportError:  # pragma: no cover - torch is a dependency
         pass
@@ -1307,6 +1311,13 @@ def _same_object(x: Any, y: Any, *, any_sequence: bool = False, any_number: bool
         )
     if any_number and {type(x), type(y)} == {int, float}:
         return bool(x == y)  # exact: Python compares an int with a float without rounding
+    return _same_scalar(x, y)
+
+
+def _same_scalar(x: Any, y: Any) -> bool:
+    """Equal values of one type; two NaN floats are equal where their bits are, as a tensor's elements compare."""
+    if type(x) is float and type(y) is float and math.isnan(x) and math.isnan(y):
+        return struct.pack("<d", x) == struct.pack("<d", y)
     return bool(type(x) is type(y) and x == y)
 
 
