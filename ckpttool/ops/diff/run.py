@@ -520,6 +520,7 @@ def export_items(
     from ckpttool.ops.export.select import CONFIG_TO_CHECK
 
     cat = side.ckpt.catalog
+    _refuse_peft_against_model(side, fmt)
     mt = config.get("model_type") if config is not None else None
     rules = load_rules(
         Path(opts.map_rules) if opts.map_rules is not None else None, mt if isinstance(mt, str) else None
@@ -565,6 +566,30 @@ def export_items(
         if opts.weights == "master":
             notes.extend(_tied_master(side, selected, rules, items))
     return items, excluded, notes, "lora" if fmt == "lora" else "export"
+
+
+def _refuse_peft_against_model(side: Side, fmt: str) -> None:
+    """A PEFT LoRA DCP checkpoint against a safetensors model (not a PEFT adapter): its keys
+    (``...q_proj.base_layer.weight``, ``...lora_A.default.weight``) name no tensor of a Hugging Face model, and a merged
+    export (``hf-merged``) holds ``W + scale * B @ A``, which no stored tensor is.
+
+    Raises:
+        DiffError: naming the side, a LoRA key and the pairs diff does compare (E610; was export's E601, whose hint
+            named export's `fmt`, an option diff does not have).
+    """
+    if fmt != "hf":
+        return
+    peft = next((k for k in side.ckpt.catalog.model if ".lora_A." in k or ".lora_B." in k), None)
+    if peft is None:
+        return
+    raise DiffError(
+        f"{side.label} ({side.path}): a PEFT LoRA checkpoint ({peft}) against {_other(side)}, a safetensors model: "
+        "its LoRA factors and base_layer weights are no tensor of a Hugging Face model (a merged export holds "
+        "W + scale * B @ A)",
+        path=side.path if not isinstance(side.path, UrlPath) else None,
+        hint=f"compare it with its adapter: `ckpttool export {shell_arg(str(side.path))} ADAPTER --format lora`, then "
+        f"`ckpttool diff {shell_arg(str(side.path))} ADAPTER`; a merged export against another merged export",
+    )
 
 
 def _tied_master(side: Side, selected: Any, rules: Any, items: list[Item]) -> list[str]:

@@ -362,6 +362,23 @@ def test_lora_adapter_export_equals_its_checkpoint(lora_ckpt: Path, tmp_path: Pa
     assert [d.index for d in res.differences] == [[0, 0]] and "lora_B" in res.differences[0].name
 
 
+def test_a_peft_checkpoint_against_a_safetensors_model_names_the_adapter_to_compare(
+    lora_ckpt: Path, tmp_path: Path
+) -> None:
+    # diff of a PEFT LoRA checkpoint against its hf-merged export (or its base) was export's E601, its hint naming
+    # export's `fmt` (an option diff does not have): now diff's own E610, naming the adapter export to compare with
+    export_checkpoint(lora_ckpt, tmp_path / "merged", ExportOptions(fmt="hf-merged", lora_alpha=hf_models.LORA_ALPHA))
+    for a, b, side in ((lora_ckpt, tmp_path / "merged", "A"), (lora_ckpt / "base", lora_ckpt, "B")):
+        res = cli(a, b)
+        assert res.exit_code == 2 and res.stdout == "" and "Traceback" not in res.stderr
+        first, hint = res.stderr.splitlines()
+        assert first.startswith(f"error: [E610] {side} ({lora_ckpt}): a PEFT LoRA checkpoint (") and ".lora_" in first
+        assert hint == (
+            f"hint: compare it with its adapter: `ckpttool export {lora_ckpt} ADAPTER --format lora`, then "
+            f"`ckpttool diff {lora_ckpt} ADAPTER`; a merged export against another merged export"
+        )
+
+
 # ------------------------------------------------------------------------------------------ unusable input
 
 
