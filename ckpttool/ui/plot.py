@@ -485,8 +485,41 @@ def write_diff_plot(res: DiffResult, path: Path) -> None:
     ax1.set_title(f"relative L2 difference per layer (values <= {floor:g}: equal)", fontsize=9)
     ax1.legend(fontsize=7)
     _diff_bars(ax2, res, y)
-    fig.suptitle(f"a = {_plain(res.a.path)}\nb = {_plain(res.b.path)} (the reference)", fontsize=9)
+    undrawn = _not_drawn(res)
+    fig.suptitle(
+        f"a = {_plain(res.a.path)}\nb = {_plain(res.b.path)} (the reference)"
+        + "".join(f"\n{_plain(u)}" for u in undrawn),
+        fontsize=9,
+        color="tab:red" if undrawn else None,
+    )
     _save(fig, plt, path, f"diff {res.a.path} {res.b.path}")
+
+
+def _not_drawn(res: DiffResult) -> list[str]:
+    """The differences of ``res`` that no bar or point shows, one line each (none: the picture shows them all):
+    tensors that differ with a relative L2 of 0 or none (booleans, ``-0.0`` against ``0.0`` bitwise), and the
+    differences that are no tensor's values (dtype, shape, a name on one side only, hyperparameters, byte items)."""
+    rank = {name: i for i, name in reversed(list(enumerate(res.compared_order)))}
+    flat = [t.name for t in res.tensors if t.status == "differ" and (t.rel_l2 == 0 or t.rel_l2 is None)]
+    flat.sort(key=lambda name: rank.get(name, len(rank)))  # in A's order, as the layers are drawn
+    out = []
+    if flat:
+        shown = ", ".join(flat[:3]) + (", ..." if len(flat) > 3 else "")
+        out.append(
+            f"not drawn: {len(flat)} tensor{'s that differ' if len(flat) != 1 else ' that differs'} with no relative L2 above 0 "
+            f"(booleans, -0.0 against 0.0): {shown}"
+        )
+    kinds: dict[str, int] = {}
+    for d in res.differences:
+        if d.kind != "values":
+            kinds[d.kind] = kinds.get(d.kind, 0) + 1
+    if kinds:
+        n = sum(kinds.values())
+        counts = ", ".join(f"{v} {k}" for k, v in sorted(kinds.items()))
+        out.append(
+            f"not drawn: {n} difference{'s' if n != 1 else ''} of no tensor's values ({counts}): diff lists them"
+        )
+    return out
 
 
 def _diff_bars(ax2: Any, res: DiffResult, y: Any) -> None:
@@ -509,7 +542,9 @@ def _diff_bars(ax2: Any, res: DiffResult, y: Any) -> None:
         ax2.set_xscale("log")
         ax2.set_xlabel("||a-b|| / ||b||", fontsize=8)
     else:
-        ax2.text(0.5, 0.5, "every compared tensor is equal", ha="center", va="center", transform=ax2.transAxes)
+        differ = any(t.status == "differ" for t in res.tensors)
+        text = "no tensor differs by a relative L2 above 0" if differ else "every compared tensor is equal"
+        ax2.text(0.5, 0.5, text, ha="center", va="center", transform=ax2.transAxes)
         ax2.set_axis_off()
     ax2.set_title(
         "tensors that differ most (relative L2)" + ("\npurple: not a number, NaN or Inf in a or b" if nans else ""),

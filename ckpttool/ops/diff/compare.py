@@ -152,14 +152,17 @@ class _Sums:
         self.rows = rows
         self.per_row: dict[int, list[float]] = {}
 
-    def add(self, a64: Any, b64: Any, diff: Any, start: int = 0) -> None:
+    def add(self, a64: Any, b64: Any, diff: Any, start: int = 0, errors: tuple[Any, Any] | None = None) -> None:
+        """``errors``: ``(|a-b|, |b|)`` per element where ``diff`` and ``b64`` are not (complex values as pairs: the
+        moduli); default ``(diff, |b64|)``."""
         import torch
 
         self.dd += float(torch.dot(diff, diff))
         self.aa += float(torch.dot(a64, a64))
         self.bb += float(torch.dot(b64, b64))
         self.ab += float(torch.dot(a64, b64))
-        self.max_abs, self.max_rel = _error_bounds(diff, b64.abs(), self.max_abs, self.max_rel)
+        err, ref = errors if errors is not None else (diff, b64.abs())
+        self.max_abs, self.max_rel = _error_bounds(err, ref, self.max_abs, self.max_rel)
         for r, lo, hi in self._row_spans(start, diff.numel()):
             acc = self.per_row.setdefault(r, [0.0, 0.0])
             acc[0] += float(torch.dot(diff[lo:hi], diff[lo:hi]))
@@ -200,6 +203,15 @@ def _pairs(t: Any) -> Any:
     import torch
 
     return torch.view_as_real(t.to(torch.complex128)).reshape(-1)
+
+
+def _modulus(pairs: Any) -> Any:
+    """The modulus ``|z|`` of each ``(real, imaginary)`` pair of a flat float64 block (NaN where a part is NaN and
+    the other is not infinite)."""
+    import torch
+
+    z = pairs.view(-1, 2)
+    return torch.hypot(z[:, 0], z[:, 1])
 
 
 def _errors(a: Any, b: Any) -> tuple[Any, Any, Any, Any]:
@@ -354,21 +366,24 @@ def _block_mismatch(
         return 0, None
     if numeric:
         a64, b64, diff, both_nan = _errors(_pairs(xa), _pairs(xb)) if cx else _errors(xa, xb)
-        sums.add(a64, b64, diff, start)
+        # a complex element's error is the modulus |a-b| against |b|, as numpy.isclose and torch.isclose take it (the
+        # parts each within atol left |a-b| up to sqrt(2) atol: 0.0008+0.0008j against 0 was within --atol 1e-3)
+        err, ref = (_modulus(diff), _modulus(b64)) if cx else (diff, b64.abs())
+        sums.add(a64, b64, diff, start, (err, ref))
         if tolerant:
             # an infinity is within only against the same infinity (diff 0 there): ``at + rt * |inf|`` is inf or
             # NaN and would let any value, the other infinity included, compare within (numpy.isclose's rule)
-            off_inf = (a64.isinf() | b64.isinf()) & (diff != 0)
-            if callable(at):  # per-element atol (real values only: a dequantized side is float32)
-                bad = diff > rt * b64.abs()
-                near = (bad & diff.isfinite()).nonzero().flatten()
-                if near.numel():
-                    bad[near] = diff[near] > at(near) + rt * b64[near].abs()
-                bad = bad | (diff.isnan() & ~both_nan) | off_inf
-            else:
-                bad = (diff > at + rt * b64.abs()) | (diff.isnan() & ~both_nan) | off_inf
+            off = ((a64.isinf() | b64.isinf()) & (diff != 0)) | (diff.isnan() & ~both_nan)
             if cx:
-                bad = bad.view(-1, 2).any(1)  # an element is off when either part is
+                off = off.view(-1, 2).any(1)  # an element is off when either part is
+            if callable(at):  # per-element atol (real values only: a dequantized side is float32)
+                bad = err > rt * ref
+                near = (bad & err.isfinite()).nonzero().flatten()
+                if near.numel():
+                    bad[near] = err[near] > at(near) + rt * ref[near]
+                bad = bad | off
+            else:
+                bad = (err > at + rt * ref) | off
             return int(bad.sum()), bad
     ne = _int_view(xa) != _int_view(xb) if xa.dtype == xb.dtype else xa != xb
     return int(ne.sum()), ne

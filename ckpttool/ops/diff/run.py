@@ -15,6 +15,7 @@ from __future__ import annotations
 import logging
 import math
 import os
+import struct
 import sys
 import time
 from collections.abc import Callable
@@ -64,6 +65,7 @@ from ckpttool.ops.diff.compare import (
     ValueCompare,
     ValueDiff,
     compare_tensors,
+    same_bytes,
     unravel,
 )
 from ckpttool.ops.diff.gather import gathered_values, short_tensor
@@ -518,6 +520,7 @@ def export_items(
     from ckpttool.ops.export.select import CONFIG_TO_CHECK
 
     cat = side.ckpt.catalog
+    _refuse_peft_against_model(side, fmt)
     mt = config.get("model_type") if config is not None else None
     rules = load_rules(
         Path(opts.map_rules) if opts.map_rules is not None else None, mt if isinstance(mt, str) else None
@@ -563,6 +566,30 @@ def export_items(
         if opts.weights == "master":
             notes.extend(_tied_master(side, selected, rules, items))
     return items, excluded, notes, "lora" if fmt == "lora" else "export"
+
+
+def _refuse_peft_against_model(side: Side, fmt: str) -> None:
+    """A PEFT LoRA DCP checkpoint against a safetensors model (not a PEFT adapter): its keys
+    (``...q_proj.base_layer.weight``, ``...lora_A.default.weight``) name no tensor of a Hugging Face model, and a merged
+    export (``hf-merged``) holds ``W + scale * B @ A``, which no stored tensor is.
+
+    Raises:
+        DiffError: naming the side, a LoRA key and the pairs diff does compare (E610; was export's E601, whose hint
+            named export's `fmt`, an option diff does not have).
+    """
+    if fmt != "hf":
+        return
+    peft = next((k for k in side.ckpt.catalog.model if ".lora_A." in k or ".lora_B." in k), None)
+    if peft is None:
+        return
+    raise DiffError(
+        f"{side.label} ({side.path}): a PEFT LoRA checkpoint ({peft}) against {_other(side)}, a safetensors model: "
+        "its LoRA factors and base_layer weights are no tensor of a Hugging Face model (a merged export holds "
+        "W + scale * B @ A)",
+        path=side.path if not isinstance(side.path, UrlPath) else None,
+        hint=f"compare it with its adapter: `ckpttool export {shell_arg(str(side.path))} ADAPTER --format lora`, then "
+        f"`ckpttool diff {shell_arg(str(side.path))} ADAPTER`; a merged export against another merged export",
+    )
 
 
 def _tied_master(side: Side, selected: Any, rules: Any, items: list[Item]) -> list[str]:
@@ -1281,7 +1308,9 @@ def _compare_objects(name: str, a: Side, ia: Item, b: Side, ib: Item) -> Differe
 
 def _same_object(x: Any, y: Any, *, any_sequence: bool = False, any_number: bool = False) -> bool:
     """Equal values of one type (``any_sequence``: a list equals a tuple of the same values; ``any_number``: an int
-    equals a float of the same value, ``weight_decay: 0`` in one run's YAML and ``0.0`` in the other's; not a bool)."""
+    equals a float of the same value, ``weight_decay: 0`` in one run's YAML and ``0.0`` in the other's; not a bool).
+    A NaN equals a NaN of the same bits (a float, or a tensor's element), as the tensors' bitwise comparison has it:
+    a diverged run's ``lr: nan`` against its own copy is no difference."""
     try:
         import torch
 
@@ -1291,7 +1320,7 @@ def _same_object(x: Any, y: Any, *, any_sequence: bool = False, any_number: bool
                 and isinstance(y, torch.Tensor)
                 and x.shape == y.shape
                 and x.dtype == y.dtype
-                and bool(torch.equal(x, y))
+                and (bool(torch.equal(x, y)) or same_bytes(x.contiguous(), y.contiguous()))  # NaN: as stored
             )
     except ImportError:  # pragma: no cover - torch is a dependency
         pass
@@ -1307,6 +1336,13 @@ def _same_object(x: Any, y: Any, *, any_sequence: bool = False, any_number: bool
         )
     if any_number and {type(x), type(y)} == {int, float}:
         return bool(x == y)  # exact: Python compares an int with a float without rounding
+    return _same_scalar(x, y)
+
+
+def _same_scalar(x: Any, y: Any) -> bool:
+    """Equal values of one type; two NaN floats are equal where their bits are, as a tensor's elements compare."""
+    if type(x) is float and type(y) is float and math.isnan(x) and math.isnan(y):
+        return struct.pack("<d", x) == struct.pack("<d", y)
     return bool(type(x) is type(y) and x == y)
 
 

@@ -362,6 +362,23 @@ def test_lora_adapter_export_equals_its_checkpoint(lora_ckpt: Path, tmp_path: Pa
     assert [d.index for d in res.differences] == [[0, 0]] and "lora_B" in res.differences[0].name
 
 
+def test_a_peft_checkpoint_against_a_safetensors_model_names_the_adapter_to_compare(
+    lora_ckpt: Path, tmp_path: Path
+) -> None:
+    # diff of a PEFT LoRA checkpoint against its hf-merged export (or its base) was export's E601, its hint naming
+    # export's `fmt` (an option diff does not have): now diff's own E610, naming the adapter export to compare with
+    export_checkpoint(lora_ckpt, tmp_path / "merged", ExportOptions(fmt="hf-merged", lora_alpha=hf_models.LORA_ALPHA))
+    for a, b, side in ((lora_ckpt, tmp_path / "merged", "A"), (lora_ckpt / "base", lora_ckpt, "B")):
+        res = cli(a, b)
+        assert res.exit_code == 2 and res.stdout == "" and "Traceback" not in res.stderr
+        first, hint = res.stderr.splitlines()
+        assert first.startswith(f"error: [E610] {side} ({lora_ckpt}): a PEFT LoRA checkpoint (") and ".lora_" in first
+        assert hint == (
+            f"hint: compare it with its adapter: `ckpttool export {lora_ckpt} ADAPTER --format lora`, then "
+            f"`ckpttool diff {lora_ckpt} ADAPTER`; a merged export against another merged export"
+        )
+
+
 # ------------------------------------------------------------------------------------------ unusable input
 
 
@@ -526,6 +543,26 @@ def test_complex_tensors_differing_in_the_imaginary_part_differ(tmp_path: Path, 
     assert abs(t["rel_l2"] - want_rel) < 1e-12
     res = runner.invoke(app, ["diff", str(tmp_path / "a"), str(tmp_path / "b"), "--atol", "5"])
     assert res.exit_code == 0, res.stderr
+
+
+def test_a_complex_element_is_within_the_tolerance_by_its_modulus_as_torch_isclose(tmp_path: Path) -> None:
+    # each part of 0.0008+0.0008j is within --atol 1e-3 of 0, its modulus 0.00113 is not: diff said "equal within
+    # tolerance" (exit 0, max abs 0.0008) where torch.allclose / numpy.allclose say not close
+    import torch
+    import torch.distributed.checkpoint as dcp
+
+    b = torch.tensor([0j, 1 + 1j, 2 - 1j, 0.5j], dtype=torch.complex64)
+    a = b.clone()
+    a[0] = complex(0.0008, 0.0008)
+    for name, t in (("a", a), ("b", b)):
+        dcp.save({"model": {"freqs_cis": t}}, checkpoint_id=str(tmp_path / name), no_dist=True)
+    modulus = float((a[0].to(torch.complex128) - b[0].to(torch.complex128)).abs())
+    for atol, close in (("1e-3", False), ("1.2e-3", True)):
+        assert bool(torch.allclose(a, b, rtol=0, atol=float(atol))) is close
+        res = runner.invoke(app, ["diff", str(tmp_path / "a"), str(tmp_path / "b"), "--json", "--atol", atol])
+        assert res.exit_code == (0 if close else 1), (atol, res.stdout)
+        (t,) = json.loads(res.stdout)["tensors"]
+        assert t["mismatched"] == (0 if close else 1) and abs(t["max_abs"] - modulus) < 1e-12, t
 
 
 def test_what_optimizer_against_a_safetensors_side_is_refused_not_equal(dense_ckpt: Path, tmp_path: Path) -> None:

@@ -469,3 +469,32 @@ def test_layers_holding_nan_are_marked_not_drawn_as_zero_weights(tmp_path: Path)
         assert [ticks[round(x)] for x in mark.get_xdata()] == ["1"]
         assert mark.get_color() == "C1" and colours.get(_label(res, 1), "C1") == "C1"
         assert _label(res, 1) in legend and "NaN/Inf" in title
+
+
+def test_diff_plot_names_the_differences_it_cannot_draw(tmp_path: Path) -> None:
+    """diff A B --plot where a boolean mask differs, a -0.0 stands for 0.0 (bitwise DIFFER, relative L2 0) and a
+    tensor's shape differs: the verdict was DIFFERENT (3 differences) and the picture said 'every compared tensor is
+    equal', with no bar and no word of them. It now says no tensor differs by a relative L2 above 0 and names what it
+    does not draw; two equal saves still get 'every compared tensor is equal' and no such line."""
+    from ckpttool.ops.diff import DiffOptions, diff_checkpoints
+    from ckpttool.ui.plot import write_diff_plot
+
+    mask, w = torch.tensor([True, False, True]), torch.arange(6, dtype=torch.float32)
+    save_quiet({"model": {"mask": mask, "z": torch.zeros(4), "w": w}}, tmp_path / "a")
+    save_quiet({"model": {"mask": mask, "z": torch.zeros(4), "w": w}}, tmp_path / "a2")
+    z = torch.zeros(4)
+    z[2] = -0.0
+    save_quiet({"model": {"mask": ~mask, "z": z, "w": w.reshape(2, 3)}}, tmp_path / "b")
+    res = diff_checkpoints(str(tmp_path / "a"), str(tmp_path / "b"), DiffOptions())
+    assert not res.equal and res.difference_count == 3
+    write_diff_plot(res, tmp_path / "d.svg")
+    texts = _svg_texts(tmp_path / "d.svg")
+    assert "every compared tensor is equal" not in texts and "no tensor differs by a relative L2 above 0" in texts
+    assert (
+        "not drawn: 2 tensors that differ with no relative L2 above 0 (booleans, -0.0 against 0.0): model.mask, model.z"
+        in texts
+    ), texts
+    assert "not drawn: 1 difference of no tensor's values (1 shape): diff lists them" in texts, texts
+    write_diff_plot(diff_checkpoints(str(tmp_path / "a"), str(tmp_path / "a2"), DiffOptions()), tmp_path / "e.svg")
+    texts = _svg_texts(tmp_path / "e.svg")
+    assert "every compared tensor is equal" in texts and not [t for t in texts if t.startswith("not drawn")], texts
