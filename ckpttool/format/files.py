@@ -130,6 +130,26 @@ def hub_blobs(directory: Path) -> Path | None:
     return None
 
 
+def hub_repository(path: Path) -> Path | None:
+    """The Hugging Face hub repository folder (``models--ORG--NAME``, ``datasets--*``, ``spaces--*``, holding
+    ``snapshots/`` or ``blobs/``) that ``path`` is or lies below, symlinks resolved (``path`` need not exist yet: its
+    nearest existing folder is resolved), else ``None``. ``huggingface_hub`` manages these folders: a file added to a
+    snapshot is listed as a file of that revision, and ``hf cache delete`` removes the whole folder."""
+    p = Path(os.path.abspath(path))
+    tail: list[str] = []
+    while not os.path.lexists(p) and p != p.parent:
+        tail.insert(0, p.name)
+        p = p.parent
+    try:
+        p = p.resolve().joinpath(*tail)
+    except (OSError, RuntimeError):  # a symlink loop: judged by its names
+        p = p.joinpath(*tail)
+    for d in (p, *p.parents):
+        if d.name.startswith(_HUB_REPOS) and ((d / "snapshots").is_dir() or (d / "blobs").is_dir()):
+            return d
+    return None
+
+
 def hub_snapshot(repo: Path) -> Path | None:
     """The snapshot a hub repository folder ``repo`` (``models--ORG--NAME``) points at: ``snapshots/<refs/main>``,
     else its only snapshot; ``None`` when ``repo`` is no hub repository or the choice is not clear."""

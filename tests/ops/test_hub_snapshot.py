@@ -338,3 +338,36 @@ def test_validate_against_a_key_list_says_it_compared_names_only(hf_dirs: Path, 
     assert "--against compared names, not values" in note, note
     res = runner.invoke(app, ["validate", "--strict", str(tmp_path / "dcp"), "--against", str(src)])
     assert "--against compared names, shapes and dtypes, not values" in " ".join(res.stderr.split())
+
+
+def _tree(root: Path) -> list[tuple[str, str]]:
+    """Every entry below ``root``: its relative path and what it is (a link's target, a file's bytes' digest)."""
+    out = []
+    for p in sorted(root.rglob("*")):
+        what = os.readlink(p) if p.is_symlink() else "dir" if p.is_dir() else hashlib.sha256(p.read_bytes()).hexdigest()
+        out.append((str(p.relative_to(root)), what))
+    return out
+
+
+def test_nothing_is_written_into_the_hub_cache(hf_dirs: Path, tmp_path: Path) -> None:
+    """`manifest SNAPSHOT` wrote manifest.json into the snapshot (huggingface_hub then lists it as a file of the
+    revision); an import or export whose OUT lay in the repository folder was written there (`snapshots/other`
+    reads as a revision named `other`). Each is refused, the cache left as it was."""
+    cache = tmp_path / "hub"
+    snap = hub_snapshot(hf_dirs / "llama", cache)
+    repo = snap.parent.parent
+    before = _tree(cache)
+    cli("import", str(hf_dirs / "llama"), str(tmp_path / "dcp"))
+    for args in (
+        ("manifest", str(snap)),
+        ("manifest", str(repo)),  # the repository folder: its snapshot is read, the manifest's default place in it
+        ("manifest", str(snap), "--output", str(repo / "manifest.json")),
+        ("import", str(snap), str(repo / "dcp")),
+        ("export", str(tmp_path / "dcp"), str(repo / "snapshots" / "other")),
+    ):
+        out = cli(*args, code=2).replace("\n", "")
+        assert "[E600]" in out and "inside the Hugging Face hub cache's repository folder" in out, (args, out)
+        assert "hint: write it outside the hub cache" in out and "Traceback" not in out, out
+    assert _tree(cache) == before
+    cli("manifest", str(snap), "--output", str(tmp_path / "m.json"))  # outside the cache: written, and it verifies
+    assert "OK:" in cli("validate", str(snap), "--manifest", str(tmp_path / "m.json"))
