@@ -150,6 +150,27 @@ def hub_repository(path: Path) -> Path | None:
     return None
 
 
+def hub_unfinished_download(directory: Path) -> str | None:
+    """A hint for a hub snapshot ``directory`` (:func:`hub_blobs`) whose repository's ``blobs/`` holds files
+    ``huggingface_hub`` is still downloading (``<hash>.incomplete``: the snapshot's link to a file is made once its
+    blob is complete, so the file is missing from the snapshot until then), else ``None``."""
+    try:
+        blobs = hub_blobs(directory.resolve())
+        names = sorted(e.name for e in os.scandir(blobs)) if blobs is not None else []
+    except (OSError, RuntimeError):
+        return None
+    unfinished = [n for n in names if n.endswith(".incomplete")]
+    if blobs is None or not unfinished:
+        return None
+    repo = blobs.parent.name
+    kind, _, name = repo.partition("--")
+    command = f"`hf download {name.replace('--', '/', 1)}`" if kind == "models" else "the download"
+    return (
+        f"a download into the hub cache is not finished ({len(unfinished)} .incomplete file(s) in {blobs}): "
+        f"let {command} finish (or run it again if it stopped), then pass the snapshot again"
+    )
+
+
 def hub_snapshot(repo: Path) -> Path | None:
     """The snapshot a hub repository folder ``repo`` (``models--ORG--NAME``) points at: ``snapshots/<refs/main>``,
     else its only snapshot; ``None`` when ``repo`` is no hub repository or the choice is not clear."""

@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from ckpttool.errors import CkptError, IncompleteCheckpointError, MetadataError, Refusal
-from ckpttool.format.files import resolve_inside
+from ckpttool.format.files import hub_unfinished_download, resolve_inside
 from ckpttool.format.jsonfile import unique_pairs
 from ckpttool.format.metadata import (
     BytesMeta,
@@ -425,7 +425,7 @@ def check_hf_index(path: Path, files: list[str], storage: dict[tuple[str, Any], 
         raise IncompleteCheckpointError(
             f"{shown}: the index lists {len(missing)} shard(s) that are missing ({missing[0]!r:.80}; {n} tensors)",
             path=shown,
-            hint="a shard file is missing; download or copy the complete model",
+            hint=hub_unfinished_download(path) or "a shard file is missing; download or copy the complete model",
         )
     extra = sorted(set(files) - named)
     if extra:
@@ -474,7 +474,8 @@ def _read_file(path: Path, name: str, found: _Found) -> None:
         raise IncompleteCheckpointError(  # a hub snapshot's link whose blob is gone: a shard missing, not damage
             f"{p}: links to {os.readlink(p)!r:.120}, which does not exist",
             path=p,
-            hint="the file the link points to is missing (a hub cache blob deleted or not downloaded); "
+            hint=hub_unfinished_download(path)
+            or "the file the link points to is missing (a hub cache blob deleted or not downloaded); "
             "download or copy the complete model",
         ) from None
     except OSError as e:

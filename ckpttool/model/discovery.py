@@ -35,7 +35,7 @@ from ckpttool.errors import (
     shell_arg,
 )
 from ckpttool.format.directory import DATA_FILE_RE, METADATA_NAME, data_file_ranks
-from ckpttool.format.files import file_kind, hub_snapshot, open_regular, resolve_inside
+from ckpttool.format.files import file_kind, hub_snapshot, hub_unfinished_download, open_regular, resolve_inside
 from ckpttool.format.hf_storage import hf_storage_files
 from ckpttool.format.metadata import CheckpointMetadata, StorageInfo
 from ckpttool.format.perrank_formats import detect_layout, staging_of, unfinished_layout
@@ -1427,7 +1427,7 @@ def _model_folder_hint(root: Path) -> str | None:
             "(it writes safetensors), then pass that folder"
         )
     if "config.json" in names:
-        return (
+        return hub_unfinished_download(root) or (
             "it holds config.json but no weights (a model's config folder: pass it to export as --model-assets); "
             "pass the directory that dcp.save wrote (it holds .metadata and __R_N.distcp files)"
         )

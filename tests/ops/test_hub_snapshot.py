@@ -371,3 +371,27 @@ def test_nothing_is_written_into_the_hub_cache(hf_dirs: Path, tmp_path: Path) ->
     assert _tree(cache) == before
     cli("manifest", str(snap), "--output", str(tmp_path / "m.json"))  # outside the cache: written, and it verifies
     assert "OK:" in cli("validate", str(snap), "--manifest", str(tmp_path / "m.json"))
+
+
+@pytest.mark.parametrize("left", ["one-shard", "config-only"])
+@pytest.mark.parametrize("command", ["import", "validate", "inspect"])
+def test_a_snapshot_whose_download_is_not_finished_says_so(
+    hf_dirs: Path, tmp_path: Path, command: str, left: str
+) -> None:
+    """huggingface_hub downloads a file to ``blobs/<hash>.incomplete`` and links it into the snapshot once complete:
+    until then the file is missing from the snapshot. The hint said a shard was missing ("download or copy the
+    complete model") or, with no weights linked yet, that the folder was a config folder for --model-assets."""
+    snap = hub_snapshot(hf_dirs / "llama", tmp_path / "hub", repo_id="org/tiny-llama")
+    gone = [p for p in sorted(snap.iterdir()) if p.name.startswith("model")]
+    for p in gone[:1] if left == "one-shard" else gone:
+        blob = p.resolve()
+        p.unlink()
+        with open(blob, "r+b") as f:  # a part of it downloaded
+            f.truncate(blob.stat().st_size // 3)
+        blob.rename(blob.with_name(blob.name + ".incomplete"))
+    args = [command, str(snap)] + ([str(tmp_path / "dcp")] if command == "import" else [])
+    out = cli(*args, code=2).replace("\n", "")
+    code = "[E202]" if left == "one-shard" else "[E200]"
+    assert code in out and "hint: a download into the hub cache is not finished (" in out, out
+    assert ".incomplete file(s) in " in out and "let `hf download org/tiny-llama` finish" in out, out
+    assert "--model-assets" not in out and "Traceback" not in out and not (tmp_path / "dcp").exists(), out
