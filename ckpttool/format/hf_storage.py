@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from ckpttool.errors import CkptError, IncompleteCheckpointError, MetadataError, Refusal
-from ckpttool.format.files import hub_unfinished_download, resolve_inside
+from ckpttool.format.files import hub_blobs, hub_unfinished_download, resolve_inside
 from ckpttool.format.jsonfile import unique_pairs
 from ckpttool.format.metadata import (
     BytesMeta,
@@ -362,8 +362,24 @@ def _check_one_save(path: Path, files: list[str]) -> None:
         f"{path}: holds both {HF_SINGLE_NAME} and {HF_INDEX_NAME} (which lists {others[0]!r:.80}{more}): two saves; "
         f"transformers' from_pretrained would load {HF_SINGLE_NAME} alone and ignore the index and its shards",
         path=path / HF_SINGLE_NAME,
-        hint=f"keep the save you mean: move {HF_SINGLE_NAME} out of the folder, or {HF_INDEX_NAME} and the "
+        hint=_in_snapshot_hint(path, f"{HF_SINGLE_NAME}, or the shards {HF_INDEX_NAME} lists")
+        or f"keep the save you mean: move {HF_SINGLE_NAME} out of the folder, or {HF_INDEX_NAME} and the "
         "shards it lists",
+    )
+
+
+def _in_snapshot_hint(path: Path, save: str) -> str | None:
+    """The hint for a folder of two saves that is a hub cache snapshot (:func:`hub_blobs`): the files of ``save`` copied
+    out (the cache's files are huggingface_hub's, never moved); ``None`` for any other folder."""
+    try:
+        in_hub = hub_blobs(path.resolve()) is not None
+    except (OSError, RuntimeError):
+        in_hub = False
+    if not in_hub:
+        return None
+    return (
+        f"a Hugging Face hub snapshot, whose files are left in place: copy the save you mean ({save}) with "
+        "config.json into a folder of its own (`cp -L`: the snapshot's files are links) and pass that folder"
     )
 
 
@@ -511,8 +527,12 @@ def _twice(path: Path, p: Path, key: str, other: str, offsets: tuple[int, ...]) 
         f"{path}: {key!r:.80}{chunk} is stored in two files, {other} and {p.name}: the folder holds more than one "
         "save's weights",
         path=p,
-        hint="a model folder holds one save (one model.safetensors, or the files its index lists): move the other "
-        "file(s) out of the folder; to compare two single files, pass each .safetensors file to `ckpttool diff`",
+        hint=(
+            _in_snapshot_hint(path, "one model.safetensors, or the files its index lists")
+            or "a model folder holds one save (one model.safetensors, or the files its index lists): move the other "
+            "file(s) out of the folder"
+        )
+        + "; to compare two single files, pass each .safetensors file to `ckpttool diff`",
     )
 
 

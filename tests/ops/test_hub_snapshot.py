@@ -395,3 +395,27 @@ def test_a_snapshot_whose_download_is_not_finished_says_so(
     assert code in out and "hint: a download into the hub cache is not finished (" in out, out
     assert ".incomplete file(s) in " in out and "let `hf download org/tiny-llama` finish" in out, out
     assert "--model-assets" not in out and "Traceback" not in out and not (tmp_path / "dcp").exists(), out
+
+
+@pytest.mark.parametrize("command", ["import", "validate", "inspect"])
+def test_a_snapshot_of_two_saves_is_never_advised_to_move_files_in_the_cache(
+    hf_dirs: Path, tmp_path: Path, command: str
+) -> None:
+    """A hub repository may hold model.safetensors beside a sharded index (both uploaded): the refusal's hint said to
+    move one save out of the folder, that is, to edit huggingface_hub's cache. It says to copy the save meant out."""
+    from safetensors.torch import load_file
+
+    src = tmp_path / "src"
+    shutil.copytree(hf_dirs / "llama", src)
+    whole: dict[str, torch.Tensor] = {}
+    for shard in sorted(src.glob("model-*.safetensors")):
+        whole.update(load_file(shard))
+    save_file(whole, str(src / "model.safetensors"), metadata={"format": "pt"})
+    snap = hub_snapshot(src, tmp_path / "hub")
+    before = _tree(tmp_path / "hub")
+    args = [command, str(snap)] + ([str(tmp_path / "dcp")] if command == "import" else [])
+    out = cli(*args, code=2).replace("\n", "")
+    assert "[E200]" in out and "holds both model.safetensors and model.safetensors.index.json" in out, out
+    assert "hint: a Hugging Face hub snapshot, whose files are left in place: copy the save you mean" in out, out
+    assert "`cp -L`" in out and "move" not in out.split("hint:")[1], out
+    assert _tree(tmp_path / "hub") == before and not (tmp_path / "dcp").exists()
