@@ -151,23 +151,31 @@ def hub_repository(path: Path) -> Path | None:
 
 
 def hub_unfinished_download(directory: Path) -> str | None:
-    """A hint for a hub snapshot ``directory`` (:func:`hub_blobs`) whose repository's ``blobs/`` holds files
-    ``huggingface_hub`` is still downloading (``<hash>.incomplete``: the snapshot's link to a file is made once its
-    blob is complete, so the file is missing from the snapshot until then), else ``None``."""
+    """A hint for a folder ``huggingface_hub`` is still downloading into, else ``None``: a hub snapshot
+    (:func:`hub_blobs`) whose repository's ``blobs/`` holds ``<hash>.incomplete`` files (the snapshot's link to a file
+    is made once its blob is complete, so the file is missing from the snapshot until then), or an
+    ``hf download --local-dir`` folder whose ``.cache/huggingface/download/`` holds ``*.incomplete`` files (the file
+    is moved into place once complete)."""
     try:
         blobs = hub_blobs(directory.resolve())
-        names = sorted(e.name for e in os.scandir(blobs)) if blobs is not None else []
     except (OSError, RuntimeError):
         return None
-    unfinished = [n for n in names if n.endswith(".incomplete")]
-    if blobs is None or not unfinished:
+    staging = blobs if blobs is not None else directory / ".cache" / "huggingface" / "download"
+    try:
+        unfinished = sum(1 for e in os.scandir(staging) if e.name.endswith(".incomplete"))
+    except OSError:
         return None
-    repo = blobs.parent.name
-    kind, _, name = repo.partition("--")
-    command = f"`hf download {name.replace('--', '/', 1)}`" if kind == "models" else "the download"
+    if not unfinished:
+        return None
+    if blobs is None:
+        where, command, again = "this folder", "the download (`hf download ... --local-dir`)", "folder"
+    else:
+        kind, _, name = blobs.parent.name.partition("--")
+        command = f"`hf download {name.replace('--', '/', 1)}`" if kind == "models" else "the download"
+        where, again = "the hub cache", "snapshot"
     return (
-        f"a download into the hub cache is not finished ({len(unfinished)} .incomplete file(s) in {blobs}): "
-        f"let {command} finish (or run it again if it stopped), then pass the snapshot again"
+        f"a download into {where} is not finished ({unfinished} .incomplete file(s) in {staging}): "
+        f"let {command} finish (or run it again if it stopped), then pass the {again} again"
     )
 
 

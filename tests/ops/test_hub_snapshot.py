@@ -419,3 +419,22 @@ def test_a_snapshot_of_two_saves_is_never_advised_to_move_files_in_the_cache(
     assert "hint: a Hugging Face hub snapshot, whose files are left in place: copy the save you mean" in out, out
     assert "`cp -L`" in out and "move" not in out.split("hint:")[1], out
     assert _tree(tmp_path / "hub") == before and not (tmp_path / "dcp").exists()
+
+
+@pytest.mark.parametrize("command", ["import", "validate", "inspect"])
+def test_a_local_dir_download_not_finished_says_so(hf_dirs: Path, tmp_path: Path, command: str) -> None:
+    """``hf download --local-dir DIR`` writes each file to ``DIR/.cache/huggingface/download/<h>.<etag>.incomplete``
+    (huggingface_hub's own ``get_local_download_paths`` names it) and moves it into place once complete."""
+    from huggingface_hub._local_folder import get_local_download_paths
+
+    local = tmp_path / "local"
+    shutil.copytree(hf_dirs / "llama", local)
+    shard = sorted(local.glob("model-*.safetensors"))[1]
+    paths = get_local_download_paths(local, shard.name)
+    paths.incomplete_path("0" * 40).write_bytes(shard.read_bytes()[:1000])
+    shard.unlink()
+    args = [command, str(local)] + ([str(tmp_path / "dcp")] if command == "import" else [])
+    out = cli(*args, code=2).replace("\n", "")
+    assert "[E202]" in out and f"missing ('{shard.name}'" in out, out
+    assert "hint: a download into this folder is not finished (1 .incomplete file(s) in " in out, out
+    assert "`hf download ... --local-dir`" in out and "Traceback" not in out and not (tmp_path / "dcp").exists()
