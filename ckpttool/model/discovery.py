@@ -1414,7 +1414,15 @@ def _refuse_partial_step(root: Path) -> None:
 
 def _model_folder_hint(root: Path) -> str | None:
     """The hint for a Hugging Face model folder without safetensors (``save_pretrained`` of old, weights in
-    ``pytorch_model.bin``) or a folder of ``config.json`` alone, else ``None``."""
+    ``pytorch_model.bin``) or a folder of ``config.json`` alone, or a download into it not finished; for a hub
+    repository folder (``models--ORG--NAME``) that of its snapshot, named; else ``None``."""
+    snapshot = hub_snapshot(root)
+    if snapshot is not None:  # inspect/validate look below it: what its snapshot holds is what to say
+        inner = _model_folder_hint(snapshot)
+        return f"a Hugging Face hub repository folder; in its snapshot {snapshot}: {inner}" if inner else None
+    unfinished = hub_unfinished_download(root)
+    if unfinished is not None:
+        return unfinished
     try:
         names = sorted(os.listdir(root))
     except OSError:
@@ -1427,7 +1435,7 @@ def _model_folder_hint(root: Path) -> str | None:
             "(it writes safetensors), then pass that folder"
         )
     if "config.json" in names:
-        return hub_unfinished_download(root) or (
+        return (
             "it holds config.json but no weights (a model's config folder: pass it to export as --model-assets); "
             "pass the directory that dcp.save wrote (it holds .metadata and __R_N.distcp files)"
         )

@@ -438,3 +438,38 @@ def test_a_local_dir_download_not_finished_says_so(hf_dirs: Path, tmp_path: Path
     assert "[E202]" in out and f"missing ('{shard.name}'" in out, out
     assert "hint: a download into this folder is not finished (1 .incomplete file(s) in " in out, out
     assert "`hf download ... --local-dir`" in out and "Traceback" not in out and not (tmp_path / "dcp").exists()
+
+
+class _Planted:
+    """Unpickling it makes a directory: a file that ran code would show it."""
+
+    def __init__(self, where: Path) -> None:
+        self.where = str(where)
+
+    def __reduce__(self) -> tuple[object, tuple[str]]:
+        return (os.mkdir, (self.where,))
+
+
+@pytest.mark.parametrize("command", ["import", "validate", "inspect"])
+def test_a_hub_repository_of_a_pickled_model_names_its_weights_file_never_loading_it(
+    hf_dirs: Path, tmp_path: Path, command: str
+) -> None:
+    """A repository holding pytorch_model.bin alone, given by its repository folder: inspect/validate (which look below
+    it) said only to pass a dcp.save directory, not what the snapshot holds. Nothing in the file is run."""
+    src = tmp_path / "src"
+    src.mkdir()
+    shutil.copy(hf_dirs / "llama" / "config.json", src / "config.json")
+    ran = tmp_path / "ran"
+    torch.save({"model.norm.weight": torch.ones(4), "x": _Planted(ran)}, src / "pytorch_model.bin")
+    snap = hub_snapshot(src, tmp_path / "hub")
+    args = [command, str(snap.parent.parent)] + ([str(tmp_path / "dcp")] if command == "import" else [])
+    out = cli(*args, code=2).replace("\n", "")
+    assert (
+        "[E200]" in out
+        and str(snap) in out
+        and "pytorch_model.bin is a torch.save file" in out
+        or (command == "import" and "pass its snapshot" in out)
+    ), out
+    assert not ran.exists() and "Traceback" not in out and not (tmp_path / "dcp").exists()
+    out = cli(*args[:1], str(snap), *args[2:], code=2).replace("\n", "")
+    assert "[E200]" in out and "pytorch_model.bin is a torch.save file" in out and not ran.exists(), out
