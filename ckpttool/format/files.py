@@ -184,14 +184,31 @@ def hub_snapshot(repo: Path) -> Path | None:
     else its only snapshot; ``None`` when ``repo`` is no hub repository or the choice is not clear."""
     if not repo.name.startswith(_HUB_REPOS) or not (repo / "snapshots").is_dir():
         return None
+    rev = _main_revision(repo)
+    if rev and (repo / "snapshots" / rev).is_dir():
+        return repo / "snapshots" / rev
+    if rev:  # main is a revision not in the cache: another snapshot is not "the" model
+        return None
+    revs = [d for d in (repo / "snapshots").iterdir() if d.is_dir()]
+    return revs[0] if len(revs) == 1 else None
+
+
+def _main_revision(repo: Path) -> str:
+    """The revision ``repo/refs/main`` names (``""``: none, or not a plain name)."""
     try:
         rev = read_regular(repo / "refs" / "main", 256).decode("ascii").strip()
     except (OSError, CkptError, UnicodeDecodeError):
-        rev = ""
-    if rev and "/" not in rev and rev not in (".", "..") and (repo / "snapshots" / rev).is_dir():
-        return repo / "snapshots" / rev
-    revs = [d for d in (repo / "snapshots").iterdir() if d.is_dir()]
-    return revs[0] if len(revs) == 1 else None
+        return ""
+    return rev if "/" not in rev and rev not in (".", "..") and "\0" not in rev else ""
+
+
+def hub_main_not_in_cache(repo: Path) -> str | None:
+    """The revision a hub repository folder's ``refs/main`` names when ``snapshots/`` holds no folder of it (its
+    download not finished, or the snapshot removed), else ``None``."""
+    if not repo.name.startswith(_HUB_REPOS) or not (repo / "snapshots").is_dir():
+        return None
+    rev = _main_revision(repo)
+    return rev if rev and not (repo / "snapshots" / rev).is_dir() else None
 
 
 def hub_hint(directory: Path) -> str | None:
@@ -206,6 +223,15 @@ def hub_hint(directory: Path) -> str | None:
         return f"the blobs of a Hugging Face hub repository (files named by hash): pass its snapshot, {blobs_of}"
     if directory.name.startswith(_HUB_REPOS) and (directory / "snapshots").is_dir():  # no refs/main to choose by
         revs = sorted(str(d) for d in (directory / "snapshots").iterdir() if d.is_dir())
+        main = hub_main_not_in_cache(directory)
+        if main is not None:  # the snapshots there are other revisions than the model's main
+            kind, _, name = directory.name.partition("--")
+            fetch = f"`hf download {name.replace('--', '/', 1)}`" if kind == "models" else "its download"
+            listed = f", or pass the snapshot of the revision you mean, {', '.join(revs[:3])}" if revs else ""
+            return (
+                f"its refs/main names revision {main[:64]}, which has no snapshot in the cache (a download not "
+                f"finished, or the snapshot removed): run {fetch} to fetch it{listed}"
+            )
         if revs:
             more = f", ... ({len(revs)} in all)" if len(revs) > 3 else ""
             return f"a Hugging Face hub repository folder: pass one of its snapshots, {', '.join(revs[:3])}{more}"

@@ -35,7 +35,16 @@ from ckpttool.errors import (
     shell_arg,
 )
 from ckpttool.format.directory import DATA_FILE_RE, METADATA_NAME, data_file_ranks
-from ckpttool.format.files import file_kind, hub_snapshot, hub_unfinished_download, open_regular, resolve_inside
+from ckpttool.format.files import (
+    file_kind,
+    hub_blobs,
+    hub_hint,
+    hub_main_not_in_cache,
+    hub_snapshot,
+    hub_unfinished_download,
+    open_regular,
+    resolve_inside,
+)
 from ckpttool.format.hf_storage import hf_storage_files
 from ckpttool.format.metadata import CheckpointMetadata, StorageInfo
 from ckpttool.format.perrank_formats import detect_layout, staging_of, unfinished_layout
@@ -1069,6 +1078,22 @@ def locate(path: str | os.PathLike[str], selection: CheckpointSelection | None =
     return found
 
 
+def _refuse_hub_main_not_in_cache(root: Path) -> None:
+    """Refuse a hub repository folder whose ``refs/main`` names a revision it holds no snapshot of: a snapshot found
+    below it is another revision than the model's main, never read in its place.
+
+    Raises:
+        IncompleteCheckpointError (E202): as above.
+    """
+    main = hub_main_not_in_cache(root)
+    if main is not None:
+        raise IncompleteCheckpointError(
+            f"{root}: a Hugging Face hub repository folder without the snapshot of its main revision",
+            path=root,
+            hint=hub_hint(root) or "download the model again",
+        )
+
+
 def unfinished_save_hint(file: Path) -> str | None:
     """The hint of a file given where a checkpoint directory belongs whose folder holds a save that did not finish
     (``__0_0.distcp`` beside no ``.metadata``): it names that folder and why it cannot be opened yet; ``None`` when
@@ -1099,6 +1124,7 @@ def _locate(path: str | os.PathLike[str], selection: CheckpointSelection | None)
     opt = sel.optimizer_dir
     _check_optimizer_dir(opt)
     _refuse_marked(root)
+    _refuse_hub_main_not_in_cache(root)
     if root.is_file() and not is_checkpoint_dir(root.parent):  # (a file inside a checkpoint: the reader names it)
         raise UsageError(f"{root} is not a directory", path=root, hint=_file_given_hint(root))
     if not root.is_dir() or is_checkpoint_dir(root):
@@ -1110,6 +1136,8 @@ def _locate(path: str | os.PathLike[str], selection: CheckpointSelection | None)
             )
         return Located(root, root, opt, how=_given_how(root))
     found = find_checkpoints(root, whole=True)
+    for repo in sorted({b.parent for b in map(hub_blobs, found) if b is not None}):  # a hub cache given
+        _refuse_hub_main_not_in_cache(repo)
     incomplete = find_incomplete(root, whole=True)
     if not found:
         if incomplete:  # the only saves below did not finish: said so, not "no checkpoint"

@@ -473,3 +473,24 @@ def test_a_hub_repository_of_a_pickled_model_names_its_weights_file_never_loadin
     assert not ran.exists() and "Traceback" not in out and not (tmp_path / "dcp").exists()
     out = cli(*args[:1], str(snap), *args[2:], code=2).replace("\n", "")
     assert "[E200]" in out and "pytorch_model.bin is a torch.save file" in out and not ran.exists(), out
+
+
+@pytest.mark.parametrize("given", ["repository", "cache"])
+@pytest.mark.parametrize("command", ["import", "validate", "inspect"])
+def test_a_hub_repository_whose_main_revision_is_not_in_the_cache_is_not_read_as_an_older_one(
+    hf_dirs: Path, tmp_path: Path, command: str, given: str
+) -> None:
+    """refs/main moved to a new revision whose snapshot is not there yet: validate of the repository folder (or the
+    cache) said OK of the older snapshot, and import's hint named it as "its snapshot"."""
+    snap = hub_snapshot(hf_dirs / "llama", tmp_path / "hub")
+    repo = snap.parent.parent
+    (repo / "refs" / "main").write_text("f" * 40)
+    path = repo if given == "repository" else tmp_path / "hub"
+    args = [command, str(path)] + ([str(tmp_path / "dcp")] if command == "import" else [])
+    out = cli(*args, code=2).replace("\n", "")
+    # (import of a cache root reads nothing: its hint names a folder below)
+    if not (command == "import" and given == "cache"):
+        assert f"its refs/main names revision {'f' * 40}, which has no snapshot in the cache" in out, out
+        assert "run `hf download tiny/llama` to fetch it, or pass the snapshot of the revision you mean" in out, out
+    assert "OK:" not in out and "Traceback" not in out and not (tmp_path / "dcp").exists(), out
+    assert "OK:" in cli("validate", str(snap))  # the older revision given itself is read
