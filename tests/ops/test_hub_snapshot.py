@@ -369,6 +369,10 @@ def test_nothing_is_written_into_the_hub_cache(hf_dirs: Path, tmp_path: Path) ->
         assert "[E600]" in out and "inside the Hugging Face hub cache's repository folder" in out, (args, out)
         assert "hint: write it outside the hub cache" in out and "Traceback" not in out, out
     assert _tree(cache) == before
+    for args in (("manifest", str(snap), "--verify"), ("validate", str(snap), "--manifest")):  # its default place
+        out = cli(*args, code=2).replace("\n", "")  # the hint named `ckpttool manifest SNAP`, which is refused
+        assert "no such manifest file" in out and "write one outside it, `ckpttool manifest " in out, out
+        assert f"{snap} --output FILE`" in out and "write one with" not in out, out
     cli("manifest", str(snap), "--output", str(tmp_path / "m.json"))  # outside the cache: written, and it verifies
     assert "OK:" in cli("validate", str(snap), "--manifest", str(tmp_path / "m.json"))
 
