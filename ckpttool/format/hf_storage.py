@@ -383,6 +383,18 @@ def _in_snapshot_hint(path: Path, save: str) -> str | None:
     )
 
 
+def _link_target_gone(path: Path, p: Path) -> IncompleteCheckpointError:
+    """E202 for the file ``p`` of the folder ``path``, a symlink to nothing: a hub snapshot's link whose blob is gone
+    (deleted from the cache, or not downloaded yet), a file of the model missing, not damage."""
+    return IncompleteCheckpointError(
+        f"{p}: links to {os.readlink(p)!r:.120}, which does not exist",
+        path=p,
+        hint=hub_unfinished_download(path)
+        or "the file the link points to is missing (a hub cache blob deleted or not downloaded); "
+        "download or copy the complete model",
+    )
+
+
 def read_hf_index(path: Path) -> dict[str, str] | None:
     """``weight_map`` of ``path/model.safetensors.index.json`` (``None``: no index), bounded and checked.
 
@@ -403,6 +415,12 @@ def read_hf_index(path: Path) -> dict[str, str] | None:
             resolve_inside(path, HF_INDEX_NAME, what="index"), limits.current().max_object_bytes, what="index"
         )
         index = parse_json(raw, str(shown))
+    except FileNotFoundError:
+        if not os.path.islink(shown):  # removed since it was seen
+            raise MetadataError(
+                f"{shown}: not a readable index (FileNotFoundError)", path=shown, hint=_BAD_INDEX
+            ) from None
+        raise _link_target_gone(path, shown) from None  # a hub snapshot's index whose blob is gone
     except (ValueError, OSError) as e:  # not JSON / not UTF-8 / unreadable
         raise MetadataError(
             f"{shown}: not a readable index ({type(e).__name__})", path=shown, hint=_BAD_INDEX
@@ -487,13 +505,7 @@ def _read_file(path: Path, name: str, found: _Found) -> None:
     except FileNotFoundError as e:
         if not os.path.islink(p):
             raise MetadataError(f"{p}: cannot read ({e.strerror})", path=p, hint=_UNREADABLE) from e
-        raise IncompleteCheckpointError(  # a hub snapshot's link whose blob is gone: a shard missing, not damage
-            f"{p}: links to {os.readlink(p)!r:.120}, which does not exist",
-            path=p,
-            hint=hub_unfinished_download(path)
-            or "the file the link points to is missing (a hub cache blob deleted or not downloaded); "
-            "download or copy the complete model",
-        ) from None
+        raise _link_target_gone(path, p) from None
     except OSError as e:
         raise MetadataError(f"{p}: cannot read ({e.strerror})", path=p, hint=_UNREADABLE) from e
     header, data_start = read_safetensors_header(p, size)

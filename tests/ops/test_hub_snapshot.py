@@ -498,3 +498,19 @@ def test_a_hub_repository_whose_main_revision_is_not_in_the_cache_is_not_read_as
         assert "run `hf download tiny/llama` to fetch it, or pass the snapshot of the revision you mean" in out, out
     assert "OK:" not in out and "Traceback" not in out and not (tmp_path / "dcp").exists(), out
     assert "OK:" in cli("validate", str(snap))  # the older revision given itself is read
+
+
+@pytest.mark.parametrize("command", ["import", "validate", "inspect"])
+def test_a_snapshot_whose_index_blob_is_gone_is_a_missing_file_not_damage(
+    hf_dirs: Path, tmp_path: Path, command: str
+) -> None:
+    """The index's link to a blob gone from the cache was `E200` "not a readable index (FileNotFoundError)", the hint
+    to restore a damaged index; a shard's such link is `E202`, a file missing. So is the index's now."""
+    snap = hub_snapshot(hf_dirs / "llama", tmp_path / "hub")
+    index = snap / "model.safetensors.index.json"
+    index.resolve().unlink()
+    args = [command, str(snap)] + ([str(tmp_path / "dcp")] if command == "import" else [])
+    out = cli(*args, code=2).replace("\n", "")
+    assert "[E202]" in out and f"{index.name}: links to '../../blobs/" in out and "which does not exist" in out, out
+    assert "hint: the file the link points to is missing" in out and "damaged" not in out, out
+    assert "Traceback" not in out and not (tmp_path / "dcp").exists()
