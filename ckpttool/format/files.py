@@ -16,7 +16,15 @@ import os
 import stat
 from pathlib import Path
 
-from ckpttool.errors import CkptError, DataFileError, NotRegularFileError, PathEscapeError, SizeLimitError, shell_arg
+from ckpttool.errors import (
+    CkptError,
+    DataFileError,
+    NotRegularFileError,
+    PathEscapeError,
+    SizeLimitError,
+    UsageError,
+    shell_arg,
+)
 from ckpttool.format import limits
 
 __all__ = [
@@ -176,6 +184,26 @@ def hub_unfinished_download(directory: Path) -> str | None:
     return (
         f"a download into {where} is not finished ({unfinished} .incomplete file(s) in {staging}): "
         f"let {command} finish (or run it again if it stopped), then pass the {again} again"
+    )
+
+
+def refuse_link_to_nothing(link: Path, param: str | None = None) -> None:
+    """Refuse a file ``link`` that is a symlink to nothing (a hub snapshot's link whose blob is gone), named by the
+    link, not by the blob it names: a file missing, not a damaged one (:func:`hub_unfinished_download` says where a
+    download is still running).
+
+    Raises:
+        UsageError (E100): as above; ``param`` the option that named the folder.
+    """
+    if not os.path.islink(link) or os.path.exists(link):
+        return
+    raise UsageError(
+        f"{link}: links to {os.readlink(link)!r:.120}, which does not exist",
+        path=link,
+        param=param,
+        hint=hub_unfinished_download(link.parent)
+        or "the file the link points to is missing (a hub cache blob deleted or not downloaded); download or copy "
+        "the complete model",
     )
 
 

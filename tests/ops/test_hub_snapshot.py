@@ -514,3 +514,26 @@ def test_a_snapshot_whose_index_blob_is_gone_is_a_missing_file_not_damage(
     assert "[E202]" in out and f"{index.name}: links to '../../blobs/" in out and "which does not exist" in out, out
     assert "hint: the file the link points to is missing" in out and "damaged" not in out, out
     assert "Traceback" not in out and not (tmp_path / "dcp").exists()
+
+
+@pytest.mark.parametrize("gone", ["config.json", "generation_config.json"])
+@pytest.mark.parametrize("command", ["import", "export"])
+def test_a_snapshot_asset_whose_blob_is_gone_is_named_by_its_link(
+    hf_dirs: Path, tmp_path: Path, command: str, gone: str
+) -> None:
+    """`export --model-assets SNAP` with an asset's blob gone from the cache was E999 (FileNotFoundError on the blob);
+    import named the blob path as a damaged config.json."""
+    snap = hub_snapshot(hf_dirs / "llama", tmp_path / "hub")
+    (snap / gone).resolve().unlink()
+    if command == "import":
+        args = ["import", str(snap), str(tmp_path / "out")]
+        if gone != "config.json":  # import copies no asset: it reads config.json alone
+            cli(*args)
+            return
+    else:
+        cli("import", str(hf_dirs / "llama"), str(tmp_path / "dcp"))
+        args = ["export", str(tmp_path / "dcp"), str(tmp_path / "out"), "--model-assets", str(snap)]
+    out = cli(*args, code=2).replace("\n", "")
+    assert f"[E100] {snap / gone}: links to '../../blobs/" in out and "which does not exist" in out, out
+    assert "hint: the file the link points to is missing" in out and "damaged" not in out, out
+    assert "E999" not in out and not (tmp_path / "out").exists()
