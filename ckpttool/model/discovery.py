@@ -1111,9 +1111,13 @@ def unfinished_save_hint(file: Path) -> str | None:
 def _file_given_hint(file: Path) -> str:
     """The hint of a file given where a checkpoint directory belongs, its folder being no checkpoint: a data file
     of a save that did not finish (:func:`unfinished_save_hint`); any other file is no distributed checkpoint."""
-    return unfinished_save_hint(file) or (
-        f"pass the directory that dcp.save wrote (it holds .metadata and __R_N.distcp files; {file.parent} "
-        "holds none): a single torch.save file (.pt, .bin) is not a distributed checkpoint"
+    return (
+        unfinished_save_hint(file)
+        or hub_hint(file.parent)
+        or (  # a blob of a hub cache: its snapshot names it
+            f"pass the directory that dcp.save wrote (it holds .metadata and __R_N.distcp files; {file.parent} "
+            "holds none): a single torch.save file (.pt, .bin) is not a distributed checkpoint"
+        )
     )
 
 

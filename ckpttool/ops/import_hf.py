@@ -762,7 +762,7 @@ def _file_given_hint(folder: Path) -> str:
         dcp = False
     if dcp:
         return f"{shell_arg(folder)} is a DCP checkpoint: did you mean `ckpttool export {shell_arg(folder)} OUT` (DCP to safetensors)?"
-    return (
+    return hub_hint(folder) or (  # a blob of a hub cache: its snapshot names it
         "pass the Hugging Face model directory (the one holding its model*.safetensors files and config.json); "
         f"{shell_arg(folder)} holds no .safetensors file"
     )

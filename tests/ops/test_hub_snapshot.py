@@ -537,3 +537,18 @@ def test_a_snapshot_asset_whose_blob_is_gone_is_named_by_its_link(
     assert f"[E100] {snap / gone}: links to '../../blobs/" in out and "which does not exist" in out, out
     assert "hint: the file the link points to is missing" in out and "damaged" not in out, out
     assert "E999" not in out and not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("command", ["import", "validate", "inspect"])
+def test_a_blob_of_the_hub_cache_given_names_the_snapshot(hf_dirs: Path, tmp_path: Path, command: str) -> None:
+    """A blob file given (a path from `du`/`ls` of the cache): the hint said the blobs folder holds no .safetensors
+    file (import) or to pass a dcp.save directory, not the snapshot that names the blob."""
+    snap = hub_snapshot(hf_dirs / "llama", tmp_path / "hub")
+    blob = (snap / "model.safetensors.index.json").resolve()
+    args = [command, str(blob)] + ([str(tmp_path / "dcp")] if command == "import" else [])
+    out = cli(*args, code=2).replace("\n", "")
+    assert (
+        "[E100]" in out
+        and f"hint: the blobs of a Hugging Face hub repository (files named by hash): pass its snapshot, {snap}" in out
+    ), out
+    assert "Traceback" not in out and not (tmp_path / "dcp").exists()
