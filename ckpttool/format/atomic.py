@@ -30,7 +30,7 @@ from typing import Any
 
 from ckpttool.errors import ForeignOutputError, OutputError
 from ckpttool.format import marker
-from ckpttool.format.files import refuse_unexpanded_tilde_output
+from ckpttool.format.files import hub_repository, refuse_unexpanded_tilde_output
 
 __all__ = [
     "AtomicOutputDir",
@@ -110,6 +110,28 @@ def foreign_output_error(target: Path, found: marker.Ownership) -> ForeignOutput
     )
 
 
+def refuse_hub_cache_output(target: str | os.PathLike[str], option: str = "output") -> None:
+    """Refuse an output path inside a Hugging Face hub cache repository folder (:func:`hub_repository`): the folder
+    is ``huggingface_hub``'s, a file written into a snapshot is taken for a file of that revision of the model
+    (``scan_cache_dir``, ``from_pretrained`` read it), a folder beside the snapshots for a revision, and
+    ``hf cache delete`` removes it with the model.
+
+    Raises:
+        OutputError (E600): ``target`` lies in such a folder.
+    """
+    repo = hub_repository(Path(target))
+    if repo is None:
+        return
+    raise OutputError(
+        f"{option} {target}: lies inside the Hugging Face hub cache's repository folder {repo}, which huggingface_hub "
+        "manages (a file written there is taken for a file of the model, and `hf cache delete` removes it); "
+        "ckpttool does not write into the hub cache",
+        path=Path(target),
+        hint="write it outside the hub cache"
+        + (" with --output FILE (verify with --verify --output FILE)" if option == "manifest" else ""),
+    )
+
+
 def check_output_target(target: Path, *, overwrite: bool, source: Path | None = None) -> None:
     """Refuse a target that exists non-empty (without ``overwrite``) or overlaps the source.
 
@@ -124,6 +146,7 @@ def check_output_target(target: Path, *, overwrite: bool, source: Path | None = 
     """
     refuse_unexpanded_tilde_output(target)
     target = absolute_path(target)
+    refuse_hub_cache_output(target)
     if target.name == "":
         raise OutputError(
             f"{target}: cannot write there (not a directory name)",
@@ -687,6 +710,7 @@ def check_file_target(
 
     refuse_unexpanded_tilde_output(path, option)
     p = Path(path)
+    refuse_hub_cache_output(p, option)
     try:
         st = os.lstat(p)
     except FileNotFoundError:

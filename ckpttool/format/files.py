@@ -16,7 +16,15 @@ import os
 import stat
 from pathlib import Path
 
-from ckpttool.errors import CkptError, DataFileError, NotRegularFileError, PathEscapeError, SizeLimitError, shell_arg
+from ckpttool.errors import (
+    CkptError,
+    DataFileError,
+    NotRegularFileError,
+    PathEscapeError,
+    SizeLimitError,
+    UsageError,
+    shell_arg,
+)
 from ckpttool.format import limits
 
 __all__ = [
@@ -130,19 +138,105 @@ def hub_blobs(directory: Path) -> Path | None:
     return None
 
 
+def hub_repository(path: Path) -> Path | None:
+    """The Hugging Face hub repository folder (``models--ORG--NAME``, ``datasets--*``, ``spaces--*``, holding
+    ``snapshots/`` or ``blobs/``) that ``path`` is or lies below, symlinks resolved (``path`` need not exist yet: its
+    nearest existing folder is resolved), else ``None``. ``huggingface_hub`` manages these folders: a file added to a
+    snapshot is listed as a file of that revision, and ``hf cache delete`` removes the whole folder."""
+    p = Path(os.path.abspath(path))
+    tail: list[str] = []
+    while not os.path.lexists(p) and p != p.parent:
+        tail.insert(0, p.name)
+        p = p.parent
+    try:
+        p = p.resolve().joinpath(*tail)
+    except (OSError, RuntimeError):  # a symlink loop: judged by its names
+        p = p.joinpath(*tail)
+    for d in (p, *p.parents):
+        if d.name.startswith(_HUB_REPOS) and ((d / "snapshots").is_dir() or (d / "blobs").is_dir()):
+            return d
+    return None
+
+
+def hub_unfinished_download(directory: Path) -> str | None:
+    """A hint for a folder ``huggingface_hub`` is still downloading into, else ``None``: a hub snapshot
+    (:func:`hub_blobs`) whose repository's ``blobs/`` holds ``<hash>.incomplete`` files (the snapshot's link to a file
+    is made once its blob is complete, so the file is missing from the snapshot until then), or an
+    ``hf download --local-dir`` folder whose ``.cache/huggingface/download/`` holds ``*.incomplete`` files (the file
+    is moved into place once complete)."""
+    try:
+        blobs = hub_blobs(directory.resolve())
+    except (OSError, RuntimeError):
+        return None
+    staging = blobs if blobs is not None else directory / ".cache" / "huggingface" / "download"
+    try:
+        unfinished = sum(1 for e in os.scandir(staging) if e.name.endswith(".incomplete"))
+    except OSError:
+        return None
+    if not unfinished:
+        return None
+    if blobs is None:
+        where, command, again = "this folder", "the download (`hf download ... --local-dir`)", "folder"
+    else:
+        kind, _, name = blobs.parent.name.partition("--")
+        command = f"`hf download {name.replace('--', '/', 1)}`" if kind == "models" else "the download"
+        where, again = "the hub cache", "snapshot"
+    return (
+        f"a download into {where} is not finished ({unfinished} .incomplete file(s) in {staging}): "
+        f"let {command} finish (or run it again if it stopped), then pass the {again} again"
+    )
+
+
+def refuse_link_to_nothing(link: Path, param: str | None = None) -> None:
+    """Refuse a file ``link`` that is a symlink to nothing (a hub snapshot's link whose blob is gone), named by the
+    link, not by the blob it names: a file missing, not a damaged one (:func:`hub_unfinished_download` says where a
+    download is still running).
+
+    Raises:
+        UsageError (E100): as above; ``param`` the option that named the folder.
+    """
+    if not os.path.islink(link) or os.path.exists(link):
+        return
+    raise UsageError(
+        f"{link}: links to {os.readlink(link)!r:.120}, which does not exist",
+        path=link,
+        param=param,
+        hint=hub_unfinished_download(link.parent)
+        or "the file the link points to is missing (a hub cache blob deleted or not downloaded); download or copy "
+        "the complete model",
+    )
+
+
 def hub_snapshot(repo: Path) -> Path | None:
     """The snapshot a hub repository folder ``repo`` (``models--ORG--NAME``) points at: ``snapshots/<refs/main>``,
     else its only snapshot; ``None`` when ``repo`` is no hub repository or the choice is not clear."""
     if not repo.name.startswith(_HUB_REPOS) or not (repo / "snapshots").is_dir():
         return None
+    rev = _main_revision(repo)
+    if rev and (repo / "snapshots" / rev).is_dir():
+        return repo / "snapshots" / rev
+    if rev:  # main is a revision not in the cache: another snapshot is not "the" model
+        return None
+    revs = [d for d in (repo / "snapshots").iterdir() if d.is_dir()]
+    return revs[0] if len(revs) == 1 else None
+
+
+def _main_revision(repo: Path) -> str:
+    """The revision ``repo/refs/main`` names (``""``: none, or not a plain name)."""
     try:
         rev = read_regular(repo / "refs" / "main", 256).decode("ascii").strip()
     except (OSError, CkptError, UnicodeDecodeError):
-        rev = ""
-    if rev and "/" not in rev and rev not in (".", "..") and (repo / "snapshots" / rev).is_dir():
-        return repo / "snapshots" / rev
-    revs = [d for d in (repo / "snapshots").iterdir() if d.is_dir()]
-    return revs[0] if len(revs) == 1 else None
+        return ""
+    return rev if "/" not in rev and rev not in (".", "..") and "\0" not in rev else ""
+
+
+def hub_main_not_in_cache(repo: Path) -> str | None:
+    """The revision a hub repository folder's ``refs/main`` names when ``snapshots/`` holds no folder of it (its
+    download not finished, or the snapshot removed), else ``None``."""
+    if not repo.name.startswith(_HUB_REPOS) or not (repo / "snapshots").is_dir():
+        return None
+    rev = _main_revision(repo)
+    return rev if rev and not (repo / "snapshots" / rev).is_dir() else None
 
 
 def hub_hint(directory: Path) -> str | None:
@@ -157,6 +251,15 @@ def hub_hint(directory: Path) -> str | None:
         return f"the blobs of a Hugging Face hub repository (files named by hash): pass its snapshot, {blobs_of}"
     if directory.name.startswith(_HUB_REPOS) and (directory / "snapshots").is_dir():  # no refs/main to choose by
         revs = sorted(str(d) for d in (directory / "snapshots").iterdir() if d.is_dir())
+        main = hub_main_not_in_cache(directory)
+        if main is not None:  # the snapshots there are other revisions than the model's main
+            kind, _, name = directory.name.partition("--")
+            fetch = f"`hf download {name.replace('--', '/', 1)}`" if kind == "models" else "its download"
+            listed = f", or pass the snapshot of the revision you mean, {', '.join(revs[:3])}" if revs else ""
+            return (
+                f"its refs/main names revision {main[:64]}, which has no snapshot in the cache (a download not "
+                f"finished, or the snapshot removed): run {fetch} to fetch it{listed}"
+            )
         if revs:
             more = f", ... ({len(revs)} in all)" if len(revs) > 3 else ""
             return f"a Hugging Face hub repository folder: pass one of its snapshots, {', '.join(revs[:3])}{more}"

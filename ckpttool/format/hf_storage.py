@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from ckpttool.errors import CkptError, IncompleteCheckpointError, MetadataError, Refusal
-from ckpttool.format.files import resolve_inside
+from ckpttool.format.files import hub_blobs, hub_unfinished_download, resolve_inside
 from ckpttool.format.jsonfile import unique_pairs
 from ckpttool.format.metadata import (
     BytesMeta,
@@ -362,8 +362,36 @@ def _check_one_save(path: Path, files: list[str]) -> None:
         f"{path}: holds both {HF_SINGLE_NAME} and {HF_INDEX_NAME} (which lists {others[0]!r:.80}{more}): two saves; "
         f"transformers' from_pretrained would load {HF_SINGLE_NAME} alone and ignore the index and its shards",
         path=path / HF_SINGLE_NAME,
-        hint=f"keep the save you mean: move {HF_SINGLE_NAME} out of the folder, or {HF_INDEX_NAME} and the "
+        hint=_in_snapshot_hint(path, f"{HF_SINGLE_NAME}, or the shards {HF_INDEX_NAME} lists")
+        or f"keep the save you mean: move {HF_SINGLE_NAME} out of the folder, or {HF_INDEX_NAME} and the "
         "shards it lists",
+    )
+
+
+def _in_snapshot_hint(path: Path, save: str) -> str | None:
+    """The hint for a folder of two saves that is a hub cache snapshot (:func:`hub_blobs`): the files of ``save`` copied
+    out (the cache's files are huggingface_hub's, never moved); ``None`` for any other folder."""
+    try:
+        in_hub = hub_blobs(path.resolve()) is not None
+    except (OSError, RuntimeError):
+        in_hub = False
+    if not in_hub:
+        return None
+    return (
+        f"a Hugging Face hub snapshot, whose files are left in place: copy the save you mean ({save}) with "
+        "config.json into a folder of its own (`cp -L`: the snapshot's files are links) and pass that folder"
+    )
+
+
+def _link_target_gone(path: Path, p: Path) -> IncompleteCheckpointError:
+    """E202 for the file ``p`` of the folder ``path``, a symlink to nothing: a hub snapshot's link whose blob is gone
+    (deleted from the cache, or not downloaded yet), a file of the model missing, not damage."""
+    return IncompleteCheckpointError(
+        f"{p}: links to {os.readlink(p)!r:.120}, which does not exist",
+        path=p,
+        hint=hub_unfinished_download(path)
+        or "the file the link points to is missing (a hub cache blob deleted or not downloaded); "
+        "download or copy the complete model",
     )
 
 
@@ -389,6 +417,12 @@ def read_hf_index(path: Path) -> dict[str, str] | None:
         index = parse_json(raw, str(shown))
     except PermissionError as e:  # another user's file, chmod 000: not a damaged index
         raise MetadataError(f"{shown}: cannot read ({e.strerror})", path=shown, hint=_UNREADABLE) from None
+    except FileNotFoundError:
+        if not os.path.islink(shown):  # removed since it was seen
+            raise MetadataError(
+                f"{shown}: not a readable index (FileNotFoundError)", path=shown, hint=_BAD_INDEX
+            ) from None
+        raise _link_target_gone(path, shown) from None  # a hub snapshot's index whose blob is gone
     except (ValueError, OSError) as e:  # not JSON / not UTF-8 / unreadable
         raise MetadataError(
             f"{shown}: not a readable index ({type(e).__name__})", path=shown, hint=_BAD_INDEX
@@ -427,7 +461,7 @@ def check_hf_index(path: Path, files: list[str], storage: dict[tuple[str, Any], 
         raise IncompleteCheckpointError(
             f"{shown}: the index lists {len(missing)} shard(s) that are missing ({missing[0]!r:.80}; {n} tensors)",
             path=shown,
-            hint="a shard file is missing; download or copy the complete model",
+            hint=hub_unfinished_download(path) or "a shard file is missing; download or copy the complete model",
         )
     extra = sorted(set(files) - named)
     if extra:
@@ -473,12 +507,7 @@ def _read_file(path: Path, name: str, found: _Found) -> None:
     except FileNotFoundError as e:
         if not os.path.islink(p):
             raise MetadataError(f"{p}: cannot read ({e.strerror})", path=p, hint=_UNREADABLE) from e
-        raise IncompleteCheckpointError(  # a hub snapshot's link whose blob is gone: a shard missing, not damage
-            f"{p}: links to {os.readlink(p)!r:.120}, which does not exist",
-            path=p,
-            hint="the file the link points to is missing (a hub cache blob deleted or not downloaded); "
-            "download or copy the complete model",
-        ) from None
+        raise _link_target_gone(path, p) from None
     except OSError as e:
         raise MetadataError(f"{p}: cannot read ({e.strerror})", path=p, hint=_UNREADABLE) from e
     header, data_start = read_safetensors_header(p, size)
@@ -512,8 +541,12 @@ def _twice(path: Path, p: Path, key: str, other: str, offsets: tuple[int, ...]) 
         f"{path}: {key!r:.80}{chunk} is stored in two files, {other} and {p.name}: the folder holds more than one "
         "save's weights",
         path=p,
-        hint="a model folder holds one save (one model.safetensors, or the files its index lists): move the other "
-        "file(s) out of the folder; to compare two single files, pass each .safetensors file to `ckpttool diff`",
+        hint=(
+            _in_snapshot_hint(path, "one model.safetensors, or the files its index lists")
+            or "a model folder holds one save (one model.safetensors, or the files its index lists): move the other "
+            "file(s) out of the folder"
+        )
+        + "; to compare two single files, pass each .safetensors file to `ckpttool diff`",
     )
 
 

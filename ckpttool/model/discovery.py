@@ -35,7 +35,16 @@ from ckpttool.errors import (
     shell_arg,
 )
 from ckpttool.format.directory import DATA_FILE_RE, METADATA_NAME, data_file_ranks
-from ckpttool.format.files import file_kind, hub_snapshot, open_regular, resolve_inside
+from ckpttool.format.files import (
+    file_kind,
+    hub_blobs,
+    hub_hint,
+    hub_main_not_in_cache,
+    hub_snapshot,
+    hub_unfinished_download,
+    open_regular,
+    resolve_inside,
+)
 from ckpttool.format.hf_storage import hf_storage_files
 from ckpttool.format.metadata import CheckpointMetadata, StorageInfo
 from ckpttool.format.perrank_formats import detect_layout, staging_of, unfinished_layout
@@ -1069,6 +1078,22 @@ def locate(path: str | os.PathLike[str], selection: CheckpointSelection | None =
     return found
 
 
+def _refuse_hub_main_not_in_cache(root: Path) -> None:
+    """Refuse a hub repository folder whose ``refs/main`` names a revision it holds no snapshot of: a snapshot found
+    below it is another revision than the model's main, never read in its place.
+
+    Raises:
+        IncompleteCheckpointError (E202): as above.
+    """
+    main = hub_main_not_in_cache(root)
+    if main is not None:
+        raise IncompleteCheckpointError(
+            f"{root}: a Hugging Face hub repository folder without the snapshot of its main revision",
+            path=root,
+            hint=hub_hint(root) or "download the model again",
+        )
+
+
 def unfinished_save_hint(file: Path) -> str | None:
     """The hint of a file given where a checkpoint directory belongs whose folder holds a save that did not finish
     (``__0_0.distcp`` beside no ``.metadata``): it names that folder and why it cannot be opened yet; ``None`` when
@@ -1098,13 +1123,18 @@ def _checkpoint_above(root: Path) -> tuple[Path, Path] | None:
 def _file_given_hint(file: Path) -> str:
     """The hint of a file given where a checkpoint directory belongs, its folder being no checkpoint: a file in a
     folder of a checkpoint (``extra_state/extra_state_rank_0.pt``: that checkpoint is named), a data file of a save
-    that did not finish (:func:`unfinished_save_hint`); any other file is no distributed checkpoint."""
+    that did not finish (:func:`unfinished_save_hint`), a blob of a hub cache (its snapshot is named); any other
+    file is no distributed checkpoint."""
     above = _checkpoint_above(file)
     if above is not None:
         return f"pass the checkpoint directory {shell_arg(above[0])} ({above[1]} is a file inside it)"
-    return unfinished_save_hint(file) or (
-        f"pass the directory that dcp.save wrote (it holds .metadata and __R_N.distcp files; {file.parent} "
-        "holds none): a single torch.save file (.pt, .bin) is not a distributed checkpoint"
+    return (
+        unfinished_save_hint(file)
+        or hub_hint(file.parent)
+        or (
+            f"pass the directory that dcp.save wrote (it holds .metadata and __R_N.distcp files; {file.parent} "
+            "holds none): a single torch.save file (.pt, .bin) is not a distributed checkpoint"
+        )
     )
 
 
@@ -1115,6 +1145,7 @@ def _locate(path: str | os.PathLike[str], selection: CheckpointSelection | None)
     opt = sel.optimizer_dir
     _check_optimizer_dir(opt)
     _refuse_marked(root)
+    _refuse_hub_main_not_in_cache(root)
     if root.is_file() and not is_checkpoint_dir(root.parent):  # (a file inside a checkpoint: the reader names it)
         raise UsageError(f"{root} is not a directory", path=root, hint=_file_given_hint(root))
     if not root.is_dir() or is_checkpoint_dir(root):
@@ -1126,6 +1157,8 @@ def _locate(path: str | os.PathLike[str], selection: CheckpointSelection | None)
             )
         return Located(root, root, opt, how=_given_how(root))
     found = find_checkpoints(root, whole=True)
+    for repo in sorted({b.parent for b in map(hub_blobs, found) if b is not None}):  # a hub cache given
+        _refuse_hub_main_not_in_cache(repo)
     incomplete = find_incomplete(root, whole=True)
     if not found:
         if incomplete:  # the only saves below did not finish: said so, not "no checkpoint"
@@ -1427,7 +1460,15 @@ def _refuse_partial_step(root: Path) -> None:
 
 def _model_folder_hint(root: Path) -> str | None:
     """The hint for a Hugging Face model folder without safetensors (``save_pretrained`` of old, weights in
-    ``pytorch_model.bin``) or a folder of ``config.json`` alone, else ``None``."""
+    ``pytorch_model.bin``) or a folder of ``config.json`` alone, or a download into it not finished; for a hub
+    repository folder (``models--ORG--NAME``) that of its snapshot, named; else ``None``."""
+    snapshot = hub_snapshot(root)
+    if snapshot is not None:  # inspect/validate look below it: what its snapshot holds is what to say
+        inner = _model_folder_hint(snapshot)
+        return f"a Hugging Face hub repository folder; in its snapshot {snapshot}: {inner}" if inner else None
+    unfinished = hub_unfinished_download(root)
+    if unfinished is not None:
+        return unfinished
     try:
         names = sorted(os.listdir(root))
     except OSError:

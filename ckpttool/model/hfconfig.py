@@ -155,7 +155,13 @@ def read_hf_config(path: str | os.PathLike[str], *, param: str | None = "config"
         NotRegularFileError, SizeLimitError, JsonDepthError, IntegerRangeError: a FIFO or device,
             too large, nested too deeply, an impossible number.
     """
-    from ckpttool.format.files import hub_hint, read_regular, resolve_inside, unexpanded_tilde_hint
+    from ckpttool.format.files import (
+        hub_hint,
+        read_regular,
+        refuse_link_to_nothing,
+        resolve_inside,
+        unexpanded_tilde_hint,
+    )
     from ckpttool.format.jsonfile import parse_json
 
     p = Path(path)
@@ -168,6 +174,7 @@ def read_hf_config(path: str | os.PathLike[str], *, param: str | None = "config"
             if param is not None:
                 e.hint = f"a folder's config.json is read only inside it; name the file you mean: `{param}` {p / 'config.json'}"
             raise
+        refuse_link_to_nothing(Path(path) / "config.json", param)
     who = f"`{param}` {p}" if param is not None else f"{p} (the folder's own config.json)"
     fix = (
         "pass an HF config.json"

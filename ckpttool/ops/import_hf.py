@@ -34,7 +34,7 @@ from ckpttool.errors import (
     short_key,
 )
 from ckpttool.format.atomic import absolute_path
-from ckpttool.format.files import hub_hint, missing_path_hint, open_regular, resolve_inside
+from ckpttool.format.files import hub_hint, hub_unfinished_download, missing_path_hint, open_regular, resolve_inside
 from ckpttool.format.hf_storage import (
     ADAPTER_PREFIX,
     hf_storage_files,
@@ -725,7 +725,10 @@ def _check_import_options(hf_dir: str | os.PathLike[str], opts: ImportOptions) -
         raise MetadataError(
             f"{src_dir}: no .metadata and no .safetensors files",
             path=src_dir,
-            hint=_pickled_hint(pickled) or hub or _below_hint(src_dir, tuple(pickled)),
+            hint=hub_unfinished_download(src_dir)
+            or _pickled_hint(pickled)
+            or hub
+            or _below_hint(src_dir, tuple(pickled)),
         )
     return src_dir
 
@@ -759,7 +762,7 @@ def _file_given_hint(folder: Path) -> str:
         dcp = False
     if dcp:
         return f"{shell_arg(folder)} is a DCP checkpoint: did you mean `ckpttool export {shell_arg(folder)} OUT` (DCP to safetensors)?"
-    return (
+    return hub_hint(folder) or (  # a blob of a hub cache: its snapshot names it
         "pass the Hugging Face model directory (the one holding its model*.safetensors files and config.json); "
         f"{shell_arg(folder)} holds no .safetensors file"
     )
@@ -1014,7 +1017,8 @@ def _check_index(src_dir: Path, sources: dict[str, _Source]) -> None:
                 raise ExportError(
                     f"{index_path}: the index lists {len(absent)} tensor(s) no safetensors file holds (e.g. {absent[0]!r})",
                     fqn=absent[0],
-                    hint="a shard file is missing; download or copy the complete model",
+                    hint=hub_unfinished_download(src_dir)
+                    or "a shard file is missing; download or copy the complete model",
                 )
 
 

@@ -1529,6 +1529,25 @@ def _objects(
     return out
 
 
+def _missing_manifest_hint(missing: Path, written_by: str) -> str:
+    """The hint for a manifest file that does not exist: the command that writes it (outside a hub cache)."""
+    return unexpanded_tilde_hint(missing) or _in_hub_cache_hint(missing) or f"write one with `{written_by}`"
+
+
+def _in_hub_cache_hint(missing: Path) -> str | None:
+    """The hint for a manifest looked for inside a Hugging Face hub cache repository folder (a snapshot's default
+    ``manifest.json``), where ckpttool writes none (``refuse_hub_cache_output``); else ``None``."""
+    from ckpttool.format.files import hub_repository
+
+    if hub_repository(missing) is None:
+        return None
+    folder = shell_arg(missing.parent)
+    return (
+        "ckpttool writes no manifest into the Hugging Face hub cache: write one outside it, `ckpttool manifest "
+        f"{folder} --output FILE`, and check against that FILE (`--verify --output FILE`, `validate --manifest FILE`)"
+    )
+
+
 def load_manifest(
     path: str | os.PathLike[str], data: bytes | None = None, *, written_by: str = "ckpttool manifest DIR"
 ) -> Manifest:
@@ -1550,7 +1569,7 @@ def load_manifest(
             f"{p}: no such manifest file",
             path=p,
             param="manifest",
-            hint=unexpanded_tilde_hint(p) or f"write one with `{written_by}`",
+            hint=_missing_manifest_hint(p, written_by),
         )
     doc = _read_doc(p, shown, data)
     version = doc.get("version")

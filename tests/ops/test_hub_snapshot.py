@@ -338,3 +338,217 @@ def test_validate_against_a_key_list_says_it_compared_names_only(hf_dirs: Path, 
     assert "--against compared names, not values" in note, note
     res = runner.invoke(app, ["validate", "--strict", str(tmp_path / "dcp"), "--against", str(src)])
     assert "--against compared names, shapes and dtypes, not values" in " ".join(res.stderr.split())
+
+
+def _tree(root: Path) -> list[tuple[str, str]]:
+    """Every entry below ``root``: its relative path and what it is (a link's target, a file's bytes' digest)."""
+    out = []
+    for p in sorted(root.rglob("*")):
+        what = os.readlink(p) if p.is_symlink() else "dir" if p.is_dir() else hashlib.sha256(p.read_bytes()).hexdigest()
+        out.append((str(p.relative_to(root)), what))
+    return out
+
+
+def test_nothing_is_written_into_the_hub_cache(hf_dirs: Path, tmp_path: Path) -> None:
+    """`manifest SNAPSHOT` wrote manifest.json into the snapshot (huggingface_hub then lists it as a file of the
+    revision); an import or export whose OUT lay in the repository folder was written there (`snapshots/other`
+    reads as a revision named `other`). Each is refused, the cache left as it was."""
+    cache = tmp_path / "hub"
+    snap = hub_snapshot(hf_dirs / "llama", cache)
+    repo = snap.parent.parent
+    before = _tree(cache)
+    cli("import", str(hf_dirs / "llama"), str(tmp_path / "dcp"))
+    for args in (
+        ("manifest", str(snap)),
+        ("manifest", str(repo)),  # the repository folder: its snapshot is read, the manifest's default place in it
+        ("manifest", str(snap), "--output", str(repo / "manifest.json")),
+        ("import", str(snap), str(repo / "dcp")),
+        ("export", str(tmp_path / "dcp"), str(repo / "snapshots" / "other")),
+    ):
+        out = cli(*args, code=2).replace("\n", "")
+        assert "[E600]" in out and "inside the Hugging Face hub cache's repository folder" in out, (args, out)
+        assert "hint: write it outside the hub cache" in out and "Traceback" not in out, out
+    assert _tree(cache) == before
+    for args in (("manifest", str(snap), "--verify"), ("validate", str(snap), "--manifest")):  # its default place
+        out = cli(*args, code=2).replace("\n", "")  # the hint named `ckpttool manifest SNAP`, which is refused
+        assert "no such manifest file" in out and "write one outside it, `ckpttool manifest " in out, out
+        assert f"{snap} --output FILE`" in out and "write one with" not in out, out
+    cli("manifest", str(snap), "--output", str(tmp_path / "m.json"))  # outside the cache: written, and it verifies
+    assert "OK:" in cli("validate", str(snap), "--manifest", str(tmp_path / "m.json"))
+
+
+@pytest.mark.parametrize("left", ["one-shard", "config-only"])
+@pytest.mark.parametrize("command", ["import", "validate", "inspect"])
+def test_a_snapshot_whose_download_is_not_finished_says_so(
+    hf_dirs: Path, tmp_path: Path, command: str, left: str
+) -> None:
+    """huggingface_hub downloads a file to ``blobs/<hash>.incomplete`` and links it into the snapshot once complete:
+    until then the file is missing from the snapshot. The hint said a shard was missing ("download or copy the
+    complete model") or, with no weights linked yet, that the folder was a config folder for --model-assets."""
+    snap = hub_snapshot(hf_dirs / "llama", tmp_path / "hub", repo_id="org/tiny-llama")
+    gone = [p for p in sorted(snap.iterdir()) if p.name.startswith("model")]
+    for p in gone[:1] if left == "one-shard" else gone:
+        blob = p.resolve()
+        p.unlink()
+        with open(blob, "r+b") as f:  # a part of it downloaded
+            f.truncate(blob.stat().st_size // 3)
+        blob.rename(blob.with_name(blob.name + ".incomplete"))
+    args = [command, str(snap)] + ([str(tmp_path / "dcp")] if command == "import" else [])
+    out = cli(*args, code=2).replace("\n", "")
+    code = "[E202]" if left == "one-shard" else "[E200]"
+    assert code in out and "hint: a download into the hub cache is not finished (" in out, out
+    assert ".incomplete file(s) in " in out and "let `hf download org/tiny-llama` finish" in out, out
+    assert "--model-assets" not in out and "Traceback" not in out and not (tmp_path / "dcp").exists(), out
+
+
+@pytest.mark.parametrize("command", ["import", "validate", "inspect"])
+def test_a_snapshot_of_two_saves_is_never_advised_to_move_files_in_the_cache(
+    hf_dirs: Path, tmp_path: Path, command: str
+) -> None:
+    """A hub repository may hold model.safetensors beside a sharded index (both uploaded): the refusal's hint said to
+    move one save out of the folder, that is, to edit huggingface_hub's cache. It says to copy the save meant out."""
+    from safetensors.torch import load_file
+
+    src = tmp_path / "src"
+    shutil.copytree(hf_dirs / "llama", src)
+    whole: dict[str, torch.Tensor] = {}
+    for shard in sorted(src.glob("model-*.safetensors")):
+        whole.update(load_file(shard))
+    save_file(whole, str(src / "model.safetensors"), metadata={"format": "pt"})
+    snap = hub_snapshot(src, tmp_path / "hub")
+    before = _tree(tmp_path / "hub")
+    args = [command, str(snap)] + ([str(tmp_path / "dcp")] if command == "import" else [])
+    out = cli(*args, code=2).replace("\n", "")
+    assert "[E200]" in out and "holds both model.safetensors and model.safetensors.index.json" in out, out
+    assert "hint: a Hugging Face hub snapshot, whose files are left in place: copy the save you mean" in out, out
+    assert "`cp -L`" in out and "move" not in out.split("hint:")[1], out
+    assert _tree(tmp_path / "hub") == before and not (tmp_path / "dcp").exists()
+
+
+@pytest.mark.parametrize("command", ["import", "validate", "inspect"])
+def test_a_local_dir_download_not_finished_says_so(hf_dirs: Path, tmp_path: Path, command: str) -> None:
+    """``hf download --local-dir DIR`` writes each file to ``DIR/.cache/huggingface/download/<h>.<etag>.incomplete``
+    (huggingface_hub's own ``get_local_download_paths`` names it) and moves it into place once complete."""
+    from huggingface_hub._local_folder import get_local_download_paths
+
+    local = tmp_path / "local"
+    shutil.copytree(hf_dirs / "llama", local)
+    shard = sorted(local.glob("model-*.safetensors"))[1]
+    paths = get_local_download_paths(local, shard.name)
+    paths.incomplete_path("0" * 40).write_bytes(shard.read_bytes()[:1000])
+    shard.unlink()
+    args = [command, str(local)] + ([str(tmp_path / "dcp")] if command == "import" else [])
+    out = cli(*args, code=2).replace("\n", "")
+    assert "[E202]" in out and f"missing ('{shard.name}'" in out, out
+    assert "hint: a download into this folder is not finished (1 .incomplete file(s) in " in out, out
+    assert "`hf download ... --local-dir`" in out and "Traceback" not in out and not (tmp_path / "dcp").exists()
+
+
+class _Planted:
+    """Unpickling it makes a directory: a file that ran code would show it."""
+
+    def __init__(self, where: Path) -> None:
+        self.where = str(where)
+
+    def __reduce__(self) -> tuple[object, tuple[str]]:
+        return (os.mkdir, (self.where,))
+
+
+@pytest.mark.parametrize("command", ["import", "validate", "inspect"])
+def test_a_hub_repository_of_a_pickled_model_names_its_weights_file_never_loading_it(
+    hf_dirs: Path, tmp_path: Path, command: str
+) -> None:
+    """A repository holding pytorch_model.bin alone, given by its repository folder: inspect/validate (which look below
+    it) said only to pass a dcp.save directory, not what the snapshot holds. Nothing in the file is run."""
+    src = tmp_path / "src"
+    src.mkdir()
+    shutil.copy(hf_dirs / "llama" / "config.json", src / "config.json")
+    ran = tmp_path / "ran"
+    torch.save({"model.norm.weight": torch.ones(4), "x": _Planted(ran)}, src / "pytorch_model.bin")
+    snap = hub_snapshot(src, tmp_path / "hub")
+    args = [command, str(snap.parent.parent)] + ([str(tmp_path / "dcp")] if command == "import" else [])
+    out = cli(*args, code=2).replace("\n", "")
+    assert (
+        "[E200]" in out
+        and str(snap) in out
+        and "pytorch_model.bin is a torch.save file" in out
+        or (command == "import" and "pass its snapshot" in out)
+    ), out
+    assert not ran.exists() and "Traceback" not in out and not (tmp_path / "dcp").exists()
+    out = cli(*args[:1], str(snap), *args[2:], code=2).replace("\n", "")
+    assert "[E200]" in out and "pytorch_model.bin is a torch.save file" in out and not ran.exists(), out
+
+
+@pytest.mark.parametrize("given", ["repository", "cache"])
+@pytest.mark.parametrize("command", ["import", "validate", "inspect"])
+def test_a_hub_repository_whose_main_revision_is_not_in_the_cache_is_not_read_as_an_older_one(
+    hf_dirs: Path, tmp_path: Path, command: str, given: str
+) -> None:
+    """refs/main moved to a new revision whose snapshot is not there yet: validate of the repository folder (or the
+    cache) said OK of the older snapshot, and import's hint named it as "its snapshot"."""
+    snap = hub_snapshot(hf_dirs / "llama", tmp_path / "hub")
+    repo = snap.parent.parent
+    (repo / "refs" / "main").write_text("f" * 40)
+    path = repo if given == "repository" else tmp_path / "hub"
+    args = [command, str(path)] + ([str(tmp_path / "dcp")] if command == "import" else [])
+    out = cli(*args, code=2).replace("\n", "")
+    # (import of a cache root reads nothing: its hint names a folder below)
+    if not (command == "import" and given == "cache"):
+        assert f"its refs/main names revision {'f' * 40}, which has no snapshot in the cache" in out, out
+        assert "run `hf download tiny/llama` to fetch it, or pass the snapshot of the revision you mean" in out, out
+    assert "OK:" not in out and "Traceback" not in out and not (tmp_path / "dcp").exists(), out
+    assert "OK:" in cli("validate", str(snap))  # the older revision given itself is read
+
+
+@pytest.mark.parametrize("command", ["import", "validate", "inspect"])
+def test_a_snapshot_whose_index_blob_is_gone_is_a_missing_file_not_damage(
+    hf_dirs: Path, tmp_path: Path, command: str
+) -> None:
+    """The index's link to a blob gone from the cache was `E200` "not a readable index (FileNotFoundError)", the hint
+    to restore a damaged index; a shard's such link is `E202`, a file missing. So is the index's now."""
+    snap = hub_snapshot(hf_dirs / "llama", tmp_path / "hub")
+    index = snap / "model.safetensors.index.json"
+    index.resolve().unlink()
+    args = [command, str(snap)] + ([str(tmp_path / "dcp")] if command == "import" else [])
+    out = cli(*args, code=2).replace("\n", "")
+    assert "[E202]" in out and f"{index.name}: links to '../../blobs/" in out and "which does not exist" in out, out
+    assert "hint: the file the link points to is missing" in out and "damaged" not in out, out
+    assert "Traceback" not in out and not (tmp_path / "dcp").exists()
+
+
+@pytest.mark.parametrize("gone", ["config.json", "generation_config.json"])
+@pytest.mark.parametrize("command", ["import", "export"])
+def test_a_snapshot_asset_whose_blob_is_gone_is_named_by_its_link(
+    hf_dirs: Path, tmp_path: Path, command: str, gone: str
+) -> None:
+    """`export --model-assets SNAP` with an asset's blob gone from the cache was E999 (FileNotFoundError on the blob);
+    import named the blob path as a damaged config.json."""
+    snap = hub_snapshot(hf_dirs / "llama", tmp_path / "hub")
+    (snap / gone).resolve().unlink()
+    if command == "import":
+        args = ["import", str(snap), str(tmp_path / "out")]
+        if gone != "config.json":  # import copies no asset: it reads config.json alone
+            cli(*args)
+            return
+    else:
+        cli("import", str(hf_dirs / "llama"), str(tmp_path / "dcp"))
+        args = ["export", str(tmp_path / "dcp"), str(tmp_path / "out"), "--model-assets", str(snap)]
+    out = cli(*args, code=2).replace("\n", "")
+    assert f"[E100] {snap / gone}: links to '../../blobs/" in out and "which does not exist" in out, out
+    assert "hint: the file the link points to is missing" in out and "damaged" not in out, out
+    assert "E999" not in out and not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("command", ["import", "validate", "inspect"])
+def test_a_blob_of_the_hub_cache_given_names_the_snapshot(hf_dirs: Path, tmp_path: Path, command: str) -> None:
+    """A blob file given (a path from `du`/`ls` of the cache): the hint said the blobs folder holds no .safetensors
+    file (import) or to pass a dcp.save directory, not the snapshot that names the blob."""
+    snap = hub_snapshot(hf_dirs / "llama", tmp_path / "hub")
+    blob = (snap / "model.safetensors.index.json").resolve()
+    args = [command, str(blob)] + ([str(tmp_path / "dcp")] if command == "import" else [])
+    out = cli(*args, code=2).replace("\n", "")
+    assert (
+        "[E100]" in out
+        and f"hint: the blobs of a Hugging Face hub repository (files named by hash): pass its snapshot, {snap}" in out
+    ), out
+    assert "Traceback" not in out and not (tmp_path / "dcp").exists()

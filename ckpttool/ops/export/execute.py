@@ -39,7 +39,14 @@ from ckpttool.errors import (
 )
 from ckpttool.format import limits
 from ckpttool.format.atomic import signals_deferred
-from ckpttool.format.files import copy_regular, hub_hint, missing_path_hint, read_regular, resolve_inside
+from ckpttool.format.files import (
+    copy_regular,
+    hub_hint,
+    missing_path_hint,
+    read_regular,
+    refuse_link_to_nothing,
+    resolve_inside,
+)
 from ckpttool.format.jsonview import JsonView, json_counted
 from ckpttool.format.metadata import DTYPE_ITEMSIZE, ChunkMeta, TensorMeta
 from ckpttool.format.outputs import check_target, output_location
@@ -250,6 +257,9 @@ def _read_model_config(assets: Path | None) -> dict[str, Any] | None:
             param="model_assets",
             hint=_assets_file_hint(assets, what) if assets.exists() else missing_path_hint(assets, what),
         )
+    if os.path.islink(assets / "config.json"):  # a link out of it: E101 first; a hub blob gone: not "no config"
+        resolve_inside(assets, "config.json", what="`model_assets` file")
+        refuse_link_to_nothing(assets / "config.json", "model_assets")
     if not (assets / "config.json").exists():
         hub = hub_hint(assets)
         if hub is not None:  # the files are in its snapshot: exporting without them would drop config.json silently
@@ -281,7 +291,8 @@ def _asset_files(assets: Path, out_format: OutputFormat) -> list[tuple[str, Path
             continue
         if out_format.skips_asset(name):
             continue
-        target = resolve_inside(assets, name, what="`model_assets` file")
+        target = resolve_inside(assets, name, what="`model_assets` file")  # a link out of it: E101 first
+        refuse_link_to_nothing(p, "model_assets")
         st = target.stat()
         if stat.S_ISDIR(st.st_mode):
             continue
