@@ -476,7 +476,10 @@ def _summary_line(res: DiffResult) -> str:
     parts = [f"{s['differ']:,} differ" if s["differ"] != 1 else "1 differs"]
     if s["within_tolerance"]:
         parts.append(f"{s['within_tolerance']:,} within tolerance")
-    if n_diff:
+    named = next((t.status for t in res.tensors if t.name == s["max_abs_name"]), "equal")
+    if n_diff and named == "equal":  # only tensors without metrics differ (bool): the metrics would name an equal one
+        parts.append("no tensor with a magnitude differs (what differs is listed above)")
+    elif n_diff:
         parts.append(f"max rel L2 {fmt_metric(_f(s['max_rel_l2']))} ({s['max_rel_l2_name']})")
         parts.append(f"max abs {fmt_metric(_f(s['max_abs']))} ({s['max_abs_name']})")
         parts.append(f"min cosine {fmt_cosine(_f(s['min_cosine']))} ({s['min_cosine_name']})")
