@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 __all__ = [
+    "CT_SCALE_SUFFIX",
     "FP8_SCALE_SUFFIX",
     "PACKED_DTYPES",
     "QuantKind",

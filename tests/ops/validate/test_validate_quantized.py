@@ -525,3 +525,51 @@ def test_per_expert_folder_missing_an_expert_fails_as_import_refuses_it(tmp_path
     f = found[0]
     assert f["key"] == f"{p}experts.*.{proj}.weight" and f["error_code"] == "E601", f
     assert f"experts.<j>.{proj}.weight" in f["message"] and f"but the model has 4: missing {j}" in f["message"], f
+
+
+@pytest.mark.parametrize(
+    ("tensors", "config", "why"),
+    [
+        ({"l.weight_scale_inv": torch.ones(2, 3)}, _DS_CONFIG, "a block scale for a missing weight 'l.weight'"),
+        (
+            {"l.weight": torch.ones(4, 4, dtype=torch.bfloat16), "l.weight_scale_inv": torch.ones(1, 1)},
+            _DS_CONFIG,
+            "its weight 'l.weight' is bfloat16, not float8_e4m3fn",
+        ),
+        (
+            {"l.weight_scale": torch.ones(1)},
+            {"quantization_config": {"quant_method": "fp8"}},
+            "an FP8 weight scale for a missing weight 'l.weight'",
+        ),
+        (
+            {"model.layers.0.mlp.experts.down_proj_scale_inv": torch.ones(2, 1, 1)},
+            _DS_CONFIG,
+            "fused expert scales for a missing weight",
+        ),
+    ],
+)
+def test_inspect_names_a_scale_with_no_float8_weight_as_validate_does(
+    tmp_path: Path, tensors: dict[str, torch.Tensor], config: dict[str, Any], why: str
+) -> None:
+    """A scale whose weight is missing or not float8, in a folder with no float8 tensor at all: validate (M020) and
+    import (E612) refuse it; inspect skipped its quantized report on the dtypes alone (``quantized`` null, no line)."""
+    tensors = {**tensors, "m.weight": torch.ones(2, 2)}
+    src = _write_folder(tmp_path / "src", tensors, config)
+    res = runner.invoke(app, ["validate", str(src), "--json"])
+    scale = next(k for k in tensors if "scale" in k)
+    findings = [(f["code"], f["key"]) for f in json.loads(res.stdout)["findings"] if f["code"] == "M020"]
+    assert res.exit_code == 1 and findings == [("M020", scale)], res.stdout
+    res = runner.invoke(app, ["inspect", str(src), "--json"])
+    assert res.exit_code == 0, res.stderr
+    q = json.loads(res.stdout)["quantized"]
+    assert q is not None and q["pairs"] == [] and [p["key"] for p in q["problems"]] == [scale], q
+    assert why in q["problems"][0]["message"], q
+    assert f"not pairing (validate M020/M023): {scale}: " in runner.invoke(app, ["inspect", str(src)]).stdout
+
+
+def test_inspect_of_float_weights_with_scales_and_no_config_reports_nothing_quantized(tmp_path: Path) -> None:
+    """A bfloat16 ``x.weight`` beside an ``x.weight_scale`` with no quantization_config: nothing says it is quantized
+    (import reads both as stored), so inspect has no quantized report for it."""
+    t = {"l.weight": torch.ones(4, 4, dtype=torch.bfloat16), "l.weight_scale": torch.ones(1)}
+    src = _write_folder(tmp_path / "src", t, {"model_type": "llama"})
+    assert json.loads(runner.invoke(app, ["inspect", str(src), "--json"]).stdout)["quantized"] is None
