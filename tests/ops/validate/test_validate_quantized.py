@@ -573,3 +573,67 @@ def test_inspect_of_float_weights_with_scales_and_no_config_reports_nothing_quan
     t = {"l.weight": torch.ones(4, 4, dtype=torch.bfloat16), "l.weight_scale": torch.ones(1)}
     src = _write_folder(tmp_path / "src", t, {"model_type": "llama"})
     assert json.loads(runner.invoke(app, ["inspect", str(src), "--json"]).stdout)["quantized"] is None
+
+
+def _tiny_llama_ct_folder(path: Path, ignore: list[str]) -> tuple[Path, torch.Tensor, torch.Tensor]:
+    """A tiny Llama stored as compressed-tensors FP8 (channel scales) with every Linear quantized, ``lm_head``
+    included; ``ignore`` written into its ``quantization_config``. Returns the folder, lm_head's codes and scale."""
+    from safetensors.torch import save_file
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(
+        hidden_size=40,
+        intermediate_size=8,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        head_dim=20,
+        vocab_size=6,
+        tie_word_embeddings=False,
+    )
+    g = torch.Generator().manual_seed(5)
+    tensors: dict[str, torch.Tensor] = {}
+    for k, v in LlamaForCausalLM(cfg).state_dict().items():
+        if k.endswith("proj.weight") or k == "lm_head.weight":
+            codes = torch.randint(0, 0x70, tuple(v.shape), generator=g, dtype=torch.uint8)
+            tensors[k] = codes.view(torch.float8_e4m3fn)
+            tensors[k + "_scale"] = torch.rand(v.shape[0], 1, generator=g) + 0.1
+        else:
+            tensors[k] = v.detach().clone().contiguous()
+    weights = {"num_bits": 8, "type": "float", "symmetric": True, "dynamic": False, "strategy": "channel"}
+    qc = {
+        "quant_method": "compressed-tensors",
+        "format": "float-quantized",
+        "quantization_status": "compressed",
+        "ignore": ignore,
+        "config_groups": {"group_0": {"targets": ["Linear"], "weights": weights, "format": "float-quantized"}},
+    }
+    path.mkdir(parents=True)
+    save_file(tensors, str(path / "model.safetensors"))
+    (path / "config.json").write_text(json.dumps({**cfg.to_dict(), "quantization_config": qc}))
+    return path, tensors["lm_head.weight"], tensors["lm_head.weight_scale"]
+
+
+@pytest.mark.parametrize("ignore", [["lm_head"], []])
+def test_compressed_tensors_ignore_listing_an_fp8_module(tmp_path: Path, ignore: list[str]) -> None:
+    """compressed-tensors applies no scheme to a module its ``ignore`` names: transformers' default load builds that
+    module unquantized and loads its FP8 codes as its values, the scale unread (its load report: UNEXPECTED
+    ``lm_head.weight_scale``), while ``dequantize=True`` and ``ckpttool import`` scale them. validate said OK; now
+    M027 names it, as under ``quant_method: fp8``. Off the list, both loads scale lm_head and nothing is reported."""
+    from transformers import AutoModelForCausalLM, CompressedTensorsConfig
+
+    src, codes, scale = _tiny_llama_ct_folder(tmp_path / "ct", ignore)
+    dequantized = codes.float() * scale
+    deq = AutoModelForCausalLM.from_pretrained(
+        str(src), quantization_config=CompressedTensorsConfig(dequantize=True), dtype=torch.float32
+    )
+    assert torch.equal(deq.lm_head.weight.detach(), dequantized)
+    head = AutoModelForCausalLM.from_pretrained(str(src), dtype=torch.float32).lm_head
+    res = runner.invoke(app, ["validate", str(src), "--json"])
+    found = [(f["code"], f["key"]) for f in json.loads(res.stdout)["findings"] if f["code"].startswith("M")]
+    if ignore:
+        assert torch.equal(head.weight.detach(), codes.float())  # the codes as values
+        assert res.exit_code == 1 and found == [("M027", "lm_head.weight")], res.stdout
+    else:
+        assert head.weight.dtype == torch.float8_e4m3fn and torch.equal(head.weight_scale.detach(), scale)
+        assert res.exit_code == 0 and found == [], res.stdout
