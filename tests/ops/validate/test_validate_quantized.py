@@ -637,3 +637,35 @@ def test_compressed_tensors_ignore_listing_an_fp8_module(tmp_path: Path, ignore:
     else:
         assert head.weight.dtype == torch.float8_e4m3fn and torch.equal(head.weight_scale.detach(), scale)
         assert res.exit_code == 0 and found == [], res.stdout
+
+
+@pytest.mark.parametrize("top", ["mixed-precision", None])
+def test_compressed_tensors_format_given_by_its_config_group(tmp_path: Path, top: str | None) -> None:
+    """compressed-tensors compresses each module by its config group's ``format``; the top-level ``format`` is a
+    summary (``mixed-precision`` where groups differ) or absent. Every group ``float-quantized`` under such a top level:
+    transformers' ``dequantize=True`` load scales the FP8 weights (``q * scale``), while import refused the folder
+    (E612 "format 'mixed-precision', not float-quantized") and validate reported M020. Now both read it: the import
+    equals transformers' dequantization bit for bit."""
+    from transformers import AutoModelForCausalLM, CompressedTensorsConfig
+
+    src, _, _ = _tiny_llama_ct_folder(tmp_path / "ct", [])
+    cfg = json.loads((src / "config.json").read_text())
+    cfg["quantization_config"].pop("format")
+    if top is not None:
+        cfg["quantization_config"]["format"] = top
+    (src / "config.json").write_text(json.dumps(cfg))
+    ref = AutoModelForCausalLM.from_pretrained(
+        str(src), quantization_config=CompressedTensorsConfig(dequantize=True), dtype=torch.float32
+    ).state_dict()
+    res = runner.invoke(app, ["validate", str(src), "--deep", "--json"])
+    assert res.exit_code == 0 and [f for f in json.loads(res.stdout)["findings"] if f["code"][0] == "M"] == []
+    res = runner.invoke(app, ["import", str(src), str(tmp_path / "dcp"), "--dtype", "float32", "--json"])
+    assert res.exit_code == 0, res.stderr
+    assert json.loads(res.stdout)["dequantized"]["kinds"] == {"fp8-compressed-tensors": 8}
+    md = dcp.FileSystemReader(str(tmp_path / "dcp")).read_metadata()
+    ours = {k: torch.empty(v.size, dtype=v.properties.dtype) for k, v in md.state_dict_metadata.items()}
+    dcp.load(ours, checkpoint_id=str(tmp_path / "dcp"), no_dist=True)
+    quantized = [k for k in ref if k.endswith("proj.weight") or k == "lm_head.weight"]
+    assert len(quantized) == 8
+    for k in quantized:
+        assert torch.equal(ours["model." + k], ref[k].float()), k
