@@ -64,6 +64,17 @@ _bad = Refusal(
 )
 
 
+#: safetensors dtype tags (``safetensors/src/tensor.rs`` ``Dtype``) that ckpttool does not read: a file holding them is
+#: valid, not damaged (AMD's FNUZ FP8, the sub-byte FP4/FP6 of MX formats).
+_UNREAD_TAGS = {
+    "F8_E4M3FNUZ": "float8_e4m3fnuz",
+    "F8_E5M2FNUZ": "float8_e5m2fnuz",
+    "F4": "4-bit float",
+    "F6_E2M3": "6-bit float",
+    "F6_E3M2": "6-bit float",
+}
+
+
 _HEADER_WORDS = {
     "short": "{size} bytes, shorter than the 8-byte header length",
     "too_long": "header length {length} exceeds the file ({size} bytes) or {cap} bytes",
@@ -591,6 +602,13 @@ def _tensor_entry(p: Path, key: str, rec: Any, data_len: int) -> tuple[str, tupl
         raise _bad(p, f"entry {key!r:.80} is not an object")
     tag = rec.get("dtype")
     dtype = SAFETENSORS_TAGS.get(tag) if isinstance(tag, str) else None
+    if dtype is None and tag in _UNREAD_TAGS:
+        raise MetadataError(
+            f"{p}: {key!r:.80} has safetensors dtype {tag} ({_UNREAD_TAGS[tag]}), which ckpttool does not read",
+            path=p,
+            hint="the file is valid safetensors: convert the model's tensors to a dtype ckpttool reads (float8_e4m3fn "
+            "with its scales, bfloat16, float32) with the library that quantized it, then run again",
+        )
     if dtype is None:
         raise _bad(p, f"{key!r:.80} has dtype {rec.get('dtype')!r:.20} unknown to ckpttool")
     shape = _int_list(rec.get("shape"))

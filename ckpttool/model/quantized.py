@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 __all__ = [
+    "CT_SCALE_SUFFIX",
     "FP8_SCALE_SUFFIX",
     "PACKED_DTYPES",
     "QuantKind",
@@ -405,6 +406,20 @@ def _ct_weights_block(w: Any) -> tuple[int, int] | None:
     return {"channel": (1, WHOLE_ROW), "tensor": _PER_TENSOR}.get(strategy)
 
 
+def _ct_format(qc: Mapping[str, Any]) -> Any:
+    """The compression format of a compressed-tensors ``quantization_config``'s weights: each config group's own
+    ``format`` where it gives one (compressed-tensors 0.12+ compresses each module by its scheme's format; the
+    top-level ``format`` is then a summary, ``mixed-precision`` where groups differ), else the top-level one. One
+    format for every group, else the top-level ``format`` (which names no one of them)."""
+    groups = qc.get("config_groups")
+    top = qc.get("format")
+    found = {
+        (g.get("format") or top) if isinstance(g, dict) else top
+        for g in (groups.values() if isinstance(groups, dict) else ())
+    }
+    return found.pop() if len(found) == 1 else top
+
+
 def compressed_tensors_fp8(
     tensors: Mapping[str, tuple[str, tuple[int, ...]]], config: Mapping[str, Any] | None
 ) -> tuple[list[QuantPair], list[tuple[str, str]]]:
@@ -438,8 +453,8 @@ def compressed_tensors_fp8(
         want = None if block is None or len(ws) != 2 else list(scale_grid(tuple(ws), block))
         if len(ws) != 2:
             problems.append((skey, f"{skey}: its weight {key!r} is {list(ws)}, not 2-D ([out, in], a linear weight)"))
-        elif qc.get("format") != "float-quantized":
-            why = f"config.json quantization_config is compressed-tensors format {str(qc.get('format'))[:40]!r}, "
+        elif _ct_format(qc) != "float-quantized":
+            why = f"config.json quantization_config is compressed-tensors format {str(_ct_format(qc))[:40]!r}, "
             problems.append((skey, f"{skey}: {why}not float-quantized (FP8 weights times their scale)"))
         elif block is None:
             problems.append(

@@ -878,7 +878,10 @@ def _quantized(ckpt: Checkpoint, cat: Catalog) -> dict[str, Any] | None:
     ``packed`` (only when there are some): ``{"weight", "method"}`` of each integer-packed weight
     (:func:`~ckpttool.model.quantized.packed_integer_weights`: AWQ/GPTQ, bitsandbytes, compressed-tensors packed or
     int), whose stored integers are codes, not values."""
+    from itertools import repeat
+
     from ckpttool.model.quantized import (
+        CT_SCALE_SUFFIX,
         FP8_SCALE_SUFFIX,
         PACKED_DTYPES,
         block_size,
@@ -891,11 +894,13 @@ def _quantized(ckpt: Checkpoint, cat: Catalog) -> dict[str, Any] | None:
     )
 
     dtypes = {*map(_dtype, cat.model.values())}
-    if dtypes.isdisjoint(("float8_e4m3fn", "float8_e5m2", "float8_e8m0fnu", *PACKED_DTYPES)):
-        return None  # the dtypes first, in C: no row per tensor for a checkpoint without quantized weights
+    # an FP8 scale's name: a scale beside no float8 weight (its weight missing or not float8) does not pair either
+    scales = any(map(str.endswith, cat.model, repeat((FP8_SCALE_SUFFIX, ".weight" + CT_SCALE_SUFFIX))))
+    if not scales and dtypes.isdisjoint(("float8_e4m3fn", "float8_e5m2", "float8_e8m0fnu", *PACKED_DTYPES)):
+        return None  # the dtypes and names first, in C: no row per tensor for a checkpoint without quantized weights
     tensors = {k: (t.dtype, tuple(t.shape)) for k, t in cat.model.items()}
     packed = [{"weight": k, "method": m} for k, m in packed_integer_weights(tensors)]
-    if not packed and dtypes.isdisjoint(("float8_e4m3fn", "float8_e5m2", "uint8", "float8_e8m0fnu")):
+    if not (packed or scales) and dtypes.isdisjoint(("float8_e4m3fn", "float8_e5m2", "uint8", "float8_e8m0fnu")):
         return None  # integer tensors that are no packed weights (position ids, counters): no config read for them
     config = None
     cfg = os.path.join(ckpt.located.model, "config.json")

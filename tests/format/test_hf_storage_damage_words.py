@@ -160,3 +160,26 @@ def test_overlapping_shards_of_torchs_writer_name_the_files_not_metadata(tmp_pat
             "save): copy the checkpoint again or use an earlier one",
         ], res.stderr
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("dtype", ["float8_e4m3fnuz", "float8_e5m2fnuz"])
+def test_a_valid_file_of_a_dtype_ckpttool_does_not_read_is_not_called_damaged(tmp_path: Path, dtype: str) -> None:
+    """safetensors' own ``save_file`` writes AMD's FNUZ FP8 (tags ``F8_E4M3FNUZ`` / ``F8_E5M2FNUZ``; ``safe_open``
+    reads it back). Every command called the file "not a valid safetensors file" with the hint "the file is damaged or
+    was not written by safetensors": now E200 names the tensor and the dtype ckpttool does not read, the file valid."""
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    src = tmp_path / "fnuz"
+    src.mkdir()
+    w = torch.arange(12, dtype=torch.uint8).reshape(3, 4).view(getattr(torch, dtype))
+    save_file({"l.weight": w, "l.weight_scale_inv": torch.ones(1, 1)}, str(src / "model.safetensors"))
+    with safe_open(str(src / "model.safetensors"), "pt") as h:  # the writer's own reader takes it
+        assert torch.equal(h.get_tensor("l.weight").view(torch.uint8), w.view(torch.uint8))
+    for args in (["inspect", str(src)], ["import", str(src), str(tmp_path / "out")], ["validate", str(src)]):
+        res = runner.invoke(app, args, terminal_width=400)
+        text = res.stdout + res.stderr
+        assert res.exit_code in (1, 2) and "Traceback" not in text, text
+        assert "'l.weight' has safetensors dtype F8_E" in text and f"({dtype}), which ckpttool does not read" in text
+        assert "damaged" not in text and "not a valid safetensors file" not in text, text
+    assert not (tmp_path / "out").exists()

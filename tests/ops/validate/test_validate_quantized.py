@@ -525,3 +525,147 @@ def test_per_expert_folder_missing_an_expert_fails_as_import_refuses_it(tmp_path
     f = found[0]
     assert f["key"] == f"{p}experts.*.{proj}.weight" and f["error_code"] == "E601", f
     assert f"experts.<j>.{proj}.weight" in f["message"] and f"but the model has 4: missing {j}" in f["message"], f
+
+
+@pytest.mark.parametrize(
+    ("tensors", "config", "why"),
+    [
+        ({"l.weight_scale_inv": torch.ones(2, 3)}, _DS_CONFIG, "a block scale for a missing weight 'l.weight'"),
+        (
+            {"l.weight": torch.ones(4, 4, dtype=torch.bfloat16), "l.weight_scale_inv": torch.ones(1, 1)},
+            _DS_CONFIG,
+            "its weight 'l.weight' is bfloat16, not float8_e4m3fn",
+        ),
+        (
+            {"l.weight_scale": torch.ones(1)},
+            {"quantization_config": {"quant_method": "fp8"}},
+            "an FP8 weight scale for a missing weight 'l.weight'",
+        ),
+        (
+            {"model.layers.0.mlp.experts.down_proj_scale_inv": torch.ones(2, 1, 1)},
+            _DS_CONFIG,
+            "fused expert scales for a missing weight",
+        ),
+    ],
+)
+def test_inspect_names_a_scale_with_no_float8_weight_as_validate_does(
+    tmp_path: Path, tensors: dict[str, torch.Tensor], config: dict[str, Any], why: str
+) -> None:
+    """A scale whose weight is missing or not float8, in a folder with no float8 tensor at all: validate (M020) and
+    import (E612) refuse it; inspect skipped its quantized report on the dtypes alone (``quantized`` null, no line)."""
+    tensors = {**tensors, "m.weight": torch.ones(2, 2)}
+    src = _write_folder(tmp_path / "src", tensors, config)
+    res = runner.invoke(app, ["validate", str(src), "--json"])
+    scale = next(k for k in tensors if "scale" in k)
+    findings = [(f["code"], f["key"]) for f in json.loads(res.stdout)["findings"] if f["code"] == "M020"]
+    assert res.exit_code == 1 and findings == [("M020", scale)], res.stdout
+    res = runner.invoke(app, ["inspect", str(src), "--json"])
+    assert res.exit_code == 0, res.stderr
+    q = json.loads(res.stdout)["quantized"]
+    assert q is not None and q["pairs"] == [] and [p["key"] for p in q["problems"]] == [scale], q
+    assert why in q["problems"][0]["message"], q
+    assert f"not pairing (validate M020/M023): {scale}: " in runner.invoke(app, ["inspect", str(src)]).stdout
+
+
+def test_inspect_of_float_weights_with_scales_and_no_config_reports_nothing_quantized(tmp_path: Path) -> None:
+    """A bfloat16 ``x.weight`` beside an ``x.weight_scale`` with no quantization_config: nothing says it is quantized
+    (import reads both as stored), so inspect has no quantized report for it."""
+    t = {"l.weight": torch.ones(4, 4, dtype=torch.bfloat16), "l.weight_scale": torch.ones(1)}
+    src = _write_folder(tmp_path / "src", t, {"model_type": "llama"})
+    assert json.loads(runner.invoke(app, ["inspect", str(src), "--json"]).stdout)["quantized"] is None
+
+
+def _tiny_llama_ct_folder(path: Path, ignore: list[str]) -> tuple[Path, torch.Tensor, torch.Tensor]:
+    """A tiny Llama stored as compressed-tensors FP8 (channel scales) with every Linear quantized, ``lm_head``
+    included; ``ignore`` written into its ``quantization_config``. Returns the folder, lm_head's codes and scale."""
+    from safetensors.torch import save_file
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(
+        hidden_size=40,
+        intermediate_size=8,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        head_dim=20,
+        vocab_size=6,
+        tie_word_embeddings=False,
+    )
+    g = torch.Generator().manual_seed(5)
+    tensors: dict[str, torch.Tensor] = {}
+    for k, v in LlamaForCausalLM(cfg).state_dict().items():
+        if k.endswith("proj.weight") or k == "lm_head.weight":
+            codes = torch.randint(0, 0x70, tuple(v.shape), generator=g, dtype=torch.uint8)
+            tensors[k] = codes.view(torch.float8_e4m3fn)
+            tensors[k + "_scale"] = torch.rand(v.shape[0], 1, generator=g) + 0.1
+        else:
+            tensors[k] = v.detach().clone().contiguous()
+    weights = {"num_bits": 8, "type": "float", "symmetric": True, "dynamic": False, "strategy": "channel"}
+    qc = {
+        "quant_method": "compressed-tensors",
+        "format": "float-quantized",
+        "quantization_status": "compressed",
+        "ignore": ignore,
+        "config_groups": {"group_0": {"targets": ["Linear"], "weights": weights, "format": "float-quantized"}},
+    }
+    path.mkdir(parents=True)
+    save_file(tensors, str(path / "model.safetensors"))
+    (path / "config.json").write_text(json.dumps({**cfg.to_dict(), "quantization_config": qc}))
+    return path, tensors["lm_head.weight"], tensors["lm_head.weight_scale"]
+
+
+@pytest.mark.parametrize("ignore", [["lm_head"], []])
+def test_compressed_tensors_ignore_listing_an_fp8_module(tmp_path: Path, ignore: list[str]) -> None:
+    """compressed-tensors applies no scheme to a module its ``ignore`` names: transformers' default load builds that
+    module unquantized and loads its FP8 codes as its values, the scale unread (its load report: UNEXPECTED
+    ``lm_head.weight_scale``), while ``dequantize=True`` and ``ckpttool import`` scale them. validate said OK; now
+    M027 names it, as under ``quant_method: fp8``. Off the list, both loads scale lm_head and nothing is reported."""
+    from transformers import AutoModelForCausalLM, CompressedTensorsConfig
+
+    src, codes, scale = _tiny_llama_ct_folder(tmp_path / "ct", ignore)
+    dequantized = codes.float() * scale
+    deq = AutoModelForCausalLM.from_pretrained(
+        str(src), quantization_config=CompressedTensorsConfig(dequantize=True), dtype=torch.float32
+    )
+    assert torch.equal(deq.lm_head.weight.detach(), dequantized)
+    head = AutoModelForCausalLM.from_pretrained(str(src), dtype=torch.float32).lm_head
+    res = runner.invoke(app, ["validate", str(src), "--json"])
+    found = [(f["code"], f["key"]) for f in json.loads(res.stdout)["findings"] if f["code"].startswith("M")]
+    if ignore:
+        assert torch.equal(head.weight.detach(), codes.float())  # the codes as values
+        assert res.exit_code == 1 and found == [("M027", "lm_head.weight")], res.stdout
+    else:
+        assert head.weight.dtype == torch.float8_e4m3fn and torch.equal(head.weight_scale.detach(), scale)
+        assert res.exit_code == 0 and found == [], res.stdout
+
+
+@pytest.mark.parametrize("top", ["mixed-precision", None])
+def test_compressed_tensors_format_given_by_its_config_group(tmp_path: Path, top: str | None) -> None:
+    """compressed-tensors compresses each module by its config group's ``format``; the top-level ``format`` is a
+    summary (``mixed-precision`` where groups differ) or absent. Every group ``float-quantized`` under such a top level:
+    transformers' ``dequantize=True`` load scales the FP8 weights (``q * scale``), while import refused the folder
+    (E612 "format 'mixed-precision', not float-quantized") and validate reported M020. Now both read it: the import
+    equals transformers' dequantization bit for bit."""
+    from transformers import AutoModelForCausalLM, CompressedTensorsConfig
+
+    src, _, _ = _tiny_llama_ct_folder(tmp_path / "ct", [])
+    cfg = json.loads((src / "config.json").read_text())
+    cfg["quantization_config"].pop("format")
+    if top is not None:
+        cfg["quantization_config"]["format"] = top
+    (src / "config.json").write_text(json.dumps(cfg))
+    ref = AutoModelForCausalLM.from_pretrained(
+        str(src), quantization_config=CompressedTensorsConfig(dequantize=True), dtype=torch.float32
+    ).state_dict()
+    res = runner.invoke(app, ["validate", str(src), "--deep", "--json"])
+    assert res.exit_code == 0 and [f for f in json.loads(res.stdout)["findings"] if f["code"][0] == "M"] == []
+    res = runner.invoke(app, ["import", str(src), str(tmp_path / "dcp"), "--dtype", "float32", "--json"])
+    assert res.exit_code == 0, res.stderr
+    assert json.loads(res.stdout)["dequantized"]["kinds"] == {"fp8-compressed-tensors": 8}
+    md = dcp.FileSystemReader(str(tmp_path / "dcp")).read_metadata()
+    ours = {k: torch.empty(v.size, dtype=v.properties.dtype) for k, v in md.state_dict_metadata.items()}
+    dcp.load(ours, checkpoint_id=str(tmp_path / "dcp"), no_dist=True)
+    quantized = [k for k in ref if k.endswith("proj.weight") or k == "lm_head.weight"]
+    assert len(quantized) == 8
+    for k in quantized:
+        assert torch.equal(ours["model." + k], ref[k].float()), k

@@ -278,13 +278,37 @@ def _kept_by(module: str, patterns: Any) -> str | None:
     return None
 
 
+def _ct_ignored(ctx: Context, qc: dict[str, Any]) -> Iterator[tuple[str, str]]:
+    """FP8 weights with their ``x.weight_scale`` whose module a compressed-tensors config's ``ignore`` names exactly
+    (compressed-tensors' ``match_name`` of a plain entry: the whole module name; ``re:`` entries are not evaluated, an
+    untrusted config's pattern): no quantization scheme is applied to that module, so transformers' default load
+    builds it unquantized (``nn.Linear``), loads the FP8 codes as its values and leaves the scale unread (its
+    ``dequantize=True`` load and ``import`` scale them: the readers disagree)."""
+    ignore = qc.get("ignore")
+    names = {e for e in ignore if isinstance(e, str)} if isinstance(ignore, list) else set()
+    if not names:
+        return
+    for p in _pairs(ctx)[0]:
+        module = ctx.cat.fqn_of(p.weight).removesuffix(".weight")
+        if p.kind == "fp8-compressed-tensors" and module in names:
+            yield (
+                p.weight,
+                f"{p.weight} is stored FP8 with its scale {p.scale!r}, but quantization_config.ignore entry "
+                f"{module!r} leaves that module unquantized: transformers' compressed-tensors load builds it unquantized, "
+                "reads its FP8 codes as values and leaves the scale unread",
+            )
+
+
 @rule("M027")
 def fp8_weights_listed_unconverted(ctx: Context) -> Iterator[tuple[str, str]]:
-    """FP8 weights (with their scales) whose module a ``quant_method: fp8`` config lists as not converted: its
-    readers build that module unquantized (``nn.Linear``), load the FP8 codes into it as values and leave the scale
-    unread. One finding a weight."""
+    """FP8 weights (with their scales) whose module a ``quant_method: fp8`` config lists as not converted, or a
+    compressed-tensors config's ``ignore`` names: its readers build that module unquantized (``nn.Linear``), load the
+    FP8 codes into it as values and leave the scale unread. One finding a weight."""
     cfg = ctx.quant_config
     qc = cfg.get("quantization_config") if isinstance(cfg, dict) else None
+    if isinstance(qc, dict) and qc.get("quant_method") == "compressed-tensors":
+        yield from _ct_ignored(ctx, qc)
+        return
     if not isinstance(qc, dict) or qc.get("quant_method") != "fp8":
         return
     pairs, _ = _pairs(ctx)
