@@ -193,17 +193,28 @@ class Context:
         if self.config is not None and "quantization_config" in self.config:
             return self.config
         if self._own_config is None:  # read once: the rules ask for it per scale tensor
-            try:
-                own = self.ckpt.own_hf_config()
-            except CkptError as e:
-                own = None
-                if self.config is None:  # a --config given: the own config.json is not needed
-                    self._own_config_error = e
+            own, error = self.own_hf_config
+            if error is not None and self.config is None:  # a --config given: the own config.json is not needed
+                self._own_config_error = error
             if self.config is not None:
                 qc = own.get("quantization_config") if isinstance(own, dict) else None
                 own = self.config if qc is None else {**self.config, "quantization_config": qc}
             self._own_config = (own,)
         return self._own_config[0]
+
+    @property
+    def own_hf_config(self) -> tuple[dict[str, Any] | None, CkptError | None]:
+        """The checkpoint's own ``config.json`` (:meth:`~ckpttool.model.checkpoint.Checkpoint.own_hf_config`, read
+        once) and why it could not be read: ``(config or None, None)`` or ``(None, error)``."""
+
+        def read() -> tuple[dict[str, Any] | None, CkptError | None]:
+            try:
+                return self.ckpt.own_hf_config(), None
+            except CkptError as e:
+                return None, e
+
+        got: tuple[dict[str, Any] | None, CkptError | None] = self.once("own_hf_config", read)
+        return got
 
     @property
     def own_config_error(self) -> CkptError | None:

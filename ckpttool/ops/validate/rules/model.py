@@ -17,7 +17,6 @@ from collections.abc import Collection, Iterator
 from dataclasses import dataclass
 from typing import Any
 
-from ckpttool.errors import CkptError
 from ckpttool.model.hfconfig import config_value, tie_word_embeddings, tied_embedding_key
 from ckpttool.ops.validate.base import RuleSkipped, rule
 from ckpttool.ops.validate.context import Context
@@ -192,14 +191,13 @@ def per_expert_incomplete(ctx: Context) -> Iterator[tuple[str, str]]:
 @rule("M028")
 def hf_config_unreadable(ctx: Context) -> Iterator[tuple[str, str]]:
     """A Hugging Face safetensors folder's own ``config.json`` that cannot be read as a config
-    (:meth:`~ckpttool.model.checkpoint.Checkpoint.own_hf_config` raises): ``from_pretrained`` reads it before any
+    (:attr:`Context.own_hf_config`): ``from_pretrained`` reads it before any
     weight and fails. No finding without one (a folder of weights alone), or for a DCP checkpoint."""
     if ctx.ckpt.metadata.serialization != "safetensors":
         return
-    try:
-        ctx.ckpt.own_hf_config()
-    except CkptError as e:
-        yield "config.json", e.message
+    error = ctx.own_hf_config[1]
+    if error is not None:
+        yield "config.json", error.message
 
 
 @rule("M003")
