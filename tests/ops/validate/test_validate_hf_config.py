@@ -95,3 +95,36 @@ def test_weights_without_config_and_dcp_folders_are_not_judged(tmp_path: Path, l
     (ckpt / "config.json").write_text("{not json")  # a DCP folder's file of its own: not an HF config
     code, found = _validate(ckpt)
     assert not [f for f in found if f["code"] == "M028"], found
+
+
+def test_configs_from_pretrained_reads_are_not_judged(tmp_path: Path, llama: Path) -> None:
+    """No ``M028`` where ``from_pretrained`` reads the config: the ``Infinity``/``NaN`` literals ``save_pretrained``
+    writes for a non-finite float (``json.dumps``), a key given twice (the last wins), and a hub snapshot's
+    subfolder whose ``config.json`` links to the repository's blob (``../../../blobs/<sha256>``)."""
+    import hashlib
+
+    cfg = transformers.AutoConfig.from_pretrained(llama)
+    cfg.final_logit_softcapping, cfg.attention_temperature = float("inf"), float("nan")
+    nonfinite = tmp_path / "nonfinite"
+    shutil.copytree(llama, nonfinite)
+    cfg.save_pretrained(nonfinite)
+    text = (nonfinite / "config.json").read_text()
+    assert "Infinity" in text and "NaN" in text
+    twice = tmp_path / "twice"
+    shutil.copytree(llama, twice)
+    (twice / "config.json").write_text(text.rstrip().rstrip("}") + ', "model_type": "llama"}')
+    repo = tmp_path / "hub" / "models--tiny--sub"
+    rev = "0123456789abcdef0123456789abcdef01234567"
+    sub = repo / "snapshots" / rev / "model"
+    sub.mkdir(parents=True)
+    (repo / "blobs").mkdir()
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text(rev)
+    for f in sorted(llama.iterdir()):
+        digest = hashlib.sha256(f.read_bytes()).hexdigest()
+        shutil.copyfile(f, repo / "blobs" / digest)
+        os.symlink(f"../../../blobs/{digest}", sub / f.name)
+    for folder in (nonfinite, twice, sub):
+        assert transformers.AutoConfig.from_pretrained(folder).model_type == "llama"  # the reference reads it
+        code, found = _validate(folder)
+        assert code == 0 and not [f for f in found if f["code"] == "M028"], (folder, found)
