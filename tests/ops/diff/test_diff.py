@@ -565,6 +565,25 @@ def test_a_complex_element_is_within_the_tolerance_by_its_modulus_as_torch_isclo
         assert t["mismatched"] == (0 if close else 1) and abs(t["max_abs"] - modulus) < 1e-12, t
 
 
+def test_a_complex_element_with_an_infinite_part_is_within_only_when_equal_as_torch_isclose(tmp_path: Path) -> None:
+    # inf+0j against inf+1j: |b| is inf, so atol + rtol*|b| let the imaginary parts 1 apart compare "within
+    # tolerance" (exit 0); torch.isclose / numpy.isclose take a non-finite element as close only when equal
+    import torch
+    import torch.distributed.checkpoint as dcp
+
+    inf = float("inf")
+    b = torch.tensor([complex(inf, 1), complex(1, inf), complex(inf, 0), 1 + 1j], dtype=torch.complex64)
+    a = torch.tensor([complex(inf, 0), complex(1, -inf), complex(inf, 0), 1 + 1j], dtype=torch.complex64)
+    for name, t in (("a", a), ("b", b)):
+        dcp.save({"model": {"freqs_cis": t}}, checkpoint_id=str(tmp_path / name), no_dist=True)
+    close = torch.isclose(a, b, rtol=1e-5, atol=1e-8)
+    assert close.tolist() == [False, False, True, True]
+    res = runner.invoke(app, ["diff", str(tmp_path / "a"), str(tmp_path / "b"), "--json", "--rtol", "1e-5"])
+    assert res.exit_code == 1, res.stdout
+    (t,) = json.loads(res.stdout)["tensors"]
+    assert t["mismatched"] == int((~close).sum()) and t["status"] == "differ", t
+
+
 def test_what_optimizer_against_a_safetensors_side_is_refused_not_equal(dense_ckpt: Path, tmp_path: Path) -> None:
     # it compared the model tensors and said "equal" although only the optimizer was asked for
     export_checkpoint(dense_ckpt, tmp_path / "hf", ExportOptions())
