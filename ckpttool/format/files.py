@@ -223,9 +223,9 @@ def hub_snapshot(repo: Path) -> Path | None:
 
 def _main_revision(repo: Path) -> str:
     """The revision ``repo/refs/main`` names (``""``: none, or not a plain name)."""
-    try:
-        rev = read_regular(repo / "refs" / "main", 256).decode("ascii").strip()
-    except (OSError, CkptError, UnicodeDecodeError):
+    try:  # huggingface_hub writes it as a file of the repository folder: a link out of it is not followed
+        rev = read_regular(resolve_inside(repo, "refs/main", what="refs/main"), 256).decode("ascii").strip()
+    except (OSError, RuntimeError, CkptError, UnicodeDecodeError):
         return ""
     return rev if "/" not in rev and rev not in (".", "..") and "\0" not in rev else ""
 

@@ -500,6 +500,23 @@ def test_a_hub_repository_whose_main_revision_is_not_in_the_cache_is_not_read_as
     assert "OK:" in cli("validate", str(snap))  # the older revision given itself is read
 
 
+@pytest.mark.parametrize("command", ["validate", "inspect"])
+def test_a_refs_main_linked_out_of_the_repository_is_not_read(hf_dirs: Path, tmp_path: Path, command: str) -> None:
+    """refs/main a symlink to a file outside the hub repository folder: its content was read and shown in the hint
+    ("its refs/main names revision <the file's first 64 bytes>"), a read outside the checkpoint. It is not followed:
+    the folder is read as one without refs/main (its only snapshot), as before refs/main was checked."""
+    snap = hub_snapshot(hf_dirs / "llama", tmp_path / "hub")
+    repo = snap.parent.parent
+    secret = tmp_path / "elsewhere" / "token"
+    secret.parent.mkdir()
+    secret.write_text("hf_SECRETTOKEN")
+    (repo / "refs" / "main").unlink()
+    os.symlink(secret, repo / "refs" / "main")
+    res = runner.invoke(app, [command, str(repo)])
+    assert "SECRETTOKEN" not in res.output and "Traceback" not in res.output, res.output
+    assert res.exit_code == 0 and str(snap.name) in res.output.replace("\n", ""), res.output
+
+
 @pytest.mark.parametrize("command", ["import", "validate", "inspect"])
 def test_a_snapshot_whose_index_blob_is_gone_is_a_missing_file_not_damage(
     hf_dirs: Path, tmp_path: Path, command: str
