@@ -169,9 +169,11 @@ def hub_unfinished_download(directory: Path) -> str | None:
     except (OSError, RuntimeError):
         return None
     staging = blobs if blobs is not None else directory / ".cache" / "huggingface" / "download"
+    base, rel = (blobs.parent, "blobs") if blobs is not None else (directory, ".cache/huggingface/download")
     try:
+        resolve_inside(base, rel, what="download folder")  # a link out of the folder is not listed
         unfinished = sum(1 for e in os.scandir(staging) if e.name.endswith(".incomplete"))
-    except OSError:
+    except (OSError, RuntimeError, CkptError):
         return None
     if not unfinished:
         return None

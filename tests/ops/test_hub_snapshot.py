@@ -444,6 +444,23 @@ def test_a_local_dir_download_not_finished_says_so(hf_dirs: Path, tmp_path: Path
     assert "`hf download ... --local-dir`" in out and "Traceback" not in out and not (tmp_path / "dcp").exists()
 
 
+def test_a_local_dir_download_folder_linked_out_is_not_listed(hf_dirs: Path, tmp_path: Path) -> None:
+    """``DIR/.cache/huggingface/download`` a symlink to a folder elsewhere: its ``*.incomplete`` files were counted
+    (a listing outside the folder given) and the hint said a download into this folder was not finished."""
+    local = tmp_path / "local"
+    shutil.copytree(hf_dirs / "llama", local)
+    shard = sorted(local.glob("model-*.safetensors"))[1]
+    shard.unlink()
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    (elsewhere / "other.incomplete").write_bytes(b"")
+    (local / ".cache" / "huggingface").mkdir(parents=True)
+    os.symlink(elsewhere, local / ".cache" / "huggingface" / "download")
+    out = cli("validate", str(local), code=2).replace("\n", "")
+    assert "[E202]" in out and f"missing ('{shard.name}'" in out and "not finished" not in out, out
+    assert "hint: a shard file is missing" in out and "Traceback" not in out, out
+
+
 class _Planted:
     """Unpickling it makes a directory: a file that ran code would show it."""
 
