@@ -153,9 +153,18 @@ def hub_repository(path: Path) -> Path | None:
     except (OSError, RuntimeError):  # a symlink loop: judged by its names
         p = p.joinpath(*tail)
     for d in (p, *p.parents):
-        if d.name.startswith(_HUB_REPOS) and ((d / "snapshots").is_dir() or (d / "blobs").is_dir()):
+        if d.name.startswith(_HUB_REPOS) and (_probe_dir(d / "snapshots") or _probe_dir(d / "blobs")):
             return d
     return None
+
+
+def _probe_dir(p: Path) -> bool:
+    """``p`` is a directory; ``False`` where it cannot be looked at (a name over 255 bytes, a folder this user may
+    not search): the caller's own open then names the path given, not ``p``."""
+    try:
+        return p.is_dir()
+    except OSError:
+        return False
 
 
 def hub_unfinished_download(directory: Path) -> str | None:
@@ -257,7 +266,8 @@ def hub_hint(directory: Path) -> str | None:
         if main is not None:  # the snapshots there are other revisions than the model's main
             kind, _, name = directory.name.partition("--")
             fetch = f"`hf download {name.replace('--', '/', 1)}`" if kind == "models" else "its download"
-            listed = f", or pass the snapshot of the revision you mean, {', '.join(revs[:3])}" if revs else ""
+            more = f", ... ({len(revs)} in all)" if len(revs) > 3 else ""
+            listed = f", or pass the snapshot of the revision you mean, {', '.join(revs[:3])}{more}" if revs else ""
             return (
                 f"its refs/main names revision {main[:64]}, which has no snapshot in the cache (a download not "
                 f"finished, or the snapshot removed): run {fetch} to fetch it{listed}"

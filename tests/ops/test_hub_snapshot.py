@@ -461,6 +461,25 @@ def test_a_local_dir_download_folder_linked_out_is_not_listed(hf_dirs: Path, tmp
     assert "hint: a shard file is missing" in out and "Traceback" not in out, out
 
 
+def test_a_main_revision_not_in_the_cache_says_how_many_snapshots_there_are(hf_dirs: Path, tmp_path: Path) -> None:
+    """The hint listed the first 3 of the repository's other snapshots as if they were all of them."""
+    snap = hub_snapshot(hf_dirs / "llama", tmp_path / "hub")
+    repo = snap.parent.parent
+    for i in range(4):
+        (repo / "snapshots" / f"{i:040x}").mkdir()
+    (repo / "refs" / "main").write_text("f" * 40)
+    out = cli("inspect", str(repo), code=2).replace("\n", "")
+    assert "or pass the snapshot of the revision you mean, " in out and ", ... (5 in all)" in out, out
+
+
+def test_an_output_name_too_long_below_a_models_folder_name_is_named_as_given(hf_dirs: Path, tmp_path: Path) -> None:
+    """An output folder named models--<300 bytes>: the hub cache check looked at OUT/snapshots, and the error named
+    that path (`OUT/snapshots: File name too long`), one the user never gave."""
+    out_dir = tmp_path / ("models--" + "x" * 300)
+    out = cli("import", str(hf_dirs / "llama"), str(out_dir), code=2).replace("\n", "")
+    assert f"[E100] {out_dir}: File name too long" in out and "/snapshots" not in out and "Traceback" not in out, out
+
+
 class _Planted:
     """Unpickling it makes a directory: a file that ran code would show it."""
 
