@@ -480,6 +480,24 @@ def test_an_output_name_too_long_below_a_models_folder_name_is_named_as_given(hf
     assert f"[E100] {out_dir}: File name too long" in out and "/snapshots" not in out and "Traceback" not in out, out
 
 
+@pytest.mark.parametrize("command", ["inspect", "validate"])
+def test_a_snapshot_linked_back_to_its_repository_gives_one_hint_not_forty(tmp_path: Path, command: str) -> None:
+    """``snapshots/models--x`` a link to the repository folder itself and ``refs/main`` naming it: the hint of what
+    the snapshot holds followed it again as a repository folder, 40 times deep (until the kernel's link limit), a
+    hint of 19 kB. The snapshot is described once."""
+    repo = tmp_path / "hub" / "models--t--m"
+    for d in ("snapshots", "refs", "blobs"):
+        (repo / d).mkdir(parents=True)
+    os.symlink("..", repo / "snapshots" / "models--x")
+    (repo / "refs" / "main").write_text("models--x")
+    torch.save({"w": torch.ones(2)}, repo / "pytorch_model.bin")
+    res = runner.invoke(app, [command, str(repo)])
+    assert res.exit_code == 2 and "Traceback" not in res.output, res.output
+    hint = next(line for line in res.stderr.splitlines() if line.startswith("hint:"))
+    assert hint.count("in its snapshot") == 1 and "pytorch_model.bin is a torch.save file" in hint, hint
+    assert len(res.output) < 4000, len(res.output)  # it was over 19,000
+
+
 class _Planted:
     """Unpickling it makes a directory: a file that ran code would show it."""
 
