@@ -379,6 +379,23 @@ def test_a_peft_checkpoint_against_a_safetensors_model_names_the_adapter_to_comp
         )
 
 
+def test_a_peft_checkpoint_with_a_huge_lora_key_is_named_in_one_short_line(tmp_path: Path) -> None:
+    # E610 printed the LoRA key whole: a key of 100,000 characters was an error line of 100 kB
+    import torch
+    import torch.distributed.checkpoint as dcp
+    from safetensors.torch import save_file
+
+    key = "layers.0.q_proj." + "x" * 100_000 + ".lora_A.default.weight"
+    model = {key: torch.ones(2, 2), "layers.0.q_proj.base_layer.weight": torch.ones(2, 2)}
+    dcp.save({"model": model}, checkpoint_id=str(tmp_path / "peft"), no_dist=True)
+    (tmp_path / "hf").mkdir()
+    save_file({"layers.0.q_proj.weight": torch.ones(2, 2)}, str(tmp_path / "hf" / "model.safetensors"))
+    res = cli(tmp_path / "peft", tmp_path / "hf")
+    assert res.exit_code == 2 and res.stdout == "" and "Traceback" not in res.stderr
+    first, _hint = res.stderr.splitlines()
+    assert first.startswith("error: [E610] A (") and "'model.layers.0.q_proj.xxx" in first and len(first) < 800, first
+
+
 # ------------------------------------------------------------------------------------------ unusable input
 
 
