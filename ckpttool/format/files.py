@@ -153,9 +153,18 @@ def hub_repository(path: Path) -> Path | None:
     except (OSError, RuntimeError):  # a symlink loop: judged by its names
         p = p.joinpath(*tail)
     for d in (p, *p.parents):
-        if d.name.startswith(_HUB_REPOS) and ((d / "snapshots").is_dir() or (d / "blobs").is_dir()):
+        if d.name.startswith(_HUB_REPOS) and (_probe_dir(d / "snapshots") or _probe_dir(d / "blobs")):
             return d
     return None
+
+
+def _probe_dir(p: Path) -> bool:
+    """``p`` is a directory; ``False`` where it cannot be looked at (a name over 255 bytes, a folder this user may
+    not search): the caller's own open then names the path given, not ``p``."""
+    try:
+        return p.is_dir()
+    except OSError:
+        return False
 
 
 def hub_unfinished_download(directory: Path) -> str | None:
@@ -169,9 +178,11 @@ def hub_unfinished_download(directory: Path) -> str | None:
     except (OSError, RuntimeError):
         return None
     staging = blobs if blobs is not None else directory / ".cache" / "huggingface" / "download"
+    base, rel = (blobs.parent, "blobs") if blobs is not None else (directory, ".cache/huggingface/download")
     try:
+        resolve_inside(base, rel, what="download folder")  # a link out of the folder is not listed
         unfinished = sum(1 for e in os.scandir(staging) if e.name.endswith(".incomplete"))
-    except OSError:
+    except (OSError, RuntimeError, CkptError):
         return None
     if not unfinished:
         return None
@@ -223,9 +234,9 @@ def hub_snapshot(repo: Path) -> Path | None:
 
 def _main_revision(repo: Path) -> str:
     """The revision ``repo/refs/main`` names (``""``: none, or not a plain name)."""
-    try:
-        rev = read_regular(repo / "refs" / "main", 256).decode("ascii").strip()
-    except (OSError, CkptError, UnicodeDecodeError):
+    try:  # huggingface_hub writes it as a file of the repository folder: a link out of it is not followed
+        rev = read_regular(resolve_inside(repo, "refs/main", what="refs/main"), 256).decode("ascii").strip()
+    except (OSError, RuntimeError, CkptError, UnicodeDecodeError):
         return ""
     return rev if "/" not in rev and rev not in (".", "..") and "\0" not in rev else ""
 
@@ -255,7 +266,8 @@ def hub_hint(directory: Path) -> str | None:
         if main is not None:  # the snapshots there are other revisions than the model's main
             kind, _, name = directory.name.partition("--")
             fetch = f"`hf download {name.replace('--', '/', 1)}`" if kind == "models" else "its download"
-            listed = f", or pass the snapshot of the revision you mean, {', '.join(revs[:3])}" if revs else ""
+            more = f", ... ({len(revs)} in all)" if len(revs) > 3 else ""
+            listed = f", or pass the snapshot of the revision you mean, {', '.join(revs[:3])}{more}" if revs else ""
             return (
                 f"its refs/main names revision {main[:64]}, which has no snapshot in the cache (a download not "
                 f"finished, or the snapshot removed): run {fetch} to fetch it{listed}"

@@ -1458,13 +1458,14 @@ def _refuse_partial_step(root: Path) -> None:
     )
 
 
-def _model_folder_hint(root: Path) -> str | None:
+def _model_folder_hint(root: Path, *, hub: bool = True) -> str | None:
     """The hint for a Hugging Face model folder without safetensors (``save_pretrained`` of old, weights in
     ``pytorch_model.bin``) or a folder of ``config.json`` alone, or a download into it not finished; for a hub
-    repository folder (``models--ORG--NAME``) that of its snapshot, named; else ``None``."""
-    snapshot = hub_snapshot(root)
+    repository folder (``models--ORG--NAME``) that of its snapshot, named (one level: a snapshot named and linked as
+    a repository folder is not followed again); else ``None``."""
+    snapshot = hub_snapshot(root) if hub else None
     if snapshot is not None:  # inspect/validate look below it: what its snapshot holds is what to say
-        inner = _model_folder_hint(snapshot)
+        inner = _model_folder_hint(snapshot, hub=False)
         return f"a Hugging Face hub repository folder; in its snapshot {snapshot}: {inner}" if inner else None
     unfinished = hub_unfinished_download(root)
     if unfinished is not None:

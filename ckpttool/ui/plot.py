@@ -273,8 +273,12 @@ def _every(n: int, most: int) -> list[int]:
 
 def _plain(text: str) -> str:
     """A name from a checkpoint (a key, a path) as matplotlib draws it literally: its ``$`` escaped, which would
-    otherwise start mathtext (``a$x$b`` drawn in italics, ``$\\nocmd$`` a ValueError that ended the command E999)."""
-    return text.replace("$", r"\$")
+    otherwise start mathtext (``a$x$b`` drawn in italics, ``$\\nocmd$`` a ValueError that ended the command E999),
+    and its control characters escaped as the terminal shows them (:func:`~ckpttool.ui.render.safe_text`: a newline
+    in a key broke a title's line, an escape sequence was drawn as a box)."""
+    from ckpttool.ui.render import safe_text
+
+    return safe_text(text).replace("$", r"\$")
 
 
 def _label(res: StatsResult, i: int) -> str:
@@ -504,7 +508,7 @@ def _not_drawn(res: DiffResult) -> list[str]:
     flat.sort(key=lambda name: rank.get(name, len(rank)))  # in A's order, as the layers are drawn
     out = []
     if flat:
-        shown = ", ".join(flat[:3]) + (", ..." if len(flat) > 3 else "")
+        shown = ", ".join(f"{name:.80}" for name in flat[:3]) + (", ..." if len(flat) > 3 else "")
         out.append(
             f"not drawn: {len(flat)} tensor{'s that differ' if len(flat) != 1 else ' that differs'} with no relative L2 above 0 "
             f"(booleans, -0.0 against 0.0): {shown}"

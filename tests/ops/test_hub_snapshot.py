@@ -444,6 +444,60 @@ def test_a_local_dir_download_not_finished_says_so(hf_dirs: Path, tmp_path: Path
     assert "`hf download ... --local-dir`" in out and "Traceback" not in out and not (tmp_path / "dcp").exists()
 
 
+def test_a_local_dir_download_folder_linked_out_is_not_listed(hf_dirs: Path, tmp_path: Path) -> None:
+    """``DIR/.cache/huggingface/download`` a symlink to a folder elsewhere: its ``*.incomplete`` files were counted
+    (a listing outside the folder given) and the hint said a download into this folder was not finished."""
+    local = tmp_path / "local"
+    shutil.copytree(hf_dirs / "llama", local)
+    shard = sorted(local.glob("model-*.safetensors"))[1]
+    shard.unlink()
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    (elsewhere / "other.incomplete").write_bytes(b"")
+    (local / ".cache" / "huggingface").mkdir(parents=True)
+    os.symlink(elsewhere, local / ".cache" / "huggingface" / "download")
+    out = cli("validate", str(local), code=2).replace("\n", "")
+    assert "[E202]" in out and f"missing ('{shard.name}'" in out and "not finished" not in out, out
+    assert "hint: a shard file is missing" in out and "Traceback" not in out, out
+
+
+def test_a_main_revision_not_in_the_cache_says_how_many_snapshots_there_are(hf_dirs: Path, tmp_path: Path) -> None:
+    """The hint listed the first 3 of the repository's other snapshots as if they were all of them."""
+    snap = hub_snapshot(hf_dirs / "llama", tmp_path / "hub")
+    repo = snap.parent.parent
+    for i in range(4):
+        (repo / "snapshots" / f"{i:040x}").mkdir()
+    (repo / "refs" / "main").write_text("f" * 40)
+    out = cli("inspect", str(repo), code=2).replace("\n", "")
+    assert "or pass the snapshot of the revision you mean, " in out and ", ... (5 in all)" in out, out
+
+
+def test_an_output_name_too_long_below_a_models_folder_name_is_named_as_given(hf_dirs: Path, tmp_path: Path) -> None:
+    """An output folder named models--<300 bytes>: the hub cache check looked at OUT/snapshots, and the error named
+    that path (`OUT/snapshots: File name too long`), one the user never gave."""
+    out_dir = tmp_path / ("models--" + "x" * 300)
+    out = cli("import", str(hf_dirs / "llama"), str(out_dir), code=2).replace("\n", "")
+    assert f"[E100] {out_dir}: File name too long" in out and "/snapshots" not in out and "Traceback" not in out, out
+
+
+@pytest.mark.parametrize("command", ["inspect", "validate"])
+def test_a_snapshot_linked_back_to_its_repository_gives_one_hint_not_forty(tmp_path: Path, command: str) -> None:
+    """``snapshots/models--x`` a link to the repository folder itself and ``refs/main`` naming it: the hint of what
+    the snapshot holds followed it again as a repository folder, 40 times deep (until the kernel's link limit), a
+    hint of 19 kB. The snapshot is described once."""
+    repo = tmp_path / "hub" / "models--t--m"
+    for d in ("snapshots", "refs", "blobs"):
+        (repo / d).mkdir(parents=True)
+    os.symlink("..", repo / "snapshots" / "models--x")
+    (repo / "refs" / "main").write_text("models--x")
+    torch.save({"w": torch.ones(2)}, repo / "pytorch_model.bin")
+    res = runner.invoke(app, [command, str(repo)])
+    assert res.exit_code == 2 and "Traceback" not in res.output, res.output
+    hint = next(line for line in res.stderr.splitlines() if line.startswith("hint:"))
+    assert hint.count("in its snapshot") == 1 and "pytorch_model.bin is a torch.save file" in hint, hint
+    assert len(res.output) < 4000, len(res.output)  # it was over 19,000
+
+
 class _Planted:
     """Unpickling it makes a directory: a file that ran code would show it."""
 
@@ -498,6 +552,23 @@ def test_a_hub_repository_whose_main_revision_is_not_in_the_cache_is_not_read_as
         assert "run `hf download tiny/llama` to fetch it, or pass the snapshot of the revision you mean" in out, out
     assert "OK:" not in out and "Traceback" not in out and not (tmp_path / "dcp").exists(), out
     assert "OK:" in cli("validate", str(snap))  # the older revision given itself is read
+
+
+@pytest.mark.parametrize("command", ["validate", "inspect"])
+def test_a_refs_main_linked_out_of_the_repository_is_not_read(hf_dirs: Path, tmp_path: Path, command: str) -> None:
+    """refs/main a symlink to a file outside the hub repository folder: its content was read and shown in the hint
+    ("its refs/main names revision <the file's first 64 bytes>"), a read outside the checkpoint. It is not followed:
+    the folder is read as one without refs/main (its only snapshot), as before refs/main was checked."""
+    snap = hub_snapshot(hf_dirs / "llama", tmp_path / "hub")
+    repo = snap.parent.parent
+    secret = tmp_path / "elsewhere" / "token"
+    secret.parent.mkdir()
+    secret.write_text("hf_SECRETTOKEN")
+    (repo / "refs" / "main").unlink()
+    os.symlink(secret, repo / "refs" / "main")
+    res = runner.invoke(app, [command, str(repo)])
+    assert "SECRETTOKEN" not in res.output and "Traceback" not in res.output, res.output
+    assert res.exit_code == 0 and str(snap.name) in res.output.replace("\n", ""), res.output
 
 
 @pytest.mark.parametrize("command", ["import", "validate", "inspect"])

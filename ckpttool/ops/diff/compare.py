@@ -373,9 +373,10 @@ def _block_mismatch(
         if tolerant:
             # an infinity is within only against the same infinity (diff 0 there): ``at + rt * |inf|`` is inf or
             # NaN and would let any value, the other infinity included, compare within (numpy.isclose's rule)
-            off = ((a64.isinf() | b64.isinf()) & (diff != 0)) | (diff.isnan() & ~both_nan)
-            if cx:
-                off = off.view(-1, 2).any(1)  # an element is off when either part is
+            inf, ne, nan_off = a64.isinf() | b64.isinf(), diff != 0, diff.isnan() & ~both_nan
+            if cx:  # per element: an infinite part in a or b makes the whole element compare exactly (torch.isclose)
+                inf, ne, nan_off = (t.view(-1, 2).any(1) for t in (inf, ne, nan_off))
+            off = (inf & ne) | nan_off
             if callable(at):  # per-element atol (real values only: a dequantized side is float32)
                 bad = err > rt * ref
                 near = (bad & err.isfinite()).nonzero().flatten()

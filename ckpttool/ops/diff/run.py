@@ -583,7 +583,7 @@ def _refuse_peft_against_model(side: Side, fmt: str) -> None:
     if peft is None:
         return
     raise DiffError(
-        f"{side.label} ({side.path}): a PEFT LoRA checkpoint ({peft}) against {_other(side)}, a safetensors model: "
+        f"{side.label} ({side.path}): a PEFT LoRA checkpoint ({peft!r:.120}) against {_other(side)}, a safetensors model: "
         "its LoRA factors and base_layer weights are no tensor of a Hugging Face model (a merged export holds "
         "W + scale * B @ A)",
         path=side.path if not isinstance(side.path, UrlPath) else None,

@@ -379,6 +379,23 @@ def test_a_peft_checkpoint_against_a_safetensors_model_names_the_adapter_to_comp
         )
 
 
+def test_a_peft_checkpoint_with_a_huge_lora_key_is_named_in_one_short_line(tmp_path: Path) -> None:
+    # E610 printed the LoRA key whole: a key of 100,000 characters was an error line of 100 kB
+    import torch
+    import torch.distributed.checkpoint as dcp
+    from safetensors.torch import save_file
+
+    key = "layers.0.q_proj." + "x" * 100_000 + ".lora_A.default.weight"
+    model = {key: torch.ones(2, 2), "layers.0.q_proj.base_layer.weight": torch.ones(2, 2)}
+    dcp.save({"model": model}, checkpoint_id=str(tmp_path / "peft"), no_dist=True)
+    (tmp_path / "hf").mkdir()
+    save_file({"layers.0.q_proj.weight": torch.ones(2, 2)}, str(tmp_path / "hf" / "model.safetensors"))
+    res = cli(tmp_path / "peft", tmp_path / "hf")
+    assert res.exit_code == 2 and res.stdout == "" and "Traceback" not in res.stderr
+    first, _hint = res.stderr.splitlines()
+    assert first.startswith("error: [E610] A (") and "'model.layers.0.q_proj.xxx" in first and len(first) < 800, first
+
+
 # ------------------------------------------------------------------------------------------ unusable input
 
 
@@ -563,6 +580,25 @@ def test_a_complex_element_is_within_the_tolerance_by_its_modulus_as_torch_isclo
         assert res.exit_code == (0 if close else 1), (atol, res.stdout)
         (t,) = json.loads(res.stdout)["tensors"]
         assert t["mismatched"] == (0 if close else 1) and abs(t["max_abs"] - modulus) < 1e-12, t
+
+
+def test_a_complex_element_with_an_infinite_part_is_within_only_when_equal_as_torch_isclose(tmp_path: Path) -> None:
+    # inf+0j against inf+1j: |b| is inf, so atol + rtol*|b| let the imaginary parts 1 apart compare "within
+    # tolerance" (exit 0); torch.isclose / numpy.isclose take a non-finite element as close only when equal
+    import torch
+    import torch.distributed.checkpoint as dcp
+
+    inf = float("inf")
+    b = torch.tensor([complex(inf, 1), complex(1, inf), complex(inf, 0), 1 + 1j], dtype=torch.complex64)
+    a = torch.tensor([complex(inf, 0), complex(1, -inf), complex(inf, 0), 1 + 1j], dtype=torch.complex64)
+    for name, t in (("a", a), ("b", b)):
+        dcp.save({"model": {"freqs_cis": t}}, checkpoint_id=str(tmp_path / name), no_dist=True)
+    close = torch.isclose(a, b, rtol=1e-5, atol=1e-8)
+    assert close.tolist() == [False, False, True, True]
+    res = runner.invoke(app, ["diff", str(tmp_path / "a"), str(tmp_path / "b"), "--json", "--rtol", "1e-5"])
+    assert res.exit_code == 1, res.stdout
+    (t,) = json.loads(res.stdout)["tensors"]
+    assert t["mismatched"] == int((~close).sum()) and t["status"] == "differ", t
 
 
 def test_what_optimizer_against_a_safetensors_side_is_refused_not_equal(dense_ckpt: Path, tmp_path: Path) -> None:

@@ -498,3 +498,20 @@ def test_diff_plot_names_the_differences_it_cannot_draw(tmp_path: Path) -> None:
     write_diff_plot(diff_checkpoints(str(tmp_path / "a"), str(tmp_path / "a2"), DiffOptions()), tmp_path / "e.svg")
     texts = _svg_texts(tmp_path / "e.svg")
     assert "every compared tensor is equal" in texts and not [t for t in texts if t.startswith("not drawn")], texts
+
+
+def test_diff_plot_draws_control_characters_of_names_escaped(tmp_path: Path) -> None:
+    """A key holding a newline and an escape sequence (``m\\n\\x1b[31mX``) broke the 'not drawn' line of diff --plot in
+    two and drew the escape as a box; names are drawn as the terminal shows them (``m\\\\x0a\\\\x1b[31mX``), one line."""
+    from ckpttool.ops.diff import DiffOptions, diff_checkpoints
+    from ckpttool.ui.plot import write_diff_plot
+
+    key = "m\n\x1b[31mX"
+    mask = torch.tensor([True, False, True])
+    save_quiet({"model": {key: mask}}, tmp_path / "a")
+    save_quiet({"model": {key: ~mask}}, tmp_path / "b")
+    res = diff_checkpoints(str(tmp_path / "a"), str(tmp_path / "b"), DiffOptions())
+    write_diff_plot(res, tmp_path / "d.svg")
+    texts = _svg_texts(tmp_path / "d.svg")
+    line = "not drawn: 1 tensor that differs with no relative L2 above 0 (booleans, -0.0 against 0.0): model.m\\x0a\\x1b[31mX"
+    assert line in texts and not [t for t in texts if "\x1b" in t], texts
