@@ -204,6 +204,9 @@ class ParamGroup:
         values: hyperparameter name -> value, filled by :func:`load_param_groups`.
         params: parameter fqns of the group (flattened: ``[group_id]``; nested:
             from the ``params`` item once loaded).
+        members_known: ``False`` for a group of the trainer's common state (Megatron's ``common.pt``, which saves
+            no ``params``) whose members its schema cannot derive while parameters with state belong to its
+            optimizer: ``params`` is then empty for want of knowledge, not because the group holds none.
     """
 
     group_id: int | str
@@ -211,6 +214,7 @@ class ParamGroup:
     keys: dict[str, str] = field(default_factory=dict)
     values: dict[str, Any] = field(default_factory=dict)
     params: list[str] = field(default_factory=list)
+    members_known: bool = True
 
     @property
     def leaf_values(self) -> dict[str, Any]:
@@ -1117,7 +1121,23 @@ def _common_state_groups(sch: KeySchema, common: CommonState | None, state: dict
     if spec.shared_step_params is not None:  # every parameter's of its optimizer, in whichever group
         for fqn in spec.shared_step_params(common, params):
             state[fqn].fields.setdefault("step", None)
+    _mark_unknown_members(groups, params)
     return groups
+
+
+def _mark_unknown_members(groups: list[ParamGroup], params: Mapping[str, Any]) -> None:
+    """Where parameters with state are in no group, the groups of each chained optimizer none of whose groups got
+    a member hold them: their members are unknown (:attr:`ParamGroup.members_known`), not none."""
+    grouped = {f for g in groups for f in g.params}
+    if all(f in grouped for f in params):
+        return
+    chains: dict[Any, list[ParamGroup]] = {}
+    for g in groups:
+        chains.setdefault(g.values.get("chained_optimizer"), []).append(g)
+    for members in chains.values():
+        if not any(g.params for g in members):
+            for g in members:
+                g.members_known = False
 
 
 #: ``KeySchema.optimizer_keying`` of index-keyed state mapped to fqns by the parameter order (torchtune)

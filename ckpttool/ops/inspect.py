@@ -167,9 +167,12 @@ class GroupRow:
     missing: tuple[str, ...]
     keeps_no_state: bool = False
     """torch's SGD with ``momentum`` 0: its steps keep no per-parameter state (no state is not 'never stepped')."""
+    members_known: bool = True
+    """``False``: a group saved without its parameters (Megatron's ``common.pt``) whose members ckpttool cannot
+    derive (:attr:`~ckpttool.model.catalog.ParamGroup.members_known`): ``params`` 0 and no state say nothing of it."""
 
     def to_dict(self) -> dict[str, Any]:
-        return {
+        out = {
             "id": self.id,
             "flavor": self.flavor,
             **self.values,
@@ -179,6 +182,9 @@ class GroupRow:
             "missing": list(self.missing),
             "keeps_no_state": self.keeps_no_state,
         }
+        if not self.members_known:  # only then: the documents of every other group stay as they were
+            out["members_known"] = False
+        return out
 
 
 @dataclass(frozen=True)
@@ -507,6 +513,7 @@ def _group_row(
         has_state,
         tuple(sorted(cat.missing_hyperparameters(g))),
         keeps_no_state(g),
+        g.members_known,
     )
 
 

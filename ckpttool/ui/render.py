@@ -1251,15 +1251,22 @@ def _overview_model(con: Console, ov: InspectResult, max_rows: int) -> None:
 #: The state column of a group without state: never stepped, or torch's SGD with momentum 0 (which keeps none).
 _NO_STATE = {False: "no state (never stepped)", True: "none kept (SGD, momentum 0)"}
 
+
+def _group_state(g: GroupRow) -> str:
+    if not g.members_known:  # saved without its parameters, which ckpttool cannot derive: not "never stepped"
+        return "members unknown (P007)"
+    return "yes" if g.has_state else _NO_STATE[g.keeps_no_state]
+
+
 _GROUP_TABLE: Columns[GroupRow] = (
     (Col("group", "key"), lambda g: str(g.id)),
-    (Col("params", "num"), lambda g: fmt_count(g.params)),
+    (Col("params", "num"), lambda g: fmt_count(g.params) if g.members_known else "unknown"),
     (Col("lr", "num"), lambda g: fmt_value(g.values["lr"])),
     (Col("weight_decay", "num", drop=3), lambda g: fmt_value(g.values["weight_decay"])),
     (Col("betas", "code", drop=4), lambda g: fmt_value(g.values["betas"])),
     (Col("eps", "num", drop=5), lambda g: fmt_value(g.values["eps"])),
     (Col("initial_lr", "num", drop=6), lambda g: fmt_value(g.values["initial_lr"])),
-    (Col("state", "text"), lambda g: "yes" if g.has_state else _NO_STATE[g.keeps_no_state]),
+    (Col("state", "text"), lambda g: _group_state(g)),
     (Col("missing", "text", hide_empty=True), lambda g: fmt_list(g.missing)),
 )
 

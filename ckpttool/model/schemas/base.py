@@ -203,6 +203,8 @@ class CommonState:
         iteration: the saved trainer iteration, or ``None``.
         keys: the top-level keys of the file.
         values: its top-level numbers (``iteration``, ``checkpoint_version``, ``num_floating_point_operations_so_far``).
+        args: the trainer's saved run arguments (Megatron-LM's ``args`` namespace, as a dict of its attributes), or
+            ``None`` where it saved none.
     """
 
     groups: tuple[tuple[dict[str, Any], ...], ...] = ()
@@ -212,6 +214,7 @@ class CommonState:
     iteration: int | None = None
     keys: tuple[str, ...] = ()
     values: dict[str, int | float] = field(default_factory=dict)
+    args: dict[str, Any] | None = None
 
 
 #: ``SchemaSpec.group_members``: the common state and, per parameter with optimizer state, the key of one of its
@@ -292,6 +295,8 @@ class SchemaSpec:
         common_state_required: why its trainer's load fails without :attr:`common_state_file` (``K014``; ``""``:
             the file is optional).
         common_state_problems: inconsistencies within the common state (``R002``): ``(key, message)`` pairs.
+        group_load_problems: param groups of the common state its trainer's load cannot restore as saved (``P008``):
+            ``(key, message)`` pairs.
         group_members: its param groups are saved in the common state without their parameters: the members
             inferred by its trainer's default rule (:data:`GroupMembers`); the catalog's groups are these.
         shared_step_params: the parameters (of those :attr:`group_members` takes) whose state holds the step the
@@ -365,6 +370,7 @@ class SchemaSpec:
     read_trusted_common_state: Callable[[bytes, str], CommonState | None] | None = None
     common_state_required: str = ""
     common_state_problems: Callable[[CommonState], Iterator[tuple[str, str]]] | None = None
+    group_load_problems: Callable[[CommonState], Iterator[tuple[str, str]]] | None = None
     group_members: GroupMembers | None = None
     shared_step_params: Callable[[CommonState, Mapping[str, tuple[str, tuple[int, ...]]]], list[str]] | None = None
     inferred_groups_note: Callable[[Sequence[ParamGroup], set[str], list[str]], str] | None = None

@@ -285,6 +285,7 @@ def parse_common(data: bytes, shown: str, trust_pickle: bool = False) -> Megatro
         iteration=it if isinstance(it, int) and not isinstance(it, bool) else None,
         keys=tuple(str(k) for k in obj),
         values={str(k): v for k, v in obj.items() if type(v) in (int, float)},
+        args=dict(args) if isinstance(args := obj.get("args"), dict) else None,
     )
 
 
@@ -303,16 +304,89 @@ def _claims(d: Detected) -> bool:
     )
 
 
+#: The parameters megatron-core marks ``is_embedding_or_output_parameter`` (``LanguageModule.
+#: setup_embeddings_and_output_layer``): the word embedding and the output layer, which its ``decoupled_lr`` override
+#: (``get_standard_config_overrides``: ``ParamKey(attr="is_embedding_or_output_parameter")``) puts in a group of their own.
+EMBEDDING_OR_OUTPUT = ("embedding.word_embeddings.weight", "output_layer.weight")
+
+
+def _decoupled_overrides(args: Mapping[str, Any]) -> dict[str, float] | None:
+    """The override ``get_standard_config_overrides`` gives the embedding and output layer for the run's saved
+    ``args`` (``{"max_lr": decoupled_lr[, "min_lr": decoupled_min_lr]}``), ``{}`` without ``decoupled_lr``, ``None``
+    where the args do not say (no ``decoupled_lr`` saved, or not a number)."""
+    if "decoupled_lr" not in args:
+        return None
+    lr, low = args.get("decoupled_lr"), args.get("decoupled_min_lr")
+    if lr is None:
+        return {}
+    if not _number(lr) or (low is not None and not _number(low)):
+        return None
+    return {"max_lr": float(lr)} | ({"min_lr": float(low)} if low is not None else {})
+
+
+def _number(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+def _override_of(fqn: str, shape: tuple[int, ...], decoupled: dict[str, float]) -> tuple[tuple[str, Any], ...] | None:
+    """The parameter's merged override as megatron's ``_get_param_groups`` keys it
+    (``param_group_override_to_tuple``: sorted items; ``None`` without one)."""
+    o: dict[str, Any] = {"wd_mult": 0.0} if no_weight_decay(fqn, shape) else {}
+    if decoupled and fqn in EMBEDDING_OR_OUTPUT:
+        o.update(decoupled)
+    return tuple(sorted(o.items())) if o else None
+
+
+def _standard_members(
+    groups: Sequence[dict[str, Any]], chain_params: Mapping[str, tuple[int, ...]], args: Mapping[str, Any] | None
+) -> list[list[str]] | None:
+    """The members of one chained optimizer's saved groups by megatron's standard overrides (``_get_param_groups``
+    with ``get_standard_config_overrides``), else ``None`` (nothing guessed).
+
+    Without ``decoupled_lr`` in the saved ``args``: the ``wd_mult`` 1 / 0 pair (or one of them). With it: one group
+    per distinct override (biases and 1-D parameters ``wd_mult`` 0; the embedding and the output layer the
+    decoupled ``max_lr`` / ``min_lr``), sorted as megatron sorts them (no override first, then the override
+    tuples in order); the saved groups must be exactly those, each holding its override's values
+    (``wd_mult``, ``max_lr``, ``min_lr``, ``default_config``). ``apply_wd_to_qk_layernorm`` (another ``wd_mult`` rule)
+    is not derived."""
+    mults = [g.get("wd_mult") for g in groups]
+    decoupled = _decoupled_overrides(args) if args is not None else None
+    if args is not None and args.get("apply_wd_to_qk_layernorm"):
+        return None
+    if not decoupled:
+        if not (len(groups) in (1, 2) and len(set(mults)) == len(mults) and set(mults) <= {0.0, 1.0}):
+            return None
+        members: list[list[str]] = [[] for _ in groups]
+        for fqn, shape in chain_params.items():
+            want = 0.0 if no_weight_decay(fqn, shape) else 1.0
+            if want in mults:
+                members[mults.index(want)].append(fqn)
+        return members
+    keyed = {fqn: _override_of(fqn, shape, decoupled) for fqn, shape in chain_params.items()}
+    order = sorted(set(keyed.values()), key=lambda k: (k is not None, k or ()))
+    if len(order) != len(groups):
+        return None
+    for key, g in zip(order, groups):
+        o = dict(key or ())
+        saved: dict[str, Any] = {"wd_mult": o.get("wd_mult", 1.0), "default_config": not any("lr" in k for k in o)}
+        saved.update({k: v for k, v in o.items() if k in ("max_lr", "min_lr")})
+        if any(k not in g or g[k] != v for k, v in saved.items()):
+            return None
+    return [[f for f, k in keyed.items() if k == key] for key in order]
+
+
 def assign_groups(
     common: CommonState, params: Mapping[str, tuple[str, tuple[int, ...]]]
 ) -> list[tuple[dict[str, Any], list[str]]]:
     """The param groups of ``common.pt`` (every chained optimizer's, in order) with their members.
 
     ``common.pt`` keeps no ``params`` lists (megatron drops them: ``LocalNonpersistentObject``);
-    the members follow megatron's default grouping (``_get_param_groups``): per chained
-    optimizer, biases and 1-D parameters (:func:`no_weight_decay`) in its group with
-    ``wd_mult`` 0, the others in the one with ``wd_mult`` 1. A chain whose groups are not that
-    pair (custom overrides) gets no members: nothing is guessed.
+    the members follow megatron's standard grouping (``_get_param_groups`` with ``get_standard_config_overrides``,
+    :func:`_standard_members`): per chained optimizer, biases and 1-D parameters (:func:`no_weight_decay`) in its
+    group with ``wd_mult`` 0, the others in the one with ``wd_mult`` 1, and where the saved Megatron-LM ``args``
+    name a ``decoupled_lr`` the embedding and output layer (:data:`EMBEDDING_OR_OUTPUT`) in the group of that
+    ``max_lr``. A chain whose groups are not those (custom overrides, ``decoupled_lr`` groups without the ``args``
+    that say so) gets no members: nothing is guessed.
 
     Args:
         common: what :func:`parse_common` read.
@@ -324,17 +398,10 @@ def assign_groups(
         ``common_step`` is its groups' ``step`` value.
     """
     out: list[tuple[dict[str, Any], list[str]]] = []
+    args = common.args if isinstance(common.args, Mapping) else None
     for chain, groups in enumerate(common.groups):
-        members: list[list[str]] = [[] for _ in groups]
-        mults = [g.get("wd_mult") for g in groups]
-        standard = len(groups) in (1, 2) and len(set(mults)) == len(mults) and set(mults) <= {0.0, 1.0}
-        if standard:
-            for fqn, (key, shape) in params.items():
-                if chain_of(key, len(common.groups)) != chain:
-                    continue
-                want = 0.0 if no_weight_decay(fqn, shape) else 1.0
-                if want in mults:
-                    members[mults.index(want)].append(fqn)
+        mine = {fqn: shape for fqn, (key, shape) in params.items() if chain_of(key, len(common.groups)) == chain}
+        members = _standard_members(groups, mine, args) or [[] for _ in groups]
         for g, m in zip(groups, members):
             values = dict(g)
             values["chained_optimizer"] = chain
@@ -387,6 +454,46 @@ def common_steps_problems(common: CommonState) -> Iterator[tuple[str, str]]:
             f"{COMMON_FILE}:optimizer",
             f"{COMMON_FILE}: optimizer common_step {top} is ahead of iteration {common.iteration}",
         )
+
+
+#: The keys megatron-core's ``load_state_dict`` matches a saved param group to the optimizer's by
+#: (``optimizer.py``: ``param_group_identifier_keys``; ``pre_<key>`` where NeMo renamed one)
+GROUP_IDENTIFIER_KEYS = ("wd_mult", "lr_mult", "is_expert_parallel", "is_decoupled_lr")
+
+
+def _identifier(g: Mapping[str, Any]) -> tuple[Any, ...] | None:
+    try:
+        return tuple(g[k] if k in g else g[f"pre_{k}"] for k in GROUP_IDENTIFIER_KEYS)
+    except KeyError:
+        return None
+
+
+def indistinct_groups(common: CommonState) -> Iterator[tuple[str, str]]:
+    """Param groups of one optimizer that megatron-core's load cannot tell apart: its ``load_state_dict``
+    (``_filter_and_reorder_param_groups``) maps each saved group by :data:`GROUP_IDENTIFIER_KEYS` into a dict, so of
+    groups with equal keys only the last is restored, for all of them — torch's ``load_state_dict`` then raises
+    ("doesn't match the size of optimizer's group") where their sizes differ, and otherwise steps the earlier groups'
+    parameters with the last one's ``lr`` / ``max_lr`` / ``min_lr``. megatron-core 0.16's own ``decoupled_lr`` saves
+    are such: the decoupled group differs from the default one in ``max_lr`` / ``min_lr`` only."""
+    for i, groups in enumerate(common.groups):
+        seen: dict[str, int] = {}  # by repr: the values are plain numbers and bools
+        for j, g in enumerate(groups):
+            ident = _identifier(g)
+            if ident is None:
+                continue
+            first = seen.setdefault(repr(ident), j)
+            if first == j:
+                continue
+            chain = f"chained optimizer {i}'s" if len(common.groups) > 1 else "the optimizer's"
+            shown = ", ".join(f"{k} {v!r}" for k, v in zip(GROUP_IDENTIFIER_KEYS, ident))
+            differ = sorted(k for k in ("lr", "max_lr", "min_lr") if groups[first].get(k) != g.get(k))
+            yield (
+                f"{COMMON_FILE}:optimizer",
+                f"{COMMON_FILE}: {chain} param groups {first} and {j} have the same {shown}, the key megatron-core's "
+                f"load_state_dict matches saved groups by: it restores group {j} for both"
+                + (f" (they differ in {', '.join(differ)})" if differ else "")
+                + ", and raises where their sizes differ",
+            )
 
 
 def inferred_groups_note(used: Sequence[ParamGroup], chosen: set[str], differ: list[str]) -> str:
@@ -445,6 +552,7 @@ SPEC = SchemaSpec(
         "(the iteration, the optimizers' param groups and step, the run's args) and fails without it"
     ),
     common_state_problems=common_steps_problems,
+    group_load_problems=indistinct_groups,
     group_members=assign_groups,
     shared_step_params=shared_step_params,
     inferred_groups_note=inferred_groups_note,

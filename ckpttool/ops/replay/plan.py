@@ -816,10 +816,11 @@ def _select(
         if not members.grouped and cat.param_groups and spec is not None and spec.group_members is not None:
             raise HyperparameterError(  # the trainer saved its groups without their params lists
                 f"{cat.path}: the {len(cat.param_groups)} param groups of {spec.common_state_file} are not the "
-                "trainer's default grouping (custom overrides, or a group that held no parameter where it was saved), "
-                "so which parameters each holds is not known; nothing to replay",
-                hint="the groups' hyperparameters are listed by `ckpttool inspect`; a replay needs the default "
-                "grouping (docs/frameworks.md)",
+                "trainer's default grouping (custom overrides, a decoupled_lr group without the saved args that "
+                "name it, or a group that held no parameter where it was saved), so which parameters each holds is "
+                "not known; nothing to replay",
+                hint="the groups' hyperparameters are listed by `ckpttool inspect` (validate: P007); a replay needs "
+                "the default grouping (docs/frameworks.md)",
             )
         from ckpttool.model.beside import model_folder_hint
 

@@ -550,6 +550,38 @@ def param_listed_twice(ctx: Context) -> Iterator[tuple[str, str]]:
     yield from listed_twice(ctx.cat)
 
 
+@rule("P007")
+def group_members_unknown(ctx: Context) -> Iterator[tuple[str, str]]:
+    unknown = [g for g in ctx.cat.param_groups if not g.members_known]
+    if not unknown:
+        return
+    spec = ctx.cat.schema.spec
+    where = spec.common_state_file if spec is not None and spec.common_state_file else "the common state"
+    grouped = {f for g in ctx.cat.param_groups for f in g.params}
+    orphans = [fqn for fqn, _, _ in _states(ctx) if fqn not in grouped]
+    ids = ", ".join(str(g.group_id) for g in unknown)
+    example = f" (e.g. {orphans[0]})" if orphans else ""
+    yield (
+        ctx.cat.group_key(unknown[0].group_id),
+        f"{where}: param groups {ids} are saved without their parameters and are not the trainer's standard "
+        f"grouping, so which of the {len(orphans)} parameter(s) with state{example} each holds is unknown: their "
+        "hyperparameters are not checked against the state",
+    )
+
+
+@rule("P008")
+def groups_indistinct_on_load(ctx: Context) -> Iterator[tuple[str, str]]:
+    spec = ctx.cat.schema.spec
+    if spec is None or spec.group_load_problems is None:
+        return
+    try:
+        common = ctx.ckpt.common_state()
+    except CkptError:
+        return  # named by the rules that read it
+    if common is not None:
+        yield from spec.group_load_problems(common)
+
+
 @rule("P006")
 def group_hyperparameter_invalid(ctx: Context) -> Iterator[tuple[str, str]]:
     yield from alike_groups(
