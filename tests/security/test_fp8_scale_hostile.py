@@ -201,7 +201,7 @@ def test_validate_fails_per_tensor_scales_beside_an_unreadable_config(tmp_path: 
     res = runner.invoke(app, ["validate", str(d), "--strict", "--deep", "--json"])
     assert res.exit_code == 1, (res.stdout, res.stderr)
     found = [(f["code"], f["key"], f["message"]) for f in json.loads(res.stdout)["findings"]]
-    assert [(c, k) for c, k, _ in found] == [("M020", f"{UP}.weight_scale")], found
+    assert [(c, k) for c, k, _ in found] == [("M020", f"{UP}.weight_scale"), ("M028", "config.json")], found
     assert "no quantization_config says how: the folder's config.json cannot be read: " in found[0][2], found
     cfg = tmp_path / "config.json"
     cfg.write_text(json.dumps({"quantization_config": FP8["quantization_config"]}))
@@ -232,8 +232,11 @@ def test_a_config_symlinked_out_of_the_folder_is_not_read(tmp_path: Path) -> Non
         assert "'config.json' resolves outside" in res.stderr, res.stderr
     res = runner.invoke(app, ["validate", str(d), "--strict", "--deep", "--json"])
     found = [(f["code"], f["key"], f["message"]) for f in json.loads(res.stdout)["findings"]]
-    assert res.exit_code == 1 and [(c, k) for c, k, _ in found] == [("M020", f"{UP}.weight_scale")], found
-    assert "resolves outside" in found[0][2], found
+    assert res.exit_code == 1 and [(c, k) for c, k, _ in found] == [
+        ("M020", f"{UP}.weight_scale"),
+        ("M028", "config.json"),
+    ], found
+    assert "resolves outside" in found[0][2] and "resolves outside" in found[1][2], found
 
 
 def test_serving_config_drops_a_quantization_config_without_quantized_weights() -> None:

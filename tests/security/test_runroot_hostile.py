@@ -52,8 +52,10 @@ def test_unreadable_config_beside_shards_is_not_named_as_the_proof(
     _damage_config(src, how)
     before = _digest(src)
     res = runner.invoke(app, ["validate", str(src), "--json"])
-    assert res.exit_code == 0, res.output
-    (f,) = [f for f in json.loads(res.stdout)["findings"] if f["code"] == "S017"]
+    assert res.exit_code == 1, res.output  # M028: the folder's config.json cannot be read
+    found = json.loads(res.stdout)["findings"]
+    assert sorted(f["code"] for f in found) == ["M028", "S017"], found
+    (f,) = [f for f in found if f["code"] == "S017"]
     assert "the config.json beside them was not read" in f["message"], f["message"]
     assert "`ckpttool validate` and `export` do" not in f["message"]
     res = runner.invoke(app, ["export", str(src), str(tmp_path / "out"), "--json"])
