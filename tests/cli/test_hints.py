@@ -30,7 +30,13 @@ NAMED = re.compile(r"ckpttool ([a-z][a-z-]*|\{\})((?:\s+(?!ckpttool\b)[^\s`'\"|;
 QUOTED_INPUT = re.compile(r"No such option: --\S+")  # click quoting what the user typed
 LEFTOVER_PARAM = re.compile(r"`[a-z][a-z0-9]*_[a-z0-9_]*`")  # a library parameter the sink did not translate
 # Flags of other tools that messages may quote (torch / pytest / pip / Megatron-LM's training arguments), not ckpttool's.
-FOREIGN = {"--no-deps", "--nproc-per-node", "--recursive", "--ckpt-step", "--local-dir"}  # pip, torchrun, `aws s3 cp`, Megatron-LM, `hf download`
+FOREIGN = {
+    "--no-deps",
+    "--nproc-per-node",
+    "--recursive",
+    "--ckpt-step",
+    "--local-dir",
+}  # pip, torchrun, `aws s3 cp`, Megatron-LM, `hf download`
 
 
 def flags_of(name: str) -> set[str]:
