@@ -32,6 +32,7 @@ from ckpttool.errors import (
 from ckpttool.model.checkpoint import open_checkpoint
 from ckpttool.model.discovery import CheckpointSelection, compose_pair, locate, step_of
 from tests.fixtures import damage
+from tests.fixtures.special_files import run_bound_by_permissions
 
 pytestmark = pytest.mark.slow  # fixtures written by multi-rank gloo jobs of the real trainers
 
@@ -321,7 +322,6 @@ def test_optimizer_dir_of_another_step_names_an_odd_folder_ready_to_paste(acc_ro
     (``my run`` for ``my\\n  run``) and the hint named the model's own optimizer folder unquoted, folded too: another
     folder, several shell arguments. The message names it as given (escaped), the hint as one argument bash reads
     back as that folder."""
-    import subprocess
 
     run = tmp_path / "my\n  run"
     for s in (0, 1):
@@ -665,8 +665,6 @@ def test_latest_file_that_cannot_be_read_is_e205(acc_root: Path, tmp_path: Path)
     """A ``latest`` file the process cannot open (mode 000: a trainer's resume reading it fails): `step` latest passed
     it over and opened the highest step as if there were none, though it may name an older one. It is E205 naming
     it (root runs the command without the capabilities that read past file modes)."""
-    import subprocess
-    import sys
 
     run = tmp_path / "run"
     for s in (1, 2):
@@ -777,19 +775,6 @@ def test_step_n_of_a_finished_save_under_a_staging_name_names_that_folder(tmp_pa
     assert res.exit_code == 2 and "step-3.tmp" in res.stderr and "Traceback" not in res.output, res.output
 
 
-def _as_user_without_dac_override(args: list[str]) -> subprocess.CompletedProcess[str]:
-    """``ckpttool ARGS`` in a subprocess that the permission bits bind: as root, with CAP_DAC_OVERRIDE and
-    CAP_DAC_READ_SEARCH dropped (``setpriv``), else as the user itself."""
-    cmd = [sys.executable, "-m", "ckpttool", *args]
-    if os.geteuid() == 0:
-        if shutil.which("setpriv") is None:
-            pytest.skip("root without setpriv: permission bits cannot be made to bind")
-        caps = "-dac_override,-dac_read_search"
-        cmd = ["setpriv", f"--bounding-set={caps}", f"--inh-caps={caps}", *cmd]
-    env = {**os.environ, "COLUMNS": "200"}
-    return subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300, check=False)
-
-
 def test_a_newest_step_that_cannot_be_read_is_named_not_passed_over(dense_ckpt: Path, tmp_path: Path) -> None:
     """A run root whose newest step directory (step-3) this user may not list (chmod 000: another user's job, a
     restrictive umask): ``--step latest`` validated step-2, OK with no finding, as if step-3 were not there, and
@@ -801,7 +786,7 @@ def test_a_newest_step_that_cannot_be_read_is_named_not_passed_over(dense_ckpt: 
         shutil.copytree(dense_ckpt, run / f"step-{n}")
     (run / "step-3").chmod(0)
     try:
-        r = _as_user_without_dac_override(["validate", "--json", str(run), "--step", "latest"])
+        r = run_bound_by_permissions("validate", "--json", str(run), "--step", "latest")
         assert r.returncode == 0, r.stderr
         doc = json.loads(r.stdout)
         assert doc["path"] == str(run / "step-2")
@@ -810,8 +795,8 @@ def test_a_newest_step_that_cannot_be_read_is_named_not_passed_over(dense_ckpt: 
             f"{run / 'step-3'}: step 3 is newer than the checked step 2 but incomplete (no listing this user may read "
             "(Permission denied), so whether its save finished is not known)"
         )
-        assert _as_user_without_dac_override(["validate", "--strict", str(run), "--step", "latest"]).returncode == 1
-        r = _as_user_without_dac_override(["inspect", str(run), "--step", "3"])
+        assert run_bound_by_permissions("validate", "--strict", str(run), "--step", "latest").returncode == 1
+        r = run_bound_by_permissions("inspect", str(run), "--step", "3")
         assert r.returncode == 2 and r.stderr.startswith(f"error: [E202] {run}: --step 3: step 3 is incomplete"), (
             r.stderr
         )

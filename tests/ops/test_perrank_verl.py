@@ -475,22 +475,12 @@ def _tied_rank(rank: int, world: int, root: str) -> None:
 
     import torch
     from omegaconf import DictConfig
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
     from verl.utils.checkpoint.fsdp_checkpoint_manager import FSDPCheckpointManager
 
-    from tests.fixtures.perrank import _reference, _train
-    from tests.fixtures.writers import hf_llama
+    from tests.fixtures.perrank import _model_and_opt, _reference, _train
 
     warnings.filterwarnings("ignore")
-    model = hf_llama(tie=True)
-    model.config.architectures = ["LlamaForCausalLM"]
-    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("fsdp",))
-    for layer in model.model.layers:
-        fully_shard(layer, mesh=mesh)
-    fully_shard(model, mesh=mesh)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.01)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 4))
+    model, opt, sched = _model_and_opt(tie=True)
     _train(model, opt, sched, rank, 2)
     mgr = FSDPCheckpointManager(
         model, opt, lr_scheduler=sched, checkpoint_config=DictConfig({"save_contents": ["model", "optimizer", "extra"]})

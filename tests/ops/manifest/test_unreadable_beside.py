@@ -12,28 +12,16 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
-import shutil
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import xxhash
 
 from tests.fixtures.cache import copy_checkpoint
+from tests.fixtures.special_files import run_bound_by_permissions
 
-
-def _run(*args: str) -> subprocess.CompletedProcess[str]:
-    """``ckpttool ARGS`` in a subprocess that the permission bits bind (as root: without the DAC capabilities)."""
-    cmd = [sys.executable, "-m", "ckpttool", *args]
-    if os.geteuid() == 0:
-        if shutil.which("setpriv") is None:
-            pytest.skip("root without setpriv: permission bits cannot be made to bind")
-        caps = "-dac_override,-dac_read_search"
-        cmd = ["setpriv", f"--bounding-set={caps}", f"--inh-caps={caps}", *cmd]
-    env = {**os.environ, "COLUMNS": "200"}
-    return subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300, check=False)
+_run = run_bound_by_permissions
 
 
 def _tree(d: Path) -> dict[str, str]:
