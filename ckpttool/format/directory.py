@@ -36,6 +36,7 @@ from ckpttool.format import limits
 from ckpttool.format.dcp_safetensors import is_safetensors_serialized, resolve_safetensors_windows
 from ckpttool.format.digest import DEFAULT_ALGORITHM, digest_bytes
 from ckpttool.format.files import (
+    UNREADABLE_HINT,
     confined,
     copy_regular,
     file_kind,
@@ -67,8 +68,6 @@ __all__ = [
 log = logging.getLogger(__name__)
 DATA_FILE_RE = re.compile(r"^__(\d+)_(\d+)\.distcp$")
 METADATA_NAME = ".metadata"
-#: The hint of a data file this user may not read (chmod 000, another user's file): not an incomplete checkpoint.
-_UNREADABLE_HINT = "make it readable by this user (chmod/chown) and run again"
 
 
 def data_file_ranks(names: Iterable[str]) -> set[int]:
@@ -538,7 +537,7 @@ class CheckpointDir:
                         raise DataFileError(
                             f"{self.path / relative_path}: cannot open data file ({e.strerror})",
                             path=relative_path,
-                            hint=_UNREADABLE_HINT if isinstance(e, PermissionError) else None,
+                            hint=UNREADABLE_HINT if isinstance(e, PermissionError) else None,
                         ) from e
                     self._opened[relative_path] = _file_state(os.fstat(fd))
                     self._fds[relative_path] = fd

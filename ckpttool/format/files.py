@@ -40,7 +40,11 @@ __all__ = [
     "missing_path_hint",
     "unexpanded_tilde_hint",
     "refuse_unexpanded_tilde_output",
+    "UNREADABLE_HINT",
 ]
+
+#: The hint of a file or folder this user may not read or list (chmod 000, another user's): not damage, not missing.
+UNREADABLE_HINT = "make it readable by this user (chmod/chown) and run again"
 
 
 def unexpanded_tilde_hint(path: Path | str) -> str | None:
@@ -189,12 +193,29 @@ def hub_unfinished_download(directory: Path) -> str | None:
     if blobs is None:
         where, command, again = "this folder", "the download (`hf download ... --local-dir`)", "folder"
     else:
-        kind, _, name = blobs.parent.name.partition("--")
-        command = f"`hf download {name.replace('--', '/', 1)}`" if kind == "models" else "the download"
+        command = _download_command(blobs.parent) or "the download"
         where, again = "the hub cache", "snapshot"
     return (
         f"a download into {where} is not finished ({unfinished} .incomplete file(s) in {staging}): "
         f"let {command} finish (or run it again if it stopped), then pass the {again} again"
+    )
+
+
+def _download_command(repo: Path) -> str | None:
+    """```hf download ORG/NAME``` for a hub model repository folder ``models--ORG--NAME``; ``None`` for a dataset's or
+    a space's (their download takes ``--repo-type``)."""
+    kind, _, name = repo.name.partition("--")
+    return f"`hf download {name.replace('--', '/', 1)}`" if kind == "models" else None
+
+
+def link_to_nothing(link: Path) -> tuple[str, str]:
+    """The message and hint for a file ``link`` that is a symlink to nothing (a hub snapshot's link whose blob is
+    gone, or not downloaded yet): a file of the model missing, named by the link, not damage."""
+    return (
+        f"{link}: links to {os.readlink(link)!r:.120}, which does not exist",
+        hub_unfinished_download(link.parent)
+        or "the file the link points to is missing (a hub cache blob deleted or not downloaded); download or copy "
+        "the complete model",
     )
 
 
@@ -208,14 +229,8 @@ def refuse_link_to_nothing(link: Path, param: str | None = None) -> None:
     """
     if not os.path.islink(link) or os.path.exists(link):
         return
-    raise UsageError(
-        f"{link}: links to {os.readlink(link)!r:.120}, which does not exist",
-        path=link,
-        param=param,
-        hint=hub_unfinished_download(link.parent)
-        or "the file the link points to is missing (a hub cache blob deleted or not downloaded); download or copy "
-        "the complete model",
-    )
+    message, hint = link_to_nothing(link)
+    raise UsageError(message, path=link, param=param, hint=hint)
 
 
 def hub_snapshot(repo: Path) -> Path | None:
@@ -264,8 +279,7 @@ def hub_hint(directory: Path) -> str | None:
         revs = sorted(str(d) for d in (directory / "snapshots").iterdir() if d.is_dir())
         main = hub_main_not_in_cache(directory)
         if main is not None:  # the snapshots there are other revisions than the model's main
-            kind, _, name = directory.name.partition("--")
-            fetch = f"`hf download {name.replace('--', '/', 1)}`" if kind == "models" else "its download"
+            fetch = _download_command(directory) or "its download"
             more = f", ... ({len(revs)} in all)" if len(revs) > 3 else ""
             listed = f", or pass the snapshot of the revision you mean, {', '.join(revs[:3])}{more}" if revs else ""
             return (

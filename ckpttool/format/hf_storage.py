@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from ckpttool.errors import CkptError, IncompleteCheckpointError, MetadataError, Refusal
-from ckpttool.format.files import hub_blobs, hub_unfinished_download, resolve_inside
+from ckpttool.format.files import hub_blobs, hub_unfinished_download, link_to_nothing, resolve_inside
 from ckpttool.format.jsonfile import unique_pairs
 from ckpttool.format.metadata import (
     BytesMeta,
@@ -394,16 +394,10 @@ def _in_snapshot_hint(path: Path, save: str) -> str | None:
     )
 
 
-def _link_target_gone(path: Path, p: Path) -> IncompleteCheckpointError:
-    """E202 for the file ``p`` of the folder ``path``, a symlink to nothing: a hub snapshot's link whose blob is gone
-    (deleted from the cache, or not downloaded yet), a file of the model missing, not damage."""
-    return IncompleteCheckpointError(
-        f"{p}: links to {os.readlink(p)!r:.120}, which does not exist",
-        path=p,
-        hint=hub_unfinished_download(path)
-        or "the file the link points to is missing (a hub cache blob deleted or not downloaded); "
-        "download or copy the complete model",
-    )
+def _link_target_gone(p: Path) -> IncompleteCheckpointError:
+    """E202 for the file ``p``, a symlink to nothing (:func:`~ckpttool.format.files.link_to_nothing`)."""
+    message, hint = link_to_nothing(p)
+    return IncompleteCheckpointError(message, path=p, hint=hint)
 
 
 def read_hf_index(path: Path) -> dict[str, str] | None:
@@ -433,7 +427,7 @@ def read_hf_index(path: Path) -> dict[str, str] | None:
             raise MetadataError(
                 f"{shown}: not a readable index (FileNotFoundError)", path=shown, hint=_BAD_INDEX
             ) from None
-        raise _link_target_gone(path, shown) from None  # a hub snapshot's index whose blob is gone
+        raise _link_target_gone(shown) from None  # a hub snapshot's index whose blob is gone
     except (ValueError, OSError) as e:  # not JSON / not UTF-8 / unreadable
         raise MetadataError(
             f"{shown}: not a readable index ({type(e).__name__})", path=shown, hint=_BAD_INDEX
@@ -518,7 +512,7 @@ def _read_file(path: Path, name: str, found: _Found) -> None:
     except FileNotFoundError as e:
         if not os.path.islink(p):
             raise MetadataError(f"{p}: cannot read ({e.strerror})", path=p, hint=_UNREADABLE) from e
-        raise _link_target_gone(path, p) from None
+        raise _link_target_gone(p) from None
     except OSError as e:
         raise MetadataError(f"{p}: cannot read ({e.strerror})", path=p, hint=_UNREADABLE) from e
     header, data_start = read_safetensors_header(p, size)

@@ -14,11 +14,9 @@ from pathlib import Path
 
 from ckpttool.errors import CkptError, DataFileError, NotRegularFileError
 from ckpttool.format.directory import DATA_FILE_RE, CheckpointDir
+from ckpttool.format.files import UNREADABLE_HINT
 
 __all__ = ["FileListing", "list_files"]
-
-#: The hint of an ``extra_state`` folder or file that cannot be read.
-_UNREADABLE_HINT = "make it readable by this user (chmod/chown) and run again"
 
 
 @dataclass(frozen=True)
@@ -72,14 +70,14 @@ def _local_extra_state(cd: CheckpointDir) -> list[tuple[str, int, str]]:
         entries = sorted(extra_dir.iterdir())
     except OSError as e:  # a folder of another user, chmod 000: named, not an internal error
         raise DataFileError(
-            f"{extra_dir}: cannot list the folder ({e.strerror})", path=extra_dir, hint=_UNREADABLE_HINT
+            f"{extra_dir}: cannot list the folder ({e.strerror})", path=extra_dir, hint=UNREADABLE_HINT
         ) from e
     for p in entries:
         rel = f"extra_state/{p.name}"
         try:
             st = cd.resolve(rel).stat() if p.is_symlink() else p.lstat()  # symlinks: confined, then followed
         except OSError as e:
-            raise DataFileError(f"{cd.path / rel}: cannot read ({e.strerror})", path=rel, hint=_UNREADABLE_HINT) from e
+            raise DataFileError(f"{cd.path / rel}: cannot read ({e.strerror})", path=rel, hint=UNREADABLE_HINT) from e
         if stat.S_ISDIR(st.st_mode):
             continue
         if not stat.S_ISREG(st.st_mode):

@@ -37,7 +37,7 @@ from ckpttool.errors import (
 from ckpttool.format import limits
 from ckpttool.format.atomic import atomic_write_bytes, check_file_target, nearest_unwritable
 from ckpttool.format.digest import ALGORITHMS, DEFAULT_ALGORITHM, digest_bytes, new_hasher
-from ckpttool.format.files import read_regular, unexpanded_tilde_hint
+from ckpttool.format.files import UNREADABLE_HINT, hub_repository, read_regular, unexpanded_tilde_hint
 from ckpttool.format.jsonfile import DuplicateKeyError, check_json_graph, json_error, unique_pairs
 from ckpttool.format.jsonview import JsonView
 from ckpttool.format.locator import ChunkLocation
@@ -816,9 +816,7 @@ def sidecar_digests(root: Path, skip: set[str], algorithm: str) -> list[dict[str
 
 
 #: The hint of a file or folder beside the data that cannot be read (a manifest vouches for every one).
-_UNREADABLE_HINT = (
-    "make it readable by this user (chmod/chown) and run again: a manifest digests every file below the checkpoint"
-)
+_UNREADABLE_HINT = f"{UNREADABLE_HINT}: a manifest digests every file below the checkpoint"
 
 
 def _open_beside(full: Path) -> int:
@@ -1537,8 +1535,6 @@ def _missing_manifest_hint(missing: Path, written_by: str) -> str:
 def _in_hub_cache_hint(missing: Path) -> str | None:
     """The hint for a manifest looked for inside a Hugging Face hub cache repository folder (a snapshot's default
     ``manifest.json``), where ckpttool writes none (``refuse_hub_cache_output``); else ``None``."""
-    from ckpttool.format.files import hub_repository
-
     if hub_repository(missing) is None:
         return None
     folder = shell_arg(missing.parent)

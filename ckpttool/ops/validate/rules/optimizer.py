@@ -16,7 +16,7 @@ from collections.abc import Iterator
 from itertools import filterfalse
 from typing import Any
 
-from ckpttool.errors import CkptError
+from ckpttool.errors import CkptError, short_key
 from ckpttool.format.metadata import FLOAT8_DTYPES, dtype_name
 from ckpttool.model.catalog import TensorEntry, alike_groups, dtype_refuted_by, listed_twice, lost_state
 from ckpttool.model.wrappers import strip_wrapper_segments
@@ -560,7 +560,7 @@ def group_members_unknown(ctx: Context) -> Iterator[tuple[str, str]]:
     grouped = {f for g in ctx.cat.param_groups for f in g.params}
     orphans = [fqn for fqn, _, _ in _states(ctx) if fqn not in grouped]
     ids = ", ".join(str(g.group_id) for g in unknown)
-    example = f" (e.g. {orphans[0]})" if orphans else ""
+    example = f" (e.g. {short_key(orphans[0])})" if orphans else ""
     yield (
         ctx.cat.group_key(unknown[0].group_id),
         f"{where}: param groups {ids} are saved without their parameters and are not the trainer's standard "
