@@ -36,10 +36,17 @@ __all__ = [
     "file_kind",
     "open_regular",
     "read_regular",
+    "read_regular_owned",
+    "refuse_directory",
     "copy_regular",
     "missing_path_hint",
     "unexpanded_tilde_hint",
     "refuse_unexpanded_tilde_output",
+    "hub_repository",
+    "hub_unfinished_download",
+    "hub_main_not_in_cache",
+    "link_to_nothing",
+    "refuse_link_to_nothing",
     "UNREADABLE_HINT",
 ]
 
