@@ -78,7 +78,7 @@ def _segments(side: Side, key: str, out: list[tuple[Side, ChunkLocation]]) -> _S
     for c in meta.chunks:
         if c.numel == 0:
             continue
-        loc = side.reader.locate(key, c)
+        loc = side.locate(key, c)
         if not loc.raw or (side.reader.verify_crc and loc.record.member is not None):
             return None
         seg, nseg, start = chunk_segments(c, meta.size)

@@ -40,7 +40,7 @@ from ckpttool.errors import (
     short_key,
 )
 from ckpttool.format.locator import ChunkLocation
-from ckpttool.format.metadata import TensorMeta
+from ckpttool.format.metadata import ChunkMeta, TensorMeta
 from ckpttool.format.perrank import PerRankReader
 from ckpttool.format.perrank_formats import detect_layout
 from ckpttool.format.storage import UrlPath, is_url, local_path, url_path
@@ -122,6 +122,7 @@ class Side:
         self.kind = kind
         self.only_file = only_file
         self._cached: tuple[str, Any] | None = None
+        self._located: tuple[str, dict[ChunkMeta, ChunkLocation]] = ("", {})  # the last key's chunk locations
         self._buf: Any = None  # one reusable byte buffer: no page faults on every tensor
         self._held: tuple[str, ...] = ()  # a remote side: the keys whose windows the spool holds
         self.adapter: str | None = None  # the model adapter that named this side (export naming)
@@ -153,6 +154,22 @@ class Side:
             return keys
         tensors = self.ckpt.catalog.tensors
         return [k for k in keys if k in tensors and self.only_file in tensors[k].files]
+
+    def locate(self, key: str, chunk: ChunkMeta) -> ChunkLocation:
+        """The checked location of one stored chunk of ``key`` (:meth:`CheckpointReader.locate
+        <ckpttool.format.reader.CheckpointReader.locate>`), kept while ``key`` is the last tensor located: a pair
+        whose records differ is located once for its byte compare and once more for its value compare otherwise.
+
+        Raises:
+            the reader's errors for a chunk it cannot locate (:func:`~ckpttool.format.locator.locate_chunk`).
+        """
+        if self._located[0] != key:
+            self._located = (key, {})
+        held = self._located[1]
+        loc = held.get(chunk)
+        if loc is None:
+            loc = held[chunk] = self.reader.locate(key, chunk)
+        return loc
 
     def tensor(self, key: str) -> Any:
         """The global tensor ``key`` as stored (kept until another key is asked for)."""
@@ -209,6 +226,7 @@ class Side:
 
     def drop_cache(self) -> None:
         self._cached = None
+        self._located = ("", {})
 
     def hold(self, item: Item) -> None:
         """A remote side: evict the chunk windows of the item compared before and fetch those of ``item``
@@ -221,6 +239,7 @@ class Side:
         if keys == self._held:
             return
         tensors = reader.metadata.entries
+        self._located = ("", {})  # located in windows about to be evicted: located again once fetched
         for k in self._held:
             meta = tensors.get(k)
             if isinstance(meta, TensorMeta):
@@ -927,7 +946,7 @@ def _raw_equal(a: Side, ia: Item, b: Side, ib: Item) -> bool | None:
         if ra_ is None or rb_ is None:
             return None
         return _run_equal(a, ra_, b, rb_)
-    la, lb = [a.reader.locate(ea.key, c) for c in ca], [b.reader.locate(eb.key, c) for c in ca]
+    la, lb = [a.locate(ea.key, c) for c in ca], [b.locate(eb.key, c) for c in ca]
     if not all(x.raw and y.raw for x, y in zip(la, lb)):
         return None
     if any(_zip_crcs_differ(x, y) for x, y in zip(la, lb)):
@@ -959,7 +978,7 @@ def _row_blocks(side: Side, e: TensorEntry) -> list[ChunkLocation] | None:
         pos += c.sizes[0]
     if e.shape and pos != e.shape[0]:
         return None
-    locs = [side.reader.locate(e.key, c) for c in chunks]
+    locs = [side.locate(e.key, c) for c in chunks]
     return locs if all(loc.raw for loc in locs) else None
 
 
