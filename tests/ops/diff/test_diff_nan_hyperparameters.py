@@ -59,3 +59,21 @@ def test_nan_tensor_lr_equals_the_same_nan_and_differs_from_a_number(tmp_path: P
         "optimizer.param_groups.bias.lr",
         "optimizer.param_groups.weight.lr",
     ]
+
+
+def test_tolerances_are_for_tensor_values_not_hyperparameters(tmp_path: Path) -> None:
+    """docs/diff.md: `--rtol/--atol` widen tensor comparisons only; an lr 1e-9 apart is a scheduler state that differs."""
+    _lr_save(tmp_path / "a", 0.01)
+    _lr_save(tmp_path / "b", 0.01 + 1e-9)
+    res = runner.invoke(
+        app,
+        ["diff", str(tmp_path / "a"), str(tmp_path / "b"), "--what", "optimizer", "--json"]
+        + ["--atol", "1", "--rtol", "1"],
+    )
+    doc = json.loads(res.stdout)
+    assert res.exit_code == 1 and sorted(d["name"] for d in doc["differences"]) == [
+        "optimizer.param_groups.bias.lr",
+        "optimizer.param_groups.weight.lr",
+    ]
+    # the state tensors are equal, within any tolerance
+    assert doc["tensors"] and all(s["status"] != "differ" for s in doc["tensors"])
