@@ -788,3 +788,24 @@ def test_verify_refuses_hash_and_covers_it_would_ignore(dense_ckpt: Path, tmp_pa
     res = invoke("manifest", dense_ckpt, "--verify", "-o", man, "--json")
     assert res.exit_code == 0 and json.loads(res.stdout)["algorithm"] == "blake3"
     assert "record" in {e.get("covers") for e in json.loads(man.read_text())["entries"]}
+
+
+@pytest.mark.parametrize("edit", ["absent file", "short size"])
+def test_a_data_files_list_contradicting_its_entries_is_refused(dense_ckpt: Path, tmp_path: Path, edit: str) -> None:
+    """``data_files`` records the size of each file the entries' windows lie in. Edited to name a file no entry is
+    stored in (and that is not on disk), or a size that ends before an entry's window, --verify said "matches" and
+    exited 0: the manifest contradicts itself and is now refused (E260), naming the list item."""
+    ck = copy_checkpoint(dense_ckpt, tmp_path / "ck")
+    assert invoke("manifest", ck).exit_code == 0
+    doc = json.loads((ck / "manifest.json").read_text())
+    if edit == "absent file":
+        doc["data_files"].append({"file": "__9_0.distcp", "size": 12})
+        want = "data_files[1] ('__9_0.distcp') is a file no entry is stored in"
+    else:
+        doc["data_files"][0]["size"] = 100
+        want = "data_files[0] ('__0_0.distcp') has 100 bytes, less than the"
+    (ck / "manifest.json").write_text(json.dumps(doc))
+    for args in (["manifest", ck, "--verify"], ["validate", ck, "--manifest"]):
+        res = invoke(*args)
+        assert res.exit_code == 2 and res.stdout == "", res.stdout
+        assert res.stderr.startswith("error: [E260]") and want in res.stderr, res.stderr
