@@ -194,6 +194,24 @@ def test_import_megatron_round_trips_through_export(hf_dirs: Path, tmp_path: Pat
         assert a[k].dtype == b[k].dtype and torch.equal(a[k], b[k]), k
 
 
+def test_import_megatron_then_per_expert_export_gives_the_saved_files_back(hf_dirs: Path, tmp_path: Path) -> None:
+    """transformers saves Qwen3-MoE's experts per expert (``mlp.experts.{j}.gate_proj.weight``); HF -> megatron -> HF
+    came back fused only (``export --experts per-expert`` was E601 for megatron's stacked experts). Now the export
+    with ``--experts per-expert`` is the source's safetensors bitwise, every key and dtype, from a 3-rank import."""
+    src = hf_dirs / "qwen_moe"
+    out = tmp_path / "mg"
+    r = runner.invoke(app, ["import", str(src), str(out), "--schema", "megatron", "--world-size", "3"])
+    assert r.exit_code == 0, r.output
+    back = tmp_path / "hf"
+    args = ["--model-assets", str(src), "--experts", "per-expert"]
+    r = runner.invoke(app, ["export", str(out), str(back), *args])
+    assert r.exit_code == 0, r.output
+    a, b = _hf(src), _hf(back)
+    assert any(".mlp.experts.0.gate_proj." in k for k in a) and set(a) == set(b), set(a) ^ set(b)
+    for k in a:
+        assert a[k].dtype == b[k].dtype and torch.equal(a[k].view(torch.uint8), b[k].view(torch.uint8)), k
+
+
 def test_import_megatron_refuses_what_megatron_has_no_place_for(hf_dirs: Path, tmp_path: Path) -> None:
     """An HF tensor megatron's GPTModel has no key for, or a missing layer: E601, nothing written."""
     from safetensors.torch import save_file

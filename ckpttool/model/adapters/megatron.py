@@ -16,7 +16,7 @@ and the pre-MLP norm into ``linear_fc1.layer_norm_weight``. Element layouts
 - ``linear_qkv.bias [L, ng * (nq/ng + 2) * hd]`` (Qwen2) as the weight's rows; ``q_layernorm`` /
   ``k_layernorm [L, hd]`` (Qwen3) -> ``self_attn.q_norm`` / ``k_norm``.
 
-Export: experts fused only (``--experts per-expert`` is refused). Import (``import --schema
+Export: experts fused (``--experts per-expert``: split by the export's expert rules, ``split_adapter_experts``). Import (``import --schema
 megatron``): :func:`megatron_from_hf` inverts the same maps for a whole HF model at once (one
 megatron tensor gathers one HF tensor per layer), HF experts fused (transformers v5
 ``experts.gate_up_proj``) or per expert (``experts.{j}.gate_proj``). Torch-free.
