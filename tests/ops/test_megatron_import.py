@@ -232,6 +232,34 @@ def test_import_megatron_refuses_what_megatron_has_no_place_for(hf_dirs: Path, t
     assert not (tmp_path / "o2").exists()
 
 
+def test_import_megatron_of_dense_layers_beside_moe_layers_names_them(tmp_path: Path) -> None:
+    """A Qwen3-MoE whose layer 0 is dense (``mlp_only_layers``, saved by ``save_pretrained``): ``import --schema
+    megatron`` said "model.layers.0.mlp.experts.0.gate_proj.weight: missing from the HF model", the hint "the HF
+    checkpoint is incomplete", of a complete folder. Now the one E601 line names the dense layer and the MoE layer;
+    the import its hint names (torch-native) loads into the model with torch's dcp.load, every tensor bitwise."""
+    import torch.distributed.checkpoint as dcp
+    from transformers import Qwen3MoeForCausalLM
+
+    cfg = hf_models.qwen_moe_config()
+    cfg.mlp_only_layers = [0]
+    torch.manual_seed(3)
+    model = Qwen3MoeForCausalLM(cfg)
+    model.save_pretrained(tmp_path / "hf")
+    r = runner.invoke(app, ["import", str(tmp_path / "hf"), str(tmp_path / "mg"), "--schema", "megatron"])
+    assert r.exit_code == 2 and not (tmp_path / "mg").exists(), r.output
+    err, hint = r.stderr.strip().splitlines()
+    assert err.startswith(
+        "error: [E601] model.layers.0.mlp.gate_proj.weight: layer 0 has a dense MLP while layer 1 has experts"
+    ), err
+    assert hint.startswith("hint: import it with --schema torch-native"), hint
+    r = runner.invoke(app, ["import", str(tmp_path / "hf"), str(tmp_path / "native")])
+    assert r.exit_code == 0, r.output
+    want = model.state_dict()
+    sd = {"model": {k: torch.zeros_like(v) for k, v in want.items()}}
+    dcp.load(sd, checkpoint_id=str(tmp_path / "native"), no_dist=True)
+    assert all(torch.equal(sd["model"][k], v) for k, v in want.items())
+
+
 @pytest.mark.parametrize("family", ["gpt2", "opt"])
 def test_import_megatron_of_a_model_tied_to_another_embedding_is_refused_by_key(tmp_path: Path, family: str) -> None:
     """GPT-2 (`transformer.wte.weight`) and OPT (`model.decoder.embed_tokens.weight`) saved by save_pretrained, their
