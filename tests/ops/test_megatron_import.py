@@ -212,6 +212,49 @@ def test_import_megatron_then_per_expert_export_gives_the_saved_files_back(hf_di
         assert a[k].dtype == b[k].dtype and torch.equal(a[k].view(torch.uint8), b[k].view(torch.uint8)), k
 
 
+def test_validate_config_counts_megatrons_stacked_layers_and_its_head(hf_dirs: Path, tmp_path: Path) -> None:
+    """``validate --config`` of a megatron checkpoint (an import's, and megatron-core's own save) with the model's
+    config.json failed: M001 "no model key has a layers.<N> component" (the layers are stacked, ``decoder.layers.*``
+    ``[L, ...]``) and M004 "lm_head.weight is missing" (the head is ``output_layer.weight``). Both now read the
+    layers and the head ``export`` writes through the megatron-gpt adapter: clean with the right config, and still
+    reported with a config of 3 layers or an untied head."""
+    from tests.ops.test_megatron_export import DATA, _assets
+
+    src = hf_dirs / "qwen_moe"
+    out = tmp_path / "mg"
+    assert (
+        runner.invoke(app, ["import", str(src), str(out), "--schema", "megatron", "--world-size", "3"]).exit_code == 0
+    )
+    r = runner.invoke(app, ["validate", str(out), "--strict", "--config", str(src / "config.json")])
+    assert r.exit_code == 0, r.output
+    doc = json.loads((DATA / "moe_ep2" / "model.json").read_text())
+    assets = _assets(tmp_path, True, doc)
+    r = runner.invoke(app, ["validate", str(DATA / "moe_ep2"), "--strict", "--config", str(assets / "config.json")])
+    assert r.exit_code == 0, r.output
+
+    def findings(ckpt: Path, cfg: dict[str, Any]) -> list[tuple[str, str]]:
+        (tmp_path / "c.json").write_text(json.dumps(cfg))
+        args = ["--config", str(tmp_path / "c.json"), "--select", "M001,M004", "--json"]
+        r = runner.invoke(app, ["validate", str(ckpt), *args])
+        assert r.exit_code == 1, r.output
+        return [(f["code"], f["message"]) for f in json.loads(r.stdout)["findings"] if f["severity"] == "error"]
+
+    c = json.loads((src / "config.json").read_text())
+    assert findings(out, {**c, "num_hidden_layers": 3}) == [
+        (
+            "M001",
+            "model.layers: has layers 0..1 (the layers export writes through megatron-gpt), config num_hidden_layers 3: "
+            "missing 2 (indices restart at 0: stage-local numbering of one pipeline stage?)",
+        )
+    ]
+    tied = tmp_path / "tied"
+    assert runner.invoke(app, ["import", str(hf_dirs / "llama_tied"), str(tied), "--schema", "megatron"]).exit_code == 0
+    c = json.loads((hf_dirs / "llama_tied" / "config.json").read_text())
+    assert findings(tied, {**c, "tie_word_embeddings": False}) == [
+        ("M004", "lm_head.weight is missing and tie_word_embeddings is not true")
+    ]
+
+
 def test_import_megatron_refuses_what_megatron_has_no_place_for(hf_dirs: Path, tmp_path: Path) -> None:
     """An HF tensor megatron's GPTModel has no key for, or a missing layer: E601, nothing written."""
     from safetensors.torch import save_file
