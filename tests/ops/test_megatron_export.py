@@ -111,16 +111,45 @@ def test_diff_against_the_export(tmp_path: Path) -> None:
     assert key in differ.output
 
 
-def test_per_expert_is_refused_not_ignored(tmp_path: Path) -> None:
+def test_per_expert_export_of_stacked_experts_loads_as_the_fused_export(tmp_path: Path) -> None:
+    """``--experts per-expert`` of megatron's stacked experts ``[L, E, 2I, H]`` was refused (E601 "this model adapter
+    writes fused expert tensors only"), so an HF model imported with ``--schema megatron`` never came back as the
+    per-expert files ``save_pretrained`` wrote. It now writes each expert under the names a Mixtral ``save_pretrained``
+    gives (``block_sparse_moe.experts.{j}.w1/w3/w2.weight``): transformers loads the same weights as from the fused
+    export (its own key conversion), and ``diff`` finds it equal to the megatron checkpoint."""
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
     doc = json.loads((DATA / "moe_ep2" / "model.json").read_text())
     assets = _assets(tmp_path, True, doc)
-    out = tmp_path / "hf"
-    r = runner.invoke(
-        app, ["export", str(DATA / "moe_ep2"), str(out), "--model-assets", str(assets), "--experts", "per-expert"]
-    )
-    assert r.exit_code == 2, r.output
-    assert "fused expert tensors only" in r.output and "--experts fused" in r.output
-    assert not out.exists()
+    fused, split = tmp_path / "fused", tmp_path / "split"
+    r = runner.invoke(app, ["export", str(DATA / "moe_ep2"), str(fused), "--model-assets", str(assets)])
+    assert r.exit_code == 0, r.output
+    args = ["--model-assets", str(assets), "--experts", "per-expert"]
+    r = runner.invoke(app, ["export", str(DATA / "moe_ep2"), str(split), *args])
+    assert r.exit_code == 0, r.output
+    got = load_file(split / "model.safetensors")
+    n, e = doc["model"]["layers"], doc["model"]["experts"]
+    names = {
+        f"model.layers.{i}.block_sparse_moe.experts.{j}.w{w}.weight"
+        for i in range(n)
+        for j in range(e)
+        for w in (1, 2, 3)
+    }
+    assert names <= set(got) and not any(".mlp.experts." in k for k in got), sorted(got)
+    want = load_file(fused / "model.safetensors")
+    for i in range(n):
+        up, down = want[f"model.layers.{i}.mlp.experts.gate_up_proj"], want[f"model.layers.{i}.mlp.experts.down_proj"]
+        half = up.shape[1] // 2
+        for j in range(e):
+            x = f"model.layers.{i}.block_sparse_moe.experts.{j}."
+            assert torch.equal(got[x + "w1.weight"], up[j, :half]) and torch.equal(got[x + "w3.weight"], up[j, half:])
+            assert torch.equal(got[x + "w2.weight"], down[j])
+    a = AutoModelForCausalLM.from_pretrained(fused, dtype=torch.float32).state_dict()
+    b = AutoModelForCausalLM.from_pretrained(split, dtype=torch.float32).state_dict()
+    assert set(a) == set(b) and all(torch.equal(a[k], b[k]) for k in a)
+    same = runner.invoke(app, ["diff", str(DATA / "moe_ep2"), str(split)])
+    assert same.exit_code == 0 and "equal" in same.output, same.output
 
 
 def test_quantized_fused_experts_warning_gives_advice_that_works(tmp_path: Path) -> None:

@@ -194,6 +194,72 @@ def test_import_megatron_round_trips_through_export(hf_dirs: Path, tmp_path: Pat
         assert a[k].dtype == b[k].dtype and torch.equal(a[k], b[k]), k
 
 
+def test_import_megatron_then_per_expert_export_gives_the_saved_files_back(hf_dirs: Path, tmp_path: Path) -> None:
+    """transformers saves Qwen3-MoE's experts per expert (``mlp.experts.{j}.gate_proj.weight``); HF -> megatron -> HF
+    came back fused only (``export --experts per-expert`` was E601 for megatron's stacked experts). Now the export
+    with ``--experts per-expert`` is the source's safetensors bitwise, every key and dtype, from a 3-rank import."""
+    src = hf_dirs / "qwen_moe"
+    out = tmp_path / "mg"
+    r = runner.invoke(app, ["import", str(src), str(out), "--schema", "megatron", "--world-size", "3"])
+    assert r.exit_code == 0, r.output
+    back = tmp_path / "hf"
+    args = ["--model-assets", str(src), "--experts", "per-expert"]
+    r = runner.invoke(app, ["export", str(out), str(back), *args])
+    assert r.exit_code == 0, r.output
+    a, b = _hf(src), _hf(back)
+    assert any(".mlp.experts.0.gate_proj." in k for k in a) and set(a) == set(b), set(a) ^ set(b)
+    for k in a:
+        assert a[k].dtype == b[k].dtype and torch.equal(a[k].view(torch.uint8), b[k].view(torch.uint8)), k
+    # diff splits the stacked experts as that export does: every value of the source compared (was 52 "differences")
+    r = runner.invoke(app, ["diff", str(out), str(src), "--json"])
+    assert r.exit_code == 0, r.output
+    summary = json.loads(r.stdout)["summary"]
+    assert summary["tensors"] == summary["equal"] == len(a) and summary["differ"] == 0, summary
+
+
+def test_validate_config_counts_megatrons_stacked_layers_and_its_head(hf_dirs: Path, tmp_path: Path) -> None:
+    """``validate --config`` of a megatron checkpoint (an import's, and megatron-core's own save) with the model's
+    config.json failed: M001 "no model key has a layers.<N> component" (the layers are stacked, ``decoder.layers.*``
+    ``[L, ...]``) and M004 "lm_head.weight is missing" (the head is ``output_layer.weight``). Both now read the
+    layers and the head ``export`` writes through the megatron-gpt adapter: clean with the right config, and still
+    reported with a config of 3 layers or an untied head."""
+    from tests.ops.test_megatron_export import DATA, _assets
+
+    src = hf_dirs / "qwen_moe"
+    out = tmp_path / "mg"
+    assert (
+        runner.invoke(app, ["import", str(src), str(out), "--schema", "megatron", "--world-size", "3"]).exit_code == 0
+    )
+    r = runner.invoke(app, ["validate", str(out), "--strict", "--config", str(src / "config.json")])
+    assert r.exit_code == 0, r.output
+    doc = json.loads((DATA / "moe_ep2" / "model.json").read_text())
+    assets = _assets(tmp_path, True, doc)
+    r = runner.invoke(app, ["validate", str(DATA / "moe_ep2"), "--strict", "--config", str(assets / "config.json")])
+    assert r.exit_code == 0, r.output
+
+    def findings(ckpt: Path, cfg: dict[str, Any]) -> list[tuple[str, str]]:
+        (tmp_path / "c.json").write_text(json.dumps(cfg))
+        args = ["--config", str(tmp_path / "c.json"), "--select", "M001,M004", "--json"]
+        r = runner.invoke(app, ["validate", str(ckpt), *args])
+        assert r.exit_code == 1, r.output
+        return [(f["code"], f["message"]) for f in json.loads(r.stdout)["findings"] if f["severity"] == "error"]
+
+    c = json.loads((src / "config.json").read_text())
+    assert findings(out, {**c, "num_hidden_layers": 3}) == [
+        (
+            "M001",
+            "model.layers: has layers 0..1 (the layers export writes through megatron-gpt), config num_hidden_layers 3: "
+            "missing 2 (indices restart at 0: stage-local numbering of one pipeline stage?)",
+        )
+    ]
+    tied = tmp_path / "tied"
+    assert runner.invoke(app, ["import", str(hf_dirs / "llama_tied"), str(tied), "--schema", "megatron"]).exit_code == 0
+    c = json.loads((hf_dirs / "llama_tied" / "config.json").read_text())
+    assert findings(tied, {**c, "tie_word_embeddings": False}) == [
+        ("M004", "lm_head.weight is missing and tie_word_embeddings is not true")
+    ]
+
+
 def test_import_megatron_refuses_what_megatron_has_no_place_for(hf_dirs: Path, tmp_path: Path) -> None:
     """An HF tensor megatron's GPTModel has no key for, or a missing layer: E601, nothing written."""
     from safetensors.torch import save_file
@@ -212,6 +278,34 @@ def test_import_megatron_refuses_what_megatron_has_no_place_for(hf_dirs: Path, t
     r = runner.invoke(app, ["import", str(src), str(tmp_path / "o2"), "--schema", "megatron"])
     assert r.exit_code != 0 and "E601" in r.output and "model.layers.1.mlp.up_proj.weight" in r.output
     assert not (tmp_path / "o2").exists()
+
+
+def test_import_megatron_of_dense_layers_beside_moe_layers_names_them(tmp_path: Path) -> None:
+    """A Qwen3-MoE whose layer 0 is dense (``mlp_only_layers``, saved by ``save_pretrained``): ``import --schema
+    megatron`` said "model.layers.0.mlp.experts.0.gate_proj.weight: missing from the HF model", the hint "the HF
+    checkpoint is incomplete", of a complete folder. Now the one E601 line names the dense layer and the MoE layer;
+    the import its hint names (torch-native) loads into the model with torch's dcp.load, every tensor bitwise."""
+    import torch.distributed.checkpoint as dcp
+    from transformers import Qwen3MoeForCausalLM
+
+    cfg = hf_models.qwen_moe_config()
+    cfg.mlp_only_layers = [0]
+    torch.manual_seed(3)
+    model = Qwen3MoeForCausalLM(cfg)
+    model.save_pretrained(tmp_path / "hf")
+    r = runner.invoke(app, ["import", str(tmp_path / "hf"), str(tmp_path / "mg"), "--schema", "megatron"])
+    assert r.exit_code == 2 and not (tmp_path / "mg").exists(), r.output
+    err, hint = r.stderr.strip().splitlines()
+    assert err.startswith(
+        "error: [E601] model.layers.0.mlp.gate_proj.weight: layer 0 has a dense MLP while layer 1 has experts"
+    ), err
+    assert hint.startswith("hint: import it with --schema torch-native"), hint
+    r = runner.invoke(app, ["import", str(tmp_path / "hf"), str(tmp_path / "native")])
+    assert r.exit_code == 0, r.output
+    want = model.state_dict()
+    sd = {"model": {k: torch.zeros_like(v) for k, v in want.items()}}
+    dcp.load(sd, checkpoint_id=str(tmp_path / "native"), no_dist=True)
+    assert all(torch.equal(sd["model"][k], v) for k, v in want.items())
 
 
 @pytest.mark.parametrize("family", ["gpt2", "opt"])

@@ -16,7 +16,7 @@ and the pre-MLP norm into ``linear_fc1.layer_norm_weight``. Element layouts
 - ``linear_qkv.bias [L, ng * (nq/ng + 2) * hd]`` (Qwen2) as the weight's rows; ``q_layernorm`` /
   ``k_layernorm [L, hd]`` (Qwen3) -> ``self_attn.q_norm`` / ``k_norm``.
 
-Export: experts fused only (``--experts per-expert`` is refused). Import (``import --schema
+Export: experts fused (``--experts per-expert``: split by the export's expert rules, ``split_adapter_experts``). Import (``import --schema
 megatron``): :func:`megatron_from_hf` inverts the same maps for a whole HF model at once (one
 megatron tensor gathers one HF tensor per layer), HF experts fused (transformers v5
 ``experts.gate_up_proj``) or per expert (``experts.{j}.gate_proj``). Torch-free.
@@ -439,6 +439,7 @@ def megatron_from_hf(
             fqn=bad,
             hint="pass the config.json of this model",
         )
+    _refuse_mixed_mlps(by_layer)
     per_expert = (cfg.num_experts or max(expert_ids) + 1) if expert_ids else None
     # Layers past the first absent one are never built: that layer is missing (E601 from _stack), however many
     # more the config claims (``num_hidden_layers: 10**18`` looped and grew a list without end).
@@ -455,6 +456,32 @@ def megatron_from_hf(
         extra_state=_extra_state_keys(n_layers, n_exp),
         num_layers=n_layers,
         num_experts=n_exp,
+    )
+
+
+_DENSE_MLP = ("mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.down_proj.weight")
+
+
+def _refuse_mixed_mlps(by_layer: dict[int, dict[str, tuple[int, ...]]]) -> None:
+    """Raise for dense MLP layers beside MoE layers (Qwen3-MoE's ``mlp_only_layers`` / ``decoder_sparse_step``,
+    DeepSeek's ``first_k_dense_replace``): the stacked keys hold one MLP kind in every layer.
+
+    Raises:
+        ExportError (E601): naming a dense layer's key and a MoE layer.
+    """
+    dense = next((i for i in sorted(by_layer) if f"model.layers.{i}.{_DENSE_MLP[0]}" in by_layer[i]), None)
+    if dense is None:
+        return
+    moe = next((i for i in sorted(by_layer) if any(".mlp.experts." in k for k in by_layer[i])), None)
+    if moe is None:
+        return
+    key = f"model.layers.{dense}.{_DENSE_MLP[0]}"
+    raise ExportError(
+        f"{key}: layer {dense} has a dense MLP while layer {moe} has experts; megatron's stacked layers "
+        "(decoder.layers.*) hold one MLP kind, and import --schema megatron does not write megatron's per-layer keys "
+        "for mixed dense and MoE layers (moe_layer_freq)",
+        fqn=key,
+        hint="import it with --schema torch-native (it loads into the transformers model the config builds)",
     )
 
 

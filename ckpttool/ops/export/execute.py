@@ -921,7 +921,7 @@ def _per_expert_names_note(
 
 def _resolved_experts(opts: ExportOptions, selected: list[Selected]) -> ExportOptions:
     """``opts`` with ``experts`` ``None`` resolved (:func:`_experts`), ``fused`` where a model adapter writes fused
-    expert tensors only (megatron's stacked experts) and nothing else could be split."""
+    expert tensors of its own (megatron's stacked experts: split only when ``experts`` per-expert is asked for)."""
     if opts.experts is not None:
         return opts
     experts = _experts(opts)
@@ -950,7 +950,7 @@ def _output_format(opts: ExportOptions) -> OutputFormat:
 def _resolved(opts: ExportOptions, ckpt: Checkpoint) -> ExportOptions:
     """``weights`` ``None`` / ``auto`` resolved (``master`` when any parameter has a ``master_weight``); ``save_dtype``
     ``preserve`` is ``bfloat16`` for the tensors a quantized export leaves unquantized (``experts`` ``None`` is
-    resolved by :func:`_prepare`, which knows whether a model adapter writes fused experts only)."""
+    resolved by :func:`_prepare`, which knows whether a model adapter writes fused experts of its own)."""
     weights, save_dtype = opts.weights or ("auto" if opts.quantize is not None else "params"), opts.save_dtype
     if weights == "auto":
         states = ckpt.catalog.optimizer_state.values()
@@ -1819,6 +1819,9 @@ def written_sources(plan: ExportPlan) -> Iterator[tuple[str, tuple[int, ...], st
         s, dtype = t.selected, t.pieces[0].dtype
         if s.hf is not None and not s.hf.pieces:
             yield s.hf.key, s.hf.shape, dtype, s.model_key
+        elif s.hf is not None and s.hf.fused_experts:  # an adapter's fused experts, split per expert or not
+            for key, shape in s.hf.pieces:
+                yield key, shape, dtype, s.model_key
         elif t.pieces[0].expert is not None:
             yield s.out_key, s.source.shape, dtype, s.model_key
         else:

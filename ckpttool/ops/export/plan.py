@@ -40,6 +40,7 @@ __all__ = [
     "build_plan",
     "check_expert_dim",
     "per_expert_pieces",
+    "split_adapter_experts",
     "require_model_tensors",
     "check_quantized_sources",
     "check_trainable_dtypes",
@@ -805,6 +806,7 @@ def adapter_pieces(
     experts: str,
     order: tuple[int, ...] | None,
     num_experts: int | None,
+    rules: ExportRules | None = None,
 ) -> tuple[tuple[Piece, ...], tuple[Run, ...] | None]:
     """The output pieces and element runs of a source mapped by a model adapter.
 
@@ -812,20 +814,21 @@ def adapter_pieces(
     - a fused half (``nparts`` 2) of ``[E, A, B]``: expert ``j``'s ``A*B`` elements go to
       ``[j, part*A:(part+1)*A, :]`` of the shared ``[E, 2A, B]`` piece, or (per-expert) to a piece ``[A, B]`` of its own.
     - an expert tensor ``[E, A, B]`` kept fused: as stored; per-expert: ``E`` pieces ``[A, B]``.
+    - an adapter's explicit fused expert pieces (megatron's stacked experts), per-expert: split by the expert rule
+      of ``rules`` that names them (:func:`split_adapter_experts`).
     - anything else: one piece as stored (``runs`` ``None``: a direct copy when the dtype is kept).
 
     Raises:
-        ExportError: an expert dim that disagrees with the config's ``num_experts``.
+        ExportError: an expert dim that disagrees with the config's ``num_experts``; adapter expert pieces that no
+            expert rule splits.
     """
     shape = s.source.shape
     if hf.pieces:  # an adapter's explicit element map (one source -> several HF tensors)
+        pieces = tuple(Piece(k, sh, dtype, shared=hf.shared) for k, sh in hf.pieces)
+        runs = tuple(Run(*r) for r in hf.runs)
         if hf.fused_experts and experts == "per-expert":
-            raise ExportError(
-                f"{s.model_key}: this model adapter writes fused expert tensors only ({hf.key})",
-                fqn=s.model_key,
-                hint="export with `experts` fused",
-            )
-        return tuple(Piece(k, sh, dtype, shared=hf.shared) for k, sh in hf.pieces), tuple(Run(*r) for r in hf.runs)
+            return split_adapter_experts(s, pieces, runs, rules)
+        return pieces, runs
     if hf.rope_heads is not None:
         rows, cols = shape
         dst = rope_to_hf_rows(hf.rope_heads, rows // hf.rope_heads)
@@ -846,6 +849,47 @@ def adapter_pieces(
     if order is None:
         return (Piece(hf.key, hf.shape, dtype),), None
     return (Piece(hf.key, hf.shape, dtype),), tuple(Run(stored[j] * slab, slab, 0, j * slab) for j in range(e))
+
+
+def split_adapter_experts(
+    s: Selected, pieces: tuple[Piece, ...], runs: tuple[Run, ...], rules: ExportRules | None
+) -> tuple[tuple[Piece, ...], tuple[Run, ...]]:
+    """An adapter's fused expert pieces ``[E, A, B]`` (megatron's ``experts.gate_up_proj`` / ``down_proj`` of each
+    layer) as the per-expert pieces ``[A / n, B]`` the expert rule naming each gives (``experts.{j}.gate_proj.weight``
+    ...): every run cut where it crosses an expert's part; pieces no run writes (an expert saved as its own key
+    writes one) are left out.
+
+    Raises:
+        ExportError (E601): a piece no expert rule of ``rules`` splits, or whose dim 1 its parts do not divide.
+    """
+    split: list[tuple[int, int, int]] = []  # per fused piece: first new piece, part size (elements), parts per expert
+    out: list[Piece] = []
+    for p in pieces:
+        rule = rules.expert_rule(p.name) if rules is not None and len(p.shape) == 3 else None
+        n = len(rule.parts) if rule is not None else 0
+        if rule is None or p.shape[1] % n:
+            raise ExportError(
+                f"{s.model_key}: {p.name} {list(p.shape)} matches no per-expert split of the experts rules",
+                fqn=s.model_key,
+                hint="export with `experts` fused",
+            )
+        e, a, b = p.shape
+        names = rule.split_names(p.name, e)
+        assert names is not None
+        split.append((len(out), a // n * b, n))
+        out += [Piece(names[j][q], (a // n, b), p.dtype, j, q, n) for j in range(e) for q in range(n)]
+    cut: list[Run] = []
+    for r in runs:
+        first, part, _ = split[r.piece]
+        src, dst, left = r.src, r.dst, r.length
+        while left:
+            k, off = divmod(dst, part)
+            n = min(left, part - off)
+            cut.append(Run(src, n, first + k, off))
+            src, dst, left = src + n, dst + n, left - n
+    used = sorted({r.piece for r in cut})
+    index = {old: new for new, old in enumerate(used)}
+    return tuple(out[i] for i in used), tuple(Run(r.src, r.length, index[r.piece], r.dst) for r in cut)
 
 
 def unaccounted_tensors(cat: Catalog, plan: ExportPlan, dropped: set[str]) -> list[str]:

@@ -425,7 +425,7 @@ class QuantizedFormat(OutputFormat):
         self._experts: tuple[list[str], list[str]] = ([], [])  # (kept, quantized) fused expert tensors
         self._fused_rows: dict[str, int] = {}  # quantized fused expert tensor -> its rows (`out` of [E, out, in])
         self._names: set[str] = set()  # every output tensor planned (what the `quantize_skip` globs are matched to)
-        self._fused_only = False  # a model adapter writes fused expert tensors only (megatron's stacked experts)
+        self._fused_only = False  # a model adapter writes fused expert tensors (megatron's stacked experts)
 
     # delegated hooks
     def check_options(self, experts: str) -> None:
@@ -566,7 +566,7 @@ class QuantizedFormat(OutputFormat):
         """Raises ExportError: fused expert tensors to quantize in a quant format with no fused layout."""
         fused = next((p.name for p in pieces if fused_experts(p.name, p.shape)), None)
         if fused is not None and self.spec.fmt != "fp8":
-            # a model adapter that writes fused experts only (megatron's stacked experts) refuses `experts` per-expert
+            # a model adapter's own fused experts (megatron's stacked experts) are fused unless `experts` per-expert
             per_expert = "" if s.hf is not None and s.hf.fused_experts else "`experts` per-expert (or "
             raise ExportError(
                 f"{s.model_key}: fused expert tensor {fused} [E, out, in]: `quant_format` {self.spec.fmt} has no "
@@ -681,8 +681,7 @@ class QuantizedFormat(OutputFormat):
         if not self._experts[1]:
             return out
         remedy = (
-            "this model adapter writes fused expert tensors only (`experts` per-expert is refused): leave them "
-            "unquantized with `quantize_skip` '*.experts.*'"
+            "export with `experts` per-expert for them, or leave them unquantized with `quantize_skip` '*.experts.*'"
             if self._fused_only
             else "export with `experts` per-expert (the default with `quantize`) for them"
         )

@@ -98,7 +98,7 @@ class HFFormat(ModelFormat):
             if hf is not None:
                 order = ctx.orders.get(s.model_key) if ctx.orders else None
                 experts = "per-expert" if ctx.per_expert else "fused"
-                pieces, runs = adapter_pieces(s, hf, dtype, experts, order, ctx.num_experts)
+                pieces, runs = adapter_pieces(s, hf, dtype, experts, order, ctx.num_experts, ctx.rules)
                 counted = [p.name for p in pieces if not p.shared or hf.part == 0]  # a fused tensor counts once
                 return pieces, runs, None, counted
             # the rule matters for [E, A, B] tensors, and for any shape with per-expert (which refuses other shapes)

@@ -70,6 +70,30 @@ def _num_experts(ctx: Context) -> int | None:
     return int(v) if isinstance(v, int) and v > 0 else None
 
 
+def _layer_indices(keys: Collection[str]) -> dict[str, set[int]]:
+    """Layer container prefix -> the layer indices of ``keys`` under it (:data:`_LAYER_RE`)."""
+    by_prefix: dict[str, set[int]] = defaultdict(set)
+    for key in keys:
+        m = _LAYER_RE.match(key)
+        if m:
+            by_prefix[m["prefix"]].add(int(m["idx"]))
+    return by_prefix
+
+
+def _adapter_names(ctx: Context) -> dict[str, _Ours] | None:
+    """The HF names ``export`` writes through the model adapter of a checkpoint whose model keys are that adapter's
+    (Megatron's stacked ``decoder.layers.*``), with ``--config`` for its dimensions; ``None`` where the keys are HF
+    names already or no adapter maps them."""
+    if ctx.config is None:
+        return None
+    names: dict[str, _Ours]
+    skip: str | None
+    names, skip = ctx.once("against_names", lambda: _against_names(ctx))
+    if skip is not None or all(o.via is None for o in names.values()):
+        return None
+    return names
+
+
 @rule("M001")
 def layer_coverage(ctx: Context) -> Iterator[tuple[str, str] | tuple[str, str, str]]:
     n = config_value(ctx.config, "num_hidden_layers", "n_layer", "num_layers")
@@ -80,11 +104,11 @@ def layer_coverage(ctx: Context) -> Iterator[tuple[str, str] | tuple[str, str, s
             "pass the model's own config.json",
         )
         return
-    by_prefix: dict[str, set[int]] = defaultdict(set)
-    for key in ctx.cat.model:
-        m = _LAYER_RE.match(key)
-        if m:
-            by_prefix[m["prefix"]].add(int(m["idx"]))
+    by_prefix, via = _layer_indices(ctx.cat.model), ""
+    if not by_prefix:  # Megatron's stacked layers (decoder.layers.*, [L, ...]): the layers export writes through them
+        adapted = _adapter_names(ctx) or {}
+        by_prefix = _layer_indices(adapted)
+        via = next((f" (the layers export writes through {o.via})" for o in adapted.values() if o.via), "")
     if not by_prefix:
         yield "model", f"no model key has a layers.<N> (or h.<N>) component but the config has {n} layers"
         return
@@ -101,7 +125,10 @@ def layer_coverage(ctx: Context) -> Iterator[tuple[str, str] | tuple[str, str, s
         note = ""
         if missing and not extra and max(got) == len(got) - 1:  # 0..len-1: indices are >= 0 and distinct
             note = " (indices restart at 0: stage-local numbering of one pipeline stage?)"
-        yield main, f"{main}: has layers {_ranges(sorted(got))}, config num_hidden_layers {n}: {'; '.join(parts)}{note}"
+        yield (
+            main,
+            f"{main}: has layers {_ranges(sorted(got))}{via}, config num_hidden_layers {n}: {'; '.join(parts)}{note}",
+        )
     for prefix, idx in by_prefix.items():
         if prefix == main or not prefix.endswith(main.rsplit(".", 1)[-1]):
             continue
@@ -231,6 +258,8 @@ def untied_head_missing(ctx: Context) -> Iterator[tuple[str, str]]:
         model_type = config_value(ctx.config, "model_type")
         if any(model_key(k, model_type) == "lm_head.weight" for k in ctx.cat.model):
             return  # stored under the name from_pretrained renames (GPT-NeoX's embed_out.weight)
+        if "lm_head.weight" in (_adapter_names(ctx) or ()):
+            return  # a model adapter's head (Megatron's output_layer.weight), exported as lm_head.weight
         key = ctx.cat.model_key("lm_head.weight")
         yield key, f"{key} is missing and tie_word_embeddings is not true"
 
