@@ -427,6 +427,9 @@ def test_lora_filter_with_the_runs_adapter_config_never_names_modules_it_left_ou
     assert res.stdout == "" and not (tmp_path / "part").exists()
     res = run("all", "*base_model*", given)  # every adapter tensor kept: PEFT's adapter, bit for bit
     assert res.exit_code == 0, res.stderr
+    # the summary says what PEFT's scaling reads from the adapter_config.json written (before: nothing about it)
+    want_line = "lora config r 4; lora_alpha 8; use_rslora true; use_dora false; target_modules "
+    assert want_line in res.stdout and "; modules_to_save lm_head\n" in res.stdout, res.stdout
     ours, peft = load_file(tmp_path / "all" / ADAPTER), load_file(tmp_path / "peft" / ADAPTER)
     assert sorted(ours) == sorted(peft) and all(torch.equal(ours[k], peft[k]) for k in peft)
     loaded = PeftModel.from_pretrained(load_hf(tmp_path / "base", LlamaForCausalLM), tmp_path / "all").eval()
