@@ -393,6 +393,8 @@ def _render(r: ExportResult) -> None:
         # a reason naming a library parameter (`filter_glob`) names the command's flag (--filter)
         reasons = (f"{with_flags(reason)}: {len(keys)}" for reason, keys in r.skipped.items())
         con.print("not exported " + "; ".join(reasons))
+    if r.adapter_config is not None:
+        con.print(_lora_line(r.adapter_config))
     if r.assets:
         con.print(f"assets      {', '.join(r.assets)}")
     if r.config_edits:  # config.json made to match the written weights (ckpttool.ops.export.serving)
@@ -440,6 +442,24 @@ def _source_lines(r: ExportResult) -> list[str]:
             + (f"; {plural(len(un), 'tensor')} un-permuted from the legacy EP layout" if un else "")
         )
     return out
+
+
+def _lora_line(cfg: dict[str, Any]) -> str:
+    """The summary line of the ``adapter_config.json`` a LoRA export wrote: the settings PEFT's scaling and module
+    matching read (``alpha / r``, or ``alpha / sqrt(r)`` with rsLoRA)."""
+
+    def show(v: Any) -> str:
+        if isinstance(v, list):
+            return ", ".join(str(x) for x in v) if v else "[]"
+        if isinstance(v, dict):
+            return ", ".join(f"{k}: {x}" for k, x in v.items())
+        return json.dumps(v)
+
+    parts = [f"{k} {show(cfg.get(k))}" for k in ("r", "lora_alpha", "use_rslora", "use_dora")]
+    for k in ("rank_pattern", "alpha_pattern", "target_modules", "modules_to_save"):
+        if cfg.get(k) not in (None, {}, [], ""):
+            parts.append(f"{k} {show(cfg[k])}")
+    return "lora config " + "; ".join(parts)
 
 
 def _counts(d: dict[str, int]) -> str:

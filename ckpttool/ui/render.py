@@ -94,9 +94,10 @@ def safe_text(text: str, *, keep_newlines: bool = False) -> str:
 
 
 # The value column of a label/value line: ``files       1 data file`` (a label padded to its column),
-# ``dcp version 1.0.0`` (a 12-wide label), ``            - reason`` (an indented item), ``hint (P002): ...``.
+# ``dcp version 1.0.0`` (a 12-wide label), ``not exported ...`` and ``config.json ...`` (export's 12- and 11-wide ones),
+# ``            - reason`` (an indented item), ``hint (P002): ...``.
 _LABEL_RE = re.compile(
-    r"^(?:[a-z][a-z_ ]{10} (?=\S)|[a-z][\w .-]{0,14}?\S {2,}(?=\S)| +(?:- )?(?=\S)|hint \(\w+\): (?=\S))"
+    r"^(?:[a-z][a-z_ .]{10,11} (?=\S)|[a-z][\w .-]{0,14}?\S {2,}(?=\S)| +(?:- )?(?=\S)|hint \(\w+\): (?=\S))"
 )
 
 

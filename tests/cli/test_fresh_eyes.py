@@ -62,6 +62,24 @@ def test_a_flag_stays_with_its_value_when_a_line_wraps() -> None:
     )
 
 
+def test_export_summary_labels_keep_their_value_column_when_wrapped() -> None:
+    """export's ``not exported`` (12 wide) and ``config.json`` (a dot in it) labels: at 40 columns their values wrapped
+    to the left margin ("not exported not a LoRA adapter tensor:" then "21" alone), unlike every other label line."""
+    line = "not exported LoRA factor merged into its base weight: 28; replaced by its modules_to_save copy: 1"
+    assert hanging_indent(line, 40) == (
+        "not exported LoRA factor merged into its\n             base weight: 28; replaced\n"
+        "             by its modules_to_save\n             copy: 1"
+    )
+    line = 'config.json torch_dtype (unset) -> "bfloat16"; dtype "float32" -> "bfloat16"'
+    assert hanging_indent(line, 40) == (
+        'config.json torch_dtype (unset) ->\n            "bfloat16"; dtype "float32"\n            -> "bfloat16"'
+    )
+    # a label-free line still wraps at the left margin
+    assert hanging_indent("narrowing casts (precision or range lost): float32->bfloat16 x21", 40) == (
+        "narrowing casts (precision or range\nlost): float32->bfloat16 x21"
+    )
+
+
 def test_export_at_50_columns_bar_on_one_line_summary_wrapped_whole(sample_ckpt: Path, tmp_path: Path) -> None:
     rc, out = run_in_pty(["export", str(sample_ckpt), str(tmp_path / "hf"), "--save-dtype", "bf16"], 50)
     assert rc == 0, out

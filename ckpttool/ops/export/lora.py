@@ -233,6 +233,8 @@ def adapter_config(
         checked = _checked_given(given, ranks, lora_alpha, saved, _tied_by_peft(given, model_config))
         if not plan.skipped.get(SKIP_FILTERED):  # a `filter_glob` export leaves adapters out on purpose
             _refuse_untrained_targets(cat, given)
+        else:  # ... but the given config, written as is, must not name what it left out
+            _refuse_filtered_targets(cat, given, ranks, saved)
         return checked
     if lora_alpha is None:
         raise _alpha_unknown(cat, beside)
@@ -533,6 +535,52 @@ def _refuse_untrained_targets(cat: Catalog, given: dict[str, Any]) -> None:
             fqn=_PEFT_PREFIX + bad[0],
             hint="pass the adapter_config.json that belongs to this checkpoint, or leave `adapter_config` out to "
             "infer one",
+        )
+
+
+_LORA_A_SEGMENT_RE = re.compile(r"\.(?:lora_A|lora_embedding_A)(?:\.|$)")
+
+
+def _refuse_filtered_targets(cat: Catalog, given: dict[str, Any], ranks: dict[str, int], saved: list[str]) -> None:
+    """Refuse a given adapter config, written as is, that names modules whose tensors ``filter_glob`` left out.
+
+    The checkpoint holds the module's adapter (a ``lora_A`` / ``lora_embedding_A``) or ``modules_to_save`` copy, the
+    given config targets it (or lists it in ``modules_to_save``), and the export does not write it: PEFT would give the
+    module an untrained adapter (random ``lora_B`` too with ``init_lora_weights: false``), and fails to load
+    (``KeyError``) a ``modules_to_save`` module whose copy is missing. ``ranks`` are the modules written (under
+    ``base_model.model.``), ``saved`` the copies written (without it).
+
+    Raises:
+        ExportError (E601): such modules, naming them and the settings that name them.
+    """
+    prefix = canonical_model_key(_PEFT_PREFIX)
+    written = {m.removeprefix(_PEFT_PREFIX) for m in ranks} | set(saved)
+    copies = [m for m in given.get("modules_to_save") or [] if isinstance(m, str)]
+    left: set[str] = set()
+    for key in cat.model:
+        canonical = strip_wrapper_segments(cat.schema.canonical_key(key))[0]
+        if not canonical.startswith(prefix):
+            continue
+        path = canonical[len(prefix) :]
+        factor = _LORA_A_SEGMENT_RE.search(path)
+        if factor is not None:
+            module = path[: factor.start()]
+            if module not in written and peft_target_matches(module, given):
+                left.add(module)
+        elif ".modules_to_save." in path:
+            module = path.split(".modules_to_save.", 1)[0]
+            if module not in written and any(re.match(rf"(^|.*\.){re.escape(m)}$", module) for m in copies):
+                left.add(module)
+    if left:
+        bad = sorted(left)
+        shown = ", ".join(bad[:3]) + (f" (+{len(bad) - 3} more)" if len(bad) > 3 else "")
+        raise ExportError(
+            f"`filter_glob` left out {len(bad)} module(s) the adapter config names ({shown}): written with that "
+            "config, PEFT would give each an untrained adapter, or fail to load a modules_to_save module without its "
+            f"copy; {_matching_settings(given)}",
+            fqn=_PEFT_PREFIX + bad[0],
+            hint="keep them in `filter_glob`, or leave `adapter_config` out to infer a config of the modules kept "
+            "(with `lora_alpha`), or pass a config that names only those",
         )
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import warnings
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -378,6 +379,76 @@ def test_lora_adapter_keeps_a_modules_to_save_copy(tmp_path: Path) -> None:
     )
     assert res.exit_code == 2 and res.stderr.startswith("error: [E601]") and "'lm_head'" in res.stderr
     assert not (tmp_path / "o3").exists()
+
+
+def test_lora_filter_with_the_runs_adapter_config_never_names_modules_it_left_out(tmp_path: Path) -> None:
+    """An rsLoRA adapter (``q_proj``, ``v_proj``, a trained ``lm_head`` in ``modules_to_save``) exported with PEFT's own
+    ``adapter_config.json`` and a ``--filter`` keeping ``q_proj`` only: the config, written as is, named ``v_proj`` and
+    ``lm_head`` whose tensors were not written, and ``PeftModel.from_pretrained`` of the export failed
+    (``KeyError: 'base_model.model.lm_head.weight'``; without the copy, ``v_proj`` got a random, untrained adapter).
+    Now E601 names them and nothing is written; a filter keeping every adapter tensor, or a config naming only the
+    modules kept, exports an adapter PEFT loads with the trained model's logits."""
+    import torch.distributed.checkpoint as dcp
+    from peft import LoraConfig, PeftModel, get_peft_model
+    from safetensors.torch import load_file
+    from transformers import LlamaForCausalLM
+
+    hf_models._quiet()
+    torch.manual_seed(9)
+    cfg = hf_models.llama_config()
+    LlamaForCausalLM(cfg).save_pretrained(tmp_path / "base")
+    lcfg = LoraConfig(
+        r=4,
+        lora_alpha=8,
+        use_rslora=True,
+        target_modules=["q_proj", "v_proj"],
+        modules_to_save=["lm_head"],
+        init_lora_weights=False,
+    )
+    model = get_peft_model(LlamaForCausalLM.from_pretrained(tmp_path / "base"), lcfg)
+    with torch.no_grad():
+        model.base_model.model.lm_head.modules_to_save["default"].weight.add_(0.5)  # the trained head
+    model.eval()
+    ids = torch.randint(0, cfg.vocab_size, (2, 12), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        want = model(ids).logits
+    src = tmp_path / "ckpt"
+    dcp.save({"model": dict(model.state_dict())}, checkpoint_id=str(src))
+    model.save_pretrained(tmp_path / "peft")
+    given = tmp_path / "peft" / "adapter_config.json"
+
+    def run(out: str, glob: str, config: Path) -> Any:
+        args = ["export", str(src), str(tmp_path / out), "--format", "lora", "--adapter-config", str(config)]
+        return runner.invoke(app, [*args, "--filter", glob])
+
+    res = run("part", "*q_proj*", given)
+    assert res.exit_code == 2 and res.stderr.startswith("error: [E601] --filter left out 3 module(s)"), res.stderr
+    assert "lm_head, model.layers.0.self_attn.v_proj" in res.stderr and "Traceback" not in res.stderr
+    assert res.stdout == "" and not (tmp_path / "part").exists()
+    res = run("all", "*base_model*", given)  # every adapter tensor kept: PEFT's adapter, bit for bit
+    assert res.exit_code == 0, res.stderr
+    # the summary says what PEFT's scaling reads from the adapter_config.json written (before: nothing about it)
+    want_line = "lora config r 4; lora_alpha 8; use_rslora true; use_dora false; target_modules "
+    assert want_line in res.stdout and "; modules_to_save lm_head\n" in res.stdout, res.stdout
+    ours, peft = load_file(tmp_path / "all" / ADAPTER), load_file(tmp_path / "peft" / ADAPTER)
+    assert sorted(ours) == sorted(peft) and all(torch.equal(ours[k], peft[k]) for k in peft)
+    loaded = PeftModel.from_pretrained(load_hf(tmp_path / "base", LlamaForCausalLM), tmp_path / "all").eval()
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(ids).logits, want, rtol=0, atol=1e-5)
+    # a config naming only the modules kept is written as given and loads: q_proj's adapter, rsLoRA-scaled
+    narrow = {**json.loads(given.read_text()), "target_modules": ["q_proj"], "modules_to_save": None}
+    (tmp_path / "q.json").write_text(json.dumps(narrow))
+    res = run("q", "*q_proj*", tmp_path / "q.json")
+    assert res.exit_code == 0, res.stderr
+    assert json.loads((tmp_path / "q" / "adapter_config.json").read_text())["use_rslora"] is True
+    loaded = PeftModel.from_pretrained(load_hf(tmp_path / "base", LlamaForCausalLM), tmp_path / "q").eval()
+    with torch.no_grad():  # the trained model with v_proj's adapter and the lm_head copy switched off
+        model.base_model.model.lm_head.modules_to_save["default"].weight.copy_(
+            model.base_model.model.lm_head.original_module.weight
+        )
+        for layer in model.base_model.model.model.layers:
+            layer.self_attn.v_proj.lora_B["default"].weight.zero_()
+        torch.testing.assert_close(loaded(ids).logits, model(ids).logits, rtol=0, atol=1e-5)
 
 
 ADAPTER = "adapter_model.safetensors"
