@@ -66,7 +66,7 @@ from ckpttool.format.unpickler import UNREADABLE_PICKLE, PlainGlobalsUnpickler, 
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["CheckpointReader", "SavedTensor", "load_saved_object", "SMALL_SPAN"]
+__all__ = ["CheckpointReader", "SavedTensor", "load_saved_object", "check_saved_archive", "SMALL_SPAN"]
 
 #: The most bytes :meth:`CheckpointReader.read_small_chunks` reads at once, and the largest gap
 #: between neighbouring archives it reads through (docs/performance.md, export of 10^6 tensors).
@@ -802,21 +802,7 @@ def load_saved_object(
         TrustRequiredError: needs ``trust_pickle``.
         ObjectGraphError, IntegerRangeError: a pickle bomb or an impossible number.
     """
-    window = BytesWindow(data)
-    cap = limits.current().max_object_bytes
-    try:
-        archive = parse_archive(window)
-        total = sum(m.size for m in archive.members.values())
-        if total > cap:
-            raise SizeLimitError(f"{where}: its members unpack to {total} bytes, over the cap of {limits.human(cap)}")
-        members = {name: archive.read(window, name, cap) for name in archive.members}  # every CRC-32
-        check_torch_records(archive, window)
-    except ArchiveChecksumError as e:
-        raise ChecksumError(f"{where}: {e}", fqn=fqn) from e
-    except ArchiveError as e:
-        raise ChunkError(
-            f"{where} is not a torch.save archive torch reads the same way ({str(e)[:160]})", fqn=fqn
-        ) from e
+    members = check_saved_archive(data, where, fqn=fqn)
     pkl = members["data.pkl"]
     assert pkl is not None
     try:
@@ -832,6 +818,57 @@ def load_saved_object(
     except UNREADABLE_PICKLE as e:
         raise ChunkError(f"{where}: data.pkl is not a readable pickle ({type(e).__name__})", fqn=fqn) from e
     return _torch_load(data, pkl, where, fqn, trust_pickle, plain_globals)
+
+
+def check_saved_archive(
+    data: bytes | bytearray, where: str, *, fqn: str | None = None, verify_crc: bool = True
+) -> dict[str, bytes | None]:
+    """Check ``torch.save`` bytes (a byte item) as :func:`load_saved_object` does before it unpickles anything.
+
+    The zip structure is parsed as torch reads it (:func:`~ckpttool.format.archive.parse_archive`: exact member
+    names, no duplicates, local headers agreeing with the central directory), the members are size-capped in all
+    and each is read (CRC-32 checked unless ``verify_crc`` is false), and the small records torch's loader reads
+    are checked (:func:`~ckpttool.format.archive.check_torch_records`). Nothing is unpickled: what passes is an
+    archive torch opens and reads the same way, whatever its objects are. ``reshard`` copies byte items verbatim
+    after this check.
+
+    Args:
+        data: the ``torch.save`` archive.
+        where: how to name it in errors.
+        fqn: the byte item's key, for errors.
+        verify_crc: check each member's CRC-32 (``False``: a mismatch is not an error, the member's bytes are kept).
+
+    Returns:
+        Member name (without the archive's folder) -> its uncompressed bytes (``data.pkl`` among them).
+
+    Raises:
+        ChunkError: not a readable ``torch.save`` archive (E301).
+        ChecksumError: a member fails its CRC-32, with ``verify_crc`` (E308).
+        SizeLimitError: the members add up to more than the object cap (E307).
+    """
+    window = BytesWindow(data)
+    cap = limits.current().max_object_bytes
+    members: dict[str, bytes | None] = {}
+    try:
+        archive = parse_archive(window)
+        total = sum(m.size for m in archive.members.values())
+        if total > cap:
+            raise SizeLimitError(f"{where}: its members unpack to {total} bytes, over the cap of {limits.human(cap)}")
+        for name in archive.members:  # every CRC-32
+            try:
+                members[name] = archive.read(window, name, cap)
+            except ArchiveChecksumError:
+                if verify_crc:
+                    raise
+                members[name] = None
+        check_torch_records(archive, window)
+    except ArchiveChecksumError as e:
+        raise ChecksumError(f"{where}: {e}", fqn=fqn) from e
+    except ArchiveError as e:
+        raise ChunkError(
+            f"{where} is not a torch.save archive torch reads the same way ({str(e)[:160]})", fqn=fqn
+        ) from e
+    return members
 
 
 def _torch_load(

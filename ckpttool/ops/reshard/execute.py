@@ -42,7 +42,7 @@ from ckpttool.format.marker import MARKER_NAME
 from ckpttool.format.metadata import ChunkMeta
 from ckpttool.format.outputs import check_target, output_location
 from ckpttool.format.rank_local import RANK_METADATA_RE
-from ckpttool.format.reader import CheckpointReader
+from ckpttool.format.reader import CheckpointReader, check_saved_archive
 from ckpttool.format.storage import confine_key, is_url
 from ckpttool.format.tiling import contiguous_run
 from ckpttool.format.writer import DCPWriter, can_stream
@@ -552,7 +552,7 @@ def _reshard(
         plan.world,
         len(plan.permuted_keys),
     )
-    _check_byte_item_caps(plan, reader, src_p)
+    _check_byte_items(plan, reader, src_p, opts.verify_crc)
     if opts.dry_run:  # this very plan, checked up to the output directory: nothing written
         check_target(dst_p, overwrite=opts.overwrite, source=src_p)
         planned, counts = _planned_files(plan)
@@ -634,22 +634,31 @@ def _planned_files(plan: ReshardPlan) -> tuple[list[dict[str, Any]], dict[str, i
     return [{"path": DCPWriter.file_name(r), "bytes": sizes[r]} for r in range(plan.world)], counts
 
 
-def _check_byte_item_caps(plan: ReshardPlan, reader: CheckpointReader, src_p: Path) -> None:
-    """Byte items are copied verbatim, never loaded: still capped like every object.
+def _check_byte_items(plan: ReshardPlan, reader: CheckpointReader, src_p: Path, verify_crc: bool) -> None:
+    """Byte items are copied verbatim, never loaded: still capped like every object, and each checked as the
+    ``torch.save`` archive torch will read (:func:`~ckpttool.format.reader.check_saved_archive`, nothing unpickled),
+    as every copied chunk is by the chunk locator: a damaged item is refused, never copied into an output that
+    looks complete and that ``dcp.load`` cannot read.
 
     Raises:
         SizeLimitError: a byte item over ``--max-object-size``.
+        ChunkError: a byte item that is not a ``torch.save`` archive torch reads the same way (E301).
+        ChecksumError: one whose member fails its CRC-32, with ``verify_crc`` (E308).
     """
     cap = limits.current().max_object_bytes
     for bp in plan.byte_items:
         info = reader.storage_info(bp.key) if bp.value is None else None
-        if info is not None and info.length > cap:
+        if info is None:
+            continue
+        if info.length > cap:
             raise SizeLimitError(
                 f"{src_p / info.relative_path}: byte item {bp.key!r} is {info.length} bytes, over the cap of "
                 f"{limits.human(cap)}",
                 path=info.relative_path,
                 fqn=bp.key,
             )
+        where = f"{src_p / info.relative_path}: byte item {bp.key!r}"
+        check_saved_archive(reader.raw_bytes(bp.key), where, fqn=bp.key, verify_crc=verify_crc)
 
 
 def _result(

@@ -399,6 +399,66 @@ def test_damaged_chunk_archive_is_refused_without_output(ep_suite: Path, tmp_pat
     assert not (tmp_path / "o").exists()
 
 
+@pytest.mark.parametrize("dry_run", [False, True])
+def test_damaged_byte_item_is_refused_without_output(ep_suite: Path, tmp_path: Path, dry_run: bool) -> None:
+    """A byte item is copied verbatim, but first checked as the torch.save archive torch's reader opens: a window
+    cut short (a .metadata that lies about its length) is E301 naming the item, nothing written (before, reshard
+    copied it and reported success: an output that looked complete and that dcp.load cannot read)."""
+    import io
+
+    from tests.fixtures.cache import copy_checkpoint
+    from tests.fixtures.damage import edit_storage
+
+    key = "optimizer.param_groups.0.lr"
+    ck = copy_checkpoint(ep_suite / "legacy", tmp_path / "c")
+    with CheckpointReader(ck) as r:
+        info = r.storage_info(key)
+    edit_storage(ck, key, length=info.length - 10)
+    window = (ck / info.relative_path).read_bytes()[info.offset : info.offset + info.length - 10]
+    with pytest.raises(RuntimeError, match="central directory"):  # what torch's reader does with it (load_bytes)
+        torch.load(io.BytesIO(window), weights_only=False)
+    before = {p.name: p.read_bytes() for p in ck.iterdir()}
+    res = cli(ck, tmp_path / "o", "--to", "canonical", "--with-optimizer", *DECL, *(["--dry-run"] if dry_run else []))
+    assert res.exit_code == 2, res.output
+    assert res.stderr.startswith(
+        f"error: [E301] {ck / info.relative_path}: byte item {key!r} is not a torch.save archive"
+    )
+    assert "Traceback" not in res.output
+    assert not (tmp_path / "o").exists() and not [p for p in tmp_path.iterdir() if "ckpttool-tmp" in p.name]
+    assert {p.name: p.read_bytes() for p in ck.iterdir()} == before
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is unavailable")
+def test_byte_item_crc_mismatch_is_e308_unless_no_verify_crc(ep_suite: Path, tmp_path: Path) -> None:
+    """A byte item whose data.pkl no longer matches its CRC-32 (one bit of the saved lr flipped; torch's reader never
+    checks it): E308 naming the item by default, nothing written; with --no-verify-crc it is copied as stored."""
+    import struct
+
+    from torch.distributed.checkpoint.state_dict_loader import _load_state_dict_from_keys
+
+    from tests.fixtures.cache import copy_checkpoint
+
+    key = "optimizer.param_groups.0.lr"
+    ck = copy_checkpoint(ep_suite / "legacy", tmp_path / "c")
+    with CheckpointReader(ck) as r:
+        info = r.storage_info(key)
+    path = ck / info.relative_path
+    data = bytearray(path.read_bytes())
+    at = data.index(struct.pack(">d", LR), info.offset, info.offset + info.length) + 7  # the pickled float's last byte
+    data[at] ^= 0x01
+    path.write_bytes(bytes(data))
+    flipped = struct.unpack(">d", bytes(data[at - 7 : at + 1]))[0]
+    args = ["--to", "canonical", "--with-optimizer", *DECL]
+    res = cli(ck, tmp_path / "o", *args)
+    assert res.exit_code == 2, res.output
+    assert res.stderr.startswith(f"error: [E308] {path}: byte item {key!r}: member data.pkl does not match its CRC-32")
+    assert not (tmp_path / "o").exists()
+    res = cli(ck, tmp_path / "o", *args, "--no-verify-crc")
+    assert res.exit_code == 0, res.output
+    got = _load_state_dict_from_keys(keys={key}, checkpoint_id=str(tmp_path / "o"))
+    assert got["optimizer"]["param_groups"][0]["lr"] == flipped != LR
+
+
 # ------------------------------------------------------------------ extra_state/ and a mesh of another size
 EXTRA_WARNING = (
     "warning: extra_state/ copied unchanged from the source mesh of 1 rank(s) (files for rank(s) [0]); the target "
