@@ -712,27 +712,43 @@ class RemoteStore:
         An object rewritten since the listing with the same size would otherwise be read as the listed one: its
         chunks at the offsets of the old ``.metadata``, tensors of another save. The pinned request fails (HTTP
         412, classified ``replaced``) instead. Other backends read with ``cat_file`` (unpinned).
+
+        For s3 the object key is the prefix's key and ``relative`` as they are: s3fs's ``split_path`` (``cat_file``)
+        cuts a key at ``?versionId=`` (an object version to it), so a listed object ``x?versionId=v`` was asked as
+        ``x``, another object or none.
         """
         if end <= start:
             return b""
         etag = self._etags.get(relative) if self._sizes is not None else None
         call_s3 = getattr(self.fs, "_call_s3", None)
-        if etag is None or call_s3 is None:
+        if call_s3 is None:
             return bytes(self.fs.cat_file(key, start=start, end=end))
         from fsspec.asyn import sync
 
-        bucket, object_key, _ = self.fs.split_path(key)
+        bucket, object_key = self._s3_object(relative)
+        pin = {"IfMatch": etag} if etag is not None else {}
 
         async def get() -> bytes:
-            resp = await call_s3(
-                "get_object", Bucket=bucket, Key=object_key, Range=f"bytes={start}-{end - 1}", IfMatch=etag
-            )
+            resp = await call_s3("get_object", Bucket=bucket, Key=object_key, Range=f"bytes={start}-{end - 1}", **pin)
             try:
                 return bytes(await resp["Body"].read())
             finally:
                 resp["Body"].close()
 
         return bytes(sync(self.fs.loop, get))
+
+    def _s3_object(self, relative: str) -> tuple[str, str]:
+        """``(bucket, object key)`` of ``relative`` below an s3 prefix, the key as listed (``split_path`` of the whole
+        key cuts it at ``?versionId=``; the URL's own key holds none: :func:`check_url_key`)."""
+        bucket, root_key, _ = self.fs.split_path(self.root)
+        return bucket, f"{root_key.rstrip('/')}/{relative}" if root_key.strip("/") else relative
+
+    def _delete_listed(self, relative: str) -> None:
+        """Delete the s3 object ``relative`` by its key as listed (one request; see :meth:`_s3_object`)."""
+        from fsspec.asyn import sync
+
+        bucket, object_key = self._s3_object(relative)
+        sync(self.fs.loop, self.fs._call_s3, "delete_object", Bucket=bucket, Key=object_key)
 
     def read_whole(self, relative: str, cap: int, *, what: str = "file") -> bytes:
         """A whole object, refused before the request when the listing says it is over ``cap``.
@@ -788,11 +804,18 @@ class RemoteStore:
     def remove(self, relatives: Iterable[str]) -> None:
         """Delete exactly these objects (missing ones are ignored): a key holding ``*``, ``?`` or ``[`` is deleted
         by itself (``rm_file``), never given to fsspec's ``rm``, which reads it as a pattern and deletes the
-        objects it matches instead (``exp[v2]/x`` matches ``expv/x``: an object ckpttool did not write)."""
-        keys = [self.key(r) for r in relatives]
+        objects it matches instead (``exp[v2]/x`` matches ``expv/x``: an object ckpttool did not write). For s3 a
+        key holding ``?versionId=`` is deleted by its key as listed: s3fs cuts it there, so deleting the listed
+        ``x?versionId=v`` deleted ``x`` (the file an ``--overwrite`` had just published)."""
+        rels = list(relatives)
+        keys = [self.key(r) for r in rels]
+        s3 = getattr(self.fs, "_call_s3", None) is not None
+        listed = [r for r in rels if s3 and "?versionId=" in r]
+        keys = [k for k, r in zip(keys, rels) if r not in listed]
         literal = [k for k in keys if not _GLOB_CHARS.search(k)]
         batches: list[tuple[Any, Any]] = [(self.fs.rm, literal)] if literal else []
         batches += [(self.fs.rm_file, k) for k in keys if _GLOB_CHARS.search(k)]
+        batches += [(self._delete_listed, r) for r in listed]
         for fn, arg in batches:
             try:
                 self.call(f"{self.path}: delete", fn, arg)

@@ -2016,3 +2016,62 @@ def test_an_overwrite_over_a_marker_larger_than_any_of_ckpttools_is_e606_as_loca
     (local / ".ckpttool-output.json").write_bytes(big)
     res = runner.invoke(app, ["export", str(sample_ckpt), str(local), "--overwrite"])
     assert res.exit_code == 2 and "[E606]" in res.stderr, res.output
+
+
+def test_a_data_object_whose_key_holds_version_id_is_read_by_its_own_key(
+    sample_ckpt: Path, s3_server: Any, tmp_path: Path
+) -> None:
+    """A data object named ``__0_0.distcp?versionId=v1`` (characters of its key, as a local file name holds them):
+    s3fs's ``split_path`` cut the key at ``?versionId=`` and asked for ``__0_0.distcp``, an object not listed, so
+    every read failed ``E300`` "the object was deleted since it was listed" (it never was) while the local copy
+    reads whole. Each read now asks for the key as listed: ``validate --deep`` and ``export`` give what they give
+    for the local copy."""
+    import dataclasses
+
+    from tests.fixtures.metadata_edit import load_md, save_md
+
+    odd = "__0_0.distcp?versionId=v1"
+    ckpt = copy_checkpoint(sample_ckpt, tmp_path / "ck")
+    md = load_md(ckpt)
+    for k, info in list(md.storage_data.items()):
+        if info.relative_path == "__0_0.distcp":
+            md.storage_data[k] = dataclasses.replace(info, relative_path=odd)
+    save_md(ckpt, md)
+    (ckpt / "__0_0.distcp").rename(ckpt / odd)
+    url = upload(s3_server, ckpt)
+    assert f"{url.split('/', 3)[3]}/{odd}" in s3_server.keys("ckpts")
+    local = runner.invoke(app, ["--json", "validate", str(ckpt), "--deep"])
+    remote = cli(s3_server, "--json", "validate", url, "--deep")
+    assert local.exit_code == 0, local.output
+    assert remote.exit_code == 0, remote.output[:600]
+    assert json.loads(remote.stdout)["findings"] == json.loads(local.stdout)["findings"]
+    assert json.loads(remote.stdout)["stats"]["bytes_read"] == json.loads(local.stdout)["stats"]["bytes_read"]
+    assert runner.invoke(app, ["export", str(ckpt), str(tmp_path / "local")]).exit_code == 0
+    r = cli(s3_server, "export", url, str(tmp_path / "from_s3"))
+    assert r.exit_code == 0, r.output
+    assert files_of(tmp_path / "from_s3") == files_of(tmp_path / "local")
+
+
+def test_overwrite_deletes_a_stale_object_whose_key_holds_version_id_by_that_key(
+    sample_ckpt: Path, s3_server: Any, tmp_path: Path
+) -> None:
+    """A previous output whose marker lists an object ``model.safetensors?versionId=X`` (written there beside it):
+    ``--overwrite`` deletes it as stale, and s3fs cut the key at ``?versionId=``, deleting ``model.safetensors``,
+    the weights it had just published, then published the index and the marker: exit 0 and an output that looked
+    complete without its weights. The stale object is now deleted by its own key; the output is the local export."""
+    from ckpttool.format import marker
+
+    url = upload(s3_server, sample_ckpt)
+    out = url + "-hf"
+    assert cli(s3_server, "export", url, out).exit_code == 0
+    bucket, prefix = out[len("s3://") :].split("/", 1)
+    c = s3_server.client()
+    doc = json.loads(c.get_object(Bucket=bucket, Key=f"{prefix}/{marker.MARKER_NAME}")["Body"].read())
+    name, body = "model.safetensors?versionId=X", b"an object beside the output"
+    c.put_object(Bucket=bucket, Key=f"{prefix}/{name}", Body=body)
+    doc["files"][name] = [len(body), marker.digest_parts(len(body), body, b"")]
+    c.put_object(Bucket=bucket, Key=f"{prefix}/{marker.MARKER_NAME}", Body=marker.marker_bytes(doc))
+    r = cli(s3_server, "export", url, out, "--overwrite")
+    assert r.exit_code == 0, r.output
+    assert runner.invoke(app, ["export", str(sample_ckpt), str(tmp_path / "local")]).exit_code == 0
+    assert download(s3_server, bucket, prefix, tmp_path / "dl") == files_of(tmp_path / "local")
