@@ -477,6 +477,13 @@ def _error_for(
         )
     if kind == "transient":
         return RemoteTransientError(f"{where}: failed after {attempts} attempt(s) ({detail})", path=where)
+    if isinstance(e, (TypeError, AttributeError)) and options:  # the backend choked on a value of the wrong type
+        return RemoteStorageError(
+            f"{where}: the backend could not use the storage options given ({detail})",
+            path=where,
+            hint="check the types of --storage-option values against the backend's documentation (a nested "
+            "setting is given key by key: config_kwargs.retries.max_attempts=3, not config_kwargs.retries=3)",
+        )
     return RemoteStorageError(f"{where}: storage request failed ({detail})", path=where)
 
 

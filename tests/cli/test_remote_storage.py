@@ -2075,3 +2075,16 @@ def test_overwrite_deletes_a_stale_object_whose_key_holds_version_id_by_that_key
     assert r.exit_code == 0, r.output
     assert runner.invoke(app, ["export", str(sample_ckpt), str(tmp_path / "local")]).exit_code == 0
     assert download(s3_server, bucket, prefix, tmp_path / "dl") == files_of(tmp_path / "local")
+
+
+def test_a_storage_option_of_the_wrong_type_is_named_as_one(s3_server: Any) -> None:
+    """``--storage-option config_kwargs.retries=3`` (botocore takes a dict there) was E140 'storage request failed
+    (AttributeError: ...)' with the URL hint, about a URL that was right; the message and hint now name the options
+    and how a nested setting is given."""
+    s3_server.bucket("ckpts")
+    opts = ["--storage-option", f"client_kwargs.endpoint_url={s3_server.endpoint}"]
+    r = runner.invoke(app, [*opts, "--storage-option", "config_kwargs.retries=3", "inspect", "s3://ckpts/x"])
+    assert r.exit_code == 2 and "Traceback" not in r.output, r.output
+    lines = r.stderr.splitlines()
+    assert lines[0].startswith("error: [E140] s3://ckpts/x: listing: the backend could not use the storage options")
+    assert "config_kwargs.retries.max_attempts=3" in lines[1] and len(lines) == 2, r.stderr
