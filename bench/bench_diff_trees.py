@@ -57,6 +57,25 @@ def build_big(workdir: Path, n: int = 8192) -> tuple[Path, Path]:
     return out["fp8"], out["bf16"]
 
 
+def build_many(workdir: Path, n: int = 20_000) -> tuple[Path, Path]:
+    """``n`` tensors of 64 float32 values saved by ``dcp.save``, and the same with every other one changed by 1e-3:
+    the per-pair cost (locating and checking each chunk's archive) rather than bandwidth (built once)."""
+    import torch
+    import torch.distributed.checkpoint as dcp
+
+    a, b = workdir / f"many{n}-a", workdir / f"many{n}-b"
+    if not (b / ".metadata").exists():
+        g = torch.Generator().manual_seed(0)
+        sd = {f"model.layers.{i // 10}.w{i % 10}": torch.randn(64, generator=g) for i in range(n)}
+        dcp.save(sd, checkpoint_id=str(a), no_dist=True)
+        dcp.save(
+            {k: v + 1e-3 if i % 2 == 0 else v for i, (k, v) in enumerate(sd.items())},
+            checkpoint_id=str(b),
+            no_dist=True,
+        )
+    return a, b
+
+
 def build_fp8(src: Path, assets: Path, hf: Path) -> Path:
     """``src`` exported with ``--quantize fp8-block`` beside its BF16 export ``hf`` (built once)."""
     from ckpttool.ops.export import ExportOptions
@@ -69,8 +88,9 @@ def build_fp8(src: Path, assets: Path, hf: Path) -> Path:
     return out
 
 
-def timed(tree: Path, args: list[str]) -> tuple[float, float, float]:
-    """(wall seconds, user + sys CPU seconds, peak RSS MiB) of ``python -m ckpttool ARGS`` run from ``tree``.
+def timed(tree: Path, args: list[str], ok: tuple[int, ...] = (0,)) -> tuple[float, float, float]:
+    """(wall seconds, user + sys CPU seconds, peak RSS MiB) of ``python -m ckpttool ARGS`` run from ``tree``
+    (``ok``: the exit codes expected; 1 where the inputs differ).
 
     The peak RSS is GNU ``time``'s ``%M`` (a child forked by this large process would inherit its high-water mark).
     """
@@ -83,7 +103,7 @@ def timed(tree: Path, args: list[str]) -> tuple[float, float, float]:
         proc = subprocess.Popen(cmd, env=env, cwd=tree, stdout=subprocess.DEVNULL)  # -m: the cwd comes first
         _, status, ru = os.wait4(proc.pid, 0)
         dt = time.perf_counter() - t0
-        if os.waitstatus_to_exitcode(status) != 0:
+        if os.waitstatus_to_exitcode(status) not in ok:
             raise SystemExit(f"{tree}: ckpttool {' '.join(args)} failed")
         return dt, ru.ru_utime + ru.ru_stime, int(rss.read().split()[-1]) / 1024
 
@@ -102,6 +122,7 @@ def main() -> None:
     titan, hf, assets = build_titan(args.workdir, args.gb)
     fp8 = build_fp8(titan, assets, hf)
     big_fp8, big_bf16 = build_big(args.workdir)
+    many_a, many_b = build_many(args.workdir)
     trees = {"baseline": args.baseline.resolve(), "this tree": HERE.parent}
     print(f"A {nbytes(a) / 1e9:.2f} GB; {os.cpu_count()} CPUs; best of {args.repeat} (wall, and CPU of that run)")
     print(f"{'case':34s} {'tree':10s} {'wall s':>7s} {'CPU s':>7s} {'RSS MiB':>7s}  load")
@@ -113,6 +134,7 @@ def main() -> None:
         ("diff TITAN HF (adapter runs)", titan, hf, []),
         ("diff HF-FP8 HF (dequantized)", fp8, hf, []),
         ("diff FP8 BF16, one 8192^2 weight", big_fp8, big_bf16, []),
+        ("diff 20,000 small, half differ", many_a, many_b, []),
     ):
         if args.only not in label:
             continue
@@ -120,7 +142,7 @@ def main() -> None:
         for _ in range(args.repeat):
             for name, tree in trees.items():
                 warm(one, other)
-                run = timed(tree, ["diff", str(one), str(other), *extra])
+                run = timed(tree, ["diff", str(one), str(other), *extra], (0, 1) if one == many_a else (0,))
                 best[name] = min(best.get(name, run), run)
         for name, (wall, cpu, rss) in best.items():
             load = " ".join(f"{x:.2f}" for x in os.getloadavg())
