@@ -319,25 +319,28 @@ def test_lora_adapter_loads_in_peft_with_identical_logits(lora_ckpt: Path, tmp_p
     assert_same_logits(PeftModel.from_pretrained(base, out), lora_ckpt)
 
 
-def test_lora_adapter_keeps_a_modules_to_save_copy(tmp_path: Path) -> None:
-    """A PEFT model with a fully trained ``lm_head`` (``modules_to_save``), saved with dcp.save: the adapter exported
-    holds what PEFT's own ``save_pretrained`` writes (the copy as ``base_model.model.lm_head.weight``, listed in
-    ``modules_to_save``) and loads with the original logits; before, the copy was left out with a warning and the
-    adapter loaded the base model's lm_head."""
+def _trained_lora_with_head(tmp_path: Path, seed: int, **lora: Any) -> tuple[Any, Any, Any, Path]:
+    """A PEFT LoRA Llama (``q_proj``, ``v_proj``, r 4, lora_alpha 8; ``lora``: more LoraConfig fields) whose
+    ``modules_to_save`` copy of ``lm_head`` is trained: the base model saved in ``tmp_path/base``, PEFT's own adapter
+    in ``tmp_path/peft``, ``dcp.save`` of the PEFT model's state dict in ``tmp_path/ckpt``. Returns
+    ``(model, ids, logits of ids, the checkpoint)``."""
     import torch.distributed.checkpoint as dcp
-    from peft import LoraConfig, PeftModel, get_peft_model
-    from safetensors.torch import load_file
+    from peft import LoraConfig, get_peft_model
     from transformers import LlamaForCausalLM
 
     hf_models._quiet()
-    torch.manual_seed(7)
+    torch.manual_seed(seed)
     cfg = hf_models.llama_config()
     LlamaForCausalLM(cfg).save_pretrained(tmp_path / "base")
-    base = LlamaForCausalLM.from_pretrained(tmp_path / "base")
     lcfg = LoraConfig(
-        r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], modules_to_save=["lm_head"], init_lora_weights=False
+        r=4,
+        lora_alpha=8,
+        target_modules=["q_proj", "v_proj"],
+        modules_to_save=["lm_head"],
+        init_lora_weights=False,
+        **lora,
     )
-    model = get_peft_model(base, lcfg)
+    model = get_peft_model(LlamaForCausalLM.from_pretrained(tmp_path / "base"), lcfg)
     with torch.no_grad():
         model.base_model.model.lm_head.modules_to_save["default"].weight.add_(0.5)  # the trained head
     model.eval()
@@ -347,6 +350,19 @@ def test_lora_adapter_keeps_a_modules_to_save_copy(tmp_path: Path) -> None:
     src = tmp_path / "ckpt"
     dcp.save({"model": dict(model.state_dict())}, checkpoint_id=str(src))
     model.save_pretrained(tmp_path / "peft")  # PEFT's own adapter, the reference
+    return model, ids, want, src
+
+
+def test_lora_adapter_keeps_a_modules_to_save_copy(tmp_path: Path) -> None:
+    """A PEFT model with a fully trained ``lm_head`` (``modules_to_save``), saved with dcp.save: the adapter exported
+    holds what PEFT's own ``save_pretrained`` writes (the copy as ``base_model.model.lm_head.weight``, listed in
+    ``modules_to_save``) and loads with the original logits; before, the copy was left out with a warning and the
+    adapter loaded the base model's lm_head."""
+    from peft import PeftModel
+    from safetensors.torch import load_file
+    from transformers import LlamaForCausalLM
+
+    _, ids, want, src = _trained_lora_with_head(tmp_path, 7)
     res = runner.invoke(app, ["export", str(src), str(tmp_path / "out"), "--format", "lora", "--lora-alpha", "8"])
     assert res.exit_code == 0, res.stderr
     assert "modules_to_save" not in res.stderr
@@ -388,33 +404,11 @@ def test_lora_filter_with_the_runs_adapter_config_never_names_modules_it_left_ou
     (``KeyError: 'base_model.model.lm_head.weight'``; without the copy, ``v_proj`` got a random, untrained adapter).
     Now E601 names them and nothing is written; a filter keeping every adapter tensor, or a config naming only the
     modules kept, exports an adapter PEFT loads with the trained model's logits."""
-    import torch.distributed.checkpoint as dcp
-    from peft import LoraConfig, PeftModel, get_peft_model
+    from peft import PeftModel
     from safetensors.torch import load_file
     from transformers import LlamaForCausalLM
 
-    hf_models._quiet()
-    torch.manual_seed(9)
-    cfg = hf_models.llama_config()
-    LlamaForCausalLM(cfg).save_pretrained(tmp_path / "base")
-    lcfg = LoraConfig(
-        r=4,
-        lora_alpha=8,
-        use_rslora=True,
-        target_modules=["q_proj", "v_proj"],
-        modules_to_save=["lm_head"],
-        init_lora_weights=False,
-    )
-    model = get_peft_model(LlamaForCausalLM.from_pretrained(tmp_path / "base"), lcfg)
-    with torch.no_grad():
-        model.base_model.model.lm_head.modules_to_save["default"].weight.add_(0.5)  # the trained head
-    model.eval()
-    ids = torch.randint(0, cfg.vocab_size, (2, 12), generator=torch.Generator().manual_seed(1))
-    with torch.no_grad():
-        want = model(ids).logits
-    src = tmp_path / "ckpt"
-    dcp.save({"model": dict(model.state_dict())}, checkpoint_id=str(src))
-    model.save_pretrained(tmp_path / "peft")
+    model, ids, want, src = _trained_lora_with_head(tmp_path, 9, use_rslora=True)
     given = tmp_path / "peft" / "adapter_config.json"
 
     def run(out: str, glob: str, config: Path) -> Any:
