@@ -128,10 +128,44 @@ def _same_slices(ctx: Context, a: _Slice, b: _Slice, digest: Digest) -> bool:
     return True
 
 
-def _verified(ctx: Context, digests: dict[int, Digest | None], where: dict[int, _Slice]) -> list[list[int]]:
+def _verified(
+    ctx: Context, digests: dict[int, Digest | None], where: dict[int, _Slice], moments: dict[int, Any] | None = None
+) -> list[list[int]]:
     """The groups of indices with equal digests (:func:`_groups`) whose first two slices (``where``) hold the same
-    bytes (:func:`_same_slices`)."""
-    return [g for g in _groups(digests) if _same_slices(ctx, where[g[0]], where[g[1]], cast(Digest, digests[g[0]]))]
+    bytes (:func:`_same_slices`); with ``moments`` (index -> the digests of its moments, :func:`_one_step_moments`),
+    only indices whose moments are equal too."""
+    keyed: dict[int, Any] = dict(digests)
+    if moments is not None:
+        keyed = {i: None if d is None else (d, moments.get(i)) for i, d in digests.items()}
+    return [g for g in _groups(keyed) if _same_slices(ctx, where[g[0]], where[g[1]], cast(Digest, digests[g[0]]))]
+
+
+def _first_step_only(ctx: Context) -> bool:
+    """Every saved ``step`` is 1 or less: the checkpoint of the first optimizer step, which may have run at ``lr`` 0
+    (a linear warmup from 0, transformers' ``get_linear_schedule_with_warmup``): the weights are still their
+    initialisation's, copies where it made copies, while their moments hold each one's own gradient."""
+    steps = step_values(ctx)
+    return bool(steps) and max(steps.values()) <= 1
+
+
+def _one_step_moments(
+    ctx: Context, moments: list[str], e: int, layer: int = 0, layers: int = 1
+) -> dict[int, Any] | None:
+    """Expert (true index) of layer ``layer`` -> the digests of its ``exp_avg`` and ``exp_avg_sq`` slices, in a
+    checkpoint of the first step only (:func:`_first_step_only`; else ``None``): weights equal after that step
+    are copies only where their gradients, hence their moments, are equal too (an unknown digest: ``None``, equal)."""
+    if not _first_step_only(ctx):
+        return None
+    assert ctx.deep_result is not None
+    out: dict[int, list[Digest | None]] = defaultdict(list)
+    for key in moments:
+        meta, st = ctx.reader.metadata.entries.get(key), ctx.deep_result.stats.get(key)
+        if not isinstance(meta, TensorMeta) or st is None or not st.digests or meta.numel % (e * layers):
+            return None
+        pe, true = meta.numel // (e * layers), _expert_order(ctx, key, e)
+        for i in range(e):
+            out[true(i)].append(_slice_digest(st.digests, (layer * e + i) * pe, pe))
+    return {i: tuple(d) for i, d in out.items()}
 
 
 def _describe(groups: list[list[int]], what: str) -> str:
@@ -238,15 +272,11 @@ def _fused_expert_copies(ctx: Context) -> Iterator[tuple[str, str]]:
         for layer in range(layers):  # the experts of one layer (stacked layers ``[L, E, ...]``: each layer's)
             base = layer * e * pe
             digests = {true(i): _slice_digest(st.digests, base + i * pe, pe) for i in range(e)}
-            # experts that never got a gradient keep their initial values (upcycled copies), in the parameter and
-            # in its master_weight: the parameter's all-zero moment slices name them
             owner = state[key] if key in state else key
-            if owner is not None and owner in moments:
-                for i in _never_stepped_experts(ctx, moments[owner], e, layer, layers):
-                    digests.pop(i, None)
+            split = _by_moments(ctx, key, moments.get(owner) if owner is not None else None, digests, layer, layers)
             if key in state:  # experts that never got a gradient have all-zero moments: not copies
                 digests = _without_zero(digests, DTYPE_ITEMSIZE[meta.dtype.name])
-            groups = _verified(ctx, digests, {true(i): (key, base + i * pe) for i in range(e)})
+            groups = _verified(ctx, digests, {true(i): (key, base + i * pe) for i in range(e)}, split)
             if groups:
                 flagged.add(key)
                 n = sum(len(g) for g in groups)
@@ -255,6 +285,22 @@ def _fused_expert_copies(ctx: Context) -> Iterator[tuple[str, str]]:
                     key,
                     f"{where}: {n} of {e} expert slices are bitwise copies of another: {_describe(groups, 'expert')}",
                 )
+
+
+def _by_moments(
+    ctx: Context, key: str, moments: list[str] | None, digests: dict[int, Digest | None], layer: int, layers: int
+) -> dict[int, Any] | None:
+    """Leave out of ``digests`` (true expert index -> digest of ``key``'s slice in layer ``layer``) the experts whose
+    parameter's moments (``moments``: its ``exp_avg`` and ``exp_avg_sq`` keys) are all zero: they never got a
+    gradient and keep their initial values (upcycled copies), in the parameter and in its master weight. Returns the
+    moments' digests that copies of ``key``, a parameter or master weight, must share after a first step only
+    (:func:`_one_step_moments`; ``None``: no such condition)."""
+    if not moments:
+        return None
+    e = len(digests)
+    for i in _never_stepped_experts(ctx, moments, e, layer, layers):
+        digests.pop(i, None)
+    return None if key in moments else _one_step_moments(ctx, moments, e, layer, layers)
 
 
 def _without_zero(digests: dict[int, Digest | None], item: int) -> dict[int, Digest | None]:
@@ -298,7 +344,10 @@ def _per_expert_copies(ctx: Context) -> Iterator[tuple[str, str]]:
         if len(keys) < 2:
             continue
         digests = {i: _tensor_digest(ctx, k) for i, k in keys.items()}
-        groups = _verified(ctx, digests, {i: (k, 0) for i, k in keys.items()})
+        split = None  # after a first step at lr 0 the weights are their initialisation's: copies only if moments are
+        if _first_step_only(ctx) and all(k in moments for k in keys.values()):
+            split = {i: tuple(_tensor_digest(ctx, m) for m in moments[k]) for i, k in keys.items()}
+        groups = _verified(ctx, digests, {i: (k, 0) for i, k in keys.items()}, split)
         if groups:
             yield keys[groups[0][0]], f"{pattern}: bitwise copies across experts: {_describe(groups, 'expert')}"
 
@@ -618,6 +667,7 @@ def _replica_difference(ctx: Context, key: str, offsets: tuple[int, ...], first:
 def _number(v: Any) -> str:
     """A value for a message: an integer in full (int64 beyond 2**53 included), a float or complex to 6 digits."""
     return str(v) if isinstance(v, int) else f"{v:.6g}"
+
 
 
 class _StorageOf:
