@@ -1,10 +1,11 @@
-"""`D009` on real ``dcp.save`` checkpoints of a MoE whose experts start as copies (sparse upcycling: one MLP copied
-into every expert), trained with AdamW under a linear warmup from 0 (transformers' ``get_linear_schedule_with_warmup``), whose first
-step runs at ``lr`` 0.
+"""`D009` and `D011` on real ``dcp.save`` checkpoints of a MoE whose experts start as copies (sparse upcycling: one MLP
+copied into every expert), beside a zero-initialised modulation (DiT's adaLN-Zero), trained with AdamW under a linear
+warmup from 0 (transformers' ``get_linear_schedule_with_warmup``), whose first step runs at ``lr`` 0.
 
 Saved after that first step, the experts are still their copies (no step moved them) while each expert's moments
-hold its own gradient: no finding. One EP rank's experts (weights and moments) written for another's is one; and
-after a second step (``lr`` > 0) copied weights are one whatever their moments.
+hold its own gradient, and the modulation is still zero beside its first gradient's moments: no finding. One EP
+rank's experts (weights and moments) written for another's is one; and after a second step (``lr`` > 0) copied
+weights are one whatever their moments.
 """
 
 from __future__ import annotations
@@ -60,11 +61,14 @@ def _save(out: Path, steps: int) -> None:
 
     torch.manual_seed(0)
     model = torch.nn.ModuleDict({"layers": torch.nn.ModuleList([_Layer()]), "head": torch.nn.Linear(H, 2)})
+    model["modulation"] = torch.nn.Linear(H, H)  # DiT's adaLN-Zero: zero at init, moved by the first step at lr > 0
+    torch.nn.init.zeros_(model["modulation"].weight)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     # transformers' get_linear_schedule_with_warmup over its warmup: lr * step / warmup_steps, 0 at step 0
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: min(1.0, step / 10))
     for _ in range(steps):
-        model["head"](model["layers"][0](torch.randn(32, H))).square().mean().backward()
+        x = torch.randn(32, H)
+        model["head"](model["layers"][0](x) * (1 + model["modulation"](x))).square().mean().backward()
         opt.step()
         sched.step()
         opt.zero_grad()
@@ -108,6 +112,8 @@ def test_upcycled_experts_after_a_first_step_at_lr_0_are_silent(saves: Path) -> 
     w, m = saved["model"][KEY.removeprefix("model.")], saved["optimizer"]["state"]["layers.0.experts.gate_up_proj"]
     assert all(torch.equal(w[0], w[e]) for e in range(E))  # the step ran at lr 0: the copies stand
     assert not torch.equal(m["exp_avg"][0], m["exp_avg"][1])  # each expert's own gradient
+    mod = saved["model"]["modulation.weight"]
+    assert not mod.any() and saved["optimizer"]["state"]["modulation.weight"]["exp_avg"].any()  # D011 before
     assert _findings(saves / "step1") == (0, [])
 
 

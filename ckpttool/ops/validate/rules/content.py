@@ -487,9 +487,12 @@ def all_zero_weight(ctx: Context) -> Iterator[tuple[str, str]]:
     assert ctx.deep_result is not None
     if not _trained(ctx):
         return  # before training, zero-initialised tensors are the initialisation's business
+    first, moments = _first_step_only(ctx), _moment_keys(ctx)
     for key, entry in ctx.cat.model.items():
         if len(entry.shape) < 2 or entry.numel == 0 or ZERO_INIT_NAMES.search(key):
             continue
+        if first and key in moments and not all(_zero_slice(ctx, k, 0, 0) for k in moments[key]):
+            continue  # a zero init (adaLN-Zero) with its first gradient in its moments: that step may have run at lr 0
         st = ctx.deep_result.stats.get(key)
         if st is not None and st.zero and st.covers(entry.numel):
             yield key, f"{key}: all {entry.numel} values are 0 (shape {list(entry.shape)}, {entry.dtype})"
