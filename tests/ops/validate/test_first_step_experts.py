@@ -131,3 +131,34 @@ def test_copied_weights_after_a_second_step_are_d009_whatever_the_moments(saves:
     _copy_rank0_experts(saves / "step2", tmp_path / "w", moments=False)
     code, found = _findings(tmp_path / "w")
     assert code == 1 and [(f["code"], f["key"]) for f in found] == [("D009", KEY)]
+
+
+def _save_upscaled(out: Path, steps: int, copy_moments: bool = False) -> None:
+    """Depth up-scaling (SOLAR-style: layer 1 a copy of layer 0), trained as above; ``copy_moments``: layer 1's moments
+    overwritten with layer 0's before the save (a save that wrote one layer for two)."""
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    torch.manual_seed(0)
+    layers = torch.nn.ModuleList([torch.nn.Linear(H, H, bias=False) for _ in range(2)])
+    layers[1].load_state_dict(layers[0].state_dict())
+    model = torch.nn.ModuleDict({"layers": layers, "head": torch.nn.Linear(H, 2)})
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: min(1.0, step / 10))
+    for _ in range(steps):
+        model["head"](layers[1](torch.tanh(layers[0](torch.randn(32, H))))).square().mean().backward()
+        opt.step()
+        sched.step()
+        opt.zero_grad()
+    if copy_moments:
+        for field in ("exp_avg", "exp_avg_sq"):
+            opt.state[layers[1].weight][field].copy_(opt.state[layers[0].weight][field])
+    msd, osd = get_state_dict(model, opt)
+    dcp.save({"model": msd, "optimizer": osd}, checkpoint_id=str(out))
+
+
+def test_depth_upscaled_layers_after_a_first_step_at_lr_0_are_silent_d010_when_moments_copied(tmp_path: Path) -> None:
+    _save_upscaled(tmp_path / "s1", 1)
+    assert _findings(tmp_path / "s1") == (0, [])
+    _save_upscaled(tmp_path / "copied", 1, copy_moments=True)
+    code, found = _findings(tmp_path / "copied")
+    assert code == 1 and [(f["code"], f["key"]) for f in found] == [("D010", "model.layers.1")], found

@@ -409,6 +409,22 @@ def _member_digest(ctx: Context, member: _Member) -> Digest | None:
     return _slice_digest(st.digests, i * row, row)
 
 
+def _member_moments(ctx: Context, member: _Member, moments: dict[str, list[str]]) -> tuple[Digest | None, ...]:
+    """The digests of a layer's tensor's ``exp_avg`` and ``exp_avg_sq`` (``moments``: :func:`_moment_keys`), of a
+    stacked one its layer's dim-0 slices (``None`` where unknown or all zero; ``()`` without moments)."""
+    assert ctx.deep_result is not None
+    key, i = member
+    out: list[Digest | None] = []
+    for m in moments.get(key, ()):
+        st, meta = ctx.deep_result.stats.get(m), ctx.reader.metadata.entries.get(m)
+        if st is None or not st.digests or st.zero or not isinstance(meta, TensorMeta) or not meta.size:
+            out.append(None)
+            continue
+        row = meta.numel // meta.size[0] if i is not None and meta.size[0] else meta.numel
+        out.append(_slice_digest(st.digests, (i or 0) * row, row))
+    return tuple(out)
+
+
 def _layer_dims(ctx: Context, member: _Member) -> int:
     """The dims of a layer's tensor (a stacked one's without the layer dim)."""
     key, i = member
@@ -420,15 +436,20 @@ def identical_layers(ctx: Context) -> Iterator[tuple[str, str]]:
     if not _trained(ctx):
         return
     layers = _layer_members(ctx)
+    moments = _moment_keys(ctx) if _first_step_only(ctx) else None
 
     for prefix, by_index in layers.items():
         sig: dict[int, Any] = {}
+        keyed: dict[int, Any] = {}  # after a first step only: with the moments' digests (copies share those too)
         for i, members in by_index.items():
             if not any(_layer_dims(ctx, k) >= 2 for k in members.values()):
                 continue
             parts = tuple((rel, _member_digest(ctx, k)) for rel, k in sorted(members.items()))
             sig[i] = parts if all(d is not None for _, d in parts) else None
-        groups = [g for g in _groups(sig) if _same_layers(ctx, by_index[g[0]], by_index[g[1]], sig[g[0]])]
+            keyed[i] = sig[i]
+            if moments is not None and sig[i] is not None:
+                keyed[i] = (sig[i], tuple(_member_moments(ctx, m, moments) for _, m in sorted(members.items())))
+        groups = [g for g in _groups(keyed) if _same_layers(ctx, by_index[g[0]], by_index[g[1]], sig[g[0]])]
         for g in filter(None, (_separate_parameters(ctx, by_index, g) for g in groups)):
             yield (
                 f"{prefix}{g[1]}",
