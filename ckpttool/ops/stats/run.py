@@ -172,7 +172,7 @@ def _run_work(ckpt: Checkpoint, w: _Work) -> tuple[ValueSums, ValueSums | None, 
         sums = chunk_sums(reader, w.key, chunk, lambda _, sq, e0: expert_sums(experts, sq, e0, inner, chunk.offsets[d]))
         sums.experts = experts
         return sums, None, None
-    v_chunk = ckpt.catalog.tensors[w.moment_key].chunks[w.chunk_index]
+    v_chunk = ckpt.catalog.tensor(w.moment_key).chunks[w.chunk_index]
     sums, second, upd = moment_sums((reader, w.key, chunk), (reader, w.moment_key, v_chunk), w.hyper)
     return sums, second, (upd if w.hyper is not None else None)
 
@@ -185,7 +185,7 @@ def _evict_work(ckpt: Checkpoint, w: _Work) -> None:
         return
     done = [(w.key, w.entry.chunks[w.chunk_index])]
     if w.moment_key is not None:
-        done.append((w.moment_key, ckpt.catalog.tensors[w.moment_key].chunks[w.chunk_index]))
+        done.append((w.moment_key, ckpt.catalog.tensor(w.moment_key).chunks[w.chunk_index]))
     reader.evict(reader.storage_info(k, c) for k, c in done if c.numel)
 
 
@@ -389,7 +389,7 @@ def _std(ckpt: Checkpoint, key: str, s: SlabStats) -> float:
     ms = s.s2 / s.finite
     if ms - s.mean * s.mean > CANCELLING_VARIANCE * ms:
         return s.std
-    return math.sqrt(centered_squares(ckpt.reader, key, ckpt.catalog.tensors[key].chunks, s.mean) / s.finite)
+    return math.sqrt(centered_squares(ckpt.reader, key, ckpt.catalog.tensor(key).chunks, s.mean) / s.finite)
 
 
 def _scaled_row(
@@ -403,7 +403,7 @@ def _scaled_row(
         return row
     if math.isfinite(s.s1) and math.isfinite(s.s2) and s.abs_max >= TINY_ABS_MAX:
         return row
-    chunks = chunks or ckpt.catalog.tensors[row.key].chunks
+    chunks = chunks or ckpt.catalog.tensor(row.key).chunks
     y1, y2 = scaled_sums(ckpt.reader, row.key, chunks, s.abs_max)
     mean = y1 / s.finite * s.abs_max
     _, c2 = scaled_sums(ckpt.reader, row.key, chunks, s.abs_max, mean)
@@ -417,8 +417,8 @@ def _expert_norms(
     sum of squares overflowed or underflowed (values below :data:`~ckpttool.ops.stats.compute.TINY_ABS_MAX`), taken
     of the values scaled by their largest ``|x|``, read again. An expert with no finite value (found by a read again)
     has the norm ``nan`` (JSON ``null``): of its finite values, none, it would read 0, a dead expert."""
-    n, scale = ckpt.catalog.tensors[key].shape[dim], s.acc.abs_max
-    chunks = chunks or ckpt.catalog.tensors[key].chunks
+    n, scale = ckpt.catalog.tensor(key).shape[dim], s.acc.abs_max
+    chunks = chunks or ckpt.catalog.tensor(key).chunks
     bad = expert_nonfinite(ckpt.reader, key, chunks, dim) if s.acc.nonfinite else set()
     fine = all(math.isfinite(v) for v in s.experts.values()) and scale >= TINY_ABS_MAX
     if fine or not 0 < scale < math.inf:
@@ -640,7 +640,7 @@ def _stats_one(ckpt: Checkpoint, opts: StatsOptions, progress: Progress) -> Chec
     work, roles, stacked = _plan(ckpt, opts, notes)
     if not work:
         raise _nothing_to_measure(ckpt, opts, notes)
-    complex_keys = [k for k in roles if ckpt.catalog.tensors[k].dtype.startswith("complex")]
+    complex_keys = [k for k in roles if ckpt.catalog.tensor(k).dtype.startswith("complex")]
     if complex_keys:  # chunk_slices measures |z|: said, its figures are not the values'
         notes[COMPLEX_NOTE] = complex_keys
     total = sum(_work_bytes(w) for w in work)
@@ -782,7 +782,7 @@ def _exact_updates(
             if w.moment_key is not None
             for pair in read_pair(
                 (ckpt.reader, w.key, w.entry.chunks[w.chunk_index]),
-                (ckpt.reader, w.moment_key, ckpt.catalog.tensors[w.moment_key].chunks[w.chunk_index]),
+                (ckpt.reader, w.moment_key, ckpt.catalog.tensor(w.moment_key).chunks[w.chunk_index]),
             )
         )
         hyper = ws[0].hyper

@@ -10,6 +10,7 @@ rank's is ``D014`` (rank 1 would resume from other weights). Written by 2 real g
 from __future__ import annotations
 
 import json
+import math
 import os
 import warnings
 from pathlib import Path
@@ -129,6 +130,41 @@ def test_drift_in_complex_fp8_and_int64_copies_is_d014(tmp_path_factory: pytest.
         "tokens at [0]: __1_0.distcp against __0_0.distcp: 1 of 16 elements differ (max |diff| 1); "
         f"first at element 9: {9 * 2**58 + 1} against {9 * 2**58}"
     ), msgs
+
+
+def _rank_ulp(rank: int, world: int, out: str) -> None:
+    import torch
+    import torch.distributed.checkpoint as dcp
+
+    g = torch.Generator().manual_seed(0)
+    state = {"ulp": torch.randn(8, 8, generator=g), "milli": torch.randn(8, 8, generator=g)}
+    if rank == 1:  # a replica one ulp off (a reduction summed in another order), and one 1e-3 off
+        state["ulp"][2, 3] = torch.nextafter(state["ulp"][2, 3], torch.tensor(math.inf))
+        state["milli"][2, 3] += 1e-3
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dcp.save(state, checkpoint_id=out, use_collectives=False)
+
+
+def test_a_replica_one_ulp_off_is_d014_naming_both_values(tmp_path_factory: pytest.TempPathFactory) -> None:
+    """A copy one ulp off is found as surely as one 1e-3 off; before, its message printed the two values to 6
+    digits, the same (``0.190943 against 0.190943``): they are printed in full where 6 digits cannot tell them."""
+    import torch
+
+    root = Path(os.environ.get("CKPTTOOL_FIXTURE_CACHE") or tmp_path_factory.mktemp("fx"))
+    ck = cached_build(root, "rank_local_replicated_ulp", lambda out: run_ranks(2, _rank_ulp, str(out / "c")))
+    rc, found = _validate(ck / "c", "--deep")
+    assert rc == 1 and [(c, e) for c, e, _ in found] == [("D014", None)] * 2, found
+    msgs = sorted(m for _, _, m in found)
+    g = torch.Generator().manual_seed(0)  # rank 0's copies, as _rank_ulp made them
+    ulp, milli = torch.randn(8, 8, generator=g), torch.randn(8, 8, generator=g)
+    a, m = float(ulp[2, 3]), float(milli[2, 3])
+    b = float(torch.nextafter(ulp[2, 3], torch.tensor(math.inf)))
+    assert f"{a:.6g}" == f"{b:.6g}"
+    head = "at [0, 0]: __1_0.distcp against __0_0.distcp: 1 of 64 elements differ"
+    assert msgs[0].startswith(f"milli {head} (max |diff| 0.001)"), msgs
+    assert msgs[0].endswith(f"first at element 19: {float(milli[2, 3] + 1e-3):.6g} against {m:.6g}"), msgs
+    assert msgs[1] == f"ulp {head} (max |diff| {b - a:.4g}); first at element 19: {b!r} against {a!r}", msgs
 
 
 def test_a_higher_rank_file_missing_or_short_is_found(replicated: Path, tmp_path: Path) -> None:

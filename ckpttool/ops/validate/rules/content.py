@@ -128,10 +128,44 @@ def _same_slices(ctx: Context, a: _Slice, b: _Slice, digest: Digest) -> bool:
     return True
 
 
-def _verified(ctx: Context, digests: dict[int, Digest | None], where: dict[int, _Slice]) -> list[list[int]]:
+def _verified(
+    ctx: Context, digests: dict[int, Digest | None], where: dict[int, _Slice], moments: dict[int, Any] | None = None
+) -> list[list[int]]:
     """The groups of indices with equal digests (:func:`_groups`) whose first two slices (``where``) hold the same
-    bytes (:func:`_same_slices`)."""
-    return [g for g in _groups(digests) if _same_slices(ctx, where[g[0]], where[g[1]], cast(Digest, digests[g[0]]))]
+    bytes (:func:`_same_slices`); with ``moments`` (index -> the digests of its moments, :func:`_one_step_moments`),
+    only indices whose moments are equal too."""
+    keyed: dict[int, Any] = dict(digests)
+    if moments is not None:
+        keyed = {i: None if d is None else (d, moments.get(i)) for i, d in digests.items()}
+    return [g for g in _groups(keyed) if _same_slices(ctx, where[g[0]], where[g[1]], cast(Digest, digests[g[0]]))]
+
+
+def _first_step_only(ctx: Context) -> bool:
+    """Every saved ``step`` is 1 or less: the checkpoint of the first optimizer step, which may have run at ``lr`` 0
+    (a linear warmup from 0, transformers' ``get_linear_schedule_with_warmup``): the weights are still their
+    initialisation's, copies where it made copies, while their moments hold each one's own gradient."""
+    steps = step_values(ctx)
+    return bool(steps) and max(steps.values()) <= 1
+
+
+def _one_step_moments(
+    ctx: Context, moments: list[str], e: int, layer: int = 0, layers: int = 1
+) -> dict[int, Any] | None:
+    """Expert (true index) of layer ``layer`` -> the digests of its ``exp_avg`` and ``exp_avg_sq`` slices, in a
+    checkpoint of the first step only (:func:`_first_step_only`; else ``None``): weights equal after that step
+    are copies only where their gradients, hence their moments, are equal too (an unknown digest: ``None``, equal)."""
+    if not _first_step_only(ctx):
+        return None
+    assert ctx.deep_result is not None
+    out: dict[int, list[Digest | None]] = defaultdict(list)
+    for key in moments:
+        meta, st = ctx.reader.metadata.entries.get(key), ctx.deep_result.stats.get(key)
+        if not isinstance(meta, TensorMeta) or st is None or not st.digests or meta.numel % (e * layers):
+            return None
+        pe, true = meta.numel // (e * layers), _expert_order(ctx, key, e)
+        for i in range(e):
+            out[true(i)].append(_slice_digest(st.digests, (layer * e + i) * pe, pe))
+    return {i: tuple(d) for i, d in out.items()}
 
 
 def _describe(groups: list[list[int]], what: str) -> str:
@@ -238,15 +272,11 @@ def _fused_expert_copies(ctx: Context) -> Iterator[tuple[str, str]]:
         for layer in range(layers):  # the experts of one layer (stacked layers ``[L, E, ...]``: each layer's)
             base = layer * e * pe
             digests = {true(i): _slice_digest(st.digests, base + i * pe, pe) for i in range(e)}
-            # experts that never got a gradient keep their initial values (upcycled copies), in the parameter and
-            # in its master_weight: the parameter's all-zero moment slices name them
             owner = state[key] if key in state else key
-            if owner is not None and owner in moments:
-                for i in _never_stepped_experts(ctx, moments[owner], e, layer, layers):
-                    digests.pop(i, None)
+            split = _by_moments(ctx, key, moments.get(owner) if owner is not None else None, digests, layer, layers)
             if key in state:  # experts that never got a gradient have all-zero moments: not copies
                 digests = _without_zero(digests, DTYPE_ITEMSIZE[meta.dtype.name])
-            groups = _verified(ctx, digests, {true(i): (key, base + i * pe) for i in range(e)})
+            groups = _verified(ctx, digests, {true(i): (key, base + i * pe) for i in range(e)}, split)
             if groups:
                 flagged.add(key)
                 n = sum(len(g) for g in groups)
@@ -255,6 +285,22 @@ def _fused_expert_copies(ctx: Context) -> Iterator[tuple[str, str]]:
                     key,
                     f"{where}: {n} of {e} expert slices are bitwise copies of another: {_describe(groups, 'expert')}",
                 )
+
+
+def _by_moments(
+    ctx: Context, key: str, moments: list[str] | None, digests: dict[int, Digest | None], layer: int, layers: int
+) -> dict[int, Any] | None:
+    """Leave out of ``digests`` (true expert index -> digest of ``key``'s slice in layer ``layer``) the experts whose
+    parameter's moments (``moments``: its ``exp_avg`` and ``exp_avg_sq`` keys) are all zero: they never got a
+    gradient and keep their initial values (upcycled copies), in the parameter and in its master weight. Returns the
+    moments' digests that copies of ``key``, a parameter or master weight, must share after a first step only
+    (:func:`_one_step_moments`; ``None``: no such condition)."""
+    if not moments:
+        return None
+    e = len(digests)
+    for i in _never_stepped_experts(ctx, moments, e, layer, layers):
+        digests.pop(i, None)
+    return None if key in moments else _one_step_moments(ctx, moments, e, layer, layers)
 
 
 def _without_zero(digests: dict[int, Digest | None], item: int) -> dict[int, Digest | None]:
@@ -298,7 +344,10 @@ def _per_expert_copies(ctx: Context) -> Iterator[tuple[str, str]]:
         if len(keys) < 2:
             continue
         digests = {i: _tensor_digest(ctx, k) for i, k in keys.items()}
-        groups = _verified(ctx, digests, {i: (k, 0) for i, k in keys.items()})
+        split = None  # after a first step at lr 0 the weights are their initialisation's: copies only if moments are
+        if _first_step_only(ctx) and all(k in moments for k in keys.values()):
+            split = {i: tuple(_tensor_digest(ctx, m) for m in moments[k]) for i, k in keys.items()}
+        groups = _verified(ctx, digests, {i: (k, 0) for i, k in keys.items()}, split)
         if groups:
             yield keys[groups[0][0]], f"{pattern}: bitwise copies across experts: {_describe(groups, 'expert')}"
 
@@ -360,6 +409,22 @@ def _member_digest(ctx: Context, member: _Member) -> Digest | None:
     return _slice_digest(st.digests, i * row, row)
 
 
+def _member_moments(ctx: Context, member: _Member, moments: dict[str, list[str]]) -> tuple[Digest | None, ...]:
+    """The digests of a layer's tensor's ``exp_avg`` and ``exp_avg_sq`` (``moments``: :func:`_moment_keys`), of a
+    stacked one its layer's dim-0 slices (``None`` where unknown or all zero; ``()`` without moments)."""
+    assert ctx.deep_result is not None
+    key, i = member
+    out: list[Digest | None] = []
+    for m in moments.get(key, ()):
+        st, meta = ctx.deep_result.stats.get(m), ctx.reader.metadata.entries.get(m)
+        if st is None or not st.digests or st.zero or not isinstance(meta, TensorMeta) or not meta.size:
+            out.append(None)
+            continue
+        row = meta.numel // meta.size[0] if i is not None and meta.size[0] else meta.numel
+        out.append(_slice_digest(st.digests, (i or 0) * row, row))
+    return tuple(out)
+
+
 def _layer_dims(ctx: Context, member: _Member) -> int:
     """The dims of a layer's tensor (a stacked one's without the layer dim)."""
     key, i = member
@@ -371,15 +436,20 @@ def identical_layers(ctx: Context) -> Iterator[tuple[str, str]]:
     if not _trained(ctx):
         return
     layers = _layer_members(ctx)
+    moments = _moment_keys(ctx) if _first_step_only(ctx) else None
 
     for prefix, by_index in layers.items():
         sig: dict[int, Any] = {}
+        keyed: dict[int, Any] = {}  # after a first step only: with the moments' digests (copies share those too)
         for i, members in by_index.items():
             if not any(_layer_dims(ctx, k) >= 2 for k in members.values()):
                 continue
             parts = tuple((rel, _member_digest(ctx, k)) for rel, k in sorted(members.items()))
             sig[i] = parts if all(d is not None for _, d in parts) else None
-        groups = [g for g in _groups(sig) if _same_layers(ctx, by_index[g[0]], by_index[g[1]], sig[g[0]])]
+            keyed[i] = sig[i]
+            if moments is not None and sig[i] is not None:
+                keyed[i] = (sig[i], tuple(_member_moments(ctx, m, moments) for _, m in sorted(members.items())))
+        groups = [g for g in _groups(keyed) if _same_layers(ctx, by_index[g[0]], by_index[g[1]], sig[g[0]])]
         for g in filter(None, (_separate_parameters(ctx, by_index, g) for g in groups)):
             yield (
                 f"{prefix}{g[1]}",
@@ -438,9 +508,12 @@ def all_zero_weight(ctx: Context) -> Iterator[tuple[str, str]]:
     assert ctx.deep_result is not None
     if not _trained(ctx):
         return  # before training, zero-initialised tensors are the initialisation's business
+    first, moments = _first_step_only(ctx), _moment_keys(ctx)
     for key, entry in ctx.cat.model.items():
         if len(entry.shape) < 2 or entry.numel == 0 or ZERO_INIT_NAMES.search(key):
             continue
+        if first and key in moments and not all(_zero_slice(ctx, k, 0, 0) for k in moments[key]):
+            continue  # a zero init (adaLN-Zero) with its first gradient in its moments: that step may have run at lr 0
         st = ctx.deep_result.stats.get(key)
         if st is not None and st.zero and st.covers(entry.numel):
             yield key, f"{key}: all {entry.numel} values are 0 (shape {list(entry.shape)}, {entry.dtype})"
@@ -611,13 +684,20 @@ def _replica_difference(ctx: Context, key: str, offsets: tuple[int, ...], first:
     example = ""
     if d.first is not None and d.first_values is not None:
         va, vb = d.first_values
-        example = f"; first at element {d.first}: {_number(vb)} against {_number(va)}"  # other, first
+        example = f"; first at element {d.first}: {' against '.join(_numbers(vb, va))}"  # other, first
     return f"{where}: {d.count} of {d.numel} elements differ (max |diff| {d.max_abs:.4g}){example}"
 
 
 def _number(v: Any) -> str:
     """A value for a message: an integer in full (int64 beyond 2**53 included), a float or complex to 6 digits."""
     return str(v) if isinstance(v, int) else f"{v:.6g}"
+
+
+def _numbers(a: Any, b: Any) -> tuple[str, str]:
+    """Two values that differ, for a message (:func:`_number`), in every digit (``repr``) where 6 digits read the
+    same: a replica 1 ulp off (``0.190943 against 0.190943`` says nothing)."""
+    sa, sb = _number(a), _number(b)
+    return (repr(a), repr(b)) if sa == sb else (sa, sb)
 
 
 class _StorageOf:
