@@ -474,7 +474,7 @@ def _ep_state(cat: Catalog, layout: ResolvedLayout, with_optimizer: bool) -> dic
         )
     for skey, mkey in ep_state.items():
         spec = layout.ep_tensors[mkey]
-        geo = tensor_geometry(cat.tensors[skey], skey, spec, layout)
+        geo = tensor_geometry(cat.tensor(skey), skey, spec, layout)
         if layout.version is not None and layout.ep_size is not None and geo.problems:
             raise LayoutContradictionError(
                 f"{skey}: the chunk geometry contradicts the layout: {geo.problems[0]}",
@@ -656,7 +656,7 @@ def _refuse_unknown_expert_tensors(cat: Catalog, plan: ReshardPlan) -> None:
     fqns = [k[len(prefix) :] for k in permuted if k.startswith(prefix)]
     shapes = set(permuted.values())
     for key in cat.uncategorized_tensors():
-        entry = cat.tensors[key]
+        entry = cat.tensor(key)
         if entry.shape not in shapes or len(dim_intervals(entry, 0)) < 2:
             continue
         if EP_NAME_RE.search(key) or any(f and f in key for f in fqns):
@@ -687,8 +687,8 @@ def _refuse_unpermuted_per_expert_tensors(cat: Catalog, plan: ReshardPlan) -> No
         if EP_NAME_RE.search(ps.fqn):
             keys.extend(t.key for t in ps.fields.values() if t is not None)
     for key in keys:
-        entry = cat.tensors.get(key)
-        if key not in handled and entry is not None and split_per_expert_vector(key, entry, counts):
+        entry = cat.tensor(key)  # a model tensor or a state field: always a tensor of the checkpoint
+        if key not in handled and split_per_expert_vector(key, entry, counts):
             raise ReshardError(
                 f"{key}: a per-expert tensor [{entry.shape[0]}] split over ranks along its expert dim; the experts of "
                 f"{len(plan.permuted_keys)} tensor(s) get a new order, and this one would keep the old order",
