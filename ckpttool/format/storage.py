@@ -818,7 +818,7 @@ class RemoteStore:
         keys = [self.key(r) for r in rels]
         s3 = getattr(self.fs, "_call_s3", None) is not None
         listed = [r for r in rels if s3 and "?versionId=" in r]
-        keys = [k for k, r in zip(keys, rels) if r not in listed]
+        keys = [k for k, r in zip(keys, rels) if not (s3 and "?versionId=" in r)]  # not `r in listed`: quadratic
         literal = [k for k in keys if not _GLOB_CHARS.search(k)]
         batches: list[tuple[Any, Any]] = [(self.fs.rm, literal)] if literal else []
         batches += [(self.fs.rm_file, k) for k in keys if _GLOB_CHARS.search(k)]

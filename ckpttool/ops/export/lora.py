@@ -555,7 +555,7 @@ def _refuse_filtered_targets(cat: Catalog, given: dict[str, Any], ranks: dict[st
     """
     prefix = canonical_model_key(_PEFT_PREFIX)
     written = {m.removeprefix(_PEFT_PREFIX) for m in ranks} | set(saved)
-    copies = [m for m in given.get("modules_to_save") or [] if isinstance(m, str)]
+    copies = {m for m in given.get("modules_to_save") or [] if isinstance(m, str)}
     left: set[str] = set()
     for key in cat.model:
         canonical = strip_wrapper_segments(cat.schema.canonical_key(key))[0]
@@ -569,7 +569,7 @@ def _refuse_filtered_targets(cat: Catalog, given: dict[str, Any], ranks: dict[st
                 left.add(module)
         elif ".modules_to_save." in path:
             module = path.split(".modules_to_save.", 1)[0]
-            if module not in written and any(re.match(rf"(^|.*\.){re.escape(m)}$", module) for m in copies):
+            if module not in written and _names_suffix(module, copies):
                 left.add(module)
     if left:
         bad = sorted(left)
@@ -582,6 +582,13 @@ def _refuse_filtered_targets(cat: Catalog, given: dict[str, Any], ranks: dict[st
             hint="keep them in `filter_glob`, or leave `adapter_config` out to infer a config of the modules kept "
             "(with `lora_alpha`), or pass a config that names only those",
         )
+
+
+def _names_suffix(module: str, names: set[str]) -> bool:
+    """Whether ``module`` is one of ``names`` or ends with ``.`` and one of them (PEFT's ``modules_to_save`` match),
+    by its dot-suffixes: linear in the module's depth whatever the number of ``names``."""
+    parts = module.split(".")
+    return any(".".join(parts[i:]) in names for i in range(len(parts)))
 
 
 def _base_shapes(cat: Catalog) -> dict[str, tuple[int, ...]]:
