@@ -313,12 +313,15 @@ def render_diff(res: DiffResult, *, max_rows: int = _ROWS) -> None:
         REMOTE_BESIDE_NOTE,
         SELF_NOTE,
         TRAINING_STATE_NOTE,
+        UNPROVEN_NOTE,
     )
 
     if res.equal and any(n.startswith(BESIDE_NOTE) for n in res.notes):
         verdict += "; files beside the checkpoints differ (note above)"
     elif res.equal and any(n.startswith(REMOTE_BESIDE_NOTE) for n in res.notes):
         verdict += "; files beside the checkpoints not compared (note above)"
+    if res.equal and any(n.startswith(UNPROVEN_NOTE) for n in res.notes):
+        verdict += "; of the shards present, not known complete (note above)"
     if res.equal and any(n.startswith(SELF_NOTE) for n in res.notes):
         verdict += f" to itself: {SELF_NOTE} (note above)"
     elif res.equal:

@@ -550,6 +550,19 @@ def _never_stepped(cat: Catalog, without: list[str], grouped: set[str] | None) -
     return tuple(f for f in never_stepped if f not in stateless) if stateless else never_stepped
 
 
+def _with_fused(cat: Catalog, filt: str | None, params: list[str], buffers: list[str]) -> tuple[list[str], list[str]]:
+    """``params`` with each parameter the optimizer steps fused while the model stores it split (torchtitan's ``wqkv``
+    as ``wq``/``wk``/``wv``: ``ParamState.stored_as``) counted once by its optimizer fqn, as torch's metadata, the
+    param groups and ``stats`` count it, and ``buffers`` without its stored split keys, which are no buffers (where
+    ``--filter`` selects one of those keys)."""
+    fused = {f: ps.stored_as for f, ps in cat.optimizer_state.items() if ps.stored_as}
+    if not fused:
+        return params, buffers
+    split = set(chain.from_iterable(fused.values()))
+    shown = [f for f, keys in fused.items() if any(match_filter(k, filt, cat.schema.model_prefix) for k in keys)]
+    return params + [f for f in shown if f not in params], [b for b in buffers if cat.model_key(b) not in split]
+
+
 def _optimizer_section(cat: Catalog, filt: str | None, declared: str | None) -> OptimizerSummary:
     # Param groups name the real parameters (nested: `params` lists; flattened: one group per
     # parameter); model tensors in no group are buffers.
@@ -563,6 +576,7 @@ def _optimizer_section(cat: Catalog, filt: str | None, declared: str | None) -> 
         nested_known = bool(grouped)
         params = [f for f in shown if f in grouped or f in state] if nested_known else shown
         buffers = [f for f in shown if f not in grouped and f not in state] if nested_known else []
+    params, buffers = _with_fused(cat, filt, params, buffers)
     with_state = [f for f in filter(state.__contains__, params) if state[f].fields]
     stepped = set(with_state)
     without = sorted(f for f in params if f not in stepped) if stepped else sorted(params)

@@ -50,6 +50,11 @@ SIDE_B_DECLARED = "B's layout is declared by the declaration of `opening_b`: "
 #: compared with itself, which shows only that it reads alike twice; the verdict says so.
 SELF_NOTE = "A and B are one checkpoint"
 
+#: How the note on a side that cannot be known complete begins (a ``HuggingFaceStorageWriter(save_distributed=True)``
+#: folder of per-rank shards no consolidated copy proves: ``Checkpoint.unproven_shards``, validate's ``S017``, the
+#: ``warning:`` of inspect, stats and export): "equal" then speaks of the pieces present; the verdict says so.
+UNPROVEN_NOTE = "not known complete"
+
 #: How the note on two DCP checkpoints compared with ``what`` model (the default) begins when either holds optimizer
 #: state or param groups: "equal" then speaks of the model tensors only; the verdict says so.
 MODEL_ONLY_NOTE = "optimizer state and param groups not compared"

@@ -76,6 +76,7 @@ from ckpttool.ops.diff.result import (
     SELF_NOTE,
     SIDE_B_DECLARED,
     TRAINING_STATE_NOTE,
+    UNPROVEN_NOTE,
     WHAT,
     Difference,
     DiffOptions,
@@ -1657,6 +1658,7 @@ def _diff(
     notes.extend(_beside_notes(a, b, opts))
     notes.extend(_newer_incomplete_notes(a, b))
     notes.extend(_self_note(a, b))
+    notes.extend(_unproven_notes(a, b))
     notes.extend(_model_only_note(a, b, opts))
     notes.extend(_training_state_note(a, b, opts))
     seconds = time.perf_counter() - t0
@@ -1764,6 +1766,17 @@ def _self_note(a: Side, b: Side) -> list[str]:
         "to compare two steps of the run give --a-step N --b-step M" if below_run else "to compare two copies pass both"
     )
     return [f"{SELF_NOTE} ({shown}): compared with itself, which shows only that it reads alike twice; {how}"]
+
+
+def _unproven_notes(a: Side, b: Side) -> list[str]:
+    """A note for each side that cannot be known complete (``Checkpoint.unproven_shards``: per-rank shards of
+    ``HuggingFaceStorageWriter(save_distributed=True)`` that no consolidated copy or model class proved), once where
+    both sides are one checkpoint: their equality speaks of the pieces present, as inspect's, stats' and export's
+    ``warning:`` on the same folder says. None where the other side is known complete: its shapes, compared, prove
+    the side's (a rank's pieces missing shrink a shape or leave a tensor only in it)."""
+    sides = (a,) if a.reader is b.reader else (a, b)
+    why = [(side.label, side.ckpt.unproven_shards()) for side in sides]
+    return [f"{UNPROVEN_NOTE}: {label}: {w}" for label, w in why] if all(w is not None for _, w in why) else []
 
 
 def _group_count(side: Side) -> int:

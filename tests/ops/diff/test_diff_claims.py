@@ -231,3 +231,30 @@ def test_equal_models_of_two_training_steps_say_the_training_state_was_not_compa
     full = invoke("diff", tmp_path / "m5", tmp_path / "m6", "--what", "all")
     assert full.exit_code == 1 and "train_state.step: 5 in A, 6 in B" in full.stdout, full.stdout
     assert "not compared (" not in full.stdout
+
+
+def test_equal_per_rank_shards_no_copy_proves_complete_say_so_as_inspect_does(acc_root: Path, tmp_path: Path) -> None:
+    """``HuggingFaceStorageWriter(save_distributed=True)`` shards (torch's own writer, 2 gloo ranks) record no world
+    size: inspect, stats and export warn that the folder cannot be known complete, but ``diff`` of it against a byte
+    copy said a bare ``equal``. It still compares every tensor (exit 0) and says of what: the pieces present. Against
+    torch's consolidated copy (its shapes prove the shards') nothing is added."""
+    import shutil
+
+    src = acc_root / "hf_sharded"
+    copy = shutil.copytree(src, tmp_path / "copy")
+    inspect = invoke("inspect", src, "--json")
+    assert inspect.exit_code == 0 and "record neither the world size" in inspect.stderr
+    doc = json.loads((res := invoke("diff", src, copy, "--json")).stdout)
+    assert res.exit_code == 0 and doc["equal"] is True
+    assert doc["counts"]["compared"] == doc["counts"]["equal"] == inspect_count(inspect.stdout) > 0
+    unproven = [n for n in doc["notes"] if n.startswith("not known complete: ")]
+    assert [n.split(": ")[1] for n in unproven] == ["A", "B"] and all("world size" in n for n in unproven)
+    text = invoke("diff", src, copy)
+    assert text.exit_code == 0
+    assert text.stdout.splitlines()[-1].startswith("equal; of the shards present, not known complete (note above)")
+    proven = json.loads(invoke("diff", src, acc_root / "hf_consolidated", "--json").stdout)
+    assert proven["equal"] is True and not any(n.startswith("not known complete") for n in proven["notes"])
+
+
+def inspect_count(stdout: str) -> int:
+    return int(json.loads(stdout)["summary"]["tensor_count"])

@@ -29,7 +29,8 @@ def test_torchtitan(titan_root: Path) -> None:
     assert d["summary"]["model_tensor_count"] == 21 and d["optimizer"]["params_with_state"] == 0
     d = inspect_json(str(titan_root / "llama3" / "checkpoint" / "step-2"))
     assert d["summary"]["model_tensor_count"] == 21
-    assert d["optimizer"]["flavor"] == "flattened" and d["optimizer"]["params_with_state"] == 15
+    # 17: the fused wqkv of each layer counted once, as torch's metadata holds its state (15 + 2)
+    assert d["optimizer"]["flavor"] == "flattened" and d["optimizer"]["params_with_state"] == 17
     assert set(d["training_state"]) == {"lr_scheduler", "dataloader", "train_state"}
     assert d["uncategorized_tensors"] == [] and d["serialization"] == "torch_save"
     assert any("planner_data" in r for r in d["key_schema"]["reasons"])
@@ -59,3 +60,27 @@ def test_moe4_lists_candidate_meshes(moe4_root: Path) -> None:
     assert lay["ambiguous"] and all(v == [[2, 2]] for v in lay["candidates"].values())
     d = inspect_json(str(moe4_root / "moe_fsdp4"), "--no-ep")
     assert d["layout"]["ambiguous"] == [] and d["layout"]["source"] == "declared"
+
+
+@pytest.mark.parametrize("run", ["llama3", "moe"])
+def test_torchtitan_fused_qkv_state_counts_as_torch_and_stats_count_it(titan_root: Path, run: str) -> None:
+    """torchtitan steps ``wqkv`` fused and stores the model's ``wq``/``wk``/``wv``: inspect's optimizer section counted
+    15 of 17 (qwen3 MoE: 21 of 23) parameters with state, its ``exp_avg`` 15 tensors, where torch's own
+    ``FileSystemReader.read_metadata()`` holds 17 ``exp_avg`` and ``stats`` 17, and listed ``wq``/``wk``/``wv`` as
+    buffers (no param group), which are the stored split of a stepped parameter."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    step = titan_root / run / "checkpoint" / "step-1"  # written by torchtitan's own CheckpointManager
+    md = FileSystemReader(str(step)).read_metadata().state_dict_metadata
+    ref = {k.removeprefix("optimizer.state.").rsplit(".", 1)[0] for k in md if k.startswith("optimizer.state.")}
+    assert sum(k.endswith(".exp_avg") for k in md) == len(ref) == {"llama3": 17, "moe": 23}[run]
+    o = inspect_json(str(step))["optimizer"]
+    assert o["params_total"] == o["params_with_state"] == len(ref)
+    assert o["fields"] == {f: {"float32": len(ref)} for f in ("exp_avg", "exp_avg_sq", "step")}
+    assert not any(".qkv_linear." in b for b in o["buffers"]) and o["orphan_state"] == []
+    res = runner.invoke(app, ["stats", str(step), "--json"])
+    assert res.exit_code == 0, res.stderr
+    stats = json.loads(res.stdout)["checkpoints"][0]["tensors"]
+    assert sum(t["role"] == "exp_avg" for t in stats) == len(ref)
+    human = runner.invoke(app, ["inspect", str(step)], env={"COLUMNS": "200"}).stdout
+    assert f"state for {len(ref)}/{len(ref)} params" in human
