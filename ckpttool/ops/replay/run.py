@@ -26,7 +26,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from ckpttool.engine.crc import crc32_array
 from ckpttool.engine.pool import map_ordered
 from ckpttool.errors import (
     CkptError,
@@ -186,8 +185,6 @@ class ParamResult:
     moments_at_step0: tuple[str, ...] = ()  # saved moments non-zero at step 0 (a problem, validate's D007)
     # saved max |exp_avg|/sqrt(exp_avg_sq) and Adam's bound at the saved step, where beyond it (a problem, D007)
     moments_beyond: tuple[float, float] | None = None
-    # CRC-32 of the saved exp_avg and exp_avg_sq bytes (non-zero moments of MOMENTS_COPY_MIN+ elements; D007's sibling)
-    moments_crc: tuple[int, int] | None = None
 
     @property
     def ok(self) -> bool:
@@ -971,7 +968,6 @@ def _replay(
     _step_mismatch_note(results, layout.record, notes)
     _zero_state_notes(results, notes)
     _reset_step_problems(results, ckpt.catalog)
-    _copied_moments_problems(results)
     results.sort(key=lambda r: (r.ok, -r.worst_ratio, r.fqn))
     _finish_timing(timing, t_start, bytes_read)
     return ReplayResult(
@@ -1069,63 +1065,6 @@ NATIVE_SLAB = 1 << 18
 _FLOAT_FIELDS = frozenset({"float64", "float32", "bfloat16", "float16"})
 
 _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3  # glibc mallopt parameters (malloc.h)
-
-
-def _saved_moment_flags(p: ParamPlan, r: ParamResult, t: dict[str, Any]) -> None:
-    """Set what the loaded moments show before the step (the notes and problems :func:`_zero_state_notes`,
-    :func:`_reset_step_problems` and :func:`_copied_moments_problems` give): zero moments, moments at step 0 or beyond
-    Adam's bound, their CRC-32s."""
-    step_before = r.step_before
-    r.moments_zero = step_before >= 2 and all(f in t and not bool(t[f].any()) for f in MOMENTS)
-    zero = [not bool(t[f].any()) if f in t else None for f in MOMENTS]
-    r.exp_avg_zero = exp_avg_lost(step_before, p.hyper.beta1, *zero)
-    if p.fresh:
-        return
-    if step_before == 0:
-        r.moments_at_step0 = tuple(f for f, z in zip(MOMENTS, zero, strict=True) if z is False)
-    elif step_before >= 1 and all(f in t for f in MOMENTS):
-        r.moments_beyond = _saved_moments_beyond(p, step_before, t["exp_avg"], t["exp_avg_sq"])
-    if zero[0] is False and p.numel >= MOMENTS_COPY_MIN:
-        r.moments_crc = _moments_crc(t)
-
-
-#: Fewest elements of a parameter whose saved moments are compared with the others' (:func:`_copied_moments_problems`).
-MOMENTS_COPY_MIN = 16
-
-
-def _moments_crc(t: dict[str, Any]) -> tuple[int, int] | None:
-    """CRC-32 of the bytes of the loaded ``exp_avg`` and of ``exp_avg_sq`` (CPU tensors; else ``None``)."""
-    import torch
-
-    out = []
-    for f in MOMENTS:
-        x = t.get(f)
-        if x is None or x.device.type != "cpu":
-            return None
-        out.append(crc32_array(x.detach().contiguous().reshape(-1).view(torch.uint8).numpy()))
-    return out[0], out[1]
-
-
-def _copied_moments_problems(results: list[ParamResult]) -> None:
-    """Fail each loaded parameter whose saved ``exp_avg`` and ``exp_avg_sq`` are bitwise those of another parameter of
-    its shape and dtype (both CRC-32s equal; moments all zero and tensors under :data:`MOMENTS_COPY_MIN` elements are
-    not compared): one parameter's moments given to another (a bad merge or rename). Two parameters' gradients are
-    never equal at every step, and Adam's moments are their running means; the replay agrees with the reference on
-    such state, and the copy is within Adam's bound (``D007``), so nothing else finds it. The first in plan order
-    is taken as the original; the copies are named."""
-    first: dict[tuple[Any, ...], ParamResult] = {}
-    for r in results:
-        if r.state != "loaded" or r.moments_crc is None:
-            continue
-        key = (r.shape, r.dtype, r.moments_crc)
-        o = first.setdefault(key, r)
-        if o is not r:
-            r.problems.insert(
-                0,
-                f"saved exp_avg and exp_avg_sq are bitwise those of {o.fqn}: the moments of one parameter given to "
-                "another (a bad merge, rename or copy of the optimizer state); a resume steps this parameter with "
-                f"{o.fqn}'s gradient history",
-            )
 
 
 #: Elements per chunk of :func:`_saved_moments_beyond` (bounds its float64 temporaries to a few MiB).
@@ -1243,7 +1182,13 @@ def _load_batch(
             step_before,
         )
         r.expected_step = step_before + steps
-        _saved_moment_flags(p, r, t)
+        r.moments_zero = step_before >= 2 and all(f in t and not bool(t[f].any()) for f in MOMENTS)
+        zero = [not bool(t[f].any()) if f in t else None for f in MOMENTS]
+        r.exp_avg_zero = exp_avg_lost(step_before, p.hyper.beta1, *zero)
+        if step_before == 0 and not p.fresh:
+            r.moments_at_step0 = tuple(f for f, z in zip(MOMENTS, zero, strict=True) if z is False)
+        elif step_before >= 1 and not p.fresh and all(f in t for f in MOMENTS):
+            r.moments_beyond = _saved_moments_beyond(p, step_before, t["exp_avg"], t["exp_avg_sq"])
         results[p.fqn] = r
     timing["load_seconds"] += time.perf_counter() - t0
     return loaded, results

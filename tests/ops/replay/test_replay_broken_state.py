@@ -65,58 +65,6 @@ def test_a_saved_eps_of_0_fails(tmp_path: Path) -> None:
         assert any(x.startswith("update size [R003]: the saved eps is 0") for x in p["problems"]), p["problems"]
 
 
-def _two_linear_run(tmp_path: Path, mutate: Any) -> tuple[Path, Path]:
-    """``Sequential(Linear(8, 8), Linear(8, 8))`` (two weights of one shape) stepped 3 times by ``torch.optim.AdamW``,
-    its ``get_state_dict`` optimizer state changed by ``mutate(osd)``, saved by ``dcp.save``; next gradients file."""
-    from safetensors.torch import save_file
-    from torch.distributed.checkpoint.state_dict import get_state_dict
-
-    from tests.fixtures.builders import save_quiet, train_steps
-
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 8))
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
-    train_steps(model, opt, 3, loss="square")
-    msd, osd = get_state_dict(model, opt)
-    mutate(osd)
-    save_quiet({"model": msd, "optimizer": osd}, tmp_path / "ck")
-    gen = torch.Generator().manual_seed(7)
-    grads = tmp_path / "g.safetensors"
-    save_file({n: torch.randn(p.shape, generator=gen) * 1e-2 for n, p in model.named_parameters()}, str(grads))
-    return tmp_path / "ck", grads
-
-
-def test_moments_of_one_parameter_given_to_another_fail(tmp_path: Path) -> None:
-    """``0.weight``'s exp_avg and exp_avg_sq saved for ``1.weight`` too (same shape; a bad merge or rename): a
-    consistent Adam state, within the bound, that the replay reproduces in every element: OK, exit 0. The copy is
-    named (exit 1); the parameter it was copied from is not blamed."""
-
-    def mutate(osd: dict[str, Any]) -> None:
-        for f in ("exp_avg", "exp_avg_sq"):
-            osd["state"]["1.weight"][f] = osd["state"]["0.weight"][f].clone()
-
-    code, out = _json(*_two_linear_run(tmp_path, mutate))
-    assert code == 1 and out["params_failed"] == 1
-    bad = next(p for p in out["params"] if not p["ok"])
-    assert bad["fqn"] == "1.weight"
-    assert bad["problems"][0].startswith("saved exp_avg and exp_avg_sq are bitwise those of 0.weight")
-
-
-def test_all_zero_moments_shared_by_parameters_are_not_a_copy(tmp_path: Path) -> None:
-    """Moments all zero (torch's synthesized state of an optimizer that never stepped: step 1, zero moments) are equal
-    in every parameter without being copies: no copy problem (D005's warning note only)."""
-
-    def mutate(osd: dict[str, Any]) -> None:
-        for st in osd["state"].values():
-            st["step"] = torch.tensor(1.0)
-            st["exp_avg"].zero_()
-            st["exp_avg_sq"].zero_()
-
-    code, out = _json(*_two_linear_run(tmp_path, mutate))
-    assert not any("bitwise those of" in x for p in out["params"] for x in p["problems"]), out["params"]
-    assert code == 0, [p["problems"] for p in out["params"]]
-
-
 @pytest.mark.parametrize(
     "make",
     [
