@@ -1067,6 +1067,28 @@ _FLOAT_FIELDS = frozenset({"float64", "float32", "bfloat16", "float16"})
 _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3  # glibc mallopt parameters (malloc.h)
 
 
+def _saved_moment_flags(p: ParamPlan, r: ParamResult, t: dict[str, Any]) -> None:
+    """Set what the loaded moments show before the step (the notes and problems of :func:`_zero_state_notes` and
+    :func:`_reset_step_problems`): zero moments, non-zero moments at step 0."""
+    step_before = r.step_before
+    r.moments_zero = step_before >= 2 and all(f in t and not bool(t[f].any()) for f in MOMENTS)
+    zero = [not bool(t[f].any()) if f in t else None for f in MOMENTS]
+    r.exp_avg_zero = exp_avg_lost(step_before, p.hyper.beta1, *zero)
+    if step_before == 0 and not p.fresh:
+        r.moments_at_step0 = tuple(f for f, z in zip(MOMENTS, zero, strict=True) if z is False)
+
+
+def _loaded_moments_beyond(p: ParamPlan, t: dict[str, Any]) -> tuple[float, float] | None:
+    """:func:`_saved_moments_beyond` of a parameter's loaded state where its ``step`` is a count of at least 1 (other
+    steps: ``None``; :func:`~ckpttool.ops.state_checks.step_not_count` refuses the ones that are no count)."""
+    if p.fresh or "step" not in t or not all(f in t for f in MOMENTS):
+        return None
+    step = float(t["step"].item())
+    if not (math.isfinite(step) and step >= 1 and step == int(step)):
+        return None
+    return _saved_moments_beyond(p, step, t["exp_avg"], t["exp_avg_sq"])
+
+
 #: Elements per chunk of :func:`_saved_moments_beyond` (bounds its float64 temporaries to a few MiB).
 _RATIO_CHUNK = 1 << 18
 
@@ -1093,10 +1115,14 @@ def _saved_moments_beyond(p: ParamPlan, step: float, m: Any, v: Any) -> tuple[fl
     m, v = m.detach().reshape(-1), v.detach().reshape(-1)
     worst = 0.0
     for a in range(0, m.numel(), _RATIO_CHUNK):
-        mm = m[a : a + _RATIO_CHUNK].double().square_()
-        vv = v[a : a + _RATIO_CHUNK].double()
+        mc, vc = m[a : a + _RATIO_CHUNK], v[a : a + _RATIO_CHUNK]
+        # float32 first pass (m^2 - limit^2 (v + margin) <= 0 everywhere: within); float64 where it is not
+        q = mc.float().square().sub_(vc.float(), alpha=limit * limit)  # square(): .float() of float32 is mc itself
+        if not bool((q > -margin * limit * limit).any()):
+            continue
+        mm, vv = mc.double().square(), vc.double()
         ok_v = vv > 0
-        vv.add_(margin)
+        vv = vv + margin
         beyond = (mm > vv * (limit * limit)) & ok_v
         if bool(beyond.any()):
             worst = max(worst, float(mm[beyond].div_(vv[beyond]).max().sqrt().item()))
@@ -1142,6 +1168,7 @@ def _load_batch(
 
     t0 = time.perf_counter()
     results: dict[str, ParamResult] = {}
+    beyond: dict[str, tuple[float, float] | None] = {}
 
     def load(p: ParamPlan) -> dict[str, torch.Tensor]:
         if p.parts:  # a fused parameter stored split: its parts interleaved in row groups (plan.ParamPlan)
@@ -1154,6 +1181,7 @@ def _load_batch(
             t[f] = canon(entry.key, p.key, reader.read_tensor(entry.key))
         if p.shared_step is not None:
             t["step"] = torch.tensor(p.shared_step, dtype=torch.float32)
+        beyond[p.fqn] = _loaded_moments_beyond(p, t)  # in the reading threads
         return t
 
     loaded = dict(zip((p.fqn for p in batch), map_ordered(load, batch, workers=workers)))
@@ -1182,13 +1210,8 @@ def _load_batch(
             step_before,
         )
         r.expected_step = step_before + steps
-        r.moments_zero = step_before >= 2 and all(f in t and not bool(t[f].any()) for f in MOMENTS)
-        zero = [not bool(t[f].any()) if f in t else None for f in MOMENTS]
-        r.exp_avg_zero = exp_avg_lost(step_before, p.hyper.beta1, *zero)
-        if step_before == 0 and not p.fresh:
-            r.moments_at_step0 = tuple(f for f, z in zip(MOMENTS, zero, strict=True) if z is False)
-        elif step_before >= 1 and not p.fresh and all(f in t for f in MOMENTS):
-            r.moments_beyond = _saved_moments_beyond(p, step_before, t["exp_avg"], t["exp_avg_sq"])
+        _saved_moment_flags(p, r, t)
+        r.moments_beyond = beyond.get(p.fqn)
         results[p.fqn] = r
     timing["load_seconds"] += time.perf_counter() - t0
     return loaded, results

@@ -96,3 +96,41 @@ def test_sound_state_at_adams_bound_is_ok_and_torchs_next_step(tmp_path: Path, m
     code, out = _json(tmp_path / "ck", grads)
     assert code == 0, [p["problems"] for p in out["params"]]
     assert_replay_is_the_runs_next_step(tmp_path / "ck", grads, model, opt)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
+def test_the_saved_state_check_leaves_the_loaded_moments_as_saved(tmp_path: Path, dtype: torch.dtype) -> None:
+    """The check reads the loaded moments the optimizer then adopts: it must not change them (``.float()`` of a
+    float32 tensor and ``.double()`` of a float64 one are the tensor itself, not a copy). A sound state of each
+    moment dtype replays as torch's own next step; with every step set back to 1 the parameters fail on D007 first
+    (and R003), every replayed field still equal to the reference's."""
+    from safetensors.torch import save_file
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    from tests.fixtures.builders import save_quiet
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(8, 4).to(dtype).requires_grad_(False)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+    gen = torch.Generator().manual_seed(1)
+    for _ in range(3):
+        for p in model.parameters():
+            p.grad = (torch.randn(p.shape, generator=gen) * 1e-2).to(dtype)
+        opt.step()
+    msd, osd = get_state_dict(model, opt)
+    save_quiet({"model": msd, "optimizer": osd}, tmp_path / "ck")
+    set_back = {**osd, "state": {f: {**st, "step": torch.tensor(1.0)} for f, st in osd["state"].items()}}
+    save_quiet({"model": msd, "optimizer": set_back}, tmp_path / "set_back")  # the live optimizer's state kept
+    grads = tmp_path / "g.safetensors"
+    save_file(
+        {n: (torch.randn(p.shape, generator=gen) * 1e-2).to(dtype) for n, p in model.named_parameters()}, str(grads)
+    )
+    code, out = _json(tmp_path / "set_back", grads)
+    assert code == 1 and out["params_failed"] == 2
+    for p in out["params"]:
+        assert p["problems"][0].startswith("saved moments beyond Adam's bound [D007]")
+        assert not any("beyond tolerance" in x for x in p["problems"]), p["problems"]
+        assert all(f["bad"] == 0 for f in p["errors"].values()), p
+    code, out = _json(tmp_path / "ck", grads)
+    assert code == 0, [p["problems"] for p in out["params"]]
+    assert_replay_is_the_runs_next_step(tmp_path / "ck", grads, model, opt)
