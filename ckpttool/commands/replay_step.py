@@ -183,9 +183,9 @@ def replay_step_command(
     """Replay the next optimizer step from the saved state on --device and compare with an independent reference.
 
     Exit 0: every parameter matches with a sane update; 1: a mismatch beyond tolerance, an update beyond its bound or
-    a saved lr of 0 (R003), a parameter's step reset to 0 (O007, D007), a stepped parameter
-    that could not be replayed, steps counted with no optimizer state saved, an optimizer step that is not the
-    trainer's or the LR scheduler's (R002), or a group lr not the LR scheduler's (R006); 2: unusable input.
+    a saved lr or eps of 0 (R003), saved moments beyond Adam's bound or a step reset to 0 (O007, D007), a stepped
+    parameter that could not be replayed, steps counted with no optimizer state saved, an optimizer step that is not
+    the trainer's or the LR scheduler's (R002), or a group lr not the LR scheduler's (R006); 2: unusable input.
     """
     from ckpttool.model.checkpoint import OpenOptions
     from ckpttool.ops.entry import replay_mismatch, run_replay

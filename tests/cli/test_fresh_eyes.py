@@ -170,8 +170,8 @@ def test_verbose_help_shows_no_range_and_still_counts(sample_ckpt: Path) -> None
 
 def test_replay_step_help_names_every_cause_of_exit_1(tmp_path: Path) -> None:
     """The help said ``1: a mismatch beyond tolerance``; a zeroed exp_avg_sq that matches the reference
-    exits 1 too (an update beyond its bound, R003), as docs/replay.md says; so do a saved lr of 0 and a state reset
-    to step 0 in a group that stepped, which the help did not name."""
+    exits 1 too (an update beyond its bound, R003), as docs/replay.md says; so do a saved lr or eps of 0, saved moments
+    beyond Adam's bound and a state reset to step 0 in a group that stepped, which the help did not name."""
     import warnings
 
     import torch
@@ -180,9 +180,9 @@ def test_replay_step_help_names_every_cause_of_exit_1(tmp_path: Path) -> None:
 
     text = " ".join(runner.invoke(app, ["replay-step", "--help"], env={"COLUMNS": "100"}).stdout.split())
     assert (
-        "1: a mismatch beyond tolerance, an update beyond its bound or a saved lr of 0 (R003), a parameter's step "
-        "reset to 0 (O007, D007), a stepped parameter that could not be replayed, steps counted with no optimizer "
-        "state saved, an optimizer step that is not the trainer's or the LR scheduler's (R002), or a group lr not "
+        "1: a mismatch beyond tolerance, an update beyond its bound or a saved lr or eps of 0 (R003), saved moments "
+        "beyond Adam's bound or a step reset to 0 (O007, D007), a stepped parameter that could not be replayed, steps "
+        "counted with no optimizer state saved, an optimizer step that is not the trainer's or the LR scheduler's (R002), or a group lr not "
         "the LR scheduler's (R006)"
     ) in text
     torch.manual_seed(0)

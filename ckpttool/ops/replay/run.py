@@ -183,6 +183,8 @@ class ParamResult:
     moments_zero: bool = False  # saved exp_avg and exp_avg_sq all zero at step >= 2 (a note, validate's D008)
     exp_avg_zero: bool = False  # saved exp_avg all zero, exp_avg_sq not, at step >= 2 (a note, validate's D015)
     moments_at_step0: tuple[str, ...] = ()  # saved moments non-zero at step 0 (a problem, validate's D007)
+    # saved max |exp_avg|/sqrt(exp_avg_sq) and Adam's bound at the saved step, where beyond it (a problem, D007)
+    moments_beyond: tuple[float, float] | None = None
 
     @property
     def ok(self) -> bool:
@@ -808,6 +810,15 @@ def _reset_step_problems(results: list[ParamResult], cat: Catalog) -> None:
                 "counts a parameter's first step as it creates its state, so this state was reset or made up after "
                 "the run stepped (a resume restarts its moments and bias correction while its group's go on)",
             )
+        elif r.state == "loaded" and r.moments_beyond is not None:
+            ratio, bound = r.moments_beyond
+            r.problems.insert(
+                0,
+                f"saved moments beyond Adam's bound [D007]: max |exp_avg|/sqrt(exp_avg_sq) {ratio:.4g}, beyond "
+                f"{bound:.4g}, the most AdamW's recursion allows after the saved step {r.step_before:g} with its "
+                "group's betas: the step counter or a moment is not this parameter's (a step set back, a stale, "
+                "scaled or swapped moment); a resume steps from state no run produced",
+            )
         elif r.state == "loaded" and r.moments_at_step0:
             r.problems.insert(
                 0,
@@ -1056,6 +1067,68 @@ _FLOAT_FIELDS = frozenset({"float64", "float32", "bfloat16", "float16"})
 _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3  # glibc mallopt parameters (malloc.h)
 
 
+def _saved_moment_flags(p: ParamPlan, r: ParamResult, t: dict[str, Any]) -> None:
+    """Set what the loaded moments show before the step (the notes and problems of :func:`_zero_state_notes` and
+    :func:`_reset_step_problems`): zero moments, non-zero moments at step 0."""
+    step_before = r.step_before
+    r.moments_zero = step_before >= 2 and all(f in t and not bool(t[f].any()) for f in MOMENTS)
+    zero = [not bool(t[f].any()) if f in t else None for f in MOMENTS]
+    r.exp_avg_zero = exp_avg_lost(step_before, p.hyper.beta1, *zero)
+    if step_before == 0 and not p.fresh:
+        r.moments_at_step0 = tuple(f for f, z in zip(MOMENTS, zero, strict=True) if z is False)
+
+
+def _loaded_moments_beyond(p: ParamPlan, t: dict[str, Any]) -> tuple[float, float] | None:
+    """:func:`_saved_moments_beyond` of a parameter's loaded state where its ``step`` is a count of at least 1 (other
+    steps: ``None``; :func:`~ckpttool.ops.state_checks.step_not_count` refuses the ones that are no count)."""
+    if p.fresh or "step" not in t or not all(f in t for f in MOMENTS):
+        return None
+    step = float(t["step"].item())
+    if not (math.isfinite(step) and step >= 1 and step == int(step)):
+        return None
+    return _saved_moments_beyond(p, step, t["exp_avg"], t["exp_avg_sq"])
+
+
+#: Elements per chunk of :func:`_saved_moments_beyond` (bounds its float64 temporaries to a few MiB).
+_RATIO_CHUNK = 1 << 18
+
+
+def _saved_moments_beyond(p: ParamPlan, step: float, m: Any, v: Any) -> tuple[float, float] | None:
+    """``(max |exp_avg| / sqrt(exp_avg_sq), bound)`` of the saved moments where beyond Adam's bound at the saved step
+    (:func:`~ckpttool.optim_state.bounds.adam_ratio_bound`, raw moments, with ``UPDATE_BOUND_SLACK``), else ``None``.
+
+    Adam's own recursion cannot leave moments beyond it, whatever the gradients: a step counter set back (or
+    another parameter's, or another save's), a stale or scaled moment. The step replayed from such state can
+    still be within the bound after it (the new gradient dilutes the old moments), so the saved state is checked
+    as saved (``validate --deep``'s ``D007``). Elements with ``exp_avg_sq <= 0`` or NaN are left out (``D006``,
+    ``D002``, ``D001`` name them); an FP16 ``exp_avg_sq`` takes
+    :func:`~ckpttool.optim_state.bounds.fp16_underflow_margin`. Read in chunks of :data:`_RATIO_CHUNK` elements.
+    """
+    import torch
+
+    h = p.hyper
+    bound = adam_ratio_bound(step, h.beta1, h.beta2, bias_corrected=False, span=beta1_span(dict(h.extra)))
+    limit = bound * UPDATE_BOUND_SLACK
+    if not math.isfinite(limit) or m.shape != v.shape or not (m.is_floating_point() and v.is_floating_point()):
+        return None
+    margin = fp16_underflow_margin(step, h.beta2) if v.dtype == torch.float16 else 0.0
+    m, v = m.detach().reshape(-1), v.detach().reshape(-1)
+    worst = 0.0
+    for a in range(0, m.numel(), _RATIO_CHUNK):
+        mc, vc = m[a : a + _RATIO_CHUNK], v[a : a + _RATIO_CHUNK]
+        # float32 first pass (m^2 - limit^2 (v + margin) <= 0 everywhere: within); float64 where it is not
+        q = mc.float().square().sub_(vc.float(), alpha=limit * limit)  # square(): .float() of float32 is mc itself
+        if not bool((q > -margin * limit * limit).any()):
+            continue
+        mm, vv = mc.double().square(), vc.double()
+        ok_v = vv > 0
+        vv = vv + margin
+        beyond = (mm > vv * (limit * limit)) & ok_v
+        if bool(beyond.any()):
+            worst = max(worst, float(mm[beyond].div_(vv[beyond]).max().sqrt().item()))
+    return (worst, bound) if worst > 0 else None
+
+
 @contextmanager
 def _reuse_freed_memory() -> Iterator[None]:
     """Keep freed slab temporaries in the heap while the reference runs (glibc; elsewhere a no-op).
@@ -1095,6 +1168,7 @@ def _load_batch(
 
     t0 = time.perf_counter()
     results: dict[str, ParamResult] = {}
+    beyond: dict[str, tuple[float, float] | None] = {}
 
     def load(p: ParamPlan) -> dict[str, torch.Tensor]:
         if p.parts:  # a fused parameter stored split: its parts interleaved in row groups (plan.ParamPlan)
@@ -1107,6 +1181,7 @@ def _load_batch(
             t[f] = canon(entry.key, p.key, reader.read_tensor(entry.key))
         if p.shared_step is not None:
             t["step"] = torch.tensor(p.shared_step, dtype=torch.float32)
+        beyond[p.fqn] = _loaded_moments_beyond(p, t)  # in the reading threads
         return t
 
     loaded = dict(zip((p.fqn for p in batch), map_ordered(load, batch, workers=workers)))
@@ -1135,11 +1210,8 @@ def _load_batch(
             step_before,
         )
         r.expected_step = step_before + steps
-        r.moments_zero = step_before >= 2 and all(f in t and not bool(t[f].any()) for f in MOMENTS)
-        zero = [not bool(t[f].any()) if f in t else None for f in MOMENTS]
-        r.exp_avg_zero = exp_avg_lost(step_before, p.hyper.beta1, *zero)
-        if step_before == 0 and not p.fresh:
-            r.moments_at_step0 = tuple(f for f, z in zip(MOMENTS, zero, strict=True) if z is False)
+        _saved_moment_flags(p, r, t)
+        r.moments_beyond = beyond.get(p.fqn)
         results[p.fqn] = r
     timing["load_seconds"] += time.perf_counter() - t0
     return loaded, results
@@ -1870,6 +1942,12 @@ class _SlabContext:
                 "update size [R003]: the saved lr is 0, so the step moves no parameter: the replay checks the moments "
                 "only, not the update a resume makes (a schedule at its start or end, or a wrong lr in the saved param "
                 "group)"
+            )
+        if p.hyper.eps == 0:  # 0/0 = NaN wherever exp_avg_sq is 0; torch.optim.AdamW defaults to 1e-8
+            r.problems.append(
+                "update size [R003]: the saved eps is 0, so AdamW divides by sqrt(v_hat) alone: an element whose "
+                "exp_avg_sq is 0 (a gradient always zero there) steps by 0/0 = NaN and one near 0 beyond any bound "
+                "(a wrong eps in the saved param group: 1e-8 rounded to 0 in float16, a conversion bug)"
             )
         ups = [x["update"] for x in parts if "update" in x]
         if not ups:
