@@ -1769,12 +1769,27 @@ def verify_manifest(
 
 
 def _grown_data_files(reader: CheckpointReader, manifest: Manifest) -> list[ManifestProblem]:
-    """Data files longer than when the manifest was made (bytes appended after the last window, in no entry):
-    ``changed``. A file cut short is named by the entries whose windows it no longer holds."""
+    """Data files longer than when the manifest was made (bytes appended after the last window, in no entry), or
+    shorter with every window still in them (bytes after the last window removed): ``changed``. A file cut into a
+    window is named by the entries whose windows it no longer holds."""
     if manifest.data_files is None:
         return []
     now = {f["file"]: f["size"] for f in _data_file_sizes_of(reader, (f["file"] for f in manifest.data_files))}
-    return _grown_sizes(manifest.data_files, now)
+    ends: dict[str, int] = {}
+    for e in manifest.entries:
+        ends[e.file] = max(ends.get(e.file, 0), e.offset + e.length)
+    shrunk = [
+        ManifestProblem(
+            "changed",
+            f["file"],
+            None,
+            f"{f['file']}: {f['size'] - size:,} byte(s) after the data removed since the manifest was made (the "
+            f"file has {size:,} bytes, the manifest recorded {f['size']:,}); every entry's window is still in it",
+        )
+        for f in manifest.data_files
+        if (size := now.get(f["file"])) is not None and ends.get(f["file"], 0) <= size < f["size"]
+    ]
+    return _grown_sizes(manifest.data_files, now) + shrunk
 
 
 def _grown_files(root: Path, data_files: tuple[dict[str, Any], ...]) -> list[ManifestProblem]:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import struct
 from pathlib import Path
 from typing import Any
@@ -809,3 +810,25 @@ def test_a_data_files_list_contradicting_its_entries_is_refused(dense_ckpt: Path
         res = invoke(*args)
         assert res.exit_code == 2 and res.stdout == "", res.stdout
         assert res.stderr.startswith("error: [E260]") and want in res.stderr, res.stderr
+
+
+def test_bytes_removed_after_the_last_window_are_a_problem(dense_ckpt: Path, tmp_path: Path) -> None:
+    """A data file that held bytes after its last window when the manifest was made (appended by another tool), and
+    lost them since: every entry's window is intact, and --verify said "matches" of a file other than the one the
+    manifest was made of. Its size is now ``changed``, as bytes appended after the manifest are."""
+    ck = copy_checkpoint(dense_ckpt, tmp_path / "ck")
+    data = ck / "__0_0.distcp"
+    size = data.stat().st_size
+    with open(data, "ab") as f:
+        f.write(b"trailing bytes no window covers")
+    assert invoke("manifest", ck).exit_code == 0
+    os.truncate(data, size)
+    res = invoke("manifest", ck, "--verify", "--json")
+    assert res.exit_code == 1, res.stdout
+    problems = json.loads(res.stdout)["problems"]
+    assert [(p["kind"], p["key"]) for p in problems] == [("changed", "__0_0.distcp")]
+    assert (
+        f"31 byte(s) after the data removed since the manifest was made (the file has {size:,} bytes"
+        in problems[0]["message"]
+    )
+    assert [f["key"] for f in s015(ck, ck / "manifest.json")] == ["__0_0.distcp"]
