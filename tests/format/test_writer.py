@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import io
 import json
+import math
 import os
 import pickle
 import subprocess
@@ -242,3 +243,43 @@ def test_verbatim_reshard_never_imports_torch(tmp_path: Path) -> None:
     )
     assert res.returncode == 0, res.stderr
     assert res.stdout.strip() == "False"
+
+
+@pytest.mark.parametrize("into", ["file", "memory"])
+@pytest.mark.parametrize(
+    ("dtype", "sizes"),
+    [("float32", (33, 17)), ("bfloat16", (5, 3, 7)), ("float8_e4m3fn", (4, 6)), ("int64", ()), ("uint16", (0, 4))],
+)
+def test_direct_archives_are_the_bytes_zipfile_writes(tmp_path: Path, into: str, dtype: str, sizes: tuple) -> None:
+    """The archive assembled directly (one write before the storage record, one after) is byte for byte the one
+    Python's ``zipfile`` writes for the same members (the writer for records that need zip64), whatever the
+    archive's place in the file (its padding), and ``torch.load`` reads it."""
+    from ckpttool.format.writer import _archive_members, _write_archive_direct, _write_archive_zipfile
+
+    dt = DType(dtype)
+    n = math.prod(sizes) * dt.itemsize
+    src = tmp_path / "src.bin"
+    src.write_bytes(bytes(range(256)) * (n // 256 + 1))
+    members = _archive_members(dt, sizes, b"0123456789" * 4)
+    got = []
+    fd = os.open(src, os.O_RDONLY)
+    try:
+        for write in (_write_archive_zipfile, _write_archive_direct):
+            segments = [(fd, 7, n // 2), (fd, 7 + n // 2, n - n // 2)] if n else []
+            if into == "file":
+                with open(tmp_path / "out", "wb") as f:
+                    f.write(b"x" * 13)  # an archive after another one: not at offset 0
+                    crc = write(f, members, n, segments, memoryview(bytearray(64)), None, False)
+                data = (tmp_path / "out").read_bytes()[13:]
+            else:
+                out = io.BytesIO(b"x" * 13)
+                out.seek(13)
+                crc = write(out, members, n, segments, memoryview(bytearray(64)), None, False)
+                data = out.getvalue()[13:]
+            got.append((crc, data))
+    finally:
+        os.close(fd)
+    assert got[0] == got[1]
+    want = torch.frombuffer(bytearray(src.read_bytes()[7 : 7 + n]), dtype=torch.uint8) if n else torch.empty(0)
+    loaded = torch.load(io.BytesIO(got[1][1]), weights_only=True)
+    assert tuple(loaded.shape) == sizes and torch.equal(loaded.reshape(-1).view(torch.uint8), want.view(torch.uint8))
