@@ -1492,8 +1492,9 @@ def _manifest_data_files(
     doc: dict[str, Any], shown: str, entries: tuple[ManifestEntry, ...]
 ) -> tuple[dict[str, Any], ...] | None:
     """The ``data_files`` list (``None``: absent, a manifest of an older ckpttool), checked, also against ``entries``:
-    ckpttool records the size of each file an entry's window lies in, so a file no entry names, or a size that ends
-    before an entry's window does, is a manifest that contradicts itself (edited): it could never be verified."""
+    ckpttool records the size of each file an entry's window lies in, so a file no entry names is a manifest that
+    contradicts itself (edited): nothing of it could be verified. (A size that ends before an entry's window is
+    left to the verify, which names the entry or the file as ``changed``.)"""
     raw = doc.get("data_files")
     if raw is None:
         return None
@@ -1502,19 +1503,10 @@ def _manifest_data_files(
         raise _bad(shown, f"data_files must be a list of at most {cap:,} files")
     out = _objects(raw, "data_files", _DATA_FILE_FIELDS, shown, lambda f: f["size"] >= 0)
     _check_file_names(out, "data_files", shown)
-    ends: dict[str, int] = {}
-    for e in entries:
-        ends[e.file] = max(ends.get(e.file, 0), e.offset + e.length)
+    stored_in = {e.file for e in entries}
     for i, f in enumerate(out):
-        end = ends.get(f["file"])
-        if end is None:
+        if f["file"] not in stored_in:
             raise _bad(shown, f"data_files[{i}] ({f['file'][:200]!a}) is a file no entry is stored in")
-        if f["size"] < end:
-            raise _bad(
-                shown,
-                f"data_files[{i}] ({f['file'][:200]!a}) has {f['size']:,} bytes, less than the "
-                f"{end:,} its entries' windows reach",
-            )
     return tuple(out)
 
 
