@@ -29,7 +29,7 @@ import zlib
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path, PurePath
-from typing import TYPE_CHECKING, Any, BinaryIO
+from typing import TYPE_CHECKING, Any, BinaryIO, NamedTuple
 
 from ckpttool.engine.execute import can_split, run_item, run_split
 from ckpttool.engine.io import BLOCK_BYTES, ShortReadError, block_buffer, write_all
@@ -839,29 +839,17 @@ def _aligned_info(zf: zipfile.ZipFile, name: str, size: int) -> zipfile.ZipInfo:
 
 
 def _stream_record(
-    zf: zipfile.ZipFile,
-    window: _ArchiveWindow,
-    f: BinaryIO,
-    info: zipfile.ZipInfo,
-    segments: list[tuple[int, int, int]],
-    buf: memoryview,
-    sink: Callable[[memoryview], object] | None = None,
-    behind: bool = False,
+    zf: zipfile.ZipFile, window: _ArchiveWindow, f: BinaryIO, info: zipfile.ZipInfo, source: _RecordSource
 ) -> None:
-    """Write the stored record ``info`` whose data is the concatenation of ``segments``, by ``pread`` / ``pwrite``.
-
-    ``sink`` (a digest's ``update``) is called with the record's bytes, in order, as they are written.
-    ``behind``: start the disk write-back as the record is written (the caller ``fsync`` s later).
+    """Write the stored record ``info`` whose data is the concatenation of ``source.segments``, by ``pread`` /
+    ``pwrite`` (:func:`_record_at`).
 
     ``zipfile``'s own record writer (``ZipFile.open(info, "w")``) costs two extra passes over
-    the data: zlib's CRC-32 and a copy through the buffered file object. Here
-    each buffer-full is read from the source (:mod:`ckpttool.engine`), its CRC-32 folded in while it is
-    still in the CPU cache (``isal`` when installed, :mod:`ckpttool.engine.crc`) and written with
-    ``os.pwrite`` at its place in the output; the local header is written last, with the CRC,
-    and the record is entered in the archive's central directory as ``zipfile``'s writer
-    enters it (``filelist``, ``NameToInfo``, ``start_dir``: the fields ``_ZipWriteFile.close`` sets,
-    CPython 3.10-3.13; mode ``"w"`` writes the central directory on close).
-    Local header as ``ZipInfo.FileHeader`` writes it (zip64 extra field when the data is
+    the data: zlib's CRC-32 and a copy through the buffered file object. Here the local header
+    is written last, with the CRC, and the record is entered in the archive's central directory
+    as ``zipfile``'s writer enters it (``filelist``, ``NameToInfo``, ``start_dir``: the fields
+    ``_ZipWriteFile.close`` sets, CPython 3.10-3.13; mode ``"w"`` writes the central directory on
+    close). Local header as ``ZipInfo.FileHeader`` writes it (zip64 extra field when the data is
     over 4 GiB), so the archive is the one ``zipfile`` would have written.
 
     Raises:
@@ -879,26 +867,52 @@ def _stream_record(
     info.header_offset = header_at
     header_len = len(info.FileHeader(zip64))
     base = f.tell() - header_at  # the archive's start in the output file
+
+    def header(crc: int) -> bytes:
+        info.CRC = crc
+        out = info.FileHeader(zip64)
+        assert len(out) == header_len
+        return out
+
+    _record_at(f, base + header_at, base + header_at + header_len, header, source)
+    zf.filelist.append(info)
+    zf.NameToInfo[info.filename] = info
+    zf.start_dir = window.tell()
+
+
+class _RecordSource(NamedTuple):
+    """Where a storage record's bytes come from and how they are written (:func:`write_tensor_archive`'s arguments)."""
+
+    segments: list[tuple[int, int, int]]
+    buf: memoryview
+    sink: Callable[[memoryview], object] | None
+    behind: bool
+
+
+def _record_at(f: BinaryIO, header_at: int, data_at: int, header: Callable[[int], bytes], source: _RecordSource) -> int:
+    """Copy a record's data to ``data_at`` of the output (:func:`_copy_record`: each buffer-full read from the
+    source, its CRC-32 folded in while in the CPU cache, written by ``pwrite`` at its place), then its local header
+    ``header(crc)`` at ``header_at``; leave ``f`` at the record's end. Returns the CRC-32.
+
+    Raises:
+        OSError: a short read (the source file changed under us) or a failed write.
+    """
+    f.flush()
     try:
         fd: int | None = f.fileno()
     except (OSError, io.UnsupportedOperation):  # an in-memory file: plain writes at the same places
         fd = None
-    pos = base + header_at + header_len
     try:
-        info.CRC = _copy_record(f, fd, pos, segments, buf, sink, behind)
+        crc = _copy_record(f, fd, data_at, source.segments, source.buf, source.sink, source.behind)
     except ShortReadError as e:
         raise OSError(f"short read at offset {e.offset}") from None
-    header = info.FileHeader(zip64)
-    assert len(header) == header_len
     if fd is None:
-        f.seek(base + header_at)
-        f.write(header)
+        f.seek(header_at)
+        f.write(header(crc))
     else:
-        write_all(fd, header, base + header_at)
-    f.seek(pos + nbytes)
-    zf.filelist.append(info)
-    zf.NameToInfo[info.filename] = info
-    zf.start_dir = window.tell()
+        write_all(fd, header(crc), header_at)
+    f.seek(data_at + sum(n for _, _, n in source.segments))
+    return crc
 
 
 def _copy_record(
@@ -982,9 +996,10 @@ def write_tensor_archive(
     """
     nbytes = sum(n for _, _, n in segments)
     members = _archive_members(dtype, sizes, str(uuid.uuid4().int).zfill(40)[:40].encode())
+    source = _RecordSource(segments, buf, sink, behind)
     if nbytes < _DIRECT_LIMIT < zipfile.ZIP64_LIMIT:  # no member, offset or size needs a zip64 field
-        return _write_archive_direct(f, members, nbytes, segments, buf, sink, behind)
-    return _write_archive_zipfile(f, members, nbytes, segments, buf, sink, behind)
+        return _write_archive_direct(f, members, nbytes, source)
+    return _write_archive_zipfile(f, members, nbytes, source)
 
 
 #: The small members of a tensor's ``torch.save`` archive before and after its storage record ``data/0``.
@@ -1002,22 +1017,14 @@ def _archive_members(dtype: DType, sizes: tuple[int, ...], serialization_id: byt
     return before, [("archive/version", b"3\n"), ("archive/.data/serialization_id", serialization_id)]
 
 
-def _write_archive_zipfile(
-    f: BinaryIO,
-    members: _Members,
-    nbytes: int,
-    segments: list[tuple[int, int, int]],
-    buf: memoryview,
-    sink: Callable[[memoryview], object] | None,
-    behind: bool,
-) -> int:
+def _write_archive_zipfile(f: BinaryIO, members: _Members, nbytes: int, source: _RecordSource) -> int:
     """:func:`write_tensor_archive` through :mod:`zipfile` (the record streamed by :func:`_stream_record`); its CRC-32."""
     window = _ArchiveWindow(f)
     with zipfile.ZipFile(window, "w", zipfile.ZIP_STORED, allowZip64=True) as zf:
         for name, data in members[0]:
             zf.writestr(_aligned_info(zf, name, len(data)), data)
         info = _aligned_info(zf, "archive/data/0", nbytes)
-        _stream_record(zf, window, f, info, segments, buf, sink, behind)
+        _stream_record(zf, window, f, info, source)
         for name, data in members[1]:
             zf.writestr(_aligned_info(zf, name, len(data)), data)
     return int(info.CRC)
@@ -1053,15 +1060,7 @@ def _central_record(name: bytes, extra: bytes, crc: int, size: int, offset: int)
     return fixed + name + extra
 
 
-def _write_archive_direct(
-    f: BinaryIO,
-    members: _Members,
-    nbytes: int,
-    segments: list[tuple[int, int, int]],
-    buf: memoryview,
-    sink: Callable[[memoryview], object] | None,
-    behind: bool,
-) -> int:
+def _write_archive_direct(f: BinaryIO, members: _Members, nbytes: int, source: _RecordSource) -> int:
     """:func:`write_tensor_archive` of a record below :data:`_DIRECT_LIMIT`, the bytes :func:`_write_archive_zipfile`
     writes: the members before the record and its local header in one write, the record copied by
     :func:`_copy_record` (its CRC-32 folded in as it is written), its header's CRC-32 written in place, then the
@@ -1087,21 +1086,7 @@ def _write_archive_direct(
     head += _local_header(raw, extra, 0, nbytes)  # its CRC-32 once the record is copied
     base = f.tell()
     f.write(head)
-    f.flush()
-    try:
-        fd: int | None = f.fileno()
-    except (OSError, io.UnsupportedOperation):  # an in-memory file: plain writes at the same places
-        fd = None
-    try:
-        crc = _copy_record(f, fd, base + len(head), segments, buf, sink, behind)
-    except ShortReadError as e:
-        raise OSError(f"short read at offset {e.offset}") from None
-    header = _local_header(raw, extra, crc, nbytes)
-    if fd is None:
-        f.seek(base + record_at)
-        f.write(header)
-    else:
-        write_all(fd, header, base + record_at)
+    crc = _record_at(f, base + record_at, base + len(head), lambda c: _local_header(raw, extra, c, nbytes), source)
     central += _central_record(raw, extra, crc, nbytes, record_at)
     tail = bytearray()
     at = len(head) + nbytes
@@ -1109,7 +1094,6 @@ def _write_archive_direct(
         add(tail, name, data, at + len(tail))
     count = len(members[0]) + 1 + len(members[1])
     end = struct.pack("<4s4H2LH", b"PK\005\006", 0, 0, count, count, len(central), at + len(tail), 0)
-    f.seek(base + at)
     f.write(bytes(tail + central) + end)
     f.flush()  # as ZipFile.close: the next archive's record is written by position
     return crc

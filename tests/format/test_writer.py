@@ -254,7 +254,7 @@ def test_direct_archives_are_the_bytes_zipfile_writes(tmp_path: Path, into: str,
     """The archive assembled directly (one write before the storage record, one after) is byte for byte the one
     Python's ``zipfile`` writes for the same members (the writer for records that need zip64), whatever the
     archive's place in the file (its padding), and ``torch.load`` reads it."""
-    from ckpttool.format.writer import _archive_members, _write_archive_direct, _write_archive_zipfile
+    from ckpttool.format.writer import _archive_members, _RecordSource, _write_archive_direct, _write_archive_zipfile
 
     dt = DType(dtype)
     n = math.prod(sizes) * dt.itemsize
@@ -269,12 +269,12 @@ def test_direct_archives_are_the_bytes_zipfile_writes(tmp_path: Path, into: str,
             if into == "file":
                 with open(tmp_path / "out", "wb") as f:
                     f.write(b"x" * 13)  # an archive after another one: not at offset 0
-                    crc = write(f, members, n, segments, memoryview(bytearray(64)), None, False)
+                    crc = write(f, members, n, _RecordSource(segments, memoryview(bytearray(64)), None, False))
                 data = (tmp_path / "out").read_bytes()[13:]
             else:
                 out = io.BytesIO(b"x" * 13)
                 out.seek(13)
-                crc = write(out, members, n, segments, memoryview(bytearray(64)), None, False)
+                crc = write(out, members, n, _RecordSource(segments, memoryview(bytearray(64)), None, False))
                 data = out.getvalue()[13:]
             got.append((crc, data))
     finally:
