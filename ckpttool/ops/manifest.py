@@ -1769,7 +1769,8 @@ def _grown_data_files(reader: CheckpointReader, manifest: Manifest) -> list[Mani
     now = {f["file"]: f["size"] for f in _data_file_sizes_of(reader, (f["file"] for f in manifest.data_files))}
     ends: dict[str, int] = {}
     for e in manifest.entries:
-        ends[e.file] = max(ends.get(e.file, 0), e.offset + e.length)
+        if e.covers != "value":  # a value read from the file (a per-rank save's JSON item) has no window in it
+            ends[e.file] = max(ends.get(e.file, 0), e.offset + e.length)
     shrunk = [
         ManifestProblem(
             "changed",
@@ -1779,7 +1780,7 @@ def _grown_data_files(reader: CheckpointReader, manifest: Manifest) -> list[Mani
             f"file has {size:,} bytes, the manifest recorded {f['size']:,}); every entry's window is still in it",
         )
         for f in manifest.data_files
-        if (size := now.get(f["file"])) is not None and ends.get(f["file"], 0) <= size < f["size"]
+        if f["file"] in ends and (size := now.get(f["file"])) is not None and ends[f["file"]] <= size < f["size"]
     ]
     return _grown_sizes(manifest.data_files, now) + shrunk
 
