@@ -144,8 +144,12 @@ def _first_step_only(ctx: Context) -> bool:
     """Every saved ``step`` is 1 or less: the checkpoint of the first optimizer step, which may have run at ``lr`` 0
     (a linear warmup from 0, transformers' ``get_linear_schedule_with_warmup``): the weights are still their
     initialisation's, copies where it made copies, while their moments hold each one's own gradient."""
-    steps = step_values(ctx)
-    return bool(steps) and max(steps.values()) <= 1
+
+    def first() -> bool:
+        steps = step_values(ctx)
+        return bool(steps) and max(steps.values()) <= 1
+
+    return bool(ctx.once("content.first_step_only", first))  # asked per expert tensor and layer: read once
 
 
 def _one_step_moments(
@@ -200,14 +204,20 @@ def _true_expert(ctx: Context, key: str, experts: int) -> Callable[[int], int]:
 
 
 def _moment_keys(ctx: Context) -> dict[str, list[str]]:
-    """Model key of a parameter -> the keys of its ``exp_avg`` and ``exp_avg_sq`` (both saved)."""
-    out: dict[str, list[str]] = {}
-    for fqn, ps in ctx.cat.optimizer_state.items():
-        fields = [ps.fields.get(m) for m in MOMENTS]
-        param = ctx.cat.model_entry(fqn)
-        if param is not None and all(isinstance(f, TensorEntry) for f in fields):
-            out[param.key] = [f.key for f in fields if isinstance(f, TensorEntry)]
-    return out
+    """Model key of a parameter -> the keys of its ``exp_avg`` and ``exp_avg_sq`` (both saved); built once per
+    validation (four rules ask)."""
+
+    def build() -> dict[str, list[str]]:
+        out: dict[str, list[str]] = {}
+        for fqn, ps in ctx.cat.optimizer_state.items():
+            fields = [ps.fields.get(m) for m in MOMENTS]
+            param = ctx.cat.model_entry(fqn)
+            if param is not None and all(isinstance(f, TensorEntry) for f in fields):
+                out[param.key] = [f.key for f in fields if isinstance(f, TensorEntry)]
+        return out
+
+    got: dict[str, list[str]] = ctx.once("content.moment_keys", build)
+    return got
 
 
 def _zero_slice(ctx: Context, key: str, start: int, length: int) -> bool:
