@@ -1071,8 +1071,8 @@ def _saved_moment_flags(p: ParamPlan, r: ParamResult, t: dict[str, Any]) -> None
     """Set what the loaded moments show before the step (the notes and problems of :func:`_zero_state_notes` and
     :func:`_reset_step_problems`): zero moments, non-zero moments at step 0."""
     step_before = r.step_before
-    r.moments_zero = step_before >= 2 and all(f in t and not bool(t[f].any()) for f in MOMENTS)
-    zero = [not bool(t[f].any()) if f in t else None for f in MOMENTS]
+    zero = [not bool(t[f].any()) if f in t else None for f in MOMENTS]  # each moment read once
+    r.moments_zero = step_before >= 2 and all(z is True for z in zero)
     r.exp_avg_zero = exp_avg_lost(step_before, p.hyper.beta1, *zero)
     if step_before == 0 and not p.fresh:
         r.moments_at_step0 = tuple(f for f, z in zip(MOMENTS, zero, strict=True) if z is False)
